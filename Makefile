@@ -1,0 +1,42 @@
+# paperline: `make run` (install, start the local stack, run the demo) and `make test`.
+PYTHON ?= python3
+VENV   ?= .venv
+BIN    := $(VENV)/bin
+STAMP  := $(VENV)/.installed
+PIP    := $(BIN)/python -m pip --disable-pip-version-check
+
+.PHONY: install install-gpu run test up down status clean
+
+# The venv is rebuilt when the project's pins change.
+$(STAMP): pyproject.toml constraints.txt
+	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	$(PIP) install -q --upgrade pip
+	$(PIP) install -q -c constraints.txt torch==2.13.0
+	$(PIP) install -q -c constraints.txt -e '.[test]'
+	touch $(STAMP)
+
+install: $(STAMP)
+
+# GPU extra: dask-cuda, cudf and cupy pin dask and pandas, so they go in together in one command.
+install-gpu: $(STAMP)
+	$(PIP) install -q -c constraints-gpu.txt -e '.[test,gpu]'
+
+run: $(STAMP)
+	$(BIN)/paperline up
+	$(BIN)/paperline demo
+
+test: $(STAMP)
+	$(BIN)/python -m pytest -m "not gpu" $(PYTEST_ARGS)
+
+up: $(STAMP)
+	$(BIN)/paperline up
+
+down:
+	@if [ -x $(BIN)/paperline ]; then $(BIN)/paperline down; fi
+
+status: $(STAMP)
+	$(BIN)/paperline status
+
+clean: down
+	rm -rf $(VENV) build *.egg-info .pytest_cache
+	find . -name __pycache__ -type d -prune -exec rm -rf {} +

@@ -1,0 +1,80 @@
+"""Settings: the one place paperline reads its environment.
+
+Every endpoint, credential and knob comes from :class:`Settings` (environment variables with the
+``PAPERLINE_`` prefix, or a ``.env`` file). Leave the endpoints unset to use the embedded local stack
+that ``paperline up`` starts; set them to use real S3, a remote Prefect API, a remote MLflow and an
+existing Dask scheduler, and nothing is started.
+"""
+
+from __future__ import annotations
+
+from functools import lru_cache
+from pathlib import Path
+from typing import Literal
+
+from pydantic import Field, SecretStr, field_validator
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+
+class Settings(BaseSettings):
+    """paperline configuration (``PAPERLINE_*`` environment variables).
+
+    Attributes:
+        state_dir: Directory holding the local stack's data, logs, PIDs and generated credentials.
+        host: Interface the local servers bind to. Loopback unless you mean to expose them.
+        s3_endpoint_url: S3 endpoint. Unset: the local SeaweedFS server.
+        s3_access_key_id / s3_secret_access_key: S3 credentials. Unset with a local stack: the
+            credentials generated once into ``state_dir``. Never logged or sent to MLflow.
+        s3_region: Region used for request signing.
+        results_bucket: Bucket of Prefect's persisted task results (the cache).
+        artifacts_bucket: Bucket of MLflow artifacts.
+        data_bucket: Bucket of content-addressed data objects and manifests.
+        prefect_api_url: Prefect API, e.g. ``http://host:4200/api``. Unset: the local server.
+        mlflow_tracking_uri: MLflow tracking server. Unset: the local server.
+        dask_scheduler_address: Existing Dask scheduler (``tcp://host:8786``). Unset: a local cluster.
+        device: ``auto`` (GPU when usable), ``cpu`` or ``cuda``.
+        n_workers: Workers of the local CPU cluster. Unset: one single-threaded worker per core.
+        s3_port / prefect_port / mlflow_port: Preferred local ports; free ones are picked if taken.
+        startup_timeout_s: Seconds to wait for each local server's health check.
+    """
+
+    model_config = SettingsConfigDict(env_prefix="PAPERLINE_", env_file=".env", extra="ignore")
+
+    state_dir: Path = Field(default_factory=lambda: Path.home() / ".paperline")
+    host: str = "127.0.0.1"
+
+    s3_endpoint_url: str | None = None
+    s3_access_key_id: str | None = None
+    s3_secret_access_key: SecretStr | None = None
+    s3_region: str = "us-east-1"
+    results_bucket: str = "paperline-results"
+    artifacts_bucket: str = "paperline-artifacts"
+    data_bucket: str = "paperline-data"
+
+    prefect_api_url: str | None = None
+    mlflow_tracking_uri: str | None = None
+    dask_scheduler_address: str | None = None
+
+    device: Literal["auto", "cpu", "cuda"] = "auto"
+    n_workers: int | None = Field(default=None, ge=1)
+
+    s3_port: int = 8333
+    prefect_port: int = 4200
+    mlflow_port: int = 5000
+    startup_timeout_s: float = Field(default=120.0, gt=0)
+
+    @field_validator("state_dir")
+    @classmethod
+    def _expand(cls, v: Path) -> Path:
+        return Path(v).expanduser().resolve()
+
+    @property
+    def uses_local_stack(self) -> bool:
+        """True when any of S3, Prefect or MLflow is left to the embedded local stack."""
+        return not (self.s3_endpoint_url and self.prefect_api_url and self.mlflow_tracking_uri)
+
+
+@lru_cache(maxsize=1)
+def get_settings() -> Settings:
+    """The process-wide settings, read once. Tests build their own :class:`Settings` instead."""
+    return Settings()
