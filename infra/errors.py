@@ -2,21 +2,19 @@
 
 from __future__ import annotations
 
+from paperline.kernels.errors import InputError as KernelInputError
+
 
 class PaperlineError(Exception):
     """Base of every error paperline raises on purpose; its message is meant for the user."""
 
 
-class InputError(PaperlineError, ValueError):
-    """Bad user input: the message names the argument and the value seen."""
+class InputError(PaperlineError, KernelInputError):
+    """Bad user input: the message names the argument and the value seen.
 
-    def __init__(self, argument: str, value: object, problem: str):
-        self.argument = argument
-        self.value = value
-        shown = repr(value)
-        if len(shown) > 120:
-            shown = shown[:117] + "..."
-        super().__init__(f"{argument}={shown}: {problem}")
+    The same class as the kernels' :class:`paperline.kernels.errors.InputError` (a subclass), so
+    one ``except`` catches bad input wherever it was found.
+    """
 
 
 class ServiceError(PaperlineError):

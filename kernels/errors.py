@@ -1,0 +1,15 @@
+"""The error kernels raise on bad input (kernels import nothing from the rest of paperline)."""
+
+from __future__ import annotations
+
+
+class InputError(ValueError):
+    """Bad input at a public boundary: the message names the argument and the value seen."""
+
+    def __init__(self, argument: str, value: object, problem: str):
+        self.argument = argument
+        self.value = value
+        shown = repr(value)
+        if len(shown) > 120:
+            shown = shown[:117] + "..."
+        super().__init__(f"{argument}={shown}: {problem}")
