@@ -1,0 +1,77 @@
+"""The Dask cluster a flow runs its tasks on.
+
+One function, :func:`task_runner`, picks it: an existing scheduler when an address is configured (that
+is how paperline outgrows one machine: dask-jobqueue, dask-kubernetes, any Dask scheduler), else
+``dask_cuda.LocalCUDACluster`` (one worker per GPU) when a GPU is usable, else a ``LocalCluster`` of
+single-threaded worker processes, one per core. Local clusters bind loopback only.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import TYPE_CHECKING, Any
+
+from paperline.infra.device import resolve_device
+from paperline.infra.settings import Settings
+
+if TYPE_CHECKING:
+    from prefect_dask import DaskTaskRunner
+
+
+def _local_cpu_kwargs(settings: Settings) -> dict[str, Any]:
+    return {
+        "n_workers": settings.n_workers or os.cpu_count() or 1,
+        "threads_per_worker": 1,
+        "processes": True,
+        "host": "127.0.0.1",
+        "dashboard_address": "127.0.0.1:0",
+    }
+
+
+def _local_cuda_kwargs(settings: Settings) -> dict[str, Any]:
+    kwargs: dict[str, Any] = {
+        "threads_per_worker": 1,
+        "host": "127.0.0.1",
+        "dashboard_address": "127.0.0.1:0",
+    }
+    if settings.n_workers:
+        kwargs["n_workers"] = settings.n_workers
+    return kwargs
+
+
+def task_runner(settings: Settings) -> DaskTaskRunner:
+    """The Prefect task runner for a flow run, built from the settings.
+
+    Args:
+        settings: Uses ``dask_scheduler_address``, ``device`` and ``n_workers``.
+
+    Returns:
+        A ``prefect_dask.DaskTaskRunner``; the cluster itself starts when the flow run starts.
+
+    Raises:
+        InputError: ``device`` is ``"cuda"`` but no CUDA device is usable.
+    """
+    from prefect_dask import DaskTaskRunner  # noqa: PLC0415 - keep imports of this module light
+
+    if settings.dask_scheduler_address:
+        return DaskTaskRunner(address=settings.dask_scheduler_address)
+    if resolve_device(settings.device) == "cuda":
+        return DaskTaskRunner(
+            cluster_class="dask_cuda.LocalCUDACluster", cluster_kwargs=_local_cuda_kwargs(settings)
+        )
+    return DaskTaskRunner(cluster_class="distributed.LocalCluster", cluster_kwargs=_local_cpu_kwargs(settings))
+
+
+def describe_cluster(settings: Settings) -> str:
+    """One line saying which cluster :func:`task_runner` will use (for the CLI).
+
+    Raises:
+        InputError: ``device`` is ``"cuda"`` but no CUDA device is usable.
+    """
+    if settings.dask_scheduler_address:
+        return f"existing Dask scheduler at {settings.dask_scheduler_address}"
+    if resolve_device(settings.device) == "cuda":
+        n = f"{settings.n_workers} workers" if settings.n_workers else "one worker per GPU"
+        return f"local CUDA cluster (dask_cuda.LocalCUDACluster, {n}, 127.0.0.1)"
+    n = settings.n_workers or os.cpu_count() or 1
+    return f"local CPU cluster ({n} single-threaded worker processes, 127.0.0.1)"

@@ -1,0 +1,67 @@
+"""Which compute device paperline runs on.
+
+GPU packages (torch, cupy) import fine on machines without a CUDA driver and fail only when used, so
+"installed" is not "usable": :func:`gpu_usable` asks the runtime. Nothing here imports a GPU package at
+module import time.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from paperline.infra.errors import InputError
+
+Device = Literal["cpu", "cuda"]
+
+
+def gpu_usable() -> bool:
+    """Whether a CUDA device is actually usable from this process.
+
+    Tries ``torch.cuda.is_available()`` first, then ``cupy.cuda.runtime.getDeviceCount() > 0``. Missing
+    packages, a missing driver or any runtime error count as "not usable".
+
+    Returns:
+        True only if at least one CUDA device can be used.
+    """
+    try:
+        import torch  # noqa: PLC0415 - GPU packages are imported lazily on purpose
+
+        if torch.cuda.is_available():
+            return True
+    except Exception:  # noqa: BLE001 - any failure means "not usable"
+        pass
+    try:
+        import cupy  # noqa: PLC0415
+
+        return int(cupy.cuda.runtime.getDeviceCount()) > 0
+    except Exception:  # noqa: BLE001
+        return False
+
+
+def resolve_device(setting: str) -> Device:
+    """Turn the ``device`` setting into the device to use.
+
+    Args:
+        setting: ``"auto"`` (CUDA when usable, else CPU), ``"cpu"`` or ``"cuda"``.
+
+    Returns:
+        ``"cpu"`` or ``"cuda"``.
+
+    Raises:
+        InputError: ``setting`` is ``"cuda"`` but no CUDA device is usable, or ``setting`` is not one
+            of the three values.
+    """
+    if setting == "cpu":
+        return "cpu"
+    if setting == "auto":
+        return "cuda" if gpu_usable() else "cpu"
+    if setting == "cuda":
+        if gpu_usable():
+            return "cuda"
+        raise InputError(
+            "device",
+            setting,
+            "no usable CUDA device; use device=auto or device=cpu (PAPERLINE_DEVICE), "
+            "or install the GPU extra (make install-gpu) on a machine with an NVIDIA driver",
+        )
+    raise InputError("device", setting, "must be one of auto, cpu, cuda")
