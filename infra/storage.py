@@ -1,0 +1,449 @@
+"""The S3 object store: content-addressed objects and write-then-commit outputs.
+
+Large data moves between tasks as S3 URIs plus content hashes, never as pickled arrays. Objects written
+with :meth:`ObjectStore.put_bytes` / :meth:`ObjectStore.put_file` live under a key derived from their
+SHA-256, so writing the same bytes twice is a no-op. A multi-object output is written with
+:meth:`ObjectStore.commit`: the parts first, then ``manifest.json`` last as the commit point, so a
+reader that finds the manifest finds every part.
+
+The store works against any S3 endpoint: the local SeaweedFS of ``paperline up`` or real S3.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import tempfile
+import threading
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from paperline.infra.errors import PaperlineError, ServiceError
+
+if TYPE_CHECKING:
+    from paperline.infra.stack import StackInfo
+
+MANIFEST_NAME = "manifest.json"
+_CHUNK = 1 << 20  # bytes read at a time when hashing files
+
+
+class ObjectNotFoundError(PaperlineError, FileNotFoundError):
+    """The S3 object (or committed output) does not exist."""
+
+
+class NotCommittedError(ObjectNotFoundError):
+    """A multi-object output has no manifest: it was never committed, or its writer failed."""
+
+
+@dataclass(frozen=True)
+class ObjectRef:
+    """A stored object: where it is and what it holds.
+
+    Attributes:
+        uri: ``s3://bucket/key``.
+        sha256: Hex SHA-256 of the object's bytes.
+        size_bytes: Size in bytes.
+    """
+
+    uri: str
+    sha256: str
+    size_bytes: int
+
+
+def split_uri(uri: str) -> tuple[str, str]:
+    """Split ``s3://bucket/key`` into ``(bucket, key)``.
+
+    Raises:
+        InputError: ``uri`` is not an ``s3://`` URI with a bucket.
+    """
+    from paperline.infra.errors import InputError  # noqa: PLC0415
+
+    if not uri.startswith("s3://"):
+        raise InputError("uri", uri, "expected s3://bucket/key")
+    bucket, _, key = uri[5:].partition("/")
+    if not bucket:
+        raise InputError("uri", uri, "expected s3://bucket/key")
+    return bucket, key
+
+
+def _sha256_file(path: Path) -> tuple[str, int]:
+    h = hashlib.sha256()
+    size = 0
+    with open(path, "rb") as f:
+        while chunk := f.read(_CHUNK):
+            h.update(chunk)
+            size += len(chunk)
+    return h.hexdigest(), size
+
+
+def _join(prefix: str, name: str) -> str:
+    prefix = prefix.strip("/")
+    return f"{prefix}/{name}" if prefix else name
+
+
+class ObjectStore:
+    """A client of one S3 endpoint.
+
+    Picklable (the boto3 client is created lazily and dropped when pickled), so it can travel to Dask
+    workers. The secret never appears in ``repr``.
+
+    Args:
+        endpoint_url: S3 endpoint, e.g. ``http://127.0.0.1:8333``; None for AWS's default endpoint.
+        access_key_id: Access key; None to use boto3's default credential chain.
+        secret_access_key: Secret key; None to use boto3's default credential chain.
+        region: Region used for request signing.
+    """
+
+    def __init__(
+        self,
+        endpoint_url: str | None,
+        access_key_id: str | None,
+        secret_access_key: str | None,
+        region: str = "us-east-1",
+    ):
+        self.endpoint_url = endpoint_url
+        self.access_key_id = access_key_id
+        self._secret_access_key = secret_access_key
+        self.region = region
+        self._client: Any = None
+        self._lock = threading.Lock()
+
+    @classmethod
+    def from_stack(cls, info: StackInfo) -> ObjectStore:
+        """The store of a running stack (see :func:`paperline.infra.stack.ensure_stack`)."""
+        return cls(info.s3_endpoint_url, info.s3_access_key_id, info.s3_secret_access_key, info.s3_region)
+
+    # -- plumbing -------------------------------------------------------------------------------------
+
+    def __repr__(self) -> str:
+        return f"ObjectStore(endpoint_url={self.endpoint_url!r}, access_key_id={self.access_key_id!r}, region={self.region!r})"
+
+    def __getstate__(self) -> dict[str, Any]:
+        state = self.__dict__.copy()
+        state["_client"] = None
+        state["_lock"] = None
+        return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
+        self._lock = threading.Lock()
+
+    @property
+    def client(self) -> Any:
+        """The boto3 S3 client (created on first use; thread-safe once created)."""
+        if self._client is None:
+            with self._lock:
+                if self._client is None:
+                    import boto3  # noqa: PLC0415
+                    from botocore.config import Config  # noqa: PLC0415
+
+                    session = boto3.session.Session()
+                    self._client = session.client(
+                        "s3",
+                        endpoint_url=self.endpoint_url,
+                        aws_access_key_id=self.access_key_id,
+                        aws_secret_access_key=self._secret_access_key,
+                        region_name=self.region,
+                        config=Config(
+                            signature_version="s3v4",
+                            s3={"addressing_style": "path"},
+                            retries={"max_attempts": 3, "mode": "standard"},
+                            connect_timeout=5,
+                            read_timeout=120,
+                        ),
+                    )
+        return self._client
+
+    def _service_error(self, exc: Exception, what: str) -> ServiceError:
+        return ServiceError("s3", f"{what}: {exc}", url=self.endpoint_url)
+
+    def _call(self, what: str, fn: Any, *args: Any, **kwargs: Any) -> Any:
+        """Call a boto3 method, turning connection and credential failures into ServiceError."""
+        from botocore.exceptions import (  # noqa: PLC0415
+            BotoCoreError,
+            ClientError,
+            NoCredentialsError,
+        )
+
+        try:
+            return fn(*args, **kwargs)
+        except ClientError as exc:
+            code = exc.response.get("Error", {}).get("Code", "")
+            if code in {"SignatureDoesNotMatch", "InvalidAccessKeyId", "AccessDenied", "InvalidToken"}:
+                raise ServiceError("s3", f"{what}: credentials rejected ({code})", url=self.endpoint_url) from exc
+            raise
+        except NoCredentialsError as exc:
+            raise ServiceError("s3", f"{what}: no S3 credentials configured", url=self.endpoint_url) from exc
+        except BotoCoreError as exc:  # connection refused, timeouts, ...
+            raise self._service_error(exc, what) from exc
+
+    @staticmethod
+    def _is_not_found(exc: Exception) -> bool:
+        from botocore.exceptions import ClientError  # noqa: PLC0415
+
+        if not isinstance(exc, ClientError):
+            return False
+        code = str(exc.response.get("Error", {}).get("Code", ""))
+        return code in {"404", "NoSuchKey", "NotFound", "NoSuchBucket"}
+
+    def _head(self, bucket: str, key: str) -> dict[str, Any] | None:
+        from botocore.exceptions import ClientError  # noqa: PLC0415
+
+        try:
+            return self._call(f"head s3://{bucket}/{key}", self.client.head_object, Bucket=bucket, Key=key)
+        except ClientError as exc:
+            if self._is_not_found(exc):
+                return None
+            raise
+
+    # -- buckets --------------------------------------------------------------------------------------
+
+    def ensure_buckets(self, names: list[str] | tuple[str, ...]) -> None:
+        """Create the buckets that do not exist yet (idempotent).
+
+        Raises:
+            InputError: A bucket name is shorter than 3 characters.
+            ServiceError: S3 is unreachable or rejects the credentials.
+        """
+        from botocore.exceptions import ClientError  # noqa: PLC0415
+
+        from paperline.infra.errors import InputError  # noqa: PLC0415
+
+        for name in names:
+            if len(name) < 3:
+                raise InputError("bucket", name, "S3 bucket names have at least 3 characters")
+            try:
+                self._call(f"head bucket {name}", self.client.head_bucket, Bucket=name)
+                continue
+            except ClientError as exc:
+                if not self._is_not_found(exc):
+                    raise
+            kwargs: dict[str, Any] = {"Bucket": name}
+            if self.region and self.region != "us-east-1":
+                kwargs["CreateBucketConfiguration"] = {"LocationConstraint": self.region}
+            try:
+                self._call(f"create bucket {name}", self.client.create_bucket, **kwargs)
+            except ClientError as exc:
+                if exc.response.get("Error", {}).get("Code") not in {"BucketAlreadyOwnedByYou", "BucketAlreadyExists"}:
+                    raise
+
+    # -- objects --------------------------------------------------------------------------------------
+
+    def put_bytes(self, data: bytes, *, bucket: str, prefix: str, suffix: str = "") -> ObjectRef:
+        """Store bytes under the content-addressed key ``{prefix}/{sha256}{suffix}``.
+
+        Idempotent: nothing is uploaded when an object of the same key and size exists.
+
+        Args:
+            data: The object's bytes.
+            bucket: Target bucket.
+            prefix: Key prefix (no leading/trailing slash needed).
+            suffix: Appended to the hash, e.g. ``".parquet"``.
+
+        Returns:
+            The object's reference (URI, SHA-256, size in bytes).
+
+        Raises:
+            ServiceError: S3 is unreachable or rejects the credentials.
+        """
+        sha = hashlib.sha256(data).hexdigest()
+        key = _join(prefix, f"{sha}{suffix}")
+        head = self._head(bucket, key)
+        if head is None or int(head.get("ContentLength", -1)) != len(data):
+            self._call(
+                f"put s3://{bucket}/{key}",
+                self.client.put_object,
+                Bucket=bucket,
+                Key=key,
+                Body=data,
+                Metadata={"sha256": sha},
+            )
+        return ObjectRef(f"s3://{bucket}/{key}", sha, len(data))
+
+    def put_file(self, path: str | os.PathLike[str], *, bucket: str, prefix: str, suffix: str | None = None) -> ObjectRef:
+        """Store a local file under ``{prefix}/{sha256}{suffix}`` (multipart for large files).
+
+        Args:
+            path: Local file.
+            bucket: Target bucket.
+            prefix: Key prefix.
+            suffix: Appended to the hash; None uses the file's extension (e.g. ``".mp4"``).
+
+        Returns:
+            The object's reference.
+
+        Raises:
+            FileNotFoundError: ``path`` does not exist.
+            ServiceError: S3 is unreachable or rejects the credentials.
+        """
+        path = Path(path)
+        sha, size = _sha256_file(path)
+        if suffix is None:
+            suffix = "".join(path.suffixes)
+        key = _join(prefix, f"{sha}{suffix}")
+        head = self._head(bucket, key)
+        if head is None or int(head.get("ContentLength", -1)) != size:
+            self._call(
+                f"upload {path} to s3://{bucket}/{key}",
+                self.client.upload_file,
+                str(path),
+                bucket,
+                key,
+                ExtraArgs={"Metadata": {"sha256": sha}},
+            )
+        return ObjectRef(f"s3://{bucket}/{key}", sha, size)
+
+    def get_bytes(self, uri: str, *, sha256: str | None = None) -> bytes:
+        """Read an object.
+
+        Args:
+            uri: ``s3://bucket/key``.
+            sha256: When given, the bytes are checked against it.
+
+        Returns:
+            The object's bytes.
+
+        Raises:
+            ObjectNotFoundError: No such object.
+            PaperlineError: The bytes do not match ``sha256``.
+            ServiceError: S3 is unreachable or rejects the credentials.
+        """
+        from botocore.exceptions import ClientError  # noqa: PLC0415
+
+        bucket, key = split_uri(uri)
+        try:
+            resp = self._call(f"get {uri}", self.client.get_object, Bucket=bucket, Key=key)
+        except ClientError as exc:
+            if self._is_not_found(exc):
+                raise ObjectNotFoundError(f"{uri}: no such object") from exc
+            raise
+        data = resp["Body"].read()
+        if sha256 is not None and hashlib.sha256(data).hexdigest() != sha256:
+            raise PaperlineError(f"{uri}: content does not match sha256 {sha256}")
+        return data
+
+    def get_file(self, uri: str, path: str | os.PathLike[str]) -> Path:
+        """Download an object to a local file (written atomically: temporary file, then rename).
+
+        Returns:
+            The local path.
+
+        Raises:
+            ObjectNotFoundError: No such object.
+            ServiceError: S3 is unreachable or rejects the credentials.
+        """
+        from botocore.exceptions import ClientError  # noqa: PLC0415
+
+        bucket, key = split_uri(uri)
+        path = Path(path)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".part")
+        os.close(fd)
+        try:
+            self._call(f"download {uri}", self.client.download_file, bucket, key, tmp)
+            os.replace(tmp, path)
+        except ClientError as exc:
+            if self._is_not_found(exc):
+                raise ObjectNotFoundError(f"{uri}: no such object") from exc
+            raise
+        finally:
+            if os.path.exists(tmp):
+                os.unlink(tmp)
+        return path
+
+    def exists(self, uri: str) -> bool:
+        """Whether the object exists.
+
+        Raises:
+            ServiceError: S3 is unreachable or rejects the credentials.
+        """
+        bucket, key = split_uri(uri)
+        return self._head(bucket, key) is not None
+
+    def list(self, uri_prefix: str) -> list[str]:
+        """URIs of all objects whose key starts with the prefix, sorted.
+
+        Args:
+            uri_prefix: ``s3://bucket/some/prefix`` (a plain string prefix, not only a "folder").
+
+        Raises:
+            ServiceError: S3 is unreachable or rejects the credentials.
+        """
+        bucket, prefix = split_uri(uri_prefix)
+        paginator = self.client.get_paginator("list_objects_v2")
+        out: list[str] = []
+
+        def _all() -> None:
+            for page in paginator.paginate(Bucket=bucket, Prefix=prefix):
+                out.extend(f"s3://{bucket}/{obj['Key']}" for obj in page.get("Contents", []))
+
+        self._call(f"list {uri_prefix}", _all)
+        return sorted(out)
+
+    # -- write-then-commit ----------------------------------------------------------------------------
+
+    def commit(self, prefix_uri: str, parts: dict[str, bytes], meta: dict[str, Any] | None = None) -> ObjectRef:
+        """Write a multi-object output that becomes visible only when complete.
+
+        All parts are uploaded first, content-addressed under ``{prefix}/parts/``; then
+        ``{prefix}/manifest.json`` is written last as the commit point. If any part fails, no manifest is
+        written. The manifest is deterministic (sorted JSON), so committing the same output twice is
+        idempotent.
+
+        Args:
+            prefix_uri: ``s3://bucket/prefix`` of the output.
+            parts: Part name -> bytes. A name's extension is kept as the object's suffix.
+            meta: JSON-serialisable metadata stored in the manifest.
+
+        Returns:
+            The manifest's reference.
+
+        Raises:
+            ServiceError: S3 is unreachable or rejects the credentials.
+            TypeError: ``meta`` is not JSON-serialisable.
+        """
+        bucket, prefix = split_uri(prefix_uri.rstrip("/"))
+        meta = dict(meta or {})
+        json.dumps(meta)  # fail before uploading anything
+        entries: dict[str, dict[str, Any]] = {}
+        for name, data in parts.items():
+            suffix = "".join(Path(name).suffixes)
+            ref = self.put_bytes(data, bucket=bucket, prefix=_join(prefix, "parts"), suffix=suffix)
+            entries[name] = {"uri": ref.uri, "sha256": ref.sha256, "size_bytes": ref.size_bytes}
+        manifest = {"version": 1, "prefix": f"s3://{bucket}/{prefix}", "parts": entries, "meta": meta}
+        body = json.dumps(manifest, sort_keys=True, indent=1).encode()
+        key = _join(prefix, MANIFEST_NAME)
+        self._call(
+            f"commit s3://{bucket}/{key}",
+            self.client.put_object,
+            Bucket=bucket,
+            Key=key,
+            Body=body,
+            ContentType="application/json",
+        )
+        return ObjectRef(f"s3://{bucket}/{key}", hashlib.sha256(body).hexdigest(), len(body))
+
+    def is_committed(self, prefix_uri: str) -> bool:
+        """Whether ``{prefix}/manifest.json`` exists.
+
+        Raises:
+            ServiceError: S3 is unreachable or rejects the credentials.
+        """
+        return self.exists(f"{prefix_uri.rstrip('/')}/{MANIFEST_NAME}")
+
+    def read_manifest(self, prefix_uri: str) -> dict[str, Any]:
+        """The manifest of a committed output: ``{"version", "prefix", "parts": {name: {uri, sha256,
+        size_bytes}}, "meta"}``.
+
+        Raises:
+            NotCommittedError: There is no manifest (the output was never committed).
+            ServiceError: S3 is unreachable or rejects the credentials.
+        """
+        uri = f"{prefix_uri.rstrip('/')}/{MANIFEST_NAME}"
+        try:
+            data = self.get_bytes(uri)
+        except ObjectNotFoundError as exc:
+            raise NotCommittedError(f"{prefix_uri}: not committed (no {MANIFEST_NAME})") from exc
+        return json.loads(data)
