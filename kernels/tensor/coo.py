@@ -1,0 +1,194 @@
+"""Sparse temporal tensors in coordinate (COO) form, validated where data enters.
+
+Observed entries are held as coordinates and values and never densified: a tensor of nominal
+shape ``I_1 x ... x I_N`` with ``nnz`` observed entries costs ``O(nnz * N)`` memory. By
+convention the *last* mode is time.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from paperline.kernels.errors import InputError
+
+
+@dataclass(frozen=True, eq=False)
+class COOTensor:
+    """Observed entries of an N-way tensor (N >= 3, last mode is time).
+
+    Attributes:
+        coords: ``nnz x N`` int64 indices of the observed entries.
+        values: ``nnz`` float64 observed values (finite).
+        shape: nominal shape ``(I_1, ..., I_N)``; ``I_N`` is the number of time slices.
+        mode_names: optional names of the modes, e.g. ``("state", "variable", "year")``.
+
+    Raises:
+        InputError: NaN/inf values, no observed entries, N < 3, coordinates out of range, or
+            mismatched lengths. The message names the argument and the value seen.
+    """
+
+    coords: np.ndarray
+    values: np.ndarray
+    shape: tuple[int, ...]
+    mode_names: tuple[str, ...] | None = field(default=None)
+
+    def __post_init__(self) -> None:
+        coords = np.ascontiguousarray(np.asarray(self.coords), dtype=np.int64)
+        values = np.ascontiguousarray(np.asarray(self.values, dtype=np.float64))
+        shape = tuple(int(s) for s in self.shape)
+        if len(shape) < 3:
+            raise InputError("shape", shape, "need a tensor with N >= 3 modes (time last)")
+        if any(s <= 0 for s in shape):
+            raise InputError("shape", shape, "every mode must have at least one index")
+        if values.ndim != 1 or values.size == 0:
+            raise InputError("values", f"array of shape {values.shape}",
+                             "empty tensor: no observed entries")
+        if coords.shape != (values.size, len(shape)):
+            raise InputError("coords", f"array of shape {coords.shape}",
+                             f"expected ({values.size}, {len(shape)}) to match values and shape")
+        bad = ~np.isfinite(values)
+        if bad.any():
+            n_nan = int(np.isnan(values).sum())
+            raise InputError("values", f"{n_nan} NaN and {int(bad.sum()) - n_nan} inf of {values.size}",
+                             "observed values must be finite (mark missing entries in the mask instead)")
+        lo = coords.min(axis=0)
+        hi = coords.max(axis=0)
+        for m, s in enumerate(shape):
+            if lo[m] < 0 or hi[m] >= s:
+                raise InputError(f"coords[:, {m}]", (int(lo[m]), int(hi[m])),
+                                 f"indices must lie in [0, {s}) for mode {m}")
+        if self.mode_names is not None and len(self.mode_names) != len(shape):
+            raise InputError("mode_names", self.mode_names, f"need {len(shape)} names")
+        object.__setattr__(self, "coords", coords)
+        object.__setattr__(self, "values", values)
+        object.__setattr__(self, "shape", shape)
+
+    @property
+    def nnz(self) -> int:
+        """Number of observed entries."""
+        return int(self.values.size)
+
+    @property
+    def ndim(self) -> int:
+        return len(self.shape)
+
+    @classmethod
+    def from_dense(cls, dense: np.ndarray, mask: np.ndarray | None = None,
+                   mode_names: tuple[str, ...] | None = None) -> "COOTensor":
+        """Observed entries of a dense array.
+
+        Args:
+            dense: ``I_1 x ... x I_N`` array; NaN entries count as missing.
+            mask: optional boolean array of the same shape, True where observed.
+
+        Raises:
+            InputError: shape mismatch, no observed entries, or inf among observed values.
+        """
+        dense = np.asarray(dense, dtype=np.float64)
+        observed = ~np.isnan(dense)
+        if mask is not None:
+            mask = np.asarray(mask, dtype=bool)
+            if mask.shape != dense.shape:
+                raise InputError("mask", f"shape {mask.shape}", f"must match tensor shape {dense.shape}")
+            observed &= mask
+        if not observed.any():
+            raise InputError("mask", f"{int(observed.sum())} of {dense.size} observed",
+                             "mask has no observed entries")
+        coords = np.argwhere(observed)
+        return cls(coords, dense[observed], dense.shape, mode_names)
+
+    def subset(self, index: np.ndarray) -> "COOTensor":
+        """The observed entries selected by an integer or boolean index (same nominal shape)."""
+        return COOTensor(self.coords[index], self.values[index], self.shape, self.mode_names)
+
+    def to_dense(self, fill: float = np.nan) -> np.ndarray:
+        """Dense ``I_1 x ... x I_N`` array with ``fill`` where unobserved. Only for small shapes."""
+        out = np.full(self.shape, fill, dtype=np.float64)
+        out[tuple(self.coords.T)] = self.values
+        return out
+
+    def mask(self) -> np.ndarray:
+        """Dense boolean observation mask (True where observed). Only for small shapes."""
+        out = np.zeros(self.shape, dtype=bool)
+        out[tuple(self.coords.T)] = True
+        return out
+
+
+@dataclass(frozen=True, eq=False)
+class Split:
+    """Seeded train/validation/test partition of one tensor's observed entries.
+
+    Attributes:
+        kind: ``"random"`` (held-out entries) or ``"temporal"`` (the last time slices held out).
+        train, validation, test: disjoint subsets with the tensor's nominal shape.
+    """
+
+    kind: str
+    train: COOTensor
+    validation: COOTensor
+    test: COOTensor
+
+
+def random_split(tensor: COOTensor, *, validation_fraction: float = 0.1, test_fraction: float = 0.1,
+                 seed: int = 0) -> Split:
+    """Hold out random observed entries for validation and test.
+
+    Raises:
+        InputError: fractions outside (0, 1) or summing to >= 1, or too few entries.
+    """
+    for name, f in (("validation_fraction", validation_fraction), ("test_fraction", test_fraction)):
+        if not 0.0 < f < 1.0:
+            raise InputError(name, f, "must lie in (0, 1)")
+    if validation_fraction + test_fraction >= 1.0:
+        raise InputError("validation_fraction + test_fraction", validation_fraction + test_fraction,
+                         "must be < 1 so that entries remain for training")
+    n = tensor.nnz
+    n_val = int(round(validation_fraction * n))
+    n_test = int(round(test_fraction * n))
+    if min(n_val, n_test, n - n_val - n_test) < 1:
+        raise InputError("tensor.nnz", n, "too few observed entries to split")
+    perm = np.random.default_rng(seed).permutation(n)
+    return Split("random", tensor.subset(np.sort(perm[n_val + n_test:])),
+                 tensor.subset(np.sort(perm[:n_val])), tensor.subset(np.sort(perm[n_val:n_val + n_test])))
+
+
+def temporal_split(tensor: COOTensor, *, horizon: int | None = None) -> Split:
+    """Temporal extrapolation: train on early slices, validate and test on the last ones.
+
+    The last ``horizon`` time slices are the test set, the ``horizon`` slices before them the
+    validation set, everything earlier is training.
+
+    Args:
+        horizon: number of time slices in each held-out set; default ``max(1, I_N // 10)``.
+
+    Raises:
+        InputError: a horizon that leaves fewer than 2 training slices.
+    """
+    n_t = tensor.shape[-1]
+    h = max(1, n_t // 10) if horizon is None else int(horizon)
+    if h < 1 or n_t - 2 * h < 2:
+        raise InputError("horizon", h, f"leaves fewer than 2 training time slices of {n_t}")
+    t = tensor.coords[:, -1]
+    train, val, test = t < n_t - 2 * h, (t >= n_t - 2 * h) & (t < n_t - h), t >= n_t - h
+    for name, sel in (("train", train), ("validation", val), ("test", test)):
+        if not sel.any():
+            raise InputError("horizon", h, f"the {name} slices hold no observed entries")
+    return Split("temporal", tensor.subset(train), tensor.subset(val), tensor.subset(test))
+
+
+SPLITS = {"random": random_split, "temporal": temporal_split}
+
+
+def make_split(tensor: COOTensor, kind: str, *, seed: int = 0) -> Split:
+    """Dispatch to :func:`random_split` or :func:`temporal_split` by name.
+
+    Raises:
+        InputError: unknown split kind.
+    """
+    if kind == "random":
+        return random_split(tensor, seed=seed)
+    if kind == "temporal":
+        return temporal_split(tensor)
+    raise InputError("split", kind, f"unknown split kind; choose one of {sorted(SPLITS)}")

@@ -1,0 +1,376 @@
+"""P²T²F: parallel PTTF by data splitting and stochastic consensus ADMM ([Li2017p2t2f]_).
+
+Split (Sec. 3.1). The observed entries are partitioned along the first mode into ``P``
+sub-tensors ``Y^p`` holding disjoint blocks of first-mode indices. The first-mode factor rows
+``U_p`` are then *private* to sub-problem ``p``, while the other modes' factors (including the
+time factors ``T``) are shared: each sub-problem keeps local copies ``W^p = (A_2^p .. A_N^p)``
+constrained to agree with a global consensus ``Z``. Given ``Z`` the sub-problems are independent.
+
+Consensus ADMM (Sec. 3.2), scaled form with per-row penalties ``rho n_i^p`` (``n_i^p`` is the
+number of entries of sub-problem p touching row i, so a penalty matches that row's data weight)::
+
+    (U_p, W^p) <- argmin f_p(U_p, W^p) + sum_i rho n_i^p / 2 ||W^p_i - Z_i + Lambda^p_i||^2      (5)
+    Z          <- argmin g(Z) + sum_p sum_i rho n_i^p / 2 ||W^p_i - Z_i + Lambda^p_i||^2        (6)
+    Lambda^p   <- Lambda^p + W^p - Z                                                             (7)
+
+where ``f_p`` is the data term of Eq. (4) on ``Y^p`` plus the prior on ``U_p``, and ``g`` holds
+the priors on the shared factors (Gaussian, and the temporal smoothness (3) on ``T``). Step (6)
+is closed form: a weighted average per row for the non-time modes, and one tridiagonal ``K x K``
+solve (all R columns at once) for the time factors.
+
+Stochastic step (Sec. 3.3). (5) is solved inexactly by one pass of linearized stochastic ADMM
+updates over shuffled mini-batches of ``Y^p`` (Ouyang et al. 2013): for each row touched by the
+batch, with ``g_i`` the mean data gradient over the batch entries of row i and
+``kappa_i`` their mean ``||h||^2`` (a per-row curvature scale that makes ``lr`` unit-free)::
+
+    W_i <- (kappa_i/lr W_i - g_i + rho (Z_i - Lambda_i)) / (kappa_i/lr + rho)                   (8)
+    U_i <- (kappa_i/lr U_i - g_i) / (kappa_i/lr + lam / n_i)                                     (9)
+
+Sub-problems run through an *executor* (serial here; Dask tasks on the cluster's workers in
+``paperline.tasks``), so this module stays free of any runtime.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+import numpy as np
+import scipy.linalg
+
+from paperline.kernels.errors import InputError
+from paperline.kernels.tensor.coo import COOTensor
+from paperline.kernels.tensor.pttf import (
+    CPFactors,
+    EpochCallback,
+    balance_scales,
+    FitHistory,
+    FitResult,
+    init_factors,
+    objective,
+    rmse,
+    validate_hyperparameters,
+)
+
+
+@dataclass(frozen=True, eq=False)
+class SubTensor:
+    """Sub-problem ``p`` of the split: a block of first-mode rows and their observed entries.
+
+    Attributes:
+        index: which sub-problem (0..P-1).
+        rows: ``I_p`` int64 global first-mode indices owned by this block.
+        coords: ``nnz_p x N`` int64 coordinates with the first mode re-indexed into ``rows``.
+        values: ``nnz_p`` float64.
+        row_counts: list of N int64 arrays; ``row_counts[m][i]`` = entries touching row i of
+            mode m (mode 0 local rows, other modes global rows).
+    """
+
+    index: int
+    rows: np.ndarray
+    coords: np.ndarray
+    values: np.ndarray
+    row_counts: list[np.ndarray]
+
+    @property
+    def nnz(self) -> int:
+        return int(self.values.size)
+
+
+@dataclass
+class LocalState:
+    """State of one sub-problem between ADMM rounds (picklable: numpy arrays only).
+
+    Attributes:
+        u: ``I_p x R`` private first-mode factor rows.
+        w: local copies of the shared factors, ``I_m x R`` for m = 1..N-1.
+        dual: scaled duals ``Lambda^p``, same shapes as ``w``.
+        seed: seed of this sub-problem's mini-batch shuffles (combined with the round number).
+    """
+
+    u: np.ndarray
+    w: list[np.ndarray]
+    dual: list[np.ndarray]
+    seed: int
+
+
+@dataclass(frozen=True)
+class LocalResult:
+    """What a sub-problem returns after one round: its new state and the training loss seen."""
+
+    state: LocalState
+    sum_squared_error: float
+    n_entries: int
+    seconds: float
+
+
+class Executor(Protocol):
+    """Runs the sub-problems of every round. ``place`` once, then ``map`` every round.
+
+    ``place(items)`` returns handles (e.g. Dask futures pinned to workers) to the sub-tensors;
+    ``map(fn, handles, args)`` calls ``fn(handle_i, *args_i)`` for every i and returns results in
+    order. Implementations must run the calls in parallel to obtain the P²T²F speed-up.
+    """
+
+    def place(self, items: Sequence[Any]) -> list[Any]: ...
+
+    def map(self, fn: Callable[..., Any], handles: Sequence[Any], args: Sequence[tuple]) -> list[Any]: ...
+
+
+class SerialExecutor:
+    """Runs the sub-problems one after another in this process (the reference; tests)."""
+
+    def place(self, items: Sequence[Any]) -> list[Any]:
+        return list(items)
+
+    def map(self, fn, handles, args):
+        return [fn(h, *a) for h, a in zip(handles, args)]
+
+
+def split_tensor(tensor: COOTensor, n_parts: int) -> list[SubTensor]:
+    """Partition the observed entries into ``P`` sub-tensors of contiguous first-mode row blocks,
+    balanced by entry count (Sec. 3.1).
+
+    Raises:
+        InputError: ``n_parts < 1`` or larger than the number of slices along the first mode.
+    """
+    n0 = tensor.shape[0]
+    if not isinstance(n_parts, (int, np.integer)) or n_parts < 1:
+        raise InputError("P", n_parts, "the number of sub-tensors must be a positive integer")
+    if n_parts > n0:
+        raise InputError("P", n_parts, f"larger than the number of slices along the first mode ({n0})")
+    per_row = np.bincount(tensor.coords[:, 0], minlength=n0)
+    cum = np.cumsum(per_row)
+    targets = cum[-1] * np.arange(1, n_parts) / n_parts
+    cuts = np.searchsorted(cum, targets, side="left") + 1
+    cuts = np.clip(cuts, np.arange(1, n_parts), n0 - n_parts + np.arange(1, n_parts))
+    cuts = np.maximum.accumulate(np.concatenate([[0], cuts, [n0]]))
+    for p in range(1, n_parts + 1):  # strictly increasing: every block owns >= 1 row
+        cuts[p] = max(cuts[p], cuts[p - 1] + 1)
+    cuts[-1] = n0
+    owner = np.searchsorted(cuts[1:], np.arange(n0), side="right")
+    entry_owner = owner[tensor.coords[:, 0]]
+    parts = []
+    for p in range(n_parts):
+        rows = np.arange(cuts[p], cuts[p + 1], dtype=np.int64)
+        sel = np.flatnonzero(entry_owner == p)
+        coords = tensor.coords[sel].copy()
+        coords[:, 0] -= cuts[p]
+        counts = [np.bincount(coords[:, 0], minlength=rows.size)]
+        counts += [np.bincount(coords[:, m], minlength=tensor.shape[m]) for m in range(1, tensor.ndim)]
+        parts.append(SubTensor(p, rows, coords, tensor.values[sel].copy(), counts))
+    return parts
+
+
+def local_update(sub: SubTensor, state: LocalState, consensus: list[np.ndarray], round_: int,
+                 lr: float, rho: float, lam: float, batch_size: int, warmup_rounds: int = 1) -> LocalResult:
+    """Step (5) for one sub-problem: one shuffled pass of linearized stochastic updates (8)-(9).
+
+    Args:
+        sub: this sub-problem's entries.
+        state: its state after the previous round (not modified).
+        consensus: ``Z``, the shared factors ``I_m x R`` for m = 1..N-1.
+        round_: ADMM round number (seeds the shuffle together with ``state.seed``).
+        lr: step size (unit-free, ~0.1-1).
+        rho: consensus penalty per entry.
+        lam: prior precision on the private rows.
+        batch_size: entries per mini-batch.
+        warmup_rounds: in rounds ``<= warmup_rounds`` only the private rows ``U_p`` move.
+
+    Returns:
+        :class:`LocalResult`; ``sum_squared_error`` is accumulated over the pass's batches, before
+        each batch's update.
+    """
+    start = time.perf_counter()
+    n_modes = sub.coords.shape[1]
+    factors = [state.u.copy()] + [w.copy() for w in state.w]
+    target = [None] + [z - d for z, d in zip(consensus, state.dual)]  # Z - Lambda
+    # Rows this sub-problem has no data for follow the consensus exactly.
+    for m in range(1, n_modes):
+        absent = sub.row_counts[m] == 0
+        factors[m][absent] = consensus[m - 1][absent]
+    u_reg = lam / np.maximum(sub.row_counts[0], 1)
+    order = np.random.default_rng([state.seed, round_]).permutation(sub.nnz)
+    sse = 0.0
+    for lo in range(0, sub.nnz, batch_size):
+        idx = order[lo:lo + batch_size]
+        coords = sub.coords[idx]
+        rows = [factors[m][coords[:, m]] for m in range(n_modes)]
+        prod = rows[0] * rows[1]
+        for m in range(2, n_modes):
+            prod *= rows[m]
+        resid = prod.sum(axis=1) - sub.values[idx]
+        sse += float(resid @ resid)
+        updates = []
+        for m in range(n_modes if round_ > warmup_rounds else 1):  # Jacobi: all modes' gradients at the same point
+            h = None
+            for m2 in range(n_modes):
+                if m2 != m:
+                    h = rows[m2].copy() if h is None else h * rows[m2]
+            ix = coords[:, m]
+            n_rows = factors[m].shape[0]
+            count = np.bincount(ix, minlength=n_rows)
+            touched = count > 0
+            c = count[touched][:, None]
+            grad = np.stack([np.bincount(ix, weights=resid * h[:, r], minlength=n_rows)[touched]
+                             for r in range(h.shape[1])], axis=1) / c
+            kappa = np.bincount(ix, weights=np.einsum("br,br->b", h, h), minlength=n_rows)[touched][:, None] / c
+            step = kappa / lr + 1e-12
+            old = factors[m][touched]
+            if m == 0:
+                new = (step * old - grad) / (step + u_reg[touched][:, None])           # (9)
+            else:
+                new = (step * old - grad + rho * target[m][touched]) / (step + rho)   # (8)
+            updates.append((touched, new))
+        for m, (touched, new) in enumerate(updates):
+            factors[m][touched] = new
+    new_state = LocalState(factors[0], factors[1:], state.dual, state.seed)
+    return LocalResult(new_state, sse, sub.nnz, time.perf_counter() - start)
+
+
+def consensus_update(locals_: Sequence[LocalState], weights: Sequence[list[np.ndarray]],
+                     lam: float, lam_t: float, rho: float) -> list[np.ndarray]:
+    """Step (6): the consensus ``Z`` minimizing the shared priors plus the weighted penalties.
+
+    Args:
+        locals_: the P local states (their ``w`` and ``dual``).
+        weights: per sub-problem, the row counts ``n_i^p`` of modes 1..N-1.
+        lam, lam_t, rho: as in Eq. (4)-(6).
+
+    Returns:
+        Z: shared factors ``I_m x R`` for m = 1..N-1; the last one is the time factors.
+    """
+    n_shared = len(locals_[0].w)
+    out = []
+    for j in range(n_shared):
+        wsum = sum(rho * w[j][:, None] * (s.w[j] + s.dual[j]) for s, w in zip(locals_, weights))
+        wtot = sum(rho * w[j] for w in weights)[:, None]
+        if j < n_shared - 1:
+            out.append(wsum / (wtot + lam))
+        else:
+            out.append(_solve_time_consensus(wsum, wtot[:, 0], lam, lam_t))
+    return out
+
+
+def _solve_time_consensus(rhs: np.ndarray, diag_weight: np.ndarray, lam: float, lam_t: float) -> np.ndarray:
+    """Solve ``(lam_t D^T D + lam e_1 e_1^T + diag(w)) T = rhs`` (tridiagonal, ``K x K``)."""
+    k = rhs.shape[0]
+    main = diag_weight.astype(np.float64).copy()
+    if k > 1:
+        main[1:] += lam_t
+        main[:-1] += lam_t
+    main[0] += lam
+    ab = np.zeros((3, k))
+    ab[0, 1:] = -lam_t
+    ab[1] = main
+    ab[2, :-1] = -lam_t
+    return scipy.linalg.solve_banded((1, 1), ab, rhs)
+
+
+@dataclass
+class ADMMState:
+    """Everything P²T²F needs to resume: consensus, local states and the round counter."""
+
+    consensus: list[np.ndarray]
+    locals: list[LocalState]
+    round: int = 0
+
+
+def p2t2f(tensor: COOTensor, rank: int, *, n_parts: int = 2, lam: float = 1.0, lam_t: float = 10.0,
+          rho: float = 0.2, lr: float = 0.5, lr_decay: float = 0.03, rho_growth: float = 1.05, rho_max: float = 100.0,
+          n_epochs: int = 30, batch_size: int = 512, seed: int = 0,
+          validation: COOTensor | None = None, executor: Executor | None = None,
+          callback: EpochCallback | None = None) -> FitResult:
+    """Fit PTTF (Eq. 4) with P²T²F: data split plus stochastic consensus ADMM (steps 5-8).
+
+    One epoch is one ADMM round: every sub-problem makes one mini-batch pass over its entries
+    (in parallel through ``executor``), then the consensus and duals are updated. In the first
+    round only the private rows ``U_p`` move (a warm-up fitting them to the common initial ``Z``),
+    which keeps the sub-problems from drifting into different symmetric solutions before the
+    first consensus.
+
+    Args:
+        tensor: training entries (COO), time last, N >= 3.
+        rank: CP rank R (> 0).
+        n_parts: P, the number of sub-tensors (1 <= P <= I_1).
+        lam, lam_t: prior precisions of Eq. (4).
+        rho: initial consensus penalty per entry (> 0).
+        lr: unit-free step size of (8)-(9) (> 0); round t uses ``lr / (1 + lr_decay (t - 1))``, the
+            decaying steps stochastic ADMM needs to converge rather than hover.
+        rho_growth, rho_max: round t uses ``min(rho rho_growth^(t-1), rho_max)``; an increasing
+            penalty (with the scaled duals rescaled) tightens consensus as the fit settles.
+        n_epochs: ADMM rounds.
+        batch_size: entries per mini-batch.
+        seed: seeds the initial factors and each sub-problem's shuffles.
+        validation: optional held-out entries for ``validation_rmse``.
+        executor: runs the sub-problems; default :class:`SerialExecutor`.
+        callback: called after every epoch with that epoch's history row.
+
+    Returns:
+        :class:`FitResult`: factors ``(U, Z_2, ..., Z_N)`` and the per-epoch history with
+        objective (Eq. 4 at the consensus), primal residual ``sqrt(sum_p ||W^p - Z||^2)`` and dual
+        residual ``rho sqrt(sum_p ||Z - Z_prev||^2)`` (Boyd et al. 2011, Sec. 3.3).
+
+    Raises:
+        InputError: bad hyperparameters or P larger than the first mode.
+    """
+    validate_hyperparameters(rank=rank, lam=lam, lam_t=lam_t, n_epochs=n_epochs)
+    for name, v in (("rho", rho), ("lr", lr)):
+        if not np.isfinite(v) or v <= 0:
+            raise InputError(name, v, "must be a finite number > 0")
+    if not isinstance(batch_size, (int, np.integer)) or batch_size < 1:
+        raise InputError("batch_size", batch_size, "must be a positive integer")
+    parts = split_tensor(tensor, n_parts)
+    executor = executor or SerialExecutor()
+    init = init_factors(tensor.shape, rank, seed)
+    consensus = [f.copy() for f in init[1:]]
+    states = [LocalState(init[0][sub.rows].copy(), [f.copy() for f in consensus],
+                         [np.zeros_like(f) for f in consensus], seed * 1_000_003 + p)
+              for p, sub in enumerate(parts)]
+    weights = [sub.row_counts[1:] for sub in parts]
+    handles = executor.place(parts)
+    history = FitHistory()
+    start = time.perf_counter()
+    u = init[0].copy()
+    rho_t = rho
+    for epoch in range(1, n_epochs + 1):
+        if epoch > 1 and rho_growth != 1.0 and rho_t < rho_max:
+            new_rho = min(rho_t * rho_growth, rho_max)
+            for s in states:  # scaled duals are y / rho: rescale when rho changes
+                s.dual = [d * (rho_t / new_rho) for d in s.dual]
+            rho_t = new_rho
+        results: list[LocalResult] = executor.map(
+            local_update, handles,
+            [(s, consensus, epoch, lr / (1.0 + lr_decay * (epoch - 1)), rho_t, lam, batch_size) for s in states])
+        states = [r.state for r in results]
+        previous = consensus
+        consensus = consensus_update(states, weights, lam, lam_t, rho_t)
+        primal_sq = 0.0
+        for s in states:
+            for j, z in enumerate(consensus):
+                diff = s.w[j] - z
+                s.dual[j] = s.dual[j] + diff                                             # (7)
+                primal_sq += float(np.sum(diff**2))
+        # Scale balancing (see pttf.balance_scales) applied to U, Z, W^p and Lambda^p alike: the
+        # data terms and the consensus constraints are invariant, the priors cannot increase.
+        for s, sub in zip(states, parts):
+            u[sub.rows] = s.u
+        scales = balance_scales([u] + consensus, lam, lam_t)
+        for s in states:
+            s.u = s.u * scales[0]
+            s.w = [w * c for w, c in zip(s.w, scales[1:])]
+            s.dual = [d * c for d, c in zip(s.dual, scales[1:])]
+        dual_sq = len(states) * sum(float(np.sum((z - zp) ** 2)) for z, zp in zip(consensus, previous))
+        factors = [u] + consensus
+        n_seen = sum(r.n_entries for r in results)
+        row = dict(epoch=epoch, objective=objective(factors, tensor, lam, lam_t),
+                   train_rmse=float(np.sqrt(sum(r.sum_squared_error for r in results) / n_seen)),
+                   validation_rmse=rmse(factors, validation) if validation is not None else float("nan"),
+                   primal_residual=float(np.sqrt(primal_sq)), dual_residual=rho * float(np.sqrt(dual_sq)),
+                   wall_seconds=time.perf_counter() - start)
+        history.append(**row)
+        if callback is not None:
+            callback(row)
+    return FitResult(CPFactors([u.copy()] + [z.copy() for z in consensus]), history)

@@ -1,0 +1,316 @@
+"""Probabilistic Temporal Tensor Factorization (PTTF): the model, its MAP objective and a serial
+ALS reference solver.
+
+Model (see [Li2017p2t2f]_, Sec. 2, after Xiong et al.'s BPTF): a rank-``R`` CP factorization of
+an N-way tensor ``Y`` whose last mode is time, with factor matrices ``A_1 .. A_{N-1}`` and time
+factors ``T = A_N`` (``I_N x R``)::
+
+    y_e ~ N(<a_{1,i1}, ..., a_{N-1,i(N-1)}, t_k>, sigma^2)         for observed e = (i1, ..., k)  (1)
+    a_{m,i} ~ N(0, sigma_A^2 I),  t_1 ~ N(0, sigma_A^2 I)                                         (2)
+    t_k ~ N(t_{k-1}, sigma_T^2 I)                                  (temporal smoothness)          (3)
+
+Maximizing the posterior is minimizing the MAP objective, with ``lam = sigma^2 / sigma_A^2`` and
+``lam_t = sigma^2 / sigma_T^2``::
+
+    L(A) = 1/2 sum_{e in Omega} (y_e - yhat_e)^2 + lam/2 sum_{m<N} ||A_m||_F^2
+           + lam/2 ||t_1||^2 + lam_t/2 sum_{k>=2} ||t_k - t_{k-1}||^2                              (4)
+
+Only observed entries ``Omega`` enter (4): the tensor is held in COO form and never densified.
+
+.. [Li2017p2t2f] G. Li, Z. Xu, L. Wang, J. Ye, I. King, M. Lyu. "Simple and Efficient
+   Parallelization for Probabilistic Temporal Tensor Factorization." IJCNN 2017.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import numpy as np
+import scipy.linalg
+import scipy.sparse
+import scipy.sparse.linalg
+
+from paperline.kernels.errors import InputError
+from paperline.kernels.tensor.coo import COOTensor
+
+
+@dataclass
+class CPFactors:
+    """CP factors of an N-way tensor, time last.
+
+    Attributes:
+        factors: list of N float64 arrays; ``factors[m]`` is ``I_m x R``.
+    """
+
+    factors: list[np.ndarray]
+
+    @property
+    def rank(self) -> int:
+        return int(self.factors[0].shape[1])
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return tuple(int(f.shape[0]) for f in self.factors)
+
+    def predict(self, coords: np.ndarray) -> np.ndarray:
+        """Model values ``yhat`` (Eq. 1 mean) at ``nnz x N`` int coordinates -> ``nnz`` float64."""
+        return predict(self.factors, coords)
+
+    def copy(self) -> "CPFactors":
+        return CPFactors([f.copy() for f in self.factors])
+
+
+@dataclass
+class FitHistory:
+    """Per-epoch trace of a fit. Times are wall seconds since the fit started.
+
+    ``primal_residual``/``dual_residual`` are the consensus residuals of P²T²F (NaN for ALS).
+    """
+
+    epoch: list[int] = field(default_factory=list)
+    objective: list[float] = field(default_factory=list)
+    train_rmse: list[float] = field(default_factory=list)
+    validation_rmse: list[float] = field(default_factory=list)
+    primal_residual: list[float] = field(default_factory=list)
+    dual_residual: list[float] = field(default_factory=list)
+    wall_seconds: list[float] = field(default_factory=list)
+
+    def append(self, **row: float) -> None:
+        for k, v in row.items():
+            getattr(self, k).append(v)
+
+    def rows(self) -> list[dict[str, float]]:
+        """The trace as one dict per epoch."""
+        keys = ["epoch", "objective", "train_rmse", "validation_rmse", "primal_residual",
+                "dual_residual", "wall_seconds"]
+        return [dict(zip(keys, vals)) for vals in zip(*(getattr(self, k) for k in keys))]
+
+
+@dataclass
+class FitResult:
+    """A fitted PTTF model and its trace."""
+
+    factors: CPFactors
+    history: FitHistory
+
+
+EpochCallback = Callable[[dict[str, float]], None]
+
+
+def predict(factors: list[np.ndarray], coords: np.ndarray) -> np.ndarray:
+    """CP model values at coordinates.
+
+    Args:
+        factors: N arrays ``I_m x R``.
+        coords: ``nnz x N`` int64.
+
+    Returns:
+        ``nnz`` float64: ``sum_r prod_m factors[m][coords[:, m], r]``.
+    """
+    prod = factors[0][coords[:, 0]].copy()
+    for m in range(1, len(factors)):
+        prod *= factors[m][coords[:, m]]
+    return prod.sum(axis=1)
+
+
+def rmse(factors: list[np.ndarray], tensor: COOTensor) -> float:
+    """Root-mean-square error of the model on a tensor's observed entries (data units)."""
+    return float(np.sqrt(np.mean((predict(factors, tensor.coords) - tensor.values) ** 2)))
+
+
+def temporal_penalty(t: np.ndarray) -> float:
+    """``sum_{k>=2} ||t_k - t_{k-1}||^2`` for ``K x R`` time factors (Eq. 3, 4)."""
+    return float(np.sum(np.diff(t, axis=0) ** 2))
+
+
+def objective(factors: list[np.ndarray], tensor: COOTensor, lam: float, lam_t: float) -> float:
+    """The MAP objective L(A) of Eq. (4) (sum over observed entries, not a mean)."""
+    resid = predict(factors, tensor.coords) - tensor.values
+    reg = sum(float(np.sum(f**2)) for f in factors[:-1]) + float(np.sum(factors[-1][0] ** 2))
+    return 0.5 * float(resid @ resid) + 0.5 * lam * reg + 0.5 * lam_t * temporal_penalty(factors[-1])
+
+
+def gradient(factors: list[np.ndarray], tensor: COOTensor, lam: float, lam_t: float) -> list[np.ndarray]:
+    """Gradient of Eq. (4) with respect to each factor matrix (``I_m x R`` each).
+
+    ``dL/dA_m[i] = sum_{e: i_m(e)=i} (yhat_e - y_e) h_{e,m} + lam A_m[i]`` with
+    ``h_{e,m} = *_{m' != m} A_{m'}[i_{m'}(e)]`` (Hadamard product of the other modes' rows, an
+    MTTKRP over the observed entries), plus the temporal terms for the time factors.
+    """
+    resid = predict(factors, tensor.coords) - tensor.values
+    grads = []
+    n_modes = len(factors)
+    for m in range(n_modes):
+        h = _other_modes(factors, tensor.coords, m)
+        g = _scatter_rows(tensor.coords[:, m], resid[:, None] * h, factors[m].shape[0])
+        if m < n_modes - 1:
+            g += lam * factors[m]
+        else:
+            t = factors[m]
+            g[0] += lam * t[0]
+            d = np.diff(t, axis=0)
+            g[1:] += lam_t * d
+            g[:-1] -= lam_t * d
+        grads.append(g)
+    return grads
+
+
+def _other_modes(factors: list[np.ndarray], coords: np.ndarray, skip: int) -> np.ndarray:
+    """``nnz x R`` Hadamard product of all modes' rows but ``skip`` (the Khatri-Rao row)."""
+    h = None
+    for m, f in enumerate(factors):
+        if m == skip:
+            continue
+        rows = f[coords[:, m]]
+        h = rows.copy() if h is None else h * rows
+    return h
+
+
+def _scatter_rows(index: np.ndarray, values: np.ndarray, n_rows: int) -> np.ndarray:
+    """Sum rows of ``values`` (``n x R``) into ``n_rows x R`` by ``index`` (one bincount per column)."""
+    return np.stack([np.bincount(index, weights=values[:, r], minlength=n_rows)
+                     for r in range(values.shape[1])], axis=1)
+
+
+def validate_hyperparameters(*, rank: int, lam: float, lam_t: float, n_epochs: int) -> None:
+    """Raise InputError naming the first bad hyperparameter."""
+    if not isinstance(rank, (int, np.integer)) or rank <= 0:
+        raise InputError("rank", rank, "CP rank must be a positive integer")
+    for name, v in (("lam", lam), ("lam_t", lam_t)):
+        if not np.isfinite(v) or v < 0:
+            raise InputError(name, v, "must be a finite number >= 0")
+    if lam <= 0:
+        raise InputError("lam", lam, "must be > 0 (it keeps rows without observations bounded)")
+    if not isinstance(n_epochs, (int, np.integer)) or n_epochs <= 0:
+        raise InputError("n_epochs", n_epochs, "must be a positive integer")
+
+
+def init_factors(shape: tuple[int, ...], rank: int, seed: int, scale: float | None = None) -> list[np.ndarray]:
+    """Seeded Gaussian initial factors, scaled so that ``yhat`` has unit variance at start.
+
+    Each entry is ``N(0, s^2)`` with ``s = R^(-1/(2N))``: ``Var(yhat) = R s^(2N) = 1``. Time
+    factors start constant over time (one shared random row), as the smoothness prior (3) favours.
+    """
+    rng = np.random.default_rng(seed)
+    n = len(shape)
+    s = rank ** (-1.0 / (2 * n)) if scale is None else scale
+    factors = [rng.normal(0.0, s, size=(i, rank)) for i in shape[:-1]]
+    factors.append(np.repeat(rng.normal(0.0, s, size=(1, rank)), shape[-1], axis=0))
+    return factors
+
+
+def als(tensor: COOTensor, rank: int, *, lam: float = 1.0, lam_t: float = 10.0, n_epochs: int = 30,
+        seed: int = 0, validation: COOTensor | None = None, init: list[np.ndarray] | None = None,
+        callback: EpochCallback | None = None, tol: float = 0.0) -> FitResult:
+    """Serial reference: block-coordinate (alternating) exact minimization of Eq. (4).
+
+    Each epoch solves, for every non-time mode ``m`` and row ``i``, the ``R x R`` ridge system
+    ``(sum_e h h^T + lam I) a_i = sum_e y_e h`` exactly; the time factors are coupled by the
+    smoothness prior (3), so they are solved jointly as one block-tridiagonal ``(I_N R) x (I_N R)``
+    sparse system, followed by :func:`balance_scales`. No step increases (4).
+
+    Args:
+        tensor: training entries (COO).
+        rank: CP rank ``R`` (> 0).
+        lam, lam_t: prior precisions of Eq. (4).
+        n_epochs: sweeps over all modes.
+        seed: seed of :func:`init_factors`.
+        validation: optional held-out entries for ``validation_rmse``.
+        init: optional initial factors (copied).
+        callback: called after every epoch with that epoch's row of the history.
+        tol: stop when the relative objective decrease falls below ``tol``.
+
+    Returns:
+        :class:`FitResult` with factors and per-epoch history.
+
+    Raises:
+        InputError: bad hyperparameters.
+    """
+    validate_hyperparameters(rank=rank, lam=lam, lam_t=lam_t, n_epochs=n_epochs)
+    factors = [f.copy() for f in init] if init is not None else init_factors(tensor.shape, rank, seed)
+    history = FitHistory()
+    start = time.perf_counter()
+    prev = np.inf
+    n_modes = tensor.ndim
+    for epoch in range(1, n_epochs + 1):
+        for m in range(n_modes):
+            h = _other_modes(factors, tensor.coords, m)
+            gram, rhs = _row_normal_equations(tensor.coords[:, m], h, tensor.values, factors[m].shape[0])
+            if m < n_modes - 1:
+                gram += lam * np.eye(rank)
+                factors[m] = np.linalg.solve(gram, rhs[..., None])[..., 0]
+            else:
+                factors[m] = _solve_time_factors(gram, rhs, lam, lam_t)
+        balance_scales(factors, lam, lam_t)
+        obj = objective(factors, tensor, lam, lam_t)
+        row = dict(epoch=epoch, objective=obj, train_rmse=rmse(factors, tensor),
+                   validation_rmse=rmse(factors, validation) if validation is not None else float("nan"),
+                   primal_residual=float("nan"), dual_residual=float("nan"),
+                   wall_seconds=time.perf_counter() - start)
+        history.append(**row)
+        if callback is not None:
+            callback(row)
+        if tol > 0 and prev - obj <= tol * abs(prev):
+            break
+        prev = obj
+    return FitResult(CPFactors(factors), history)
+
+
+def balance_scales(factors: list[np.ndarray], lam: float, lam_t: float) -> np.ndarray:
+    """Rescale each CP component across modes to minimize the priors of Eq. (4), in place.
+
+    Scaling column r of mode m by ``c_m`` with ``prod_m c_m = 1`` leaves every ``yhat`` unchanged;
+    the prior terms ``sum_m c_m^2 q_m`` (``q_m`` the column's prior energy) are smallest when all
+    ``c_m^2 q_m`` are equal (AM-GM), i.e. ``c_m = (prod q)^(1/2N) / sqrt(q_m)``. So this step
+    never increases (4); it removes the scale drift that makes plain ALS crawl.
+
+    Returns:
+        ``N x R`` scales applied (``c[m, r]`` multiplies column r of mode m).
+    """
+    n = len(factors)
+    q = np.stack([0.5 * lam * np.sum(f**2, axis=0) for f in factors[:-1]]
+                 + [0.5 * lam * factors[-1][0] ** 2 + 0.5 * lam_t * np.sum(np.diff(factors[-1], axis=0) ** 2, axis=0)])
+    c = np.ones_like(q)
+    ok = np.all(q > 1e-300, axis=0)
+    if ok.any():
+        geo = np.exp(np.mean(np.log(q[:, ok]), axis=0))
+        c[:, ok] = np.sqrt(geo / q[:, ok])
+    for m in range(n):
+        factors[m] *= c[m]
+    return c
+
+
+def _row_normal_equations(index: np.ndarray, h: np.ndarray, y: np.ndarray, n_rows: int):
+    """Per-row Gram ``n_rows x R x R`` (``sum h h^T``) and right-hand side ``n_rows x R`` (``sum y h``)."""
+    r = h.shape[1]
+    gram = np.empty((n_rows, r, r))
+    for a in range(r):
+        for b in range(a, r):
+            col = np.bincount(index, weights=h[:, a] * h[:, b], minlength=n_rows)
+            gram[:, a, b] = col
+            gram[:, b, a] = col
+    rhs = _scatter_rows(index, y[:, None] * h, n_rows)
+    return gram, rhs
+
+
+def _solve_time_factors(gram: np.ndarray, rhs: np.ndarray, lam: float, lam_t: float) -> np.ndarray:
+    """Jointly minimize Eq. (4) over ``T`` (``K x R``) given per-slice Grams ``K x R x R``.
+
+    The stationarity conditions form the block-tridiagonal system
+    ``(G_k + lam_t c_k I + lam [k=1] I) t_k - lam_t (t_{k-1} + t_{k+1}) = b_k`` with ``c_k`` the
+    number of temporal neighbours of slice k. It is positive definite for ``lam > 0``.
+    """
+    k, r = rhs.shape
+    eye = np.eye(r)
+    neighbours = np.full(k, 2.0)
+    neighbours[[0, -1]] = 1.0 if k > 1 else 0.0
+    diag = gram + (lam_t * neighbours)[:, None, None] * eye
+    diag[0] += lam * eye
+    blocks = scipy.sparse.block_diag(list(diag), format="csr")
+    if k > 1:
+        off = scipy.sparse.diags([-lam_t * np.ones((k - 1) * r)] * 2, [r, -r], shape=(k * r, k * r))
+        blocks = (blocks + off).tocsc()
+    sol = scipy.sparse.linalg.spsolve(blocks.tocsc(), rhs.reshape(-1))
+    return np.asarray(sol).reshape(k, r)
