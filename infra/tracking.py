@@ -1,0 +1,275 @@
+"""MLflow tracking with explicit run ids.
+
+The global active run of ``mlflow.start_run`` is neither thread- nor process-safe, so paperline never
+uses it: :class:`Tracker` wraps ``MlflowClient`` and every call names its run id. A Tracker is picklable
+(the client is created lazily), so it can travel to Dask workers.
+
+Artifacts go through the tracking server (``--artifacts-destination s3://...``): clients need no S3
+credentials.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+from typing import Any
+
+from paperline.infra.errors import ServiceError
+
+try:  # MLflow's own limits; the fallbacks are mlflow 3.17's values
+    from mlflow.utils.validation import (
+        MAX_METRICS_PER_BATCH,
+        MAX_PARAM_VAL_LENGTH,
+        MAX_PARAMS_TAGS_PER_BATCH,
+        MAX_TAG_VAL_LENGTH,
+    )
+except ImportError:  # pragma: no cover
+    MAX_METRICS_PER_BATCH, MAX_PARAMS_TAGS_PER_BATCH = 1000, 100
+    MAX_PARAM_VAL_LENGTH, MAX_TAG_VAL_LENGTH = 6000, 8000
+
+_CONNECTION_HINTS = (
+    "Max retries exceeded",
+    "Connection refused",
+    "ConnectionError",
+    "Failed to establish a new connection",
+    "Read timed out",
+)
+
+
+def _truncate(value: Any, limit: int) -> str:
+    if isinstance(value, str):
+        text = value
+    elif isinstance(value, (dict, list, tuple)):
+        text = json.dumps(value, default=str)
+    else:
+        text = str(value)
+    if len(text) > limit:
+        text = text[: limit - 3] + "..."
+    return text
+
+
+class Tracker:
+    """An MLflow tracking client bound to one tracking server.
+
+    Args:
+        tracking_uri: e.g. ``http://127.0.0.1:5000`` (see ``StackInfo.mlflow_tracking_uri``).
+    """
+
+    def __init__(self, tracking_uri: str):
+        self.tracking_uri = tracking_uri.rstrip("/")
+        self._client: Any = None
+        self._lock = threading.Lock()
+        self._experiment_of_run: dict[str, str] = {}
+
+    def __repr__(self) -> str:
+        return f"Tracker({self.tracking_uri!r})"
+
+    def __getstate__(self) -> dict[str, Any]:
+        return {"tracking_uri": self.tracking_uri, "_experiment_of_run": dict(self._experiment_of_run)}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.tracking_uri = state["tracking_uri"]
+        self._experiment_of_run = dict(state.get("_experiment_of_run", {}))
+        self._client = None
+        self._lock = threading.Lock()
+
+    # -- plumbing -------------------------------------------------------------------------------------
+
+    @property
+    def client(self) -> Any:
+        """The ``mlflow.tracking.MlflowClient`` (created on first use after a quick health check).
+
+        Raises:
+            ServiceError: The tracking server does not answer ``GET /health``.
+        """
+        if self._client is None:
+            with self._lock:
+                if self._client is None:
+                    self.check()
+                    from mlflow.tracking import MlflowClient  # noqa: PLC0415
+
+                    self._client = MlflowClient(tracking_uri=self.tracking_uri)
+        return self._client
+
+    def check(self) -> None:
+        """Fail fast when the tracking server is down (MLflow's own client retries for minutes).
+
+        Raises:
+            ServiceError: ``GET {tracking_uri}/health`` did not return 200.
+        """
+        if not self.tracking_uri.startswith(("http://", "https://")):
+            return  # a local file/sqlite store: nothing to reach
+        import httpx  # noqa: PLC0415
+
+        try:
+            resp = httpx.get(f"{self.tracking_uri}/health", timeout=5.0)
+        except httpx.HTTPError as exc:
+            raise ServiceError("mlflow", f"GET /health failed: {exc}", url=self.tracking_uri) from exc
+        if resp.status_code != 200:
+            raise ServiceError("mlflow", f"GET /health returned {resp.status_code}", url=self.tracking_uri)
+
+    def _call(self, what: str, fn: Any, *args: Any, **kwargs: Any) -> Any:
+        """Call the client, turning connection failures into ServiceError."""
+        try:
+            return fn(*args, **kwargs)
+        except ServiceError:
+            raise
+        except Exception as exc:
+            text = f"{type(exc).__name__}: {exc}"
+            if isinstance(exc, (ConnectionError, TimeoutError)) or any(h in text for h in _CONNECTION_HINTS):
+                raise ServiceError("mlflow", f"{what}: {text[:300]}", url=self.tracking_uri) from exc
+            raise
+
+    def _experiment_id(self, name: str) -> str:
+        from mlflow.exceptions import MlflowException  # noqa: PLC0415
+
+        exp = self._call("get experiment", self.client.get_experiment_by_name, name)
+        if exp is not None:
+            if exp.lifecycle_stage == "deleted":
+                self._call("restore experiment", self.client.restore_experiment, exp.experiment_id)
+            return exp.experiment_id
+        try:
+            return self._call("create experiment", self.client.create_experiment, name)
+        except MlflowException as exc:  # created concurrently by another worker
+            if "RESOURCE_ALREADY_EXISTS" not in str(getattr(exc, "error_code", "")) and "already exists" not in str(exc):
+                raise
+            return self._call("get experiment", self.client.get_experiment_by_name, name).experiment_id
+
+    # -- runs -----------------------------------------------------------------------------------------
+
+    def start_run(
+        self,
+        experiment: str,
+        *,
+        run_name: str,
+        tags: dict[str, str] | None = None,
+        params: dict[str, Any] | None = None,
+        parent_run_id: str | None = None,
+    ) -> str:
+        """Create a run (and the experiment if missing) and log its parameters.
+
+        Args:
+            experiment: Experiment name.
+            run_name: The run's display name.
+            tags: Run tags (values truncated to MLflow's 8000 characters).
+            params: Parameters; values are stringified (dicts/lists as JSON) and truncated to MLflow's
+                6000 characters.
+            parent_run_id: Makes this a child run of that run (``mlflow.parentRunId`` tag).
+
+        Returns:
+            The run id.
+
+        Raises:
+            ServiceError: The tracking server is unreachable.
+        """
+        from mlflow.entities import Param  # noqa: PLC0415
+
+        exp_id = self._experiment_id(experiment)
+        all_tags = {k: _truncate(v, MAX_TAG_VAL_LENGTH) for k, v in (tags or {}).items()}
+        if parent_run_id:
+            all_tags["mlflow.parentRunId"] = parent_run_id
+        run = self._call("create run", self.client.create_run, exp_id, tags=all_tags, run_name=run_name)
+        run_id = run.info.run_id
+        self._experiment_of_run[run_id] = exp_id
+        items = [Param(str(k), _truncate(v, MAX_PARAM_VAL_LENGTH)) for k, v in (params or {}).items()]
+        for i in range(0, len(items), MAX_PARAMS_TAGS_PER_BATCH):
+            self._call("log params", self.client.log_batch, run_id, params=items[i : i + MAX_PARAMS_TAGS_PER_BATCH])
+        return run_id
+
+    def set_tags(self, run_id: str, tags: dict[str, Any]) -> None:
+        """Set tags on a run (e.g. the Prefect flow-run id and URL).
+
+        Raises:
+            ServiceError: The tracking server is unreachable.
+        """
+        from mlflow.entities import RunTag  # noqa: PLC0415
+
+        items = [RunTag(str(k), _truncate(v, MAX_TAG_VAL_LENGTH)) for k, v in tags.items()]
+        for i in range(0, len(items), MAX_PARAMS_TAGS_PER_BATCH):
+            self._call("set tags", self.client.log_batch, run_id, tags=items[i : i + MAX_PARAMS_TAGS_PER_BATCH])
+
+    def log_metrics(self, run_id: str, metrics: dict[str, float], step: int | None = None) -> None:
+        """Log metrics in batches (one request per 1000 metrics).
+
+        Args:
+            run_id: The run.
+            metrics: Name -> value.
+            step: Step (e.g. epoch or evaluation index); None logs step 0.
+
+        Raises:
+            ServiceError: The tracking server is unreachable.
+        """
+        from mlflow.entities import Metric  # noqa: PLC0415
+
+        ts = int(time.time() * 1000)
+        items = [Metric(str(k), float(v), ts, step or 0) for k, v in metrics.items()]
+        for i in range(0, len(items), MAX_METRICS_PER_BATCH):
+            self._call("log metrics", self.client.log_batch, run_id, metrics=items[i : i + MAX_METRICS_PER_BATCH])
+
+    def log_artifact(self, run_id: str, local_path: str, artifact_path: str | None = None) -> None:
+        """Upload a local file (or directory) as an artifact of the run.
+
+        Args:
+            run_id: The run.
+            local_path: File or directory to upload.
+            artifact_path: Directory inside the run's artifacts; None for the root.
+
+        Raises:
+            FileNotFoundError: ``local_path`` does not exist.
+            ServiceError: The tracking server is unreachable.
+        """
+        from pathlib import Path  # noqa: PLC0415
+
+        path = Path(local_path)
+        if not path.exists():
+            raise FileNotFoundError(f"artifact {local_path} does not exist")
+        if path.is_dir():
+            self._call("log artifacts", self.client.log_artifacts, run_id, str(path), artifact_path)
+        else:
+            self._call("log artifact", self.client.log_artifact, run_id, str(path), artifact_path)
+
+    def log_text(self, run_id: str, text: str, artifact_file: str) -> None:
+        """Store text as the artifact ``artifact_file`` (e.g. ``"reports/summary.md"``).
+
+        Raises:
+            ServiceError: The tracking server is unreachable.
+        """
+        self._call("log text", self.client.log_text, run_id, text, artifact_file)
+
+    def log_dict(self, run_id: str, data: dict[str, Any], artifact_file: str) -> None:
+        """Store a dict as a JSON (or YAML, by extension) artifact.
+
+        Raises:
+            ServiceError: The tracking server is unreachable.
+        """
+        self._call("log dict", self.client.log_dict, run_id, data, artifact_file)
+
+    def end_run(self, run_id: str, status: str = "FINISHED") -> None:
+        """Mark the run as ended.
+
+        Args:
+            run_id: The run.
+            status: ``"FINISHED"``, ``"FAILED"`` or ``"KILLED"``.
+
+        Raises:
+            InputError: Unknown status.
+            ServiceError: The tracking server is unreachable.
+        """
+        if status not in {"FINISHED", "FAILED", "KILLED"}:
+            from paperline.infra.errors import InputError  # noqa: PLC0415
+
+            raise InputError("status", status, "must be FINISHED, FAILED or KILLED")
+        self._call("end run", self.client.set_terminated, run_id, status=status)
+
+    def run_url(self, run_id: str) -> str:
+        """The run's page in the MLflow UI: ``{uri}/#/experiments/{experiment_id}/runs/{run_id}``.
+
+        Raises:
+            ServiceError: The tracking server is unreachable (only if the run was not started here).
+        """
+        exp_id = self._experiment_of_run.get(run_id)
+        if exp_id is None:
+            exp_id = self._call("get run", self.client.get_run, run_id).info.experiment_id
+            self._experiment_of_run[run_id] = exp_id
+        return f"{self.tracking_uri}/#/experiments/{exp_id}/runs/{run_id}"
