@@ -767,6 +767,22 @@ def ensure_stack(settings: Settings, *, progress: Progress | None = None) -> Sta
     return _make_info(settings, urls, services, key, secret)
 
 
+def _drain_prefect_clients(timeout_s: float = 10.0) -> None:
+    """Send this process's pending Prefect logs and events before the server goes away.
+
+    Otherwise Prefect retries them against the stopped server at interpreter exit (for a minute or
+    more). A no-op when Prefect was never imported.
+    """
+    if "prefect" not in sys.modules:
+        return
+    for module, cls in (("prefect.logging.handlers", "APILogWorker"), ("prefect.events.worker", "EventsWorker")):
+        try:
+            worker = getattr(__import__(module, fromlist=[cls]), cls)
+            worker.drain_all(timeout=timeout_s, at_exit=False)
+        except Exception:  # noqa: BLE001,S112 - best effort
+            continue
+
+
 def stop_stack(settings: Settings) -> list[str]:
     """Stop the local servers recorded in ``stack.json`` (``paperline down``) and delete the file.
 
@@ -783,6 +799,7 @@ def stop_stack(settings: Settings) -> list[str]:
     path = _state_path(settings)
     if not path.exists():
         return []
+    _drain_prefect_clients()
     stopped: list[str] = []
     with _locked(settings):
         try:

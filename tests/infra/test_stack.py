@@ -1,0 +1,188 @@
+"""The embedded local stack against the real servers (no mocks)."""
+
+from __future__ import annotations
+
+import hashlib
+import pickle
+import uuid
+
+import pytest
+
+from paperline.infra.errors import ServiceError
+from paperline.infra.stack import RESULT_STORAGE_BLOCK, ensure_stack, load_stack_info, stack_status
+from paperline.infra.storage import NotCommittedError, ObjectNotFoundError, ObjectStore
+from paperline.infra.tracking import Tracker
+
+pytestmark = pytest.mark.stack
+
+
+def test_s3_round_trip_is_content_addressed(stack, tmp_path):
+    _, info = stack
+    store = ObjectStore.from_stack(info)
+    data = b"paperline round trip " + uuid.uuid4().bytes
+    sha = hashlib.sha256(data).hexdigest()
+
+    ref = store.put_bytes(data, bucket=info.data_bucket, prefix="tests/rt", suffix=".bin")
+    assert ref.uri == f"s3://{info.data_bucket}/tests/rt/{sha}.bin"
+    assert (ref.sha256, ref.size_bytes) == (sha, len(data))
+    assert store.put_bytes(data, bucket=info.data_bucket, prefix="tests/rt", suffix=".bin") == ref
+    assert store.get_bytes(ref.uri, sha256=sha) == data
+    assert store.exists(ref.uri)
+    assert ref.uri in store.list(f"s3://{info.data_bucket}/tests/rt/")
+
+    src = tmp_path / "blob.dat"
+    src.write_bytes(data * 3)
+    fref = store.put_file(src, bucket=info.data_bucket, prefix="tests/files")
+    assert fref.uri.endswith(".dat") and fref.size_bytes == 3 * len(data)
+    assert store.get_file(fref.uri, tmp_path / "out" / "copy.dat").read_bytes() == data * 3
+
+    with pytest.raises(ObjectNotFoundError):
+        store.get_bytes(f"s3://{info.data_bucket}/tests/rt/missing")
+    assert not store.exists(f"s3://{info.data_bucket}/tests/rt/missing")
+
+    # Travels to Dask workers: picklable, and the secret stays out of repr.
+    clone = pickle.loads(pickle.dumps(store))
+    assert clone.get_bytes(ref.uri) == data
+    assert info.s3_secret_access_key not in repr(store)
+    assert info.s3_secret_access_key not in repr(info)
+
+
+def test_s3_enforces_signatures(stack):
+    import boto3
+    from botocore import UNSIGNED
+    from botocore.config import Config
+    from botocore.exceptions import ClientError
+
+    _, info = stack
+    good = ObjectStore.from_stack(info)
+    ref = good.put_bytes(b"secret data", bucket=info.data_bucket, prefix="tests/auth")
+
+    bad = ObjectStore(info.s3_endpoint_url, info.s3_access_key_id, "not-the-secret", info.s3_region)
+    with pytest.raises(ServiceError, match="SignatureDoesNotMatch|credentials rejected"):
+        bad.get_bytes(ref.uri)
+
+    anonymous = boto3.client(
+        "s3", endpoint_url=info.s3_endpoint_url, region_name=info.s3_region,
+        config=Config(signature_version=UNSIGNED, s3={"addressing_style": "path"}),
+    )
+    bucket, key = ref.uri[5:].split("/", 1)
+    with pytest.raises(ClientError) as exc:
+        anonymous.get_object(Bucket=bucket, Key=key)
+    assert exc.value.response["ResponseMetadata"]["HTTPStatusCode"] in (401, 403)
+
+
+def test_ensure_stack_is_idempotent(stack):
+    settings, info = stack
+    again = ensure_stack(settings)
+    assert [(s.name, s.pid, s.url) for s in again.services] == [(s.name, s.pid, s.url) for s in info.services]
+    assert again.s3_access_key_id == info.s3_access_key_id
+    loaded = load_stack_info(settings)
+    assert loaded is not None and loaded.prefect_api_url == info.prefect_api_url
+
+
+def test_status_shows_three_healthy_loopback_services(stack):
+    settings, _ = stack
+    services = stack_status(settings)
+    assert [s.name for s in services] == ["s3", "prefect", "mlflow"]
+    for s in services:
+        assert s.healthy, s
+        assert s.managed and s.pid
+        assert s.url.startswith("http://127.0.0.1:"), s.url
+
+
+def test_prefect_task_results_are_cached_in_s3(stack):
+    from prefect import flow, task
+    from prefect.cache_policies import INPUTS, TASK_SOURCE
+    from prefect.client.orchestration import get_client
+    from prefect.settings import PREFECT_API_URL
+
+    _, info = stack
+    assert PREFECT_API_URL.value() == info.prefect_api_url  # activate() reached the imported prefect
+    token = uuid.uuid4().hex
+
+    @task(cache_policy=INPUTS + TASK_SOURCE, result_storage=RESULT_STORAGE_BLOCK, persist_result=True)
+    def square(x: int, token: str) -> int:
+        return x * x
+
+    @flow
+    def pipeline(token: str) -> tuple[str, int]:
+        state = square(7, token, return_state=True)
+        return state.name, state.result()
+
+    assert pipeline(token) == ("Completed", 49)
+    assert pipeline(token) == ("Cached", 49)
+    with get_client(sync_client=True) as client:
+        assert str(client.api_url).rstrip("/") == info.prefect_api_url
+        assert len(client.read_flow_runs()) >= 2  # recorded by the stack's server, not an ephemeral one
+    assert ObjectStore.from_stack(info).list(f"s3://{info.results_bucket}/")
+
+
+def test_mlflow_artifacts_land_in_s3(stack, tmp_path):
+    from mlflow.tracking import MlflowClient
+
+    _, info = stack
+    tracker = Tracker(info.mlflow_tracking_uri)
+    run_id = tracker.start_run(
+        "paperline-tests", run_name="artifact-check", tags={"suite": "infra"},
+        params={"n": 3, "long": "x" * 10_000, "nested": {"a": [1, 2]}},
+    )
+    tracker.log_metrics(run_id, {"loss": 0.5, "acc": 1}, step=1)
+    tracker.log_text(run_id, "hello from paperline\n", "notes/hello.txt")
+    f = tmp_path / "table.csv"
+    f.write_text("a,b\n1,2\n")
+    tracker.log_artifact(run_id, str(f), "tables")
+    tracker.end_run(run_id)
+    assert tracker.run_url(run_id).startswith(f"{info.mlflow_tracking_uri}/#/experiments/")
+    assert tracker.run_url(run_id).endswith(f"/runs/{run_id}")
+
+    run = MlflowClient(info.mlflow_tracking_uri).get_run(run_id)
+    assert run.info.status == "FINISHED"
+    assert run.data.metrics == {"loss": 0.5, "acc": 1.0}
+    assert len(run.data.params["long"]) <= 6000 and run.data.params["nested"] == '{"a": [1, 2]}'
+
+    store = ObjectStore.from_stack(info)
+    objects = store.list(f"s3://{info.artifacts_bucket}/mlflow/")
+    hello = [u for u in objects if u.endswith(f"{run_id}/artifacts/notes/hello.txt")]
+    assert hello, objects
+    assert store.get_bytes(hello[0]) == b"hello from paperline\n"
+    assert any(u.endswith(f"{run_id}/artifacts/tables/table.csv") for u in objects)
+    pickle.loads(pickle.dumps(tracker))  # travels to workers
+
+
+def test_commit_writes_the_manifest_last(stack):
+    _, info = stack
+    store = ObjectStore.from_stack(info)
+    prefix = f"s3://{info.data_bucket}/tests/commit/{uuid.uuid4().hex}"
+    with pytest.raises(NotCommittedError):
+        store.read_manifest(prefix)
+
+    ref = store.commit(prefix, {"frames.bin": b"\x00" * 1000, "labels.json": b"[1, 2]"}, {"source": "test"})
+    assert ref.uri == f"{prefix}/manifest.json"
+    manifest = store.read_manifest(prefix)
+    assert manifest["meta"] == {"source": "test"}
+    assert set(manifest["parts"]) == {"frames.bin", "labels.json"}
+    for part in manifest["parts"].values():
+        assert part["uri"].startswith(f"{prefix}/parts/")
+        assert hashlib.sha256(store.get_bytes(part["uri"])).hexdigest() == part["sha256"]
+    assert store.commit(prefix, {"frames.bin": b"\x00" * 1000, "labels.json": b"[1, 2]"}, {"source": "test"}) == ref
+
+
+def test_failed_part_leaves_no_manifest(stack):
+    _, info = stack
+    store = ObjectStore.from_stack(info)
+    prefix = f"s3://{info.data_bucket}/tests/commit/{uuid.uuid4().hex}"
+    with pytest.raises(TypeError):
+        store.commit(prefix, {"good.bin": b"ok", "broken.bin": None}, {})  # type: ignore[dict-item]
+    assert store.list(f"{prefix}/parts/"), "the first part was uploaded"
+    assert not store.is_committed(prefix)
+    with pytest.raises(NotCommittedError, match="not committed"):
+        store.read_manifest(prefix)
+
+
+def test_dead_endpoints_raise_service_errors(free_port):
+    port = free_port()
+    store = ObjectStore(f"http://127.0.0.1:{port}", "k", "s", "us-east-1")
+    with pytest.raises(ServiceError, match="s3 is not available"):
+        store.get_bytes("s3://bucket/key")
+    with pytest.raises(ServiceError, match="mlflow is not available"):
+        Tracker(f"http://127.0.0.1:{port}").start_run("x", run_name="y")
