@@ -554,7 +554,7 @@ def _start_mlflow(
         "--workers",
         "1",
         "--allowed-hosts",
-        f"{uh},{uh}:{port},localhost,localhost:{port},127.0.0.1,127.0.0.1:{port}",
+        ",".join(dict.fromkeys([uh, f"{uh}:{port}", "localhost", f"localhost:{port}", "127.0.0.1", f"127.0.0.1:{port}"])),
     ]
     log = settings.state_dir / "logs" / "mlflow.log"
     proc = _spawn(cmd, env, log, home)

@@ -37,6 +37,16 @@ def test_second_stack_on_taken_ports_stops_completely(settings_factory, tmp_path
         _, first = stack
         assert {s.url for s in info.services}.isdisjoint({s.url for s in first.services})
 
+        # A dead server is restarted; the live ones are reused.
+        mlflow = info.service("mlflow")
+        for p in [psutil.Process(mlflow.pid), *psutil.Process(mlflow.pid).children(recursive=True)]:
+            p.kill()
+        psutil.wait_procs([psutil.Process(mlflow.pid)], timeout=10)
+        assert [s.healthy for s in stack_status(settings)] == [True, True, False]
+        info = ensure_stack(settings)
+        assert info.service("mlflow").pid != mlflow.pid
+        assert [s.healthy for s in stack_status(settings)] == [True, True, True]
+
         procs = []
         for svc in info.services:
             p = psutil.Process(svc.pid)
@@ -55,3 +65,23 @@ def test_second_stack_on_taken_ports_stops_completely(settings_factory, tmp_path
     assert stop_stack(settings) == []
     # The session's stack was not touched.
     assert all(s.healthy for s in stack_status(stack[0]))
+
+
+def test_configured_endpoints_start_nothing(settings_factory, tmp_path, stack):
+    base, first = stack
+    settings = settings_factory(
+        tmp_path / "external",
+        s3_endpoint_url=first.s3_endpoint_url,
+        s3_access_key_id=first.s3_access_key_id,
+        s3_secret_access_key=first.s3_secret_access_key,
+        prefect_api_url=first.prefect_api_url,
+        mlflow_tracking_uri=first.mlflow_tracking_uri,
+        data_bucket="paperline-data-ext",
+    )
+    info = ensure_stack(settings)
+    assert [(s.managed, s.pid) for s in info.services] == [(False, None)] * 3
+    assert info.prefect_ui_url == first.prefect_ui_url
+    assert [s.managed for s in stack_status(settings)] == [False] * 3
+    assert all(s.healthy for s in stack_status(settings))
+    assert stop_stack(settings) == []
+    assert all(s.healthy for s in stack_status(base))  # nothing of the real servers was stopped
