@@ -181,6 +181,9 @@ def _port_free(host: str, port: int) -> bool:
         return False
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
     with socket.socket(family, socket.SOCK_STREAM) as s:
+        # Like the servers themselves: a port whose old connections linger in TIME_WAIT is free, one
+        # with a listener is not.
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         try:
             s.bind((host, port))
         except OSError:
@@ -188,8 +191,10 @@ def _port_free(host: str, port: int) -> bool:
     return True
 
 
-def _pick_port(host: str, preferred: int | None, taken: set[int], *, with_grpc: bool = False) -> int:
-    """A free port: ``preferred`` if free, else one the OS hands out.
+def _pick_port(
+    host: str, preferred: int | None | tuple[int | None, ...], taken: set[int], *, with_grpc: bool = False
+) -> int:
+    """A free port: the first free one of ``preferred``, else one the OS hands out.
 
     With ``with_grpc``, ``port + 10000`` must be free as well (SeaweedFS's grpc port).
     """
@@ -202,9 +207,9 @@ def _pick_port(host: str, preferred: int | None, taken: set[int], *, with_grpc: 
             return g <= _MAX_PORT and g not in taken and _port_free(host, g)
         return True
 
-    if preferred and ok(preferred):
-        port = preferred
-    else:
+    wanted = [p for p in (preferred if isinstance(preferred, tuple) else (preferred,)) if p]
+    port = next((p for p in wanted if ok(p)), 0)
+    if not port:
         family = socket.AF_INET6 if ":" in host else socket.AF_INET
         for _ in range(500):
             with socket.socket(family, socket.SOCK_STREAM) as s:
@@ -444,7 +449,7 @@ def _start_s3(settings: Settings, taken: set[int], key: str, secret: str) -> tup
     except (OSError, ValueError, AttributeError):
         old = {}
     ports = {
-        "s3": _pick_port(host, old.get("s3") or settings.s3_port, taken, with_grpc=True),
+        "s3": _pick_port(host, (settings.s3_port, old.get("s3")), taken, with_grpc=True),
         "master": _pick_port(host, old.get("master"), taken, with_grpc=True),
         "volume": _pick_port(host, old.get("volume"), taken, with_grpc=True),
         "filer": _pick_port(host, old.get("filer"), taken, with_grpc=True),
@@ -558,7 +563,7 @@ def _start_mlflow(
     ]
     log = settings.state_dir / "logs" / "mlflow.log"
     proc = _spawn(cmd, env, log, home)
-    return proc, _record(proc, url, log, port=port)
+    return proc, _record(proc, url, log, port=port, s3_url=s3_url)
 
 
 def _save_result_block(api_url: str, s3_url: str | None, key: str | None, secret: str | None, settings: Settings) -> None:
@@ -654,7 +659,7 @@ def ensure_stack(settings: Settings, *, progress: Progress | None = None) -> Sta
                 return False
             if check(rec):
                 return True
-            say(f"{name}: recorded server (pid {rec['pid']}) is not healthy; restarting it")
+            say(f"{name}: recorded server (pid {rec['pid']}) is unhealthy or out of date; restarting it")
             _stop_record(rec)
             return False
 
@@ -676,15 +681,6 @@ def ensure_stack(settings: Settings, *, progress: Progress | None = None) -> Sta
                 say(f"s3: reusing SeaweedFS at {s3_url} (pid {recs['s3']['pid']})")
             else:
                 recs.pop("s3", None)
-            reuse_prefect = reuse("prefect", lambda r: _prefect_healthy(r["api_url"]))
-            reuse_mlflow = reuse("mlflow", lambda r: _mlflow_healthy(r["url"]))
-            for name, kept in (("prefect", reuse_prefect), ("mlflow", reuse_mlflow)):
-                if kept:
-                    taken.add(int(recs[name]["port"]))
-                    say(f"{name}: reusing server at {recs[name]['url']} (pid {recs[name]['pid']})")
-                else:
-                    recs.pop(name, None)
-
             if not external["s3"] and "s3" not in recs:
                 proc, rec = _start_s3(settings, taken, key, secret)  # type: ignore[arg-type]
                 say(f"s3: starting SeaweedFS at {rec['url']} (log: {rec['log_path']})")
@@ -697,6 +693,16 @@ def ensure_stack(settings: Settings, *, progress: Progress | None = None) -> Sta
                 )
                 s3_url = rec["url"]
             s3_obj_url = s3_url
+
+            reuse_prefect = reuse("prefect", lambda r: _prefect_healthy(r["api_url"]))
+            # MLflow proxies artifacts to S3: a server started against another S3 endpoint is restarted.
+            reuse_mlflow = reuse("mlflow", lambda r: r.get("s3_url") == s3_obj_url and _mlflow_healthy(r["url"]))
+            for name, kept in (("prefect", reuse_prefect), ("mlflow", reuse_mlflow)):
+                if kept:
+                    taken.add(int(recs[name]["port"]))
+                    say(f"{name}: reusing server at {recs[name]['url']} (pid {recs[name]['pid']})")
+                else:
+                    recs.pop(name, None)
 
             from paperline.infra.storage import ObjectStore  # noqa: PLC0415
 
