@@ -1,0 +1,215 @@
+"""The ``paperline`` command line: up, down, status, datasets, run, demo.
+
+Errors are one clear line and a non-zero exit code; ``--debug`` shows the traceback.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import math
+import sys
+from pathlib import Path
+from typing import Any, Callable, Optional
+
+import typer
+from rich.console import Console
+from rich.table import Table
+
+from paperline.infra.errors import PaperlineError
+from paperline.kernels.errors import InputError as KernelInputError
+
+app = typer.Typer(help="paperline: systems papers as Prefect flows on Dask, tracked in MLflow, artifacts in S3.",
+                  no_args_is_help=True, add_completion=False, pretty_exceptions_enable=False)
+console = Console()
+err_console = Console(stderr=True)
+_state = {"debug": False}
+
+
+@app.callback()
+def _main(debug: bool = typer.Option(False, "--debug", help="Show full tracebacks on errors.")) -> None:
+    _state["debug"] = debug
+
+
+def _friendly(fn: Callable[..., Any]) -> Callable[..., Any]:
+    @functools.wraps(fn)
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        try:
+            return fn(*args, **kwargs)
+        except typer.Exit:
+            raise
+        except Exception as exc:  # noqa: BLE001 - the CLI's one place to turn errors into a line
+            if _state["debug"]:
+                raise
+            known = isinstance(exc, (PaperlineError, KernelInputError))
+            msg = str(exc) if known else f"{type(exc).__name__}: {exc}"
+            err_console.print(f"[bold red]error:[/] {msg}", highlight=False, soft_wrap=True)
+            if not known:
+                err_console.print("(run with --debug for the traceback)", style="dim")
+            raise typer.Exit(1) from None
+
+    return wrapper
+
+
+def _settings():
+    from paperline.infra.settings import get_settings
+
+    return get_settings()
+
+
+def _ensure_stack():
+    from paperline.infra.stack import activate, ensure_stack
+
+    with console.status("starting the local stack (S3, Prefect, MLflow)...") as status:
+        info = ensure_stack(_settings(), progress=lambda msg: status.update(msg))
+    activate(info)
+    return info
+
+
+@app.command()
+@_friendly
+def up() -> None:
+    """Start the local stack (or check the configured endpoints) and print each service's URL."""
+    info = _ensure_stack()
+    _print_services(info.services)
+    console.print(f"Prefect UI: {info.prefect_ui_url}\nMLflow UI:  {info.mlflow_tracking_uri}")
+
+
+@app.command()
+@_friendly
+def down() -> None:
+    """Stop the local servers this state directory started (by PID)."""
+    from paperline.infra.stack import stop_stack
+
+    stopped = stop_stack(_settings())
+    console.print(f"stopped: {', '.join(stopped)}" if stopped else "nothing to stop")
+
+
+@app.command()
+@_friendly
+def status() -> None:
+    """Show each service with its URL and health."""
+    from paperline.infra.cluster import describe_cluster
+    from paperline.infra.stack import stack_status
+
+    settings = _settings()
+    _print_services(stack_status(settings))
+    console.print(f"Dask: {describe_cluster(settings)}")
+    console.print(f"state directory: {settings.state_dir}")
+
+
+def _print_services(services) -> None:
+    table = Table("service", "url", "managed", "pid", "healthy", "log")
+    for s in services:
+        healthy = {True: "[green]yes[/]", False: "[red]no[/]", None: "?"}[s.healthy]
+        table.add_row(s.name, s.url, "local" if s.managed else "external", str(s.pid or "-"), healthy,
+                      s.log_path or "-")
+    console.print(table)
+
+
+@app.command()
+@_friendly
+def datasets() -> None:
+    """List the bundled real datasets, where each comes from and its shape."""
+    from paperline.kernels.tensor.datasets import dataset_info, dataset_names
+
+    table = Table("name", "shape (time last)", "modes", "source", "description")
+    for name in dataset_names():
+        i = dataset_info(name)
+        table.add_row(i.name, " x ".join(map(str, i.shape)), ", ".join(i.mode_names), i.source,
+                      f"{i.description}; {i.transform}")
+    console.print(table)
+
+
+@app.command()
+@_friendly
+def run(pipeline: str = typer.Argument(..., help="Pipeline name, e.g. tensor-factorization."),
+        preset: str = typer.Option("demo", "--preset", help="Parameter preset: demo or full."),
+        set_: Optional[list[str]] = typer.Option(None, "--set", help="Override a parameter: key=value (repeatable)."),
+        summary_json: Optional[Path] = typer.Option(None, "--summary-json",
+                                                    help="Write parameters, metrics and artifact URIs as JSON."),
+        ) -> None:
+    """Run a pipeline on the stack (started if needed) and print its results and URLs."""
+    from paperline.flows.pipelines import build_parameters, get_pipeline
+
+    spec = get_pipeline(pipeline)
+    params = build_parameters(spec, preset, set_ or [])
+    _run_one(spec, params, summary_json)
+
+
+def _quiet_logs() -> None:
+    """Keep the terminal to the result table: Dask's chatter at WARNING, and (unless --debug)
+    Prefect's console records without tracebacks (they stay complete in the Prefect UI)."""
+    import logging
+    import os
+
+    os.environ.setdefault("DASK_LOGGING__DISTRIBUTED", "warning")  # inherited by worker processes
+    logging.getLogger("distributed").setLevel(logging.WARNING)
+    if _state["debug"]:
+        return
+
+    def strip_traceback(record: logging.LogRecord) -> bool:
+        record.exc_info = None
+        record.exc_text = None
+        return True
+
+    import prefect.logging  # noqa: F401 - configures Prefect's handlers
+
+    for handler in logging.getLogger("prefect").handlers:
+        handler.addFilter(strip_traceback)
+
+
+def _run_one(spec, params, summary_json: Path | None) -> dict[str, Any]:
+    from paperline.infra.cluster import describe_cluster, task_runner
+
+    if hasattr(params, "validate_inputs"):
+        params.validate_inputs()
+    _quiet_logs()
+    _ensure_stack()
+    settings = _settings()
+    console.print(f"[bold]{spec.name}[/] on {describe_cluster(settings)}")
+    flow = spec.flow.with_options(task_runner=task_runner(settings))
+    with console.status(f"running {spec.name} (progress in the Prefect UI)..."):
+        summary = flow(params)
+    _print_summary(spec.name, summary)
+    if summary_json is not None:
+        summary_json.parent.mkdir(parents=True, exist_ok=True)
+        summary_json.write_text(json.dumps(summary, indent=2, default=str))
+        console.print(f"summary: {summary_json}")
+    return summary
+
+
+def _fmt(x: Any) -> str:
+    return f"{x:.4f}" if isinstance(x, float) and math.isfinite(x) else str(x)
+
+
+def _print_summary(name: str, summary: dict[str, Any]) -> None:
+    rows = summary.get("rows", [])
+    table = Table("dataset", "split", "method", "test RMSE", "validation RMSE", "fit seconds", "epochs",
+                  title=f"{name}: held-out RMSE (standardized units)")
+    for r in rows:
+        table.add_row(r["dataset"], r["split"], r["method"], _fmt(r["test_rmse"]), _fmt(r["validation_rmse"]),
+                      f"{r['fit_seconds']:.2f}", str(r["epochs"]))
+    console.print(table)
+    console.print(f"Prefect flow run: {summary['prefect_flow_run_url']}")
+    console.print(f"MLflow run:       {summary['mlflow_run_url']}")
+
+
+@app.command()
+@_friendly
+def demo() -> None:
+    """Run every pipeline on its demo preset (bundled real data)."""
+    from paperline.flows.pipelines import build_parameters, get_pipeline, pipeline_names
+
+    for name in pipeline_names():
+        spec = get_pipeline(name)
+        _run_one(spec, build_parameters(spec, "demo", []), None)
+
+
+def main() -> None:
+    """Console-script entry point."""
+    app()
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,82 @@
+"""The registry of pipelines the CLI and the deployments can run."""
+
+from __future__ import annotations
+
+import json
+import typing
+from dataclasses import dataclass
+from typing import Any, Callable
+
+from pydantic import BaseModel, ValidationError
+
+from paperline.infra.errors import InputError
+from paperline.kernels.registry import Registry
+
+
+@dataclass(frozen=True)
+class Pipeline:
+    """A runnable pipeline: its flow, its parameter model and named presets."""
+
+    name: str
+    flow: Callable[..., Any]
+    parameters: type[BaseModel]
+    presets: dict[str, dict[str, Any]]
+
+
+PIPELINES: Registry[Pipeline] = Registry("pipeline")
+
+
+def _register_builtin() -> None:
+    from paperline.flows import tensor_factorization as tf
+
+    if "tensor-factorization" not in PIPELINES:
+        PIPELINES.register("tensor-factorization")(
+            Pipeline("tensor-factorization", tf.tensor_factorization, tf.TensorFactorizationParameters, tf.PRESETS))
+
+
+def get_pipeline(name: str) -> Pipeline:
+    """The pipeline called ``name``. Raises InputError listing the known ones."""
+    _register_builtin()
+    if name not in PIPELINES:
+        raise InputError("pipeline", name, f"unknown pipeline; known: {', '.join(PIPELINES.names())}")
+    return PIPELINES[name]
+
+
+def pipeline_names() -> list[str]:
+    _register_builtin()
+    return PIPELINES.names()
+
+
+def build_parameters(pipeline: Pipeline, preset: str, overrides: list[str]) -> BaseModel:
+    """Parameters from a preset plus ``key=value`` overrides.
+
+    Values are parsed as JSON when they parse (``5``, ``0.1``, ``["a"]``), otherwise taken as
+    strings; list-valued parameters also take comma-separated values (``datasets=kinetic,produc``).
+
+    Raises:
+        InputError: unknown preset, malformed override, unknown parameter or invalid value.
+    """
+    if preset not in pipeline.presets:
+        raise InputError("--preset", preset, f"unknown preset; known: {', '.join(sorted(pipeline.presets))}")
+    values = dict(pipeline.presets[preset])
+    fields = pipeline.parameters.model_fields
+    for item in overrides:
+        key, sep, raw = item.partition("=")
+        key = key.strip()
+        if not sep or not key:
+            raise InputError("--set", item, "expected key=value")
+        if key not in fields:
+            raise InputError("--set", key, f"unknown parameter; known: {', '.join(fields)}")
+        try:
+            value: Any = json.loads(raw)
+        except json.JSONDecodeError:
+            value = raw
+        if typing.get_origin(fields[key].annotation) is list and isinstance(value, str):
+            value = [v.strip() for v in value.split(",") if v.strip()]
+        values[key] = value
+    try:
+        return pipeline.parameters.model_validate(values)
+    except ValidationError as exc:
+        err = exc.errors()[0]
+        where = ".".join(str(p) for p in err["loc"])
+        raise InputError(where, err.get("input"), err["msg"]) from None
