@@ -398,7 +398,7 @@ def _wait_healthy(
             name = next(iter(pending))
             _, _, url, log = pending[name]
             raise ServiceError(
-                name, f"not healthy after {timeout_s:.0f} s (PAPERLINE_STARTUP_TIMEOUT_S)", url=url, log=log
+                name, f"not healthy after {timeout_s:g} s (PAPERLINE_STARTUP_TIMEOUT_S)", url=url, log=log
             )
         time.sleep(0.4)
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 import socket
 from urllib.parse import urlparse
 
@@ -85,3 +86,19 @@ def test_configured_endpoints_start_nothing(settings_factory, tmp_path, stack):
     assert all(s.healthy for s in stack_status(settings))
     assert stop_stack(settings) == []
     assert all(s.healthy for s in stack_status(base))  # nothing of the real servers was stopped
+
+
+def test_failed_start_leaves_nothing_running(settings_factory, tmp_path):
+    from paperline.infra.errors import ServiceError
+
+    settings = settings_factory(tmp_path / "failing", startup_timeout_s=0.2)
+    with pytest.raises(ServiceError) as exc:
+        ensure_stack(settings)
+    # Whichever server missed the deadline is named, with its log; the ones started before are stopped.
+    assert re.match(r"(s3|prefect|mlflow) is not available at http://127\.0\.0\.1:\d+: .*\(log: .*\.log\)", str(exc.value))
+    leftovers = [
+        p for p in psutil.process_iter(["cmdline"])
+        if str(settings.state_dir) in " ".join(p.info["cmdline"] or []) and not _gone(p.pid)
+    ]
+    assert leftovers == []
+    assert stop_stack(settings) == []
