@@ -653,13 +653,23 @@ def ensure_stack(settings: Settings, *, progress: Progress | None = None) -> Sta
         # Ports held by recorded servers we keep must not be handed to new ones.
         taken: set[int] = set()
 
-        def reuse(name: str, check: Callable[[dict[str, Any]], bool]) -> bool:
+        def reuse(name: str, check: Callable[[dict[str, Any]], bool], stale: bool = False) -> bool:
             rec = recs.get(name)
             if external[name] or _live_process(rec) is None:
                 return False
-            if check(rec):
-                return True
-            say(f"{name}: recorded server (pid {rec['pid']}) is unhealthy or out of date; restarting it")
+            if stale:
+                say(f"{name}: recorded server (pid {rec['pid']}) is out of date; restarting it")
+                _stop_record(rec)
+                return False
+            # A live server may just be busy: give it a few seconds before replacing it.
+            deadline = time.monotonic() + min(10.0, settings.startup_timeout_s)
+            while True:
+                if check(rec):
+                    return True
+                if time.monotonic() > deadline or _live_process(rec) is None:
+                    break
+                time.sleep(0.5)
+            say(f"{name}: recorded server (pid {rec['pid']}) is not healthy; restarting it")
             _stop_record(rec)
             return False
 
@@ -696,7 +706,8 @@ def ensure_stack(settings: Settings, *, progress: Progress | None = None) -> Sta
 
             reuse_prefect = reuse("prefect", lambda r: _prefect_healthy(r["api_url"]))
             # MLflow proxies artifacts to S3: a server started against another S3 endpoint is restarted.
-            reuse_mlflow = reuse("mlflow", lambda r: r.get("s3_url") == s3_obj_url and _mlflow_healthy(r["url"]))
+            stale = recs.get("mlflow", {}).get("s3_url") != s3_obj_url
+            reuse_mlflow = reuse("mlflow", lambda r: _mlflow_healthy(r["url"]), stale=stale)
             for name, kept in (("prefect", reuse_prefect), ("mlflow", reuse_mlflow)):
                 if kept:
                     taken.add(int(recs[name]["port"]))
