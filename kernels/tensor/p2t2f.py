@@ -7,24 +7,30 @@ time factors ``T``) are shared: each sub-problem keeps local copies ``W^p = (A_2
 constrained to agree with a global consensus ``Z``. Given ``Z`` the sub-problems are independent.
 
 Consensus ADMM (Sec. 3.2), scaled form with per-row penalties ``rho n_i^p`` (``n_i^p`` is the
-number of entries of sub-problem p touching row i, so a penalty matches that row's data weight)::
+number of entries of sub-problem p touching row i, at least 1 for time rows, so that a penalty
+matches that row's data weight)::
 
     (U_p, W^p) <- argmin f_p(U_p, W^p) + sum_i rho n_i^p / 2 ||W^p_i - Z_i + Lambda^p_i||^2      (5)
     Z          <- argmin g(Z) + sum_p sum_i rho n_i^p / 2 ||W^p_i - Z_i + Lambda^p_i||^2        (6)
     Lambda^p   <- Lambda^p + W^p - Z                                                             (7)
 
-where ``f_p`` is the data term of Eq. (4) on ``Y^p`` plus the prior on ``U_p``, and ``g`` holds
-the priors on the shared factors (Gaussian, and the temporal smoothness (3) on ``T``). Step (6)
-is closed form: a weighted average per row for the non-time modes, and one tridiagonal ``K x K``
-solve (all R columns at once) for the time factors.
+``f_p`` is the data term of Eq. (4) on ``Y^p``, the prior on ``U_p`` and a 1/P share of the time
+priors (the smoothness (3) couples time rows, so each sub-problem solves its time rows jointly);
+``g`` holds the Gaussian prior of the other shared modes. Step (6) is then a closed-form weighted
+average per row.
 
-Stochastic step (Sec. 3.3). (5) is solved inexactly by one pass of linearized stochastic ADMM
-updates over shuffled mini-batches of ``Y^p`` (Ouyang et al. 2013): for each row touched by the
-batch, with ``g_i`` the mean data gradient over the batch entries of row i and
-``kappa_i`` their mean ``||h||^2`` (a per-row curvature scale that makes ``lr`` unit-free)::
+Stochastic step (Sec. 3.3). (5) is solved inexactly by one pass over shuffled mini-batches of
+``Y^p`` (a stochastic proximal variant of Ouyang et al. 2013's stochastic ADMM). For each mode in
+turn (Gauss-Seidel) and each row i touched by the batch, with ``G_i = mean h h^T`` and
+``b_i = mean y h`` over the batch entries of row i (``h`` the Hadamard product of the other modes'
+rows) and ``kappa_i = tr(G_i) / R``::
 
-    W_i <- (kappa_i/lr W_i - g_i + rho (Z_i - Lambda_i)) / (kappa_i/lr + rho)                   (8)
-    U_i <- (kappa_i/lr U_i - g_i) / (kappa_i/lr + lam / n_i)                                     (9)
+    W_i <- (G_i + (kappa_i/lr + rho) I)^-1 (b_i + kappa_i/lr W_i + rho (Z_i - Lambda_i))        (8)
+    U_i <- (G_i + (kappa_i/lr + lam/n_i) I)^-1 (b_i + kappa_i/lr U_i)                            (9)
+
+and the time rows solve the block-tridiagonal analogue of (8) with the smoothness prior (8t).
+The proximal term ``kappa_i/lr`` damps each step towards the previous value (``lr`` is unit-free);
+``lr`` decays and ``rho`` grows over the rounds so the noisy mini-batch steps settle.
 
 Sub-problems run through an *executor* (serial here; Dask tasks on the cluster's workers in
 ``paperline.tasks``), so this module stays free of any runtime.
@@ -38,11 +44,11 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 
 import numpy as np
-import scipy.linalg
 
 from paperline.kernels.errors import InputError
 from paperline.kernels.tensor.coo import COOTensor
 from paperline.kernels.tensor.pttf import (
+    solve_time_system,
     CPFactors,
     EpochCallback,
     balance_scales,
@@ -164,8 +170,15 @@ def split_tensor(tensor: COOTensor, n_parts: int) -> list[SubTensor]:
     return parts
 
 
+def time_penalty_rows(sub: SubTensor) -> np.ndarray:
+    """Per-row consensus weights of the time factors: ``max(n_k^p, 1)`` entries, so that slices
+    without local data (e.g. the held-out future) still take part in the consensus."""
+    return np.maximum(sub.row_counts[-1], 1).astype(np.float64)
+
+
 def local_update(sub: SubTensor, state: LocalState, consensus: list[np.ndarray], round_: int,
-                 lr: float, rho: float, lam: float, batch_size: int, warmup_rounds: int = 1) -> LocalResult:
+                 lr: float, rho: float, lam: float, lam_t: float, n_parts: int, batch_size: int,
+                 warmup_rounds: int = 1) -> LocalResult:
     """Step (5) for one sub-problem: one shuffled pass of linearized stochastic updates (8)-(9).
 
     Args:
@@ -188,23 +201,27 @@ def local_update(sub: SubTensor, state: LocalState, consensus: list[np.ndarray],
     factors = [state.u.copy()] + [w.copy() for w in state.w]
     target = [None] + [z - d for z, d in zip(consensus, state.dual)]  # Z - Lambda
     # Rows this sub-problem has no data for follow the consensus exactly.
-    for m in range(1, n_modes):
+    for m in range(1, n_modes - 1):
         absent = sub.row_counts[m] == 0
         factors[m][absent] = consensus[m - 1][absent]
     u_reg = lam / np.maximum(sub.row_counts[0], 1)
     order = np.random.default_rng([state.seed, round_]).permutation(sub.nnz)
     sse = 0.0
+    rank = factors[0].shape[1]
+    iu = np.triu_indices(rank)
+    eye = np.eye(rank)
+    moving = range(n_modes) if round_ > warmup_rounds else range(1)
     for lo in range(0, sub.nnz, batch_size):
         idx = order[lo:lo + batch_size]
         coords = sub.coords[idx]
+        y = sub.values[idx]
         rows = [factors[m][coords[:, m]] for m in range(n_modes)]
         prod = rows[0] * rows[1]
         for m in range(2, n_modes):
             prod *= rows[m]
-        resid = prod.sum(axis=1) - sub.values[idx]
+        resid = prod.sum(axis=1) - y
         sse += float(resid @ resid)
-        updates = []
-        for m in range(n_modes if round_ > warmup_rounds else 1):  # Jacobi: all modes' gradients at the same point
+        for m in moving:  # Gauss-Seidel over modes: each sees the others' fresh rows
             h = None
             for m2 in range(n_modes):
                 if m2 != m:
@@ -212,20 +229,45 @@ def local_update(sub: SubTensor, state: LocalState, consensus: list[np.ndarray],
             ix = coords[:, m]
             n_rows = factors[m].shape[0]
             count = np.bincount(ix, minlength=n_rows)
-            touched = count > 0
-            c = count[touched][:, None]
-            grad = np.stack([np.bincount(ix, weights=resid * h[:, r], minlength=n_rows)[touched]
-                             for r in range(h.shape[1])], axis=1) / c
-            kappa = np.bincount(ix, weights=np.einsum("br,br->b", h, h), minlength=n_rows)[touched][:, None] / c
-            step = kappa / lr + 1e-12
+            touched = np.flatnonzero(count)
+            c = count[touched][:, None, None]
+            # Batch normal equations per touched row: G_i = mean h h^T, b_i = mean y h.
+            pairs = h[:, iu[0]] * h[:, iu[1]]
+            gram_u = np.stack([np.bincount(ix, weights=pairs[:, k], minlength=n_rows)[touched]
+                               for k in range(pairs.shape[1])], axis=1)
+            gram = np.empty((touched.size, rank, rank))
+            gram[:, iu[0], iu[1]] = gram_u
+            gram[:, iu[1], iu[0]] = gram_u
+            gram /= c
+            rhs = np.stack([np.bincount(ix, weights=y * h[:, r], minlength=n_rows)[touched]
+                            for r in range(rank)], axis=1) / c[:, :, 0]
+            kappa = np.trace(gram, axis1=1, axis2=2) / rank
+            damping = (kappa / lr + 1e-12)[:, None]
             old = factors[m][touched]
-            if m == 0:
-                new = (step * old - grad) / (step + u_reg[touched][:, None])           # (9)
-            else:
-                new = (step * old - grad + rho * target[m][touched]) / (step + rho)   # (8)
-            updates.append((touched, new))
-        for m, (touched, new) in enumerate(updates):
-            factors[m][touched] = new
+            if m == 0:                                                                     # (9)
+                shift = damping + u_reg[touched][:, None]
+                b = rhs + damping * old
+                factors[m][touched] = np.linalg.solve(gram + shift[:, :, None] * eye, b[..., None])[..., 0]
+            elif m < n_modes - 1:                                                          # (8)
+                shift = damping + rho
+                b = rhs + damping * old + rho * target[m][touched]
+                factors[m][touched] = np.linalg.solve(gram + shift[:, :, None] * eye, b[..., None])[..., 0]
+            else:                                                                          # (8t)
+                # Time rows are coupled by this sub-problem's share of the smoothness prior, so
+                # they are solved jointly, in the units of the full objective: the batch
+                # statistics of row k scaled to its n_k local entries.
+                n_k = sub.row_counts[m].astype(np.float64)
+                weight = np.zeros(n_rows)
+                weight[touched] = n_k[touched]
+                full_gram = np.zeros((n_rows, rank, rank))
+                full_gram[touched] = (gram + damping[:, :, None] * eye) * weight[touched][:, None, None]
+                full_rhs = np.zeros((n_rows, rank))
+                full_rhs[touched] = (rhs + damping * old) * weight[touched][:, None]
+                penalty = rho * time_penalty_rows(sub)
+                full_gram += penalty[:, None, None] * eye
+                full_rhs += penalty[:, None] * target[m]
+                factors[m] = solve_time_system(full_gram, full_rhs, lam / n_parts, lam_t / n_parts)
+            rows[m] = factors[m][coords[:, m]]
     new_state = LocalState(factors[0], factors[1:], state.dual, state.seed)
     return LocalResult(new_state, sse, sub.nnz, time.perf_counter() - start)
 
@@ -247,26 +289,9 @@ def consensus_update(locals_: Sequence[LocalState], weights: Sequence[list[np.nd
     for j in range(n_shared):
         wsum = sum(rho * w[j][:, None] * (s.w[j] + s.dual[j]) for s, w in zip(locals_, weights))
         wtot = sum(rho * w[j] for w in weights)[:, None]
-        if j < n_shared - 1:
-            out.append(wsum / (wtot + lam))
-        else:
-            out.append(_solve_time_consensus(wsum, wtot[:, 0], lam, lam_t))
+        # Time: its priors live in the sub-problems (8t), so Z_T is the weighted average.
+        out.append(wsum / (wtot + (lam if j < n_shared - 1 else 0.0)))
     return out
-
-
-def _solve_time_consensus(rhs: np.ndarray, diag_weight: np.ndarray, lam: float, lam_t: float) -> np.ndarray:
-    """Solve ``(lam_t D^T D + lam e_1 e_1^T + diag(w)) T = rhs`` (tridiagonal, ``K x K``)."""
-    k = rhs.shape[0]
-    main = diag_weight.astype(np.float64).copy()
-    if k > 1:
-        main[1:] += lam_t
-        main[:-1] += lam_t
-    main[0] += lam
-    ab = np.zeros((3, k))
-    ab[0, 1:] = -lam_t
-    ab[1] = main
-    ab[2, :-1] = -lam_t
-    return scipy.linalg.solve_banded((1, 1), ab, rhs)
 
 
 @dataclass
@@ -279,8 +304,8 @@ class ADMMState:
 
 
 def p2t2f(tensor: COOTensor, rank: int, *, n_parts: int = 2, lam: float = 1.0, lam_t: float = 10.0,
-          rho: float = 0.2, lr: float = 0.5, lr_decay: float = 0.03, rho_growth: float = 1.05, rho_max: float = 100.0,
-          n_epochs: int = 30, batch_size: int = 512, seed: int = 0,
+          rho: float = 0.01, lr: float = 1.0, lr_decay: float = 0.03, rho_growth: float = 1.05, rho_max: float = 100.0,
+          n_epochs: int = 30, batch_size: int = 4096, seed: int = 0,
           validation: COOTensor | None = None, executor: Executor | None = None,
           callback: EpochCallback | None = None) -> FitResult:
     """Fit PTTF (Eq. 4) with P²T²F: data split plus stochastic consensus ADMM (steps 5-8).
@@ -329,7 +354,7 @@ def p2t2f(tensor: COOTensor, rank: int, *, n_parts: int = 2, lam: float = 1.0, l
     states = [LocalState(init[0][sub.rows].copy(), [f.copy() for f in consensus],
                          [np.zeros_like(f) for f in consensus], seed * 1_000_003 + p)
               for p, sub in enumerate(parts)]
-    weights = [sub.row_counts[1:] for sub in parts]
+    weights = [sub.row_counts[1:-1] + [time_penalty_rows(sub)] for sub in parts]
     handles = executor.place(parts)
     history = FitHistory()
     start = time.perf_counter()
@@ -343,7 +368,8 @@ def p2t2f(tensor: COOTensor, rank: int, *, n_parts: int = 2, lam: float = 1.0, l
             rho_t = new_rho
         results: list[LocalResult] = executor.map(
             local_update, handles,
-            [(s, consensus, epoch, lr / (1.0 + lr_decay * (epoch - 1)), rho_t, lam, batch_size) for s in states])
+            [(s, consensus, epoch, lr / (1.0 + lr_decay * (epoch - 1)), rho_t, lam, lam_t, len(parts), batch_size)
+             for s in states])
         states = [r.state for r in results]
         previous = consensus
         consensus = consensus_update(states, weights, lam, lam_t, rho_t)

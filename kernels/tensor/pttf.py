@@ -242,7 +242,7 @@ def als(tensor: COOTensor, rank: int, *, lam: float = 1.0, lam_t: float = 10.0, 
                 gram += lam * np.eye(rank)
                 factors[m] = np.linalg.solve(gram, rhs[..., None])[..., 0]
             else:
-                factors[m] = _solve_time_factors(gram, rhs, lam, lam_t)
+                factors[m] = solve_time_system(gram, rhs, lam, lam_t)
         balance_scales(factors, lam, lam_t)
         obj = objective(factors, tensor, lam, lam_t)
         row = dict(epoch=epoch, objective=obj, train_rmse=rmse(factors, tensor),
@@ -295,7 +295,7 @@ def _row_normal_equations(index: np.ndarray, h: np.ndarray, y: np.ndarray, n_row
     return gram, rhs
 
 
-def _solve_time_factors(gram: np.ndarray, rhs: np.ndarray, lam: float, lam_t: float) -> np.ndarray:
+def solve_time_system(gram: np.ndarray, rhs: np.ndarray, lam: float, lam_t: float) -> np.ndarray:
     """Jointly minimize Eq. (4) over ``T`` (``K x R``) given per-slice Grams ``K x R x R``.
 
     The stationarity conditions form the block-tridiagonal system
