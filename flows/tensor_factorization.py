@@ -24,7 +24,7 @@ from paperline.infra.settings import get_settings
 from paperline.infra.stack import load_stack_info
 from paperline.infra.storage import ObjectStore
 from paperline.infra.tracking import Tracker
-from paperline.kernels.tensor.datasets import dataset_names
+from paperline.kernels.tensor.datasets import dataset_info, dataset_names, read_coo_parquet
 from paperline.tasks import reporting
 from paperline.tasks.tensor import fit_p2t2f, fit_tensorly_cp, load_tensor, split_tensor
 
@@ -42,17 +42,17 @@ class TensorFactorizationParameters(BaseModel):
                                                "COO rows with integer index columns, 't' last, and 'value'. "
                                                "Replaces `datasets`.")
     splits: list[Literal["random", "temporal"]] = Field(default_factory=lambda: ["random", "temporal"])
-    rank: int = Field(6, description="CP rank R.")
-    n_parts: int = Field(2, description="P, sub-tensors solved in parallel (<= size of the first mode).")
-    lam: float = Field(1.0, description="Gaussian prior precision on the factors (Eq. 4).")
-    lam_t: float = Field(10.0, description="Temporal smoothness precision (Eq. 3-4).")
-    rho: float = Field(0.2, description="Initial ADMM consensus penalty per entry.")
-    rho_growth: float = Field(1.05, description="Per-epoch growth of rho.")
-    lr: float = Field(0.5, description="Unit-free step size of the stochastic ADMM updates.")
-    lr_decay: float = Field(0.03, description="lr_t = lr / (1 + lr_decay (t - 1)).")
-    n_epochs: int = Field(40, description="ADMM rounds (one pass over the data each).")
-    batch_size: int = Field(512, description="Entries per mini-batch.")
-    baseline_iterations: int = Field(100, description="ALS iterations of the TensorLy baseline.")
+    rank: int = Field(6, gt=0, description="CP rank R.")
+    n_parts: int = Field(2, ge=1, description="P, sub-tensors solved in parallel (<= size of the first mode).")
+    lam: float = Field(1.0, gt=0, description="Gaussian prior precision on the factors (Eq. 4).")
+    lam_t: float = Field(10.0, ge=0, description="Temporal smoothness precision (Eq. 3-4).")
+    rho: float = Field(0.01, gt=0, description="Initial ADMM consensus penalty per entry.")
+    rho_growth: float = Field(1.05, ge=1, description="Per-epoch growth of rho.")
+    lr: float = Field(1.0, gt=0, description="Unit-free step size of the stochastic ADMM updates.")
+    lr_decay: float = Field(0.03, ge=0, description="lr_t = lr / (1 + lr_decay (t - 1)).")
+    n_epochs: int = Field(40, gt=0, description="ADMM rounds (one pass over the data each).")
+    batch_size: int = Field(4096, gt=0, description="Entries per mini-batch.")
+    baseline_iterations: int = Field(100, gt=0, description="ALS iterations of the TensorLy baseline.")
     seed: int = 0
 
     def p2t2f_params(self) -> dict[str, Any]:
@@ -64,11 +64,9 @@ class TensorFactorizationParameters(BaseModel):
         return dict(rank=self.rank, n_iter_max=self.baseline_iterations, seed=self.seed)
 
     def validate_inputs(self) -> None:
-        """Check what can be checked before any task runs. Raises InputError."""
-        if self.rank <= 0:
-            raise InputError("rank", self.rank, "CP rank must be a positive integer")
-        if self.n_parts < 1:
-            raise InputError("n_parts", self.n_parts, "P must be a positive integer")
+        """Check what can be checked before any task runs (names, P against the first mode, a local
+        data file's readability). Raises InputError naming the argument and the value."""
+        first_modes: dict[str, int] = {}
         if self.data is None:
             if not self.datasets:
                 raise InputError("datasets", self.datasets, "name at least one dataset, or give `data`")
@@ -76,6 +74,15 @@ class TensorFactorizationParameters(BaseModel):
             for d in self.datasets:
                 if d not in known:
                     raise InputError("dataset", d, f"unknown dataset; known: {', '.join(known)}")
+                first_modes[d] = dataset_info(d).shape[0]
+        elif not self.data.startswith("s3://"):
+            if not Path(self.data).is_file():
+                raise InputError("data", self.data, "no such file")
+            first_modes["data"] = read_coo_parquet(self.data, argument="data").shape[0]
+        for d, size in first_modes.items():
+            if self.n_parts > size:
+                raise InputError("n_parts", self.n_parts,
+                                 f"P larger than the number of slices along the first mode of {d!r} ({size})")
         if not self.splits:
             raise InputError("splits", self.splits, "name at least one split kind")
 

@@ -7,6 +7,7 @@ import os
 import socket
 from collections.abc import Callable, Iterator
 
+import numpy as np
 import pytest
 
 from paperline.infra.settings import Settings
@@ -81,3 +82,26 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Settings, 
                 os.environ.pop(k, None)
             else:
                 os.environ[k] = v
+
+
+# --- synthetic data for numeric tests -------------------------------------------------------------
+
+NOISE = 0.1  # standard deviation of the additive Gaussian noise
+
+
+def _low_rank_tensor(shape=(30, 20, 40), rank=3, observed=0.3, seed=0):
+    from paperline.kernels.tensor.coo import COOTensor
+
+    rng = np.random.default_rng(seed)
+    factors = [rng.normal(size=(s, rank)) for s in shape[:-1]]
+    factors.append(np.cumsum(rng.normal(scale=0.3, size=(shape[-1], rank)), axis=0) + rng.normal(size=rank))
+    dense = np.einsum("ir,jr,kr->ijk", *factors) + NOISE * rng.normal(size=shape)
+    return COOTensor.from_dense(dense, rng.random(shape) < observed), factors
+
+
+@pytest.fixture(scope="session")
+def low_rank_tensor():
+    """``low_rank_tensor(shape, rank, observed, seed) -> (COOTensor, true factors)``: a rank-R CP
+    tensor with random-walk time factors plus N(0, noise^2) noise; ``.noise`` is the noise std."""
+    _low_rank_tensor.noise = NOISE
+    return _low_rank_tensor

@@ -1,0 +1,77 @@
+"""Bundled real datasets and the user Parquet format."""
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+
+from paperline.kernels.errors import InputError
+from paperline.kernels.tensor.coo import COOTensor
+from paperline.kernels.tensor.datasets import (
+    dataset_info,
+    dataset_names,
+    load_dataset,
+    read_coo_parquet,
+    write_coo_parquet,
+)
+
+
+@pytest.mark.parametrize("name, shape, nnz", [
+    ("kinetic", (64, 12, 10, 60), 459_046),   # 0.38% missing by design
+    ("produc", (48, 8, 17), 48 * 8 * 17),
+    ("flights", (3, 105, 365), 3 * 105 * 365),
+])
+def test_bundled_dataset_shapes_and_standardization(name, shape, nnz):
+    t = load_dataset(name)
+    assert t.shape == shape == dataset_info(name).shape
+    assert t.nnz == nnz
+    assert np.isfinite(t.values).all()
+    assert abs(t.values.mean()) < 1e-9 and t.values.std() == pytest.approx(1.0)
+
+
+def test_flights_tensor_counts_every_departure():
+    # z = (count - mean) / std over 3*105*365 cells; undo it with the known total of 336,776
+    # departures in 2013: the cells must then hold non-negative integers.
+    t = load_dataset("flights")
+    z = t.values
+    n = z.size
+    # counts = a z + b with sum(counts) = 336776 and min(counts) = 0 (some route-days have none)
+    b = 336_776 / n
+    a = -b / z.min()
+    counts = a * z + b
+    np.testing.assert_allclose(counts, np.round(counts), atol=1e-6)
+    assert set(dataset_names()) >= {"kinetic", "produc", "flights"}
+
+
+def test_unknown_dataset_names_the_value():
+    with pytest.raises(InputError, match="^dataset='nope': unknown dataset; known: flights, kinetic, produc"):
+        load_dataset("nope")
+
+
+def test_parquet_round_trip(tmp_path):
+    rng = np.random.default_rng(0)
+    t = COOTensor.from_dense(rng.normal(size=(3, 4, 5)), rng.random((3, 4, 5)) < 0.5)
+    write_coo_parquet(t, tmp_path / "x.parquet")
+    back = read_coo_parquet(tmp_path / "x.parquet")
+    np.testing.assert_array_equal(back.coords, t.coords)
+    np.testing.assert_array_equal(back.values, t.values)
+
+
+def test_bad_parquet_files_get_clear_errors(tmp_path):
+    junk = tmp_path / "junk.parquet"
+    junk.write_bytes(b"definitely not parquet")
+    with pytest.raises(InputError, match="^data=.*junk.parquet.*not a readable Parquet file"):
+        read_coo_parquet(junk)
+    nan = tmp_path / "nan.parquet"
+    pq.write_table(pa.table({"i": [0, 1], "j": [0, 1], "t": [0, 1], "value": [1.0, float("nan")]}), nan)
+    with pytest.raises(InputError, match="^values=.*1 NaN"):
+        read_coo_parquet(nan)
+    empty = tmp_path / "empty.parquet"
+    pq.write_table(pa.table({"i": pa.array([], pa.int64()), "j": pa.array([], pa.int64()),
+                             "t": pa.array([], pa.int64()), "value": pa.array([], pa.float64())}), empty)
+    with pytest.raises(InputError, match="empty tensor"):
+        read_coo_parquet(empty)
+    cols = tmp_path / "cols.parquet"
+    pq.write_table(pa.table({"i": [0], "value": [1.0]}), cols)
+    with pytest.raises(InputError, match="needs index columns"):
+        read_coo_parquet(cols)
