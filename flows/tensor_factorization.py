@@ -139,13 +139,15 @@ def tensor_factorization(params: TensorFactorizationParameters | None = None) ->
             if params.n_parts > shape[0]:
                 raise InputError("n_parts", params.n_parts,
                                  f"P larger than the number of slices along the first mode of {d!r} ({shape[0]})")
-        futures = []
-        for (d, k), s in splits.items():
-            futures.append((d, k, fit_p2t2f.submit(store, bucket, s, params.p2t2f_params())))
-            futures.append((d, k, fit_tensorly_cp.submit(store, bucket, s, params.baseline_params())))
+        # The TensorLy baselines run as tasks on the workers while the P²T²F fits, one after
+        # another, each spread their P sub-problems over all the workers (called from the flow,
+        # so no worker thread blocks waiting for its own sub-tasks).
+        baselines = {key: fit_tensorly_cp.submit(store, bucket, s, params.baseline_params())
+                     for key, s in splits.items()}
         fits = []
-        for d, k, fut in futures:
-            fits.append({"dataset": d, "split": k, **fut.result()})
+        for (d, k), s in splits.items():
+            fits.append({"dataset": d, "split": k, **fit_p2t2f(store, bucket, s.result(), params.p2t2f_params())})
+            fits.append({"dataset": d, "split": k, **baselines[(d, k)].result()})
         summary = _log_run(tracker, run_id, store, fits, params)
         tracker.end_run(run_id, "FINISHED")
     except BaseException:

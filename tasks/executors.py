@@ -48,20 +48,20 @@ class DaskExecutor:
 
 @contextmanager
 def cluster_executor() -> Iterator[DaskExecutor | SerialExecutor]:
-    """The executor for sub-problems launched from inside a task.
+    """The executor for sub-problems launched by a task.
 
-    On a Dask worker (a task of a flow on the ``DaskTaskRunner``) this is a :class:`DaskExecutor`
-    over ``distributed.worker_client()``, which *secedes* the calling task's thread while it waits,
-    so that the sub-problems can use every worker thread, this one's included (a plain client
-    would hold the thread and deadlock a cluster of single-threaded workers). Anywhere else it is
-    the in-process :class:`SerialExecutor`.
+    In the flow's process with a ``DaskTaskRunner`` (the task called directly from the flow) this
+    is a :class:`DaskExecutor` over the runner's client: the sub-problems run on every worker and
+    no worker thread waits on them. (Launching them from a task running *on* a worker would need
+    ``worker_client()``, whose secede breaks Prefect's result caching of that task: measured with
+    prefect 3.9.1, such tasks are never Cached.) Anywhere else it is the in-process
+    :class:`SerialExecutor`.
     """
-    from distributed import get_worker, worker_client
+    from distributed import get_client
 
     try:
-        get_worker()
+        client = get_client()
     except ValueError:
         yield SerialExecutor()
         return
-    with worker_client() as client:
-        yield DaskExecutor(client)
+    yield DaskExecutor(client)

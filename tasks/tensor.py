@@ -115,6 +115,9 @@ def _commit_fit(store: ObjectStore, bucket: str, method: str, split_ref: dict[st
 def fit_p2t2f(store: ObjectStore, bucket: str, split_ref: dict[str, Any], params: dict[str, Any]) -> dict[str, Any]:
     """Fit P²T²F on a split; its P sub-problems run as Dask tasks on the cluster's workers.
 
+    Call it directly from the flow (not ``.submit``): it drives the ADMM rounds from the flow's
+    process and submits the sub-problems through the task runner's Dask client.
+
     Args:
         params: keyword arguments of :func:`paperline.kernels.tensor.p2t2f.p2t2f` (rank, n_parts,
             lam, lam_t, rho, lr, lr_decay, rho_growth, n_epochs, batch_size, seed).

@@ -10,6 +10,12 @@ from paperline.tasks.executors import DaskExecutor, cluster_executor
 from paperline.kernels.tensor.p2t2f import SerialExecutor
 
 
+def test_cluster_executor_is_serial_without_a_client():
+    # Runs before the module's client exists (pytest keeps file order).
+    with cluster_executor() as ex:
+        assert isinstance(ex, SerialExecutor)
+
+
 @pytest.fixture(scope="module")
 def client():
     with LocalCluster(n_workers=2, threads_per_worker=1, processes=False, dashboard_address=None) as cluster, \
@@ -29,6 +35,6 @@ def test_dask_executor_matches_serial_exactly(client, low_rank_tensor):
     assert len(set(executor._assigned.values())) == 2
 
 
-def test_cluster_executor_is_serial_outside_a_worker():
+def test_cluster_executor_uses_the_default_client(client):
     with cluster_executor() as ex:
-        assert isinstance(ex, SerialExecutor)
+        assert isinstance(ex, DaskExecutor) and ex.client is client

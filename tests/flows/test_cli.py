@@ -1,0 +1,107 @@
+"""CLI behaviour on bad input: one clear line naming the argument and value, non-zero exit,
+no traceback; nothing here needs the stack (input is checked before anything starts)."""
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+from typer.testing import CliRunner
+
+from paperline.flows.cli import app
+from paperline.infra.settings import get_settings
+
+runner = CliRunner()
+
+
+def run_cli(*args, env=None):
+    get_settings.cache_clear()
+    try:
+        return runner.invoke(app, list(args), env=env)
+    finally:
+        get_settings.cache_clear()
+
+
+def assert_one_line_error(result, *fragments):
+    assert result.exit_code != 0, result.output
+    assert "Traceback" not in result.output
+    text = " ".join(result.output.split())  # rich may wrap long lines
+    assert "error:" in text
+    for f in fragments:
+        assert f in text, text
+
+
+@pytest.fixture
+def parquet(tmp_path):
+    def write(name, table=None, raw=None):
+        path = tmp_path / name
+        if raw is not None:
+            path.write_bytes(raw)
+        else:
+            pq.write_table(table, path)
+        return str(path)
+
+    return write
+
+
+@pytest.mark.parametrize("sets, fragments", [
+    (["rank=0"], ["rank=0", "greater than 0"]),
+    (["rank=-3"], ["rank=-3"]),
+    (["datasets=nope"], ["dataset='nope'", "unknown dataset"]),
+    (["datasets=flights", "n_parts=4"], ["n_parts=4", "P larger than the number of slices", "'flights' (3)"]),
+    (["bogus=1"], ["--set='bogus'", "unknown parameter"]),
+    (["rank"], ["--set='rank'", "expected key=value"]),
+])
+def test_bad_parameters(sets, fragments):
+    args = ["run", "tensor-factorization"]
+    for s in sets:
+        args += ["--set", s]
+    assert_one_line_error(run_cli(*args), *fragments)
+
+
+def test_unknown_pipeline_and_preset():
+    assert_one_line_error(run_cli("run", "nope"), "pipeline='nope'", "known: tensor-factorization")
+    assert_one_line_error(run_cli("run", "tensor-factorization", "--preset", "huge"), "--preset='huge'")
+
+
+def test_bad_user_data(parquet):
+    cases = [
+        (parquet("junk.parquet", raw=b"not parquet at all"), ["junk.parquet", "not a readable Parquet file"]),
+        (parquet("nan.parquet", pa.table({"i": [0, 1], "j": [0, 1], "t": [0, 1], "value": [1.0, float("nan")]})),
+         ["values=", "1 NaN", "must be finite"]),
+        (parquet("inf.parquet", pa.table({"i": [0, 1], "j": [0, 1], "t": [0, 1], "value": [1.0, float("inf")]})),
+         ["values=", "1 inf"]),
+        (parquet("empty.parquet", pa.table({"i": pa.array([], pa.int64()), "j": pa.array([], pa.int64()),
+                                            "t": pa.array([], pa.int64()), "value": pa.array([], pa.float64())})),
+         ["empty tensor"]),
+        ("/no/such/file.parquet", ["data='/no/such/file.parquet'", "no such file"]),
+    ]
+    for path, fragments in cases:
+        assert_one_line_error(run_cli("run", "tensor-factorization", "--set", f"data={path}"), *fragments)
+
+
+def test_debug_shows_the_traceback():
+    result = run_cli("--debug", "run", "tensor-factorization", "--set", "rank=0")
+    assert result.exit_code != 0
+    assert result.exception is not None  # re-raised for the traceback
+
+
+def test_a_down_service_is_named(tmp_path, free_port):
+    dead = free_port()
+    env = {
+        "PAPERLINE_STATE_DIR": str(tmp_path),
+        "PAPERLINE_S3_ENDPOINT_URL": f"http://127.0.0.1:{dead}",
+        "PAPERLINE_S3_ACCESS_KEY_ID": "x",
+        "PAPERLINE_S3_SECRET_ACCESS_KEY": "y",
+        "PAPERLINE_PREFECT_API_URL": f"http://127.0.0.1:{dead}/api",
+        "PAPERLINE_MLFLOW_TRACKING_URI": f"http://127.0.0.1:{dead}",
+        "PAPERLINE_STARTUP_TIMEOUT_S": "3",
+    }
+    result = run_cli("run", "tensor-factorization", "--set", "datasets=produc", env=env)
+    assert_one_line_error(result, "is not available", f"127.0.0.1:{dead}")
+    assert any(name in result.output for name in ("s3", "prefect", "mlflow"))
+
+
+def test_datasets_lists_the_bundled_data():
+    result = run_cli("datasets")
+    assert result.exit_code == 0
+    for name in ("kinetic", "produc", "flights"):
+        assert name in result.output

@@ -1,0 +1,99 @@
+"""End to end through the real stack: `paperline run` twice on real data (produc).
+
+One module, two CLI runs in subprocesses (as a user runs them), sharing the session stack:
+the first computes, the second is served from the S3-backed cache; both are visible in Prefect
+and MLflow, and the artifacts are objects in the SeaweedFS bucket.
+"""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.stack
+
+ARGS = ["run", "tensor-factorization", "--set", "datasets=produc", "--set", "n_epochs=4",
+        "--set", "baseline_iterations=5", "--set", "rank=3"]
+
+
+@pytest.fixture(scope="module")
+def two_runs(stack, tmp_path_factory):
+    settings, info = stack
+    out = tmp_path_factory.mktemp("runs")
+    env = {k: v for k, v in os.environ.items() if not k.startswith("PAPERLINE_")}
+    env.update(PAPERLINE_STATE_DIR=str(settings.state_dir), PAPERLINE_N_WORKERS="2", PYTHONUNBUFFERED="1")
+    cli = [sys.executable, "-m", "paperline.flows.cli"]
+    runs = []
+    for n in (1, 2):
+        summary = out / f"summary{n}.json"
+        proc = subprocess.run(cli + ARGS + ["--summary-json", str(summary)], env=env, capture_output=True,
+                              text=True, timeout=600)
+        assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+        runs.append((proc, json.loads(summary.read_text())))
+    return info, runs
+
+
+def test_run_prints_results_and_urls(two_runs):
+    info, runs = two_runs
+    proc, summary = runs[0]
+    out = " ".join(proc.stdout.split())
+    assert "test RMSE" in out and "p2t2f" in out and "tensorly" in out
+    assert summary["prefect_flow_run_url"] in out.replace(" ", "") or summary["prefect_flow_run_id"] in out
+    assert summary["prefect_flow_run_url"].startswith(info.prefect_ui_url)
+    assert summary["mlflow_run_url"].startswith(info.mlflow_tracking_uri)
+    rows = {(r["split"], r["method"]): r for r in summary["rows"]}
+    assert set(rows) == {(s, m) for s in ("random", "temporal") for m in ("p2t2f", "tensorly_cp")}
+    for r in rows.values():
+        assert 0 < r["test_rmse"] < 5
+    assert summary["params"]["rank"] == 3 and summary["params"]["n_epochs"] == 4
+
+
+def test_second_run_is_served_from_the_cache(two_runs):
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterId
+
+    _, runs = two_runs
+    states = []
+    for _, summary in runs:
+        with get_client(sync_client=True) as client:
+            flow_run = client.read_flow_run(summary["prefect_flow_run_id"])
+            assert flow_run.state.name == "Completed"
+            task_runs = client.read_task_runs(
+                flow_run_filter=FlowRunFilter(id=FlowRunFilterId(any_=[flow_run.id])))
+        states.append({t.name.rsplit("-", 1)[0]: t.state.name for t in task_runs} | {
+            "_all": sorted(t.state.name for t in task_runs)})
+    first, second = states
+    assert "Cached" not in first["_all"] or first["_all"].count("Cached") < len(first["_all"])
+    assert set(second["_all"]) == {"Cached"}, second
+    assert {"load-tensor", "split-tensor", "fit-p2t2f", "fit-tensorly-cp"} <= set(second)
+    # Same results from the cache.
+    assert runs[0][1]["rows"] == runs[1][1]["rows"]
+
+
+def test_mlflow_run_has_params_metrics_and_artifacts_in_s3(two_runs):
+    from paperline.infra.storage import ObjectStore
+    from paperline.infra.tracking import Tracker
+
+    info, runs = two_runs
+    summary = runs[1][1]
+    client = Tracker(info.mlflow_tracking_uri).client
+    run = client.get_run(summary["mlflow_run_id"])
+    assert run.info.status == "FINISHED"
+    assert run.data.tags["prefect.flow_run_id"] == summary["prefect_flow_run_id"]
+    assert run.data.params["rank"] == "3"
+    assert "produc.random.p2t2f.test_rmse" in run.data.metrics
+    history = client.get_metric_history(run.info.run_id, "produc.random.p2t2f.validation_rmse")
+    assert [m.step for m in history] == [1, 2, 3, 4]
+    assert "secret" not in json.dumps(run.data.params).lower()
+    names = {Path(a.path).name for a in client.list_artifacts(run.info.run_id)}
+    assert {"convergence.png", "temporal_factors.png", "results.parquet", "factors"} <= names
+    objects = ObjectStore.from_stack(info).list(f"s3://{info.artifacts_bucket}/")
+    assert any(run.info.run_id in o and o.endswith("convergence.png") for o in objects)
+    assert any(run.info.run_id in o and o.endswith("factors_produc_random.npz") for o in objects)
+    # The committed fits in the data bucket are the ones the summary names.
+    store = ObjectStore.from_stack(info)
+    for uri in summary["artifacts"]["fits"]:
+        assert store.exists(uri)
