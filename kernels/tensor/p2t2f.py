@@ -170,6 +170,22 @@ def split_tensor(tensor: COOTensor, n_parts: int) -> list[SubTensor]:
     return parts
 
 
+def _segment_sums(index: np.ndarray, values: np.ndarray, n_rows: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Sum the rows of ``values`` (``B x C``) that share an ``index`` in ``[0, n_rows)``, with one
+    ``bincount`` over the flattened ``(index, column)`` pairs.
+
+    Returns:
+        ``(rows, counts, sums)``: the touched indices (sorted), how many entries each has, and
+        the ``len(rows) x C`` sums.
+    """
+    n_cols = values.shape[1]
+    flat = (index[:, None] * n_cols + np.arange(n_cols)).ravel()
+    sums = np.bincount(flat, weights=values.ravel(), minlength=n_rows * n_cols).reshape(n_rows, n_cols)
+    counts = np.bincount(index, minlength=n_rows)
+    rows = np.flatnonzero(counts)
+    return rows, counts[rows], sums[rows]
+
+
 def time_penalty_rows(sub: SubTensor) -> np.ndarray:
     """Per-row consensus weights of the time factors: ``max(n_k^p, 1)`` entries, so that slices
     without local data (e.g. the held-out future) still take part in the consensus."""
@@ -178,7 +194,7 @@ def time_penalty_rows(sub: SubTensor) -> np.ndarray:
 
 def local_update(sub: SubTensor, state: LocalState, consensus: list[np.ndarray], round_: int,
                  lr: float, rho: float, lam: float, lam_t: float, n_parts: int, batch_size: int,
-                 warmup_rounds: int = 1) -> LocalResult:
+                 local_passes: int = 1, warmup_rounds: int = 1) -> LocalResult:
     """Step (5) for one sub-problem: one shuffled pass of linearized stochastic updates (8)-(9).
 
     Args:
@@ -205,13 +221,15 @@ def local_update(sub: SubTensor, state: LocalState, consensus: list[np.ndarray],
         absent = sub.row_counts[m] == 0
         factors[m][absent] = consensus[m - 1][absent]
     u_reg = lam / np.maximum(sub.row_counts[0], 1)
-    order = np.random.default_rng([state.seed, round_]).permutation(sub.nnz)
+    rng = np.random.default_rng([state.seed, round_])
+    order = np.concatenate([rng.permutation(sub.nnz) for _ in range(local_passes)])
     sse = 0.0
     rank = factors[0].shape[1]
     iu = np.triu_indices(rank)
+    n_pairs = iu[0].size
     eye = np.eye(rank)
     moving = range(n_modes) if round_ > warmup_rounds else range(1)
-    for lo in range(0, sub.nnz, batch_size):
+    for lo in range(0, order.size, batch_size):
         idx = order[lo:lo + batch_size]
         coords = sub.coords[idx]
         y = sub.values[idx]
@@ -228,19 +246,15 @@ def local_update(sub: SubTensor, state: LocalState, consensus: list[np.ndarray],
                     h = rows[m2].copy() if h is None else h * rows[m2]
             ix = coords[:, m]
             n_rows = factors[m].shape[0]
-            count = np.bincount(ix, minlength=n_rows)
-            touched = np.flatnonzero(count)
-            c = count[touched][:, None, None]
-            # Batch normal equations per touched row: G_i = mean h h^T, b_i = mean y h.
-            pairs = h[:, iu[0]] * h[:, iu[1]]
-            gram_u = np.stack([np.bincount(ix, weights=pairs[:, k], minlength=n_rows)[touched]
-                               for k in range(pairs.shape[1])], axis=1)
+            # Batch normal equations per touched row: G_i = mean h h^T, b_i = mean y h; one
+            # segmented sum over [h h^T (upper) | y h].
+            stats = np.concatenate([h[:, iu[0]] * h[:, iu[1]], y[:, None] * h], axis=1)
+            touched, c, sums = _segment_sums(ix, stats, n_rows)
+            sums /= c[:, None]
             gram = np.empty((touched.size, rank, rank))
-            gram[:, iu[0], iu[1]] = gram_u
-            gram[:, iu[1], iu[0]] = gram_u
-            gram /= c
-            rhs = np.stack([np.bincount(ix, weights=y * h[:, r], minlength=n_rows)[touched]
-                            for r in range(rank)], axis=1) / c[:, :, 0]
+            gram[:, iu[0], iu[1]] = sums[:, :n_pairs]
+            gram[:, iu[1], iu[0]] = sums[:, :n_pairs]
+            rhs = sums[:, n_pairs:]
             kappa = np.trace(gram, axis1=1, axis2=2) / rank
             damping = (kappa / lr + 1e-12)[:, None]
             old = factors[m][touched]
@@ -269,7 +283,7 @@ def local_update(sub: SubTensor, state: LocalState, consensus: list[np.ndarray],
                 factors[m] = solve_time_system(full_gram, full_rhs, lam / n_parts, lam_t / n_parts)
             rows[m] = factors[m][coords[:, m]]
     new_state = LocalState(factors[0], factors[1:], state.dual, state.seed)
-    return LocalResult(new_state, sse, sub.nnz, time.perf_counter() - start)
+    return LocalResult(new_state, sse, order.size, time.perf_counter() - start)
 
 
 def consensus_update(locals_: Sequence[LocalState], weights: Sequence[list[np.ndarray]],
@@ -305,6 +319,7 @@ class ADMMState:
 
 def p2t2f(tensor: COOTensor, rank: int, *, n_parts: int = 2, lam: float = 1.0, lam_t: float = 10.0,
           rho: float = 0.01, lr: float = 1.0, lr_decay: float = 0.03, rho_growth: float = 1.05, rho_max: float = 100.0,
+          rho_balance: float = 0.0, local_passes: int = 1,
           n_epochs: int = 30, batch_size: int = 4096, seed: int = 0,
           validation: COOTensor | None = None, executor: Executor | None = None,
           callback: EpochCallback | None = None) -> FitResult:
@@ -360,15 +375,25 @@ def p2t2f(tensor: COOTensor, rank: int, *, n_parts: int = 2, lam: float = 1.0, l
     start = time.perf_counter()
     u = init[0].copy()
     rho_t = rho
+    primal, dual = 0.0, 0.0
     for epoch in range(1, n_epochs + 1):
-        if epoch > 1 and rho_growth != 1.0 and rho_t < rho_max:
-            new_rho = min(rho_t * rho_growth, rho_max)
+        new_rho = rho_t
+        if epoch > 1 and rho_growth != 1.0:
+            new_rho = rho_t * rho_growth
+        if epoch > 2 and rho_balance > 1.0:  # residual balancing (Boyd et al. 2011, Sec. 3.4.1)
+            if primal > rho_balance * dual:
+                new_rho = rho_t * 2.0
+            elif dual > rho_balance * primal:
+                new_rho = rho_t / 2.0
+        new_rho = min(new_rho, rho_max)
+        if new_rho != rho_t:
             for s in states:  # scaled duals are y / rho: rescale when rho changes
                 s.dual = [d * (rho_t / new_rho) for d in s.dual]
             rho_t = new_rho
         results: list[LocalResult] = executor.map(
             local_update, handles,
-            [(s, consensus, epoch, lr / (1.0 + lr_decay * (epoch - 1)), rho_t, lam, lam_t, len(parts), batch_size)
+            [(s, consensus, epoch, lr / (1.0 + lr_decay * (epoch - 1)), rho_t, lam, lam_t, len(parts), batch_size,
+              local_passes)
              for s in states])
         states = [r.state for r in results]
         previous = consensus
@@ -381,6 +406,9 @@ def p2t2f(tensor: COOTensor, rank: int, *, n_parts: int = 2, lam: float = 1.0, l
                 primal_sq += float(np.sum(diff**2))
         # Scale balancing (see pttf.balance_scales) applied to U, Z, W^p and Lambda^p alike: the
         # data terms and the consensus constraints are invariant, the priors cannot increase.
+        primal = float(np.sqrt(primal_sq))
+        dual = rho_t * float(np.sqrt(len(states) * sum(float(np.sum((z - zp) ** 2))
+                                                       for z, zp in zip(consensus, previous))))
         for s, sub in zip(states, parts):
             u[sub.rows] = s.u
         scales = balance_scales([u] + consensus, lam, lam_t)
@@ -388,13 +416,12 @@ def p2t2f(tensor: COOTensor, rank: int, *, n_parts: int = 2, lam: float = 1.0, l
             s.u = s.u * scales[0]
             s.w = [w * c for w, c in zip(s.w, scales[1:])]
             s.dual = [d * c for d, c in zip(s.dual, scales[1:])]
-        dual_sq = len(states) * sum(float(np.sum((z - zp) ** 2)) for z, zp in zip(consensus, previous))
         factors = [u] + consensus
         n_seen = sum(r.n_entries for r in results)
         row = dict(epoch=epoch, objective=objective(factors, tensor, lam, lam_t),
                    train_rmse=float(np.sqrt(sum(r.sum_squared_error for r in results) / n_seen)),
                    validation_rmse=rmse(factors, validation) if validation is not None else float("nan"),
-                   primal_residual=float(np.sqrt(primal_sq)), dual_residual=rho * float(np.sqrt(dual_sq)),
+                   primal_residual=primal, dual_residual=dual,
                    wall_seconds=time.perf_counter() - start)
         history.append(**row)
         if callback is not None:

@@ -29,8 +29,6 @@ from dataclasses import dataclass, field
 
 import numpy as np
 import scipy.linalg
-import scipy.sparse
-import scipy.sparse.linalg
 
 from paperline.kernels.errors import InputError
 from paperline.kernels.tensor.coo import COOTensor
@@ -308,9 +306,15 @@ def solve_time_system(gram: np.ndarray, rhs: np.ndarray, lam: float, lam_t: floa
     neighbours[[0, -1]] = 1.0 if k > 1 else 0.0
     diag = gram + (lam_t * neighbours)[:, None, None] * eye
     diag[0] += lam * eye
-    blocks = scipy.sparse.block_diag(list(diag), format="csr")
+    # Symmetric banded storage (upper form, bandwidth R) of the (K R) x (K R) matrix: entry (i, j)
+    # with j >= i goes to ab[R + i - j, j]. Within-block entries have j - i < R; the temporal
+    # coupling -lam_t sits exactly R above the diagonal.
+    n = k * r
+    ab = np.zeros((r + 1, n))
+    rows, cols = np.triu_indices(r)
+    for t in range(k):
+        ab[r + rows - cols, t * r + cols] = diag[t, rows, cols]
     if k > 1:
-        off = scipy.sparse.diags([-lam_t * np.ones((k - 1) * r)] * 2, [r, -r], shape=(k * r, k * r))
-        blocks = (blocks + off).tocsc()
-    sol = scipy.sparse.linalg.spsolve(blocks.tocsc(), rhs.reshape(-1))
-    return np.asarray(sol).reshape(k, r)
+        ab[0, r:] = -lam_t
+    sol = scipy.linalg.solveh_banded(ab, rhs.reshape(-1), lower=False, check_finite=False)
+    return sol.reshape(k, r)
