@@ -52,13 +52,17 @@ class TensorFactorizationParameters(BaseModel):
     lr_decay: float = Field(0.03, ge=0, description="lr_t = lr / (1 + lr_decay (t - 1)).")
     n_epochs: int = Field(40, gt=0, description="ADMM rounds (one pass over the data each).")
     batch_size: int = Field(4096, gt=0, description="Entries per mini-batch.")
+    local_passes: int = Field(1, gt=0, description="Mini-batch passes over its data per sub-problem per round.")
+    rho_balance: float = Field(0.0, ge=0, description="Residual balancing: double/halve rho when the primal/dual "
+                                                       "residual is this many times the other (0: off).")
     baseline_iterations: int = Field(100, gt=0, description="ALS iterations of the TensorLy baseline.")
     seed: int = 0
 
     def p2t2f_params(self) -> dict[str, Any]:
         return dict(rank=self.rank, n_parts=self.n_parts, lam=self.lam, lam_t=self.lam_t, rho=self.rho,
                     rho_growth=self.rho_growth, lr=self.lr, lr_decay=self.lr_decay, n_epochs=self.n_epochs,
-                    batch_size=self.batch_size, seed=self.seed)
+                    batch_size=self.batch_size, local_passes=self.local_passes, rho_balance=self.rho_balance,
+                    seed=self.seed)
 
     def baseline_params(self) -> dict[str, Any]:
         return dict(rank=self.rank, n_iter_max=self.baseline_iterations, seed=self.seed)

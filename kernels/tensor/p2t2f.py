@@ -341,6 +341,10 @@ def p2t2f(tensor: COOTensor, rank: int, *, n_parts: int = 2, lam: float = 1.0, l
             decaying steps stochastic ADMM needs to converge rather than hover.
         rho_growth, rho_max: round t uses ``min(rho rho_growth^(t-1), rho_max)``; an increasing
             penalty (with the scaled duals rescaled) tightens consensus as the fit settles.
+        rho_balance: if > 1, residual balancing (Boyd et al. 2011, Sec. 3.4.1): rho doubles when
+            the primal residual exceeds ``rho_balance`` times the dual one and halves in the
+            opposite case. 0 turns it off.
+        local_passes: mini-batch passes of each sub-problem per round (a more exact step (5)).
         n_epochs: ADMM rounds.
         batch_size: entries per mini-batch.
         seed: seeds the initial factors and each sub-problem's shuffles.
