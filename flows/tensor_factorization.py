@@ -164,7 +164,7 @@ def tensor_factorization(params: TensorFactorizationParameters | None = None) ->
 
 def _log_run(tracker: Tracker, run_id: str, store: ObjectStore, fits: list[dict[str, Any]],
              params: TensorFactorizationParameters) -> dict[str, Any]:
-    rows, metrics = [], {}
+    rows, metrics, steps = [], {}, []
     for f in fits:
         tag = f"{f['dataset']}.{f['split']}.{f['method']}"
         for h in f["history"]:
@@ -173,13 +173,14 @@ def _log_run(tracker: Tracker, run_id: str, store: ObjectStore, fits: list[dict[
                     if np.isfinite(h.get(k, np.nan))}
             if f["method"] == "p2t2f":
                 step[f"{tag}.consensus_residual"] = float(h["primal_residual"])
-            tracker.log_metrics(run_id, step, step=int(h["epoch"]))
+            steps.append((int(h["epoch"]), step))
         final = {f"{tag}.test_rmse": f["test_rmse"], f"{tag}.fit_seconds": f["fit_seconds"]}
-        tracker.log_metrics(run_id, final)
+        steps.append((0, final))
         metrics.update(final)
         rows.append({"dataset": f["dataset"], "split": f["split"], "method": f["method"],
                      "test_rmse": f["test_rmse"], "validation_rmse": f["validation_rmse"],
                      "fit_seconds": f["fit_seconds"], "epochs": len(f["history"]), "factors": f["manifest"]})
+    tracker.log_metric_steps(run_id, steps)
     time_factors = {}
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp)

@@ -207,6 +207,23 @@ class Tracker:
         for i in range(0, len(items), MAX_METRICS_PER_BATCH):
             self._call("log metrics", self.client.log_batch, run_id, metrics=items[i : i + MAX_METRICS_PER_BATCH])
 
+    def log_metric_steps(self, run_id: str, steps: list[tuple[int, dict[str, float]]]) -> None:
+        """Log many steps' metrics (e.g. a whole training history) in as few requests as possible.
+
+        Args:
+            run_id: The run.
+            steps: ``(step, {name: value})`` pairs.
+
+        Raises:
+            ServiceError: The tracking server is unreachable.
+        """
+        from mlflow.entities import Metric  # noqa: PLC0415
+
+        ts = int(time.time() * 1000)
+        items = [Metric(str(k), float(v), ts, int(step)) for step, metrics in steps for k, v in metrics.items()]
+        for i in range(0, len(items), MAX_METRICS_PER_BATCH):
+            self._call("log metrics", self.client.log_batch, run_id, metrics=items[i : i + MAX_METRICS_PER_BATCH])
+
     def log_artifact(self, run_id: str, local_path: str, artifact_path: str | None = None) -> None:
         """Upload a local file (or directory) as an artifact of the run.
 
