@@ -21,8 +21,9 @@ from paperline.kernels.errors import InputError as KernelInputError
 
 app = typer.Typer(help="paperline: systems papers as Prefect flows on Dask, tracked in MLflow, artifacts in S3.",
                   no_args_is_help=True, add_completion=False, pretty_exceptions_enable=False)
-console = Console()
-err_console = Console(stderr=True)
+# Tables hold URLs: never narrower than 140 columns, even when piped (rich's default is 80).
+console = Console(width=max(140, Console().width))
+err_console = Console(stderr=True, width=max(140, Console(stderr=True).width))
 _state = {"debug": False}
 
 
@@ -58,10 +59,16 @@ def _settings():
 
 
 def _ensure_stack():
-    from paperline.infra.stack import activate, ensure_stack
+    from paperline.infra.stack import activate, ensure_stack, stack_status
 
+    settings = _settings()
+    was_up = {s.name for s in stack_status(settings) if s.healthy}
     with console.status("starting the local stack (S3, Prefect, MLflow)...") as status:
-        info = ensure_stack(_settings(), progress=lambda msg: status.update(msg))
+        info = ensure_stack(settings, progress=lambda msg: status.update(msg))
+    started = [s for s in info.services if s.managed and s.name not in was_up]
+    if started:
+        console.print(f"started the local stack in {settings.state_dir} (stop it with `paperline down`): "
+                      + ", ".join(f"{s.name} {s.url}" for s in started), soft_wrap=True)
     activate(info)
     return info
 
@@ -72,7 +79,8 @@ def up() -> None:
     """Start the local stack (or check the configured endpoints) and print each service's URL."""
     info = _ensure_stack()
     _print_services(info.services)
-    console.print(f"Prefect UI: {info.prefect_ui_url}\nMLflow UI:  {info.mlflow_tracking_uri}")
+    console.print(f"S3:         {info.s3_endpoint_url}\nPrefect UI: {info.prefect_ui_url}\n"
+                  f"MLflow UI:  {info.mlflow_tracking_uri}", soft_wrap=True)
 
 
 @app.command()
@@ -100,6 +108,7 @@ def status() -> None:
 
 def _print_services(services) -> None:
     table = Table("service", "url", "managed", "pid", "healthy", "log")
+    table.columns[1].no_wrap = True
     for s in services:
         healthy = {True: "[green]yes[/]", False: "[red]no[/]", None: "?"}[s.healthy]
         table.add_row(s.name, s.url, "local" if s.managed else "external", str(s.pid or "-"), healthy,
@@ -153,9 +162,10 @@ def _quiet_logs() -> None:
         record.exc_text = None
         return True
 
-    import prefect.logging  # noqa: F401 - configures Prefect's handlers
+    from prefect.logging.configuration import setup_logging
 
-    for handler in logging.getLogger("prefect").handlers:
+    setup_logging()  # idempotent; Prefect's console handler sits on the root logger
+    for handler in logging.getLogger().handlers:
         handler.addFilter(strip_traceback)
 
 
@@ -191,8 +201,8 @@ def _print_summary(name: str, summary: dict[str, Any]) -> None:
         table.add_row(r["dataset"], r["split"], r["method"], _fmt(r["test_rmse"]), _fmt(r["validation_rmse"]),
                       f"{r['fit_seconds']:.2f}", str(r["epochs"]))
     console.print(table)
-    console.print(f"Prefect flow run: {summary['prefect_flow_run_url']}")
-    console.print(f"MLflow run:       {summary['mlflow_run_url']}")
+    console.print(f"Prefect flow run: {summary['prefect_flow_run_url']}", soft_wrap=True)
+    console.print(f"MLflow run:       {summary['mlflow_run_url']}", soft_wrap=True)
 
 
 @app.command()

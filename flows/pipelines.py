@@ -78,5 +78,6 @@ def build_parameters(pipeline: Pipeline, preset: str, overrides: list[str]) -> B
         return pipeline.parameters.model_validate(values)
     except ValidationError as exc:
         err = exc.errors()[0]
-        where = ".".join(str(p) for p in err["loc"])
+        loc = err["loc"]
+        where = str(loc[0]) + "".join(f"[{p}]" for p in loc[1:])
         raise InputError(where, err.get("input"), err["msg"]) from None

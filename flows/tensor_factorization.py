@@ -24,6 +24,9 @@ from paperline.infra.settings import get_settings
 from paperline.infra.stack import load_stack_info
 from paperline.infra.storage import ObjectStore
 from paperline.infra.tracking import Tracker
+from paperline.kernels.errors import InputError as KernelInputError
+from paperline.kernels.tensor.baselines import MAX_DENSE_CELLS
+from paperline.kernels.tensor.coo import make_split
 from paperline.kernels.tensor.datasets import dataset_info, dataset_names, read_coo_parquet
 from paperline.tasks import reporting
 from paperline.tasks.tensor import fit_p2t2f, fit_tensorly_cp, load_tensor, split_tensor
@@ -42,7 +45,7 @@ class TensorFactorizationParameters(BaseModel):
                                                "COO rows with integer index columns, 't' last, and 'value'. "
                                                "Replaces `datasets`.")
     splits: list[Literal["random", "temporal"]] = Field(default_factory=lambda: ["random", "temporal"])
-    rank: int = Field(6, gt=0, description="CP rank R.")
+    rank: int = Field(6, gt=0, le=512, description="CP rank R.")
     n_parts: int = Field(2, ge=1, description="P, sub-tensors solved in parallel (<= size of the first mode).")
     lam: float = Field(1.0, gt=0, description="Gaussian prior precision on the factors (Eq. 4).")
     lam_t: float = Field(10.0, ge=0, description="Temporal smoothness precision (Eq. 3-4).")
@@ -55,8 +58,9 @@ class TensorFactorizationParameters(BaseModel):
     local_passes: int = Field(1, gt=0, description="Mini-batch passes over its data per sub-problem per round.")
     rho_balance: float = Field(0.0, ge=0, description="Residual balancing: double/halve rho when the primal/dual "
                                                        "residual is this many times the other (0: off).")
+    baseline: bool = Field(True, description="Also fit the TensorLy CP baseline (needs the dense tensor).")
     baseline_iterations: int = Field(100, gt=0, description="ALS iterations of the TensorLy baseline.")
-    seed: int = 0
+    seed: int = Field(0, ge=0, description="Seed of the splits, the initial factors and the shuffles.")
 
     def p2t2f_params(self) -> dict[str, Any]:
         return dict(rank=self.rank, n_parts=self.n_parts, lam=self.lam, lam_t=self.lam_t, rho=self.rho,
@@ -68,9 +72,15 @@ class TensorFactorizationParameters(BaseModel):
         return dict(rank=self.rank, n_iter_max=self.baseline_iterations, seed=self.seed)
 
     def validate_inputs(self) -> None:
-        """Check what can be checked before any task runs (names, P against the first mode, a local
-        data file's readability). Raises InputError naming the argument and the value."""
-        first_modes: dict[str, int] = {}
+        """Check what can be checked before anything starts: dataset names, a local data file
+        (readable, splittable), P against the first mode, and memory bounds (the TensorLy
+        baseline's dense tensor, P²T²F's factors). Raises InputError naming the argument and
+        the value seen."""
+        if self.data is not None and "datasets" in self.model_fields_set:
+            raise InputError("datasets", self.datasets, "give either `datasets` or `data`, not both")
+        if not self.splits:
+            raise InputError("splits", self.splits, "name at least one split kind")
+        shapes: dict[str, tuple[int, ...]] = {}
         if self.data is None:
             if not self.datasets:
                 raise InputError("datasets", self.datasets, "name at least one dataset, or give `data`")
@@ -78,17 +88,37 @@ class TensorFactorizationParameters(BaseModel):
             for d in self.datasets:
                 if d not in known:
                     raise InputError("dataset", d, f"unknown dataset; known: {', '.join(known)}")
-                first_modes[d] = dataset_info(d).shape[0]
+                shapes[d] = dataset_info(d).shape
         elif not self.data.startswith("s3://"):
-            if not Path(self.data).is_file():
+            path = Path(self.data)
+            if not self.data or not path.exists():
                 raise InputError("data", self.data, "no such file")
-            first_modes["data"] = read_coo_parquet(self.data, argument="data").shape[0]
-        for d, size in first_modes.items():
-            if self.n_parts > size:
-                raise InputError("n_parts", self.n_parts,
-                                 f"P larger than the number of slices along the first mode of {d!r} ({size})")
-        if not self.splits:
-            raise InputError("splits", self.splits, "name at least one split kind")
+            tensor = read_coo_parquet(path, argument="data")
+            for kind in self.splits:
+                try:
+                    make_split(tensor, kind, seed=self.seed)
+                except KernelInputError as exc:
+                    raise InputError("data", self.data, f"cannot make the {kind} split: {exc}") from None
+            shapes["data"] = tensor.shape
+        for d, shape in shapes.items():
+            self.check_shape(d, shape)
+
+    def check_shape(self, name: str, shape: tuple[int, ...]) -> None:
+        """Refuse, up front, a tensor these parameters cannot fit. Raises InputError."""
+        if self.n_parts > shape[0]:
+            raise InputError("n_parts", self.n_parts,
+                             f"P larger than the number of slices along the first mode of {name!r} ({shape[0]})")
+        factor_bytes = 8 * self.rank * sum(shape) * (2 * self.n_parts + 2)  # U, W^p, Lambda^p, Z
+        if factor_bytes > MAX_FACTOR_BYTES:
+            raise InputError("rank", self.rank, f"the factors of {name!r} (shape {shape}) would take "
+                             f"{factor_bytes / 2**30:.1f} GiB (limit {MAX_FACTOR_BYTES / 2**30:.0f} GiB)")
+        cells = int(np.prod(shape, dtype=np.float64))
+        if self.baseline and cells > MAX_DENSE_CELLS:
+            raise InputError("baseline", True, f"the TensorLy baseline needs {name!r} dense: {cells:.3g} cells "
+                             f"(limit {MAX_DENSE_CELLS:.3g}); use --set baseline=false for P²T²F alone")
+
+
+MAX_FACTOR_BYTES = 4 * 2**30
 
 
 PRESETS: dict[str, dict[str, Any]] = {
@@ -132,26 +162,29 @@ def tensor_factorization(params: TensorFactorizationParameters | None = None) ->
                                params=mlflow_params)
     try:
         if params.data is not None:
-            sha = None if params.data.startswith("s3://") else _file_sha256(params.data)
+            if params.data.startswith("s3://"):
+                if not store.exists(params.data):
+                    raise InputError("data", params.data, "no such object in S3")
+                sha = None
+            else:
+                sha = _file_sha256(params.data)
             tensors = {"user": load_tensor.submit(store, bucket, data_uri=params.data, data_sha256=sha)}
         else:
             tensors = {d: load_tensor.submit(store, bucket, dataset=d) for d in params.datasets}
+        for d, t in tensors.items():  # surface a load error itself, and check what S3 data holds
+            params.check_shape(d, tuple(t.result()["shape"]))
         splits = {(d, k): split_tensor.submit(store, bucket, t, k, params.seed)
                   for d, t in tensors.items() for k in params.splits}
-        for (d, _), s in splits.items():  # fail early on P larger than the first mode
-            shape = s.result()["shape"]
-            if params.n_parts > shape[0]:
-                raise InputError("n_parts", params.n_parts,
-                                 f"P larger than the number of slices along the first mode of {d!r} ({shape[0]})")
         # The TensorLy baselines run as tasks on the workers while the P²T²F fits, one after
         # another, each spread their P sub-problems over all the workers (called from the flow,
         # so no worker thread blocks waiting for its own sub-tasks).
         baselines = {key: fit_tensorly_cp.submit(store, bucket, s, params.baseline_params())
-                     for key, s in splits.items()}
+                     for key, s in splits.items()} if params.baseline else {}
         fits = []
         for (d, k), s in splits.items():
             fits.append({"dataset": d, "split": k, **fit_p2t2f(store, bucket, s.result(), params.p2t2f_params())})
-            fits.append({"dataset": d, "split": k, **baselines[(d, k)].result()})
+            if params.baseline:
+                fits.append({"dataset": d, "split": k, **baselines[(d, k)].result()})
         summary = _log_run(tracker, run_id, store, fits, params)
         tracker.end_run(run_id, "FINISHED")
     except BaseException:

@@ -836,8 +836,8 @@ def stop_stack(settings: Settings) -> list[str]:
 def stack_status(settings: Settings) -> list[Service]:
     """The three services with their URLs and a fresh health check (``paperline status``).
 
-    Starts nothing. A local service that is not running is reported with ``healthy=False`` and
-    ``pid=None``.
+    Starts nothing. A local service that is not running is reported with ``healthy=False``,
+    ``pid=None`` and the URL ``"(not running)"``.
 
     Args:
         settings: Endpoints and ``state_dir``.
@@ -850,12 +850,6 @@ def stack_status(settings: Settings) -> list[Service]:
         recs = _read_state(settings)["services"]
     except PaperlineError:
         recs = {}
-    host = _url_host(settings.host)
-    default_url = {
-        "s3": f"http://{host}:{settings.s3_port}",
-        "prefect": f"http://{host}:{settings.prefect_port}",
-        "mlflow": f"http://{host}:{settings.mlflow_port}",
-    }
     key: str | None
     secret: str | None
     try:
@@ -890,8 +884,9 @@ def stack_status(settings: Settings) -> list[Service]:
         if rec and _live_process(rec) is not None:
             out.append(Service(name, rec["url"], True, pid=rec["pid"], log_path=rec["log_path"], healthy=check(name, rec["url"])))
         else:
+            # Not running: no URL to show (the default port may belong to someone else's stack).
             log = str(settings.state_dir / "logs" / f"{name}.log")
-            out.append(Service(name, (rec or {}).get("url", default_url[name]), True, log_path=log, healthy=False))
+            out.append(Service(name, "(not running)", True, log_path=log, healthy=False))
     return out
 
 

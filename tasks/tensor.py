@@ -26,6 +26,19 @@ from paperline.kernels.tensor.pttf import FitResult, rmse
 CACHED = (INPUTS - "store") + TASK_SOURCE
 
 
+def _retry_unless_bad_input(task, task_run, state) -> bool:
+    """Retry transient failures (S3 hiccups), never bad input: it would fail the same way."""
+    from paperline.kernels.errors import InputError
+
+    try:
+        state.result()
+    except InputError:
+        return False
+    except Exception:  # noqa: BLE001 - anything else may be transient
+        return True
+    return False
+
+
 def tensor_to_parquet(tensor: COOTensor) -> bytes:
     """Serialize a COO tensor as Parquet bytes (columns: mode names, ``t``, ``value``)."""
     buf = io.BytesIO()
@@ -39,7 +52,8 @@ def _read_tensor(store: ObjectStore, uri: str, sha256: str, shape: tuple[int, ..
     return COOTensor(t.coords, t.values, tuple(shape), t.mode_names)
 
 
-@task(name="load-tensor", cache_policy=CACHED, persist_result=True, retries=1)
+@task(name="load-tensor", cache_policy=CACHED, persist_result=True, retries=1,
+      retry_condition_fn=_retry_unless_bad_input)
 def load_tensor(store: ObjectStore, bucket: str, dataset: str | None = None, data_uri: str | None = None,
                 data_sha256: str | None = None) -> dict[str, Any]:
     """Load a bundled dataset (or a user's Parquet COO file) and store it content-addressed.
@@ -67,7 +81,8 @@ def load_tensor(store: ObjectStore, bucket: str, dataset: str | None = None, dat
             "nnz": tensor.nnz, "mode_names": list(tensor.mode_names or [])}
 
 
-@task(name="split-tensor", cache_policy=CACHED, persist_result=True, retries=1)
+@task(name="split-tensor", cache_policy=CACHED, persist_result=True, retries=1,
+      retry_condition_fn=_retry_unless_bad_input)
 def split_tensor(store: ObjectStore, bucket: str, tensor_ref: dict[str, Any], kind: str, seed: int) -> dict[str, Any]:
     """Make a seeded train/validation/test split and commit it as one manifest.
 

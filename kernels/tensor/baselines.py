@@ -15,7 +15,7 @@ from paperline.kernels.errors import InputError
 from paperline.kernels.tensor.coo import COOTensor
 from paperline.kernels.tensor.pttf import predict, rmse
 
-_MAX_DENSE_CELLS = 50_000_000
+MAX_DENSE_CELLS = 50_000_000  # float64 cells: 400 MB for the tensor, as much again for the mask/reconstruction
 
 
 def tensorly_cp(tensor: COOTensor, *, rank: int, n_iter_max: int = 100, l2_reg: float = 0.0, seed: int = 0,
@@ -45,9 +45,9 @@ def tensorly_cp(tensor: COOTensor, *, rank: int, n_iter_max: int = 100, l2_reg: 
     if not isinstance(rank, (int, np.integer)) or rank <= 0:
         raise InputError("rank", rank, "CP rank must be a positive integer")
     cells = int(np.prod(tensor.shape))
-    if cells > _MAX_DENSE_CELLS:
+    if cells > MAX_DENSE_CELLS:
         raise InputError("tensor.shape", tensor.shape,
-                         f"{cells} cells: too large for the dense TensorLy baseline (limit {_MAX_DENSE_CELLS})")
+                         f"{cells} cells: too large for the dense TensorLy baseline (limit {MAX_DENSE_CELLS})")
     tl.set_backend("numpy")
     dense = tensor.to_dense(fill=0.0)
     mask = tensor.mask()

@@ -52,7 +52,7 @@ class COOTensor:
         if bad.any():
             n_nan = int(np.isnan(values).sum())
             raise InputError("values", f"{n_nan} NaN and {int(bad.sum()) - n_nan} inf of {values.size}",
-                             "observed values must be finite (mark missing entries in the mask instead)")
+                             "observed values must be finite (leave missing entries out instead)")
         lo = coords.min(axis=0)
         hi = coords.max(axis=0)
         for m, s in enumerate(shape):

@@ -168,8 +168,9 @@ def read_coo_parquet(source: str | Path | bytes, *, argument: str = "data") -> C
         argument: the argument name used in error messages.
 
     Raises:
-        InputError: unreadable or non-Parquet file, missing ``t``/``value`` columns, negative or
-            non-integer indices, fewer than 3 modes, NaN/inf values, no rows.
+        InputError: unreadable or non-Parquet file (or a directory), missing ``t``/``value``
+            columns, negative or non-integer indices, a non-numeric value column, fewer than 3
+            modes, NaN/inf values, no rows. The message names ``argument`` and the file.
     """
     import io
 
@@ -177,6 +178,8 @@ def read_coo_parquet(source: str | Path | bytes, *, argument: str = "data") -> C
     import pyarrow.parquet as pq
 
     shown = f"<{len(source)} bytes>" if isinstance(source, bytes) else str(source)
+    if not isinstance(source, bytes) and Path(source).is_dir():
+        raise InputError(argument, shown, "is a directory, not a Parquet file")
     try:
         table = pq.read_table(io.BytesIO(source) if isinstance(source, bytes) else source)
     except (pa.ArrowException, OSError) as exc:
@@ -197,9 +200,15 @@ def read_coo_parquet(source: str | Path | bytes, *, argument: str = "data") -> C
     coords_arr = np.stack(coords, axis=1)
     if (coords_arr < 0).any():
         raise InputError(argument, shown, "index columns must be >= 0")
-    values = table.column(COO_VALUE_COLUMN).to_numpy(zero_copy_only=False).astype(np.float64)
+    value_col = table.column(COO_VALUE_COLUMN)
+    if not (pa.types.is_floating(value_col.type) or pa.types.is_integer(value_col.type)):
+        raise InputError(f"{argument}['value']", str(value_col.type), "the value column must be numeric")
+    values = value_col.to_numpy(zero_copy_only=False).astype(np.float64)
     shape = tuple(int(s) for s in coords_arr.max(axis=0) + 1)
-    return COOTensor(coords_arr, values, shape, tuple(index_cols))
+    try:
+        return COOTensor(coords_arr, values, shape, tuple(index_cols))
+    except InputError as exc:  # name the file too
+        raise InputError(argument, shown, str(exc)) from None
 
 
 def write_coo_parquet(tensor: COOTensor, path: str | Path) -> None:

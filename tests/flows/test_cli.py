@@ -1,6 +1,8 @@
 """CLI behaviour on bad input: one clear line naming the argument and value, non-zero exit,
 no traceback; nothing here needs the stack (input is checked before anything starts)."""
 
+from pathlib import Path
+
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
@@ -49,6 +51,9 @@ def parquet(tmp_path):
     (["datasets=flights", "n_parts=4"], ["n_parts=4", "P larger than the number of slices", "'flights' (3)"]),
     (["bogus=1"], ["--set='bogus'", "unknown parameter"]),
     (["rank"], ["--set='rank'", "expected key=value"]),
+    (["seed=-1"], ["seed=-1", "greater than or equal to 0"]),
+    (["rank=100000"], ["rank=100000", "less than or equal to 512"]),
+    (["splits=random,weird"], ["splits[1]='weird'"]),
 ])
 def test_bad_parameters(sets, fragments):
     args = ["run", "tensor-factorization"]
@@ -73,9 +78,24 @@ def test_bad_user_data(parquet):
                                             "t": pa.array([], pa.int64()), "value": pa.array([], pa.float64())})),
          ["empty tensor"]),
         ("/no/such/file.parquet", ["data='/no/such/file.parquet'", "no such file"]),
+        (str(Path(parquet("x.parquet", raw=b"")).parent), ["is a directory"]),
+        (parquet("tiny.parquet", pa.table({"i": [0, 1, 2], "j": [0, 1, 0], "t": [0, 1, 2], "value": [1.0, 2.0, 3.0]})),
+         ["tiny.parquet", "cannot make the random split", "too few observed entries"]),
+        (parquet("wide.parquet", pa.table({"i": [2_000_000] + list(range(59)), "j": [3000] + [7] * 59,
+                                           "t": list(range(60)), "value": [1.0] * 60})),
+         ["baseline=True", "needs 'data' dense", "--set baseline=false"]),
+        (parquet("huge.parquet", pa.table({"i": [19_000_000] + list(range(59)), "j": [3000] + [7] * 59,
+                                           "t": list(range(60)), "value": [1.0] * 60})),
+         ["rank=6", "the factors of 'data'", "GiB (limit 4 GiB)"]),
     ]
     for path, fragments in cases:
         assert_one_line_error(run_cli("run", "tensor-factorization", "--set", f"data={path}"), *fragments)
+
+
+def test_data_and_datasets_together_are_refused(parquet):
+    path = parquet("ok.parquet", pa.table({"i": [0, 1], "j": [0, 1], "t": [0, 1], "value": [1.0, 2.0]}))
+    assert_one_line_error(run_cli("run", "tensor-factorization", "--set", f"data={path}", "--set", "datasets=produc"),
+                          "datasets=['produc']", "either `datasets` or `data`")
 
 
 def test_debug_shows_the_traceback():

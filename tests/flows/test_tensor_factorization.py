@@ -97,3 +97,16 @@ def test_mlflow_run_has_params_metrics_and_artifacts_in_s3(two_runs):
     store = ObjectStore.from_stack(info)
     for uri in summary["artifacts"]["fits"]:
         assert store.exists(uri)
+
+
+def test_missing_s3_data_is_one_clear_line(stack):
+    settings, info = stack
+    env = {k: v for k, v in os.environ.items() if not k.startswith("PAPERLINE_")}
+    env.update(PAPERLINE_STATE_DIR=str(settings.state_dir), PAPERLINE_N_WORKERS="1")
+    uri = f"s3://{info.data_bucket}/nope/missing.parquet"
+    proc = subprocess.run([sys.executable, "-m", "paperline.flows.cli", "run", "tensor-factorization",
+                           "--set", f"data={uri}"], env=env, capture_output=True, text=True, timeout=300)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 1
+    assert "Traceback" not in out
+    assert f"error: data='{uri}': no such object in S3" in " ".join(out.split())
