@@ -59,13 +59,14 @@ def _settings():
 
 
 def _ensure_stack():
-    from paperline.infra.stack import activate, ensure_stack, stack_status
+    from paperline.infra.stack import activate, ensure_stack, load_stack_info
 
     settings = _settings()
-    was_up = {s.name for s in stack_status(settings) if s.healthy}
+    before = load_stack_info(settings)
+    pids_before = {s.pid for s in before.services} if before else set()
     with console.status("starting the local stack (S3, Prefect, MLflow)...") as status:
         info = ensure_stack(settings, progress=lambda msg: status.update(msg))
-    started = [s for s in info.services if s.managed and s.name not in was_up]
+    started = [s for s in info.services if s.managed and s.pid not in pids_before]
     if started:
         console.print(f"started the local stack in {settings.state_dir} (stop it with `paperline down`): "
                       + ", ".join(f"{s.name} {s.url}" for s in started), soft_wrap=True)

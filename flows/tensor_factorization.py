@@ -11,6 +11,7 @@ from __future__ import annotations
 import hashlib
 import io
 import tempfile
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, Literal
 
@@ -213,25 +214,26 @@ def _log_run(tracker: Tracker, run_id: str, store: ObjectStore, fits: list[dict[
         rows.append({"dataset": f["dataset"], "split": f["split"], "method": f["method"],
                      "test_rmse": f["test_rmse"], "validation_rmse": f["validation_rmse"],
                      "fit_seconds": f["fit_seconds"], "epochs": len(f["history"]), "factors": f["manifest"]})
-    tracker.log_metric_steps(run_id, steps)
     time_factors = {}
-    with tempfile.TemporaryDirectory() as tmp:
+    p2t2f_fits = [f for f in fits if f["method"] == "p2t2f"]
+
+    def fetch(f: dict[str, Any]) -> np.lib.npyio.NpzFile:
+        part = store.read_manifest(f["prefix"])["parts"]["factors.npz"]
+        return np.load(io.BytesIO(store.get_bytes(part["uri"], sha256=part["sha256"])))
+
+    with tempfile.TemporaryDirectory() as tmp, ThreadPoolExecutor(max_workers=4) as pool:
+        metrics_logged = pool.submit(tracker.log_metric_steps, run_id, steps)  # meanwhile: artifacts
         out = Path(tmp)
-        for f in fits:
-            if f["method"] != "p2t2f":
-                continue
-            manifest = store.read_manifest(f["prefix"])
-            part = manifest["parts"]["factors.npz"]
-            data = np.load(io.BytesIO(store.get_bytes(part["uri"], sha256=part["sha256"])))
-            name = f"factors_{f['dataset']}_{f['split']}.npz"
-            np.savez(out / name, **{k: data[k] for k in data.files})
+        for f, data in zip(p2t2f_fits, pool.map(fetch, p2t2f_fits)):
+            np.savez(out / f"factors_{f['dataset']}_{f['split']}.npz", **{k: data[k] for k in data.files})
             if f["split"] == params.splits[0]:
                 time_factors[f["dataset"]] = data[f"factor_{len(data.files) - 1}"]
         reporting.convergence_plot(fits, out / "convergence.png")
         reporting.temporal_factors_plot(time_factors, out / "temporal_factors.png")
         reporting.results_table(rows, out / "results.parquet")
         # Everything is rendered before anything is logged: a failure above leaves no partial set.
-        for p in sorted(out.iterdir()):
-            tracker.log_artifact(run_id, str(p), "factors" if p.suffix == ".npz" else None)
+        list(pool.map(lambda p: tracker.log_artifact(run_id, str(p), "factors" if p.suffix == ".npz" else None),
+                      sorted(out.iterdir())))
+        metrics_logged.result()
     return {"rows": rows, "metrics": metrics, "artifacts": {
         "mlflow": f"runs:/{run_id}/", "fits": [f["manifest"] for f in fits]}}

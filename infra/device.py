@@ -7,11 +7,20 @@ module import time.
 
 from __future__ import annotations
 
+import glob
+import os
+import sys
+
 from typing import Literal
 
 from paperline.infra.errors import InputError
 
 Device = Literal["cpu", "cuda"]
+
+
+def _nvidia_driver_present() -> bool:
+    """Whether the NVIDIA kernel driver is visible (a cheap necessary condition for CUDA on Linux)."""
+    return os.path.exists("/proc/driver/nvidia") or bool(glob.glob("/dev/nvidia[0-9]*"))
 
 
 def gpu_usable() -> bool:
@@ -20,9 +29,14 @@ def gpu_usable() -> bool:
     Tries ``torch.cuda.is_available()`` first, then ``cupy.cuda.runtime.getDeviceCount() > 0``. Missing
     packages, a missing driver or any runtime error count as "not usable".
 
+    On Linux, a machine without the NVIDIA driver (no ``/proc/driver/nvidia`` and no
+    ``/dev/nvidia*``) answers False without importing torch or cupy (which takes seconds).
+
     Returns:
         True only if at least one CUDA device can be used.
     """
+    if sys.platform.startswith("linux") and not _nvidia_driver_present():
+        return False
     try:
         import torch  # noqa: PLC0415 - GPU packages are imported lazily on purpose
 
