@@ -18,8 +18,27 @@ if TYPE_CHECKING:
     from prefect_dask import DaskTaskRunner
 
 
+# Dask's nanny sets MALLOC_TRIM_THRESHOLD_=65536 in its workers, which also freezes glibc's mmap
+# threshold at 128 KiB: every numpy temporary above that becomes an mmap/munmap pair with fresh
+# page faults. Measured on the P²T²F local update (kinetic, 4096-entry batches): 1.08 s per pass
+# in a worker against 0.33 s in a plain process. Raising the mmap threshold restores 0.33 s and
+# keeps Dask's trimming of the heap top. glibc reads it at process start, so it must be in the
+# nanny's *pre-spawn* environment (a Nanny's ``env=`` is applied too late).
+WORKER_ENV = {"MALLOC_MMAP_THRESHOLD_": str(32 * 2**20)}
+
+
+def configure_local_workers() -> None:
+    """Add :data:`WORKER_ENV` to ``distributed.nanny.pre-spawn-environ`` for the local clusters
+    this process starts (idempotent)."""
+    import dask  # noqa: PLC0415
+
+    current = dict(dask.config.get("distributed.nanny.pre-spawn-environ", default={}) or {})
+    dask.config.set({"distributed.nanny.pre-spawn-environ": {**current, **WORKER_ENV}})
+
+
 def _local_cpu_kwargs(settings: Settings) -> dict[str, Any]:
     return {
+
         "n_workers": settings.n_workers or os.cpu_count() or 1,
         "threads_per_worker": 1,
         "processes": True,
@@ -30,6 +49,7 @@ def _local_cpu_kwargs(settings: Settings) -> dict[str, Any]:
 
 def _local_cuda_kwargs(settings: Settings) -> dict[str, Any]:
     kwargs: dict[str, Any] = {
+
         "threads_per_worker": 1,
         "host": "127.0.0.1",
         "dashboard_address": "127.0.0.1:0",
@@ -55,6 +75,7 @@ def task_runner(settings: Settings) -> DaskTaskRunner:
 
     if settings.dask_scheduler_address:
         return DaskTaskRunner(address=settings.dask_scheduler_address)
+    configure_local_workers()
     if resolve_device(settings.device) == "cuda":
         return DaskTaskRunner(
             cluster_class="dask_cuda.LocalCUDACluster", cluster_kwargs=_local_cuda_kwargs(settings)
