@@ -56,6 +56,8 @@ from paperline.kernels.tensor.pttf import (
     FitResult,
     init_factors,
     objective,
+    predict,
+    prior_penalty,
     rmse,
     validate_hyperparameters,
 )
@@ -104,12 +106,23 @@ class LocalState:
 
 @dataclass(frozen=True)
 class LocalResult:
-    """What a sub-problem returns after one round: its new state and the training loss seen."""
+    """What a sub-problem returns after one round.
+
+    Attributes:
+        state: its new state.
+        sum_squared_error: squared residuals seen during the pass (before each batch's update).
+        n_entries: entries visited by the pass.
+        seconds: wall seconds of the round.
+        consensus_sse: squared residuals of its entries at the round's *input* point
+            ``(U_p, Z)``, i.e. the data term of Eq. (4) at the previous round's consensus,
+            computed here so the driver does not predict every entry serially.
+    """
 
     state: LocalState
     sum_squared_error: float
     n_entries: int
     seconds: float
+    consensus_sse: float
 
 
 class Executor(Protocol):
@@ -214,6 +227,8 @@ def local_update(sub: SubTensor, state: LocalState, consensus: list[np.ndarray],
     """
     start = time.perf_counter()
     n_modes = sub.coords.shape[1]
+    resid_in = predict([state.u] + list(consensus), sub.coords) - sub.values
+    consensus_sse = float(resid_in @ resid_in)
     factors = [state.u.copy()] + [w.copy() for w in state.w]
     target = [None] + [z - d for z, d in zip(consensus, state.dual)]  # Z - Lambda
     # Rows this sub-problem has no data for follow the consensus exactly.
@@ -283,7 +298,7 @@ def local_update(sub: SubTensor, state: LocalState, consensus: list[np.ndarray],
                 factors[m] = solve_time_system(full_gram, full_rhs, lam / n_parts, lam_t / n_parts)
             rows[m] = factors[m][coords[:, m]]
     new_state = LocalState(factors[0], factors[1:], state.dual, state.seed)
-    return LocalResult(new_state, sse, order.size, time.perf_counter() - start)
+    return LocalResult(new_state, sse, order.size, time.perf_counter() - start, consensus_sse)
 
 
 def consensus_update(locals_: Sequence[LocalState], weights: Sequence[list[np.ndarray]],
@@ -350,7 +365,8 @@ def p2t2f(tensor: COOTensor, rank: int, *, n_parts: int = 2, lam: float = 1.0, l
         seed: seeds the initial factors and each sub-problem's shuffles.
         validation: optional held-out entries for ``validation_rmse``.
         executor: runs the sub-problems; default :class:`SerialExecutor`.
-        callback: called after every epoch with that epoch's history row.
+        callback: called with each epoch's history row, one round after that epoch (the data term
+            of its objective is computed by the sub-problems of the next round).
 
     Returns:
         :class:`FitResult`: factors ``(U, Z_2, ..., Z_N)`` and the per-epoch history with
@@ -380,6 +396,13 @@ def p2t2f(tensor: COOTensor, rank: int, *, n_parts: int = 2, lam: float = 1.0, l
     u = init[0].copy()
     rho_t = rho
     primal, dual = 0.0, 0.0
+    pending: tuple[dict[str, float], float] | None = None
+
+    def record(row: dict[str, float]) -> None:
+        history.append(**row)
+        if callback is not None:
+            callback(row)
+
     for epoch in range(1, n_epochs + 1):
         new_rho = rho_t
         if epoch > 1 and rho_growth != 1.0:
@@ -400,6 +423,10 @@ def p2t2f(tensor: COOTensor, rank: int, *, n_parts: int = 2, lam: float = 1.0, l
               local_passes)
              for s in states])
         states = [r.state for r in results]
+        if pending is not None:  # the previous round's objective: data term from the workers
+            row, prior = pending
+            row["objective"] = 0.5 * sum(r.consensus_sse for r in results) + prior
+            record(row)
         previous = consensus
         consensus = consensus_update(states, weights, lam, lam_t, rho_t)
         primal_sq = 0.0
@@ -422,12 +449,14 @@ def p2t2f(tensor: COOTensor, rank: int, *, n_parts: int = 2, lam: float = 1.0, l
             s.dual = [d * c for d, c in zip(s.dual, scales[1:])]
         factors = [u] + consensus
         n_seen = sum(r.n_entries for r in results)
-        row = dict(epoch=epoch, objective=objective(factors, tensor, lam, lam_t),
+        row = dict(epoch=epoch, objective=float("nan"),
                    train_rmse=float(np.sqrt(sum(r.sum_squared_error for r in results) / n_seen)),
                    validation_rmse=rmse(factors, validation) if validation is not None else float("nan"),
                    primal_residual=primal, dual_residual=dual,
                    wall_seconds=time.perf_counter() - start)
-        history.append(**row)
-        if callback is not None:
-            callback(row)
+        pending = (row, prior_penalty(factors, lam, lam_t))
+    # The last round's objective has no next round to compute its data term: do it here.
+    row, _ = pending
+    row["objective"] = objective([u] + consensus, tensor, lam, lam_t)
+    record(row)
     return FitResult(CPFactors([u.copy()] + [z.copy() for z in consensus]), history)

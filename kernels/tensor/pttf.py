@@ -123,11 +123,16 @@ def temporal_penalty(t: np.ndarray) -> float:
     return float(np.sum(np.diff(t, axis=0) ** 2))
 
 
+def prior_penalty(factors: list[np.ndarray], lam: float, lam_t: float) -> float:
+    """The prior terms of Eq. (4): ``lam/2 (sum_{m<N} ||A_m||^2 + ||t_1||^2) + lam_t/2 sum ||t_k - t_{k-1}||^2``."""
+    reg = sum(float(np.sum(f**2)) for f in factors[:-1]) + float(np.sum(factors[-1][0] ** 2))
+    return 0.5 * lam * reg + 0.5 * lam_t * temporal_penalty(factors[-1])
+
+
 def objective(factors: list[np.ndarray], tensor: COOTensor, lam: float, lam_t: float) -> float:
     """The MAP objective L(A) of Eq. (4) (sum over observed entries, not a mean)."""
     resid = predict(factors, tensor.coords) - tensor.values
-    reg = sum(float(np.sum(f**2)) for f in factors[:-1]) + float(np.sum(factors[-1][0] ** 2))
-    return 0.5 * float(resid @ resid) + 0.5 * lam * reg + 0.5 * lam_t * temporal_penalty(factors[-1])
+    return 0.5 * float(resid @ resid) + prior_penalty(factors, lam, lam_t)
 
 
 def gradient(factors: list[np.ndarray], tensor: COOTensor, lam: float, lam_t: float) -> list[np.ndarray]:

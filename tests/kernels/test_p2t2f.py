@@ -92,3 +92,13 @@ def test_bad_hyperparameters(problem, kwargs, argument):
     args = {"rank": 3, **kwargs}
     with pytest.raises(InputError, match=f"^{argument}="):
         p2t2f(split.train, **args)
+
+
+def test_objective_from_the_workers_matches_the_driver(problem):
+    # Epoch t's objective comes from the sub-problems of round t+1; a run stopped at epoch t
+    # computes it on the driver instead. Same trajectory, so they must agree.
+    split, _ = problem
+    long = p2t2f(split.train, 3, n_parts=2, n_epochs=3, batch_size=256, seed=2).history.objective
+    for t in (1, 2):
+        short = p2t2f(split.train, 3, n_parts=2, n_epochs=t, batch_size=256, seed=2).history.objective
+        assert short[-1] == pytest.approx(long[t - 1], rel=1e-12)
