@@ -8,6 +8,7 @@ fails half-way leaves nothing visible.
 
 from __future__ import annotations
 
+import hashlib
 import io
 import json
 import time
@@ -113,8 +114,6 @@ def _commit_fit(store: ObjectStore, bucket: str, method: str, split_ref: dict[st
     buf = io.BytesIO()
     np.savez(buf, **{f"factor_{m}": f for m, f in enumerate(factors)})
     key = json.dumps({"method": method, "split": split_ref["prefix"], "params": params}, sort_keys=True)
-    import hashlib
-
     prefix = f"s3://{bucket}/fits/{method}-{hashlib.sha256(key.encode()).hexdigest()[:16]}"
     manifest_ref = store.commit(prefix, {"factors.npz": buf.getvalue(),
                                          "history.json": json.dumps(history).encode()},
