@@ -9,7 +9,6 @@ temporal-factor plot, results table).
 from __future__ import annotations
 
 import hashlib
-import io
 import tempfile
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -29,8 +28,7 @@ from paperline.kernels.errors import InputError as KernelInputError
 from paperline.kernels.tensor.baselines import MAX_DENSE_CELLS
 from paperline.kernels.tensor.coo import make_split
 from paperline.kernels.tensor.datasets import dataset_info, dataset_names, read_coo_parquet
-from paperline.tasks import reporting
-from paperline.tasks.tensor import fit_p2t2f, fit_tensorly_cp, load_tensor, split_tensor
+from paperline.tasks.tensor import fit_p2t2f, fit_tensorly_cp, load_tensor, render_report, split_tensor
 
 EXPERIMENT = "tensor-factorization"
 
@@ -214,23 +212,12 @@ def _log_run(tracker: Tracker, run_id: str, store: ObjectStore, fits: list[dict[
         rows.append({"dataset": f["dataset"], "split": f["split"], "method": f["method"],
                      "test_rmse": f["test_rmse"], "validation_rmse": f["validation_rmse"],
                      "fit_seconds": f["fit_seconds"], "epochs": len(f["history"]), "factors": f["manifest"]})
-    time_factors = {}
-    p2t2f_fits = [f for f in fits if f["method"] == "p2t2f"]
-
-    def fetch(f: dict[str, Any]) -> np.lib.npyio.NpzFile:
-        part = store.read_manifest(f["prefix"])["parts"]["factors.npz"]
-        return np.load(io.BytesIO(store.get_bytes(part["uri"], sha256=part["sha256"])))
-
+    report = render_report.submit(store, fits, rows, params.splits[0])
     with tempfile.TemporaryDirectory() as tmp, ThreadPoolExecutor(max_workers=4) as pool:
-        metrics_logged = pool.submit(tracker.log_metric_steps, run_id, steps)  # meanwhile: artifacts
+        metrics_logged = pool.submit(tracker.log_metric_steps, run_id, steps)  # meanwhile: the report
         out = Path(tmp)
-        for f, data in zip(p2t2f_fits, pool.map(fetch, p2t2f_fits)):
-            np.savez(out / f"factors_{f['dataset']}_{f['split']}.npz", **{k: data[k] for k in data.files})
-            if f["split"] == params.splits[0]:
-                time_factors[f["dataset"]] = data[f"factor_{len(data.files) - 1}"]
-        reporting.convergence_plot(fits, out / "convergence.png")
-        reporting.temporal_factors_plot(time_factors, out / "temporal_factors.png")
-        reporting.results_table(rows, out / "results.parquet")
+        for name, data in report.result().items():
+            (out / name).write_bytes(data)
         # Everything is rendered before anything is logged: a failure above leaves no partial set.
         list(pool.map(lambda p: tracker.log_artifact(run_id, str(p), "factors" if p.suffix == ".npz" else None),
                       sorted(out.iterdir())))

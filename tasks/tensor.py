@@ -166,3 +166,39 @@ def fit_tensorly_cp(store: ObjectStore, bucket: str, split_ref: dict[str, Any], 
     seconds = time.perf_counter() - start
     return _commit_fit(store, bucket, "tensorly_cp", split_ref, params, factors, history,
                        rmse(factors, split.test), seconds)
+
+
+@task(name="render-report", cache_policy=CACHED, persist_result=True)
+def render_report(store: ObjectStore, fits: list[dict[str, Any]], rows: list[dict[str, Any]],
+                  time_split: str) -> dict[str, bytes]:
+    """The run's report files, rendered from the fits (a pure function of them, so cached).
+
+    Returns:
+        file name -> bytes: ``factors_<dataset>_<split>.npz`` for every P²T²F fit (read from its
+        committed manifest), ``convergence.png``, ``temporal_factors.png`` (the time factors of
+        the ``time_split`` fits) and ``results.parquet``.
+    """
+    import tempfile
+    from pathlib import Path
+
+    from paperline.tasks import reporting
+
+    files: dict[str, bytes] = {}
+    time_factors = {}
+    for f in fits:
+        if f["method"] != "p2t2f":
+            continue
+        part = store.read_manifest(f["prefix"])["parts"]["factors.npz"]
+        data = store.get_bytes(part["uri"], sha256=part["sha256"])
+        files[f"factors_{f['dataset']}_{f['split']}.npz"] = data
+        if f["split"] == time_split:
+            with np.load(io.BytesIO(data)) as npz:
+                time_factors[f["dataset"]] = npz[f"factor_{len(npz.files) - 1}"]
+    with tempfile.TemporaryDirectory() as tmp:
+        out = Path(tmp)
+        reporting.convergence_plot(fits, out / "convergence.png")
+        reporting.temporal_factors_plot(time_factors, out / "temporal_factors.png")
+        reporting.results_table(rows, out / "results.parquet")
+        for p in out.iterdir():
+            files[p.name] = p.read_bytes()
+    return files
