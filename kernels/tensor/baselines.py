@@ -13,7 +13,7 @@ import numpy as np
 
 from paperline.kernels.errors import InputError
 from paperline.kernels.tensor.coo import COOTensor
-from paperline.kernels.tensor.pttf import predict, rmse
+from paperline.kernels.tensor.pttf import rmse
 
 MAX_DENSE_CELLS = 50_000_000  # float64 cells: 400 MB for the tensor, as much again for the mask/reconstruction
 
@@ -69,5 +69,3 @@ def tensorly_cp(tensor: COOTensor, *, rank: int, n_iter_max: int = 100, l2_reg: 
     out = [np.asarray(factors[0]) * np.asarray(weights)[None, :]] + [np.asarray(f) for f in factors[1:]]
     return out, history
 
-
-__all__ = ["tensorly_cp", "predict"]

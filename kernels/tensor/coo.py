@@ -178,7 +178,7 @@ def temporal_split(tensor: COOTensor, *, horizon: int | None = None) -> Split:
     return Split("temporal", tensor.subset(train), tensor.subset(val), tensor.subset(test))
 
 
-SPLITS = {"random": random_split, "temporal": temporal_split}
+SPLIT_KINDS = ("random", "temporal")
 
 
 def make_split(tensor: COOTensor, kind: str, *, seed: int = 0) -> Split:
@@ -191,4 +191,4 @@ def make_split(tensor: COOTensor, kind: str, *, seed: int = 0) -> Split:
         return random_split(tensor, seed=seed)
     if kind == "temporal":
         return temporal_split(tensor)
-    raise InputError("split", kind, f"unknown split kind; choose one of {sorted(SPLITS)}")
+    raise InputError("split", kind, f"unknown split kind; choose one of {list(SPLIT_KINDS)}")

@@ -66,7 +66,7 @@ def test_second_run_is_served_from_the_cache(two_runs):
         states.append({t.name.rsplit("-", 1)[0]: t.state.name for t in task_runs} | {
             "_all": sorted(t.state.name for t in task_runs)})
     first, second = states
-    assert "Cached" not in first["_all"] or first["_all"].count("Cached") < len(first["_all"])
+    assert "Cached" not in first["_all"], first  # a fresh session stack: everything computed once
     assert set(second["_all"]) == {"Cached"}, second
     assert {"load-tensor", "split-tensor", "fit-p2t2f", "fit-tensorly-cp"} <= set(second)
     # Same results from the cache.
