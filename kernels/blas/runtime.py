@@ -1,0 +1,426 @@
+"""The driver of the tiled runtime: dynamic, locality-aware scheduling of tile tasks over workers
+(BLASX, Wang et al. 2016, Sec. 4), in one process or on a Dask cluster.
+
+The driver keeps every worker ``depth`` tasks deep. Whenever a worker has a free slot it gets, of
+the tasks whose dependencies are done, the one whose operand tiles it already holds the most bytes
+of (ties: plan order), so a tile of C goes where its A and B tiles are and no task is bound to a
+worker in advance (no static round-robin as in cuBLAS-XT). Each finished task reports the tiles its
+worker's L1 cache gained and lost; from that directory the driver tells a worker which peer holds a
+tile it lacks (L2 peer fetch). Output tiles are returned to the driver or written by the workers
+straight into a staged ``.npy`` file that becomes visible (renamed) only on :meth:`RunResult.commit`.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import tempfile
+import time
+import uuid
+from collections import defaultdict
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable
+
+import numpy as np
+
+from paperline.kernels.blas.plan import Problem, TileTask, plan_tasks
+from paperline.kernels.blas.sources import ArraySource, NpySource, TileSource
+from paperline.kernels.blas.worker import RunContext, TileKey, execute, peer_tile, release_run
+from paperline.kernels.errors import InputError
+
+WORKING_SET_TILES = 6  # two panels' tiles being multiplied, two prefetched, the accumulator, C0
+
+
+class OutputSource:
+    """The result as a source of tiles (TRSM reads output tiles computed earlier).
+
+    Workers read finished tiles from the staged ``.npy`` file, or from the peer that made them.
+    """
+
+    kind = "output"
+
+    def __init__(self, shape: tuple[int, int], dtype: np.dtype, run_id: str, path: str | None):
+        self.shape, self.dtype, self.path = shape, np.dtype(dtype), path
+        self.key = f"output:{run_id}"
+        self._map: np.ndarray | None = None
+
+    def __getstate__(self) -> dict[str, Any]:
+        return {**self.__dict__, "_map": None}
+
+    def read(self, rows: slice, cols: slice) -> np.ndarray:
+        if self.path is None:
+            raise RuntimeError("output tile requested before it was computed or shipped")
+        if self._map is None:
+            self._map = np.load(self.path, mmap_mode="r")
+        return np.ascontiguousarray(self._map[rows, cols])
+
+
+@dataclass
+class RunResult:
+    """What one run did.
+
+    Attributes:
+        problem: the problem.
+        output: the result in memory (None when written to a file).
+        staged_path: the file the workers wrote (invisible until :meth:`commit`).
+        final_path: where :meth:`commit` moves it.
+        seconds: wall time from the first dispatch to the last tile.
+        records: one dict per task: ``index``, ``out``, ``worker``, ``start``, ``end`` (epoch s).
+        counters: totals over workers: ``hits``, ``misses``, ``bytes_source``, ``bytes_s3``,
+            ``bytes_host_to_device``, ``bytes_peer``, ``peer_misses``.
+        workers: the workers used.
+    """
+
+    problem: Problem
+    output: np.ndarray | None
+    staged_path: str | None
+    final_path: str | None
+    seconds: float
+    records: list[dict[str, Any]]
+    counters: dict[str, int]
+    workers: list[str]
+    committed: bool = False
+
+    @property
+    def gflops(self) -> float:
+        """Achieved GFLOP/s (the routine's reference flop count over :attr:`seconds`)."""
+        return self.problem.flops / max(self.seconds, 1e-12) / 1e9
+
+    @property
+    def cache_hit_rate(self) -> float:
+        total = self.counters.get("hits", 0) + self.counters.get("misses", 0)
+        return self.counters.get("hits", 0) / total if total else 0.0
+
+    def busy_fraction(self) -> dict[str, float]:
+        """Per worker: the share of the run's wall time it spent in tile tasks."""
+        busy: dict[str, float] = defaultdict(float)
+        for r in self.records:
+            busy[r["worker"]] += r["end"] - r["start"]
+        return {w: busy[w] / max(self.seconds, 1e-12) for w in self.workers}
+
+    def result_source(self) -> TileSource:
+        """The result as a tile source (for verification), before or after commit."""
+        if self.output is not None:
+            return ArraySource(self.output, "result")
+        return NpySource(self.final_path if self.committed else self.staged_path, "result")
+
+    def commit(self) -> str | None:
+        """Make the written file visible at :attr:`final_path` (an atomic rename)."""
+        if self.staged_path is not None and not self.committed:
+            os.replace(self.staged_path, self.final_path)
+            self.committed = True
+        return self.final_path
+
+    def abort(self) -> None:
+        """Delete the staged file (nothing was visible)."""
+        if self.staged_path is not None and not self.committed:
+            Path(self.staged_path).unlink(missing_ok=True)
+
+
+class LocalityScheduler:
+    """Dynamic scheduling with locality-aware placement (BLASX Sec. 4.2), as pure bookkeeping."""
+
+    def __init__(self, tasks: list[TileTask], ctx: RunContext, window: int = 512):
+        self.tasks, self.ctx, self.window = tasks, ctx, window
+        self.waiting = {t.index: set(t.deps) for t in tasks if t.deps}
+        self.dependents: dict[int, list[int]] = defaultdict(list)
+        for t in tasks:
+            for d in t.deps:
+                self.dependents[d].append(t.index)
+        self.ready: list[int] = [t.index for t in tasks if not t.deps]
+        self.directory: dict[TileKey, set[str]] = defaultdict(set)
+        self.done = 0
+        self._keys = {t.index: [(ctx.key(r), ctx.tile_bytes(r)) for r in t.refs()] for t in tasks}
+
+    def pick(self, worker: str) -> TileTask | None:
+        """The ready task that ``worker`` holds the most operand bytes of (None: nothing ready)."""
+        if not self.ready:
+            return None
+        best, best_score = 0, -1
+        for pos, idx in enumerate(self.ready[: self.window]):
+            score = sum(b for key, b in self._keys[idx] if worker in self.directory.get(key, ()))
+            if score > best_score:
+                best, best_score = pos, score
+        return self.tasks[self.ready.pop(best)]
+
+    def peers(self, task: TileTask, worker: str) -> dict[TileKey, str]:
+        """For each tile of ``task`` that ``worker`` lacks, a worker the directory says holds it."""
+        out = {}
+        for key, _ in self._keys[task.index]:
+            holders = self.directory.get(key)
+            if holders and worker not in holders:
+                out[key] = min(holders)
+        return out
+
+    def complete(self, result: dict[str, Any]) -> None:
+        w = result["worker"]
+        for key in result["added"]:
+            self.directory[tuple(key)].add(w)
+        for key in result["evicted"]:
+            self.directory[tuple(key)].discard(w)
+        self.done += 1
+        for d in self.dependents.get(result["index"], ()):
+            pending = self.waiting[d]
+            pending.discard(result["index"])
+            if not pending:
+                del self.waiting[d]
+                self.ready.append(d)
+        self.ready.sort()
+
+
+def _spill_in_memory(problem: Problem, directory: str) -> Problem:
+    """Problem whose in-memory operands are written to ``.npy`` files (Dask workers cannot share memory)."""
+    import dataclasses  # noqa: PLC0415
+
+    changes = {}
+    for name, src in problem.operands().items():
+        if isinstance(src, ArraySource):
+            path = os.path.join(directory, f"{name}.npy")
+            np.save(path, src.array)
+            changes[name] = NpySource(path, name)
+    return dataclasses.replace(problem, **changes) if changes else problem
+
+
+class LocalRuntime:
+    """Run tile tasks one after another in this process (one worker, its own cache).
+
+    Args:
+        device: ``"cpu"`` or ``"cuda"``.
+    """
+
+    def __init__(self, device: str = "cpu"):
+        self.device = device
+
+    def workers(self) -> list[str]:
+        return ["local"]
+
+    def start(self, ctx: RunContext) -> None:
+        pass
+
+    def submit(self, worker: str, ctx: RunContext, task: TileTask, peers: dict) -> Any:
+        return execute(ctx, task, peers, peer_fetch=None, worker=worker)
+
+    def wait_any(self) -> dict[str, Any]:
+        raise AssertionError("local tasks finish at submit")
+
+    def finish(self, ctx: RunContext) -> None:
+        release_run(ctx.run_id)
+
+    depth = 1
+    synchronous = True
+
+
+def _execute_on_dask_worker(ctx: RunContext, task: TileTask, peers: dict) -> dict[str, Any]:
+    from distributed import get_worker  # noqa: PLC0415
+
+    worker = get_worker()  # here: the prefetch thread is not a Dask worker thread
+
+    def peer_fetch(run_id: str, address: str, key: TileKey) -> np.ndarray | None:
+        return _dask_peer_fetch(worker, run_id, address, key)
+
+    return execute(ctx, task, peers, peer_fetch=peer_fetch, worker=worker.address)
+
+
+def _dask_peer_fetch(worker: Any, run_id: str, address: str, key: TileKey) -> np.ndarray | None:
+    """Ask the worker at ``address`` for a tile over Dask's comms (None if it no longer holds it)."""
+    from distributed.utils import sync  # noqa: PLC0415
+
+    async def call() -> Any:
+        return await worker.rpc(address).paperline_peer_tile(run_id=run_id, key=list(key))
+
+    try:
+        reply = sync(worker.loop, call)
+    except Exception:  # noqa: BLE001 - the peer left or failed: fall back to the source
+        return None
+    return None if reply is None else reply.get("tile")
+
+
+def _install_peer_handler(dask_worker: Any) -> None:
+    from distributed.protocol import to_serialize  # noqa: PLC0415
+
+    def handler(run_id: str, key: list) -> dict[str, Any] | None:
+        tile = peer_tile(run_id, (key[0], int(key[1]), int(key[2])))
+        return None if tile is None else {"tile": to_serialize(tile)}
+
+    dask_worker.handlers["paperline_peer_tile"] = handler
+
+
+def _release_on_worker(run_id: str) -> None:
+    release_run(run_id)
+
+
+class DaskRuntime:
+    """Run tile tasks on a Dask cluster: one task slot per worker thread, ``depth`` tasks queued per
+    worker so that the next task's transfers overlap the current one's compute.
+
+    Args:
+        client: a ``distributed.Client``.
+        workers: worker addresses to use (default: all).
+        depth: tasks in flight per worker.
+        device: ``"cpu"`` or ``"cuda"`` (each dask-cuda worker owns one GPU).
+    """
+
+    synchronous = False
+
+    def __init__(self, client: Any, workers: list[str] | None = None, depth: int = 2, device: str = "cpu"):
+        self.client, self.depth, self.device = client, depth, device
+        known = sorted(client.scheduler_info(n_workers=-1)["workers"])
+        if not known:
+            raise RuntimeError("the Dask cluster has no workers")
+        self._workers = sorted(workers) if workers else known
+        self._ac = None
+
+    def workers(self) -> list[str]:
+        return list(self._workers)
+
+    def start(self, ctx: RunContext) -> None:
+        from distributed import as_completed  # noqa: PLC0415
+
+        self.client.run(_install_peer_handler, workers=self._workers)
+        self._ac = as_completed()
+
+    def submit(self, worker: str, ctx: RunContext, task: TileTask, peers: dict) -> Any:
+        fut = self.client.submit(_execute_on_dask_worker, ctx, task, peers, workers=[worker],
+                                 allow_other_workers=False, pure=False, key=f"paperline-tile-{ctx.run_id}-{task.index}")
+        self._ac.add(fut)
+        return None
+
+    def wait_any(self) -> dict[str, Any]:
+        fut = next(self._ac)
+        return fut.result()
+
+    def cancel(self) -> None:
+        if self._ac is not None:
+            futures = list(self._ac.futures)
+            self._ac.clear()
+            self.client.cancel(futures)
+
+    def finish(self, ctx: RunContext) -> None:
+        self.client.run(_release_on_worker, ctx.run_id, workers=self._workers)
+
+
+def run(problem: Problem, runtime: LocalRuntime | DaskRuntime | None = None, *, output: str | None = None,
+        memory_budget: int = 1 << 30, check_finite: bool = True, peer_fetch: frozenset[str] | None = None,
+        spill_dir: str | None = None) -> RunResult:
+    """Execute ``problem``'s tile plan on ``runtime``.
+
+    Args:
+        problem: from :func:`~paperline.kernels.blas.plan.make_problem`.
+        runtime: :class:`LocalRuntime` (default) or :class:`DaskRuntime`.
+        output: a ``.npy`` path the result is written to tile by tile (staged; call
+            :meth:`RunResult.commit`). None: the result is assembled in memory.
+        memory_budget: bytes of tiles each worker may cache (the L1 size). Operands larger than
+            this are streamed (out of core).
+        check_finite: refuse NaN/inf in the operand tiles read.
+        peer_fetch: source kinds whose missing tiles are fetched from peers (default: S3,
+            generated and output tiles on CPU, every kind on GPU).
+        spill_dir: where in-memory operands are written for a Dask runtime (default: a temp dir).
+
+    Returns:
+        A :class:`RunResult`.
+
+    Raises:
+        InputError: a memory budget below the working set of one task, bad operand values found
+            while computing (non-finite, zero TRSM diagonal). Nothing is left at ``output``.
+    """
+    runtime = runtime or LocalRuntime()
+    t = problem.tile
+    tile_bytes = t * t * problem.dtype.itemsize
+    if memory_budget < WORKING_SET_TILES * tile_bytes:
+        raise InputError("memory_budget", memory_budget,
+                         f"below the working set of one tile task ({WORKING_SET_TILES} tiles of {t}x{t} "
+                         f"{problem.dtype} = {WORKING_SET_TILES * tile_bytes} bytes); lower the tile size or raise the budget")
+    run_id = uuid.uuid4().hex[:12]
+    tmp = None
+    staged = final = None
+    spill = isinstance(runtime, DaskRuntime) and any(isinstance(s, ArraySource) for s in problem.operands().values())
+    if output is not None:
+        final = str(Path(output).resolve())
+        if not Path(final).parent.is_dir():
+            raise InputError("output", output, "its directory does not exist")
+        staged = str(Path(final).with_name(f".{Path(final).name}.partial-{run_id}.npy"))
+    if spill or (output is None and problem.routine == "trsm"):
+        # TRSM reads finished output tiles back: an in-memory result is staged in a scratch file.
+        tmp = tempfile.mkdtemp(prefix="paperline-blas-", dir=spill_dir)
+        if staged is None and problem.routine == "trsm":
+            staged = os.path.join(tmp, "x.npy")
+    try:
+        if staged is not None:
+            np.lib.format.open_memmap(staged, mode="w+", dtype=problem.dtype, shape=problem.out_shape).flush()
+        if spill:
+            problem = _spill_in_memory(problem, tmp)
+        sources: dict[str, TileSource] = dict(problem.operands())
+        sources["x"] = OutputSource(problem.out_shape, problem.dtype, run_id, staged)
+        device = getattr(runtime, "device", "cpu")
+        if peer_fetch is None:
+            peer_fetch = frozenset({"s3", "generated", "output", "file", "memory"}) if device != "cpu" \
+                else frozenset({"s3", "generated", "output"})
+        ctx = RunContext(run_id, sources, t, device, int(memory_budget), check_finite, frozenset(peer_fetch), staged)
+        result = _drive(problem, ctx, runtime)
+        if output is None and staged is not None:  # the scratch file of an in-memory TRSM
+            result.output, staged = np.array(np.load(staged)), None
+    except BaseException:
+        if staged is not None and output is not None:
+            Path(staged).unlink(missing_ok=True)
+        raise
+    finally:
+        if tmp is not None:
+            shutil.rmtree(tmp, ignore_errors=True)
+    result.staged_path, result.final_path = staged, final
+    return result
+
+
+def _drive(problem: Problem, ctx: RunContext, runtime: Any) -> RunResult:
+    tasks = plan_tasks(problem)
+    sched = LocalityScheduler(tasks, ctx)
+    workers = runtime.workers()
+    inflight = dict.fromkeys(workers, 0)
+    output = None if ctx.output_path is not None else np.empty(problem.out_shape, problem.dtype)
+    done_tiles: set[tuple[int, int]] = set()
+    records: list[dict[str, Any]] = []
+    counters: dict[str, int] = defaultdict(int)
+    t = ctx.tile
+
+    def absorb(res: dict[str, Any]) -> None:
+        sched.complete(res)
+        inflight[res["worker"]] -= 1
+        i, j = res["out"]
+        if res["tile"] is not None:
+            output[i * t:i * t + res["tile"].shape[0], j * t:j * t + res["tile"].shape[1]] = res["tile"]
+        done_tiles.add((i, j))
+        records.append({k: res[k] for k in ("index", "out", "worker", "start", "end")})
+        for k, v in res["counters"].items():
+            counters[k] += v
+
+    runtime.start(ctx)
+    start = time.time()
+    try:
+        while sched.done < len(tasks):
+            progressed = False
+            for w in workers:
+                while inflight[w] < runtime.depth:
+                    task = sched.pick(w)
+                    if task is None:
+                        break
+                    inflight[w] += 1
+                    progressed = True
+                    res = runtime.submit(w, ctx, task, sched.peers(task, w))
+                    if runtime.synchronous:
+                        absorb(res)
+            if not runtime.synchronous and sched.done < len(tasks):
+                absorb(runtime.wait_any())
+            elif runtime.synchronous and not progressed:
+                raise RuntimeError("tile plan deadlocked: no task ready")  # a planning bug, never bad input
+    except BaseException:
+        if hasattr(runtime, "cancel"):
+            runtime.cancel()
+        raise
+    finally:
+        seconds = time.time() - start
+        try:
+            runtime.finish(ctx)
+        except Exception:  # noqa: BLE001 - releasing caches is best effort
+            pass
+    return RunResult(problem, output, ctx.output_path, None, seconds, records, dict(counters), workers)
+

@@ -1,0 +1,204 @@
+"""Where operand tiles come from: in-memory arrays, memory-mapped ``.npy`` files, seeded random
+matrices, or anything else with the :class:`TileSource` shape (the S3 source lives in
+``paperline.tasks.gemm`` so that kernels never import boto3).
+
+A source is small and picklable: it travels to Dask workers inside each tile task and opens its
+data lazily in the process that reads it. Reads return host (NumPy) arrays; the worker copies them
+to the device.
+"""
+
+from __future__ import annotations
+
+import os
+import uuid
+from pathlib import Path
+from typing import Any, Protocol, runtime_checkable
+
+import numpy as np
+
+from paperline.kernels.errors import InputError
+
+FLOAT_DTYPES = (np.dtype(np.float32), np.dtype(np.float64))
+
+
+@runtime_checkable
+class TileSource(Protocol):
+    """A 2-D float32/float64 matrix readable by rectangle.
+
+    Attributes:
+        shape: ``(rows, cols)``.
+        dtype: ``float32`` or ``float64``.
+        key: identifies the content (cache keys and peer fetch use it).
+        kind: ``"memory"``, ``"file"``, ``"generated"`` or ``"s3"`` (S3 reads are what peer fetch saves).
+    """
+
+    shape: tuple[int, int]
+    dtype: np.dtype
+    key: str
+    kind: str
+
+    def read(self, rows: slice, cols: slice) -> np.ndarray:
+        """The C-contiguous host array ``M[rows, cols]``."""
+        ...
+
+
+def check_matrix_header(argument: str, where: str, shape: tuple[int, ...], dtype: np.dtype) -> tuple[int, int]:
+    """Refuse anything but a 2-D float32/float64 matrix. Returns the shape as a pair.
+
+    Raises:
+        InputError: naming ``argument`` and ``where`` (the path or URI).
+    """
+    if len(shape) != 2:
+        raise InputError(argument, where, f"expected a 2-D matrix, found shape {tuple(shape)}")
+    if np.dtype(dtype) not in FLOAT_DTYPES:
+        raise InputError(argument, where, f"expected float32 or float64, found dtype {np.dtype(dtype)}")
+    return int(shape[0]), int(shape[1])
+
+
+class ArraySource:
+    """An in-memory NumPy matrix (for calls from Python; a Dask runtime spills it to a ``.npy`` first).
+
+    Raises:
+        InputError: not a 2-D float32/float64 array.
+    """
+
+    kind = "memory"
+
+    def __init__(self, array: Any, argument: str = "a"):
+        array = np.asarray(array)
+        self.shape = check_matrix_header(argument, f"array of shape {array.shape}", array.shape, array.dtype)
+        self.dtype = array.dtype
+        self.array = array
+        self.key = f"array:{uuid.uuid4().hex}"
+
+    def read(self, rows: slice, cols: slice) -> np.ndarray:
+        return np.ascontiguousarray(self.array[rows, cols])
+
+
+class NpySource:
+    """A ``.npy`` file read through a memory map, tile by tile (operands larger than memory).
+
+    Args:
+        path: the file.
+        argument: the operand's name for error messages.
+
+    Raises:
+        InputError: missing file, not a ``.npy`` file, not a 2-D float matrix, or truncated (fewer
+            bytes than its header promises).
+    """
+
+    kind = "file"
+
+    def __init__(self, path: str | os.PathLike[str], argument: str = "a"):
+        self.path = str(Path(path).resolve())
+        if not os.path.isfile(self.path):
+            raise InputError(argument, str(path), "no such file")
+        try:
+            with open(self.path, "rb") as f:
+                version = np.lib.format.read_magic(f)
+                read_header = np.lib.format.read_array_header_1_0 if version == (1, 0) \
+                    else np.lib.format.read_array_header_2_0
+                shape, fortran, dtype = read_header(f)
+                offset = f.tell()
+        except (ValueError, OSError, SyntaxError) as exc:
+            raise InputError(argument, str(path), f"not a .npy file ({exc})") from None
+        self.shape = check_matrix_header(argument, str(path), shape, dtype)
+        self.dtype = np.dtype(dtype)
+        stat = os.stat(self.path)
+        need = offset + self.shape[0] * self.shape[1] * self.dtype.itemsize
+        if stat.st_size < need:
+            raise InputError(argument, str(path), f"truncated: {stat.st_size} bytes, the header promises {need}")
+        self.fortran_order = bool(fortran)
+        self.key = f"file:{self.path}:{stat.st_mtime_ns}:{stat.st_size}"
+        self._map: np.ndarray | None = None
+
+    def __getstate__(self) -> dict[str, Any]:
+        return {**self.__dict__, "_map": None}
+
+    def memmap(self) -> np.ndarray:
+        if self._map is None:
+            self._map = np.load(self.path, mmap_mode="r")
+        return self._map
+
+    def read(self, rows: slice, cols: slice) -> np.ndarray:
+        return np.ascontiguousarray(self.memmap()[rows, cols])
+
+
+class RandomSource:
+    """A seeded standard-normal matrix generated block by block where it is read.
+
+    Entry ``(r, c)`` depends only on ``(seed, stream, r, c)``, not on the tile size that reads it:
+    blocks of ``block`` x ``block`` entries are drawn from ``numpy.random.default_rng([seed, stream,
+    block row, block col])``. ``diagonal_shift`` is added to the diagonal (a well-conditioned
+    triangular matrix for TRSM takes about ``n``).
+
+    Args:
+        shape: ``(rows, cols)``.
+        dtype: float32 or float64.
+        seed: the seed.
+        stream: distinguishes the operands of one problem (0 for A, 1 for B, 2 for C).
+        diagonal_shift: added to every diagonal entry.
+        block: the generation block edge (entries).
+    """
+
+    kind = "generated"
+
+    def __init__(self, shape: tuple[int, int], dtype: Any = np.float64, seed: int = 0, stream: int = 0,
+                 diagonal_shift: float = 0.0, block: int = 256, argument: str = "a"):
+        if len(shape) != 2 or min(shape) < 1:
+            raise InputError(argument, shape, "expected (rows, cols) with both at least 1")
+        self.shape = (int(shape[0]), int(shape[1]))
+        self.dtype = np.dtype(dtype)
+        if self.dtype not in FLOAT_DTYPES:
+            raise InputError("dtype", str(self.dtype), "expected float32 or float64")
+        self.seed, self.stream, self.diagonal_shift, self.block = int(seed), int(stream), float(diagonal_shift), int(block)
+        self.key = f"random:{self.seed}:{self.stream}:{self.shape}:{self.dtype}:{self.diagonal_shift}:{self.block}"
+
+    def _block(self, bi: int, bj: int) -> np.ndarray:
+        b = self.block
+        rows = min(b, self.shape[0] - bi * b)
+        cols = min(b, self.shape[1] - bj * b)
+        out = np.random.default_rng([self.seed, self.stream, bi, bj]).standard_normal((rows, cols), dtype=self.dtype)
+        if self.diagonal_shift and bi == bj:
+            idx = np.arange(min(rows, cols))
+            out[idx, idx] += self.dtype.type(self.diagonal_shift)
+        return out
+
+    def read(self, rows: slice, cols: slice) -> np.ndarray:
+        r0, r1, _ = rows.indices(self.shape[0])
+        c0, c1, _ = cols.indices(self.shape[1])
+        out = np.empty((r1 - r0, c1 - c0), self.dtype)
+        b = self.block
+        for bi in range(r0 // b, (r1 - 1) // b + 1 if r1 > r0 else r0 // b):
+            for bj in range(c0 // b, (c1 - 1) // b + 1 if c1 > c0 else c0 // b):
+                blk = self._block(bi, bj)
+                br0, bc0 = bi * b, bj * b
+                lo_r, hi_r = max(r0, br0), min(r1, br0 + blk.shape[0])
+                lo_c, hi_c = max(c0, bc0), min(c1, bc0 + blk.shape[1])
+                out[lo_r - r0:hi_r - r0, lo_c - c0:hi_c - c0] = blk[lo_r - br0:hi_r - br0, lo_c - bc0:hi_c - bc0]
+        return out
+
+
+def as_source(operand: Any, argument: str) -> TileSource:
+    """A :class:`TileSource` for an array, a path to a ``.npy`` file, or a source (returned as is).
+
+    Raises:
+        InputError: anything else, or what the source's constructor refuses.
+    """
+    if operand is None:
+        raise InputError(argument, None, "operand missing")
+    if isinstance(operand, (str, os.PathLike)):
+        return NpySource(operand, argument)
+    if isinstance(operand, TileSource) and not isinstance(operand, np.ndarray):
+        return operand
+    if hasattr(operand, "__array__") or isinstance(operand, (list, tuple)):
+        return ArraySource(operand, argument)
+    raise InputError(argument, type(operand).__name__, "expected an array, a .npy path or a TileSource")
+
+
+def read_all(source: TileSource, band: int = 1024) -> np.ndarray:
+    """The whole matrix in memory (for references and small results)."""
+    out = np.empty(source.shape, source.dtype)
+    for r in range(0, source.shape[0], band):
+        out[r:r + band] = source.read(slice(r, r + band), slice(0, source.shape[1]))
+    return out

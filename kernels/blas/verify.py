@@ -1,0 +1,189 @@
+"""Freivalds' check of a level-3 BLAS result without recomputing it.
+
+For a random vector ``x`` the result ``C`` must satisfy ``C x = alpha op(A) (op(B) x) + beta C0 x``
+(and the analogue for each routine), which costs a few matrix-vector products: O(n^2) reads
+instead of O(n^3) flops (Freivalds 1977). Everything is evaluated in float64, streaming the
+operands band by band, so it works for results that do not fit in memory.
+
+The residual is relative to the same products taken in absolute values,
+``r = ||C x - rhs|| / || |C||x| + |alpha||op(A)|(|op(B)||x|) + |beta||C0||x| ||``. Rounding in a
+correct float computation with inner dimension k keeps ``r`` below about ``k * eps`` (the
+standard bound ``|fl(AB) - AB| <= gamma_k |A||B|``), so the tolerance ``2 (k + 2) eps`` never
+rejects a correct result, while one wrong tile moves ``r`` by orders of magnitude more.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from paperline.kernels.blas.plan import Problem
+from paperline.kernels.blas.sources import TileSource
+
+BAND_BYTES = 64 << 20
+
+
+@dataclass(frozen=True)
+class Verification:
+    """The outcome of :func:`freivalds`.
+
+    Attributes:
+        residual: the relative residual ``r`` (dimensionless).
+        tolerance: the bound ``r`` must stay under.
+        passed: ``residual <= tolerance`` (and finite).
+    """
+
+    residual: float
+    tolerance: float
+    passed: bool
+
+
+def _mask(block: np.ndarray, r0: int, mask: str) -> np.ndarray:
+    if not mask:
+        return block
+    rows = np.arange(r0, r0 + block.shape[0])[:, None]
+    cols = np.arange(block.shape[1])[None, :]
+    upper = mask[0] == "U"
+    keep = cols >= rows if upper else cols <= rows
+    if mask.endswith("u"):
+        keep &= cols != rows
+    out = np.where(keep, block, 0.0)
+    return out + _unit(block.shape, r0) if mask.endswith("u") else out
+
+
+def matvec(source: TileSource, x: np.ndarray, xa: np.ndarray, *, trans: bool = False, mask: str = "",
+           symmetric: bool = False) -> tuple[np.ndarray, np.ndarray]:
+    """``(M' x, |M'| xa)`` in float64 for ``M' = op(mask(M))``, reading ``M`` in row bands.
+
+    Args:
+        source: the stored matrix M.
+        x, xa: float64 vectors (``xa`` non-negative).
+        trans: ``op`` is the transpose.
+        mask: ``""``, ``"U"``/``"L"`` (triangle), ``"Uu"``/``"Lu"`` (triangle, unit diagonal).
+        symmetric: M' is the symmetric matrix whose ``mask`` triangle (``"U"``/``"L"``) is stored.
+    """
+    rows, cols = source.shape
+    band = max(1, BAND_BYTES // max(1, cols * 8))
+    out_len = cols if trans else rows
+    if symmetric:
+        out_len = rows
+    y, ya = np.zeros(out_len), np.zeros(out_len)
+    for r0 in range(0, rows, band):
+        r1 = min(rows, r0 + band)
+        block = source.read(slice(r0, r1), slice(0, cols)).astype(np.float64)
+        if symmetric:
+            tri = _mask(block, r0, mask)
+            strict = _mask(block, r0, mask + "u") - _unit(block.shape, r0)  # the triangle without its diagonal
+            y[r0:r1] += tri @ x
+            ya[r0:r1] += np.abs(tri) @ xa
+            y += strict.T @ x[r0:r1]
+            ya += np.abs(strict).T @ xa[r0:r1]
+            continue
+        block = _mask(block, r0, mask)
+        if trans:
+            y += block.T @ x[r0:r1]
+            ya += np.abs(block).T @ xa[r0:r1]
+        else:
+            y[r0:r1] = block @ x
+            ya[r0:r1] = np.abs(block) @ xa
+    return y, ya
+
+
+def _unit(shape: tuple[int, int], r0: int) -> np.ndarray:
+    out = np.zeros(shape)
+    idx = np.arange(r0, min(r0 + shape[0], shape[1]))
+    out[idx - r0, idx] = 1.0
+    return out
+
+
+def freivalds(problem: Problem, result: TileSource, seed: int = 0) -> Verification:
+    """Check ``result`` against ``problem`` with one random projection (see the module docstring).
+
+    Args:
+        problem: the problem solved.
+        result: the result matrix (``problem.out_shape``).
+        seed: the seed of ``x``.
+
+    Returns:
+        A :class:`Verification`.
+    """
+    p = problem
+    n = p.out_shape[1]
+    x = np.random.default_rng(seed).standard_normal(n)
+    xa = np.abs(x)
+    A, B, C = p.a, p.b, p.c
+    alpha, beta = p.alpha, p.beta
+    uplo = "L" if p.lower else "U"
+    tri = uplo + ("u" if p.unit_diagonal else "")
+
+    def scaled(s: float, pair: tuple[np.ndarray, np.ndarray]) -> tuple[np.ndarray, np.ndarray]:
+        return s * pair[0], abs(s) * pair[1]
+
+    def plus(*pairs: tuple[np.ndarray, np.ndarray]) -> tuple[np.ndarray, np.ndarray]:
+        return sum(q[0] for q in pairs), sum(q[1] for q in pairs)
+
+    def c0_term(symmetric: bool) -> tuple[np.ndarray, np.ndarray]:
+        if C is None or beta == 0.0:
+            return np.zeros(p.out_shape[0]), np.zeros(p.out_shape[0])
+        return scaled(beta, matvec(C, x, xa, mask=uplo if symmetric else "", symmetric=symmetric))
+
+    r = p.routine
+    if r == "gemm":
+        v = matvec(B, x, xa, trans=p.trans_b)
+        rhs = plus(scaled(alpha, matvec(A, *v, trans=p.trans_a)), c0_term(False))
+        lhs = matvec(result, x, xa)
+    elif r == "symm":
+        if p.side == "L":
+            v = matvec(B, x, xa)
+            prod = matvec(A, *v, mask=uplo, symmetric=True)
+        else:
+            v = matvec(A, x, xa, mask=uplo, symmetric=True)
+            prod = matvec(B, *v)
+        rhs = plus(scaled(alpha, prod), c0_term(False))
+        lhs = matvec(result, x, xa)
+    elif r in ("syrk", "syr2k"):
+        ta = p.trans_a
+        if r == "syrk":
+            prod = matvec(A, *matvec(A, x, xa, trans=not ta), trans=ta)
+        else:
+            prod = plus(matvec(A, *matvec(B, x, xa, trans=not ta), trans=ta),
+                        matvec(B, *matvec(A, x, xa, trans=not ta), trans=ta))
+        rhs = plus(scaled(alpha, prod), c0_term(True))
+        lhs = matvec(result, x, xa, mask=uplo, symmetric=True)
+    elif r == "trmm":
+        if p.side == "L":
+            prod = matvec(A, *matvec(B, x, xa), mask=tri, trans=p.trans_a)
+        else:
+            prod = matvec(B, *matvec(A, x, xa, mask=tri, trans=p.trans_a))
+        rhs = scaled(alpha, prod)
+        lhs = matvec(result, x, xa)
+    else:  # trsm: op(A) X = alpha B  or  X op(A) = alpha B
+        if p.side == "L":
+            lhs = matvec(A, *matvec(result, x, xa), mask=tri, trans=p.trans_a)
+        else:
+            lhs = matvec(result, *matvec(A, x, xa, mask=tri, trans=p.trans_a))
+        rhs = scaled(alpha, matvec(B, x, xa))
+    if r in ("syrk", "syr2k") and not _other_triangle_unchanged(result, C, p.lower):
+        return Verification(float("inf"), 2.0 * (p.inner + 2) * float(np.finfo(p.dtype).eps), False)
+    diff = float(np.linalg.norm(lhs[0] - rhs[0]))
+    scale = float(np.linalg.norm(lhs[1] + rhs[1]))
+    residual = diff / scale if scale > 0 else (0.0 if diff == 0 else float("inf"))
+    tolerance = 2.0 * (p.inner + 2) * float(np.finfo(p.dtype).eps)
+    return Verification(residual, tolerance, bool(np.isfinite(residual) and residual <= tolerance))
+
+
+def _other_triangle_unchanged(result: TileSource, c: TileSource | None, lower: bool) -> bool:
+    """SYRK/SYR2K leave the triangle opposite ``uplo`` as it was in C (zeros without C)."""
+    rows, cols = result.shape
+    band = max(1, BAND_BYTES // max(1, cols * 8))
+    for r0 in range(0, rows, band):
+        r1 = min(rows, r0 + band)
+        got = result.read(slice(r0, r1), slice(0, cols))
+        want = c.read(slice(r0, r1), slice(0, cols)) if c is not None else np.zeros_like(got)
+        rr = np.arange(r0, r1)[:, None]
+        cc = np.arange(cols)[None, :]
+        other = cc > rr if lower else cc < rr
+        if not np.array_equal(got[other], want[other]):
+            return False
+    return True

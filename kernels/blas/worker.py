@@ -1,0 +1,332 @@
+"""The worker side of the tiled runtime: the L1 tile cache, peer fetch (L2), panel prefetch, and
+the execution of one :class:`~paperline.kernels.blas.plan.TileTask` (BLASX Sec. 4).
+
+Each worker process keeps one :class:`WorkerState` per run: an LRU cache of operand tiles on its
+device bounded in bytes (the memory budget), a one-thread prefetcher that loads panel ``p+1``
+while panel ``p`` is multiplied, and counters of what moved where. A tile missing from the cache
+comes from a peer worker that holds it when the driver says one does and peer fetch pays
+(:attr:`RunContext.peer_fetch`), else from its source (host memory, a memory-mapped file, S3).
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections import OrderedDict
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import numpy as np
+
+from paperline.kernels.blas.namespace import Namespace, namespace
+from paperline.kernels.blas.plan import TileRef, TileTask
+from paperline.kernels.blas.sources import TileSource
+from paperline.kernels.errors import InputError
+
+TileKey = tuple[str, int, int]  # (source key, tile row, tile col)
+
+
+@dataclass
+class RunContext:
+    """What every tile task of one run shares (small, pickled into each task).
+
+    Attributes:
+        run_id: identifies the run (worker state is per run).
+        sources: operand name -> source; ``"x"`` is the output being written (TRSM reads it).
+        tile: tile edge.
+        device: ``"cpu"`` or ``"cuda"``.
+        memory_budget: bytes of operand tiles a worker may cache (L1).
+        check_finite: refuse NaN/inf in any tile read.
+        peer_fetch: which source kinds a missing tile is fetched from a peer instead of
+            (``{"s3", "generated", "output"}`` on CPU; every kind on GPU).
+        output_path: a ``.npy`` file the worker writes its output tiles into (None: tiles are
+            returned to the driver).
+    """
+
+    run_id: str
+    sources: dict[str, TileSource]
+    tile: int
+    device: str = "cpu"
+    memory_budget: int = 1 << 30
+    check_finite: bool = True
+    peer_fetch: frozenset[str] = frozenset({"s3", "generated", "output"})
+    output_path: str | None = None
+
+    def key(self, ref: TileRef) -> TileKey:
+        return (self.sources[ref.operand].key, ref.i, ref.j)
+
+    def tile_bytes(self, ref: TileRef) -> int:
+        src = self.sources[ref.operand]
+        rows = min(self.tile, src.shape[0] - ref.i * self.tile)
+        cols = min(self.tile, src.shape[1] - ref.j * self.tile)
+        return rows * cols * src.dtype.itemsize
+
+
+class TileCache:
+    """An LRU map of tiles bounded by their total size in bytes (BLASX's L1 tile cache).
+
+    Thread-safe. ``evicted`` collects the keys dropped since the last :meth:`drain_evicted`, so the
+    driver's directory of who holds what stays close to the truth.
+    """
+
+    def __init__(self, capacity: int):
+        self.capacity = int(capacity)
+        self.size = 0
+        self._items: OrderedDict[TileKey, Any] = OrderedDict()
+        self._lock = threading.Lock()
+        self.evicted: list[TileKey] = []
+        self.added: list[TileKey] = []
+
+    def get(self, key: TileKey) -> Any | None:
+        with self._lock:
+            if key in self._items:
+                self._items.move_to_end(key)
+                return self._items[key]
+            return None
+
+    def peek(self, key: TileKey) -> Any | None:
+        with self._lock:
+            return self._items.get(key)
+
+    def put(self, key: TileKey, tile: Any) -> None:
+        nbytes = int(tile.nbytes)
+        with self._lock:
+            if key in self._items:
+                self._items.move_to_end(key)
+                return
+            while self._items and self.size + nbytes > self.capacity:
+                old_key, old = self._items.popitem(last=False)
+                self.size -= int(old.nbytes)
+                self.evicted.append(old_key)
+            if nbytes > self.capacity:
+                return  # larger than the whole budget: used once, never kept
+            self._items[key] = tile
+            self.size += nbytes
+            self.added.append(key)
+
+    def drain(self) -> tuple[list[TileKey], list[TileKey]]:
+        """(keys added, keys evicted) since the last call."""
+        with self._lock:
+            added, evicted = self.added, self.evicted
+            self.added, self.evicted = [], []
+        return added, evicted
+
+    def __contains__(self, key: object) -> bool:
+        with self._lock:
+            return key in self._items
+
+
+@dataclass
+class Counters:
+    hits: int = 0
+    misses: int = 0
+    bytes_source: int = 0  # read from the operand's source (host memory, file, generator)
+    bytes_s3: int = 0  # of which from S3
+    bytes_host_to_device: int = 0  # copied host -> device (GPU only)
+    bytes_peer: int = 0  # fetched from another worker
+    peer_misses: int = 0  # the peer no longer held it
+
+    def as_dict(self) -> dict[str, int]:
+        return dict(self.__dict__)
+
+
+@dataclass
+class WorkerState:
+    ctx: RunContext
+    ns: Namespace
+    cache: TileCache
+    prefetcher: ThreadPoolExecutor
+    counters: Counters = field(default_factory=Counters)
+    lock: threading.Lock = field(default_factory=threading.Lock)
+    output: np.ndarray | None = None
+
+
+_STATES: dict[str, WorkerState] = {}
+_STATES_LOCK = threading.Lock()
+
+
+def worker_state(ctx: RunContext) -> WorkerState:
+    """This process's state for ``ctx.run_id`` (created on first use; other runs' state is dropped)."""
+    with _STATES_LOCK:
+        state = _STATES.get(ctx.run_id)
+        if state is None:
+            for old in list(_STATES):
+                _STATES.pop(old).prefetcher.shutdown(wait=False)
+            state = WorkerState(ctx, namespace(ctx.device), TileCache(ctx.memory_budget),
+                                ThreadPoolExecutor(max_workers=1, thread_name_prefix="paperline-prefetch"))
+            _STATES[ctx.run_id] = state
+        return state
+
+
+def release_run(run_id: str | None = None) -> None:
+    """Drop the cached tiles of ``run_id`` (every run when None) in this process."""
+    with _STATES_LOCK:
+        for key in [k for k in _STATES if run_id is None or k == run_id]:
+            _STATES.pop(key).prefetcher.shutdown(wait=False)
+
+
+def peer_tile(run_id: str, key: TileKey) -> np.ndarray | None:
+    """A tile this process holds for ``run_id`` as a host array, or None (what a peer asks for)."""
+    state = _STATES.get(run_id)
+    if state is None:
+        return None
+    tile = state.cache.peek(tuple(key))
+    return None if tile is None else state.ns.to_host(tile)
+
+
+PeerFetch = Callable[[str, str, TileKey], "np.ndarray | None"]
+
+
+def _apply(ns: Namespace, raw: Any, ref: TileRef) -> Any:
+    xp, m = ns.xp, ref.mask
+    if m in ("U", "L"):
+        out = xp.triu(raw) if m == "U" else xp.tril(raw)
+    elif m in ("Uu", "Lu"):
+        out = xp.triu(raw, 1) if m == "Uu" else xp.tril(raw, -1)
+        xp.fill_diagonal(out, 1)
+    elif m == "symU":
+        out = xp.triu(raw) + xp.triu(raw, 1).T
+    elif m == "symL":
+        out = xp.tril(raw) + xp.tril(raw, -1).T
+    else:
+        out = raw
+    return out.T if ref.trans else out
+
+
+def _kind(ctx: RunContext, operand: str) -> str:
+    return "output" if operand == "x" else ctx.sources[operand].kind
+
+
+def load_raw(state: WorkerState, ref: TileRef, peers: dict[TileKey, str], peer_fetch: PeerFetch | None) -> Any:
+    """The stored tile of ``ref`` on this worker's device: L1 cache, else a peer (L2), else its source."""
+    ctx, ns = state.ctx, state.ns
+    key = ctx.key(ref)
+    tile = state.cache.get(key)
+    if tile is not None:
+        with state.lock:
+            state.counters.hits += 1
+        return tile
+    host = None
+    moved = {"misses": 1}
+    if peer_fetch is not None and key in peers and (ctx.device != "cpu" or _kind(ctx, ref.operand) in ctx.peer_fetch):
+        host = peer_fetch(ctx.run_id, peers[key], key)
+        if host is None:
+            moved["peer_misses"] = 1
+        else:
+            moved["bytes_peer"] = host.nbytes
+    if host is None:
+        src = ctx.sources[ref.operand]
+        t = ctx.tile
+        host = src.read(slice(ref.i * t, (ref.i + 1) * t), slice(ref.j * t, (ref.j + 1) * t))
+        moved["bytes_source"] = moved.get("bytes_source", 0) + host.nbytes
+        if src.kind == "s3":
+            moved["bytes_s3"] = host.nbytes
+    tile = ns.to_device(host)
+    if ns.device != "cpu":
+        moved["bytes_host_to_device"] = host.nbytes
+    with state.lock:
+        for k, v in moved.items():
+            setattr(state.counters, k, getattr(state.counters, k) + v)
+    state.cache.put(key, tile)
+    return tile
+
+
+def load(state: WorkerState, ref: TileRef, peers: dict[TileKey, str], peer_fetch: PeerFetch | None, check: bool) -> Any:
+    """``ref``'s tile as the task uses it (mask and transpose applied), checked for NaN/inf.
+
+    Raises:
+        InputError: the tile holds a non-finite value (with ``check_finite``).
+    """
+    tile = _apply(state.ns, load_raw(state, ref, peers, peer_fetch), ref)
+    if check and state.ctx.check_finite and not bool(state.ns.xp.isfinite(tile).all()):
+        bad = np.argwhere(~np.isfinite(state.ns.to_host(tile)))[0]
+        t = state.ctx.tile
+        r, c = (bad[1], bad[0]) if ref.trans else (bad[0], bad[1])
+        raise InputError(ref.operand, f"{ref.operand}[{ref.i * t + r},{ref.j * t + c}] = "
+                         f"{state.ns.to_host(tile)[bad[0], bad[1]]}", "non-finite value (check_finite is on)")
+    return tile
+
+
+def execute(ctx: RunContext, task: TileTask, peers: dict[TileKey, str] | None = None, peer_fetch: PeerFetch | None = None,
+            worker: str = "local") -> dict[str, Any]:
+    """Compute one output tile on this process's device.
+
+    Panels are multiplied in order while the next panel's tiles load on the prefetch thread.
+
+    Returns:
+        ``{"index", "out", "worker", "start", "end", "tile"`` (host array, or None when written
+        to ``ctx.output_path``) ``, "added", "evicted"`` (cache keys, for the driver's directory)
+        ``, "counters"}``.
+
+    Raises:
+        InputError: a non-finite value (``check_finite``), a zero on a TRSM diagonal.
+    """
+    start = time.time()
+    state = worker_state(ctx)
+    ns, xp = state.ns, state.ns.xp
+    peers = peers or {}
+    before = state.counters.as_dict()
+
+    def fetch(pair: tuple[TileRef, TileRef]) -> tuple[Any, Any]:
+        return (load(state, pair[0], peers, peer_fetch, True),
+                load(state, pair[1], peers, peer_fetch, True))
+
+    acc = None
+    pending: Future | None = state.prefetcher.submit(fetch, task.terms[0]) if task.terms else None
+    for q in range(len(task.terms)):
+        left, right = pending.result()
+        pending = state.prefetcher.submit(fetch, task.terms[q + 1]) if q + 1 < len(task.terms) else None
+        product = left @ right
+        acc = product if acc is None else xp.add(acc, product, out=acc)
+    rows = min(ctx.tile, _out_rows(ctx) - task.out[0] * ctx.tile)
+    cols = min(ctx.tile, _out_cols(ctx) - task.out[1] * ctx.tile)
+    dtype = next(iter(ctx.sources.values())).dtype
+    if acc is None:
+        acc = xp.zeros((rows, cols), dtype)
+    elif task.alpha != 1.0:
+        acc *= dtype.type(task.alpha)
+    c0 = None
+    if task.c0 is not None and (task.beta != 0.0 or task.keep or task.copy):
+        c0 = load(state, task.c0, peers, peer_fetch, check=task.beta != 0.0 and not task.copy)
+    if task.copy:
+        acc = xp.array(c0) if c0 is not None else xp.zeros((rows, cols), dtype)
+    elif c0 is not None and task.beta != 0.0:
+        acc += dtype.type(task.beta) * c0
+    if task.solve is not None:
+        diag = load(state, task.solve, peers, peer_fetch, True)
+        zeros = xp.flatnonzero(xp.diagonal(diag) == 0)
+        if zeros.size:
+            i = task.solve.i * ctx.tile + int(zeros[0])
+            raise InputError("a", f"a[{i},{i}] = 0", "TRSM needs a nonzero diagonal (the triangular matrix is singular)")
+        if task.side == "L":
+            acc = ns.solve_triangular(diag, acc, lower=task.solve_lower, trans=False)
+        else:
+            acc = ns.solve_triangular(diag, acc.T, lower=task.solve_lower, trans=True).T
+        acc = xp.ascontiguousarray(acc.astype(dtype, copy=False))
+        # Later tasks of this run read this output tile: keep it where it was made.
+        state.cache.put((ctx.sources["x"].key, task.out[0], task.out[1]), acc)
+    if task.keep and not task.copy:
+        mask = xp.triu(xp.ones((rows, cols), bool)) if task.keep == "U" else xp.tril(xp.ones((rows, cols), bool))
+        acc = xp.where(mask, acc, c0 if c0 is not None else dtype.type(0))
+    ns.synchronize()
+    host = ns.to_host(acc)
+    if ctx.output_path is not None:
+        if state.output is None:
+            state.output = np.load(ctx.output_path, mmap_mode="r+")
+        t = ctx.tile
+        state.output[task.out[0] * t:task.out[0] * t + rows, task.out[1] * t:task.out[1] * t + cols] = host
+        host = None
+    added, evicted = state.cache.drain()
+    after = state.counters.as_dict()
+    return {"index": task.index, "out": task.out, "worker": worker, "start": start, "end": time.time(),
+            "tile": host, "added": added, "evicted": evicted,
+            "counters": {k: after[k] - before[k] for k in after}}
+
+
+def _out_rows(ctx: RunContext) -> int:
+    return ctx.sources["x"].shape[0]
+
+
+def _out_cols(ctx: RunContext) -> int:
+    return ctx.sources["x"].shape[1]
