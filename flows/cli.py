@@ -195,6 +195,17 @@ def _fmt(x: Any) -> str:
 
 
 def _print_summary(name: str, summary: dict[str, Any]) -> None:
+    if "table" in summary:
+        spec = summary["table"]
+        table = Table(*spec["columns"], title=spec["title"])
+        for row in spec["rows"]:
+            table.add_row(*[str(v) for v in row])
+        console.print(table)
+        for line in summary.get("lines", []):
+            console.print(line, soft_wrap=True, highlight=False)
+        console.print(f"Prefect flow run: {summary['prefect_flow_run_url']}", soft_wrap=True)
+        console.print(f"MLflow run:       {summary['mlflow_run_url']}", soft_wrap=True)
+        return
     rows = summary.get("rows", [])
     table = Table("dataset", "split", "method", "test RMSE", "validation RMSE", "fit seconds", "epochs",
                   title=f"{name}: held-out RMSE (standardized units)")

@@ -27,11 +27,14 @@ PIPELINES: Registry[Pipeline] = Registry("pipeline")
 
 
 def _register_builtin() -> None:
+    from paperline.flows import gemm as gm
     from paperline.flows import tensor_factorization as tf
 
     if "tensor-factorization" not in PIPELINES:
         PIPELINES.register("tensor-factorization")(
             Pipeline("tensor-factorization", tf.tensor_factorization, tf.TensorFactorizationParameters, tf.PRESETS))
+    if "gemm" not in PIPELINES:
+        PIPELINES.register("gemm")(Pipeline("gemm", gm.gemm, gm.GemmParameters, gm.PRESETS))
 
 
 def get_pipeline(name: str) -> Pipeline:

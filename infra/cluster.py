@@ -19,24 +19,26 @@ if TYPE_CHECKING:
 
 
 # Dask's nanny sets MALLOC_TRIM_THRESHOLD_=65536 in its workers so that freed memory goes back to
-# the OS at once. For numerics made of many short-lived numpy temporaries that is costly twice:
-# setting it freezes glibc's mmap threshold at 128 KiB (every larger temporary becomes an
-# mmap/munmap pair), and the heap top is returned after each free and faulted in again at the
-# next allocation. Measured on the P²T²F local update (half of kinetic, 4096-entry batches):
-# 0.30-1.08 s per pass in a worker against 0.17 s in a plain process; with the two values below
-# the worker matches the plain process. A worker then keeps up to 64 MiB of freed heap.
-# glibc reads them at process start, so they go in the nanny's *pre-spawn* environment (a
-# Nanny's ``env=`` is applied too late).
-WORKER_ENV = {"MALLOC_MMAP_THRESHOLD_": str(32 * 2**20), "MALLOC_TRIM_THRESHOLD_": str(64 * 2**20)}
+# the OS at once. Setting any glibc malloc threshold freezes glibc's *dynamic* mmap threshold, and
+# for numerics that allocate large short-lived arrays that is costly:
+# - P²T²F local update (half of kinetic, 4096-entry batches): 0.30-1.08 s per pass in a worker
+#   against 0.17 s in a plain process (every temporary over 128 KiB became an mmap/munmap pair);
+# - tiled GEMM, 2048 x 2048 float64 tiles: 24 GFLOP/s per worker against 49 in a plain process,
+#   even with the thresholds raised to 32/64 MiB (a 32 MiB tile sits right at such a threshold).
+# So local workers get no malloc variable at all: glibc's defaults, as in a plain process (freed
+# memory is returned to the OS less eagerly). glibc reads them at process start, so this is the
+# nanny's *pre-spawn* environment (a Nanny's ``env=`` is applied too late).
+DROPPED_WORKER_ENV = ("MALLOC_TRIM_THRESHOLD_", "MALLOC_MMAP_THRESHOLD_", "MALLOC_TOP_PAD_", "MALLOC_MMAP_MAX_")
 
 
 def configure_local_workers() -> None:
-    """Add :data:`WORKER_ENV` to ``distributed.nanny.pre-spawn-environ`` for the local clusters
-    this process starts (idempotent)."""
+    """Remove :data:`DROPPED_WORKER_ENV` from ``distributed.nanny.pre-spawn-environ`` for the local
+    clusters this process starts (idempotent)."""
     import dask  # noqa: PLC0415
 
     current = dict(dask.config.get("distributed.nanny.pre-spawn-environ", default={}) or {})
-    dask.config.set({"distributed.nanny.pre-spawn-environ": {**current, **WORKER_ENV}})
+    kept = {k: v for k, v in current.items() if k not in DROPPED_WORKER_ENV}
+    dask.config.set({"distributed.nanny.pre-spawn-environ": kept})
 
 
 def _local_cpu_kwargs(settings: Settings) -> dict[str, Any]:

@@ -324,6 +324,45 @@ class ObjectStore:
             raise PaperlineError(f"{uri}: content does not match sha256 {sha256}")
         return data
 
+    def head(self, uri: str) -> dict[str, Any] | None:
+        """The object's metadata (``ContentLength``, ``ETag``, ...), or None if there is no such object.
+
+        Raises:
+            ServiceError: S3 is unreachable or rejects the credentials.
+        """
+        bucket, key = split_uri(uri)
+        return self._head(bucket, key)
+
+    def get_range(self, uri: str, start: int, stop: int) -> bytes:
+        """Bytes ``[start, stop)`` of an object (one ranged GET).
+
+        Raises:
+            ObjectNotFoundError: No such object.
+            ServiceError: S3 is unreachable or rejects the credentials.
+        """
+        from botocore.exceptions import ClientError  # noqa: PLC0415
+
+        bucket, key = split_uri(uri)
+        try:
+            resp = self._call(f"get {uri} bytes {start}-{stop - 1}", self.client.get_object, Bucket=bucket, Key=key,
+                              Range=f"bytes={start}-{stop - 1}")
+        except ClientError as exc:
+            if self._is_not_found(exc):
+                raise ObjectNotFoundError(f"{uri}: no such object") from exc
+            raise
+        return resp["Body"].read()
+
+    def upload_file_to(self, path: str | os.PathLike[str], uri: str) -> str:
+        """Upload a local file to exactly ``uri`` (multipart for large files: the object becomes
+        visible only when every part has arrived, so a failed upload leaves nothing).
+
+        Raises:
+            ServiceError: S3 is unreachable or rejects the credentials.
+        """
+        bucket, key = split_uri(uri)
+        self._call(f"upload {uri}", self.client.upload_file, str(path), bucket, key)
+        return uri
+
     def get_file(self, uri: str, path: str | os.PathLike[str]) -> Path:
         """Download an object to a local file (written atomically: temporary file, then rename).
 

@@ -22,6 +22,7 @@ class DaskExecutor:
 
     def __init__(self, client: Any):
         self.client = client
+        wait_for_cluster(client)
         self.workers = sorted(client.scheduler_info(n_workers=-1)["workers"])
         if not self.workers:
             from paperline.infra.errors import ServiceError
@@ -46,6 +47,38 @@ class DaskExecutor:
         return self.client.gather(futures)
 
 
+def wait_for_cluster(client: Any, timeout_s: float = 120.0) -> None:
+    """Wait until every worker the client's own cluster asked for has registered.
+
+    A flow's ``LocalCluster``/``LocalCUDACluster`` may still be starting workers when the first
+    task runs; work placed then would use only the workers up so far. A client of an external
+    scheduler (no cluster object) is not waited on.
+    """
+    spec = getattr(getattr(client, "cluster", None), "worker_spec", None)
+    if spec:
+        client.wait_for_workers(len(spec), timeout=timeout_s)
+
+
+def flow_dask_client() -> Any | None:
+    """The Dask client of the running flow's ``DaskTaskRunner`` (started on first use), else the
+    process's default Dask client, else None.
+
+    ``prefect_dask`` creates its cluster and client lazily, at the first ``.submit``: a flow whose
+    first step drives the cluster itself must ask the runner, not ``distributed.get_client()``.
+    """
+    from distributed import get_client
+    from prefect.context import FlowRunContext
+
+    ctx = FlowRunContext.get()
+    runner = getattr(ctx, "task_runner", None) if ctx is not None else None
+    if runner is not None and hasattr(runner, "client") and hasattr(runner, "cluster_kwargs"):
+        return runner.client
+    try:
+        return get_client()
+    except ValueError:
+        return None
+
+
 @contextmanager
 def cluster_executor() -> Iterator[DaskExecutor | SerialExecutor]:
     """The executor for sub-problems launched by a task.
@@ -57,11 +90,8 @@ def cluster_executor() -> Iterator[DaskExecutor | SerialExecutor]:
     prefect 3.9.1, such tasks are never Cached.) Anywhere else it is the in-process
     :class:`SerialExecutor`.
     """
-    from distributed import get_client
-
-    try:
-        client = get_client()
-    except ValueError:
+    client = flow_dask_client()
+    if client is None:
         yield SerialExecutor()
         return
     yield DaskExecutor(client)

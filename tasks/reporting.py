@@ -65,3 +65,44 @@ def results_table(rows: list[dict[str, Any]], path: Path) -> Path:
 
     pq.write_table(pa.Table.from_pylist(rows), path)
     return path
+
+
+def task_timeline_plot(records: list[dict[str, Any]], workers: list[str], path: Path) -> Path:
+    """One lane per worker, one bar per tile task (start to end, seconds from the run's start)."""
+    plt = _plt()
+    t0 = min((r["start"] for r in records), default=0.0)
+    fig, ax = plt.subplots(figsize=(9, 0.6 + 0.5 * len(workers)))
+    cmap = plt.get_cmap("tab20")
+    for lane, w in enumerate(workers):
+        bars = [(r["start"] - t0, r["end"] - r["start"]) for r in records if r["worker"] == w]
+        colors = [cmap(r["out"][0] % 20) for r in records if r["worker"] == w]
+        ax.broken_barh(bars, (lane - 0.4, 0.8), facecolors=colors, edgecolors="black", linewidth=0.3)
+    ax.set_yticks(range(len(workers)), [f"worker {i}" for i in range(len(workers))])
+    ax.set_xlabel("seconds since the first task (bar colour: output tile row)")
+    ax.set_title("tile tasks per worker")
+    fig.tight_layout()
+    fig.savefig(path, dpi=90)
+    plt.close(fig)
+    return path
+
+
+def gemm_scaling_plot(rows: list[dict[str, Any]], peer: dict[str, Any] | None, path: Path) -> Path:
+    """GFLOP/s against the number of workers, with ideal linear scaling from one worker and the
+    single-process peer as a horizontal line."""
+    plt = _plt()
+    fig, ax = plt.subplots(figsize=(5, 3.4))
+    w = [r["workers"] for r in rows]
+    g = [r["gflops"] for r in rows]
+    ax.plot(w, g, "o-", label="paperline (tiled)")
+    if rows:
+        ax.plot(w, [g[0] * x for x in w], "--", color="grey", label="linear from 1 worker")
+    if peer is not None:
+        ax.axhline(peer["gflops"], color="tab:red", linestyle=":", label=peer["name"])
+    ax.set_xlabel("workers")
+    ax.set_ylabel("GFLOP/s")
+    ax.set_xticks(w)
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=90)
+    plt.close(fig)
+    return path

@@ -66,7 +66,9 @@ class RunResult:
         staged_path: the file the workers wrote (invisible until :meth:`commit`).
         final_path: where :meth:`commit` moves it.
         seconds: wall time from the first dispatch to the last tile.
-        records: one dict per task: ``index``, ``out``, ``worker``, ``start``, ``end`` (epoch s).
+        records: one dict per task: ``index``, ``out``, ``worker``, ``start``, ``end`` (epoch s),
+            ``wait_s`` (waiting for operand tiles the prefetch had not loaded yet) and
+            ``multiply_s`` (in the panel products).
         counters: totals over workers: ``hits``, ``misses``, ``bytes_source``, ``bytes_s3``,
             ``bytes_host_to_device``, ``bytes_peer``, ``peer_misses``.
         workers: the workers used.
@@ -278,7 +280,7 @@ class DaskRuntime:
         from distributed import as_completed  # noqa: PLC0415
 
         self.client.run(_install_peer_handler, workers=self._workers)
-        self._ac = as_completed()
+        self._ac = as_completed(loop=self.client.loop)
 
     def submit(self, worker: str, ctx: RunContext, task: TileTask, peers: dict) -> Any:
         fut = self.client.submit(_execute_on_dask_worker, ctx, task, peers, workers=[worker],
@@ -389,7 +391,7 @@ def _drive(problem: Problem, ctx: RunContext, runtime: Any) -> RunResult:
         if res["tile"] is not None:
             output[i * t:i * t + res["tile"].shape[0], j * t:j * t + res["tile"].shape[1]] = res["tile"]
         done_tiles.add((i, j))
-        records.append({k: res[k] for k in ("index", "out", "worker", "start", "end")})
+        records.append({k: res[k] for k in ("index", "out", "worker", "start", "end", "wait_s", "multiply_s")})
         for k, v in res["counters"].items():
             counters[k] += v
 

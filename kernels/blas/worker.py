@@ -26,6 +26,8 @@ from paperline.kernels.errors import InputError
 
 TileKey = tuple[str, int, int]  # (source key, tile row, tile col)
 
+ACCUMULATE_IN_PLACE = True  # CPU: acc += L @ R as one BLAS call with beta = 1 (see accumulate_product)
+
 
 @dataclass
 class RunContext:
@@ -248,6 +250,31 @@ def load(state: WorkerState, ref: TileRef, peers: dict[TileKey, str], peer_fetch
     return tile
 
 
+def _fortran_operand(x: np.ndarray) -> tuple[np.ndarray, int]:
+    """``(array, trans)`` with ``op(array) == x.T`` and ``array`` Fortran-ordered (no copy)."""
+    if x.flags.c_contiguous:
+        return x.T, 0
+    if x.flags.f_contiguous:
+        return x, 1
+    return np.ascontiguousarray(x).T, 0
+
+
+def accumulate_product(acc: np.ndarray, left: np.ndarray, right: np.ndarray) -> None:
+    """``acc += left @ right`` in place with one BLAS GEMM call (beta = 1): no temporary product
+    and no separate addition pass. ``acc`` must be C-contiguous.
+
+    BLAS is column-major, so it computes ``acc.T = right.T @ left.T`` on the transposed views.
+    """
+    from scipy.linalg.blas import get_blas_funcs  # noqa: PLC0415
+
+    gemm = get_blas_funcs("gemm", dtype=acc.dtype)
+    b, trans_b = _fortran_operand(left)
+    a, trans_a = _fortran_operand(right)
+    out = gemm(1.0, a, b, beta=1.0, c=acc.T, trans_a=trans_a, trans_b=trans_b, overwrite_c=True)
+    if not np.shares_memory(out, acc):  # f2py copied (never for a C-contiguous acc): keep the result
+        acc[...] = out.T
+
+
 def execute(ctx: RunContext, task: TileTask, peers: dict[TileKey, str] | None = None, peer_fetch: PeerFetch | None = None,
             worker: str = "local") -> dict[str, Any]:
     """Compute one output tile on this process's device.
@@ -273,12 +300,21 @@ def execute(ctx: RunContext, task: TileTask, peers: dict[TileKey, str] | None = 
                 load(state, pair[1], peers, peer_fetch, True))
 
     acc = None
+    wait_s = multiply_s = 0.0
     pending: Future | None = state.prefetcher.submit(fetch, task.terms[0]) if task.terms else None
     for q in range(len(task.terms)):
+        t0 = time.perf_counter()
         left, right = pending.result()
+        t1 = time.perf_counter()
         pending = state.prefetcher.submit(fetch, task.terms[q + 1]) if q + 1 < len(task.terms) else None
-        product = left @ right
-        acc = product if acc is None else xp.add(acc, product, out=acc)
+        if acc is None:
+            acc = left @ right
+        elif ns.device == "cpu" and ACCUMULATE_IN_PLACE:
+            accumulate_product(acc, left, right)
+        else:
+            acc += left @ right
+        wait_s += t1 - t0
+        multiply_s += time.perf_counter() - t1
     rows = min(ctx.tile, _out_rows(ctx) - task.out[0] * ctx.tile)
     cols = min(ctx.tile, _out_cols(ctx) - task.out[1] * ctx.tile)
     dtype = next(iter(ctx.sources.values())).dtype
@@ -320,7 +356,7 @@ def execute(ctx: RunContext, task: TileTask, peers: dict[TileKey, str] | None = 
     added, evicted = state.cache.drain()
     after = state.counters.as_dict()
     return {"index": task.index, "out": task.out, "worker": worker, "start": start, "end": time.time(),
-            "tile": host, "added": added, "evicted": evicted,
+            "tile": host, "added": added, "evicted": evicted, "wait_s": wait_s, "multiply_s": multiply_s,
             "counters": {k: after[k] - before[k] for k in after}}
 
 

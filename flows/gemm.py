@@ -1,0 +1,200 @@
+"""The ``gemm`` flow: a tiled level-3 BLAS routine on the Dask cluster (BLASX), verified with
+Freivalds' check, measured against the single-process NumPy/SciPy peer, tracked in MLflow.
+
+Steps: validate the parameters and open the operands (seeded random, ``.npy`` files or S3
+objects); run the tile plan on the workers, writing the output tile by tile to a staged file;
+verify it (the flow fails and nothing is written when the check fails); commit the output (an
+atomic rename, or an S3 upload that is visible only once complete); sweep 1..W workers for the
+scaling plot; run the peer; log metrics and plots to one MLflow run.
+"""
+
+from __future__ import annotations
+
+import tempfile
+from pathlib import Path
+from typing import Any, Literal
+
+from prefect import flow
+from prefect.runtime import flow_run
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+from paperline.infra.device import resolve_device
+from paperline.infra.errors import InputError, ServiceError
+from paperline.infra.settings import get_settings
+from paperline.infra.stack import load_stack_info
+from paperline.infra.storage import ObjectStore
+from paperline.infra.tracking import Tracker
+from paperline.tasks.gemm import (
+    build_problem,
+    render_gemm_report,
+    scaling_sweep,
+    single_process_peer,
+    tiled_multiply,
+)
+
+EXPERIMENT = "gemm"
+
+
+def parse_bytes(value: int | str) -> int:
+    """``1073741824``, ``"1GiB"``, ``"512 MB"`` -> bytes. Raises InputError."""
+    from dask.utils import parse_bytes as dask_parse_bytes  # noqa: PLC0415
+
+    try:
+        n = int(value) if isinstance(value, int) else dask_parse_bytes(str(value))
+    except (ValueError, TypeError):
+        raise InputError("memory_budget", value, "expected bytes as an integer or with a unit (e.g. 2GiB)") from None
+    if n <= 0:
+        raise InputError("memory_budget", value, "must be positive")
+    return n
+
+
+class GemmParameters(BaseModel):
+    """Parameters of the flow (rendered as a form in the Prefect UI)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    routine: Literal["gemm", "symm", "syrk", "syr2k", "trmm", "trsm"] = Field(
+        "gemm", description="Level-3 BLAS routine (reference semantics, as scipy.linalg.blas).")
+    m: int = Field(2048, gt=0, description="Rows of the result (random operands).")
+    n: int = Field(2048, gt=0, description="Columns of the result (random operands).")
+    k: int = Field(2048, gt=0, description="Inner dimension (GEMM, SYRK, SYR2K with random operands).")
+    dtype: Literal["float32", "float64"] = Field("float64", description="Precision of random operands.")
+    tile: int = Field(512, gt=0, description="Tile edge (entries); one task computes one output tile.")
+    alpha: float = Field(1.0, description="Scale of the product.")
+    beta: float = Field(0.0, description="Scale of C (GEMM, SYMM, SYRK, SYR2K).")
+    trans_a: Literal["N", "T"] = Field("N", description="op(A) (SYRK/SYR2K: their `trans`).")
+    trans_b: Literal["N", "T"] = Field("N", description="op(B) (GEMM).")
+    side: Literal["L", "R"] = Field("L", description="SYMM/TRMM/TRSM: A on the left or the right.")
+    uplo: Literal["U", "L"] = Field("U", description="Stored triangle of A (SYMM/TRMM/TRSM) or C (SYRK/SYR2K).")
+    diag: Literal["N", "U"] = Field("N", description="TRMM/TRSM: U = unit diagonal (not read).")
+    a: str = Field("random", description="Operand A: 'random' (seeded), a local .npy path or an s3:// URI.")
+    b: str = Field("random", description="Operand B (unused by SYRK): 'random', a .npy path or an s3:// URI.")
+    c: str | None = Field(None, description="Operand C (optional; GEMM/SYMM/SYRK/SYR2K): like `a`.")
+    seed: int = Field(0, ge=0, description="Seed of random operands and of the verification vector.")
+    output: str | None = Field(None, description="Where the result goes: a local .npy path or an s3:// URI "
+                                                 "(default: s3://<data bucket>/gemm/<flow run id>/result.npy).")
+    memory_budget: int | str = Field("1GiB", description="Bytes of tiles each worker may cache (L1); larger "
+                                                         "operands are streamed out of core.")
+    check_finite: bool = Field(True, description="Refuse NaN/inf in the operands.")
+    scaling: bool = Field(True, description="Also time 1..W workers for the scaling plot.")
+    peer: bool = Field(True, description="Also time the single-process NumPy/SciPy peer (operands up to 4 GiB).")
+
+    @field_validator("a", "b", "c", "output")
+    @classmethod
+    def _no_blank(cls, v: str | None) -> str | None:
+        if v is not None and not v.strip():
+            raise ValueError("must not be empty")
+        return v
+
+    def kernel_params(self) -> dict[str, Any]:
+        return self.model_dump(exclude={"output", "memory_budget", "scaling", "peer"})
+
+    def validate_inputs(self, store: ObjectStore | None = None) -> None:
+        """Open the local operands and check shapes, dtypes, flags, the tile and the budget before
+        anything starts (S3 operands are checked in the flow). Raises InputError."""
+        parse_bytes(self.memory_budget)
+        if any(str(v).startswith("s3://") for v in (self.a, self.b, self.c) if v) and store is None:
+            return
+        build_problem(self.kernel_params(), store)
+        if self.output is not None and not self.output.startswith("s3://"):
+            parent = Path(self.output).expanduser().resolve().parent
+            if not parent.is_dir():
+                raise InputError("output", self.output, "its directory does not exist")
+
+
+PRESETS: dict[str, dict[str, Any]] = {
+    "demo": {},
+    "full": {"m": 8192, "n": 8192, "k": 8192, "tile": 2048, "memory_budget": "2GiB"},
+}
+
+
+@flow(name="gemm", log_prints=True)
+def gemm(params: GemmParameters | None = None) -> dict[str, Any]:
+    """Run one tiled level-3 BLAS routine on the cluster, verify it and track it in MLflow.
+
+    Returns:
+        A summary: GFLOP/s, ratio to the peer, verification, counters, output URI, Prefect and
+        MLflow URLs, and a table for the CLI.
+
+    Raises:
+        InputError: bad parameters or operands. VerificationError: the result failed the check
+        (nothing written). ServiceError: the stack is not up.
+    """
+    params = params or GemmParameters()
+    settings = get_settings()
+    info = load_stack_info(settings)
+    if info is None:
+        raise ServiceError("stack", "no running stack or configured endpoints; run `paperline up` first")
+    store = ObjectStore.from_stack(info)
+    params.validate_inputs(store)
+    budget = parse_bytes(params.memory_budget)
+    device = resolve_device(settings.device)
+    output = params.output or f"s3://{info.data_bucket}/gemm/{flow_run.id}/result.npy"
+    if not output.startswith("s3://"):
+        output = str(Path(output).expanduser().resolve())
+    tracker = Tracker(info.mlflow_tracking_uri)
+    run_url = f"{info.prefect_ui_url.rstrip('/')}/runs/flow-run/{flow_run.id}"
+    mlflow_params = {**params.model_dump(), "memory_budget_bytes": budget, "device": device, "output": output}
+    run_id = tracker.start_run(EXPERIMENT, run_name=flow_run.name or "gemm",
+                               tags={"prefect.flow_run_id": str(flow_run.id), "prefect.flow_run_url": run_url},
+                               params=mlflow_params)
+    try:
+        kp = params.kernel_params()
+        main = tiled_multiply(kp, store, output, budget, device)
+        scaling = scaling_sweep(kp, store, budget, device) if params.scaling else \
+            [{"workers": len(main["workers"]), "seconds": main["seconds"], "gflops": main["gflops"]}]
+        peer = single_process_peer(kp, store) if params.peer else None
+        summary = _log_run(tracker, run_id, main, scaling, peer)
+        tracker.end_run(run_id, "FINISHED")
+    except BaseException:
+        tracker.end_run(run_id, "FAILED")
+        raise
+    summary.update(prefect_flow_run_id=str(flow_run.id), prefect_flow_run_url=run_url, mlflow_run_id=run_id,
+                   mlflow_run_url=tracker.run_url(run_id), params=mlflow_params)
+    return summary
+
+
+def _log_run(tracker: Tracker, run_id: str, main: dict[str, Any], scaling: list[dict[str, Any]],
+             peer: dict[str, Any] | None) -> dict[str, Any]:
+    c = main["counters"]
+    metrics = {
+        "gflops": main["gflops"], "seconds": main["seconds"],
+        "bytes_host_to_device": c.get("bytes_host_to_device", 0), "bytes_peer": c.get("bytes_peer", 0),
+        "bytes_s3": c.get("bytes_s3", 0), "bytes_source": c.get("bytes_source", 0),
+        "cache_hit_rate": main["cache_hit_rate"], "verification_residual": main["verification_residual"],
+        "tasks": len(main["records"]),
+    }
+    for i, w in enumerate(main["workers"]):
+        metrics[f"busy_fraction.worker_{i}"] = main["busy_fraction"][w]
+    if peer is not None:
+        metrics["peer_gflops"] = peer["gflops"]
+        metrics["ratio_to_peer"] = main["gflops"] / peer["gflops"]
+    tracker.log_metrics(run_id, {k: float(v) for k, v in metrics.items()})
+    tracker.log_metric_steps(run_id, [(r["workers"], {"scaling.gflops": r["gflops"]}) for r in scaling])
+    report = render_gemm_report(main, scaling, peer)
+    with tempfile.TemporaryDirectory() as tmp:
+        for name, data in report.items():
+            path = Path(tmp) / name
+            path.write_bytes(data)
+            tracker.log_artifact(run_id, str(path))
+    tracker.log_dict(run_id, {"records": main["records"], "workers": main["workers"], "scaling": scaling,
+                              "peer": peer, "counters": c}, "tasks.json")
+    rows = [["paperline (tiled)", f"{main['gflops']:.2f}", f"{main['seconds']:.3f}",
+             f"{main['gflops'] / peer['gflops']:.3f}" if peer else "-"]]
+    if peer:
+        rows.append([peer["name"], f"{peer['gflops']:.2f}", f"{peer['seconds']:.3f}", "1.000"])
+    rows += [[f"paperline on {r['workers']} worker(s)", f"{r['gflops']:.2f}", f"{r['seconds']:.3f}",
+              f"{r['gflops'] / peer['gflops']:.3f}" if peer else "-"] for r in scaling]
+    lines = [f"{main['problem']}",
+             f"verified (Freivalds): residual {main['verification_residual']:.3g} <= tolerance "
+             f"{main['verification_tolerance']:.3g}",
+             f"cache hit rate {main['cache_hit_rate']:.2f}; bytes from sources {c.get('bytes_source', 0)}, "
+             f"from peers {c.get('bytes_peer', 0)}, from S3 {c.get('bytes_s3', 0)}",
+             f"output: {main['output']}"]
+    if peer:
+        lines.append(f"peer BLAS: {peer['blas']}")
+    return {"gflops": main["gflops"], "ratio_to_peer": metrics.get("ratio_to_peer"), "metrics": metrics,
+            "output": main["output"], "verification_residual": main["verification_residual"],
+            "table": {"title": "gemm: throughput", "columns": ["run", "GFLOP/s", "seconds", "ratio to peer"],
+                      "rows": rows},
+            "lines": lines, "artifacts": {"mlflow": f"runs:/{run_id}/"}}

@@ -1,0 +1,283 @@
+"""Prefect tasks of the ``gemm`` pipeline: operands (seeded random, ``.npy`` files, S3 objects), the
+tiled run on the cluster with Freivalds verification and an atomic commit of the output, the
+scaling sweep, the single-process NumPy/SciPy peer, and the report.
+
+These tasks measure, so they are not cached: a cached GFLOP/s would report an old machine state,
+and a cached output would be wrong once its destination is overwritten or deleted. The operands
+themselves are either regenerated from a seed or read where they are, so a re-run costs no more
+than the multiply.
+"""
+
+from __future__ import annotations
+
+import io
+import os
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+from prefect import task
+from prefect.cache_policies import NO_CACHE
+
+from paperline.infra.storage import ObjectStore
+from paperline.kernels.blas.plan import Problem, make_problem
+from paperline.kernels.blas.runtime import DaskRuntime, LocalRuntime, RunResult, run
+from paperline.kernels.blas.sources import NpySource, RandomSource, TileSource, check_matrix_header, read_all
+from paperline.kernels.blas.verify import freivalds
+from paperline.kernels.errors import InputError
+
+HEADER_PROBE_BYTES = 1 << 16
+
+
+class VerificationError(RuntimeError):
+    """A result failed Freivalds' check (its output was not committed)."""
+
+
+class S3NpySource:
+    """A ``.npy`` object in S3 read tile by tile with ranged GETs (never downloaded whole).
+
+    A tile read fetches the rows it spans (C order) or the columns (Fortran order) in one ranged
+    GET, so its cost is one request and ``tile x cols`` entries.
+
+    Args:
+        store: the object store (picklable: the source travels to the workers).
+        uri: ``s3://bucket/key.npy``.
+        argument: the operand's name for error messages.
+
+    Raises:
+        InputError: no such object, not a ``.npy`` array, not a 2-D float32/float64 matrix, or
+            shorter than its header promises.
+    """
+
+    kind = "s3"
+
+    def __init__(self, store: ObjectStore, uri: str, argument: str = "a"):
+        self.store, self.uri = store, uri
+        head = store.head(uri)
+        if head is None:
+            raise InputError(argument, uri, "no such object in S3")
+        size = int(head["ContentLength"])
+        probe = store.get_range(uri, 0, min(size, HEADER_PROBE_BYTES)) if size else b""
+        try:
+            f = io.BytesIO(probe)
+            version = np.lib.format.read_magic(f)
+            read_header = np.lib.format.read_array_header_1_0 if version == (1, 0) \
+                else np.lib.format.read_array_header_2_0
+            shape, fortran, dtype = read_header(f)
+        except (ValueError, OSError, SyntaxError, EOFError) as exc:
+            raise InputError(argument, uri, f"the S3 object is not a .npy array ({exc})") from None
+        self.offset = f.tell()
+        self.shape = check_matrix_header(argument, uri, shape, dtype)
+        self.dtype = np.dtype(dtype)
+        self.fortran_order = bool(fortran)
+        need = self.offset + self.shape[0] * self.shape[1] * self.dtype.itemsize
+        if size < need:
+            raise InputError(argument, uri, f"truncated: {size} bytes, the header promises {need}")
+        self.key = f"s3:{uri}:{head.get('ETag', '')}"
+
+    def read(self, rows: slice, cols: slice) -> np.ndarray:
+        nrows, ncols = self.shape
+        item = self.dtype.itemsize
+        if self.fortran_order:
+            c0, c1, _ = cols.indices(ncols)
+            data = self.store.get_range(self.uri, self.offset + c0 * nrows * item, self.offset + c1 * nrows * item)
+            band = np.frombuffer(data, self.dtype).reshape(c1 - c0, nrows).T
+            return np.ascontiguousarray(band[rows, :])
+        r0, r1, _ = rows.indices(nrows)
+        data = self.store.get_range(self.uri, self.offset + r0 * ncols * item, self.offset + r1 * ncols * item)
+        band = np.frombuffer(data, self.dtype).reshape(r1 - r0, ncols)
+        return np.ascontiguousarray(band[:, cols])
+
+
+def random_shapes(routine: str, m: int, n: int, k: int, trans_a: bool, trans_b: bool, side: str
+                  ) -> dict[str, tuple[int, int]]:
+    """The operand shapes of a random problem of size (m, n, k) (k is the inner dimension; SYMM,
+    TRMM and TRSM take theirs from ``side``, SYRK/SYR2K produce n x n)."""
+    if routine == "gemm":
+        return {"a": (k, m) if trans_a else (m, k), "b": (n, k) if trans_b else (k, n), "c": (m, n)}
+    if routine in ("symm", "trmm", "trsm"):
+        na = m if side == "L" else n
+        return {"a": (na, na), "b": (m, n), "c": (m, n)}
+    return {"a": (k, n) if trans_a else (n, k), "b": (k, n) if trans_a else (n, k), "c": (n, n)}
+
+
+def operand_source(spec: str, argument: str, shape: tuple[int, int], dtype: str, seed: int, stream: int,
+                   store: ObjectStore | None, diagonal_shift: float = 0.0) -> TileSource:
+    """The source an operand spec names: ``"random"`` (seeded, of ``shape``), an ``s3://`` URI or a
+    local ``.npy`` path.
+
+    Raises:
+        InputError: what the source refuses (missing, truncated, not an array, ...).
+    """
+    if spec == "random":
+        return RandomSource(shape, dtype, seed=seed, stream=stream, diagonal_shift=diagonal_shift, argument=argument)
+    if spec.startswith("s3://"):
+        if store is None:
+            raise InputError(argument, spec, "an S3 operand needs the stack's object store")
+        return S3NpySource(store, spec, argument)
+    return NpySource(spec, argument)
+
+
+def build_problem(params: dict[str, Any], store: ObjectStore | None) -> Problem:
+    """Validate the flow's parameters into a :class:`Problem` (operands opened, nothing computed).
+
+    Raises:
+        InputError: bad parameters or operands.
+    """
+    from paperline.kernels.blas.plan import SIDE, TRANS, _flag  # noqa: PLC0415
+
+    routine = params["routine"]
+    ta = _flag("trans_a", params["trans_a"], TRANS)
+    tb = _flag("trans_b", params["trans_b"], TRANS)
+    side = _flag("side", params["side"], SIDE)
+    shapes = random_shapes(routine, params["m"], params["n"], params["k"], ta, tb, side)
+    shift = float(shapes["a"][0]) if routine == "trsm" else 0.0  # a diagonally dominant triangle
+    srcs: dict[str, Any] = {}
+    for stream, name in enumerate(("a", "b", "c")):
+        spec = params[name]
+        if spec is None or (name == "b" and routine == "syrk") or (name == "c" and routine in ("trmm", "trsm")):
+            continue
+        srcs[name] = operand_source(spec, name, shapes[name], params["dtype"], params["seed"], stream, store,
+                                    shift if name == "a" else 0.0)
+    return make_problem(routine, srcs["a"], srcs.get("b"), srcs.get("c"), alpha=params["alpha"], beta=params["beta"],
+                        trans_a=params["trans_a"], trans_b=params["trans_b"], side=params["side"],
+                        uplo=params["uplo"], diag=params["diag"], tile=params["tile"])
+
+
+def _runtime(device: str, workers: list[str] | None = None) -> DaskRuntime | LocalRuntime:
+    from paperline.tasks.executors import flow_dask_client, wait_for_cluster  # noqa: PLC0415
+
+    client = flow_dask_client()
+    if client is None:
+        return LocalRuntime(device)
+    wait_for_cluster(client)
+    return DaskRuntime(client, workers=workers, device=device)
+
+
+def _summary(result: RunResult) -> dict[str, Any]:
+    return {"seconds": result.seconds, "gflops": result.gflops, "flops": result.problem.flops,
+            "counters": result.counters, "cache_hit_rate": result.cache_hit_rate,
+            "busy_fraction": result.busy_fraction(), "records": result.records, "workers": result.workers}
+
+
+@task(name="tiled-multiply", cache_policy=NO_CACHE)
+def tiled_multiply(params: dict[str, Any], store: ObjectStore | None, output: str, memory_budget: int,
+                   device: str) -> dict[str, Any]:
+    """Run the tile plan on the cluster (called from the flow: it drives the workers from the flow's
+    process), verify it with Freivalds' check, then make the output visible.
+
+    Args:
+        params: the flow's parameters (routine, shapes, flags, operand specs, seed, tile, ...).
+        store: the object store (S3 operands and outputs).
+        output: a local ``.npy`` path or an ``s3://`` URI.
+        memory_budget: bytes of tiles each worker may cache.
+        device: ``"cpu"`` or ``"cuda"``.
+
+    Returns:
+        seconds, GFLOP/s, counters, cache hit rate, per-worker busy fraction, task records, the
+        verification residual and tolerance, and the output URI.
+
+    Raises:
+        InputError: bad parameters or operand values. VerificationError: the check failed.
+        Either way nothing is visible at ``output``.
+    """
+    problem = build_problem(params, store)
+    to_s3 = output.startswith("s3://")
+    with tempfile.TemporaryDirectory(prefix="paperline-gemm-") as tmp:
+        local = os.path.join(tmp, "result.npy") if to_s3 else output
+        result = run(problem, _runtime(device), output=local, memory_budget=memory_budget,
+                     check_finite=params["check_finite"])
+        try:
+            check = freivalds(problem, result.result_source(), seed=params["seed"])
+            if not check.passed:
+                raise VerificationError(f"Freivalds' check failed: residual {check.residual:.3g} > tolerance "
+                                        f"{check.tolerance:.3g}; the output was not written")
+            if to_s3:
+                assert store is not None
+                store.upload_file_to(result.staged_path, output)
+            else:
+                result.commit()
+        finally:
+            result.abort()
+    return {**_summary(result), "verification_residual": check.residual, "verification_tolerance": check.tolerance,
+            "output": output, "problem": problem.describe()}
+
+
+@task(name="scaling-sweep", cache_policy=NO_CACHE)
+def scaling_sweep(params: dict[str, Any], store: ObjectStore | None, memory_budget: int, device: str
+                  ) -> list[dict[str, Any]]:
+    """GFLOP/s of the same problem on 1, 2, ... W workers (the output written to a scratch file).
+
+    Returns:
+        ``[{"workers": w, "seconds": s, "gflops": g}, ...]`` (one row on a single-process runtime).
+    """
+    problem = build_problem(params, store)
+    rt = _runtime(device)
+    all_workers = rt.workers()
+    rows = []
+    with tempfile.TemporaryDirectory(prefix="paperline-gemm-scaling-") as tmp:
+        for w in range(1, len(all_workers) + 1):
+            sub = _runtime(device, all_workers[:w]) if w < len(all_workers) else rt
+            res = run(problem, sub, output=os.path.join(tmp, f"r{w}.npy"), memory_budget=memory_budget,
+                      check_finite=False)
+            res.abort()
+            rows.append({"workers": w, "seconds": res.seconds, "gflops": res.gflops})
+    return rows
+
+
+PEER_MAX_BYTES = 4 << 30
+
+
+@task(name="single-process-peer", cache_policy=NO_CACHE)
+def single_process_peer(params: dict[str, Any], store: ObjectStore | None) -> dict[str, Any] | None:
+    """The peer on the same operands in this process with all cores: ``numpy.matmul`` for GEMM,
+    the ``scipy.linalg.blas`` routine otherwise (both NumPy's OpenBLAS). None when the operands
+    would exceed :data:`PEER_MAX_BYTES`.
+
+    Returns:
+        ``{"name", "seconds", "gflops", "blas"}`` (``blas``: threadpoolctl's view of the library).
+    """
+    import scipy.linalg.blas as sblas  # noqa: PLC0415
+    from threadpoolctl import threadpool_info  # noqa: PLC0415
+
+    problem = build_problem(params, store)
+    ops = problem.operands()
+    if sum(int(np.prod(s.shape)) * s.dtype.itemsize for s in ops.values()) > PEER_MAX_BYTES:
+        return None
+    arrays = {k: read_all(s) for k, s in ops.items()}
+    p = problem
+    pre = "s" if p.dtype == np.float32 else "d"
+    lower, side = int(p.lower), int(p.side == "R")
+    calls = {
+        "gemm": lambda: np.matmul(arrays["a"].T if p.trans_a else arrays["a"], arrays["b"].T if p.trans_b else arrays["b"]),
+        "symm": lambda: sblas.__dict__[pre + "symm"](p.alpha, arrays["a"], arrays["b"], side=side, lower=lower),
+        "syrk": lambda: sblas.__dict__[pre + "syrk"](p.alpha, arrays["a"], trans=int(p.trans_a), lower=lower),
+        "syr2k": lambda: sblas.__dict__[pre + "syr2k"](p.alpha, arrays["a"], arrays["b"], trans=int(p.trans_a), lower=lower),
+        "trmm": lambda: sblas.__dict__[pre + "trmm"](p.alpha, arrays["a"], arrays["b"], side=side, lower=lower,
+                                                      trans_a=int(p.trans_a), diag=int(p.unit_diagonal)),
+        "trsm": lambda: sblas.__dict__[pre + "trsm"](p.alpha, arrays["a"], arrays["b"], side=side, lower=lower,
+                                                      trans_a=int(p.trans_a), diag=int(p.unit_diagonal)),
+    }
+    start = time.perf_counter()
+    calls[p.routine]()
+    seconds = time.perf_counter() - start
+    blas = [f"{i.get('internal_api')} {i.get('version')} ({i.get('num_threads')} threads, {i.get('architecture')})"
+            for i in threadpool_info() if i.get("user_api") == "blas"]
+    name = "numpy.matmul" if p.routine == "gemm" else f"scipy.linalg.blas.{pre}{p.routine}"
+    return {"name": name, "seconds": seconds, "gflops": p.flops / seconds / 1e9, "blas": "; ".join(blas)}
+
+
+@task(name="render-gemm-report", cache_policy=NO_CACHE)
+def render_gemm_report(run_summary: dict[str, Any], scaling: list[dict[str, Any]], peer: dict[str, Any] | None
+                       ) -> dict[str, bytes]:
+    """The run's plots as PNG bytes: ``timeline.png`` (tile tasks per worker over time) and
+    ``scaling.png`` (GFLOP/s against workers, with linear scaling and the peer)."""
+    from paperline.tasks.reporting import gemm_scaling_plot, task_timeline_plot  # noqa: PLC0415
+
+    with tempfile.TemporaryDirectory() as tmp:
+        out = Path(tmp)
+        task_timeline_plot(run_summary["records"], run_summary["workers"], out / "timeline.png")
+        gemm_scaling_plot(scaling, peer, out / "scaling.png")
+        return {p.name: p.read_bytes() for p in sorted(out.iterdir())}

@@ -1,0 +1,69 @@
+"""End to end through the real stack: `paperline run gemm` as a user runs it (a subprocess on a
+2-worker local cluster), then the result object in S3, the MLflow run and its plots are checked
+against an independent reference."""
+
+import io
+import json
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+pytestmark = pytest.mark.stack
+
+ARGS = ["run", "gemm", "--preset", "demo", "--set", "m=300", "--set", "n=200", "--set", "k=130",
+        "--set", "tile=64", "--set", "beta=0.5", "--set", "c=random", "--set", "alpha=2.0",
+        "--set", "trans_a=T"]
+
+
+@pytest.fixture(scope="module")
+def gemm_run(stack, tmp_path_factory):
+    settings, info = stack
+    out = tmp_path_factory.mktemp("gemm")
+    env = {k: v for k, v in os.environ.items() if not k.startswith("PAPERLINE_")}
+    env.update(PAPERLINE_STATE_DIR=str(settings.state_dir), PAPERLINE_N_WORKERS="2", PYTHONUNBUFFERED="1")
+    summary = out / "summary.json"
+    proc = subprocess.run([sys.executable, "-m", "paperline.flows.cli", *ARGS, "--summary-json", str(summary)],
+                          env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    return info, proc, json.loads(summary.read_text())
+
+
+def test_run_verifies_and_prints_gflops_with_the_ratio_to_numpy(gemm_run):
+    _, proc, summary = gemm_run
+    out = " ".join(proc.stdout.split())
+    assert "verified (Freivalds)" in out and "numpy.matmul" in out and "GFLOP/s" in out
+    assert summary["gflops"] > 0 and summary["ratio_to_peer"] > 0
+    assert summary["verification_residual"] < 1e-12
+    assert [r[0] for r in summary["table"]["rows"]][-2:] == ["paperline on 1 worker(s)", "paperline on 2 worker(s)"]
+
+
+def test_output_in_s3_equals_an_independent_reference(gemm_run):
+    from paperline.infra.storage import ObjectStore
+    from paperline.kernels.blas.sources import RandomSource, read_all
+
+    info, _, summary = gemm_run
+    assert summary["output"].startswith(f"s3://{info.data_bucket}/gemm/")
+    got = np.load(io.BytesIO(ObjectStore.from_stack(info).get_bytes(summary["output"])))
+    a = read_all(RandomSource((130, 300), "float64", seed=0, stream=0))  # trans_a=T: A is k x m
+    b = read_all(RandomSource((130, 200), "float64", seed=0, stream=1))
+    c = read_all(RandomSource((300, 200), "float64", seed=0, stream=2))
+    np.testing.assert_allclose(got, 2.0 * a.T @ b + 0.5 * c, rtol=1e-12, atol=1e-12)
+
+
+def test_mlflow_run_has_the_metrics_and_plots(gemm_run):
+    from paperline.infra.tracking import Tracker
+
+    info, _, summary = gemm_run
+    run = Tracker(info.mlflow_tracking_uri).client.get_run(summary["mlflow_run_id"])
+    m = run.data.metrics
+    for key in ("gflops", "bytes_host_to_device", "bytes_peer", "bytes_s3", "cache_hit_rate",
+                "verification_residual", "busy_fraction.worker_0", "busy_fraction.worker_1", "ratio_to_peer"):
+        assert key in m, key
+    assert 0 < m["cache_hit_rate"] < 1 and 0 < m["busy_fraction.worker_0"] <= 1
+    assert run.data.tags["prefect.flow_run_id"] == summary["prefect_flow_run_id"]
+    names = {a.path for a in Tracker(info.mlflow_tracking_uri).client.list_artifacts(summary["mlflow_run_id"])}
+    assert {"timeline.png", "scaling.png", "tasks.json"} <= names
+    assert "s3_secret_access_key" not in json.dumps(run.data.params)

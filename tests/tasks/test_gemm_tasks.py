@@ -1,0 +1,109 @@
+"""The gemm pipeline's tasks against the real S3 of the session stack: ranged reads of .npy
+objects (C and Fortran order), refusing objects that are not arrays, and a result that fails
+Freivalds' check is never made visible."""
+
+import io
+
+import numpy as np
+import pytest
+
+from paperline.infra.storage import ObjectStore
+from paperline.kernels.blas import make_problem
+from paperline.kernels.blas.runtime import run
+from paperline.kernels.errors import InputError
+from paperline.tasks.gemm import S3NpySource, build_problem
+
+pytestmark = pytest.mark.stack
+
+
+def _npy(array: np.ndarray) -> bytes:
+    buf = io.BytesIO()
+    np.save(buf, array)
+    return buf.getvalue()
+
+
+@pytest.fixture(scope="module")
+def store(stack):
+    _, info = stack
+    return ObjectStore.from_stack(info), info.data_bucket
+
+
+def _put(store, bucket, key, data: bytes) -> str:
+    store.client.put_object(Bucket=bucket, Key=key, Body=data)
+    return f"s3://{bucket}/{key}"
+
+
+@pytest.mark.parametrize("order", ["C", "F"])
+def test_s3_operands_stream_tiles_and_match_numpy(store, order):
+    s, bucket = store
+    rng = np.random.default_rng(1)
+    a = np.asarray(rng.standard_normal((70, 45)), order=order)
+    b = np.asarray(rng.standard_normal((45, 33)), order=order)
+    ua = _put(s, bucket, f"tests/gemm/a-{order}.npy", _npy(a))
+    ub = _put(s, bucket, f"tests/gemm/b-{order}.npy", _npy(b))
+    problem = make_problem("gemm", S3NpySource(s, ua, "a"), S3NpySource(s, ub, "b"), tile=16)
+    result = run(problem)
+    np.testing.assert_allclose(result.output, a @ b, rtol=1e-12, atol=1e-12)
+    assert result.counters["bytes_s3"] > 0
+
+
+@pytest.mark.parametrize("body, problem", [
+    (b"hello, not an array", "not a .npy array"),
+    (_npy(np.zeros((3, 3, 3))), "expected a 2-D matrix"),
+    (_npy(np.zeros((4, 4), dtype=np.int64)), "expected float32 or float64"),
+    (_npy(np.zeros((64, 64)))[:-100], "truncated"),
+])
+def test_an_s3_object_that_is_not_a_float_matrix_is_refused(store, body, problem):
+    s, bucket = store
+    uri = _put(s, bucket, "tests/gemm/bad.npy", body)
+    with pytest.raises(InputError) as err:
+        S3NpySource(s, uri, "b")
+    assert problem in str(err.value) and "b=" in str(err.value) and uri in str(err.value)
+
+
+def test_a_missing_s3_operand_is_refused(store):
+    s, bucket = store
+    with pytest.raises(InputError, match="no such object"):
+        S3NpySource(s, f"s3://{bucket}/tests/gemm/missing.npy", "a")
+
+
+def _params(**kw):
+    from paperline.flows.gemm import GemmParameters
+
+    return GemmParameters(m=90, n=70, k=50, tile=32, **kw).model_dump(exclude={"output", "memory_budget", "scaling", "peer"})
+
+
+def test_a_corrupted_result_fails_verification_and_is_not_written(store, tmp_path, monkeypatch):
+    """Silent data corruption (one tile of the staged output overwritten after the tasks wrote it)
+    is what Freivalds' check exists for: the task fails and the output path stays empty."""
+    import paperline.tasks.gemm as tg
+
+    real_run = tg.run
+
+    def corrupting_run(*args, **kwargs):
+        result = real_run(*args, **kwargs)
+        staged = np.load(result.staged_path, mmap_mode="r+")
+        staged[32:64, 0:32] += 1.0
+        staged.flush()
+        return result
+
+    monkeypatch.setattr(tg, "run", corrupting_run)
+    s, _ = store
+    out = tmp_path / "c.npy"
+    with pytest.raises(tg.VerificationError, match="Freivalds"):
+        tg.tiled_multiply.fn(_params(), s, str(out), 1 << 26, "cpu")
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_the_task_writes_a_verified_result_to_a_local_path(store, tmp_path):
+    import paperline.tasks.gemm as tg
+    from paperline.kernels.blas.sources import read_all
+
+    s, _ = store
+    out = tmp_path / "c.npy"
+    summary = tg.tiled_multiply.fn(_params(routine="trsm", side="R", uplo="L"), s, str(out), 1 << 26, "cpu")
+    assert summary["verification_residual"] <= summary["verification_tolerance"]
+    problem = build_problem(_params(routine="trsm", side="R", uplo="L"), s)
+    x = np.load(out)
+    np.testing.assert_allclose(x @ np.tril(read_all(problem.a)), read_all(problem.b), rtol=1e-10, atol=1e-10)
+    assert [p.name for p in tmp_path.iterdir()] == ["c.npy"]
