@@ -10,6 +10,7 @@ than the multiply.
 
 from __future__ import annotations
 
+import hashlib
 import io
 import os
 import tempfile
@@ -144,6 +145,43 @@ def build_problem(params: dict[str, Any], store: ObjectStore | None) -> Problem:
     return make_problem(routine, srcs["a"], srcs.get("b"), srcs.get("c"), alpha=params["alpha"], beta=params["beta"],
                         trans_a=params["trans_a"], trans_b=params["trans_b"], side=params["side"],
                         uplo=params["uplo"], diag=params["diag"], tile=params["tile"])
+
+
+@task(name="stage-random-operands", cache_policy=NO_CACHE)
+def stage_random_operands(params: dict[str, Any], directory: str) -> dict[str, Any]:
+    """Write the ``"random"`` operands of ``params`` to ``.npy`` files under ``directory`` (kept
+    and reused by later runs with the same shape, dtype, seed and stream), so that a timed run
+    measures the multiply, not the random number generator. Files appear atomically (temporary
+    name, then rename).
+
+    Returns:
+        ``params`` with each ``"random"`` operand replaced by its file's path.
+    """
+    from paperline.kernels.blas.plan import SIDE, TRANS, _flag  # noqa: PLC0415
+
+    routine = params["routine"]
+    shapes = random_shapes(routine, params["m"], params["n"], params["k"], _flag("trans_a", params["trans_a"], TRANS),
+                           _flag("trans_b", params["trans_b"], TRANS), _flag("side", params["side"], SIDE))
+    out = dict(params)
+    Path(directory).mkdir(parents=True, exist_ok=True)
+    for stream, name in enumerate(("a", "b", "c")):
+        if params[name] != "random":
+            continue
+        shift = float(shapes["a"][0]) if (routine == "trsm" and name == "a") else 0.0
+        src = RandomSource(shapes[name], params["dtype"], seed=params["seed"], stream=stream, diagonal_shift=shift,
+                           argument=name)
+        path = Path(directory) / (hashlib.sha256(src.key.encode()).hexdigest()[:24] + ".npy")
+        if not path.exists():
+            tmp = path.with_name(f".{path.name}.{os.getpid()}.partial.npy")
+            target = np.lib.format.open_memmap(tmp, mode="w+", dtype=src.dtype, shape=src.shape)
+            band = max(1, (64 << 20) // (src.shape[1] * src.dtype.itemsize))
+            for r in range(0, src.shape[0], band):
+                target[r:r + band] = src.read(slice(r, r + band), slice(0, src.shape[1]))
+            target.flush()
+            del target
+            os.replace(tmp, path)
+        out[name] = str(path)
+    return out
 
 
 def _runtime(device: str, workers: list[str] | None = None) -> DaskRuntime | LocalRuntime:

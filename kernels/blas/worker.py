@@ -26,8 +26,6 @@ from paperline.kernels.errors import InputError
 
 TileKey = tuple[str, int, int]  # (source key, tile row, tile col)
 
-ACCUMULATE_IN_PLACE = True  # CPU: acc += L @ R as one BLAS call with beta = 1 (see accumulate_product)
-
 
 @dataclass
 class RunContext:
@@ -250,31 +248,6 @@ def load(state: WorkerState, ref: TileRef, peers: dict[TileKey, str], peer_fetch
     return tile
 
 
-def _fortran_operand(x: np.ndarray) -> tuple[np.ndarray, int]:
-    """``(array, trans)`` with ``op(array) == x.T`` and ``array`` Fortran-ordered (no copy)."""
-    if x.flags.c_contiguous:
-        return x.T, 0
-    if x.flags.f_contiguous:
-        return x, 1
-    return np.ascontiguousarray(x).T, 0
-
-
-def accumulate_product(acc: np.ndarray, left: np.ndarray, right: np.ndarray) -> None:
-    """``acc += left @ right`` in place with one BLAS GEMM call (beta = 1): no temporary product
-    and no separate addition pass. ``acc`` must be C-contiguous.
-
-    BLAS is column-major, so it computes ``acc.T = right.T @ left.T`` on the transposed views.
-    """
-    from scipy.linalg.blas import get_blas_funcs  # noqa: PLC0415
-
-    gemm = get_blas_funcs("gemm", dtype=acc.dtype)
-    b, trans_b = _fortran_operand(left)
-    a, trans_a = _fortran_operand(right)
-    out = gemm(1.0, a, b, beta=1.0, c=acc.T, trans_a=trans_a, trans_b=trans_b, overwrite_c=True)
-    if not np.shares_memory(out, acc):  # f2py copied (never for a C-contiguous acc): keep the result
-        acc[...] = out.T
-
-
 def execute(ctx: RunContext, task: TileTask, peers: dict[TileKey, str] | None = None, peer_fetch: PeerFetch | None = None,
             worker: str = "local") -> dict[str, Any]:
     """Compute one output tile on this process's device.
@@ -299,7 +272,7 @@ def execute(ctx: RunContext, task: TileTask, peers: dict[TileKey, str] | None = 
         return (load(state, pair[0], peers, peer_fetch, True),
                 load(state, pair[1], peers, peer_fetch, True))
 
-    acc = None
+    acc = product = None
     wait_s = multiply_s = 0.0
     pending: Future | None = state.prefetcher.submit(fetch, task.terms[0]) if task.terms else None
     for q in range(len(task.terms)):
@@ -309,10 +282,10 @@ def execute(ctx: RunContext, task: TileTask, peers: dict[TileKey, str] | None = 
         pending = state.prefetcher.submit(fetch, task.terms[q + 1]) if q + 1 < len(task.terms) else None
         if acc is None:
             acc = left @ right
-        elif ns.device == "cpu" and ACCUMULATE_IN_PLACE:
-            accumulate_product(acc, left, right)
-        else:
-            acc += left @ right
+        else:  # one product buffer per task: no allocation (and page faults) per panel
+            product = xp.empty_like(acc) if product is None else product
+            xp.matmul(left, right, out=product)
+            acc += product
         wait_s += t1 - t0
         multiply_s += time.perf_counter() - t1
     rows = min(ctx.tile, _out_rows(ctx) - task.out[0] * ctx.tile)

@@ -70,7 +70,7 @@ def test_a_missing_s3_operand_is_refused(store):
 def _params(**kw):
     from paperline.flows.gemm import GemmParameters
 
-    return GemmParameters(m=90, n=70, k=50, tile=32, **kw).model_dump(exclude={"output", "memory_budget", "scaling", "peer"})
+    return GemmParameters(m=90, n=70, k=50, tile=32, **kw).kernel_params()
 
 
 def test_a_corrupted_result_fails_verification_and_is_not_written(store, tmp_path, monkeypatch):
