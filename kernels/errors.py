@@ -12,4 +12,8 @@ class InputError(ValueError):
         shown = repr(value)
         if len(shown) > 120:
             shown = shown[:117] + "..."
+        self.problem = problem
         super().__init__(f"{argument}={shown}: {problem}")
+
+    def __reduce__(self):  # plain pickle (Dask results, Prefect states) rebuilds it from its parts
+        return (type(self), (self.argument, self.value, self.problem))

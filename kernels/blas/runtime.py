@@ -327,7 +327,7 @@ def run(problem: Problem, runtime: LocalRuntime | DaskRuntime | None = None, *, 
             while computing (non-finite, zero TRSM diagonal). Nothing is left at ``output``.
     """
     runtime = runtime or LocalRuntime()
-    t = problem.tile
+    t = min(problem.tile, max(max(s.shape) for s in problem.operands().values()))  # no tile exceeds the matrices
     tile_bytes = t * t * problem.dtype.itemsize
     if memory_budget < WORKING_SET_TILES * tile_bytes:
         raise InputError("memory_budget", memory_budget,

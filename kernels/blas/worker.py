@@ -95,12 +95,12 @@ class TileCache:
             if key in self._items:
                 self._items.move_to_end(key)
                 return
+            if nbytes > self.capacity:
+                return  # larger than the whole budget: used once, never kept (and nothing evicted)
             while self._items and self.size + nbytes > self.capacity:
                 old_key, old = self._items.popitem(last=False)
                 self.size -= int(old.nbytes)
                 self.evicted.append(old_key)
-            if nbytes > self.capacity:
-                return  # larger than the whole budget: used once, never kept
             self._items[key] = tile
             self.size += nbytes
             self.added.append(key)
@@ -146,13 +146,20 @@ _STATES: dict[str, WorkerState] = {}
 _STATES_LOCK = threading.Lock()
 
 
+MAX_RUN_STATES = 8  # runs a process keeps tile caches for (a run's finish releases its own)
+
+
 def worker_state(ctx: RunContext) -> WorkerState:
-    """This process's state for ``ctx.run_id`` (created on first use; other runs' state is dropped)."""
+    """This process's state for ``ctx.run_id`` (created on first use).
+
+    Concurrent runs each keep their own state; beyond :data:`MAX_RUN_STATES` (runs whose driver
+    died before releasing them) the oldest is dropped.
+    """
     with _STATES_LOCK:
         state = _STATES.get(ctx.run_id)
         if state is None:
-            for old in list(_STATES):
-                _STATES.pop(old).prefetcher.shutdown(wait=False)
+            while len(_STATES) >= MAX_RUN_STATES:
+                _STATES.pop(next(iter(_STATES))).prefetcher.shutdown(wait=False)
             state = WorkerState(ctx, namespace(ctx.device), TileCache(ctx.memory_budget),
                                 ThreadPoolExecutor(max_workers=1, thread_name_prefix="paperline-prefetch"))
             _STATES[ctx.run_id] = state
@@ -198,8 +205,36 @@ def _kind(ctx: RunContext, operand: str) -> str:
     return "output" if operand == "x" else ctx.sources[operand].kind
 
 
-def load_raw(state: WorkerState, ref: TileRef, peers: dict[TileKey, str], peer_fetch: PeerFetch | None) -> Any:
-    """The stored tile of ``ref`` on this worker's device: L1 cache, else a peer (L2), else its source."""
+_STORED_PART = {"U": ("triu", 0), "symU": ("triu", 0), "L": ("tril", 0), "symL": ("tril", 0),
+                "Uu": ("triu", 1), "Lu": ("tril", -1)}
+
+
+def check_finite_tile(host: np.ndarray, ref: TileRef, tile: int) -> None:
+    """Refuse NaN/inf in the part of a stored tile that ``ref`` reads (a diagonal tile's other
+    triangle, and a unit diagonal, are never read), naming the entry's index in the operand.
+
+    Raises:
+        InputError: naming the operand and the first non-finite entry ``operand[row,col]``.
+    """
+    part = host
+    if ref.mask in _STORED_PART:
+        fn, k = _STORED_PART[ref.mask]
+        part = getattr(np, fn)(host, k)
+    if np.isfinite(part).all():
+        return
+    r, c = np.argwhere(~np.isfinite(part))[0]
+    raise InputError(ref.operand, f"{ref.operand}[{ref.i * tile + r},{ref.j * tile + c}] = {host[r, c]}",
+                     "non-finite value (check_finite is on)")
+
+
+def load_raw(state: WorkerState, ref: TileRef, peers: dict[TileKey, str], peer_fetch: PeerFetch | None,
+             check: bool = False) -> Any:
+    """The stored tile of ``ref`` on this worker's device: L1 cache, else a peer (L2), else its
+    source. With ``check`` (and ``check_finite``) a tile is checked once, when it enters the cache.
+
+    Raises:
+        InputError: a non-finite value in the part of the tile ``ref`` reads.
+    """
     ctx, ns = state.ctx, state.ns
     key = ctx.key(ref)
     tile = state.cache.get(key)
@@ -222,6 +257,8 @@ def load_raw(state: WorkerState, ref: TileRef, peers: dict[TileKey, str], peer_f
         moved["bytes_source"] = moved.get("bytes_source", 0) + host.nbytes
         if src.kind == "s3":
             moved["bytes_s3"] = host.nbytes
+    if check and ctx.check_finite:
+        check_finite_tile(host, ref, ctx.tile)
     tile = ns.to_device(host)
     if ns.device != "cpu":
         moved["bytes_host_to_device"] = host.nbytes
@@ -232,20 +269,14 @@ def load_raw(state: WorkerState, ref: TileRef, peers: dict[TileKey, str], peer_f
     return tile
 
 
-def load(state: WorkerState, ref: TileRef, peers: dict[TileKey, str], peer_fetch: PeerFetch | None, check: bool) -> Any:
-    """``ref``'s tile as the task uses it (mask and transpose applied), checked for NaN/inf.
+def load(state: WorkerState, ref: TileRef, peers: dict[TileKey, str], peer_fetch: PeerFetch | None,
+         check: bool) -> Any:
+    """``ref``'s tile as the task uses it (mask and transpose applied).
 
     Raises:
-        InputError: the tile holds a non-finite value (with ``check_finite``).
+        InputError: the tile holds a non-finite value where it is read (with ``check_finite``).
     """
-    tile = _apply(state.ns, load_raw(state, ref, peers, peer_fetch), ref)
-    if check and state.ctx.check_finite and not bool(state.ns.xp.isfinite(tile).all()):
-        bad = np.argwhere(~np.isfinite(state.ns.to_host(tile)))[0]
-        t = state.ctx.tile
-        r, c = (bad[1], bad[0]) if ref.trans else (bad[0], bad[1])
-        raise InputError(ref.operand, f"{ref.operand}[{ref.i * t + r},{ref.j * t + c}] = "
-                         f"{state.ns.to_host(tile)[bad[0], bad[1]]}", "non-finite value (check_finite is on)")
-    return tile
+    return _apply(state.ns, load_raw(state, ref, peers, peer_fetch, check), ref)
 
 
 def execute(ctx: RunContext, task: TileTask, peers: dict[TileKey, str] | None = None, peer_fetch: PeerFetch | None = None,

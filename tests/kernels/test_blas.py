@@ -372,9 +372,6 @@ def test_non_finite_in_symmetric_tile_named_by_its_stored_index():
     assert_input_error(e, "a", "a[20,600] = nan")
 
 
-@pytest.mark.xfail(strict=True, reason="worker.load checks the tile after the symmetric completion (symL/symU) and "
-                   "names the first non-finite entry of the completed tile in row-major order: a NaN stored at "
-                   "a[20,10] (uplo L, a diagonal tile) is reported as its mirror a[10,20]")
 def test_non_finite_in_a_diagonal_symmetric_tile_named_by_its_stored_index():
     a, b = rand((300, 300), np.float64, 1), rand((300, 50), np.float64, 2)
     a[20, 10] = np.nan  # stored (lower) triangle of the diagonal tile (0, 0)

@@ -296,11 +296,6 @@ def test_worker_fetches_from_the_peer_the_driver_names():
     np.testing.assert_allclose(res["tile"], ref, rtol=1e-12, atol=1e-12)
 
 
-@pytest.mark.xfail(strict=True, raises=RuntimeError,
-                   reason="worker.worker_state drops every other run's state and shuts its prefetcher down: a run "
-                          "that starts in the same process while another is mid-task makes the latter fail with "
-                          "'cannot schedule new futures after shutdown' (two LocalRuntime runs in threads, or two "
-                          "clients' runs on one Dask worker)")
 def test_a_second_run_in_the_same_process_does_not_break_the_first():
     arr, b = rand((64, 128), np.float64, 1), rand((128, 64), np.float64, 2)
     other = make_problem("gemm", rand((64, 64), np.float64, 3), rand((64, 64), np.float64, 4), tile=64)
@@ -393,3 +388,22 @@ def test_dask_out_of_core_with_output_file(dask_client, tmp_path, case):
     assert loads(res) == loads(local)
     assert res.counters["misses"] > local.counters["misses"]
     assert freivalds(problem, NpySource(final, "result")).passed
+
+
+def test_memory_budget_counts_the_tiles_that_exist_not_the_nominal_tile():
+    """A tile larger than the matrices is clipped to them, and so is the working set."""
+    rng = np.random.default_rng(5)
+    a, b = rng.standard_normal((100, 60)), rng.standard_normal((60, 80))
+    problem = make_problem("gemm", a, b, tile=8192)
+    result = run(problem, memory_budget=WORKING_SET_TILES * 100 * 100 * 8)
+    np.testing.assert_allclose(result.output, a @ b, rtol=1e-13)
+    with pytest.raises(InputError, match="memory_budget"):
+        run(problem, memory_budget=WORKING_SET_TILES * 100 * 100 * 8 - 1)
+
+
+def test_input_error_survives_plain_pickle():
+    import pickle
+
+    err = pickle.loads(pickle.dumps(InputError("tile", 0, "the tile size must be a positive integer")))
+    assert isinstance(err, InputError) and err.argument == "tile" and err.value == 0
+    assert str(err) == "tile=0: the tile size must be a positive integer"
