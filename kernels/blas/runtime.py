@@ -304,7 +304,7 @@ class DaskRuntime:
 
 def run(problem: Problem, runtime: LocalRuntime | DaskRuntime | None = None, *, output: str | None = None,
         memory_budget: int = 1 << 30, check_finite: bool = True, peer_fetch: frozenset[str] | None = None,
-        spill_dir: str | None = None) -> RunResult:
+        prefetch: bool = True, spill_dir: str | None = None) -> RunResult:
     """Execute ``problem``'s tile plan on ``runtime``.
 
     Args:
@@ -317,6 +317,9 @@ def run(problem: Problem, runtime: LocalRuntime | DaskRuntime | None = None, *, 
         check_finite: refuse NaN/inf in the operand tiles read.
         peer_fetch: source kinds whose missing tiles are fetched from peers (default: S3,
             generated and output tiles on CPU, every kind on GPU).
+        prefetch: load panel ``p+1`` on a second thread while panel ``p`` is multiplied (on a
+            CPU-only machine with local operands this measured neither faster nor slower: the
+            copy competes with a neighbouring worker's core; it pays on GPUs and with S3).
         spill_dir: where in-memory operands are written for a Dask runtime (default: a temp dir).
 
     Returns:
@@ -358,7 +361,8 @@ def run(problem: Problem, runtime: LocalRuntime | DaskRuntime | None = None, *, 
         if peer_fetch is None:
             peer_fetch = frozenset({"s3", "generated", "output", "file", "memory"}) if device != "cpu" \
                 else frozenset({"s3", "generated", "output"})
-        ctx = RunContext(run_id, sources, t, device, int(memory_budget), check_finite, frozenset(peer_fetch), staged)
+        ctx = RunContext(run_id, sources, t, device, int(memory_budget), check_finite, frozenset(peer_fetch), staged,
+                         prefetch)
         result = _drive(problem, ctx, runtime)
         if output is None and staged is not None:  # the scratch file of an in-memory TRSM
             result.output, staged = np.array(np.load(staged)), None

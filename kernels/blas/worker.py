@@ -52,6 +52,7 @@ class RunContext:
     check_finite: bool = True
     peer_fetch: frozenset[str] = frozenset({"s3", "generated", "output"})
     output_path: str | None = None
+    prefetch: bool = True
 
     def key(self, ref: TileRef) -> TileKey:
         return (self.sources[ref.operand].key, ref.i, ref.j)
@@ -305,12 +306,22 @@ def execute(ctx: RunContext, task: TileTask, peers: dict[TileKey, str] | None = 
 
     acc = product = None
     wait_s = multiply_s = 0.0
-    pending: Future | None = state.prefetcher.submit(fetch, task.terms[0]) if task.terms else None
+
+    def load_panel(q: int) -> Future | None:
+        if q >= len(task.terms):
+            return None
+        if ctx.prefetch:
+            return state.prefetcher.submit(fetch, task.terms[q])
+        done: Future = Future()
+        done.set_result(fetch(task.terms[q]))
+        return done
+
+    pending = load_panel(0)
     for q in range(len(task.terms)):
         t0 = time.perf_counter()
         left, right = pending.result()
         t1 = time.perf_counter()
-        pending = state.prefetcher.submit(fetch, task.terms[q + 1]) if q + 1 < len(task.terms) else None
+        pending = load_panel(q + 1)
         if acc is None:
             acc = left @ right
         else:  # one product buffer per task: no allocation (and page faults) per panel

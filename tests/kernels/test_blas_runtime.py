@@ -407,3 +407,15 @@ def test_input_error_survives_plain_pickle():
     err = pickle.loads(pickle.dumps(InputError("tile", 0, "the tile size must be a positive integer")))
     assert isinstance(err, InputError) and err.argument == "tile" and err.value == 0
     assert str(err) == "tile=0: the tile size must be a positive integer"
+
+
+@pytest.mark.parametrize("prefetch", [True, False])
+def test_with_and_without_prefetch_the_result_and_records_agree(prefetch):
+    rng = np.random.default_rng(6)
+    a, b = rng.standard_normal((90, 70)), rng.standard_normal((70, 50))
+    result = run(make_problem("gemm", a, b, tile=16), prefetch=prefetch)
+    np.testing.assert_allclose(result.output, a @ b, rtol=1e-13)
+    for r in result.records:
+        assert isinstance(r["start"], float) and r["end"] >= r["start"]
+        assert r["multiply_s"] > 0 and r["wait_s"] >= 0
+    assert 0 < result.busy_fraction()["local"] <= 1.0 + 1e-9
