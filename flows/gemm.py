@@ -56,11 +56,11 @@ class GemmParameters(BaseModel):
 
     routine: Literal["gemm", "symm", "syrk", "syr2k", "trmm", "trsm"] = Field(
         "gemm", description="Level-3 BLAS routine (reference semantics, as scipy.linalg.blas).")
-    m: int = Field(2048, gt=0, description="Rows of the result (random operands).")
-    n: int = Field(2048, gt=0, description="Columns of the result (random operands).")
-    k: int = Field(2048, gt=0, description="Inner dimension (GEMM, SYRK, SYR2K with random operands).")
+    m: int = Field(4096, gt=0, description="Rows of the result (random operands).")
+    n: int = Field(4096, gt=0, description="Columns of the result (random operands).")
+    k: int = Field(4096, gt=0, description="Inner dimension (GEMM, SYRK, SYR2K with random operands).")
     dtype: Literal["float32", "float64"] = Field("float64", description="Precision of random operands.")
-    tile: int = Field(512, gt=0, description="Tile edge (entries); one task computes one output tile.")
+    tile: int = Field(1024, gt=0, description="Tile edge (entries); one task computes one output tile.")
     alpha: float = Field(1.0, description="Scale of the product.")
     beta: float = Field(0.0, description="Scale of C (GEMM, SYMM, SYRK, SYR2K).")
     trans_a: Literal["N", "T"] = Field("N", description="op(A) (SYRK/SYR2K: their `trans`).")
