@@ -24,6 +24,7 @@ from paperline.infra.settings import get_settings
 from paperline.infra.stack import load_stack_info
 from paperline.infra.storage import ObjectStore
 from paperline.infra.tracking import Tracker
+from paperline.kernels.blas.runtime import check_memory_budget
 from paperline.tasks.gemm import (
     build_problem,
     render_gemm_report,
@@ -96,10 +97,10 @@ class GemmParameters(BaseModel):
     def validate_inputs(self, store: ObjectStore | None = None) -> None:
         """Open the local operands and check shapes, dtypes, flags, the tile and the budget before
         anything starts (S3 operands are checked in the flow). Raises InputError."""
-        parse_bytes(self.memory_budget)
+        budget = parse_bytes(self.memory_budget)
         if any(str(v).startswith("s3://") for v in (self.a, self.b, self.c) if v) and store is None:
             return
-        build_problem(self.kernel_params(), store)
+        check_memory_budget(build_problem(self.kernel_params(), store), budget)
         if self.output is not None and not self.output.startswith("s3://"):
             parent = Path(self.output).expanduser().resolve().parent
             if not parent.is_dir():

@@ -302,6 +302,20 @@ class DaskRuntime:
         self.client.run(_release_on_worker, ctx.run_id, workers=self._workers)
 
 
+def check_memory_budget(problem: Problem, memory_budget: int) -> None:
+    """Refuse a per-worker budget smaller than one tile task's working set.
+
+    Raises:
+        InputError: naming ``memory_budget``, the tile and the bytes needed.
+    """
+    t = min(problem.tile, max(max(s.shape) for s in problem.operands().values()))  # no tile exceeds the matrices
+    tile_bytes = t * t * problem.dtype.itemsize
+    if memory_budget < WORKING_SET_TILES * tile_bytes:
+        raise InputError("memory_budget", memory_budget,
+                         f"below the working set of one tile task ({WORKING_SET_TILES} tiles of {t}x{t} "
+                         f"{problem.dtype} = {WORKING_SET_TILES * tile_bytes} bytes); lower the tile size or raise the budget")
+
+
 def run(problem: Problem, runtime: LocalRuntime | DaskRuntime | None = None, *, output: str | None = None,
         memory_budget: int = 1 << 30, check_finite: bool = True, peer_fetch: frozenset[str] | None = None,
         prefetch: bool = True, spill_dir: str | None = None) -> RunResult:
@@ -330,12 +344,8 @@ def run(problem: Problem, runtime: LocalRuntime | DaskRuntime | None = None, *, 
             while computing (non-finite, zero TRSM diagonal). Nothing is left at ``output``.
     """
     runtime = runtime or LocalRuntime()
-    t = min(problem.tile, max(max(s.shape) for s in problem.operands().values()))  # no tile exceeds the matrices
-    tile_bytes = t * t * problem.dtype.itemsize
-    if memory_budget < WORKING_SET_TILES * tile_bytes:
-        raise InputError("memory_budget", memory_budget,
-                         f"below the working set of one tile task ({WORKING_SET_TILES} tiles of {t}x{t} "
-                         f"{problem.dtype} = {WORKING_SET_TILES * tile_bytes} bytes); lower the tile size or raise the budget")
+    check_memory_budget(problem, memory_budget)
+    t = problem.tile
     run_id = uuid.uuid4().hex[:12]
     tmp = None
     staged = final = None

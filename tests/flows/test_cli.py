@@ -63,7 +63,7 @@ def test_bad_parameters(sets, fragments):
 
 
 def test_unknown_pipeline_and_preset():
-    assert_one_line_error(run_cli("run", "nope"), "pipeline='nope'", "known: tensor-factorization")
+    assert_one_line_error(run_cli("run", "nope"), "pipeline='nope'", "known: gemm, tensor-factorization")
     assert_one_line_error(run_cli("run", "tensor-factorization", "--preset", "huge"), "--preset='huge'")
 
 
@@ -125,3 +125,54 @@ def test_datasets_lists_the_bundled_data():
     assert result.exit_code == 0
     for name in ("kinetic", "produc", "flights"):
         assert name in result.output
+
+
+@pytest.fixture
+def npy(tmp_path):
+    import numpy as np
+
+    def write(name, array=None, raw=None, cut=0):
+        path = tmp_path / name
+        if raw is not None:
+            path.write_bytes(raw)
+        else:
+            np.save(path, array)
+            if cut:
+                path.write_bytes(path.read_bytes()[:-cut])
+        return str(path)
+
+    return write
+
+
+def test_bad_gemm_input_is_refused_before_anything_starts(npy, tmp_path):
+    import numpy as np
+
+    a = npy("a.npy", np.ones((40, 30)))
+    nan = np.ones((40, 30))
+    nan[3, 4] = np.nan
+    zero_diag = np.eye(40)
+    zero_diag[7, 7] = 0.0
+    cases = [
+        (["tile=0"], ["tile=0", "greater than 0"]),
+        (["routine=foo"], ["routine='foo'"]),
+        (["memory_budget=lots"], ["memory_budget='lots'", "expected bytes"]),
+        (["memory_budget=1KiB", "m=64", "n=64", "k=64", "tile=64"], ["memory_budget=1024", "working set"]),
+        ([f"a={tmp_path / 'missing.npy'}"], ["a=", "missing.npy", "no such file"]),
+        ([f"a={npy('cut.npy', np.ones((40, 30)), cut=50)}"], ["a=", "cut.npy", "truncated"]),
+        ([f"a={npy('text.npy', raw=b'hello')}"], ["a=", "text.npy", "not a .npy file"]),
+        ([f"a={npy('cube.npy', np.ones((2, 2, 2)))}"], ["expected a 2-D matrix"]),
+        ([f"a={npy('int.npy', np.ones((4, 4), dtype=np.int64))}"], ["expected float32 or float64"]),
+        ([f"a={a}", f"b={npy('b.npy', np.ones((31, 20)))}"], ["b=(31, 20)", "does not conform"]),
+        ([f"a={a}", f"b={npy('b32.npy', np.ones((30, 20), dtype=np.float32))}"], ["b='float32'", "mixed dtypes"]),
+        (["routine=trsm", f"a={npy('z.npy', zero_diag)}", "m=40", "n=10"], ["a='a[7,7] = 0'", "nonzero diagonal"]),
+        ([f"output={tmp_path / 'nowhere' / 'c.npy'}"], ["output=", "directory does not exist"]),
+    ]
+    # Should a case slip past validation, the stack it starts lives in tmp_path, not ~/.paperline.
+    env = {"PAPERLINE_STATE_DIR": str(tmp_path / "state")}
+    for sets, fragments in cases:
+        args = ["run", "gemm"]
+        for item in sets:
+            args += ["--set", item]
+        assert_one_line_error(run_cli(*args, env=env), *fragments)
+    assert not (tmp_path / "state").exists()
+    assert not list((tmp_path).glob("*partial*"))
