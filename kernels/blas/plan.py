@@ -221,26 +221,19 @@ def make_problem(routine: str, a: Any, b: Any = None, c: Any = None, *, alpha: A
         if kb != k:
             raise InputError("b", B.shape, f"shape does not conform: op(b) has {kb} rows, op(a) has {k} columns")
         flops = 2.0 * m * n * k
-    elif routine == "symm":
-        na = square("a", A)
-        m, n = B.shape
-        if (m if sd == "L" else n) != na:
-            raise InputError("b", B.shape, f"shape does not conform with a {A.shape} on side {sd}")
-        k = na
-        flops = 2.0 * m * n * k
     elif routine in ("syrk", "syr2k"):
         n, k = A.shape[::-1] if ta else A.shape
         m = n
         if B is not None:
             conform("b", B.shape, A.shape, "SYR2K needs a and b of one shape")
         flops = (1.0 if routine == "syrk" else 2.0) * n * (n + 1) * k
-    else:  # trmm, trsm
+    else:  # symm, trmm, trsm: a square A on side L (m x m) or R (n x n) of B (m x n)
         na = square("a", A)
         m, n = B.shape
         if (m if sd == "L" else n) != na:
             raise InputError("b", B.shape, f"shape does not conform with a {A.shape} on side {sd}")
         k = na
-        flops = 1.0 * m * n * k
+        flops = (2.0 if routine == "symm" else 1.0) * m * n * k
     if C is not None:
         conform("c", C.shape, (m, n), "the result's shape")
     if min(m, n, k) < 1:
