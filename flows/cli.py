@@ -154,7 +154,13 @@ def _quiet_logs() -> None:
     import os
 
     os.environ.setdefault("DASK_LOGGING__DISTRIBUTED", "warning")  # inherited by worker processes
-    logging.getLogger("distributed").setLevel(logging.WARNING)
+    from prefect.logging.configuration import setup_logging
+
+    setup_logging()  # idempotent; Prefect's console handler sits on the root logger
+    # After Prefect's setup: it lists `distributed` among its extra loggers and sets it to INFO.
+    for name in ("distributed", "distributed.scheduler", "distributed.core", "distributed.nanny",
+                 "distributed.worker", "distributed.http.proxy"):
+        logging.getLogger(name).setLevel(logging.WARNING)
     if _state["debug"]:
         return
 
@@ -163,9 +169,6 @@ def _quiet_logs() -> None:
         record.exc_text = None
         return True
 
-    from prefect.logging.configuration import setup_logging
-
-    setup_logging()  # idempotent; Prefect's console handler sits on the root logger
     for handler in logging.getLogger().handlers:
         handler.addFilter(strip_traceback)
 

@@ -10,10 +10,13 @@ scaling plot; run the peer; log metrics and plots to one MLflow run.
 
 from __future__ import annotations
 
+import json
+import shutil
 import tempfile
 from pathlib import Path
 from typing import Any, Literal
 
+import numpy as np
 from prefect import flow
 from prefect.runtime import flow_run
 from pydantic import BaseModel, ConfigDict, Field, field_validator
@@ -98,13 +101,78 @@ class GemmParameters(BaseModel):
         """Open the local operands and check shapes, dtypes, flags, the tile and the budget before
         anything starts (S3 operands are checked in the flow). Raises InputError."""
         budget = parse_bytes(self.memory_budget)
+        self.check_output(store)
         if any(str(v).startswith("s3://") for v in (self.a, self.b, self.c) if v) and store is None:
             return
-        check_memory_budget(build_problem(self.kernel_params(), store), budget)
-        if self.output is not None and not self.output.startswith("s3://"):
-            parent = Path(self.output).expanduser().resolve().parent
-            if not parent.is_dir():
-                raise InputError("output", self.output, "its directory does not exist")
+        problem = build_problem(self.kernel_params(), store)
+        check_memory_budget(problem, budget)
+        self.check_size(problem)
+
+    def check_output(self, store: ObjectStore | None) -> None:
+        """The output must name a new ``.npy`` file (or S3 object in an existing bucket) that is
+        not one of the operands. Raises InputError."""
+        out = self.output
+        if out is None:
+            return
+        if out.startswith("s3://"):
+            bucket, _, key = out[len("s3://"):].partition("/")
+            if not key or key.endswith("/"):
+                raise InputError("output", out, "name an object, e.g. s3://bucket/path/result.npy")
+            if not key.endswith(".npy"):
+                raise InputError("output", out, "the result is written as .npy: name the object *.npy")
+            if store is not None and not store.bucket_exists(bucket):
+                raise InputError("output", out, f"no such bucket {bucket!r} (it is not created for you)")
+            operands = [v for v in (self.a, self.b, self.c) if v]
+            if out in operands:
+                raise InputError("output", out, "is also an operand: writing it would destroy the input")
+            return
+        path = Path(out).expanduser().resolve()
+        if path.is_dir():
+            raise InputError("output", out, "is a directory; name a .npy file")
+        if path.suffix != ".npy":
+            raise InputError("output", out, "the result is written as .npy: name the file *.npy")
+        if not path.parent.is_dir():
+            raise InputError("output", out, "its directory does not exist")
+        for name in ("a", "b", "c"):
+            spec = getattr(self, name)
+            if spec and spec != "random" and not spec.startswith("s3://") and Path(spec).expanduser().resolve() == path:
+                raise InputError("output", out, f"is operand {name}: writing it would destroy the input")
+
+    def check_size(self, problem: Any) -> None:
+        """Refuse plans too fine to schedule and data that cannot fit on disk. Raises InputError."""
+        from paperline.kernels.blas.plan import n_tiles  # noqa: PLC0415
+
+        (m, n), k, t = problem.out_shape, problem.inner, problem.tile
+        tasks = n_tiles(m, t) * n_tiles(n, t)
+        products = tasks * n_tiles(k, t)
+        if tasks > MAX_TILE_TASKS or products > MAX_PANEL_PRODUCTS:
+            raise InputError("tile", t, f"{tasks:,} tile tasks, {products:,} panel products for a {m}x{n} (k={k}) "
+                                        f"problem (limits {MAX_TILE_TASKS:,} / {MAX_PANEL_PRODUCTS:,}); raise the tile size")
+        item = problem.dtype.itemsize
+        needs: list[tuple[str, object, int, Path]] = []
+        if self.stage_random:
+            staged = sum(int(np.prod(src.shape)) * item for name, src in problem.operands().items()
+                         if getattr(self, name) == "random")
+            if staged:
+                needs.append(("m", self.m, staged, Path(get_settings().state_dir)))
+        out_dir = Path(tempfile.gettempdir()) if self.output is None or self.output.startswith("s3://") \
+            else Path(self.output).expanduser().resolve().parent
+        needs.append(("output", self.output or "default (S3)", m * n * item, out_dir))
+        for argument, value, nbytes, where in needs:
+            free = shutil.disk_usage(_existing(where)).free
+            if nbytes > free:
+                raise InputError(argument, value, f"needs {nbytes / 2**30:,.1f} GiB on disk at {where} "
+                                                  f"({free / 2**30:,.1f} GiB free); lower the sizes")
+
+
+MAX_TILE_TASKS = 100_000
+MAX_PANEL_PRODUCTS = 10_000_000
+
+
+def _existing(path: Path) -> Path:
+    while not path.exists() and path != path.parent:
+        path = path.parent
+    return path
 
 
 PRESETS: dict[str, dict[str, Any]] = {
@@ -148,8 +216,8 @@ def gemm(params: GemmParameters | None = None) -> dict[str, Any]:
         if params.stage_random and "random" in (params.a, params.b, params.c):
             kp = stage_random_operands(kp, str(Path(settings.state_dir) / "gemm" / "operands"))
         main = tiled_multiply(kp, store, output, budget, device)
-        scaling = scaling_sweep(kp, store, budget, device) if params.scaling else \
-            [{"workers": len(main["workers"]), "seconds": main["seconds"], "gflops": main["gflops"]}]
+        tracker.set_tags(run_id, {"problem": main["problem"], "operand_shapes": json.dumps(main["shapes"])})
+        scaling = scaling_sweep(kp, store, budget, device) if params.scaling else []
         peer = single_process_peer(kp, store) if params.peer else None
         summary = _log_run(tracker, run_id, main, scaling, peer)
         tracker.end_run(run_id, "FINISHED")

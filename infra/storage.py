@@ -229,6 +229,22 @@ class ObjectStore:
                 if exc.response.get("Error", {}).get("Code") not in {"BucketAlreadyOwnedByYou", "BucketAlreadyExists"}:
                     raise
 
+    def bucket_exists(self, name: str) -> bool:
+        """Whether the bucket exists (and these credentials may see it).
+
+        Raises:
+            ServiceError: S3 is unreachable or rejects the credentials.
+        """
+        from botocore.exceptions import ClientError  # noqa: PLC0415
+
+        try:
+            self._call(f"head bucket {name}", self.client.head_bucket, Bucket=name)
+            return True
+        except ClientError as exc:
+            if self._is_not_found(exc) or exc.response.get("Error", {}).get("Code") in {"403", "Forbidden"}:
+                return False
+            raise
+
     # -- objects --------------------------------------------------------------------------------------
 
     def put_bytes(self, data: bytes, *, bucket: str, prefix: str, suffix: str = "") -> ObjectRef:

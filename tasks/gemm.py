@@ -14,7 +14,9 @@ import hashlib
 import io
 import os
 import tempfile
+import threading
 import time
+from collections import OrderedDict
 from pathlib import Path
 from typing import Any
 
@@ -71,25 +73,44 @@ class S3NpySource:
             raise InputError(argument, uri, f"the S3 object is not a .npy array ({exc})") from None
         self.offset = f.tell()
         self.shape = check_matrix_header(argument, uri, shape, dtype)
-        self.dtype = np.dtype(dtype)
+        self.file_dtype = np.dtype(dtype)
+        self.dtype = self.file_dtype.newbyteorder("=")
         self.fortran_order = bool(fortran)
-        need = self.offset + self.shape[0] * self.shape[1] * self.dtype.itemsize
+        need = self.offset + self.shape[0] * self.shape[1] * self.file_dtype.itemsize
         if size < need:
             raise InputError(argument, uri, f"truncated: {size} bytes, the header promises {need}")
         self.key = f"s3:{uri}:{head.get('ETag', '')}"
 
     def read(self, rows: slice, cols: slice) -> np.ndarray:
         nrows, ncols = self.shape
-        item = self.dtype.itemsize
         if self.fortran_order:
             c0, c1, _ = cols.indices(ncols)
-            data = self.store.get_range(self.uri, self.offset + c0 * nrows * item, self.offset + c1 * nrows * item)
-            band = np.frombuffer(data, self.dtype).reshape(c1 - c0, nrows).T
-            return np.ascontiguousarray(band[rows, :])
+            band = self._band(c0, c1, nrows).T
+            return np.ascontiguousarray(band[rows, :], dtype=self.dtype)
         r0, r1, _ = rows.indices(nrows)
-        data = self.store.get_range(self.uri, self.offset + r0 * ncols * item, self.offset + r1 * ncols * item)
-        band = np.frombuffer(data, self.dtype).reshape(r1 - r0, ncols)
-        return np.ascontiguousarray(band[:, cols])
+        return np.ascontiguousarray(self._band(r0, r1, ncols)[:, cols], dtype=self.dtype)
+
+    def _band(self, start: int, stop: int, width: int) -> np.ndarray:
+        """Rows (C order) or columns (Fortran order) ``[start, stop)`` with one ranged GET; the
+        last few bands are kept per process, so the other tiles of a band cost no request."""
+        key = (self.key, start, stop)
+        with _BANDS_LOCK:
+            if key in _BANDS:
+                _BANDS.move_to_end(key)
+                return _BANDS[key]
+        item = self.file_dtype.itemsize
+        data = self.store.get_range(self.uri, self.offset + start * width * item, self.offset + stop * width * item)
+        band = np.frombuffer(data, self.file_dtype).reshape(stop - start, width)
+        with _BANDS_LOCK:
+            _BANDS[key] = band
+            while sum(b.nbytes for b in _BANDS.values()) > BAND_CACHE_BYTES and len(_BANDS) > 1:
+                _BANDS.popitem(last=False)
+        return band
+
+
+BAND_CACHE_BYTES = 256 << 20  # per process, on top of the tile cache
+_BANDS: OrderedDict[tuple[str, int, int], np.ndarray] = OrderedDict()
+_BANDS_LOCK = threading.Lock()
 
 
 def random_shapes(routine: str, m: int, n: int, k: int, trans_a: bool, trans_b: bool, side: str
@@ -173,13 +194,16 @@ def stage_random_operands(params: dict[str, Any], directory: str) -> dict[str, A
         path = Path(directory) / (hashlib.sha256(src.key.encode()).hexdigest()[:24] + ".npy")
         if not path.exists():
             tmp = path.with_name(f".{path.name}.{os.getpid()}.partial.npy")
-            target = np.lib.format.open_memmap(tmp, mode="w+", dtype=src.dtype, shape=src.shape)
-            band = max(1, (64 << 20) // (src.shape[1] * src.dtype.itemsize))
-            for r in range(0, src.shape[0], band):
-                target[r:r + band] = src.read(slice(r, r + band), slice(0, src.shape[1]))
-            target.flush()
-            del target
-            os.replace(tmp, path)
+            try:
+                target = np.lib.format.open_memmap(tmp, mode="w+", dtype=src.dtype, shape=src.shape)
+                band = max(1, (64 << 20) // (src.shape[1] * src.dtype.itemsize))
+                for r in range(0, src.shape[0], band):
+                    target[r:r + band] = src.read(slice(r, r + band), slice(0, src.shape[1]))
+                target.flush()
+                del target
+                os.replace(tmp, path)
+            finally:
+                tmp.unlink(missing_ok=True)
         out[name] = str(path)
     return out
 
@@ -230,8 +254,10 @@ def tiled_multiply(params: dict[str, Any], store: ObjectStore | None, output: st
         try:
             check = freivalds(problem, result.result_source(), seed=params["seed"])
             if not check.passed:
+                hint = ("; the result holds NaN/inf: the operands probably do (run with check_finite=true to "
+                        "find the entry)") if not np.isfinite(check.residual) and not params["check_finite"] else ""
                 raise VerificationError(f"Freivalds' check failed: residual {check.residual:.3g} > tolerance "
-                                        f"{check.tolerance:.3g}; the output was not written")
+                                        f"{check.tolerance:.3g}; the output was not written{hint}")
             if to_s3:
                 assert store is not None
                 store.upload_file_to(result.staged_path, output)
@@ -240,7 +266,8 @@ def tiled_multiply(params: dict[str, Any], store: ObjectStore | None, output: st
         finally:
             result.abort()
     return {**_summary(result), "verification_residual": check.residual, "verification_tolerance": check.tolerance,
-            "output": output, "problem": problem.describe()}
+            "output": output, "problem": problem.describe(),
+            "shapes": {k: list(v.shape) for k, v in problem.operands().items()}}
 
 
 @task(name="scaling-sweep", cache_policy=NO_CACHE)
@@ -301,8 +328,9 @@ def single_process_peer(params: dict[str, Any], store: ObjectStore | None) -> di
     start = time.perf_counter()
     calls[p.routine]()
     seconds = time.perf_counter() - start
+    owner = "numpy" if p.routine == "gemm" else "scipy"  # the library whose BLAS the peer calls
     blas = [f"{i.get('internal_api')} {i.get('version')} ({i.get('num_threads')} threads, {i.get('architecture')})"
-            for i in threadpool_info() if i.get("user_api") == "blas"]
+            for i in threadpool_info() if i.get("user_api") == "blas" and owner in str(i.get("filepath", ""))]
     name = "numpy.matmul" if p.routine == "gemm" else f"scipy.linalg.blas.{pre}{p.routine}"
     return {"name": name, "seconds": seconds, "gflops": p.flops / seconds / 1e9, "blas": "; ".join(blas)}
 

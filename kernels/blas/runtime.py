@@ -221,7 +221,10 @@ def _execute_on_dask_worker(ctx: RunContext, task: TileTask, peers: dict) -> dic
     def peer_fetch(run_id: str, address: str, key: TileKey) -> np.ndarray | None:
         return _dask_peer_fetch(worker, run_id, address, key)
 
-    return execute(ctx, task, peers, peer_fetch=peer_fetch, worker=worker.address)
+    try:
+        return execute(ctx, task, peers, peer_fetch=peer_fetch, worker=worker.address)
+    except InputError as exc:  # bad input is an answer, not a worker failure: no error log on the worker
+        return {"input_error": exc}
 
 
 def _dask_peer_fetch(worker: Any, run_id: str, address: str, key: TileKey) -> np.ndarray | None:
@@ -289,8 +292,10 @@ class DaskRuntime:
         return None
 
     def wait_any(self) -> dict[str, Any]:
-        fut = next(self._ac)
-        return fut.result()
+        result = next(self._ac).result()
+        if "input_error" in result:
+            raise result["input_error"]
+        return result
 
     def cancel(self) -> None:
         if self._ac is not None:

@@ -51,7 +51,7 @@ def check_matrix_header(argument: str, where: str, shape: tuple[int, ...], dtype
     """
     if len(shape) != 2:
         raise InputError(argument, where, f"expected a 2-D matrix, found shape {tuple(shape)}")
-    if np.dtype(dtype) not in FLOAT_DTYPES:
+    if np.dtype(dtype).newbyteorder("=") not in FLOAT_DTYPES:
         raise InputError(argument, where, f"expected float32 or float64, found dtype {np.dtype(dtype)}")
     return int(shape[0]), int(shape[1])
 
@@ -104,9 +104,10 @@ class NpySource:
         except (ValueError, OSError, SyntaxError) as exc:
             raise InputError(argument, str(path), f"not a .npy file ({exc})") from None
         self.shape = check_matrix_header(argument, str(path), shape, dtype)
-        self.dtype = np.dtype(dtype)
+        self.file_dtype = np.dtype(dtype)
+        self.dtype = self.file_dtype.newbyteorder("=")  # big-endian files are converted as tiles are read
         stat = os.stat(self.path)
-        need = offset + self.shape[0] * self.shape[1] * self.dtype.itemsize
+        need = offset + self.shape[0] * self.shape[1] * self.file_dtype.itemsize
         if stat.st_size < need:
             raise InputError(argument, str(path), f"truncated: {stat.st_size} bytes, the header promises {need}")
         self.fortran_order = bool(fortran)
@@ -128,7 +129,7 @@ class NpySource:
         return self._map
 
     def read(self, rows: slice, cols: slice) -> np.ndarray:
-        return np.ascontiguousarray(self.memmap()[rows, cols])
+        return np.ascontiguousarray(self.memmap()[rows, cols], dtype=self.dtype)
 
 
 _MAPS: dict[str, np.ndarray] = {}

@@ -166,6 +166,14 @@ def test_bad_gemm_input_is_refused_before_anything_starts(npy, tmp_path):
         ([f"a={a}", f"b={npy('b32.npy', np.ones((30, 20), dtype=np.float32))}"], ["b='float32'", "mixed dtypes"]),
         (["routine=trsm", f"a={npy('z.npy', zero_diag)}", "m=40", "n=10"], ["a='a[7,7] = 0'", "nonzero diagonal"]),
         ([f"output={tmp_path / 'nowhere' / 'c.npy'}"], ["output=", "directory does not exist"]),
+        ([f"output={tmp_path}"], ["output=", "is a directory"]),
+        ([f"output={tmp_path / 'c.txt'}"], ["output=", "name the file *.npy"]),
+        ([f"a={a}", f"output={a}", "m=40", "k=30"], ["output=", "is operand a"]),
+        (["output=s3://paperline-data/"], ["output=", "name an object"]),
+        (["m=2048", "n=2048", "k=2048", "tile=1"], ["tile=1", "4,194,304 tile tasks", "raise the tile size"]),
+        (["m=1000000000", "tile=16384", "memory_budget=16GiB"], ["m=1000000000", "GiB on disk", "lower the sizes"]),
+        (["m=1000000", "n=1000000", "k=1000", "tile=16384", "memory_budget=16GiB", "stage_random=false"],
+         ["output=", "GiB on disk"]),
     ]
     # Should a case slip past validation, the stack it starts lives in tmp_path, not ~/.paperline.
     env = {"PAPERLINE_STATE_DIR": str(tmp_path / "state")}

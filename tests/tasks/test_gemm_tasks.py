@@ -107,3 +107,32 @@ def test_the_task_writes_a_verified_result_to_a_local_path(store, tmp_path):
     x = np.load(out)
     np.testing.assert_allclose(x @ np.tril(read_all(problem.a)), read_all(problem.b), rtol=1e-10, atol=1e-10)
     assert [p.name for p in tmp_path.iterdir()] == ["c.npy"]
+
+
+@pytest.mark.parametrize("output, problem", [
+    ("s3://no-such-bucket-xyz/c.npy", "no such bucket"),
+    ("s3://paperline-data", "name an object"),
+    ("s3://paperline-data/out/", "name an object"),
+    ("s3://paperline-data/out/c.txt", "*.npy"),
+])
+def test_s3_outputs_are_checked_before_anything_runs(store, output, problem):
+    from paperline.flows.gemm import GemmParameters
+    from paperline.infra.errors import InputError as PaperlineInputError
+
+    s, _ = store
+    with pytest.raises(PaperlineInputError) as err:
+        GemmParameters(m=64, n=64, k=64, tile=32, output=output).validate_inputs(s)
+    assert problem in str(err.value) and output in str(err.value)
+
+
+def test_big_endian_operands_are_read_in_native_order(store, tmp_path):
+    s, bucket = store
+    rng = np.random.default_rng(4)
+    a = rng.standard_normal((40, 30)).astype(">f8")
+    b = rng.standard_normal((30, 20))
+    np.save(tmp_path / "a.npy", a)
+    ub = _put(s, bucket, "tests/gemm/b-be.npy", _npy(b.astype(">f8")))
+    from paperline.kernels.blas.sources import NpySource
+
+    problem = make_problem("gemm", NpySource(tmp_path / "a.npy"), S3NpySource(s, ub, "b"), tile=16)
+    np.testing.assert_allclose(run(problem).output, a.astype(np.float64) @ b, rtol=1e-12, atol=1e-12)
