@@ -1,4 +1,4 @@
-"""The ``paperline`` command line: up, down, status, datasets, run, demo.
+"""The ``paperline`` command line: up, down, status, datasets, run, demo, serve.
 
 Errors are one clear line and a non-zero exit code; ``--debug`` shows the traceback.
 """
@@ -229,6 +229,33 @@ def demo() -> None:
     for name in pipeline_names():
         spec = get_pipeline(name)
         _run_one(spec, build_parameters(spec, "demo", []), None)
+
+
+@app.command()
+@_friendly
+def serve() -> None:
+    """Serve every pipeline as a deployment from this process (no work pool needed): runs
+    triggered from the Prefect UI's "Run" button, the API or a schedule execute here, each in
+    its own subprocess on its own Dask cluster. Stop with Ctrl-C (schedules are paused then)."""
+    from prefect import serve as prefect_serve
+    from prefect.deployments.runner import EntrypointType
+
+    from paperline.flows.pipelines import get_pipeline, pipeline_names
+
+    _quiet_logs()
+    info = _ensure_stack()
+    deployments = []
+    for name in pipeline_names():
+        spec = get_pipeline(name)
+        deployments.append(spec.flow.to_deployment(
+            name=name, description=spec.description or None, cron=spec.cron, tags=["paperline", name],
+            entrypoint_type=EntrypointType.MODULE_PATH))
+    console.print(f"serving {len(deployments)} deployments: "
+                  + ", ".join(f"{d.flow_name}/{d.name} ({d.schedules[0].schedule.cron if d.schedules else 'no schedule'})"
+                              for d in deployments), highlight=False)
+    console.print(f"trigger them from {info.prefect_ui_url.rstrip('/')}/deployments or with "
+                  "`prefect deployment run gemm/gemm`; Ctrl-C stops serving", soft_wrap=True, highlight=False)
+    prefect_serve(*deployments, print_starting_message=False)
 
 
 def main() -> None:

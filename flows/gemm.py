@@ -22,6 +22,7 @@ from prefect.runtime import flow_run
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from paperline.infra.device import resolve_device
+from paperline.infra.cluster import default_task_runner
 from paperline.infra.errors import InputError, ServiceError
 from paperline.infra.settings import get_settings
 from paperline.infra.stack import load_stack_info
@@ -181,7 +182,7 @@ PRESETS: dict[str, dict[str, Any]] = {
 }
 
 
-@flow(name="gemm", log_prints=True)
+@flow(name="gemm", log_prints=True, task_runner=default_task_runner())
 def gemm(params: GemmParameters | None = None) -> dict[str, Any]:
     """Run one tiled level-3 BLAS routine on the cluster, verify it and track it in MLflow.
 

@@ -21,6 +21,8 @@ class Pipeline:
     flow: Callable[..., Any]
     parameters: type[BaseModel]
     presets: dict[str, dict[str, Any]]
+    cron: str | None = None  # the deployment's schedule (`paperline serve`)
+    description: str = ""
 
 
 PIPELINES: Registry[Pipeline] = Registry("pipeline")
@@ -32,9 +34,12 @@ def _register_builtin() -> None:
 
     if "tensor-factorization" not in PIPELINES:
         PIPELINES.register("tensor-factorization")(
-            Pipeline("tensor-factorization", tf.tensor_factorization, tf.TensorFactorizationParameters, tf.PRESETS))
+            Pipeline("tensor-factorization", tf.tensor_factorization, tf.TensorFactorizationParameters, tf.PRESETS,
+                     cron="0 2 * * *", description="P²T²F against TensorLy CP on the bundled real tensors (nightly)."))
     if "gemm" not in PIPELINES:
-        PIPELINES.register("gemm")(Pipeline("gemm", gm.gemm, gm.GemmParameters, gm.PRESETS))
+        PIPELINES.register("gemm")(Pipeline(
+            "gemm", gm.gemm, gm.GemmParameters, gm.PRESETS, cron="30 3 * * *",
+            description="Tiled level-3 BLAS health benchmark: GFLOP/s against NumPy, verified (daily)."))
 
 
 def get_pipeline(name: str) -> Pipeline:

@@ -19,6 +19,7 @@ from prefect import flow
 from prefect.runtime import flow_run
 from pydantic import BaseModel, ConfigDict, Field
 
+from paperline.infra.cluster import default_task_runner
 from paperline.infra.errors import InputError, ServiceError
 from paperline.infra.settings import get_settings
 from paperline.infra.stack import load_stack_info
@@ -134,7 +135,7 @@ def _file_sha256(path: str) -> str:
     return h.hexdigest()
 
 
-@flow(name="tensor-factorization", log_prints=True)
+@flow(name="tensor-factorization", log_prints=True, task_runner=default_task_runner())
 def tensor_factorization(params: TensorFactorizationParameters | None = None) -> dict[str, Any]:
     """Run P²T²F and the TensorLy baseline on every (dataset, split) and track it in MLflow.
 

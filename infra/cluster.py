@@ -88,6 +88,18 @@ def task_runner(settings: Settings) -> DaskTaskRunner:
     return DaskTaskRunner(cluster_class="distributed.LocalCluster", cluster_kwargs=_local_cpu_kwargs(settings))
 
 
+def default_task_runner() -> DaskTaskRunner | None:
+    """The task runner a flow is declared with, for runs that do not come through ``paperline run``
+    (served or deployed runs load the flow from its module): :func:`task_runner` of the settings in
+    the environment, or None (Prefect's default) when they cannot be resolved at import."""
+    from paperline.infra.settings import get_settings  # noqa: PLC0415
+
+    try:
+        return task_runner(get_settings())
+    except Exception:  # noqa: BLE001 - never break importing a flow module; runs then use threads
+        return None
+
+
 def describe_cluster(settings: Settings) -> str:
     """One line saying which cluster :func:`task_runner` will use (for the CLI).
 

@@ -1,0 +1,75 @@
+"""Deployments as a user meets them: `paperline serve` on the session stack, a run triggered
+through the Prefect API with the call the UI's "Run" button makes (create a flow run from the
+deployment, with custom parameters), executed to Completed by the serving process, and the
+matching MLflow run tagged with the flow-run id."""
+
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+pytestmark = pytest.mark.stack
+
+
+@pytest.fixture(scope="module")
+def served(stack, tmp_path_factory):
+    settings, info = stack
+    log = tmp_path_factory.mktemp("serve") / "serve.log"
+    env = {k: v for k, v in os.environ.items() if not k.startswith("PAPERLINE_")}
+    env.update(PAPERLINE_STATE_DIR=str(settings.state_dir), PAPERLINE_N_WORKERS="2", PYTHONUNBUFFERED="1")
+    with open(log, "w") as out:
+        proc = subprocess.Popen([sys.executable, "-m", "paperline.flows.cli", "serve"], env=env, stdout=out,
+                                stderr=subprocess.STDOUT, start_new_session=True)
+    try:
+        yield info, proc, log
+    finally:
+        os.killpg(proc.pid, signal.SIGINT)
+        try:
+            proc.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+
+
+def _deployment(client, name, proc, log, timeout=120):
+    from prefect.exceptions import ObjectNotFound
+
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        assert proc.poll() is None, log.read_text()[-3000:]
+        try:
+            return client.read_deployment_by_name(name)
+        except ObjectNotFound:
+            time.sleep(1)
+    raise AssertionError(f"deployment {name} never appeared:\n{log.read_text()[-3000:]}")
+
+
+def test_a_run_triggered_through_the_api_completes_and_is_tracked(served):
+    from prefect.client.orchestration import get_client
+
+    from paperline.infra.tracking import Tracker
+
+    info, proc, log = served
+    with get_client(sync_client=True) as client:
+        deployment = _deployment(client, "gemm/gemm", proc, log)
+        _deployment(client, "tensor-factorization/tensor-factorization", proc, log)
+        assert deployment.schedules and deployment.schedules[0].schedule.cron == "30 3 * * *"
+        params = {"m": 120, "n": 90, "k": 70, "tile": 32, "routine": "syr2k", "uplo": "L", "scaling": False}
+        run = client.create_flow_run_from_deployment(deployment.id, parameters={"params": params})
+        deadline = time.time() + 300
+        while time.time() < deadline:
+            state = client.read_flow_run(run.id).state
+            if state is not None and state.is_final():
+                break
+            assert proc.poll() is None, log.read_text()[-3000:]
+            time.sleep(2)
+        assert state is not None and state.name == "Completed", (state, log.read_text()[-3000:])
+    runs = Tracker(info.mlflow_tracking_uri).client.search_runs(
+        [Tracker(info.mlflow_tracking_uri).client.get_experiment_by_name("gemm").experiment_id],
+        filter_string=f"tags.`prefect.flow_run_id` = '{run.id}'")
+    assert len(runs) == 1
+    assert runs[0].data.params["routine"] == "syr2k" and runs[0].data.params["m"] == "120"
+    assert runs[0].data.metrics["verification_residual"] < 1e-12
