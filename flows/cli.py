@@ -1,4 +1,4 @@
-"""The ``paperline`` command line: up, down, status, datasets, run, demo, serve.
+"""The ``paperline`` command line: up, down, status, datasets, run, demo, serve, compare.
 
 Errors are one clear line and a non-zero exit code; ``--debug`` shows the traceback.
 """
@@ -256,6 +256,37 @@ def serve() -> None:
     console.print(f"trigger them from {info.prefect_ui_url.rstrip('/')}/deployments or with "
                   "`prefect deployment run gemm/gemm`; Ctrl-C stops serving", soft_wrap=True, highlight=False)
     prefect_serve(*deployments, print_starting_message=False)
+
+
+@app.command()
+@_friendly
+def compare(experiment: str = typer.Argument(..., help="MLflow experiment, e.g. gemm or tensor-factorization."),
+            metric: list[str] = typer.Option([], "--metric", "-m", help="Metric to show and plot (repeatable)."),
+            filter_string: str = typer.Option("", "--filter", help="MLflow filter, e.g. \"params.routine = 'gemm'\"."),
+            top: int = typer.Option(10, "--top", help="At most this many runs, sorted by the first metric."),
+            ascending: bool = typer.Option(False, "--ascending", help="Sort ascending (losses, times)."),
+            out: Path = typer.Option(Path("."), "--out", help="Directory for the Parquet file and the plot."),
+            log: bool = typer.Option(False, "--log", help="Also log the comparison as an MLflow run.")) -> None:
+    """Compare an experiment's MLflow runs: a table, an overlay plot of step-wise metrics and a
+    Parquet file of the runs."""
+    from paperline.flows.compare import compare_runs
+    from paperline.infra.stack import load_stack_info
+    from paperline.infra.tracking import Tracker
+
+    info = load_stack_info(_settings())
+    if info is None:
+        from paperline.infra.errors import ServiceError
+
+        raise ServiceError("stack", "no running stack or configured endpoints; run `paperline up` first")
+    result = compare_runs(Tracker(info.mlflow_tracking_uri), experiment, list(metric), filter_string, top, out, log,
+                          ascending)
+    table = Table(*result["columns"], title=f"{experiment}: {len(result['rows'])} runs")
+    for row in result["rows"]:
+        table.add_row(*[_fmt(v) if isinstance(v, float) else str(v) for v in row])
+    console.print(table)
+    console.print(f"runs: {result['parquet']}\nplot: {result['plot']}", highlight=False)
+    if result["comparison_run_id"]:
+        console.print(f"logged as MLflow run {result['comparison_run_id']}", highlight=False)
 
 
 def main() -> None:

@@ -1,0 +1,126 @@
+"""``paperline compare``: MLflow runs of one experiment side by side.
+
+A table of runs (the parameters that differ between them, the chosen metrics' final values), an
+overlay plot of the chosen metrics step by step, and a Parquet file of every run's parameters and
+final metrics; optionally logged as a ``comparison`` run of the same experiment.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from pathlib import Path
+from typing import Any
+
+from paperline.infra.errors import InputError
+from paperline.infra.tracking import Tracker
+
+
+def compare_runs(tracker: Tracker, experiment: str, metrics: list[str], filter_string: str = "", top: int = 10,
+                 out_dir: Path = Path("."), log: bool = False, ascending: bool = False) -> dict[str, Any]:
+    """Compare the runs of ``experiment``.
+
+    Args:
+        tracker: the MLflow tracker.
+        experiment: experiment name (e.g. ``gemm``).
+        metrics: metric keys to show and plot; empty: every metric the runs share (up to 6).
+        filter_string: an MLflow search filter, e.g. ``"params.routine = 'gemm'"``.
+        top: at most this many runs, sorted by the first metric (descending, or ``ascending`` for
+            losses and times), else newest first.
+        out_dir: where ``<experiment>-runs.parquet`` and ``<experiment>-metrics.png`` are written.
+        log: also log both files to a new ``comparison`` run of the experiment.
+
+    Returns:
+        ``{"columns", "rows", "parquet", "plot", "comparison_run_id"}``.
+
+    Raises:
+        InputError: unknown experiment (known ones listed), an invalid filter, no matching runs,
+            a metric no run has, top < 1.
+    """
+    from mlflow.exceptions import MlflowException
+
+    if top < 1:
+        raise InputError("--top", top, "must be at least 1")
+    client = tracker.client
+    exp = client.get_experiment_by_name(experiment)
+    if exp is None:
+        known = sorted(e.name for e in client.search_experiments())
+        raise InputError("experiment", experiment, f"no such MLflow experiment; known: {', '.join(known) or 'none'}")
+    order = [f"metrics.`{metrics[0]}` {'ASC' if ascending else 'DESC'}"] if metrics else ["attributes.start_time DESC"]
+    try:
+        runs = client.search_runs([exp.experiment_id], filter_string=filter_string or "",
+                                  order_by=order, max_results=top)
+    except MlflowException as exc:
+        raise InputError("--filter", filter_string, f"MLflow rejected it: {str(exc).splitlines()[0][:300]}") from None
+    runs = [r for r in runs if r.info.run_name != "comparison"]
+    if not runs:
+        raise InputError("--filter", filter_string, f"no runs in experiment {experiment!r} match")
+    if not metrics:
+        shared = set.intersection(*(set(r.data.metrics) for r in runs))
+        metrics = sorted(shared)[:6]
+    for m in metrics:
+        if not any(m in r.data.metrics for r in runs):
+            raise InputError("--metric", m, f"no run of {experiment!r} has it; e.g. "
+                                            f"{', '.join(sorted(runs[0].data.metrics)[:8])}")
+    params = sorted({k for r in runs for k in r.data.params})
+    varying = [k for k in params if len({r.data.params.get(k) for r in runs}) > 1]
+    columns = ["run", "name", "status", *[f"params.{k}" for k in varying], *metrics]
+    rows = []
+    for r in runs:
+        rows.append([r.info.run_id[:8], r.info.run_name, r.info.status, *[r.data.params.get(k, "") for k in varying],
+                     *[r.data.metrics.get(m, math.nan) for m in metrics]])
+    out_dir.mkdir(parents=True, exist_ok=True)
+    parquet = out_dir / f"{experiment}-runs.parquet"
+    _write_parquet(runs, params, parquet)
+    plot = out_dir / f"{experiment}-metrics.png"
+    histories = {(r.info.run_id, m): [(h.step, h.value) for h in client.get_metric_history(r.info.run_id, m)]
+                 for r in runs for m in metrics}
+    _overlay_plot(runs, metrics, histories, plot)
+    comparison_run_id = None
+    if log:
+        comparison_run_id = tracker.start_run(experiment, run_name="comparison",
+                                              tags={"paperline.compare.filter": filter_string or "",
+                                                    "paperline.compare.runs": ",".join(r.info.run_id for r in runs)},
+                                              params={"metrics": ",".join(metrics), "top": top})
+        tracker.log_artifact(comparison_run_id, str(parquet))
+        tracker.log_artifact(comparison_run_id, str(plot))
+        tracker.end_run(comparison_run_id, "FINISHED")
+    return {"columns": columns, "rows": rows, "parquet": str(parquet), "plot": str(plot),
+            "comparison_run_id": comparison_run_id}
+
+
+def _write_parquet(runs: list[Any], params: list[str], path: Path) -> None:
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    metric_keys = sorted({k for r in runs for k in r.data.metrics})
+    table = {
+        "run_id": [r.info.run_id for r in runs],
+        "run_name": [r.info.run_name for r in runs],
+        "status": [r.info.status for r in runs],
+        "start_time": [time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(r.info.start_time / 1000)) for r in runs],
+    }
+    for k in params:
+        table[f"params.{k}"] = [r.data.params.get(k) for r in runs]
+    for k in metric_keys:
+        table[f"metrics.{k}"] = [r.data.metrics.get(k) for r in runs]
+    pq.write_table(pa.table(table), path)
+
+
+def _overlay_plot(runs: list[Any], metrics: list[str], histories: dict, path: Path) -> None:
+    from paperline.tasks.reporting import _plt
+
+    plt = _plt()
+    fig, axes = plt.subplots(1, len(metrics), figsize=(4.2 * len(metrics), 3.2), squeeze=False)
+    for ax, m in zip(axes[0], metrics):
+        for r in runs:
+            points = sorted(histories[(r.info.run_id, m)])
+            if points:
+                ax.plot([p[0] for p in points], [p[1] for p in points], marker="o" if len(points) < 3 else None,
+                        label=f"{r.info.run_name} ({r.info.run_id[:6]})")
+        ax.set_title(m, fontsize=9)
+        ax.set_xlabel("step")
+        ax.legend(fontsize=6)
+    fig.tight_layout()
+    fig.savefig(path, dpi=90)
+    plt.close(fig)

@@ -1,0 +1,69 @@
+"""`paperline compare` on an experiment with several runs: the table, the overlay plot, the
+Parquet of runs, the logged comparison, and bad input."""
+
+import os
+
+import pyarrow.parquet as pq
+import pytest
+from typer.testing import CliRunner
+
+from paperline.flows.cli import app
+from paperline.infra.settings import get_settings
+
+pytestmark = pytest.mark.stack
+
+
+@pytest.fixture(scope="module")
+def experiment(stack):
+    from paperline.infra.tracking import Tracker
+
+    _, info = stack
+    tracker = Tracker(info.mlflow_tracking_uri)
+    ids = []
+    for i, lr in enumerate((0.1, 0.5, 1.0)):
+        run_id = tracker.start_run("compare-test", run_name=f"lr-{lr}", params={"lr": lr, "seed": 0})
+        tracker.log_metric_steps(run_id, [(s, {"loss": 1.0 / (1 + lr * s), "step_s": 0.1 * (i + 1)}) for s in range(5)])
+        tracker.end_run(run_id)
+        ids.append(run_id)
+    return info, tracker, ids
+
+
+def _cli(stack_dir, *args):
+    get_settings.cache_clear()
+    try:
+        return CliRunner().invoke(app, list(args), env={"PAPERLINE_STATE_DIR": str(stack_dir)})
+    finally:
+        get_settings.cache_clear()
+
+
+def test_compare_prints_the_table_and_writes_the_plot_and_parquet(stack, experiment, tmp_path):
+    settings, _ = stack
+    info, tracker, ids = experiment
+    res = _cli(settings.state_dir, "compare", "compare-test", "--metric", "loss", "--top", "2", "--ascending",
+               "--filter", "params.seed = '0'", "--out", str(tmp_path), "--log")
+    assert res.exit_code == 0, res.output
+    text = " ".join(res.output.split())
+    assert "params.lr" in text and "lr-1.0" in text and "lr-0.5" in text and "lr-0.1" not in text  # 2 lowest losses
+    table = pq.read_table(tmp_path / "compare-test-runs.parquet").to_pydict()
+    assert table["run_id"] == [ids[2], ids[1]] and "metrics.loss" in table and "params.lr" in table
+    assert (tmp_path / "compare-test-metrics.png").stat().st_size > 1000
+    logged = tracker.client.search_runs([tracker.client.get_experiment_by_name("compare-test").experiment_id],
+                                        filter_string="attributes.run_name = 'comparison'")
+    assert len(logged) == 1
+    names = {a.path for a in tracker.client.list_artifacts(logged[0].info.run_id)}
+    assert names == {"compare-test-runs.parquet", "compare-test-metrics.png"}
+
+
+@pytest.mark.parametrize("args, fragment", [
+    (["nope-experiment"], "experiment='nope-experiment': no such MLflow experiment"),
+    (["compare-test", "--metric", "nope"], "--metric='nope'"),
+    (["compare-test", "--filter", "params.lr ="], "--filter="),
+    (["compare-test", "--filter", "params.lr = '7'"], "no runs"),
+    (["compare-test", "--top", "0"], "--top=0"),
+])
+def test_compare_bad_input(stack, experiment, tmp_path, args, fragment):
+    settings, _ = stack
+    res = _cli(settings.state_dir, "compare", *args, "--out", str(tmp_path))
+    assert res.exit_code != 0
+    text = " ".join(res.output.split())
+    assert "error:" in text and fragment in text and "Traceback" not in text
