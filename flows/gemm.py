@@ -22,7 +22,7 @@ from prefect.runtime import flow_run
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from paperline.infra.device import resolve_device
-from paperline.infra.cluster import default_task_runner
+from paperline.infra.cluster import configure_local_workers, default_task_runner
 from paperline.infra.errors import InputError, ServiceError
 from paperline.infra.settings import get_settings
 from paperline.infra.stack import load_stack_info
@@ -195,6 +195,7 @@ def gemm(params: GemmParameters | None = None) -> dict[str, Any]:
         (nothing written). ServiceError: the stack is not up.
     """
     params = params or GemmParameters()
+    configure_local_workers()  # before the runner's local cluster starts (at the first task)
     settings = get_settings()
     info = load_stack_info(settings)
     if info is None:

@@ -19,7 +19,7 @@ from prefect import flow
 from prefect.runtime import flow_run
 from pydantic import BaseModel, ConfigDict, Field
 
-from paperline.infra.cluster import default_task_runner
+from paperline.infra.cluster import configure_local_workers, default_task_runner
 from paperline.infra.errors import InputError, ServiceError
 from paperline.infra.settings import get_settings
 from paperline.infra.stack import load_stack_info
@@ -147,6 +147,7 @@ def tensor_factorization(params: TensorFactorizationParameters | None = None) ->
         InputError: bad parameters or data. ServiceError: the stack is not up.
     """
     params = params or TensorFactorizationParameters()
+    configure_local_workers()  # before the runner's local cluster starts (at the first task)
     params.validate_inputs()
     settings = get_settings()
     info = load_stack_info(settings)

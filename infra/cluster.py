@@ -64,11 +64,13 @@ def _local_cuda_kwargs(settings: Settings) -> dict[str, Any]:
     return kwargs
 
 
-def task_runner(settings: Settings) -> DaskTaskRunner:
+def task_runner(settings: Settings, *, configure: bool = True) -> DaskTaskRunner:
     """The Prefect task runner for a flow run, built from the settings.
 
     Args:
         settings: Uses ``dask_scheduler_address``, ``device`` and ``n_workers``.
+        configure: apply :func:`configure_local_workers` now (the flows also do it when they
+            start, before their cluster exists, so importing a flow changes no Dask config).
 
     Returns:
         A ``prefect_dask.DaskTaskRunner``; the cluster itself starts when the flow run starts.
@@ -80,7 +82,8 @@ def task_runner(settings: Settings) -> DaskTaskRunner:
 
     if settings.dask_scheduler_address:
         return DaskTaskRunner(address=settings.dask_scheduler_address)
-    configure_local_workers()
+    if configure:
+        configure_local_workers()
     if resolve_device(settings.device) == "cuda":
         return DaskTaskRunner(
             cluster_class="dask_cuda.LocalCUDACluster", cluster_kwargs=_local_cuda_kwargs(settings)
@@ -95,7 +98,7 @@ def default_task_runner() -> DaskTaskRunner | None:
     from paperline.infra.settings import get_settings  # noqa: PLC0415
 
     try:
-        return task_runner(get_settings())
+        return task_runner(get_settings(), configure=False)
     except Exception:  # noqa: BLE001 - never break importing a flow module; runs then use threads
         return None
 

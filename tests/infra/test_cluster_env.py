@@ -8,11 +8,22 @@ from paperline.infra.cluster import DROPPED_WORKER_ENV, configure_local_workers
 
 
 def test_local_workers_start_without_malloc_thresholds():
-    with dask.config.set({}):  # keep the global config change local to this test
-        assert "MALLOC_TRIM_THRESHOLD_" in dask.config.get("distributed.nanny.pre-spawn-environ")
+    nanny_default = {"MALLOC_TRIM_THRESHOLD_": 65536, "OMP_NUM_THREADS": 1}  # what Dask ships
+    with dask.config.set({"distributed.nanny.pre-spawn-environ": nanny_default}):  # local to this test
         configure_local_workers()
+        assert dask.config.get("distributed.nanny.pre-spawn-environ") == {"OMP_NUM_THREADS": 1}
         with LocalCluster(n_workers=1, threads_per_worker=1, processes=True, dashboard_address=None) as c, \
                 Client(c) as client:
             keys = DROPPED_WORKER_ENV  # a lambda pickles by value (this module is not importable on workers)
             env = client.run(lambda: {k: __import__("os").environ.get(k) for k in keys})
     assert list(env.values()) == [dict.fromkeys(DROPPED_WORKER_ENV)]
+
+
+def test_importing_a_flow_changes_no_dask_config():
+    import subprocess
+    import sys
+
+    code = ("import dask, distributed; before = dict(dask.config.get('distributed.nanny.pre-spawn-environ')); "
+            "import paperline.flows.gemm, paperline.flows.tensor_factorization; "
+            "assert dict(dask.config.get('distributed.nanny.pre-spawn-environ')) == before, 'changed'")
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=120)
