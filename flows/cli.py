@@ -260,6 +260,36 @@ def serve() -> None:
 
 @app.command()
 @_friendly
+def worker(pool: str = typer.Option("cpu", "--pool", help="cpu or gpu (the work pools prefect.yaml uses).")) -> None:
+    """Start a Prefect process worker for a paperline work pool, with the stack's environment:
+    it executes the runs of deployments created by `prefect deploy --all`. Stop with Ctrl-C."""
+    import os
+    import subprocess
+
+    import paperline
+    from paperline.infra.errors import InputError
+    from paperline.infra.stack import WORK_POOLS
+
+    if pool not in WORK_POOLS:
+        raise InputError("--pool", pool, f"expected one of {', '.join(WORK_POOLS)}")
+    _quiet_logs()
+    info = _ensure_stack()  # also creates the work pools
+    env = dict(os.environ)  # activate() put the stack's PREFECT_API_URL / MLFLOW_TRACKING_URI here
+    if pool == "gpu":
+        env["PAPERLINE_DEVICE"] = "cuda"
+    # Deployment entrypoints are relative paths (flows/gemm.py): run from the package's directory.
+    workdir = os.path.dirname(paperline.__file__)
+    console.print(f"worker for work pool {WORK_POOLS[pool]} on {info.prefect_api_url} (runs from {workdir}); "
+                  "Ctrl-C stops it", soft_wrap=True, highlight=False)
+    try:
+        subprocess.run([sys.executable, "-m", "prefect", "worker", "start", "--pool", WORK_POOLS[pool],
+                        "--type", "process"], env=env, cwd=workdir, check=False)
+    except KeyboardInterrupt:
+        pass
+
+
+@app.command()
+@_friendly
 def compare(experiment: str = typer.Argument(..., help="MLflow experiment, e.g. gemm or tensor-factorization."),
             metric: list[str] = typer.Option([], "--metric", "-m", help="Metric to show and plot (repeatable)."),
             filter_string: str = typer.Option("", "--filter", help="MLflow filter, e.g. \"params.routine = 'gemm'\"."),

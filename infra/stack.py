@@ -589,6 +589,36 @@ def _save_result_block(api_url: str, s3_url: str | None, key: str | None, secret
         raise ServiceError("prefect", f"could not save the result-storage block: {exc}", url=api_url) from exc
 
 
+WORK_POOLS = {"cpu": "paperline-cpu", "gpu": "paperline-gpu"}  # the names prefect.yaml's deployments use
+
+
+def ensure_work_pools(api_url: str) -> None:
+    """Create the process work pools of :data:`WORK_POOLS` on the Prefect server if missing, so
+    that ``prefect deploy --all`` and ``paperline worker`` find them.
+
+    Raises:
+        ServiceError: The Prefect API rejected it or is unreachable.
+    """
+    from prefect.client.orchestration import get_client  # noqa: PLC0415
+    from prefect.client.schemas.actions import WorkPoolCreate  # noqa: PLC0415
+    from prefect.exceptions import ObjectAlreadyExists  # noqa: PLC0415
+    from prefect.settings import PREFECT_API_URL, temporary_settings  # noqa: PLC0415
+    from prefect.workers.process import ProcessWorker  # noqa: PLC0415
+
+    template = ProcessWorker.get_default_base_job_template()
+    try:
+        with temporary_settings({PREFECT_API_URL: api_url}), get_client(sync_client=True) as client:
+            for kind, name in WORK_POOLS.items():
+                try:
+                    client.create_work_pool(WorkPoolCreate(
+                        name=name, type="process", base_job_template=template,
+                        description=f"paperline {kind} workers (`paperline worker --pool {kind}`)"))
+                except ObjectAlreadyExists:
+                    pass
+    except Exception as exc:  # noqa: BLE001 - httpx/prefect errors; the message names the cause
+        raise ServiceError("prefect", f"could not create the work pools: {exc}", url=api_url) from exc
+
+
 # --------------------------------------------------------------------------------------------------
 # Public API
 
@@ -765,6 +795,8 @@ def ensure_stack(settings: Settings, *, progress: Progress | None = None) -> Sta
             if state.get("result_block") != fingerprint or "prefect" in started:
                 say(f"prefect: saving result storage block {RESULT_STORAGE_BLOCK}")
                 _save_result_block(prefect_api, s3_obj_url, key, secret, settings)
+                say(f"prefect: work pools {', '.join(WORK_POOLS.values())}")
+                ensure_work_pools(prefect_api)
                 state["result_block"] = fingerprint
 
             save()

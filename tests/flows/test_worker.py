@@ -1,0 +1,75 @@
+"""The work-pool path as a user meets it: `prefect deploy --all` (prefect.yaml) against the
+session stack, `paperline worker --pool cpu`, a run triggered through the API with custom
+parameters, executed by the worker to Completed, and its MLflow run tagged with the flow-run id."""
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.stack
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+@pytest.fixture(scope="module")
+def deployed(stack, tmp_path_factory):
+    settings, info = stack
+    env = {k: v for k, v in os.environ.items() if not k.startswith("PAPERLINE_")}
+    env.update(PAPERLINE_STATE_DIR=str(settings.state_dir), PAPERLINE_N_WORKERS="2", PYTHONUNBUFFERED="1",
+               PREFECT_API_URL=info.prefect_api_url)
+    proc = subprocess.run([sys.executable, "-m", "prefect", "--no-prompt", "deploy", "--all"], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    log = tmp_path_factory.mktemp("worker") / "worker.log"
+    with open(log, "w") as out:
+        worker = subprocess.Popen([sys.executable, "-m", "paperline.flows.cli", "worker", "--pool", "cpu"], env=env,
+                                  stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+    try:
+        yield info, worker, log
+    finally:
+        os.killpg(worker.pid, signal.SIGINT)
+        try:
+            worker.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            os.killpg(worker.pid, signal.SIGKILL)
+            worker.wait()
+
+
+def test_deploy_all_creates_every_deployment_on_its_pool_with_a_schedule(deployed):
+    from prefect.client.orchestration import get_client
+
+    with get_client(sync_client=True) as client:
+        for name, cron in (("gemm/gemm", "30 3 * * *"), ("tensor-factorization/tensor-factorization", "0 2 * * *")):
+            d = client.read_deployment_by_name(name)
+            assert d.work_pool_name == "paperline-cpu"
+            assert [s.schedule.cron for s in d.schedules] == [cron]
+
+
+def test_a_worker_executes_a_triggered_run(deployed):
+    from prefect.client.orchestration import get_client
+
+    from paperline.infra.tracking import Tracker
+
+    info, worker, log = deployed
+    params = {"m": 100, "n": 80, "k": 60, "tile": 32, "routine": "trmm", "side": "R", "diag": "U", "scaling": False}
+    with get_client(sync_client=True) as client:
+        deployment = client.read_deployment_by_name("gemm/gemm")
+        run = client.create_flow_run_from_deployment(deployment.id, parameters={"params": params})
+        deadline = time.time() + 300
+        state = None
+        while time.time() < deadline:
+            state = client.read_flow_run(run.id).state
+            if state is not None and state.is_final():
+                break
+            assert worker.poll() is None, log.read_text()[-3000:]
+            time.sleep(2)
+    assert state is not None and state.name == "Completed", (state, log.read_text()[-3000:])
+    tracker = Tracker(info.mlflow_tracking_uri)
+    runs = tracker.client.search_runs([tracker.client.get_experiment_by_name("gemm").experiment_id],
+                                      filter_string=f"tags.`prefect.flow_run_id` = '{run.id}'")
+    assert len(runs) == 1 and runs[0].data.params["routine"] == "trmm"
