@@ -249,7 +249,7 @@ def serve() -> None:
         spec = get_pipeline(name)
         deployments.append(spec.flow.to_deployment(
             name=name, description=spec.description or None, cron=spec.cron, tags=["paperline", name],
-            entrypoint_type=EntrypointType.MODULE_PATH))
+            concurrency_limit=1, entrypoint_type=EntrypointType.MODULE_PATH))
     console.print(f"serving {len(deployments)} deployments: "
                   + ", ".join(f"{d.flow_name}/{d.name} ({d.schedules[0].schedule.cron if d.schedules else 'no schedule'})"
                               for d in deployments), highlight=False)

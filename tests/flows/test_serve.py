@@ -73,3 +73,16 @@ def test_a_run_triggered_through_the_api_completes_and_is_tracked(served):
     assert len(runs) == 1
     assert runs[0].data.params["routine"] == "syr2k" and runs[0].data.params["m"] == "120"
     assert runs[0].data.metrics["verification_residual"] < 1e-12
+
+
+def test_invalid_parameters_are_rejected_with_the_validation_error(served):
+    """What the UI shows when a custom run's form holds a bad value: the server refuses the run."""
+    from prefect.client.orchestration import get_client
+
+    _, proc, log = served
+    with get_client(sync_client=True) as client:
+        deployment = _deployment(client, "gemm/gemm", proc, log)
+        assert deployment.concurrency_limit == 1 or getattr(deployment, "global_concurrency_limit", None)
+        with pytest.raises(Exception) as err:
+            client.create_flow_run_from_deployment(deployment.id, parameters={"params": {"tile": 0}})
+    assert "tile" in str(err.value) and ("0" in str(err.value))
