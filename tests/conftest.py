@@ -3,9 +3,14 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
+import signal
 import socket
+import subprocess
+import time
 from collections.abc import Callable, Iterator
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -105,3 +110,47 @@ def low_rank_tensor():
     tensor with random-walk time factors plus N(0, noise^2) noise; ``.noise`` is the noise std."""
     _low_rank_tensor.noise = NOISE
     return _low_rank_tensor
+
+
+# --- long-running CLI processes (serve, worker) ---------------------------------------------------
+
+@contextlib.contextmanager
+def _background(cmd: list[str], env: dict[str, str], log: os.PathLike[str]) -> Iterator[subprocess.Popen]:
+    """Run ``cmd`` in its own process group with output to ``log``; Ctrl-C it (then kill) on exit."""
+    with open(log, "w") as out:
+        proc = subprocess.Popen(cmd, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+    try:
+        yield proc
+    finally:
+        os.killpg(proc.pid, signal.SIGINT)
+        try:
+            proc.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+
+
+@pytest.fixture(scope="session")
+def background_process():
+    """``background_process(cmd, env, log)``: a context manager running a long-lived command."""
+    return _background
+
+
+def _wait_for_flow_run(client, run_id, proc: subprocess.Popen, log: Path, timeout: float = 300):
+    deadline = time.time() + timeout
+    state = None
+    while time.time() < deadline:
+        state = client.read_flow_run(run_id).state
+        if state is not None and state.is_final():
+            return state
+        assert proc.poll() is None, Path(log).read_text()[-3000:]
+        time.sleep(2)
+    raise AssertionError(f"flow run {run_id} not final after {timeout} s (state {state}):\n"
+                         + Path(log).read_text()[-3000:])
+
+
+@pytest.fixture(scope="session")
+def wait_for_flow_run():
+    """``wait_for_flow_run(client, run_id, proc, log)``: the run's final state, failing if the
+    executing process (``proc``, logging to ``log``) dies first."""
+    return _wait_for_flow_run

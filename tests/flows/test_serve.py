@@ -4,8 +4,6 @@ deployment, with custom parameters), executed to Completed by the serving proces
 matching MLflow run tagged with the flow-run id."""
 
 import os
-import signal
-import subprocess
 import sys
 import time
 
@@ -15,23 +13,13 @@ pytestmark = pytest.mark.stack
 
 
 @pytest.fixture(scope="module")
-def served(stack, tmp_path_factory):
+def served(stack, tmp_path_factory, background_process):
     settings, info = stack
     log = tmp_path_factory.mktemp("serve") / "serve.log"
     env = {k: v for k, v in os.environ.items() if not k.startswith("PAPERLINE_")}
     env.update(PAPERLINE_STATE_DIR=str(settings.state_dir), PAPERLINE_N_WORKERS="2", PYTHONUNBUFFERED="1")
-    with open(log, "w") as out:
-        proc = subprocess.Popen([sys.executable, "-m", "paperline.flows.cli", "serve"], env=env, stdout=out,
-                                stderr=subprocess.STDOUT, start_new_session=True)
-    try:
+    with background_process([sys.executable, "-m", "paperline.flows.cli", "serve"], env, log) as proc:
         yield info, proc, log
-    finally:
-        os.killpg(proc.pid, signal.SIGINT)
-        try:
-            proc.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
 
 
 def _deployment(client, name, proc, log, timeout=120):
@@ -47,7 +35,7 @@ def _deployment(client, name, proc, log, timeout=120):
     raise AssertionError(f"deployment {name} never appeared:\n{log.read_text()[-3000:]}")
 
 
-def test_a_run_triggered_through_the_api_completes_and_is_tracked(served):
+def test_a_run_triggered_through_the_api_completes_and_is_tracked(served, wait_for_flow_run):
     from prefect.client.orchestration import get_client
 
     from paperline.infra.tracking import Tracker
@@ -59,14 +47,8 @@ def test_a_run_triggered_through_the_api_completes_and_is_tracked(served):
         assert deployment.schedules and deployment.schedules[0].schedule.cron == "30 3 * * *"
         params = {"m": 120, "n": 90, "k": 70, "tile": 32, "routine": "syr2k", "uplo": "L", "scaling": False}
         run = client.create_flow_run_from_deployment(deployment.id, parameters={"params": params})
-        deadline = time.time() + 300
-        while time.time() < deadline:
-            state = client.read_flow_run(run.id).state
-            if state is not None and state.is_final():
-                break
-            assert proc.poll() is None, log.read_text()[-3000:]
-            time.sleep(2)
-        assert state is not None and state.name == "Completed", (state, log.read_text()[-3000:])
+        state = wait_for_flow_run(client, run.id, proc, log)
+        assert state.name == "Completed", (state, log.read_text()[-3000:])
     runs = Tracker(info.mlflow_tracking_uri).client.search_runs(
         [Tracker(info.mlflow_tracking_uri).client.get_experiment_by_name("gemm").experiment_id],
         filter_string=f"tags.`prefect.flow_run_id` = '{run.id}'")

@@ -3,10 +3,8 @@ session stack, `paperline worker --pool cpu`, a run triggered through the API wi
 parameters, executed by the worker to Completed, and its MLflow run tagged with the flow-run id."""
 
 import os
-import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -17,7 +15,7 @@ ROOT = Path(__file__).resolve().parents[2]
 
 
 @pytest.fixture(scope="module")
-def deployed(stack, tmp_path_factory):
+def deployed(stack, tmp_path_factory, background_process):
     settings, info = stack
     env = {k: v for k, v in os.environ.items() if not k.startswith("PAPERLINE_")}
     env.update(PAPERLINE_STATE_DIR=str(settings.state_dir), PAPERLINE_N_WORKERS="2", PYTHONUNBUFFERED="1",
@@ -26,18 +24,8 @@ def deployed(stack, tmp_path_factory):
                           capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     log = tmp_path_factory.mktemp("worker") / "worker.log"
-    with open(log, "w") as out:
-        worker = subprocess.Popen([sys.executable, "-m", "paperline.flows.cli", "worker", "--pool", "cpu"], env=env,
-                                  stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
-    try:
+    with background_process([sys.executable, "-m", "paperline.flows.cli", "worker", "--pool", "cpu"], env, log) as worker:
         yield info, worker, log
-    finally:
-        os.killpg(worker.pid, signal.SIGINT)
-        try:
-            worker.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            os.killpg(worker.pid, signal.SIGKILL)
-            worker.wait()
 
 
 def test_deploy_all_creates_every_deployment_on_its_pool_with_a_schedule(deployed):
@@ -50,7 +38,7 @@ def test_deploy_all_creates_every_deployment_on_its_pool_with_a_schedule(deploye
             assert [s.schedule.cron for s in d.schedules] == [cron]
 
 
-def test_a_worker_executes_a_triggered_run(deployed):
+def test_a_worker_executes_a_triggered_run(deployed, wait_for_flow_run):
     from prefect.client.orchestration import get_client
 
     from paperline.infra.tracking import Tracker
@@ -60,15 +48,8 @@ def test_a_worker_executes_a_triggered_run(deployed):
     with get_client(sync_client=True) as client:
         deployment = client.read_deployment_by_name("gemm/gemm")
         run = client.create_flow_run_from_deployment(deployment.id, parameters={"params": params})
-        deadline = time.time() + 300
-        state = None
-        while time.time() < deadline:
-            state = client.read_flow_run(run.id).state
-            if state is not None and state.is_final():
-                break
-            assert worker.poll() is None, log.read_text()[-3000:]
-            time.sleep(2)
-    assert state is not None and state.name == "Completed", (state, log.read_text()[-3000:])
+        state = wait_for_flow_run(client, run.id, worker, log)
+    assert state.name == "Completed", (state, log.read_text()[-3000:])
     tracker = Tracker(info.mlflow_tracking_uri)
     runs = tracker.client.search_runs([tracker.client.get_experiment_by_name("gemm").experiment_id],
                                       filter_string=f"tags.`prefect.flow_run_id` = '{run.id}'")
