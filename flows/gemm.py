@@ -234,20 +234,20 @@ def gemm(params: GemmParameters | None = None) -> dict[str, Any]:
 def _log_run(tracker: Tracker, run_id: str, main: dict[str, Any], scaling: list[dict[str, Any]],
              peer: dict[str, Any] | None) -> dict[str, Any]:
     c = main["counters"]
-    metrics = {
-        "gflops": main["gflops"], "seconds": main["seconds"],
+    metrics = {  # names: see README "MLflow names" (units in the name)
+        "throughput_gflop_per_s": main["gflops"], "wall_s": main["seconds"],
         "bytes_host_to_device": c.get("bytes_host_to_device", 0), "bytes_peer": c.get("bytes_peer", 0),
         "bytes_s3": c.get("bytes_s3", 0), "bytes_source": c.get("bytes_source", 0),
         "cache_hit_rate": main["cache_hit_rate"], "verification_residual": main["verification_residual"],
-        "tasks": len(main["records"]),
+        "tile_tasks": len(main["records"]),
     }
     for i, w in enumerate(main["workers"]):
         metrics[f"busy_fraction.worker_{i}"] = main["busy_fraction"][w]
     if peer is not None:
-        metrics["peer_gflops"] = peer["gflops"]
+        metrics["peer_throughput_gflop_per_s"] = peer["gflops"]
         metrics["ratio_to_peer"] = main["gflops"] / peer["gflops"]
     tracker.log_metrics(run_id, {k: float(v) for k, v in metrics.items()})
-    tracker.log_metric_steps(run_id, [(r["workers"], {"scaling.gflops": r["gflops"]}) for r in scaling])
+    tracker.log_metric_steps(run_id, [(r["workers"], {"scaling.throughput_gflop_per_s": r["gflops"]}) for r in scaling])
     report = render_gemm_report(main, scaling, peer)
     with tempfile.TemporaryDirectory() as tmp:
         for name, data in report.items():

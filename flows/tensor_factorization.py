@@ -196,19 +196,22 @@ def tensor_factorization(params: TensorFactorizationParameters | None = None) ->
     return summary
 
 
+MLFLOW_NAMES = {"wall_seconds": "wall_s"}  # units in MLflow names (README "MLflow names")
+
+
 def _log_run(tracker: Tracker, run_id: str, store: ObjectStore, fits: list[dict[str, Any]],
              params: TensorFactorizationParameters) -> dict[str, Any]:
     rows, metrics, steps = [], {}, []
     for f in fits:
         tag = f"{f['dataset']}.{f['split']}.{f['method']}"
         for h in f["history"]:
-            step = {f"{tag}.{k}": float(h[k]) for k in ("train_rmse", "validation_rmse", "objective",
-                                                        "primal_residual", "dual_residual", "wall_seconds")
-                    if np.isfinite(h.get(k, np.nan))}
+            step = {f"{tag}.{MLFLOW_NAMES.get(k, k)}": float(h[k])
+                    for k in ("train_rmse", "validation_rmse", "objective", "primal_residual", "dual_residual",
+                              "wall_seconds") if np.isfinite(h.get(k, np.nan))}
             if f["method"] == "p2t2f":
                 step[f"{tag}.consensus_residual"] = float(h["primal_residual"])
             steps.append((int(h["epoch"]), step))
-        final = {f"{tag}.test_rmse": f["test_rmse"], f"{tag}.fit_seconds": f["fit_seconds"]}
+        final = {f"{tag}.test_rmse": f["test_rmse"], f"{tag}.fit_s": f["fit_seconds"]}
         steps.append((0, final))
         metrics.update(final)
         rows.append({"dataset": f["dataset"], "split": f["split"], "method": f["method"],

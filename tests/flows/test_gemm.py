@@ -59,7 +59,7 @@ def test_mlflow_run_has_the_metrics_and_plots(gemm_run):
     info, _, summary = gemm_run
     run = Tracker(info.mlflow_tracking_uri).client.get_run(summary["mlflow_run_id"])
     m = run.data.metrics
-    for key in ("gflops", "bytes_host_to_device", "bytes_peer", "bytes_s3", "cache_hit_rate",
+    for key in ("throughput_gflop_per_s", "wall_s", "bytes_host_to_device", "bytes_peer", "bytes_s3", "cache_hit_rate",
                 "verification_residual", "busy_fraction.worker_0", "busy_fraction.worker_1", "ratio_to_peer"):
         assert key in m, key
     assert 0 < m["cache_hit_rate"] < 1 and 0 < m["busy_fraction.worker_0"] <= 1

@@ -85,6 +85,7 @@ def test_mlflow_run_has_params_metrics_and_artifacts_in_s3(two_runs):
     assert run.data.tags["prefect.flow_run_id"] == summary["prefect_flow_run_id"]
     assert run.data.params["rank"] == "3"
     assert "produc.random.p2t2f.test_rmse" in run.data.metrics
+    assert "produc.random.p2t2f.fit_s" in run.data.metrics and "produc.random.p2t2f.wall_s" in run.data.metrics
     history = client.get_metric_history(run.info.run_id, "produc.random.p2t2f.validation_rmse")
     assert [m.step for m in history] == [1, 2, 3, 4]
     assert "secret" not in json.dumps(run.data.params).lower()
