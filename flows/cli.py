@@ -247,14 +247,14 @@ def serve() -> None:
     deployments = []
     for name in pipeline_names():
         spec = get_pipeline(name)
-        deployments.append(spec.flow.to_deployment(
-            name=name, description=spec.description or None, cron=spec.cron, tags=["paperline", name],
+        deployments.append(spec.flow.to_deployment(  # "<flow>/local": apart from prefect.yaml's work-pool ones
+            name="local", description=spec.description or None, cron=spec.cron, tags=["paperline", name],
             concurrency_limit=1, entrypoint_type=EntrypointType.MODULE_PATH))
     console.print(f"serving {len(deployments)} deployments: "
                   + ", ".join(f"{d.flow_name}/{d.name} ({d.schedules[0].schedule.cron if d.schedules else 'no schedule'})"
                               for d in deployments), highlight=False)
     console.print(f"trigger them from {info.prefect_ui_url.rstrip('/')}/deployments or with "
-                  "`prefect deployment run gemm/gemm`; Ctrl-C stops serving", soft_wrap=True, highlight=False)
+                  "`prefect deployment run gemm/local --params '{\"params\": {\"m\": 512}}'`; Ctrl-C stops serving", soft_wrap=True, highlight=False)
     prefect_serve(*deployments, print_starting_message=False)
 
 

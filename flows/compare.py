@@ -41,6 +41,10 @@ def compare_runs(tracker: Tracker, experiment: str, metrics: list[str], filter_s
 
     if top < 1:
         raise InputError("--top", top, "must be at least 1")
+    if not experiment.strip():
+        raise InputError("experiment", experiment, "name an MLflow experiment, e.g. gemm")
+    if out_dir.exists() and not out_dir.is_dir():
+        raise InputError("--out", str(out_dir), "exists and is not a directory")
     client = tracker.client
     exp = client.get_experiment_by_name(experiment)
     if exp is None:
@@ -60,8 +64,9 @@ def compare_runs(tracker: Tracker, experiment: str, metrics: list[str], filter_s
         metrics = sorted(shared)[:6]
     for m in metrics:
         if not any(m in r.data.metrics for r in runs):
-            raise InputError("--metric", m, f"no run of {experiment!r} has it; e.g. "
-                                            f"{', '.join(sorted(runs[0].data.metrics)[:8])}")
+            names = sorted({k for r in runs for k in r.data.metrics})
+            raise InputError("--metric", m, f"no run of {experiment!r} has it (give the bare name, no 'metrics.'); "
+                                            f"known: {', '.join(names[:40])}{' ...' if len(names) > 40 else ''}")
     params = sorted({k for r in runs for k in r.data.params})
     varying = [k for k in params if len({r.data.params.get(k) for r in runs}) > 1]
     columns = ["run", "name", "status", *[f"params.{k}" for k in varying], *metrics]
@@ -81,7 +86,8 @@ def compare_runs(tracker: Tracker, experiment: str, metrics: list[str], filter_s
         comparison_run_id = tracker.start_run(experiment, run_name="comparison",
                                               tags={"paperline.compare.filter": filter_string or "",
                                                     "paperline.compare.runs": ",".join(r.info.run_id for r in runs)},
-                                              params={"metrics": ",".join(metrics), "top": top})
+                                              params={"metrics": ",".join(metrics), "top": top,
+                                                      "ascending": ascending})
         tracker.log_artifact(comparison_run_id, str(parquet))
         tracker.log_artifact(comparison_run_id, str(plot))
         tracker.end_run(comparison_run_id, "FINISHED")

@@ -156,8 +156,8 @@ class GemmParameters(BaseModel):
                          if getattr(self, name) == "random")
             if staged:
                 needs.append(("m", self.m, staged, Path(get_settings().state_dir)))
-        out_dir = Path(tempfile.gettempdir()) if self.output is None or self.output.startswith("s3://") \
-            else Path(self.output).expanduser().resolve().parent
+        out_dir = Path(get_settings().state_dir) if self.output is None or self.output.startswith("s3://") \
+            else Path(self.output).expanduser().resolve().parent  # S3 outputs are staged under the state dir
         needs.append(("output", self.output or "default (S3)", m * n * item, out_dir))
         for argument, value, nbytes, where in needs:
             free = shutil.disk_usage(_existing(where)).free

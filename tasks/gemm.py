@@ -208,6 +208,16 @@ def stage_random_operands(params: dict[str, Any], directory: str) -> dict[str, A
     return out
 
 
+def scratch_dir() -> str:
+    """Where staged outputs are written: under the state directory, which must be shared with the
+    Dask workers when they run on other hosts (the workers write the output tiles there)."""
+    from paperline.infra.settings import get_settings  # noqa: PLC0415
+
+    path = Path(get_settings().state_dir) / "gemm" / "scratch"
+    path.mkdir(parents=True, exist_ok=True)
+    return str(path)
+
+
 def _runtime(device: str, workers: list[str] | None = None) -> DaskRuntime | LocalRuntime:
     from paperline.tasks.executors import flow_dask_client, wait_for_cluster  # noqa: PLC0415
 
@@ -247,7 +257,7 @@ def tiled_multiply(params: dict[str, Any], store: ObjectStore | None, output: st
     """
     problem = build_problem(params, store)
     to_s3 = output.startswith("s3://")
-    with tempfile.TemporaryDirectory(prefix="paperline-gemm-") as tmp:
+    with tempfile.TemporaryDirectory(prefix="run-", dir=scratch_dir()) as tmp:
         local = os.path.join(tmp, "result.npy") if to_s3 else output
         result = run(problem, _runtime(device), output=local, memory_budget=memory_budget,
                      check_finite=params["check_finite"])
@@ -282,7 +292,7 @@ def scaling_sweep(params: dict[str, Any], store: ObjectStore | None, memory_budg
     rt = _runtime(device)
     all_workers = rt.workers()
     rows = []
-    with tempfile.TemporaryDirectory(prefix="paperline-gemm-scaling-") as tmp:
+    with tempfile.TemporaryDirectory(prefix="scaling-", dir=scratch_dir()) as tmp:
         for w in range(1, len(all_workers) + 1):
             sub = _runtime(device, all_workers[:w]) if w < len(all_workers) else rt
             res = run(problem, sub, output=os.path.join(tmp, f"r{w}.npy"), memory_budget=memory_budget,

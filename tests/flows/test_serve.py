@@ -42,8 +42,8 @@ def test_a_run_triggered_through_the_api_completes_and_is_tracked(served, wait_f
 
     info, proc, log = served
     with get_client(sync_client=True) as client:
-        deployment = _deployment(client, "gemm/gemm", proc, log)
-        _deployment(client, "tensor-factorization/tensor-factorization", proc, log)
+        deployment = _deployment(client, "gemm/local", proc, log)
+        _deployment(client, "tensor-factorization/local", proc, log)
         assert deployment.schedules and deployment.schedules[0].schedule.cron == "30 3 * * *"
         params = {"m": 120, "n": 90, "k": 70, "tile": 32, "routine": "syr2k", "uplo": "L", "scaling": False}
         run = client.create_flow_run_from_deployment(deployment.id, parameters={"params": params})
@@ -63,7 +63,7 @@ def test_invalid_parameters_are_rejected_with_the_validation_error(served):
 
     _, proc, log = served
     with get_client(sync_client=True) as client:
-        deployment = _deployment(client, "gemm/gemm", proc, log)
+        deployment = _deployment(client, "gemm/local", proc, log)
         assert deployment.concurrency_limit == 1 or getattr(deployment, "global_concurrency_limit", None)
         with pytest.raises(Exception) as err:
             client.create_flow_run_from_deployment(deployment.id, parameters={"params": {"tile": 0}})

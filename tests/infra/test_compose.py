@@ -13,8 +13,9 @@ SERVICES = COMPOSE["services"]
 
 
 def test_the_production_services_are_all_there():
-    assert set(SERVICES) == {"postgres", "s3", "prefect-server", "mlflow", "dask-scheduler", "dask-cuda-worker",
-                             "prefect-worker"}
+    assert set(SERVICES) == {"postgres", "s3", "prefect-server", "mlflow", "dask-scheduler", "dask-worker",
+                             "dask-cuda-worker", "prefect-worker"}
+    assert SERVICES["dask-cuda-worker"]["profiles"] == ["gpu"]  # the stack works on CPU-only hosts
 
 
 def test_published_ports_bind_loopback_only():
@@ -57,3 +58,16 @@ def test_no_secret_is_written_in_the_file():
     for key, value in found:
         assert value.startswith("${"), (key, value)
     assert ":?" in text  # compose refuses to start without them
+
+
+def test_mlflow_accepts_in_network_clients_and_secrets_stay_out_of_images():
+    cmd = SERVICES["mlflow"]["command"]
+    assert "mlflow:5000" in cmd[cmd.index("--allowed-hosts") + 1].split(",")
+    ignored = (INFRA.parent / ".dockerignore").read_text().split()
+    assert ".env" in ignored and ".venv/" in ignored and ".git/" in ignored
+
+
+def test_flow_and_dask_workers_share_the_scratch_volume():
+    for name in ("prefect-worker", "dask-worker", "dask-cuda-worker"):
+        assert any(v.startswith("scratch:") for v in SERVICES[name]["volumes"]), name
+    assert SERVICES["prefect-worker"]["environment"]["PAPERLINE_STATE_DIR"].startswith("/scratch")
