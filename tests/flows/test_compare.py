@@ -60,6 +60,7 @@ def test_compare_prints_the_table_and_writes_the_plot_and_parquet(stack, experim
     (["compare-test", "--filter", "params.lr ="], "--filter="),
     (["compare-test", "--filter", "params.lr = '7'"], "no runs"),
     (["compare-test", "--top", "0"], "--top=0"),
+    ([""], "name an MLflow experiment"),
 ])
 def test_compare_bad_input(stack, experiment, tmp_path, args, fragment):
     settings, _ = stack
@@ -67,3 +68,11 @@ def test_compare_bad_input(stack, experiment, tmp_path, args, fragment):
     assert res.exit_code != 0
     text = " ".join(res.output.split())
     assert "error:" in text and fragment in text and "Traceback" not in text
+
+
+def test_compare_refuses_a_file_as_out_dir(stack, experiment, tmp_path):
+    settings, _ = stack
+    target = tmp_path / "a-file"
+    target.write_text("x")
+    res = _cli(settings.state_dir, "compare", "compare-test", "--out", str(target))
+    assert res.exit_code != 0 and "--out=" in " ".join(res.output.split()) and "not a directory" in res.output
