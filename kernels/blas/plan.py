@@ -144,7 +144,8 @@ class Problem:
             self.routine, f"side={self.side} uplo={'L' if self.lower else 'U'} trans_a={'T' if self.trans_a else 'N'} "
                           f"diag={'U' if self.unit_diagonal else 'N'}")
         m, n = self.out_shape
-        return f"{self.routine.upper()} {m}x{n} (k={self.inner}) {self.dtype} tile={self.tile} {flags}"
+        inner = f"k={self.inner}" if self.routine in ("gemm", "syrk", "syr2k") else f"A {self.inner}x{self.inner}"
+        return f"{self.routine.upper()} {m}x{n} ({inner}) {self.dtype} tile={self.tile} {flags}"
 
 
 def _flag(argument: str, value: Any, choices: dict[Any, Any]) -> Any:
