@@ -113,28 +113,46 @@ _BANDS: OrderedDict[tuple[str, int, int], np.ndarray] = OrderedDict()
 _BANDS_LOCK = threading.Lock()
 
 
-def random_shapes(routine: str, m: int, n: int, k: int, trans_a: bool, trans_b: bool, side: str
-                  ) -> dict[str, tuple[int, int]]:
-    """The operand shapes of a random problem of size (m, n, k) (k is the inner dimension; SYMM,
-    TRMM and TRSM take theirs from ``side``, SYRK/SYR2K produce n x n)."""
+OPERANDS = ("a", "b", "c")  # their index is the random stream
+
+
+def used_operands(params: dict[str, Any]) -> list[str]:
+    """The operands the routine reads and the parameters give (SYRK has no B, TRMM/TRSM no C)."""
+    skip = {"syrk": {"b"}, "trmm": {"c"}, "trsm": {"c"}}.get(params["routine"], set())
+    return [name for name in OPERANDS if params[name] is not None and name not in skip]
+
+
+def random_sources(params: dict[str, Any]) -> dict[str, RandomSource]:
+    """The seeded sources of the operands given as ``"random"``, shaped from (m, n, k): k is the
+    inner dimension; SYMM/TRMM/TRSM take A's order from ``side``; SYRK/SYR2K produce n x n. A
+    random TRSM triangle gets ``n`` added to its diagonal (diagonally dominant, well conditioned).
+
+    Raises:
+        InputError: a bad trans/side flag.
+    """
+    from paperline.kernels.blas.plan import SIDE, TRANS, parse_flag  # noqa: PLC0415
+
+    routine, m, n, k = params["routine"], params["m"], params["n"], params["k"]
+    ta, tb = parse_flag("trans_a", params["trans_a"], TRANS), parse_flag("trans_b", params["trans_b"], TRANS)
     if routine == "gemm":
-        return {"a": (k, m) if trans_a else (m, k), "b": (n, k) if trans_b else (k, n), "c": (m, n)}
-    if routine in ("symm", "trmm", "trsm"):
-        na = m if side == "L" else n
-        return {"a": (na, na), "b": (m, n), "c": (m, n)}
-    return {"a": (k, n) if trans_a else (n, k), "b": (k, n) if trans_a else (n, k), "c": (n, n)}
+        shapes = {"a": (k, m) if ta else (m, k), "b": (n, k) if tb else (k, n), "c": (m, n)}
+    elif routine in ("symm", "trmm", "trsm"):
+        na = m if parse_flag("side", params["side"], SIDE) == "L" else n
+        shapes = {"a": (na, na), "b": (m, n), "c": (m, n)}
+    else:  # syrk, syr2k
+        shapes = {"a": (k, n) if ta else (n, k), "b": (k, n) if ta else (n, k), "c": (n, n)}
+    return {name: RandomSource(shapes[name], params["dtype"], seed=params["seed"], stream=OPERANDS.index(name),
+                               diagonal_shift=float(shapes["a"][0]) if (routine == "trsm" and name == "a") else 0.0,
+                               argument=name)
+            for name in used_operands(params) if params[name] == "random"}
 
 
-def operand_source(spec: str, argument: str, shape: tuple[int, int], dtype: str, seed: int, stream: int,
-                   store: ObjectStore | None, diagonal_shift: float = 0.0) -> TileSource:
-    """The source an operand spec names: ``"random"`` (seeded, of ``shape``), an ``s3://`` URI or a
-    local ``.npy`` path.
+def operand_source(spec: str, argument: str, store: ObjectStore | None) -> TileSource:
+    """The source a file or S3 operand spec names: an ``s3://`` URI or a local ``.npy`` path.
 
     Raises:
         InputError: what the source refuses (missing, truncated, not an array, ...).
     """
-    if spec == "random":
-        return RandomSource(shape, dtype, seed=seed, stream=stream, diagonal_shift=diagonal_shift, argument=argument)
     if spec.startswith("s3://"):
         if store is None:
             raise InputError(argument, spec, "an S3 operand needs the stack's object store")
@@ -148,24 +166,13 @@ def build_problem(params: dict[str, Any], store: ObjectStore | None) -> Problem:
     Raises:
         InputError: bad parameters or operands.
     """
-    from paperline.kernels.blas.plan import SIDE, TRANS, _flag  # noqa: PLC0415
-
-    routine = params["routine"]
-    ta = _flag("trans_a", params["trans_a"], TRANS)
-    tb = _flag("trans_b", params["trans_b"], TRANS)
-    side = _flag("side", params["side"], SIDE)
-    shapes = random_shapes(routine, params["m"], params["n"], params["k"], ta, tb, side)
-    shift = float(shapes["a"][0]) if routine == "trsm" else 0.0  # a diagonally dominant triangle
-    srcs: dict[str, Any] = {}
-    for stream, name in enumerate(("a", "b", "c")):
-        spec = params[name]
-        if spec is None or (name == "b" and routine == "syrk") or (name == "c" and routine in ("trmm", "trsm")):
-            continue
-        srcs[name] = operand_source(spec, name, shapes[name], params["dtype"], params["seed"], stream, store,
-                                    shift if name == "a" else 0.0)
-    return make_problem(routine, srcs["a"], srcs.get("b"), srcs.get("c"), alpha=params["alpha"], beta=params["beta"],
-                        trans_a=params["trans_a"], trans_b=params["trans_b"], side=params["side"],
-                        uplo=params["uplo"], diag=params["diag"], tile=params["tile"])
+    srcs: dict[str, TileSource] = dict(random_sources(params))
+    for name in used_operands(params):
+        if name not in srcs:
+            srcs[name] = operand_source(params[name], name, store)
+    return make_problem(params["routine"], srcs["a"], srcs.get("b"), srcs.get("c"), alpha=params["alpha"],
+                        beta=params["beta"], trans_a=params["trans_a"], trans_b=params["trans_b"],
+                        side=params["side"], uplo=params["uplo"], diag=params["diag"], tile=params["tile"])
 
 
 @task(name="stage-random-operands", cache_policy=NO_CACHE)
@@ -178,19 +185,9 @@ def stage_random_operands(params: dict[str, Any], directory: str) -> dict[str, A
     Returns:
         ``params`` with each ``"random"`` operand replaced by its file's path.
     """
-    from paperline.kernels.blas.plan import SIDE, TRANS, _flag  # noqa: PLC0415
-
-    routine = params["routine"]
-    shapes = random_shapes(routine, params["m"], params["n"], params["k"], _flag("trans_a", params["trans_a"], TRANS),
-                           _flag("trans_b", params["trans_b"], TRANS), _flag("side", params["side"], SIDE))
     out = dict(params)
     Path(directory).mkdir(parents=True, exist_ok=True)
-    for stream, name in enumerate(("a", "b", "c")):
-        if params[name] != "random":
-            continue
-        shift = float(shapes["a"][0]) if (routine == "trsm" and name == "a") else 0.0
-        src = RandomSource(shapes[name], params["dtype"], seed=params["seed"], stream=stream, diagonal_shift=shift,
-                           argument=name)
+    for name, src in random_sources(params).items():
         path = Path(directory) / (hashlib.sha256(src.key.encode()).hexdigest()[:24] + ".npy")
         if not path.exists():
             tmp = path.with_name(f".{path.name}.{os.getpid()}.partial.npy")

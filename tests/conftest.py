@@ -154,3 +154,13 @@ def wait_for_flow_run():
     """``wait_for_flow_run(client, run_id, proc, log)``: the run's final state, failing if the
     executing process (``proc``, logging to ``log``) dies first."""
     return _wait_for_flow_run
+
+
+@pytest.fixture(scope="session")
+def cli_env(stack) -> dict[str, str]:
+    """The environment of a `paperline` subprocess on the session stack: this process's variables
+    without any PAPERLINE_* of the user's, the stack's state directory, 2 Dask workers."""
+    settings, _ = stack
+    env = {k: v for k, v in os.environ.items() if not k.startswith("PAPERLINE_")}
+    env.update(PAPERLINE_STATE_DIR=str(settings.state_dir), PAPERLINE_N_WORKERS="2", PYTHONUNBUFFERED="1")
+    return env

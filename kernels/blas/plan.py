@@ -148,7 +148,7 @@ class Problem:
         return f"{self.routine.upper()} {m}x{n} ({inner}) {self.dtype} tile={self.tile} {flags}"
 
 
-def _flag(argument: str, value: Any, choices: dict[Any, Any]) -> Any:
+def parse_flag(argument: str, value: Any, choices: dict[Any, Any]) -> Any:
     key = value.upper() if isinstance(value, str) else value
     if isinstance(key, bool):
         key = int(key)
@@ -198,8 +198,8 @@ def make_problem(routine: str, a: Any, b: Any = None, c: Any = None, *, alpha: A
     if isinstance(tile, bool) or not isinstance(tile, (int, np.integer)) or tile < 1:
         raise InputError("tile", tile, "the tile size must be a positive integer")
     alpha, beta = _scalar("alpha", alpha), _scalar("beta", beta)
-    ta, tb = _flag("trans_a", trans_a, TRANS), _flag("trans_b", trans_b, TRANS)
-    sd, lower, unit = _flag("side", side, SIDE), _flag("uplo", uplo, UPLO), _flag("diag", diag, DIAG)
+    ta, tb = parse_flag("trans_a", trans_a, TRANS), parse_flag("trans_b", trans_b, TRANS)
+    sd, lower, unit = parse_flag("side", side, SIDE), parse_flag("uplo", uplo, UPLO), parse_flag("diag", diag, DIAG)
     A = as_source(a, "a")
     B = None if routine == "syrk" else as_source(b, "b")
     C = None if c is None or routine in ("trmm", "trsm") else as_source(c, "c")
@@ -246,7 +246,7 @@ def make_problem(routine: str, a: Any, b: Any = None, c: Any = None, *, alpha: A
     return problem
 
 
-def check_trsm_diagonal(a: TileSource, band: int = 4096) -> None:
+def check_trsm_diagonal(a: TileSource, band: int = 256) -> None:
     """Refuse a triangular matrix with a zero on its diagonal (singular: TRSM would divide by zero).
 
     Raises:

@@ -203,8 +203,8 @@ class LocalRuntime:
     def submit(self, worker: str, ctx: RunContext, task: TileTask, peers: dict) -> Any:
         return execute(ctx, task, peers, peer_fetch=None, worker=worker)
 
-    def wait_any(self) -> dict[str, Any]:
-        raise AssertionError("local tasks finish at submit")
+    def cancel(self) -> None:
+        pass
 
     def finish(self, ctx: RunContext) -> None:
         release_run(ctx.run_id)
@@ -398,7 +398,6 @@ def _drive(problem: Problem, ctx: RunContext, runtime: Any) -> RunResult:
     workers = runtime.workers()
     inflight = dict.fromkeys(workers, 0)
     output = None if ctx.output_path is not None else np.empty(problem.out_shape, problem.dtype)
-    done_tiles: set[tuple[int, int]] = set()
     records: list[dict[str, Any]] = []
     counters: dict[str, int] = defaultdict(int)
     t = ctx.tile
@@ -409,7 +408,6 @@ def _drive(problem: Problem, ctx: RunContext, runtime: Any) -> RunResult:
         i, j = res["out"]
         if res["tile"] is not None:
             output[i * t:i * t + res["tile"].shape[0], j * t:j * t + res["tile"].shape[1]] = res["tile"]
-        done_tiles.add((i, j))
         records.append({k: res[k] for k in ("index", "out", "worker", "start", "end", "wait_s", "multiply_s")})
         for k, v in res["counters"].items():
             counters[k] += v
@@ -434,8 +432,7 @@ def _drive(problem: Problem, ctx: RunContext, runtime: Any) -> RunResult:
             elif runtime.synchronous and not progressed:
                 raise RuntimeError("tile plan deadlocked: no task ready")  # a planning bug, never bad input
     except BaseException:
-        if hasattr(runtime, "cancel"):
-            runtime.cancel()
+        runtime.cancel()
         raise
     finally:
         seconds = time.time() - start

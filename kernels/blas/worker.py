@@ -67,7 +67,7 @@ class RunContext:
 class TileCache:
     """An LRU map of tiles bounded by their total size in bytes (BLASX's L1 tile cache).
 
-    Thread-safe. ``evicted`` collects the keys dropped since the last :meth:`drain_evicted`, so the
+    Thread-safe. ``added``/``evicted`` collect the keys stored and dropped since the last :meth:`drain`, so the
     driver's directory of who holds what stays close to the truth.
     """
 
@@ -330,8 +330,9 @@ def execute(ctx: RunContext, task: TileTask, peers: dict[TileKey, str] | None = 
             acc += product
         wait_s += t1 - t0
         multiply_s += time.perf_counter() - t1
-    rows = min(ctx.tile, _out_rows(ctx) - task.out[0] * ctx.tile)
-    cols = min(ctx.tile, _out_cols(ctx) - task.out[1] * ctx.tile)
+    out_rows, out_cols = ctx.sources["x"].shape
+    rows = min(ctx.tile, out_rows - task.out[0] * ctx.tile)
+    cols = min(ctx.tile, out_cols - task.out[1] * ctx.tile)
     dtype = next(iter(ctx.sources.values())).dtype
     if acc is None:
         acc = xp.zeros((rows, cols), dtype)
@@ -373,11 +374,3 @@ def execute(ctx: RunContext, task: TileTask, peers: dict[TileKey, str] | None = 
     return {"index": task.index, "out": task.out, "worker": worker, "start": start, "end": time.time(),
             "tile": host, "added": added, "evicted": evicted, "wait_s": wait_s, "multiply_s": multiply_s,
             "counters": {k: after[k] - before[k] for k in after}}
-
-
-def _out_rows(ctx: RunContext) -> int:
-    return ctx.sources["x"].shape[0]
-
-
-def _out_cols(ctx: RunContext) -> int:
-    return ctx.sources["x"].shape[1]

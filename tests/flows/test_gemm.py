@@ -4,7 +4,6 @@ against an independent reference."""
 
 import io
 import json
-import os
 import subprocess
 import sys
 
@@ -19,11 +18,10 @@ ARGS = ["run", "gemm", "--preset", "demo", "--set", "m=300", "--set", "n=200", "
 
 
 @pytest.fixture(scope="module")
-def gemm_run(stack, tmp_path_factory):
-    settings, info = stack
+def gemm_run(stack, tmp_path_factory, cli_env):
+    _, info = stack
     out = tmp_path_factory.mktemp("gemm")
-    env = {k: v for k, v in os.environ.items() if not k.startswith("PAPERLINE_")}
-    env.update(PAPERLINE_STATE_DIR=str(settings.state_dir), PAPERLINE_N_WORKERS="2", PYTHONUNBUFFERED="1")
+    env = cli_env
     summary = out / "summary.json"
     proc = subprocess.run([sys.executable, "-m", "paperline.flows.cli", *ARGS, "--summary-json", str(summary)],
                           env=env, capture_output=True, text=True, timeout=600)

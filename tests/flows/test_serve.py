@@ -3,7 +3,6 @@ through the Prefect API with the call the UI's "Run" button makes (create a flow
 deployment, with custom parameters), executed to Completed by the serving process, and the
 matching MLflow run tagged with the flow-run id."""
 
-import os
 import sys
 import time
 
@@ -13,12 +12,10 @@ pytestmark = pytest.mark.stack
 
 
 @pytest.fixture(scope="module")
-def served(stack, tmp_path_factory, background_process):
-    settings, info = stack
+def served(stack, tmp_path_factory, background_process, cli_env):
+    _, info = stack
     log = tmp_path_factory.mktemp("serve") / "serve.log"
-    env = {k: v for k, v in os.environ.items() if not k.startswith("PAPERLINE_")}
-    env.update(PAPERLINE_STATE_DIR=str(settings.state_dir), PAPERLINE_N_WORKERS="2", PYTHONUNBUFFERED="1")
-    with background_process([sys.executable, "-m", "paperline.flows.cli", "serve"], env, log) as proc:
+    with background_process([sys.executable, "-m", "paperline.flows.cli", "serve"], cli_env, log) as proc:
         yield info, proc, log
 
 

@@ -20,11 +20,10 @@ ARGS = ["run", "tensor-factorization", "--set", "datasets=produc", "--set", "n_e
 
 
 @pytest.fixture(scope="module")
-def two_runs(stack, tmp_path_factory):
-    settings, info = stack
+def two_runs(stack, tmp_path_factory, cli_env):
+    _, info = stack
     out = tmp_path_factory.mktemp("runs")
-    env = {k: v for k, v in os.environ.items() if not k.startswith("PAPERLINE_")}
-    env.update(PAPERLINE_STATE_DIR=str(settings.state_dir), PAPERLINE_N_WORKERS="2", PYTHONUNBUFFERED="1")
+    env = cli_env
     cli = [sys.executable, "-m", "paperline.flows.cli"]
     runs = []
     for n in (1, 2):

@@ -2,7 +2,6 @@
 session stack, `paperline worker --pool cpu`, a run triggered through the API with custom
 parameters, executed by the worker to Completed, and its MLflow run tagged with the flow-run id."""
 
-import os
 import subprocess
 import sys
 from pathlib import Path
@@ -15,11 +14,9 @@ ROOT = Path(__file__).resolve().parents[2]
 
 
 @pytest.fixture(scope="module")
-def deployed(stack, tmp_path_factory, background_process):
-    settings, info = stack
-    env = {k: v for k, v in os.environ.items() if not k.startswith("PAPERLINE_")}
-    env.update(PAPERLINE_STATE_DIR=str(settings.state_dir), PAPERLINE_N_WORKERS="2", PYTHONUNBUFFERED="1",
-               PREFECT_API_URL=info.prefect_api_url)
+def deployed(stack, tmp_path_factory, background_process, cli_env):
+    _, info = stack
+    env = {**cli_env, "PREFECT_API_URL": info.prefect_api_url}
     proc = subprocess.run([sys.executable, "-m", "prefect", "--no-prompt", "deploy", "--all"], cwd=ROOT, env=env,
                           capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
