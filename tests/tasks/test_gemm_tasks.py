@@ -136,3 +136,17 @@ def test_big_endian_operands_are_read_in_native_order(store, tmp_path):
 
     problem = make_problem("gemm", NpySource(tmp_path / "a.npy"), S3NpySource(s, ub, "b"), tile=16)
     np.testing.assert_allclose(run(problem).output, a.astype(np.float64) @ b, rtol=1e-12, atol=1e-12)
+
+
+def test_staging_writes_only_the_random_operands_the_routine_reads(tmp_path):
+    import paperline.tasks.gemm as tg
+    from paperline.kernels.blas.sources import RandomSource, read_all
+
+    params = _params(routine="syrk", trans_a="T", c="random")  # SYRK reads A (k x n) and C (n x n), never B
+    staged = tg.stage_random_operands.fn(params, str(tmp_path))
+    assert staged["b"] == "random" and sorted(p.name for p in tmp_path.iterdir()) == sorted(
+        {staged["a"].rsplit("/", 1)[1], staged["c"].rsplit("/", 1)[1]})
+    np.testing.assert_array_equal(np.load(staged["a"]), read_all(RandomSource((50, 70), "float64", seed=0, stream=0)))
+    assert np.load(staged["c"]).shape == (70, 70)
+    again = tg.stage_random_operands.fn(params, str(tmp_path))  # reused, not rewritten
+    assert again == staged and len(list(tmp_path.iterdir())) == 2
