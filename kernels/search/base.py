@@ -1,0 +1,260 @@
+"""The optimizer interface: batched ask/tell with a serializable, replayable state.
+
+Every optimizer maximizes ``m`` objectives (``m = 1``: a single objective) over a
+:class:`SearchSpace`. Its contract, which makes campaigns reproducible and resumable:
+
+- ``ask(q)`` is a pure function of (seed, options, the batches told so far): its randomness comes
+  from generators seeded by ``(seed, batch index)``, and it changes no state. Asking twice gives the
+  same batch; a restarted process asks the same batch again.
+- ``tell(x, y)`` appends one evaluated batch; all learned state (trees, trust regions, populations)
+  is rebuilt from the told batches, so :meth:`Optimizer.state_dict` is just the options plus the
+  batches, and :func:`load_optimizer` replays them.
+- Failed evaluations are told as NaN rows: recorded, never fitted, never suggested again.
+
+The first ``n_init`` evaluations come from one scrambled-Sobol design seeded by the campaign seed,
+the same for every optimizer, so comparisons start from the same points.
+"""
+
+from __future__ import annotations
+
+import abc
+import json
+import time
+from collections.abc import Callable
+from typing import Any, ClassVar
+
+import numpy as np
+
+from paperline.kernels.errors import InputError
+from paperline.kernels.registry import Registry
+from paperline.kernels.search.space import SearchSpace, point_key
+
+OPTIMIZERS: Registry[type[Optimizer]] = Registry("optimizer")
+
+
+class Optimizer(abc.ABC):
+    """Base class: history, initial design, seeding and state.
+
+    Args:
+        space: the search space.
+        n_objectives: ``m`` (1 for single-objective optimizers).
+        seed: campaign seed.
+        n_init: size of the initial Sobol design (>= 1).
+        ref_point: ``m`` reference point, maximization convention (multi-objective optimizers).
+        **options: optimizer hyperparameters (validated by the subclass).
+
+    Raises:
+        InputError: bad ``n_init``, a multi-objective optimizer on one objective or vice versa.
+    """
+
+    name: ClassVar[str] = ""
+    multi_objective: ClassVar[bool | None] = None  # True: m >= 2 only; False: m == 1 only; None: both
+    spaces: ClassVar[tuple[str, ...]] = ("box", "categorical")
+    defaults: ClassVar[dict[str, Any]] = {}
+
+    def __init__(self, space: SearchSpace, n_objectives: int = 1, *, seed: int = 0, n_init: int = 10,
+                 ref_point: np.ndarray | list[float] | None = None, **options: Any):
+        if int(n_init) < 1:
+            raise InputError("n_init", n_init, "the initial design needs at least one point")
+        if self.multi_objective is True and n_objectives < 2:
+            raise InputError("optimizer", self.name, "is multi-objective; the problem has one objective")
+        if self.multi_objective is False and n_objectives != 1:
+            raise InputError("optimizer", self.name, f"is single-objective; the problem has {n_objectives} objectives")
+        if space.kind not in self.spaces:
+            raise InputError("optimizer", self.name, f"supports {'/'.join(self.spaces)} spaces, not {space.kind}")
+        unknown = set(options) - set(self.defaults)
+        if unknown:
+            raise InputError("optimizer options", sorted(unknown),
+                             f"unknown for {self.name}; known: {', '.join(sorted(self.defaults)) or 'none'}")
+        self.space = space
+        self.n_objectives = int(n_objectives)
+        self.seed = int(seed)
+        self.n_init = int(n_init)
+        self.ref_point = None if ref_point is None else np.asarray(ref_point, dtype=np.float64)
+        if self.multi_objective and self.ref_point is None:
+            raise InputError("ref_point", None, f"{self.name} needs a reference point")
+        self.options = {**self.defaults, **options}
+        self._x = np.zeros((0, space.dim))
+        self._y = np.zeros((0, self.n_objectives))
+        self.n_batches = 0
+        self._batch_sizes: list[int] = []
+        self._seen: set[tuple[float, ...]] = set()
+
+    # -- history ----------------------------------------------------------------------------
+    @property
+    def x(self) -> np.ndarray:
+        """All told points, ``n x d``."""
+        return self._x
+
+    @property
+    def y(self) -> np.ndarray:
+        """All told values, ``n x m`` (maximization; NaN rows failed)."""
+        return self._y
+
+    @property
+    def ok(self) -> np.ndarray:
+        """Mask of the evaluations that succeeded (``n`` bool)."""
+        return np.isfinite(self._y).all(axis=1)
+
+    def data(self) -> tuple[np.ndarray, np.ndarray]:
+        """The successful evaluations ``(x: k x d, y: k x m)``."""
+        ok = self.ok
+        return self._x[ok], self._y[ok]
+
+    def rng(self, salt: int = 0) -> np.random.Generator:
+        """The generator of the next batch: seeded by (seed, batch index, salt), never by history."""
+        return np.random.default_rng([self.seed, self.n_batches, salt])
+
+    def torch_seed(self, salt: int = 0) -> int:
+        return int(np.random.default_rng([self.seed, self.n_batches, salt, 7]).integers(0, 2**31 - 1))
+
+    def is_new(self, x: np.ndarray) -> np.ndarray:
+        """Mask of the rows of ``x`` not evaluated yet (``n`` bool)."""
+        return np.array([point_key(r) not in self._seen for r in np.atleast_2d(x)], dtype=bool)
+
+    # -- ask / tell -------------------------------------------------------------------------
+    def ask(self, q: int) -> np.ndarray:
+        """The next batch: ``q x d`` float64 points (distinct from each other and, for a finite
+        space, from every point told so far, while such points remain).
+
+        Raises:
+            InputError: ``q < 1``.
+        """
+        if int(q) < 1:
+            raise InputError("q", q, "the batch size must be at least 1")
+        q = int(q)
+        if self._x.shape[0] < self.n_init or self.data()[0].shape[0] == 0:
+            return self._initial(q)
+        x = np.atleast_2d(np.asarray(self._suggest(q), dtype=np.float64))
+        return self._fill(self.space.project(x), q)
+
+    def _initial(self, q: int) -> np.ndarray:
+        n_done = self._x.shape[0]
+        design = self.space.sobol(max(self.n_init, n_done + q) + 64, seed=self.seed)
+        if self.space.is_categorical:
+            design = design[self.is_new(design)]
+            design = _unique_rows(design)
+        else:
+            design = design[n_done:]
+        return self._fill(design[:q], q)
+
+    def _fill(self, x: np.ndarray, q: int) -> np.ndarray:
+        """Keep the first ``q`` distinct new rows of ``x``; top up with random new points."""
+        x = _unique_rows(x)
+        if self.space.is_categorical:
+            x = x[self.is_new(x)]
+        x = x[:q]
+        if x.shape[0] < q:
+            rng = self.rng(salt=99)
+            for _ in range(50):
+                extra = self.space.sample(rng, 4 * q)
+                if self.space.is_categorical:
+                    extra = extra[self.is_new(extra)]
+                x = _unique_rows(np.vstack([x, extra]))[:q]
+                if x.shape[0] >= q or (self.space.is_categorical and len(self._seen) + x.shape[0] >= self.space.size()):
+                    break
+        return x
+
+    def tell(self, x: np.ndarray, y: np.ndarray) -> None:
+        """Record one evaluated batch: ``x`` (``n x d``) and ``y`` (``n x m``, maximization, NaN = failed).
+
+        Raises:
+            InputError: shapes that do not match the space or the number of objectives.
+        """
+        x = self.space.validate(x, "x")
+        y = np.atleast_2d(np.asarray(y, dtype=np.float64))
+        if y.shape != (x.shape[0], self.n_objectives):
+            raise InputError("y", y.shape, f"expected {x.shape[0]} x {self.n_objectives} values")
+        y = np.where(np.isfinite(y).all(axis=1, keepdims=True), y, np.nan)
+        self._x = np.vstack([self._x, x])
+        self._y = np.vstack([self._y, y])
+        self._seen.update(point_key(r) for r in x)
+        self._batch_sizes.append(x.shape[0])
+        self.n_batches += 1
+        self._update(x, y)
+
+    @abc.abstractmethod
+    def _suggest(self, q: int) -> np.ndarray:
+        """``q x d`` new points after the initial design (use :meth:`rng`, not global state)."""
+
+    def _update(self, x: np.ndarray, y: np.ndarray) -> None:
+        """Hook: learned state from one more told batch (default: nothing beyond the history)."""
+
+    # -- introspection, state -----------------------------------------------------------------
+    def tree(self) -> dict[str, Any] | None:
+        """The partition/search tree as JSON-able nested dicts (partition-based optimizers)."""
+        return None
+
+    def state_dict(self) -> dict[str, Any]:
+        """JSON-able state: configuration and every told batch (see :func:`load_optimizer`)."""
+        return {
+            "optimizer": self.name, "space": self.space.to_dict(), "n_objectives": self.n_objectives,
+            "seed": self.seed, "n_init": self.n_init, "options": self.options,
+            "ref_point": None if self.ref_point is None else self.ref_point.tolist(),
+            "batches": self._batches_json(),
+        }
+
+    def _batches_json(self) -> list[dict[str, Any]]:
+        out, start = [], 0
+        for n in self._batch_sizes:
+            out.append({"x": self._x[start:start + n].tolist(),
+                        "y": [[None if not np.isfinite(v) else float(v) for v in row] for row in self._y[start:start + n]]})
+            start += n
+        return out
+
+
+def _unique_rows(x: np.ndarray) -> np.ndarray:
+    if x.shape[0] == 0:
+        return x
+    _, idx = np.unique(x, axis=0, return_index=True)
+    return x[np.sort(idx)]
+
+
+def make_optimizer(name: str, space: SearchSpace, n_objectives: int = 1, **kwargs: Any) -> Optimizer:
+    """Build the registered optimizer ``name``. Raises InputError for an unknown name (listing the
+    known ones) or bad arguments."""
+    _register_builtin()
+    if name not in OPTIMIZERS:
+        raise InputError("optimizer", name, f"unknown optimizer; known: {', '.join(OPTIMIZERS.names())}")
+    return OPTIMIZERS[name](space, n_objectives, **kwargs)
+
+
+def optimizer_names() -> list[str]:
+    _register_builtin()
+    return OPTIMIZERS.names()
+
+
+def load_optimizer(state: dict[str, Any] | str, space: SearchSpace | None = None) -> Optimizer:
+    """Rebuild an optimizer from :meth:`Optimizer.state_dict` (a dict or its JSON) by replaying
+    its told batches. The result asks exactly what the saved optimizer would have asked next."""
+    if isinstance(state, str):
+        state = json.loads(state)
+    if space is None:
+        spec = state["space"]
+        space = (SearchSpace.categorical(spec["choices"]) if spec["kind"] == "categorical"
+                 else SearchSpace.box(spec["lower"], spec["upper"], spec["names"]))
+    opt = make_optimizer(state["optimizer"], space, state["n_objectives"], seed=state["seed"],
+                         n_init=state["n_init"], ref_point=state["ref_point"], **state["options"])
+    for b in state["batches"]:
+        y = np.array([[np.nan if v is None else v for v in row] for row in b["y"]], dtype=np.float64)
+        opt.tell(np.asarray(b["x"], dtype=np.float64).reshape(-1, space.dim), y.reshape(-1, opt.n_objectives))
+    return opt
+
+
+def timed_ask(opt: Optimizer, q: int) -> tuple[np.ndarray, float]:
+    """``(opt.ask(q), seconds it took)``."""
+    t0 = time.perf_counter()
+    x = opt.ask(q)
+    return x, time.perf_counter() - t0
+
+
+def _register_builtin() -> None:
+    from paperline.kernels.search import (  # noqa: F401  (each module registers its optimizers)
+        alphax,
+        botorch_opt,
+        lamcts,
+        lamoo,
+        lanas,
+        nsga2,
+        random_search,
+    )

@@ -1,0 +1,222 @@
+"""A search campaign: batched ask -> parallel evaluation -> tell, checkpointable after every batch.
+
+:class:`Campaign` holds the problem, the optimizer and the record of every evaluation. Its whole
+state is :meth:`Campaign.state_dict` (JSON): the optimizer's told batches plus the evaluation
+records. Because an optimizer's ask depends only on (seed, told batches), a campaign rebuilt from a
+checkpoint asks exactly what the uninterrupted campaign would have asked, so a killed and resumed
+campaign ends identical to one that never stopped.
+
+The flow runs the same steps with each evaluation as a cached task on the Dask workers;
+:func:`run_campaign` runs them in-process (tests, benchmarks) with any ``map``.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+import traceback
+from collections.abc import Callable, Iterable
+from dataclasses import asdict, dataclass
+from typing import Any
+
+import numpy as np
+
+from paperline.kernels.errors import InputError
+from paperline.kernels.search.base import Optimizer, load_optimizer, make_optimizer
+from paperline.kernels.search.pareto import hypervolume, pareto_mask
+from paperline.kernels.search.problems import Problem, make_problem
+
+
+@dataclass
+class Evaluation:
+    """One evaluation: its point, objective values (user units; None when failed), error, seconds."""
+
+    index: int
+    batch: int
+    x: list[float]
+    params: dict[str, Any]
+    values: list[float] | None
+    error: str | None
+    seconds: float
+
+    @property
+    def ok(self) -> bool:
+        return self.error is None
+
+
+def evaluate_point(problem: Problem, x: list[float] | np.ndarray, seed: int) -> dict[str, Any]:
+    """Evaluate one point, recording (not raising) what goes wrong.
+
+    Returns:
+        ``{"values": [m floats] | None, "error": str | None, "seconds": float}``: an evaluation
+        that raises, or returns NaN/inf, comes back with ``values=None`` and the reason.
+
+    Raises:
+        InputError: ``x`` is not a point of the problem's space (a caller's bug, not a failure).
+    """
+    point = problem.space.validate(x)[0]
+    t0 = time.perf_counter()
+    try:
+        y = problem.evaluate(point, seed)
+    except InputError:
+        raise
+    except Exception as exc:  # noqa: BLE001 - an evaluation's failure is recorded, the campaign goes on
+        last = traceback.extract_tb(exc.__traceback__)[-1] if exc.__traceback__ else None
+        where = f" ({last.name}:{last.lineno})" if last else ""
+        return {"values": None, "error": f"{type(exc).__name__}: {exc}{where}", "seconds": time.perf_counter() - t0}
+    seconds = time.perf_counter() - t0
+    if not np.isfinite(y).all():
+        return {"values": None, "error": f"non-finite objective values {y.tolist()}", "seconds": seconds}
+    return {"values": [float(v) for v in y], "error": None, "seconds": seconds}
+
+
+class Campaign:
+    """A seeded campaign of ``budget`` evaluations in batches of ``q``.
+
+    Args:
+        problem: the problem (or its registry name with ``problem_options``).
+        optimizer: registry name of the optimizer.
+        budget: number of evaluations (>= ``n_init``).
+        q: batch size (>= 1).
+        seed: seeds the initial design, the optimizer and the evaluations (NAS-Bench-201 seed).
+        n_init: size of the initial design.
+        ref_point: hypervolume reference point in the problem's units (None: its default).
+        optimizer_options: hyperparameters of the optimizer.
+
+    Raises:
+        InputError: unknown optimizer or problem, ``q < 1``, ``budget < n_init``, a reference point
+        that no point dominates, bad options.
+    """
+
+    def __init__(self, problem: Problem | str, optimizer: str, *, budget: int, q: int = 1, seed: int = 0,
+                 n_init: int = 10, ref_point: list[float] | None = None,
+                 optimizer_options: dict[str, Any] | None = None, problem_options: dict[str, Any] | None = None):
+        if isinstance(problem, str):
+            problem = make_problem(problem, **(problem_options or {}))
+        if int(q) < 1:
+            raise InputError("q", q, "the batch size must be at least 1")
+        if int(n_init) < 1:
+            raise InputError("n_init", n_init, "the initial design needs at least one point")
+        if int(budget) < int(n_init):
+            raise InputError("budget", budget, f"smaller than the initial design (n_init={n_init}); "
+                                               "raise the budget or lower n_init")
+        self.problem = problem
+        self.budget, self.q, self.seed, self.n_init = int(budget), int(q), int(seed), int(n_init)
+        self.ref_point_user = None
+        ref = None
+        if problem.n_objectives > 1:
+            ref = problem.reference_point(ref_point)
+            self.ref_point_user = [float(v) for v in problem.to_max(ref)]
+        elif ref_point is not None:
+            raise InputError("ref_point", ref_point, f"{problem.name} has one objective; a reference point is "
+                                                     "for multi-objective problems")
+        self.ref_point = ref
+        self.optimizer: Optimizer = make_optimizer(optimizer, problem.space, problem.n_objectives, seed=self.seed,
+                                                   n_init=self.n_init, ref_point=ref, **(optimizer_options or {}))
+        self.evaluations: list[Evaluation] = []
+        self.suggest_seconds: list[float] = []
+
+    # -- steps ------------------------------------------------------------------------------------
+    @property
+    def n_done(self) -> int:
+        return len(self.evaluations)
+
+    @property
+    def done(self) -> bool:
+        return self.n_done >= self.budget
+
+    def ask(self) -> np.ndarray:
+        """The next batch, ``min(q, remaining budget) x d`` (pure: asking again gives the same batch)."""
+        t0 = time.perf_counter()
+        x = self.optimizer.ask(min(self.q, self.budget - self.n_done))
+        self._last_ask_s = time.perf_counter() - t0
+        return x
+
+    def tell(self, x: np.ndarray, results: list[dict[str, Any]]) -> list[Evaluation]:
+        """Record one evaluated batch (results from :func:`evaluate_point`, in the order of ``x``)."""
+        if len(results) != x.shape[0]:
+            raise InputError("results", len(results), f"expected {x.shape[0]} results")
+        y = np.full((x.shape[0], self.problem.n_objectives), np.nan)
+        batch = self.optimizer.n_batches
+        new = []
+        for i, (row, r) in enumerate(zip(x, results)):
+            if r["values"] is not None:
+                y[i] = self.problem.to_max(np.asarray(r["values"], dtype=np.float64))
+            new.append(Evaluation(self.n_done + i, batch, [float(v) for v in row], self.problem.describe(row),
+                                  r["values"], r["error"], float(r["seconds"])))
+        self.optimizer.tell(x, y)
+        self.evaluations += new
+        self.suggest_seconds.append(float(getattr(self, "_last_ask_s", math.nan)))
+        return new
+
+    # -- results ----------------------------------------------------------------------------------
+    def values_max(self) -> np.ndarray:
+        """``n x m`` values in the maximization convention, NaN rows for failed evaluations."""
+        return self.optimizer.y.copy()
+
+    def hypervolume_trace(self) -> np.ndarray:
+        """Hypervolume after each evaluation (multi-objective), ``n`` float64."""
+        y = self.values_max()
+        return np.array([hypervolume(y[: i + 1], self.ref_point) for i in range(y.shape[0])])
+
+    def best_trace(self) -> np.ndarray:
+        """Best value so far after each evaluation (single objective, user units), ``n`` float64."""
+        y = self.values_max()[:, 0]
+        best = np.fmax.accumulate(np.where(np.isfinite(y), y, -np.inf))
+        return best * self.problem.signs[0]
+
+    def score_trace(self) -> np.ndarray:
+        """Hypervolume (multi-objective) or best-so-far in the maximization convention (single)."""
+        return self.hypervolume_trace() if self.problem.n_objectives > 1 else self.best_trace() * self.problem.signs[0]
+
+    def pareto_front(self) -> list[Evaluation]:
+        """The successful evaluations on the Pareto front (all objectives), in evaluation order."""
+        ok = [e for e in self.evaluations if e.ok]
+        if not ok:
+            return []
+        mask = pareto_mask(self.problem.to_max(np.array([e.values for e in ok])))
+        return [e for e, m in zip(ok, mask) if m]
+
+    # -- state ------------------------------------------------------------------------------------
+    def state_dict(self) -> dict[str, Any]:
+        """JSON-able checkpoint: configuration, optimizer state, evaluation records."""
+        return {"problem": self.problem.name, "problem_options": self.problem.options, "budget": self.budget,
+                "q": self.q, "seed": self.seed, "n_init": self.n_init, "ref_point": self.ref_point_user,
+                "optimizer": self.optimizer.state_dict(), "evaluations": [asdict(e) for e in self.evaluations],
+                "suggest_seconds": self.suggest_seconds}
+
+    @classmethod
+    def from_state(cls, state: dict[str, Any], *, budget: int | None = None) -> Campaign:
+        """Rebuild a campaign from :meth:`state_dict` (optionally with a larger ``budget``)."""
+        opt_state = state["optimizer"]
+        campaign = cls(state["problem"], opt_state["optimizer"], budget=budget or state["budget"], q=state["q"],
+                       seed=state["seed"], n_init=state["n_init"], ref_point=state["ref_point"],
+                       optimizer_options=opt_state["options"], problem_options=state["problem_options"])
+        campaign.optimizer = load_optimizer(opt_state, campaign.problem.space)
+        campaign.evaluations = [Evaluation(**e) for e in state["evaluations"]]
+        campaign.suggest_seconds = list(state.get("suggest_seconds", []))
+        if len(campaign.evaluations) != campaign.optimizer.x.shape[0]:
+            raise InputError("checkpoint", len(campaign.evaluations), "evaluation records and optimizer history "
+                                                                      "disagree; the checkpoint is corrupt")
+        return campaign
+
+
+def run_campaign(campaign: Campaign, *, map_fn: Callable[..., Iterable[dict[str, Any]]] = map,
+                 on_batch: Callable[[Campaign, list[Evaluation]], None] | None = None) -> Campaign:
+    """Run ``campaign`` to its budget: ask, evaluate the batch with ``map_fn`` (e.g. an executor's
+    ``map``), tell, then ``on_batch`` (e.g. a checkpoint). Returns the campaign."""
+    problem, seed = campaign.problem, campaign.seed
+    while not campaign.done:
+        x = campaign.ask()
+        results = list(map_fn(lambda row: evaluate_point(problem, row, seed), list(x)))
+        new = campaign.tell(x, results)
+        if on_batch is not None:
+            on_batch(campaign, new)
+    return campaign
+
+
+def samples_to_reach(trace: np.ndarray, target: float) -> float:
+    """The number of samples after which ``trace`` (maximization) first reaches ``target``
+    (``inf`` if never)."""
+    hit = np.flatnonzero(np.asarray(trace) >= target)
+    return float(hit[0] + 1) if hit.size else math.inf

@@ -1,0 +1,317 @@
+"""kernels/search: spaces, Pareto utilities, partitions, the optimizer contract, campaigns.
+
+References: analytic hypervolumes and BoTorch's own ``Hypervolume``; dominance numbers and
+partitions of hand-built point sets; random search with the same seeds and budget.
+"""
+
+import json
+
+import numpy as np
+import pytest
+import torch
+
+from paperline.kernels.errors import InputError
+from paperline.kernels.search import partition as pt
+from paperline.kernels.search.base import load_optimizer, make_optimizer, optimizer_names
+from paperline.kernels.search.campaign import Campaign, evaluate_point, run_campaign, samples_to_reach
+from paperline.kernels.search.lamcts import kmeans_split
+from paperline.kernels.search.lamoo import dominance_split
+from paperline.kernels.search.lanas import linear_split
+from paperline.kernels.search.pareto import dominance_numbers, hypervolume, hypervolume_trace, pareto_mask
+from paperline.kernels.search.problems import PROBLEMS, Objective, Problem, make_problem, problem_names
+from paperline.kernels.search.space import SearchSpace
+
+pytestmark = pytest.mark.filterwarnings("ignore")
+
+
+# -- Pareto utilities -----------------------------------------------------------------------------
+def botorch_hv(y, ref):
+    from botorch.utils.multi_objective.hypervolume import Hypervolume
+    from botorch.utils.multi_objective.pareto import is_non_dominated
+
+    y = torch.as_tensor(y, dtype=torch.float64)
+    return Hypervolume(torch.as_tensor(ref, dtype=torch.float64)).compute(y[is_non_dominated(y)])
+
+
+def test_hypervolume_of_known_fronts():
+    # a 2-D staircase: 1*3 + 1*2 + 1*1
+    assert hypervolume(np.array([[1.0, 3.0], [2.0, 2.0], [3.0, 1.0]]), np.zeros(2)) == pytest.approx(6.0)
+    # 3-D: two boxes 2x1x1 and 1x2x1 overlapping in a unit cube
+    assert hypervolume(np.array([[2.0, 1.0, 1.0], [1.0, 2.0, 1.0]]), np.zeros(3)) == pytest.approx(3.0)
+    # dominated points and points not dominating the reference add nothing; NaN rows are ignored
+    y = np.array([[1.0, 3.0], [2.0, 2.0], [3.0, 1.0], [1.0, 1.0], [-1.0, 5.0], [np.nan, 9.0]])
+    assert hypervolume(y, np.zeros(2)) == pytest.approx(6.0)
+    assert hypervolume(np.zeros((0, 2)), np.zeros(2)) == 0.0
+
+
+@pytest.mark.parametrize("m", [2, 3, 4])
+def test_hypervolume_equals_botorch_on_random_fronts(m):
+    rng = np.random.default_rng(m)
+    y = rng.random((40, m))
+    ref = np.full(m, 0.1)
+    assert hypervolume(y, ref) == pytest.approx(botorch_hv(y, ref), rel=1e-10)
+
+
+def test_hypervolume_of_a_dtlz2_front_approaches_the_known_maximum():
+    # DTLZ2 (2 objectives, minimized): the front is the quarter circle; BoTorch's max_hv for ref 1.1
+    from botorch.test_functions.multi_objective import DTLZ2
+
+    theta = np.linspace(0, np.pi / 2, 2000)
+    front = -np.column_stack([np.cos(theta), np.sin(theta)])
+    assert hypervolume(front, np.array([-1.1, -1.1])) == pytest.approx(DTLZ2(dim=6, num_objectives=2).max_hv, rel=1e-3)
+
+
+def test_hypervolume_trace_is_monotone_and_ends_at_the_total():
+    rng = np.random.default_rng(0)
+    y = rng.random((30, 2))
+    y[5] = np.nan
+    trace = hypervolume_trace(y, np.zeros(2))
+    assert np.all(np.diff(trace) >= -1e-12)
+    assert trace[-1] == pytest.approx(hypervolume(y, np.zeros(2)))
+
+
+def test_dominance_numbers_of_a_hand_built_set():
+    y = np.array([[3, 3], [2, 2], [1, 1], [3, 1], [1, 3], [3, 3]], dtype=float)
+    # (3,3) twice: neither dominates the other; (1,1) is dominated by every other point
+    assert dominance_numbers(y).tolist() == [0, 2, 5, 2, 2, 0]
+    assert pareto_mask(y).tolist() == [True, False, False, False, False, False]  # duplicates kept once
+
+
+# -- partitions -------------------------------------------------------------------------------------
+def line_space():
+    return SearchSpace.box([0.0], [1.0])
+
+
+def test_lamoo_split_labels_the_lower_dominance_half_good():
+    x = np.linspace(0, 1, 20)[:, None]
+    y = np.column_stack([-x[:, 0], -(x[:, 0] ** 2)])  # both objectives prefer small x
+    labels, boundary = dominance_split("rbf")(x, y, np.random.default_rng(0))
+    assert labels.tolist() == [1] * 10 + [0] * 10
+    assert boundary.predict(np.array([[0.05], [0.95]])).tolist() == [1, 0]
+
+
+def test_lamcts_split_separates_the_good_cluster():
+    x = np.concatenate([np.linspace(0.0, 0.3, 10), np.linspace(0.7, 1.0, 10)])[:, None]
+    f = np.where(x[:, 0] < 0.5, 1.0, -1.0)[:, None] + 0.01 * x
+    labels, boundary = kmeans_split("rbf", seed=0)(x, f, np.random.default_rng(0))
+    assert labels.tolist() == [1] * 10 + [0] * 10
+    assert boundary.predict(np.array([[0.1], [0.9]])).tolist() == [1, 0]
+
+
+def test_lanas_linear_split_is_the_half_space_above_the_mean():
+    rng = np.random.default_rng(0)
+    x = rng.random((30, 3))
+    f = (2 * x[:, 0] - x[:, 1])[:, None]
+    labels, boundary = linear_split(x, f, rng)
+    np.testing.assert_array_equal(labels, (f[:, 0] >= f.mean()).astype(int))
+    assert boundary.predict(np.array([[1.0, 0.0, 0.5], [0.0, 1.0, 0.5]])).tolist() == [1, 0]
+
+
+def test_tree_regions_partition_the_samples_and_sampling_stays_inside():
+    space = SearchSpace.box([0.0, 0.0], [1.0, 1.0])
+    rng = np.random.default_rng(1)
+    x = rng.random((64, 2))
+    y = -((x - 0.25) ** 2).sum(axis=1, keepdims=True)
+    root = pt.build_tree(x, y, kmeans_split("rbf", 0), lambda idx: float(y[idx].mean()), rng, leaf_size=16)
+    leaves = pt.leaves(root)
+    assert len(leaves) >= 2
+    assert sorted(np.concatenate([leaf.idx for leaf in leaves]).tolist()) == list(range(64))  # a partition
+    paths = pt.select_paths(root, 1, pt.uct_bonus(0.0))  # cp = 0: pure exploitation
+    leaf = pt.leaf_of(paths[0], root)
+    assert leaf.value == max(lf.value for lf in leaves if pt.leaf_of(_path_to(root, lf), root) is lf)
+    assert np.all(pt.in_region(paths[0], x[leaf.idx]))  # a leaf's samples lie in its region
+    cand = pt.region_candidates(space, paths[0], x[leaf.idx], rng, 200)
+    assert cand.shape[0] > 0 and np.all(pt.in_region(paths[0], cand))
+
+
+def _path_to(root, target):
+    def walk(node, path):
+        if node is target:
+            return path
+        for side, child in ((pt.GOOD, node.good), (pt.BAD, node.bad)):
+            if child is not None:
+                found = walk(child, path + [(node, side)])
+                if found is not None:
+                    return found
+        return None
+
+    return walk(root, [])
+
+
+def test_virtual_visits_spread_a_batch_over_leaves():
+    rng = np.random.default_rng(2)
+    x = rng.random((40, 1))
+    y = x.copy()
+    root = pt.build_tree(x, y, kmeans_split("rbf", 0), lambda idx: float(y[idx].mean()), rng, leaf_size=10)
+    paths = pt.select_paths(root, 6, pt.uct_bonus(10.0))  # strong exploration
+    assert len({pt.leaf_of(p, root).id for p in paths}) >= 2
+
+
+# -- the optimizer contract ---------------------------------------------------------------------------
+MULTI = {"lamoo", "qehvi", "qnehvi"}
+BOX_ONLY = {"turbo"}
+
+
+def problem_for(name):
+    if name in MULTI:
+        return make_problem("branin-currin")
+    if name in BOX_ONLY:
+        return make_problem("levy", dim=20)
+    return make_problem("nasbench201-cifar10", objectives=["val_accuracy_pct"])
+
+
+def run_batches(opt, problem, n_batches, q=4, fail_first=False):
+    for b in range(n_batches):
+        x = opt.ask(q)
+        y = np.array([problem.to_max(problem.evaluate(r)) for r in x])
+        if fail_first and b == 2:
+            y[0] = np.nan
+        opt.tell(x, y)
+    return opt
+
+
+@pytest.mark.parametrize("name", [n for n in ["random", "lanas", "lamcts", "lamoo", "bo", "turbo", "qehvi",
+                                                "qnehvi", "nsga2"]])
+def test_optimizer_contract(name):
+    problem = problem_for(name)
+    ref = problem.reference_point() if problem.n_objectives > 1 else None
+    opt = make_optimizer(name, problem.space, problem.n_objectives, seed=1, n_init=6, ref_point=ref)
+    run_batches(opt, problem, 4, fail_first=True)  # 2 design batches, 2 model batches, one failed row
+    first, again = opt.ask(4), opt.ask(4)
+    np.testing.assert_array_equal(first, again)  # ask is pure
+    assert first.shape == (4, problem.space.dim)
+    problem.space.validate(first)
+    assert np.unique(first, axis=0).shape[0] == 4
+    if problem.space.is_categorical:
+        assert opt.is_new(first).all()  # never re-proposes an evaluated (or failed) cell
+    state = json.loads(json.dumps(opt.state_dict()))
+    np.testing.assert_array_equal(load_optimizer(state).ask(4), first)  # replay asks the same
+    assert np.isnan(opt.y).any(axis=1).sum() == 1
+
+
+def test_the_registry_lists_every_optimizer_and_problem():
+    assert set(optimizer_names()) == {"random", "lanas", "lamcts", "lamoo", "alphax", "bo", "turbo", "qehvi",
+                                      "qnehvi", "nsga2"}
+    assert {"nasbench201-cifar10", "nasbench201-cifar100", "nasbench201-imagenet16", "branin-currin",
+            "vehicle-safety", "dtlz2", "ackley", "levy", "rosenbrock", "live-mnist"} <= set(problem_names())
+    with pytest.raises(ValueError, match="already registered"):
+        PROBLEMS.register("ackley")(lambda: None)
+
+
+# Every optimizer beats random search on average (3 seeds, same budget, same initial design) on a
+# problem with a known optimum: final best value (single objective) or hypervolume (multi).
+BEATS = [("lanas", "nasbench201-cifar100", {"objectives": ["val_accuracy_pct"]}),
+         ("lamcts", "levy", {"dim": 20}), ("bo", "levy", {"dim": 20}), ("turbo", "levy", {"dim": 20}),
+         ("nsga2", "nasbench201-cifar10", {"objectives": ["val_accuracy_pct"]}),
+         ("lamoo", "branin-currin", {}), ("qehvi", "branin-currin", {}), ("qnehvi", "branin-currin", {})]
+
+
+@pytest.mark.parametrize(("name", "problem", "options"), BEATS, ids=[b[0] for b in BEATS])
+def test_beats_random_search(name, problem, options):
+    def score(opt):
+        runs = [run_campaign(Campaign(problem, opt, budget=30, q=5, seed=s, n_init=10, problem_options=options))
+                for s in range(3)]
+        return np.mean([r.score_trace()[-1] for r in runs])
+
+    ours, rand = score(name), score("random")
+    assert ours > rand, (name, ours, rand)
+
+
+def test_known_optimum_is_recorded_for_single_objective_problems():
+    p = make_problem("ackley", dim=20)
+    assert p.optimum == 0.0
+    np.testing.assert_allclose(p.evaluate(np.zeros(20)), [0.0], atol=1e-12)
+
+
+# -- campaigns: resume, failures, bad input --------------------------------------------------------------
+class Killed(Exception):
+    pass
+
+
+@pytest.mark.parametrize(("name", "problem", "options"), [
+    ("lamoo", "branin-currin", {}), ("lamcts", "levy", {"dim": 20}),
+    ("nsga2", "vehicle-safety", {}), ("lanas", "nasbench201-cifar10", {"objectives": ["val_accuracy_pct"]})])
+def test_interrupted_and_resumed_campaign_equals_the_uninterrupted_one(name, problem, options):
+    kw = dict(budget=22, q=4, seed=3, n_init=8, problem_options=options)
+    full = run_campaign(Campaign(problem, name, **kw))
+    saved = {}
+
+    def checkpoint_then_die(c, new):
+        saved["state"] = json.dumps(c.state_dict())
+        if c.optimizer.n_batches == 3:
+            raise Killed
+
+    with pytest.raises(Killed):
+        run_campaign(Campaign(problem, name, **kw), on_batch=checkpoint_then_die)
+    resumed = run_campaign(Campaign.from_state(json.loads(saved["state"])))
+    assert [e.x for e in resumed.evaluations] == [e.x for e in full.evaluations]
+    assert [e.values for e in resumed.evaluations] == [e.values for e in full.evaluations]
+    np.testing.assert_array_equal(resumed.score_trace(), full.score_trace())
+
+
+def flaky_problem():
+    space = SearchSpace.box([0.0, 0.0], [1.0, 1.0])
+
+    def evaluate(x, seed):
+        if x[0] > 0.8:
+            raise RuntimeError("simulator crashed")
+        if x[1] > 0.8:
+            return np.array([np.nan])
+        return np.array([-((x - 0.3) ** 2).sum()])
+
+    return Problem("flaky", space, (Objective("value", True),), evaluate)
+
+
+def test_failed_evaluations_are_recorded_and_the_campaign_goes_on():
+    c = run_campaign(Campaign(flaky_problem(), "bo", budget=24, q=4, seed=0, n_init=8))
+    failed = [e for e in c.evaluations if not e.ok]
+    assert c.n_done == 24 and failed
+    assert any("RuntimeError: simulator crashed" in e.error for e in failed)
+    assert any("non-finite" in e.error for e in failed)
+    assert all(e.values is None for e in failed)
+    assert c.best_trace()[-1] > -0.1  # the successful ones still drive the search
+
+
+def test_evaluate_point_refuses_a_point_outside_the_space():
+    with pytest.raises(InputError, match="outside the search space"):
+        evaluate_point(make_problem("branin-currin"), [2.0, 0.5], 0)
+
+
+@pytest.mark.parametrize(("kwargs", "match"), [
+    (dict(problem="branin-currin", optimizer="simulated-annealing"), "unknown optimizer"),
+    (dict(problem="knapsack", optimizer="random"), "unknown problem"),
+    (dict(problem="branin-currin", optimizer="random", budget=5, n_init=10), "smaller than the initial design"),
+    (dict(problem="branin-currin", optimizer="random", q=0), "batch size"),
+    (dict(problem="branin-currin", optimizer="lamoo", ref_point=[0.0, 0.0]), "no point dominates"),
+    (dict(problem="nasbench201-cifar10", optimizer="lamoo", ref_point=[95.0, 2.0, 0.03]), "no point dominates"),
+    (dict(problem="branin-currin", optimizer="lamoo", ref_point=[18.0]), "expected 2 values"),
+    (dict(problem="levy", optimizer="lamoo"), "multi-objective"),
+    (dict(problem="branin-currin", optimizer="lamcts"), "single-objective"),
+    (dict(problem="nasbench201-cifar10", optimizer="turbo", problem_options={"objectives": ["val_accuracy_pct"]}),
+     "supports box"),
+    (dict(problem="levy", optimizer="lamcts", problem_options={"dim": 5}), "20 to 100"),
+    (dict(problem="levy", optimizer="lamcts", optimizer_options={"leaf": 3}), "unknown for lamcts"),
+    (dict(problem="levy", optimizer="lamcts", optimizer_options={"sampler": "cmaes"}), "known samplers"),
+    (dict(problem="nasbench201-cifar10", optimizer="random", problem_options={"objectives": ["flops"]}),
+     "unknown NAS-Bench-201 objective"),
+])
+def test_bad_input_is_refused_with_a_clear_error(kwargs, match):
+    kwargs = {"budget": 20, **kwargs}
+    problem, optimizer = kwargs.pop("problem"), kwargs.pop("optimizer")
+    with pytest.raises(InputError, match=match):
+        Campaign(problem, optimizer, **kwargs)
+
+
+def test_nasbench201_reads_the_tables_seeds():
+    p = make_problem("nasbench201-cifar10")
+    x = np.array([3, 3, 3, 3, 3, 3], dtype=float)  # all 3x3 convolutions
+    values = [p.evaluate(x, seed)[0] for seed in range(3)]
+    assert len(set(values)) > 1  # different training seeds
+    assert p.evaluate(x, 0)[0] == p.evaluate(x, 3)[0] or p.evaluate(x, 0)[0] == p.evaluate(x, 2)[0]
+    assert 85.0 < values[0] < 95.0
+    assert [o.name for o in p.objectives] == ["val_accuracy_pct", "latency_s", "model_size_mb"]
+
+
+def test_samples_to_reach():
+    assert samples_to_reach(np.array([1.0, 2.0, 2.0, 5.0]), 2.0) == 2.0
+    assert samples_to_reach(np.array([1.0]), 2.0) == float("inf")
