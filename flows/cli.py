@@ -120,7 +120,7 @@ def _print_services(services) -> None:
 @app.command()
 @_friendly
 def datasets() -> None:
-    """List the bundled real datasets, where each comes from and its shape."""
+    """List the bundled real datasets (tensors) and the search problems of the nas pipeline."""
     from paperline.kernels.tensor.datasets import dataset_info, dataset_names
 
     table = Table("name", "shape (time last)", "modes", "source", "description")
@@ -128,6 +128,15 @@ def datasets() -> None:
         i = dataset_info(name)
         table.add_row(i.name, " x ".join(map(str, i.shape)), ", ".join(i.mode_names), i.source,
                       f"{i.description}; {i.transform}")
+    console.print(table)
+    from paperline.kernels.search.problems import make_problem, problem_names
+
+    table = Table("problem (nas)", "search space", "objectives (max/min)", title="search problems")
+    for name in problem_names():
+        p = make_problem(name)
+        space = (f"{p.space.dim} categorical variables, {p.space.size():,.0f} points" if p.space.is_categorical
+                 else f"box, {p.space.dim} dimensions")
+        table.add_row(name, space, ", ".join(f"{o.name} ({'max' if o.maximize else 'min'})" for o in p.objectives))
     console.print(table)
 
 

@@ -30,6 +30,7 @@ PIPELINES: Registry[Pipeline] = Registry("pipeline")
 
 def _register_builtin() -> None:
     from paperline.flows import gemm as gm
+    from paperline.flows import nas
     from paperline.flows import tensor_factorization as tf
 
     if "tensor-factorization" not in PIPELINES:
@@ -40,6 +41,10 @@ def _register_builtin() -> None:
         PIPELINES.register("gemm")(Pipeline(
             "gemm", gm.gemm, gm.GemmParameters, gm.PRESETS, cron="30 3 * * *",
             description="Tiled level-3 BLAS health benchmark: GFLOP/s against NumPy, verified (daily)."))
+    if "nas" not in PIPELINES:
+        PIPELINES.register("nas")(Pipeline(
+            "nas", nas.nas, nas.NasParameters, nas.PRESETS, cron="0 4 * * 0",
+            description="NAS campaign: LaMOO on NAS-Bench-201 (weekly), resumable, parent/child runs in MLflow."))
 
 
 def get_pipeline(name: str) -> Pipeline:

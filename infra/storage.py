@@ -368,6 +368,18 @@ class ObjectStore:
             raise
         return resp["Body"].read()
 
+    def put_bytes_to(self, data: bytes, uri: str) -> str:
+        """Write ``data`` to exactly ``uri`` in one PUT (a reader sees the old object or the new
+        one, never a part), e.g. a checkpoint replaced after every step.
+
+        Raises:
+            ServiceError: S3 is unreachable or rejects the credentials.
+        """
+        bucket, key = split_uri(uri)
+        self._call(f"put {uri}", self.client.put_object, Bucket=bucket, Key=key, Body=data,
+                   Metadata={"sha256": hashlib.sha256(data).hexdigest()})
+        return uri
+
     def upload_file_to(self, path: str | os.PathLike[str], uri: str) -> str:
         """Upload a local file to exactly ``uri`` (multipart for large files: the object becomes
         visible only when every part has arrived, so a failed upload leaves nothing).

@@ -11,6 +11,7 @@ credentials.
 from __future__ import annotations
 
 import json
+import os
 import threading
 import time
 from typing import Any
@@ -89,6 +90,9 @@ class Tracker:
                     self.check()
                     from mlflow.tracking import MlflowClient  # noqa: PLC0415
 
+                    # MLflow writes two "View run" lines to stdout per ended run; paperline prints
+                    # the run URLs itself (a campaign ends one child run per evaluation).
+                    os.environ.setdefault("MLFLOW_SUPPRESS_PRINTING_URL_TO_STDOUT", "true")
                     self._client = MlflowClient(tracking_uri=self.tracking_uri)
         return self._client
 
@@ -278,6 +282,46 @@ class Tracker:
 
             raise InputError("status", status, "must be FINISHED, FAILED or KILLED")
         self._call("end run", self.client.set_terminated, run_id, status=status)
+
+    def reopen_run(self, run_id: str) -> None:
+        """Mark an ended run as running again (a resumed campaign goes on logging to its run).
+
+        Raises:
+            ServiceError: The tracking server is unreachable.
+        """
+        self._call("reopen run", self.client.update_run, run_id, status="RUNNING")
+
+    def run_exists(self, run_id: str) -> bool:
+        """Whether the run exists and is not deleted.
+
+        Raises:
+            ServiceError: The tracking server is unreachable.
+        """
+        from mlflow.exceptions import MlflowException  # noqa: PLC0415
+
+        try:
+            run = self._call("get run", self.client.get_run, run_id)
+        except MlflowException:
+            return False
+        return run.info.lifecycle_stage != "deleted"
+
+    def child_run_tags(self, experiment: str, parent_run_id: str) -> list[dict[str, str]]:
+        """The tags of every child run of ``parent_run_id`` in ``experiment`` (all pages).
+
+        Raises:
+            ServiceError: The tracking server is unreachable.
+        """
+        exp_id = self._experiment_id(experiment)
+        out: list[dict[str, str]] = []
+        token = None
+        while True:
+            page = self._call("search runs", self.client.search_runs, [exp_id],
+                              filter_string=f"tags.mlflow.parentRunId = '{parent_run_id}'", max_results=1000,
+                              page_token=token)
+            out += [dict(r.data.tags) for r in page]
+            token = page.token
+            if not token:
+                return out
 
     def run_url(self, run_id: str) -> str:
         """The run's page in the MLflow UI: ``{uri}/#/experiments/{experiment_id}/runs/{run_id}``.

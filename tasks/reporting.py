@@ -106,3 +106,93 @@ def gemm_scaling_plot(rows: list[dict[str, Any]], peer: dict[str, Any] | None, p
     fig.savefig(path, dpi=90)
     plt.close(fig)
     return path
+
+
+def pareto_plot(values: np.ndarray, front: np.ndarray, names: list[str], title: str, path: Path) -> Path:
+    """All successful evaluations and the Pareto front (user units) in the plane of the first two
+    objectives; with three or more objectives, one panel per pair of the first three."""
+    plt = _plt()
+    pairs = [(0, 1)] if len(names) == 2 else [(0, 1), (0, 2), (1, 2)]
+    fig, axes = plt.subplots(1, len(pairs), figsize=(4.4 * len(pairs), 3.6), squeeze=False)
+    for ax, (i, j) in zip(axes[0], pairs):
+        if values.size:
+            ax.scatter(values[:, i], values[:, j], s=10, c=np.arange(values.shape[0]), cmap="viridis",
+                       label="evaluations (colour: order)")
+        if front.size:
+            order = np.argsort(front[:, i])
+            ax.plot(front[order, i], front[order, j], "o-", color="tab:red", ms=5, lw=1, label="Pareto front")
+        ax.set_xlabel(names[i])
+        ax.set_ylabel(names[j])
+        ax.legend(fontsize=7)
+    fig.suptitle(title, fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=90)
+    plt.close(fig)
+    return path
+
+
+def trace_plot(trace: np.ndarray, ylabel: str, title: str, path: Path) -> Path:
+    """A best-so-far or hypervolume curve against the number of samples."""
+    plt = _plt()
+    fig, ax = plt.subplots(figsize=(5, 3.4))
+    ax.plot(np.arange(1, trace.size + 1), trace, lw=1.5)
+    ax.set_xlabel("samples (evaluations)")
+    ax.set_ylabel(ylabel)
+    ax.set_title(title, fontsize=9)
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=90)
+    plt.close(fig)
+    return path
+
+
+def tree_plot(tree: dict[str, Any] | None, title: str, path: Path) -> Path:
+    """Draw a search/partition tree (nested dicts with ``children``): one box per node with its
+    label, sample count and value; leaves spread evenly, parents centred over their children."""
+    plt = _plt()
+    nodes: list[tuple[float, int, str]] = []
+    edges: list[tuple[float, int, float, int]] = []
+    next_x = [0.0]
+
+    def label(node: dict[str, Any]) -> str:
+        head = node.get("action") or node.get("side") or "root"
+        n = node.get("n", node.get("visits", ""))
+        value = node.get("value", node.get("mean_value"))
+        text = f"{head}\nn={n}"
+        if isinstance(value, (int, float)):
+            text += f"\nv={value:.3g}"
+        return text
+
+    def place(node: dict[str, Any], depth: int) -> float:
+        kids = node.get("children") or []
+        if not kids:
+            x = next_x[0]
+            next_x[0] += 1.0
+        else:
+            xs = [place(k, depth + 1) for k in kids]
+            x = sum(xs) / len(xs)
+            for k, kx in zip(kids, xs):
+                edges.append((x, depth, kx, depth + 1))
+        nodes.append((x, depth, label(node)))
+        return x
+
+    fig_w = 6.0
+    if tree:
+        place(tree, 0)
+        fig_w = min(max(6.0, 1.3 * next_x[0]), 40.0)
+    depth = max((d for _, d, _ in nodes), default=0)
+    fig, ax = plt.subplots(figsize=(fig_w, 1.2 + 1.1 * (depth + 1)))
+    for x0, d0, x1, d1 in edges:
+        ax.plot([x0, x1], [-d0, -d1], color="grey", lw=0.8, zorder=1)
+    for x, d, text in nodes:
+        ax.text(x, -d, text, ha="center", va="center", fontsize=6, zorder=2,
+                bbox={"boxstyle": "round", "fc": "white", "ec": "tab:blue", "lw": 0.6})
+    if not nodes:
+        ax.text(0.5, 0.5, "this optimizer keeps no tree", ha="center", va="center")
+    ax.set_axis_off()
+    ax.set_title(title, fontsize=9)
+    ax.margins(0.08)
+    fig.tight_layout()
+    fig.savefig(path, dpi=90)
+    plt.close(fig)
+    return path

@@ -1,0 +1,128 @@
+"""Benchmark: sample efficiency of the search campaigns, with at least 5 seeds each.
+
+Run with ``.venv/bin/python benchmarks/nas.py`` (about 40 minutes on 2 cores; ``--quick`` for a
+smaller one). Everything is measured in this run, on the same machine, with the same seeds; for a
+seed, every optimizer starts from the same scrambled-Sobol initial design.
+
+* Multi-objective: LaMOO (qEHVI inside), qEHVI, NSGA-II and random on NAS-Bench-201 cifar10
+  (validation accuracy against model size) and on VehicleSafety (3 objectives).
+* Single-objective: LA-MCTS (BO inside), TuRBO, BO (qLogEI) and random on Ackley-20d and Levy-20d.
+
+For each problem it prints, per optimizer, the number of samples needed to reach 95% of the best
+hypervolume (or of the best value's improvement over the initial design, for single objectives)
+that any optimizer reached with any seed, as mean ± sd over the seeds (a seed that never reaches it
+counts as the budget, and is reported), the ratio to the peer (qEHVI, or TuRBO), the final
+hypervolume or best value, and the time per suggestion (seconds per ask of a batch of q).
+Seeds run two at a time in separate processes, each with one torch thread.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import os
+import time
+from concurrent.futures import ProcessPoolExecutor
+
+import numpy as np
+
+MULTI = {
+    "nasbench201-cifar10": ({"objectives": ["val_accuracy_pct", "model_size_mb"]}, ["lamoo", "qehvi", "nsga2", "random"]),
+    "vehicle-safety": ({}, ["lamoo", "qehvi", "nsga2", "random"]),
+}
+SINGLE = {
+    "ackley": ({"dim": 20}, ["lamcts", "turbo", "bo", "random"]),
+    "levy": ({"dim": 20}, ["lamcts", "turbo", "bo", "random"]),
+}
+PEER = {"lamoo": "qehvi", "lamcts": "turbo"}
+
+
+def one(args: tuple) -> dict:
+    """One seeded campaign in a worker process: its score trace and seconds per suggestion."""
+    problem, options, optimizer, seed, budget, q, n_init = args
+    import warnings
+
+    import torch
+
+    torch.set_num_threads(1)
+    warnings.simplefilter("ignore")
+    from paperline.kernels.search.campaign import Campaign, run_campaign
+
+    t0 = time.perf_counter()
+    c = run_campaign(Campaign(problem, optimizer, budget=budget, q=q, seed=seed, n_init=n_init,
+                              problem_options=options))
+    asks = [s for b, s in enumerate(c.suggest_seconds) if b * q >= n_init]  # model asks, not the design
+    return {"problem": problem, "optimizer": optimizer, "seed": seed, "trace": c.score_trace().tolist(),
+            "suggest_s": float(np.mean(asks)) if asks else math.nan, "wall_s": time.perf_counter() - t0}
+
+
+def samples_to(trace: list[float], target: float, budget: int) -> tuple[float, bool]:
+    hit = np.flatnonzero(np.asarray(trace) >= target)
+    return (float(hit[0] + 1), True) if hit.size else (float(budget), False)
+
+
+def report(problem: str, runs: list[dict], budget: int, n_init: int, multi: bool) -> None:
+    names = list(dict.fromkeys(r["optimizer"] for r in runs))
+    best = max(max(r["trace"]) for r in runs)
+    if multi:
+        target = 0.95 * best
+        what = f"95% of the best hypervolume found ({best:.6g})"
+    else:  # 95% of the way from the median initial-design value to the best value found
+        start = float(np.median([r["trace"][n_init - 1] for r in runs]))
+        target = start + 0.95 * (best - start)
+        what = f"95% of the improvement from the initial design ({start:.4g}) to the best value found ({best:.4g})"
+    print(f"\n== {problem}: samples to reach {what}; budget {budget}, {len({r['seed'] for r in runs})} seeds")
+    rows = {}
+    for name in names:
+        mine = [r for r in runs if r["optimizer"] == name]
+        hits = [samples_to(r["trace"], target, budget) for r in mine]
+        n = np.array([h[0] for h in hits])
+        final = np.array([r["trace"][-1] for r in mine])
+        rows[name] = (n.mean(), n.std(ddof=1) if n.size > 1 else 0.0, sum(h[1] for h in hits), len(hits),
+                      final.mean(), final.std(ddof=1) if final.size > 1 else 0.0,
+                      float(np.nanmean([r["suggest_s"] for r in mine])))
+    print(f"{'optimizer':10s} {'samples to target':>20s} {'reached':>8s} {'ratio':>7s} "
+          f"{'final ' + ('HV' if multi else 'best'):>22s} {'s/suggestion':>13s}")
+    for name, (mean, sd, reached, total, fmean, fsd, sug) in rows.items():
+        peer = PEER.get(name)
+        ratio = f"{rows[peer][0] / mean:.2f}" if peer in rows else "-"
+        print(f"{name:10s} {mean:12.1f} ± {sd:5.1f} {reached:4d}/{total:<3d} {ratio:>7s} "
+              f"{fmean:13.5g} ± {fsd:7.3g} {sug:13.3f}")
+    for name, peer in PEER.items():
+        if name in rows and peer in rows:
+            print(f"ratio {peer} samples / {name} samples = {rows[peer][0] / rows[name][0]:.2f} "
+                  f"(> 1: {name} needs fewer samples)")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--seeds", type=int, default=5)
+    parser.add_argument("--budget", type=int, default=100)
+    parser.add_argument("--q", type=int, default=5)
+    parser.add_argument("--n-init", type=int, default=10)
+    parser.add_argument("--problems", default=",".join([*MULTI, *SINGLE]))
+    parser.add_argument("--processes", type=int, default=min(2, os.cpu_count() or 1))
+    parser.add_argument("--quick", action="store_true", help="3 seeds, budget 40")
+    args = parser.parse_args()
+    if args.quick:
+        args.seeds, args.budget = 3, 40
+    if args.seeds < 1 or args.budget < args.n_init:
+        parser.error("need --seeds >= 1 and --budget >= --n-init")
+    wanted = [p for p in args.problems.split(",") if p]
+    jobs = []
+    for problem in wanted:
+        options, optimizers = {**MULTI, **SINGLE}[problem]
+        jobs += [(problem, options, o, s, args.budget, args.q, args.n_init) for o in optimizers
+                 for s in range(args.seeds)]
+    print(f"{len(jobs)} campaigns ({args.seeds} seeds, budget {args.budget}, q {args.q}, n_init {args.n_init}) "
+          f"on {args.processes} processes")
+    t0 = time.perf_counter()
+    with ProcessPoolExecutor(args.processes) as pool:
+        results = list(pool.map(one, jobs))
+    for problem in wanted:
+        report(problem, [r for r in results if r["problem"] == problem], args.budget, args.n_init, problem in MULTI)
+    print(f"\ntotal {time.perf_counter() - t0:.0f} s")
+
+
+if __name__ == "__main__":
+    main()

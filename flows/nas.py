@@ -1,0 +1,270 @@
+"""The ``nas`` flow: NAS and black-box optimization campaigns (LaNAS, LA-MCTS, LaMOO, AlphaX and
+the BoTorch/pymoo baselines).
+
+A campaign asks its optimizer for a batch of ``q`` candidates, evaluates them in parallel as cached
+tasks on the Dask workers, tells the optimizer, checkpoints the whole state to S3 and logs one
+MLflow child run per evaluation under the campaign's parent run. A campaign killed at any point
+resumes from its last checkpoint (run the flow again with the same parameters) and ends
+identical to an uninterrupted run; evaluations finished after the last checkpoint come from the
+task cache.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import tempfile
+from pathlib import Path
+from typing import Any
+
+from prefect import flow
+from prefect.runtime import flow_run
+from pydantic import BaseModel, ConfigDict, Field
+
+from paperline.infra.cluster import configure_local_workers, default_task_runner
+from paperline.infra.device import resolve_device
+from paperline.infra.errors import InputError, ServiceError
+from paperline.infra.settings import get_settings
+from paperline.infra.stack import load_stack_info
+from paperline.infra.storage import ObjectStore
+from paperline.infra.tracking import Tracker
+from paperline.kernels.errors import InputError as KernelInputError
+from paperline.kernels.search.campaign import Campaign
+from paperline.kernels.search.problems import problem_names
+from paperline.tasks.nas import evaluate, load_checkpoint, log_evaluations, render_report, save_checkpoint
+
+EXPERIMENT = "nas"
+
+
+class CampaignParameters(BaseModel):
+    """One campaign (rendered as a form in the Prefect UI)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    optimizer: str = Field("lamoo", description="random, lanas, lamcts, lamoo, alphax, bo, turbo, qehvi, qnehvi "
+                                                "or nsga2.")
+    problem: str = Field("nasbench201-cifar10", description="nasbench201-{cifar10,cifar100,imagenet16}, "
+                                                            "live-mnist, branin-currin, vehicle-safety, dtlz2, "
+                                                            "ackley, levy, rosenbrock.")
+    objectives: list[str] | None = Field(None, description="NAS-Bench-201 / live-mnist: the objectives to use "
+                                                           "(default: all of them).")
+    problem_options: dict[str, Any] = Field(default_factory=dict,
+                                            description='Problem options, e.g. {"dim": 20} or {"epochs": 2}.')
+    budget: int = Field(60, ge=1, description="Number of evaluations.")
+    q: int = Field(5, ge=1, description="Batch size: candidates evaluated in parallel per step.")
+    n_init: int = Field(10, ge=1, description="Initial Sobol design (the same for every optimizer).")
+    seed: int = Field(0, ge=0, description="Seeds the design, the optimizer and the evaluations.")
+    ref_point: list[float] | None = Field(None, description="Hypervolume reference point in the objectives' "
+                                                            "units (default: the problem's).")
+    optimizer_options: dict[str, Any] = Field(default_factory=dict,
+                                              description='Optimizer hyperparameters, e.g. {"sampler": "nsga2"}.')
+    campaign: str | None = Field(None, description="Campaign name (default: derived from the parameters above, "
+                                                   "budget excluded); a checkpoint of that name is resumed.")
+    resume: bool = Field(True, description="Resume the campaign's checkpoint when there is one.")
+
+    def problem_kwargs(self) -> dict[str, Any]:
+        opts = dict(self.problem_options)
+        if self.objectives is not None:
+            opts["objectives"] = list(self.objectives)
+        if self.problem == "live-mnist" and "device" not in opts:
+            opts["device"] = resolve_device(get_settings().device)  # latency on the workers' device
+        return opts
+
+    def build(self) -> Campaign:
+        """The campaign (validates every input). Raises InputError naming what is wrong."""
+        if self.problem not in problem_names():
+            raise InputError("problem", self.problem, f"unknown problem; known: {', '.join(problem_names())}")
+        try:
+            return Campaign(self.problem, self.optimizer, budget=self.budget, q=self.q, seed=self.seed,
+                            n_init=self.n_init, ref_point=self.ref_point, optimizer_options=self.optimizer_options,
+                            problem_options=self.problem_kwargs())
+        except KernelInputError as exc:
+            raise InputError(exc.argument, exc.value, exc.problem) from None
+
+    def campaign_name(self) -> str:
+        if self.campaign:
+            return self.campaign
+        key = self.model_dump(exclude={"budget", "campaign", "resume"})
+        digest = hashlib.sha256(json.dumps(key, sort_keys=True, default=str).encode()).hexdigest()[:10]
+        return f"{self.problem}-{self.optimizer}-seed{self.seed}-{digest}"
+
+
+class NasParameters(CampaignParameters):
+    """The flow's parameters: one campaign, and optionally a live NAS campaign after it."""
+
+    live: CampaignParameters | None = Field(None, description="A second campaign run after the first, e.g. "
+                                                              "live NAS on MNIST-5k (problem live-mnist).")
+
+    def campaigns(self) -> list[CampaignParameters]:
+        main = CampaignParameters(**self.model_dump(exclude={"live"}))
+        return [main] + ([self.live] if self.live is not None else [])
+
+    def validate_inputs(self) -> None:
+        names = [c.campaign_name() for c in self.campaigns()]
+        if len(set(names)) != len(names):
+            raise InputError("live", names[-1], "the live campaign has the same name as the first; change it")
+        for c in self.campaigns():
+            c.build()
+
+
+PRESETS: dict[str, dict[str, Any]] = {
+    # LaMOO (qEHVI inside) on NAS-Bench-201 cifar10, accuracy against model size, then a short
+    # live NAS on MNIST-5k: three objectives, trained on the workers.
+    "demo": {"optimizer": "lamoo", "problem": "nasbench201-cifar10",
+             "objectives": ["val_accuracy_pct", "model_size_mb"], "budget": 40, "q": 5, "n_init": 10,
+             "live": {"optimizer": "lamoo", "problem": "live-mnist", "budget": 8, "q": 4, "n_init": 4,
+                      "problem_options": {"epochs": 1}}},
+    "full": {"optimizer": "lamoo", "problem": "nasbench201-cifar10",
+             "objectives": ["val_accuracy_pct", "model_size_mb"], "budget": 200, "q": 10, "n_init": 20},
+}
+
+
+@flow(name="nas", log_prints=True, task_runner=default_task_runner())
+def nas(params: NasParameters | None = None) -> dict[str, Any]:
+    """Run the campaign(s): batches evaluated in parallel on the workers, checkpointed to S3 after
+    every batch, one MLflow parent run per campaign with one child run per evaluation.
+
+    Returns:
+        A summary: per campaign its Pareto front (or best point), hypervolume, counts and URLs;
+        ``table`` and ``lines`` for the CLI; the Prefect and MLflow URLs.
+
+    Raises:
+        InputError: bad parameters (unknown optimizer or problem, budget < n_init, q < 1, a
+        reference point no point dominates, ...). ServiceError: the stack is not up.
+    """
+    params = params or NasParameters()
+    configure_local_workers()
+    params.validate_inputs()
+    settings = get_settings()
+    info = load_stack_info(settings)
+    if info is None:
+        raise ServiceError("stack", "no running stack or configured endpoints; run `paperline up` first")
+    store = ObjectStore.from_stack(info)
+    tracker = Tracker(info.mlflow_tracking_uri)
+    run_url = f"{info.prefect_ui_url.rstrip('/')}/runs/flow-run/{flow_run.id}"
+    tags = {"prefect.flow_run_id": str(flow_run.id), "prefect.flow_run_url": run_url}
+    results = [run_one(c, store, tracker, f"s3://{info.data_bucket}/nas/campaigns", tags) for c in params.campaigns()]
+    return _summary(results, run_url, str(flow_run.id), tracker)
+
+
+def run_one(cp: CampaignParameters, store: ObjectStore, tracker: Tracker, prefix: str,
+            tags: dict[str, str]) -> dict[str, Any]:
+    """One campaign to its budget, resuming its checkpoint when there is one."""
+    name = cp.campaign_name()
+    checkpoint_uri = f"{prefix}/{name}/checkpoint.json"
+    campaign = cp.build()
+    state = load_checkpoint(store, checkpoint_uri) if cp.resume else None
+    parent_id = None
+    if state is not None:
+        saved = Campaign.from_state(state["campaign"], budget=cp.budget)
+        if saved.state_dict()["optimizer"]["options"] != campaign.state_dict()["optimizer"]["options"] or \
+                (saved.problem.name, saved.q, saved.seed, saved.n_init, saved.ref_point_user) != \
+                (campaign.problem.name, campaign.q, campaign.seed, campaign.n_init, campaign.ref_point_user):
+            raise InputError("campaign", name, "a checkpoint of this name holds a campaign with other parameters; "
+                                               "pick another name or set resume=false")
+        campaign = saved
+        parent_id = state.get("mlflow_parent_run_id")
+        print(f"{name}: resuming from {checkpoint_uri} after {campaign.n_done} evaluations")
+    if parent_id and tracker.run_exists(parent_id):
+        tracker.reopen_run(parent_id)
+        # a kill between the checkpoint and the MLflow logging of a batch: log what is missing
+        logged = {int(t["paperline.evaluation_index"]) for t in tracker.child_run_tags(EXPERIMENT, parent_id)
+                  if "paperline.evaluation_index" in t}
+        missing = [e for e in campaign.evaluations if e.index not in logged]
+        if missing:
+            log_evaluations(tracker, EXPERIMENT, parent_id, campaign, missing, tags)
+    else:
+        parent_id = tracker.start_run(EXPERIMENT, run_name=name, tags={**tags, "paperline.campaign": name},
+                                      params={**cp.model_dump(exclude={"live"}), "campaign": name,
+                                              "problem_options": json.dumps(campaign.problem.options),
+                                              "ref_point_used": campaign.ref_point_user})
+        log_evaluations(tracker, EXPERIMENT, parent_id, campaign, campaign.evaluations, tags)  # after a lost run
+    tracker.set_tags(parent_id, {**tags, "checkpoint": checkpoint_uri})
+    try:
+        while not campaign.done:
+            x = campaign.ask()
+            start = campaign.n_done
+            futures = [evaluate.submit(campaign.problem.name, campaign.problem.options, [float(v) for v in row],
+                                       campaign.seed, start + i) for i, row in enumerate(x)]
+            results = [_result(f) for f in futures]
+            new = campaign.tell(x, results)
+            save_checkpoint(store, checkpoint_uri, {"campaign": campaign.state_dict(), "mlflow_parent_run_id": parent_id})
+            log_evaluations(tracker, EXPERIMENT, parent_id, campaign, new, tags)
+            print(f"{name}: {campaign.n_done}/{campaign.budget} evaluations, {_score_text(campaign)}")
+        _log_report(tracker, parent_id, campaign, name)
+        tracker.end_run(parent_id, "FINISHED")
+    except BaseException:
+        tracker.end_run(parent_id, "FAILED")
+        raise
+    return {"name": name, "campaign": campaign, "parent_run_id": parent_id, "checkpoint": checkpoint_uri}
+
+
+def _result(future: Any) -> dict[str, Any]:
+    """An evaluation's result; a task that failed even after its retry is recorded as failed too."""
+    try:
+        return future.result()
+    except KernelInputError:
+        raise
+    except Exception as exc:  # noqa: BLE001 - a lost worker, a timeout: recorded, the campaign goes on
+        return {"values": None, "error": f"task failed: {type(exc).__name__}: {exc}", "seconds": 0.0}
+
+
+def _score_text(c: Campaign) -> str:
+    trace = c.score_trace()
+    if not trace.size:
+        return "no successful evaluation yet"
+    if c.problem.n_objectives > 1:
+        return f"hypervolume {trace[-1]:.6g}"
+    return f"best {c.problem.objectives[0].name} {trace[-1]:.6g}"
+
+
+def _log_report(tracker: Tracker, run_id: str, campaign: Campaign, name: str) -> None:
+    with tempfile.TemporaryDirectory() as tmp:
+        for fname, data in render_report(campaign, name).items():
+            path = Path(tmp) / fname
+            path.write_bytes(data)
+            tracker.log_artifact(run_id, str(path))
+    metrics = {"evaluations": campaign.n_done, "failed_evaluations": sum(not e.ok for e in campaign.evaluations)}
+    trace = campaign.score_trace()
+    if trace.size:
+        metrics["final_hypervolume" if campaign.problem.n_objectives > 1 else "final_best"] = float(trace[-1])
+    tracker.log_metrics(run_id, metrics)
+
+
+def _candidate_text(params: dict[str, Any]) -> str:
+    """A candidate in one short string: its cell/arch string when the problem gives one."""
+    for key in ("cell", "arch"):
+        if key in params:
+            return str(params[key])
+    return ", ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in params.items())[:120]
+
+
+def _summary(results: list[dict[str, Any]], run_url: str, flow_run_id: str, tracker: Tracker) -> dict[str, Any]:
+    rows, lines, campaigns = [], [], []
+    for r in results:
+        c: Campaign = r["campaign"]
+        names = [o.name for o in c.problem.objectives]
+        front = c.pareto_front()
+        if c.problem.n_objectives == 1 and front:
+            front = [max(front, key=lambda e: e.values[0] * c.problem.signs[0])]
+        for e in front:
+            rows.append([r["name"], str(e.index), ", ".join(f"{n}={v:.6g}" for n, v in zip(names, e.values)),
+                         _candidate_text(e.params)])
+        failed = sum(not e.ok for e in c.evaluations)
+        lines.append(f"{r['name']}: {c.optimizer.name} on {c.problem.name}, {c.n_done} evaluations "
+                     f"({failed} failed), {_score_text(c)}"
+                     + (f" (reference point {c.ref_point_user})" if c.ref_point_user else ""))
+        lines.append(f"  MLflow parent run: {tracker.run_url(r['parent_run_id'])}; checkpoint: {r['checkpoint']}")
+        trace = c.score_trace()
+        campaigns.append({"name": r["name"], "optimizer": c.optimizer.name, "problem": c.problem.name,
+                          "evaluations": c.n_done, "failed": failed, "objectives": names,
+                          "score": float(trace[-1]) if trace.size else None,
+                          "hypervolume": float(trace[-1]) if trace.size and c.problem.n_objectives > 1 else None,
+                          "pareto_front": [{"index": e.index, "values": e.values, "params": e.params} for e in front],
+                          "mlflow_parent_run_id": r["parent_run_id"], "checkpoint": r["checkpoint"]})
+    first = results[0]["parent_run_id"]
+    return {"campaigns": campaigns,
+            "table": {"title": "nas: Pareto front (best point for one objective)",
+                      "columns": ["campaign", "evaluation", "objectives", "candidate"], "rows": rows},
+            "lines": lines, "prefect_flow_run_id": flow_run_id, "prefect_flow_run_url": run_url,
+            "mlflow_run_id": first, "mlflow_run_url": tracker.run_url(first)}

@@ -1,0 +1,140 @@
+"""The `nas` flow end to end through the real stack, as a user runs it (`paperline run nas`):
+the campaign's results equal an in-process run of the same seeded campaign, MLflow holds one parent
+run per campaign with one child run per evaluation and the artifacts, S3 holds the checkpoint, and
+a campaign killed mid-run resumes to the same result."""
+
+import io
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import numpy as np
+import pytest
+
+pytestmark = [pytest.mark.stack, pytest.mark.filterwarnings("ignore")]
+
+LIVE = {"optimizer": "lamoo", "problem": "live-mnist", "budget": 4, "q": 2, "n_init": 2, "campaign": "test-live",
+        "problem_options": {"epochs": 1, "n_train": 500}}
+MAIN = ["--set", "budget=20", "--set", "campaign=test-demo"]
+
+
+def cli(env, *args, summary=None, timeout=600):
+    cmd = [sys.executable, "-m", "paperline.flows.cli", *args] + (["--summary-json", str(summary)] if summary else [])
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    return proc
+
+
+@pytest.fixture(scope="module")
+def nas_run(stack, tmp_path_factory, cli_env):
+    _, info = stack
+    summary = tmp_path_factory.mktemp("nas") / "summary.json"
+    proc = cli(cli_env, "run", "nas", "--preset", "demo", *MAIN, "--set", f"live={json.dumps(LIVE)}", summary=summary)
+    return info, proc, json.loads(summary.read_text())
+
+
+def reference(budget=20, campaign_q=5, **kw):
+    from paperline.kernels.search.campaign import Campaign, run_campaign
+
+    return run_campaign(Campaign("nasbench201-cifar10", "lamoo", budget=budget, q=campaign_q, seed=0, n_init=10,
+                                 problem_options={"objectives": ["val_accuracy_pct", "model_size_mb"]}, **kw))
+
+
+def test_flow_prints_the_front_and_equals_the_in_process_campaign(nas_run):
+    _, proc, summary = nas_run
+    out = " ".join(proc.stdout.split())
+    assert "Pareto front" in out and "hypervolume" in out
+    main, live = summary["campaigns"]
+    assert (main["name"], main["evaluations"], live["name"], live["evaluations"]) == ("test-demo", 20, "test-live", 4)
+    ref = reference()
+    assert main["hypervolume"] == pytest.approx(ref.score_trace()[-1], rel=1e-12)
+    assert sorted(e["index"] for e in main["pareto_front"]) == sorted(e.index for e in ref.pareto_front())
+    assert live["hypervolume"] > 0 and live["objectives"] == ["val_accuracy_pct", "params_count", "latency_ms"]
+
+
+def test_mlflow_has_parent_and_child_runs_with_curves_and_artifacts(nas_run):
+    import pyarrow.parquet as pq
+
+    from paperline.infra.tracking import Tracker
+
+    info, _, summary = nas_run
+    tracker = Tracker(info.mlflow_tracking_uri)
+    client = tracker.client
+    for camp in summary["campaigns"]:
+        parent = client.get_run(camp["mlflow_parent_run_id"])
+        assert parent.info.status == "FINISHED"
+        assert parent.data.tags["prefect.flow_run_id"] == summary["prefect_flow_run_id"]
+        children = tracker.child_run_tags("nas", camp["mlflow_parent_run_id"])
+        assert sorted(int(t["paperline.evaluation_index"]) for t in children) == list(range(camp["evaluations"]))
+        hv = client.get_metric_history(parent.info.run_id, "hypervolume")
+        assert sorted(m.step for m in hv) == list(range(1, camp["evaluations"] + 1))
+        assert max(m.value for m in hv) == pytest.approx(camp["hypervolume"])
+        names = {a.path for a in client.list_artifacts(parent.info.run_id)}
+        assert {"pareto_front.png", "hypervolume.png", "partition_tree.json", "partition_tree.png",
+                "evaluations.parquet"} <= names
+    main = summary["campaigns"][0]
+    path = client.download_artifacts(main["mlflow_parent_run_id"], "evaluations.parquet")
+    table = pq.read_table(path).to_pandas()
+    assert len(table) == 20 and table["pareto"].sum() == len(main["pareto_front"])
+    tree = json.loads(open(client.download_artifacts(main["mlflow_parent_run_id"], "partition_tree.json")).read())
+    assert tree["n"] == 20 and len(tree["children"]) == 2  # LaMOO split the 20 samples
+
+
+def test_checkpoint_in_s3_holds_the_whole_campaign(nas_run):
+    from paperline.infra.storage import ObjectStore
+
+    info, _, summary = nas_run
+    state = json.loads(ObjectStore.from_stack(info).get_bytes(summary["campaigns"][0]["checkpoint"]))
+    assert len(state["campaign"]["evaluations"]) == 20
+    assert state["mlflow_parent_run_id"] == summary["campaigns"][0]["mlflow_parent_run_id"]
+
+
+def test_a_killed_campaign_resumes_to_the_uninterrupted_result(stack, cli_env, tmp_path):
+    from paperline.infra.storage import ObjectStore
+
+    _, info = stack
+    store = ObjectStore.from_stack(info)
+    args = ["run", "nas", "--preset", "demo", "--set", "budget=30", "--set", "campaign=test-kill"]
+    uri = f"s3://{info.data_bucket}/nas/campaigns/test-kill/checkpoint.json"
+    log = tmp_path / "killed.log"
+    with open(log, "w") as out:
+        proc = subprocess.Popen([sys.executable, "-m", "paperline.flows.cli", *args], env=cli_env, stdout=out,
+                                stderr=subprocess.STDOUT, start_new_session=True)
+    done = 0
+    deadline = time.time() + 300
+    while time.time() < deadline and proc.poll() is None:
+        if store.exists(uri):
+            done = len(json.loads(store.get_bytes(uri))["campaign"]["evaluations"])
+            if done >= 15:
+                break
+        time.sleep(0.2)
+    assert proc.poll() is None, log.read_text()[-3000:]
+    os.killpg(proc.pid, signal.SIGKILL)  # the flow process and its local Dask workers
+    proc.wait()
+    assert 15 <= done < 30
+    summary = tmp_path / "summary.json"
+    resumed = cli(cli_env, *args, summary=summary)
+    assert "resuming" in resumed.stdout + resumed.stderr
+    state = json.loads(store.get_bytes(uri))["campaign"]
+    ref = reference(budget=30)
+    assert [e["x"] for e in state["evaluations"]] == [e.x for e in ref.evaluations]
+    assert json.loads(summary.read_text())["campaigns"][0]["hypervolume"] == pytest.approx(ref.score_trace()[-1])
+
+
+@pytest.mark.parametrize(("sets", "match"), [
+    (["optimizer=annealing"], "unknown optimizer"),
+    (["problem=knapsack"], "unknown problem"),
+    (["budget=5"], "smaller than the initial design"),
+    (["q=0"], "q"),
+    (["ref_point=[99.0, 2.0]"], "no point dominates"),
+])
+def test_bad_parameters_fail_before_anything_runs(cli_env, sets, match):
+    args = ["run", "nas", "--preset", "demo"] + [a for s in sets for a in ("--set", s)]
+    proc = subprocess.run([sys.executable, "-m", "paperline.flows.cli", *args], env=cli_env, capture_output=True,
+                          text=True, timeout=300)
+    assert proc.returncode == 1
+    err = " ".join(proc.stderr.split())
+    assert "error:" in err and match in err, err
