@@ -114,7 +114,8 @@ class Campaign:
         self.optimizer: Optimizer = make_optimizer(optimizer, problem.space, problem.n_objectives, seed=self.seed,
                                                    n_init=self.n_init, ref_point=ref, **(optimizer_options or {}))
         self.evaluations: list[Evaluation] = []
-        self.suggest_seconds: list[float] = []
+        self.suggest_seconds: list[float] = []  # per told batch: seconds its ask took
+        self._last_ask_s = math.nan
 
     # -- steps ------------------------------------------------------------------------------------
     @property
@@ -146,7 +147,8 @@ class Campaign:
                                   r["values"], r["error"], float(r["seconds"])))
         self.optimizer.tell(x, y)
         self.evaluations += new
-        self.suggest_seconds.append(float(getattr(self, "_last_ask_s", math.nan)))
+        self.suggest_seconds.append(self._last_ask_s)
+        self._last_ask_s = math.nan
         return new
 
     # -- results ----------------------------------------------------------------------------------

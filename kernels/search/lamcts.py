@@ -71,6 +71,7 @@ class PartitionOptimizer(Optimizer):
         if "sampler" in o and o["sampler"] not in self.samplers:
             raise InputError("sampler", o["sampler"], f"known samplers: {', '.join(self.samplers)}")
         self._root: pt.PartitionNode | None = None
+        self._gp: tuple[Any, int] = (None, -1)  # (GP, n_batches it was fitted at): a cache, not state
 
     samplers: tuple[str, ...] = SAMPLERS
 
@@ -92,6 +93,14 @@ class PartitionOptimizer(Optimizer):
                              leaf_size=int(self.options["leaf_size"]))
         self._root = root
         return root
+
+    def surrogate(self) -> Any:
+        """The GP on every successful sample, fitted once per ask and shared by its regions."""
+        if self._gp[1] != self.n_batches:
+            x, y = self.data()
+            with seeded_torch(self.torch_seed(5)):
+                self._gp = (fit_gp(self.space.features(x), y), self.n_batches)
+        return self._gp[0]
 
     def _suggest(self, q: int) -> np.ndarray:
         x, y = self.data()
@@ -153,9 +162,9 @@ class LAMCTS(PartitionOptimizer):
             return super().sample_region(path, x_leaf, y_leaf, k, rng)
         x, y = self.data()
         n = int(self.options["n_candidates"])
+        model = self.surrogate()
         with seeded_torch(self.torch_seed(len(path))):
             feats = self.space.features(x)
-            model = fit_gp(feats, y)
             if sampler == "turbo" and not self.space.is_categorical:
                 center = self.space.features(x_leaf[np.argmax(y_leaf[:, 0])])[0]
                 pool = self.space.from_unit(trust_region_candidates(center, model, float(self.options["turbo_length"]),

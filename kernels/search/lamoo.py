@@ -20,7 +20,7 @@ import numpy as np
 
 from paperline.kernels.search import partition as pt
 from paperline.kernels.search.base import OPTIMIZERS
-from paperline.kernels.search.botorch_opt import acquisition, fit_gp, seeded_torch, select_discrete
+from paperline.kernels.search.botorch_opt import acquisition, seeded_torch, select_discrete
 from paperline.kernels.search.lamcts import PartitionOptimizer
 from paperline.kernels.search.nsga2 import offspring
 from paperline.kernels.search.pareto import dominance_numbers, hypervolume
@@ -82,9 +82,9 @@ class LaMOO(PartitionOptimizer):
             pool = np.vstack([inside, children]) if inside.shape[0] < k else inside
             return pool[self.is_new(pool)] if self.space.is_categorical else pool
         x, y = self.data()
+        model = self.surrogate()
         with seeded_torch(self.torch_seed(len(path))):
             feats = self.space.features(x)
-            model = fit_gp(feats, y)
             pool = pt.region_candidates(self.space, path, x_leaf, rng, n)
             pool = pool[self.is_new(pool)] if self.space.is_categorical else pool
             if pool.shape[0] == 0:

@@ -65,3 +65,82 @@ def test_invalid_parameters_are_rejected_with_the_validation_error(served):
         with pytest.raises(Exception) as err:
             client.create_flow_run_from_deployment(deployment.id, parameters={"params": {"tile": 0}})
     assert "tile" in str(err.value) and ("0" in str(err.value))
+
+
+# -- the same, in a real browser --------------------------------------------------------------------
+CHROMIUM_ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
+                 "--disable-background-networking", "--disable-component-update", "--disable-sync"]
+
+
+def _browser_or_skip():
+    """Playwright driving the system's Chromium (Debian's `chromium`; `.ci/run` installs it and sets
+    PAPERLINE_REQUIRE_BROWSER=1 so that a missing browser fails there instead of skipping)."""
+    import os
+    import shutil
+
+    chromium = os.environ.get("PAPERLINE_CHROMIUM") or shutil.which("chromium") or shutil.which("chromium-browser")
+    try:
+        import playwright.sync_api  # noqa: F401
+    except ImportError:
+        chromium = None
+    if chromium is None:
+        if os.environ.get("PAPERLINE_REQUIRE_BROWSER"):
+            pytest.fail("the browser test needs Debian's chromium and the playwright package (.ci/run installs both)")
+        pytest.skip("no chromium/playwright here; .ci/run installs them")
+    return chromium
+
+
+@pytest.mark.browser
+def test_prefect_and_mlflow_uis_show_the_deployments_and_the_runs(served, wait_for_flow_run):
+    """Headless Chromium opens the Prefect UI's deployments page and finds every deployment, runs a
+    small campaign from the nas deployment (the UI's Run call), then finds that run on the Prefect
+    flow-runs page and the campaign in the MLflow UI's runs page. Screenshots go to
+    ``$PAPERLINE_TEST_ARTIFACTS`` (default ``test-artifacts/``)."""
+    import os
+    from pathlib import Path
+
+    from playwright.sync_api import sync_playwright
+    from prefect.client.orchestration import get_client
+
+    from paperline.infra.tracking import Tracker
+
+    chromium = _browser_or_skip()
+    info, proc, log = served
+    shots = Path(os.environ.get("PAPERLINE_TEST_ARTIFACTS", Path(__file__).resolve().parents[2] / "test-artifacts"))
+    shots = shots / "browser"
+    shots.mkdir(parents=True, exist_ok=True)
+    names = ["gemm/local", "nas/local", "tensor-factorization/local"]
+    campaign = f"browser-{int(time.time())}"
+    with get_client(sync_client=True) as client:
+        deployments = [_deployment(client, n, proc, log) for n in names]
+        params = {"optimizer": "random", "problem": "branin-currin", "budget": 6, "q": 3, "n_init": 3,
+                  "campaign": campaign}
+        run = client.create_flow_run_from_deployment(deployments[1].id, parameters={"params": params})
+        state = wait_for_flow_run(client, run.id, proc, log)
+        assert state.name == "Completed", (state, log.read_text()[-3000:])
+        run_name = client.read_flow_run(run.id).name
+    tracker = Tracker(info.mlflow_tracking_uri)
+    experiment_id = tracker.client.get_experiment_by_name("nas").experiment_id
+    prefect_ui, mlflow_ui = info.prefect_ui_url.rstrip("/"), info.mlflow_tracking_uri.rstrip("/")
+    with sync_playwright() as p:
+        browser = p.chromium.launch(executable_path=chromium, args=CHROMIUM_ARGS)
+        page = browser.new_page(viewport={"width": 1400, "height": 900})
+        try:
+            page.goto(f"{prefect_ui}/deployments", wait_until="load")
+            for n in names:  # each row: the deployment's name over its flow's name
+                page.get_by_text(n.split("/")[0], exact=True).first.wait_for(timeout=60_000)
+            assert page.get_by_text("local", exact=True).count() >= len(names)
+            page.screenshot(path=str(shots / "prefect-deployments.png"), full_page=True)
+            page.goto(f"{prefect_ui}/runs", wait_until="load")
+            page.get_by_text(run_name).first.wait_for(timeout=60_000)
+            page.screenshot(path=str(shots / "prefect-runs.png"), full_page=True)
+            page.goto(f"{mlflow_ui}/#/experiments/{experiment_id}/runs", wait_until="load")
+            page.get_by_text(campaign).first.wait_for(timeout=60_000)
+            page.screenshot(path=str(shots / "mlflow-runs.png"), full_page=True)
+        except Exception:
+            page.screenshot(path=str(shots / "failure.png"), full_page=True)
+            raise
+        finally:
+            browser.close()
+    for name in ("prefect-deployments.png", "prefect-runs.png", "mlflow-runs.png"):
+        assert (shots / name).stat().st_size > 10_000
