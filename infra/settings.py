@@ -36,6 +36,12 @@ class Settings(BaseSettings):
         n_workers: Workers of the local CPU cluster. Unset: one single-threaded worker per core.
         s3_port / prefect_port / mlflow_port: Preferred local ports; free ones are picked if taken.
         startup_timeout_s: Seconds to wait for each local server's health check.
+        prefect_database_url: Database of the local Prefect server, e.g.
+            ``postgresql+asyncpg://user:password@127.0.0.1:5432/prefect`` (``postgresql://`` is
+            taken to mean asyncpg). Unset: SQLite in ``state_dir``. Never logged.
+        mlflow_backend_store_uri: Backend store of the local MLflow server, e.g.
+            ``postgresql://user:password@127.0.0.1:5432/mlflow``. Unset: SQLite in ``state_dir``.
+            Passed to the server in its environment, never on its command line; never logged.
     """
 
     model_config = SettingsConfigDict(env_prefix="PAPERLINE_", env_file=".env", extra="ignore")
@@ -63,10 +69,32 @@ class Settings(BaseSettings):
     mlflow_port: int = 5000
     startup_timeout_s: float = Field(default=120.0, gt=0)
 
+    prefect_database_url: SecretStr | None = None
+    mlflow_backend_store_uri: SecretStr | None = None
+
     @field_validator("state_dir")
     @classmethod
     def _expand(cls, v: Path) -> Path:
         return Path(v).expanduser().resolve()
+
+    @field_validator("prefect_database_url")
+    @classmethod
+    def _asyncpg(cls, v: SecretStr | None) -> SecretStr | None:
+        if v is None:
+            return None
+        url = v.get_secret_value()
+        if url.startswith(("postgresql://", "postgres://")):
+            url = "postgresql+asyncpg://" + url.split("://", 1)[1]
+        if not url.startswith(("postgresql+asyncpg://", "sqlite+aiosqlite://")):
+            raise ValueError("expected postgresql+asyncpg://... or sqlite+aiosqlite://... (Prefect's drivers)")
+        return SecretStr(url)
+
+    @field_validator("mlflow_backend_store_uri")
+    @classmethod
+    def _sql_store(cls, v: SecretStr | None) -> SecretStr | None:
+        if v is not None and not v.get_secret_value().startswith(("postgresql", "sqlite:", "mysql")):
+            raise ValueError("expected an SQLAlchemy database URI (postgresql://..., sqlite:///..., mysql://...)")
+        return v
 
     @property
     def uses_local_stack(self) -> bool:

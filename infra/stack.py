@@ -502,7 +502,8 @@ def _start_prefect(
         {
             "PREFECT_HOME": str(home),
             "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
-            "PREFECT_SERVER_DATABASE_CONNECTION_URL": f"sqlite+aiosqlite:///{home / 'prefect.db'}",
+            "PREFECT_SERVER_DATABASE_CONNECTION_URL": settings.prefect_database_url.get_secret_value()
+            if settings.prefect_database_url else f"sqlite+aiosqlite:///{home / 'prefect.db'}",
             "PREFECT_SERVER_UI_API_URL": f"{url}/api",
             "PREFECT_SERVER_UI_SHOW_PROMOTIONAL_CONTENT": "false",
             "PREFECT_SERVER_API_HOST": host,
@@ -533,6 +534,9 @@ def _start_mlflow(
     env.update(
         {
             "MLFLOW_SERVER_ENABLE_JOB_EXECUTION": "false",
+            # the store URI may hold a password: the environment, not the command line (`ps`)
+            "MLFLOW_BACKEND_STORE_URI": settings.mlflow_backend_store_uri.get_secret_value()
+            if settings.mlflow_backend_store_uri else f"sqlite:///{home / 'mlflow.db'}",
             "AWS_DEFAULT_REGION": settings.s3_region,
             "AWS_REGION": settings.s3_region,
         }
@@ -552,8 +556,6 @@ def _start_mlflow(
         host,
         "--port",
         str(port),
-        "--backend-store-uri",
-        f"sqlite:///{home / 'mlflow.db'}",
         "--artifacts-destination",
         f"s3://{settings.artifacts_bucket}/mlflow",
         "--workers",

@@ -1,0 +1,98 @@
+"""The local stack on PostgreSQL instead of SQLite (Prefect's database, MLflow's backend store),
+against a real PostgreSQL server: `.ci/run` installs Debian's postgresql, starts it and exports
+PAPERLINE_TEST_POSTGRES_URL (a role that may create databases). A flow run and an MLflow run land in
+PostgreSQL, no SQLite file is created, and the database password shows up in no log, state file
+or command line."""
+
+import os
+import secrets
+import subprocess
+import sys
+
+import pytest
+
+pytestmark = pytest.mark.postgres
+
+
+def _admin_url() -> str:
+    url = os.environ.get("PAPERLINE_TEST_POSTGRES_URL")  # postgresql://user:password@host:port/postgres
+    if not url:
+        if os.environ.get("PAPERLINE_REQUIRE_POSTGRES"):
+            pytest.fail("PAPERLINE_TEST_POSTGRES_URL is unset (.ci/run starts PostgreSQL and sets it)")
+        pytest.skip("no PostgreSQL server configured (set PAPERLINE_TEST_POSTGRES_URL; .ci/run does)")
+    return url
+
+
+@pytest.fixture(scope="module")
+def pg_stack(tmp_path_factory, settings_factory):
+    import psycopg
+
+    from paperline.infra.stack import ensure_stack, stop_stack
+
+    admin = _admin_url()
+    base = admin.rsplit("/", 1)[0]
+    dbs = {k: f"paperline_test_{k}_{secrets.token_hex(4)}" for k in ("prefect", "mlflow")}
+    conn = psycopg.connect(admin, autocommit=True)
+    with conn.cursor() as cur:
+        for db in dbs.values():
+            cur.execute(f'CREATE DATABASE "{db}"')
+    settings = settings_factory(tmp_path_factory.mktemp("pgstack"),
+                                prefect_database_url=f"{base}/{dbs['prefect']}",
+                                mlflow_backend_store_uri=f"{base}/{dbs['mlflow']}")
+    try:
+        info = ensure_stack(settings)
+        yield settings, info, base, dbs
+    finally:
+        stop_stack(settings)
+        with conn.cursor() as cur:
+            for db in dbs.values():
+                cur.execute(f'DROP DATABASE IF EXISTS "{db}" WITH (FORCE)')
+        conn.close()
+
+
+def _rows(url: str, sql: str, *args):
+    import psycopg
+
+    with psycopg.connect(url) as conn, conn.cursor() as cur:
+        cur.execute(sql, args)
+        return cur.fetchall()
+
+
+def test_flow_runs_and_mlflow_runs_are_stored_in_postgresql(pg_stack):
+    from paperline.infra.tracking import Tracker
+
+    settings, info, base, dbs = pg_stack
+    code = ("from prefect import flow\n"
+            "@flow(name='pg-check')\n"
+            "def check():\n    return 42\n"
+            "from prefect.runtime import flow_run\n"
+            "print(check(return_state=True).state_details.flow_run_id)\n")
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("PREFECT_", "PAPERLINE_"))}
+    env.update(PREFECT_API_URL=info.prefect_api_url, PREFECT_SERVER_ANALYTICS_ENABLED="false")
+    proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    flow_run_id = proc.stdout.strip().splitlines()[-1]
+    rows = _rows(f"{base}/{dbs['prefect']}", "SELECT state_type FROM flow_run WHERE id = %s", flow_run_id)
+    assert rows == [("COMPLETED",)]
+
+    tracker = Tracker(info.mlflow_tracking_uri)
+    run_id = tracker.start_run("pg-check", run_name="pg", params={"x": 1})
+    tracker.log_metrics(run_id, {"value": 3.5})
+    tracker.end_run(run_id)
+    rows = _rows(f"{base}/{dbs['mlflow']}", "SELECT status FROM runs WHERE run_uuid = %s", run_id)
+    assert rows == [("FINISHED",)]
+    assert _rows(f"{base}/{dbs['mlflow']}", "SELECT value FROM metrics WHERE run_uuid = %s", run_id) == [(3.5,)]
+    assert not list(settings.state_dir.rglob("*.db")), "SQLite files were created next to PostgreSQL"
+
+
+def test_the_database_password_is_not_written_or_shown(pg_stack):
+    import psutil
+
+    settings, info, base, _ = pg_stack
+    password = base.split("://", 1)[1].split("@", 1)[0].split(":", 1)[1]
+    assert password and password not in repr(settings)
+    for path in settings.state_dir.rglob("*"):
+        if path.is_file() and path.suffix in {".log", ".json", ".yaml", ".toml", ""} and path.stat().st_size < 50e6:
+            assert password not in path.read_text(errors="replace"), path
+    for p in psutil.process_iter(["cmdline"]):
+        assert password not in " ".join(p.info["cmdline"] or []), p.info["cmdline"]
