@@ -14,8 +14,9 @@ SERVICES = COMPOSE["services"]
 
 def test_the_production_services_are_all_there():
     assert set(SERVICES) == {"postgres", "s3", "prefect-server", "mlflow", "dask-scheduler", "dask-worker",
-                             "dask-cuda-worker", "prefect-worker"}
-    assert SERVICES["dask-cuda-worker"]["profiles"] == ["gpu"]  # the stack works on CPU-only hosts
+                             "dask-cuda-worker", "prefect-worker", "prefect-worker-gpu"}
+    for gpu_service in ("dask-cuda-worker", "prefect-worker-gpu"):
+        assert SERVICES[gpu_service]["profiles"] == ["gpu"]  # the stack works on CPU-only hosts
 
 
 def test_published_ports_bind_loopback_only():
@@ -30,7 +31,8 @@ def test_prefect_and_mlflow_use_postgres_and_mlflow_stores_artifacts_in_s3():
     prefect_db = SERVICES["prefect-server"]["environment"]["PREFECT_API_DATABASE_CONNECTION_URL"]
     assert prefect_db.startswith("postgresql+asyncpg://") and "@postgres:5432/" in prefect_db
     cmd = SERVICES["mlflow"]["command"]
-    assert cmd[cmd.index("--backend-store-uri") + 1].startswith("postgresql://")
+    assert "--backend-store-uri" not in cmd and "PASSWORD" not in " ".join(cmd)  # no password on a command line
+    assert SERVICES["mlflow"]["environment"]["MLFLOW_BACKEND_STORE_URI"].startswith("postgresql://")
     assert cmd[cmd.index("--artifacts-destination") + 1].startswith("s3://")
     assert SERVICES["mlflow"]["environment"]["MLFLOW_S3_ENDPOINT_URL"] == "http://s3:9000"
     for svc in ("prefect-server", "mlflow"):
@@ -49,6 +51,28 @@ def test_workers_point_at_the_scheduler_the_api_and_the_pools_prefect_yaml_uses(
     assert "tcp://dask-scheduler:8786" in SERVICES["dask-cuda-worker"]["command"]
     gpus = SERVICES["dask-cuda-worker"]["deploy"]["resources"]["reservations"]["devices"][0]
     assert gpus["capabilities"] == ["gpu"]
+    gpu_pool = yaml.safe_load((INFRA.parent / "prefect.yaml").read_text())["definitions"]["work_pools"]["gpu"]["name"]
+    gpu_worker = SERVICES["prefect-worker-gpu"]
+    assert gpu_worker["extends"] == {"service": "prefect-worker"}  # the same API, scheduler, S3 and scratch
+    assert gpu_worker["depends_on"] == SERVICES["prefect-worker"]["depends_on"]  # not inherited by `extends`
+    assert gpu_worker["command"][gpu_worker["command"].index("--pool") + 1] == gpu_pool
+    assert gpu_worker["environment"]["PAPERLINE_DEVICE"] == "cuda"
+    assert gpu_worker["deploy"]["resources"]["reservations"]["devices"][0]["capabilities"] == ["gpu"]
+
+
+def test_services_that_others_wait_on_have_health_checks():
+    waited = {dep for svc in SERVICES.values() if isinstance(svc.get("depends_on"), dict)
+              for dep, cond in svc["depends_on"].items() if cond.get("condition") == "service_healthy"}
+    assert {"postgres", "s3", "prefect-server", "mlflow"} <= waited
+    for name in waited:
+        assert "healthcheck" in SERVICES[name], name
+
+
+def test_the_example_password_is_url_safe_as_the_connection_urls_need():
+    env = dict(line.split("=", 1) for line in (INFRA / "compose.env.example").read_text().splitlines()
+               if line and not line.startswith("#"))
+    assert re.fullmatch(r"[A-Za-z0-9._~-]+", env["POSTGRES_PASSWORD"])
+    assert "URL-safe" in (INFRA / "compose.env.example").read_text()
 
 
 def test_no_secret_is_written_in_the_file():
@@ -70,4 +94,5 @@ def test_mlflow_accepts_in_network_clients_and_secrets_stay_out_of_images():
 def test_flow_and_dask_workers_share_the_scratch_volume():
     for name in ("prefect-worker", "dask-worker", "dask-cuda-worker"):
         assert any(v.startswith("scratch:") for v in SERVICES[name]["volumes"]), name
+    # prefect-worker-gpu inherits the volume through `extends`
     assert SERVICES["prefect-worker"]["environment"]["PAPERLINE_STATE_DIR"].startswith("/scratch")
