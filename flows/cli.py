@@ -251,8 +251,14 @@ def serve() -> None:
 
     from paperline.flows.pipelines import get_pipeline, pipeline_names
 
+    import os
+
+    from paperline.infra.stack import FLOW_HEARTBEAT_S
+
     _quiet_logs()
     info = _ensure_stack()
+    # runs started here heartbeat, so a killed serve process leaves them Crashed (`paperline up`'s automation)
+    os.environ.setdefault("PREFECT_FLOWS_HEARTBEAT_FREQUENCY", str(FLOW_HEARTBEAT_S))
     deployments = []
     for name in pipeline_names():
         spec = get_pipeline(name)
@@ -277,13 +283,14 @@ def worker(pool: str = typer.Option("cpu", "--pool", help="cpu or gpu (the work 
 
     import paperline
     from paperline.infra.errors import InputError
-    from paperline.infra.stack import WORK_POOLS
+    from paperline.infra.stack import FLOW_HEARTBEAT_S, WORK_POOLS
 
     if pool not in WORK_POOLS:
         raise InputError("--pool", pool, f"expected one of {', '.join(WORK_POOLS)}")
     _quiet_logs()
     info = _ensure_stack()  # also creates the work pools
     env = dict(os.environ)  # activate() put the stack's PREFECT_API_URL / MLFLOW_TRACKING_URI here
+    env.setdefault("PREFECT_FLOWS_HEARTBEAT_FREQUENCY", str(FLOW_HEARTBEAT_S))  # see ensure_zombie_automation
     if pool == "gpu":
         env["PAPERLINE_DEVICE"] = "cuda"
     # Deployment entrypoints are relative paths (flows/gemm.py): run from the package's directory.

@@ -621,6 +621,55 @@ def ensure_work_pools(api_url: str) -> None:
         raise ServiceError("prefect", f"could not create the work pools: {exc}", url=api_url) from exc
 
 
+FLOW_HEARTBEAT_S = 30  # PREFECT_FLOWS_HEARTBEAT_FREQUENCY for the runs of `paperline serve`/`worker` (Prefect's minimum)
+ZOMBIE_AUTOMATION = "paperline: crash runs that stopped heartbeating"
+
+
+def ensure_zombie_automation(api_url: str, within_s: float = 3 * FLOW_HEARTBEAT_S) -> None:
+    """Create (once) the automation that marks a Running flow run Crashed when its heartbeats stop
+    for ``within_s`` seconds: a worker or serve process killed mid-run (SIGKILL, OOM, a lost
+    machine) then leaves the run Crashed instead of Running forever (Prefect's zombie-flow recipe).
+
+    Raises:
+        ServiceError: The Prefect API rejected it or is unreachable.
+    """
+    from datetime import timedelta  # noqa: PLC0415
+
+    from prefect.automations import Automation  # noqa: PLC0415
+    from prefect.client.schemas.objects import StateType  # noqa: PLC0415
+    from prefect.events.actions import ChangeFlowRunState  # noqa: PLC0415
+    from prefect.events.schemas.automations import EventTrigger, Posture  # noqa: PLC0415
+    from prefect.events.schemas.events import ResourceSpecification  # noqa: PLC0415
+    from prefect.settings import PREFECT_API_URL, temporary_settings  # noqa: PLC0415
+
+    try:
+        with temporary_settings({PREFECT_API_URL: api_url}):
+            try:
+                if Automation.read(name=ZOMBIE_AUTOMATION) is not None:
+                    return
+            except ValueError:  # not found
+                pass
+            Automation(
+                name=ZOMBIE_AUTOMATION,
+                description="A Running flow run whose heartbeats stop is marked Crashed (paperline up).",
+                trigger=EventTrigger(
+                    after={"prefect.flow-run.heartbeat"},
+                    expect={"prefect.flow-run.heartbeat", "prefect.flow-run.Completed", "prefect.flow-run.Failed",
+                            "prefect.flow-run.Cancelled", "prefect.flow-run.Crashed"},
+                    match=ResourceSpecification({"prefect.resource.id": ["prefect.flow-run.*"]}),
+                    for_each={"prefect.resource.id"},
+                    posture=Posture.Proactive,
+                    threshold=1,
+                    within=timedelta(seconds=within_s),
+                ),
+                actions=[ChangeFlowRunState(state=StateType.CRASHED,
+                                            message=f"No heartbeat for {within_s:.0f} s: the process running this "
+                                                    "flow run died (killed worker, OOM, lost machine).")],
+            ).create()
+    except Exception as exc:  # noqa: BLE001
+        raise ServiceError("prefect", f"could not create the zombie-run automation: {exc}", url=api_url) from exc
+
+
 # --------------------------------------------------------------------------------------------------
 # Public API
 
@@ -799,6 +848,7 @@ def ensure_stack(settings: Settings, *, progress: Progress | None = None) -> Sta
                 _save_result_block(prefect_api, s3_obj_url, key, secret, settings)
                 say(f"prefect: work pools {', '.join(WORK_POOLS.values())}")
                 ensure_work_pools(prefect_api)
+                ensure_zombie_automation(prefect_api)
                 state["result_block"] = fingerprint
 
             save()

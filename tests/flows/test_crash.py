@@ -1,0 +1,61 @@
+"""A process executing a flow run killed mid-run (SIGKILL: no chance to report) leaves the run
+Crashed, never stuck Running: `paperline serve` runs emit heartbeats and `paperline up` installs
+the automation that crashes a run whose heartbeats stop."""
+
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+pytestmark = pytest.mark.stack
+
+
+def test_a_killed_serve_process_leaves_its_run_crashed(stack, tmp_path, cli_env):
+    from prefect.client.orchestration import get_client
+    from prefect.exceptions import ObjectNotFound
+
+    from paperline.infra.stack import FLOW_HEARTBEAT_S, ZOMBIE_AUTOMATION
+
+    log = tmp_path / "serve.log"
+    with open(log, "w") as out:
+        proc = subprocess.Popen([sys.executable, "-m", "paperline.flows.cli", "serve"], env=cli_env,
+                                stdout=out, stderr=out, start_new_session=True)
+    try:
+        with get_client(sync_client=True) as client:
+            assert [a.name for a in client.read_automations()].count(ZOMBIE_AUTOMATION) == 1
+            deadline = time.time() + 120
+            while True:
+                assert proc.poll() is None, log.read_text()[-3000:]
+                try:
+                    deployment = client.read_deployment_by_name("nas/local")
+                    break
+                except ObjectNotFound:
+                    assert time.time() < deadline, log.read_text()[-3000:]
+                    time.sleep(1)
+            # a campaign that trains CNNs for minutes: long enough to be killed while Running
+            params = {"optimizer": "random", "problem": "live-mnist", "budget": 200, "q": 2, "n_init": 2,
+                      "campaign": f"crash-{int(time.time())}"}
+            run = client.create_flow_run_from_deployment(deployment.id, parameters={"params": params})
+            deadline = time.time() + 180
+            while client.read_flow_run(run.id).state.name != "Running":
+                assert proc.poll() is None and time.time() < deadline, log.read_text()[-3000:]
+                time.sleep(1)
+            time.sleep(FLOW_HEARTBEAT_S + 10)  # at least one heartbeat has gone out
+            assert client.read_flow_run(run.id).state.name == "Running"
+        os.killpg(proc.pid, signal.SIGKILL)  # the serve process and the run's subprocess, no goodbye
+        proc.wait()
+        with get_client(sync_client=True) as client:
+            deadline = time.time() + 4 * FLOW_HEARTBEAT_S + 60
+            state = client.read_flow_run(run.id).state
+            while state.name == "Running" and time.time() < deadline:
+                time.sleep(3)
+                state = client.read_flow_run(run.id).state
+        assert state.name == "Crashed", state
+        assert "heartbeat" in (state.message or "")
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
