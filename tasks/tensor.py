@@ -23,21 +23,9 @@ from paperline.kernels.tensor.coo import COOTensor, Split, make_split
 from paperline.kernels.tensor.datasets import load_dataset, read_coo_parquet, write_coo_parquet
 from paperline.kernels.tensor.p2t2f import p2t2f
 from paperline.kernels.tensor.pttf import FitResult, rmse
+from paperline.tasks.retry import retry_unless_bad_input
 
 CACHED = (INPUTS - "store") + TASK_SOURCE
-
-
-def _retry_unless_bad_input(task, task_run, state) -> bool:
-    """Retry transient failures (S3 hiccups), never bad input: it would fail the same way."""
-    from paperline.kernels.errors import InputError
-
-    try:
-        state.result()
-    except InputError:
-        return False
-    except Exception:  # noqa: BLE001 - anything else may be transient
-        return True
-    return False
 
 
 def tensor_to_parquet(tensor: COOTensor) -> bytes:
@@ -54,7 +42,7 @@ def _read_tensor(store: ObjectStore, uri: str, sha256: str, shape: tuple[int, ..
 
 
 @task(name="load-tensor", cache_policy=CACHED, persist_result=True, retries=1,
-      retry_condition_fn=_retry_unless_bad_input)
+      retry_condition_fn=retry_unless_bad_input, timeout_seconds=1800)
 def load_tensor(store: ObjectStore, bucket: str, dataset: str | None = None, data_uri: str | None = None,
                 data_sha256: str | None = None) -> dict[str, Any]:
     """Load a bundled dataset (or a user's Parquet COO file) and store it content-addressed.
@@ -83,7 +71,7 @@ def load_tensor(store: ObjectStore, bucket: str, dataset: str | None = None, dat
 
 
 @task(name="split-tensor", cache_policy=CACHED, persist_result=True, retries=1,
-      retry_condition_fn=_retry_unless_bad_input)
+      retry_condition_fn=retry_unless_bad_input, timeout_seconds=1800)
 def split_tensor(store: ObjectStore, bucket: str, tensor_ref: dict[str, Any], kind: str, seed: int) -> dict[str, Any]:
     """Make a seeded train/validation/test split and commit it as one manifest.
 
@@ -125,7 +113,8 @@ def _commit_fit(store: ObjectStore, bucket: str, method: str, split_ref: dict[st
             "train_rmse": last.get("train_rmse", float("nan")), "fit_seconds": seconds}
 
 
-@task(name="fit-p2t2f", cache_policy=CACHED, persist_result=True)
+@task(name="fit-p2t2f", cache_policy=CACHED, persist_result=True, retries=1,
+      retry_condition_fn=retry_unless_bad_input, timeout_seconds=4 * 3600)
 def fit_p2t2f(store: ObjectStore, bucket: str, split_ref: dict[str, Any], params: dict[str, Any]) -> dict[str, Any]:
     """Fit P²T²F on a split; its P sub-problems run as Dask tasks on the cluster's workers.
 
@@ -151,7 +140,8 @@ def fit_p2t2f(store: ObjectStore, bucket: str, split_ref: dict[str, Any], params
                        rmse(factors, split.test), seconds)
 
 
-@task(name="fit-tensorly-cp", cache_policy=CACHED, persist_result=True)
+@task(name="fit-tensorly-cp", cache_policy=CACHED, persist_result=True, retries=1,
+      retry_condition_fn=retry_unless_bad_input, timeout_seconds=4 * 3600)
 def fit_tensorly_cp(store: ObjectStore, bucket: str, split_ref: dict[str, Any], params: dict[str, Any]) -> dict[str, Any]:
     """Baseline: TensorLy ``parafac`` with a mask (masked CP-ALS) on the same split.
 
@@ -168,7 +158,7 @@ def fit_tensorly_cp(store: ObjectStore, bucket: str, split_ref: dict[str, Any], 
                        rmse(factors, split.test), seconds)
 
 
-@task(name="render-report", cache_policy=CACHED, persist_result=True)
+@task(name="render-report", cache_policy=CACHED, persist_result=True, retries=1, timeout_seconds=600)
 def render_report(store: ObjectStore, fits: list[dict[str, Any]], rows: list[dict[str, Any]],
                   time_split: str) -> dict[str, bytes]:
     """The run's report files, rendered from the fits (a pure function of them, so cached).
