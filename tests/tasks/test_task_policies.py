@@ -20,7 +20,7 @@ def all_tasks():
 
 def test_every_task_has_a_timeout_and_a_retry():
     found = all_tasks()
-    assert len(found) == 11  # 5 gemm, 1 nas, 5 tensor: a new task is checked too
+    assert len(found) >= 11  # 5 gemm, 1 nas, 5 tensor (and any new one)
     for module, name, t in found:
         assert t.timeout_seconds and t.timeout_seconds > 0, (module, name)
         assert t.retries >= 1, (module, name)
