@@ -1,0 +1,1 @@
+"""Communication kernels for data-parallel training: gradient compressors and Linear Pipelining collectives."""

@@ -1,0 +1,609 @@
+"""Gradient compressors (kernels/comm/compressors.py).
+
+Pure tests check the compress/decompress math against numpy float64 references without a process
+group. The distributed tests run real DDP on 2 gloo processes on 127.0.0.1 (this file, run as a
+script with ``--worker``, is the rank program): one launch runs every scenario and writes its
+results, and each test below checks one of them against a reference computed here from the ranks'
+independently computed local gradients (float64 means):
+
+* ``none``: the exact mean (atol = 0); ``fp16``: within float16 rounding;
+* ``fft``: θ = 1 without quantization reproduces the dense mean; θ < 1 errs by exactly the dropped
+  spectrum (per rank, before averaging); quantization within the stated bound; error feedback is
+  exact (sent + residual == sum of gradients); bytes on the wire as the layout states;
+* ``topk``: k values per rank, the exact mean of the ranks' top-k; error feedback exact;
+* every compressor trains a small model (the loss on a fixed seeded batch goes down).
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import pickle
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+WORLD = 2
+THETA_SPARSE = 0.3
+BITS_QUANT = 10
+
+
+# ---------------------------------------------------------------------------------------------------
+# references
+
+
+def fft_message_nbytes(n: int, theta: float, bits: int) -> int:
+    """The FFT message size written out from the module docstring's F4, independently of FFTLayout."""
+    m = n // 2 + 1
+    k = max(1, min(m, math.ceil(theta * m - 1e-9)))
+    index_bits = max(1, math.ceil(math.log2(m))) if m > 1 else 1
+    index = min(math.ceil(m / 8), math.ceil(k * index_bits / 8))
+    if bits == 32:
+        return index + 2 * k * 4
+    return 16 + index + math.ceil(2 * k * bits / 8)
+
+
+def np_fft_truncate(g: np.ndarray, k: int, gap: float = 1e-10) -> tuple[np.ndarray, np.ndarray]:
+    """float64 reference of F1-F2 + F6 for one rank: ``(kept reconstruction, dropped reconstruction)``.
+    Asserts the k-th and k+1-th magnitudes differ by more than ``gap`` times the largest (the
+    compressor's rounding), so the selection is unambiguous."""
+    n = g.size
+    spec = np.fft.rfft(g)
+    order = np.argsort(np.abs(spec))
+    if k < spec.size:
+        mags = np.abs(spec)[order]
+        assert mags[-k] - mags[-k - 1] > gap * mags[-1], "test data has a near tie at the selection boundary"
+    kept = np.zeros_like(spec)
+    kept[order[-k:]] = spec[order[-k:]]
+    return np.fft.irfft(kept, n), np.fft.irfft(spec - kept, n)
+
+
+# ---------------------------------------------------------------------------------------------------
+# pure functions (no process group)
+
+torch = pytest.importorskip("torch")
+
+from paperline.kernels.comm import compressors as C  # noqa: E402
+from paperline.kernels.errors import InputError  # noqa: E402
+
+
+@pytest.mark.parametrize("bits", [1, 2, 3, 5, 8, 11, 16, 22, 31, 32])
+def test_pack_bits_round_trip_and_length(bits):
+    g = torch.Generator().manual_seed(bits)
+    codes = torch.randint(0, 2**bits, (1003,), generator=g, dtype=torch.int64)
+    stream = C.pack_bits(codes, bits)
+    assert stream.dtype == torch.uint8 and stream.numel() == math.ceil(1003 * bits / 8)
+    assert torch.equal(C.unpack_bits(stream, bits, 1003), codes)
+    # LSB-first stream: bit p is bit p % 8 of byte p // 8 (reference written out in numpy)
+    stream_bits = np.unpackbits(stream.numpy(), bitorder="little")
+    first = sum(int(stream_bits[j]) << j for j in range(bits))
+    assert first == int(codes[0])
+
+
+@pytest.mark.parametrize("bits", [1, 2, 4, 8, 12, 16, 24, 31])
+def test_range_quantizer_within_stated_bound(bits):
+    v = torch.from_numpy(np.random.default_rng(bits).normal(scale=3.0, size=5000))
+    codes, lo, hi = C.range_quantize(v, bits)
+    assert int(codes.min()) >= 0 and int(codes.max()) <= 2**bits - 1
+    assert float(lo) == v.min().item() and float(hi) == v.max().item()
+    err = (C.range_dequantize(codes, lo, hi, bits) - v).abs().max().item()
+    bound = C.range_quantization_bound(float(lo), float(hi), bits)
+    assert bound == (v.max() - v.min()).item() / 2**bits
+    assert err <= bound * (1 + 1e-12)
+    # the exact worst case is half a step; the bound is attained within a factor 2 (not vacuous)
+    assert err <= (float(hi) - float(lo)) / (2 * (2**bits - 1)) * (1 + 1e-9)
+
+
+def test_range_quantizer_constant_and_nonfinite():
+    codes, lo, hi = C.range_quantize(torch.full((7,), 2.5, dtype=torch.float64), 4)
+    assert torch.equal(C.range_dequantize(codes, lo, hi, 4), torch.full((7,), 2.5, dtype=torch.float64))
+    codes, lo, hi = C.range_quantize(torch.tensor([1.0, float("nan"), 2.0]), 8)
+    assert torch.isnan(C.range_dequantize(codes, lo, hi, 8)).all()
+
+
+@pytest.mark.parametrize("dtype, rtol", [(torch.float32, 2e-6), (torch.float64, 1e-13)])
+@pytest.mark.parametrize("n", [1, 2, 999, 1024])
+def test_fft_theta1_unquantized_round_trip_is_exact_to_rounding(dtype, rtol, n):
+    x = torch.from_numpy(np.random.default_rng(n).normal(size=n)).to(dtype)
+    c = C.fft_compress(x, theta=1.0, bits=32)
+    y = C.fft_decompress(c.payload[None], c.layout, dtype)
+    assert y.dtype == dtype
+    atol = rtol * max(1.0, x.abs().max().item()) * math.log2(n + 1)  # FFT rounding grows like log n
+    np.testing.assert_allclose(y.numpy(), x.numpy(), rtol=0, atol=atol)
+
+
+@pytest.mark.parametrize("theta", [0.05, 0.3, 0.77])
+def test_fft_truncation_matches_numpy_and_errs_by_the_dropped_spectrum(theta):
+    g = np.random.default_rng(1).normal(size=2001)
+    c = C.fft_compress(torch.from_numpy(g), theta=theta, bits=32)
+    y = C.fft_decompress(c.payload[None], c.layout).numpy()
+    k = math.ceil(theta * (2001 // 2 + 1))
+    assert c.indices.numel() == k
+    kept, dropped = np_fft_truncate(g, k)
+    np.testing.assert_allclose(y, kept, rtol=0, atol=1e-12)
+    np.testing.assert_allclose(g - y, dropped, rtol=0, atol=1e-12)
+    # Parseval: the squared error is the dropped energy
+    spec = np.fft.rfft(g)
+    lost = np.ones(spec.size, bool)
+    lost[c.indices.numpy()] = False
+    w = np.full(spec.size, 2.0)  # bins 1 .. m-1 stand for a conjugate pair (n odd: no Nyquist bin)
+    w[0] = 1.0
+    assert np.isclose(np.sum((g - y) ** 2), np.sum(w[lost] * np.abs(spec[lost]) ** 2) / g.size, rtol=1e-9)
+
+
+@pytest.mark.parametrize("bits", [4, 8, 12])
+def test_fft_quantization_error_within_bound(bits):
+    g = np.random.default_rng(bits).normal(size=4000)
+    theta = 0.25
+    c = C.fft_compress(torch.from_numpy(g), theta=theta, bits=bits)
+    spec = np.fft.rfft(g)[c.indices.numpy()]
+    parts = np.stack([spec.real, spec.imag], 1).ravel()
+    bound = (parts.max() - parts.min()) / 2**bits
+    got = c.values.numpy()
+    real_bin = (c.indices.numpy() == 0) | (c.indices.numpy() == 2000)  # imaginary part set to 0
+    assert np.abs(got.real - spec.real).max() <= bound * (1 + 1e-9)
+    assert np.abs(got.imag - spec.imag)[~real_bin].max() <= bound * (1 + 1e-9)
+    assert np.all(got.imag[real_bin] == 0)
+    # the receivers decode exactly what the sender assumed (used by the residual)
+    idx, vals = C.fft_decode(c.payload, c.layout, torch.float64)
+    assert torch.equal(idx, c.indices) and torch.equal(vals, c.values)
+    # in gradient space: |dx_j| <= (4k + 2) * bound / n
+    y = C.fft_decompress(c.payload[None], c.layout).numpy()
+    kept, _ = np_fft_truncate(g, c.layout.k)
+    assert np.abs(y - kept).max() <= (4 * c.layout.k + 2) * bound / g.size
+
+
+def test_fft_error_feedback_memory_is_exact():
+    rng = np.random.default_rng(3)
+    grads = [rng.normal(size=1500) for _ in range(6)]
+    residual = torch.zeros(1500 // 2 + 1, dtype=torch.complex128)
+    sent = np.zeros(1500)
+    for g in grads:
+        c = C.fft_compress(torch.from_numpy(g), theta=0.1, bits=6, residual=residual)
+        residual = c.residual
+        sent += C.fft_decompress(c.payload[None], c.layout).numpy()
+    total = sent + torch.fft.irfft(residual, n=1500).numpy()
+    np.testing.assert_allclose(total, np.sum(grads, axis=0), rtol=0, atol=1e-11)
+    assert np.abs(sent - np.sum(grads, axis=0)).max() > 0.1  # the residual did carry something
+
+
+def test_fft_nonfinite_gradient_passes_through_and_keeps_the_residual():
+    residual = torch.full((51,), 0.5 + 0.25j, dtype=torch.complex64)
+    x = torch.randn(100)
+    x[7] = float("nan")
+    c = C.fft_compress(x, theta=0.5, bits=8, residual=residual)
+    assert not bool(c.finite)
+    assert torch.equal(c.residual, residual)
+    assert torch.isnan(C.fft_decompress(c.payload[None], c.layout)).all()
+
+
+def test_fft_layout_bytes_and_ratio():
+    for n, theta, bits in [(1, 1.0, 32), (1000, 0.1, 8), (6_500_000, 0.1, 8), (6_500_000, 0.01, 4), (777, 0.5, 32)]:
+        layout = C.FFTLayout(n, theta, bits)
+        assert layout.nbytes == fft_message_nbytes(n, theta, bits)
+    # θ = 0.1, 8 bits on a 25 MB bucket: at least the issue's 10x fewer bytes than float32
+    assert 4 * 6_500_000 / C.FFTLayout(6_500_000, 0.1, 8).nbytes > 20
+
+
+def test_topk_sends_k_values_and_memory_is_exact():
+    rng = np.random.default_rng(4)
+    grads = [rng.normal(size=1000) for _ in range(5)]
+    residual = torch.zeros(1000, dtype=torch.float64)
+    sent = np.zeros(1000)
+    for g in grads:
+        c = C.topk_compress(torch.from_numpy(g), fraction=0.05, residual=residual)
+        assert c.values.numel() == 50 and c.payload.numel() == 50 * (8 + 4) == c.layout.nbytes
+        u = g + residual.numpy()
+        np.testing.assert_array_equal(np.sort(c.indices.numpy()), np.sort(np.argsort(np.abs(u))[-50:]))
+        residual = c.residual
+        sent += C.topk_decompress(c.payload[None], c.layout).numpy()
+    np.testing.assert_allclose(sent + residual.numpy(), np.sum(grads, axis=0), rtol=0, atol=1e-12)
+
+
+def test_bad_input_is_refused_with_the_argument_named():
+    for bad in (0, 0.0, -0.1, 1.5, float("nan"), "0.1", True):
+        with pytest.raises(InputError, match="theta"):
+            C.make_hook("fft", theta=bad)
+    for bad in (0, 33, 8.0, True):
+        with pytest.raises(InputError, match="bits"):
+            C.make_hook("fft", bits=bad)
+    with pytest.raises(InputError, match="fraction"):
+        C.make_hook("topk", fraction=0)
+    with pytest.raises(InputError, match="start_iter.*error_feedback"):
+        C.make_hook("topk", start_iter=1)
+    with pytest.raises(InputError, match="known: fft, fp16, none, powersgd, topk"):
+        C.make_hook("gzip")
+    with pytest.raises(InputError, match="not an option of compressor 'none'"):
+        C.make_hook("none", theta=0.1)
+    with pytest.raises(InputError, match="its options: theta, bits, error_feedback, start_iter"):
+        C.make_hook("fft", fraction=0.1)
+    with pytest.raises(InputError, match="start_powerSGD_iter"):
+        C.make_hook("powersgd", start_powerSGD_iter=1)
+    with pytest.raises(ValueError, match="already registered"):
+        C.compressors.register("fft")(C.FFTState)
+
+
+@pytest.mark.parametrize("name, options", [
+    ("none", {}),
+    ("fp16", {}),
+    ("fft", {"theta": 0.25, "bits": 5, "error_feedback": True, "start_iter": 3}),
+    ("topk", {"fraction": 0.02, "error_feedback": False, "start_iter": 0}),
+    ("powersgd", {"matrix_approximation_rank": 3, "start_powerSGD_iter": 4, "min_compression_rate": 1.5,
+                  "use_error_feedback": False, "warm_start": False, "orthogonalization_epsilon": 1e-8,
+                  "random_seed": 7, "batch_tensors_with_same_shape": True}),
+])
+def test_make_hook_forwards_every_option_and_states_pickle_without_the_group(name, options):
+    state, hook = C.make_hook(name, process_group=object(), **options)
+    assert {k: v for k, v in state.options().items() if k in options} == options
+    if name == "powersgd":  # forwarded into torch's PowerSGDState
+        assert all(getattr(state.powersgd, k) == v for k, v in options.items() if k != "random_seed")
+        assert state.powersgd.rng.randint(2**31) == np.random.RandomState(7).randint(2**31)  # seeded
+    assert type(state) is C.compressors[name] and hook is type(state).hook
+    if hasattr(state, "residuals"):
+        state.residuals[0] = torch.ones(3)
+    clone = pickle.loads(pickle.dumps(state))  # object() would not pickle: the group is dropped
+    assert clone.process_group is None and clone.options() == state.options()
+    if hasattr(state, "residuals"):
+        assert torch.equal(clone.residuals[0], torch.ones(3))
+
+
+def _cuda_usable() -> bool:
+    from paperline.infra.device import gpu_usable
+
+    return gpu_usable()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not _cuda_usable(), reason="no usable CUDA device")
+def test_fft_and_topk_on_cuda():
+    """The same math on CUDA (cuFFT, device bit packing), and a message written on the GPU decodes
+    the same on the CPU (the wire format does not depend on the device)."""
+    g = torch.Generator().manual_seed(5)
+    x = torch.randn(100_003, generator=g, dtype=torch.float64)
+    c = C.fft_compress(x.cuda().float(), theta=1.0, bits=32)
+    y = C.fft_decompress(c.payload[None], c.layout).cpu().double()
+    assert (y - x).abs().max().item() <= 1e-5 * x.abs().max().item()
+    for theta, bits in [(0.1, 8), (0.05, 13)]:
+        residual = torch.zeros(x.numel() // 2 + 1, dtype=torch.complex128, device="cuda")
+        sent = torch.zeros_like(x, device="cuda")
+        grads = [x.cuda() * (1 + 0.1 * t) for t in range(4)]
+        for grad in grads:
+            c = C.fft_compress(grad, theta=theta, bits=bits, residual=residual)
+            residual = c.residual
+            sent += C.fft_decompress(c.payload[None], c.layout)
+        total = sent + torch.fft.irfft(residual, n=x.numel())
+        assert (total - sum(grads)).abs().max().item() <= 1e-9 * x.abs().max().item()
+        i_gpu, v_gpu = C.fft_decode(c.payload, c.layout)
+        i_cpu, v_cpu = C.fft_decode(c.payload.cpu(), c.layout)
+        assert torch.equal(i_gpu.cpu(), i_cpu) and torch.allclose(v_gpu.cpu(), v_cpu, rtol=1e-12, atol=0)
+    c = C.topk_compress(x.cuda(), fraction=0.01)
+    assert c.payload.numel() == 1001 * 12 and torch.equal(
+        C.topk_decompress(c.payload[None], c.layout).cpu().nonzero().reshape(-1).sort().values,
+        torch.topk(x.abs(), 1001).indices.sort().values)
+
+
+def test_defaults():
+    assert C.compressor_names() == ["fft", "fp16", "none", "powersgd", "topk"]
+    assert C.make_hook("fft")[0].options() == {"theta": 0.1, "bits": 8, "error_feedback": False, "start_iter": 0}
+    assert C.make_hook("fft", error_feedback=True)[0].start_iter == 2
+    assert C.make_hook("topk")[0].options() == {"fraction": 0.01, "error_feedback": True, "start_iter": 2}
+
+
+# ---------------------------------------------------------------------------------------------------
+# the rank program (run as `python test_compressors.py --worker RANK PORT OUT`)
+
+IN, HIDDEN, CLASSES, BATCH = 20, 48, 4, 32
+BUCKET_CAP_MB = 0.004  # ~1000 floats: several buckets, so multi-bucket steps are exercised
+
+
+def _model():
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(IN, HIDDEN), torch.nn.Tanh(), torch.nn.Linear(HIDDEN, HIDDEN),
+                               torch.nn.Tanh(), torch.nn.Linear(HIDDEN, CLASSES))
+
+
+def _batch(rank: int, step: int):
+    g = torch.Generator().manual_seed(1000 * rank + step)
+    return torch.randn(BATCH, IN, generator=g), torch.randint(0, CLASSES, (BATCH,), generator=g)
+
+
+def _capture_run(name: str, options: dict, steps: int) -> dict:
+    """DDP with the compressor for ``steps`` steps at fixed parameters (different batches each step):
+    the DDP gradients, every rank's independently computed local gradients, what each bucket held."""
+    import copy
+
+    import torch.distributed as dist
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    model = _model()
+    ref = copy.deepcopy(model)
+    ddp = DDP(model, bucket_cap_mb=BUCKET_CAP_MB)
+    state, hook = C.make_hook(name, **options)
+    names = {id(p): n for n, p in model.named_parameters()}
+    buckets = []
+
+    def wrapped(state, bucket):
+        step, index, params = state.step, bucket.index(), [names[id(p)] for p in bucket.parameters()]
+        fut = hook(state, bucket)
+
+        def keep(f):
+            buckets.append({"step": step, "index": index, "params": params, "out": f.value().double().clone()})
+            return f.value()
+
+        return fut.then(keep)
+
+    ddp.register_comm_hook(state, wrapped)
+    loss_fn = torch.nn.CrossEntropyLoss()
+    out, local = [], []
+    for t in range(steps):
+        ddp.zero_grad(set_to_none=True)
+        x, y = _batch(rank, t)
+        loss_fn(ddp(x), y).backward()
+        out.append({n: p.grad.double().clone() for n, p in model.named_parameters()})
+        per_rank = []
+        for r in range(world):
+            ref.zero_grad(set_to_none=True)
+            x, y = _batch(r, t)
+            loss_fn(ref(x), y).backward()
+            per_rank.append({n: p.grad.double().clone() for n, p in ref.named_parameters()})
+        local.append(per_rank)
+    residuals = {}
+    for index in sorted(getattr(state, "residuals", {})):
+        res = state.residual(index).double()
+        dist.all_reduce(res)
+        residuals[index] = res / world
+    return {"out": out, "local": local, "buckets": buckets, "residuals": residuals,
+            "history": [vars(h) for h in state.history], "nonfinite": getattr(state, "nonfinite_buckets", 0)}
+
+
+TRAIN = {
+    "none": {},
+    "fp16": {},
+    "fft": {"theta": 0.1, "bits": 8},
+    "fft_ef": {"theta": 0.1, "bits": 8, "error_feedback": True},
+    "topk": {"fraction": 0.05},
+    "powersgd": {"matrix_approximation_rank": 2},
+}
+
+
+def _train_run(name: str, options: dict, steps: int = 30) -> dict:
+    import torch.distributed as dist
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    model = _model()
+    ddp = DDP(model, bucket_cap_mb=BUCKET_CAP_MB)
+    state, hook = C.make_hook(name.removesuffix("_ef"), **options)
+    ddp.register_comm_hook(state, hook)
+    opt = torch.optim.SGD(model.parameters(), lr=0.2)
+    loss_fn = torch.nn.CrossEntropyLoss()
+    batches = [_batch(r, 0) for r in range(world)]  # the fixed seeded batch: every rank's shard
+    x_all, y_all = torch.cat([b[0] for b in batches]), torch.cat([b[1] for b in batches])
+    with torch.no_grad():
+        before = loss_fn(model(x_all), y_all).item()
+    for _ in range(steps):
+        opt.zero_grad(set_to_none=True)
+        loss_fn(ddp(batches[rank][0]), batches[rank][1]).backward()
+        opt.step()
+    with torch.no_grad():
+        after = loss_fn(model(x_all), y_all).item()
+    return {"before": before, "after": after, "params": [p.detach().clone() for p in model.parameters()],
+            "history": [vars(h) for h in state.history]}
+
+
+CAPTURE = {
+    "none": ("none", {}, 3),
+    "fp16": ("fp16", {}, 2),
+    "fft_dense": ("fft", {"theta": 1.0, "bits": 32}, 2),
+    "fft_sparse": ("fft", {"theta": THETA_SPARSE, "bits": 32}, 2),
+    "fft_quant": ("fft", {"theta": 1.0, "bits": BITS_QUANT}, 2),
+    "fft_ef": ("fft", {"theta": 0.2, "bits": 8, "error_feedback": True}, 6),
+    "topk": ("topk", {"fraction": 0.1}, 5),
+}
+
+
+def _worker(rank: int, port: int, out: str) -> None:
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=WORLD)
+    results = {"capture": {k: _capture_run(*v) for k, v in CAPTURE.items()},
+               "train": {k: _train_run(k, v) for k, v in TRAIN.items()}}
+    torch.save(results, Path(out) / f"rank{rank}.pt")
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+# ---------------------------------------------------------------------------------------------------
+# distributed tests
+
+
+@pytest.fixture(scope="module")
+def ddp_results(tmp_path_factory, free_port):
+    out = tmp_path_factory.mktemp("compressors")
+    port = free_port()
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+    logs = [out / f"rank{r}.log" for r in range(WORLD)]
+    procs = []
+    for r in range(WORLD):
+        with open(logs[r], "w") as log:
+            procs.append(subprocess.Popen([sys.executable, __file__, "--worker", str(r), str(port), str(out)],
+                                          env=env, stdout=log, stderr=subprocess.STDOUT))
+    deadline = time.monotonic() + 240
+    while any(p.poll() is None for p in procs):  # a rank that fails leaves the other waiting: stop both
+        if time.monotonic() > deadline or any(p.returncode not in (None, 0) for p in procs):
+            for p in procs:
+                if p.poll() is None:
+                    p.kill()
+                    p.wait()
+            break
+        time.sleep(0.1)
+    assert all(p.returncode == 0 for p in procs), "\n".join(f.read_text()[-3000:] for f in logs)
+    return [torch.load(out / f"rank{r}.pt", weights_only=False) for r in range(WORLD)]
+
+
+def _mean_local(run: dict, step: int) -> dict:
+    """float64 mean over ranks of the independently computed local gradients."""
+    per_rank = run["local"][step]
+    return {n: sum(g[n] for g in per_rank) / len(per_rank) for n in per_rank[0]}
+
+
+def _bucket_vector(grads: dict, params: list[str]) -> np.ndarray:
+    return np.concatenate([grads[n].reshape(-1).numpy() for n in params])
+
+
+def test_every_rank_gets_the_same_gradients(ddp_results):
+    for key in CAPTURE:
+        for a, b in zip(ddp_results[0]["capture"][key]["out"], ddp_results[1]["capture"][key]["out"]):
+            assert all(torch.equal(a[n], b[n]) for n in a), key
+    for key in TRAIN:
+        for a, b in zip(ddp_results[0]["train"][key]["params"], ddp_results[1]["train"][key]["params"]):
+            assert torch.equal(a, b), key
+
+
+def test_none_is_the_exact_mean(ddp_results):
+    run = ddp_results[0]["capture"]["none"]
+    for t in range(len(run["out"])):
+        want = _mean_local(run, t)
+        for n, got in run["out"][t].items():
+            assert torch.equal(got, want[n].float().double()), (t, n)  # atol = 0 at float32
+    assert len({b["index"] for b in run["buckets"]}) >= 2  # multi-bucket steps
+
+
+def test_fp16_within_float16_rounding(ddp_results):
+    run = ddp_results[0]["capture"]["fp16"]
+    for t in range(len(run["out"])):
+        want = _mean_local(run, t)
+        mean_abs = {n: sum(g[n].abs() for g in run["local"][t]) / WORLD for n in want}
+        for n, got in run["out"][t].items():
+            # each rank's g/2 and the sum are rounded to float16: 2 * 2^-11 relative, plus subnormals
+            bound = 2.0**-10 * mean_abs[n] * 1.01 + 2.0**-22
+            assert torch.all((got - want[n]).abs() <= bound), (t, n)
+    assert run["history"][0]["bytes_sent"] * 2 == run["history"][0]["dense_bytes"]
+
+
+def test_fft_theta1_unquantized_reproduces_the_dense_mean(ddp_results):
+    run = ddp_results[0]["capture"]["fft_dense"]
+    for t in range(len(run["out"])):
+        want = _mean_local(run, t)
+        for n, got in run["out"][t].items():
+            atol = 2e-6 * want[n].abs().max().item() + 1e-9  # float32 rfft/irfft rounding
+            np.testing.assert_allclose(got.numpy(), want[n].numpy(), rtol=0, atol=atol)
+
+
+def test_fft_sparse_errs_by_the_dropped_spectrum_of_each_rank(ddp_results):
+    run = ddp_results[0]["capture"]["fft_sparse"]
+    assert run["buckets"]
+    for b in run["buckets"]:
+        per_rank = [_bucket_vector(g, b["params"]) for g in run["local"][b["step"]]]
+        n = per_rank[0].size
+        k = math.ceil(THETA_SPARSE * (n // 2 + 1))
+        kept, dropped = zip(*(np_fft_truncate(g, k, gap=1e-5) for g in per_rank))  # float32 compute
+        dense = np.mean(per_rank, axis=0)
+        got = b["out"].numpy()
+        scale = np.abs(dense).max()
+        np.testing.assert_allclose(got, np.mean(kept, axis=0), rtol=0, atol=2e-6 * scale)
+        np.testing.assert_allclose(dense - got, np.mean(dropped, axis=0), rtol=0, atol=2e-6 * scale)
+
+
+def test_fft_quantization_error_within_stated_bound(ddp_results):
+    run = ddp_results[0]["capture"]["fft_quant"]
+    for b in run["buckets"]:
+        per_rank = [_bucket_vector(g, b["params"]) for g in run["local"][b["step"]]]
+        n = per_rank[0].size
+        k = n // 2 + 1
+        bound = 0.0
+        for g in per_rank:  # per value: range / 2^bits; in gradient space (4k + 2) / n times that
+            parts = np.fft.rfft(g).view(np.float64)
+            bound += (4 * k + 2) * (parts.max() - parts.min()) / 2**BITS_QUANT / n / WORLD
+        err = np.abs(b["out"].numpy() - np.mean(per_rank, axis=0)).max()
+        assert 0 < err <= bound + 1e-6 * np.abs(per_rank).max()
+
+
+@pytest.mark.parametrize("key", ["fft_ef", "topk"])
+def test_error_feedback_is_exact(ddp_results, key):
+    """sum over steps of the DDP mean + mean over ranks of the final residual == sum of the means."""
+    run = ddp_results[0]["capture"][key]
+    assert [h["warmup"] for h in run["history"]] == [True, True] + [False] * (len(run["history"]) - 2)
+    steps = len(run["out"])
+    last = {b["index"]: b["params"] for b in run["buckets"] if b["step"] == steps - 1}
+    assert set(run["residuals"]) == set(last)
+    residual = {}
+    for index, params in last.items():  # bucket layout -> parameters
+        vec, off = run["residuals"][index], 0
+        for n in params:
+            size = run["out"][0][n].numel()
+            residual[n] = vec[off:off + size].reshape(run["out"][0][n].shape)
+            off += size
+        assert off == vec.numel()
+    lost = 0.0
+    for n in run["out"][0]:
+        sent = sum(run["out"][t][n] for t in range(steps))
+        truth = sum(_mean_local(run, t)[n] for t in range(steps))
+        scale = max(truth.abs().max().item(), 1e-3)
+        np.testing.assert_allclose((sent + residual[n]).numpy(), truth.numpy(), rtol=0, atol=1e-5 * scale)
+        lost = max(lost, (sent - truth).abs().max().item() / scale)
+    assert lost > 1e-2  # compression did drop something for the memory to carry
+    assert run["nonfinite"] == 0
+
+
+def test_topk_sends_k_values_and_the_mean_of_the_ranks_top_k(ddp_results):
+    run = ddp_results[0]["capture"]["topk"]
+    first = next(t for t, h in enumerate(run["history"]) if not h["warmup"])
+    for b in (b for b in run["buckets"] if b["step"] == first):  # residuals are still zero here
+        per_rank = [_bucket_vector(g, b["params"]) for g in run["local"][first]]
+        n = per_rank[0].size
+        k = math.ceil(0.1 * n)
+        sparse = []
+        for g in per_rank:
+            keep = np.argsort(np.abs(g))[-k:]
+            s = np.zeros_like(g)
+            s[keep] = g[keep]
+            sparse.append(s)
+        want = np.mean(sparse, axis=0).astype(np.float32).astype(np.float64)
+        np.testing.assert_array_equal(b["out"].numpy(), want)  # exact: values are sent unrounded
+        assert np.count_nonzero(b["out"].numpy()) <= WORLD * k
+    sizes = {}
+    for b in run["buckets"]:
+        if b["step"] == first:
+            sizes[b["index"]] = sum(run["out"][0][n].numel() for n in b["params"])
+    h = run["history"][first]
+    assert h["bytes_sent"] == sum(math.ceil(0.1 * n) * (4 + 4) for n in sizes.values())
+    assert h["dense_bytes"] == 4 * sum(sizes.values())
+
+
+def test_fft_bytes_sent(ddp_results):
+    for key, (_, options, _) in CAPTURE.items():
+        if not key.startswith("fft"):
+            continue
+        run = ddp_results[0]["capture"][key]
+        for t, h in enumerate(run["history"]):
+            sizes = [sum(run["out"][0][n].numel() for n in b["params"]) for b in run["buckets"] if b["step"] == t]
+            assert h["dense_bytes"] == 4 * sum(sizes)
+            if not h["warmup"]:
+                assert h["bytes_sent"] == sum(fft_message_nbytes(n, options["theta"], options["bits"]) for n in sizes)
+            else:
+                assert h["bytes_sent"] == h["dense_bytes"]
+            assert h["buckets"] == len(sizes)
+        assert run["history"][-1]["buckets"] >= 2  # after DDP's rebuild (step 0 has one first bucket)
+    h = ddp_results[0]["capture"]["fft_ef"]["history"][-1]  # θ = 0.2, 8 bits on ~1000-float buckets
+    assert h["dense_bytes"] / h["bytes_sent"] > 7
+
+
+@pytest.mark.parametrize("name", sorted(TRAIN))
+def test_training_with_each_compressor_reduces_the_loss(ddp_results, name):
+    run = ddp_results[0]["train"][name]
+    assert run["after"] < 0.9 * run["before"], {k: run[k] for k in ("before", "after")}
+    if name != "none":
+        compressed = [h for h in run["history"] if not h["warmup"]]
+        assert compressed and all(h["bytes_sent"] < h["dense_bytes"] for h in compressed)
+
+
+if __name__ == "__main__":
+    if sys.argv[1:2] == ["--worker"]:
+        _worker(int(sys.argv[2]), int(sys.argv[3]), sys.argv[4])
