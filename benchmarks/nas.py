@@ -22,7 +22,7 @@ import argparse
 import math
 import os
 import time
-from concurrent.futures import ProcessPoolExecutor
+from concurrent.futures import ProcessPoolExecutor, as_completed
 
 import numpy as np
 
@@ -62,6 +62,9 @@ def samples_to(trace: list[float], target: float, budget: int) -> tuple[float, b
 
 
 def report(problem: str, runs: list[dict], budget: int, n_init: int, multi: bool) -> None:
+    if not runs:
+        print(f"\n== {problem}: no campaign finished")
+        return
     names = list(dict.fromkeys(r["optimizer"] for r in runs))
     best = max(max(r["trace"]) for r in runs)
     if multi:
@@ -117,8 +120,19 @@ def main() -> None:
     print(f"{len(jobs)} campaigns ({args.seeds} seeds, budget {args.budget}, q {args.q}, n_init {args.n_init}) "
           f"on {args.processes} processes")
     t0 = time.perf_counter()
+    results = []
     with ProcessPoolExecutor(args.processes) as pool:
-        results = list(pool.map(one, jobs))
+        futures = [pool.submit(one, job) for job in jobs]
+        try:
+            for f in as_completed(futures):
+                r = f.result()
+                results.append(r)
+                print(f"  [{len(results)}/{len(jobs)}] {r['problem']} {r['optimizer']} seed {r['seed']}: "
+                      f"final {r['trace'][-1]:.5g}, {r['suggest_s']:.2f} s/suggestion, {r['wall_s']:.0f} s", flush=True)
+        except KeyboardInterrupt:  # report what finished
+            for f in futures:
+                f.cancel()
+            print("interrupted: reporting the campaigns that finished")
     for problem in wanted:
         report(problem, [r for r in results if r["problem"] == problem], args.budget, args.n_init, problem in MULTI)
     print(f"\ntotal {time.perf_counter() - t0:.0f} s")

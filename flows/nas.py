@@ -14,6 +14,7 @@ from __future__ import annotations
 import hashlib
 import json
 import tempfile
+import time
 from pathlib import Path
 from typing import Any
 
@@ -46,8 +47,8 @@ class CampaignParameters(BaseModel):
     problem: str = Field("nasbench201-cifar10", description="nasbench201-{cifar10,cifar100,imagenet16}, "
                                                             "live-mnist, branin-currin, vehicle-safety, dtlz2, "
                                                             "ackley, levy, rosenbrock.")
-    objectives: list[str] | None = Field(None, description="NAS-Bench-201 / live-mnist: the objectives to use "
-                                                           "(default: all of them).")
+    objectives: list[str] | None = Field(None, min_length=1, description="NAS-Bench-201: the objectives to use, e.g. "
+                                                           "val_accuracy_pct,model_size_mb (default: all three).")
     problem_options: dict[str, Any] = Field(default_factory=dict,
                                             description='Problem options, e.g. {"dim": 20} or {"epochs": 2}.')
     budget: int = Field(60, ge=1, description="Number of evaluations.")
@@ -58,9 +59,13 @@ class CampaignParameters(BaseModel):
                                                             "units (default: the problem's).")
     optimizer_options: dict[str, Any] = Field(default_factory=dict,
                                               description='Optimizer hyperparameters, e.g. {"sampler": "nsga2"}.')
-    campaign: str | None = Field(None, description="Campaign name (default: derived from the parameters above, "
-                                                   "budget excluded); a checkpoint of that name is resumed.")
+    campaign: str | None = Field(None, min_length=1, max_length=120, pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]*$",
+                                 description="Campaign name: letters, digits, '.', '_', '-' (default: derived from "
+                                             "the parameters above, budget excluded); a checkpoint of that name is "
+                                             "resumed.")
     resume: bool = Field(True, description="Resume the campaign's checkpoint when there is one.")
+    evaluation_timeout_s: float = Field(3600.0, gt=0, description="A batch's evaluations not done this many "
+                                                                 "seconds after it started are recorded as failed.")
 
     def problem_kwargs(self) -> dict[str, Any]:
         opts = dict(self.problem_options)
@@ -84,7 +89,7 @@ class CampaignParameters(BaseModel):
     def campaign_name(self) -> str:
         if self.campaign:
             return self.campaign
-        key = self.model_dump(exclude={"budget", "campaign", "resume"})
+        key = self.model_dump(exclude={"budget", "campaign", "resume", "evaluation_timeout_s"})
         digest = hashlib.sha256(json.dumps(key, sort_keys=True, default=str).encode()).hexdigest()[:10]
         return f"{self.problem}-{self.optimizer}-seed{self.seed}-{digest}"
 
@@ -108,6 +113,8 @@ class NasParameters(CampaignParameters):
 
 
 PRESETS: dict[str, dict[str, Any]] = {
+    # the flow's own defaults (what the deployments run): start here for your own campaign
+    "default": {},
     # LaMOO (qEHVI inside) on NAS-Bench-201 cifar10, accuracy against model size, then a short
     # live NAS on MNIST-5k: three objectives, trained on the workers.
     "demo": {"optimizer": "lamoo", "problem": "nasbench201-cifar10",
@@ -157,11 +164,10 @@ def run_one(cp: CampaignParameters, store: ObjectStore, tracker: Tracker, prefix
     parent_id = None
     if state is not None:
         saved = Campaign.from_state(state["campaign"], budget=cp.budget)
-        if saved.state_dict()["optimizer"]["options"] != campaign.state_dict()["optimizer"]["options"] or \
-                (saved.problem.name, saved.q, saved.seed, saved.n_init, saved.ref_point_user) != \
-                (campaign.problem.name, campaign.q, campaign.seed, campaign.n_init, campaign.ref_point_user):
-            raise InputError("campaign", name, "a checkpoint of this name holds a campaign with other parameters; "
-                                               "pick another name or set resume=false")
+        differ = [k for k, a, b in _identity(saved, campaign) if a != b]
+        if differ:
+            raise InputError("campaign", name, f"a checkpoint of this name holds a campaign with other "
+                                               f"{', '.join(differ)}; pick another name or set resume=false")
         campaign = saved
         parent_id = state.get("mlflow_parent_run_id")
         print(f"{name}: resuming from {checkpoint_uri} after {campaign.n_done} evaluations")
@@ -186,7 +192,8 @@ def run_one(cp: CampaignParameters, store: ObjectStore, tracker: Tracker, prefix
             start = campaign.n_done
             futures = [evaluate.submit(campaign.problem.name, campaign.problem.options, [float(v) for v in row],
                                        campaign.seed, start + i) for i, row in enumerate(x)]
-            results = [_result(f) for f in futures]
+            deadline = time.monotonic() + cp.evaluation_timeout_s
+            results = [_result(f, deadline, cp.evaluation_timeout_s) for f in futures]
             new = campaign.tell(x, results)
             save_checkpoint(store, checkpoint_uri, {"campaign": campaign.state_dict(), "mlflow_parent_run_id": parent_id})
             log_evaluations(tracker, EXPERIMENT, parent_id, campaign, new, tags)
@@ -199,23 +206,38 @@ def run_one(cp: CampaignParameters, store: ObjectStore, tracker: Tracker, prefix
     return {"name": name, "campaign": campaign, "parent_run_id": parent_id, "checkpoint": checkpoint_uri}
 
 
-def _result(future: Any) -> dict[str, Any]:
-    """An evaluation's result; a task that failed even after its retry is recorded as failed too."""
+def _identity(a: Campaign, b: Campaign) -> list[tuple[str, Any, Any]]:
+    """What must match for a checkpoint to continue a campaign (the budget may grow)."""
+    sa, sb = a.state_dict(), b.state_dict()
+    return [("optimizer", a.optimizer.name, b.optimizer.name), ("optimizer_options", sa["optimizer"]["options"],
+             sb["optimizer"]["options"]), ("problem", a.problem.name, b.problem.name),
+            ("problem_options/objectives", json.dumps(a.problem.options, sort_keys=True, default=str),
+             json.dumps(b.problem.options, sort_keys=True, default=str)),
+            ("q", a.q, b.q), ("seed", a.seed, b.seed), ("n_init", a.n_init, b.n_init),
+            ("ref_point", a.ref_point_user, b.ref_point_user)]
+
+
+def _result(future: Any, deadline: float, timeout_s: float) -> dict[str, Any]:
+    """An evaluation's result by ``deadline`` (``time.monotonic``). A task that failed even after
+    its retry, or is not done in time, is recorded as failed and the campaign goes on. (Prefect
+    cannot interrupt a task on a Dask worker thread, so the time limit is kept here.)"""
     try:
-        return future.result()
+        return future.result(timeout=max(0.0, deadline - time.monotonic()))
     except KernelInputError:
         raise
-    except Exception as exc:  # noqa: BLE001 - a lost worker, a timeout: recorded, the campaign goes on
+    except TimeoutError:
+        return {"values": None, "error": f"timed out: not done {timeout_s:g} s after its batch started",
+                "seconds": timeout_s}
+    except Exception as exc:  # noqa: BLE001 - a lost worker: recorded, the campaign goes on
         return {"values": None, "error": f"task failed: {type(exc).__name__}: {exc}", "seconds": 0.0}
 
 
 def _score_text(c: Campaign) -> str:
-    trace = c.score_trace()
-    if not trace.size:
+    if not any(e.ok for e in c.evaluations):
         return "no successful evaluation yet"
     if c.problem.n_objectives > 1:
-        return f"hypervolume {trace[-1]:.6g}"
-    return f"best {c.problem.objectives[0].name} {trace[-1]:.6g}"
+        return f"hypervolume {c.score_trace()[-1]:.6g}"
+    return f"best {c.problem.objectives[0].name} {c.best_trace()[-1]:.6g}"  # the objective's own units and sign
 
 
 def _log_report(tracker: Tracker, run_id: str, campaign: Campaign, name: str) -> None:
@@ -225,9 +247,11 @@ def _log_report(tracker: Tracker, run_id: str, campaign: Campaign, name: str) ->
             path.write_bytes(data)
             tracker.log_artifact(run_id, str(path))
     metrics = {"evaluations": campaign.n_done, "failed_evaluations": sum(not e.ok for e in campaign.evaluations)}
-    trace = campaign.score_trace()
-    if trace.size:
-        metrics["final_hypervolume" if campaign.problem.n_objectives > 1 else "final_best"] = float(trace[-1])
+    if any(e.ok for e in campaign.evaluations):
+        if campaign.problem.n_objectives > 1:
+            metrics["final_hypervolume"] = float(campaign.score_trace()[-1])
+        else:  # in the objective's units and sign (a minimized objective stays positive)
+            metrics["final_best"] = float(campaign.best_trace()[-1])
     tracker.log_metrics(run_id, metrics)
 
 

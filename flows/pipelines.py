@@ -60,11 +60,26 @@ def pipeline_names() -> list[str]:
     return PIPELINES.names()
 
 
+def _is_list(annotation: Any) -> bool:
+    """``list[...]``, also inside ``Optional``/``|`` unions (``list[str] | None``)."""
+    if typing.get_origin(annotation) is list:
+        return True
+    return any(typing.get_origin(a) is list for a in typing.get_args(annotation))
+
+
+def _scalar(text: str) -> Any:
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError:
+        return text
+
+
 def build_parameters(pipeline: Pipeline, preset: str, overrides: list[str]) -> BaseModel:
     """Parameters from a preset plus ``key=value`` overrides.
 
     Values are parsed as JSON when they parse (``5``, ``0.1``, ``["a"]``), otherwise taken as
-    strings; list-valued parameters also take comma-separated values (``datasets=kinetic,produc``).
+    strings; list-valued parameters also take comma-separated values (``datasets=kinetic,produc``,
+    ``ref_point=80,2``) and a single value (``objectives=val_accuracy_pct``).
 
     Raises:
         InputError: unknown preset, malformed override, unknown parameter or invalid value.
@@ -84,8 +99,8 @@ def build_parameters(pipeline: Pipeline, preset: str, overrides: list[str]) -> B
             value: Any = json.loads(raw)
         except json.JSONDecodeError:
             value = raw
-        if typing.get_origin(fields[key].annotation) is list and isinstance(value, str):
-            value = [v.strip() for v in value.split(",") if v.strip()]
+        if _is_list(fields[key].annotation) and isinstance(value, (str, int, float)) and not isinstance(value, bool):
+            value = [_scalar(v.strip()) for v in str(value).split(",") if v.strip()]
         values[key] = value
     try:
         return pipeline.parameters.model_validate(values)

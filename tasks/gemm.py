@@ -176,8 +176,7 @@ def build_problem(params: dict[str, Any], store: ObjectStore | None) -> Problem:
                         side=params["side"], uplo=params["uplo"], diag=params["diag"], tile=params["tile"])
 
 
-@task(name="stage-random-operands", cache_policy=NO_CACHE, retries=1, retry_condition_fn=retry_unless_bad_input,
-      timeout_seconds=3600)
+@task(name="stage-random-operands", cache_policy=NO_CACHE, retries=1, retry_condition_fn=retry_unless_bad_input)
 def stage_random_operands(params: dict[str, Any], directory: str) -> dict[str, Any]:
     """Write the ``"random"`` operands of ``params`` to ``.npy`` files under ``directory`` (kept
     and reused by later runs with the same shape, dtype, seed and stream), so that a timed run
@@ -234,7 +233,7 @@ def _summary(result: RunResult) -> dict[str, Any]:
 
 
 @task(name="tiled-multiply", cache_policy=NO_CACHE, retries=1,
-      retry_condition_fn=retry_unless(InputError, VerificationError), timeout_seconds=4 * 3600)
+      retry_condition_fn=retry_unless(InputError, VerificationError))
 def tiled_multiply(params: dict[str, Any], store: ObjectStore | None, output: str, memory_budget: int,
                    device: str) -> dict[str, Any]:
     """Run the tile plan on the cluster (called from the flow: it drives the workers from the flow's
@@ -280,8 +279,7 @@ def tiled_multiply(params: dict[str, Any], store: ObjectStore | None, output: st
             "shapes": {k: list(v.shape) for k, v in problem.operands().items()}}
 
 
-@task(name="scaling-sweep", cache_policy=NO_CACHE, retries=1, retry_condition_fn=retry_unless_bad_input,
-      timeout_seconds=4 * 3600)
+@task(name="scaling-sweep", cache_policy=NO_CACHE, retries=1, retry_condition_fn=retry_unless_bad_input)
 def scaling_sweep(params: dict[str, Any], store: ObjectStore | None, memory_budget: int, device: str
                   ) -> list[dict[str, Any]]:
     """GFLOP/s of the same problem on 1, 2, ... W workers (the output written to a scratch file).
@@ -306,8 +304,7 @@ def scaling_sweep(params: dict[str, Any], store: ObjectStore | None, memory_budg
 PEER_MAX_BYTES = 4 << 30
 
 
-@task(name="single-process-peer", cache_policy=NO_CACHE, retries=1, retry_condition_fn=retry_unless_bad_input,
-      timeout_seconds=2 * 3600)
+@task(name="single-process-peer", cache_policy=NO_CACHE, retries=1, retry_condition_fn=retry_unless_bad_input)
 def single_process_peer(params: dict[str, Any], store: ObjectStore | None) -> dict[str, Any] | None:
     """The peer on the same operands in this process with all cores: ``numpy.matmul`` for GEMM,
     the ``scipy.linalg.blas`` routine otherwise (both NumPy's OpenBLAS). None when the operands
@@ -347,7 +344,7 @@ def single_process_peer(params: dict[str, Any], store: ObjectStore | None) -> di
     return {"name": name, "seconds": seconds, "gflops": p.flops / seconds / 1e9, "blas": "; ".join(blas)}
 
 
-@task(name="render-gemm-report", cache_policy=NO_CACHE, retries=1, timeout_seconds=600)
+@task(name="render-gemm-report", cache_policy=NO_CACHE, retries=1)
 def render_gemm_report(run_summary: dict[str, Any], scaling: list[dict[str, Any]], peer: dict[str, Any] | None
                        ) -> dict[str, bytes]:
     """The run's plots as PNG bytes: ``timeline.png`` (tile tasks per worker over time) and

@@ -28,7 +28,7 @@ from paperline.tasks.retry import retry_unless_bad_input
 
 
 @task(name="nas-evaluate", cache_policy=(INPUTS - "index") + TASK_SOURCE, persist_result=True, retries=1,
-      retry_condition_fn=retry_unless_bad_input, task_run_name="evaluate-{index}", timeout_seconds=3600)
+      retry_condition_fn=retry_unless_bad_input, task_run_name="evaluate-{index}")
 def evaluate(problem: str, problem_options: dict[str, Any], x: list[float], seed: int, index: int) -> dict[str, Any]:
     """Evaluate one candidate on the worker (see :func:`evaluate_point`: failures are recorded,
     not raised). ``index`` only names the task run; it is not part of the cache key."""
@@ -66,7 +66,8 @@ def log_evaluations(tracker: Tracker, experiment: str, parent_run_id: str, campa
         tracker.log_metrics(run_id, metrics)
         tracker.end_run(run_id, "FINISHED" if e.ok else "FAILED")
     steps = []
-    trace = campaign.score_trace()
+    # hypervolume, or the best value so far in the objective's own units and sign
+    trace = campaign.score_trace() if campaign.problem.n_objectives > 1 else campaign.best_trace()
     for e in new:
         value = float(trace[e.index])
         if np.isfinite(value):

@@ -42,7 +42,7 @@ def _read_tensor(store: ObjectStore, uri: str, sha256: str, shape: tuple[int, ..
 
 
 @task(name="load-tensor", cache_policy=CACHED, persist_result=True, retries=1,
-      retry_condition_fn=retry_unless_bad_input, timeout_seconds=1800)
+      retry_condition_fn=retry_unless_bad_input)
 def load_tensor(store: ObjectStore, bucket: str, dataset: str | None = None, data_uri: str | None = None,
                 data_sha256: str | None = None) -> dict[str, Any]:
     """Load a bundled dataset (or a user's Parquet COO file) and store it content-addressed.
@@ -71,7 +71,7 @@ def load_tensor(store: ObjectStore, bucket: str, dataset: str | None = None, dat
 
 
 @task(name="split-tensor", cache_policy=CACHED, persist_result=True, retries=1,
-      retry_condition_fn=retry_unless_bad_input, timeout_seconds=1800)
+      retry_condition_fn=retry_unless_bad_input)
 def split_tensor(store: ObjectStore, bucket: str, tensor_ref: dict[str, Any], kind: str, seed: int) -> dict[str, Any]:
     """Make a seeded train/validation/test split and commit it as one manifest.
 
@@ -114,7 +114,7 @@ def _commit_fit(store: ObjectStore, bucket: str, method: str, split_ref: dict[st
 
 
 @task(name="fit-p2t2f", cache_policy=CACHED, persist_result=True, retries=1,
-      retry_condition_fn=retry_unless_bad_input, timeout_seconds=4 * 3600)
+      retry_condition_fn=retry_unless_bad_input)
 def fit_p2t2f(store: ObjectStore, bucket: str, split_ref: dict[str, Any], params: dict[str, Any]) -> dict[str, Any]:
     """Fit P²T²F on a split; its P sub-problems run as Dask tasks on the cluster's workers.
 
@@ -141,7 +141,7 @@ def fit_p2t2f(store: ObjectStore, bucket: str, split_ref: dict[str, Any], params
 
 
 @task(name="fit-tensorly-cp", cache_policy=CACHED, persist_result=True, retries=1,
-      retry_condition_fn=retry_unless_bad_input, timeout_seconds=4 * 3600)
+      retry_condition_fn=retry_unless_bad_input)
 def fit_tensorly_cp(store: ObjectStore, bucket: str, split_ref: dict[str, Any], params: dict[str, Any]) -> dict[str, Any]:
     """Baseline: TensorLy ``parafac`` with a mask (masked CP-ALS) on the same split.
 
@@ -158,7 +158,7 @@ def fit_tensorly_cp(store: ObjectStore, bucket: str, split_ref: dict[str, Any], 
                        rmse(factors, split.test), seconds)
 
 
-@task(name="render-report", cache_policy=CACHED, persist_result=True, retries=1, timeout_seconds=600)
+@task(name="render-report", cache_policy=CACHED, persist_result=True, retries=1)
 def render_report(store: ObjectStore, fits: list[dict[str, Any]], rows: list[dict[str, Any]],
                   time_split: str) -> dict[str, bytes]:
     """The run's report files, rendered from the fits (a pure function of them, so cached).

@@ -129,10 +129,20 @@ def make_problem(name: str, **options: Any) -> Problem:
     _register_optional()
     if name not in PROBLEMS:
         raise InputError("problem", name, f"unknown problem; known: {', '.join(PROBLEMS.names())}")
+    import inspect
+
+    factory = PROBLEMS[name]
+    known = [p for p in inspect.signature(factory).parameters]
+    unknown = sorted(set(options) - set(known))
+    if unknown:
+        raise InputError("problem_options", options, f"{name} has no option {', '.join(map(repr, unknown))}; "
+                                                     f"known: {', '.join(known) or 'none'}")
     try:
-        problem = PROBLEMS[name](**options)
-    except TypeError as exc:
-        raise InputError("problem options", options, f"{name}: {exc}") from None
+        problem = factory(**options)
+    except InputError:
+        raise
+    except (TypeError, ValueError) as exc:
+        raise InputError("problem_options", options, f"{name}: {exc}") from None
     problem.options = dict(options)
     return problem
 

@@ -138,3 +138,13 @@ def test_bad_parameters_fail_before_anything_runs(cli_env, sets, match):
     assert proc.returncode == 1
     err = " ".join(proc.stderr.split())
     assert "error:" in err and match in err, err
+
+
+def test_evaluations_past_the_time_limit_are_recorded_as_failed(cli_env, tmp_path):
+    summary = tmp_path / "summary.json"
+    proc = cli(cli_env, "run", "nas", "--preset", "default", "--set", "problem=live-mnist", "--set", "live=null",
+               "--set", "optimizer=random", "--set", "budget=2", "--set", "q=2", "--set", "n_init=2",
+               "--set", "evaluation_timeout_s=0.2", "--set", f"campaign=timeout-{os.getpid()}", summary=summary)
+    camp = json.loads(summary.read_text())["campaigns"][0]
+    assert (camp["evaluations"], camp["failed"]) == (2, 2)
+    assert "no successful evaluation yet" in proc.stdout + proc.stderr

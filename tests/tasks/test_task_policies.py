@@ -1,5 +1,6 @@
-"""Every pipeline task has a timeout and a retry policy, and the policy retries what may be
-transient but never bad input or a failed verification."""
+"""Every pipeline task has a retry policy that retries what may be transient but never bad input
+or a failed verification. (No task sets Prefect's timeout_seconds: it cannot interrupt a task on a
+Dask worker thread; the nas flow keeps its evaluations' time limit itself, tests/flows/test_nas.py.)"""
 
 import importlib
 
@@ -18,12 +19,12 @@ def all_tasks():
             if isinstance(obj, Task)]
 
 
-def test_every_task_has_a_timeout_and_a_retry():
+def test_every_task_retries_once():
     found = all_tasks()
     assert len(found) >= 11  # 5 gemm, 1 nas, 5 tensor (and any new one)
     for module, name, t in found:
-        assert t.timeout_seconds and t.timeout_seconds > 0, (module, name)
         assert t.retries >= 1, (module, name)
+        assert t.timeout_seconds is None, (module, name)  # it would only warn on a Dask worker thread
 
 
 class _State:
