@@ -70,7 +70,6 @@ class PartitionOptimizer(Optimizer):
             raise InputError("kernel", o["kernel"], "known SVM kernels: rbf, poly, linear")
         if "sampler" in o and o["sampler"] not in self.samplers:
             raise InputError("sampler", o["sampler"], f"known samplers: {', '.join(self.samplers)}")
-        self._root: pt.PartitionNode | None = None
         self._gp: tuple[Any, int] = (None, -1)  # (GP, n_batches it was fitted at): a cache, not state
 
     samplers: tuple[str, ...] = SAMPLERS
@@ -89,10 +88,8 @@ class PartitionOptimizer(Optimizer):
         """Step 1 of Alg. 1: the tree over the successful samples."""
         x, y = self.data()
         feats = self.space.features(x)
-        root = pt.build_tree(feats, y, self.splitter(), lambda idx: self.node_value(y[idx]), self.rng(salt=1),
+        return pt.build_tree(feats, y, self.splitter(), lambda idx: self.node_value(y[idx]), self.rng(salt=1),
                              leaf_size=int(self.options["leaf_size"]))
-        self._root = root
-        return root
 
     def surrogate(self) -> Any:
         """The GP on every successful sample, fitted once per ask and shared by its regions."""
