@@ -32,6 +32,7 @@ def _register_builtin() -> None:
     from paperline.flows import gemm as gm
     from paperline.flows import nas
     from paperline.flows import tensor_factorization as tf
+    from paperline.flows import video_curation as vc
 
     if "tensor-factorization" not in PIPELINES:
         PIPELINES.register("tensor-factorization")(
@@ -45,6 +46,10 @@ def _register_builtin() -> None:
         PIPELINES.register("nas")(Pipeline(
             "nas", nas.nas, nas.NasParameters, nas.PRESETS, cron="0 4 * * 0",
             description="NAS campaign: LaMOO on NAS-Bench-201 (weekly), resumable, parent/child runs in MLflow."))
+    if "video-curation" not in PIPELINES:
+        PIPELINES.register("video-curation")(Pipeline(
+            "video-curation", vc.video_curation, vc.VideoCurationParameters, vc.PRESETS, cron="0 1 * * *",
+            description="Videos to WebDataset shards + Parquet index in S3: split, transcode, filter, dedup (nightly)."))
 
 
 def get_pipeline(name: str) -> Pipeline:

@@ -368,6 +368,25 @@ class ObjectStore:
             raise
         return resp["Body"].read()
 
+    def open_stream(self, uri: str) -> Any:
+        """A readable, closeable stream of an object's bytes (one GET, read as it arrives), for
+        reading large objects such as tar shards without holding them in memory.
+
+        Raises:
+            ObjectNotFoundError: No such object.
+            ServiceError: S3 is unreachable or rejects the credentials.
+        """
+        from botocore.exceptions import ClientError  # noqa: PLC0415
+
+        bucket, key = split_uri(uri)
+        try:
+            resp = self._call(f"get {uri}", self.client.get_object, Bucket=bucket, Key=key)
+        except ClientError as exc:
+            if self._is_not_found(exc):
+                raise ObjectNotFoundError(f"{uri}: no such object") from exc
+            raise
+        return resp["Body"]
+
     def put_bytes_to(self, data: bytes, uri: str) -> str:
         """Write ``data`` to exactly ``uri`` in one PUT (a reader sees the old object or the new
         one, never a part), e.g. a checkpoint replaced after every step.

@@ -164,3 +164,92 @@ def cli_env(stack) -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if not k.startswith("PAPERLINE_")}
     env.update(PAPERLINE_STATE_DIR=str(settings.state_dir), PAPERLINE_N_WORKERS="2", PYTHONUNBUFFERED="1")
     return env
+
+
+# --- bad video inputs for probe / ingest error handling -------------------------------------------
+
+@pytest.fixture(scope="session")
+def bad_videos(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    """Small, deterministic broken or unusual video inputs (made with PyAV in ~0.1 s), by name:
+
+    ``zero_byte`` (empty ``empty.mp4``), ``truncated`` (2 s 64x48 H.264 mp4, moov at the end, cut to
+    its first 40 % of bytes: no moov left), ``truncated_faststart`` (the same with moov at the front,
+    cut to 60 %: opens, decoding stops half-way), ``text`` (English text in ``notes.mp4``),
+    ``audio_only`` (1 s AAC, or mp2, sine tone in ``audio.mp4``), ``one_frame`` (valid H.264 mp4 of
+    exactly one frame), ``unknown_codec`` (5-frame MJPEG AVI with the FourCC patched to ``QQQQ``: it
+    opens but its video stream has no decoder) and ``missing`` (a path that does not exist).
+    """
+    import fractions
+
+    import av
+
+    d = tmp_path_factory.mktemp("bad-videos")
+    w, h, fps = 64, 48, 25
+
+    def write_video(path: Path, n_frames: int, codec: str = "libx264", options: dict | None = None) -> Path:
+        ramp = (np.arange(w + h) * 255 // (w + h)).astype(np.uint8)
+        with av.open(str(path), "w", options=options or {}) as out:
+            s = out.add_stream(codec, rate=fps)
+            s.width, s.height = w, h
+            s.pix_fmt = "yuv420p" if codec == "libx264" else "yuvj420p"
+            if codec == "libx264":
+                s.options = {"preset": "ultrafast", "threads": "1"}  # single thread: same bytes every run
+            for i in range(n_frames):
+                g = ramp[(np.arange(h)[:, None] + np.arange(w)[None, :] + 3 * i) % (w + h)]  # shifting gradient
+                rgb = np.stack([g, 255 - g, np.full_like(g, (10 * i) % 256)], axis=-1)
+                frame = av.VideoFrame.from_ndarray(rgb, format="rgb24")
+                frame.pts, frame.time_base = i, fractions.Fraction(1, fps)
+                out.mux(s.encode(frame))
+            out.mux(s.encode())
+        return path
+
+    def cut(src: Path, dst: Path, fraction: float) -> Path:
+        data = src.read_bytes()
+        dst.write_bytes(data[: int(len(data) * fraction)])
+        src.unlink()
+        return dst
+
+    paths: dict[str, Path] = {}
+    paths["zero_byte"] = d / "empty.mp4"
+    paths["zero_byte"].write_bytes(b"")
+
+    paths["truncated"] = cut(write_video(d / "full.mp4", 2 * fps), d / "truncated.mp4", 0.4)
+    paths["truncated_faststart"] = cut(
+        write_video(d / "full_faststart.mp4", 2 * fps, options={"movflags": "+faststart"}),
+        d / "truncated_faststart.mp4", 0.6)
+
+    paths["text"] = d / "notes.mp4"
+    paths["text"].write_text("Meeting notes: this file is plain English text, not a video.\n" * 12)
+
+    paths["audio_only"] = d / "audio.mp4"
+    try:
+        av.codec.Codec("aac", "w")
+        acodec, sample_fmt = "aac", "fltp"
+    except av.codec.codec.UnknownCodecError:
+        acodec, sample_fmt = "mp2", "s16"
+    rate = 44100
+    tone = 0.3 * np.sin(2 * np.pi * 440.0 * np.arange(rate) / rate)  # 1 s of 440 Hz
+    samples = tone.astype(np.float32) if sample_fmt == "fltp" else (tone * 32767).astype(np.int16)
+    with av.open(str(paths["audio_only"]), "w") as out:
+        s = out.add_stream(acodec, rate=rate)
+        s.layout, s.format = "mono", sample_fmt
+        for start in range(0, rate, 1024):
+            frame = av.AudioFrame.from_ndarray(samples[None, start:start + 1024], format=sample_fmt, layout="mono")
+            frame.sample_rate, frame.pts, frame.time_base = rate, start, fractions.Fraction(1, rate)
+            out.mux(s.encode(frame))
+        out.mux(s.encode())
+
+    paths["one_frame"] = write_video(d / "one_frame.mp4", 1)
+
+    # MJPEG AVI whose FourCC (strh fccHandler and strf biCompression, both in the header) becomes
+    # an unknown 'QQQQ': av.open works, the stream's codec_context is None, decoding raises
+    # av.error.DecoderNotFoundError.
+    avi = write_video(d / "unknown_codec.avi", 5, codec="mjpeg")
+    data = avi.read_bytes()
+    movi = data.index(b"movi")
+    assert data[:movi].count(b"MJPG") == 2, "unexpected AVI header layout"
+    avi.write_bytes(data[:movi].replace(b"MJPG", b"QQQQ") + data[movi:])
+    paths["unknown_codec"] = avi
+
+    paths["missing"] = d / "missing.mp4"
+    return paths

