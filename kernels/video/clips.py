@@ -48,9 +48,9 @@ class ClipConfig:
             ``auto`` (the splitter's own features: TransNetV2's when it splits, else histograms).
         device: Torch device for TransNetV2 (``cpu``/``cuda``).
         sharpness_every: Sharpness is measured on every n-th output frame.
-        encoder_threads: libx264 threads per clip. 1 (the default) gives the same bytes on every
-            run (x264's threaded lookahead does not, seen with PyAV 18 / x264 core 165); the flow
-            gets its parallelism from one video per worker.
+        encoder_threads: libx264 threads per clip (the flow's parallelism is one video per worker
+            core). x264's bytes are not repeatable run to run (seen with PyAV 18 / x264 core 165,
+            at equal quality, even with one thread), so a dataset's identity is its clip keys.
     """
 
     splitter: str = "content"
@@ -215,19 +215,12 @@ class _ClipEncoder:
     """An H.264 mp4 being written in memory, with the clip's running scores."""
 
     def __init__(self, cfg: ClipConfig, start: int, width: int, height: int, src_rate: Fraction,
-                 out_rate: Fraction, thumb_at: int):
-        import av  # noqa: PLC0415
-
+                 out_rate: Fraction, thumb_at: int, min_frames: int):
         self.start, self.n = start, 0
-        self.buf = io.BytesIO()
-        self.container = av.open(self.buf, mode="w", format="mp4")
-        st = self.container.add_stream(cfg.encoder, rate=out_rate)
-        st.width, st.height, st.pix_fmt = width, height, "yuv420p"
-        if cfg.encoder == "libx264":
-            st.options = {"crf": str(cfg.crf), "preset": cfg.preset, "threads": str(cfg.encoder_threads)}
-        else:
-            st.options = {"cq": str(cfg.crf), "preset": cfg.preset}
-        self.stream = st
+        self.cfg, self.width, self.height = cfg, width, height
+        self.container: Any = None  # opened once the clip reaches min_frames: short shots are never encoded
+        self.waiting: list[Any] = []
+        self.min_frames = min_frames
         self.src_rate, self.out_rate = src_rate, out_rate
         self.out_n = 0
         self.thumb_at = thumb_at
@@ -240,15 +233,40 @@ class _ClipEncoder:
         self.sha = hashlib.sha256()
         self._prev_gray: np.ndarray | None = None
 
-    def add(self, big: Any, small: np.ndarray, feat: np.ndarray | None, cfg: ClipConfig, filt: FilterConfig) -> None:
-        # Encode: as many output frames as output ticks fall inside this source frame's interval.
-        until = Fraction(self.n + 1) / self.src_rate
+    def _open(self) -> None:
+        import av  # noqa: PLC0415
+
+        cfg = self.cfg
+        self.buf = io.BytesIO()
+        self.container = av.open(self.buf, mode="w", format="mp4")
+        st = self.container.add_stream(cfg.encoder, rate=self.out_rate)
+        st.width, st.height, st.pix_fmt = self.width, self.height, "yuv420p"
+        if cfg.encoder == "libx264":
+            st.options = {"crf": str(cfg.crf), "preset": cfg.preset, "threads": str(cfg.encoder_threads)}
+        else:
+            st.options = {"cq": str(cfg.crf), "preset": cfg.preset}
+        self.stream = st
+        waiting, self.waiting = self.waiting, []
+        for j, frame in enumerate(waiting):
+            self._encode(frame, j)
+
+    def _encode(self, big: Any, j: int) -> None:
+        # As many output frames as output ticks fall inside source frame j's interval (rate change).
+        until = Fraction(j + 1) / self.src_rate
         while Fraction(self.out_n) / self.out_rate < until:
             big.pts = self.out_n
             big.time_base = 1 / self.out_rate
             for packet in self.stream.encode(big):
                 self.container.mux(packet)
             self.out_n += 1
+
+    def add(self, big: Any, small: np.ndarray, feat: np.ndarray | None, cfg: ClipConfig, filt: FilterConfig) -> None:
+        if self.container is not None:
+            self._encode(big, self.n)
+        else:
+            self.waiting.append(big)
+            if self.n + 1 >= self.min_frames:
+                self._open()
         if self.n == 0 or self.n == self.thumb_at:
             self.thumb = big
         gray = small.astype(np.float32) @ np.array([0.299, 0.587, 0.114], np.float32)
@@ -269,12 +287,17 @@ class _ClipEncoder:
         self.n += 1
 
     def close(self) -> bytes:
+        if self.container is None:
+            self._open()
         for packet in self.stream.encode():
             self.container.mux(packet)
         self.container.close()
         return self.buf.getvalue()
 
     def abort(self) -> None:
+        self.waiting = []
+        if self.container is None:
+            return
         try:
             self.container.close()
         except Exception:  # noqa: BLE001 - an encoder that never got a frame may refuse to close
@@ -301,6 +324,7 @@ def extract_clips(info: VideoInfo, cfg: ClipConfig, filt: FilterConfig | None = 
     """
     import av  # noqa: PLC0415
     import imagehash  # noqa: PLC0415
+    from av.video.reformatter import VideoReformatter  # noqa: PLC0415
     from PIL import Image  # noqa: PLC0415
 
     filt = filt or FilterConfig()
@@ -357,7 +381,7 @@ def extract_clips(info: VideoInfo, cfg: ClipConfig, filt: FilterConfig | None = 
                     continue
                 enc = state["enc"]
                 if enc is None:
-                    enc = state["enc"] = _ClipEncoder(cfg, i, width, height, src_rate, out_rate, thumb_at)
+                    enc = state["enc"] = _ClipEncoder(cfg, i, width, height, src_rate, out_rate, thumb_at, min_frames)
                 enc.add(big, small, feat, cfg, filt)
                 if role == LAST_OF_SHOT:
                     state["shots"] += 1
@@ -371,10 +395,15 @@ def extract_clips(info: VideoInfo, cfg: ClipConfig, filt: FilterConfig | None = 
 
         decoded = 0
         error: str | None = None
+        to_small, to_big = VideoReformatter(), VideoReformatter()  # reused: one scaler context each
         try:
             for frame in container.decode(stream):
-                small = frame.reformat(width=ANALYSIS_SIZE[0], height=ANALYSIS_SIZE[1], format="rgb24").to_ndarray()
-                big = frame.reformat(width=width, height=height, format="yuv420p")
+                small = to_small.reformat(frame, width=ANALYSIS_SIZE[0], height=ANALYSIS_SIZE[1],
+                                          format="rgb24").to_ndarray()
+                if frame.width == width and frame.height == height and frame.format.name == "yuv420p":
+                    big = frame  # already the output size and format
+                else:
+                    big = to_big.reformat(frame, width=width, height=height, format="yuv420p")
                 big.pict_type = 0  # let the encoder choose frame types (the source's are not ours)
                 pending.append((big, small))
                 detector.push(small)

@@ -212,13 +212,20 @@ class TransNetV2Detector(ShotDetector):
 
 def hsv_histogram(frame: np.ndarray, bins: tuple[int, int, int] = (16, 4, 4)) -> np.ndarray:
     """Joint HSV histogram of an RGB ``uint8 (H, W, 3)`` frame, normalised to sum 1,
-    ``float32 (prod(bins),)``."""
-    from matplotlib.colors import rgb_to_hsv  # noqa: PLC0415
-
-    hsv = rgb_to_hsv(frame.astype(np.float32) / 255.0)
-    idx = [np.minimum((hsv[..., c] * b).astype(np.int64), b - 1) for c, b in enumerate(bins)]
-    flat = (idx[0] * bins[1] + idx[1]) * bins[2] + idx[2]
-    hist = np.bincount(flat.ravel(), minlength=int(np.prod(bins))).astype(np.float32)
+    ``float32 (prod(bins),)``. Hue, saturation and value in [0, 1) as in
+    ``matplotlib.colors.rgb_to_hsv`` (hexcone model), binned uniformly."""
+    rgb = frame.reshape(-1, 3).astype(np.float32) * (1.0 / 255.0)
+    v = rgb.max(axis=1)
+    c = v - rgb.min(axis=1)
+    safe_c = np.where(c > 0, c, 1.0)
+    s = np.where(v > 0, c / np.where(v > 0, v, 1.0), 0.0)
+    r, g, b = rgb[:, 0], rgb[:, 1], rgb[:, 2]
+    h = np.where(v == r, (g - b) / safe_c, np.where(v == g, 2.0 + (b - r) / safe_c, 4.0 + (r - g) / safe_c))
+    h = np.where(c > 0, (h / 6.0) % 1.0, 0.0)
+    hi = np.minimum((h * bins[0]).astype(np.int64), bins[0] - 1)
+    si = np.minimum((s * bins[1]).astype(np.int64), bins[1] - 1)
+    vi = np.minimum((v * bins[2]).astype(np.int64), bins[2] - 1)
+    hist = np.bincount((hi * bins[1] + si) * bins[2] + vi, minlength=int(np.prod(bins))).astype(np.float32)
     return hist / hist.sum()
 
 

