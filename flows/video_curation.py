@@ -29,11 +29,12 @@ from paperline.infra.settings import get_settings
 from paperline.infra.stack import load_stack_info
 from paperline.infra.storage import ObjectStore, split_uri
 from paperline.infra.tracking import Tracker
+from paperline.kernels.errors import InputError as KernelInputError
 from paperline.kernels.video.clips import ClipConfig, FilterConfig, nvenc_usable
 from paperline.kernels.video.dedup import deduplicate
 from paperline.kernels.video.shards import plan_shards
 from paperline.kernels.video.sources import VIDEO_EXTENSIONS, demo_videos, list_local
-from paperline.tasks.video import contact_sheet, curate_video, read_back, write_shards
+from paperline.tasks.video import contact_sheet, curate_video, read_back, video_stats, write_shards
 
 EXPERIMENT = "video-curation"
 
@@ -177,6 +178,20 @@ def video_curation(params: VideoCurationParameters | None = None) -> dict[str, A
     return summary
 
 
+def _result(future: Any, source: str) -> dict[str, Any]:
+    """A video's result; a task that failed even after its retry (a lost worker, a crash in a
+    decoder) is recorded as rejected with reason ``task_failed`` and the run goes on. Bad
+    configuration is raised."""
+    try:
+        return future.result()
+    except KernelInputError:
+        raise
+    except Exception as exc:  # noqa: BLE001
+        detail = f"{type(exc).__name__}: {exc}"[:300]
+        return {"source": source, "info": None, "rows": [], "stats": video_stats(None),
+                "rejected": {"source": source, "reason": "task_failed", "detail": detail}}
+
+
 def _label(source: str) -> str:
     return Path(source).name[:60] or "video"
 
@@ -189,7 +204,7 @@ def _curate(params: VideoCurationParameters, cfg: ClipConfig, filt: FilterConfig
     clip_cfg = dataclasses.asdict(cfg)
     filter_cfg = dataclasses.asdict(filt)
     futures = [curate_video.submit(s, clip_cfg, filter_cfg, store, staging, _label(s)) for s in sources]
-    results = [f.result() for f in futures]
+    results = [_result(f, s) for f, s in zip(futures, sources)]
     rejected = [r["rejected"] for r in results if r["rejected"] is not None]
     rows = [row for r in results for row in r["rows"]]
     if len(rejected) == len(results):

@@ -61,7 +61,7 @@ def curate_video(source: str, clip_cfg: dict[str, Any], filter_cfg: dict[str, An
         info = probe(local)
         if isinstance(info, Rejected):
             rej = Rejected(source, info.reason, info.detail)
-            return {"source": source, "info": None, "rejected": rej.as_dict(), "rows": [], "stats": _stats(None)}
+            return {"source": source, "info": None, "rejected": rej.as_dict(), "rows": [], "stats": video_stats(None)}
         bucket, prefix = split_uri(staging)
         staged: dict[str, str] = {}
 
@@ -74,17 +74,17 @@ def curate_video(source: str, clip_cfg: dict[str, Any], filter_cfg: dict[str, An
     info_d = dict(info.as_dict(), source=source)
     if result.rejected is not None:
         rej = Rejected(source, result.rejected.reason, result.rejected.detail)
-        return {"source": source, "info": info_d, "rejected": rej.as_dict(), "rows": [], "stats": _stats(result)}
+        return {"source": source, "info": info_d, "rejected": rej.as_dict(), "rows": [], "stats": video_stats(result)}
     rows = []
     for c in result.clips:
         row = c.row()
         row.update(source=source, embedding=c.embedding, thumbnail_jpeg=c.thumbnail_jpeg,
                    staged_uri=staged.get(c.key))
         rows.append(row)
-    return {"source": source, "info": info_d, "rejected": None, "rows": rows, "stats": _stats(result)}
+    return {"source": source, "info": info_d, "rejected": None, "rows": rows, "stats": video_stats(result)}
 
 
-def _stats(result: Any) -> dict[str, Any]:
+def video_stats(result: Any) -> dict[str, Any]:
     if result is None:
         return {"frames_decoded": 0, "video_s": 0.0, "shots": 0, "short_dropped": 0, "seconds": 0.0}
     return {"frames_decoded": result.frames_decoded, "video_s": result.video_s, "shots": result.shots,

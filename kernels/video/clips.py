@@ -353,11 +353,10 @@ def extract_clips(info: VideoInfo, cfg: ClipConfig, filt: FilterConfig | None = 
         state: dict[str, Any] = {"enc": None, "decided": 0, "shots": 0, "short": 0}
 
         def features(i: int) -> np.ndarray | None:
-            if embedder == "transnetv2":
+            if embedder == "transnetv2" or cfg.splitter == "content":
                 src = feature_source or detector
-                return src.features[i]
-            if cfg.splitter == "content":
-                return detector.features[i]
+                feat, src.features[i] = src.features[i], None  # consumed: memory stays bounded
+                return feat
             return hsv_histogram(pending[0][1])
 
         def close(enc: _ClipEncoder) -> None:
