@@ -23,7 +23,7 @@ from typing import Any
 import numpy as np
 
 from paperline.kernels.errors import InputError
-from paperline.kernels.video.detect import ANALYSIS_SIZE, DROPPED, LAST_OF_SHOT, ShotSegmenter, hsv_histogram, make_detector
+from paperline.kernels.video.detect import ANALYSIS_SIZE, DROPPED, LAST_OF_SHOT, ShotSegmenter, hsv_histograms, make_detector
 from paperline.kernels.video.probe import Rejected, VideoInfo
 
 THUMB_WIDTH = 160
@@ -211,6 +211,31 @@ def source_id(info: VideoInfo) -> str:
     return f"{stem}-{info.sha256[:10]}"
 
 
+@dataclass(frozen=True)
+class _FrameStats:
+    """Per-frame analysis, computed for a batch of frames at once (see ``_analyse``)."""
+
+    diff: float  # mean |luma - previous frame's luma| / 255 (analysis size)
+    dark: bool  # black (mean luma < black_luma) or flat (luma std < flat_std)
+    hist: np.ndarray | None  # HSV histogram, when the splitter or the embedder uses it
+
+
+_LUMA = np.array([0.299, 0.587, 0.114], np.float32)
+_BATCH = 32  # analysis frames processed together (vectorised); adds this many frames of lookahead
+
+
+def _analyse(smalls: np.ndarray, prev_gray: np.ndarray | None, filt: FilterConfig, hists: bool
+             ) -> tuple[list[_FrameStats], np.ndarray]:
+    """Motion, black/flat flags and (optionally) HSV histograms of ``uint8 (N, 27, 48, 3)`` frames;
+    returns the stats and the last frame's luma (for the next batch's first difference)."""
+    gray = smalls.astype(np.float32) @ _LUMA
+    ref = np.concatenate([gray[:1] if prev_gray is None else prev_gray[None], gray[:-1]])
+    diffs = np.abs(gray - ref).mean(axis=(1, 2)) / 255.0
+    dark = (gray.mean(axis=(1, 2)) < filt.black_luma) | (gray.std(axis=(1, 2)) < filt.flat_std)
+    hs = hsv_histograms(smalls) if hists else [None] * len(smalls)
+    return [_FrameStats(float(d), bool(k), h) for d, k, h in zip(diffs, dark, hs)], gray[-1]
+
+
 class _ClipEncoder:
     """An H.264 mp4 being written in memory, with the clip's running scores."""
 
@@ -231,7 +256,6 @@ class _ClipEncoder:
         self.smalls: list[np.ndarray] = []  # first/middle/last kept for hashes (all small frames: 3.9 KB each)
         self.feats: list[np.ndarray] = []
         self.sha = hashlib.sha256()
-        self._prev_gray: np.ndarray | None = None
 
     def _open(self) -> None:
         import av  # noqa: PLC0415
@@ -260,7 +284,7 @@ class _ClipEncoder:
                 self.container.mux(packet)
             self.out_n += 1
 
-    def add(self, big: Any, small: np.ndarray, feat: np.ndarray | None, cfg: ClipConfig, filt: FilterConfig) -> None:
+    def add(self, big: Any, small: np.ndarray, feat: np.ndarray | None, stats: _FrameStats, cfg: ClipConfig) -> None:
         if self.container is not None:
             self._encode(big, self.n)
         else:
@@ -269,12 +293,9 @@ class _ClipEncoder:
                 self._open()
         if self.n == 0 or self.n == self.thumb_at:
             self.thumb = big
-        gray = small.astype(np.float32) @ np.array([0.299, 0.587, 0.114], np.float32)
-        if self._prev_gray is not None:
-            self.diffs.append(float(np.abs(gray - self._prev_gray).mean()) / 255.0)
-        self._prev_gray = gray
-        if gray.mean() < filt.black_luma or gray.std() < filt.flat_std:
-            self.dark += 1
+        if self.n > 0:  # motion: the difference to the previous frame of this clip
+            self.diffs.append(stats.diff)
+        self.dark += stats.dark
         if self.n % cfg.sharpness_every == 0:
             from scipy.ndimage import laplace  # noqa: PLC0415
 
@@ -349,15 +370,32 @@ def extract_clips(info: VideoInfo, cfg: ClipConfig, filt: FilterConfig | None = 
         max_frames = max(min_frames, round(cfg.max_clip_s * float(src_rate)))
         thumb_at = min_frames // 2
         segmenter = ShotSegmenter()
-        pending: deque[tuple[Any, np.ndarray]] = deque()  # (output frame, analysis frame) not yet decided
-        state: dict[str, Any] = {"enc": None, "decided": 0, "shots": 0, "short": 0}
+        pending: deque[tuple[Any, np.ndarray, _FrameStats]] = deque()  # frames not yet decided
+        need_hists = cfg.splitter == "content" or embedder == "hsv-histogram"
+        batch: list[tuple[Any, np.ndarray]] = []  # decoded, not yet analysed
+
+        def analyse_batch() -> None:
+            if not batch:
+                return
+            stats, state["prev_gray"] = _analyse(np.stack([b[1] for b in batch]), state["prev_gray"], filt, need_hists)
+            for (big, small), st in zip(batch, stats):
+                pending.append((big, small, st))
+                if cfg.splitter == "content":
+                    detector.push(small, hist=st.hist)
+                else:
+                    detector.push(small)
+                if feature_source is not None:
+                    feature_source.push(small)
+            batch.clear()
+            drain(ready())
+        state: dict[str, Any] = {"enc": None, "decided": 0, "shots": 0, "short": 0, "prev_gray": None}
 
         def features(i: int) -> np.ndarray | None:
             if embedder == "transnetv2" or cfg.splitter == "content":
                 src = feature_source or detector
                 feat, src.features[i] = src.features[i], None  # consumed: memory stays bounded
                 return feat
-            return hsv_histogram(pending[0][1])
+            return pending[0][2].hist
 
         def close(enc: _ClipEncoder) -> None:
             state["enc"] = None
@@ -371,7 +409,7 @@ def extract_clips(info: VideoInfo, cfg: ClipConfig, filt: FilterConfig | None = 
         def drain(limit: int) -> None:
             while state["decided"] < limit:
                 i = state["decided"]
-                big, small = pending[0]
+                big, small, stats = pending[0]
                 role = segmenter.role(detector.flags[i])
                 feat = features(i)
                 pending.popleft()
@@ -381,7 +419,7 @@ def extract_clips(info: VideoInfo, cfg: ClipConfig, filt: FilterConfig | None = 
                 enc = state["enc"]
                 if enc is None:
                     enc = state["enc"] = _ClipEncoder(cfg, i, width, height, src_rate, out_rate, thumb_at, min_frames)
-                enc.add(big, small, feat, cfg, filt)
+                enc.add(big, small, feat, stats, cfg)
                 if role == LAST_OF_SHOT:
                     state["shots"] += 1
                     close(enc)
@@ -404,14 +442,13 @@ def extract_clips(info: VideoInfo, cfg: ClipConfig, filt: FilterConfig | None = 
                 else:
                     big = to_big.reformat(frame, width=width, height=height, format="yuv420p")
                 big.pict_type = 0  # let the encoder choose frame types (the source's are not ours)
-                pending.append((big, small))
-                detector.push(small)
-                if feature_source is not None:
-                    feature_source.push(small)
+                batch.append((big, small))
                 decoded += 1
-                drain(ready())
+                if len(batch) >= _BATCH:
+                    analyse_batch()
         except av.error.FFmpegError as exc:
             error = str(exc)
+        analyse_batch()
         detector.finish()
         if feature_source is not None:
             feature_source.finish()

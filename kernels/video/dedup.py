@@ -29,7 +29,7 @@ def _popcount(x: np.ndarray) -> np.ndarray:
     return np.unpackbits(x.view(np.uint8), axis=-1).reshape(*x.shape, 64).sum(-1)
 
 
-def deduplicate(rows: list[dict[str, Any]], *, phash_max_distance: int = 4, semantic_threshold: float = 0.95,
+def deduplicate(rows: list[dict[str, Any]], *, phash_max_distance: int = 4, semantic_threshold: float = 0.98,
                 n_clusters: int | None = None, seed: int = 0) -> list[dict[str, Any]]:
     """Mark duplicates among clips.
 
