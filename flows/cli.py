@@ -44,7 +44,9 @@ def _friendly(fn: Callable[..., Any]) -> Callable[..., Any]:
                 raise
             known = isinstance(exc, (PaperlineError, KernelInputError))
             msg = str(exc) if known else f"{type(exc).__name__}: {exc}"
-            err_console.print(f"[bold red]error:[/] {msg}", highlight=False, soft_wrap=True)
+            from rich.markup import escape  # noqa: PLC0415 - messages may hold [brackets] (paths, C++ sources)
+
+            err_console.print(f"[bold red]error:[/] {escape(msg)}", highlight=False, soft_wrap=True)
             if not known:
                 err_console.print("(run with --debug for the traceback)", style="dim")
             raise typer.Exit(1) from None
@@ -214,7 +216,7 @@ def _print_summary(name: str, summary: dict[str, Any]) -> None:
             table.add_row(*[str(v) for v in row])
         console.print(table)
         for line in summary.get("lines", []):
-            console.print(line, soft_wrap=True, highlight=False)
+            console.print(line, soft_wrap=True, highlight=False, markup=False)
         console.print(f"Prefect flow run: {summary['prefect_flow_run_url']}", soft_wrap=True)
         console.print(f"MLflow run:       {summary['mlflow_run_url']}", soft_wrap=True)
         return

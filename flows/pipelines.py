@@ -29,6 +29,7 @@ PIPELINES: Registry[Pipeline] = Registry("pipeline")
 
 
 def _register_builtin() -> None:
+    from paperline.flows import compressed_training as ct
     from paperline.flows import gemm as gm
     from paperline.flows import nas
     from paperline.flows import tensor_factorization as tf
@@ -46,6 +47,10 @@ def _register_builtin() -> None:
         PIPELINES.register("nas")(Pipeline(
             "nas", nas.nas, nas.NasParameters, nas.PRESETS, cron="0 4 * * 0",
             description="NAS campaign: LaMOO on NAS-Bench-201 (weekly), resumable, parent/child runs in MLflow."))
+    if "compressed-training" not in PIPELINES:
+        PIPELINES.register("compressed-training")(Pipeline(
+            "compressed-training", ct.compressed_training, ct.CompressedTrainingParameters, ct.PRESETS, cron="0 5 * * 6",
+            description="Data-parallel training with FFT-compressed gradients against dense and peers (weekly)."))
     if "video-curation" not in PIPELINES:
         PIPELINES.register("video-curation")(Pipeline(
             "video-curation", vc.video_curation, vc.VideoCurationParameters, vc.PRESETS, cron="0 1 * * *",

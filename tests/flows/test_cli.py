@@ -63,7 +63,7 @@ def test_bad_parameters(sets, fragments):
 
 
 def test_unknown_pipeline_and_preset():
-    assert_one_line_error(run_cli("run", "nope"), "pipeline='nope'", "known: gemm, nas, tensor-factorization")
+    assert_one_line_error(run_cli("run", "nope"), "pipeline='nope'", "known: compressed-training, gemm, nas, tensor-factorization, video-curation")
     assert_one_line_error(run_cli("run", "tensor-factorization", "--preset", "huge"), "--preset='huge'")
 
 

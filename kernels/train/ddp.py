@@ -1,0 +1,252 @@
+"""One data-parallel rank of compressed training: torch DDP with a gradient-compressor comm hook
+([Wang2018]_ FFT sparsification and its peers, :mod:`paperline.kernels.comm.compressors`),
+optional cost-aware recomputation (:mod:`.recompute`), per-rank checkpoints and resume.
+
+:func:`train_rank` is what each rank runs (a Dask task in the flow, a subprocess in the tests): it
+joins the process group at ``init_method`` (``tcp://host:port``; gloo on CPU, NCCL on CUDA), builds
+the same seeded model on every rank, trains ``epochs`` epochs over its shard of the data and
+evaluates on its shard of the test set (counts summed across ranks). After every epoch it hands
+its checkpoint (model, optimizer, epoch, history) to ``save_checkpoint``; given ``resume_bytes``
+it continues from there.
+
+NaN/inf handling: after the backward pass (the gradients are then the same on every rank, being
+the result of the collective) a step whose loss or any gradient is not finite is skipped on every
+rank: no optimizer update, the step is counted in ``skipped_steps`` and its index recorded. It is
+never applied silently.
+
+Units: seconds are wall seconds (``time.perf_counter``); bytes are the compressor's payload bytes
+per rank (see :class:`~paperline.kernels.comm.compressors.StepStats`); accuracy in percent.
+"""
+
+from __future__ import annotations
+
+import io
+import math
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+from datetime import timedelta
+from typing import Any
+
+from paperline.kernels.errors import InputError
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    """What to train and how (the same on every rank).
+
+    Attributes:
+        model, model_options: :func:`paperline.kernels.train.models.make_model` arguments.
+        dataset, n_train: :func:`paperline.kernels.train.data.load_dataset` arguments.
+        epochs: Epochs to train.
+        batch_size: Examples per rank per step.
+        lr, momentum, weight_decay: SGD.
+        seed: Model initialisation and data order.
+        compressor, compressor_options: :func:`~paperline.kernels.comm.compressors.make_hook` arguments.
+        recompute: ``none``, ``cost-aware`` or ``all`` (:func:`.recompute.apply_recomputation`).
+        max_steps_per_epoch: Stop each epoch after this many steps (None: the whole shard).
+        nan_steps: Fault injection for tests and drills: global step indices whose loss is made NaN.
+    """
+
+    model: str = "resnet"
+    model_options: dict[str, Any] = field(default_factory=dict)
+    dataset: str = "mnist-5k"
+    n_train: int | None = None
+    epochs: int = 2
+    batch_size: int = 64
+    lr: float = 0.05
+    momentum: float = 0.9
+    weight_decay: float = 0.0
+    seed: int = 0
+    compressor: str = "none"
+    compressor_options: dict[str, Any] = field(default_factory=dict)
+    recompute: str = "none"
+    max_steps_per_epoch: int | None = None
+    nan_steps: tuple[int, ...] = ()
+
+    def __post_init__(self) -> None:
+        if self.epochs < 1:
+            raise InputError("epochs", self.epochs, "must be >= 1")
+        if self.batch_size < 1:
+            raise InputError("batch_size", self.batch_size, "must be >= 1")
+        if not self.lr > 0:
+            raise InputError("lr", self.lr, "must be positive")
+        if self.max_steps_per_epoch is not None and self.max_steps_per_epoch < 1:
+            raise InputError("max_steps_per_epoch", self.max_steps_per_epoch, "must be >= 1")
+
+    def validate(self) -> None:
+        """Check names and options before any rank starts (builds a model and a hook state, loads
+        nothing heavy). Raises InputError."""
+        from paperline.kernels.comm.compressors import make_hook  # noqa: PLC0415
+        from paperline.kernels.train.models import make_model  # noqa: PLC0415
+        from paperline.kernels.train.recompute import apply_recomputation  # noqa: PLC0415
+
+        apply_recomputation(make_model(self.model, **dict(self.model_options)), self.recompute)
+        make_hook(self.compressor, **dict(self.compressor_options))
+
+    def as_dict(self) -> dict[str, Any]:
+        d = asdict(self)
+        d["nan_steps"] = list(self.nan_steps)
+        return d
+
+
+def _all_finite(loss: Any, params: list[Any]) -> bool:
+    import torch  # noqa: PLC0415
+
+    if not torch.isfinite(loss.detach()).all():
+        return False
+    return all(p.grad is None or bool(torch.isfinite(p.grad).all()) for p in params)
+
+
+def train_rank(rank: int, world_size: int, init_method: str, cfg: TrainConfig, *, device: str = "cpu",
+               resume_bytes: bytes | None = None, save_checkpoint: Callable[[int, bytes], None] | None = None,
+               timeout_s: float = 300.0, on_epoch: Callable[[dict[str, Any]], None] | None = None,
+               threads: int | None = None, exit_at_step: int | None = None) -> dict[str, Any]:
+    """Train one rank to the end (see the module docstring).
+
+    Args:
+        rank, world_size: This rank and the number of ranks.
+        init_method: ``tcp://host:port`` of the rendezvous (rank 0 listens there).
+        cfg: The training configuration (identical on every rank).
+        device: ``cpu`` (gloo) or ``cuda`` (NCCL, this rank's current CUDA device).
+        resume_bytes: This rank's checkpoint to continue from (from ``save_checkpoint``).
+        save_checkpoint: Called after every epoch with ``(epoch, bytes)`` (the epoch just finished).
+        timeout_s: Collective timeout: a rank whose peer died fails after this long instead of
+            hanging (the flow then restarts every rank from the last checkpoint).
+        on_epoch: Called on every rank with each epoch's record.
+        threads: torch intra-op threads of this rank (None: leave torch's setting).
+        exit_at_step: Drill: the process exits (``os._exit(17)``, as a killed rank) when it reaches
+            this global step.
+
+    Returns:
+        ``{"rank", "world_size", "epochs": [per-epoch records], "skipped_steps": [global step
+        indices], "params_count", "dense_bytes_per_step", "config"}``. Epoch records hold
+        ``epoch``, ``train_loss`` (mean over ranks and steps), ``test_accuracy_pct``,
+        ``bytes_sent_per_step`` (this rank's payload), ``compression_ratio``, ``compress_s`` and
+        ``decompress_s`` (per step), ``step_s`` (mean), ``epoch_s``, ``wall_s`` (since the run
+        started, resumed epochs included), ``steps`` and ``skipped_steps``.
+
+    Raises:
+        InputError: bad configuration, a missing dataset, or more ranks than batches.
+        RuntimeError: a collective failed (a peer died or timed out).
+    """
+    import numpy as np  # noqa: PLC0415
+    import torch  # noqa: PLC0415
+    import torch.distributed as dist  # noqa: PLC0415
+    from torch.nn.parallel import DistributedDataParallel as DDP  # noqa: PLC0415
+
+    from paperline.kernels.comm.compressors import make_hook  # noqa: PLC0415
+    from paperline.kernels.train.data import load_dataset, rank_batches  # noqa: PLC0415
+    from paperline.kernels.train.models import make_model  # noqa: PLC0415
+    from paperline.kernels.train.recompute import apply_recomputation  # noqa: PLC0415
+
+    if not 0 <= rank < world_size:
+        raise InputError("rank", rank, f"must be in [0, {world_size})")
+    if threads is not None:
+        torch.set_num_threads(threads)
+    data = load_dataset(cfg.dataset, n_train=cfg.n_train, seed=cfg.seed)
+    backend = "nccl" if device == "cuda" else "gloo"
+    dist.init_process_group(backend, init_method=init_method, rank=rank, world_size=world_size,
+                            timeout=timedelta(seconds=timeout_s))
+    try:
+        torch.manual_seed(cfg.seed)
+        dev = torch.device(device)
+        base = make_model(cfg.model, n_classes=data.n_classes, **dict(cfg.model_options))
+        model = apply_recomputation(base, cfg.recompute).to(dev)
+        ddp = DDP(model, device_ids=[torch.cuda.current_device()] if device == "cuda" else None)
+        state, hook = make_hook(cfg.compressor, **dict(cfg.compressor_options))
+        ddp.register_comm_hook(state, hook)
+        params = [p for p in ddp.parameters() if p.requires_grad]
+        opt = torch.optim.SGD(params, lr=cfg.lr, momentum=cfg.momentum, weight_decay=cfg.weight_decay)
+        epochs: list[dict[str, Any]] = []
+        skipped: list[int] = []
+        start_epoch, wall0 = 0, 0.0
+        if resume_bytes is not None:
+            ck = torch.load(io.BytesIO(resume_bytes), map_location=dev, weights_only=False)
+            model.load_state_dict(ck["model"])
+            opt.load_state_dict(ck["optimizer"])
+            start_epoch, epochs, skipped = ck["epoch"] + 1, ck["epochs"], ck["skipped_steps"]
+            wall0 = epochs[-1]["wall_s"] if epochs else 0.0
+        x_train, y_train = torch.from_numpy(np.array(data.x_train)), torch.from_numpy(np.array(data.y_train))
+        t_run = time.perf_counter() - wall0
+        loss_fn = torch.nn.functional.cross_entropy
+        for epoch in range(start_epoch, cfg.epochs):
+            t_epoch = time.perf_counter()
+            batches = rank_batches(len(y_train), rank, world_size, cfg.batch_size, epoch, cfg.seed)
+            if cfg.max_steps_per_epoch is not None:
+                batches = batches[: cfg.max_steps_per_epoch]
+            n0 = len(state.history)
+            losses, step_s, epoch_skipped = [], [], 0
+            ddp.train()
+            for i, idx in enumerate(batches):
+                t0 = time.perf_counter()
+                global_step = epoch * len(batches) + i
+                if exit_at_step is not None and global_step == exit_at_step:
+                    import os  # noqa: PLC0415
+
+                    os._exit(17)
+                x, y = x_train[idx].to(dev), y_train[idx].to(dev)
+                opt.zero_grad(set_to_none=True)
+                loss = loss_fn(ddp(x), y)
+                if global_step in cfg.nan_steps:
+                    loss = loss * float("nan")
+                loss.backward()
+                if not _all_finite(loss, params):
+                    epoch_skipped += 1
+                    skipped.append(global_step)
+                    continue
+                opt.step()
+                losses.append(float(loss.detach()))
+                step_s.append(time.perf_counter() - t0)
+            hist = [s for s in state.history[n0:] if not s.warmup] or state.history[n0:]
+            stats = torch.tensor([sum(losses), len(losses)], dtype=torch.float64)
+            dist.all_reduce(stats)
+            record = {
+                "epoch": epoch, "train_loss": float(stats[0] / stats[1]) if stats[1] else float("nan"),
+                "test_accuracy_pct": _evaluate(ddp, data, rank, world_size, dev),
+                "bytes_sent_per_step": float(np.mean([s.bytes_sent for s in hist])) if hist else 0.0,
+                "dense_bytes_per_step": float(np.mean([s.dense_bytes for s in hist])) if hist else 0.0,
+                "compress_s": float(np.mean([s.compress_seconds for s in hist])) if hist else 0.0,
+                "decompress_s": float(np.mean([s.decompress_seconds for s in hist])) if hist else 0.0,
+                "step_s": float(np.mean(step_s)) if step_s else float("nan"),
+                "epoch_s": time.perf_counter() - t_epoch, "wall_s": time.perf_counter() - t_run,
+                "steps": len(batches), "skipped_steps": epoch_skipped,
+            }
+            sent = record["bytes_sent_per_step"]
+            record["compression_ratio"] = record["dense_bytes_per_step"] / sent if sent else float("nan")
+            epochs.append(record)
+            if on_epoch is not None:
+                on_epoch(record)
+            if save_checkpoint is not None:
+                buf = io.BytesIO()
+                torch.save({"model": model.state_dict(), "optimizer": opt.state_dict(), "epoch": epoch,
+                            "epochs": epochs, "skipped_steps": skipped, "config": cfg.as_dict(), "rank": rank,
+                            "world_size": world_size}, buf)
+                save_checkpoint(epoch, buf.getvalue())
+        dist.barrier()
+        return {"rank": rank, "world_size": world_size, "epochs": epochs, "skipped_steps": skipped,
+                "params_count": sum(p.numel() for p in params), "config": cfg.as_dict()}
+    finally:
+        dist.destroy_process_group()
+
+
+def _evaluate(ddp: Any, data: Any, rank: int, world_size: int, dev: Any) -> float:
+    """Test accuracy (percent) over the whole test set: each rank scores a contiguous shard, the
+    counts are summed across ranks."""
+    import torch  # noqa: PLC0415
+    import torch.distributed as dist  # noqa: PLC0415
+
+    n = len(data.y_test)
+    lo, hi = rank * n // world_size, (rank + 1) * n // world_size
+    model = ddp.module
+    model.eval()
+    correct = 0
+    with torch.no_grad():
+        for s in range(lo, hi, 512):
+            e = min(hi, s + 512)
+            x = torch.tensor(data.x_test[s:e], device=dev)  # a copy: the dataset arrays are read-only
+            correct += int((model(x).argmax(1).cpu() == torch.tensor(data.y_test[s:e])).sum())
+    model.train()
+    counts = torch.tensor([correct, hi - lo], dtype=torch.float64)
+    dist.all_reduce(counts)
+    return 100.0 * float(counts[0] / counts[1]) if counts[1] else math.nan

@@ -1,0 +1,178 @@
+"""Tasks of the ``compressed-training`` pipeline: data-parallel ranks on the Dask workers, one rank
+per worker, joined by a TCP rendezvous the task sets up; per-rank checkpoints in S3; restart of
+every rank from the last common checkpoint when a rank or its worker dies.
+
+The training task runs in the flow's process and drives the flow's Dask client (the pattern of
+:mod:`paperline.tasks.executors`): it pins rank ``r`` to worker ``r`` and waits for all of them.
+Its result is cached on the configuration, so re-running a finished flow trains nothing again.
+"""
+
+from __future__ import annotations
+
+import re
+import time
+from typing import Any
+
+from prefect import task
+from prefect.cache_policies import INPUTS, TASK_SOURCE
+
+from paperline.infra.storage import ObjectStore
+from paperline.kernels.errors import InputError
+from paperline.kernels.train.ddp import TrainConfig, train_rank
+
+_CKPT = re.compile(r"/rank-(\d+)/epoch-(\d+)\.pt$")
+
+
+def checkpoint_uri(prefix: str, rank: int, epoch: int) -> str:
+    return f"{prefix}/rank-{rank}/epoch-{epoch:04d}.pt"
+
+
+def latest_common_epoch(store: ObjectStore, prefix: str, world_size: int) -> int | None:
+    """The last epoch every rank has a checkpoint of under ``prefix`` (None: start from scratch)."""
+    have: dict[int, set[int]] = {r: set() for r in range(world_size)}
+    for uri in store.list(prefix + "/"):
+        m = _CKPT.search(uri)
+        if m and int(m.group(1)) in have:
+            have[int(m.group(1))].add(int(m.group(2)))
+    common = set.intersection(*have.values()) if have else set()
+    return max(common) if common else None
+
+
+def _free_port() -> tuple[str, int]:
+    """Runs on a worker: its host (as the scheduler knows it) and a free TCP port there."""
+    import socket  # noqa: PLC0415
+
+    from distributed import get_worker  # noqa: PLC0415
+
+    host = get_worker().address.split("://", 1)[-1].rsplit(":", 1)[0]
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return host, s.getsockname()[1]
+
+
+def _rank_main(rank: int, world_size: int, init_method: str, cfg: dict[str, Any], store: ObjectStore, prefix: str,
+               resume_epoch: int | None, device: str, timeout_s: float, exit_at_step: int | None) -> dict[str, Any]:
+    """One rank on its worker: resume from its checkpoint, train, checkpoint every epoch to S3."""
+    resume = store.get_bytes(checkpoint_uri(prefix, rank, resume_epoch)) if resume_epoch is not None else None
+
+    def save(epoch: int, data: bytes) -> None:
+        store.put_bytes_to(data, checkpoint_uri(prefix, rank, epoch))
+
+    return train_rank(rank, world_size, init_method, TrainConfig(**cfg), device=device, resume_bytes=resume,
+                      save_checkpoint=save, timeout_s=timeout_s, threads=1 if device == "cpu" else None,
+                      exit_at_step=exit_at_step)
+
+
+def _wait_first_error(futures: list[Any], poll_s: float = 0.2) -> BaseException | None:
+    """Wait until every future finished (None) or one failed (its exception). Polls the futures'
+    status (``distributed.wait`` needs a default client, which a flow's runner does not set)."""
+    while True:
+        states = [f.status for f in futures]
+        for f, st in zip(futures, states):
+            if st in ("error", "lost", "cancelled"):
+                try:
+                    return f.exception(timeout=10) or RuntimeError(f"rank future {st}")
+                except Exception as exc:  # noqa: BLE001 - a cancelled/lost future may not hold one
+                    return exc
+        if all(st == "finished" for st in states):
+            return None
+        time.sleep(poll_s)
+
+
+class RankFailed(RuntimeError):
+    """A rank (or its worker) died or failed; every rank is restarted from the last checkpoint."""
+
+
+@task(name="compressed-train", cache_policy=(INPUTS - "store" - "max_restarts" - "timeout_s") + TASK_SOURCE,
+      persist_result=True, task_run_name="train-{label}")
+def train_ranks(cfg: dict[str, Any], world_size: int, store: ObjectStore, prefix: str, device: str, label: str,
+                timeout_s: float = 120.0, max_restarts: int = 2, crash_rank_at_step: int | None = None
+                ) -> dict[str, Any]:
+    """Train ``world_size`` ranks of one configuration to the end on the flow's Dask workers.
+
+    Args:
+        cfg: :class:`TrainConfig` fields.
+        world_size: Ranks (one per worker).
+        store: Object store for the checkpoints.
+        prefix: ``s3://`` prefix of this configuration's checkpoints (``rank-<r>/epoch-<e>.pt``).
+        device: ``cpu`` (gloo) or ``cuda`` (NCCL).
+        label: Names the task run.
+        timeout_s: Collective timeout of the ranks (how long a survivor waits for a dead peer).
+        max_restarts: Restarts of all ranks after a failure before giving up.
+        crash_rank_at_step: Drill: the last rank exits at this global step, in the first attempt only.
+
+    Returns:
+        ``{"ranks": [train_rank results], "restarts", "resumed_from": [epoch or None per attempt],
+        "failures": [messages]}``.
+
+    Raises:
+        InputError: more ranks than workers, or bad configuration. RankFailed: still failing after
+        ``max_restarts`` restarts.
+    """
+    from paperline.tasks.executors import flow_dask_client, wait_for_cluster  # noqa: PLC0415
+
+    client = flow_dask_client()
+    if client is None:
+        raise InputError("world_size", world_size, "no Dask cluster: the ranks run on the flow's Dask workers")
+    failures: list[str] = []
+    resumed: list[int | None] = []
+    for attempt in range(max_restarts + 1):
+        wait_for_cluster(client)
+        workers = sorted(client.scheduler_info(n_workers=-1)["workers"])
+        if world_size > len(workers):
+            raise InputError("world_size", world_size, f"larger than the number of Dask workers ({len(workers)}); "
+                                                       "one rank runs per worker")
+        chosen = workers[:world_size]
+        host, port = client.submit(_free_port, workers=[chosen[0]], allow_other_workers=False, pure=False).result()
+        resume_epoch = latest_common_epoch(store, prefix, world_size)
+        resumed.append(resume_epoch)
+        futures = [client.submit(_rank_main, r, world_size, f"tcp://{host}:{port}", cfg, store, prefix, resume_epoch,
+                                 device, timeout_s,
+                                 crash_rank_at_step if attempt == 0 and r == world_size - 1 else None,
+                                 workers=[w], allow_other_workers=False, pure=False, retries=0,
+                                 key=f"rank-{r}-{label}-{attempt}-{time.time_ns()}")
+                   for r, w in enumerate(chosen)]
+        error = _wait_first_error(futures)
+        if error is None:
+            return {"ranks": [f.result() for f in futures], "restarts": attempt, "resumed_from": resumed,
+                    "failures": failures}
+        for f in futures:
+            f.cancel()
+        if isinstance(error, InputError):
+            raise error
+        failures.append(f"attempt {attempt}: {type(error).__name__}: {error}"[:500])
+        print(f"{label}: a rank failed ({failures[-1]}); restarting all {world_size} ranks from the last checkpoint")
+    raise RankFailed(f"{label}: ranks failed {max_restarts + 1} times: " + " | ".join(failures))
+
+
+def comparison_plots(runs: list[dict[str, Any]], directory: Any) -> list[Any]:
+    """``accuracy_vs_bytes.png`` (test accuracy against cumulative payload bytes per rank) and
+    ``accuracy_vs_time.png`` (against wall seconds), one line per compressor. ``runs``:
+    ``{"name", "epochs": [epoch records]}``. Returns the paths written."""
+    from pathlib import Path  # noqa: PLC0415
+
+    from paperline.tasks.reporting import _plt  # noqa: PLC0415
+
+    plt = _plt()
+    out = []
+    for fname, xlabel, xfn in (
+        ("accuracy_vs_bytes.png", "bytes sent per rank (cumulative, MB)",
+         lambda eps: [sum(e["bytes_sent_per_step"] * (e["steps"] - e["skipped_steps"]) for e in eps[: i + 1]) / 1e6
+                      for i in range(len(eps))]),
+        ("accuracy_vs_time.png", "wall seconds", lambda eps: [e["wall_s"] for e in eps]),
+    ):
+        fig, ax = plt.subplots(figsize=(5.5, 3.6))
+        for r in runs:
+            ax.plot(xfn(r["epochs"]), [e["test_accuracy_pct"] for e in r["epochs"]], marker="o", label=r["name"])
+        ax.set_xlabel(xlabel)
+        ax.set_ylabel("test accuracy (%)")
+        if "bytes" in fname:
+            ax.set_xscale("log")
+        ax.legend(fontsize=8)
+        ax.grid(alpha=0.3)
+        fig.tight_layout()
+        path = Path(directory) / fname
+        fig.savefig(path, dpi=90)
+        plt.close(fig)
+        out.append(path)
+    return out
