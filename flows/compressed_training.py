@@ -14,7 +14,6 @@ from __future__ import annotations
 import hashlib
 import json
 import tempfile
-from pathlib import Path
 from typing import Any, Literal
 
 from prefect import flow
@@ -23,10 +22,9 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from paperline.infra.cluster import configure_local_workers, default_task_runner
 from paperline.infra.device import resolve_device
-from paperline.infra.errors import InputError, ServiceError
+from paperline.infra.errors import InputError
 from paperline.infra.settings import get_settings
-from paperline.infra.stack import load_stack_info
-from paperline.infra.storage import ObjectStore
+from paperline.infra.stack import require_stack
 from paperline.infra.tracking import Tracker
 from paperline.kernels.train.data import load_dataset
 from paperline.kernels.train.ddp import TrainConfig
@@ -126,10 +124,7 @@ def compressed_training(params: CompressedTrainingParameters | None = None) -> d
     configure_local_workers()
     params.validate_inputs()
     settings = get_settings()
-    info = load_stack_info(settings)
-    if info is None:
-        raise ServiceError("stack", "no running stack or configured endpoints; run `paperline up` first")
-    store = ObjectStore.from_stack(info)
+    info, store = require_stack(settings)
     device = resolve_device(settings.device)
     tracker = Tracker(info.mlflow_tracking_uri)
     run_url = f"{info.prefect_ui_url.rstrip('/')}/runs/flow-run/{flow_run.id}"

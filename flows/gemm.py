@@ -23,9 +23,9 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from paperline.infra.device import resolve_device
 from paperline.infra.cluster import configure_local_workers, default_task_runner
-from paperline.infra.errors import InputError, ServiceError
+from paperline.infra.errors import InputError
 from paperline.infra.settings import get_settings
-from paperline.infra.stack import load_stack_info
+from paperline.infra.stack import require_stack
 from paperline.infra.storage import ObjectStore
 from paperline.infra.tracking import Tracker
 from paperline.kernels.blas.runtime import check_memory_budget
@@ -197,10 +197,7 @@ def gemm(params: GemmParameters | None = None) -> dict[str, Any]:
     params = params or GemmParameters()
     configure_local_workers()  # before the runner's local cluster starts (at the first task)
     settings = get_settings()
-    info = load_stack_info(settings)
-    if info is None:
-        raise ServiceError("stack", "no running stack or configured endpoints; run `paperline up` first")
-    store = ObjectStore.from_stack(info)
+    info, store = require_stack(settings)
     params.validate_inputs(store)
     budget = parse_bytes(params.memory_budget)
     device = resolve_device(settings.device)

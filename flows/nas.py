@@ -24,9 +24,9 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from paperline.infra.cluster import configure_local_workers, default_task_runner
 from paperline.infra.device import resolve_device
-from paperline.infra.errors import InputError, ServiceError
+from paperline.infra.errors import InputError
 from paperline.infra.settings import get_settings
-from paperline.infra.stack import load_stack_info
+from paperline.infra.stack import require_stack
 from paperline.infra.storage import ObjectStore
 from paperline.infra.tracking import Tracker
 from paperline.kernels.errors import InputError as KernelInputError
@@ -143,10 +143,7 @@ def nas(params: NasParameters | None = None) -> dict[str, Any]:
     configure_local_workers()
     params.validate_inputs()
     settings = get_settings()
-    info = load_stack_info(settings)
-    if info is None:
-        raise ServiceError("stack", "no running stack or configured endpoints; run `paperline up` first")
-    store = ObjectStore.from_stack(info)
+    info, store = require_stack(settings)
     tracker = Tracker(info.mlflow_tracking_uri)
     run_url = f"{info.prefect_ui_url.rstrip('/')}/runs/flow-run/{flow_run.id}"
     tags = {"prefect.flow_run_id": str(flow_run.id), "prefect.flow_run_url": run_url}

@@ -20,9 +20,9 @@ from prefect.runtime import flow_run
 from pydantic import BaseModel, ConfigDict, Field
 
 from paperline.infra.cluster import configure_local_workers, default_task_runner
-from paperline.infra.errors import InputError, ServiceError
+from paperline.infra.errors import InputError
 from paperline.infra.settings import get_settings
-from paperline.infra.stack import load_stack_info
+from paperline.infra.stack import require_stack
 from paperline.infra.storage import ObjectStore
 from paperline.infra.tracking import Tracker
 from paperline.kernels.errors import InputError as KernelInputError
@@ -150,10 +150,7 @@ def tensor_factorization(params: TensorFactorizationParameters | None = None) ->
     configure_local_workers()  # before the runner's local cluster starts (at the first task)
     params.validate_inputs()
     settings = get_settings()
-    info = load_stack_info(settings)
-    if info is None:
-        raise ServiceError("stack", "no running stack or configured endpoints; run `paperline up` first")
-    store = ObjectStore.from_stack(info)
+    info, store = require_stack(settings)
     tracker = Tracker(info.mlflow_tracking_uri)
     bucket = info.data_bucket
     run_url = f"{info.prefect_ui_url.rstrip('/')}/runs/flow-run/{flow_run.id}"

@@ -24,9 +24,9 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from paperline.infra.cluster import configure_local_workers, default_task_runner
 from paperline.infra.device import resolve_device
-from paperline.infra.errors import InputError, ServiceError
+from paperline.infra.errors import InputError
 from paperline.infra.settings import get_settings
-from paperline.infra.stack import load_stack_info
+from paperline.infra.stack import require_stack
 from paperline.infra.storage import ObjectStore, split_uri
 from paperline.infra.tracking import Tracker
 from paperline.kernels.errors import InputError as KernelInputError
@@ -152,10 +152,7 @@ def video_curation(params: VideoCurationParameters | None = None) -> dict[str, A
     params = params or VideoCurationParameters()
     configure_local_workers()
     settings = get_settings()
-    info = load_stack_info(settings)
-    if info is None:
-        raise ServiceError("stack", "no running stack or configured endpoints; run `paperline up` first")
-    store = ObjectStore.from_stack(info)
+    info, store = require_stack(settings)
     device = resolve_device(settings.device)
     cfg = params.clip_config(device)
     filt = params.filter_config()

@@ -974,6 +974,23 @@ def stack_status(settings: Settings) -> list[Service]:
     return out
 
 
+def require_stack(settings: Settings) -> tuple[StackInfo, Any]:
+    """The running stack (or configured endpoints) and its object store, for a flow about to start.
+
+    Returns:
+        ``(info, store)`` with ``store`` a :class:`paperline.infra.storage.ObjectStore`.
+
+    Raises:
+        ServiceError: no running stack and no configured endpoints.
+    """
+    from paperline.infra.storage import ObjectStore  # noqa: PLC0415 - storage imports this module
+
+    info = load_stack_info(settings)
+    if info is None:
+        raise ServiceError("stack", "no running stack or configured endpoints; run `paperline up` first")
+    return info, ObjectStore.from_stack(info)
+
+
 def load_stack_info(settings: Settings) -> StackInfo | None:
     """The stack's endpoints from ``stack.json`` and the settings, without starting or checking anything.
 

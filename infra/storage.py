@@ -326,16 +326,8 @@ class ObjectStore:
             PaperlineError: The bytes do not match ``sha256``.
             ServiceError: S3 is unreachable or rejects the credentials.
         """
-        from botocore.exceptions import ClientError  # noqa: PLC0415
-
-        bucket, key = split_uri(uri)
-        try:
-            resp = self._call(f"get {uri}", self.client.get_object, Bucket=bucket, Key=key)
-        except ClientError as exc:
-            if self._is_not_found(exc):
-                raise ObjectNotFoundError(f"{uri}: no such object") from exc
-            raise
-        data = resp["Body"].read()
+        with self.open_stream(uri) as body:
+            data = body.read()
         if sha256 is not None and hashlib.sha256(data).hexdigest() != sha256:
             raise PaperlineError(f"{uri}: content does not match sha256 {sha256}")
         return data

@@ -20,7 +20,6 @@ from __future__ import annotations
 import abc
 import json
 import time
-from collections.abc import Callable
 from typing import Any, ClassVar
 
 import numpy as np
