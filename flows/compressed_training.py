@@ -57,6 +57,10 @@ class CompressedTrainingParameters(BaseModel):
     lr: float = Field(0.05, gt=0, description="SGD learning rate.")
     momentum: float = Field(0.9, ge=0, lt=1, description="SGD momentum.")
     seed: int = Field(0, ge=0, description="Model initialisation and data order (the same for every compressor).")
+    isgd: bool = Field(False, description="Inconsistent SGD: extra conservative steps on batches whose global loss "
+                                          "is above the moving mean + 3 sigma (the same batches on every rank).")
+    isgd_stop: int = Field(3, ge=0, description="ISGD: most extra steps on a flagged batch.")
+    isgd_epsilon: float = Field(0.1, ge=0, description="ISGD: weight of the conservative term.")
     recompute: Literal["none", "cost-aware", "all"] = Field("none", description="Activation recomputation policy "
                                                                                 "(SuperNeurons cost-aware, or all).")
     max_steps_per_epoch: int | None = Field(None, ge=1, description="Cap on steps per epoch (quick runs).")
@@ -80,7 +84,8 @@ class CompressedTrainingParameters(BaseModel):
                            n_train=self.n_train, epochs=self.epochs, batch_size=self.batch_size, lr=self.lr,
                            momentum=self.momentum, seed=self.seed, compressor=compressor,
                            compressor_options=self.compressor_options(compressor), recompute=self.recompute,
-                           max_steps_per_epoch=self.max_steps_per_epoch, nan_steps=tuple(self.nan_steps))
+                           max_steps_per_epoch=self.max_steps_per_epoch, nan_steps=tuple(self.nan_steps),
+                           isgd=self.isgd, isgd_stop=self.isgd_stop, isgd_epsilon=self.isgd_epsilon)
 
     def validate_inputs(self) -> None:
         """Everything checkable before a rank starts: compressor options (θ, bits, ...), model
@@ -162,9 +167,10 @@ def _log_compressor(tracker: Tracker, parent: str, name: str, cfg: TrainConfig, 
                               params={"compressor": name, "compressor_options": json.dumps(cfg.compressor_options),
                                       "world_size": params.world_size, "model": cfg.model, "dataset": cfg.dataset,
                                       "epochs": cfg.epochs, "batch_size": cfg.batch_size, "lr": cfg.lr,
-                                      "recompute": cfg.recompute, "params_count": r0["params_count"]})
+                                      "recompute": cfg.recompute, "isgd": cfg.isgd,
+                                      "params_count": r0["params_count"]})
     keys = ("train_loss", "test_accuracy_pct", "bytes_sent_per_step", "compression_ratio", "compress_s",
-            "decompress_s", "step_s", "epoch_s", "wall_s", "skipped_steps")
+            "decompress_s", "step_s", "epoch_s", "wall_s", "skipped_steps", "isgd_flagged", "isgd_extra_steps")
     tracker.log_metric_steps(child, [(e["epoch"], {k: float(e[k]) for k in keys}) for e in epochs])
     last = epochs[-1]
     share = (last["compress_s"] + last["decompress_s"]) / last["step_s"] if last["step_s"] else float("nan")

@@ -16,6 +16,13 @@ never applied silently.
 
 Units: seconds are wall seconds (``time.perf_counter``); bytes are the compressor's payload bytes
 per rank (see :class:`~paperline.kernels.comm.compressors.StepStats`); accuracy in percent.
+
+References:
+    .. [Wang2018] L. Wang, W. Wu, J. Zhang, H. Liu, G. Bosilca, M. Herlihy, R. Fonseca. SuperNeurons:
+       FFT-based Gradient Sparsification in the Distributed Training of Deep Neural Networks.
+       arXiv:1811.08596, 2018 (see :mod:`paperline.kernels.comm.compressors`).
+    .. [Wang2017] L. Wang, Y. Yang, M. R. Min, S. Chakradhar. Accelerating Deep Neural Network
+       Training with Inconsistent Stochastic Gradient Descent. Neural Networks 93, 2017.
 """
 
 from __future__ import annotations
@@ -46,6 +53,14 @@ class TrainConfig:
         recompute: ``none``, ``cost-aware`` or ``all`` (:func:`.recompute.apply_recomputation`).
         max_steps_per_epoch: Stop each epoch after this many steps (None: the whole shard).
         nan_steps: Fault injection for tests and drills: global step indices whose loss is made NaN.
+        isgd: Inconsistent SGD [Wang2017]_ (:mod:`.isgd`), made consistent across ranks: the SPC
+            chart watches the *global* batch loss (allreduced mean), so every rank flags the same
+            batches, and the conservative subproblem's gradient steps go through DDP (and its
+            compressor), so the ranks stay identical.
+        isgd_window: Losses in the control chart (None: the steps of one epoch, as the paper).
+        isgd_stop: Most extra steps on a flagged batch.
+        isgd_epsilon: Weight of the conservative term.
+        isgd_lr: Step size of the subproblem (None: ``lr``).
     """
 
     model: str = "resnet"
@@ -63,6 +78,11 @@ class TrainConfig:
     recompute: str = "none"
     max_steps_per_epoch: int | None = None
     nan_steps: tuple[int, ...] = ()
+    isgd: bool = False
+    isgd_window: int | None = None
+    isgd_stop: int = 3
+    isgd_epsilon: float = 0.1
+    isgd_lr: float | None = None
 
     def __post_init__(self) -> None:
         if self.epochs < 1:
@@ -73,6 +93,14 @@ class TrainConfig:
             raise InputError("lr", self.lr, "must be positive")
         if self.max_steps_per_epoch is not None and self.max_steps_per_epoch < 1:
             raise InputError("max_steps_per_epoch", self.max_steps_per_epoch, "must be >= 1")
+        if self.isgd_window is not None and self.isgd_window < 2:
+            raise InputError("isgd_window", self.isgd_window, "must be >= 2")
+        if self.isgd_stop < 0:
+            raise InputError("isgd_stop", self.isgd_stop, "must be >= 0")
+        if not self.isgd_epsilon >= 0:
+            raise InputError("isgd_epsilon", self.isgd_epsilon, "must be >= 0")
+        if self.isgd_lr is not None and not self.isgd_lr > 0:
+            raise InputError("isgd_lr", self.isgd_lr, "must be positive")
 
     def validate(self) -> None:
         """Check names and options before any rank starts (builds a model and a hook state, loads
@@ -170,6 +198,8 @@ def train_rank(rank: int, world_size: int, init_method: str, cfg: TrainConfig, *
         x_train, y_train = torch.from_numpy(np.array(data.x_train)), torch.from_numpy(np.array(data.y_train))
         t_run = time.perf_counter() - wall0
         loss_fn = torch.nn.functional.cross_entropy
+        chart = None
+        n_params = sum(p.numel() for p in params)
         for epoch in range(start_epoch, cfg.epochs):
             t_epoch = time.perf_counter()
             batches = rank_batches(len(y_train), rank, world_size, cfg.batch_size, epoch, cfg.seed)
@@ -177,6 +207,12 @@ def train_rank(rank: int, world_size: int, init_method: str, cfg: TrainConfig, *
                 batches = batches[: cfg.max_steps_per_epoch]
             n0 = len(state.history)
             losses, step_s, epoch_skipped = [], [], 0
+            flagged, extra_steps = 0, 0
+            if cfg.isgd and chart is None:
+                from paperline.kernels.train.isgd import LossControlChart  # noqa: PLC0415
+
+                window = cfg.isgd_window or max(2, len(batches))
+                chart = LossControlChart(window, min_history=min(10, window))
             ddp.train()
             for i, idx in enumerate(batches):
                 t0 = time.perf_counter()
@@ -197,6 +233,13 @@ def train_rank(rank: int, world_size: int, init_method: str, cfg: TrainConfig, *
                     continue
                 opt.step()
                 losses.append(float(loss.detach()))
+                if chart is not None:
+                    global_loss = _global_mean(float(loss.detach()), world_size)
+                    limit = chart.limit
+                    if chart.update(global_loss):
+                        flagged += 1
+                        extra_steps += _isgd_subproblem(ddp, params, opt, loss_fn, x, y, limit, cfg, n_params,
+                                                        world_size)
                 step_s.append(time.perf_counter() - t0)
             hist = [s for s in state.history[n0:] if not s.warmup] or state.history[n0:]
             stats = torch.tensor([sum(losses), len(losses)], dtype=torch.float64)
@@ -211,6 +254,7 @@ def train_rank(rank: int, world_size: int, init_method: str, cfg: TrainConfig, *
                 "step_s": float(np.mean(step_s)) if step_s else float("nan"),
                 "epoch_s": time.perf_counter() - t_epoch, "wall_s": time.perf_counter() - t_run,
                 "steps": len(batches), "skipped_steps": epoch_skipped,
+                "isgd_flagged": flagged, "isgd_extra_steps": extra_steps,
             }
             sent = record["bytes_sent_per_step"]
             record["compression_ratio"] = record["dense_bytes_per_step"] / sent if sent else float("nan")
@@ -228,6 +272,44 @@ def train_rank(rank: int, world_size: int, init_method: str, cfg: TrainConfig, *
                 "params_count": sum(p.numel() for p in params), "config": cfg.as_dict()}
     finally:
         dist.destroy_process_group()
+
+
+def _global_mean(value: float, world_size: int) -> float:
+    import torch  # noqa: PLC0415
+    import torch.distributed as dist  # noqa: PLC0415
+
+    t = torch.tensor([value], dtype=torch.float64)
+    dist.all_reduce(t)
+    return float(t[0]) / world_size
+
+
+def _isgd_subproblem(ddp: Any, params: list[Any], opt: Any, loss_fn: Any, x: Any, y: Any, limit: float,
+                     cfg: TrainConfig, n_params: int, world_size: int) -> int:
+    """ISGD's conservative subproblem on a flagged batch, the same on every rank (see
+    :mod:`paperline.kernels.train.isgd`, I3-I4): at most ``isgd_stop`` steps of
+    ``w <- w - lr ((psi - limit) grad psi + eps / n_w (w - w_before))`` where ``psi`` is the global
+    (allreduced) batch loss and ``grad psi`` the DDP-averaged gradient; stops once ``psi <= limit``.
+    Returns the extra steps taken."""
+    import torch  # noqa: PLC0415
+
+    lr = cfg.isgd_lr or cfg.lr
+    coef = cfg.isgd_epsilon / n_params
+    w_before = [p.detach().clone() for p in params]
+    for k in range(cfg.isgd_stop + 1):
+        opt.zero_grad(set_to_none=True)
+        loss = loss_fn(ddp(x), y)
+        loss.backward()  # through DDP: the gradient is the ranks' mean (and goes through the compressor)
+        psi = _global_mean(float(loss.detach()), world_size)
+        if psi <= limit or k == cfg.isgd_stop or not _all_finite(loss, params):
+            opt.zero_grad(set_to_none=True)
+            return k
+        with torch.no_grad():
+            for p, w0 in zip(params, w_before):
+                d = (p - w0).mul_(coef)
+                if p.grad is not None:
+                    d.add_(p.grad, alpha=psi - limit)
+                p.sub_(d.mul_(lr))
+    return cfg.isgd_stop
 
 
 def _evaluate(ddp: Any, data: Any, rank: int, world_size: int, dev: Any) -> float:

@@ -170,3 +170,26 @@ def test_every_input_rejected_fails_and_says_why(cli_env, bad_videos, tmp_path):
     assert proc.returncode != 0
     err = " ".join((proc.stdout + proc.stderr).split())
     assert "every input was rejected (2)" in err and "empty.mp4: empty_file" in err and "notes.mp4: not_a_video" in err
+
+
+def test_an_s3_prefix_is_a_source(stack, source_dir):
+    """Videos under an S3 prefix are listed by extension and curated from a download."""
+    import dataclasses
+
+    from paperline.flows.video_curation import list_sources
+    from paperline.infra.storage import ObjectStore
+    from paperline.kernels.video.clips import ClipConfig, FilterConfig
+    from paperline.tasks.video import curate_video
+
+    _, info = stack
+    store = ObjectStore.from_stack(info)
+    prefix = f"s3://{info.data_bucket}/test-incoming-{int(time.time())}"
+    store.upload_file_to(source_dir / "carphone.mp4", f"{prefix}/a/carphone.mp4")
+    store.put_bytes_to(b"not a video", f"{prefix}/readme.txt")
+    assert list_sources(prefix + "/", store) == [f"{prefix}/a/carphone.mp4"]
+    out = curate_video.fn(f"{prefix}/a/carphone.mp4", dataclasses.asdict(ClipConfig(min_clip_s=1.0)),
+                          dataclasses.asdict(FilterConfig()), store, f"s3://{info.data_bucket}/test-staging", "carphone")
+    assert out["rejected"] is None and out["info"]["source"] == f"{prefix}/a/carphone.mp4"
+    (row,) = out["rows"]
+    assert row["source"] == f"{prefix}/a/carphone.mp4" and row["kept"]
+    assert store.get_bytes(row["staged_uri"], sha256=row["mp4_sha256"])[4:8] == b"ftyp"

@@ -76,6 +76,9 @@ def _worker(rank: int, port: int, out: str, mode: str) -> None:
     if mode == "resume":
         resume = Path(out, f"ck{rank}.pt").read_bytes()
     cfg = TrainConfig(**CFG, nan_steps=(2,))
+    if mode == "isgd":  # a 3-loss chart flags noisy batches; a small lr leaves a flagged batch above the limit
+        cfg = TrainConfig(**{**CFG, "max_steps_per_epoch": 12, "lr": 0.002}, isgd=True, isgd_window=3, isgd_stop=2,
+                          isgd_lr=0.05)
     r = train_rank(rank, 2, f"tcp://127.0.0.1:{port}", cfg, threads=1, resume_bytes=resume,
                    save_checkpoint=lambda e, b: saved.__setitem__(e, b))
     if mode == "full":
@@ -122,3 +125,13 @@ def test_two_ranks_skip_a_nan_step_and_resume_from_a_checkpoint_to_the_same_weig
 
 if __name__ == "__main__" and len(sys.argv) > 1 and sys.argv[1] == "--worker":
     _worker(int(sys.argv[2]), int(sys.argv[3]), sys.argv[4], sys.argv[5])
+
+
+def test_isgd_flags_the_same_batches_on_every_rank_and_keeps_them_identical(tmp_path, free_port):
+    ranks = _spawn(tmp_path, "isgd", free_port())
+    e = [[(x["isgd_flagged"], x["isgd_extra_steps"]) for x in r["result"]["epochs"]] for r in ranks]
+    assert e[0] == e[1]  # the chart watches the global loss: the same decisions on both ranks
+    assert sum(f for f, _ in e[0]) >= 1 and sum(k for _, k in e[0]) >= 1, e[0]
+    w = [torch.load(io.BytesIO(x["final"]), weights_only=False)["model"] for x in ranks]
+    params = [k for k in w[0] if not k.endswith(("running_mean", "running_var", "num_batches_tracked"))]
+    assert all(torch.equal(w[0][k], w[1][k]) for k in params)  # the extra steps went through DDP
