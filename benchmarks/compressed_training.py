@@ -70,7 +70,7 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--epochs", type=int, default=4)
     ap.add_argument("--compressors", default="none,fft,topk,powersgd,fp16")
-    ap.add_argument("--fft-theta", type=float, default=0.05)
+    ap.add_argument("--fft-theta", type=float, default=0.2)
     ap.add_argument("--fft-bits", type=int, default=8)
     ap.add_argument("--no-collectives", action="store_true")
     ap.add_argument("--large", action="store_true", help="also 256 MiB messages (about 3 GiB of memory at P=4)")

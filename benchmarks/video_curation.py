@@ -93,7 +93,10 @@ def pipeline(videos: list[Path], splitter: str, height: int, crf: int, preset: s
                 row = dict(c.row(), embedding=c.embedding)
                 rows.append(row)
                 data[c.key] = c.mp4
-    kept = [r for r in deduplicate(rows) if not r["dedup_reason"]]
+    from paperline.flows.video_curation import SEMANTIC_THRESHOLDS
+
+    kept = [r for r in deduplicate(rows, semantic_threshold=SEMANTIC_THRESHOLDS[cfg.resolved_embedder()])
+            if not r["dedup_reason"]]
     by_key = {r["key"]: r for r in kept}
     size = 0
     for plan in plan_shards(kept, 64_000_000):

@@ -41,7 +41,7 @@ class CompressedTrainingParameters(BaseModel):
     compressors: list[Literal["none", "fft", "topk", "powersgd", "fp16"]] = Field(
         default_factory=lambda: ["none", "fft"], min_length=1,
         description="Gradient compressors to train with, one run each (DDP comm hooks).")
-    fft_theta: float = Field(0.05, description="fft: fraction of frequency coefficients kept, in (0, 1].")
+    fft_theta: float = Field(0.2, description="fft: fraction of frequency coefficients kept, in (0, 1].")
     fft_bits: int = Field(8, description="fft: bits per kept value (range quantization), 1-32.")
     fft_error_feedback: bool = Field(True, description="fft: carry the dropped spectrum to the next step.")
     topk_fraction: float = Field(0.01, description="topk: fraction of entries sent, in (0, 1].")

@@ -2,8 +2,8 @@
 writing with the manifest as commit point, read-back, and the contact sheet.
 
 A video's cache key is its content (SHA-256 of a local file, or the S3 ETag and size), the clip and
-filter settings and the staging prefix, plus the task's source: re-running the flow on the same
-inputs decodes nothing again. Kept clips are staged in S3 content-addressed
+filter settings, the staging prefix and the sources of the video kernels, plus the task's source:
+re-running the flow on the same inputs with the same code decodes nothing again. Kept clips are staged in S3 content-addressed
 (``{staging}/{sha256}.mp4``) as soon as each is encoded, so a task result holds only metadata.
 """
 
@@ -26,6 +26,23 @@ from paperline.kernels.video.shards import ShardPlan, iter_samples, write_datase
 from paperline.tasks.retry import retry_unless_bad_input
 
 
+def _kernel_version() -> str:
+    """SHA-256 of the video kernels' sources: a change to how clips are cut, scored or encoded
+    invalidates cached curation results (the task's own source is only part of it)."""
+    global _KERNEL_VERSION
+    if _KERNEL_VERSION is None:
+        import paperline.kernels.video as pkg  # noqa: PLC0415
+
+        h = hashlib.sha256()
+        for f in sorted(Path(pkg.__file__).parent.glob("*.py")):
+            h.update(f.name.encode() + f.read_bytes())
+        _KERNEL_VERSION = h.hexdigest()
+    return _KERNEL_VERSION
+
+
+_KERNEL_VERSION: str | None = None
+
+
 def _video_key(_ctx: Any, p: dict[str, Any]) -> str:
     src = p["source"]
     if src.startswith("s3://"):
@@ -36,7 +53,8 @@ def _video_key(_ctx: Any, p: dict[str, Any]) -> str:
             ident = file_sha256(src)
         except OSError as exc:
             ident = f"unreadable:{type(exc).__name__}"
-    blob = json.dumps([src, ident, p["clip_cfg"], p["filter_cfg"], p["staging"]], sort_keys=True, default=str)
+    blob = json.dumps([src, ident, p["clip_cfg"], p["filter_cfg"], p["staging"], _kernel_version()], sort_keys=True,
+                      default=str)
     return hashlib.sha256(blob.encode()).hexdigest()
 
 

@@ -246,7 +246,8 @@ def train_rank(rank: int, world_size: int, init_method: str, cfg: TrainConfig, *
             dist.all_reduce(stats)
             record = {
                 "epoch": epoch, "train_loss": float(stats[0] / stats[1]) if stats[1] else float("nan"),
-                "test_accuracy_pct": _evaluate(ddp, data, rank, world_size, dev),
+                "test_accuracy_pct": _evaluate(ddp, data, rank, world_size, dev,
+                                               [x_train[idx] for idx in batches[:PRECISE_BN_BATCHES]]),
                 "bytes_sent_per_step": float(np.mean([s.bytes_sent for s in hist])) if hist else 0.0,
                 "dense_bytes_per_step": float(np.mean([s.dense_bytes for s in hist])) if hist else 0.0,
                 "compress_s": float(np.mean([s.compress_seconds for s in hist])) if hist else 0.0,
@@ -312,15 +313,42 @@ def _isgd_subproblem(ddp: Any, params: list[Any], opt: Any, loss_fn: Any, x: Any
     return cfg.isgd_stop
 
 
-def _evaluate(ddp: Any, data: Any, rank: int, world_size: int, dev: Any) -> float:
-    """Test accuracy (percent) over the whole test set: each rank scores a contiguous shard, the
-    counts are summed across ranks."""
+PRECISE_BN_BATCHES = 20
+
+
+def _recalibrate_batchnorm(model: Any, batches: list[Any], dev: Any) -> None:
+    """Re-estimate BatchNorm running statistics as exact averages over ``batches`` (train mode, no
+    gradients; "precise BN", Wu & Johnson 2021). The momentum averages lag a network that moves
+    fast at small batch sizes: measured here, they swung MNIST-5k test accuracy by 20-30 points
+    from one epoch to the next while the training loss fell smoothly."""
+    import torch  # noqa: PLC0415
+
+    bns = [m for m in model.modules() if isinstance(m, torch.nn.modules.batchnorm._BatchNorm)]
+    if not bns or not batches:
+        return
+    momenta = [m.momentum for m in bns]
+    for m in bns:
+        m.reset_running_stats()
+        m.momentum = None  # cumulative average
+    model.train()
+    with torch.no_grad():
+        for x in batches:
+            model(x.to(dev))
+    for m, mom in zip(bns, momenta):
+        m.momentum = mom
+
+
+def _evaluate(ddp: Any, data: Any, rank: int, world_size: int, dev: Any, calibration: list[Any]) -> float:
+    """Test accuracy (percent) over the whole test set: each rank re-estimates its BatchNorm
+    statistics on ``calibration`` (its own training batches), scores a contiguous shard of the
+    test set, and the counts are summed across ranks."""
     import torch  # noqa: PLC0415
     import torch.distributed as dist  # noqa: PLC0415
 
     n = len(data.y_test)
     lo, hi = rank * n // world_size, (rank + 1) * n // world_size
     model = ddp.module
+    _recalibrate_batchnorm(model, calibration, dev)
     model.eval()
     correct = 0
     with torch.no_grad():

@@ -16,7 +16,8 @@ MODELS = ("resnet", "lstm")
 def make_model(name: str, n_classes: int = 10, **options: Any) -> Any:
     """Build a model.
 
-    ``resnet`` (options ``width=16``, ``blocks=2``): conv3x3 -> BN -> ReLU, then ``blocks`` residual
+    ``resnet`` (options ``width=16``, ``blocks=2``, ``norm="batch"`` or ``"group"`` for GroupNorm with
+    4 groups): conv3x3 -> norm -> ReLU, then ``blocks`` residual
     basic blocks (He et al. 2016) at ``width`` channels, a stride-2 transition to ``2 width``
     channels, ``blocks`` more, global average pooling and a linear head.
 
@@ -29,14 +30,21 @@ def make_model(name: str, n_classes: int = 10, **options: Any) -> Any:
     import torch  # noqa: PLC0415
     from torch import nn  # noqa: PLC0415
 
+    norm_name = options.pop("norm", "batch")
+    if norm_name not in ("batch", "group"):
+        raise InputError("model_options", {"norm": norm_name}, "norm must be 'batch' or 'group'")
+
+    def norm(c: int) -> nn.Module:
+        return nn.BatchNorm2d(c) if norm_name == "batch" else nn.GroupNorm(min(4, c), c)
+
     class BasicBlock(nn.Module):
         def __init__(self, cin: int, cout: int, stride: int = 1):
             super().__init__()
             self.body = nn.Sequential(
-                nn.Conv2d(cin, cout, 3, stride, 1, bias=False), nn.BatchNorm2d(cout), nn.ReLU(inplace=True),
-                nn.Conv2d(cout, cout, 3, 1, 1, bias=False), nn.BatchNorm2d(cout))
+                nn.Conv2d(cin, cout, 3, stride, 1, bias=False), norm(cout), nn.ReLU(inplace=True),
+                nn.Conv2d(cout, cout, 3, 1, 1, bias=False), norm(cout))
             self.skip = nn.Identity() if stride == 1 and cin == cout else nn.Sequential(
-                nn.Conv2d(cin, cout, 1, stride, bias=False), nn.BatchNorm2d(cout))
+                nn.Conv2d(cin, cout, 1, stride, bias=False), norm(cout))
             self.act = nn.ReLU(inplace=True)
 
         def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -54,10 +62,10 @@ def make_model(name: str, n_classes: int = 10, **options: Any) -> Any:
     if name == "resnet":
         width, blocks = int(options.pop("width", 16)), int(options.pop("blocks", 2))
         if options:
-            raise InputError("model_options", sorted(options), "unknown for resnet; known: width, blocks")
+            raise InputError("model_options", sorted(options), "unknown for resnet; known: width, blocks, norm")
         if width < 1 or blocks < 1:
             raise InputError("model_options", {"width": width, "blocks": blocks}, "must be >= 1")
-        layers: list[nn.Module] = [nn.Conv2d(1, width, 3, 1, 1, bias=False), nn.BatchNorm2d(width), nn.ReLU(inplace=True)]
+        layers: list[nn.Module] = [nn.Conv2d(1, width, 3, 1, 1, bias=False), norm(width), nn.ReLU(inplace=True)]
         layers += [BasicBlock(width, width) for _ in range(blocks)]
         layers += [BasicBlock(width, 2 * width, 2)] + [BasicBlock(2 * width, 2 * width) for _ in range(blocks - 1)]
         layers += [nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(2 * width, n_classes)]
