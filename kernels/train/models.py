@@ -41,11 +41,11 @@ def make_model(name: str, n_classes: int = 10, **options: Any) -> Any:
         def __init__(self, cin: int, cout: int, stride: int = 1):
             super().__init__()
             self.body = nn.Sequential(
-                nn.Conv2d(cin, cout, 3, stride, 1, bias=False), norm(cout), nn.ReLU(inplace=True),
+                nn.Conv2d(cin, cout, 3, stride, 1, bias=False), norm(cout), nn.ReLU(),
                 nn.Conv2d(cout, cout, 3, 1, 1, bias=False), norm(cout))
             self.skip = nn.Identity() if stride == 1 and cin == cout else nn.Sequential(
                 nn.Conv2d(cin, cout, 1, stride, bias=False), norm(cout))
-            self.act = nn.ReLU(inplace=True)
+            self.act = nn.ReLU()
 
         def forward(self, x: torch.Tensor) -> torch.Tensor:
             return self.act(self.body(x) + self.skip(x))
@@ -65,7 +65,7 @@ def make_model(name: str, n_classes: int = 10, **options: Any) -> Any:
             raise InputError("model_options", sorted(options), "unknown for resnet; known: width, blocks, norm")
         if width < 1 or blocks < 1:
             raise InputError("model_options", {"width": width, "blocks": blocks}, "must be >= 1")
-        layers: list[nn.Module] = [nn.Conv2d(1, width, 3, 1, 1, bias=False), norm(width), nn.ReLU(inplace=True)]
+        layers: list[nn.Module] = [nn.Conv2d(1, width, 3, 1, 1, bias=False), norm(width), nn.ReLU()]
         layers += [BasicBlock(width, width) for _ in range(blocks)]
         layers += [BasicBlock(width, 2 * width, 2)] + [BasicBlock(2 * width, 2 * width) for _ in range(blocks - 1)]
         layers += [nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(2 * width, n_classes)]

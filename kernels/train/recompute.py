@@ -75,7 +75,8 @@ in training mode BatchNorm normalizes with the batch statistics.)
 Supported structure: an ``nn.Sequential`` at the top; nested plain ``nn.Sequential`` (exact type)
 are flattened for ``cost-aware``; any other module (a residual block, a subclass of
 ``nn.Sequential``) is treated as one opaque layer, expensive unless :func:`cheap_layer` says
-otherwise, and is never the tail of a region. ``apply_recomputation`` returns a new ``nn.Sequential``
+otherwise, and is never the tail of a region; ``cost-aware`` then applies itself inside it, to its
+direct plain ``nn.Sequential`` children (a residual block's ``body``), on a shallow copy of it. ``apply_recomputation`` returns a new ``nn.Sequential``
 whose leaves are the input model's own modules (shared parameters, buffers and train/eval flags);
 the input model is not modified. The state-dict keys of the result differ from the input's.
 
@@ -301,6 +302,28 @@ def _recompute_cls() -> type:
     return Recompute
 
 
+def _inside(layer: "nn.Module", policy: str) -> "nn.Module":
+    """``cost-aware`` inside an opaque module (a residual block): a shallow copy of ``layer`` whose
+    direct ``nn.Sequential`` children (of 2+ layers, e.g. a block's ``body``) are replaced by their
+    recomputed versions, recursively. ``layer`` itself is not changed (the copy has its own child
+    table; parameters and buffers are shared). A module without such children is returned as is."""
+    import copy
+
+    from torch import nn
+
+    if isinstance(layer, nn.Sequential):
+        return layer
+    children = {name: child for name, child in layer.named_children()
+                if type(child) is nn.Sequential and len(child) >= 2}
+    if not children:
+        return layer
+    twin = copy.copy(layer)
+    twin._modules = dict(layer._modules)  # a table of its own: setting a child must not reach ``layer``
+    for name, child in children.items():
+        twin._modules[name] = apply_recomputation(child, policy)
+    return twin
+
+
 def apply_recomputation(model: "nn.Module", policy: str = "cost-aware") -> "nn.Module":
     """A model computing the same function as ``model``, with activations recomputed per ``policy``.
 
@@ -338,6 +361,8 @@ def apply_recomputation(model: "nn.Module", policy: str = "cost-aware") -> "nn.M
             part = recompute(body)
             body.training = part.training = model.training
             parts.append(part)
+        elif policy == "cost-aware":
+            parts.extend(_inside(layer, policy) for layer in layers)
         else:
             parts.extend(layers)
     out = nn.Sequential(*parts)

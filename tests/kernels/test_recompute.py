@@ -256,3 +256,24 @@ def test_bad_input():
         deepest_trainable(lambda d: None, torch.randn(1, 4, 4, 4), 1000, "none")
     with pytest.raises(InputError, match="example_input"):
         peak_activation_bytes(small_cnn(), [1, 2])
+
+
+def test_cost_aware_reaches_inside_residual_blocks_of_the_training_resnet():
+    from torch import nn
+
+    from paperline.kernels.train.models import make_model
+    from paperline.kernels.train.recompute import apply_recomputation, peak_activation_bytes
+
+    torch.manual_seed(0)
+    base = make_model("resnet", width=4, blocks=2).double()
+    x = torch.randn(8, 1, 28, 28, dtype=torch.float64)
+    grads, saved = {}, {}
+    for policy in ("none", "cost-aware"):
+        model = apply_recomputation(base, policy)
+        saved[policy] = peak_activation_bytes(model, x)
+        base.zero_grad()
+        model(x).square().sum().backward()
+        grads[policy] = [p.grad.clone() for p in base.parameters()]
+    assert all(torch.equal(a, b) for a, b in zip(grads["none"], grads["cost-aware"]))
+    assert saved["cost-aware"] < 0.85 * saved["none"], saved  # the blocks' ReLU outputs are recomputed
+    assert all(type(m.body) is nn.Sequential for m in base if hasattr(m, "body"))  # the input model is unchanged
