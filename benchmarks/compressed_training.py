@@ -16,6 +16,13 @@ accuracy within 1 point of ``none``, codec <= 10% of the step.
 ``fft@powersgd-bytes``: FFT with θ chosen so that its bytes per step match PowerSGD's (rank 2),
 for the comparison at equal bytes.
 
+ISGD against plain SGD: the same ``none`` configuration with ISGD on (the chart on the allreduced
+loss), epochs and wall seconds to ``--target-accuracy``.
+
+Memory (one process, CPU): bytes autograd keeps for backward under each recomputation policy on
+the training ResNet, the step time, and the deepest model (residual blocks per stage) under the
+budget ``none`` needs at 2 blocks (:mod:`paperline.kernels.train.recompute`).
+
 Collectives (``benchmarks/collectives.py``, the same timing code): LP allreduce against gloo's
 allreduce at 64 MiB (and 256 MiB with ``--large``) for P = 2 and 4.
 """
@@ -73,6 +80,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--fft-theta", type=float, default=0.2)
     ap.add_argument("--fft-bits", type=int, default=8)
     ap.add_argument("--no-collectives", action="store_true")
+    ap.add_argument("--no-isgd", action="store_true")
+    ap.add_argument("--no-memory", action="store_true")
+    ap.add_argument("--target-accuracy", type=float, default=90.0, help="for time-to-accuracy (percent)")
     ap.add_argument("--large", action="store_true", help="also 256 MiB messages (about 3 GiB of memory at P=4)")
     ap.add_argument("--json", type=Path)
     args = ap.parse_args(argv)
@@ -98,6 +108,25 @@ def main(argv: list[str] | None = None) -> int:
         r = train({**base, "compressor": "fft", "compressor_options": {**options["fft"], "theta": theta}})
         rows.append({"name": f"fft@powersgd-bytes (θ={theta:.3f})", "result": r, "seconds": time.perf_counter() - t})
         _print_row(rows[-1], rows)
+    if not args.no_isgd:
+        print(f"\nISGD against plain SGD (compressor none, same seeds): time to {args.target_accuracy:g}% test accuracy",
+              flush=True)
+        plain = next((x for x in rows if x["name"] == "none"), None)
+        if plain is None:
+            plain = {"name": "none", "result": train({**base, "compressor": "none"})}
+        t = time.perf_counter()
+        isgd = train({**base, "compressor": "none", "isgd": True})
+        rows.append({"name": "none+isgd", "result": isgd, "seconds": time.perf_counter() - t})
+        for label, res in (("SGD", plain["result"]), ("ISGD", isgd)):
+            reach = next((e for e in res["epochs"] if e["test_accuracy_pct"] >= args.target_accuracy), None)
+            flagged = sum(e.get("isgd_flagged", 0) for e in res["epochs"])
+            extra = sum(e.get("isgd_extra_steps", 0) for e in res["epochs"])
+            print(f"  {label:5s} accuracy by epoch {[round(e['test_accuracy_pct'], 1) for e in res['epochs']]}; "
+                  + (f"{args.target_accuracy:g}% at epoch {reach['epoch'] + 1}, {reach['wall_s']:.1f} s"
+                     if reach else f"{args.target_accuracy:g}% not reached")
+                  + (f"; {flagged} batches flagged, {extra} extra steps" if label == "ISGD" else ""), flush=True)
+    if not args.no_memory:
+        rows.append({"name": "memory", "result": memory_report()})
     if not args.no_collectives:
         sys.path.insert(0, str(HERE.parent))
         import collectives  # noqa: PLC0415 - the sibling benchmark, same timing code
@@ -108,6 +137,39 @@ def main(argv: list[str] | None = None) -> int:
     if args.json:
         args.json.write_text(json.dumps(rows, indent=1))
     return 0
+
+
+def memory_report() -> dict:
+    """SuperNeurons cost-aware recomputation on the training ResNet (CPU): bytes saved for backward
+    per policy on a batch of 32, step time, and the deepest model (blocks per stage) under the
+    budget that ``none`` needs at 2 blocks."""
+    from paperline.kernels.train.models import make_model
+    from paperline.kernels.train.recompute import apply_recomputation, deepest_trainable, peak_activation_bytes
+
+    torch.manual_seed(0)
+    x = torch.randn(32, 1, 28, 28)
+    y = torch.randint(0, 10, (32,))
+    out = {}
+    budget = peak_activation_bytes(make_model("resnet", width=16, blocks=2), x)
+    print(f"\nCost-aware recomputation (ResNet width 16, 2 blocks per stage, batch 32, CPU; budget = "
+          f"{budget / 2**20:.1f} MiB = what 'none' keeps):", flush=True)
+    print(f"  {'policy':11s} {'saved MiB':>9s} {'vs none':>8s} {'step ms':>8s} {'deepest under budget':>21s}")
+    for policy in ("none", "cost-aware", "all"):
+        model = apply_recomputation(make_model("resnet", width=16, blocks=2), policy)
+        saved = peak_activation_bytes(model, x)
+        opt = torch.optim.SGD(model.parameters(), lr=0.01)
+        times = []
+        for _ in range(6):
+            t = time.perf_counter()
+            opt.zero_grad()
+            torch.nn.functional.cross_entropy(model(x), y).backward()
+            opt.step()
+            times.append(time.perf_counter() - t)
+        deepest = deepest_trainable(lambda d: make_model("resnet", width=16, blocks=d), x, budget, policy, max_depth=12)
+        out[policy] = {"saved_bytes": saved, "step_s": min(times[1:]), "deepest_blocks": deepest}
+        print(f"  {policy:11s} {saved / 2**20:9.2f} {saved / out['none']['saved_bytes']:8.2f} "
+              f"{1e3 * min(times[1:]):8.1f} {deepest:21d}", flush=True)
+    return out
 
 
 def _print_row(row: dict, rows: list[dict]) -> None:
