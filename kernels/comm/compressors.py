@@ -20,7 +20,8 @@ powersgd   rank-r factors P, Q (torch's ``powerSGD_hook``) [Vogels2019]_     all
 
 The FFT compressor (see [Wang2018]_, Sec. 3; the steps are labelled F1-F6 in :func:`fft_compress`):
 
-    F1. ``X = rfft(g)`` of the flattened bucket ``g`` (``n`` reals -> ``m = n // 2 + 1`` complex
+    F1. ``X = rfft(g)`` of the flattened bucket ``g`` zero-padded to a fast FFT length ``n_fft >= n``
+        (``scipy.fft.next_fast_len``; ``n_fft`` reals -> ``m = n_fft // 2 + 1`` complex
         frequency coefficients), plus the residual spectrum ``E`` when error feedback is on.
     F2. Sparsify in the frequency domain: keep the ``k = ceil(θ m)`` coefficients of largest
         magnitude ``|X_j|``, in ascending frequency order.
@@ -77,6 +78,7 @@ compressors costs nothing.
 
 from __future__ import annotations
 
+import functools
 import inspect
 import logging
 import math
@@ -334,6 +336,13 @@ def range_quantization_bound(lo: float, hi: float, bits: int) -> float:
 # FFT compressor (F1-F6)
 
 
+@functools.lru_cache(maxsize=1024)
+def _fast_len(n: int) -> int:
+    from scipy.fft import next_fast_len
+
+    return int(next_fast_len(n, real=True))
+
+
 @dataclass(frozen=True)
 class FFTLayout:
     """The wire format of one FFT-compressed bucket (F4); a pure function of ``(n, θ, bits)``.
@@ -359,9 +368,16 @@ class FFTLayout:
             raise InputError("value_itemsize", self.value_itemsize, "must be 4 or 8")
 
     @property
+    def n_fft(self) -> int:
+        """Transform length: the smallest length >= ``n`` that FFT libraries handle fast (5-smooth
+        for real input, ``scipy.fft.next_fast_len``); the bucket is zero-padded to it. A bucket of
+        19,706 floats (2 x 59 x 167) took 1.4 ms per rfft, 20x the padded length's."""
+        return _fast_len(self.n)
+
+    @property
     def m(self) -> int:
-        """Number of rfft coefficients, ``n // 2 + 1``."""
-        return self.n // 2 + 1
+        """Number of rfft coefficients, ``n_fft // 2 + 1``."""
+        return self.n_fft // 2 + 1
 
     @property
     def k(self) -> int:
@@ -448,7 +464,7 @@ def fft_compress(
             float64 for float64 input).
         theta: fraction of frequency coefficients kept, in (0, 1].
         bits: bits per quantized real value, 1 to 32 (32: no quantization).
-        residual: ``m = n // 2 + 1`` complex residual spectrum from the previous step (error
+        residual: ``m = n_fft // 2 + 1`` complex residual spectrum from the previous step (error
             feedback), or None.
 
     Returns:
@@ -461,9 +477,9 @@ def fft_compress(
 
     xr = _flat(x)
     layout = FFTLayout(xr.numel(), _check_fraction("theta", theta), _check_bits(bits), xr.element_size())
-    n, m, k = layout.n, layout.m, layout.k
-    # F1. spectrum of the bucket, plus the remembered residual
-    spectrum = torch.fft.rfft(xr)
+    n, m, k = layout.n_fft, layout.m, layout.k
+    # F1. spectrum of the bucket (zero-padded to the fast length n_fft), plus the remembered residual
+    spectrum = torch.fft.rfft(xr, n=n)
     if residual is not None:
         if residual.shape != (m,) or not residual.is_complex():
             raise InputError("residual", tuple(residual.shape), f"must be a complex tensor of shape ({m},)")
@@ -539,7 +555,7 @@ def fft_decode(payload: "torch.Tensor", layout: FFTLayout, dtype: "torch.dtype |
         values = range_dequantize(codes, lo, hi, layout.bits).to(dtype)
     else:
         values = section.clone().view(dtype)
-    return indices, _zero_real_bins(torch.view_as_complex(values.reshape(k, 2).contiguous()), indices, layout.n)
+    return indices, _zero_real_bins(torch.view_as_complex(values.reshape(k, 2).contiguous()), indices, layout.n_fft)
 
 
 def fft_decompress(payloads: "torch.Tensor", layout: FFTLayout, dtype: "torch.dtype | None" = None) -> "torch.Tensor":
@@ -551,7 +567,7 @@ def fft_decompress(payloads: "torch.Tensor", layout: FFTLayout, dtype: "torch.dt
         dtype: real compute dtype; default from the layout.
 
     Returns:
-        ``n`` tensor of the compute dtype: ``irfft(sum_r spectrum_r / P, n)``.
+        ``n`` tensor of the compute dtype: ``irfft(sum_r spectrum_r / P, n_fft)[:n]``.
     """
     import torch
 
@@ -564,7 +580,7 @@ def fft_decompress(payloads: "torch.Tensor", layout: FFTLayout, dtype: "torch.dt
         if spectrum is None:
             spectrum = torch.zeros(layout.m, dtype=values.dtype, device=values.device)
         spectrum.index_add_(0, indices, values)
-    return torch.fft.irfft(spectrum / world, n=layout.n)
+    return torch.fft.irfft(spectrum / world, n=layout.n_fft)[: layout.n]
 
 
 # --------------------------------------------------------------------------------------------------
@@ -893,7 +909,7 @@ class FFTState(_ResidualMixin, CompressorState):
 
     Args:
         process_group: group to communicate on (None: default group).
-        theta: fraction of the ``n // 2 + 1`` rfft coefficients kept per bucket, in (0, 1].
+        theta: fraction of the ``n_fft // 2 + 1`` rfft coefficients kept per bucket, in (0, 1].
         bits: bits per kept real value, 1 to 32; 32 sends raw float32 (no quantization).
         error_feedback: keep the per-bucket residual spectrum and add it before compressing.
         start_iter: dense-allreduce steps before compressing; default 2 with error feedback
@@ -930,13 +946,14 @@ class FFTState(_ResidualMixin, CompressorState):
         return FFTLayout(n, self.theta, self.bits, torch.empty(0, dtype=_compute_dtype(dtype)).element_size())
 
     def residual(self, bucket_index: int) -> "torch.Tensor | None":
-        """The residual of a bucket in gradient space, ``irfft(E, n)`` (``n`` real), or None."""
+        """The residual of a bucket in gradient space, ``irfft(E, n_fft)[:n]`` (``n`` real), or None."""
         import torch
 
         spec = self.residuals.get(bucket_index)
         if spec is None:
             return None
-        return torch.fft.irfft(spec, n=self._bucket_n[bucket_index])
+        n = self._bucket_n[bucket_index]
+        return torch.fft.irfft(spec, n=_fast_len(n))[:n]
 
     def _init_memory(self) -> None:
         super()._init_memory()
@@ -957,7 +974,7 @@ class FFTState(_ResidualMixin, CompressorState):
         residual = None
         if state.error_feedback:
             ctype = torch.complex128 if _compute_dtype(buf.dtype) == torch.float64 else torch.complex64
-            residual = state._residual(index, (n // 2 + 1,), buf, ctype)
+            residual = state._residual(index, (_fast_len(n) // 2 + 1,), buf, ctype)
         c = fft_compress(buf, theta=state.theta, bits=state.bits, residual=residual)
         if state.error_feedback:
             state.residuals[index] = c.residual

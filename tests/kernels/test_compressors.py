@@ -28,7 +28,7 @@ import numpy as np
 import pytest
 
 WORLD = 2
-THETA_SPARSE = 0.3
+THETA_SPARSE = 0.25  # no near tie at the selection boundary of the captured buckets (checked)
 BITS_QUANT = 10
 
 
@@ -36,9 +36,16 @@ BITS_QUANT = 10
 # references
 
 
+def fast_len(n: int) -> int:
+    """The transform length of an n-element bucket (F1): scipy's next fast length for real input."""
+    from scipy.fft import next_fast_len
+
+    return next_fast_len(n, real=True)
+
+
 def fft_message_nbytes(n: int, theta: float, bits: int) -> int:
     """The FFT message size written out from the module docstring's F4, independently of FFTLayout."""
-    m = n // 2 + 1
+    m = fast_len(n) // 2 + 1
     k = max(1, min(m, math.ceil(theta * m - 1e-9)))
     index_bits = max(1, math.ceil(math.log2(m))) if m > 1 else 1
     index = min(math.ceil(m / 8), math.ceil(k * index_bits / 8))
@@ -52,14 +59,15 @@ def np_fft_truncate(g: np.ndarray, k: int, gap: float = 1e-10) -> tuple[np.ndarr
     Asserts the k-th and k+1-th magnitudes differ by more than ``gap`` times the largest (the
     compressor's rounding), so the selection is unambiguous."""
     n = g.size
-    spec = np.fft.rfft(g)
+    n_fft = fast_len(n)
+    spec = np.fft.rfft(g, n_fft)
     order = np.argsort(np.abs(spec))
     if k < spec.size:
         mags = np.abs(spec)[order]
         assert mags[-k] - mags[-k - 1] > gap * mags[-1], "test data has a near tie at the selection boundary"
     kept = np.zeros_like(spec)
     kept[order[-k:]] = spec[order[-k:]]
-    return np.fft.irfft(kept, n), np.fft.irfft(spec - kept, n)
+    return np.fft.irfft(kept, n_fft)[:n], np.fft.irfft(spec - kept, n_fft)[:n]
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -118,10 +126,11 @@ def test_fft_theta1_unquantized_round_trip_is_exact_to_rounding(dtype, rtol, n):
 
 @pytest.mark.parametrize("theta", [0.05, 0.3, 0.77])
 def test_fft_truncation_matches_numpy_and_errs_by_the_dropped_spectrum(theta):
-    g = np.random.default_rng(1).normal(size=2001)
+    g = np.random.default_rng(1).normal(size=2025)  # odd and 5-smooth: transformed unpadded
+    assert fast_len(2025) == 2025
     c = C.fft_compress(torch.from_numpy(g), theta=theta, bits=32)
     y = C.fft_decompress(c.payload[None], c.layout).numpy()
-    k = math.ceil(theta * (2001 // 2 + 1))
+    k = math.ceil(theta * (2025 // 2 + 1))
     assert c.indices.numel() == k
     kept, dropped = np_fft_truncate(g, k)
     np.testing.assert_allclose(y, kept, rtol=0, atol=1e-12)
@@ -160,13 +169,13 @@ def test_fft_quantization_error_within_bound(bits):
 def test_fft_error_feedback_memory_is_exact():
     rng = np.random.default_rng(3)
     grads = [rng.normal(size=1500) for _ in range(6)]
-    residual = torch.zeros(1500 // 2 + 1, dtype=torch.complex128)
+    residual = torch.zeros(fast_len(1500) // 2 + 1, dtype=torch.complex128)
     sent = np.zeros(1500)
     for g in grads:
         c = C.fft_compress(torch.from_numpy(g), theta=0.1, bits=6, residual=residual)
         residual = c.residual
         sent += C.fft_decompress(c.payload[None], c.layout).numpy()
-    total = sent + torch.fft.irfft(residual, n=1500).numpy()
+    total = sent + torch.fft.irfft(residual, n=fast_len(1500)).numpy()[:1500]
     np.testing.assert_allclose(total, np.sum(grads, axis=0), rtol=0, atol=1e-11)
     assert np.abs(sent - np.sum(grads, axis=0)).max() > 0.1  # the residual did carry something
 
@@ -268,14 +277,14 @@ def test_fft_and_topk_on_cuda():
     y = C.fft_decompress(c.payload[None], c.layout).cpu().double()
     assert (y - x).abs().max().item() <= 1e-5 * x.abs().max().item()
     for theta, bits in [(0.1, 8), (0.05, 13)]:
-        residual = torch.zeros(x.numel() // 2 + 1, dtype=torch.complex128, device="cuda")
+        residual = torch.zeros(fast_len(x.numel()) // 2 + 1, dtype=torch.complex128, device="cuda")
         sent = torch.zeros_like(x, device="cuda")
         grads = [x.cuda() * (1 + 0.1 * t) for t in range(4)]
         for grad in grads:
             c = C.fft_compress(grad, theta=theta, bits=bits, residual=residual)
             residual = c.residual
             sent += C.fft_decompress(c.payload[None], c.layout)
-        total = sent + torch.fft.irfft(residual, n=x.numel())
+        total = sent + torch.fft.irfft(residual, n=fast_len(x.numel()))[: x.numel()]
         assert (total - sum(grads)).abs().max().item() <= 1e-9 * x.abs().max().item()
         i_gpu, v_gpu = C.fft_decode(c.payload, c.layout)
         i_cpu, v_cpu = C.fft_decode(c.payload.cpu(), c.layout)
@@ -502,7 +511,7 @@ def test_fft_sparse_errs_by_the_dropped_spectrum_of_each_rank(ddp_results):
     for b in run["buckets"]:
         per_rank = [_bucket_vector(g, b["params"]) for g in run["local"][b["step"]]]
         n = per_rank[0].size
-        k = math.ceil(THETA_SPARSE * (n // 2 + 1))
+        k = math.ceil(THETA_SPARSE * (fast_len(n) // 2 + 1))
         kept, dropped = zip(*(np_fft_truncate(g, k, gap=1e-5) for g in per_rank))  # float32 compute
         dense = np.mean(per_rank, axis=0)
         got = b["out"].numpy()
@@ -515,12 +524,12 @@ def test_fft_quantization_error_within_stated_bound(ddp_results):
     run = ddp_results[0]["capture"]["fft_quant"]
     for b in run["buckets"]:
         per_rank = [_bucket_vector(g, b["params"]) for g in run["local"][b["step"]]]
-        n = per_rank[0].size
-        k = n // 2 + 1
+        n_fft = fast_len(per_rank[0].size)
+        k = n_fft // 2 + 1
         bound = 0.0
-        for g in per_rank:  # per value: range / 2^bits; in gradient space (4k + 2) / n times that
-            parts = np.fft.rfft(g).view(np.float64)
-            bound += (4 * k + 2) * (parts.max() - parts.min()) / 2**BITS_QUANT / n / WORLD
+        for g in per_rank:  # per value: range / 2^bits; in gradient space (4k + 2) / n_fft times that
+            parts = np.fft.rfft(g, n_fft).view(np.float64)
+            bound += (4 * k + 2) * (parts.max() - parts.min()) / 2**BITS_QUANT / n_fft / WORLD
         err = np.abs(b["out"].numpy() - np.mean(per_rank, axis=0)).max()
         assert 0 < err <= bound + 1e-6 * np.abs(per_rank).max()
 
