@@ -14,6 +14,7 @@ from __future__ import annotations
 import hashlib
 import json
 import tempfile
+from pathlib import Path
 from typing import Any, Literal
 
 from prefect import flow
@@ -28,7 +29,7 @@ from paperline.infra.stack import require_stack
 from paperline.infra.tracking import Tracker
 from paperline.kernels.train.data import load_dataset
 from paperline.kernels.train.ddp import TrainConfig
-from paperline.tasks.training import comparison_plots, train_ranks
+from paperline.tasks.training import bandwidth_plot, comparison_plots, train_ranks
 
 EXPERIMENT = "compressed-training"
 
@@ -67,6 +68,9 @@ class CompressedTrainingParameters(BaseModel):
     checkpoint_prefix: str | None = Field(None, description="s3:// prefix of the checkpoints (default: one per "
                                           "configuration under s3://<data bucket>/compressed-training/checkpoints/, "
                                           "so a re-run continues where the last one stopped).")
+    collectives_max_bytes: int = Field(4 << 20, ge=0, description="After the first compressor's training, the ranks "
+                                       "time Linear Pipelining allreduce against the backend's from 1 KiB to this "
+                                       "size (x4 steps) for the bandwidth plot; 0 skips it.")
     timeout_s: float = Field(120.0, gt=0, description="Collective timeout: how long a rank waits for a dead peer.")
     max_restarts: int = Field(2, ge=0, description="Restarts of all ranks from the last checkpoint after a failure.")
     crash_rank_at_step: int | None = Field(None, ge=0, description="Drill: the last rank exits at this global step "
@@ -137,25 +141,42 @@ def compressed_training(params: CompressedTrainingParameters | None = None) -> d
     parent = tracker.start_run(EXPERIMENT, run_name=flow_run.name or "compressed-training", tags=tags,
                                params={**params.model_dump(), "device": device})
     runs = []
+    sizes = []
+    size = 1024
+    while params.collectives_max_bytes and size <= params.collectives_max_bytes:
+        sizes.append(size)
+        size *= 4
+    sweep: list[dict[str, Any]] = []
     try:
-        for name in params.compressors:
+        for i, name in enumerate(params.compressors):
             cfg = params.train_config(name)
             cid = _config_id(cfg, params.world_size, device)
             root = (params.checkpoint_prefix or f"s3://{info.data_bucket}/compressed-training/checkpoints").rstrip("/")
             prefix = f"{root}/{cid}"
             result = train_ranks(cfg.as_dict(), params.world_size, store, prefix, device, name,
                                  timeout_s=params.timeout_s, max_restarts=params.max_restarts,
-                                 crash_rank_at_step=params.crash_rank_at_step)
+                                 crash_rank_at_step=params.crash_rank_at_step,
+                                 collectives_sizes=sizes if i == 0 and sizes else None)
+            sweep = sweep or result["ranks"][0].get("collectives", [])
             runs.append(_log_compressor(tracker, parent, name, cfg, result, prefix, tags, params))
         with tempfile.TemporaryDirectory() as tmp:
             for path in comparison_plots([{"name": r["name"], "epochs": r["epochs"]} for r in runs], tmp):
                 tracker.log_artifact(parent, str(path))
-        tracker.log_dict(parent, {"runs": runs}, "comparison.json")
+            if sweep:
+                tracker.log_artifact(parent, str(bandwidth_plot(sweep, Path(tmp) / "collectives_bandwidth.png")))
+                tracker.log_metric_steps(parent, [(r["bytes"], {"collectives.lp_over_backend": r["speedup"]})
+                                                  for r in sweep])
+        tracker.log_dict(parent, {"runs": runs, "collectives": sweep}, "comparison.json")
         tracker.end_run(parent, "FINISHED")
     except BaseException:
         tracker.end_run(parent, "FAILED")
         raise
-    return _summary(runs, parent, tracker, run_url, str(flow_run.id))
+    summary = _summary(runs, parent, tracker, run_url, str(flow_run.id))
+    if sweep:
+        summary["collectives"] = sweep
+        summary["lines"].insert(0, "Linear Pipelining allreduce / backend allreduce (time ratio, > 1: LP faster): "
+                                + ", ".join(f"{r['bytes'] // 1024} KiB {r['speedup']:.2f}x" for r in sweep))
+    return summary
 
 
 def _log_compressor(tracker: Tracker, parent: str, name: str, cfg: TrainConfig, result: dict[str, Any], prefix: str,

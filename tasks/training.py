@@ -51,7 +51,8 @@ def _free_port() -> tuple[str, int]:
 
 
 def _rank_main(rank: int, world_size: int, init_method: str, cfg: dict[str, Any], store: ObjectStore, prefix: str,
-               resume_epoch: int | None, device: str, timeout_s: float, exit_at_step: int | None) -> dict[str, Any]:
+               resume_epoch: int | None, device: str, timeout_s: float, exit_at_step: int | None,
+               collectives_sizes: list[int] | None = None) -> dict[str, Any]:
     """One rank on its worker: resume from its checkpoint, train, checkpoint every epoch to S3."""
     resume = store.get_bytes(checkpoint_uri(prefix, rank, resume_epoch)) if resume_epoch is not None else None
 
@@ -60,7 +61,7 @@ def _rank_main(rank: int, world_size: int, init_method: str, cfg: dict[str, Any]
 
     return train_rank(rank, world_size, init_method, TrainConfig(**cfg), device=device, resume_bytes=resume,
                       save_checkpoint=save, timeout_s=timeout_s, threads=1 if device == "cpu" else None,
-                      exit_at_step=exit_at_step)
+                      exit_at_step=exit_at_step, collectives_sizes=collectives_sizes)
 
 
 def _wait_first_error(futures: list[Any], poll_s: float = 0.2) -> BaseException | None:
@@ -86,8 +87,8 @@ class RankFailed(RuntimeError):
 @task(name="compressed-train", cache_policy=(INPUTS - "store" - "max_restarts" - "timeout_s") + TASK_SOURCE,
       persist_result=True, task_run_name="train-{label}")
 def train_ranks(cfg: dict[str, Any], world_size: int, store: ObjectStore, prefix: str, device: str, label: str,
-                timeout_s: float = 120.0, max_restarts: int = 2, crash_rank_at_step: int | None = None
-                ) -> dict[str, Any]:
+                timeout_s: float = 120.0, max_restarts: int = 2, crash_rank_at_step: int | None = None,
+                collectives_sizes: list[int] | None = None) -> dict[str, Any]:
     """Train ``world_size`` ranks of one configuration to the end on the flow's Dask workers.
 
     Args:
@@ -100,6 +101,8 @@ def train_ranks(cfg: dict[str, Any], world_size: int, store: ObjectStore, prefix
         timeout_s: Collective timeout of the ranks (how long a survivor waits for a dead peer).
         max_restarts: Restarts of all ranks after a failure before giving up.
         crash_rank_at_step: Drill: the last rank exits at this global step, in the first attempt only.
+        collectives_sizes: Message sizes (bytes) of a Linear Pipelining vs backend allreduce sweep
+            the ranks run after training (in ``ranks[r]["collectives"]``).
 
     Returns:
         ``{"ranks": [train_rank results], "restarts", "resumed_from": [epoch or None per attempt],
@@ -129,6 +132,7 @@ def train_ranks(cfg: dict[str, Any], world_size: int, store: ObjectStore, prefix
         futures = [client.submit(_rank_main, r, world_size, f"tcp://{host}:{port}", cfg, store, prefix, resume_epoch,
                                  device, timeout_s,
                                  crash_rank_at_step if attempt == 0 and r == world_size - 1 else None,
+                                 collectives_sizes,
                                  workers=[w], allow_other_workers=False, pure=False, retries=0,
                                  key=f"rank-{r}-{label}-{attempt}-{time.time_ns()}")
                    for r, w in enumerate(chosen)]
@@ -176,3 +180,27 @@ def comparison_plots(runs: list[dict[str, Any]], directory: Any) -> list[Any]:
         plt.close(fig)
         out.append(path)
     return out
+
+
+def bandwidth_plot(rows: list[dict[str, Any]], path: Any) -> Any:
+    """``collectives_bandwidth.png``: algorithm and bus bandwidth (GB/s) against message size for
+    the backend's allreduce and Linear Pipelining's, from
+    :func:`paperline.kernels.comm.collectives.allreduce_sweep` rows."""
+    from paperline.tasks.reporting import _plt  # noqa: PLC0415
+
+    plt = _plt()
+    fig, ax = plt.subplots(figsize=(5.5, 3.6))
+    sizes = [r["bytes"] for r in rows]
+    for impl, label in (("backend", "backend allreduce"), ("lp", "Linear Pipelining")):
+        ax.plot(sizes, [r[impl]["algbw_bytes_per_s"] / 1e9 for r in rows], marker="o", label=f"{label} (algbw)")
+        ax.plot(sizes, [r[impl]["busbw_bytes_per_s"] / 1e9 for r in rows], linestyle="--", label=f"{label} (busbw)")
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel("message size (bytes)")
+    ax.set_ylabel("GB/s")
+    ax.set_title(f"allreduce, P = {rows[0]['world_size'] if rows else '?'}")
+    ax.legend(fontsize=7)
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=90)
+    plt.close(fig)
+    return path

@@ -358,6 +358,51 @@ def time_collective(fn: Callable[[], Any], *, iters: int = 10, warmup: int = 2, 
     return best
 
 
+def allreduce_sweep(sizes_bytes: list[int], *, device: Any = "cpu", target_s: float = 0.05, max_iters: int = 50,
+                    repeats: int = 2, group: Any = None) -> list[dict[str, Any]]:
+    """Linear Pipelining allreduce against the backend's ``all_reduce`` over message sizes, in the
+    current process group (call on every rank; the same numbers come back on every rank).
+
+    Args:
+        sizes_bytes: Message sizes in bytes (float32 tensors of ``size // 4`` elements).
+        device: Where the tensors live (``cuda`` with NCCL).
+        target_s: Timed seconds per repeat (sets the calls per repeat, at most ``max_iters``).
+        max_iters: Most calls per repeat.
+        repeats: Timed repeats; the fastest is kept.
+        group: Process group (None: the default group).
+
+    Returns:
+        One row per size: ``bytes``, ``world_size`` and, for ``backend`` and ``lp``, ``seconds``
+        (per call, slowest rank), ``algbw_bytes_per_s`` and ``busbw_bytes_per_s`` (see
+        :func:`bandwidth`), plus ``speedup`` = backend seconds / LP seconds.
+
+    Raises:
+        InputError: an empty or non-positive size.
+    """
+    import torch
+    import torch.distributed as dist
+
+    if not sizes_bytes or any(int(b) <= 0 for b in sizes_bytes):
+        raise InputError("sizes_bytes", sizes_bytes, "must be positive sizes")
+    world = dist.get_world_size(group)
+    rows = []
+    for nbytes in sizes_bytes:
+        numel = max(1, int(nbytes) // 4)
+        x = torch.zeros(numel, device=device, dtype=torch.float32)  # zeros: no inf/denormal slow paths
+        row: dict[str, Any] = {"bytes": numel * 4, "world_size": world}
+        for impl, fn in (("backend", lambda: dist.all_reduce(x, group=group)),
+                         ("lp", lambda: lp_allreduce(x, group=group))):
+            probe = time_collective(fn, iters=1, warmup=1, repeats=1, group=group)
+            iters = max(1, min(max_iters, int(target_s / max(probe, 1e-9))))
+            seconds = time_collective(fn, iters=iters, warmup=0, repeats=repeats, group=group)
+            bw = bandwidth(seconds, numel * 4, world, "allreduce")
+            row[impl] = {"seconds": seconds, "algbw_bytes_per_s": bw.algbw_bytes_per_s,
+                         "busbw_bytes_per_s": bw.busbw_bytes_per_s}
+        row["speedup"] = row["backend"]["seconds"] / row["lp"]["seconds"]
+        rows.append(row)
+    return rows
+
+
 # --------------------------------------------------------------------------------------------- internals
 
 

@@ -129,7 +129,8 @@ def _all_finite(loss: Any, params: list[Any]) -> bool:
 def train_rank(rank: int, world_size: int, init_method: str, cfg: TrainConfig, *, device: str = "cpu",
                resume_bytes: bytes | None = None, save_checkpoint: Callable[[int, bytes], None] | None = None,
                timeout_s: float = 300.0, on_epoch: Callable[[dict[str, Any]], None] | None = None,
-               threads: int | None = None, exit_at_step: int | None = None) -> dict[str, Any]:
+               threads: int | None = None, exit_at_step: int | None = None,
+               collectives_sizes: list[int] | None = None) -> dict[str, Any]:
     """Train one rank to the end (see the module docstring).
 
     Args:
@@ -143,6 +144,9 @@ def train_rank(rank: int, world_size: int, init_method: str, cfg: TrainConfig, *
             hanging (the flow then restarts every rank from the last checkpoint).
         on_epoch: Called on every rank with each epoch's record.
         threads: torch intra-op threads of this rank (None: leave torch's setting).
+        collectives_sizes: After training, time Linear Pipelining allreduce against the backend's on
+            these message sizes (bytes) in the same process group
+            (:func:`paperline.kernels.comm.collectives.allreduce_sweep`); rows in ``"collectives"``.
         exit_at_step: Drill: the process exits (``os._exit(17)``, as a killed rank) when it reaches
             this global step.
 
@@ -268,9 +272,14 @@ def train_rank(rank: int, world_size: int, init_method: str, cfg: TrainConfig, *
                             "epochs": epochs, "skipped_steps": skipped, "config": cfg.as_dict(), "rank": rank,
                             "world_size": world_size}, buf)
                 save_checkpoint(epoch, buf.getvalue())
+        sweep = []
+        if collectives_sizes:
+            from paperline.kernels.comm.collectives import allreduce_sweep  # noqa: PLC0415
+
+            sweep = allreduce_sweep(collectives_sizes, device=dev)
         dist.barrier()
         return {"rank": rank, "world_size": world_size, "epochs": epochs, "skipped_steps": skipped,
-                "params_count": sum(p.numel() for p in params), "config": cfg.as_dict()}
+                "params_count": sum(p.numel() for p in params), "config": cfg.as_dict(), "collectives": sweep}
     finally:
         dist.destroy_process_group()
 

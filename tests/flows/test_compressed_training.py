@@ -53,7 +53,10 @@ def test_mlflow_has_a_run_per_compressor_with_epoch_metrics_and_the_plots(traine
     info, _, summary, _, _ = trained
     client = Tracker(info.mlflow_tracking_uri).client
     names = {a.path for a in client.list_artifacts(summary["mlflow_run_id"])}
-    assert {"accuracy_vs_bytes.png", "accuracy_vs_time.png", "comparison.json"} <= names
+    assert {"accuracy_vs_bytes.png", "accuracy_vs_time.png", "comparison.json", "collectives_bandwidth.png"} <= names
+    sweep = summary["collectives"]
+    assert [r["bytes"] for r in sweep] == [1024 * 4**i for i in range(7)]  # 1 KiB .. 4 MiB in x4 steps
+    assert all(r["lp"]["algbw_bytes_per_s"] > 0 and r["backend"]["algbw_bytes_per_s"] > 0 for r in sweep)
     for r in summary["runs"]:
         run = client.get_run(r["mlflow_run_id"])
         assert run.data.tags["mlflow.parentRunId"] == summary["mlflow_run_id"]
@@ -70,6 +73,7 @@ def test_a_killed_rank_resumes_from_the_checkpoints_to_the_same_accuracy(trained
     info, _, summary, prefix, out = trained
     # global step 15 = epoch 1, step 3: after the epoch-0 checkpoints, before the end
     proc = _run(cli_env, *SMALL, "nan_steps=3", "compressors=none", "crash_rank_at_step=15", "timeout_s=20",
+                "collectives_max_bytes=0",
                 f"checkpoint_prefix={prefix}/b", summary=out / "b.json")
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     (run,) = json.loads((out / "b.json").read_text())["runs"]
