@@ -145,7 +145,7 @@ def datasets() -> None:
 @app.command()
 @_friendly
 def run(pipeline: str = typer.Argument(..., help="Pipeline name, e.g. tensor-factorization."),
-        preset: str = typer.Option("demo", "--preset", help="Parameter preset: demo or full."),
+        preset: str = typer.Option("demo", "--preset", help="Parameter preset (each pipeline has demo; see README for the others: full, default)."),
         set_: Optional[list[str]] = typer.Option(None, "--set", help="Override a parameter: key=value (repeatable)."),
         summary_json: Optional[Path] = typer.Option(None, "--summary-json",
                                                     help="Write parameters, metrics and artifact URIs as JSON."),

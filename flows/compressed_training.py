@@ -92,20 +92,41 @@ class CompressedTrainingParameters(BaseModel):
                            isgd=self.isgd, isgd_stop=self.isgd_stop, isgd_epsilon=self.isgd_epsilon)
 
     def validate_inputs(self) -> None:
-        """Everything checkable before a rank starts: compressor options (θ, bits, ...), model
-        options, the dataset's presence. Raises InputError naming the parameter."""
+        """Everything checkable before a rank starts: model options, compressor options (θ, bits,
+        ...), the dataset's presence and size against ``batch_size x world_size``. Raises
+        InputError naming the flow parameter."""
+        from paperline.kernels.comm.compressors import make_hook  # noqa: PLC0415
+        from paperline.kernels.errors import InputError as KernelInputError  # noqa: PLC0415
+        from paperline.kernels.train.models import make_model  # noqa: PLC0415
+
+        try:
+            make_model(self.model, **dict(self.model_options))
+        except KernelInputError as exc:
+            raise InputError("model_options", self.model_options, f"{self.model}: {exc.problem}") from None
+        except (TypeError, ValueError) as exc:
+            raise InputError("model_options", self.model_options, f"{self.model}: {exc}") from None
         for c in self.compressors:
             try:
-                self.train_config(c).validate()
-            except InputError:
-                raise
-            except Exception as exc:  # kernels raise their own InputError; name the flow parameter
-                raise InputError(f"{c} options", self.compressor_options(c), str(exc)) from None
-        load_dataset(self.dataset, n_train=self.n_train, seed=self.seed)
+                make_hook(c, **self.compressor_options(c))
+            except KernelInputError as exc:
+                name = OPTION_PARAMETERS.get((c, exc.argument), f"{c} options")
+                raise InputError(name, exc.value, exc.problem) from None
+        data = load_dataset(self.dataset, n_train=self.n_train, seed=self.seed)
+        per_rank = len(data.y_train) // self.world_size
+        if per_rank < self.batch_size:
+            raise InputError("n_train" if self.n_train else "batch_size", self.n_train or self.batch_size,
+                             f"{len(data.y_train)} training examples over {self.world_size} ranks give {per_rank} "
+                             f"per rank, less than one batch of {self.batch_size}")
+
+
+# The flow parameter behind each compressor option (for error messages).
+OPTION_PARAMETERS = {("fft", "theta"): "fft_theta", ("fft", "bits"): "fft_bits",
+                     ("fft", "error_feedback"): "fft_error_feedback", ("topk", "fraction"): "topk_fraction",
+                     ("powersgd", "matrix_approximation_rank"): "powersgd_rank"}
 
 
 PRESETS: dict[str, dict[str, Any]] = {
-    "demo": {"compressors": ["none", "fft"], "epochs": 4, "model_options": {"width": 16, "blocks": 1}},
+    "demo": {"compressors": ["none", "fft"], "epochs": 4},
     "default": {"compressors": ["none", "fft", "topk", "powersgd", "fp16"]},
 }
 

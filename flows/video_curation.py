@@ -130,6 +130,9 @@ def list_sources(source: str, store: ObjectStore) -> list[str]:
     if source == "demo":
         return [str(p) for p in demo_videos()]
     if source.startswith("s3://"):
+        bucket = split_uri(source)[0]
+        if not store.bucket_exists(bucket):
+            raise InputError("source", source, f"no such bucket {bucket!r} (or these credentials may not read it)")
         found = [u for u in store.list(source) if Path(u).suffix.lower() in VIDEO_EXTENSIONS]
         if not found:
             raise InputError("source", source, f"no objects ending in {', '.join(VIDEO_EXTENSIONS)} under this prefix")
@@ -288,6 +291,8 @@ def _counts(results: list[dict[str, Any]], rows: list[dict[str, Any]], rejected:
     return counts
 
 
+CONTACT_KEPT, CONTACT_DROPPED = 24, 12  # thumbnails on the contact sheet (the index lists every clip)
+
 INDEX_COLUMNS = ["key", "source", "source_sha256", "start_s", "end_s", "duration_s", "start_frame", "end_frame",
                  "frames", "fps", "width", "height", "source_width", "source_height", "motion", "sharpness",
                  "black_fraction", "content_sha256", "phash", "filter_reasons", "kept", "dedup_cluster",
@@ -339,9 +344,12 @@ def _log_artifacts(tracker: Tracker, run_id: str, rows: list[dict[str, Any]], in
                    manifest: dict[str, Any]) -> None:
     kept = [r for r in sorted(rows, key=lambda r: r["key"]) if r["selected"]]
     dropped = [r for r in sorted(rows, key=lambda r: r["key"]) if not r["selected"]]
-    items = [{"thumbnail_jpeg": r["thumbnail_jpeg"], "key": r["key"], "kept": True, "label": "kept"} for r in kept[:24]]
+    items = [{"thumbnail_jpeg": r["thumbnail_jpeg"], "key": r["key"], "kept": True, "label": "kept"}
+             for r in kept[:CONTACT_KEPT]]
     items += [{"thumbnail_jpeg": r["thumbnail_jpeg"], "key": r["key"], "kept": False,
-               "label": ",".join(r["filter_reasons"]) or f"dup ({r['dedup_reason']})"} for r in dropped[:12]]
+               "label": ",".join(r["filter_reasons"]) or f"dup ({r['dedup_reason']})"} for r in dropped[:CONTACT_DROPPED]]
+    title = (f"video-curation: clips kept (green, {min(len(kept), CONTACT_KEPT)} of {len(kept)} shown) and dropped by "
+             f"filters or dedup (red, {min(len(dropped), CONTACT_DROPPED)} of {len(dropped)} shown)")
     with tempfile.TemporaryDirectory() as tmp:
         files = {"index.parquet": index, "rejected.parquet": rejected_pq,
                  "manifest.json": json.dumps({k: v for k, v in manifest.items() if k not in ("uploaded", "skipped")},
@@ -350,4 +358,4 @@ def _log_artifacts(tracker: Tracker, run_id: str, rows: list[dict[str, Any]], in
             (Path(tmp) / name).write_bytes(data)
             tracker.log_artifact(run_id, str(Path(tmp) / name))
         if items:
-            tracker.log_artifact(run_id, str(contact_sheet(items, Path(tmp) / "contact_sheet.png")))
+            tracker.log_artifact(run_id, str(contact_sheet(items, Path(tmp) / "contact_sheet.png", title=title)))

@@ -132,7 +132,7 @@ def read_back(store: ObjectStore, output: str, world_size: int) -> dict[str, Any
     return {"samples_per_rank": per_rank, "distinct": len(seen)}
 
 
-def contact_sheet(items: list[dict[str, Any]], path: Path, columns: int = 6) -> Path:
+def contact_sheet(items: list[dict[str, Any]], path: Path, columns: int = 6, title: str | None = None) -> Path:
     """A PNG grid of clip thumbnails: kept clips framed green, filtered or duplicate ones red with
     their reason. ``items``: ``{"thumbnail_jpeg", "key", "label", "kept"}``."""
     from PIL import Image  # noqa: PLC0415
@@ -147,7 +147,8 @@ def contact_sheet(items: list[dict[str, Any]], path: Path, columns: int = 6) -> 
         ax.axis("off")
     for ax, it in zip(axes.ravel(), items):
         ax.imshow(Image.open(io.BytesIO(it["thumbnail_jpeg"])))
-        ax.set_title(f"{it['key'][-22:]}\n{it['label']}", fontsize=6, color="green" if it["kept"] else "red")
+        key = it["key"] if len(it["key"]) <= 26 else f"{it['key'][:13]}~{it['key'][-12:]}"
+        ax.set_title(f"{key}\n{it['label']}", fontsize=6, color="green" if it["kept"] else "red")
         for side in ax.spines.values():
             side.set_visible(True)
             side.set_color("green" if it["kept"] else "red")
@@ -155,7 +156,7 @@ def contact_sheet(items: list[dict[str, Any]], path: Path, columns: int = 6) -> 
         ax.axis("on")
         ax.set_xticks([])
         ax.set_yticks([])
-    fig.suptitle("video-curation: kept (green) and rejected (red) clips", fontsize=9)
+    fig.suptitle(title or "video-curation: clips kept (green) and dropped by filters or dedup (red)", fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=80)
     plt.close(fig)

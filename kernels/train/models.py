@@ -16,7 +16,7 @@ MODELS = ("resnet", "lstm")
 def make_model(name: str, n_classes: int = 10, **options: Any) -> Any:
     """Build a model.
 
-    ``resnet`` (options ``width=16``, ``blocks=2``, ``norm="batch"`` or ``"group"`` for GroupNorm with
+    ``resnet`` (options ``width=16``, ``blocks=1``, ``norm="batch"`` or ``"group"`` for GroupNorm with
     4 groups): conv3x3 -> norm -> ReLU, then ``blocks`` residual
     basic blocks (He et al. 2016) at ``width`` channels, a stride-2 transition to ``2 width``
     channels, ``blocks`` more, global average pooling and a linear head.
@@ -60,7 +60,7 @@ def make_model(name: str, n_classes: int = 10, **options: Any) -> Any:
             return out[:, -1]
 
     if name == "resnet":
-        width, blocks = int(options.pop("width", 16)), int(options.pop("blocks", 2))
+        width, blocks = int(options.pop("width", 16)), int(options.pop("blocks", 1))
         if options:
             raise InputError("model_options", sorted(options), "unknown for resnet; known: width, blocks, norm")
         if width < 1 or blocks < 1:

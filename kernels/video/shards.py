@@ -201,7 +201,9 @@ def rank_indices(n: int, rank: int, world_size: int, drop_last: bool = False) ->
     ``torch.utils.data.DistributedSampler``); True drops the remainder.
 
     Raises:
-        InputError: ``world_size`` < 1, ``rank`` outside ``[0, world_size)``, or fewer samples than ranks.
+        InputError: ``world_size`` < 1, ``rank`` outside ``[0, world_size)``, no samples, or (with
+            ``drop_last``) fewer samples than ranks. Without ``drop_last`` more ranks than samples
+            is allowed: every rank gets one sample, repeated.
     """
     if world_size < 1:
         raise InputError("world_size", world_size, "must be >= 1")

@@ -70,7 +70,8 @@ def list_local(source: str | Path) -> list[Path]:
     """
     p = Path(source).expanduser()
     if p.is_dir():
-        found = sorted(q for q in p.rglob("*") if q.is_file() and q.suffix.lower() in VIDEO_EXTENSIONS)
+        found = sorted(q for q in p.rglob("*")  # a broken link is listed: the probe records it as missing
+                       if (q.is_file() or q.is_symlink()) and q.suffix.lower() in VIDEO_EXTENSIONS)
         if not found:
             raise InputError("source", str(source), f"no videos ({', '.join(VIDEO_EXTENSIONS)}) in this directory")
         return found

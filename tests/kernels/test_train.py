@@ -135,3 +135,20 @@ def test_isgd_flags_the_same_batches_on_every_rank_and_keeps_them_identical(tmp_
     w = [torch.load(io.BytesIO(x["final"]), weights_only=False)["model"] for x in ranks]
     params = [k for k in w[0] if not k.endswith(("running_mean", "running_var", "num_batches_tracked"))]
     assert all(torch.equal(w[0][k], w[1][k]) for k in params)  # the extra steps went through DDP
+
+
+@pytest.mark.parametrize("kw, message", [
+    ({"model_options": {"width": 0}}, "model_options={'width': 0}: resnet: must be >= 1"),
+    ({"model": "lstm", "model_options": {"width": 8}}, "unknown for lstm; known: hidden, layers"),
+    ({"fft_theta": 0.0}, "fft_theta=0.0: must be in (0, 1]"),
+    ({"fft_bits": 40}, "fft_bits=40"),
+    ({"compressors": ["topk"], "topk_fraction": 2.0}, "topk_fraction=2.0: must be in (0, 1]"),
+    ({"n_train": 40}, "n_train=40: 40 training examples over 2 ranks give 20 per rank, less than one batch of 32"),
+])
+def test_flow_parameters_are_refused_naming_the_flow_parameter(kw, message):
+    from paperline.flows.compressed_training import CompressedTrainingParameters
+
+    with pytest.raises(InputError) as err:
+        CompressedTrainingParameters(**kw).validate_inputs()
+    assert message in str(err.value)
+    CompressedTrainingParameters(model="lstm").validate_inputs()  # the defaults fit every model

@@ -164,7 +164,9 @@ def test_a_truncated_video_that_opens_is_rejected_after_decoding(bad_videos):
 def test_unsupported_extension_and_directory_listing(tmp_path):
     (tmp_path / "a.txt").write_text("x")
     (tmp_path / "b.MKV").write_bytes(b"")
-    assert list_local(tmp_path) == [tmp_path / "b.MKV"]
+    (tmp_path / "c.mp4").symlink_to(tmp_path / "gone.mp4")  # a broken link is listed, then rejected
+    assert list_local(tmp_path) == [tmp_path / "b.MKV", tmp_path / "c.mp4"]
+    assert probe(tmp_path / "c.mp4").reason == "missing"
     assert probe(tmp_path / "a.txt").reason == "unsupported_extension"
     with pytest.raises(InputError, match="no videos"):
         list_local(tmp_path / "empty_dir_" if False else _mk(tmp_path / "empty"))
