@@ -17,3 +17,17 @@ class InputError(ValueError):
 
     def __reduce__(self):  # plain pickle (Dask results, Prefect states) rebuilds it from its parts
         return (type(self), (self.argument, self.value, self.problem))
+
+
+def check_int(argument: str, value: object, low: int, high: int | None = None) -> int:
+    """``value`` as an int in ``[low, high]`` (``high`` None: no upper bound).
+
+    Raises:
+        InputError: not an integer (bools are refused), or out of range.
+    """
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise InputError(argument, value, "must be an integer")
+    if value < low or (high is not None and value > high):
+        span = f"[{low}, {high}]" if high is not None else f">= {low}"
+        raise InputError(argument, value, f"must be in {span}")
+    return int(value)

@@ -87,7 +87,7 @@ import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Callable, ClassVar, NamedTuple
 
-from paperline.kernels.errors import InputError
+from paperline.kernels.errors import InputError, check_int
 from paperline.kernels.registry import Registry
 
 if TYPE_CHECKING:
@@ -141,13 +141,7 @@ def _check_fraction(argument: str, value: object) -> float:
     return float(value)
 
 
-def _check_int(argument: str, value: object, low: int, high: int | None = None) -> int:
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise InputError(argument, value, "must be an integer")
-    if value < low or (high is not None and value > high):
-        span = f"[{low}, {high}]" if high is not None else f">= {low}"
-        raise InputError(argument, value, f"must be in {span}")
-    return int(value)
+_check_int = check_int
 
 
 def _check_bool(argument: str, value: object) -> bool:

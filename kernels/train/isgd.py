@@ -63,7 +63,7 @@ import math
 from collections import deque
 from typing import TYPE_CHECKING, Any, Callable
 
-from paperline.kernels.errors import InputError
+from paperline.kernels.errors import InputError, check_int
 
 if TYPE_CHECKING:
     import torch
@@ -75,13 +75,7 @@ __all__ = ["LossControlChart", "ISGD"]
 # Validation helpers
 
 
-def _check_int(argument: str, value: object, low: int, high: int | None = None) -> int:
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise InputError(argument, value, "must be an integer")
-    if value < low or (high is not None and value > high):
-        span = f"[{low}, {high}]" if high is not None else f">= {low}"
-        raise InputError(argument, value, f"must be in {span}")
-    return int(value)
+_check_int = check_int
 
 
 def _check_real(argument: str, value: object, *, positive: bool) -> float:
