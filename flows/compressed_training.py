@@ -29,7 +29,7 @@ from paperline.infra.stack import require_stack
 from paperline.infra.tracking import Tracker
 from paperline.kernels.train.data import load_dataset
 from paperline.kernels.train.ddp import TrainConfig
-from paperline.tasks.training import bandwidth_plot, comparison_plots, train_ranks
+from paperline.tasks.training import bandwidth_plot, comparison_plots, kernel_version, train_ranks
 
 EXPERIMENT = "compressed-training"
 
@@ -131,8 +131,10 @@ PRESETS: dict[str, dict[str, Any]] = {
 }
 
 
-def _config_id(cfg: TrainConfig, world_size: int, device: str) -> str:
-    blob = json.dumps([cfg.as_dict(), world_size, device], sort_keys=True, default=str)
+def _config_id(cfg: TrainConfig, world_size: int, device: str, version: str) -> str:
+    """Names a configuration's checkpoints: its settings and the kernels' sources (a checkpoint
+    written by other code is never resumed)."""
+    blob = json.dumps([cfg.as_dict(), world_size, device, version], sort_keys=True, default=str)
     return hashlib.sha256(blob.encode()).hexdigest()[:16]
 
 
@@ -168,16 +170,17 @@ def compressed_training(params: CompressedTrainingParameters | None = None) -> d
         sizes.append(size)
         size *= 4
     sweep: list[dict[str, Any]] = []
+    version = kernel_version()
     try:
         for i, name in enumerate(params.compressors):
             cfg = params.train_config(name)
-            cid = _config_id(cfg, params.world_size, device)
+            cid = _config_id(cfg, params.world_size, device, version)
             root = (params.checkpoint_prefix or f"s3://{info.data_bucket}/compressed-training/checkpoints").rstrip("/")
             prefix = f"{root}/{cid}"
             result = train_ranks(cfg.as_dict(), params.world_size, store, prefix, device, name,
                                  timeout_s=params.timeout_s, max_restarts=params.max_restarts,
                                  crash_rank_at_step=params.crash_rank_at_step,
-                                 collectives_sizes=sizes if i == 0 and sizes else None)
+                                 collectives_sizes=sizes if i == 0 and sizes else None, code_version=version)
             sweep = sweep or result["ranks"][0].get("collectives", [])
             runs.append(_log_compressor(tracker, parent, name, cfg, result, prefix, tags, params))
         with tempfile.TemporaryDirectory() as tmp:

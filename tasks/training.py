@@ -4,7 +4,8 @@ every rank from the last common checkpoint when a rank or its worker dies.
 
 The training task runs in the flow's process and drives the flow's Dask client (the pattern of
 :mod:`paperline.tasks.executors`): it pins rank ``r`` to worker ``r`` and waits for all of them.
-Its result is cached on the configuration, so re-running a finished flow trains nothing again.
+Its result is cached on the configuration and the kernels' sources, so re-running a finished flow
+with the same code trains nothing again.
 """
 
 from __future__ import annotations
@@ -21,6 +22,22 @@ from paperline.kernels.errors import InputError
 from paperline.kernels.train.ddp import TrainConfig, train_rank
 
 _CKPT = re.compile(r"/rank-(\d+)/epoch-(\d+)\.pt$")
+
+
+def kernel_version() -> str:
+    """SHA-256 of the training and communication kernels' sources: part of the training task's
+    cache key, so a change to how ranks train or compress is never served from the cache."""
+    import hashlib  # noqa: PLC0415
+    from pathlib import Path  # noqa: PLC0415
+
+    import paperline.kernels.comm as comm  # noqa: PLC0415
+    import paperline.kernels.train as train  # noqa: PLC0415
+
+    h = hashlib.sha256()
+    for pkg in (comm, train):
+        for f in sorted(Path(pkg.__file__).parent.glob("*.py")):
+            h.update(f.name.encode() + f.read_bytes())
+    return h.hexdigest()
 
 
 def checkpoint_uri(prefix: str, rank: int, epoch: int) -> str:
@@ -88,7 +105,7 @@ class RankFailed(RuntimeError):
       persist_result=True, task_run_name="train-{label}")
 def train_ranks(cfg: dict[str, Any], world_size: int, store: ObjectStore, prefix: str, device: str, label: str,
                 timeout_s: float = 120.0, max_restarts: int = 2, crash_rank_at_step: int | None = None,
-                collectives_sizes: list[int] | None = None) -> dict[str, Any]:
+                collectives_sizes: list[int] | None = None, code_version: str = "") -> dict[str, Any]:
     """Train ``world_size`` ranks of one configuration to the end on the flow's Dask workers.
 
     Args:
@@ -103,6 +120,7 @@ def train_ranks(cfg: dict[str, Any], world_size: int, store: ObjectStore, prefix
         crash_rank_at_step: Drill: the last rank exits at this global step, in the first attempt only.
         collectives_sizes: Message sizes (bytes) of a Linear Pipelining vs backend allreduce sweep
             the ranks run after training (in ``ranks[r]["collectives"]``).
+        code_version: :func:`kernel_version` (only part of the cache key).
 
     Returns:
         ``{"ranks": [train_rank results], "restarts", "resumed_from": [epoch or None per attempt],
