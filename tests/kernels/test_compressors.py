@@ -613,6 +613,78 @@ def test_training_with_each_compressor_reduces_the_loss(ddp_results, name):
         assert compressed and all(h["bytes_sent"] < h["dense_bytes"] for h in compressed)
 
 
+# ---------------------------------------------------------------------------------------------------
+# four ranks: the exact hook exact, the lossy ones within their bounds
+
+CAPTURE4 = {"none": ("none", {}, 2), "fft_dense": ("fft", {"theta": 1.0, "bits": 32}, 2),
+            "fft_quant": ("fft", {"theta": 1.0, "bits": BITS_QUANT}, 2), "topk": ("topk", {"fraction": 0.1}, 3)}
+
+
+def _worker4(rank: int, port: int, out: str) -> None:
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=4)
+    torch.save({k: _capture_run(*v) for k, v in CAPTURE4.items()}, Path(out) / f"rank{rank}.pt")
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+@pytest.fixture(scope="module")
+def ddp4_results(tmp_path_factory, free_port):
+    out = tmp_path_factory.mktemp("compressors4")
+    port = free_port()
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+    procs = [subprocess.Popen([sys.executable, __file__, "--worker4", str(r), str(port), str(out)], env=env,
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for r in range(4)]
+    deadline = time.monotonic() + 240
+    while any(p.poll() is None for p in procs) and time.monotonic() < deadline:
+        if any(p.returncode not in (None, 0) for p in procs):
+            break
+        time.sleep(0.1)
+    for p in procs:
+        if p.poll() is None:
+            p.kill()
+    logs = [p.communicate()[0] for p in procs]
+    assert all(p.returncode == 0 for p in procs), "\n".join(x[-3000:] for x in logs)
+    return [torch.load(out / f"rank{r}.pt", weights_only=False) for r in range(4)]
+
+
+def test_four_ranks_none_exact_fft_within_rounding_and_quantization_bound(ddp4_results):
+    run = ddp4_results[0]["none"]
+    for t in range(len(run["out"])):
+        want = _mean_local(run, t)
+        abs_sum = {n: sum(g[n].abs() for g in run["local"][t]) for n in want}
+        for n, got in run["out"][t].items():
+            # 4 float32 addends: three roundings in gloo's ring order (at 2 ranks the one addition is
+            # correctly rounded, and the test above checks atol = 0)
+            bound = 3 * 2.0**-24 * abs_sum[n] / 4 + 2.0**-24 * want[n].abs()
+            assert torch.all((got - want[n]).abs() <= bound * 1.0001), (t, n)
+    for r in ddp4_results[1:]:  # every rank ends with the same gradients
+        for key in CAPTURE4:
+            for a, b in zip(ddp4_results[0][key]["out"], r[key]["out"]):
+                assert all(torch.equal(a[n], b[n]) for n in a), key
+    run = ddp4_results[0]["fft_dense"]
+    for t in range(len(run["out"])):
+        want = _mean_local(run, t)
+        for n, got in run["out"][t].items():
+            atol = 2e-6 * want[n].abs().max().item() + 1e-9  # float32 rfft/irfft rounding
+            np.testing.assert_allclose(got.numpy(), want[n].numpy(), rtol=0, atol=atol)
+    run = ddp4_results[0]["fft_quant"]
+    for b in run["buckets"]:
+        per_rank = [_bucket_vector(g, b["params"]) for g in run["local"][b["step"]]]
+        n_fft = fast_len(per_rank[0].size)
+        k = n_fft // 2 + 1
+        bound = sum((4 * k + 2) * np.ptp(np.fft.rfft(g, n_fft).view(np.float64)) / 2**BITS_QUANT / n_fft / 4
+                    for g in per_rank)
+        err = np.abs(b["out"].numpy() - np.mean(per_rank, axis=0)).max()
+        assert 0 < err <= bound + 1e-6 * np.abs(per_rank).max()
+    h = ddp4_results[0]["topk"]["history"]
+    assert [x["warmup"] for x in h] == [True, True, False] and h[-1]["bytes_sent"] < h[-1]["dense_bytes"]
+
+
 if __name__ == "__main__":
     if sys.argv[1:2] == ["--worker"]:
         _worker(int(sys.argv[2]), int(sys.argv[3]), sys.argv[4])
+    elif sys.argv[1:2] == ["--worker4"]:
+        _worker4(int(sys.argv[2]), int(sys.argv[3]), sys.argv[4])
