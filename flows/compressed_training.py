@@ -95,22 +95,18 @@ class CompressedTrainingParameters(BaseModel):
         """Everything checkable before a rank starts: model options, compressor options (θ, bits,
         ...), the dataset's presence and size against ``batch_size x world_size``. Raises
         InputError naming the flow parameter."""
-        from paperline.kernels.comm.compressors import make_hook  # noqa: PLC0415
         from paperline.kernels.errors import InputError as KernelInputError  # noqa: PLC0415
-        from paperline.kernels.train.models import make_model  # noqa: PLC0415
 
-        try:
-            make_model(self.model, **dict(self.model_options))
-        except KernelInputError as exc:
-            raise InputError("model_options", self.model_options, f"{self.model}: {exc.problem}") from None
-        except (TypeError, ValueError) as exc:
-            raise InputError("model_options", self.model_options, f"{self.model}: {exc}") from None
-        for c in self.compressors:
+        for c in self.compressors:  # TrainConfig.validate builds the model, its recomputation and the hook
             try:
-                make_hook(c, **self.compressor_options(c))
+                self.train_config(c).validate()
             except KernelInputError as exc:
-                name = OPTION_PARAMETERS.get((c, exc.argument), f"{c} options")
-                raise InputError(name, exc.value, exc.problem) from None
+                if exc.argument == "model_options":
+                    raise InputError("model_options", self.model_options, f"{self.model}: {exc.problem}") from None
+                raise InputError(OPTION_PARAMETERS.get((c, exc.argument), f"{c} options"), exc.value,
+                                 exc.problem) from None
+            except (TypeError, ValueError) as exc:  # e.g. int("abc") of a model option
+                raise InputError("model_options", self.model_options, f"{self.model}: {exc}") from None
         data = load_dataset(self.dataset, n_train=self.n_train, seed=self.seed)
         per_rank = len(data.y_train) // self.world_size
         if per_rank < self.batch_size:

@@ -20,24 +20,15 @@ from prefect.cache_policies import INPUTS, TASK_SOURCE
 from paperline.infra.storage import ObjectStore
 from paperline.kernels.errors import InputError
 from paperline.kernels.train.ddp import TrainConfig, train_rank
+from paperline.tasks.versions import sources_sha256
 
 _CKPT = re.compile(r"/rank-(\d+)/epoch-(\d+)\.pt$")
 
 
 def kernel_version() -> str:
     """SHA-256 of the training and communication kernels' sources: part of the training task's
-    cache key, so a change to how ranks train or compress is never served from the cache."""
-    import hashlib  # noqa: PLC0415
-    from pathlib import Path  # noqa: PLC0415
-
-    import paperline.kernels.comm as comm  # noqa: PLC0415
-    import paperline.kernels.train as train  # noqa: PLC0415
-
-    h = hashlib.sha256()
-    for pkg in (comm, train):
-        for f in sorted(Path(pkg.__file__).parent.glob("*.py")):
-            h.update(f.name.encode() + f.read_bytes())
-    return h.hexdigest()
+    cache key and of the checkpoint prefix, so changed code never reuses either."""
+    return sources_sha256("paperline.kernels.comm", "paperline.kernels.train")
 
 
 def checkpoint_uri(prefix: str, rank: int, epoch: int) -> str:

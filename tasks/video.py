@@ -24,23 +24,7 @@ from paperline.kernels.video.clips import Clip, ClipConfig, FilterConfig, extrac
 from paperline.kernels.video.probe import Rejected, file_sha256, probe
 from paperline.kernels.video.shards import ShardPlan, iter_samples, write_dataset
 from paperline.tasks.retry import retry_unless_bad_input
-
-
-def _kernel_version() -> str:
-    """SHA-256 of the video kernels' sources: a change to how clips are cut, scored or encoded
-    invalidates cached curation results (the task's own source is only part of it)."""
-    global _KERNEL_VERSION
-    if _KERNEL_VERSION is None:
-        import paperline.kernels.video as pkg  # noqa: PLC0415
-
-        h = hashlib.sha256()
-        for f in sorted(Path(pkg.__file__).parent.glob("*.py")):
-            h.update(f.name.encode() + f.read_bytes())
-        _KERNEL_VERSION = h.hexdigest()
-    return _KERNEL_VERSION
-
-
-_KERNEL_VERSION: str | None = None
+from paperline.tasks.versions import sources_sha256
 
 
 def _video_key(_ctx: Any, p: dict[str, Any]) -> str:
@@ -53,7 +37,7 @@ def _video_key(_ctx: Any, p: dict[str, Any]) -> str:
             ident = file_sha256(src)
         except OSError as exc:
             ident = f"unreadable:{type(exc).__name__}"
-    blob = json.dumps([src, ident, p["clip_cfg"], p["filter_cfg"], p["staging"], _kernel_version()], sort_keys=True,
+    blob = json.dumps([src, ident, p["clip_cfg"], p["filter_cfg"], p["staging"], sources_sha256("paperline.kernels.video")], sort_keys=True,
                       default=str)
     return hashlib.sha256(blob.encode()).hexdigest()
 

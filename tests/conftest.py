@@ -166,6 +166,38 @@ def cli_env(stack) -> dict[str, str]:
     return env
 
 
+# --- multi-process (torch.distributed) tests --------------------------------------------------------
+
+def _run_ranks(script: str, args: list[list[str]], logdir: Path, timeout: float = 240) -> None:
+    """Run ``python script *args[r]`` for every rank at once (OMP_NUM_THREADS=1), logging to
+    ``logdir/rank<r>.log``; a rank that fails leaves the others waiting in a collective, so all
+    are stopped then. Asserts every rank exited 0 (the message holds the logs' tails)."""
+    import sys
+
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+    logs = [logdir / f"rank{r}.log" for r in range(len(args))]
+    procs = []
+    for log, a in zip(logs, args):
+        with open(log, "w") as f:
+            procs.append(subprocess.Popen([sys.executable, script, *a], env=env, stdout=f, stderr=subprocess.STDOUT))
+    deadline = time.monotonic() + timeout
+    while any(p.poll() is None for p in procs):
+        if time.monotonic() > deadline or any(p.returncode not in (None, 0) for p in procs):
+            for p in procs:
+                if p.poll() is None:
+                    p.kill()
+                    p.wait()
+            break
+        time.sleep(0.1)
+    assert all(p.returncode == 0 for p in procs), "\n".join(f.read_text()[-3000:] for f in logs)
+
+
+@pytest.fixture(scope="session")
+def run_ranks() -> Callable[..., None]:
+    """``run_ranks(script, [argv of rank 0, ...], logdir, timeout=240)``: see :func:`_run_ranks`."""
+    return _run_ranks
+
+
 # --- bad video inputs for probe / ingest error handling -------------------------------------------
 
 @pytest.fixture(scope="session")

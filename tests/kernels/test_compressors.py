@@ -17,11 +17,8 @@ independently computed local gradients (float64 means):
 from __future__ import annotations
 
 import math
-import os
 import pickle
-import subprocess
 import sys
-import time
 from pathlib import Path
 
 import numpy as np
@@ -433,26 +430,10 @@ def _worker(rank: int, port: int, out: str) -> None:
 
 
 @pytest.fixture(scope="module")
-def ddp_results(tmp_path_factory, free_port):
+def ddp_results(tmp_path_factory, free_port, run_ranks):
     out = tmp_path_factory.mktemp("compressors")
     port = free_port()
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
-    logs = [out / f"rank{r}.log" for r in range(WORLD)]
-    procs = []
-    for r in range(WORLD):
-        with open(logs[r], "w") as log:
-            procs.append(subprocess.Popen([sys.executable, __file__, "--worker", str(r), str(port), str(out)],
-                                          env=env, stdout=log, stderr=subprocess.STDOUT))
-    deadline = time.monotonic() + 240
-    while any(p.poll() is None for p in procs):  # a rank that fails leaves the other waiting: stop both
-        if time.monotonic() > deadline or any(p.returncode not in (None, 0) for p in procs):
-            for p in procs:
-                if p.poll() is None:
-                    p.kill()
-                    p.wait()
-            break
-        time.sleep(0.1)
-    assert all(p.returncode == 0 for p in procs), "\n".join(f.read_text()[-3000:] for f in logs)
+    run_ranks(__file__, [["--worker", str(r), str(port), str(out)] for r in range(WORLD)], out)
     return [torch.load(out / f"rank{r}.pt", weights_only=False) for r in range(WORLD)]
 
 
@@ -631,22 +612,10 @@ def _worker4(rank: int, port: int, out: str) -> None:
 
 
 @pytest.fixture(scope="module")
-def ddp4_results(tmp_path_factory, free_port):
+def ddp4_results(tmp_path_factory, free_port, run_ranks):
     out = tmp_path_factory.mktemp("compressors4")
     port = free_port()
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
-    procs = [subprocess.Popen([sys.executable, __file__, "--worker4", str(r), str(port), str(out)], env=env,
-                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for r in range(4)]
-    deadline = time.monotonic() + 240
-    while any(p.poll() is None for p in procs) and time.monotonic() < deadline:
-        if any(p.returncode not in (None, 0) for p in procs):
-            break
-        time.sleep(0.1)
-    for p in procs:
-        if p.poll() is None:
-            p.kill()
-    logs = [p.communicate()[0] for p in procs]
-    assert all(p.returncode == 0 for p in procs), "\n".join(x[-3000:] for x in logs)
+    run_ranks(__file__, [["--worker4", str(r), str(port), str(out)] for r in range(4)], out)
     return [torch.load(out / f"rank{r}.pt", weights_only=False) for r in range(4)]
 
 

@@ -3,10 +3,7 @@ training with DDP: a NaN step skipped on both ranks and counted, and a run resum
 epoch-0 checkpoints ending with the same weights as the uninterrupted run."""
 
 import io
-import os
-import subprocess
 import sys
-import time
 from pathlib import Path
 
 import numpy as np
@@ -86,26 +83,14 @@ def _worker(rank: int, port: int, out: str, mode: str) -> None:
     torch.save({"result": r, "final": saved[max(saved)]}, Path(out, f"{mode}{rank}.pt"))
 
 
-def _spawn(out: Path, mode: str, port: int) -> list[dict]:
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    procs = [subprocess.Popen([sys.executable, __file__, "--worker", str(r), str(port), str(out), mode], env=env,
-                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for r in range(2)]
-    deadline = time.monotonic() + 180
-    while any(p.poll() is None for p in procs) and time.monotonic() < deadline:
-        if any(p.returncode not in (None, 0) for p in procs):
-            break
-        time.sleep(0.1)
-    for p in procs:
-        if p.poll() is None:
-            p.kill()
-    logs = [p.communicate()[0] for p in procs]
-    assert all(p.returncode == 0 for p in procs), "\n".join(x[-3000:] for x in logs)
+def _spawn(run_ranks, out: Path, mode: str, port: int) -> list[dict]:
+    run_ranks(__file__, [["--worker", str(r), str(port), str(out), mode] for r in range(2)], out, timeout=180)
     return [torch.load(out / f"{mode}{r}.pt", weights_only=False) for r in range(2)]
 
 
-def test_two_ranks_skip_a_nan_step_and_resume_from_a_checkpoint_to_the_same_weights(tmp_path, free_port):
-    full = _spawn(tmp_path, "full", free_port())
-    resumed = _spawn(tmp_path, "resume", free_port())
+def test_two_ranks_skip_a_nan_step_and_resume_from_a_checkpoint_to_the_same_weights(tmp_path, free_port, run_ranks):
+    full = _spawn(run_ranks, tmp_path, "full", free_port())
+    resumed = _spawn(run_ranks, tmp_path, "resume", free_port())
     r0 = full[0]["result"]
     assert r0["skipped_steps"] == [2] and r0["epochs"][0]["skipped_steps"] == 1  # counted, on both ranks
     assert full[1]["result"]["skipped_steps"] == [2]
@@ -127,8 +112,8 @@ if __name__ == "__main__" and len(sys.argv) > 1 and sys.argv[1] == "--worker":
     _worker(int(sys.argv[2]), int(sys.argv[3]), sys.argv[4], sys.argv[5])
 
 
-def test_isgd_flags_the_same_batches_on_every_rank_and_keeps_them_identical(tmp_path, free_port):
-    ranks = _spawn(tmp_path, "isgd", free_port())
+def test_isgd_flags_the_same_batches_on_every_rank_and_keeps_them_identical(tmp_path, free_port, run_ranks):
+    ranks = _spawn(run_ranks, tmp_path, "isgd", free_port())
     e = [[(x["isgd_flagged"], x["isgd_extra_steps"]) for x in r["result"]["epochs"]] for r in ranks]
     assert e[0] == e[1]  # the chart watches the global loss: the same decisions on both ranks
     assert sum(f for f, _ in e[0]) >= 1 and sum(k for _, k in e[0]) >= 1, e[0]
