@@ -284,7 +284,7 @@ class _ClipEncoder:
                 self.container.mux(packet)
             self.out_n += 1
 
-    def add(self, big: Any, small: np.ndarray, feat: np.ndarray | None, stats: _FrameStats, cfg: ClipConfig) -> None:
+    def add(self, big: Any, small: np.ndarray, feat: np.ndarray | None, stats: _FrameStats) -> None:
         if self.container is not None:
             self._encode(big, self.n)
         else:
@@ -296,7 +296,7 @@ class _ClipEncoder:
         if self.n > 0:  # motion: the difference to the previous frame of this clip
             self.diffs.append(stats.diff)
         self.dark += stats.dark
-        if self.n % cfg.sharpness_every == 0:
+        if self.n % self.cfg.sharpness_every == 0:
             from scipy.ndimage import laplace  # noqa: PLC0415
 
             luma = big.to_ndarray()[: big.height].astype(np.float32)  # yuv420p: the Y plane comes first
@@ -403,8 +403,7 @@ def extract_clips(info: VideoInfo, cfg: ClipConfig, filt: FilterConfig | None = 
                 enc.abort()
                 state["short"] += 1
                 return
-            clips.append(_finish_clip(enc, info, sid, cfg, filt, width, height, src_rate, out_rate,
-                                      imagehash, Image, on_clip))
+            clips.append(_finish_clip(enc, info, sid, filt, imagehash, Image, on_clip))
 
         def drain(limit: int) -> None:
             while state["decided"] < limit:
@@ -419,7 +418,7 @@ def extract_clips(info: VideoInfo, cfg: ClipConfig, filt: FilterConfig | None = 
                 enc = state["enc"]
                 if enc is None:
                     enc = state["enc"] = _ClipEncoder(cfg, i, width, height, src_rate, out_rate, thumb_at, min_frames)
-                enc.add(big, small, feat, stats, cfg)
+                enc.add(big, small, feat, stats)
                 if role == LAST_OF_SHOT:
                     state["shots"] += 1
                     close(enc)
@@ -467,10 +466,10 @@ def extract_clips(info: VideoInfo, cfg: ClipConfig, filt: FilterConfig | None = 
     return VideoResult(info, clips, None, decoded, state["shots"], state["short"], time.perf_counter() - t0)
 
 
-def _finish_clip(enc: _ClipEncoder, info: VideoInfo, sid: str, cfg: ClipConfig, filt: FilterConfig, width: int,
-                 height: int, src_rate: Fraction, out_rate: Fraction, imagehash: Any, image: Any,
+def _finish_clip(enc: _ClipEncoder, info: VideoInfo, sid: str, filt: FilterConfig, imagehash: Any, image: Any,
                  on_clip: Callable[[Clip], None] | None) -> Clip:
     data = enc.close()
+    width, height, src_rate, out_rate = enc.width, enc.height, enc.src_rate, enc.out_rate
     start, end = enc.start, enc.start + enc.n
     picks = [enc.smalls[0], enc.smalls[len(enc.smalls) // 2], enc.smalls[-1]]
     phash = [str(imagehash.phash(image.fromarray(s))) for s in picks]
