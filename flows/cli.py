@@ -215,10 +215,7 @@ def _print_summary(name: str, summary: dict[str, Any]) -> None:
         for row in spec["rows"]:
             table.add_row(*[str(v) for v in row])
         console.print(table)
-        for line in summary.get("lines", []):
-            console.print(line, soft_wrap=True, highlight=False, markup=False)
-        console.print(f"Prefect flow run: {summary['prefect_flow_run_url']}", soft_wrap=True)
-        console.print(f"MLflow run:       {summary['mlflow_run_url']}", soft_wrap=True)
+        _print_tail(summary)
         return
     rows = summary.get("rows", [])
     table = Table("dataset", "split", "method", "test RMSE", "validation RMSE", "fit seconds", "epochs",
@@ -227,6 +224,14 @@ def _print_summary(name: str, summary: dict[str, Any]) -> None:
         table.add_row(r["dataset"], r["split"], r["method"], _fmt(r["test_rmse"]), _fmt(r["validation_rmse"]),
                       f"{r['fit_seconds']:.2f}", str(r["epochs"]))
     console.print(table)
+    _print_tail(summary)
+
+
+def _print_tail(summary: dict[str, Any]) -> None:
+    """The summary's lines (a regression against the best earlier run in red) and the URLs."""
+    for line in summary.get("lines", []):
+        style = "bold red" if "REGRESSION" in line else None
+        console.print(line, soft_wrap=True, highlight=False, markup=False, style=style)
     console.print(f"Prefect flow run: {summary['prefect_flow_run_url']}", soft_wrap=True)
     console.print(f"MLflow run:       {summary['mlflow_run_url']}", soft_wrap=True)
 

@@ -24,6 +24,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from paperline.infra.cluster import configure_local_workers, default_task_runner
 from paperline.infra.device import resolve_device
 from paperline.infra.errors import InputError
+from paperline.infra.regression import Headline, check_latest
 from paperline.infra.settings import get_settings
 from paperline.infra.stack import require_stack
 from paperline.infra.tracking import Tracker
@@ -32,6 +33,11 @@ from paperline.kernels.train.ddp import TrainConfig
 from paperline.tasks.training import bandwidth_plot, comparison_plots, kernel_version, train_ranks
 
 EXPERIMENT = "compressed-training"
+# What a compressor's run is judged by against the best earlier run of the same configuration: test
+# accuracy (1% relative, about a point), bytes per step (deterministic: 1%) and wall time (25%).
+HEADLINES = [Headline("final_test_accuracy_pct", higher_is_better=True, tolerance=0.01),
+             Headline("bytes_sent_per_step", higher_is_better=False, tolerance=0.01),
+             Headline("wall_s", higher_is_better=False, tolerance=0.25)]
 
 
 class CompressedTrainingParameters(BaseModel):
@@ -178,7 +184,7 @@ def compressed_training(params: CompressedTrainingParameters | None = None) -> d
                                  crash_rank_at_step=params.crash_rank_at_step,
                                  collectives_sizes=sizes if i == 0 and sizes else None, code_version=version)
             sweep = sweep or result["ranks"][0].get("collectives", [])
-            runs.append(_log_compressor(tracker, parent, name, cfg, result, prefix, tags, params))
+            runs.append(_log_compressor(tracker, parent, name, cfg, result, prefix, tags, params, device))
         with tempfile.TemporaryDirectory() as tmp:
             for path in comparison_plots([{"name": r["name"], "epochs": r["epochs"]} for r in runs], tmp):
                 tracker.log_artifact(parent, str(path))
@@ -200,7 +206,7 @@ def compressed_training(params: CompressedTrainingParameters | None = None) -> d
 
 
 def _log_compressor(tracker: Tracker, parent: str, name: str, cfg: TrainConfig, result: dict[str, Any], prefix: str,
-                    tags: dict[str, str], params: CompressedTrainingParameters) -> dict[str, Any]:
+                    tags: dict[str, str], params: CompressedTrainingParameters, device: str) -> dict[str, Any]:
     r0 = result["ranks"][0]
     epochs = r0["epochs"]
     child = tracker.start_run(EXPERIMENT, run_name=name, parent_run_id=parent,
@@ -220,9 +226,11 @@ def _log_compressor(tracker: Tracker, parent: str, name: str, cfg: TrainConfig, 
              "codec_fraction_of_step": share, "wall_s": last["wall_s"],
              "skipped_steps_total": float(len(r0["skipped_steps"])), "restarts": float(result["restarts"])}
     tracker.log_metrics(child, {k: float(v) for k, v in final.items()})
+    identity = {"train_config": cfg.as_dict(), "world_size": params.world_size, "device": device}
+    versus = check_latest(tracker, child, identity, HEADLINES, label=name)
     tracker.end_run(child, "FINISHED")
     return {"name": name, "mlflow_run_id": child, "epochs": epochs, **final, "skipped_steps": r0["skipped_steps"],
-            "resumed_from": result["resumed_from"], "failures": result["failures"]}
+            "resumed_from": result["resumed_from"], "failures": result["failures"], "versus": versus}
 
 
 def _summary(runs: list[dict[str, Any]], parent: str, tracker: Tracker, run_url: str, flow_run_id: str
@@ -241,6 +249,9 @@ def _summary(runs: list[dict[str, Any]], parent: str, tracker: Tracker, run_url:
         if r["failures"]:
             lines.append(f"{r['name']}: resumed after {len(r['failures'])} failure(s), from epochs "
                          f"{r['resumed_from'][1:]}: {r['failures'][0][:200]}")
+    for r in runs:
+        lines += r["versus"].lines(r["name"])
+        r["versus"] = r["versus"].as_dict()
     lines.append(f"MLflow parent run (plots: accuracy_vs_bytes.png, accuracy_vs_time.png): {tracker.run_url(parent)}")
     return {"runs": runs, "mlflow_run_id": parent, "mlflow_run_url": tracker.run_url(parent),
             "prefect_flow_run_id": flow_run_id, "prefect_flow_run_url": run_url, "lines": lines,

@@ -24,6 +24,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator
 from paperline.infra.device import resolve_device
 from paperline.infra.cluster import configure_local_workers, default_task_runner
 from paperline.infra.errors import InputError
+from paperline.infra.regression import Headline, check_latest
 from paperline.infra.settings import get_settings
 from paperline.infra.stack import require_stack
 from paperline.infra.storage import ObjectStore
@@ -39,6 +40,9 @@ from paperline.tasks.gemm import (
 )
 
 EXPERIMENT = "gemm"
+# what a run is judged by against the best earlier run of the same parameters (timings: 10%)
+HEADLINES = [Headline("throughput_gflop_per_s", higher_is_better=True, tolerance=0.10),
+             Headline("ratio_to_peer", higher_is_better=True, tolerance=0.10)]
 
 
 def parse_bytes(value: int | str) -> int:
@@ -219,6 +223,9 @@ def gemm(params: GemmParameters | None = None) -> dict[str, Any]:
         scaling = scaling_sweep(kp, store, budget, device) if params.scaling else []
         peer = single_process_peer(kp, store) if params.peer else None
         summary = _log_run(tracker, run_id, main, scaling, peer)
+        versus = check_latest(tracker, run_id, {k: v for k, v in mlflow_params.items() if k != "output"}, HEADLINES)
+        summary["lines"] += versus.lines()
+        summary["versus_best_earlier"] = versus.as_dict()
         tracker.end_run(run_id, "FINISHED")
     except BaseException:
         tracker.end_run(run_id, "FAILED")

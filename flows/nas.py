@@ -25,6 +25,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from paperline.infra.cluster import configure_local_workers, default_task_runner
 from paperline.infra.device import resolve_device
 from paperline.infra.errors import InputError
+from paperline.infra.regression import Headline, check_latest
 from paperline.infra.settings import get_settings
 from paperline.infra.stack import require_stack
 from paperline.infra.storage import ObjectStore
@@ -196,11 +197,23 @@ def run_one(cp: CampaignParameters, store: ObjectStore, tracker: Tracker, prefix
             log_evaluations(tracker, EXPERIMENT, parent_id, campaign, new, tags)
             print(f"{name}: {campaign.n_done}/{campaign.budget} evaluations, {_score_text(campaign)}")
         _log_report(tracker, parent_id, campaign, name)
+        identity = {**cp.model_dump(exclude={"live", "campaign", "resume", "evaluation_timeout_s"}),
+                    "problem_options": campaign.problem.options}
+        versus = check_latest(tracker, parent_id, identity, _headlines(campaign), label=name)
         tracker.end_run(parent_id, "FINISHED")
     except BaseException:
         tracker.end_run(parent_id, "FAILED")
         raise
-    return {"name": name, "campaign": campaign, "parent_run_id": parent_id, "checkpoint": checkpoint_uri}
+    return {"name": name, "campaign": campaign, "parent_run_id": parent_id, "checkpoint": checkpoint_uri,
+            "versus": versus}
+
+
+def _headlines(c: Campaign) -> list[Headline]:
+    """A campaign is judged by its final hypervolume (several objectives) or best value (one, in its
+    own direction) against the best earlier campaign of the same parameters: 2% worse is flagged."""
+    if c.problem.n_objectives > 1:
+        return [Headline("final_hypervolume", higher_is_better=True, tolerance=0.02)]
+    return [Headline("final_best", higher_is_better=c.problem.objectives[0].maximize, tolerance=0.02)]
 
 
 def _identity(a: Campaign, b: Campaign) -> list[tuple[str, Any, Any]]:
@@ -276,13 +289,15 @@ def _summary(results: list[dict[str, Any]], run_url: str, flow_run_id: str, trac
                      f"({failed} failed), {_score_text(c)}"
                      + (f" (reference point {c.ref_point_user})" if c.ref_point_user else ""))
         lines.append(f"  MLflow parent run: {tracker.run_url(r['parent_run_id'])}; checkpoint: {r['checkpoint']}")
+        lines += [f"  {line}" for line in r["versus"].lines()]
         trace = c.score_trace()
         campaigns.append({"name": r["name"], "optimizer": c.optimizer.name, "problem": c.problem.name,
                           "evaluations": c.n_done, "failed": failed, "objectives": names,
                           "score": float(trace[-1]) if trace.size else None,
                           "hypervolume": float(trace[-1]) if trace.size and c.problem.n_objectives > 1 else None,
                           "pareto_front": [{"index": e.index, "values": e.values, "params": e.params} for e in front],
-                          "mlflow_parent_run_id": r["parent_run_id"], "checkpoint": r["checkpoint"]})
+                          "mlflow_parent_run_id": r["parent_run_id"], "checkpoint": r["checkpoint"],
+                          "versus_best_earlier": r["versus"].as_dict()})
     first = results[0]["parent_run_id"]
     return {"campaigns": campaigns,
             "table": {"title": "nas: Pareto front (best point for one objective)",

@@ -21,6 +21,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from paperline.infra.cluster import configure_local_workers, default_task_runner
 from paperline.infra.errors import InputError
+from paperline.infra.regression import Headline, check_latest
 from paperline.infra.settings import get_settings
 from paperline.infra.stack import require_stack
 from paperline.infra.storage import ObjectStore
@@ -184,6 +185,9 @@ def tensor_factorization(params: TensorFactorizationParameters | None = None) ->
             if params.baseline:
                 fits.append({"dataset": d, "split": k, **baselines[(d, k)].result()})
         summary = _log_run(tracker, run_id, store, fits, params)
+        versus = check_latest(tracker, run_id, mlflow_params, _headlines(fits))
+        summary["lines"] = versus.lines()
+        summary["versus_best_earlier"] = versus.as_dict()
         tracker.end_run(run_id, "FINISHED")
     except BaseException:
         tracker.end_run(run_id, "FAILED")
@@ -191,6 +195,14 @@ def tensor_factorization(params: TensorFactorizationParameters | None = None) ->
     summary.update(prefect_flow_run_id=str(flow_run.id), prefect_flow_run_url=run_url,
                    mlflow_run_id=run_id, mlflow_run_url=tracker.run_url(run_id), params=mlflow_params)
     return summary
+
+
+def _headlines(fits: list[dict[str, Any]]) -> list[Headline]:
+    """Held-out RMSE of every P²T²F fit (the first ranks runs; 5% worse is a regression) and the
+    fit seconds (25%: timings on a shared machine)."""
+    ours = [f"{f['dataset']}.{f['split']}.{f['method']}" for f in fits if f["method"] == "p2t2f"]
+    return ([Headline(f"{t}.test_rmse", higher_is_better=False, tolerance=0.05) for t in ours]
+            + [Headline(f"{t}.fit_s", higher_is_better=False, tolerance=0.25) for t in ours])
 
 
 MLFLOW_NAMES = {"wall_seconds": "wall_s"}  # units in MLflow names (README "MLflow names")

@@ -80,6 +80,9 @@ def test_a_killed_rank_resumes_from_the_checkpoints_to_the_same_accuracy(trained
     assert run["restarts"] == 1 and run["resumed_from"] == [None, 0] and run["failures"]
     clean = next(r for r in summary["runs"] if r["name"] == "none")
     assert abs(run["final_test_accuracy_pct"] - clean["final_test_accuracy_pct"]) <= 1.0
+    # the same configuration as the first run's `none`: compared with it (bytes per step are equal)
+    assert run["versus"]["best_run_id"] == clean["mlflow_run_id"]
+    assert run["versus"]["metrics"]["bytes_sent_per_step"]["ratio"] == 1.0
     uris = ObjectStore.from_stack(info).list(f"{prefix}/b/")
     assert sum(u.endswith("epoch-0001.pt") for u in uris) == 2  # each rank wrote its own checkpoint
 

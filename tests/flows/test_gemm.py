@@ -65,3 +65,4 @@ def test_mlflow_run_has_the_metrics_and_plots(gemm_run):
     names = {a.path for a in Tracker(info.mlflow_tracking_uri).client.list_artifacts(summary["mlflow_run_id"])}
     assert {"timeline.png", "scaling.png", "tasks.json"} <= names
     assert "s3_secret_access_key" not in json.dumps(run.data.params)
+    assert run.data.tags["paperline.params_key"] == summary["versus_best_earlier"]["params_key"]

@@ -94,7 +94,8 @@ def _browser_or_skip():
 def test_prefect_and_mlflow_uis_show_the_deployments_and_the_runs(served, wait_for_flow_run):
     """Headless Chromium opens the Prefect UI's deployments page and finds every deployment, runs a
     small campaign from the nas deployment (the UI's Run call), then finds that run on the Prefect
-    flow-runs page and the campaign in the MLflow UI's runs page. Screenshots go to
+    flow-runs page and the campaign in the MLflow UI's runs page; a gemm run that fails (a missing
+    operand file) shows Failed and its error on its Prefect UI page. Screenshots go to
     ``$PAPERLINE_TEST_ARTIFACTS`` (default ``test-artifacts/``)."""
     import os
     from pathlib import Path
@@ -116,8 +117,14 @@ def test_prefect_and_mlflow_uis_show_the_deployments_and_the_runs(served, wait_f
         params = {"optimizer": "random", "problem": "branin-currin", "budget": 6, "q": 3, "n_init": 3,
                   "campaign": campaign}
         run = client.create_flow_run_from_deployment(deployments[1].id, parameters={"params": params})
+        # and a run that fails inside the flow (valid form, missing operand file)
+        missing = f"/nonexistent/paperline-{campaign}.npy"
+        failing = client.create_flow_run_from_deployment(deployments[0].id, parameters={"params": {
+            "m": 64, "n": 64, "k": 64, "tile": 32, "a": missing}})
         state = wait_for_flow_run(client, run.id, proc, log)
         assert state.name == "Completed", (state, log.read_text()[-3000:])
+        failed = wait_for_flow_run(client, failing.id, proc, log)
+        assert failed.name == "Failed" and "no such file" in (failed.message or ""), failed
         run_name = client.read_flow_run(run.id).name
     tracker = Tracker(info.mlflow_tracking_uri)
     experiment_id = tracker.client.get_experiment_by_name("nas").experiment_id
@@ -137,10 +144,15 @@ def test_prefect_and_mlflow_uis_show_the_deployments_and_the_runs(served, wait_f
             page.goto(f"{mlflow_ui}/#/experiments/{experiment_id}/runs", wait_until="load")
             page.get_by_text(campaign).first.wait_for(timeout=60_000)
             page.screenshot(path=str(shots / "mlflow-runs.png"), full_page=True)
+            # the failed run's page shows its state and the error (the flow's log, with the bad operand)
+            page.goto(f"{prefect_ui}/runs/flow-run/{failing.id}", wait_until="load")
+            page.get_by_text("Failed").first.wait_for(timeout=60_000)
+            page.get_by_text(f"a='{missing}': no such file").first.wait_for(timeout=60_000)
+            page.screenshot(path=str(shots / "prefect-failed-run.png"), full_page=True)
         except Exception:
             page.screenshot(path=str(shots / "failure.png"), full_page=True)
             raise
         finally:
             browser.close()
-    for name in ("prefect-deployments.png", "prefect-runs.png", "mlflow-runs.png"):
+    for name in ("prefect-deployments.png", "prefect-runs.png", "mlflow-runs.png", "prefect-failed-run.png"):
         assert (shots / name).stat().st_size > 10_000

@@ -72,6 +72,21 @@ def test_second_run_is_served_from_the_cache(two_runs):
     assert runs[0][1]["rows"] == runs[1][1]["rows"]
 
 
+def test_second_run_is_compared_with_the_first(two_runs):
+    from paperline.infra.tracking import Tracker
+
+    info, runs = two_runs
+    (_, first), (proc, second) = runs
+    assert first["versus_best_earlier"]["best_run_id"] is None  # a fresh session stack
+    versus = second["versus_best_earlier"]
+    assert versus["best_run_id"] == first["mlflow_run_id"] and versus["earlier_runs"] == 1
+    assert not versus["regression"] and versus["params_key"] == first["versus_best_earlier"]["params_key"]
+    assert versus["metrics"]["produc.random.p2t2f.test_rmse"]["ratio"] == 1.0  # served from the cache
+    assert "no regression against the best of 1 earlier run(s)" in " ".join(proc.stdout.split())
+    tags = Tracker(info.mlflow_tracking_uri).client.get_run(second["mlflow_run_id"]).data.tags
+    assert tags["paperline.best_earlier_run_id"] == first["mlflow_run_id"] and tags["paperline.regression"] == "false"
+
+
 def test_mlflow_run_has_params_metrics_and_artifacts_in_s3(two_runs):
     from paperline.infra.storage import ObjectStore
     from paperline.infra.tracking import Tracker

@@ -118,6 +118,10 @@ def test_rerun_gives_the_same_shards_and_rewrites_nothing(curated, cli_env):
     second = json.loads((out / "s2.json").read_text())
     assert second["shards"] == first["shards"] and second["counts"] == first["counts"]
     assert second["metrics"]["shards_uploaded"] == 0 and second["metrics"]["shards_skipped"] == len(first["shards"])
+    # compared with the first run on the workers' own rate, which the cache keeps
+    versus = second["versus_best_earlier"]
+    assert versus["best_run_id"] == first["mlflow_run_id"] and not versus["regression"]
+    assert versus["metrics"]["per_worker_video_s_per_s"]["ratio"] == pytest.approx(1.0)
 
 
 def test_a_failure_mid_upload_leaves_no_visible_dataset_and_the_rerun_completes(curated):

@@ -1,0 +1,220 @@
+"""The latest run against the best earlier run of the same parameters, with regressions flagged.
+
+Every pipeline names its *headline* metrics (the first one ranks the runs) and a *parameter key*
+(a digest of the parameters that define what a run computes: output locations and run names left
+out). After a run has logged its metrics, :func:`compare_with_best_earlier` finds the experiment's
+FINISHED runs that carry the same key and started earlier, picks the best one by the first
+headline, and compares every headline of the latest run with it. A headline worse than the best by
+more than its relative tolerance is a regression.
+
+What it records on the latest run (so that the MLflow UI can filter on it):
+
+* tags ``paperline.params_key``, ``paperline.best_earlier_run_id``, ``paperline.regression``
+  (``"true"``, ``"false"``, or ``"none"`` when there is nothing earlier) and
+  ``paperline.regressed_metrics`` (comma-separated);
+* metrics ``vs_best_earlier.<metric>``: latest / best (a ratio, 1 = equal).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+from paperline.infra.errors import InputError
+from paperline.infra.tracking import Tracker
+
+KEY_TAG = "paperline.params_key"
+MAX_EARLIER = 1000  # the most recent earlier runs searched (MLflow's page size)
+
+
+@dataclass(frozen=True)
+class Headline:
+    """A metric a pipeline's runs are judged by.
+
+    Args:
+        metric: The MLflow metric name (its latest value is compared).
+        higher_is_better: True for throughput or accuracy, False for times, losses and errors.
+        tolerance: Relative worsening, as a fraction of the best run's value, beyond which the
+            latest run is flagged (timings on a shared machine vary by 5-20%).
+
+    Raises:
+        InputError: An empty name or a negative tolerance.
+    """
+
+    metric: str
+    higher_is_better: bool
+    tolerance: float = 0.05
+
+    def __post_init__(self) -> None:
+        if not self.metric:
+            raise InputError("metric", self.metric, "must be a metric name")
+        if not (self.tolerance >= 0):
+            raise InputError("tolerance", self.tolerance, "must be >= 0 (a fraction of the best value)")
+
+
+@dataclass
+class MetricComparison:
+    """One headline of the latest run against the best earlier run."""
+
+    metric: str
+    latest: float
+    best: float
+    higher_is_better: bool
+    tolerance: float
+
+    @property
+    def ratio(self) -> float:
+        """latest / best (nan when best is 0)."""
+        return self.latest / self.best if self.best else math.nan
+
+    @property
+    def worsening(self) -> float:
+        """How much worse the latest is, as a fraction of |best| (negative: better)."""
+        if self.best == 0:
+            return 0.0 if self.latest == 0 else (math.inf if (self.latest < 0) == self.higher_is_better else -math.inf)
+        change = (self.latest - self.best) / abs(self.best)
+        return -change if self.higher_is_better else change
+
+    @property
+    def regression(self) -> bool:
+        return self.worsening > self.tolerance
+
+    def text(self) -> str:
+        word = "better" if self.worsening < 0 else "worse"
+        verdict = (f"REGRESSION (more than {100 * self.tolerance:g}% worse)" if self.regression
+                   else f"{100 * abs(self.worsening):.1f}% {word}")
+        return f"{self.metric} {self.latest:.4g} vs {self.best:.4g}: {verdict}"
+
+
+@dataclass
+class BestEarlier:
+    """The outcome of :func:`compare_with_best_earlier`."""
+
+    key: str
+    earlier_runs: int
+    best_run_id: str | None = None
+    best_run_url: str | None = None
+    metrics: list[MetricComparison] = field(default_factory=list)
+
+    @property
+    def regression(self) -> bool:
+        return any(m.regression for m in self.metrics)
+
+    @property
+    def regressed(self) -> list[str]:
+        return [m.metric for m in self.metrics if m.regression]
+
+    def lines(self, label: str = "") -> list[str]:
+        """Summary lines for the CLI and the flow log (``label``: e.g. the compressor's name)."""
+        who = f"{label}: " if label else ""
+        if self.best_run_id is None:
+            return [f"{who}first finished run with these parameters: no earlier run to compare with"]
+        head = (f"{who}{'REGRESSION against' if self.regression else 'no regression against'} the best of "
+                f"{self.earlier_runs} earlier run(s) with these parameters ({self.best_run_url or self.best_run_id})")
+        return [head] + [f"  {m.text()}" for m in self.metrics]
+
+    def as_dict(self) -> dict[str, Any]:
+        return {"params_key": self.key, "earlier_runs": self.earlier_runs, "best_run_id": self.best_run_id,
+                "regression": self.regression, "regressed_metrics": self.regressed,
+                "metrics": {m.metric: {"latest": m.latest, "best": m.best, "ratio": m.ratio,
+                                       "regression": m.regression} for m in self.metrics}}
+
+
+def params_key(params: dict[str, Any]) -> str:
+    """A 16-hex-digit digest of ``params`` (JSON, sorted keys; values stringified when needed)."""
+    blob = json.dumps(params, sort_keys=True, default=str)
+    return hashlib.sha256(blob.encode()).hexdigest()[:16]
+
+
+def _finite(metrics: dict[str, float], name: str) -> float | None:
+    v = metrics.get(name)
+    return float(v) if v is not None and math.isfinite(v) else None
+
+
+def compare_with_best_earlier(tracker: Tracker, run_id: str, key: str, headlines: list[Headline]) -> BestEarlier:
+    """Compare run ``run_id`` with the best earlier FINISHED run of its experiment with the same key.
+
+    The run is tagged with ``key`` first, so that later runs find it once it has finished. Runs
+    that lack the first headline (e.g. failed before logging it) are not candidates.
+
+    Args:
+        tracker: The MLflow tracker.
+        run_id: The latest run (its metrics already logged).
+        key: Its parameter key (see :func:`params_key`).
+        headlines: The metrics to compare; the first ranks the earlier runs.
+
+    Returns:
+        The comparison (also recorded on the run as tags and ``vs_best_earlier.*`` metrics).
+
+    Raises:
+        InputError: No headline given.
+        ServiceError: The tracking server is unreachable.
+    """
+    if not headlines:
+        raise InputError("headlines", headlines, "name at least one metric")
+    tracker.set_tags(run_id, {KEY_TAG: key})
+    client = tracker.client
+    run = tracker._call("get run", client.get_run, run_id)
+    latest = dict(run.data.metrics)
+    earlier = tracker._call(
+        "search runs", client.search_runs, [run.info.experiment_id],
+        filter_string=f"tags.`{KEY_TAG}` = '{key}' and attributes.status = 'FINISHED'",
+        order_by=["attributes.start_time DESC"], max_results=MAX_EARLIER)
+    earlier = [r for r in earlier if r.info.run_id != run_id and r.info.start_time < run.info.start_time]
+    rank = headlines[0]
+    candidates = [r for r in earlier if _finite(r.data.metrics, rank.metric) is not None]
+    out = BestEarlier(key=key, earlier_runs=len(candidates))
+    if not candidates:
+        tracker.set_tags(run_id, {"paperline.regression": "none"})
+        return out
+    pick = max if rank.higher_is_better else min
+    best = pick(candidates, key=lambda r: _finite(r.data.metrics, rank.metric))
+    out.best_run_id, out.best_run_url = best.info.run_id, tracker.run_url(best.info.run_id)
+    for h in headlines:
+        a, b = _finite(latest, h.metric), _finite(best.data.metrics, h.metric)
+        if a is not None and b is not None:
+            out.metrics.append(MetricComparison(h.metric, a, b, h.higher_is_better, h.tolerance))
+    tracker.set_tags(run_id, {"paperline.best_earlier_run_id": out.best_run_id,
+                              "paperline.regression": "true" if out.regression else "false",
+                              "paperline.regressed_metrics": ",".join(out.regressed)})
+    ratios = {f"vs_best_earlier.{m.metric}": m.ratio for m in out.metrics if math.isfinite(m.ratio)}
+    if ratios:
+        tracker.log_metrics(run_id, ratios)
+    return out
+
+
+def check_latest(tracker: Tracker, run_id: str, params: dict[str, Any], headlines: list[Headline],
+                 label: str = "") -> BestEarlier:
+    """:func:`compare_with_best_earlier` keyed on ``params``, its lines logged to the flow run's
+    log (a regression as a warning, so that it stands out in the Prefect UI).
+
+    Args:
+        tracker: The MLflow tracker.
+        run_id: The latest run.
+        params: The parameters that define what the run computes (no output locations or names).
+        headlines: As for :func:`compare_with_best_earlier`.
+        label: Prefix of the lines (e.g. the compressor of a child run).
+
+    Raises:
+        InputError: No headline given. ServiceError: The tracking server is unreachable.
+    """
+    outcome = compare_with_best_earlier(tracker, run_id, params_key(params), headlines)
+    logger = _logger()
+    for line in outcome.lines(label):
+        (logger.warning if outcome.regression else logger.info)(line)
+    return outcome
+
+
+def _logger() -> Any:
+    import logging  # noqa: PLC0415
+
+    try:
+        from prefect.exceptions import MissingContextError  # noqa: PLC0415
+        from prefect.logging import get_run_logger  # noqa: PLC0415
+
+        return get_run_logger()
+    except (ImportError, MissingContextError):
+        return logging.getLogger("paperline")

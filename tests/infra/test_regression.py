@@ -1,0 +1,92 @@
+"""The latest run against the best earlier run of the same parameters, on the session's real MLflow
+server: which runs count as earlier (same key, FINISHED, started before), which one is best (in the
+first headline's direction), and when a regression is flagged."""
+
+import math
+import time
+import uuid
+
+import pytest
+
+from paperline.infra.errors import InputError
+from paperline.infra.regression import Headline, MetricComparison, compare_with_best_earlier, params_key
+
+HEADLINES = [Headline("throughput_gflop_per_s", higher_is_better=True, tolerance=0.10),
+             Headline("wall_s", higher_is_better=False, tolerance=0.25)]
+
+
+def test_worsening_follows_the_direction_and_the_tolerance():
+    up = MetricComparison("throughput_gflop_per_s", latest=9.0, best=10.0, higher_is_better=True, tolerance=0.05)
+    assert up.worsening == pytest.approx(0.1) and up.regression and up.ratio == pytest.approx(0.9)
+    assert "REGRESSION (more than 5% worse)" in up.text()
+    down = MetricComparison("wall_s", latest=9.0, best=10.0, higher_is_better=False, tolerance=0.05)
+    assert down.worsening == pytest.approx(-0.1) and not down.regression and "10.0% better" in down.text()
+    within = MetricComparison("wall_s", latest=10.4, best=10.0, higher_is_better=False, tolerance=0.05)
+    assert not within.regression and "4.0% worse" in within.text()
+    negative = MetricComparison("final_best", latest=-2.0, best=-1.0, higher_is_better=True, tolerance=0.05)
+    assert negative.regression  # -2 is worse than -1 when maximizing
+    zero = MetricComparison("failed", latest=1.0, best=0.0, higher_is_better=False, tolerance=0.05)
+    assert zero.regression and math.isnan(zero.ratio)
+
+
+def test_bad_headlines_are_refused():
+    with pytest.raises(InputError, match="tolerance"):
+        Headline("wall_s", higher_is_better=False, tolerance=-0.1)
+    with pytest.raises(InputError, match="metric"):
+        Headline("", higher_is_better=True)
+
+
+def test_params_key_ignores_order_and_sees_values():
+    assert params_key({"a": 1, "b": [1, 2]}) == params_key({"b": [1, 2], "a": 1})
+    assert params_key({"a": 1}) != params_key({"a": 2})
+
+
+@pytest.mark.stack
+def test_best_earlier_run_of_the_same_key_and_regressions(stack):
+    from paperline.infra.tracking import Tracker
+
+    _, info = stack
+    tracker = Tracker(info.mlflow_tracking_uri)
+    experiment = f"regression-{uuid.uuid4().hex[:8]}"
+    key, other = params_key({"n": 1}), params_key({"n": 2})
+
+    def run(name, metrics, status="FINISHED", k=key):
+        run_id = tracker.start_run(experiment, run_name=name, tags={"paperline.params_key": k})
+        tracker.log_metrics(run_id, metrics)
+        if status:
+            tracker.end_run(run_id, status)
+        time.sleep(0.01)  # distinct start times
+        return run_id
+
+    first = run("first", {"throughput_gflop_per_s": 10.0, "wall_s": 4.0})
+    # nothing earlier for the very first run
+    alone = compare_with_best_earlier(tracker, first, key, HEADLINES)
+    assert alone.best_run_id is None and alone.earlier_runs == 0 and "no earlier run" in alone.lines()[0]
+    assert tracker.client.get_run(first).data.tags["paperline.regression"] == "none"
+
+    best = run("best", {"throughput_gflop_per_s": 12.0, "wall_s": 5.0})
+    run("failed-but-fast", {"throughput_gflop_per_s": 50.0, "wall_s": 1.0}, status="FAILED")
+    run("other-params", {"throughput_gflop_per_s": 100.0, "wall_s": 1.0}, k=other)
+    no_throughput = run("no-throughput", {"wall_s": 0.5})
+    latest = run("latest", {"throughput_gflop_per_s": 11.5, "wall_s": 7.0}, status=None)  # still running
+    run("later", {"throughput_gflop_per_s": 90.0, "wall_s": 1.0})  # started after the latest
+
+    got = compare_with_best_earlier(tracker, latest, key, HEADLINES)
+    assert got.best_run_id == best and got.earlier_runs == 2  # first and best have the ranking metric
+    by_name = {m.metric: m for m in got.metrics}
+    assert not by_name["throughput_gflop_per_s"].regression  # 4.2% below, tolerance 10%
+    assert by_name["wall_s"].regression  # 40% slower, tolerance 25%
+    assert got.regression and got.regressed == ["wall_s"]
+    lines = got.lines("fft")
+    assert lines[0].startswith("fft: REGRESSION against the best of 2 earlier run(s)") and best in lines[0]
+    assert "wall_s 7 vs 5: REGRESSION (more than 25% worse)" in lines[2]
+    recorded = tracker.client.get_run(latest).data
+    assert recorded.tags["paperline.best_earlier_run_id"] == best
+    assert recorded.tags["paperline.regression"] == "true" and recorded.tags["paperline.regressed_metrics"] == "wall_s"
+    assert recorded.tags["paperline.params_key"] == key
+    assert recorded.metrics["vs_best_earlier.throughput_gflop_per_s"] == pytest.approx(11.5 / 12.0)
+    assert recorded.metrics["vs_best_earlier.wall_s"] == pytest.approx(7.0 / 5.0)
+
+    # ranked by a metric to minimize: the smallest earlier value wins
+    fastest = compare_with_best_earlier(tracker, latest, key, [Headline("wall_s", higher_is_better=False)])
+    assert fastest.best_run_id == no_throughput and fastest.metrics[0].best == 0.5 and fastest.earlier_runs == 3
