@@ -319,7 +319,10 @@ def compare(experiment: str = typer.Argument(..., help="MLflow experiment, e.g. 
             top: int = typer.Option(10, "--top", help="At most this many runs, sorted by the first metric."),
             ascending: bool = typer.Option(False, "--ascending", help="Sort ascending (losses, times)."),
             out: Path = typer.Option(Path("."), "--out", help="Directory for the Parquet file and the plot."),
-            log: bool = typer.Option(False, "--log", help="Also log the comparison as an MLflow run.")) -> None:
+            log: bool = typer.Option(False, "--log", help="Also log the comparison as an MLflow run."),
+            all_runs: bool = typer.Option(False, "--all-runs", help="Every run, not only the runs each pipeline "
+                                                                   "compares (nas: campaigns, not evaluations).")
+            ) -> None:
     """Compare an experiment's MLflow runs: a table, an overlay plot of step-wise metrics and a
     Parquet file of the runs."""
     from paperline.flows.compare import compare_runs
@@ -332,8 +335,8 @@ def compare(experiment: str = typer.Argument(..., help="MLflow experiment, e.g. 
 
         raise ServiceError("stack", "no running stack or configured endpoints; run `paperline up` first")
     result = compare_runs(Tracker(info.mlflow_tracking_uri), experiment, list(metric), filter_string, top, out, log,
-                          ascending)
-    table = Table(*result["columns"], title=f"{experiment}: {len(result['rows'])} runs")
+                          ascending, all_runs)
+    table = Table(*result["columns"], title=f"{experiment}: {len(result['rows'])} {result['selection']}")
     for row in result["rows"]:
         table.add_row(*[_fmt(v) if isinstance(v, float) else str(v) for v in row])
     console.print(table)

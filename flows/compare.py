@@ -16,8 +16,12 @@ from paperline.infra.errors import InputError
 from paperline.infra.tracking import Tracker
 
 
+KEY_FILTER = "tags.`paperline.params_key` LIKE '%'"
+
+
 def compare_runs(tracker: Tracker, experiment: str, metrics: list[str], filter_string: str = "", top: int = 10,
-                 out_dir: Path = Path("."), log: bool = False, ascending: bool = False) -> dict[str, Any]:
+                 out_dir: Path = Path("."), log: bool = False, ascending: bool = False,
+                 all_runs: bool = False) -> dict[str, Any]:
     """Compare the runs of ``experiment``.
 
     Args:
@@ -29,9 +33,13 @@ def compare_runs(tracker: Tracker, experiment: str, metrics: list[str], filter_s
             losses and times), else newest first.
         out_dir: where ``<experiment>-runs.parquet`` and ``<experiment>-metrics.png`` are written.
         log: also log both files to a new ``comparison`` run of the experiment.
+        all_runs: every run of the experiment. By default only the runs a pipeline compares with
+            each other (tagged ``paperline.params_key``: the gemm, tensor and video flow runs, each
+            nas campaign's parent run, each compressor's run of compressed training, not a nas
+            campaign's per-evaluation child runs); every run when no run carries the tag.
 
     Returns:
-        ``{"columns", "rows", "parquet", "plot", "comparison_run_id"}``.
+        ``{"columns", "rows", "parquet", "plot", "comparison_run_id", "selection"}``.
 
     Raises:
         InputError: unknown experiment (known ones listed), an invalid filter, no matching runs,
@@ -51,6 +59,10 @@ def compare_runs(tracker: Tracker, experiment: str, metrics: list[str], filter_s
         known = sorted(e.name for e in client.search_experiments())
         raise InputError("experiment", experiment, f"no such MLflow experiment; known: {', '.join(known) or 'none'}")
     order = [f"metrics.`{metrics[0]}` {'ASC' if ascending else 'DESC'}"] if metrics else ["attributes.start_time DESC"]
+    selection = "all runs"
+    if not all_runs and client.search_runs([exp.experiment_id], filter_string=KEY_FILTER, max_results=1):
+        selection = "pipeline runs (tagged paperline.params_key; --all-runs for every run)"
+        filter_string = f"{filter_string} and {KEY_FILTER}" if filter_string.strip() else KEY_FILTER
     try:
         runs = client.search_runs([exp.experiment_id], filter_string=filter_string or "",
                                   order_by=order, max_results=top)
@@ -69,11 +81,14 @@ def compare_runs(tracker: Tracker, experiment: str, metrics: list[str], filter_s
                                             f"known: {', '.join(names[:40])}{' ...' if len(names) > 40 else ''}")
     params = sorted({k for r in runs for k in r.data.params})
     varying = [k for k in params if len({r.data.params.get(k) for r in runs}) > 1]
-    columns = ["run", "name", "status", *[f"params.{k}" for k in varying], *metrics]
+    flagged = any("paperline.regression" in r.data.tags for r in runs)
+    columns = ["run", "name", "status", *[f"params.{k}" for k in varying], *metrics,
+               *(["regression vs best earlier"] if flagged else [])]
     rows = []
     for r in runs:
         rows.append([r.info.run_id[:8], r.info.run_name, r.info.status, *[r.data.params.get(k, "") for k in varying],
-                     *[r.data.metrics.get(m, math.nan) for m in metrics]])
+                     *[r.data.metrics.get(m, math.nan) for m in metrics],
+                     *([r.data.tags.get("paperline.regression", "")] if flagged else [])])
     out_dir.mkdir(parents=True, exist_ok=True)
     parquet = out_dir / f"{experiment}-runs.parquet"
     _write_parquet(runs, params, parquet)
@@ -92,7 +107,7 @@ def compare_runs(tracker: Tracker, experiment: str, metrics: list[str], filter_s
         tracker.log_artifact(comparison_run_id, str(plot))
         tracker.end_run(comparison_run_id, "FINISHED")
     return {"columns": columns, "rows": rows, "parquet": str(parquet), "plot": str(plot),
-            "comparison_run_id": comparison_run_id}
+            "comparison_run_id": comparison_run_id, "selection": selection}
 
 
 def _write_parquet(runs: list[Any], params: list[str], path: Path) -> None:

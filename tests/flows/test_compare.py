@@ -76,3 +76,36 @@ def test_compare_refuses_a_file_as_out_dir(stack, experiment, tmp_path):
     target.write_text("x")
     res = _cli(settings.state_dir, "compare", "compare-test", "--out", str(target))
     assert res.exit_code != 0 and "--out=" in " ".join(res.output.split()) and "not a directory" in res.output
+
+
+def test_by_default_only_the_runs_a_pipeline_compares_are_listed(stack, tmp_path):
+    """A nas-like experiment: campaign parent runs carry paperline.params_key, their per-evaluation
+    child runs do not; the default lists the campaigns with their regression flag, --all-runs all."""
+    from paperline.infra.tracking import Tracker
+
+    settings, info = stack
+    tracker = Tracker(info.mlflow_tracking_uri)
+    parents = []
+    for i, flag in enumerate(("none", "true")):
+        parent = tracker.start_run("compare-nested", run_name=f"campaign-{i}", params={"seed": i},
+                                   tags={"paperline.params_key": "k1", "paperline.regression": flag})
+        for j in range(3):
+            child = tracker.start_run("compare-nested", run_name=f"eval-{j}", parent_run_id=parent, params={"x": j})
+            tracker.log_metrics(child, {"hypervolume": float(j)})
+            tracker.end_run(child)
+        tracker.log_metrics(parent, {"final_hypervolume": 10.0 - i})
+        tracker.end_run(parent)
+        parents.append(parent)
+    res = _cli(settings.state_dir, "compare", "compare-nested", "--out", str(tmp_path))
+    assert res.exit_code == 0, res.output
+    table = pq.read_table(tmp_path / "compare-nested-runs.parquet").to_pydict()
+    assert sorted(table["run_id"]) == sorted(parents)
+    text = " ".join(res.output.split())
+    assert "2 pipeline runs" in text and "final_hypervolume" in text and "true" in text
+    res = _cli(settings.state_dir, "compare", "compare-nested", "--all-runs", "--top", "20", "--filter",
+               "params.x = '1'", "--out", str(tmp_path))
+    assert res.exit_code == 0, res.output
+    assert len(pq.read_table(tmp_path / "compare-nested-runs.parquet").to_pydict()["run_id"]) == 2  # one per campaign
+    res = _cli(settings.state_dir, "compare", "compare-nested", "--filter", "params.seed = '1'", "--out", str(tmp_path))
+    assert res.exit_code == 0, res.output
+    assert pq.read_table(tmp_path / "compare-nested-runs.parquet").to_pydict()["run_id"] == [parents[1]]
