@@ -184,11 +184,14 @@ def run_one(cp: CampaignParameters, store: ObjectStore, tracker: Tracker, prefix
                                               "ref_point_used": campaign.ref_point_user})
         log_evaluations(tracker, EXPERIMENT, parent_id, campaign, campaign.evaluations, tags)  # after a lost run
     tracker.set_tags(parent_id, {**tags, "checkpoint": checkpoint_uri})
+    # Prefect interrupts an evaluation past its limit on the worker (between Python steps); the
+    # flow's own deadline below also covers one stuck inside a long C call.
+    bounded = evaluate.with_options(timeout_seconds=cp.evaluation_timeout_s)
     try:
         while not campaign.done:
             x = campaign.ask()
             start = campaign.n_done
-            futures = [evaluate.submit(campaign.problem.name, campaign.problem.options, [float(v) for v in row],
+            futures = [bounded.submit(campaign.problem.name, campaign.problem.options, [float(v) for v in row],
                                        campaign.seed, start + i) for i, row in enumerate(x)]
             deadline = time.monotonic() + cp.evaluation_timeout_s
             results = [_result(f, deadline, cp.evaluation_timeout_s) for f in futures]

@@ -30,7 +30,7 @@ from paperline.kernels.blas.runtime import DaskRuntime, LocalRuntime, RunResult,
 from paperline.kernels.blas.sources import NpySource, RandomSource, TileSource, check_matrix_header, read_all
 from paperline.kernels.blas.verify import freivalds
 from paperline.kernels.errors import InputError
-from paperline.tasks.retry import retry_unless, retry_unless_bad_input
+from paperline.tasks.retry import HOUR, retry_unless, retry_unless_bad_input
 
 HEADER_PROBE_BYTES = 1 << 16
 
@@ -176,7 +176,8 @@ def build_problem(params: dict[str, Any], store: ObjectStore | None) -> Problem:
                         side=params["side"], uplo=params["uplo"], diag=params["diag"], tile=params["tile"])
 
 
-@task(name="stage-random-operands", cache_policy=NO_CACHE, retries=1, retry_condition_fn=retry_unless_bad_input)
+@task(name="stage-random-operands", cache_policy=NO_CACHE, retries=1, retry_condition_fn=retry_unless_bad_input,
+      timeout_seconds=HOUR)
 def stage_random_operands(params: dict[str, Any], directory: str) -> dict[str, Any]:
     """Write the ``"random"`` operands of ``params`` to ``.npy`` files under ``directory`` (kept
     and reused by later runs with the same shape, dtype, seed and stream), so that a timed run
@@ -233,7 +234,7 @@ def _summary(result: RunResult) -> dict[str, Any]:
 
 
 @task(name="tiled-multiply", cache_policy=NO_CACHE, retries=1,
-      retry_condition_fn=retry_unless(InputError, VerificationError))
+      retry_condition_fn=retry_unless(InputError, VerificationError), timeout_seconds=12 * HOUR)
 def tiled_multiply(params: dict[str, Any], store: ObjectStore | None, output: str, memory_budget: int,
                    device: str) -> dict[str, Any]:
     """Run the tile plan on the cluster (called from the flow: it drives the workers from the flow's
@@ -279,7 +280,8 @@ def tiled_multiply(params: dict[str, Any], store: ObjectStore | None, output: st
             "shapes": {k: list(v.shape) for k, v in problem.operands().items()}}
 
 
-@task(name="scaling-sweep", cache_policy=NO_CACHE, retries=1, retry_condition_fn=retry_unless_bad_input)
+@task(name="scaling-sweep", cache_policy=NO_CACHE, retries=1, retry_condition_fn=retry_unless_bad_input,
+      timeout_seconds=12 * HOUR)
 def scaling_sweep(params: dict[str, Any], store: ObjectStore | None, memory_budget: int, device: str
                   ) -> list[dict[str, Any]]:
     """GFLOP/s of the same problem on 1, 2, ... W workers (the output written to a scratch file).
@@ -304,7 +306,8 @@ def scaling_sweep(params: dict[str, Any], store: ObjectStore | None, memory_budg
 PEER_MAX_BYTES = 4 << 30
 
 
-@task(name="single-process-peer", cache_policy=NO_CACHE, retries=1, retry_condition_fn=retry_unless_bad_input)
+@task(name="single-process-peer", cache_policy=NO_CACHE, retries=1, retry_condition_fn=retry_unless_bad_input,
+      timeout_seconds=12 * HOUR)
 def single_process_peer(params: dict[str, Any], store: ObjectStore | None) -> dict[str, Any] | None:
     """The peer on the same operands in this process with all cores: ``numpy.matmul`` for GEMM,
     the ``scipy.linalg.blas`` routine otherwise (both NumPy's OpenBLAS). None when the operands
@@ -344,7 +347,7 @@ def single_process_peer(params: dict[str, Any], store: ObjectStore | None) -> di
     return {"name": name, "seconds": seconds, "gflops": p.flops / seconds / 1e9, "blas": "; ".join(blas)}
 
 
-@task(name="render-gemm-report", cache_policy=NO_CACHE, retries=1)
+@task(name="render-gemm-report", cache_policy=NO_CACHE, retries=1, timeout_seconds=HOUR)
 def render_gemm_report(run_summary: dict[str, Any], scaling: list[dict[str, Any]], peer: dict[str, Any] | None
                        ) -> dict[str, bytes]:
     """The run's plots as PNG bytes: ``timeline.png`` (tile tasks per worker over time) and

@@ -24,11 +24,11 @@ from paperline.infra.tracking import Tracker
 from paperline.kernels.search.campaign import Campaign, Evaluation, evaluate_point
 from paperline.kernels.search.problems import make_problem
 from paperline.tasks import reporting
-from paperline.tasks.retry import retry_unless_bad_input
+from paperline.tasks.retry import HOUR, retry_unless_bad_input
 
 
 @task(name="nas-evaluate", cache_policy=(INPUTS - "index") + TASK_SOURCE, persist_result=True, retries=1,
-      retry_condition_fn=retry_unless_bad_input, task_run_name="evaluate-{index}")
+      retry_condition_fn=retry_unless_bad_input, task_run_name="evaluate-{index}", timeout_seconds=HOUR)
 def evaluate(problem: str, problem_options: dict[str, Any], x: list[float], seed: int, index: int) -> dict[str, Any]:
     """Evaluate one candidate on the worker (see :func:`evaluate_point`: failures are recorded,
     not raised). ``index`` only names the task run; it is not part of the cache key."""

@@ -23,7 +23,7 @@ from paperline.kernels.tensor.coo import COOTensor, Split, make_split
 from paperline.kernels.tensor.datasets import load_dataset, read_coo_parquet, write_coo_parquet
 from paperline.kernels.tensor.p2t2f import p2t2f
 from paperline.kernels.tensor.pttf import FitResult, rmse
-from paperline.tasks.retry import retry_unless_bad_input
+from paperline.tasks.retry import HOUR, retry_unless_bad_input
 
 CACHED = (INPUTS - "store") + TASK_SOURCE
 
@@ -42,7 +42,7 @@ def _read_tensor(store: ObjectStore, uri: str, sha256: str, shape: tuple[int, ..
 
 
 @task(name="load-tensor", cache_policy=CACHED, persist_result=True, retries=1,
-      retry_condition_fn=retry_unless_bad_input)
+      retry_condition_fn=retry_unless_bad_input, timeout_seconds=HOUR)
 def load_tensor(store: ObjectStore, bucket: str, dataset: str | None = None, data_uri: str | None = None,
                 data_sha256: str | None = None) -> dict[str, Any]:
     """Load a bundled dataset (or a user's Parquet COO file) and store it content-addressed.
@@ -71,7 +71,7 @@ def load_tensor(store: ObjectStore, bucket: str, dataset: str | None = None, dat
 
 
 @task(name="split-tensor", cache_policy=CACHED, persist_result=True, retries=1,
-      retry_condition_fn=retry_unless_bad_input)
+      retry_condition_fn=retry_unless_bad_input, timeout_seconds=HOUR)
 def split_tensor(store: ObjectStore, bucket: str, tensor_ref: dict[str, Any], kind: str, seed: int) -> dict[str, Any]:
     """Make a seeded train/validation/test split and commit it as one manifest.
 
@@ -114,7 +114,7 @@ def _commit_fit(store: ObjectStore, bucket: str, method: str, split_ref: dict[st
 
 
 @task(name="fit-p2t2f", cache_policy=CACHED, persist_result=True, retries=1,
-      retry_condition_fn=retry_unless_bad_input)
+      retry_condition_fn=retry_unless_bad_input, timeout_seconds=12 * HOUR)
 def fit_p2t2f(store: ObjectStore, bucket: str, split_ref: dict[str, Any], params: dict[str, Any]) -> dict[str, Any]:
     """Fit P²T²F on a split; its P sub-problems run as Dask tasks on the cluster's workers.
 
@@ -141,7 +141,7 @@ def fit_p2t2f(store: ObjectStore, bucket: str, split_ref: dict[str, Any], params
 
 
 @task(name="fit-tensorly-cp", cache_policy=CACHED, persist_result=True, retries=1,
-      retry_condition_fn=retry_unless_bad_input)
+      retry_condition_fn=retry_unless_bad_input, timeout_seconds=12 * HOUR)
 def fit_tensorly_cp(store: ObjectStore, bucket: str, split_ref: dict[str, Any], params: dict[str, Any]) -> dict[str, Any]:
     """Baseline: TensorLy ``parafac`` with a mask (masked CP-ALS) on the same split.
 
@@ -158,7 +158,7 @@ def fit_tensorly_cp(store: ObjectStore, bucket: str, split_ref: dict[str, Any], 
                        rmse(factors, split.test), seconds)
 
 
-@task(name="render-report", cache_policy=CACHED, persist_result=True, retries=1)
+@task(name="render-report", cache_policy=CACHED, persist_result=True, retries=1, timeout_seconds=HOUR)
 def render_report(store: ObjectStore, fits: list[dict[str, Any]], rows: list[dict[str, Any]],
                   time_split: str) -> dict[str, bytes]:
     """The run's report files, rendered from the fits (a pure function of them, so cached).

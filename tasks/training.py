@@ -20,6 +20,7 @@ from prefect.cache_policies import INPUTS, TASK_SOURCE
 from paperline.infra.storage import ObjectStore
 from paperline.kernels.errors import InputError
 from paperline.kernels.train.ddp import TrainConfig, train_rank
+from paperline.tasks.retry import HOUR
 from paperline.tasks.versions import sources_sha256
 
 _CKPT = re.compile(r"/rank-(\d+)/epoch-(\d+)\.pt$")
@@ -93,7 +94,7 @@ class RankFailed(RuntimeError):
 
 
 @task(name="compressed-train", cache_policy=(INPUTS - "store" - "max_restarts" - "timeout_s") + TASK_SOURCE,
-      persist_result=True, task_run_name="train-{label}")
+      persist_result=True, task_run_name="train-{label}", timeout_seconds=24 * HOUR)
 def train_ranks(cfg: dict[str, Any], world_size: int, store: ObjectStore, prefix: str, device: str, label: str,
                 timeout_s: float = 120.0, max_restarts: int = 2, crash_rank_at_step: int | None = None,
                 collectives_sizes: list[int] | None = None, code_version: str = "") -> dict[str, Any]:

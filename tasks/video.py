@@ -23,7 +23,7 @@ from paperline.infra.storage import ObjectStore, split_uri
 from paperline.kernels.video.clips import Clip, ClipConfig, FilterConfig, extract_clips
 from paperline.kernels.video.probe import Rejected, file_sha256, probe
 from paperline.kernels.video.shards import ShardPlan, iter_samples, write_dataset
-from paperline.tasks.retry import retry_unless_bad_input
+from paperline.tasks.retry import HOUR, retry_unless_bad_input
 from paperline.tasks.versions import sources_sha256
 
 
@@ -43,7 +43,7 @@ def _video_key(_ctx: Any, p: dict[str, Any]) -> str:
 
 
 @task(name="video-curate", cache_policy=TASK_SOURCE + CacheKeyFnPolicy(cache_key_fn=_video_key), persist_result=True,
-      retries=1, retry_condition_fn=retry_unless_bad_input, task_run_name="curate-{label}")
+      retries=1, retry_condition_fn=retry_unless_bad_input, task_run_name="curate-{label}", timeout_seconds=6 * HOUR)
 def curate_video(source: str, clip_cfg: dict[str, Any], filter_cfg: dict[str, Any], store: ObjectStore,
                  staging: str, label: str) -> dict[str, Any]:
     """Probe, split, transcode, filter and embed one video; stage its kept clips in S3.
@@ -93,7 +93,7 @@ def video_stats(result: Any) -> dict[str, Any]:
             "short_dropped": result.short_dropped, "seconds": result.seconds}
 
 
-@task(name="video-write-shards", retries=1, retry_condition_fn=retry_unless_bad_input)
+@task(name="video-write-shards", retries=1, retry_condition_fn=retry_unless_bad_input, timeout_seconds=6 * HOUR)
 def write_shards(store: ObjectStore, output: str, plans: list[ShardPlan], rows: dict[str, dict[str, Any]],
                  extra: dict[str, bytes], meta: dict[str, Any]) -> dict[str, Any]:
     """Pack the staged clips into tar shards under ``output`` and commit the manifest (see
@@ -102,7 +102,7 @@ def write_shards(store: ObjectStore, output: str, plans: list[ShardPlan], rows: 
                          extra, meta)
 
 
-@task(name="video-read-back", retries=1)
+@task(name="video-read-back", retries=1, timeout_seconds=6 * HOUR)
 def read_back(store: ObjectStore, output: str, world_size: int) -> dict[str, Any]:
     """Stream the committed dataset for every rank of ``world_size`` and check it: equal samples
     per rank, every mp4 matching its recorded SHA-256, every key of the manifest seen."""
