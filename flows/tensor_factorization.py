@@ -30,6 +30,7 @@ from paperline.kernels.errors import InputError as KernelInputError
 from paperline.kernels.tensor.baselines import MAX_DENSE_CELLS
 from paperline.kernels.tensor.coo import make_split
 from paperline.kernels.tensor.datasets import dataset_info, dataset_names, read_coo_parquet
+from paperline.kernels.tensor.p2t2f import default_split_mode
 from paperline.tasks.tensor import fit_p2t2f, fit_tensorly_cp, load_tensor, render_report, split_tensor
 
 EXPERIMENT = "tensor-factorization"
@@ -47,7 +48,8 @@ class TensorFactorizationParameters(BaseModel):
                                                "Replaces `datasets`.")
     splits: list[Literal["random", "temporal"]] = Field(default_factory=lambda: ["random", "temporal"])
     rank: int = Field(6, gt=0, le=512, description="CP rank R.")
-    n_parts: int = Field(2, ge=1, description="P, sub-tensors solved in parallel (<= size of the first mode).")
+    n_parts: int = Field(2, ge=1, description="P, sub-tensors solved in parallel (<= size of the largest non-time mode, "
+                                            "which is split).")
     lam: float = Field(1.0, gt=0, description="Gaussian prior precision on the factors (Eq. 4).")
     lam_t: float = Field(10.0, ge=0, description="Temporal smoothness precision (Eq. 3-4).")
     rho: float = Field(0.01, gt=0, description="Initial ADMM consensus penalty per entry.")
@@ -106,9 +108,11 @@ class TensorFactorizationParameters(BaseModel):
 
     def check_shape(self, name: str, shape: tuple[int, ...]) -> None:
         """Refuse, up front, a tensor these parameters cannot fit. Raises InputError."""
-        if self.n_parts > shape[0]:
+        split = shape[default_split_mode(shape)]
+        if self.n_parts > split:
             raise InputError("n_parts", self.n_parts,
-                             f"P larger than the number of slices along the first mode of {name!r} ({shape[0]})")
+                             f"P larger than the number of slices along the split mode (the largest non-time "
+                             f"mode) of {name!r} ({split})")
         factor_bytes = 8 * self.rank * sum(shape) * (2 * self.n_parts + 2)  # U, W^p, Lambda^p, Z
         if factor_bytes > MAX_FACTOR_BYTES:
             raise InputError("rank", self.rank, f"the factors of {name!r} (shape {shape}) would take "

@@ -48,7 +48,7 @@ def parquet(tmp_path):
     (["rank=0"], ["rank=0", "greater than 0"]),
     (["rank=-3"], ["rank=-3"]),
     (["datasets=nope"], ["dataset='nope'", "unknown dataset"]),
-    (["datasets=flights", "n_parts=4"], ["n_parts=4", "P larger than the number of slices", "'flights' (3)"]),
+    (["datasets=flights", "n_parts=106"], ["n_parts=106", "P larger than the number of slices", "'flights' (105)"]),
     (["bogus=1"], ["--set='bogus'", "unknown parameter"]),
     (["rank"], ["--set='rank'", "expected key=value"]),
     (["seed=-1"], ["seed=-1", "greater than or equal to 0"]),

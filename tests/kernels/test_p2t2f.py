@@ -31,10 +31,14 @@ def test_split_partitions_entries_by_first_mode_blocks(low_rank_tensor):
         np.testing.assert_array_equal(p.row_counts[0], np.bincount(p.coords[:, 0], minlength=p.rows.size))
 
 
-def test_p_larger_than_first_mode_is_refused(low_rank_tensor):
-    tensor, _ = low_rank_tensor(shape=(3, 4, 6))
-    with pytest.raises(InputError, match=r"^P=4: larger than the number of slices along the first mode \(3\)"):
-        p2t2f(tensor, 2, n_parts=4)
+def test_p_larger_than_the_split_mode_is_refused(low_rank_tensor):
+    tensor, _ = low_rank_tensor(shape=(3, 4, 6))  # split along mode 1, the largest non-time mode
+    with pytest.raises(InputError, match=r"^P=5: larger than the number of slices along the split mode \(4\)"):
+        p2t2f(tensor, 2, n_parts=5)
+    with pytest.raises(InputError, match=r"^P=4: larger than the number of slices along the split mode \(3\)"):
+        p2t2f(tensor, 2, n_parts=4, split_mode=0)
+    with pytest.raises(InputError, match=r"^split_mode=2: must be a non-time mode, 0..1"):
+        p2t2f(tensor, 2, split_mode=2)
     with pytest.raises(InputError, match="^P=0"):
         split_tensor(tensor, 0)
 
@@ -102,3 +106,23 @@ def test_objective_from_the_workers_matches_the_driver(problem):
     for t in (1, 2):
         short = p2t2f(split.train, 3, n_parts=2, n_epochs=t, batch_size=256, seed=2).history.objective
         assert short[-1] == pytest.approx(long[t - 1], rel=1e-12)
+
+
+def test_the_largest_mode_is_split_and_the_factors_come_back_in_order(low_rank_tensor):
+    """Splitting mode 1 of a (3, 8, 6) tensor is the same fit as splitting mode 0 of its (8, 3, 6)
+    transpose; the factors return in the tensor's own order."""
+    from paperline.kernels.tensor.coo import COOTensor
+    from paperline.kernels.tensor.p2t2f import default_split_mode
+    from paperline.kernels.tensor.pttf import predict
+
+    tensor, _ = low_rank_tensor(shape=(3, 8, 6))
+    assert default_split_mode(tensor.shape) == 1 and default_split_mode((64, 12, 10, 60)) == 0
+    fit = p2t2f(tensor, 2, n_parts=4, n_epochs=3, batch_size=64, seed=1)
+    assert [f.shape for f in fit.factors.factors] == [(3, 2), (8, 2), (6, 2)]
+    swapped = COOTensor(tensor.coords[:, [1, 0, 2]], tensor.values, (8, 3, 6))
+    ref = p2t2f(swapped, 2, n_parts=4, n_epochs=3, batch_size=64, seed=1, split_mode=0)
+    for mine, theirs in zip(fit.factors.factors, [ref.factors.factors[i] for i in (1, 0, 2)]):
+        np.testing.assert_array_equal(mine, theirs)
+    np.testing.assert_array_equal(fit.history.objective, ref.history.objective)
+    np.testing.assert_allclose(predict(fit.factors.factors, tensor.coords),
+                               predict(ref.factors.factors, swapped.coords), rtol=1e-12)
