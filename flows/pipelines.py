@@ -28,46 +28,46 @@ class Pipeline:
 PIPELINES: Registry[Pipeline] = Registry("pipeline")
 
 
-def _register_builtin() -> None:
-    from paperline.flows import compressed_training as ct
-    from paperline.flows import gemm as gm
-    from paperline.flows import nas
-    from paperline.flows import tensor_factorization as tf
-    from paperline.flows import video_curation as vc
+# name -> (module, flow, parameter model, deployment cron, description); a module is imported only
+# when its pipeline is asked for, so `paperline run gemm` does not import the NAS or video stacks.
+_BUILTIN: dict[str, tuple[str, str, str, str, str]] = {
+    "tensor-factorization": ("paperline.flows.tensor_factorization", "tensor_factorization",
+                             "TensorFactorizationParameters", "0 2 * * *",
+                             "P²T²F against TensorLy CP on the bundled real tensors (nightly)."),
+    "gemm": ("paperline.flows.gemm", "gemm", "GemmParameters", "30 3 * * *",
+             "Tiled level-3 BLAS health benchmark: GFLOP/s against NumPy, verified (daily)."),
+    "nas": ("paperline.flows.nas", "nas", "NasParameters", "0 4 * * 0",
+            "NAS campaign: LaMOO on NAS-Bench-201 (weekly), resumable, parent/child runs in MLflow."),
+    "compressed-training": ("paperline.flows.compressed_training", "compressed_training",
+                            "CompressedTrainingParameters", "0 5 * * 6",
+                            "Data-parallel training with FFT-compressed gradients against dense and peers (weekly)."),
+    "video-curation": ("paperline.flows.video_curation", "video_curation", "VideoCurationParameters", "0 1 * * *",
+                       "Videos to WebDataset shards + Parquet index in S3: split, transcode, filter, dedup (nightly)."),
+}
 
-    if "tensor-factorization" not in PIPELINES:
-        PIPELINES.register("tensor-factorization")(
-            Pipeline("tensor-factorization", tf.tensor_factorization, tf.TensorFactorizationParameters, tf.PRESETS,
-                     cron="0 2 * * *", description="P²T²F against TensorLy CP on the bundled real tensors (nightly)."))
-    if "gemm" not in PIPELINES:
-        PIPELINES.register("gemm")(Pipeline(
-            "gemm", gm.gemm, gm.GemmParameters, gm.PRESETS, cron="30 3 * * *",
-            description="Tiled level-3 BLAS health benchmark: GFLOP/s against NumPy, verified (daily)."))
-    if "nas" not in PIPELINES:
-        PIPELINES.register("nas")(Pipeline(
-            "nas", nas.nas, nas.NasParameters, nas.PRESETS, cron="0 4 * * 0",
-            description="NAS campaign: LaMOO on NAS-Bench-201 (weekly), resumable, parent/child runs in MLflow."))
-    if "compressed-training" not in PIPELINES:
-        PIPELINES.register("compressed-training")(Pipeline(
-            "compressed-training", ct.compressed_training, ct.CompressedTrainingParameters, ct.PRESETS, cron="0 5 * * 6",
-            description="Data-parallel training with FFT-compressed gradients against dense and peers (weekly)."))
-    if "video-curation" not in PIPELINES:
-        PIPELINES.register("video-curation")(Pipeline(
-            "video-curation", vc.video_curation, vc.VideoCurationParameters, vc.PRESETS, cron="0 1 * * *",
-            description="Videos to WebDataset shards + Parquet index in S3: split, transcode, filter, dedup (nightly)."))
+
+def _register_builtin(name: str) -> None:
+    if name in PIPELINES or name not in _BUILTIN:
+        return
+    import importlib  # noqa: PLC0415
+
+    module, flow, parameters, cron, description = _BUILTIN[name]
+    m = importlib.import_module(module)
+    PIPELINES.register(name)(Pipeline(name, getattr(m, flow), getattr(m, parameters), m.PRESETS, cron=cron,
+                                      description=description))
 
 
 def get_pipeline(name: str) -> Pipeline:
-    """The pipeline called ``name``. Raises InputError listing the known ones."""
-    _register_builtin()
+    """The pipeline called ``name`` (importing only its module). Raises InputError listing the known ones."""
+    _register_builtin(name)
     if name not in PIPELINES:
-        raise InputError("pipeline", name, f"unknown pipeline; known: {', '.join(PIPELINES.names())}")
+        raise InputError("pipeline", name, f"unknown pipeline; known: {', '.join(pipeline_names())}")
     return PIPELINES[name]
 
 
 def pipeline_names() -> list[str]:
-    _register_builtin()
-    return PIPELINES.names()
+    """Every pipeline's name (sorted), without importing any of them."""
+    return sorted(set(PIPELINES.names()) | set(_BUILTIN))
 
 
 def _is_list(annotation: Any) -> bool:

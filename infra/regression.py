@@ -84,8 +84,12 @@ class MetricComparison:
 
     def text(self) -> str:
         word = "better" if self.worsening < 0 else "worse"
-        verdict = (f"REGRESSION (more than {100 * self.tolerance:g}% worse)" if self.regression
-                   else f"{100 * abs(self.worsening):.1f}% {word}")
+        if self.regression:
+            verdict = f"REGRESSION (more than {100 * self.tolerance:g}% worse)"
+        elif abs(self.worsening) < 5e-4:
+            verdict = "equal"
+        else:
+            verdict = f"{100 * abs(self.worsening):.1f}% {word}"
         return f"{self.metric} {self.latest:.4g} vs {self.best:.4g}: {verdict}"
 
 
@@ -114,7 +118,10 @@ class BestEarlier:
             return [f"{who}first finished run with these parameters: no earlier run to compare with"]
         head = (f"{who}{'REGRESSION against' if self.regression else 'no regression against'} the best of "
                 f"{self.earlier_runs} earlier run(s) with these parameters ({self.best_run_url or self.best_run_id})")
-        return [head] + [f"  {m.text()}" for m in self.metrics]
+        changed = [m for m in self.metrics if not m.text().endswith(": equal")]
+        equal = len(self.metrics) - len(changed)
+        tail = [f"  {'all' if not changed else 'the other'} {equal} metric(s) equal"] if equal else []
+        return [head] + [f"  {m.text()}" for m in changed] + tail
 
     def as_dict(self) -> dict[str, Any]:
         return {"params_key": self.key, "earlier_runs": self.earlier_runs, "best_run_id": self.best_run_id,

@@ -82,7 +82,8 @@ def test_second_run_is_compared_with_the_first(two_runs):
     assert versus["best_run_id"] == first["mlflow_run_id"] and versus["earlier_runs"] == 1
     assert not versus["regression"] and versus["params_key"] == first["versus_best_earlier"]["params_key"]
     assert versus["metrics"]["produc.random.p2t2f.test_rmse"]["ratio"] == 1.0  # served from the cache
-    assert "no regression against the best of 1 earlier run(s)" in " ".join(proc.stdout.split())
+    out = " ".join(proc.stdout.split())
+    assert "no regression against the best of 1 earlier run(s)" in out and "all 4 metric(s) equal" in out
     tags = Tracker(info.mlflow_tracking_uri).client.get_run(second["mlflow_run_id"]).data.tags
     assert tags["paperline.best_earlier_run_id"] == first["mlflow_run_id"] and tags["paperline.regression"] == "false"
 

@@ -21,6 +21,8 @@ def test_worsening_follows_the_direction_and_the_tolerance():
     assert "REGRESSION (more than 5% worse)" in up.text()
     down = MetricComparison("wall_s", latest=9.0, best=10.0, higher_is_better=False, tolerance=0.05)
     assert down.worsening == pytest.approx(-0.1) and not down.regression and "10.0% better" in down.text()
+    same = MetricComparison("test_rmse", latest=0.175, best=0.175, higher_is_better=False, tolerance=0.05)
+    assert same.text() == "test_rmse 0.175 vs 0.175: equal"
     within = MetricComparison("wall_s", latest=10.4, best=10.0, higher_is_better=False, tolerance=0.05)
     assert not within.regression and "4.0% worse" in within.text()
     negative = MetricComparison("final_best", latest=-2.0, best=-1.0, higher_is_better=True, tolerance=0.05)
@@ -79,7 +81,7 @@ def test_best_earlier_run_of_the_same_key_and_regressions(stack):
     assert got.regression and got.regressed == ["wall_s"]
     lines = got.lines("fft")
     assert lines[0].startswith("fft: REGRESSION against the best of 2 earlier run(s)") and best in lines[0]
-    assert "wall_s 7 vs 5: REGRESSION (more than 25% worse)" in lines[2]
+    assert "wall_s 7 vs 5: REGRESSION (more than 25% worse)" in lines[2] and len(lines) == 3
     recorded = tracker.client.get_run(latest).data
     assert recorded.tags["paperline.best_earlier_run_id"] == best
     assert recorded.tags["paperline.regression"] == "true" and recorded.tags["paperline.regressed_metrics"] == "wall_s"
