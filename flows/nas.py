@@ -183,7 +183,8 @@ def run_one(cp: CampaignParameters, store: ObjectStore, tracker: Tracker, prefix
                                               "problem_options": json.dumps(campaign.problem.options),
                                               "ref_point_used": campaign.ref_point_user})
         log_evaluations(tracker, EXPERIMENT, parent_id, campaign, campaign.evaluations, tags)  # after a lost run
-    tracker.set_tags(parent_id, {**tags, "checkpoint": checkpoint_uri})
+    # MLflow parameters cannot change, so a campaign resumed with a larger budget says so in a tag
+    tracker.set_tags(parent_id, {**tags, "checkpoint": checkpoint_uri, "paperline.budget": cp.budget})
     # Prefect interrupts an evaluation past its limit on the worker (between Python steps); the
     # flow's own deadline below also covers one stuck inside a long C call.
     bounded = evaluate.with_options(timeout_seconds=cp.evaluation_timeout_s)

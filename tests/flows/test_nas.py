@@ -68,6 +68,7 @@ def test_mlflow_has_parent_and_child_runs_with_curves_and_artifacts(nas_run):
         assert parent.info.status == "FINISHED"
         assert parent.data.tags["prefect.flow_run_id"] == summary["prefect_flow_run_id"]
         assert parent.data.tags["paperline.params_key"] == camp["versus_best_earlier"]["params_key"]
+        assert parent.data.tags["paperline.budget"] == str(camp["evaluations"])
         children = tracker.child_run_tags("nas", camp["mlflow_parent_run_id"])
         assert sorted(int(t["paperline.evaluation_index"]) for t in children) == list(range(camp["evaluations"]))
         hv = client.get_metric_history(parent.info.run_id, "hypervolume")
