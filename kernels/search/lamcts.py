@@ -128,7 +128,7 @@ class PartitionOptimizer(Optimizer):
         if self.data()[0].shape[0] == 0:
             return None
         root = self.learn()
-        for node in pt._walk(root):  # noqa: SLF001 - visit counts as in selection
+        for node in pt.walk(root):  # visit counts as in selection
             node.visits = node.n
         return root.to_dict(self.ucb())
 

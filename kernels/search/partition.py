@@ -15,7 +15,7 @@ function of the history and needs no state of its own.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -119,7 +119,7 @@ def select_paths(root: PartitionNode, q: int,
     After each pick, the visit counts along the path grow by one, so the next pick sees the
     exploration bonus of the other branches rise (parallel MCTS with virtual loss).
     """
-    for node in _walk(root):
+    for node in walk(root):
         node.visits = node.n
     paths = []
     for _ in range(q):
@@ -190,14 +190,15 @@ def uct_bonus(cp: float) -> Callable[[PartitionNode, PartitionNode], float]:
     return ucb
 
 
-def _walk(node: PartitionNode):
+def walk(node: PartitionNode) -> Iterator[PartitionNode]:
+    """Every node of the tree under ``node`` (itself first), depth first."""
     yield node
     for c in node.children():
-        yield from _walk(c)
+        yield from walk(c)
 
 
 def leaves(root: PartitionNode) -> list[PartitionNode]:
-    return [n for n in _walk(root) if n.is_leaf]
+    return [n for n in walk(root) if n.is_leaf]
 
 
 class SVMBoundary:
