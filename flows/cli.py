@@ -318,7 +318,8 @@ def compare(experiment: str = typer.Argument(..., help="MLflow experiment, e.g. 
             filter_string: str = typer.Option("", "--filter", help="MLflow filter, e.g. \"params.routine = 'gemm'\"."),
             top: int = typer.Option(10, "--top", help="At most this many runs, sorted by the first metric."),
             ascending: bool = typer.Option(False, "--ascending", help="Sort ascending (losses, times)."),
-            out: Path = typer.Option(Path("."), "--out", help="Directory for the Parquet file and the plot."),
+            out: Path = typer.Option(Path("paperline-compare"), "--out",
+                                     help="Directory for the Parquet file and the plot."),
             log: bool = typer.Option(False, "--log", help="Also log the comparison as an MLflow run."),
             all_runs: bool = typer.Option(False, "--all-runs", help="Every run, not only the runs each pipeline "
                                                                    "compares (nas: campaigns, not evaluations).")
@@ -336,11 +337,15 @@ def compare(experiment: str = typer.Argument(..., help="MLflow experiment, e.g. 
         raise ServiceError("stack", "no running stack or configured endpoints; run `paperline up` first")
     result = compare_runs(Tracker(info.mlflow_tracking_uri), experiment, list(metric), filter_string, top, out, log,
                           ascending, all_runs)
-    table = Table(*result["columns"], title=f"{experiment}: {len(result['rows'])} {result['selection']}")
+    from rich.table import Column
+
+    title = f"{experiment}: {len(result['rows'])} run(s) ({result['selection']})"
+    table = Table(*[Column(c, overflow="fold") for c in result["columns"]], title=title)
     for row in result["rows"]:
         table.add_row(*[_fmt(v) if isinstance(v, float) else str(v) for v in row])
     console.print(table)
-    console.print(f"runs: {result['parquet']}\nplot: {result['plot']}", highlight=False)
+    plot = result["plot"] or "none (these runs share no metric: name some with --metric)"
+    console.print(f"runs: {result['parquet']}\nplot: {plot}", highlight=False)
     if result["comparison_run_id"]:
         console.print(f"logged as MLflow run {result['comparison_run_id']}", highlight=False)
 

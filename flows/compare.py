@@ -7,27 +7,32 @@ final metrics; optionally logged as a ``comparison`` run of the same experiment.
 
 from __future__ import annotations
 
+import json
 import math
 import time
 from pathlib import Path
 from typing import Any
 
 from paperline.infra.errors import InputError
+from paperline.infra.regression import HEADLINES_TAG
 from paperline.infra.tracking import Tracker
 
 
 KEY_FILTER = "tags.`paperline.params_key` LIKE '%'"
+NOT_COMPARISON = "attributes.run_name != 'comparison'"
 
 
 def compare_runs(tracker: Tracker, experiment: str, metrics: list[str], filter_string: str = "", top: int = 10,
-                 out_dir: Path = Path("."), log: bool = False, ascending: bool = False,
+                 out_dir: Path = Path("paperline-compare"), log: bool = False, ascending: bool = False,
                  all_runs: bool = False) -> dict[str, Any]:
     """Compare the runs of ``experiment``.
 
     Args:
         tracker: the MLflow tracker.
         experiment: experiment name (e.g. ``gemm``).
-        metrics: metric keys to show and plot; empty: every metric the runs share (up to 6).
+        metrics: metric keys to show and plot; empty: the pipeline's headline metrics (tag
+            ``paperline.headlines`` of the newest run, sorted by the first in its own direction),
+            else every metric the runs share (up to 6; none: no plot).
         filter_string: an MLflow search filter, e.g. ``"params.routine = 'gemm'"``.
         top: at most this many runs, sorted by the first metric (descending, or ``ascending`` for
             losses and times), else newest first.
@@ -39,11 +44,12 @@ def compare_runs(tracker: Tracker, experiment: str, metrics: list[str], filter_s
             campaign's per-evaluation child runs); every run when no run carries the tag.
 
     Returns:
-        ``{"columns", "rows", "parquet", "plot", "comparison_run_id", "selection"}``.
+        ``{"columns", "rows", "parquet", "plot" (None without metrics), "comparison_run_id",
+        "selection", "metrics"}``.
 
     Raises:
-        InputError: unknown experiment (known ones listed), an invalid filter, no matching runs,
-            a metric no run has, top < 1.
+        InputError: unknown experiment (known ones listed), an invalid filter (as given), no
+            matching runs, a metric no run has, top < 1, an output directory that cannot be made.
     """
     from mlflow.exceptions import MlflowException
 
@@ -58,19 +64,31 @@ def compare_runs(tracker: Tracker, experiment: str, metrics: list[str], filter_s
     if exp is None:
         known = sorted(e.name for e in client.search_experiments())
         raise InputError("experiment", experiment, f"no such MLflow experiment; known: {', '.join(known) or 'none'}")
-    order = [f"metrics.`{metrics[0]}` {'ASC' if ascending else 'DESC'}"] if metrics else ["attributes.start_time DESC"]
+    user_filter = filter_string.strip()
+    clauses = [user_filter] if user_filter else []
+    clauses.append(NOT_COMPARISON)  # earlier `--log` runs are not runs to compare
     selection = "all runs"
     if not all_runs and client.search_runs([exp.experiment_id], filter_string=KEY_FILTER, max_results=1):
-        selection = "pipeline runs (tagged paperline.params_key; --all-runs for every run)"
-        filter_string = f"{filter_string} and {KEY_FILTER}" if filter_string.strip() else KEY_FILTER
-    try:
-        runs = client.search_runs([exp.experiment_id], filter_string=filter_string or "",
-                                  order_by=order, max_results=top)
-    except MlflowException as exc:
-        raise InputError("--filter", filter_string, f"MLflow rejected it: {str(exc).splitlines()[0][:300]}") from None
-    runs = [r for r in runs if r.info.run_name != "comparison"]
+        selection = "pipeline runs; --all-runs for every run"
+        clauses.append(KEY_FILTER)
+    query = " and ".join(clauses)
+
+    def search(order: list[str], limit: int) -> list[Any]:
+        try:
+            return client.search_runs([exp.experiment_id], filter_string=query, order_by=order, max_results=limit)
+        except MlflowException as exc:
+            raise InputError("--filter", user_filter, f"MLflow rejected it: {str(exc).splitlines()[0][:300]}") from None
+
+    if not metrics:  # the pipeline's headline metrics, best first in their own direction
+        newest = search(["attributes.start_time DESC"], 1)
+        headlines = json.loads(newest[0].data.tags.get(HEADLINES_TAG, "[]")) if newest else []
+        if headlines:
+            metrics = [m for m, _ in headlines][:6]
+            ascending = not headlines[0][1]
+    order = [f"metrics.`{metrics[0]}` {'ASC' if ascending else 'DESC'}"] if metrics else ["attributes.start_time DESC"]
+    runs = search(order, top)
     if not runs:
-        raise InputError("--filter", filter_string, f"no runs in experiment {experiment!r} match")
+        raise InputError("--filter", user_filter, f"no runs in experiment {experiment!r} match")
     if not metrics:
         shared = set.intersection(*(set(r.data.metrics) for r in runs))
         metrics = sorted(shared)[:6]
@@ -89,13 +107,18 @@ def compare_runs(tracker: Tracker, experiment: str, metrics: list[str], filter_s
         rows.append([r.info.run_id[:8], r.info.run_name, r.info.status, *[r.data.params.get(k, "") for k in varying],
                      *[r.data.metrics.get(m, math.nan) for m in metrics],
                      *([r.data.tags.get("paperline.regression", "")] if flagged else [])])
-    out_dir.mkdir(parents=True, exist_ok=True)
+    try:
+        out_dir.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise InputError("--out", str(out_dir), f"cannot create the directory: {exc.strerror or exc}") from None
     parquet = out_dir / f"{experiment}-runs.parquet"
     _write_parquet(runs, params, parquet)
-    plot = out_dir / f"{experiment}-metrics.png"
-    histories = {(r.info.run_id, m): [(h.step, h.value) for h in client.get_metric_history(r.info.run_id, m)]
-                 for r in runs for m in metrics}
-    _overlay_plot(runs, metrics, histories, plot)
+    plot: Path | None = None
+    if metrics:  # runs that share no metric (e.g. --all-runs of nas) get the table and the Parquet
+        plot = out_dir / f"{experiment}-metrics.png"
+        histories = {(r.info.run_id, m): [(h.step, h.value) for h in client.get_metric_history(r.info.run_id, m)]
+                     for r in runs for m in metrics}
+        _overlay_plot(runs, metrics, histories, plot)
     comparison_run_id = None
     if log:
         comparison_run_id = tracker.start_run(experiment, run_name="comparison",
@@ -104,10 +127,11 @@ def compare_runs(tracker: Tracker, experiment: str, metrics: list[str], filter_s
                                               params={"metrics": ",".join(metrics), "top": top,
                                                       "ascending": ascending})
         tracker.log_artifact(comparison_run_id, str(parquet))
-        tracker.log_artifact(comparison_run_id, str(plot))
+        if plot is not None:
+            tracker.log_artifact(comparison_run_id, str(plot))
         tracker.end_run(comparison_run_id, "FINISHED")
-    return {"columns": columns, "rows": rows, "parquet": str(parquet), "plot": str(plot),
-            "comparison_run_id": comparison_run_id, "selection": selection}
+    return {"columns": columns, "rows": rows, "parquet": str(parquet), "plot": str(plot) if plot else None,
+            "comparison_run_id": comparison_run_id, "selection": selection, "metrics": metrics}
 
 
 def _write_parquet(runs: list[Any], params: list[str], path: Path) -> None:

@@ -40,9 +40,9 @@ from paperline.tasks.gemm import (
 )
 
 EXPERIMENT = "gemm"
-# what a run is judged by against the best earlier run of the same parameters (timings: 10%)
-HEADLINES = [Headline("throughput_gflop_per_s", higher_is_better=True, tolerance=0.10),
-             Headline("ratio_to_peer", higher_is_better=True, tolerance=0.10)]
+# What a run is judged by against the best earlier run of the same parameters (timings: 10%). Not
+# ratio_to_peer: the peer is timed once, so on small problems its noise alone flagged regressions.
+HEADLINES = [Headline("throughput_gflop_per_s", higher_is_better=True, tolerance=0.10)]
 
 
 def parse_bytes(value: int | str) -> int:
@@ -182,6 +182,7 @@ def _existing(path: Path) -> Path:
 
 PRESETS: dict[str, dict[str, Any]] = {
     "demo": {},
+    "default": {},  # the flow's own defaults (the same as demo here)
     "full": {"m": 8192, "n": 8192, "k": 8192, "tile": 2048, "memory_budget": "2GiB"},
 }
 

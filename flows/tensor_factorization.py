@@ -128,6 +128,7 @@ MAX_FACTOR_BYTES = 4 * 2**30
 
 PRESETS: dict[str, dict[str, Any]] = {
     "demo": {},
+    "default": {},  # the flow's own defaults (the same as demo here)
     "full": {"rank": 8, "n_epochs": 150, "baseline_iterations": 300},
 }
 

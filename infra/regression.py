@@ -3,15 +3,17 @@
 Every pipeline names its *headline* metrics (the first one ranks the runs) and a *parameter key*
 (a digest of the parameters that define what a run computes: output locations and run names left
 out). After a run has logged its metrics, :func:`compare_with_best_earlier` finds the experiment's
-FINISHED runs that carry the same key and started earlier, picks the best one by the first
+other FINISHED runs that carry the same key (every one has ended before the latest run ends; a
+resumed nas campaign reopens its own run, which is left out), picks the best one by the first
 headline, and compares every headline of the latest run with it. A headline worse than the best by
 more than its relative tolerance is a regression.
 
 What it records on the latest run (so that the MLflow UI can filter on it):
 
-* tags ``paperline.params_key``, ``paperline.best_earlier_run_id``, ``paperline.regression``
+* tags ``paperline.params_key``, ``paperline.headlines`` (JSON ``[[metric, higher_is_better]]``),
+  ``paperline.best_earlier_run_id`` (empty when there is nothing earlier), ``paperline.regression``
   (``"true"``, ``"false"``, or ``"none"`` when there is nothing earlier) and
-  ``paperline.regressed_metrics`` (comma-separated);
+  ``paperline.regressed_metrics`` (comma-separated, possibly empty);
 * metrics ``vs_best_earlier.<metric>``: latest / best (a ratio, 1 = equal).
 """
 
@@ -27,6 +29,7 @@ from paperline.infra.errors import InputError
 from paperline.infra.tracking import Tracker
 
 KEY_TAG = "paperline.params_key"
+HEADLINES_TAG = "paperline.headlines"  # [[metric, higher_is_better], ...]: what `paperline compare` shows first
 MAX_EARLIER = 1000  # the most recent earlier runs searched (MLflow's page size)
 
 
@@ -145,7 +148,8 @@ def compare_with_best_earlier(tracker: Tracker, run_id: str, key: str, headlines
     """Compare run ``run_id`` with the best earlier FINISHED run of its experiment with the same key.
 
     The run is tagged with ``key`` first, so that later runs find it once it has finished. Runs
-    that lack the first headline (e.g. failed before logging it) are not candidates.
+    that lack the first headline (e.g. failed before logging it) are not candidates; neither is
+    ``run_id`` itself (a resumed campaign's reopened run).
 
     Args:
         tracker: The MLflow tracker.
@@ -162,20 +166,22 @@ def compare_with_best_earlier(tracker: Tracker, run_id: str, key: str, headlines
     """
     if not headlines:
         raise InputError("headlines", headlines, "name at least one metric")
-    tracker.set_tags(run_id, {KEY_TAG: key})
+    tracker.set_tags(run_id, {KEY_TAG: key, HEADLINES_TAG: json.dumps([[h.metric, h.higher_is_better]
+                                                                       for h in headlines])})
     client = tracker.client
     run = tracker._call("get run", client.get_run, run_id)
     latest = dict(run.data.metrics)
     earlier = tracker._call(
         "search runs", client.search_runs, [run.info.experiment_id],
         filter_string=f"tags.`{KEY_TAG}` = '{key}' and attributes.status = 'FINISHED'",
-        order_by=["attributes.start_time DESC"], max_results=MAX_EARLIER)
-    earlier = [r for r in earlier if r.info.run_id != run_id and r.info.start_time < run.info.start_time]
+        order_by=["attributes.end_time DESC"], max_results=MAX_EARLIER)
+    earlier = [r for r in earlier if r.info.run_id != run_id]
     rank = headlines[0]
     candidates = [r for r in earlier if _finite(r.data.metrics, rank.metric) is not None]
     out = BestEarlier(key=key, earlier_runs=len(candidates))
     if not candidates:
-        tracker.set_tags(run_id, {"paperline.regression": "none"})
+        tracker.set_tags(run_id, {"paperline.regression": "none", "paperline.best_earlier_run_id": "",
+                                  "paperline.regressed_metrics": ""})
         return out
     pick = max if rank.higher_is_better else min
     best = pick(candidates, key=lambda r: _finite(r.data.metrics, rank.metric))

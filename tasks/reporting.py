@@ -192,7 +192,11 @@ def tree_plot(tree: dict[str, Any] | None, title: str, path: Path) -> Path:
     ax.set_axis_off()
     ax.set_title(title, fontsize=9)
     ax.margins(0.08)
-    fig.tight_layout()
+    import warnings  # noqa: PLC0415
+
+    with warnings.catch_warnings():  # wide trees: matplotlib warns that the labels do not fit
+        warnings.simplefilter("ignore", UserWarning)
+        fig.tight_layout()
     fig.savefig(path, dpi=90)
     plt.close(fig)
     return path

@@ -101,7 +101,7 @@ def test_by_default_only_the_runs_a_pipeline_compares_are_listed(stack, tmp_path
     table = pq.read_table(tmp_path / "compare-nested-runs.parquet").to_pydict()
     assert sorted(table["run_id"]) == sorted(parents)
     text = " ".join(res.output.split())
-    assert "2 pipeline runs" in text and "final_hypervolume" in text and "true" in text
+    assert "2 run(s) (pipeline runs" in text and "final_hypervolume" in text and "true" in text
     res = _cli(settings.state_dir, "compare", "compare-nested", "--all-runs", "--top", "20", "--filter",
                "params.x = '1'", "--out", str(tmp_path))
     assert res.exit_code == 0, res.output
@@ -109,3 +109,43 @@ def test_by_default_only_the_runs_a_pipeline_compares_are_listed(stack, tmp_path
     res = _cli(settings.state_dir, "compare", "compare-nested", "--filter", "params.seed = '1'", "--out", str(tmp_path))
     assert res.exit_code == 0, res.output
     assert pq.read_table(tmp_path / "compare-nested-runs.parquet").to_pydict()["run_id"] == [parents[1]]
+
+
+def test_headline_metrics_by_default_and_runs_that_share_none(stack, tmp_path):
+    """Without --metric: the pipeline's headline metrics, best first in their own direction; runs
+    with no shared metric get the table without a plot; --log runs never take a --top slot; a
+    rejected filter is echoed as the user wrote it; an --out that cannot be made is one line."""
+    import json
+
+    from paperline.infra.tracking import Tracker
+
+    settings, info = stack
+    tracker = Tracker(info.mlflow_tracking_uri)
+    ids = []
+    for i, wall in enumerate((3.0, 1.0, 2.0)):
+        run_id = tracker.start_run("compare-headlines", run_name=f"r{i}", params={"seed": i}, tags={
+            "paperline.params_key": "k", "paperline.headlines": json.dumps([["wall_s", False]])})
+        tracker.log_metrics(run_id, {"wall_s": wall, "other": 1.0})
+        tracker.end_run(run_id)
+        ids.append(run_id)
+    assert _cli(settings.state_dir, "compare", "compare-headlines", "--log", "--out", str(tmp_path)).exit_code == 0
+    res = _cli(settings.state_dir, "compare", "compare-headlines", "--top", "3", "--out", str(tmp_path))
+    assert res.exit_code == 0, res.output
+    table = pq.read_table(tmp_path / "compare-headlines-runs.parquet").to_pydict()
+    assert table["run_id"] == [ids[1], ids[2], ids[0]]  # fastest first; the --log run takes no slot
+    assert "3 run(s) (pipeline runs" in " ".join(res.output.split())
+    lone = tracker.start_run("compare-disjoint", run_name="a")
+    tracker.log_metrics(lone, {"x": 1.0})
+    tracker.end_run(lone)
+    other = tracker.start_run("compare-disjoint", run_name="b")
+    tracker.log_metrics(other, {"y": 1.0})
+    tracker.end_run(other)
+    res = _cli(settings.state_dir, "compare", "compare-disjoint", "--out", str(tmp_path))
+    assert res.exit_code == 0 and "share no metric" in res.output, res.output
+    res = _cli(settings.state_dir, "compare", "compare-headlines", "--filter", "params.seed = 1", "--out", str(tmp_path))
+    text = " ".join(res.output.split())
+    assert res.exit_code != 0 and "--filter='params.seed = 1': MLflow rejected it" in text and "LIKE" not in text
+    blocker = tmp_path / "file"
+    blocker.write_text("x")
+    res = _cli(settings.state_dir, "compare", "compare-headlines", "--out", str(blocker / "sub"))
+    assert res.exit_code != 0 and "cannot create the directory" in res.output and "Traceback" not in res.output

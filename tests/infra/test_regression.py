@@ -1,7 +1,8 @@
 """The latest run against the best earlier run of the same parameters, on the session's real MLflow
-server: which runs count as earlier (same key, FINISHED, started before), which one is best (in the
-first headline's direction), and when a regression is flagged."""
+server: which runs count as earlier (same key, FINISHED, not the run itself), which one is best (in
+the first headline's direction), and when a regression is flagged."""
 
+import json
 import math
 import time
 import uuid
@@ -64,14 +65,17 @@ def test_best_earlier_run_of_the_same_key_and_regressions(stack):
     # nothing earlier for the very first run
     alone = compare_with_best_earlier(tracker, first, key, HEADLINES)
     assert alone.best_run_id is None and alone.earlier_runs == 0 and "no earlier run" in alone.lines()[0]
-    assert tracker.client.get_run(first).data.tags["paperline.regression"] == "none"
+    tags = tracker.client.get_run(first).data.tags
+    assert tags["paperline.regression"] == "none" and tags["paperline.best_earlier_run_id"] == ""
+    assert tags["paperline.regressed_metrics"] == ""
+    assert json.loads(tags["paperline.headlines"]) == [["throughput_gflop_per_s", True], ["wall_s", False]]
 
     best = run("best", {"throughput_gflop_per_s": 12.0, "wall_s": 5.0})
     run("failed-but-fast", {"throughput_gflop_per_s": 50.0, "wall_s": 1.0}, status="FAILED")
     run("other-params", {"throughput_gflop_per_s": 100.0, "wall_s": 1.0}, k=other)
     no_throughput = run("no-throughput", {"wall_s": 0.5})
     latest = run("latest", {"throughput_gflop_per_s": 11.5, "wall_s": 7.0}, status=None)  # still running
-    run("later", {"throughput_gflop_per_s": 90.0, "wall_s": 1.0})  # started after the latest
+    run("unfinished", {"throughput_gflop_per_s": 90.0, "wall_s": 1.0}, status=None)  # still running
 
     got = compare_with_best_earlier(tracker, latest, key, HEADLINES)
     assert got.best_run_id == best and got.earlier_runs == 2  # first and best have the ranking metric
@@ -92,3 +96,6 @@ def test_best_earlier_run_of_the_same_key_and_regressions(stack):
     # ranked by a metric to minimize: the smallest earlier value wins
     fastest = compare_with_best_earlier(tracker, latest, key, [Headline("wall_s", higher_is_better=False)])
     assert fastest.best_run_id == no_throughput and fastest.metrics[0].best == 0.5 and fastest.earlier_runs == 3
+
+    # a run that ended before a reopened run (a resumed campaign) counts as earlier; the run itself never
+    assert compare_with_best_earlier(tracker, first, key, HEADLINES).best_run_id == best
