@@ -1,7 +1,6 @@
 """`paperline compare` on an experiment with several runs: the table, the overlay plot, the
 Parquet of runs, the logged comparison, and bad input."""
 
-import os
 
 import pyarrow.parquet as pq
 import pytest

@@ -3,7 +3,6 @@ the campaign's results equal an in-process run of the same seeded campaign, MLfl
 run per campaign with one child run per evaluation and the artifacts, S3 holds the checkpoint, and
 a campaign killed mid-run resumes to the same result."""
 
-import io
 import json
 import os
 import signal
@@ -11,7 +10,6 @@ import subprocess
 import sys
 import time
 
-import numpy as np
 import pytest
 
 pytestmark = [pytest.mark.stack, pytest.mark.filterwarnings("ignore")]
