@@ -817,6 +817,23 @@ class CompressorState:
         """The hyperparameters, as :func:`make_hook` takes them."""
         return {}
 
+    def memory_state(self) -> dict[str, Any]:
+        """The compressor's memory a checkpoint keeps (error-feedback residuals, PowerSGD's
+        factors), as CPU tensors keyed by bucket index; empty for memoryless compressors."""
+        return {}
+
+    def load_memory_state(self, memory: dict[str, Any], device: Any) -> list[int]:
+        """Restore :meth:`memory_state` on ``device`` after a restart.
+
+        The step counter is not restored: the warm-up steps (``start_iter`` >= 2 whenever there
+        is memory) run again while DDP rebuilds its buckets, so the residuals, kept per rebuilt
+        bucket, apply to the same buckets as before the restart.
+
+        Returns:
+            The bucket indices restored.
+        """
+        return []
+
     def __repr__(self) -> str:
         opts = ", ".join(f"{k}={v!r}" for k, v in self.options().items())
         return f"{type(self).__name__}({opts}; step={self.step})"
@@ -840,6 +857,16 @@ class _ResidualMixin:
 
         bad = (~finite).to(torch.int64)
         self._nonfinite = bad if self._nonfinite is None else self._nonfinite + bad.to(self._nonfinite.device)
+
+    def memory_state(self) -> dict[str, Any]:
+        return {"residuals": {int(k): v.detach().cpu().clone() for k, v in self.residuals.items()},
+                "bucket_n": dict(getattr(self, "_bucket_n", {}))}
+
+    def load_memory_state(self, memory: dict[str, Any], device: Any) -> list[int]:
+        self.residuals = {int(k): v.to(device) for k, v in (memory.get("residuals") or {}).items()}
+        if hasattr(self, "_bucket_n"):
+            self._bucket_n.update({int(k): int(v) for k, v in (memory.get("bucket_n") or {}).items()})
+        return sorted(self.residuals)
 
     def _residual(self, index: int, shape: tuple[int, ...], like: "torch.Tensor", dtype: "torch.dtype"):
         import torch
@@ -1121,6 +1148,17 @@ class PowerSGDCompressorState(CompressorState):
 
     def options(self) -> dict[str, Any]:
         return {**{name: getattr(self.powersgd, name) for name in self._OPTIONS}, "random_seed": self.random_seed}
+
+    _MEMORY = ("error_dict", "p_memory_dict", "q_memory_dict")
+
+    def memory_state(self) -> dict[str, Any]:
+        return {name: {int(k): v.detach().cpu().clone() for k, v in getattr(self.powersgd, name).items()}
+                for name in self._MEMORY}
+
+    def load_memory_state(self, memory: dict[str, Any], device: Any) -> list[int]:
+        for name in self._MEMORY:
+            setattr(self.powersgd, name, {int(k): v.to(device) for k, v in (memory.get(name) or {}).items()})
+        return sorted(self.powersgd.error_dict or self.powersgd.p_memory_dict)
 
     @staticmethod
     def hook(state, bucket):

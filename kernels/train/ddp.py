@@ -152,7 +152,9 @@ def train_rank(rank: int, world_size: int, init_method: str, cfg: TrainConfig, *
 
     Returns:
         ``{"rank", "world_size", "epochs": [per-epoch records], "skipped_steps": [global step
-        indices], "params_count", "dense_bytes_per_step", "config"}``. Epoch records hold
+        indices], "params_count", "dense_bytes_per_step", "config", "restored_memory_buckets"
+        (the buckets whose compressor memory, e.g. error-feedback residuals, came back from the
+        checkpoint)}``. Epoch records hold
         ``epoch``, ``train_loss`` (mean over ranks and steps), ``test_accuracy_pct``,
         ``bytes_sent_per_step`` (this rank's payload), ``compression_ratio``, ``compress_s`` and
         ``decompress_s`` (per step), ``step_s`` (mean), ``epoch_s``, ``wall_s`` (since the run
@@ -192,11 +194,12 @@ def train_rank(rank: int, world_size: int, init_method: str, cfg: TrainConfig, *
         opt = torch.optim.SGD(params, lr=cfg.lr, momentum=cfg.momentum, weight_decay=cfg.weight_decay)
         epochs: list[dict[str, Any]] = []
         skipped: list[int] = []
-        start_epoch, wall0 = 0, 0.0
+        start_epoch, wall0, restored = 0, 0.0, []
         if resume_bytes is not None:
             ck = torch.load(io.BytesIO(resume_bytes), map_location=dev, weights_only=False)
             model.load_state_dict(ck["model"])
             opt.load_state_dict(ck["optimizer"])
+            restored = state.load_memory_state(ck.get("compressor_memory") or {}, dev)
             start_epoch, epochs, skipped = ck["epoch"] + 1, ck["epochs"], ck["skipped_steps"]
             wall0 = epochs[-1]["wall_s"] if epochs else 0.0
         x_train, y_train = torch.from_numpy(np.array(data.x_train)), torch.from_numpy(np.array(data.y_train))
@@ -269,6 +272,7 @@ def train_rank(rank: int, world_size: int, init_method: str, cfg: TrainConfig, *
             if save_checkpoint is not None:
                 buf = io.BytesIO()
                 torch.save({"model": model.state_dict(), "optimizer": opt.state_dict(), "epoch": epoch,
+                            "compressor_memory": state.memory_state(),
                             "epochs": epochs, "skipped_steps": skipped, "config": cfg.as_dict(), "rank": rank,
                             "world_size": world_size}, buf)
                 save_checkpoint(epoch, buf.getvalue())
@@ -279,7 +283,8 @@ def train_rank(rank: int, world_size: int, init_method: str, cfg: TrainConfig, *
             sweep = allreduce_sweep(collectives_sizes, device=dev)
         dist.barrier()
         return {"rank": rank, "world_size": world_size, "epochs": epochs, "skipped_steps": skipped,
-                "params_count": sum(p.numel() for p in params), "config": cfg.as_dict(), "collectives": sweep}
+                "params_count": sum(p.numel() for p in params), "config": cfg.as_dict(), "collectives": sweep,
+                "restored_memory_buckets": restored}
     finally:
         dist.destroy_process_group()
 

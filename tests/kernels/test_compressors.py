@@ -255,6 +255,19 @@ def test_make_hook_forwards_every_option_and_states_pickle_without_the_group(nam
     assert clone.process_group is None and clone.options() == state.options()
     if hasattr(state, "residuals"):
         assert torch.equal(clone.residuals[0], torch.ones(3))
+    # the memory a checkpoint keeps comes back in a fresh state (what a resumed rank does)
+    if name == "powersgd":
+        state.powersgd.error_dict[1] = torch.ones(2)
+        state.powersgd.q_memory_dict[1] = torch.full((2, 1), 3.0)
+    fresh, _ = C.make_hook(name, **options)
+    restored = fresh.load_memory_state(pickle.loads(pickle.dumps(state.memory_state())), "cpu")
+    if hasattr(state, "residuals"):
+        assert restored == [0] and torch.equal(fresh.residuals[0], torch.ones(3)) and fresh.step == 0
+    elif name == "powersgd":
+        assert restored == [1] and torch.equal(fresh.powersgd.q_memory_dict[1], torch.full((2, 1), 3.0))
+        assert fresh.powersgd.iter == 0  # the warm-up steps run again after a restart
+    else:
+        assert restored == [] and state.memory_state() == {}
 
 
 def _cuda_usable() -> bool:

@@ -73,6 +73,10 @@ def _worker(rank: int, port: int, out: str, mode: str) -> None:
     if mode == "resume":
         resume = Path(out, f"ck{rank}.pt").read_bytes()
     cfg = TrainConfig(**CFG, nan_steps=(2,))
+    if mode.startswith("fft"):  # error feedback: the residuals travel with the checkpoint
+        cfg = TrainConfig(**{**CFG, "compressor": "fft", "compressor_options": {"theta": 0.3, "error_feedback": True}})
+        if mode == "fft-resume":
+            resume = Path(out, f"fftck{rank}.pt").read_bytes()
     if mode == "isgd":  # a 3-loss chart flags noisy batches; a small lr leaves a flagged batch above the limit
         cfg = TrainConfig(**{**CFG, "max_steps_per_epoch": 12, "lr": 0.002}, isgd=True, isgd_window=3, isgd_stop=2,
                           isgd_lr=0.05)
@@ -80,6 +84,8 @@ def _worker(rank: int, port: int, out: str, mode: str) -> None:
                    save_checkpoint=lambda e, b: saved.__setitem__(e, b))
     if mode == "full":
         Path(out, f"ck{rank}.pt").write_bytes(saved[0])
+    if mode == "fft-full":
+        Path(out, f"fftck{rank}.pt").write_bytes(saved[0])
     torch.save({"result": r, "final": saved[max(saved)]}, Path(out, f"{mode}{rank}.pt"))
 
 
@@ -106,6 +112,24 @@ def test_two_ranks_skip_a_nan_step_and_resume_from_a_checkpoint_to_the_same_weig
     for k in w[0]:
         if w[0][k].is_floating_point():
             torch.testing.assert_close(w2[k], w[0][k], rtol=1e-5, atol=1e-6)
+
+
+def test_error_feedback_residuals_are_checkpointed_and_restored(tmp_path, free_port, run_ranks):
+    """fft with error feedback: each rank's epoch-0 checkpoint holds its own per-bucket residual
+    spectra, and a run resumed from it restores them (applied after the warm-up steps, once DDP has
+    rebuilt its buckets) instead of restarting from zero."""
+    full = _spawn(run_ranks, tmp_path, "fft-full", free_port())
+    memory = [torch.load(tmp_path / f"fftck{r}.pt", weights_only=False)["compressor_memory"] for r in range(2)]
+    for m in memory:
+        assert m["residuals"] and all(v.is_complex() and torch.isfinite(v).all() for v in m["residuals"].values())
+        assert any(v.abs().max() > 0 for v in m["residuals"].values())
+    assert not torch.equal(memory[0]["residuals"][0], memory[1]["residuals"][0])  # each rank its own
+    resumed = _spawn(run_ranks, tmp_path, "fft-resume", free_port())
+    for r in range(2):
+        assert resumed[r]["result"]["restored_memory_buckets"] == sorted(memory[r]["residuals"])
+        assert full[r]["result"]["restored_memory_buckets"] == []
+    assert [x["epoch"] for x in resumed[0]["result"]["epochs"]] == [0, 1]
+    assert np.isfinite(resumed[0]["result"]["epochs"][-1]["train_loss"])
 
 
 if __name__ == "__main__" and len(sys.argv) > 1 and sys.argv[1] == "--worker":
