@@ -41,9 +41,15 @@ def configure_local_workers() -> None:
     dask.config.set({"distributed.nanny.pre-spawn-environ": kept})
 
 
+# Imported by every local worker as it starts (Dask's worker ``preload``), while the flow process
+# is still setting up its run, instead of on the worker's first task: Prefect's task engine and
+# paperline's task package (which installs the task log filter).
+WORKER_PRELOAD = ["prefect.task_engine", "paperline.tasks"]
+
+
 def _local_cpu_kwargs(settings: Settings) -> dict[str, Any]:
     return {
-
+        "preload": list(WORKER_PRELOAD),
         "n_workers": settings.n_workers or os.cpu_count() or 1,
         "threads_per_worker": 1,
         "processes": True,
@@ -54,7 +60,7 @@ def _local_cpu_kwargs(settings: Settings) -> dict[str, Any]:
 
 def _local_cuda_kwargs(settings: Settings) -> dict[str, Any]:
     kwargs: dict[str, Any] = {
-
+        "preload": list(WORKER_PRELOAD),
         "threads_per_worker": 1,
         "host": "127.0.0.1",
         "dashboard_address": "127.0.0.1:0",

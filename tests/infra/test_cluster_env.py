@@ -27,3 +27,14 @@ def test_importing_a_flow_changes_no_dask_config():
             "import paperline.flows.gemm, paperline.flows.tensor_factorization; "
             "assert dict(dask.config.get('distributed.nanny.pre-spawn-environ')) == before, 'changed'")
     subprocess.run([sys.executable, "-c", code], check=True, timeout=120)
+
+
+def test_local_workers_preload_the_task_engine_before_any_task():
+    from paperline.infra.cluster import _local_cpu_kwargs
+    from paperline.infra.settings import Settings
+
+    kwargs = {**_local_cpu_kwargs(Settings(n_workers=1)), "dashboard_address": None}
+    with LocalCluster(**kwargs) as c, Client(c) as client:
+        client.wait_for_workers(1)
+        loaded = client.run(lambda: [m in __import__("sys").modules for m in ("prefect.task_engine", "paperline.tasks")])
+    assert list(loaded.values()) == [[True, True]]
