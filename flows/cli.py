@@ -20,7 +20,8 @@ from paperline.infra.errors import PaperlineError
 from paperline.kernels.errors import InputError as KernelInputError
 
 app = typer.Typer(help="paperline: systems papers as Prefect flows on Dask, tracked in MLflow, artifacts in S3.",
-                  no_args_is_help=True, add_completion=False, pretty_exceptions_enable=False)
+                  no_args_is_help=True, add_completion=False, pretty_exceptions_enable=False,
+                  rich_markup_mode="markdown")  # docstring lines reflow into paragraphs
 # Tables hold URLs: never narrower than 140 columns, even when piped (rich's default is 80).
 console = Console(width=max(140, Console().width))
 err_console = Console(stderr=True, width=max(140, Console(stderr=True).width))
