@@ -21,7 +21,7 @@ from prefect import flow
 from prefect.runtime import flow_run
 from pydantic import BaseModel, ConfigDict, Field
 
-from paperline.infra.cluster import configure_local_workers, default_task_runner
+from paperline.infra.cluster import configure_local_workers, default_task_runner, planned_worker_count
 from paperline.infra.device import resolve_device
 from paperline.infra.errors import InputError
 from paperline.infra.regression import Headline, check_latest
@@ -113,6 +113,10 @@ class CompressedTrainingParameters(BaseModel):
                                  exc.problem) from None
             except (TypeError, ValueError) as exc:  # e.g. int("abc") of a model option
                 raise InputError("model_options", self.model_options, f"{self.model}: {exc}") from None
+        workers = planned_worker_count(get_settings())  # before any cluster starts (else checked on it)
+        if workers is not None and self.world_size > workers:
+            raise InputError("world_size", self.world_size, f"larger than the number of Dask workers ({workers}); "
+                             "one rank runs per worker")
         data = load_dataset(self.dataset, n_train=self.n_train, seed=self.seed)
         per_rank = len(data.y_train) // self.world_size
         if per_rank < self.batch_size:

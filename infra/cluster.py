@@ -109,6 +109,17 @@ def default_task_runner() -> DaskTaskRunner | None:
         return None
 
 
+def planned_worker_count(settings: Settings) -> int | None:
+    """How many workers the cluster :func:`task_runner` starts will have, known before it starts:
+    the local CPU cluster's (``n_workers`` or one per core) or a CUDA cluster's configured
+    ``n_workers``; None for an existing scheduler or one worker per GPU (known once connected)."""
+    if settings.dask_scheduler_address:
+        return None
+    if resolve_device(settings.device) == "cuda":
+        return settings.n_workers
+    return settings.n_workers or os.cpu_count() or 1
+
+
 def describe_cluster(settings: Settings) -> str:
     """One line saying which cluster :func:`task_runner` will use (for the CLI).
 

@@ -153,6 +153,7 @@ def test_isgd_flags_the_same_batches_on_every_rank_and_keeps_them_identical(tmp_
     ({"fft_bits": 40}, "fft_bits=40"),
     ({"compressors": ["topk"], "topk_fraction": 2.0}, "topk_fraction=2.0: must be in (0, 1]"),
     ({"n_train": 40}, "n_train=40: 40 training examples over 2 ranks give 20 per rank, less than one batch of 32"),
+    ({"world_size": 512}, "world_size=512: larger than the number of Dask workers"),  # before any cluster starts
 ])
 def test_flow_parameters_are_refused_naming_the_flow_parameter(kw, message):
     from paperline.flows.compressed_training import CompressedTrainingParameters
