@@ -234,7 +234,8 @@ def _log_compressor(tracker: Tracker, parent: str, name: str, cfg: TrainConfig, 
     versus = check_latest(tracker, child, identity, HEADLINES, label=name)
     tracker.end_run(child, "FINISHED")
     return {"name": name, "mlflow_run_id": child, "epochs": epochs, **final, "skipped_steps": r0["skipped_steps"],
-            "resumed_from": result["resumed_from"], "failures": result["failures"], "versus": versus}
+            "resumed_from": result["resumed_from"], "failures": result["failures"], "versus": versus.as_dict(),
+            "versus_lines": versus.lines(name)}
 
 
 def _summary(runs: list[dict[str, Any]], parent: str, tracker: Tracker, run_url: str, flow_run_id: str
@@ -254,8 +255,7 @@ def _summary(runs: list[dict[str, Any]], parent: str, tracker: Tracker, run_url:
             lines.append(f"{r['name']}: resumed after {len(r['failures'])} failure(s), from epochs "
                          f"{r['resumed_from'][1:]}: {r['failures'][0][:200]}")
     for r in runs:
-        lines += r["versus"].lines(r["name"])
-        r["versus"] = r["versus"].as_dict()
+        lines += r["versus_lines"]
     lines.append(f"MLflow parent run (plots: accuracy_vs_bytes.png, accuracy_vs_time.png): {tracker.run_url(parent)}")
     return {"runs": runs, "mlflow_run_id": parent, "mlflow_run_url": tracker.run_url(parent),
             "prefect_flow_run_id": flow_run_id, "prefect_flow_run_url": run_url, "lines": lines,

@@ -54,6 +54,8 @@ def test_mlflow_has_a_run_per_compressor_with_epoch_metrics_and_the_plots(traine
     client = Tracker(info.mlflow_tracking_uri).client
     names = {a.path for a in client.list_artifacts(summary["mlflow_run_id"])}
     assert {"accuracy_vs_bytes.png", "accuracy_vs_time.png", "comparison.json", "collectives_bandwidth.png"} <= names
+    logged = json.loads(open(client.download_artifacts(summary["mlflow_run_id"], "comparison.json")).read())
+    assert [r["versus"]["params_key"] for r in logged["runs"]] == [r["versus"]["params_key"] for r in summary["runs"]]
     sweep = summary["collectives"]
     assert [r["bytes"] for r in sweep] == [1024 * 4**i for i in range(7)]  # 1 KiB .. 4 MiB in x4 steps
     assert all(r["lp"]["algbw_bytes_per_s"] > 0 and r["backend"]["algbw_bytes_per_s"] > 0 for r in sweep)

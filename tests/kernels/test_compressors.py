@@ -426,28 +426,37 @@ CAPTURE = {
 }
 
 
-def _worker(rank: int, port: int, out: str) -> None:
+def _rank_main(rank: int, port: int, out: str, world: int, work) -> None:
+    """One gloo rank: join the group, save ``work()``'s result as ``rank<r>.pt``, leave together."""
     import torch.distributed as dist
 
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=WORLD)
-    results = {"capture": {k: _capture_run(*v) for k, v in CAPTURE.items()},
-               "train": {k: _train_run(k, v) for k, v in TRAIN.items()}}
-    torch.save(results, Path(out) / f"rank{rank}.pt")
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    torch.save(work(), Path(out) / f"rank{rank}.pt")
     dist.barrier()
     dist.destroy_process_group()
+
+
+def _worker(rank: int, port: int, out: str) -> None:
+    _rank_main(rank, port, out, WORLD, lambda: {"capture": {k: _capture_run(*v) for k, v in CAPTURE.items()},
+                                                "train": {k: _train_run(k, v) for k, v in TRAIN.items()}})
 
 
 # ---------------------------------------------------------------------------------------------------
 # distributed tests
 
 
+def _spawn(tmp_path_factory, free_port, run_ranks, flag: str, world: int) -> list[dict]:
+    """Run ``world`` gloo ranks of this file's ``flag`` worker; their saved results, by rank."""
+    out = tmp_path_factory.mktemp(f"compressors{world}")
+    port = free_port()
+    run_ranks(__file__, [[flag, str(r), str(port), str(out)] for r in range(world)], out)
+    return [torch.load(out / f"rank{r}.pt", weights_only=False) for r in range(world)]
+
+
 @pytest.fixture(scope="module")
 def ddp_results(tmp_path_factory, free_port, run_ranks):
-    out = tmp_path_factory.mktemp("compressors")
-    port = free_port()
-    run_ranks(__file__, [["--worker", str(r), str(port), str(out)] for r in range(WORLD)], out)
-    return [torch.load(out / f"rank{r}.pt", weights_only=False) for r in range(WORLD)]
+    return _spawn(tmp_path_factory, free_port, run_ranks, "--worker", WORLD)
 
 
 def _mean_local(run: dict, step: int) -> dict:
@@ -615,21 +624,12 @@ CAPTURE4 = {"none": ("none", {}, 2), "fft_dense": ("fft", {"theta": 1.0, "bits":
 
 
 def _worker4(rank: int, port: int, out: str) -> None:
-    import torch.distributed as dist
-
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=4)
-    torch.save({k: _capture_run(*v) for k, v in CAPTURE4.items()}, Path(out) / f"rank{rank}.pt")
-    dist.barrier()
-    dist.destroy_process_group()
+    _rank_main(rank, port, out, 4, lambda: {k: _capture_run(*v) for k, v in CAPTURE4.items()})
 
 
 @pytest.fixture(scope="module")
 def ddp4_results(tmp_path_factory, free_port, run_ranks):
-    out = tmp_path_factory.mktemp("compressors4")
-    port = free_port()
-    run_ranks(__file__, [["--worker4", str(r), str(port), str(out)] for r in range(4)], out)
-    return [torch.load(out / f"rank{r}.pt", weights_only=False) for r in range(4)]
+    return _spawn(tmp_path_factory, free_port, run_ranks, "--worker4", 4)
 
 
 def test_four_ranks_none_exact_fft_within_rounding_and_quantization_bound(ddp4_results):
