@@ -24,8 +24,8 @@ class Namespace:
     xp: Any
 
     def to_device(self, host: np.ndarray) -> Any:
-        """Copy a host array to the device (a no-op on CPU)."""
-        return host if self.device == "cpu" else self.xp.asarray(host)
+        """Copy a host array (possibly a strided view of a memory map) to the device (a no-op on CPU)."""
+        return host if self.device == "cpu" else self.xp.asarray(np.ascontiguousarray(host))
 
     def to_host(self, array: Any) -> np.ndarray:
         """Copy a device array to host memory (a no-op on CPU)."""

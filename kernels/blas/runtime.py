@@ -337,8 +337,8 @@ def run(problem: Problem, runtime: LocalRuntime | DaskRuntime | None = None, *, 
         peer_fetch: source kinds whose missing tiles are fetched from peers (default: S3,
             generated and output tiles on CPU, every kind on GPU).
         prefetch: load panel ``p+1`` on a second thread while panel ``p`` is multiplied (on a
-            CPU-only machine with local operands this measured neither faster nor slower: the
-            copy competes with a neighbouring worker's core; it pays on GPUs and with S3).
+            CPU-only machine a ``.npy`` tile is a view of the page cache, with nothing to copy;
+            it pays on GPUs, with S3 and with generated operands).
         spill_dir: where in-memory operands are written for a Dask runtime (default: a temp dir).
 
     Returns:

@@ -3,13 +3,16 @@ the execution of one :class:`~paperline.kernels.blas.plan.TileTask` (BLASX Sec. 
 
 Each worker process keeps one :class:`WorkerState` per run: an LRU cache of operand tiles on its
 device bounded in bytes (the memory budget), a one-thread prefetcher that loads panel ``p+1``
-while panel ``p`` is multiplied, and counters of what moved where. A tile missing from the cache
+while panel ``p`` is multiplied, reused scratch buffers for panel products, and counters of what
+moved where. On CPU a tile of a ``.npy`` operand is a read-only view of the file's memory map
+(the cache then bounds how many such views a worker keeps; the page cache holds the bytes). A tile missing from the cache
 comes from a peer worker that holds it when the driver says one does and peer fetch pays
 (:attr:`RunContext.peer_fetch`), else from its source (host memory, a memory-mapped file, S3).
 """
 
 from __future__ import annotations
 
+import os
 import threading
 import time
 from collections import OrderedDict
@@ -132,6 +135,53 @@ class Counters:
         return dict(self.__dict__)
 
 
+class OutputFile:
+    """Writes tiles into a C-ordered ``.npy`` file with ``pwrite``, one call per tile row.
+
+    Through a shared writable memory map every 4 KiB page of a new tile faults (measured: 33-47
+    ms per 32 MiB tile against 18-20 ms with ``pwrite``), and ``pwrite`` needs no mapping.
+
+    Raises:
+        OSError: the file cannot be opened or a write comes up short (a full disk).
+    """
+
+    def __init__(self, path: str):
+        with open(path, "rb") as f:
+            version = np.lib.format.read_magic(f)
+            read_header = np.lib.format.read_array_header_1_0 if version == (1, 0) \
+                else np.lib.format.read_array_header_2_0
+            shape, fortran, dtype = read_header(f)
+            self.offset = f.tell()
+        if fortran or len(shape) != 2:
+            raise ValueError(f"{path}: expected a C-ordered 2-D .npy file")
+        self.path, self.shape, self.dtype = path, shape, np.dtype(dtype)
+        self.fd = os.open(path, os.O_WRONLY)
+
+    def write(self, r0: int, c0: int, tile: np.ndarray) -> None:
+        """Store ``tile`` at rows ``r0:``, columns ``c0:`` of the matrix."""
+        tile = np.ascontiguousarray(tile, dtype=self.dtype)
+        rows, cols = tile.shape
+        item, n = self.dtype.itemsize, self.shape[1]
+        if c0 == 0 and cols == n:
+            self._write_all(tile, self.offset + r0 * n * item)
+            return
+        for r in range(rows):
+            self._write_all(tile[r], self.offset + ((r0 + r) * n + c0) * item)
+
+    def _write_all(self, data: np.ndarray, offset: int) -> None:
+        view = memoryview(data).cast("B")
+        while view:
+            written = os.pwrite(self.fd, view, offset)
+            if written <= 0:
+                raise OSError(f"{self.path}: short write at byte {offset}")
+            view, offset = view[written:], offset + written
+
+    def close(self) -> None:
+        if self.fd >= 0:
+            os.close(self.fd)
+            self.fd = -1
+
+
 @dataclass
 class WorkerState:
     ctx: RunContext
@@ -140,13 +190,36 @@ class WorkerState:
     prefetcher: ThreadPoolExecutor
     counters: Counters = field(default_factory=Counters)
     lock: threading.Lock = field(default_factory=threading.Lock)
-    output: np.ndarray | None = None
+    output: OutputFile | None = None
+    free: dict[tuple, list] = field(default_factory=dict)
+
+    def close(self) -> None:
+        self.prefetcher.shutdown(wait=False)
+        if self.output is not None:
+            self.output.close()
+
+    def take(self, shape: tuple[int, int], dtype: np.dtype) -> Any:
+        """A scratch tile buffer (reused across tasks: a fresh 32 MiB buffer costs 40-60 ms of page
+        faults here, a tenth of the product it holds)."""
+        with self.lock:
+            stack = self.free.get((shape, np.dtype(dtype)))
+            if stack:
+                return stack.pop()
+        return self.ns.xp.empty(shape, dtype)
+
+    def give(self, buffer: Any) -> None:
+        """Return a buffer from :meth:`take` (at most :data:`FREE_BUFFERS` kept per shape)."""
+        with self.lock:
+            stack = self.free.setdefault((buffer.shape, buffer.dtype), [])
+            if len(stack) < FREE_BUFFERS:
+                stack.append(buffer)
 
 
 _STATES: dict[str, WorkerState] = {}
 _STATES_LOCK = threading.Lock()
 
 
+FREE_BUFFERS = 2  # scratch buffers a run keeps per tile shape and process (product, accumulator)
 MAX_RUN_STATES = 8  # runs a process keeps tile caches for (a run's finish releases its own)
 
 
@@ -160,7 +233,7 @@ def worker_state(ctx: RunContext) -> WorkerState:
         state = _STATES.get(ctx.run_id)
         if state is None:
             while len(_STATES) >= MAX_RUN_STATES:
-                _STATES.pop(next(iter(_STATES))).prefetcher.shutdown(wait=False)
+                _STATES.pop(next(iter(_STATES))).close()
             state = WorkerState(ctx, namespace(ctx.device), TileCache(ctx.memory_budget),
                                 ThreadPoolExecutor(max_workers=1, thread_name_prefix="paperline-prefetch"))
             _STATES[ctx.run_id] = state
@@ -171,7 +244,7 @@ def release_run(run_id: str | None = None) -> None:
     """Drop the cached tiles of ``run_id`` (every run when None) in this process."""
     with _STATES_LOCK:
         for key in [k for k in _STATES if run_id is None or k == run_id]:
-            _STATES.pop(key).prefetcher.shutdown(wait=False)
+            _STATES.pop(key).close()
 
 
 def peer_tile(run_id: str, key: TileKey) -> np.ndarray | None:
@@ -304,7 +377,7 @@ def execute(ctx: RunContext, task: TileTask, peers: dict[TileKey, str] | None = 
         return (load(state, pair[0], peers, peer_fetch, True),
                 load(state, pair[1], peers, peer_fetch, True))
 
-    acc = product = None
+    acc = product = pooled = None
     wait_s = multiply_s = 0.0
 
     def load_panel(q: int) -> Future | None:
@@ -322,10 +395,15 @@ def execute(ctx: RunContext, task: TileTask, peers: dict[TileKey, str] | None = 
         left, right = pending.result()
         t1 = time.perf_counter()
         pending = load_panel(q + 1)
-        if acc is None:
-            acc = left @ right
-        else:  # one product buffer per task: no allocation (and page faults) per panel
-            product = xp.empty_like(acc) if product is None else product
+        shape = (left.shape[0], right.shape[1])
+        if acc is None:  # the accumulator is a reused buffer when the tile leaves through a copy
+            if ctx.output_path is not None or ns.device != "cpu":
+                acc = pooled = state.take(shape, left.dtype)
+            else:  # the tile itself travels to the driver
+                acc = xp.empty(shape, left.dtype)
+            xp.matmul(left, right, out=acc)
+        else:  # one reused product buffer: no allocation (and page faults) per panel or task
+            product = state.take(shape, left.dtype) if product is None else product
             xp.matmul(left, right, out=product)
             acc += product
         wait_s += t1 - t0
@@ -364,11 +442,15 @@ def execute(ctx: RunContext, task: TileTask, peers: dict[TileKey, str] | None = 
     ns.synchronize()
     host = ns.to_host(acc)
     if ctx.output_path is not None:
-        if state.output is None:
-            state.output = np.load(ctx.output_path, mmap_mode="r+")
-        t = ctx.tile
-        state.output[task.out[0] * t:task.out[0] * t + rows, task.out[1] * t:task.out[1] * t + cols] = host
+        with state.lock:
+            if state.output is None:
+                state.output = OutputFile(ctx.output_path)
+        state.output.write(task.out[0] * ctx.tile, task.out[1] * ctx.tile, host)
         host = None
+    if product is not None:
+        state.give(product)
+    if pooled is not None and acc is pooled and task.solve is None:  # written out or copied to host
+        state.give(acc)
     added, evicted = state.cache.drain()
     after = state.counters.as_dict()
     return {"index": task.index, "out": task.out, "worker": worker, "start": start, "end": time.time(),

@@ -17,7 +17,7 @@ from paperline.kernels.blas.plan import make_problem, n_tiles, plan_tasks
 from paperline.kernels.blas.runtime import WORKING_SET_TILES, DaskRuntime, LocalityScheduler, OutputSource, run
 from paperline.kernels.blas.sources import NpySource, RandomSource, read_all
 from paperline.kernels.blas.verify import freivalds
-from paperline.kernels.blas.worker import RunContext, execute, release_run
+from paperline.kernels.blas.worker import _STATES, FREE_BUFFERS, OutputFile, RunContext, execute, release_run
 from paperline.kernels.errors import InputError
 
 M, N, K, TILE = 1000, 777, 513, 256
@@ -104,6 +104,57 @@ def test_out_of_core_run_equals_in_core(tmp_path, case):
     assert loads(res) == loads(in_core)
     assert res.counters["misses"] > in_core.counters["misses"]
     assert res.cache_hit_rate < in_core.cache_hit_rate
+
+
+def test_npy_tiles_are_read_only_views_of_the_map_and_big_endian_files_are_converted(tmp_path):
+    a = rand((300, 200), np.float64, 5)
+    np.save(tmp_path / "a.npy", a)
+    src = NpySource(tmp_path / "a.npy", "a")
+    tile = src.read(slice(100, 200), slice(50, 150))
+    assert type(tile) is np.ndarray and not tile.flags.writeable  # BLAS reads the page cache in place
+    assert np.shares_memory(tile, src.memmap())
+    np.testing.assert_array_equal(tile, a[100:200, 50:150])
+    np.save(tmp_path / "be.npy", a.astype(">f8"))
+    big = NpySource(tmp_path / "be.npy", "a")
+    tile = big.read(slice(100, 200), slice(50, 150))
+    assert tile.dtype == np.dtype("=f8") and not np.shares_memory(tile, big.memmap())
+    np.testing.assert_array_equal(tile, a[100:200, 50:150])
+
+
+def test_output_file_writes_edge_and_full_width_tiles_in_place(tmp_path):
+    path = str(tmp_path / "c.npy")
+    np.lib.format.open_memmap(path, mode="w+", dtype=np.float32, shape=(70, 50)).flush()
+    want = np.zeros((70, 50), np.float32)
+    out = OutputFile(path)
+    for r0, c0, rows, cols in [(0, 0, 32, 32), (64, 32, 6, 18), (32, 0, 32, 50)]:
+        tile = rand((rows, cols), np.float32, r0 + c0)
+        out.write(r0, c0, tile.T.copy().T)  # a Fortran-ordered tile is written row by row all the same
+        want[r0:r0 + rows, c0:c0 + cols] = tile
+    out.close()
+    np.testing.assert_array_equal(np.load(path), want)
+    np.save(tmp_path / "f.npy", np.asfortranarray(want))
+    with pytest.raises(ValueError, match="C-ordered"):
+        OutputFile(str(tmp_path / "f.npy"))
+
+
+def test_scratch_buffers_are_reused_across_tasks_but_never_the_returned_tile(tmp_path):
+    arrays = CASES["gemm-fp64"][2](np.float64)
+    problem = make_problem("gemm", **_save(tmp_path, arrays), alpha=ALPHA, beta=BETA, trans_a="T", tile=TILE)
+    ctx = RunContext("scratch-" + uuid.uuid4().hex, {**problem.operands(), "x": OutputSource(
+        problem.out_shape, problem.dtype, "scratch", None)}, TILE)
+    tiles = [execute(ctx, task)["tile"] for task in plan_tasks(problem)]
+    try:
+        state = _STATES[ctx.run_id]
+        assert all(len(stack) <= FREE_BUFFERS for stack in state.free.values())
+        pooled = [id(b) for stack in state.free.values() for b in stack]
+        assert pooled and not any(id(t) in pooled for t in tiles)  # a returned tile is never scratch
+        assert len({id(t) for t in tiles}) == len(tiles)
+    finally:
+        release_run(ctx.run_id)
+    local = run(problem)
+    for task, tile in zip(plan_tasks(problem), tiles):
+        i, j = task.out
+        np.testing.assert_array_equal(tile, local.output[i * TILE:i * TILE + tile.shape[0], j * TILE:j * TILE + tile.shape[1]])
 
 
 def test_memory_budget_boundary():
