@@ -6,7 +6,7 @@ import pytest
 from paperline.kernels.errors import InputError
 from paperline.kernels.tensor.coo import random_split
 from paperline.kernels.tensor.p2t2f import SerialExecutor, consensus_update, LocalState, p2t2f, split_tensor
-from paperline.kernels.tensor.pttf import als
+from paperline.kernels.tensor.pttf import _other_modes, _row_normal_equations, als, objective
 
 
 
@@ -100,12 +100,29 @@ def test_bad_hyperparameters(problem, kwargs, argument):
 
 def test_objective_from_the_workers_matches_the_driver(problem):
     # Epoch t's objective comes from the sub-problems of round t+1; a run stopped at epoch t
-    # computes it on the driver instead. Same trajectory, so they must agree.
+    # computes it on the driver instead, after the closing exact solve of the private rows, which
+    # cannot increase Eq. (4). Same trajectory before that.
     split, _ = problem
     long = p2t2f(split.train, 3, n_parts=2, n_epochs=3, batch_size=256, seed=2).history.objective
     for t in (1, 2):
-        short = p2t2f(split.train, 3, n_parts=2, n_epochs=t, batch_size=256, seed=2).history.objective
-        assert short[-1] == pytest.approx(long[t - 1], rel=1e-12)
+        fit = p2t2f(split.train, 3, n_parts=2, n_epochs=t, batch_size=256, seed=2)
+        short = fit.history.objective
+        np.testing.assert_allclose(short[:-1], long[:t - 1], rtol=1e-12)
+        assert short[-1] == pytest.approx(objective(fit.factors.factors, split.train, 1.0, 10.0), rel=1e-12)
+        assert short[-1] < long[t - 1]
+
+
+def test_the_closing_step_solves_the_private_rows_exactly_at_the_consensus(problem):
+    split, _ = problem
+    fit = p2t2f(split.train, 3, n_parts=2, n_epochs=4, batch_size=256, seed=1, split_mode=0)
+    factors = fit.factors.factors
+    gram, rhs = _row_normal_equations(split.train.coords[:, 0], _other_modes(factors, split.train.coords, 0),
+                                      split.train.values, factors[0].shape[0])
+    exact = np.linalg.solve(gram + np.eye(3), rhs[..., None])[..., 0]  # lam = 1
+    np.testing.assert_allclose(factors[0], exact, rtol=1e-9, atol=1e-12)  # already at the U-block optimum
+    # and the other modes are the consensus: moving U alone no longer lowers Eq. (4)
+    moved = [factors[0] * 1.01] + list(factors[1:])
+    assert objective(moved, split.train, 1.0, 10.0) > fit.history.objective[-1]
 
 
 def test_the_largest_mode_is_split_and_the_factors_come_back_in_order(low_rank_tensor):
