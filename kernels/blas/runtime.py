@@ -15,6 +15,7 @@ from __future__ import annotations
 import os
 import shutil
 import tempfile
+import threading
 import time
 import uuid
 from collections import defaultdict
@@ -275,6 +276,9 @@ class DaskRuntime:
             raise RuntimeError("the Dask cluster has no workers")
         self._workers = sorted(workers) if workers else known
         self._ac = None
+        self._lock = threading.Lock()
+
+    liveness_s = 2.0  # how often a waiting driver checks that the run's workers are still there
 
     def workers(self) -> list[str]:
         return list(self._workers)
@@ -282,8 +286,16 @@ class DaskRuntime:
     def start(self, ctx: RunContext) -> None:
         from distributed import as_completed  # noqa: PLC0415
 
-        self.client.run(_install_peer_handler, workers=self._workers)
-        self._ac = as_completed(loop=self.client.loop)
+        with self._lock:
+            if self._ac is not None:
+                raise RuntimeError("this DaskRuntime is driving another run: use one DaskRuntime per concurrent run")
+            self._ac = as_completed(loop=self.client.loop)
+        try:
+            self._check_workers()
+            self.client.run(_install_peer_handler, workers=self._workers)
+        except BaseException:
+            self._ac = None
+            raise
 
     def submit(self, worker: str, ctx: RunContext, task: TileTask, peers: dict) -> Any:
         fut = self.client.submit(_execute_on_dask_worker, ctx, task, peers, workers=[worker],
@@ -292,10 +304,31 @@ class DaskRuntime:
         return None
 
     def wait_any(self) -> dict[str, Any]:
+        """The next finished task's result.
+
+        Raises:
+            InputError: the task met bad input.
+            RuntimeError: one of the run's workers left the cluster (crashed, restarted or was
+                retired): its tasks are bound to it and would wait forever.
+        """
+        check_at = time.monotonic() + self.liveness_s
+        while not self._ac.has_ready():
+            with self._ac.thread_condition:  # notified as soon as a future completes
+                self._ac.thread_condition.wait(timeout=0.1)
+            if not self._ac.has_ready() and time.monotonic() >= check_at:
+                self._check_workers()
+                check_at = time.monotonic() + self.liveness_s
         result = next(self._ac).result()
         if "input_error" in result:
             raise result["input_error"]
         return result
+
+    def _check_workers(self) -> None:
+        alive = set(self.client.scheduler_info(n_workers=-1)["workers"])
+        lost = sorted(set(self._workers) - alive)
+        if lost:
+            raise RuntimeError(f"worker(s) {', '.join(lost)} left the Dask cluster during the run (crashed or "
+                               "restarted); tile tasks are bound to their worker, so the run is abandoned")
 
     def cancel(self) -> None:
         if self._ac is not None:
@@ -304,7 +337,11 @@ class DaskRuntime:
             self.client.cancel(futures)
 
     def finish(self, ctx: RunContext) -> None:
-        self.client.run(_release_on_worker, ctx.run_id, workers=self._workers)
+        self._ac = None
+        alive = set(self.client.scheduler_info(n_workers=-1)["workers"])
+        present = [w for w in self._workers if w in alive]  # a call to a lost worker never returns
+        if present:
+            self.client.run(_release_on_worker, ctx.run_id, workers=present)
 
 
 def check_memory_budget(problem: Problem, memory_budget: int) -> None:

@@ -39,8 +39,9 @@ class TileSource(Protocol):
     kind: str
 
     def read(self, rows: slice, cols: slice) -> np.ndarray:
-        """The host array ``M[rows, cols]``: a copy, or a read-only view into a memory map whose
-        last axis is contiguous (BLAS reads it in place). Callers never write to it."""
+        """The host array ``M[rows, cols]``: a copy, or a read-only view into a memory map (BLAS
+        reads it in place; a Fortran-ordered file gives column-contiguous views). Callers never
+        write to it."""
         ...
 
 
@@ -112,7 +113,8 @@ class NpySource:
         if stat.st_size < need:
             raise InputError(argument, str(path), f"truncated: {stat.st_size} bytes, the header promises {need}")
         self.fortran_order = bool(fortran)
-        self.key = f"file:{self.path}:{stat.st_mtime_ns}:{stat.st_size}"
+        # The inode too: a file replaced by rename keeps path, size and (cp -p, rsync -a) mtime.
+        self.key = f"file:{self.path}:{stat.st_dev}:{stat.st_ino}:{stat.st_mtime_ns}:{stat.st_size}"
         self._map: np.ndarray | None = None
 
     def __getstate__(self) -> dict[str, Any]:

@@ -192,6 +192,8 @@ class WorkerState:
     lock: threading.Lock = field(default_factory=threading.Lock)
     output: OutputFile | None = None
     free: dict[tuple, list] = field(default_factory=dict)
+    active: int = 0  # tasks of this run executing in this process now
+    retired: bool = False  # released or evicted: closed when its last task ends
 
     def close(self) -> None:
         self.prefetcher.shutdown(wait=False)
@@ -223,28 +225,47 @@ FREE_BUFFERS = 2  # scratch buffers a run keeps per tile shape and process (prod
 MAX_RUN_STATES = 8  # runs a process keeps tile caches for (a run's finish releases its own)
 
 
+def _retire(state: WorkerState) -> None:
+    """Close ``state`` now if no task of its run is executing, else when the last one ends (its
+    prefetcher and output file stay valid for the tasks still using them). Under ``_STATES_LOCK``."""
+    state.retired = True
+    if state.active == 0:
+        state.close()
+
+
 def worker_state(ctx: RunContext) -> WorkerState:
-    """This process's state for ``ctx.run_id`` (created on first use).
+    """This process's state for ``ctx.run_id`` (created on first use), counted as in use by one
+    more task until :func:`task_done`.
 
     Concurrent runs each keep their own state; beyond :data:`MAX_RUN_STATES` (runs whose driver
-    died before releasing them) the oldest is dropped.
+    died before releasing them) the oldest state no task is using is dropped.
     """
     with _STATES_LOCK:
         state = _STATES.get(ctx.run_id)
         if state is None:
-            while len(_STATES) >= MAX_RUN_STATES:
-                _STATES.pop(next(iter(_STATES))).close()
+            idle = [k for k, s in _STATES.items() if s.active == 0]
+            while len(_STATES) >= MAX_RUN_STATES and idle:
+                _retire(_STATES.pop(idle.pop(0)))
             state = WorkerState(ctx, namespace(ctx.device), TileCache(ctx.memory_budget),
                                 ThreadPoolExecutor(max_workers=1, thread_name_prefix="paperline-prefetch"))
             _STATES[ctx.run_id] = state
+        state.active += 1
         return state
+
+
+def task_done(state: WorkerState) -> None:
+    """A task that called :func:`worker_state` has ended (closes a retired state it was the last user of)."""
+    with _STATES_LOCK:
+        state.active -= 1
+        if state.retired and state.active == 0:
+            state.close()
 
 
 def release_run(run_id: str | None = None) -> None:
     """Drop the cached tiles of ``run_id`` (every run when None) in this process."""
     with _STATES_LOCK:
         for key in [k for k in _STATES if run_id is None or k == run_id]:
-            _STATES.pop(key).close()
+            _retire(_STATES.pop(key))
 
 
 def peer_tile(run_id: str, key: TileKey) -> np.ndarray | None:
@@ -369,6 +390,14 @@ def execute(ctx: RunContext, task: TileTask, peers: dict[TileKey, str] | None = 
     """
     start = time.time()
     state = worker_state(ctx)
+    try:
+        return _execute(state, ctx, task, peers, peer_fetch, worker, start)
+    finally:
+        task_done(state)
+
+
+def _execute(state: WorkerState, ctx: RunContext, task: TileTask, peers: dict[TileKey, str] | None,
+             peer_fetch: PeerFetch | None, worker: str, start: float) -> dict[str, Any]:
     ns, xp = state.ns, state.ns.xp
     peers = peers or {}
     before = state.counters.as_dict()

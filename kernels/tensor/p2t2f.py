@@ -533,5 +533,6 @@ def p2t2f(tensor: COOTensor, rank: int, *, n_parts: int = 2, lam: float = 1.0, l
     row["objective"] = objective([u] + consensus, tensor, lam, lam_t)
     if validation is not None:
         row["validation_rmse"] = rmse([u] + consensus, validation)
+    row["wall_seconds"] = time.perf_counter() - start  # the closing step included
     record(row)
     return FitResult(CPFactors([u.copy()] + [z.copy() for z in consensus]), history)

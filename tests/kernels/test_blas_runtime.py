@@ -6,6 +6,8 @@ scheduling, peer fetch, cleanup after failures, and the Dask runtime on a two-pr
 from __future__ import annotations
 
 import os
+import signal
+import time
 import uuid
 import warnings
 from pathlib import Path
@@ -470,3 +472,92 @@ def test_with_and_without_prefetch_the_result_and_records_agree(prefetch):
         assert isinstance(r["start"], float) and r["end"] >= r["start"]
         assert r["multiply_s"] > 0 and r["wait_s"] >= 0
     assert 0 < result.busy_fraction()["local"] <= 1.0 + 1e-9
+
+
+def test_a_run_state_in_use_is_neither_evicted_nor_closed_under_its_tasks(tmp_path, monkeypatch):
+    """Beyond MAX_RUN_STATES the oldest *idle* state is evicted; a released state whose tasks still
+    run keeps its prefetcher and output file until the last one ends."""
+    from paperline.kernels.blas import worker as w
+
+    monkeypatch.setattr(w, "MAX_RUN_STATES", 2)
+    p = make_problem("gemm", rand((64, 32), np.float64, 1), rand((32, 48), np.float64, 2), tile=32)
+    path = str(tmp_path / "c.npy")
+    np.lib.format.open_memmap(path, mode="w+", dtype=np.float64, shape=(64, 48)).flush()
+    ctxs = [_ctx(p, f"evict-{i}-" + uuid.uuid4().hex) for i in range(4)]
+    states = [w.worker_state(c) for c in ctxs[:3]]  # three runs, each with a task executing
+    try:
+        assert all(c.run_id in w._STATES for c in ctxs[:3]), "an in-use state was evicted"
+        w.task_done(states[0])
+        w.worker_state(ctxs[3])  # the idle one goes
+        assert ctxs[0].run_id not in w._STATES and states[0].retired
+        with pytest.raises(RuntimeError):
+            states[0].prefetcher.submit(int)  # closed
+        states[1].output = OutputFile(path)
+        w.release_run(ctxs[1].run_id)  # released while its task still runs
+        assert states[1].retired and states[1].prefetcher.submit(int).result() == 0
+        states[1].output.write(0, 0, np.ones((32, 32)))  # its output file is still open
+        w.task_done(states[1])
+        assert states[1].output.fd == -1
+    finally:
+        for c in ctxs:
+            release_run(c.run_id)
+    np.testing.assert_array_equal(np.load(path)[:32, :32], 1.0)
+
+
+def test_a_file_replaced_by_rename_with_the_same_size_and_mtime_is_read_anew(tmp_path):
+    a1, a2, b = rand((96, 64), np.float64, 1), rand((96, 64), np.float64, 2), rand((64, 40), np.float64, 3)
+    path, fresh = tmp_path / "a.npy", tmp_path / "a2.npy"
+    np.save(path, a1)
+    np.save(tmp_path / "b.npy", b)
+    first = run(make_problem("gemm", str(path), str(tmp_path / "b.npy"), tile=32)).output
+    st = os.stat(path)
+    np.save(fresh, a2)
+    os.utime(fresh, ns=(st.st_atime_ns, st.st_mtime_ns))  # as cp -p or rsync -a leave it
+    os.replace(fresh, path)
+    assert os.stat(path).st_size == st.st_size and os.stat(path).st_mtime_ns == st.st_mtime_ns
+    second = run(make_problem("gemm", str(path), str(tmp_path / "b.npy"), tile=32)).output
+    np.testing.assert_allclose(first, a1 @ b, rtol=1e-12)
+    np.testing.assert_allclose(second, a2 @ b, rtol=1e-12)
+
+
+def test_one_dask_runtime_drives_one_run_at_a_time(dask_client):
+    runtime = DaskRuntime(dask_client)
+    p = make_problem("gemm", rand((64, 32), np.float64, 1), rand((32, 48), np.float64, 2), tile=32)
+    ctx = _ctx(p, "busy-" + uuid.uuid4().hex)
+    runtime.start(ctx)
+    try:
+        with pytest.raises(RuntimeError, match="one DaskRuntime per concurrent run"):
+            runtime.start(_ctx(p, "second-" + uuid.uuid4().hex))
+    finally:
+        runtime.finish(ctx)
+    runtime.start(ctx)  # free again after finish
+    runtime.finish(ctx)
+
+
+def test_a_worker_lost_mid_run_fails_the_run_and_leaves_no_output(tmp_path):
+    """Tile tasks are bound to their worker: when it dies the driver must not wait forever."""
+    import threading
+
+    distributed = pytest.importorskip("distributed")
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="Port .* is already in use", category=UserWarning)
+        cluster = distributed.LocalCluster(n_workers=2, threads_per_worker=1, processes=True, host="127.0.0.1",
+                                           dashboard_address=None)
+    with cluster, distributed.Client(cluster) as client:
+        client.wait_for_workers(2, timeout=60)
+        runtime = DaskRuntime(client)
+        runtime.liveness_s = 0.5
+        victim = runtime.workers()[0]
+        problem = make_problem("gemm", RandomSource((1200, 1200), np.float64, seed=1),
+                               RandomSource((1200, 1200), np.float64, seed=2, stream=1), tile=60)
+
+        pid = client.run(os.getpid, workers=[victim])[victim]
+
+        def kill() -> None:
+            time.sleep(0.5)
+            os.kill(pid, signal.SIGKILL)
+
+        threading.Thread(target=kill, daemon=True).start()
+        with pytest.raises(RuntimeError, match="left the Dask cluster during the run"):
+            run(problem, runtime, output=str(tmp_path / "c.npy"))
+        assert os.listdir(tmp_path) == []
