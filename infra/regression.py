@@ -168,12 +168,10 @@ def compare_with_best_earlier(tracker: Tracker, run_id: str, key: str, headlines
         raise InputError("headlines", headlines, "name at least one metric")
     tracker.set_tags(run_id, {KEY_TAG: key, HEADLINES_TAG: json.dumps([[h.metric, h.higher_is_better]
                                                                        for h in headlines])})
-    client = tracker.client
-    run = tracker._call("get run", client.get_run, run_id)
+    run = tracker.get_run(run_id)
     latest = dict(run.data.metrics)
-    earlier = tracker._call(
-        "search runs", client.search_runs, [run.info.experiment_id],
-        filter_string=f"tags.`{KEY_TAG}` = '{key}' and attributes.status = 'FINISHED'",
+    earlier = tracker.search_runs(
+        [run.info.experiment_id], filter_string=f"tags.`{KEY_TAG}` = '{key}' and attributes.status = 'FINISHED'",
         order_by=["attributes.end_time DESC"], max_results=MAX_EARLIER)
     earlier = [r for r in earlier if r.info.run_id != run_id]
     rank = headlines[0]

@@ -300,10 +300,28 @@ class Tracker:
         from mlflow.exceptions import MlflowException  # noqa: PLC0415
 
         try:
-            run = self._call("get run", self.client.get_run, run_id)
+            run = self.get_run(run_id)
         except MlflowException:
             return False
         return run.info.lifecycle_stage != "deleted"
+
+    def get_run(self, run_id: str) -> Any:
+        """The ``mlflow.entities.Run`` with its parameters, metrics and tags.
+
+        Raises:
+            ServiceError: The tracking server is unreachable. MlflowException: no such run.
+        """
+        return self._call("get run", self.client.get_run, run_id)
+
+    def search_runs(self, experiment_ids: list[str], filter_string: str = "", order_by: list[str] | None = None,
+                    max_results: int = 1000) -> list[Any]:
+        """Runs matching an MLflow search filter (one page of at most ``max_results``).
+
+        Raises:
+            ServiceError: The tracking server is unreachable.
+        """
+        return list(self._call("search runs", self.client.search_runs, experiment_ids, filter_string=filter_string,
+                               order_by=order_by, max_results=max_results))
 
     def child_run_tags(self, experiment: str, parent_run_id: str) -> list[dict[str, str]]:
         """The tags of every child run of ``parent_run_id`` in ``experiment`` (all pages).
