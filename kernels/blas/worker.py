@@ -5,9 +5,10 @@ Each worker process keeps one :class:`WorkerState` per run: an LRU cache of oper
 device bounded in bytes (the memory budget), a one-thread prefetcher that loads panel ``p+1``
 while panel ``p`` is multiplied, reused scratch buffers for panel products, and counters of what
 moved where. On CPU a tile of a ``.npy`` operand is a read-only view of the file's memory map
-(the cache then bounds how many such views a worker keeps; the page cache holds the bytes). A tile missing from the cache
-comes from a peer worker that holds it when the driver says one does and peer fetch pays
-(:attr:`RunContext.peer_fetch`), else from its source (host memory, a memory-mapped file, S3).
+(the cache then bounds how many such views a worker keeps; the page cache holds the bytes). A
+tile missing from the cache comes from a peer worker that holds it when the driver says one does
+and peer fetch pays (:attr:`RunContext.peer_fetch`), else from its source (host memory, a
+memory-mapped file, S3).
 """
 
 from __future__ import annotations
