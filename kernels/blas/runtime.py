@@ -318,7 +318,13 @@ class DaskRuntime:
             if not self._ac.has_ready() and time.monotonic() >= check_at:
                 self._check_workers()
                 check_at = time.monotonic() + self.liveness_s
-        result = next(self._ac).result()
+        future = next(self._ac)
+        while True:  # a finished task's result lives on its worker: if that worker died, it is lost
+            try:
+                result = future.result(timeout=self.liveness_s)
+                break
+            except TimeoutError:
+                self._check_workers()
         if "input_error" in result:
             raise result["input_error"]
         return result

@@ -534,6 +534,7 @@ def test_one_dask_runtime_drives_one_run_at_a_time(dask_client):
     runtime.finish(ctx)
 
 
+@pytest.mark.timeout(180)
 def test_a_worker_lost_mid_run_fails_the_run_and_leaves_no_output(tmp_path):
     """Tile tasks are bound to their worker: when it dies the driver must not wait forever."""
     import threading
@@ -561,3 +562,20 @@ def test_a_worker_lost_mid_run_fails_the_run_and_leaves_no_output(tmp_path):
         with pytest.raises(RuntimeError, match="left the Dask cluster during the run"):
             run(problem, runtime, output=str(tmp_path / "c.npy"))
         assert os.listdir(tmp_path) == []
+
+        # A task that finished on a worker that then died: its result is lost with the worker
+        # (seen in CI: the driver waited on the lost result forever).
+        client.wait_for_workers(2, timeout=60)
+        runtime = DaskRuntime(client)
+        runtime.liveness_s = 0.5
+        victim = runtime.workers()[0]
+        runtime.start(_ctx(problem, "lost-" + uuid.uuid4().hex))
+        done = client.submit(dict, index=0, workers=[victim], allow_other_workers=False, pure=False)
+        distributed.wait(done)
+        runtime._ac.add(done)
+        os.kill(client.run(os.getpid, workers=[victim])[victim], signal.SIGKILL)
+        deadline = time.monotonic() + 30
+        while victim in client.scheduler_info(n_workers=-1)["workers"] and time.monotonic() < deadline:
+            time.sleep(0.1)
+        with pytest.raises(RuntimeError, match="left the Dask cluster"):
+            runtime.wait_any()
