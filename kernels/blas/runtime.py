@@ -30,6 +30,7 @@ from paperline.kernels.blas.sources import ArraySource, NpySource, TileSource
 from paperline.kernels.blas.worker import RunContext, TileKey, execute, peer_tile, release_run
 from paperline.kernels.errors import InputError
 
+PEER_FETCH_TIMEOUT_S = 10.0  # a peer fetch taking longer falls back to the tile's source
 WORKING_SET_TILES = 6  # two panels' tiles being multiplied, two prefetched, the accumulator, C0
 
 
@@ -235,9 +236,9 @@ def _dask_peer_fetch(worker: Any, run_id: str, address: str, key: TileKey) -> np
     async def call() -> Any:
         return await worker.rpc(address).paperline_peer_tile(run_id=run_id, key=list(key))
 
-    try:
-        reply = sync(worker.loop, call)
-    except Exception:  # noqa: BLE001 - the peer left or failed: fall back to the source
+    try:  # a dead peer's port refuses connections, which Dask's connect retries for 30 s
+        reply = sync(worker.loop, call, callback_timeout=PEER_FETCH_TIMEOUT_S)
+    except Exception:  # noqa: BLE001 - the peer left, failed or is too slow: fall back to the source
         return None
     return None if reply is None else reply.get("tile")
 

@@ -565,13 +565,20 @@ def test_a_worker_lost_mid_run_fails_the_run_and_leaves_no_output(tmp_path):
 
         # A task that finished on a worker that then died: its result is lost with the worker
         # (seen in CI: the driver waited on the lost result forever).
-        client.wait_for_workers(2, timeout=60)
+        first = set(runtime.workers())
+        deadline = time.monotonic() + 60  # the first victim gone and its replacement up
+        while time.monotonic() < deadline:
+            workers = client.scheduler_info(n_workers=-1)["workers"]
+            if victim not in workers and len(workers) == 2:
+                break
+            time.sleep(0.1)
         runtime = DaskRuntime(client)
         runtime.liveness_s = 0.5
-        victim = runtime.workers()[0]
+        # the replacement: the survivor may still finish a cancelled tile of the first run
+        victim = next(w for w in runtime.workers() if w not in first)
         runtime.start(_ctx(problem, "lost-" + uuid.uuid4().hex))
         done = client.submit(dict, index=0, workers=[victim], allow_other_workers=False, pure=False)
-        distributed.wait(done)
+        distributed.wait(done, timeout=60)
         runtime._ac.add(done)
         os.kill(client.run(os.getpid, workers=[victim])[victim], signal.SIGKILL)
         deadline = time.monotonic() + 30
