@@ -27,7 +27,7 @@ from prefect.cache_policies import NO_CACHE
 from paperline.infra.storage import ObjectStore
 from paperline.kernels.blas.plan import Problem, make_problem
 from paperline.kernels.blas.runtime import DaskRuntime, LocalRuntime, RunResult, run
-from paperline.kernels.blas.sources import NpySource, RandomSource, TileSource, check_matrix_header, read_all
+from paperline.kernels.blas.sources import NpySource, RandomSource, TileSource, check_matrix_header, read_all, read_npy_header
 from paperline.kernels.blas.verify import freivalds
 from paperline.kernels.errors import InputError
 from paperline.tasks.retry import HOUR, retry_unless, retry_unless_bad_input
@@ -65,14 +65,9 @@ class S3NpySource:
         size = int(head["ContentLength"])
         probe = store.get_range(uri, 0, min(size, HEADER_PROBE_BYTES)) if size else b""
         try:
-            f = io.BytesIO(probe)
-            version = np.lib.format.read_magic(f)
-            read_header = np.lib.format.read_array_header_1_0 if version == (1, 0) \
-                else np.lib.format.read_array_header_2_0
-            shape, fortran, dtype = read_header(f)
+            shape, fortran, dtype, self.offset = read_npy_header(io.BytesIO(probe))
         except (ValueError, OSError, SyntaxError, EOFError) as exc:
             raise InputError(argument, uri, f"the S3 object is not a .npy array ({exc})") from None
-        self.offset = f.tell()
         self.shape = check_matrix_header(argument, uri, shape, dtype)
         self.file_dtype = np.dtype(dtype)
         self.dtype = self.file_dtype.newbyteorder("=")

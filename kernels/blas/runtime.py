@@ -330,9 +330,11 @@ class DaskRuntime:
             raise result["input_error"]
         return result
 
+    def _alive(self) -> set[str]:
+        return set(self.client.scheduler_info(n_workers=-1)["workers"])
+
     def _check_workers(self) -> None:
-        alive = set(self.client.scheduler_info(n_workers=-1)["workers"])
-        lost = sorted(set(self._workers) - alive)
+        lost = sorted(set(self._workers) - self._alive())
         if lost:
             raise RuntimeError(f"worker(s) {', '.join(lost)} left the Dask cluster during the run (crashed or "
                                "restarted); tile tasks are bound to their worker, so the run is abandoned")
@@ -345,7 +347,7 @@ class DaskRuntime:
 
     def finish(self, ctx: RunContext) -> None:
         self._ac = None
-        alive = set(self.client.scheduler_info(n_workers=-1)["workers"])
+        alive = self._alive()
         present = [w for w in self._workers if w in alive]  # a call to a lost worker never returns
         if present:
             self.client.run(_release_on_worker, ctx.run_id, workers=present)

@@ -45,6 +45,18 @@ class TileSource(Protocol):
         ...
 
 
+def read_npy_header(f: Any) -> tuple[tuple[int, ...], bool, np.dtype, int]:
+    """``(shape, fortran_order, dtype, data offset)`` of the ``.npy`` stream ``f`` at its start.
+
+    Raises:
+        ValueError, OSError, SyntaxError, EOFError: not a ``.npy`` header (NumPy's own errors).
+    """
+    version = np.lib.format.read_magic(f)
+    read_header = np.lib.format.read_array_header_1_0 if version == (1, 0) else np.lib.format.read_array_header_2_0
+    shape, fortran, dtype = read_header(f)
+    return shape, bool(fortran), np.dtype(dtype), f.tell()
+
+
 def check_matrix_header(argument: str, where: str, shape: tuple[int, ...], dtype: np.dtype) -> tuple[int, int]:
     """Refuse anything but a 2-D float32/float64 matrix. Returns the shape as a pair.
 
@@ -98,11 +110,7 @@ class NpySource:
             raise InputError(argument, str(path), "no such file")
         try:
             with open(self.path, "rb") as f:
-                version = np.lib.format.read_magic(f)
-                read_header = np.lib.format.read_array_header_1_0 if version == (1, 0) \
-                    else np.lib.format.read_array_header_2_0
-                shape, fortran, dtype = read_header(f)
-                offset = f.tell()
+                shape, fortran, dtype, offset = read_npy_header(f)
         except (ValueError, OSError, SyntaxError) as exc:
             raise InputError(argument, str(path), f"not a .npy file ({exc})") from None
         self.shape = check_matrix_header(argument, str(path), shape, dtype)

@@ -25,7 +25,7 @@ import numpy as np
 
 from paperline.kernels.blas.namespace import Namespace, namespace
 from paperline.kernels.blas.plan import TileRef, TileTask
-from paperline.kernels.blas.sources import TileSource
+from paperline.kernels.blas.sources import TileSource, read_npy_header
 from paperline.kernels.errors import InputError
 
 TileKey = tuple[str, int, int]  # (source key, tile row, tile col)
@@ -148,14 +148,10 @@ class OutputFile:
 
     def __init__(self, path: str):
         with open(path, "rb") as f:
-            version = np.lib.format.read_magic(f)
-            read_header = np.lib.format.read_array_header_1_0 if version == (1, 0) \
-                else np.lib.format.read_array_header_2_0
-            shape, fortran, dtype = read_header(f)
-            self.offset = f.tell()
+            shape, fortran, dtype, self.offset = read_npy_header(f)
         if fortran or len(shape) != 2:
             raise ValueError(f"{path}: expected a C-ordered 2-D .npy file")
-        self.path, self.shape, self.dtype = path, shape, np.dtype(dtype)
+        self.path, self.shape, self.dtype = path, shape, dtype
         self.fd = os.open(path, os.O_WRONLY)
 
     def write(self, r0: int, c0: int, tile: np.ndarray) -> None:
@@ -479,7 +475,7 @@ def _execute(state: WorkerState, ctx: RunContext, task: TileTask, peers: dict[Ti
         host = None
     if product is not None:
         state.give(product)
-    if pooled is not None and acc is pooled and task.solve is None:  # written out or copied to host
+    if pooled is not None and acc is pooled:  # written out or copied to host (not replaced on the way)
         state.give(acc)
     added, evicted = state.cache.drain()
     after = state.counters.as_dict()

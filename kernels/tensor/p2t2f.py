@@ -56,8 +56,7 @@ import numpy as np
 from paperline.kernels.errors import InputError
 from paperline.kernels.tensor.coo import COOTensor
 from paperline.kernels.tensor.pttf import (
-    _other_modes,
-    _row_normal_equations,
+    ridge_rows,
     solve_time_system,
     CPFactors,
     EpochCallback,
@@ -318,22 +317,19 @@ def local_update(sub: SubTensor, state: LocalState, consensus: list[np.ndarray],
 def exact_private_rows(sub: SubTensor, state: LocalState, consensus: list[np.ndarray], lam: float) -> np.ndarray:
     """The closing step: sub-problem ``p``'s private rows ``U_p`` solved exactly at the consensus.
 
-    Each row solves ``(sum_e h h^T + lam I) u_i = sum_e y_e h`` over its local entries, ``h`` the
-    Hadamard product of the consensus rows of the other modes (the U-block of ALS on Eq. 4).
+    :func:`~paperline.kernels.tensor.pttf.ridge_rows` of mode 0 on this sub-problem's entries,
+    with the consensus as the other modes (the U-block of ALS on Eq. 4).
 
     Args:
         sub: this sub-problem's entries.
-        state: its state after the last round (rows without entries keep ``state.u``'s prior mean, 0).
+        state: its state after the last round (only ``state.u``'s shape is used).
         consensus: ``Z``, the shared factors.
         lam: prior precision on the private rows.
 
     Returns:
-        ``I_p x R`` float64 rows.
+        ``I_p x R`` float64 rows (0, the prior mean, for a row without local entries).
     """
-    h = _other_modes([state.u] + list(consensus), sub.coords, 0)
-    gram, rhs = _row_normal_equations(sub.coords[:, 0], h, sub.values, state.u.shape[0])
-    gram += lam * np.eye(state.u.shape[1])
-    return np.linalg.solve(gram, rhs[..., None])[..., 0]
+    return ridge_rows([state.u] + list(consensus), sub.coords, sub.values, 0, lam)
 
 
 def consensus_update(locals_: Sequence[LocalState], weights: Sequence[list[np.ndarray]],

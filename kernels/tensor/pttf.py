@@ -239,12 +239,11 @@ def als(tensor: COOTensor, rank: int, *, lam: float = 1.0, lam_t: float = 10.0, 
     n_modes = tensor.ndim
     for epoch in range(1, n_epochs + 1):
         for m in range(n_modes):
-            h = _other_modes(factors, tensor.coords, m)
-            gram, rhs = _row_normal_equations(tensor.coords[:, m], h, tensor.values, factors[m].shape[0])
             if m < n_modes - 1:
-                gram += lam * np.eye(rank)
-                factors[m] = np.linalg.solve(gram, rhs[..., None])[..., 0]
+                factors[m] = ridge_rows(factors, tensor.coords, tensor.values, m, lam)
             else:
+                h = _other_modes(factors, tensor.coords, m)
+                gram, rhs = _row_normal_equations(tensor.coords[:, m], h, tensor.values, factors[m].shape[0])
                 factors[m] = solve_time_system(gram, rhs, lam, lam_t)
         balance_scales(factors, lam, lam_t)
         obj = objective(factors, tensor, lam, lam_t)
@@ -259,6 +258,28 @@ def als(tensor: COOTensor, rank: int, *, lam: float = 1.0, lam_t: float = 10.0, 
             break
         prev = obj
     return FitResult(CPFactors(factors), history)
+
+
+def ridge_rows(factors: list[np.ndarray], coords: np.ndarray, values: np.ndarray, mode: int,
+               lam: float) -> np.ndarray:
+    """The exact block update of a non-time mode (the ALS step for Eq. 4): every row ``i`` of
+    ``factors[mode]`` solves ``(sum_e h h^T + lam I) a_i = sum_e y_e h`` over the entries ``e`` in
+    that row, ``h`` the Hadamard product of the other modes' rows. A row without entries gets 0,
+    the prior mean.
+
+    Args:
+        factors: the current factors (``factors[mode]`` only gives the row count).
+        coords: ``nnz x N`` int coordinates; values: ``nnz`` float64.
+        mode: the mode to solve.
+        lam: its prior precision.
+
+    Returns:
+        ``I_mode x R`` float64 rows.
+    """
+    h = _other_modes(factors, coords, mode)
+    gram, rhs = _row_normal_equations(coords[:, mode], h, values, factors[mode].shape[0])
+    gram += lam * np.eye(factors[mode].shape[1])
+    return np.linalg.solve(gram, rhs[..., None])[..., 0]
 
 
 def balance_scales(factors: list[np.ndarray], lam: float, lam_t: float) -> np.ndarray:
