@@ -1,5 +1,7 @@
 """Prefect tasks of the pipelines (imported on the Dask workers when a task arrives)."""
 
+from paperline.infra import prefect_patches
 from paperline.tasks.retry import quiet_thread_timeout_warning
 
 quiet_thread_timeout_warning()
+prefect_patches.install()  # in the flow's process and on every worker (a worker preload)

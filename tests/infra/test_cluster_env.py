@@ -38,3 +38,44 @@ def test_local_workers_preload_the_task_engine_before_any_task():
         client.wait_for_workers(1)
         loaded = client.run(lambda: [m in __import__("sys").modules for m in ("prefect.task_engine", "paperline.tasks")])
     assert list(loaded.values()) == [[True, True]]
+
+
+def test_configured_before_distributed_is_imported_stays_configured():
+    """`paperline run` configures its cluster before anything imported `distributed`, whose import
+    merges Dask's defaults (MALLOC_TRIM_THRESHOLD_ included) back: a run then took twice as long."""
+    import subprocess
+    import sys
+
+    code = ("import sys, dask; from paperline.infra.cluster import configure_local_workers, DROPPED_WORKER_ENV; "
+            "assert 'distributed' not in sys.modules; configure_local_workers(); import distributed; "
+            "env = dask.config.get('distributed.nanny.pre-spawn-environ'); "
+            "assert not set(env) & set(DROPPED_WORKER_ENV), env; assert env.get('OMP_NUM_THREADS') == 1, env")
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=120)
+
+
+def test_background_cluster_is_the_local_cluster_task_runner_would_start(monkeypatch):
+    from paperline.infra.cluster import BackgroundCluster, task_runner
+    from paperline.infra.settings import Settings
+
+    for key in DROPPED_WORKER_ENV:  # a nanny started with Dask's defaults (another test) exports them
+        monkeypatch.delenv(key, raising=False)
+
+    settings = Settings(n_workers=1)
+    with BackgroundCluster(settings) as early:
+        address = early.address()
+        runner = task_runner(settings, address=address)
+        assert runner.address == address
+        with Client(address) as client:
+            client.wait_for_workers(1, timeout=60)
+            env = client.run(lambda: {k: __import__("os").environ.get(k) for k in ("MALLOC_TRIM_THRESHOLD_",
+                                                                                  "OMP_NUM_THREADS")})
+            loaded = client.run(lambda: "prefect.task_engine" in __import__("sys").modules)
+    assert list(env.values()) == [{"MALLOC_TRIM_THRESHOLD_": None, "OMP_NUM_THREADS": "1"}]
+    assert list(loaded.values()) == [True]
+    early.close()  # idempotent
+    try:
+        early.address()
+    except RuntimeError as exc:
+        assert "closed" in str(exc)
+    else:
+        raise AssertionError("a closed BackgroundCluster gave an address")

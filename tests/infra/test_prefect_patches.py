@@ -1,0 +1,46 @@
+"""The cached block secret-field lookup answers exactly as Prefect's own (infra/prefect_patches.py)."""
+
+from __future__ import annotations
+
+import pytest
+from prefect.blocks.core import Block
+from prefect.utilities.dispatch import get_registry_for_type
+from prefect_aws import AwsCredentials, S3Bucket
+from pydantic import SecretStr
+
+from paperline.infra import prefect_patches
+
+
+def _block_classes() -> list[type[Block]]:
+    import prefect_aws  # noqa: F401, PLC0415 - registers its blocks
+
+    registry = get_registry_for_type(Block) or {}
+    return sorted(set(registry.values()), key=lambda c: c.__name__)
+
+
+def test_installed_on_prefect_block() -> None:
+    prefect_patches.install()
+    assert Block._field_has_secrets is prefect_patches.field_has_secrets
+    assert prefect_patches._INSTALLED["original"] is not None
+
+
+@pytest.mark.parametrize("block_cls", _block_classes(), ids=lambda c: c.__name__)
+def test_same_answer_as_prefect_for_every_field(block_cls: type[Block]) -> None:
+    prefect_patches.install()
+    original = prefect_patches._INSTALLED["original"]
+    for name in block_cls.model_fields:
+        # Prefect's method only calls self.model_json_schema(), a classmethod: the class stands in.
+        assert prefect_patches.field_has_secrets(block_cls.model_construct(), name) == original(block_cls, name), name
+
+
+def test_s3_bucket_secrets_still_rendered_and_hidden() -> None:
+    """The serialization the context uses (include_secrets) still reveals the credentials, and the
+    default one still masks them: the patch changes the cost, not the result."""
+    prefect_patches.install()
+    bucket = S3Bucket(bucket_name="b", credentials=AwsCredentials(
+        aws_access_key_id="AKIDEXAMPLE", aws_secret_access_key=SecretStr("very-secret")))
+    assert prefect_patches.secret_fields(AwsCredentials)  # the secret is declared: the test means something
+    revealed = bucket.model_dump(context={"include_secrets": True})
+    assert revealed["credentials"]["aws_secret_access_key"] == "very-secret"
+    masked = bucket.model_dump(mode="json")
+    assert "very-secret" not in str(masked)
