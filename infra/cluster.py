@@ -45,8 +45,9 @@ def configure_local_workers() -> None:
 
 # Imported by every local worker as it starts (Dask's worker ``preload``), while the flow process
 # is still setting up its run, instead of on the worker's first task: Prefect's task engine and
-# paperline's task package (which installs the task log filter).
-WORKER_PRELOAD = ["prefect.task_engine", "paperline.tasks"]
+# paperline's task package (which installs the task log filter); and the hooks that let a worker
+# closed on request skip the interpreter's teardown (infra/worker_exit.py).
+WORKER_PRELOAD = ["prefect.task_engine", "paperline.tasks", "paperline.infra.worker_exit"]
 
 
 def _local_cpu_kwargs(settings: Settings) -> dict[str, Any]:

@@ -79,3 +79,28 @@ def test_background_cluster_is_the_local_cluster_task_runner_would_start(monkeyp
         assert "closed" in str(exc)
     else:
         raise AssertionError("a closed BackgroundCluster gave an address")
+
+
+def test_a_worker_closed_on_request_still_runs_the_exit_hooks_its_tasks_registered(tmp_path):
+    """infra/worker_exit.py ends a cleanly closed worker with os._exit, after the atexit hooks
+    registered once it started (Prefect's log and event drains are such hooks): they must run."""
+    from paperline.infra.cluster import _local_cpu_kwargs
+    from paperline.infra.settings import Settings
+
+    marker = tmp_path / "drained"
+
+    def register_drain(path: str) -> bool:
+        import atexit
+        import pathlib
+
+        atexit.register(pathlib.Path(path).write_text, "drained")
+        return "paperline.infra.worker_exit" in __import__("sys").modules
+
+    kwargs = {**_local_cpu_kwargs(Settings(n_workers=1)), "dashboard_address": None}
+    with LocalCluster(**kwargs) as c, Client(c) as client:
+        client.wait_for_workers(1)
+        assert client.submit(register_drain, str(marker), pure=False).result() is True
+        nanny = next(iter(c.workers.values()))
+        process = nanny.process.process  # the worker's multiprocessing process
+    assert marker.read_text() == "drained"
+    assert process.exitcode == 0
