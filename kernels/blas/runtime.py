@@ -391,8 +391,9 @@ def run(problem: Problem, runtime: LocalRuntime | DaskRuntime | None = None, *, 
         A :class:`RunResult`.
 
     Raises:
-        InputError: a memory budget below the working set of one task, bad operand values found
-            while computing (non-finite, zero TRSM diagonal). Nothing is left at ``output``.
+        InputError: a memory budget below the working set of one task; an ``output`` that is a
+            directory, in a missing directory, or an operand's own file; bad operand values
+            found while computing (non-finite, zero TRSM diagonal). Nothing is left at ``output``.
     """
     runtime = runtime or LocalRuntime()
     check_memory_budget(problem, memory_budget)
@@ -403,8 +404,14 @@ def run(problem: Problem, runtime: LocalRuntime | DaskRuntime | None = None, *, 
     spill = isinstance(runtime, DaskRuntime) and any(isinstance(s, ArraySource) for s in problem.operands().values())
     if output is not None:
         final = str(Path(output).resolve())
+        if Path(final).is_dir():
+            raise InputError("output", output, "is a directory; name a .npy file")
         if not Path(final).parent.is_dir():
             raise InputError("output", output, "its directory does not exist")
+        for name, source in problem.operands().items():
+            if isinstance(source, NpySource) and Path(source.path).exists() and Path(final).exists() \
+                    and os.path.samefile(source.path, final):
+                raise InputError("output", output, f"is operand {name}: writing it would destroy the input")
         staged = str(Path(final).with_name(f".{Path(final).name}.partial-{run_id}.npy"))
     if spill or (output is None and problem.routine == "trsm"):
         # TRSM reads finished output tiles back: an in-memory result is staged in a scratch file.

@@ -194,6 +194,22 @@ def test_output_directory_must_exist(tmp_path):
     assert str(e.value).startswith(f"output={where!r}: ")
 
 
+def test_output_that_is_a_directory_or_an_operand_is_refused_and_the_operand_kept(tmp_path):
+    a = rand((30, 20), np.float64, 1)
+    np.save(tmp_path / "a.npy", a)
+    p = make_problem("gemm", NpySource(tmp_path / "a.npy", "a"), rand((20, 20), np.float64, 2), tile=8)
+    with pytest.raises(InputError, match="is a directory") as e:
+        run(p, output=str(tmp_path))
+    assert e.value.argument == "output"
+    linked = tmp_path / "same.npy"
+    os.link(tmp_path / "a.npy", linked)  # another name for the same file is the same operand
+    for out in (tmp_path / "a.npy", linked):
+        with pytest.raises(InputError, match="is operand a: writing it would destroy the input"):
+            run(p, output=str(out))
+    np.testing.assert_array_equal(np.load(tmp_path / "a.npy"), a)
+    assert sorted(os.listdir(tmp_path)) == ["a.npy", "same.npy"]
+
+
 # --- 3. the cache ---------------------------------------------------------------------------------
 
 
