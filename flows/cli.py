@@ -164,10 +164,18 @@ def run(pipeline: str = typer.Argument(..., help="Pipeline name, e.g. tensor-fac
             early[0].close()
 
 
-def _quiet_dask_env() -> None:
+_DASK_LOGGERS = ("distributed", "distributed.scheduler", "distributed.core", "distributed.nanny",
+                 "distributed.worker", "distributed.http.proxy")
+
+
+def _quiet_dask() -> None:
+    """Dask's loggers at WARNING, here and (through the environment) in worker processes."""
+    import logging
     import os
 
     os.environ.setdefault("DASK_LOGGING__DISTRIBUTED", "warning")  # inherited by worker processes
+    for name in _DASK_LOGGERS:
+        logging.getLogger(name).setLevel(logging.WARNING)
 
 
 def _early_cluster():
@@ -176,22 +184,22 @@ def _early_cluster():
 
     Started before the pipeline's module is imported, its workers spawn and import while this
     process imports the pipeline, checks the stack and creates the flow run. Only when the run
-    will use a local cluster and the stack is recorded as up: its endpoints (the workers'
-    environment) are then known before the health check, which :func:`_run_one` still makes.
+    will use a local cluster and the local stack's servers are running: its endpoints (the
+    workers' environment) are then known before the health check, which :func:`_run_one` makes.
 
     Returns:
         ``(cluster, (prefect_api_url, mlflow_tracking_uri))`` or None.
     """
     from paperline.infra.cluster import BackgroundCluster
-    from paperline.infra.stack import activate, load_stack_info
+    from paperline.infra.stack import activate, running_local_stack
 
     settings = _settings()
     if settings.dask_scheduler_address:
         return None
-    info = load_stack_info(settings)
+    info = running_local_stack(settings)
     if info is None:
         return None
-    _quiet_dask_env()
+    _quiet_dask()
     activate(info)
     try:
         return BackgroundCluster(settings), (info.prefect_api_url, info.mlflow_tracking_uri)
@@ -204,14 +212,10 @@ def _quiet_logs() -> None:
     Prefect's console records without tracebacks (they stay complete in the Prefect UI)."""
     import logging
 
-    _quiet_dask_env()
     from prefect.logging.configuration import setup_logging
 
     setup_logging()  # idempotent; Prefect's console handler sits on the root logger
-    # After Prefect's setup: it lists `distributed` among its extra loggers and sets it to INFO.
-    for name in ("distributed", "distributed.scheduler", "distributed.core", "distributed.nanny",
-                 "distributed.worker", "distributed.http.proxy"):
-        logging.getLogger(name).setLevel(logging.WARNING)
+    _quiet_dask()  # after Prefect's setup: it lists `distributed` among its extra loggers, at INFO
     if _state["debug"]:
         return
 
@@ -228,8 +232,9 @@ def _run_one(spec, params, summary_json: Path | None, early=None) -> dict[str, A
     """Run ``spec``'s flow on ``params`` and print its summary.
 
     Args:
-        early: :func:`_early_cluster`'s result: its cluster is used if the stack's URLs are still
-            those its workers inherited (else the flow starts its own); the caller closes it.
+        early: :func:`_early_cluster`'s result: the flow's runner takes its cluster over if the
+            stack's URLs are still those its workers inherited (else the flow starts its own);
+            the caller closes it too, in case the run never started.
     """
     from paperline.infra.cluster import describe_cluster, task_runner
 
@@ -239,13 +244,13 @@ def _run_one(spec, params, summary_json: Path | None, early=None) -> dict[str, A
     info = _ensure_stack()
     settings = _settings()
     console.print(f"[bold]{spec.name}[/] on {describe_cluster(settings)}")
-    address = None
+    started = None
     if early is not None:
         if early[1] == (info.prefect_api_url, info.mlflow_tracking_uri):
-            address = early[0].address()
+            started = early[0]
         else:  # the stack came back on other ports: its workers would talk to the old ones
             early[0].close()
-    flow = spec.flow.with_options(task_runner=task_runner(settings, address=address))
+    flow = spec.flow.with_options(task_runner=task_runner(settings, started=started))
     with console.status(f"running {spec.name} (progress in the Prefect UI)..."):
         summary = flow(params)
     _print_summary(spec.name, summary)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import os
 import threading
+import uuid
 from typing import TYPE_CHECKING, Any
 
 from paperline.infra.device import resolve_device
@@ -84,15 +85,16 @@ def _local_cluster_spec(settings: Settings) -> tuple[str, dict[str, Any]]:
     return "distributed.LocalCluster", _local_cpu_kwargs(settings)
 
 
-def task_runner(settings: Settings, *, configure: bool = True, address: str | None = None) -> DaskTaskRunner:
+def task_runner(settings: Settings, *, configure: bool = True, started: BackgroundCluster | None = None,
+                ) -> DaskTaskRunner:
     """The Prefect task runner for a flow run, built from the settings.
 
     Args:
         settings: Uses ``dask_scheduler_address``, ``device`` and ``n_workers``.
         configure: apply :func:`configure_local_workers` now (the flows also do it when they
             start, before their cluster exists, so importing a flow changes no Dask config).
-        address: a scheduler already started for this run (a :class:`BackgroundCluster`); it
-            takes precedence over the settings, and the caller closes it.
+        started: the local cluster already starting for this run: the runner takes it over as
+            if it had started it (its client waits for all its workers, and it closes it).
 
     Returns:
         A ``prefect_dask.DaskTaskRunner``; the cluster itself starts when the flow run starts.
@@ -102,12 +104,30 @@ def task_runner(settings: Settings, *, configure: bool = True, address: str | No
     """
     from prefect_dask import DaskTaskRunner  # noqa: PLC0415 - keep imports of this module light
 
-    if address or settings.dask_scheduler_address:
-        return DaskTaskRunner(address=address or settings.dask_scheduler_address)
+    if started is not None:  # by token: the runner is pickled with the flow into every task's context
+        return DaskTaskRunner(cluster_class=background_cluster, cluster_kwargs={"token": started.token})
+    if settings.dask_scheduler_address:
+        return DaskTaskRunner(address=settings.dask_scheduler_address)
     if configure:
         configure_local_workers()
     cluster_class, kwargs = _local_cluster_spec(settings)
     return DaskTaskRunner(cluster_class=cluster_class, cluster_kwargs=kwargs)
+
+
+_BACKGROUND: dict[str, BackgroundCluster] = {}  # token -> the clusters this process is starting
+
+
+def background_cluster(token: str) -> Any:
+    """The cluster of this process's :class:`BackgroundCluster` with ``token`` (waits until it is
+    up): the ``cluster_class`` of a runner from ``task_runner(settings, started=...)``.
+
+    Raises:
+        RuntimeError: no such cluster in this process (closed, or another process).
+    """
+    started = _BACKGROUND.get(token)
+    if started is None:
+        raise RuntimeError(f"no background Dask cluster {token} in this process (closed?)")
+    return started.cluster()
 
 
 class BackgroundCluster:
@@ -116,9 +136,10 @@ class BackgroundCluster:
     something else: ``paperline run`` imports the pipeline, checks the stack and creates the flow
     run meanwhile, which takes the cluster's start (1.3 s on 2 cores) off a run's critical path.
 
-    The caller owns it (``with BackgroundCluster(settings) as cluster``, or :meth:`close`), and
-    starts it only after the environment its workers inherit is final (the stack's
-    ``PREFECT_API_URL`` and so on, :func:`paperline.infra.stack.activate`).
+    Hand it to the flow's runner with ``task_runner(settings, started=...)``, which closes it with
+    the flow run; the caller still closes it (:meth:`close`, idempotent, or ``with``) in case the
+    run never starts. Start it only after the environment its workers inherit is final (the
+    stack's ``PREFECT_API_URL`` and so on, :func:`paperline.infra.stack.activate`).
 
     Raises:
         InputError: from the constructor, ``device`` is ``"cuda"`` but no CUDA device is usable.
@@ -131,6 +152,8 @@ class BackgroundCluster:
         self._cluster: Any = None
         self._error: BaseException | None = None
         self._closed = False
+        self.token = uuid.uuid4().hex
+        _BACKGROUND[self.token] = self
         self._thread = threading.Thread(target=self._start, name="paperline-cluster-start", daemon=True)
         self._thread.start()
 
@@ -144,8 +167,8 @@ class BackgroundCluster:
         except BaseException as exc:  # noqa: BLE001 - re-raised in the caller's thread by address()
             self._error = exc
 
-    def address(self) -> str:
-        """The scheduler's address, once the cluster is up (waits for it).
+    def cluster(self, **_: Any) -> Any:
+        """The cluster, once it is up (waits for it); a ``cluster_class`` for ``DaskTaskRunner``.
 
         Raises:
             RuntimeError: the cluster was closed. Exception: whatever starting it raised.
@@ -155,7 +178,7 @@ class BackgroundCluster:
             raise self._error
         if self._closed:
             raise RuntimeError("the background Dask cluster was closed")
-        return self._cluster.scheduler_address
+        return self._cluster
 
     def close(self) -> None:
         """Stop the cluster's workers and scheduler (waits for a start in progress; idempotent)."""
@@ -163,6 +186,7 @@ class BackgroundCluster:
         if self._cluster is not None and not self._closed:
             self._cluster.close()
         self._closed = True
+        _BACKGROUND.pop(self.token, None)
 
     def __enter__(self) -> BackgroundCluster:
         return self

@@ -1027,6 +1027,20 @@ def load_stack_info(settings: Settings) -> StackInfo | None:
     return _make_info(settings, urls, services, key, secret)
 
 
+def running_local_stack(settings: Settings) -> StackInfo | None:
+    """The local stack's endpoints when every service is one paperline started and its recorded
+    process still runs: a cheap guess (no health check; :func:`ensure_stack` makes that), used to
+    start work that needs the endpoints early. None otherwise (also for configured endpoints)."""
+    info = load_stack_info(settings)
+    if info is None or not all(s.managed for s in info.services):
+        return None
+    try:
+        recs = _read_state(settings)["services"]
+    except PaperlineError:
+        return None
+    return info if all(_live_process(recs.get(s.name)) is not None for s in info.services) else None
+
+
 def activate(info: StackInfo) -> None:
     """Point this process's Prefect and MLflow clients (and any process it starts later, e.g. Dask
     workers) at the stack, through environment variables.

@@ -62,23 +62,27 @@ def test_background_cluster_is_the_local_cluster_task_runner_would_start(monkeyp
 
     settings = Settings(n_workers=1)
     with BackgroundCluster(settings) as early:
-        address = early.address()
-        runner = task_runner(settings, address=address)
-        assert runner.address == address
-        with Client(address) as client:
+        runner = task_runner(settings, started=early)
+        import cloudpickle  # noqa: PLC0415 - Prefect pickles the flow, and its runner, into every task's context
+
+        assert cloudpickle.loads(cloudpickle.dumps(runner)).cluster_kwargs == {"token": early.token}
+        with runner:  # the runner takes the cluster over: its client knows the cluster and its workers
+            client = runner.client
+            assert client.cluster is early.cluster()
             client.wait_for_workers(1, timeout=60)
             env = client.run(lambda: {k: __import__("os").environ.get(k) for k in ("MALLOC_TRIM_THRESHOLD_",
                                                                                   "OMP_NUM_THREADS")})
             loaded = client.run(lambda: "prefect.task_engine" in __import__("sys").modules)
+        assert early.cluster().status.name == "closed"  # closed with the runner
     assert list(env.values()) == [{"MALLOC_TRIM_THRESHOLD_": None, "OMP_NUM_THREADS": "1"}]
     assert list(loaded.values()) == [True]
     early.close()  # idempotent
     try:
-        early.address()
+        early.cluster()
     except RuntimeError as exc:
         assert "closed" in str(exc)
     else:
-        raise AssertionError("a closed BackgroundCluster gave an address")
+        raise AssertionError("a closed BackgroundCluster gave its cluster")
 
 
 def test_a_worker_closed_on_request_still_runs_the_exit_hooks_its_tasks_registered(tmp_path):

@@ -80,6 +80,19 @@ def test_ensure_stack_is_idempotent(stack):
     assert loaded is not None and loaded.prefect_api_url == info.prefect_api_url
 
 
+def test_running_local_stack_is_known_without_a_health_check(stack, tmp_path):
+    from paperline.infra.stack import running_local_stack
+
+    settings, info = stack
+    guess = running_local_stack(settings)
+    assert guess is not None
+    assert (guess.prefect_api_url, guess.mlflow_tracking_uri, guess.s3_endpoint_url) == (
+        info.prefect_api_url, info.mlflow_tracking_uri, info.s3_endpoint_url)
+    assert running_local_stack(settings.model_copy(update={"state_dir": tmp_path})) is None  # never started
+    configured = settings.model_copy(update={"mlflow_tracking_uri": info.mlflow_tracking_uri})
+    assert running_local_stack(configured) is None  # a configured endpoint is not ours to vouch for
+
+
 def test_status_shows_three_healthy_loopback_services(stack):
     settings, _ = stack
     services = stack_status(settings)
