@@ -5,12 +5,13 @@ Errors are one clear line and a non-zero exit code; ``--debug`` shows the traceb
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import json
 import math
 import sys
 from pathlib import Path
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Iterator, Optional
 
 import typer
 from rich.console import Console
@@ -154,14 +155,10 @@ def run(pipeline: str = typer.Argument(..., help="Pipeline name, e.g. tensor-fac
     """Run a pipeline on the stack (started if needed) and print its results and URLs."""
     from paperline.flows.pipelines import build_parameters, get_pipeline, pipeline_names
 
-    early = _early_cluster() if pipeline in pipeline_names() else None
-    try:
+    with _early_cluster(pipeline in pipeline_names()) as early:
         spec = get_pipeline(pipeline)
         params = build_parameters(spec, preset, set_ or [])
         _run_one(spec, params, summary_json, early)
-    finally:
-        if early is not None:
-            early[0].close()
 
 
 _DASK_LOGGERS = ("distributed", "distributed.scheduler", "distributed.core", "distributed.nanny",
@@ -178,33 +175,36 @@ def _quiet_dask() -> None:
         logging.getLogger(name).setLevel(logging.WARNING)
 
 
-def _early_cluster():
-    """The run's local Dask cluster, started now on a background thread (``BackgroundCluster``),
-    with the stack's URLs its workers inherit; or None where that cannot be known yet.
+@contextlib.contextmanager
+def _early_cluster(wanted: bool = True) -> Iterator[Any]:
+    """The run's local Dask cluster, started now on a background thread (``BackgroundCluster``,
+    closed on leaving), with the stack's URLs its workers inherit; or None where that cannot be
+    known yet (or not ``wanted``).
 
     Started before the pipeline's module is imported, its workers spawn and import while this
     process imports the pipeline, checks the stack and creates the flow run. Only when the run
     will use a local cluster and the local stack's servers are running: its endpoints (the
     workers' environment) are then known before the health check, which :func:`_run_one` makes.
 
-    Returns:
+    Yields:
         ``(cluster, (prefect_api_url, mlflow_tracking_uri))`` or None.
     """
     from paperline.infra.cluster import BackgroundCluster
     from paperline.infra.stack import activate, running_local_stack
 
     settings = _settings()
-    if settings.dask_scheduler_address:
-        return None
-    info = running_local_stack(settings)
-    if info is None:
-        return None
-    _quiet_dask()
-    activate(info)
+    info = running_local_stack(settings) if wanted and not settings.dask_scheduler_address else None
+    early = None
+    if info is not None:
+        _quiet_dask()
+        activate(info)
+        with contextlib.suppress(Exception):  # e.g. device=cuda without a GPU: _run_one reports it in full
+            early = BackgroundCluster(settings), (info.prefect_api_url, info.mlflow_tracking_uri)
     try:
-        return BackgroundCluster(settings), (info.prefect_api_url, info.mlflow_tracking_uri)
-    except Exception:  # noqa: BLE001 - e.g. device=cuda without a GPU: _run_one reports it in full
-        return None
+        yield early
+    finally:
+        if early is not None:
+            early[0].close()
 
 
 def _quiet_logs() -> None:
@@ -300,13 +300,9 @@ def demo() -> None:
     from paperline.flows.pipelines import build_parameters, get_pipeline, pipeline_names
 
     for name in pipeline_names():
-        early = _early_cluster()
-        try:
+        with _early_cluster() as early:
             spec = get_pipeline(name)
             _run_one(spec, build_parameters(spec, "demo", []), None, early)
-        finally:
-            if early is not None:
-                early[0].close()
 
 
 @app.command()

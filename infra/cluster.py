@@ -143,7 +143,7 @@ class BackgroundCluster:
 
     Raises:
         InputError: from the constructor, ``device`` is ``"cuda"`` but no CUDA device is usable.
-        Exception: from :meth:`address`, whatever starting the cluster raised.
+        Exception: from :meth:`cluster`, whatever starting the cluster raised.
     """
 
     def __init__(self, settings: Settings) -> None:
@@ -164,7 +164,7 @@ class BackgroundCluster:
         module, _, name = cluster_class.rpartition(".")
         try:
             self._cluster = getattr(importlib.import_module(module), name)(**kwargs)
-        except BaseException as exc:  # noqa: BLE001 - re-raised in the caller's thread by address()
+        except BaseException as exc:  # noqa: BLE001 - re-raised in the caller's thread by cluster()
             self._error = exc
 
     def cluster(self, **_: Any) -> Any:

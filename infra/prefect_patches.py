@@ -9,7 +9,7 @@ them submitted) spent about 1 s of its 12-13 s there (cProfile, 2026-11-30).
 
 :func:`install` caches each block class's ``secret_fields`` (a property of the class alone: the
 schema is generated from the class's fields and ``model_config``) and answers the same question
-from it, with Prefect's own matching rules. ``tests/test_prefect_patches.py`` checks it gives
+from it, with Prefect's own matching rules. ``tests/infra/test_prefect_patches.py`` checks it gives
 Prefect's answer for every field of every block class Prefect has registered.
 """
 
