@@ -22,6 +22,10 @@ loss), epochs and wall seconds to ``--target-accuracy``.
 Memory (one process, CPU): bytes autograd keeps for backward under each recomputation policy on
 the training ResNet, the step time, and the deepest model (residual blocks per stage) under the
 budget ``none`` needs at 2 blocks (:mod:`paperline.kernels.train.recompute`).
+With ``--device cuda`` (a GPU machine) only this part runs, on the GPU, batch 256, and adds the
+peak of a training step as the CUDA caching allocator counts it (``torch.cuda.max_memory_allocated``
+less what was allocated before the step: activations, gradients, workspaces) and the deepest model
+whose training step (activations and gradients) peaks under what ``none`` peaks at 2 blocks.
 
 Collectives (``benchmarks/collectives.py``, the same timing code): LP allreduce against gloo's
 allreduce at 64 MiB (and 256 MiB with ``--large``) for P = 2 and 4.
@@ -85,7 +89,14 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--target-accuracy", type=float, default=90.0, help="for time-to-accuracy (percent)")
     ap.add_argument("--large", action="store_true", help="also 256 MiB messages (about 3 GiB of memory at P=4)")
     ap.add_argument("--json", type=Path)
+    ap.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
+                    help="cuda: only the memory report, on the GPU (NCCL ranks need a GPU each)")
     args = ap.parse_args(argv)
+    if args.device == "cuda":
+        report = memory_report("cuda")
+        if args.json:
+            args.json.write_text(json.dumps([{"name": "memory", "result": report}], indent=1))
+        return 0
 
     base = {"model": "resnet", "model_options": {"width": 16, "blocks": 1}, "dataset": "mnist-5k",
             "epochs": args.epochs, "batch_size": 32, "lr": 0.05, "seed": 0}
@@ -139,23 +150,44 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-def memory_report() -> dict:
-    """SuperNeurons cost-aware recomputation on the training ResNet (CPU): bytes saved for backward
-    per policy on a batch of 32, step time, and the deepest model (blocks per stage) under the
-    budget that ``none`` needs at 2 blocks."""
+def memory_report(device: str = "cpu") -> dict:
+    """SuperNeurons cost-aware recomputation on the training ResNet: bytes saved for backward per
+    policy (batch 32 on CPU, 256 on CUDA), step time, and the deepest model (blocks per stage) under
+    the budget that ``none`` needs at 2 blocks; on CUDA also each step's allocator peak and the
+    deepest model whose step peaks under ``none``'s at 2 blocks."""
     from paperline.kernels.train.models import make_model
     from paperline.kernels.train.recompute import apply_recomputation, deepest_trainable, peak_activation_bytes
 
+    cuda = device == "cuda"
+    dev = torch.device(device)
     torch.manual_seed(0)
-    x = torch.randn(32, 1, 28, 28)
-    y = torch.randint(0, 10, (32,))
+    batch = 256 if cuda else 32
+    x = torch.randn(batch, 1, 28, 28, device=dev)
+    y = torch.randint(0, 10, (batch,), device=dev)
+
+    def build(depth: int, policy: str) -> torch.nn.Module:
+        return apply_recomputation(make_model("resnet", width=16, blocks=depth).to(dev), policy)
+
+    def step_peak(model: torch.nn.Module) -> int:
+        """Allocator peak of one forward + backward above what was allocated before it (CUDA)."""
+        model.zero_grad(set_to_none=True)
+        torch.cuda.synchronize()
+        before = torch.cuda.memory_allocated()
+        torch.cuda.reset_peak_memory_stats()
+        torch.nn.functional.cross_entropy(model(x), y).backward()
+        torch.cuda.synchronize()
+        return torch.cuda.max_memory_allocated() - before
+
     out = {}
-    budget = peak_activation_bytes(make_model("resnet", width=16, blocks=2), x)
-    print(f"\nCost-aware recomputation (ResNet width 16, 2 blocks per stage, batch 32, CPU; budget = "
-          f"{budget / 2**20:.1f} MiB = what 'none' keeps):", flush=True)
-    print(f"  {'policy':11s} {'saved MiB':>9s} {'vs none':>8s} {'step ms':>8s} {'deepest under budget':>21s}")
+    budget = peak_activation_bytes(build(2, "none"), x)
+    step_budget = step_peak(build(2, "none")) if cuda else 0
+    print(f"\nCost-aware recomputation (ResNet width 16, 2 blocks per stage, batch {batch}, {device}; budget = "
+          f"{budget / 2**20:.1f} MiB = what 'none' keeps" + (f"; step budget {step_budget / 2**20:.1f} MiB = "
+                                                             "'none''s step peak" if cuda else "") + "):", flush=True)
+    print(f"  {'policy':11s} {'saved MiB':>9s} {'vs none':>8s} {'step ms':>8s} {'deepest under budget':>21s}"
+          + (f" {'step peak MiB':>13s} {'deepest under step budget':>26s}" if cuda else ""))
     for policy in ("none", "cost-aware", "all"):
-        model = apply_recomputation(make_model("resnet", width=16, blocks=2), policy)
+        model = build(2, policy)
         saved = peak_activation_bytes(model, x)
         opt = torch.optim.SGD(model.parameters(), lr=0.01)
         times = []
@@ -164,11 +196,29 @@ def memory_report() -> dict:
             opt.zero_grad()
             torch.nn.functional.cross_entropy(model(x), y).backward()
             opt.step()
+            if cuda:
+                torch.cuda.synchronize()
             times.append(time.perf_counter() - t)
-        deepest = deepest_trainable(lambda d: make_model("resnet", width=16, blocks=d), x, budget, policy, max_depth=12)
+        deepest = deepest_trainable(lambda d: make_model("resnet", width=16, blocks=d).to(dev), x, budget, policy,
+                                    max_depth=12)
         out[policy] = {"saved_bytes": saved, "step_s": min(times[1:]), "deepest_blocks": deepest}
-        print(f"  {policy:11s} {saved / 2**20:9.2f} {saved / out['none']['saved_bytes']:8.2f} "
-              f"{1e3 * min(times[1:]):8.1f} {deepest:21d}", flush=True)
+        line = (f"  {policy:11s} {saved / 2**20:9.2f} {saved / out['none']['saved_bytes']:8.2f} "
+                f"{1e3 * min(times[1:]):8.1f} {deepest:21d}")
+        if cuda:
+            peak = step_peak(model)
+            del model, opt
+            deepest_step = 0
+            for depth in range(1, 17):
+                m = build(depth, policy)
+                fits = step_peak(m) <= step_budget
+                del m
+                if not fits:
+                    break
+                deepest_step = depth
+            torch.cuda.empty_cache()
+            out[policy].update(step_peak_bytes=peak, deepest_blocks_step=deepest_step)
+            line += f" {peak / 2**20:13.1f} {deepest_step:26d}"
+        print(line, flush=True)
     return out
 
 

@@ -17,6 +17,17 @@ cache):
   budget that holds them all.
 
 Each timing is the best of ``--repeats`` runs. The page cache is warmed before timing.
+
+``--device cuda`` (a GPU machine; about 2 minutes on one H200) measures instead, per size and dtype,
+operands generated on the GPU and copied to host memory once:
+
+* ``cupy.matmul`` on device-resident operands (cuBLAS alone: the ceiling);
+* ``cupy.matmul`` on host-resident operands: copy A and B in, multiply, copy C out (what a caller
+  with host data pays without tiling, the cuBLAS-XT setting of BLASX's comparison);
+* paperline in this process (``LocalRuntime("cuda")``): host operands streamed tile by tile into
+  the GPU's tile cache while the previous panel multiplies, C tiles copied back to host memory;
+* paperline on a one-worker-per-GPU ``LocalCUDACluster`` (the flow's cluster), operands as ``.npy``
+  files and the result written tile by tile into a ``.npy`` file, at the smallest size.
 """
 
 from __future__ import annotations
@@ -73,7 +84,14 @@ def main() -> None:
     parser.add_argument("--tile", type=int, default=0, help="tile edge (default: n/4)")
     parser.add_argument("--repeats", type=int, default=2)
     parser.add_argument("--workers", type=int, default=os.cpu_count() or 1)
+    parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
+                        help="cuda: against cupy.matmul on this machine's GPU (sizes default 16384,32768)")
     args = parser.parse_args()
+    if args.device == "cuda":
+        if args.sizes == parser.get_default("sizes"):
+            args.sizes = "16384,32768"
+        gpu_main(args)
+        return
 
     from distributed import Client, LocalCluster
     from threadpoolctl import threadpool_info
@@ -146,6 +164,105 @@ def main() -> None:
         print(f"{n:>6} {dtype:>8} {tile:>6} {t_np / t_pl:>16.3f} {t_da / t_pl:>14.3f} {t_np / t_gather:>18.3f} "
               f"{t_da / t_gather:>23.3f}")
     print(f"out of core (4x budget) / in core: {t_in / t_out:.3f}")
+
+
+def gpu_main(args: argparse.Namespace) -> None:
+    """The ``--device cuda`` measurements (module docstring)."""
+    import cupy as cp
+
+    from paperline.kernels.blas import NpySource, make_problem
+    from paperline.kernels.blas.runtime import DaskRuntime, LocalRuntime, run
+    from paperline.kernels.blas.sources import ArraySource
+
+    def synced(fn):
+        def call():
+            fn()
+            cp.cuda.Device().synchronize()
+        return call
+
+    props = cp.cuda.runtime.getDeviceProperties(0)
+    print(f"GPU: {props['name'].decode()} ({cp.cuda.runtime.getDeviceCount()} visible), CuPy {cp.__version__}, "
+          f"CUDA runtime {cp.cuda.runtime.runtimeGetVersion()}")
+    sizes = [int(s) for s in args.sizes.split(",")]
+    rows = []
+    for n in sizes:
+        for dtype in args.dtypes.split(","):
+            tile = args.tile or n // 4
+            flops = 2.0 * n ** 3
+            rng = cp.random.default_rng(0)
+            a_d, b_d = rng.standard_normal((n, n), dtype=dtype), rng.standard_normal((n, n), dtype=dtype)
+            c_d = cp.empty((n, n), dtype)
+            a, b = cp.asnumpy(a_d), cp.asnumpy(b_d)
+            synced(lambda: cp.matmul(a_d, b_d, out=c_d))()  # warm-up (cuBLAS handle, workspace)
+            t_dev = best_of(args.repeats + 1, synced(lambda: cp.matmul(a_d, b_d, out=c_d)))
+            ref = cp.asnumpy(c_d)
+            del c_d
+            t_host = best_of(args.repeats, synced(lambda: cp.asnumpy(cp.matmul(cp.asarray(a), cp.asarray(b)))))
+            del a_d, b_d
+            cp.get_default_memory_pool().free_all_blocks()
+            problem = make_problem("gemm", ArraySource(a, "a"), ArraySource(b, "b"), tile=tile)
+            results = []
+            budget = 2 * a.nbytes + (1 << 30)  # every operand tile fits the GPU's tile cache
+
+            def local(problem=problem, budget=budget) -> None:
+                results.clear()
+                results.append(run(problem, LocalRuntime("cuda"), memory_budget=budget, check_finite=False))
+
+            local()  # warm-up (kernels, memory pool)
+            t_pl = best_of(args.repeats, local)
+            err = float(np.abs(results[-1].output - ref).max() / np.abs(ref).max())
+            recs = results[-1].records
+            print(f"  paperline's last run: {results[-1].seconds:.2f} s = products {sum(r['multiply_s'] for r in recs):.2f} s"
+                  f" + waits for tiles {sum(r['wait_s'] for r in recs):.2f} s + the rest (output copies, "
+                  f"scheduling) over {len(recs)} tasks; host->device "
+                  f"{results[-1].counters['bytes_host_to_device'] / 2**30:.1f} GiB", flush=True)
+            results.clear()
+            cp.get_default_memory_pool().free_all_blocks()
+            rows.append((n, dtype, tile, flops, t_dev, t_host, t_pl, err))
+            print(f"n={n} {dtype} tile={tile}: cupy device-resident {flops / t_dev / 1e12:.2f} TFLOP/s, cupy "
+                  f"host-resident {flops / t_host / 1e12:.2f}, paperline (host operands) {flops / t_pl / 1e12:.2f}; "
+                  f"paperline/cupy {t_dev / t_pl:.3f}, paperline/cupy host-resident {t_host / t_pl:.3f} "
+                  f"(max rel. error {err:.1e})", flush=True)
+            del a, b, ref, problem
+
+    from dask_cuda import LocalCUDACluster
+    from distributed import Client
+
+    n, dtype = min(sizes), args.dtypes.split(",")[0]
+    tile = args.tile or n // 4
+    with tempfile.TemporaryDirectory(prefix="paperline-bench-gemm-") as tmp, \
+            LocalCUDACluster(threads_per_worker=1, host="127.0.0.1", dashboard_address=None) as cluster, \
+            Client(cluster) as client:
+        rt = DaskRuntime(client, device="cuda")
+        rng = cp.random.default_rng(0)
+        paths = []
+        for name in "ab":
+            paths.append(os.path.join(tmp, f"{name}.npy"))
+            np.save(paths[-1], cp.asnumpy(rng.standard_normal((n, n), dtype=dtype)))
+        problem = make_problem("gemm", NpySource(paths[0], "a"), NpySource(paths[1], "b"), tile=tile)
+        out = os.path.join(tmp, "c.npy")
+        stats = []
+
+        def flow_like() -> None:
+            stats.clear()
+            result = run(problem, rt, output=out, memory_budget=2 * n * n * np.dtype(dtype).itemsize + (1 << 30),
+                         check_finite=False)
+            result.commit()
+            stats.append(result)
+
+        flow_like()
+        t_dask = best_of(args.repeats, flow_like)
+        a_d, b_d = cp.asarray(np.load(paths[0])), cp.asarray(np.load(paths[1]))
+        t_dev = best_of(args.repeats + 1, synced(lambda: cp.matmul(a_d, b_d)))
+        print(f"dask-cuda, {len(rt.workers())} worker(s), n={n} {dtype} tile={tile}, .npy in and out: "
+              f"{2.0 * n**3 / t_dask / 1e12:.2f} TFLOP/s = {t_dev / t_dask:.3f} of cupy device-resident; "
+              f"host->device {stats[-1].counters['bytes_host_to_device'] / 2**30:.1f} GiB, cache hit rate "
+              f"{stats[-1].cache_hit_rate:.2f}", flush=True)
+
+    print("\nratios (> 1: paperline faster)")
+    print(f"{'n':>6} {'dtype':>8} {'tile':>6} {'vs cupy (device-resident)':>26} {'vs cupy (host-resident)':>24}")
+    for n, dtype, tile, flops, t_dev, t_host, t_pl, err in rows:
+        print(f"{n:>6} {dtype:>8} {tile:>6} {t_dev / t_pl:>26.3f} {t_host / t_pl:>24.3f}")
 
 
 if __name__ == "__main__":

@@ -25,6 +25,7 @@ from typing import Any
 
 import numpy as np
 
+from paperline.kernels.blas.namespace import copy_parallel
 from paperline.kernels.blas.plan import Problem, TileTask, plan_tasks
 from paperline.kernels.blas.sources import ArraySource, NpySource, TileSource
 from paperline.kernels.blas.worker import RunContext, TileKey, execute, peer_tile, release_run
@@ -460,7 +461,11 @@ def _drive(problem: Problem, ctx: RunContext, runtime: Any) -> RunResult:
         inflight[res["worker"]] -= 1
         i, j = res["out"]
         if res["tile"] is not None:
-            output[i * t:i * t + res["tile"].shape[0], j * t:j * t + res["tile"].shape[1]] = res["tile"]
+            block = output[i * t:i * t + res["tile"].shape[0], j * t:j * t + res["tile"].shape[1]]
+            if ctx.device == "cpu":  # the cores are the workers'
+                block[...] = res["tile"]
+            else:  # the host's cores are idle while the GPUs multiply
+                copy_parallel(block, res["tile"])
         records.append({k: res[k] for k in ("index", "out", "worker", "start", "end", "wait_s", "multiply_s")})
         for k, v in res["counters"].items():
             counters[k] += v

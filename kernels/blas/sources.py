@@ -87,7 +87,11 @@ class ArraySource:
         self.key = f"array:{uuid.uuid4().hex}"
 
     def read(self, rows: slice, cols: slice) -> np.ndarray:
-        return np.ascontiguousarray(self.array[rows, cols])
+        """``M[rows, cols]`` as a read-only view (no copy: BLAS packs strided panels itself, and on
+        GPU the view is gathered straight into the pinned staging buffer)."""
+        view = self.array[rows, cols].view()
+        view.flags.writeable = False
+        return view
 
 
 class NpySource:

@@ -432,6 +432,11 @@ def _execute(state: WorkerState, ctx: RunContext, task: TileTask, peers: dict[Ti
             product = state.take(shape, left.dtype) if product is None else product
             xp.matmul(left, right, out=product)
             acc += product
+        if ns.device != "cpu":
+            # The panel's tiles may leave the cache (the prefetcher evicts) and their memory be
+            # reused by the next copy, which runs on another stream: they stay referenced here
+            # until their product is done. The next panel's copy overlaps this wait.
+            ns.synchronize()
         wait_s += t1 - t0
         multiply_s += time.perf_counter() - t1
     out_rows, out_cols = ctx.sources["x"].shape

@@ -241,7 +241,7 @@ def train_rank(rank: int, world_size: int, init_method: str, cfg: TrainConfig, *
                 opt.step()
                 losses.append(float(loss.detach()))
                 if chart is not None:
-                    global_loss = _global_mean(float(loss.detach()), world_size)
+                    global_loss = _global_mean(float(loss.detach()), world_size, dev)
                     limit = chart.limit
                     if chart.update(global_loss):
                         flagged += 1
@@ -249,8 +249,7 @@ def train_rank(rank: int, world_size: int, init_method: str, cfg: TrainConfig, *
                                                         world_size)
                 step_s.append(time.perf_counter() - t0)
             hist = [s for s in state.history[n0:] if not s.warmup] or state.history[n0:]
-            stats = torch.tensor([sum(losses), len(losses)], dtype=torch.float64)
-            dist.all_reduce(stats)
+            stats = _allreduce_sum([sum(losses), len(losses)], dev)
             record = {
                 "epoch": epoch, "train_loss": float(stats[0] / stats[1]) if stats[1] else float("nan"),
                 "test_accuracy_pct": _evaluate(ddp, data, rank, world_size, dev,
@@ -283,19 +282,28 @@ def train_rank(rank: int, world_size: int, init_method: str, cfg: TrainConfig, *
             sweep = allreduce_sweep(collectives_sizes, device=dev)
         dist.barrier()
         return {"rank": rank, "world_size": world_size, "epochs": epochs, "skipped_steps": skipped,
-                "params_count": sum(p.numel() for p in params), "config": cfg.as_dict(), "collectives": sweep,
+                "params_count": sum(p.numel() for p in params),
+                "dense_bytes_per_step": sum(p.numel() * p.element_size() for p in params),
+                "config": cfg.as_dict(), "collectives": sweep,
                 "restored_memory_buckets": restored}
     finally:
         dist.destroy_process_group()
 
 
-def _global_mean(value: float, world_size: int) -> float:
+def _allreduce_sum(values: list[float], dev: Any) -> list[float]:
+    """The sums over ranks of a few host numbers, through the process group's backend. The tensor
+    lives on ``dev``: NCCL reduces CUDA tensors only ("No backend type associated with device type
+    cpu"); gloo takes either."""
     import torch  # noqa: PLC0415
     import torch.distributed as dist  # noqa: PLC0415
 
-    t = torch.tensor([value], dtype=torch.float64)
+    t = torch.tensor(values, dtype=torch.float64, device=dev)
     dist.all_reduce(t)
-    return float(t[0]) / world_size
+    return t.tolist()
+
+
+def _global_mean(value: float, world_size: int, dev: Any) -> float:
+    return _allreduce_sum([value], dev)[0] / world_size
 
 
 def _isgd_subproblem(ddp: Any, params: list[Any], opt: Any, loss_fn: Any, x: Any, y: Any, limit: float,
@@ -314,7 +322,7 @@ def _isgd_subproblem(ddp: Any, params: list[Any], opt: Any, loss_fn: Any, x: Any
         opt.zero_grad(set_to_none=True)
         loss = loss_fn(ddp(x), y)
         loss.backward()  # through DDP: the gradient is the ranks' mean (and goes through the compressor)
-        psi = _global_mean(float(loss.detach()), world_size)
+        psi = _global_mean(float(loss.detach()), world_size, x.device)
         if psi <= limit or k == cfg.isgd_stop or not _all_finite(loss, params):
             opt.zero_grad(set_to_none=True)
             return k
@@ -357,7 +365,6 @@ def _evaluate(ddp: Any, data: Any, rank: int, world_size: int, dev: Any, calibra
     statistics on ``calibration`` (its own training batches), scores a contiguous shard of the
     test set, and the counts are summed across ranks."""
     import torch  # noqa: PLC0415
-    import torch.distributed as dist  # noqa: PLC0415
 
     n = len(data.y_test)
     lo, hi = rank * n // world_size, (rank + 1) * n // world_size
@@ -371,6 +378,5 @@ def _evaluate(ddp: Any, data: Any, rank: int, world_size: int, dev: Any, calibra
             x = torch.tensor(data.x_test[s:e], device=dev)  # a copy: the dataset arrays are read-only
             correct += int((model(x).argmax(1).cpu() == torch.tensor(data.y_test[s:e])).sum())
     model.train()
-    counts = torch.tensor([correct, hi - lo], dtype=torch.float64)
-    dist.all_reduce(counts)
+    counts = _allreduce_sum([correct, hi - lo], dev)
     return 100.0 * float(counts[0] / counts[1]) if counts[1] else math.nan

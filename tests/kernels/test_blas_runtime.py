@@ -123,6 +123,30 @@ def test_npy_tiles_are_read_only_views_of_the_map_and_big_endian_files_are_conve
     np.testing.assert_array_equal(tile, a[100:200, 50:150])
 
 
+def test_array_tiles_are_read_only_views_and_the_caller_array_stays_writable():
+    from paperline.kernels.blas.sources import ArraySource
+
+    a = rand((300, 200), np.float32, 6)
+    tile = ArraySource(a, "a").read(slice(100, 200), slice(50, 150))
+    assert np.shares_memory(tile, a) and not tile.flags.writeable and a.flags.writeable
+    np.testing.assert_array_equal(tile, a[100:200, 50:150])
+
+
+@pytest.mark.parametrize("threads", [1, 3])
+def test_copy_parallel_copies_strided_tiles_in_row_blocks(monkeypatch, threads):
+    from paperline.kernels.blas import namespace
+
+    monkeypatch.setattr(namespace, "COPY_THREADS", threads)
+    monkeypatch.setattr(namespace, "PARALLEL_COPY_BYTES", 0)
+    big = rand((301, 250), np.float64, 7)
+    for src in (big[1:300:2, 3:203], big[:7, :5], big[:1, :]):  # strided, rows not a multiple, one row
+        dst = np.full(src.shape, np.nan)
+        namespace.copy_parallel(dst, src)
+        np.testing.assert_array_equal(dst, src)
+    with pytest.raises(ValueError, match="shapes differ"):
+        namespace.copy_parallel(np.empty((2, 3)), np.empty((3, 2)))
+
+
 def test_output_file_writes_edge_and_full_width_tiles_in_place(tmp_path):
     path = str(tmp_path / "c.npy")
     np.lib.format.open_memmap(path, mode="w+", dtype=np.float32, shape=(70, 50)).flush()
