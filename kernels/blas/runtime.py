@@ -18,7 +18,7 @@ import tempfile
 import threading
 import time
 import uuid
-from collections import defaultdict
+from collections import defaultdict, deque
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -190,30 +190,66 @@ def _spill_in_memory(problem: Problem, directory: str) -> Problem:
 class LocalRuntime:
     """Run tile tasks one after another in this process (one worker, its own cache).
 
+    On CUDA with the result gathered in memory, a task's output tile is copied back to the host
+    while the next task's products run (:func:`~paperline.kernels.blas.worker.execute`'s sink):
+    the driver keeps two tasks in flight and absorbs a task once its copy has landed.
+
     Args:
         device: ``"cpu"`` or ``"cuda"``.
+        overlap: copy output tiles back while the next task runs (default: on CUDA only; on CPU
+            there is nothing to overlap, and it is there for the tests of the pipeline's logic).
     """
 
-    def __init__(self, device: str = "cpu"):
+    def __init__(self, device: str = "cpu", overlap: bool | None = None):
         self.device = device
+        self.synchronous = not (device != "cpu" if overlap is None else overlap)
+        self.depth = 1 if self.synchronous else 2
+        self._inflight: deque[dict[str, Any]] = deque()
+        self._output: np.ndarray | None = None
+        self._tile = 0
 
     def workers(self) -> list[str]:
         return ["local"]
 
     def start(self, ctx: RunContext) -> None:
-        pass
+        self._inflight.clear()
+
+    def attach_output(self, output: np.ndarray | None, tile: int) -> None:
+        """The driver's in-memory result (None when tiles go to a file): output tiles land in it."""
+        self._output, self._tile = output, tile
+
+    def _sink(self, out: tuple[int, int], host: np.ndarray) -> None:
+        i, j, t = out[0], out[1], self._tile
+        copy_parallel(self._output[i * t:i * t + host.shape[0], j * t:j * t + host.shape[1]], host)
 
     def submit(self, worker: str, ctx: RunContext, task: TileTask, peers: dict) -> Any:
-        return execute(ctx, task, peers, peer_fetch=None, worker=worker)
+        sink = None if self.synchronous or self._output is None else self._sink
+        res = execute(ctx, task, peers, peer_fetch=None, worker=worker, sink=sink)
+        if self.synchronous:
+            return res
+        self._inflight.append(res)
+        return None
+
+    def wait_any(self) -> dict[str, Any]:
+        if not self._inflight:
+            raise RuntimeError("tile plan deadlocked: no task ready")  # a planning bug, never bad input
+        res = self._inflight.popleft()
+        pending = res.pop("pending", None)
+        if pending is not None:
+            pending.result()
+        return res
 
     def cancel(self) -> None:
-        pass
+        while self._inflight:  # let queued copies finish before the buffers are released
+            pending = self._inflight.popleft().get("pending")
+            if pending is not None:
+                try:
+                    pending.result()
+                except Exception:  # noqa: BLE001 - the run already failed
+                    pass
 
     def finish(self, ctx: RunContext) -> None:
         release_run(ctx.run_id)
-
-    depth = 1
-    synchronous = True
 
 
 def _execute_on_dask_worker(ctx: RunContext, task: TileTask, peers: dict) -> dict[str, Any]:
@@ -471,6 +507,8 @@ def _drive(problem: Problem, ctx: RunContext, runtime: Any) -> RunResult:
             counters[k] += v
 
     runtime.start(ctx)
+    if hasattr(runtime, "attach_output"):
+        runtime.attach_output(output, t)
     start = time.time()
     try:
         while sched.done < len(tasks):

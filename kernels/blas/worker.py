@@ -29,6 +29,7 @@ from paperline.kernels.blas.sources import TileSource, read_npy_header
 from paperline.kernels.errors import InputError
 
 TileKey = tuple[str, int, int]  # (source key, tile row, tile col)
+Sink = Callable[[tuple[int, int], np.ndarray], None]  # (output tile index, host tile) -> None
 
 
 @dataclass
@@ -191,9 +192,12 @@ class WorkerState:
     free: dict[tuple, list] = field(default_factory=dict)
     active: int = 0  # tasks of this run executing in this process now
     retired: bool = False  # released or evicted: closed when its last task ends
+    drain: ThreadPoolExecutor | None = None  # GPU: output tiles' device-to-host copies (see execute's sink)
 
     def close(self) -> None:
         self.prefetcher.shutdown(wait=False)
+        if self.drain is not None:
+            self.drain.shutdown(wait=True)  # a queued copy still reads a pooled buffer
         if self.output is not None:
             self.output.close()
 
@@ -256,6 +260,33 @@ def task_done(state: WorkerState) -> None:
         state.active -= 1
         if state.retired and state.active == 0:
             state.close()
+
+
+def _drain(state: WorkerState, acc: Any, done: Any, out: tuple[int, int], sink: Sink, give: Any) -> None:
+    """The drain thread's half of :func:`execute` with a sink: wait for ``done`` on a stream of this
+    thread's own, copy ``acc`` into pinned host memory, pass it to ``sink``, return a pooled
+    buffer only now that nothing reads it."""
+    if state.ns.device == "cpu":  # no copy to wait for: the sink copies the tile out of the buffer
+        sink(out, acc)
+        if give is not None:
+            state.give(give)
+        return
+    import cupyx  # noqa: PLC0415
+
+    xp = state.ns.xp
+    stream = getattr(_DRAIN, "stream", None)
+    if stream is None:
+        stream = _DRAIN.stream = xp.cuda.Stream(non_blocking=True)
+    stream.wait_event(done)
+    pinned = cupyx.empty_pinned(acc.shape, acc.dtype)
+    acc.get(stream=stream, out=pinned)
+    stream.synchronize()
+    if give is not None:
+        state.give(give)
+    sink(out, pinned)
+
+
+_DRAIN = threading.local()
 
 
 def release_run(run_id: str | None = None) -> None:
@@ -372,10 +403,17 @@ def load(state: WorkerState, ref: TileRef, peers: dict[TileKey, str], peer_fetch
 
 
 def execute(ctx: RunContext, task: TileTask, peers: dict[TileKey, str] | None = None, peer_fetch: PeerFetch | None = None,
-            worker: str = "local") -> dict[str, Any]:
+            worker: str = "local", sink: Sink | None = None) -> dict[str, Any]:
     """Compute one output tile on this process's device.
 
     Panels are multiplied in order while the next panel's tiles load on the prefetch thread.
+
+    With ``sink`` (an in-process caller that owns the output array; useful on CUDA) the tile's
+    device-to-host copy is not waited for: a drain thread copies it into a pinned buffer on its own
+    stream, after the tile's last kernel, and hands it to ``sink(out_index, host)``, while this
+    thread goes on to queue the next task's products. The result's ``"tile"`` is then None and
+    ``"pending"`` a Future that completes when ``sink`` has returned (BLASX overlaps its
+    write-back with computation the same way).
 
     Returns:
         ``{"index", "out", "worker", "start", "end", "tile"`` (host array, or None when written
@@ -388,13 +426,13 @@ def execute(ctx: RunContext, task: TileTask, peers: dict[TileKey, str] | None = 
     start = time.time()
     state = worker_state(ctx)
     try:
-        return _execute(state, ctx, task, peers, peer_fetch, worker, start)
+        return _execute(state, ctx, task, peers, peer_fetch, worker, start, sink)
     finally:
         task_done(state)
 
 
 def _execute(state: WorkerState, ctx: RunContext, task: TileTask, peers: dict[TileKey, str] | None,
-             peer_fetch: PeerFetch | None, worker: str, start: float) -> dict[str, Any]:
+             peer_fetch: PeerFetch | None, worker: str, start: float, sink: Sink | None = None) -> dict[str, Any]:
     ns, xp = state.ns, state.ns.xp
     peers = peers or {}
     before = state.counters.as_dict()
@@ -423,7 +461,7 @@ def _execute(state: WorkerState, ctx: RunContext, task: TileTask, peers: dict[Ti
         pending = load_panel(q + 1)
         shape = (left.shape[0], right.shape[1])
         if acc is None:  # the accumulator is a reused buffer when the tile leaves through a copy
-            if ctx.output_path is not None or ns.device != "cpu":
+            if ctx.output_path is not None or ns.device != "cpu" or sink is not None:
                 acc = pooled = state.take(shape, left.dtype)
             else:  # the tile itself travels to the driver
                 acc = xp.empty(shape, left.dtype)
@@ -470,6 +508,23 @@ def _execute(state: WorkerState, ctx: RunContext, task: TileTask, peers: dict[Ti
     if task.keep and not task.copy:
         mask = xp.triu(xp.ones((rows, cols), bool)) if task.keep == "U" else xp.tril(xp.ones((rows, cols), bool))
         acc = xp.where(mask, acc, c0 if c0 is not None else dtype.type(0))
+    if sink is not None and ctx.output_path is None:
+        acc = xp.ascontiguousarray(acc)
+        done = None
+        if ns.device != "cpu":
+            done = xp.cuda.Event(disable_timing=True)
+            done.record()  # after acc's last kernel on this thread's stream
+        if state.drain is None:
+            state.drain = ThreadPoolExecutor(max_workers=1, thread_name_prefix="paperline-drain")
+        give = acc if (pooled is not None and acc is pooled) else None
+        pending = state.drain.submit(_drain, state, acc, done, task.out, sink, give)
+        if product is not None:
+            state.give(product)  # its last use is queued on this stream: reuse is stream-ordered
+        added, evicted = state.cache.drain()
+        after = state.counters.as_dict()
+        return {"index": task.index, "out": task.out, "worker": worker, "start": start, "end": time.time(),
+                "tile": None, "pending": pending, "added": added, "evicted": evicted, "wait_s": wait_s,
+                "multiply_s": multiply_s, "counters": {k: after[k] - before[k] for k in after}}
     ns.synchronize()
     host = ns.to_host(acc)
     if ctx.output_path is not None:
