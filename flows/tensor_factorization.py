@@ -59,6 +59,8 @@ class TensorFactorizationParameters(BaseModel):
     n_epochs: int = Field(40, gt=0, description="ADMM rounds (one pass over the data each).")
     batch_size: int = Field(4096, gt=0, description="Entries per mini-batch.")
     local_passes: int = Field(1, gt=0, description="Mini-batch passes over its data per sub-problem per round.")
+    closing_sweeps: int = Field(30, ge=0, le=1000, description="Exact block-coordinate (ALS) sweeps after the last "
+                                                               "round, distributed over the sub-problems.")
     rho_balance: float = Field(0.0, ge=0, description="Residual balancing: double/halve rho when the primal/dual "
                                                        "residual is this many times the other (0: off).")
     baseline: bool = Field(True, description="Also fit the TensorLy CP baseline (needs the dense tensor).")
@@ -69,7 +71,7 @@ class TensorFactorizationParameters(BaseModel):
         return dict(rank=self.rank, n_parts=self.n_parts, lam=self.lam, lam_t=self.lam_t, rho=self.rho,
                     rho_growth=self.rho_growth, lr=self.lr, lr_decay=self.lr_decay, n_epochs=self.n_epochs,
                     batch_size=self.batch_size, local_passes=self.local_passes, rho_balance=self.rho_balance,
-                    seed=self.seed)
+                    closing_sweeps=self.closing_sweeps, seed=self.seed)
 
     def baseline_params(self) -> dict[str, Any]:
         return dict(rank=self.rank, n_iter_max=self.baseline_iterations, seed=self.seed)

@@ -40,6 +40,16 @@ round each sub-problem therefore solves its private rows exactly at ``Z`` (the r
 that cannot increase Eq. 4). Measured on the bundled datasets' random splits: held-out RMSE
 kinetic 0.0528 -> 0.0518, produc 0.1751 -> 0.1743, flights 0.1607 -> 0.1576.
 
+Then ``closing_sweeps`` sweeps of exact block coordinate descent on Eq. (4) (ALS) finish what the
+stochastic rounds leave: the private rows as above, then each shared mode in turn, exactly. The
+normal equations of a shared row are sums over its entries, which the split partitions, so each
+sub-problem computes its part in parallel (:func:`shared_normal_equations`) and the driver adds
+the P parts and solves (ridge rows; the block-tridiagonal time system), then rebalances scales.
+No step can increase Eq. (4). The consensus rounds get the shared factors close; the sweeps make
+them exact (measured at rank 6 after 40 rounds, held-out RMSE with 0 / 30 sweeps: flights random
+0.1576 / 0.1414, TensorLy 0.1433; kinetic random 0.0518 / 0.0469; produc temporal 0.332 / 0.289;
+flights temporal 0.276 / 0.279).
+
 Sub-problems run through an *executor* (serial here; Dask tasks on the cluster's workers in
 ``paperline.tasks``), so this module stays free of any runtime.
 """
@@ -56,6 +66,8 @@ import numpy as np
 from paperline.kernels.errors import InputError
 from paperline.kernels.tensor.coo import COOTensor
 from paperline.kernels.tensor.pttf import (
+    _other_modes,
+    _row_normal_equations,
     ridge_rows,
     solve_time_system,
     CPFactors,
@@ -332,6 +344,29 @@ def exact_private_rows(sub: SubTensor, state: LocalState, consensus: list[np.nda
     return ridge_rows([state.u] + list(consensus), sub.coords, sub.values, 0, lam)
 
 
+def shared_normal_equations(sub: SubTensor, u: np.ndarray, consensus: list[np.ndarray], j: int
+                            ) -> tuple[np.ndarray, np.ndarray]:
+    """Sub-problem ``p``'s share of the exact update of shared mode ``j + 1`` (a closing sweep).
+
+    The ALS step of a mode solves, per row, normal equations that are sums over the row's
+    entries; the entries are partitioned over the sub-problems, so the sums are too: each
+    sub-problem returns its part and the driver adds the P parts and solves (the ridge system, or
+    the block-tridiagonal time system with the smoothness prior).
+
+    Args:
+        sub: this sub-problem's entries.
+        u: its private rows ``U_p`` (``I_p x R``).
+        consensus: the shared factors.
+        j: index into ``consensus`` of the mode to update.
+
+    Returns:
+        ``(gram, rhs)``: ``I_m x R x R`` and ``I_m x R`` float64 sums over this sub-problem's
+        entries (zero for rows it does not touch).
+    """
+    h = _other_modes([u] + list(consensus), sub.coords, j + 1)
+    return _row_normal_equations(sub.coords[:, j + 1], h, sub.values, consensus[j].shape[0])
+
+
 def consensus_update(locals_: Sequence[LocalState], weights: Sequence[list[np.ndarray]],
                      lam: float, lam_t: float, rho: float) -> list[np.ndarray]:
     """Step (6): the consensus ``Z`` minimizing the shared priors plus the weighted penalties.
@@ -383,7 +418,8 @@ def p2t2f(tensor: COOTensor, rank: int, *, n_parts: int = 2, lam: float = 1.0, l
           rho_balance: float = 0.0, local_passes: int = 1,
           n_epochs: int = 30, batch_size: int = 4096, seed: int = 0,
           validation: COOTensor | None = None, executor: Executor | None = None,
-          callback: EpochCallback | None = None, split_mode: int | None = None) -> FitResult:
+          callback: EpochCallback | None = None, split_mode: int | None = None,
+          closing_sweeps: int = 30) -> FitResult:
     """Fit PTTF (Eq. 4) with P²T²F: data split plus stochastic consensus ADMM (steps 5-8).
 
     One epoch is one ADMM round: every sub-problem makes one mini-batch pass over its entries
@@ -416,6 +452,8 @@ def p2t2f(tensor: COOTensor, rank: int, *, n_parts: int = 2, lam: float = 1.0, l
         split_mode: the (non-time) mode whose slices are split into the P sub-tensors; default
             :func:`default_split_mode`, the largest. The returned factors are in the tensor's own
             mode order either way.
+        closing_sweeps: exact block-coordinate sweeps after the last round (module docstring,
+            "Closing step"; 0: only the private rows' exact solve). Each costs N parallel calls.
 
     Returns:
         :class:`FitResult`: factors ``(U, Z_2, ..., Z_N)`` and the per-epoch history with
@@ -427,6 +465,8 @@ def p2t2f(tensor: COOTensor, rank: int, *, n_parts: int = 2, lam: float = 1.0, l
             than the split mode.
     """
     validate_hyperparameters(rank=rank, lam=lam, lam_t=lam_t, n_epochs=n_epochs)
+    if isinstance(closing_sweeps, bool) or not isinstance(closing_sweeps, (int, np.integer)) or closing_sweeps < 0:
+        raise InputError("closing_sweeps", closing_sweeps, "must be an integer >= 0")
     n_modes = len(tensor.shape)
     mode = default_split_mode(tensor.shape) if split_mode is None else split_mode
     if not isinstance(mode, (int, np.integer)) or not 0 <= mode < n_modes - 1:
@@ -437,7 +477,7 @@ def p2t2f(tensor: COOTensor, rank: int, *, n_parts: int = 2, lam: float = 1.0, l
                     lr_decay=lr_decay, rho_growth=rho_growth, rho_max=rho_max, rho_balance=rho_balance,
                     local_passes=local_passes, n_epochs=n_epochs, batch_size=batch_size, seed=seed,
                     validation=None if validation is None else _permute(validation, order), executor=executor,
-                    callback=callback, split_mode=0)
+                    callback=callback, split_mode=0, closing_sweeps=closing_sweeps)
         factors = [np.empty(0)] * n_modes
         for i, m in enumerate(order):
             factors[m] = fit.factors.factors[i]
@@ -520,9 +560,22 @@ def p2t2f(tensor: COOTensor, rank: int, *, n_parts: int = 2, lam: float = 1.0, l
                    primal_residual=primal, dual_residual=dual,
                    wall_seconds=time.perf_counter() - start)
         pending = (row, prior_penalty(factors, lam, lam_t))
-    # Closing step: the private rows solved exactly at the final consensus, in parallel.
-    for sub, rows in zip(parts, executor.map(exact_private_rows, handles, [(s, consensus, lam) for s in states])):
-        u[sub.rows] = rows
+    # Closing step: the private rows solved exactly at the final consensus, in parallel; then
+    # closing sweeps of exact block coordinate descent on Eq. (4), distributed (module docstring).
+    for sweep in range(closing_sweeps + 1):
+        for sub, rows in zip(parts, executor.map(exact_private_rows, handles, [(s, consensus, lam) for s in states])):
+            u[sub.rows] = rows
+        if sweep == closing_sweeps:
+            break
+        for j in range(len(consensus)):
+            stats = executor.map(shared_normal_equations, handles, [(u[sub.rows], consensus, j) for sub in parts])
+            gram, rhs = sum(g for g, _ in stats), sum(b for _, b in stats)
+            if j == len(consensus) - 1:
+                consensus[j] = solve_time_system(gram, rhs, lam, lam_t)
+            else:
+                gram += lam * np.eye(rank)
+                consensus[j] = np.linalg.solve(gram, rhs[..., None])[..., 0]
+        balance_scales([u] + consensus, lam, lam_t)
     # The last round's objective has no next round to compute its data term: do it here, at the
     # returned factors (as the validation RMSE).
     row, _ = pending

@@ -64,7 +64,7 @@ def test_consensus_is_the_weighted_average_plus_prior():
 def test_admm_reaches_the_serial_objective(problem, n_parts):
     split, reference = problem
     result = p2t2f(split.train, 3, n_parts=n_parts, lam=1.0, lam_t=1.0, n_epochs=200, lr_decay=0.05,
-                   batch_size=1024, validation=split.validation)
+                   batch_size=1024, validation=split.validation, closing_sweeps=0)  # the rounds alone
     h = result.history
     assert h.objective[-1] <= 1.01 * reference.history.objective[-1]
     # Consensus: the local copies agree with Z to within 1% of Z's norm (P sub-problems).
@@ -141,3 +141,30 @@ def test_the_largest_mode_is_split_and_the_factors_come_back_in_order(low_rank_t
     np.testing.assert_array_equal(fit.history.objective, ref.history.objective)
     np.testing.assert_allclose(predict(fit.factors.factors, tensor.coords),
                                predict(ref.factors.factors, swapped.coords), rtol=1e-12)
+
+
+def test_the_parts_normal_equations_sum_to_the_whole_tensors(problem):
+    from paperline.kernels.tensor.p2t2f import shared_normal_equations
+    from paperline.kernels.tensor.pttf import _other_modes, _row_normal_equations, init_factors
+
+    split, _ = problem
+    tensor = split.train
+    factors = init_factors(tensor.shape, 3, seed=5)
+    parts = split_tensor(tensor, 3)
+    for j in range(len(factors) - 1):
+        stats = [shared_normal_equations(sub, factors[0][sub.rows], factors[1:], j) for sub in parts]
+        h = _other_modes(factors, tensor.coords, j + 1)
+        gram, rhs = _row_normal_equations(tensor.coords[:, j + 1], h, tensor.values, factors[j + 1].shape[0])
+        np.testing.assert_allclose(sum(g for g, _ in stats), gram, rtol=1e-10, atol=1e-12)
+        np.testing.assert_allclose(sum(b for _, b in stats), rhs, rtol=1e-10, atol=1e-12)
+
+
+def test_closing_sweeps_never_increase_the_objective_and_reach_the_serial_optimum(problem):
+    split, reference = problem
+    kw = dict(lam=1.0, lam_t=1.0, n_parts=2, n_epochs=3, batch_size=256, seed=3)
+    objectives = [p2t2f(split.train, 3, closing_sweeps=k, **kw).history.objective[-1] for k in (0, 1, 4, 100)]
+    assert all(b <= a * (1 + 1e-12) for a, b in zip(objectives, objectives[1:])), objectives
+    assert objectives[-1] < objectives[0]
+    assert objectives[-1] <= 1.001 * reference.history.objective[-1]
+    with pytest.raises(InputError, match="^closing_sweeps="):
+        p2t2f(split.train, 3, closing_sweeps=-1)
