@@ -69,6 +69,7 @@ from paperline.kernels.tensor.pttf import (
     _other_modes,
     _row_normal_equations,
     ridge_rows,
+    solve_ridge_rows,
     solve_time_system,
     CPFactors,
     EpochCallback,
@@ -570,11 +571,8 @@ def p2t2f(tensor: COOTensor, rank: int, *, n_parts: int = 2, lam: float = 1.0, l
         for j in range(len(consensus)):
             stats = executor.map(shared_normal_equations, handles, [(u[sub.rows], consensus, j) for sub in parts])
             gram, rhs = sum(g for g, _ in stats), sum(b for _, b in stats)
-            if j == len(consensus) - 1:
-                consensus[j] = solve_time_system(gram, rhs, lam, lam_t)
-            else:
-                gram += lam * np.eye(rank)
-                consensus[j] = np.linalg.solve(gram, rhs[..., None])[..., 0]
+            last = j == len(consensus) - 1
+            consensus[j] = solve_time_system(gram, rhs, lam, lam_t) if last else solve_ridge_rows(gram, rhs, lam)
         balance_scales([u] + consensus, lam, lam_t)
     # The last round's objective has no next round to compute its data term: do it here, at the
     # returned factors (as the validation RMSE).

@@ -278,8 +278,12 @@ def ridge_rows(factors: list[np.ndarray], coords: np.ndarray, values: np.ndarray
     """
     h = _other_modes(factors, coords, mode)
     gram, rhs = _row_normal_equations(coords[:, mode], h, values, factors[mode].shape[0])
-    gram += lam * np.eye(factors[mode].shape[1])
-    return np.linalg.solve(gram, rhs[..., None])[..., 0]
+    return solve_ridge_rows(gram, rhs, lam)
+
+
+def solve_ridge_rows(gram: np.ndarray, rhs: np.ndarray, lam: float) -> np.ndarray:
+    """Rows ``a_i = (G_i + lam I)^-1 b_i`` from per-row normal equations (``I x R x R``, ``I x R``)."""
+    return np.linalg.solve(gram + lam * np.eye(gram.shape[-1]), rhs[..., None])[..., 0]
 
 
 def balance_scales(factors: list[np.ndarray], lam: float, lam_t: float) -> np.ndarray:
