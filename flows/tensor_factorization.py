@@ -135,14 +135,6 @@ PRESETS: dict[str, dict[str, Any]] = {
 }
 
 
-def _file_sha256(path: str) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            h.update(block)
-    return h.hexdigest()
-
-
 @flow(name="tensor-factorization", log_prints=True, task_runner=default_task_runner())
 def tensor_factorization(params: TensorFactorizationParameters | None = None) -> dict[str, Any]:
     """Run P²T²F and the TensorLy baseline on every (dataset, split) and track it in MLflow.
@@ -173,7 +165,8 @@ def tensor_factorization(params: TensorFactorizationParameters | None = None) ->
                     raise InputError("data", params.data, "no such object in S3")
                 sha = None
             else:
-                sha = _file_sha256(params.data)
+                with open(params.data, "rb") as f:
+                    sha = hashlib.file_digest(f, "sha256").hexdigest()
             tensors = {"user": load_tensor.submit(store, bucket, data_uri=params.data, data_sha256=sha)}
         else:
             tensors = {d: load_tensor.submit(store, bucket, dataset=d) for d in params.datasets}

@@ -26,7 +26,6 @@ if TYPE_CHECKING:
     from paperline.infra.stack import StackInfo
 
 MANIFEST_NAME = "manifest.json"
-_CHUNK = 1 << 20  # bytes read at a time when hashing files
 
 
 class ObjectNotFoundError(PaperlineError, FileNotFoundError):
@@ -69,13 +68,10 @@ def split_uri(uri: str) -> tuple[str, str]:
 
 
 def _sha256_file(path: Path) -> tuple[str, int]:
-    h = hashlib.sha256()
-    size = 0
+    """Hex SHA-256 of a file's bytes and how many bytes were hashed (one read of the file)."""
     with open(path, "rb") as f:
-        while chunk := f.read(_CHUNK):
-            h.update(chunk)
-            size += len(chunk)
-    return h.hexdigest(), size
+        digest = hashlib.file_digest(f, "sha256")
+        return digest.hexdigest(), f.tell()
 
 
 def _join(prefix: str, name: str) -> str:

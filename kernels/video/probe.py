@@ -14,7 +14,6 @@ from typing import Any
 
 from paperline.kernels.video.sources import VIDEO_EXTENSIONS
 
-_CHUNK = 1 << 20
 
 
 @dataclass(frozen=True)
@@ -72,11 +71,8 @@ class Rejected:
 
 def file_sha256(path: str | Path) -> str:
     """Hex SHA-256 of a file's bytes. Raises OSError when it cannot be read."""
-    h = hashlib.sha256()
     with open(path, "rb") as f:
-        while chunk := f.read(_CHUNK):
-            h.update(chunk)
-    return h.hexdigest()
+        return hashlib.file_digest(f, "sha256").hexdigest()
 
 
 def probe(path: str | Path, *, min_frames: int = 2) -> VideoInfo | Rejected:
