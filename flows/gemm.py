@@ -21,7 +21,7 @@ from prefect import flow
 from prefect.runtime import flow_run
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
-from paperline.infra.device import resolve_device
+from paperline.infra.device import array_device
 from paperline.infra.cluster import configure_local_workers, default_task_runner
 from paperline.infra.errors import InputError
 from paperline.infra.regression import Headline, check_latest
@@ -205,7 +205,7 @@ def gemm(params: GemmParameters | None = None) -> dict[str, Any]:
     info, store = require_stack(settings)
     params.validate_inputs(store)
     budget = parse_bytes(params.memory_budget)
-    device = resolve_device(settings.device)
+    device = array_device(settings.device)
     output = params.output or f"s3://{info.data_bucket}/gemm/{flow_run.id}/result.npy"
     if not output.startswith("s3://"):
         output = str(Path(output).expanduser().resolve())

@@ -20,6 +20,7 @@ from prefect.runtime import flow_run
 from pydantic import BaseModel, ConfigDict, Field
 
 from paperline.infra.cluster import configure_local_workers, default_task_runner
+from paperline.infra.device import array_device
 from paperline.infra.errors import InputError
 from paperline.infra.regression import Headline, check_latest
 from paperline.infra.settings import get_settings
@@ -154,7 +155,8 @@ def tensor_factorization(params: TensorFactorizationParameters | None = None) ->
     tracker = Tracker(info.mlflow_tracking_uri)
     bucket = info.data_bucket
     run_url = f"{info.prefect_ui_url.rstrip('/')}/runs/flow-run/{flow_run.id}"
-    mlflow_params = params.model_dump()
+    device = array_device(settings.device)
+    mlflow_params = {**params.model_dump(), "device": device}
     run_id = tracker.start_run(EXPERIMENT, run_name=flow_run.name or "tensor-factorization",
                                tags={"prefect.flow_run_id": str(flow_run.id), "prefect.flow_run_url": run_url},
                                params=mlflow_params)
@@ -181,7 +183,7 @@ def tensor_factorization(params: TensorFactorizationParameters | None = None) ->
                      for key, s in splits.items()} if params.baseline else {}
         fits = []
         for (d, k), s in splits.items():
-            fits.append({"dataset": d, "split": k, **fit_p2t2f(store, bucket, s.result(), params.p2t2f_params())})
+            fits.append({"dataset": d, "split": k, **fit_p2t2f(store, bucket, s.result(), params.p2t2f_params(), device)})
             if params.baseline:
                 fits.append({"dataset": d, "split": k, **baselines[(d, k)].result()})
         summary = _log_run(tracker, run_id, store, fits, params)

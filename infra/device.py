@@ -8,6 +8,7 @@ module import time.
 from __future__ import annotations
 
 import glob
+import importlib.util
 import os
 import sys
 
@@ -79,3 +80,22 @@ def resolve_device(setting: str) -> Device:
             "or install the GPU extra (make install-gpu) on a machine with an NVIDIA driver",
         )
     raise InputError("device", setting, "must be one of auto, cpu, cuda")
+
+
+def array_device(setting: str) -> Device:
+    """The device for kernels that compute on CuPy arrays (tiled BLAS, tensor factorization).
+
+    :func:`resolve_device`, except that a usable GPU without CuPy installed (the GPU extra) gives
+    ``"cpu"`` under ``"auto"`` and a clear error under ``"cuda"``, rather than an ImportError deep
+    inside a kernel.
+
+    Raises:
+        InputError: as :func:`resolve_device`, or ``"cuda"`` asked for without CuPy installed.
+    """
+    device = resolve_device(setting)
+    if device == "cuda" and importlib.util.find_spec("cupy") is None:
+        if setting == "auto":
+            return "cpu"
+        raise InputError("device", setting, "CuPy is not installed: install the GPU extra (make install-gpu), "
+                                            "or use device=cpu (PAPERLINE_DEVICE)")
+    return device

@@ -115,7 +115,8 @@ def _commit_fit(store: ObjectStore, bucket: str, method: str, split_ref: dict[st
 
 @task(name="fit-p2t2f", cache_policy=CACHED, persist_result=True, retries=1,
       retry_condition_fn=retry_unless_bad_input, timeout_seconds=12 * HOUR)
-def fit_p2t2f(store: ObjectStore, bucket: str, split_ref: dict[str, Any], params: dict[str, Any]) -> dict[str, Any]:
+def fit_p2t2f(store: ObjectStore, bucket: str, split_ref: dict[str, Any], params: dict[str, Any],
+              device: str = "cpu") -> dict[str, Any]:
     """Fit P²T²F on a split; its P sub-problems run as Dask tasks on the cluster's workers.
 
     Call it directly from the flow (not ``.submit``): it drives the ADMM rounds from the flow's
@@ -124,6 +125,8 @@ def fit_p2t2f(store: ObjectStore, bucket: str, split_ref: dict[str, Any], params
     Args:
         params: keyword arguments of :func:`paperline.kernels.tensor.p2t2f.p2t2f` (rank, n_parts,
             lam, lam_t, rho, lr, lr_decay, rho_growth, n_epochs, batch_size, seed).
+        device: ``"cpu"`` or ``"cuda"``: where the entries are put, so where the kernels compute
+            (with ``"cuda"`` each Dask-CUDA worker receives its sub-tensor on its own GPU).
 
     Returns:
         fit summary with the committed factors' manifest URI, the per-epoch history and RMSEs.
@@ -133,11 +136,12 @@ def fit_p2t2f(store: ObjectStore, bucket: str, split_ref: dict[str, Any], params
     split = read_split(store, split_ref)
     start = time.perf_counter()
     with cluster_executor() as executor:
-        result: FitResult = p2t2f(split.train, validation=split.validation, executor=executor, **params)
+        result: FitResult = p2t2f(split.train.to(device), validation=split.validation.to(device),
+                                  executor=executor, **params)
     seconds = time.perf_counter() - start
-    factors = result.factors.factors
-    return _commit_fit(store, bucket, "p2t2f", split_ref, params, factors, result.history.rows(),
-                       rmse(factors, split.test), seconds)
+    factors = result.factors.to_host()
+    return _commit_fit(store, bucket, "p2t2f", split_ref, {**params, "device": device}, factors,
+                       result.history.rows(), rmse(factors, split.test), seconds)
 
 
 @task(name="fit-tensorly-cp", cache_policy=CACHED, persist_result=True, retries=1,

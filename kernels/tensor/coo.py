@@ -2,7 +2,8 @@
 
 Observed entries are held as coordinates and values and never densified: a tensor of nominal
 shape ``I_1 x ... x I_N`` with ``nnz`` observed entries costs ``O(nnz * N)`` memory. By
-convention the *last* mode is time.
+convention the *last* mode is time. The arrays are NumPy (host) or CuPy (GPU) arrays, and the
+kernels that fit a tensor compute where its arrays live (:meth:`COOTensor.to`).
 """
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from paperline.kernels.arrays import array_module, device_of, to_device, to_host
 from paperline.kernels.errors import InputError
 
 
@@ -19,8 +21,8 @@ class COOTensor:
     """Observed entries of an N-way tensor (N >= 3, last mode is time).
 
     Attributes:
-        coords: ``nnz x N`` int64 indices of the observed entries.
-        values: ``nnz`` float64 observed values (finite).
+        coords: ``nnz x N`` int64 indices of the observed entries (NumPy, or CuPy on a GPU).
+        values: ``nnz`` float64 observed values (finite), in the same array module as ``coords``.
         shape: nominal shape ``(I_1, ..., I_N)``; ``I_N`` is the number of time slices.
         mode_names: optional names of the modes, e.g. ``("state", "variable", "year")``.
 
@@ -35,8 +37,9 @@ class COOTensor:
     mode_names: tuple[str, ...] | None = field(default=None)
 
     def __post_init__(self) -> None:
-        coords = np.ascontiguousarray(np.asarray(self.coords), dtype=np.int64)
-        values = np.ascontiguousarray(np.asarray(self.values, dtype=np.float64))
+        xp = array_module(self.coords, self.values)
+        coords = xp.ascontiguousarray(xp.asarray(self.coords), dtype=xp.int64)
+        values = xp.ascontiguousarray(xp.asarray(self.values, dtype=xp.float64))
         shape = tuple(int(s) for s in self.shape)
         if len(shape) < 3:
             raise InputError("shape", shape, "need a tensor with N >= 3 modes (time last)")
@@ -48,13 +51,13 @@ class COOTensor:
         if coords.shape != (values.size, len(shape)):
             raise InputError("coords", f"array of shape {coords.shape}",
                              f"expected ({values.size}, {len(shape)}) to match values and shape")
-        bad = ~np.isfinite(values)
-        if bad.any():
-            n_nan = int(np.isnan(values).sum())
+        bad = ~xp.isfinite(values)
+        if bool(bad.any()):
+            n_nan = int(xp.isnan(values).sum())
             raise InputError("values", f"{n_nan} NaN and {int(bad.sum()) - n_nan} inf of {values.size}",
                              "observed values must be finite (leave missing entries out instead)")
-        lo = coords.min(axis=0)
-        hi = coords.max(axis=0)
+        lo = to_host(coords.min(axis=0))
+        hi = to_host(coords.max(axis=0))
         for m, s in enumerate(shape):
             if lo[m] < 0 or hi[m] >= s:
                 raise InputError(f"coords[:, {m}]", (int(lo[m]), int(hi[m])),
@@ -74,10 +77,26 @@ class COOTensor:
     def ndim(self) -> int:
         return len(self.shape)
 
+    @property
+    def device(self) -> str:
+        """``"cuda"`` when the entries are CuPy arrays, else ``"cpu"``."""
+        return device_of(self.values)
+
+    def to(self, device: str) -> "COOTensor":
+        """The same entries on ``device`` (``"cpu"`` or ``"cuda"``); ``self`` if already there.
+
+        Raises:
+            ValueError: an unknown device name.
+        """
+        if device == self.device:
+            return self
+        return COOTensor(to_device(self.coords, device), to_device(self.values, device), self.shape,
+                         self.mode_names)
+
     @classmethod
     def from_dense(cls, dense: np.ndarray, mask: np.ndarray | None = None,
                    mode_names: tuple[str, ...] | None = None) -> "COOTensor":
-        """Observed entries of a dense array.
+        """Observed entries of a dense array (NumPy or CuPy; the result lives where ``dense`` does).
 
         Args:
             dense: ``I_1 x ... x I_N`` array; NaN entries count as missing.
@@ -86,32 +105,34 @@ class COOTensor:
         Raises:
             InputError: shape mismatch, no observed entries, or inf among observed values.
         """
-        dense = np.asarray(dense, dtype=np.float64)
-        observed = ~np.isnan(dense)
+        xp = array_module(dense)
+        dense = xp.asarray(dense, dtype=xp.float64)
+        observed = ~xp.isnan(dense)
         if mask is not None:
-            mask = np.asarray(mask, dtype=bool)
+            mask = xp.asarray(mask, dtype=bool)
             if mask.shape != dense.shape:
                 raise InputError("mask", f"shape {mask.shape}", f"must match tensor shape {dense.shape}")
             observed &= mask
-        if not observed.any():
+        if not bool(observed.any()):
             raise InputError("mask", f"{int(observed.sum())} of {dense.size} observed",
                              "mask has no observed entries")
-        coords = np.argwhere(observed)
+        coords = xp.argwhere(observed)
         return cls(coords, dense[observed], dense.shape, mode_names)
 
     def subset(self, index: np.ndarray) -> "COOTensor":
         """The observed entries selected by an integer or boolean index (same nominal shape)."""
+        index = array_module(self.values).asarray(index)
         return COOTensor(self.coords[index], self.values[index], self.shape, self.mode_names)
 
     def to_dense(self, fill: float = np.nan) -> np.ndarray:
         """Dense ``I_1 x ... x I_N`` array with ``fill`` where unobserved. Only for small shapes."""
-        out = np.full(self.shape, fill, dtype=np.float64)
+        out = array_module(self.values).full(self.shape, fill, dtype=np.float64)
         out[tuple(self.coords.T)] = self.values
         return out
 
     def mask(self) -> np.ndarray:
         """Dense boolean observation mask (True where observed). Only for small shapes."""
-        out = np.zeros(self.shape, dtype=bool)
+        out = array_module(self.values).zeros(self.shape, dtype=bool)
         out[tuple(self.coords.T)] = True
         return out
 
@@ -173,7 +194,7 @@ def temporal_split(tensor: COOTensor, *, horizon: int | None = None) -> Split:
     t = tensor.coords[:, -1]
     train, val, test = t < n_t - 2 * h, (t >= n_t - 2 * h) & (t < n_t - h), t >= n_t - h
     for name, sel in (("train", train), ("validation", val), ("test", test)):
-        if not sel.any():
+        if not bool(sel.any()):
             raise InputError("horizon", h, f"the {name} slices hold no observed entries")
     return Split("temporal", tensor.subset(train), tensor.subset(val), tensor.subset(test))
 

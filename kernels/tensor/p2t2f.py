@@ -52,6 +52,10 @@ flights temporal 0.276 / 0.279).
 
 Sub-problems run through an *executor* (serial here; Dask tasks on the cluster's workers in
 ``paperline.tasks``), so this module stays free of any runtime.
+
+Device. Everything computes where the tensor's arrays live: a CuPy tensor gives CuPy
+sub-tensors, states and consensus (on a Dask-CUDA cluster each worker receives its sub-tensor on
+its own GPU); the seeds give the same draws on either device.
 """
 
 from __future__ import annotations
@@ -63,6 +67,7 @@ from typing import Any, Protocol
 
 import numpy as np
 
+from paperline.kernels.arrays import array_module, to_host
 from paperline.kernels.errors import InputError
 from paperline.kernels.tensor.coo import COOTensor
 from paperline.kernels.tensor.pttf import (
@@ -111,7 +116,7 @@ class SubTensor:
 
 @dataclass
 class LocalState:
-    """State of one sub-problem between ADMM rounds (picklable: numpy arrays only).
+    """State of one sub-problem between ADMM rounds (picklable; NumPy or CuPy arrays).
 
     Attributes:
         u: ``I_p x R`` private first-mode factor rows.
@@ -183,7 +188,9 @@ def split_tensor(tensor: COOTensor, n_parts: int) -> list[SubTensor]:
         raise InputError("P", n_parts, "the number of sub-tensors must be a positive integer")
     if n_parts > n0:
         raise InputError("P", n_parts, f"larger than the number of slices along the split mode ({n0})")
-    per_row = np.bincount(tensor.coords[:, 0], minlength=n0)
+    xp = array_module(tensor.values)
+    first = to_host(tensor.coords[:, 0])  # the cut points are computed on the host
+    per_row = np.bincount(first, minlength=n0)
     cum = np.cumsum(per_row)
     targets = cum[-1] * np.arange(1, n_parts) / n_parts
     cuts = np.searchsorted(cum, targets, side="left") + 1
@@ -193,15 +200,15 @@ def split_tensor(tensor: COOTensor, n_parts: int) -> list[SubTensor]:
         cuts[p] = max(cuts[p], cuts[p - 1] + 1)
     cuts[-1] = n0
     owner = np.searchsorted(cuts[1:], np.arange(n0), side="right")
-    entry_owner = owner[tensor.coords[:, 0]]
+    entry_owner = owner[first]
     parts = []
     for p in range(n_parts):
-        rows = np.arange(cuts[p], cuts[p + 1], dtype=np.int64)
-        sel = np.flatnonzero(entry_owner == p)
+        rows = xp.arange(int(cuts[p]), int(cuts[p + 1]), dtype=xp.int64)
+        sel = xp.asarray(np.flatnonzero(entry_owner == p))
         coords = tensor.coords[sel].copy()
-        coords[:, 0] -= cuts[p]
-        counts = [np.bincount(coords[:, 0], minlength=rows.size)]
-        counts += [np.bincount(coords[:, m], minlength=tensor.shape[m]) for m in range(1, tensor.ndim)]
+        coords[:, 0] -= int(cuts[p])
+        counts = [xp.bincount(coords[:, 0], minlength=rows.size)]
+        counts += [xp.bincount(coords[:, m], minlength=tensor.shape[m]) for m in range(1, tensor.ndim)]
         parts.append(SubTensor(p, rows, coords, tensor.values[sel].copy(), counts))
     return parts
 
@@ -214,18 +221,19 @@ def _segment_sums(index: np.ndarray, values: np.ndarray, n_rows: int) -> tuple[n
         ``(rows, counts, sums)``: the touched indices (sorted), how many entries each has, and
         the ``len(rows) x C`` sums.
     """
+    xp = array_module(values)
     n_cols = values.shape[1]
-    flat = (index[:, None] * n_cols + np.arange(n_cols)).ravel()
-    sums = np.bincount(flat, weights=values.ravel(), minlength=n_rows * n_cols).reshape(n_rows, n_cols)
-    counts = np.bincount(index, minlength=n_rows)
-    rows = np.flatnonzero(counts)
+    flat = (index[:, None] * n_cols + xp.arange(n_cols)).ravel()
+    sums = xp.bincount(flat, weights=values.ravel(), minlength=n_rows * n_cols).reshape(n_rows, n_cols)
+    counts = xp.bincount(index, minlength=n_rows)
+    rows = xp.flatnonzero(counts)
     return rows, counts[rows], sums[rows]
 
 
 def time_penalty_rows(sub: SubTensor) -> np.ndarray:
     """Per-row consensus weights of the time factors: ``max(n_k^p, 1)`` entries, so that slices
     without local data (e.g. the held-out future) still take part in the consensus."""
-    return np.maximum(sub.row_counts[-1], 1).astype(np.float64)
+    return array_module(sub.values).maximum(sub.row_counts[-1], 1).astype(np.float64)
 
 
 def local_update(sub: SubTensor, state: LocalState, consensus: list[np.ndarray], round_: int,
@@ -249,6 +257,7 @@ def local_update(sub: SubTensor, state: LocalState, consensus: list[np.ndarray],
         each batch's update.
     """
     start = time.perf_counter()
+    xp = array_module(sub.values)
     n_modes = sub.coords.shape[1]
     resid_in = predict([state.u] + list(consensus), sub.coords) - sub.values
     consensus_sse = float(resid_in @ resid_in)
@@ -258,14 +267,14 @@ def local_update(sub: SubTensor, state: LocalState, consensus: list[np.ndarray],
     for m in range(1, n_modes - 1):
         absent = sub.row_counts[m] == 0
         factors[m][absent] = consensus[m - 1][absent]
-    u_reg = lam / np.maximum(sub.row_counts[0], 1)
+    u_reg = lam / xp.maximum(sub.row_counts[0], 1)
     rng = np.random.default_rng([state.seed, round_])
-    order = np.concatenate([rng.permutation(sub.nnz) for _ in range(local_passes)])
+    order = xp.asarray(np.concatenate([rng.permutation(sub.nnz) for _ in range(local_passes)]))
     sse = 0.0
     rank = factors[0].shape[1]
-    iu = np.triu_indices(rank)
+    iu = xp.triu_indices(rank)
     n_pairs = iu[0].size
-    eye = np.eye(rank)
+    eye = xp.eye(rank)
     moving = range(n_modes) if round_ > warmup_rounds else range(1)
     for lo in range(0, order.size, batch_size):
         idx = order[lo:lo + batch_size]
@@ -286,37 +295,37 @@ def local_update(sub: SubTensor, state: LocalState, consensus: list[np.ndarray],
             n_rows = factors[m].shape[0]
             # Batch normal equations per touched row: G_i = mean h h^T, b_i = mean y h; one
             # segmented sum over [h h^T (upper) | y h].
-            stats = np.concatenate([h[:, iu[0]] * h[:, iu[1]], y[:, None] * h], axis=1)
+            stats = xp.concatenate([h[:, iu[0]] * h[:, iu[1]], y[:, None] * h], axis=1)
             touched, c, sums = _segment_sums(ix, stats, n_rows)
             sums /= c[:, None]
-            gram = np.empty((touched.size, rank, rank))
+            gram = xp.empty((touched.size, rank, rank))
             gram[:, iu[0], iu[1]] = sums[:, :n_pairs]
             gram[:, iu[1], iu[0]] = sums[:, :n_pairs]
             rhs = sums[:, n_pairs:]
-            kappa = np.trace(gram, axis1=1, axis2=2) / rank
+            kappa = xp.trace(gram, axis1=1, axis2=2) / rank
             # The proximal damping tames the noise of a row's batch statistics; a batch holding
             # every local entry of the row has none, so the damping fades with the coverage.
-            noise = 1.0 - np.minimum(c / np.maximum(sub.row_counts[m][touched], 1), 1.0)
+            noise = 1.0 - xp.minimum(c / xp.maximum(sub.row_counts[m][touched], 1), 1.0)
             damping = (kappa / lr * noise + 1e-12)[:, None]
             old = factors[m][touched]
             if m == 0:                                                                     # (9)
                 shift = damping + u_reg[touched][:, None]
                 b = rhs + damping * old
-                factors[m][touched] = np.linalg.solve(gram + shift[:, :, None] * eye, b[..., None])[..., 0]
+                factors[m][touched] = xp.linalg.solve(gram + shift[:, :, None] * eye, b[..., None])[..., 0]
             elif m < n_modes - 1:                                                          # (8)
                 shift = damping + rho
                 b = rhs + damping * old + rho * target[m][touched]
-                factors[m][touched] = np.linalg.solve(gram + shift[:, :, None] * eye, b[..., None])[..., 0]
+                factors[m][touched] = xp.linalg.solve(gram + shift[:, :, None] * eye, b[..., None])[..., 0]
             else:                                                                          # (8t)
                 # Time rows are coupled by this sub-problem's share of the smoothness prior, so
                 # they are solved jointly, in the units of the full objective: the batch
                 # statistics of row k scaled to its n_k local entries.
                 n_k = sub.row_counts[m].astype(np.float64)
-                weight = np.zeros(n_rows)
+                weight = xp.zeros(n_rows)
                 weight[touched] = n_k[touched]
-                full_gram = np.zeros((n_rows, rank, rank))
+                full_gram = xp.zeros((n_rows, rank, rank))
                 full_gram[touched] = (gram + damping[:, :, None] * eye) * weight[touched][:, None, None]
-                full_rhs = np.zeros((n_rows, rank))
+                full_rhs = xp.zeros((n_rows, rank))
                 full_rhs[touched] = (rhs + damping * old) * weight[touched][:, None]
                 penalty = rho * time_penalty_rows(sub)
                 full_gram += penalty[:, None, None] * eye
@@ -479,7 +488,7 @@ def p2t2f(tensor: COOTensor, rank: int, *, n_parts: int = 2, lam: float = 1.0, l
                     local_passes=local_passes, n_epochs=n_epochs, batch_size=batch_size, seed=seed,
                     validation=None if validation is None else _permute(validation, order), executor=executor,
                     callback=callback, split_mode=0, closing_sweeps=closing_sweeps)
-        factors = [np.empty(0)] * n_modes
+        factors = [None] * n_modes
         for i, m in enumerate(order):
             factors[m] = fit.factors.factors[i]
         return FitResult(CPFactors(factors), fit.history)
@@ -490,10 +499,11 @@ def p2t2f(tensor: COOTensor, rank: int, *, n_parts: int = 2, lam: float = 1.0, l
         raise InputError("batch_size", batch_size, "must be a positive integer")
     parts = split_tensor(tensor, n_parts)
     executor = executor or SerialExecutor()
-    init = init_factors(tensor.shape, rank, seed)
+    xp = array_module(tensor.values)
+    init = init_factors(tensor.shape, rank, seed, like=tensor.values)
     consensus = [f.copy() for f in init[1:]]
     states = [LocalState(init[0][sub.rows].copy(), [f.copy() for f in consensus],
-                         [np.zeros_like(f) for f in consensus], seed * 1_000_003 + p)
+                         [xp.zeros_like(f) for f in consensus], seed * 1_000_003 + p)
               for p, sub in enumerate(parts)]
     weights = [sub.row_counts[1:-1] + [time_penalty_rows(sub)] for sub in parts]
     handles = executor.place(parts)
@@ -540,11 +550,11 @@ def p2t2f(tensor: COOTensor, rank: int, *, n_parts: int = 2, lam: float = 1.0, l
             for j, z in enumerate(consensus):
                 diff = s.w[j] - z
                 s.dual[j] = s.dual[j] + diff                                             # (7)
-                primal_sq += float(np.sum(diff**2))
+                primal_sq += float((diff**2).sum())
         # Scale balancing (see pttf.balance_scales) applied to U, Z, W^p and Lambda^p alike: the
         # data terms and the consensus constraints are invariant, the priors cannot increase.
         primal = float(np.sqrt(primal_sq))
-        dual = rho_t * float(np.sqrt(len(states) * sum(float(np.sum((z - zp) ** 2))
+        dual = rho_t * float(np.sqrt(len(states) * sum(float(((z - zp) ** 2).sum())
                                                        for z, zp in zip(consensus, previous))))
         for s, sub in zip(states, parts):
             u[sub.rows] = s.u

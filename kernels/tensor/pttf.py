@@ -16,6 +16,9 @@ Maximizing the posterior is minimizing the MAP objective, with ``lam = sigma^2 /
            + lam/2 ||t_1||^2 + lam_t/2 sum_{k>=2} ||t_k - t_{k-1}||^2                              (4)
 
 Only observed entries ``Omega`` enter (4): the tensor is held in COO form and never densified.
+Every function computes where its inputs live (NumPy on the host, CuPy on a GPU): the factors
+follow the tensor's arrays, and only the small ``(I_N R)``-sized banded time system is solved on
+the host (SciPy's banded Cholesky; CuPy has none).
 
 .. [Li2017p2t2f] G. Li, Z. Xu, L. Wang, J. Ye, I. King, M. Lyu. "Simple and Efficient
    Parallelization for Probabilistic Temporal Tensor Factorization." IJCNN 2017.
@@ -26,10 +29,12 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 import scipy.linalg
 
+from paperline.kernels.arrays import array_module, to_host
 from paperline.kernels.errors import InputError
 from paperline.kernels.tensor.coo import COOTensor
 
@@ -39,7 +44,8 @@ class CPFactors:
     """CP factors of an N-way tensor, time last.
 
     Attributes:
-        factors: list of N float64 arrays; ``factors[m]`` is ``I_m x R``.
+        factors: list of N float64 arrays; ``factors[m]`` is ``I_m x R`` (NumPy or CuPy, as the
+            tensor they were fitted to).
     """
 
     factors: list[np.ndarray]
@@ -58,6 +64,10 @@ class CPFactors:
 
     def copy(self) -> "CPFactors":
         return CPFactors([f.copy() for f in self.factors])
+
+    def to_host(self) -> list[np.ndarray]:
+        """The factors as NumPy arrays (copied from the GPU when they live there)."""
+        return [to_host(f) for f in self.factors]
 
 
 @dataclass
@@ -115,17 +125,18 @@ def predict(factors: list[np.ndarray], coords: np.ndarray) -> np.ndarray:
 
 def rmse(factors: list[np.ndarray], tensor: COOTensor) -> float:
     """Root-mean-square error of the model on a tensor's observed entries (data units)."""
-    return float(np.sqrt(np.mean((predict(factors, tensor.coords) - tensor.values) ** 2)))
+    xp = array_module(tensor.values)
+    return float(xp.sqrt(xp.mean((predict(factors, tensor.coords) - tensor.values) ** 2)))
 
 
 def temporal_penalty(t: np.ndarray) -> float:
     """``sum_{k>=2} ||t_k - t_{k-1}||^2`` for ``K x R`` time factors (Eq. 3, 4)."""
-    return float(np.sum(np.diff(t, axis=0) ** 2))
+    return float(((t[1:] - t[:-1]) ** 2).sum())
 
 
 def prior_penalty(factors: list[np.ndarray], lam: float, lam_t: float) -> float:
     """The prior terms of Eq. (4): ``lam/2 (sum_{m<N} ||A_m||^2 + ||t_1||^2) + lam_t/2 sum ||t_k - t_{k-1}||^2``."""
-    reg = sum(float(np.sum(f**2)) for f in factors[:-1]) + float(np.sum(factors[-1][0] ** 2))
+    reg = sum(float((f**2).sum()) for f in factors[:-1]) + float((factors[-1][0] ** 2).sum())
     return 0.5 * lam * reg + 0.5 * lam_t * temporal_penalty(factors[-1])
 
 
@@ -153,7 +164,7 @@ def gradient(factors: list[np.ndarray], tensor: COOTensor, lam: float, lam_t: fl
         else:
             t = factors[m]
             g[0] += lam * t[0]
-            d = np.diff(t, axis=0)
+            d = t[1:] - t[:-1]
             g[1:] += lam_t * d
             g[:-1] -= lam_t * d
         grads.append(g)
@@ -173,7 +184,8 @@ def _other_modes(factors: list[np.ndarray], coords: np.ndarray, skip: int) -> np
 
 def _scatter_rows(index: np.ndarray, values: np.ndarray, n_rows: int) -> np.ndarray:
     """Sum rows of ``values`` (``n x R``) into ``n_rows x R`` by ``index`` (one bincount per column)."""
-    return np.stack([np.bincount(index, weights=values[:, r], minlength=n_rows)
+    xp = array_module(values)
+    return xp.stack([xp.bincount(index, weights=values[:, r], minlength=n_rows)
                      for r in range(values.shape[1])], axis=1)
 
 
@@ -190,18 +202,22 @@ def validate_hyperparameters(*, rank: int, lam: float, lam_t: float, n_epochs: i
         raise InputError("n_epochs", n_epochs, "must be a positive integer")
 
 
-def init_factors(shape: tuple[int, ...], rank: int, seed: int, scale: float | None = None) -> list[np.ndarray]:
+def init_factors(shape: tuple[int, ...], rank: int, seed: int, scale: float | None = None,
+                 like: Any = None) -> list[np.ndarray]:
     """Seeded Gaussian initial factors, scaled so that ``yhat`` has unit variance at start.
 
     Each entry is ``N(0, s^2)`` with ``s = R^(-1/(2N))``: ``Var(yhat) = R s^(2N) = 1``. Time
     factors start constant over time (one shared random row), as the smoothness prior (3) favours.
+    The draws are NumPy's, so a seed gives the same start on every device; ``like`` (an array)
+    puts the factors in its array module (CuPy for a GPU tensor).
     """
     rng = np.random.default_rng(seed)
     n = len(shape)
     s = rank ** (-1.0 / (2 * n)) if scale is None else scale
     factors = [rng.normal(0.0, s, size=(i, rank)) for i in shape[:-1]]
     factors.append(np.repeat(rng.normal(0.0, s, size=(1, rank)), shape[-1], axis=0))
-    return factors
+    xp = array_module(like)
+    return factors if xp is np else [xp.asarray(f) for f in factors]
 
 
 def als(tensor: COOTensor, rank: int, *, lam: float = 1.0, lam_t: float = 10.0, n_epochs: int = 30,
@@ -232,7 +248,9 @@ def als(tensor: COOTensor, rank: int, *, lam: float = 1.0, lam_t: float = 10.0, 
         InputError: bad hyperparameters.
     """
     validate_hyperparameters(rank=rank, lam=lam, lam_t=lam_t, n_epochs=n_epochs)
-    factors = [f.copy() for f in init] if init is not None else init_factors(tensor.shape, rank, seed)
+    xp = array_module(tensor.values)
+    factors = ([xp.array(f, dtype=xp.float64) for f in init] if init is not None
+               else init_factors(tensor.shape, rank, seed, like=tensor.values))
     history = FitHistory()
     start = time.perf_counter()
     prev = np.inf
@@ -283,7 +301,8 @@ def ridge_rows(factors: list[np.ndarray], coords: np.ndarray, values: np.ndarray
 
 def solve_ridge_rows(gram: np.ndarray, rhs: np.ndarray, lam: float) -> np.ndarray:
     """Rows ``a_i = (G_i + lam I)^-1 b_i`` from per-row normal equations (``I x R x R``, ``I x R``)."""
-    return np.linalg.solve(gram + lam * np.eye(gram.shape[-1]), rhs[..., None])[..., 0]
+    xp = array_module(gram)
+    return xp.linalg.solve(gram + lam * xp.eye(gram.shape[-1]), rhs[..., None])[..., 0]
 
 
 def balance_scales(factors: list[np.ndarray], lam: float, lam_t: float) -> np.ndarray:
@@ -298,13 +317,15 @@ def balance_scales(factors: list[np.ndarray], lam: float, lam_t: float) -> np.nd
         ``N x R`` scales applied (``c[m, r]`` multiplies column r of mode m).
     """
     n = len(factors)
-    q = np.stack([0.5 * lam * np.sum(f**2, axis=0) for f in factors[:-1]]
-                 + [0.5 * lam * factors[-1][0] ** 2 + 0.5 * lam_t * np.sum(np.diff(factors[-1], axis=0) ** 2, axis=0)])
-    c = np.ones_like(q)
-    ok = np.all(q > 1e-300, axis=0)
-    if ok.any():
-        geo = np.exp(np.mean(np.log(q[:, ok]), axis=0))
-        c[:, ok] = np.sqrt(geo / q[:, ok])
+    xp = array_module(factors[0])
+    t = factors[-1]
+    q = xp.stack([0.5 * lam * (f**2).sum(axis=0) for f in factors[:-1]]
+                 + [0.5 * lam * t[0] ** 2 + 0.5 * lam_t * ((t[1:] - t[:-1]) ** 2).sum(axis=0)])
+    c = xp.ones_like(q)
+    ok = (q > 1e-300).all(axis=0)
+    if bool(ok.any()):
+        geo = xp.exp(xp.log(q[:, ok]).mean(axis=0))
+        c[:, ok] = xp.sqrt(geo / q[:, ok])
     for m in range(n):
         factors[m] *= c[m]
     return c
@@ -313,10 +334,11 @@ def balance_scales(factors: list[np.ndarray], lam: float, lam_t: float) -> np.nd
 def _row_normal_equations(index: np.ndarray, h: np.ndarray, y: np.ndarray, n_rows: int):
     """Per-row Gram ``n_rows x R x R`` (``sum h h^T``) and right-hand side ``n_rows x R`` (``sum y h``)."""
     r = h.shape[1]
-    gram = np.empty((n_rows, r, r))
+    xp = array_module(h)
+    gram = xp.empty((n_rows, r, r))
     for a in range(r):
         for b in range(a, r):
-            col = np.bincount(index, weights=h[:, a] * h[:, b], minlength=n_rows)
+            col = xp.bincount(index, weights=h[:, a] * h[:, b], minlength=n_rows)
             gram[:, a, b] = col
             gram[:, b, a] = col
     rhs = _scatter_rows(index, y[:, None] * h, n_rows)
@@ -329,7 +351,12 @@ def solve_time_system(gram: np.ndarray, rhs: np.ndarray, lam: float, lam_t: floa
     The stationarity conditions form the block-tridiagonal system
     ``(G_k + lam_t c_k I + lam [k=1] I) t_k - lam_t (t_{k-1} + t_{k+1}) = b_k`` with ``c_k`` the
     number of temporal neighbours of slice k. It is positive definite for ``lam > 0``.
+
+    Solved on the host (SciPy's banded Cholesky, ``O(K R^3)``) whatever the inputs' device; the
+    result is returned in the inputs' array module.
     """
+    xp = array_module(gram, rhs)
+    gram, rhs = to_host(gram), to_host(rhs)
     k, r = rhs.shape
     eye = np.eye(r)
     neighbours = np.full(k, 2.0)
@@ -347,4 +374,4 @@ def solve_time_system(gram: np.ndarray, rhs: np.ndarray, lam: float, lam_t: floa
     if k > 1:
         ab[0, r:] = -lam_t
     sol = scipy.linalg.solveh_banded(ab, rhs.reshape(-1), lower=False, check_finite=False)
-    return sol.reshape(k, r)
+    return xp.asarray(sol.reshape(k, r))

@@ -46,3 +46,20 @@ def test_gpu_is_usable():
     assert gpu_usable()
     assert resolve_device("auto") == "cuda"
     assert resolve_device("cuda") == "cuda"
+
+
+def test_array_device_needs_cupy_for_cuda(monkeypatch):
+    """A usable GPU without CuPy: ``auto`` computes on the CPU, ``cuda`` says what to install."""
+    import importlib.util
+
+    import paperline.infra.device as device
+
+    monkeypatch.setattr(device, "gpu_usable", lambda: True)
+    has_cupy = importlib.util.find_spec("cupy") is not None
+    assert device.array_device("cpu") == "cpu"
+    assert device.array_device("auto") == ("cuda" if has_cupy else "cpu")
+    if has_cupy:
+        assert device.array_device("cuda") == "cuda"
+    else:
+        with pytest.raises(InputError, match="CuPy is not installed"):
+            device.array_device("cuda")

@@ -68,3 +68,13 @@ def test_temporal_split_holds_out_the_last_slices():
         temporal_split(small(shape=(2, 2, 3)), horizon=1)
     with pytest.raises(InputError, match="^split='weird'"):
         make_split(t, "weird")
+
+
+def test_a_host_tensor_stays_on_the_host():
+    from paperline.kernels.arrays import array_module
+
+    t = small()
+    assert t.device == "cpu" and t.to("cpu") is t
+    assert array_module(t.values, t.coords) is np
+    with pytest.raises(ValueError, match="unknown device 'tpu'"):
+        t.to("tpu")
