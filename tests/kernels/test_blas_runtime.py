@@ -42,8 +42,12 @@ def loads(result):
     return result.counters["hits"] + result.counters["misses"]
 
 
-def tight(dtype):
-    return {"rtol": 1e-12 if np.dtype(dtype) == np.float64 else 1e-5, "atol": 0}
+def assert_same(got, want, dtype):
+    """Equal up to the dtype's rounding, relative to the result's scale: the same tiles on
+    another process may take another BLAS kernel or thread split (OPENBLAS_CORETYPE, one thread
+    per Dask worker), which moves float32 entries near zero by a few ulps of the largest."""
+    rtol = 1e-12 if np.dtype(dtype) == np.float64 else 1e-5
+    np.testing.assert_allclose(got, want, rtol=rtol, atol=rtol * float(np.abs(want).max()))
 
 
 # The cases run out of core: (routine, dtype, operands(dtype) -> dict, make_problem flags)
@@ -100,7 +104,7 @@ def test_out_of_core_run_equals_in_core(tmp_path, case):
     assert res.commit() == str(final.resolve())  # idempotent
     got = np.load(final)
     assert got.dtype == np.dtype(dtype) and got.shape == in_core.output.shape
-    np.testing.assert_allclose(got, in_core.output, **tight(dtype))
+    assert_same(got, in_core.output, dtype)
     assert freivalds(problem, res.result_source()).passed  # and after commit
     # the same tile loads, but the small cache evicts: more of them miss
     assert loads(res) == loads(in_core)
@@ -440,7 +444,7 @@ def test_dask_equals_local(dask_client, tmp_path, case):
     spill = tmp_path / "spill"
     spill.mkdir()
     res = run(problem, runtime, spill_dir=str(spill))  # in-memory operands are spilled to .npy files
-    np.testing.assert_allclose(res.output, local.output, **tight(dtype))
+    assert_same(res.output, local.output, dtype)
     _assert_both_workers(res, runtime)
     assert loads(res) == loads(local)
     assert os.listdir(spill) == []  # the spilled operands are removed
@@ -476,7 +480,7 @@ def test_dask_out_of_core_with_output_file(dask_client, tmp_path, case):
     res.commit()
     assert final.exists() and not Path(res.staged_path).exists()
     assert not [f for f in os.listdir(tmp_path) if "partial" in f]
-    np.testing.assert_allclose(np.load(final), local.output, **tight(dtype))
+    assert_same(np.load(final), local.output, dtype)
     _assert_both_workers(res, runtime)
     assert loads(res) == loads(local)
     assert res.counters["misses"] > local.counters["misses"]
