@@ -508,6 +508,8 @@ def _execute(state: WorkerState, ctx: RunContext, task: TileTask, peers: dict[Ti
     if task.keep and not task.copy:
         mask = xp.triu(xp.ones((rows, cols), bool)) if task.keep == "U" else xp.tril(xp.ones((rows, cols), bool))
         acc = xp.where(mask, acc, c0 if c0 is not None else dtype.type(0))
+    extra: dict[str, Any] = {}
+    host = None
     if sink is not None and ctx.output_path is None:
         acc = xp.ascontiguousarray(acc)
         done = None
@@ -516,29 +518,23 @@ def _execute(state: WorkerState, ctx: RunContext, task: TileTask, peers: dict[Ti
             done.record()  # after acc's last kernel on this thread's stream
         if state.drain is None:
             state.drain = ThreadPoolExecutor(max_workers=1, thread_name_prefix="paperline-drain")
-        give = acc if (pooled is not None and acc is pooled) else None
-        pending = state.drain.submit(_drain, state, acc, done, task.out, sink, give)
-        if product is not None:
-            state.give(product)  # its last use is queued on this stream: reuse is stream-ordered
-        added, evicted = state.cache.drain()
-        after = state.counters.as_dict()
-        return {"index": task.index, "out": task.out, "worker": worker, "start": start, "end": time.time(),
-                "tile": None, "pending": pending, "added": added, "evicted": evicted, "wait_s": wait_s,
-                "multiply_s": multiply_s, "counters": {k: after[k] - before[k] for k in after}}
-    ns.synchronize()
-    host = ns.to_host(acc)
-    if ctx.output_path is not None:
-        with state.lock:
-            if state.output is None:
-                state.output = OutputFile(ctx.output_path)
-        state.output.write(task.out[0] * ctx.tile, task.out[1] * ctx.tile, host)
-        host = None
+        give = acc if (pooled is not None and acc is pooled) else None  # returned by the drain thread
+        extra["pending"] = state.drain.submit(_drain, state, acc, done, task.out, sink, give)
+    else:
+        ns.synchronize()
+        host = ns.to_host(acc)
+        if ctx.output_path is not None:
+            with state.lock:
+                if state.output is None:
+                    state.output = OutputFile(ctx.output_path)
+            state.output.write(task.out[0] * ctx.tile, task.out[1] * ctx.tile, host)
+            host = None
+        if pooled is not None and acc is pooled:  # written out or copied to host (not replaced on the way)
+            state.give(acc)
     if product is not None:
-        state.give(product)
-    if pooled is not None and acc is pooled:  # written out or copied to host (not replaced on the way)
-        state.give(acc)
+        state.give(product)  # with a sink its last use is queued on this stream: reuse is stream-ordered
     added, evicted = state.cache.drain()
     after = state.counters.as_dict()
     return {"index": task.index, "out": task.out, "worker": worker, "start": start, "end": time.time(),
-            "tile": host, "added": added, "evicted": evicted, "wait_s": wait_s, "multiply_s": multiply_s,
-            "counters": {k: after[k] - before[k] for k in after}}
+            "tile": host, **extra, "added": added, "evicted": evicted, "wait_s": wait_s,
+            "multiply_s": multiply_s, "counters": {k: after[k] - before[k] for k in after}}
