@@ -204,6 +204,9 @@ def run_one(cp: CampaignParameters, store: ObjectStore, tracker: Tracker, prefix
         identity = {**cp.model_dump(exclude={"live", "campaign", "resume", "evaluation_timeout_s"}),
                     "problem_options": campaign.problem.options}
         versus = check_latest(tracker, parent_id, identity, _headlines(campaign), label=name)
+        if state is not None:  # a re-run continues the campaign's own run: nothing earlier to compare with
+            versus.first_run_note = ("resumed this campaign's own run from its checkpoint: no other finished run "
+                                     "with these parameters to compare with (resume=false starts a fresh one)")
         tracker.end_run(parent_id, "FINISHED")
     except BaseException:
         tracker.end_run(parent_id, "FAILED")

@@ -17,7 +17,7 @@ from typing import Any, Literal
 import numpy as np
 from prefect import flow
 from prefect.runtime import flow_run
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from paperline.infra.cluster import configure_local_workers, default_task_runner
 from paperline.infra.device import array_device
@@ -67,6 +67,15 @@ class TensorFactorizationParameters(BaseModel):
     baseline: bool = Field(True, description="Also fit the TensorLy CP baseline (needs the dense tensor).")
     baseline_iterations: int = Field(100, gt=0, description="ALS iterations of the TensorLy baseline.")
     seed: int = Field(0, ge=0, description="Seed of the splits, the initial factors and the shuffles.")
+
+    @field_validator("data")
+    @classmethod
+    def _absolute_path(cls, v: str | None) -> str | None:
+        """A local file by its absolute path, so that a run given ``mine.parquet`` and one given
+        ``/home/me/mine.parquet`` have the same parameters (and compare with each other)."""
+        if v is None or not v or v.startswith("s3://"):
+            return v
+        return str(Path(v).expanduser().resolve())
 
     def p2t2f_params(self) -> dict[str, Any]:
         return dict(rank=self.rank, n_parts=self.n_parts, lam=self.lam, lam_t=self.lam_t, rho=self.rho,

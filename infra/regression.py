@@ -105,6 +105,7 @@ class BestEarlier:
     best_run_id: str | None = None
     best_run_url: str | None = None
     metrics: list[MetricComparison] = field(default_factory=list)
+    first_run_note: str = "first finished run with these parameters: no earlier run to compare with"
 
     @property
     def regression(self) -> bool:
@@ -118,7 +119,7 @@ class BestEarlier:
         """Summary lines for the CLI and the flow log (``label``: e.g. the compressor's name)."""
         who = f"{label}: " if label else ""
         if self.best_run_id is None:
-            return [f"{who}first finished run with these parameters: no earlier run to compare with"]
+            return [f"{who}{self.first_run_note}"]
         head = (f"{who}{'REGRESSION against' if self.regression else 'no regression against'} the best of "
                 f"{self.earlier_runs} earlier run(s) with these parameters ({self.best_run_url or self.best_run_id})")
         changed = [m for m in self.metrics if not m.text().endswith(": equal")]

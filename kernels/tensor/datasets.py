@@ -192,7 +192,7 @@ def read_coo_parquet(source: str | Path | bytes, *, argument: str = "data") -> C
     for c in index_cols:
         col = table.column(c)
         if not pa.types.is_integer(col.type):
-            raise InputError(f"{argument}[{c!r}]", str(col.type), "index columns must be integers")
+            raise InputError(f"{argument}[{c!r}]", str(col.type), f"index columns must be integers (in {shown})")
         arr = col.to_numpy(zero_copy_only=False)
         coords.append(arr.astype(np.int64))
     if table.num_rows == 0:
@@ -202,7 +202,7 @@ def read_coo_parquet(source: str | Path | bytes, *, argument: str = "data") -> C
         raise InputError(argument, shown, "index columns must be >= 0")
     value_col = table.column(COO_VALUE_COLUMN)
     if not (pa.types.is_floating(value_col.type) or pa.types.is_integer(value_col.type)):
-        raise InputError(f"{argument}['value']", str(value_col.type), "the value column must be numeric")
+        raise InputError(f"{argument}['value']", str(value_col.type), f"the value column must be numeric (in {shown})")
     values = value_col.to_numpy(zero_copy_only=False).astype(np.float64)
     shape = tuple(int(s) for s in coords_arr.max(axis=0) + 1)
     try:

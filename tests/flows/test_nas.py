@@ -118,6 +118,7 @@ def test_a_killed_campaign_resumes_to_the_uninterrupted_result(stack, cli_env, t
     summary = tmp_path / "summary.json"
     resumed = cli(cli_env, *args, summary=summary)
     assert "resuming" in resumed.stdout + resumed.stderr
+    assert "resumed this campaign's own run" in " ".join(resumed.stdout.split())
     state = json.loads(store.get_bytes(uri))["campaign"]
     ref = reference(budget=30)
     assert [e["x"] for e in state["evaluations"]] == [e.x for e in ref.evaluations]

@@ -126,3 +126,15 @@ def test_missing_s3_data_is_one_clear_line(stack):
     assert proc.returncode == 1
     assert "Traceback" not in out
     assert f"error: data='{uri}': no such object in S3" in " ".join(out.split())
+
+
+def test_a_local_data_path_is_made_absolute(tmp_path, monkeypatch):
+    """``data=mine.parquet`` and ``data=/abs/mine.parquet`` are the same parameters (cache keys,
+    comparisons with earlier runs); S3 URIs are kept as given."""
+    from paperline.flows.tensor_factorization import TensorFactorizationParameters
+
+    monkeypatch.chdir(tmp_path)
+    rel = TensorFactorizationParameters(data="mine.parquet")
+    assert rel.data == str(tmp_path.resolve() / "mine.parquet")
+    assert rel == TensorFactorizationParameters(data=str(tmp_path / "mine.parquet"))
+    assert TensorFactorizationParameters(data="s3://bucket/x.parquet").data == "s3://bucket/x.parquet"
