@@ -1,6 +1,6 @@
 """Benchmark: P²T²F with P=1 against P=2 Dask workers, and against TensorLy's masked CP.
 
-Run with ``.venv/bin/python benchmarks/tensor_factorization.py`` (about 5 minutes on 2 cores).
+Run with ``.venv/bin/python benchmarks/tensor_factorization.py`` (about 2-5 minutes on 2 cores).
 Everything is measured in this run, on the same machine, on the same seeded splits:
 
 * time to a target validation RMSE (the worse of the two P²T²F runs' best, plus 2%) for P=1
