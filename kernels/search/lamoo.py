@@ -10,7 +10,9 @@ Per batch:
    ``HV + Cp HV sqrt(2 ln n_p / n)`` (Sec. 4.2), with virtual visits for a batch.
 3. *Sampling* inside the selected region with the inner optimizer: ``qehvi`` (GP + qLogEHVI
    over in-region candidates), ``nsga2`` (offspring of the leaf's samples kept to the region) or
-   ``random``.
+   ``random``. The paper maximizes qEHVI over the whole region; on a categorical space of at most
+   ``enumerate_max`` points (NAS-Bench-201: 15,625) the candidates are the region's unseen points
+   themselves (all of them, or ``n_candidates`` drawn from them), not a rejection sample of it.
 """
 
 from __future__ import annotations
@@ -46,14 +48,16 @@ class LaMOO(PartitionOptimizer):
     """LaMOO ([Zhao2022lamoo]_), two or more objectives; see the module docstring.
 
     Options: ``cp`` (exploration, relative to the node's hypervolume), ``leaf_size``, ``kernel``
-    (SVM kernel), ``sampler`` (``qehvi``, ``nsga2`` or ``random``), ``n_candidates``.
+    (SVM kernel), ``sampler`` (``qehvi``, ``nsga2`` or ``random``), ``n_candidates`` (points of
+    the region qLogEHVI scores), ``enumerate_max`` (a categorical space with at most this many
+    points draws them from the region's unseen points; 0: never).
     """
 
     name = "lamoo"
     multi_objective = True
     samplers = ("qehvi", "nsga2", "random")
     defaults = {**PartitionOptimizer.defaults, "cp": 0.1, "leaf_size": 10, "kernel": "poly", "sampler": "qehvi",
-                "n_candidates": 256}
+                "n_candidates": 4096, "enumerate_max": 50_000}
 
     def splitter(self) -> pt.Splitter:
         return dominance_split(self.options["kernel"])
@@ -85,9 +89,22 @@ class LaMOO(PartitionOptimizer):
         model = self.surrogate()
         with seeded_torch(self.torch_seed(len(path))):
             feats = self.space.features(x)
-            pool = pt.region_candidates(self.space, path, x_leaf, rng, n)
-            pool = pool[self.is_new(pool)] if self.space.is_categorical else pool
+            if self.space.is_categorical and self.space.size() <= int(self.options["enumerate_max"]):
+                pool = self.unseen_in_region(path)
+                if pool.shape[0] > n:
+                    pool = pool[np.sort(rng.choice(pool.shape[0], n, replace=False))]
+            else:
+                pool = pt.region_candidates(self.space, path, x_leaf, rng, n)
+                pool = pool[self.is_new(pool)] if self.space.is_categorical else pool
             if pool.shape[0] == 0:
                 return pool
             acqf = acquisition("ehvi", model, feats, y, seed=self.torch_seed(2), ref_point=self.ref_point)
             return select_discrete(acqf, self.space, pool, k)
+
+    def unseen_in_region(self, path) -> np.ndarray:
+        """Every not yet evaluated point of the (categorical) space inside the region of ``path``;
+        every unseen point when the region holds none."""
+        every = self.space.all_points()
+        every = every[self.is_new(every)]
+        inside = every[pt.in_region(path, self.space.features(every))]
+        return inside if inside.shape[0] else every

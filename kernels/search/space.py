@@ -69,6 +69,17 @@ class SearchSpace:
         """Number of distinct points (``inf`` for a box)."""
         return float(np.prod([len(c) for c in self.choices])) if self.is_categorical else float("inf")
 
+    def all_points(self) -> np.ndarray:
+        """Every point of a categorical space, ``size() x d`` float64 option indices (row-major).
+
+        Raises:
+            InputError: a box (it has no finite list of points).
+        """
+        if not self.is_categorical:
+            raise InputError("space", self.kind, "only a categorical space has a finite list of points")
+        grid = np.meshgrid(*[np.arange(len(c), dtype=np.float64) for c in self.choices], indexing="ij")
+        return np.stack(grid, axis=-1).reshape(-1, self.dim)
+
     # -- sampling ---------------------------------------------------------------------------
     def sample(self, rng: np.random.Generator, n: int) -> np.ndarray:
         """``n x d`` points drawn uniformly (categorical: each option equally likely)."""

@@ -315,3 +315,34 @@ def test_nasbench201_reads_the_tables_seeds():
 def test_samples_to_reach():
     assert samples_to_reach(np.array([1.0, 2.0, 2.0, 5.0]), 2.0) == 2.0
     assert samples_to_reach(np.array([1.0]), 2.0) == float("inf")
+
+
+def test_all_points_lists_a_categorical_space_once_and_refuses_a_box():
+    space = SearchSpace.categorical({"a": ["x", "y", "z"], "b": ["p", "q"], "c": ["0", "1", "2", "3"]})
+    every = space.all_points()
+    assert every.shape == (24, 3) and len({tuple(r) for r in every}) == 24
+    np.testing.assert_array_equal(every.min(axis=0), space.lower)
+    np.testing.assert_array_equal(every.max(axis=0), space.upper)
+    with pytest.raises(InputError, match="only a categorical space"):
+        SearchSpace.box([0.0], [1.0]).all_points()
+
+
+def test_lamoo_scores_the_unseen_points_of_its_region():
+    """On a small categorical space LaMOO's candidates are the unseen points inside the selected
+    region (the paper maximizes qEHVI over the region), and the whole unseen rest if it has none."""
+    space = SearchSpace.categorical({f"v{i}": ["a", "b", "c", "d"] for i in range(3)})
+    opt = make_optimizer("lamoo", space, 2, seed=0, n_init=8, ref_point=[0.0, 0.0])
+    rng = np.random.default_rng(0)
+    x = np.unique(space.sample(rng, 30), axis=0)
+    y = np.stack([x[:, 0] + x[:, 1], 3.0 - x[:, 0] + x[:, 2]], axis=1)  # two competing objectives
+    opt.tell(x, y)
+    root = pt.build_tree(space.features(x), y, dominance_split("poly"), lambda idx: float(len(idx)),
+                         rng, leaf_size=8)
+    path = pt.select_paths(root, 1, pt.uct_bonus(0.0))[0]
+    pool = opt.unseen_in_region(path)
+    seen = {tuple(r) for r in x}
+    inside = space.all_points()[pt.in_region(path, space.features(space.all_points()))]
+    assert {tuple(r) for r in pool} == {tuple(r) for r in inside} - seen
+    assert opt.unseen_in_region([]).shape[0] == 64 - len(seen)  # the root's region: the whole space
+    batch = opt.ask(4)
+    assert batch.shape == (4, 3) and opt.is_new(batch).all()
