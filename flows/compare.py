@@ -22,6 +22,21 @@ KEY_FILTER = "tags.`paperline.params_key` LIKE '%'"
 NOT_COMPARISON = "attributes.run_name != 'comparison'"
 
 
+HEADLINE_SAMPLE = 100  # newest runs whose headline tags decide the default metrics
+
+
+def _common_headlines(runs: list[Any]) -> list[list[Any]]:
+    """The headline list (tag ``paperline.headlines``) most of ``runs`` carry, the newest on a tie:
+    a tensor experiment's runs on the bundled datasets share one list, a run on user data has
+    its own, and the newest run alone should not decide what the others are compared on."""
+    counts: dict[str, int] = {}
+    for r in runs:  # newest first: dict order breaks ties towards the newest
+        tag = r.data.tags.get(HEADLINES_TAG)
+        if tag and tag != "[]":
+            counts[tag] = counts.get(tag, 0) + 1
+    return json.loads(max(counts, key=counts.__getitem__)) if counts else []
+
+
 def compare_runs(tracker: Tracker, experiment: str, metrics: list[str], filter_string: str = "", top: int = 10,
                  out_dir: Path = Path("paperline-compare"), log: bool = False, ascending: bool = False,
                  all_runs: bool = False) -> dict[str, Any]:
@@ -31,8 +46,9 @@ def compare_runs(tracker: Tracker, experiment: str, metrics: list[str], filter_s
         tracker: the MLflow tracker.
         experiment: experiment name (e.g. ``gemm``).
         metrics: metric keys to show and plot; empty: the pipeline's headline metrics (tag
-            ``paperline.headlines`` of the newest run, sorted by the first in its own direction),
-            else every metric the runs share (up to 6; none: no plot).
+            ``paperline.headlines``: the list most of the newest 100 runs carry, the runs that
+            have its first metric, sorted by it in its own direction), else every metric the
+            runs share (up to 6; none: no plot).
         filter_string: an MLflow search filter, e.g. ``"params.routine = 'gemm'"``.
         top: at most this many runs, sorted by the first metric (descending, or ``ascending`` for
             losses and times), else newest first.
@@ -79,14 +95,18 @@ def compare_runs(tracker: Tracker, experiment: str, metrics: list[str], filter_s
         except MlflowException as exc:
             raise InputError("--filter", user_filter, f"MLflow rejected it: {str(exc).splitlines()[0][:300]}") from None
 
+    headline_default = False
     if not metrics:  # the pipeline's headline metrics, best first in their own direction
-        newest = search(["attributes.start_time DESC"], 1)
-        headlines = json.loads(newest[0].data.tags.get(HEADLINES_TAG, "[]")) if newest else []
+        headlines = _common_headlines(search(["attributes.start_time DESC"], HEADLINE_SAMPLE))
         if headlines:
             metrics = [m for m, _ in headlines][:6]
             ascending = not headlines[0][1]
+            headline_default = True
     order = [f"metrics.`{metrics[0]}` {'ASC' if ascending else 'DESC'}"] if metrics else ["attributes.start_time DESC"]
-    runs = search(order, top)
+    if headline_default:  # only the runs that have the headline (a user-data tensor run has others)
+        runs = [r for r in search(order, max(top, HEADLINE_SAMPLE)) if metrics[0] in r.data.metrics][:top]
+    else:
+        runs = search(order, top)
     if not runs:
         raise InputError("--filter", user_filter, f"no runs in experiment {experiment!r} match")
     if not metrics:

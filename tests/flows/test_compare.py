@@ -148,3 +148,31 @@ def test_headline_metrics_by_default_and_runs_that_share_none(stack, tmp_path):
     blocker.write_text("x")
     res = _cli(settings.state_dir, "compare", "compare-headlines", "--out", str(blocker / "sub"))
     assert res.exit_code != 0 and "cannot create the directory" in res.output and "Traceback" not in res.output
+
+
+def test_default_headlines_are_the_ones_most_runs_share(stack, tmp_path):
+    """A newest run with other headlines (a tensor run on user data among bundled-dataset runs)
+    neither decides the metrics nor shows as a row of NaNs."""
+    import json
+
+    from paperline.infra.tracking import Tracker
+
+    settings, info = stack
+    tracker = Tracker(info.mlflow_tracking_uri)
+    ids = []
+    for i, rmse in enumerate((0.3, 0.1, 0.2)):
+        run_id = tracker.start_run("compare-mixed", run_name=f"bundled{i}", params={"seed": i}, tags={
+            "paperline.params_key": f"k{i}", "paperline.headlines": json.dumps([["kinetic.rmse", False]])})
+        tracker.log_metrics(run_id, {"kinetic.rmse": rmse})
+        tracker.end_run(run_id)
+        ids.append(run_id)
+    user = tracker.start_run("compare-mixed", run_name="user", params={"seed": 9}, tags={
+        "paperline.params_key": "ku", "paperline.headlines": json.dumps([["user.rmse", False]])})
+    tracker.log_metrics(user, {"user.rmse": 0.5})
+    tracker.end_run(user)
+    res = _cli(settings.state_dir, "compare", "compare-mixed", "--out", str(tmp_path))
+    assert res.exit_code == 0, res.output
+    table = pq.read_table(tmp_path / "compare-mixed-runs.parquet").to_pydict()
+    assert table["run_id"] == [ids[1], ids[2], ids[0]]  # best kinetic.rmse first, the user run left out
+    res = _cli(settings.state_dir, "compare", "compare-mixed", "--metric", "user.rmse", "--out", str(tmp_path))
+    assert res.exit_code == 0 and pq.read_table(tmp_path / "compare-mixed-runs.parquet").to_pydict()["run_id"][0] == user
