@@ -1,7 +1,7 @@
 """Benchmark: tiled GEMM (paperline) against numpy.matmul on all cores, against dask.array matmul
 on the same LocalCluster, and out-of-core against in-core.
 
-Run with ``.venv/bin/python benchmarks/gemm.py`` (about 7 minutes on 2 cores; ``--sizes 4096``
+Run with ``.venv/bin/python benchmarks/gemm.py`` (about 4 minutes on 2 cores; ``--sizes 4096``
 for a quick look). Everything is measured in this run on the same machine and the same operands
 (seeded, written once as ``.npy`` files, so every contender reads the same bytes from the page
 cache):
