@@ -180,8 +180,11 @@ def train_rank(rank: int, world_size: int, init_method: str, cfg: TrainConfig, *
         torch.set_num_threads(threads)
     data = load_dataset(cfg.dataset, n_train=cfg.n_train, seed=cfg.seed)
     backend = "nccl" if device == "cuda" else "gloo"
+    # NCCL: bind the group to this rank's GPU, so its barriers and collectives know the device
+    # (without it NCCL's barrier guesses one and warns).
     dist.init_process_group(backend, init_method=init_method, rank=rank, world_size=world_size,
-                            timeout=timedelta(seconds=timeout_s))
+                            timeout=timedelta(seconds=timeout_s),
+                            device_id=torch.device("cuda", torch.cuda.current_device()) if device == "cuda" else None)
     try:
         torch.manual_seed(cfg.seed)
         dev = torch.device(device)
