@@ -4,8 +4,12 @@ Per batch:
 
 1. *Learning*: every node with >= ``leaf_size`` samples ranks its samples by dominance number
    (how many of the node's samples dominate each one); the better half is labelled good, the
-   other bad, and an SVM (polynomial kernel by default, as in the reference code) learns the
-   boundary (Sec. 4.1).
+   other bad, and an SVM learns the boundary (Sec. 4.1). The kernel (``auto``) is RBF on a
+   categorical space: there the reference code's polynomial kernel needed as many samples as
+   plain qEHVI on NAS-Bench-201 over 10 seeds (ratio 0.98), RBF 1.66x fewer (README, "NAS
+   campaigns"). On a continuous space it is the polynomial kernel: RBF's small regions made
+   rejection sampling of candidates there many times slower (a 30-evaluation BraninCurrin
+   campaign over 10 minutes).
 2. *Selection*: descend by the node's hypervolume plus an exploration bonus,
    ``HV + Cp HV sqrt(2 ln n_p / n)`` (Sec. 4.2), with virtual visits for a batch.
 3. *Sampling* inside the selected region with the inner optimizer: ``qehvi`` (GP + qLogEHVI
@@ -18,6 +22,8 @@ Per batch:
 from __future__ import annotations
 
 import math
+from typing import Any
+
 import numpy as np
 
 from paperline.kernels.search import partition as pt
@@ -26,6 +32,7 @@ from paperline.kernels.search.botorch_opt import acquisition, seeded_torch, sele
 from paperline.kernels.search.lamcts import PartitionOptimizer
 from paperline.kernels.search.nsga2 import offspring
 from paperline.kernels.search.pareto import dominance_numbers, hypervolume
+from paperline.kernels.search.space import SearchSpace
 
 
 def dominance_split(kernel: str) -> pt.Splitter:
@@ -48,7 +55,8 @@ class LaMOO(PartitionOptimizer):
     """LaMOO ([Zhao2022lamoo]_), two or more objectives; see the module docstring.
 
     Options: ``cp`` (exploration, relative to the node's hypervolume), ``leaf_size``, ``kernel``
-    (SVM kernel), ``sampler`` (``qehvi``, ``nsga2`` or ``random``), ``n_candidates`` (points of
+    (SVM kernel: ``rbf``, ``poly``, ``linear``, or ``auto``: RBF on a categorical space, else
+    polynomial), ``sampler`` (``qehvi``, ``nsga2`` or ``random``), ``n_candidates`` (points of
     the region qLogEHVI scores), ``enumerate_max`` (a categorical space with at most this many
     points draws them from the region's unseen points; 0: never).
     """
@@ -56,8 +64,13 @@ class LaMOO(PartitionOptimizer):
     name = "lamoo"
     multi_objective = True
     samplers = ("qehvi", "nsga2", "random")
-    defaults = {**PartitionOptimizer.defaults, "cp": 0.1, "leaf_size": 10, "kernel": "poly", "sampler": "qehvi",
+    defaults = {**PartitionOptimizer.defaults, "cp": 0.1, "leaf_size": 10, "kernel": "auto", "sampler": "qehvi",
                 "n_candidates": 4096, "enumerate_max": 50_000}
+
+    def __init__(self, space: SearchSpace, n_objectives: int = 1, **kwargs: Any):
+        if kwargs.get("kernel", "auto") == "auto":  # resolved here, so a checkpoint records the kernel used
+            kwargs["kernel"] = "rbf" if space.is_categorical else "poly"
+        super().__init__(space, n_objectives, **kwargs)
 
     def splitter(self) -> pt.Splitter:
         return dominance_split(self.options["kernel"])

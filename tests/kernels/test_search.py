@@ -346,3 +346,17 @@ def test_lamoo_scores_the_unseen_points_of_its_region():
     assert opt.unseen_in_region([]).shape[0] == 64 - len(seen)  # the root's region: the whole space
     batch = opt.ask(4)
     assert batch.shape == (4, 3) and opt.is_new(batch).all()
+
+
+def test_lamoo_kernel_auto_is_rbf_on_categorical_spaces_and_recorded():
+    """``kernel="auto"`` (the default) resolves at construction, RBF on a categorical space and
+    polynomial on a continuous one, so a checkpoint records the kernel a campaign used; an explicit
+    kernel is kept and an unknown one refused."""
+    cat = SearchSpace.categorical({f"v{i}": ["a", "b", "c"] for i in range(3)})
+    box = SearchSpace.box([0.0, 0.0], [1.0, 1.0])
+    assert make_optimizer("lamoo", cat, 2, ref_point=[0.0, 0.0]).options["kernel"] == "rbf"
+    assert make_optimizer("lamoo", box, 2, ref_point=[0.0, 0.0]).options["kernel"] == "poly"
+    assert make_optimizer("lamoo", cat, 2, ref_point=[0.0, 0.0], kernel="poly").options["kernel"] == "poly"
+    assert make_optimizer("lamoo", cat, 2, ref_point=[0.0, 0.0]).state_dict()["options"]["kernel"] == "rbf"
+    with pytest.raises(InputError, match="kernel"):
+        make_optimizer("lamoo", box, 2, ref_point=[0.0, 0.0], kernel="sigmoid")
