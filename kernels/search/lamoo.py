@@ -7,9 +7,10 @@ Per batch:
    other bad, and an SVM learns the boundary (Sec. 4.1). The kernel (``auto``) is RBF on a
    categorical space: there the reference code's polynomial kernel needed as many samples as
    plain qEHVI on NAS-Bench-201 over 10 seeds (ratio 0.98), RBF 1.66x fewer (README, "NAS
-   campaigns"). On a continuous space it is the polynomial kernel: RBF's small regions made
-   rejection sampling of candidates there many times slower (a 30-evaluation BraninCurrin
-   campaign over 10 minutes).
+   campaigns"). On a continuous space it is the polynomial kernel: RBF made LaMOO many times
+   slower there (three 30-evaluation BraninCurrin campaigns passed 10 minutes on a loaded
+   machine; a budget-60 VehicleSafety pair ran over 30 minutes; not profiled, likely the
+   rejection sampling of small regions) and was not measured for sample efficiency.
 2. *Selection*: descend by the node's hypervolume plus an exploration bonus,
    ``HV + Cp HV sqrt(2 ln n_p / n)`` (Sec. 4.2), with virtual visits for a batch.
 3. *Sampling* inside the selected region with the inner optimizer: ``qehvi`` (GP + qLogEHVI
