@@ -6,8 +6,8 @@ Per batch:
    (how many of the node's samples dominate each one); the better half is labelled good, the
    other bad, and an SVM learns the boundary (Sec. 4.1). The kernel (``auto``) is RBF on a
    categorical space: there the reference code's polynomial kernel needed as many samples as
-   plain qEHVI on NAS-Bench-201 over 10 seeds (ratio 0.98), RBF 1.66x fewer (README, "NAS
-   campaigns"). On a continuous space it is the polynomial kernel: RBF made LaMOO many times
+   plain qEHVI on NAS-Bench-201 over seeds 0-9 (ratio 0.98), RBF 1.47x fewer over seeds 0-14
+   and 1.23x on the seeds 5-14 it was not chosen on (README, "NAS campaigns"). On a continuous space it is the polynomial kernel: RBF made LaMOO many times
    slower there (three 30-evaluation BraninCurrin campaigns passed 10 minutes on a loaded
    machine; a budget-60 VehicleSafety pair ran over 30 minutes; not profiled, likely the
    rejection sampling of small regions) and was not measured for sample efficiency.
