@@ -62,8 +62,8 @@ class CampaignParameters(BaseModel):
                                               description='Optimizer hyperparameters, e.g. {"sampler": "nsga2"}.')
     campaign: str | None = Field(None, min_length=1, max_length=120, pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]*$",
                                  description="Campaign name: letters, digits, '.', '_', '-' (default: derived from "
-                                             "the parameters above, budget excluded); a checkpoint of that name is "
-                                             "resumed.")
+                                             "the parameters above, budget excluded, and the optimizer's defaults); "
+                                             "a checkpoint of that name is resumed.")
     resume: bool = Field(True, description="Resume the campaign's checkpoint when there is one.")
     evaluation_timeout_s: float = Field(3600.0, gt=0, description="A batch's evaluations not done this many "
                                                                  "seconds after it started are recorded as failed.")
@@ -91,6 +91,10 @@ class CampaignParameters(BaseModel):
         if self.campaign:
             return self.campaign
         key = self.model_dump(exclude={"budget", "campaign", "resume", "evaluation_timeout_s"})
+        # The optimizer's options as resolved (its defaults included): when a paperline release
+        # changes a default, the same parameters name a new campaign instead of colliding with the
+        # checkpoint of one run with the old defaults.
+        key["resolved_optimizer_options"] = self.build().optimizer.options
         digest = hashlib.sha256(json.dumps(key, sort_keys=True, default=str).encode()).hexdigest()[:10]
         return f"{self.problem}-{self.optimizer}-seed{self.seed}-{digest}"
 

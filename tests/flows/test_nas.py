@@ -149,3 +149,19 @@ def test_evaluations_past_the_time_limit_are_recorded_as_failed(cli_env, tmp_pat
     camp = json.loads(summary.read_text())["campaigns"][0]
     assert (camp["evaluations"], camp["failed"]) == (2, 2)
     assert "no successful evaluation yet" in proc.stdout + proc.stderr
+
+
+def test_a_changed_optimizer_default_names_a_new_campaign(monkeypatch):
+    """The derived campaign name covers the optimizer's resolved options: after a release changes a
+    default, the same parameters start a new campaign instead of failing on the old checkpoint
+    (seen when LaMOO's kernel default changed); a name the user gave stays theirs."""
+    from paperline.flows.nas import CampaignParameters
+    from paperline.kernels.search.lamoo import LaMOO
+
+    params = dict(optimizer="lamoo", problem="nasbench201-cifar10", objectives=["val_accuracy_pct", "model_size_mb"],
+                  budget=20)
+    before = CampaignParameters(**params).campaign_name()
+    assert CampaignParameters(**{**params, "budget": 40}).campaign_name() == before  # the budget may grow
+    monkeypatch.setattr(LaMOO, "defaults", {**LaMOO.defaults, "n_candidates": 1024})
+    assert CampaignParameters(**params).campaign_name() != before
+    assert CampaignParameters(**params, campaign="mine").campaign_name() == "mine"
