@@ -87,14 +87,16 @@ class CampaignParameters(BaseModel):
         except KernelInputError as exc:
             raise InputError(exc.argument, exc.value, exc.problem) from None
 
-    def campaign_name(self) -> str:
+    def campaign_name(self, built: Campaign | None = None) -> str:
+        """The campaign's name: ``campaign``, else derived from the parameters (``built``: this
+        parameter set's :meth:`build`, when the caller has it already)."""
         if self.campaign:
             return self.campaign
         key = self.model_dump(exclude={"budget", "campaign", "resume", "evaluation_timeout_s"})
         # The optimizer's options as resolved (its defaults included): when a paperline release
         # changes a default, the same parameters name a new campaign instead of colliding with the
         # checkpoint of one run with the old defaults.
-        key["resolved_optimizer_options"] = self.build().optimizer.options
+        key["resolved_optimizer_options"] = (built or self.build()).optimizer.options
         digest = hashlib.sha256(json.dumps(key, sort_keys=True, default=str).encode()).hexdigest()[:10]
         return f"{self.problem}-{self.optimizer}-seed{self.seed}-{digest}"
 
@@ -110,11 +112,9 @@ class NasParameters(CampaignParameters):
         return [main] + ([self.live] if self.live is not None else [])
 
     def validate_inputs(self) -> None:
-        names = [c.campaign_name() for c in self.campaigns()]
+        names = [c.campaign_name(c.build()) for c in self.campaigns()]  # build() validates every input
         if len(set(names)) != len(names):
             raise InputError("live", names[-1], "the live campaign has the same name as the first; change it")
-        for c in self.campaigns():
-            c.build()
 
 
 PRESETS: dict[str, dict[str, Any]] = {
@@ -159,9 +159,9 @@ def nas(params: NasParameters | None = None) -> dict[str, Any]:
 def run_one(cp: CampaignParameters, store: ObjectStore, tracker: Tracker, prefix: str,
             tags: dict[str, str]) -> dict[str, Any]:
     """One campaign to its budget, resuming its checkpoint when there is one."""
-    name = cp.campaign_name()
-    checkpoint_uri = f"{prefix}/{name}/checkpoint.json"
     campaign = cp.build()
+    name = cp.campaign_name(campaign)
+    checkpoint_uri = f"{prefix}/{name}/checkpoint.json"
     state = load_checkpoint(store, checkpoint_uri) if cp.resume else None
     parent_id = None
     if state is not None:
