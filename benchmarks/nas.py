@@ -14,11 +14,20 @@ that any optimizer reached with any seed, as mean ± sd over the seeds (a seed t
 counts as the budget, and is reported), the ratio to the peer (qEHVI, or TuRBO), the final
 hypervolume or best value, and the time per suggestion (seconds per ask of a batch of q).
 Seeds run two at a time in separate processes, each with one torch thread.
+
+Held-out and pooled readings: ``--first-seed 5 --seeds 10`` runs seeds 5-14; ``--save runs.json``
+keeps every campaign's trace, and ``--load a.json b.json`` reports over saved runs together (the
+target is then the best of all of them), without running anything:
+
+    benchmarks/nas.py --problems nasbench201-cifar10 --seeds 5 --save s0.json
+    benchmarks/nas.py --problems nasbench201-cifar10 --first-seed 5 --seeds 10 --save s5.json
+    benchmarks/nas.py --load s0.json s5.json          # 15 seeds
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import math
 import os
 import time
@@ -61,6 +70,11 @@ def samples_to(trace: list[float], target: float, budget: int) -> tuple[float, b
     return (float(hit[0] + 1), True) if hit.size else (float(budget), False)
 
 
+def mean_finite(values: list[float]) -> float:
+    finite = [v for v in values if math.isfinite(v)]
+    return float(np.mean(finite)) if finite else math.nan
+
+
 def report(problem: str, runs: list[dict], budget: int, n_init: int, multi: bool) -> None:
     if not runs:
         print(f"\n== {problem}: no campaign finished")
@@ -83,7 +97,7 @@ def report(problem: str, runs: list[dict], budget: int, n_init: int, multi: bool
         final = np.array([r["trace"][-1] for r in mine])
         rows[name] = (n.mean(), n.std(ddof=1) if n.size > 1 else 0.0, sum(h[1] for h in hits), len(hits),
                       final.mean(), final.std(ddof=1) if final.size > 1 else 0.0,
-                      float(np.nanmean([r["suggest_s"] for r in mine])))
+                      mean_finite([r["suggest_s"] for r in mine]))
     print(f"{'optimizer':10s} {'samples to target':>20s} {'reached':>8s} {'ratio':>7s} "
           f"{'final ' + ('HV' if multi else 'best'):>22s} {'s/suggestion':>13s}")
     for name, (mean, sd, reached, total, fmean, fsd, sug) in rows.items():
@@ -99,7 +113,11 @@ def report(problem: str, runs: list[dict], budget: int, n_init: int, multi: bool
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--seeds", type=int, default=5)
+    parser.add_argument("--seeds", type=int, default=5, help="number of seeds")
+    parser.add_argument("--first-seed", type=int, default=0, help="seeds first-seed .. first-seed + seeds - 1")
+    parser.add_argument("--optimizers", default="", help="comma-separated subset of each problem's optimizers")
+    parser.add_argument("--save", default="", help="write every campaign's trace to this JSON file")
+    parser.add_argument("--load", nargs="+", default=[], help="report over these saved runs; run nothing")
     parser.add_argument("--budget", type=int, default=100)
     parser.add_argument("--q", type=int, default=5)
     parser.add_argument("--n-init", type=int, default=10)
@@ -107,16 +125,26 @@ def main() -> None:
     parser.add_argument("--processes", type=int, default=min(2, os.cpu_count() or 1))
     parser.add_argument("--quick", action="store_true", help="3 seeds, budget 40")
     args = parser.parse_args()
+    if args.load:
+        report_saved(args.load)
+        return
     if args.quick:
         args.seeds, args.budget = 3, 40
-    if args.seeds < 1 or args.budget < args.n_init:
-        parser.error("need --seeds >= 1 and --budget >= --n-init")
+    if args.seeds < 1 or args.first_seed < 0 or args.budget < args.n_init:
+        parser.error("need --seeds >= 1, --first-seed >= 0 and --budget >= --n-init")
     wanted = [p for p in args.problems.split(",") if p]
+    unknown = [p for p in wanted if p not in {**MULTI, **SINGLE}]
+    if unknown:
+        parser.error(f"unknown --problems {unknown}; known: {', '.join([*MULTI, *SINGLE])}")
+    subset = [o for o in args.optimizers.split(",") if o]
     jobs = []
     for problem in wanted:
         options, optimizers = {**MULTI, **SINGLE}[problem]
-        jobs += [(problem, options, o, s, args.budget, args.q, args.n_init) for o in optimizers
-                 for s in range(args.seeds)]
+        jobs += [(problem, options, o, s, args.budget, args.q, args.n_init)
+                 for o in optimizers if not subset or o in subset
+                 for s in range(args.first_seed, args.first_seed + args.seeds)]
+    if not jobs:
+        parser.error(f"--optimizers {subset} names none of the problems' optimizers")
     print(f"{len(jobs)} campaigns ({args.seeds} seeds, budget {args.budget}, q {args.q}, n_init {args.n_init}) "
           f"on {args.processes} processes")
     t0 = time.perf_counter()
@@ -133,9 +161,34 @@ def main() -> None:
             for f in futures:
                 f.cancel()
             print("interrupted: reporting the campaigns that finished")
+    if args.save:
+        with open(args.save, "w") as f:
+            json.dump({"budget": args.budget, "n_init": args.n_init, "q": args.q, "runs": results}, f)
+        print(f"saved {len(results)} campaigns to {args.save}")
     for problem in wanted:
         report(problem, [r for r in results if r["problem"] == problem], args.budget, args.n_init, problem in MULTI)
     print(f"\ntotal {time.perf_counter() - t0:.0f} s")
+
+
+def report_saved(paths: list[str]) -> None:
+    """Report over campaigns saved by ``--save`` (same budget, n_init and q), pooled."""
+    saved = []
+    for path in paths:
+        with open(path) as f:
+            saved.append(json.load(f))
+    settings = {(s["budget"], s["n_init"], s["q"]) for s in saved}
+    if len(settings) != 1:
+        raise SystemExit(f"--load: the files were run with different (budget, n_init, q): {sorted(settings)}")
+    budget, n_init, _ = settings.pop()
+    runs = [r for s in saved for r in s["runs"]]
+    seen: dict[tuple, str] = {}
+    for r, path in ((r, p) for s, p in zip(saved, paths) for r in s["runs"]):
+        key = (r["problem"], r["optimizer"], r["seed"])
+        if key in seen:
+            raise SystemExit(f"--load: {key} is in both {seen[key]} and {path}; a seed counts once")
+        seen[key] = path
+    for problem in dict.fromkeys(r["problem"] for r in runs):
+        report(problem, [r for r in runs if r["problem"] == problem], budget, n_init, problem in MULTI)
 
 
 if __name__ == "__main__":
