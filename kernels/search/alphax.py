@@ -55,7 +55,7 @@ import numpy as np
 from scipy.stats import rankdata
 
 from paperline.kernels.errors import InputError
-from paperline.kernels.search.base import OPTIMIZERS, Optimizer
+from paperline.kernels.search.base import OPTIMIZERS, Optimizer, check_int
 from paperline.kernels.search.space import SearchSpace, point_key
 
 Prefix = tuple[int, ...]
@@ -343,22 +343,13 @@ class AlphaX(Optimizer):
         "weight_decay": 1e-4,
         "value_normalization": "rank",
     }
+    positive: ClassVar[frozenset[str]] = frozenset({"n_rollout_candidates", "virtual_loss", "hidden", "train_epochs",
+                                                    "lr"})
 
     def __init__(self, space: SearchSpace, n_objectives: int = 1, **kwargs: Any):
         super().__init__(space, n_objectives, **kwargs)
-        o = self.options
-        self.options = {
-            "c_ucb": _float(o["c_ucb"], "c_ucb", low=0.0),
-            "n_rollout_candidates": _int(o["n_rollout_candidates"], "n_rollout_candidates", low=1),
-            "virtual_loss": _float(o["virtual_loss"], "virtual_loss", low=0.0, strict=True),
-            "hidden": _int(o["hidden"], "hidden", low=1),
-            "train_epochs": _int(o["train_epochs"], "train_epochs", low=1),
-            "lr": _float(o["lr"], "lr", low=0.0, strict=True),
-            "weight_decay": _float(o["weight_decay"], "weight_decay", low=0.0),
-            "value_normalization": o["value_normalization"],
-        }
         if self.options["value_normalization"] not in ("rank", "minmax"):
-            raise InputError("value_normalization", o["value_normalization"], "must be 'rank' or 'minmax'")
+            raise InputError("value_normalization", self.options["value_normalization"], "must be 'rank' or 'minmax'")
         self._tree = build_tree(space, self._x, self._y[:, 0], self.options["value_normalization"])
 
     def _update(self, x: np.ndarray, y: np.ndarray) -> None:
@@ -402,8 +393,8 @@ class AlphaX(Optimizer):
         Raises:
             InputError: ``max_children`` or ``max_depth`` not an integer >= 0.
         """
-        max_children = _int(max_children, "max_children", low=0)
-        max_depth = _int(max_depth, "max_depth", low=0)
+        max_children = check_int(max_children, "max_children", low=0)
+        max_depth = check_int(max_depth, "max_depth", low=0)
         t = self._tree
 
         def render(prefix: Prefix) -> dict[str, Any]:
@@ -431,15 +422,3 @@ class AlphaX(Optimizer):
         return root
 
 
-def _float(value: Any, argument: str, *, low: float, strict: bool = False) -> float:
-    ok = isinstance(value, int | float | np.integer | np.floating) and not isinstance(value, bool)
-    if not ok or not math.isfinite(float(value)) or (float(value) <= low if strict else float(value) < low):
-        raise InputError(argument, value, f"must be a finite number {'>' if strict else '>='} {low:g}")
-    return float(value)
-
-
-def _int(value: Any, argument: str, *, low: int) -> int:
-    ok = isinstance(value, int | np.integer) and not isinstance(value, bool)
-    if not ok or int(value) < low:
-        raise InputError(argument, value, f"must be an integer >= {low}")
-    return int(value)

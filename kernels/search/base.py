@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import abc
 import json
+import math
 import time
 from typing import Any, ClassVar
 
@@ -40,16 +41,20 @@ class Optimizer(abc.ABC):
         seed: campaign seed.
         n_init: size of the initial Sobol design (>= 1).
         ref_point: ``m`` reference point, maximization convention (multi-objective optimizers).
-        **options: optimizer hyperparameters (validated by the subclass).
+        **options: optimizer hyperparameters. Each must have its default's type (an integer where
+            the default is one, a finite number where it is a float, a string where a string); a
+            number is >= 0, and > 0 when it is in ``positive``; subclasses check the rest.
 
     Raises:
-        InputError: bad ``n_init``, a multi-objective optimizer on one objective or vice versa.
+        InputError: bad ``n_init``, a multi-objective optimizer on one objective or vice versa, an
+        unknown option, an option of the wrong type or out of range (naming the option).
     """
 
     name: ClassVar[str] = ""
     multi_objective: ClassVar[bool | None] = None  # True: m >= 2 only; False: m == 1 only; None: both
     spaces: ClassVar[tuple[str, ...]] = ("box", "categorical")
     defaults: ClassVar[dict[str, Any]] = {}
+    positive: ClassVar[frozenset[str]] = frozenset()  # numeric options that must be > 0 (counts: >= 1)
 
     def __init__(self, space: SearchSpace, n_objectives: int = 1, *, seed: int = 0, n_init: int = 10,
                  ref_point: np.ndarray | list[float] | None = None, **options: Any):
@@ -72,7 +77,8 @@ class Optimizer(abc.ABC):
         self.ref_point = None if ref_point is None else np.asarray(ref_point, dtype=np.float64)
         if self.multi_objective and self.ref_point is None:
             raise InputError("ref_point", None, f"{self.name} needs a reference point")
-        self.options = {**self.defaults, **options}
+        self.options = {key: check_option(key, value, self.defaults[key], key in self.positive)
+                        for key, value in {**self.defaults, **options}.items()}
         self._x = np.zeros((0, space.dim))
         self._y = np.zeros((0, self.n_objectives))
         self.n_batches = 0
@@ -257,3 +263,35 @@ def _register_builtin() -> None:
         nsga2,
         random_search,
     )
+
+
+def check_float(value: Any, argument: str, *, low: float, strict: bool = False) -> float:
+    """``value`` as a float; InputError naming ``argument`` unless it is a finite number ``>= low``
+    (``> low`` when ``strict``)."""
+    ok = isinstance(value, int | float | np.integer | np.floating) and not isinstance(value, bool)
+    if not ok or not math.isfinite(float(value)) or (float(value) <= low if strict else float(value) < low):
+        raise InputError(argument, value, f"must be a finite number {'>' if strict else '>='} {low:g}")
+    return float(value)
+
+
+def check_int(value: Any, argument: str, *, low: int) -> int:
+    """``value`` as an int; InputError naming ``argument`` unless it is an integer ``>= low``."""
+    ok = isinstance(value, int | np.integer) and not isinstance(value, bool)
+    if not ok or int(value) < low:
+        raise InputError(argument, value, f"must be an integer >= {low}")
+    return int(value)
+
+
+def check_option(key: str, value: Any, default: Any, positive: bool) -> Any:
+    """An optimizer option checked against its default's type (see :class:`Optimizer`)."""
+    if isinstance(default, bool):
+        if not isinstance(value, bool):
+            raise InputError(key, value, "must be true or false")
+        return value
+    if isinstance(default, int):
+        return check_int(value, key, low=1 if positive else 0)
+    if isinstance(default, float):
+        return check_float(value, key, low=0.0, strict=positive)
+    if isinstance(default, str) and not isinstance(value, str):
+        raise InputError(key, value, "must be a string")
+    return value

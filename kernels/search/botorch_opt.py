@@ -156,6 +156,7 @@ class _BoTorchOptimizer(Optimizer):
 
     kind = "ei"
     defaults = {"pool_size": 1000}
+    positive = frozenset({"pool_size"})
 
     def _suggest(self, q: int) -> np.ndarray:
         x, y = self.data()
@@ -214,6 +215,7 @@ class TuRBO(Optimizer):
     spaces = ("box",)
     defaults = {"length_init": 0.8, "length_min": 0.5**7, "length_max": 1.6, "success_tolerance": 3,
                 "n_candidates": 2000}
+    positive = frozenset({"length_init", "length_min", "length_max", "success_tolerance", "n_candidates"})
 
     def __init__(self, space: SearchSpace, n_objectives: int = 1, **kwargs: Any):
         super().__init__(space, n_objectives, **kwargs)

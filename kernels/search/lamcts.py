@@ -58,6 +58,7 @@ class PartitionOptimizer(Optimizer):
     """Shared learn-select-sample loop of the partition-based optimizers (LaNAS, LA-MCTS, LaMOO)."""
 
     defaults: dict[str, Any] = {"cp": 0.5, "leaf_size": 20, "kernel": "rbf", "n_candidates": 2000}
+    positive = frozenset({"n_candidates", "turbo_length"})
 
     def __init__(self, space: SearchSpace, n_objectives: int = 1, **kwargs: Any):
         super().__init__(space, n_objectives, **kwargs)

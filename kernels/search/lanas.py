@@ -46,6 +46,7 @@ class LaNAS(PartitionOptimizer):
     name = "lanas"
     multi_objective = False
     defaults = {"cp": 0.5, "leaf_size": 10, "n_candidates": 2000}
+    positive = frozenset({"n_candidates"})
 
     def splitter(self) -> pt.Splitter:
         return linear_split

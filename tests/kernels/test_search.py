@@ -292,6 +292,16 @@ def test_evaluate_point_refuses_a_point_outside_the_space():
     (dict(problem="levy", optimizer="lamcts", problem_options={"dim": 5}), "20 to 100"),
     (dict(problem="levy", optimizer="lamcts", optimizer_options={"leaf": 3}), "unknown for lamcts"),
     (dict(problem="levy", optimizer="lamcts", optimizer_options={"sampler": "cmaes"}), "known samplers"),
+    # option values are checked against their defaults' types and ranges, naming the option
+    (dict(problem="branin-currin", optimizer="lamoo", optimizer_options={"n_candidates": -3}), "n_candidates=-3"),
+    (dict(problem="branin-currin", optimizer="lamoo", optimizer_options={"cp": "abc"}), "cp='abc'.*finite number"),
+    (dict(problem="branin-currin", optimizer="qehvi", optimizer_options={"pool_size": 0}), "pool_size=0.*>= 1"),
+    (dict(problem="levy", optimizer="turbo", optimizer_options={"success_tolerance": 2.5}), "success_tolerance.*integer"),
+    (dict(problem="levy", optimizer="lamcts", optimizer_options={"turbo_length": float("nan")}), "turbo_length"),
+    (dict(problem="levy", optimizer="lamcts", optimizer_options={"leaf_size": True}), "leaf_size=True"),
+    (dict(problem="branin-currin", optimizer="lamoo", optimizer_options={"kernel": 3}), "kernel=3.*string"),
+    (dict(problem="nasbench201-cifar10", optimizer="alphax", problem_options={"objectives": ["val_accuracy_pct"]},
+          optimizer_options={"lr": 0}), "lr=0.*> 0"),
     (dict(problem="nasbench201-cifar10", optimizer="random", problem_options={"objectives": ["flops"]}),
      "unknown NAS-Bench-201 objective"),
 ])
