@@ -402,6 +402,8 @@ def compare(experiment: str = typer.Argument(..., help="MLflow experiment, e.g. 
     for row in result["rows"]:
         table.add_row(*[_fmt(v) if isinstance(v, float) else str(v) for v in row])
     console.print(table)
+    if result["left_out"]:
+        console.print(result["left_out"], highlight=False)
     plot = result["plot"] or "none (these runs share no metric: name some with --metric)"
     console.print(f"runs: {result['parquet']}\nplot: {plot}", highlight=False)
     if result["comparison_run_id"]:

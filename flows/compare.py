@@ -61,7 +61,8 @@ def compare_runs(tracker: Tracker, experiment: str, metrics: list[str], filter_s
 
     Returns:
         ``{"columns", "rows", "parquet", "plot" (None without metrics), "comparison_run_id",
-        "selection", "metrics"}``.
+        "selection", "metrics", "left_out"}`` (``left_out``: a note on the runs the default
+        headline left out, or empty).
 
     Raises:
         InputError: unknown experiment (known ones listed), an invalid filter (as given), no
@@ -103,8 +104,16 @@ def compare_runs(tracker: Tracker, experiment: str, metrics: list[str], filter_s
             ascending = not headlines[0][1]
             headline_default = True
     order = [f"metrics.`{metrics[0]}` {'ASC' if ascending else 'DESC'}"] if metrics else ["attributes.start_time DESC"]
+    left_out = ""
     if headline_default:  # only the runs that have the headline (a user-data tensor run has others)
-        runs = [r for r in search(order, max(top, HEADLINE_SAMPLE)) if metrics[0] in r.data.metrics][:top]
+        found = search(order, max(top, HEADLINE_SAMPLE))
+        runs = [r for r in found if metrics[0] in r.data.metrics][:top]
+        others = [r for r in found if metrics[0] not in r.data.metrics]
+        if others:  # e.g. nas: single-objective campaigns have final_best, not final_hypervolume
+            theirs = sorted({m for r in others for m, _ in json.loads(r.data.tags.get(HEADLINES_TAG) or "[]")})
+            left_out = (f"{len(others)}{'+' if len(found) == max(top, HEADLINE_SAMPLE) else ''} run(s) without "
+                        f"{metrics[0]} left out" + (f" (they have {', '.join(theirs)}: --metric {theirs[0]} shows "
+                                                    f"them)" if theirs else " (--metric names what to show)"))
     else:
         runs = search(order, top)
     if not runs:
@@ -151,7 +160,7 @@ def compare_runs(tracker: Tracker, experiment: str, metrics: list[str], filter_s
             tracker.log_artifact(comparison_run_id, str(plot))
         tracker.end_run(comparison_run_id, "FINISHED")
     return {"columns": columns, "rows": rows, "parquet": str(parquet), "plot": str(plot) if plot else None,
-            "comparison_run_id": comparison_run_id, "selection": selection, "metrics": metrics}
+            "comparison_run_id": comparison_run_id, "selection": selection, "metrics": metrics, "left_out": left_out}
 
 
 def _write_parquet(runs: list[Any], params: list[str], path: Path) -> None:

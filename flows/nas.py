@@ -207,10 +207,10 @@ def run_one(cp: CampaignParameters, store: ObjectStore, tracker: Tracker, prefix
         _log_report(tracker, parent_id, campaign, name)
         identity = {**cp.model_dump(exclude={"live", "campaign", "resume", "evaluation_timeout_s"}),
                     "problem_options": campaign.problem.options}
-        versus = check_latest(tracker, parent_id, identity, _headlines(campaign), label=name)
-        if state is not None:  # a re-run continues the campaign's own run: nothing earlier to compare with
-            versus.first_run_note = ("resumed this campaign's own run from its checkpoint: no other finished run "
-                                     "with these parameters to compare with (resume=false starts a fresh one)")
+        # a re-run continues the campaign's own run: there may be nothing earlier to compare with
+        note = ("resumed this campaign's own run from its checkpoint: no other finished run with these "
+                "parameters to compare with (resume=false starts a fresh one)") if state is not None else None
+        versus = check_latest(tracker, parent_id, identity, _headlines(campaign), label=name, first_run_note=note)
         tracker.end_run(parent_id, "FINISHED")
     except BaseException:
         tracker.end_run(parent_id, "FAILED")
@@ -281,7 +281,8 @@ def _candidate_text(params: dict[str, Any]) -> str:
     for key in ("cell", "arch"):
         if key in params:
             return str(params[key])
-    return ", ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in params.items())[:120]
+    text = ", ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in params.items())
+    return text if len(text) <= 120 else text[:119] + "…"  # the whole point is in the JSON summary and MLflow
 
 
 def _summary(results: list[dict[str, Any]], run_url: str, flow_run_id: str, tracker: Tracker) -> dict[str, Any]:

@@ -199,7 +199,7 @@ def compare_with_best_earlier(tracker: Tracker, run_id: str, key: str, headlines
 
 
 def check_latest(tracker: Tracker, run_id: str, params: dict[str, Any], headlines: list[Headline],
-                 label: str = "") -> BestEarlier:
+                 label: str = "", first_run_note: str | None = None) -> BestEarlier:
     """:func:`compare_with_best_earlier` keyed on ``params``, its lines logged to the flow run's
     log (a regression as a warning, so that it stands out in the Prefect UI).
 
@@ -209,11 +209,14 @@ def check_latest(tracker: Tracker, run_id: str, params: dict[str, Any], headline
         params: The parameters that define what the run computes (no output locations or names).
         headlines: As for :func:`compare_with_best_earlier`.
         label: Prefix of the lines (e.g. the compressor of a child run).
+        first_run_note: What to say when there is no earlier run (default: that this is the first).
 
     Raises:
         InputError: No headline given. ServiceError: The tracking server is unreachable.
     """
     outcome = compare_with_best_earlier(tracker, run_id, params_key(params), headlines)
+    if first_run_note is not None:
+        outcome.first_run_note = first_run_note
     logger = _logger()
     for line in outcome.lines(label):
         (logger.warning if outcome.regression else logger.info)(line)

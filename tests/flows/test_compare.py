@@ -174,5 +174,8 @@ def test_default_headlines_are_the_ones_most_runs_share(stack, tmp_path):
     assert res.exit_code == 0, res.output
     table = pq.read_table(tmp_path / "compare-mixed-runs.parquet").to_pydict()
     assert table["run_id"] == [ids[1], ids[2], ids[0]]  # best kinetic.rmse first, the user run left out
+    # ... and the output says so, and how to see it (nas: single-objective campaigns were dropped silently)
+    assert "1 run(s) without kinetic.rmse left out (they have user.rmse: --metric user.rmse shows them)" in \
+        " ".join(res.output.split())
     res = _cli(settings.state_dir, "compare", "compare-mixed", "--metric", "user.rmse", "--out", str(tmp_path))
     assert res.exit_code == 0 and pq.read_table(tmp_path / "compare-mixed-runs.parquet").to_pydict()["run_id"][0] == user

@@ -165,3 +165,14 @@ def test_a_changed_optimizer_default_names_a_new_campaign(monkeypatch):
     monkeypatch.setattr(LaMOO, "defaults", {**LaMOO.defaults, "n_candidates": 1024})
     assert CampaignParameters(**params).campaign_name() != before
     assert CampaignParameters(**params, campaign="mine").campaign_name() == "mine"
+
+
+def test_a_long_candidate_is_shortened_with_a_marker():
+    """A 20-dimensional point is shortened in the summary table, visibly (a user read the cut
+    ``x11=1`` as the whole point); a short one and a NAS cell string are shown whole."""
+    from paperline.flows.nas import _candidate_text
+
+    long = _candidate_text({f"x{i}": 1.234567 * i for i in range(20)})
+    assert len(long) == 120 and long.endswith("…") and long.startswith("x0=0, x1=1.235")
+    assert _candidate_text({"x0": 0.5, "x1": 2}) == "x0=0.5, x1=2"
+    assert _candidate_text({"cell": "|nor_conv_3x3~0|" * 10, "x0": 1.0}) == "|nor_conv_3x3~0|" * 10

@@ -10,7 +10,7 @@ import uuid
 import pytest
 
 from paperline.infra.errors import InputError
-from paperline.infra.regression import Headline, MetricComparison, compare_with_best_earlier, params_key
+from paperline.infra.regression import Headline, MetricComparison, check_latest, compare_with_best_earlier, params_key
 
 HEADLINES = [Headline("throughput_gflop_per_s", higher_is_better=True, tolerance=0.10),
              Headline("wall_s", higher_is_better=False, tolerance=0.25)]
@@ -45,7 +45,7 @@ def test_params_key_ignores_order_and_sees_values():
 
 
 @pytest.mark.stack
-def test_best_earlier_run_of_the_same_key_and_regressions(stack):
+def test_best_earlier_run_of_the_same_key_and_regressions(stack, caplog):
     from paperline.infra.tracking import Tracker
 
     _, info = stack
@@ -99,3 +99,11 @@ def test_best_earlier_run_of_the_same_key_and_regressions(stack):
 
     # a run that ended before a reopened run (a resumed campaign) counts as earlier; the run itself never
     assert compare_with_best_earlier(tracker, first, key, HEADLINES).best_run_id == best
+
+    # the caller's note for a run with nothing earlier is what is logged (a resumed campaign's flow
+    # log said "first finished run" while its summary said "resumed")
+    caplog.set_level("INFO", logger="paperline")
+    lonely = run("lonely", {"throughput_gflop_per_s": 1.0, "wall_s": 1.0}, k=params_key({"n": 3}))
+    noted = check_latest(tracker, lonely, {"n": 3}, HEADLINES, label="c", first_run_note="resumed its own run")
+    assert noted.lines() == ["resumed its own run"] and "c: resumed its own run" in caplog.text
+    assert "first finished run" not in caplog.text
