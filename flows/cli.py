@@ -9,6 +9,7 @@ import contextlib
 import functools
 import json
 import math
+import re
 import sys
 from pathlib import Path
 from typing import Any, Callable, Iterator, Optional
@@ -146,13 +147,43 @@ def datasets() -> None:
 
 @app.command()
 @_friendly
+def params(pipeline: str = typer.Argument(..., help="Pipeline name, e.g. nas."),
+           preset: str = typer.Option("demo", "--preset", help="Show this preset's values.")) -> None:
+    """List a pipeline's parameters (what `run --set key=value` takes): type, the preset's value,
+    description; and the pipeline's own option tables (nas: each optimizer's options)."""
+    import importlib
+
+    from paperline.flows.pipelines import build_parameters, get_pipeline
+
+    spec = get_pipeline(pipeline)
+    values = build_parameters(spec, preset, []).model_dump()
+    table = Table("parameter", "type", f"--preset {preset}", "description",
+                  title=f"{pipeline}: parameters (presets: {', '.join(sorted(spec.presets))})")
+    for name, field in spec.parameters.model_fields.items():
+        ann = field.annotation
+        kind = ann.__name__ if isinstance(ann, type) else re.sub(r"[\w.]+\.(\w+)", r"\1", str(ann))
+        table.add_row(name, kind, json.dumps(values.get(name), default=str), field.description or "")
+    console.print(table)
+    extra = getattr(importlib.import_module(spec.flow.__module__), "options_table", None)
+    if extra is not None:
+        title, columns, rows = extra()
+        more = Table(*columns, title=title)
+        for row in rows:
+            more.add_row(*row)
+        console.print(more)
+
+
+@app.command()
+@_friendly
 def run(pipeline: str = typer.Argument(..., help="Pipeline name, e.g. tensor-factorization."),
         preset: str = typer.Option("demo", "--preset", help="Parameter preset (each pipeline has demo; see README for the others: full, default)."),
         set_: Optional[list[str]] = typer.Option(None, "--set", help="Override a parameter: key=value (repeatable)."),
         summary_json: Optional[Path] = typer.Option(None, "--summary-json",
                                                     help="Write parameters, metrics and artifact URIs as JSON."),
         ) -> None:
-    """Run a pipeline on the stack (started if needed) and print its results and URLs."""
+    """Run a pipeline on the stack (started if needed) and print its results and URLs.
+
+    `paperline params PIPELINE` lists the parameters --set takes."""
     from paperline.flows.pipelines import build_parameters, get_pipeline, pipeline_names
 
     with _early_cluster(pipeline in pipeline_names()) as early:

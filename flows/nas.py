@@ -276,6 +276,20 @@ def _log_report(tracker: Tracker, run_id: str, campaign: Campaign, name: str) ->
     tracker.log_metrics(run_id, metrics)
 
 
+def options_table() -> tuple[str, list[str], list[list[str]]]:
+    """(title, columns, rows) of every optimizer's options and defaults, for `paperline params nas`."""
+    from paperline.kernels.search.base import OPTIMIZERS, optimizer_names
+
+    rows = []
+    for name in optimizer_names():
+        cls = OPTIMIZERS[name]
+        kind = {True: "multi", False: "single", None: "any"}[cls.multi_objective]
+        opts = ", ".join(f"{k}={json.dumps(v)}" for k, v in cls.defaults.items()) or "-"
+        rows.append([name, kind, "/".join(cls.spaces), opts])
+    return ("optimizer_options (JSON, e.g. --set 'optimizer_options={\"cp\": 0.5}')",
+            ["optimizer", "objectives", "spaces", "options and defaults"], rows)
+
+
 def _candidate_text(params: dict[str, Any]) -> str:
     """A candidate in one short string: its cell/arch string when the problem gives one."""
     for key in ("cell", "arch"):

@@ -127,6 +127,22 @@ def test_datasets_lists_the_bundled_data():
         assert name in result.output
 
 
+def test_params_lists_a_pipelines_parameters_and_the_optimizers_options():
+    """`paperline params nas` shows what --set takes, with the preset's values, and each
+    optimizer's options (a user found `run nas --help` identical to `run --help`)."""
+    result = run_cli("params", "nas", "--preset", "demo")
+    assert result.exit_code == 0, result.output
+    text = " ".join(result.output.split())
+    for name in ("optimizer", "problem", "budget", "n_init", "ref_point", "optimizer_options", "live"):
+        assert f"│ {name} " in text
+    assert '"nasbench201-cifar10"' in text and "│ 40 │" in text  # the demo preset's values
+    assert "enumerate_max=50000" in text and "pool_size=1000" in text  # lamoo's and qehvi's options
+    gemm = run_cli("params", "gemm", "--preset", "full")
+    assert gemm.exit_code == 0 and "tile" in gemm.output and "8192" in gemm.output
+    assert_one_line_error(run_cli("params", "nope"), "pipeline='nope'", "unknown pipeline")
+    assert_one_line_error(run_cli("params", "nas", "--preset", "x"), "--preset='x'", "unknown preset")
+
+
 @pytest.fixture
 def npy(tmp_path):
     import numpy as np
