@@ -32,7 +32,7 @@ from paperline.infra.storage import ObjectStore
 from paperline.infra.tracking import Tracker
 from paperline.kernels.errors import InputError as KernelInputError
 from paperline.kernels.search.campaign import Campaign
-from paperline.kernels.search.problems import problem_names
+from paperline.kernels.search.problems import PROBLEMS, problem_names
 from paperline.tasks.nas import evaluate, load_checkpoint, log_evaluations, render_report, save_checkpoint
 
 EXPERIMENT = "nas"
@@ -80,6 +80,14 @@ class CampaignParameters(BaseModel):
         """The campaign (validates every input). Raises InputError naming what is wrong."""
         if self.problem not in problem_names():
             raise InputError("problem", self.problem, f"unknown problem; known: {', '.join(problem_names())}")
+        if self.objectives is not None and "objectives" not in self.problem_options:
+            import inspect
+
+            if "objectives" not in inspect.signature(PROBLEMS[self.problem]).parameters:
+                takes = [n for n in problem_names() if "objectives" in inspect.signature(PROBLEMS[n]).parameters]
+                raise InputError("objectives", self.objectives, f"{self.problem} has fixed objectives; only "
+                                                                f"{', '.join(takes)} choose theirs (--set "
+                                                                f"objectives=null, or start from --preset default)")
         try:
             return Campaign(self.problem, self.optimizer, budget=self.budget, q=self.q, seed=self.seed,
                             n_init=self.n_init, ref_point=self.ref_point, optimizer_options=self.optimizer_options,

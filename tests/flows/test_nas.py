@@ -131,6 +131,9 @@ def test_a_killed_campaign_resumes_to_the_uninterrupted_result(stack, cli_env, t
     (["budget=5"], "smaller than the initial design"),
     (["q=0"], "q"),
     (["ref_point=[99.0, 2.0]"], "no point dominates"),
+    (["problem=branin-currin", "optimizer=qehvi"], "objectives=['val_accuracy_pct', 'model_size_mb']: branin-currin "
+                                                   "has fixed objectives"),
+    (['optimizer_options={"n_candidates": -3}'], "n_candidates=-3: must be an integer >= 1"),
 ])
 def test_bad_parameters_fail_before_anything_runs(cli_env, sets, match):
     args = ["run", "nas", "--preset", "demo"] + [a for s in sets for a in ("--set", s)]
