@@ -274,6 +274,10 @@ def _run_one(spec, params, summary_json: Path | None, early=None) -> dict[str, A
     _quiet_logs()
     info = _ensure_stack()
     settings = _settings()
+    if hasattr(params, "validate_on_stack"):  # checks that need the stack's services (nas: its checkpoints)
+        from paperline.infra.storage import ObjectStore
+
+        params.validate_on_stack(info, ObjectStore.from_stack(info))
     console.print(f"[bold]{spec.name}[/] on {describe_cluster(settings)}")
     started = None
     if early is not None:

@@ -124,6 +124,12 @@ class NasParameters(CampaignParameters):
         if len(set(names)) != len(names):
             raise InputError("live", names[-1], "the live campaign has the same name as the first; change it")
 
+    def validate_on_stack(self, info: Any, store: ObjectStore) -> None:
+        """Before the flow run is created: a checkpoint to resume must hold the same campaign."""
+        for c in self.campaigns():
+            built = c.build()
+            resumable(c, built, store, f"{campaigns_prefix(info.data_bucket)}/{c.campaign_name(built)}/checkpoint.json")
+
 
 PRESETS: dict[str, dict[str, Any]] = {
     # the flow's own defaults (what the deployments run): start here for your own campaign
@@ -160,8 +166,32 @@ def nas(params: NasParameters | None = None) -> dict[str, Any]:
     tracker = Tracker(info.mlflow_tracking_uri)
     run_url = f"{info.prefect_ui_url.rstrip('/')}/runs/flow-run/{flow_run.id}"
     tags = {"prefect.flow_run_id": str(flow_run.id), "prefect.flow_run_url": run_url}
-    results = [run_one(c, store, tracker, f"s3://{info.data_bucket}/nas/campaigns", tags) for c in params.campaigns()]
+    results = [run_one(c, store, tracker, campaigns_prefix(info.data_bucket), tags) for c in params.campaigns()]
     return _summary(results, run_url, str(flow_run.id), tracker)
+
+
+def resumable(cp: CampaignParameters, campaign: Campaign, store: ObjectStore,
+              checkpoint_uri: str) -> tuple[dict[str, Any] | None, Campaign | None]:
+    """The checkpoint at ``checkpoint_uri`` and the campaign it holds (with ``cp``'s budget), or
+    ``(None, None)`` when there is none or ``cp.resume`` is off.
+
+    Raises:
+        InputError: the checkpoint holds a campaign with other parameters than ``campaign``.
+    """
+    state = load_checkpoint(store, checkpoint_uri) if cp.resume else None
+    if state is None:
+        return None, None
+    saved = Campaign.from_state(state["campaign"], budget=cp.budget)
+    differ = [k for k, a, b in _identity(saved, campaign) if a != b]
+    if differ:
+        raise InputError("campaign", cp.campaign_name(campaign), f"a checkpoint of this name holds a campaign with "
+                                                                 f"other {', '.join(differ)}; pick another name or "
+                                                                 f"set resume=false")
+    return state, saved
+
+
+def campaigns_prefix(data_bucket: str) -> str:
+    return f"s3://{data_bucket}/nas/campaigns"
 
 
 def run_one(cp: CampaignParameters, store: ObjectStore, tracker: Tracker, prefix: str,
@@ -170,14 +200,9 @@ def run_one(cp: CampaignParameters, store: ObjectStore, tracker: Tracker, prefix
     campaign = cp.build()
     name = cp.campaign_name(campaign)
     checkpoint_uri = f"{prefix}/{name}/checkpoint.json"
-    state = load_checkpoint(store, checkpoint_uri) if cp.resume else None
+    state, saved = resumable(cp, campaign, store, checkpoint_uri)
     parent_id = None
     if state is not None:
-        saved = Campaign.from_state(state["campaign"], budget=cp.budget)
-        differ = [k for k, a, b in _identity(saved, campaign) if a != b]
-        if differ:
-            raise InputError("campaign", name, f"a checkpoint of this name holds a campaign with other "
-                                               f"{', '.join(differ)}; pick another name or set resume=false")
         campaign = saved
         parent_id = state.get("mlflow_parent_run_id")
         print(f"{name}: resuming from {checkpoint_uri} after {campaign.n_done} evaluations")

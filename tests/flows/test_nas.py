@@ -92,6 +92,17 @@ def test_checkpoint_in_s3_holds_the_whole_campaign(nas_run):
     assert state["mlflow_parent_run_id"] == summary["campaigns"][0]["mlflow_parent_run_id"]
 
 
+def test_a_checkpoint_of_another_campaign_is_refused_before_the_flow_run(nas_run, cli_env):
+    """The named campaign's checkpoint holds q=5: asking it to resume with q=3 fails with one line
+    before a flow run is created (it used to start one and mark it failed)."""
+    proc = subprocess.run([sys.executable, "-m", "paperline.flows.cli", "run", "nas", "--preset", "demo", *MAIN,
+                           "--set", "q=3"], env=cli_env, capture_output=True, text=True, timeout=300)
+    err = " ".join(proc.stderr.split())
+    assert proc.returncode == 1 and "error: campaign='test-demo': a checkpoint of this name holds a campaign with " \
+        "other q; pick another name or set resume=false" in err, err
+    assert "flow run" not in (proc.stdout + proc.stderr).lower() and "Traceback" not in proc.stderr
+
+
 def test_a_killed_campaign_resumes_to_the_uninterrupted_result(stack, cli_env, tmp_path):
     from paperline.infra.storage import ObjectStore
 
