@@ -12,6 +12,7 @@ task cache.
 from __future__ import annotations
 
 import hashlib
+import inspect
 import json
 import tempfile
 import time
@@ -81,8 +82,6 @@ class CampaignParameters(BaseModel):
         if self.problem not in problem_names():
             raise InputError("problem", self.problem, f"unknown problem; known: {', '.join(problem_names())}")
         if self.objectives is not None and "objectives" not in self.problem_options:
-            import inspect
-
             if "objectives" not in inspect.signature(PROBLEMS[self.problem]).parameters:
                 takes = [n for n in problem_names() if "objectives" in inspect.signature(PROBLEMS[n]).parameters]
                 raise InputError("objectives", self.objectives, f"{self.problem} has fixed objectives; only "
@@ -183,6 +182,8 @@ def resumable(cp: CampaignParameters, campaign: Campaign, store: ObjectStore,
         return None, None
     saved = Campaign.from_state(state["campaign"], budget=cp.budget)
     differ = [k for k, a, b in _identity(saved, campaign) if a != b]
+    if "optimizer" in differ:  # another optimizer's options differ too; saying so adds nothing
+        differ = [k for k in differ if k != "optimizer_options"]
     if differ:
         raise InputError("campaign", cp.campaign_name(campaign), f"a checkpoint of this name holds a campaign with "
                                                                  f"other {', '.join(differ)}; pick another name or "

@@ -101,6 +101,10 @@ def test_a_checkpoint_of_another_campaign_is_refused_before_the_flow_run(nas_run
     assert proc.returncode == 1 and "error: campaign='test-demo': a checkpoint of this name holds a campaign with " \
         "other q; pick another name or set resume=false" in err, err
     assert "flow run" not in (proc.stdout + proc.stderr).lower() and "Traceback" not in proc.stderr
+    proc = subprocess.run([sys.executable, "-m", "paperline.flows.cli", "run", "nas", "--preset", "demo", *MAIN,
+                           "--set", "optimizer=qehvi"], env=cli_env, capture_output=True, text=True, timeout=300)
+    err = " ".join(proc.stderr.split())
+    assert proc.returncode == 1 and "holds a campaign with other optimizer;" in err, err  # not "optimizer_options"
 
 
 def test_a_killed_campaign_resumes_to_the_uninterrupted_result(stack, cli_env, tmp_path):
