@@ -95,20 +95,32 @@ def report(problem: str, runs: list[dict], budget: int, n_init: int, multi: bool
         hits = [samples_to(r["trace"], target, budget) for r in mine]
         n = np.array([h[0] for h in hits])
         final = np.array([r["trace"][-1] for r in mine])
+        # the median with a seed that never reached the target counted as never (inf): unlike the
+        # mean, it is not pulled down by the budget cap while at least half the seeds reach it
+        median = float(np.median([h[0] if h[1] else math.inf for h in hits]))
         rows[name] = (n.mean(), n.std(ddof=1) if n.size > 1 else 0.0, sum(h[1] for h in hits), len(hits),
                       final.mean(), final.std(ddof=1) if final.size > 1 else 0.0,
-                      mean_finite([r["suggest_s"] for r in mine]))
-    print(f"{'optimizer':10s} {'samples to target':>20s} {'reached':>8s} {'ratio':>7s} "
+                      mean_finite([r["suggest_s"] for r in mine]), median)
+    print(f"{'optimizer':10s} {'samples to target':>20s} {'median':>7s} {'reached':>8s} {'ratio':>7s} "
           f"{'final ' + ('HV' if multi else 'best'):>22s} {'s/suggestion':>13s}")
-    for name, (mean, sd, reached, total, fmean, fsd, sug) in rows.items():
+    for name, (mean, sd, reached, total, fmean, fsd, sug, median) in rows.items():
         peer = PEER.get(name)
         ratio = f"{rows[peer][0] / mean:.2f}" if peer in rows else "-"
-        print(f"{name:10s} {mean:12.1f} ± {sd:5.1f} {reached:4d}/{total:<3d} {ratio:>7s} "
+        med = f"{median:.0f}" if math.isfinite(median) else f">{budget}"
+        print(f"{name:10s} {mean:12.1f} ± {sd:5.1f} {med:>7s} {reached:4d}/{total:<3d} {ratio:>7s} "
               f"{fmean:13.5g} ± {fsd:7.3g} {sug:13.3f}")
     for name, peer in PEER.items():
         if name in rows and peer in rows:
+            mine_med, peer_med = rows[name][7], rows[peer][7]
+            if math.isfinite(mine_med) and math.isfinite(peer_med):
+                medians = f"{peer_med / mine_med:.2f}"
+            elif math.isfinite(mine_med):
+                medians = f"> {budget / mine_med:.2f} ({peer}'s median is past the budget)"
+            else:
+                medians = "- (past the budget)"
             print(f"ratio {peer} samples / {name} samples = {rows[peer][0] / rows[name][0]:.2f} "
-                  f"(> 1: {name} needs fewer samples)")
+                  f"(> 1: {name} needs fewer samples; a seed that never reaches the target counts as the "
+                  f"budget); of the medians: {medians}")
 
 
 def main() -> None:
