@@ -7,10 +7,11 @@ Per batch:
    other bad, and an SVM learns the boundary (Sec. 4.1). The kernel (``auto``) is RBF on a
    categorical space: there the reference code's polynomial kernel needed as many samples as
    plain qEHVI on NAS-Bench-201 over seeds 0-9 (ratio 0.98), RBF 1.47x fewer over seeds 0-14
-   and 1.23x on the seeds 5-14 it was not chosen on (README, "NAS campaigns"). On a continuous
-   space it is the polynomial kernel: RBF made LaMOO many times slower there (three 30-evaluation
-   BraninCurrin campaigns passed 10 minutes on a loaded machine; a budget-60 VehicleSafety pair
-   ran over 30 minutes; not profiled) and was not measured for sample efficiency.
+   and 1.2x on the seeds 5-29 it was not chosen on (README, "NAS campaigns"). On a continuous
+   space it is the reference code's polynomial kernel: RBF's sample efficiency there is not
+   measured. (Its cost is not the reason: a 30-evaluation BraninCurrin campaign took 40 s with
+   RBF against 28 s with the polynomial kernel, both 96% in qLogEHVI's forward pass, profiled
+   2026-12-01; an earlier "many times slower" reading was the load of a shared machine.)
 2. *Selection*: descend by the node's hypervolume plus an exploration bonus,
    ``HV + Cp HV sqrt(2 ln n_p / n)`` (Sec. 4.2), with virtual visits for a batch.
 3. *Sampling* inside the selected region with the inner optimizer: ``qehvi`` (GP + qLogEHVI
