@@ -1,7 +1,7 @@
 """Benchmark: sample efficiency of the search campaigns, with at least 5 seeds each.
 
-Run with ``.venv/bin/python benchmarks/nas.py`` (about 40 minutes on 2 cores; ``--quick`` for a
-smaller one). Everything is measured in this run, on the same machine, with the same seeds; for a
+Run with ``.venv/bin/python benchmarks/nas.py`` (budget 100; at budget 60 all four problems took
+about 40 minutes on 2 cores, NAS-Bench-201 alone at 100 7.4 minutes; ``--quick`` for a smaller one). Everything is measured in this run, on the same machine, with the same seeds; for a
 seed, every optimizer starts from the same scrambled-Sobol initial design.
 
 * Multi-objective: LaMOO (qEHVI inside), qEHVI, NSGA-II and random on NAS-Bench-201 cifar10
@@ -11,7 +11,7 @@ seed, every optimizer starts from the same scrambled-Sobol initial design.
 For each problem it prints, per optimizer, the number of samples needed to reach 95% of the best
 hypervolume (or of the best value's improvement over the initial design, for single objectives)
 that any optimizer reached with any seed, as mean ± sd over the seeds (a seed that never reaches it
-counts as the budget, and is reported), the ratio to the peer (qEHVI, or TuRBO), the final
+counts as the budget, and is reported) and as the median (such a seed counted as never), the ratio to the peer (qEHVI, or TuRBO), the final
 hypervolume or best value, and the time per suggestion (seconds per ask of a batch of q).
 Seeds run two at a time in separate processes, each with one torch thread.
 
