@@ -10,9 +10,9 @@ Per batch:
    on the seeds 5-29 it was not chosen on, 1.23x by the mean with a miss counted as the budget
    of 100, and 1.80x by the median with the misses run on to 150 (README, "NAS campaigns"). On a continuous
    space it is the reference code's polynomial kernel: RBF's sample efficiency there is not
-   measured. (Its cost is not the reason: a 30-evaluation BraninCurrin campaign took 40 s with
-   RBF against 28 s with the polynomial kernel, both 96% in qLogEHVI's forward pass, profiled
-   2026-12-01; an earlier "many times slower" reading was the load of a shared machine.)
+   measured. (At 30 evaluations RBF cost 1.1-1.4x the polynomial kernel on BraninCurrin and
+   VehicleSafety, 96-97% of both in qLogEHVI's forward pass, profiled 2026-12-01; longer RBF
+   campaigns on VehicleSafety grew slower still, not profiled.)
 2. *Selection*: descend by the node's hypervolume plus an exploration bonus,
    ``HV + Cp HV sqrt(2 ln n_p / n)`` (Sec. 4.2), with virtual visits for a batch.
 3. *Sampling* inside the selected region with the inner optimizer: ``qehvi`` (GP + qLogEHVI
