@@ -1,8 +1,9 @@
 """Benchmark: sample efficiency of the search campaigns, with at least 5 seeds each.
 
 Run with ``.venv/bin/python benchmarks/nas.py`` (budget 100; at budget 60 all four problems took
-about 40 minutes on 2 cores, NAS-Bench-201 alone at 100 7.4 minutes; ``--quick`` for a smaller one). Everything is measured in this run, on the same machine, with the same seeds; for a
-seed, every optimizer starts from the same scrambled-Sobol initial design.
+about 40 minutes on 2 cores, NAS-Bench-201 alone at 100 7.4 minutes; ``--quick`` for a smaller
+one). Everything is measured in this run, on the same machine, with the same seeds; for a seed,
+every optimizer starts from the same scrambled-Sobol initial design.
 
 * Multi-objective: LaMOO (qEHVI inside), qEHVI, NSGA-II and random on NAS-Bench-201 cifar10
   (validation accuracy against model size) and on VehicleSafety (3 objectives).
@@ -11,8 +12,9 @@ seed, every optimizer starts from the same scrambled-Sobol initial design.
 For each problem it prints, per optimizer, the number of samples needed to reach 95% of the best
 hypervolume (or of the best value's improvement over the initial design, for single objectives)
 that any optimizer reached with any seed, as mean ± sd over the seeds (a seed that never reaches it
-counts as the budget, and is reported) and as the median (such a seed counted as never), the ratio to the peer (qEHVI, or TuRBO), the final
-hypervolume or best value, and the time per suggestion (seconds per ask of a batch of q).
+counts as the budget, and is reported) and as the median (such a seed counted as never), the
+ratio to the peer (qEHVI, or TuRBO), the final hypervolume or best value, and the time per
+suggestion (seconds per ask of a batch of q).
 Seeds run two at a time in separate processes, each with one torch thread.
 
 Held-out and pooled readings: ``--first-seed 5 --seeds 10`` runs seeds 5-14; ``--save runs.json``
@@ -194,11 +196,12 @@ def report_saved(paths: list[str]) -> None:
     budget, n_init, _ = settings.pop()
     runs = [r for s in saved for r in s["runs"]]
     seen: dict[tuple, str] = {}
-    for r, path in ((r, p) for s, p in zip(saved, paths) for r in s["runs"]):
-        key = (r["problem"], r["optimizer"], r["seed"])
-        if key in seen:
-            raise SystemExit(f"--load: {key} is in both {seen[key]} and {path}; a seed counts once")
-        seen[key] = path
+    for s, path in zip(saved, paths):
+        for r in s["runs"]:
+            key = (r["problem"], r["optimizer"], r["seed"])
+            if key in seen:
+                raise SystemExit(f"--load: {key} is in both {seen[key]} and {path}; a seed counts once")
+            seen[key] = path
     for problem in dict.fromkeys(r["problem"] for r in runs):
         report(problem, [r for r in runs if r["problem"] == problem], budget, n_init, problem in MULTI)
 

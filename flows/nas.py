@@ -12,7 +12,6 @@ task cache.
 from __future__ import annotations
 
 import hashlib
-import inspect
 import json
 import tempfile
 import time
@@ -33,7 +32,7 @@ from paperline.infra.storage import ObjectStore
 from paperline.infra.tracking import Tracker
 from paperline.kernels.errors import InputError as KernelInputError
 from paperline.kernels.search.campaign import Campaign
-from paperline.kernels.search.problems import PROBLEMS, problem_names
+from paperline.kernels.search.problems import problem_names, problem_option_names
 from paperline.tasks.nas import evaluate, load_checkpoint, log_evaluations, render_report, save_checkpoint
 
 EXPERIMENT = "nas"
@@ -82,8 +81,8 @@ class CampaignParameters(BaseModel):
         if self.problem not in problem_names():
             raise InputError("problem", self.problem, f"unknown problem; known: {', '.join(problem_names())}")
         if self.objectives is not None and "objectives" not in self.problem_options:
-            if "objectives" not in inspect.signature(PROBLEMS[self.problem]).parameters:
-                takes = [n for n in problem_names() if "objectives" in inspect.signature(PROBLEMS[n]).parameters]
+            if "objectives" not in problem_option_names(self.problem):
+                takes = [n for n in problem_names() if "objectives" in problem_option_names(n)]
                 raise InputError("objectives", self.objectives, f"{self.problem} has fixed objectives; only "
                                                                 f"{', '.join(takes)} choose theirs (--set "
                                                                 f"objectives=null, or start from --preset default)")

@@ -420,5 +420,3 @@ class AlphaX(Optimizer):
         root = render(())
         root["n_nodes"] = len(t.nodes)
         return root
-
-

@@ -65,8 +65,6 @@ class PartitionOptimizer(Optimizer):
         o = self.options
         if int(o["leaf_size"]) < 4:
             raise InputError("leaf_size", o["leaf_size"], "a node needs at least 4 samples to split")
-        if float(o["cp"]) < 0:
-            raise InputError("cp", o["cp"], "the exploration constant must be >= 0")
         if "kernel" in o and o["kernel"] not in ("rbf", "poly", "linear"):
             raise InputError("kernel", o["kernel"], "known SVM kernels: rbf, poly, linear")
         if "sampler" in o and o["sampler"] not in self.samplers:

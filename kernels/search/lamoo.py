@@ -8,11 +8,11 @@ Per batch:
    categorical space: there the reference code's polynomial kernel needed as many samples as
    plain qEHVI on NAS-Bench-201 over seeds 0-9 (ratio 0.98), RBF 1.47x fewer over seeds 0-14;
    on the seeds 5-29 it was not chosen on, 1.23x by the mean with a miss counted as the budget
-   of 100, and 1.80x by the median with the misses run on to 150 (README, "NAS campaigns"). On a continuous
-   space it is the reference code's polynomial kernel: RBF's sample efficiency there is not
-   measured. (At 30 evaluations RBF cost 1.1-1.4x the polynomial kernel on BraninCurrin and
-   VehicleSafety, 96-97% of both in qLogEHVI's forward pass, profiled 2026-12-01; longer RBF
-   campaigns on VehicleSafety grew slower still, not profiled.)
+   of 100, and 1.80x by the median with the misses run on to 150 (README, "NAS campaigns"). On
+   a continuous space it is the reference code's polynomial kernel: RBF's sample efficiency
+   there is not measured. (At 30 evaluations RBF cost 1.1-1.4x the polynomial kernel on
+   BraninCurrin and VehicleSafety, 96-97% of both in qLogEHVI's forward pass, profiled
+   2026-12-01; longer RBF campaigns on VehicleSafety grew slower still, not profiled.)
 2. *Selection*: descend by the node's hypervolume plus an exploration bonus,
    ``HV + Cp HV sqrt(2 ln n_p / n)`` (Sec. 4.2), with virtual visits for a batch.
 3. *Sampling* inside the selected region with the inner optimizer: ``qehvi`` (GP + qLogEHVI

@@ -129,10 +129,8 @@ def make_problem(name: str, **options: Any) -> Problem:
     _register_optional()
     if name not in PROBLEMS:
         raise InputError("problem", name, f"unknown problem; known: {', '.join(PROBLEMS.names())}")
-    import inspect
-
     factory = PROBLEMS[name]
-    known = [p for p in inspect.signature(factory).parameters]
+    known = problem_option_names(name)
     unknown = sorted(set(options) - set(known))
     if unknown:
         raise InputError("problem_options", options, f"{name} has no option {', '.join(map(repr, unknown))}; "
@@ -145,6 +143,14 @@ def make_problem(name: str, **options: Any) -> Problem:
         raise InputError("problem_options", options, f"{name}: {exc}") from None
     problem.options = dict(options)
     return problem
+
+
+def problem_option_names(name: str) -> list[str]:
+    """The options (keyword arguments) the registered problem ``name`` takes, e.g. ``["dim"]``."""
+    import inspect
+
+    _register_optional()
+    return list(inspect.signature(PROBLEMS[name]).parameters)
 
 
 def problem_names() -> list[str]:
