@@ -100,8 +100,15 @@ def acquisition(kind: str, model: Any, features: np.ndarray, y: np.ndarray, *, s
     raise InputError("acquisition", kind, "known: ei, ehvi, nehvi")
 
 
-def select_discrete(acqf: Any, space: SearchSpace, pool: np.ndarray, q: int) -> np.ndarray:
-    """The ``q`` rows of ``pool`` (``k x d`` points) chosen greedily by ``acqf`` (``optimize_acqf_discrete``)."""
+def select_discrete(acqf: Any, space: SearchSpace, pool: np.ndarray, q: int, *, shortlist: int = 0) -> np.ndarray:
+    """The ``q`` rows of ``pool`` (``k x d`` points) chosen greedily by ``acqf`` (``optimize_acqf_discrete``).
+
+    ``shortlist`` > 0 (and ``q`` > 1): the greedy rounds after the first choose among the
+    ``shortlist`` candidates with the highest single-point value only. The first round scores every
+    candidate alone, which is cheap; round ``j`` scores each jointly with the ``j`` points already
+    chosen, and a q-batch hypervolume improvement costs ``2^(j+1) - 1`` box sums per sample, so
+    without a shortlist the later rounds are ~56/57 of the work at q = 5.
+    """
     import torch
     from botorch.optim import optimize_acqf_discrete
 
@@ -109,6 +116,11 @@ def select_discrete(acqf: Any, space: SearchSpace, pool: np.ndarray, q: int) -> 
     if pool.shape[0] <= q:
         return pool
     feats = space.features(pool)
+    if shortlist > 0 and q > 1 and pool.shape[0] > shortlist:
+        with torch.no_grad():
+            alone = torch.cat([acqf(chunk.unsqueeze(-2)) for chunk in torch.from_numpy(feats).split(512)])
+        keep = np.sort(np.argsort(-alone.numpy(), kind="stable")[:shortlist])
+        pool, feats = pool[keep], feats[keep]
     chosen, _ = optimize_acqf_discrete(acqf, q=q, choices=torch.from_numpy(feats), unique=True, max_batch_size=512)
     chosen = chosen.detach().numpy()
     # map the chosen feature rows back to points

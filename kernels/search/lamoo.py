@@ -12,7 +12,7 @@ Per batch:
    a continuous space it is the reference code's polynomial kernel: RBF's sample efficiency
    there is not measured. (At 30 evaluations RBF cost 1.1-1.4x the polynomial kernel on
    BraninCurrin and VehicleSafety, 96-97% of both in qLogEHVI's forward pass, profiled
-   2026-12-01; longer RBF campaigns on VehicleSafety grew slower still, not profiled.)
+   2026-12-01, before the shortlist below.)
 2. *Selection*: descend by the node's hypervolume plus an exploration bonus,
    ``HV + Cp HV sqrt(2 ln n_p / n)`` (Sec. 4.2), with virtual visits for a batch.
 3. *Sampling* inside the selected region with the inner optimizer: ``qehvi`` (GP + qLogEHVI
@@ -20,6 +20,13 @@ Per batch:
    ``random``. The paper maximizes qEHVI over the whole region; on a categorical space of at most
    ``enumerate_max`` points (NAS-Bench-201: 15,625) the candidates are the region's unseen points
    themselves (all of them, or ``n_candidates`` drawn from them), not a rejection sample of it.
+   The batch is chosen by sequential greedy over the candidates. Over a sampled pool (a
+   continuous space, or one too large to list) only the ``shortlist`` (256) candidates best alone
+   are scored jointly with the points already picked, after the first pick: the joint scores are
+   the cost (a q-batch hypervolume improvement sums over 2^q - 1 subsets), and on VehicleSafety
+   the shortlist took a 40-evaluation campaign (seed 0) from 357 s to 27 s (qEHVI: 53 s) at a
+   similar final hypervolume (237.2 vs 236.7). The region's own points are scored in full: on
+   NAS-Bench-201 a shortlist changed 1 of 15 seeds' choices (and saved a third of the time).
 """
 
 from __future__ import annotations
@@ -61,14 +68,15 @@ class LaMOO(PartitionOptimizer):
     (SVM kernel: ``rbf``, ``poly``, ``linear``, or ``auto``: RBF on a categorical space, else
     polynomial), ``sampler`` (``qehvi``, ``nsga2`` or ``random``), ``n_candidates`` (points of
     the region qLogEHVI scores), ``enumerate_max`` (a categorical space with at most this many
-    points draws them from the region's unseen points; 0: never).
+    points draws them from the region's unseen points; 0: never), ``shortlist`` (over a sampled
+    pool, greedy rounds after the first score only this many candidates, the best alone; 0: all).
     """
 
     name = "lamoo"
     multi_objective = True
     samplers = ("qehvi", "nsga2", "random")
     defaults = {**PartitionOptimizer.defaults, "cp": 0.1, "leaf_size": 10, "kernel": "auto", "sampler": "qehvi",
-                "n_candidates": 4096, "enumerate_max": 50_000}
+                "n_candidates": 4096, "enumerate_max": 50_000, "shortlist": 256}
 
     def __init__(self, space: SearchSpace, n_objectives: int = 1, **kwargs: Any):
         if kwargs.get("kernel", "auto") == "auto":  # resolved here, so a checkpoint records the kernel used
@@ -109,13 +117,15 @@ class LaMOO(PartitionOptimizer):
                 pool = self.unseen_in_region(path)
                 if pool.shape[0] > n:
                     pool = pool[np.sort(rng.choice(pool.shape[0], n, replace=False))]
+                shortlist = 0  # the region's own points: exact greedy over them
             else:
                 pool = pt.region_candidates(self.space, path, x_leaf, rng, n)
                 pool = pool[self.is_new(pool)] if self.space.is_categorical else pool
+                shortlist = int(self.options["shortlist"])
             if pool.shape[0] == 0:
                 return pool
             acqf = acquisition("ehvi", model, feats, y, seed=self.torch_seed(2), ref_point=self.ref_point)
-            return select_discrete(acqf, self.space, pool, k)
+            return select_discrete(acqf, self.space, pool, k, shortlist=shortlist)
 
     def unseen_in_region(self, path) -> np.ndarray:
         """Every not yet evaluated point of the (categorical) space inside the region of ``path``;

@@ -370,3 +370,31 @@ def test_lamoo_kernel_auto_is_rbf_on_categorical_spaces_and_recorded():
     assert make_optimizer("lamoo", cat, 2, ref_point=[0.0, 0.0]).state_dict()["options"]["kernel"] == "rbf"
     with pytest.raises(InputError, match="kernel"):
         make_optimizer("lamoo", box, 2, ref_point=[0.0, 0.0], kernel="sigmoid")
+
+
+def test_select_discrete_shortlist_keeps_the_first_choice_and_draws_from_the_best_alone():
+    """With a shortlist, the greedy batch starts with the same point (the best alone) and the later
+    rounds pick among the ``shortlist`` best-alone candidates; a shortlist as large as the pool
+    changes nothing."""
+    from paperline.kernels.search.botorch_opt import acquisition, fit_gp, select_discrete
+
+    space = SearchSpace.box([0.0, 0.0], [1.0, 1.0])
+    rng = np.random.default_rng(3)
+    x = space.sample(rng, 30)
+    y = np.stack([-np.sum((x - 0.2) ** 2, axis=1), -np.sum((x - 0.8) ** 2, axis=1)], axis=1)
+    pool = np.unique(space.sample(rng, 300), axis=0)
+    torch.manual_seed(0)
+    model = fit_gp(space.features(x), y)
+
+    def acqf():
+        return acquisition("ehvi", model, space.features(x), y, seed=1, ref_point=np.array([-2.0, -2.0]))
+
+    full = select_discrete(acqf(), space, pool, 4)
+    short = select_discrete(acqf(), space, pool, 4, shortlist=10)
+    with torch.no_grad():
+        alone = acqf()(torch.from_numpy(space.features(pool)).unsqueeze(-2)).numpy()
+    top = {tuple(r) for r in pool[np.argsort(-alone)[:10]]}
+    assert np.array_equal(short[0], full[0]) and np.array_equal(full[0], pool[np.argmax(alone)])
+    assert {tuple(r) for r in short} <= top and len({tuple(r) for r in short}) == 4
+    assert not {tuple(r) for r in full} <= top  # here the full greedy goes past the shortlist
+    assert np.array_equal(select_discrete(acqf(), space, pool, 4, shortlist=pool.shape[0]), full)
