@@ -142,6 +142,25 @@ def optimize_box(acqf: Any, dim: int, q: int) -> np.ndarray:
     return x.detach().numpy()
 
 
+def refine_box(acqf: Any, start: np.ndarray, *, maxiter: int = 50) -> np.ndarray:
+    """The batch ``start`` (``q x d`` points of the unit box) moved jointly uphill on ``acqf`` by
+    L-BFGS-B inside the unit box (``optimize_acqf`` from ``start`` as its one initial condition).
+
+    Returns ``q x d``; the start itself when the optimizer found nothing better.
+    """
+    import torch
+    from botorch.optim import optimize_acqf
+
+    dim = start.shape[1]
+    x0 = torch.from_numpy(np.ascontiguousarray(start, dtype=np.float64)).unsqueeze(0)
+    bounds = torch.stack([torch.zeros(dim, dtype=torch.float64), torch.ones(dim, dtype=torch.float64)])
+    x, value = optimize_acqf(acqf, bounds=bounds, q=start.shape[0], num_restarts=1, batch_initial_conditions=x0,
+                             options={"maxiter": maxiter})
+    with torch.no_grad():
+        before = acqf(x0)
+    return x.detach().numpy() if float(value) > float(before) else np.asarray(start, dtype=np.float64)
+
+
 def thompson_select(model: Any, space: SearchSpace, pool: np.ndarray, q: int) -> np.ndarray:
     """``q`` rows of ``pool`` by Thompson sampling from ``model``'s posterior (without replacement)."""
     import torch

@@ -27,6 +27,10 @@ Per batch:
    the shortlist took a 40-evaluation campaign (seed 0) from 357 s to 27 s (qEHVI: 53 s) at a
    similar final hypervolume (237.2 vs 236.7). The region's own points are scored in full: on
    NAS-Bench-201 a shortlist changed 1 of 15 seeds' choices (and saved a third of the time).
+   On a continuous space (``refine``) the greedy batch is then moved jointly uphill on qLogEHVI
+   by L-BFGS-B, as BoTorch's own optimizer would, and a point that leaves the region keeps its
+   greedy place: on VehicleSafety (budget 100, seeds 0-4) this took LaMOO from 47.8 to 26.2
+   samples to the target (qEHVI 27.6) and its final hypervolume from 238.1 to 243.4 (qEHVI 244.1).
 """
 
 from __future__ import annotations
@@ -38,7 +42,7 @@ import numpy as np
 
 from paperline.kernels.search import partition as pt
 from paperline.kernels.search.base import OPTIMIZERS
-from paperline.kernels.search.botorch_opt import acquisition, seeded_torch, select_discrete
+from paperline.kernels.search.botorch_opt import acquisition, refine_box, seeded_torch, select_discrete
 from paperline.kernels.search.lamcts import PartitionOptimizer
 from paperline.kernels.search.nsga2 import offspring
 from paperline.kernels.search.pareto import dominance_numbers, hypervolume
@@ -69,14 +73,15 @@ class LaMOO(PartitionOptimizer):
     polynomial), ``sampler`` (``qehvi``, ``nsga2`` or ``random``), ``n_candidates`` (points of
     the region qLogEHVI scores), ``enumerate_max`` (a categorical space with at most this many
     points draws them from the region's unseen points; 0: never), ``shortlist`` (over a sampled
-    pool, greedy rounds after the first score only this many candidates, the best alone; 0: all).
+    pool, greedy rounds after the first score only this many candidates, the best alone; 0: all),
+    ``refine`` (continuous spaces: polish the greedy batch by L-BFGS-B inside the region).
     """
 
     name = "lamoo"
     multi_objective = True
     samplers = ("qehvi", "nsga2", "random")
     defaults = {**PartitionOptimizer.defaults, "cp": 0.1, "leaf_size": 10, "kernel": "auto", "sampler": "qehvi",
-                "n_candidates": 4096, "enumerate_max": 50_000, "shortlist": 256}
+                "n_candidates": 4096, "enumerate_max": 50_000, "shortlist": 256, "refine": True}
 
     def __init__(self, space: SearchSpace, n_objectives: int = 1, **kwargs: Any):
         if kwargs.get("kernel", "auto") == "auto":  # resolved here, so a checkpoint records the kernel used
@@ -125,7 +130,14 @@ class LaMOO(PartitionOptimizer):
             if pool.shape[0] == 0:
                 return pool
             acqf = acquisition("ehvi", model, feats, y, seed=self.torch_seed(2), ref_point=self.ref_point)
-            return select_discrete(acqf, self.space, pool, k, shortlist=shortlist)
+            chosen = select_discrete(acqf, self.space, pool, k, shortlist=shortlist)
+            if self.space.is_categorical or not self.options["refine"] or chosen.shape[0] < 1:
+                return chosen
+            # the greedy batch, moved jointly uphill by L-BFGS-B; a point that leaves the region
+            # keeps its greedy place
+            moved = self.space.from_unit(refine_box(acqf, self.space.features(chosen)))
+            inside = pt.in_region(path, self.space.features(moved))
+            return np.where(inside[:, None], moved, chosen)
 
     def unseen_in_region(self, path) -> np.ndarray:
         """Every not yet evaluated point of the (categorical) space inside the region of ``path``;

@@ -372,11 +372,11 @@ def test_lamoo_kernel_auto_is_rbf_on_categorical_spaces_and_recorded():
         make_optimizer("lamoo", box, 2, ref_point=[0.0, 0.0], kernel="sigmoid")
 
 
-def test_select_discrete_shortlist_keeps_the_first_choice_and_draws_from_the_best_alone():
-    """With a shortlist, the greedy batch starts with the same point (the best alone) and the later
-    rounds pick among the ``shortlist`` best-alone candidates; a shortlist as large as the pool
-    changes nothing."""
-    from paperline.kernels.search.botorch_opt import acquisition, fit_gp, select_discrete
+@pytest.fixture(scope="module")
+def two_objective_ehvi():
+    """(space, candidate pool, a factory of qLogEHVI acquisitions) on a GP fitted to 30 points of a
+    2-d box with two competing objectives."""
+    from paperline.kernels.search.botorch_opt import acquisition, fit_gp
 
     space = SearchSpace.box([0.0, 0.0], [1.0, 1.0])
     rng = np.random.default_rng(3)
@@ -385,10 +385,17 @@ def test_select_discrete_shortlist_keeps_the_first_choice_and_draws_from_the_bes
     pool = np.unique(space.sample(rng, 300), axis=0)
     torch.manual_seed(0)
     model = fit_gp(space.features(x), y)
+    return space, pool, lambda: acquisition("ehvi", model, space.features(x), y, seed=1,
+                                            ref_point=np.array([-2.0, -2.0]))
 
-    def acqf():
-        return acquisition("ehvi", model, space.features(x), y, seed=1, ref_point=np.array([-2.0, -2.0]))
 
+def test_select_discrete_shortlist_keeps_the_first_choice_and_draws_from_the_best_alone(two_objective_ehvi):
+    """With a shortlist, the greedy batch starts with the same point (the best alone) and the later
+    rounds pick among the ``shortlist`` best-alone candidates; a shortlist as large as the pool
+    changes nothing."""
+    from paperline.kernels.search.botorch_opt import select_discrete
+
+    space, pool, acqf = two_objective_ehvi
     full = select_discrete(acqf(), space, pool, 4)
     short = select_discrete(acqf(), space, pool, 4, shortlist=10)
     with torch.no_grad():
@@ -398,3 +405,20 @@ def test_select_discrete_shortlist_keeps_the_first_choice_and_draws_from_the_bes
     assert {tuple(r) for r in short} <= top and len({tuple(r) for r in short}) == 4
     assert not {tuple(r) for r in full} <= top  # here the full greedy goes past the shortlist
     assert np.array_equal(select_discrete(acqf(), space, pool, 4, shortlist=pool.shape[0]), full)
+
+
+def test_refine_box_moves_a_batch_uphill_inside_the_box(two_objective_ehvi):
+    """LaMOO's polish on a continuous space: the greedy batch moved jointly by L-BFGS-B scores at
+    least as high, stays in the unit box, and an already refined batch comes back (nearly) as is."""
+    from paperline.kernels.search.botorch_opt import refine_box, select_discrete
+
+    space, pool, acqf = two_objective_ehvi
+    start = space.features(select_discrete(acqf(), space, pool[::10], 3))
+    moved = refine_box(acqf(), start)
+    with torch.no_grad():
+        before, after = (float(acqf()(torch.from_numpy(b).unsqueeze(0))) for b in (start, moved))
+    assert moved.shape == start.shape and ((moved >= 0) & (moved <= 1)).all()
+    assert after > before and not np.allclose(moved, start)
+    again = refine_box(acqf(), moved)
+    with torch.no_grad():
+        assert float(acqf()(torch.from_numpy(again).unsqueeze(0))) >= after - 1e-9
