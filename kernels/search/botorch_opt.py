@@ -104,7 +104,7 @@ def select_discrete(acqf: Any, space: SearchSpace, pool: np.ndarray, q: int, *, 
     """The ``q`` rows of ``pool`` (``k x d`` points) chosen greedily by ``acqf`` (``optimize_acqf_discrete``).
 
     ``shortlist`` > 0 (and ``q`` > 1): the greedy rounds after the first choose among the
-    ``shortlist`` candidates with the highest single-point value only. The first round scores every
+    ``max(shortlist, q)`` candidates with the highest single-point value only. The first round scores every
     candidate alone, which is cheap; round ``j`` scores each jointly with the ``j`` points already
     chosen, and a q-batch hypervolume improvement costs ``2^(j+1) - 1`` box sums per sample, so
     without a shortlist the later rounds are ~56/57 of the work at q = 5.
@@ -116,7 +116,8 @@ def select_discrete(acqf: Any, space: SearchSpace, pool: np.ndarray, q: int, *, 
     if pool.shape[0] <= q:
         return pool
     feats = space.features(pool)
-    if shortlist > 0 and q > 1 and pool.shape[0] > shortlist:
+    shortlist = max(shortlist, q) if shortlist > 0 else 0  # a batch of q needs q candidates
+    if shortlist and q > 1 and pool.shape[0] > shortlist:
         with torch.no_grad():
             alone = torch.cat([acqf(chunk.unsqueeze(-2)) for chunk in torch.from_numpy(feats).split(512)])
         keep = np.sort(np.argsort(-alone.numpy(), kind="stable")[:shortlist])

@@ -405,6 +405,7 @@ def test_select_discrete_shortlist_keeps_the_first_choice_and_draws_from_the_bes
     assert {tuple(r) for r in short} <= top and len({tuple(r) for r in short}) == 4
     assert not {tuple(r) for r in full} <= top  # here the full greedy goes past the shortlist
     assert np.array_equal(select_discrete(acqf(), space, pool, 4, shortlist=pool.shape[0]), full)
+    assert select_discrete(acqf(), space, pool, 4, shortlist=1).shape == (4, 2)  # never fewer than q
 
 
 def test_refine_box_moves_a_batch_uphill_inside_the_box(two_objective_ehvi):
@@ -422,3 +423,12 @@ def test_refine_box_moves_a_batch_uphill_inside_the_box(two_objective_ehvi):
     again = refine_box(acqf(), moved)
     with torch.no_grad():
         assert float(acqf()(torch.from_numpy(again).unsqueeze(0))) >= after - 1e-9
+
+
+def test_lamoo_on_a_box_never_proposes_an_evaluated_point_again():
+    """The polish pulls points onto the box's edges and corners; one that lands on an evaluated
+    point (BraninCurrin seed 0 proposed its evaluation 10, the corner [0, 1], again as 17) keeps
+    its greedy place instead."""
+    c = run_campaign(Campaign("branin-currin", "lamoo", budget=25, q=5, seed=0, n_init=10))
+    x = np.array([e.x for e in c.evaluations])
+    assert x.shape == (25, 2) and np.unique(x, axis=0).shape[0] == 25
