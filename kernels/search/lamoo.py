@@ -132,7 +132,7 @@ class LaMOO(PartitionOptimizer):
                 return pool
             acqf = acquisition("ehvi", model, feats, y, seed=self.torch_seed(2), ref_point=self.ref_point)
             chosen = select_discrete(acqf, self.space, pool, k, shortlist=shortlist)
-            if self.space.is_categorical or not self.options["refine"] or chosen.shape[0] < 1:
+            if self.space.is_categorical or not self.options["refine"]:
                 return chosen
             return self.polish(acqf, chosen, path)
 

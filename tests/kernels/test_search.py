@@ -409,8 +409,8 @@ def test_select_discrete_shortlist_keeps_the_first_choice_and_draws_from_the_bes
 
 
 def test_refine_box_moves_a_batch_uphill_inside_the_box(two_objective_ehvi):
-    """LaMOO's polish on a continuous space: the greedy batch moved jointly by L-BFGS-B scores at
-    least as high, stays in the unit box, and an already refined batch comes back (nearly) as is."""
+    """LaMOO's polish on a continuous space: the greedy batch moved jointly by L-BFGS-B scores
+    higher, stays in the unit box, and polishing it again never scores lower."""
     from paperline.kernels.search.botorch_opt import refine_box, select_discrete
 
     space, pool, acqf = two_objective_ehvi
