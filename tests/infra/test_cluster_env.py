@@ -108,3 +108,70 @@ def test_a_worker_closed_on_request_still_runs_the_exit_hooks_its_tasks_register
         process = nanny.process.process  # the worker's multiprocessing process
     assert marker.read_text() == "drained"
     assert process.exitcode == 0
+
+
+_HEARTBEAT_IN_FLIGHT_AT_CLOSE = r'''
+import asyncio, socket, sys
+from distributed import Client, LocalCluster
+from paperline.infra.cluster import _local_cpu_kwargs
+from paperline.infra.settings import Settings
+
+silent = socket.create_server(("127.0.0.1", 0))  # accepts (backlog) and never answers
+address = "tcp://127.0.0.1:%d" % silent.getsockname()[1]
+
+async def heartbeat_hangs(dask_worker):
+    """The worker's next heartbeat goes to a peer that never replies: in flight when it closes."""
+    dask_worker.scheduler = dask_worker.rpc(address)
+    asyncio.ensure_future(dask_worker.heartbeat())
+    await asyncio.sleep(0.5)
+
+kwargs = {**_local_cpu_kwargs(Settings(n_workers=1)), "dashboard_address": None}
+if sys.argv[1] == "without":
+    kwargs["preload"] = [p for p in kwargs["preload"] if p != "paperline.infra.worker_exit"]
+with LocalCluster(**kwargs) as c, Client(c) as client:
+    client.wait_for_workers(1)
+    client.run(heartbeat_hangs)
+'''
+
+
+def test_a_heartbeat_cut_by_the_workers_own_close_prints_no_traceback():
+    """A worker closing on request aborts its in-flight heartbeat (``Worker.close`` closes its RPC
+    pool); distributed logs that at ERROR with the tcp read's traceback, on the terminal of
+    ``paperline run`` (it made `test_missing_s3_data_is_one_clear_line` fail at random). The
+    worker preload drops it. Without the preload the same script prints it: the check can fail."""
+    import subprocess
+    import sys
+
+    def run(mode: str) -> str:
+        proc = subprocess.run([sys.executable, "-c", _HEARTBEAT_IN_FLIGHT_AT_CLOSE, mode],
+                              capture_output=True, text=True, timeout=120)
+        assert proc.returncode == 0, proc.stderr
+        return proc.stdout + proc.stderr
+
+    assert "Failed to communicate with scheduler during heartbeat" in run("without")
+    out = run("with")
+    assert "Failed to communicate" not in out and "Traceback" not in out, out
+
+
+def test_a_heartbeat_failing_while_the_worker_runs_is_still_logged():
+    import logging
+
+    from distributed.core import Status
+
+    from paperline.infra.worker_exit import ClosingCommErrorFilter
+
+    class FakeWorker:  # only .status is read
+        status = Status.running
+
+    def record(exc: BaseException | None) -> logging.LogRecord:
+        info = (type(exc), exc, None) if exc is not None else None
+        return logging.LogRecord("distributed.worker", logging.ERROR, __file__, 1,
+                                 "Failed to communicate with scheduler during heartbeat.", (), info)
+
+    worker = FakeWorker()
+    quiet = ClosingCommErrorFilter(worker)
+    assert quiet.filter(record(OSError("in: read")))  # running: kept
+    worker.status = Status.closing
+    assert not quiet.filter(record(OSError("in: read")))  # closing: dropped
+    assert quiet.filter(record(ValueError("a bug")))  # not a comm error: kept
+    assert quiet.filter(record(None))
