@@ -5,6 +5,7 @@ scheduling, peer fetch, cleanup after failures, and the Dask runtime on a two-pr
 
 from __future__ import annotations
 
+import errno
 import os
 import signal
 import time
@@ -278,6 +279,33 @@ def test_failed_run_leaves_no_output_file(tmp_path):
         run(make_problem("gemm", a, b, tile=TILE), output=str(out))
     assert e.value.argument == "a"
     assert os.listdir(tmp_path) == []
+
+
+def test_an_output_larger_than_its_disk_is_refused_before_any_tile_is_computed(tmp_path):
+    """The staged output's blocks are reserved up front (fallocate): a result that cannot fit
+    fails at once, naming the output and the bytes, instead of a short write mid-run."""
+    import shutil
+
+    free = shutil.disk_usage(tmp_path).free
+    n = int(np.sqrt(2 * free / 8)) + 1  # an n x n float64 result: twice the free space
+    if n * n * 8 > 8 << 40:  # ext4's largest file is 16 TiB: the header write itself would fail
+        pytest.skip(f"{free} bytes free: no result just too large for this filesystem")
+    a, b = rand((n, 1), np.float64, 1), rand((1, n), np.float64, 2)
+    out = tmp_path / "c.npy"
+    with pytest.raises(OSError, match=r"cannot reserve \d+ bytes for the result") as e:
+        run(make_problem("gemm", a, b, tile=4096), output=str(out))
+    assert str(out.parent) in str(e.value) and e.value.errno == errno.ENOSPC
+    assert os.listdir(tmp_path) == []
+
+
+def test_a_staged_output_has_its_blocks_reserved(tmp_path):
+    from paperline.kernels.blas.runtime import stage_npy
+
+    path = tmp_path / "c.npy"
+    stage_npy(str(path), np.float32, (1000, 777))
+    st = os.stat(path)
+    assert st.st_blocks * 512 >= 1000 * 777 * 4  # allocated, not a sparse file
+    np.testing.assert_array_equal(np.load(path), np.zeros((1000, 777), np.float32))
 
 
 def test_failed_trsm_leaves_no_scratch_or_output_file(tmp_path):
