@@ -317,10 +317,14 @@ def options_table() -> tuple[str, list[str], list[list[str]]]:
     for name in optimizer_names():
         cls = OPTIMIZERS[name]
         kind = {True: "multi", False: "single", None: "any"}[cls.multi_objective]
-        opts = ", ".join(f"{k}={json.dumps(v)}" for k, v in cls.defaults.items()) or "-"
-        rows.append([name, kind, "/".join(cls.spaces), opts])
+        head = [name, kind, "/".join(cls.spaces)]
+        for option, default in cls.defaults.items():
+            rows.append([*head, option, json.dumps(default), cls.option_help.get(option, "")])
+            head = ["", "", ""]
+        if not cls.defaults:
+            rows.append([*head, "-", "", "no options"])
     return ("optimizer_options (JSON, e.g. --set 'optimizer_options={\"cp\": 0.5}')",
-            ["optimizer", "objectives", "spaces", "options and defaults"], rows)
+            ["optimizer", "objectives", "spaces", "option", "default", "what it does"], rows)
 
 
 def _candidate_text(params: dict[str, Any]) -> str:

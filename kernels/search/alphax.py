@@ -345,6 +345,16 @@ class AlphaX(Optimizer):
     }
     positive: ClassVar[frozenset[str]] = frozenset({"n_rollout_candidates", "virtual_loss", "hidden", "train_epochs",
                                                     "lr"})
+    option_help: ClassVar[dict[str, str]] = {
+        "c_ucb": "UCT exploration constant (values are in [0, 1])",
+        "n_rollout_candidates": "random completions the meta-DNN scores per proposal",
+        "virtual_loss": "virtual visits (value 0) each in-batch proposal adds on its path",
+        "hidden": "width of the meta-DNN's two hidden layers",
+        "train_epochs": "full-batch Adam epochs fitting the meta-DNN per batch",
+        "lr": "the meta-DNN's Adam learning rate",
+        "weight_decay": "the meta-DNN's L2 penalty",
+        "value_normalization": "rank (empirical quantile) or minmax: the value a tree node backs up",
+    }
 
     def __init__(self, space: SearchSpace, n_objectives: int = 1, **kwargs: Any):
         super().__init__(space, n_objectives, **kwargs)

@@ -55,6 +55,7 @@ class Optimizer(abc.ABC):
     spaces: ClassVar[tuple[str, ...]] = ("box", "categorical")
     defaults: ClassVar[dict[str, Any]] = {}
     positive: ClassVar[frozenset[str]] = frozenset()  # numeric options that must be > 0 (counts: >= 1)
+    option_help: ClassVar[dict[str, str]] = {}  # option -> what it does (`paperline params nas`); one per default
 
     def __init__(self, space: SearchSpace, n_objectives: int = 1, *, seed: int = 0, n_init: int = 10,
                  ref_point: np.ndarray | list[float] | None = None, **options: Any):

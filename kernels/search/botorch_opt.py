@@ -189,6 +189,8 @@ class _BoTorchOptimizer(Optimizer):
     kind = "ei"
     defaults = {"pool_size": 1000}
     positive = frozenset({"pool_size"})
+    option_help = {"pool_size": "categorical spaces: random points (plus as many neighbours of the 10 best) the "
+                                "acquisition scores; box spaces use L-BFGS-B instead"}
 
     def _suggest(self, q: int) -> np.ndarray:
         x, y = self.data()
@@ -248,6 +250,11 @@ class TuRBO(Optimizer):
     defaults = {"length_init": 0.8, "length_min": 0.5**7, "length_max": 1.6, "success_tolerance": 3,
                 "n_candidates": 2000}
     positive = frozenset({"length_init", "length_min", "length_max", "success_tolerance", "n_candidates"})
+    option_help = {"length_init": "trust region's side at the start and after a restart (unit box)",
+                   "length_min": "a side below this restarts the region at length_init",
+                   "length_max": "largest side (the region doubles after success_tolerance successes)",
+                   "success_tolerance": "consecutive improving batches that double the side",
+                   "n_candidates": "Thompson-sampling candidates drawn in the region per batch"}
 
     def __init__(self, space: SearchSpace, n_objectives: int = 1, **kwargs: Any):
         super().__init__(space, n_objectives, **kwargs)

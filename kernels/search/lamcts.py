@@ -59,6 +59,12 @@ class PartitionOptimizer(Optimizer):
 
     defaults: dict[str, Any] = {"cp": 0.5, "leaf_size": 20, "kernel": "rbf", "n_candidates": 2000}
     positive = frozenset({"n_candidates", "turbo_length"})
+    option_help: dict[str, str] = {
+        "cp": "UCB exploration constant of the tree's selection (values standardized: unit-free)",
+        "leaf_size": "a node with at least this many samples is split in two (theta; >= 4)",
+        "kernel": "SVM kernel of the learned boundaries: rbf, poly or linear",
+        "n_candidates": "points sampled inside the selected region per batch",
+    }
 
     def __init__(self, space: SearchSpace, n_objectives: int = 1, **kwargs: Any):
         super().__init__(space, n_objectives, **kwargs)
@@ -143,6 +149,10 @@ class LAMCTS(PartitionOptimizer):
     name = "lamcts"
     multi_objective = False
     defaults = {**PartitionOptimizer.defaults, "sampler": "bo", "turbo_length": 0.4}
+    option_help = {**PartitionOptimizer.option_help,
+                   "sampler": "how points are picked in the region: bo (GP + qLogEI), turbo (Thompson sampling "
+                              "in a trust region) or random",
+                   "turbo_length": "sampler turbo: the trust region's side around the leaf's best point (unit box)"}
 
     def splitter(self) -> pt.Splitter:
         return kmeans_split(self.options["kernel"], self.seed)

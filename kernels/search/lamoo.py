@@ -83,6 +83,19 @@ class LaMOO(PartitionOptimizer):
     samplers = ("qehvi", "nsga2", "random")
     defaults = {**PartitionOptimizer.defaults, "cp": 0.1, "leaf_size": 10, "kernel": "auto", "sampler": "qehvi",
                 "n_candidates": 4096, "enumerate_max": 50_000, "shortlist": 256, "refine": True}
+    option_help = {
+        **PartitionOptimizer.option_help,
+        "cp": "UCB exploration constant, relative to the node's hypervolume",
+        "kernel": "SVM kernel of the dominance boundaries: rbf, poly, linear, or auto (rbf on a categorical "
+                  "space, else poly)",
+        "sampler": "how points are picked in the region: qehvi (GP + qLogEHVI), nsga2 or random",
+        "n_candidates": "points of the region qLogEHVI scores per batch",
+        "enumerate_max": "a categorical space with at most this many points draws from the region's unseen "
+                         "points (0: never)",
+        "shortlist": "over a sampled pool, greedy rounds after the first score only this many candidates, "
+                     "the best alone (0: all)",
+        "refine": "continuous spaces: polish the greedy batch by L-BFGS-B inside the region",
+    }
 
     def __init__(self, space: SearchSpace, n_objectives: int = 1, **kwargs: Any):
         if kwargs.get("kernel", "auto") == "auto":  # resolved here, so a checkpoint records the kernel used

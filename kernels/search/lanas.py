@@ -46,6 +46,9 @@ class LaNAS(PartitionOptimizer):
     name = "lanas"
     multi_objective = False
     defaults = {"cp": 0.5, "leaf_size": 10, "n_candidates": 2000}
+    option_help = {"cp": "UCB exploration constant (values standardized: unit-free)",
+                   "leaf_size": "a node with at least this many samples is split by its linear regressor (>= 4)",
+                   "n_candidates": "points drawn uniformly inside the selected region per batch"}
     positive = frozenset({"n_candidates"})
 
     def splitter(self) -> pt.Splitter:

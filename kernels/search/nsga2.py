@@ -86,6 +86,7 @@ class NSGA2(Optimizer):
 
     name = "nsga2"
     defaults = {"pop_size": 20}
+    option_help = {"pop_size": "parent population kept by rank-and-crowding survival (>= 2)"}
 
     def __init__(self, space: SearchSpace, n_objectives: int = 1, **kwargs: Any):
         super().__init__(space, n_objectives, **kwargs)

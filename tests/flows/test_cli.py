@@ -136,7 +136,8 @@ def test_params_lists_a_pipelines_parameters_and_the_optimizers_options():
     for name in ("optimizer", "problem", "budget", "n_init", "ref_point", "optimizer_options", "live"):
         assert f"│ {name} " in text
     assert '"nasbench201-cifar10"' in text and "│ 40 │" in text  # the demo preset's values
-    assert "enumerate_max=50000" in text and "pool_size=1000" in text  # lamoo's and qehvi's options
+    assert "│ enumerate_max │ 50000 │" in text and "│ pool_size │ 1000 │" in text  # lamoo's and qehvi's options
+    assert "polish the greedy batch by L-BFGS-B" in text  # what lamoo's refine does
     gemm = run_cli("params", "gemm", "--preset", "full")
     assert gemm.exit_code == 0 and "tile" in gemm.output and "8192" in gemm.output
     assert_one_line_error(run_cli("params", "nope"), "pipeline='nope'", "unknown pipeline")

@@ -198,6 +198,17 @@ def test_the_registry_lists_every_optimizer_and_problem():
         PROBLEMS.register("ackley")(lambda: None)
 
 
+def test_every_optimizer_option_says_what_it_does():
+    """`paperline params nas` prints ``option_help`` next to each option's default: a new option
+    without a description (or a description of an option that is gone) fails here."""
+    from paperline.kernels.search.base import OPTIMIZERS
+
+    for name in optimizer_names():
+        cls = OPTIMIZERS[name]
+        assert set(cls.option_help) == set(cls.defaults), name
+        assert all(len(text) > 10 for text in cls.option_help.values()), name
+
+
 # Every optimizer beats random search on average (3 seeds, same budget, same initial design) on a
 # problem with a known optimum: final best value (single objective) or hypervolume (multi).
 BEATS = [("lanas", "nasbench201-cifar100", {"objectives": ["val_accuracy_pct"]}),
