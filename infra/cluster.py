@@ -51,6 +51,35 @@ def configure_local_workers() -> None:
 WORKER_PRELOAD = ["prefect.task_engine", "paperline.tasks", "paperline.infra.worker_exit"]
 
 
+def start_local_cluster(cluster_class: str, **kwargs: Any) -> Any:
+    """Start ``cluster_class`` (a dotted path: ``distributed.LocalCluster`` or
+    ``dask_cuda.LocalCUDACluster``) with ``kwargs``, leaving this process's environment as it was.
+
+    Dask's nanny writes ``distributed.nanny.pre-spawn-environ`` (``OMP_NUM_THREADS=1``,
+    ``MKL_NUM_THREADS=1``, ``OPENBLAS_NUM_THREADS=1``) into the *starting* process's
+    ``os.environ`` before it spawns a worker, and leaves it there. In a flow process every native
+    library loaded afterwards then ran on one thread: SciPy's OpenBLAS (the GEMM flow's peer for
+    SYMM..TRSM ran on 1 of 2 cores, inflating paperline's ratio to it ~1.6x), torch's OpenMP, and
+    any subprocess. The workers keep their single-threaded settings (they were spawned with
+    them); a worker the nanny restarts later sets them again.
+    """
+    import importlib  # noqa: PLC0415
+
+    import dask  # noqa: PLC0415
+
+    keys = set(dask.config.get("distributed.nanny.pre-spawn-environ", default={}) or {})
+    before = {k: os.environ.get(k) for k in keys}
+    module, _, name = cluster_class.rpartition(".")
+    try:
+        return getattr(importlib.import_module(module), name)(**kwargs)
+    finally:
+        for k, v in before.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
 def _local_cpu_kwargs(settings: Settings) -> dict[str, Any]:
     return {
         "preload": list(WORKER_PRELOAD),
@@ -111,7 +140,7 @@ def task_runner(settings: Settings, *, configure: bool = True, started: Backgrou
     if configure:
         configure_local_workers()
     cluster_class, kwargs = _local_cluster_spec(settings)
-    return DaskTaskRunner(cluster_class=cluster_class, cluster_kwargs=kwargs)
+    return DaskTaskRunner(cluster_class=start_local_cluster, cluster_kwargs={"cluster_class": cluster_class, **kwargs})
 
 
 _BACKGROUND: dict[str, BackgroundCluster] = {}  # token -> the clusters this process is starting
@@ -158,12 +187,9 @@ class BackgroundCluster:
         self._thread.start()
 
     def _start(self) -> None:
-        import importlib  # noqa: PLC0415
-
         cluster_class, kwargs = self._spec
-        module, _, name = cluster_class.rpartition(".")
         try:
-            self._cluster = getattr(importlib.import_module(module), name)(**kwargs)
+            self._cluster = start_local_cluster(cluster_class, **kwargs)
         except BaseException as exc:  # noqa: BLE001 - re-raised in the caller's thread by cluster()
             self._error = exc
 

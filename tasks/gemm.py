@@ -304,15 +304,16 @@ PEER_MAX_BYTES = 4 << 30
 @task(name="single-process-peer", cache_policy=NO_CACHE, retries=1, retry_condition_fn=retry_unless_bad_input,
       timeout_seconds=12 * HOUR)
 def single_process_peer(params: dict[str, Any], store: ObjectStore | None) -> dict[str, Any] | None:
-    """The peer on the same operands in this process with all cores: ``numpy.matmul`` for GEMM,
-    the ``scipy.linalg.blas`` routine otherwise (both NumPy's OpenBLAS). None when the operands
+    """The peer on the same operands in this process with all cores: ``numpy.matmul`` for GEMM
+    (NumPy's OpenBLAS), the ``scipy.linalg.blas`` routine otherwise (SciPy's own OpenBLAS), each
+    with its BLAS set to one thread per core for the call (threadpoolctl). None when the operands
     would exceed :data:`PEER_MAX_BYTES`.
 
     Returns:
         ``{"name", "seconds", "gflops", "blas"}`` (``blas``: threadpoolctl's view of the library).
     """
     import scipy.linalg.blas as sblas  # noqa: PLC0415
-    from threadpoolctl import threadpool_info  # noqa: PLC0415
+    from threadpoolctl import threadpool_info, threadpool_limits  # noqa: PLC0415
 
     problem = build_problem(params, store)
     ops = problem.operands()
@@ -332,12 +333,13 @@ def single_process_peer(params: dict[str, Any], store: ObjectStore | None) -> di
         "trsm": lambda: sblas.__dict__[pre + "trsm"](p.alpha, arrays["a"], arrays["b"], side=side, lower=lower,
                                                       trans_a=int(p.trans_a), diag=int(p.unit_diagonal)),
     }
-    start = time.perf_counter()
-    calls[p.routine]()
-    seconds = time.perf_counter() - start
     owner = "numpy" if p.routine == "gemm" else "scipy"  # the library whose BLAS the peer calls
-    blas = [f"{i.get('internal_api')} {i.get('version')} ({i.get('num_threads')} threads, {i.get('architecture')})"
-            for i in threadpool_info() if i.get("user_api") == "blas" and owner in str(i.get("filepath", ""))]
+    with threadpool_limits(limits=os.cpu_count() or 1, user_api="blas"):  # whatever a loader's environment set
+        start = time.perf_counter()
+        calls[p.routine]()
+        seconds = time.perf_counter() - start
+        blas = [f"{i.get('internal_api')} {i.get('version')} ({i.get('num_threads')} threads, {i.get('architecture')})"
+                for i in threadpool_info() if i.get("user_api") == "blas" and owner in str(i.get("filepath", ""))]
     name = "numpy.matmul" if p.routine == "gemm" else f"scipy.linalg.blas.{pre}{p.routine}"
     return {"name": name, "seconds": seconds, "gflops": p.flops / seconds / 1e9, "blas": "; ".join(blas)}
 

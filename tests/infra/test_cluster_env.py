@@ -175,3 +175,32 @@ def test_a_heartbeat_failing_while_the_worker_runs_is_still_logged():
     assert not quiet.filter(record(OSError("in: read")))  # closing: dropped
     assert quiet.filter(record(ValueError("a bug")))  # not a comm error: kept
     assert quiet.filter(record(None))
+
+
+def test_starting_a_local_cluster_leaves_this_process_single_threaded_blas_free():
+    """Dask's nanny writes OMP/MKL/OPENBLAS_NUM_THREADS=1 into the starting process's environment
+    (a native library loaded after that ran on one core: the GEMM flow's SciPy peer did).
+    ``start_local_cluster`` puts this process's values back; its workers still get 1 thread."""
+    import os
+    import subprocess
+    import sys
+
+    code = """
+import os
+os.environ["MKL_NUM_THREADS"] = "3"  # a user's own value is kept as it was
+from paperline.infra.cluster import _local_cpu_kwargs, configure_local_workers, start_local_cluster
+from paperline.infra.settings import Settings
+from distributed import Client
+configure_local_workers()
+kwargs = {**_local_cpu_kwargs(Settings(n_workers=1)), "dashboard_address": None}
+with start_local_cluster("distributed.LocalCluster", **kwargs) as c, Client(c) as client:
+    keys = ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "OPENBLAS_NUM_THREADS")
+    here = [os.environ.get(k) for k in keys]
+    there = list(client.run(lambda: [os.environ.get(k) for k in keys]).values())[0]
+print(here, there)
+"""
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+                         env={k: v for k, v in os.environ.items() if "NUM_THREADS" not in k})
+    assert out.returncode == 0, out.stderr
+    # here: as before the start; there: Dask's 1, except where this process had set a value (Dask keeps it)
+    assert out.stdout.split("\n")[-2] == "[None, '3', None] ['1', '3', '1']"

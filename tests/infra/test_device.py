@@ -27,7 +27,7 @@ def test_unknown_device_rejected():
 def test_task_runner_local_cpu_cluster(tmp_path):
     s = Settings(state_dir=tmp_path, device="auto", n_workers=2, dask_scheduler_address=None)
     runner = task_runner(s)
-    assert runner.cluster_class is not None and "LocalCluster" in str(runner.cluster_class)
+    assert runner.cluster_kwargs["cluster_class"] == "distributed.LocalCluster"  # via start_local_cluster
     assert runner.cluster_kwargs["n_workers"] == 2
     assert runner.cluster_kwargs["threads_per_worker"] == 1
     assert runner.cluster_kwargs["host"] == "127.0.0.1"

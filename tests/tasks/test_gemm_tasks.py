@@ -150,3 +150,24 @@ def test_staging_writes_only_the_random_operands_the_routine_reads(tmp_path):
     assert np.load(staged["c"]).shape == (70, 70)
     again = tg.stage_random_operands.fn(params, str(tmp_path))  # reused, not rewritten
     assert again == staged and len(list(tmp_path.iterdir())) == 2
+
+
+def test_the_peer_runs_on_every_core_whatever_the_environment_set():
+    """The SYMM..TRSM peer calls SciPy's own OpenBLAS, which a flow process used to load after
+    Dask's nanny had set OPENBLAS_NUM_THREADS=1: it ran on one core and paperline's ratio to it
+    was inflated. The peer sets its BLAS to one thread per core for the call."""
+    import os
+    import subprocess
+    import sys
+
+    code = """
+import os
+from paperline.flows.gemm import GemmParameters
+from paperline.tasks.gemm import single_process_peer
+params = GemmParameters(routine="syrk", m=300, n=300, k=200, tile=64).kernel_params()
+print(single_process_peer.fn(params, None)["blas"])
+"""
+    env = {**os.environ, "OPENBLAS_NUM_THREADS": "1"}
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, env=env)
+    assert out.returncode == 0, out.stderr
+    assert f"({os.cpu_count()} threads" in out.stdout.strip().splitlines()[-1], out.stdout
