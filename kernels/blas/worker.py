@@ -18,7 +18,7 @@ import threading
 import time
 from collections import OrderedDict
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Callable
 
 import numpy as np
@@ -487,7 +487,11 @@ def _execute(state: WorkerState, ctx: RunContext, task: TileTask, peers: dict[Ti
         acc *= dtype.type(task.alpha)
     c0 = None
     if task.c0 is not None and (task.beta != 0.0 or task.keep or task.copy):
-        c0 = load(state, task.c0, peers, peer_fetch, check=task.beta != 0.0 and not task.copy)
+        check = task.beta != 0.0 and not task.copy
+        if check and task.keep:  # C is read in the computed triangle only (its other one is returned as it is)
+            load_raw(state, replace(task.c0, mask=task.keep), peers, peer_fetch, True)  # checked and cached
+            check = False
+        c0 = load(state, task.c0, peers, peer_fetch, check=check)
     if task.copy:
         acc = xp.array(c0) if c0 is not None else xp.zeros((rows, cols), dtype)
     elif c0 is not None and task.beta != 0.0:

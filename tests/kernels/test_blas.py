@@ -263,6 +263,22 @@ def test_freivalds_requires_the_other_triangle_unchanged(routine, uplo):
     assert not v.passed and np.isfinite(v.residual) and v.residual > v.tolerance
 
 
+@pytest.mark.parametrize("routine", ["syrk", "syr2k"])
+def test_a_nan_in_the_triangle_of_c_that_is_not_read_verifies(routine):
+    """SYRK/SYR2K return C's other triangle unchanged, NaN included (reference BLAS does): the
+    result is correct and passes verification; a NaN *changed* there does not."""
+    a = rand((N, K), np.float64, 7)
+    b = rand((N, K), np.float64, 8) if routine == "syr2k" else None
+    c = rand((N, N), np.float64, 9)
+    c[10, 200] = np.nan  # strictly upper; uplo L
+    p = make_problem(routine, a, b, c, alpha=ALPHA, beta=BETA, uplo="L", tile=TILE)
+    x = run(p).output
+    assert np.isnan(x[10, 200]) and np.isfinite(np.tril(x)).all()
+    assert freivalds(p, ArraySource(x, "result")).passed
+    x[10, 200] = 0.0
+    assert not freivalds(p, ArraySource(x, "result")).passed
+
+
 def test_freivalds_other_triangle_without_c_must_be_zero():
     a = rand((N, K), np.float64, 7)
     p = make_problem("syrk", a, alpha=ALPHA, uplo="L", tile=TILE)
