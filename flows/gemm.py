@@ -11,6 +11,7 @@ scaling plot; run the peer; log metrics and plots to one MLflow run.
 from __future__ import annotations
 
 import json
+import re
 import shutil
 import tempfile
 from pathlib import Path
@@ -19,7 +20,7 @@ from typing import Any, Literal
 import numpy as np
 from prefect import flow
 from prefect.runtime import flow_run
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator
 
 from paperline.infra.device import array_device
 from paperline.infra.cluster import configure_local_workers, default_task_runner
@@ -58,6 +59,9 @@ def parse_bytes(value: int | str) -> int:
     return n
 
 
+S3_BUCKET = re.compile(r"[a-z0-9][a-z0-9.-]{1,61}[a-z0-9]")  # S3's bucket naming rules (the common part)
+
+
 class GemmParameters(BaseModel):
     """Parameters of the flow (rendered as a form in the Prefect UI)."""
 
@@ -94,9 +98,17 @@ class GemmParameters(BaseModel):
 
     @field_validator("a", "b", "c", "output")
     @classmethod
-    def _no_blank(cls, v: str | None) -> str | None:
+    def _no_blank(cls, v: str | None, info: ValidationInfo) -> str | None:
         if v is not None and not v.strip():
             raise ValueError("must not be empty")
+        if v is None or not v.startswith("s3://"):
+            return v
+        bucket, _, key = v[len("s3://"):].partition("/")
+        if not S3_BUCKET.fullmatch(bucket):
+            raise ValueError("not a valid S3 bucket name (3-63 lowercase letters, digits, dots and hyphens): "
+                             "expected s3://bucket/key.npy")
+        if info.field_name != "output" and (not key or key.endswith("/")):  # the output's own check says more
+            raise ValueError("name an object, e.g. s3://bucket/path/a.npy")
         return v
 
     def kernel_params(self) -> dict[str, Any]:

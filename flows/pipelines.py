@@ -118,4 +118,5 @@ def build_parameters(pipeline: Pipeline, preset: str, overrides: list[str]) -> B
         err = exc.errors()[0]
         loc = err["loc"]
         where = str(loc[0]) + "".join(f"[{p}]" for p in loc[1:])
-        raise InputError(where, err.get("input"), err["msg"]) from None
+        msg = err["msg"].removeprefix("Value error, ")  # pydantic's prefix for a validator's ValueError
+        raise InputError(where, err.get("input"), msg) from None

@@ -187,6 +187,9 @@ def test_bad_gemm_input_is_refused_before_anything_starts(npy, tmp_path):
         ([f"output={tmp_path / 'c.txt'}"], ["output=", "name the file *.npy"]),
         ([f"a={a}", f"output={a}", "m=40", "k=30"], ["output=", "is operand a"]),
         (["output=s3://paperline-data/"], ["output=", "name an object"]),
+        (["b=s3://paperline-data/"], ["b=", "name an object"]),  # not "s3 is not available"
+        (["output=s3://Bad_Bucket!/x.npy"], ["output=", "not a valid S3 bucket name"]),
+        (["output="], ["output=''", "must not be empty"]),  # without pydantic's "Value error, "
         (["m=2048", "n=2048", "k=2048", "tile=1"], ["tile=1", "4,194,304 tile tasks", "raise the tile size"]),
         (["m=1000000000", "tile=16384", "memory_budget=16GiB"], ["m=1000000000", "GiB on disk", "lower the sizes"]),
         (["m=1000000", "n=1000000", "k=1000", "tile=16384", "memory_budget=16GiB", "stage_random=false"],
