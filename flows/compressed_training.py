@@ -103,9 +103,21 @@ class CompressedTrainingParameters(BaseModel):
         InputError naming the flow parameter."""
         from paperline.kernels.errors import InputError as KernelInputError  # noqa: PLC0415
 
-        for c in self.compressors:  # TrainConfig.validate builds the model, its recomputation and the hook
+        from paperline.kernels.comm.compressors import make_hook  # noqa: PLC0415
+
+        duplicates = sorted({c for c in self.compressors if self.compressors.count(c) > 1})
+        if duplicates:
+            raise InputError("compressors", self.compressors, f"{', '.join(duplicates)} listed twice: one run each")
+        prefix = self.checkpoint_prefix
+        if prefix is not None and (not prefix.startswith("s3://") or not prefix[len("s3://"):].partition("/")[0]):
+            raise InputError("checkpoint_prefix", prefix, "expected an s3://bucket/prefix (checkpoints go to S3)")
+        unused = sorted({c for c, _ in OPTION_PARAMETERS} - set(self.compressors))
+        for c in [*self.compressors, *unused]:  # a bad option is refused even for a compressor not run now
             try:
-                self.train_config(c).validate()
+                if c in self.compressors:  # builds the model, its recomputation and the hook
+                    self.train_config(c).validate()
+                else:
+                    make_hook(c, **self.compressor_options(c))
             except KernelInputError as exc:
                 if exc.argument == "model_options":
                     raise InputError("model_options", self.model_options, f"{self.model}: {exc.problem}") from None
@@ -116,7 +128,8 @@ class CompressedTrainingParameters(BaseModel):
         workers = planned_worker_count(get_settings())  # before any cluster starts (else checked on it)
         if workers is not None and self.world_size > workers:
             raise InputError("world_size", self.world_size, f"larger than the number of Dask workers ({workers}); "
-                             "one rank runs per worker")
+                             "one rank runs per worker (a local cluster has PAPERLINE_N_WORKERS "
+                             "workers, default one per core)")
         data = load_dataset(self.dataset, n_train=self.n_train, seed=self.seed)
         per_rank = len(data.y_train) // self.world_size
         if per_rank < self.batch_size:
@@ -215,10 +228,9 @@ def _log_compressor(tracker: Tracker, parent: str, name: str, cfg: TrainConfig, 
     epochs = r0["epochs"]
     child = tracker.start_run(EXPERIMENT, run_name=name, parent_run_id=parent,
                               tags={**tags, "paperline.compressor": name, "checkpoints": prefix},
-                              params={"compressor": name, "compressor_options": json.dumps(cfg.compressor_options),
-                                      "world_size": params.world_size, "model": cfg.model, "dataset": cfg.dataset,
-                                      "epochs": cfg.epochs, "batch_size": cfg.batch_size, "lr": cfg.lr,
-                                      "recompute": cfg.recompute, "isgd": cfg.isgd,
+                              # everything the result depends on (seed, momentum, n_train, ...): `paperline
+                              # compare` lists child runs, and two that differ must not look the same
+                              params={**cfg.as_dict(), "compressor": name, "world_size": params.world_size,
                                       "params_count": r0["params_count"]})
     keys = ("train_loss", "test_accuracy_pct", "bytes_sent_per_step", "compression_ratio", "compress_s",
             "decompress_s", "step_s", "epoch_s", "wall_s", "skipped_steps", "isgd_flagged", "isgd_extra_steps")

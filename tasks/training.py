@@ -134,7 +134,8 @@ def train_ranks(cfg: dict[str, Any], world_size: int, store: ObjectStore, prefix
         workers = sorted(client.scheduler_info(n_workers=-1)["workers"])
         if world_size > len(workers):
             raise InputError("world_size", world_size, f"larger than the number of Dask workers ({len(workers)}); "
-                                                       "one rank runs per worker")
+                                                       "one rank runs per worker (a local cluster has PAPERLINE_N_WORKERS "
+                                                       "workers, default one per core)")
         chosen = workers[:world_size]
         host, port = client.submit(_free_port, workers=[chosen[0]], allow_other_workers=False, pure=False).result()
         resume_epoch = latest_common_epoch(store, prefix, world_size)

@@ -63,6 +63,9 @@ def test_mlflow_has_a_run_per_compressor_with_epoch_metrics_and_the_plots(traine
         run = client.get_run(r["mlflow_run_id"])
         assert run.data.tags["mlflow.parentRunId"] == summary["mlflow_run_id"]
         assert run.data.metrics["skipped_steps_total"] == 1
+        # every parameter the result depends on is on the compared (child) run
+        assert {"seed": "0", "momentum": "0.9", "n_train": "2000", "max_steps_per_epoch": "12", "isgd_stop": "3",
+                "compressor": r["name"]}.items() <= run.data.params.items()
         hist = client.get_metric_history(r["mlflow_run_id"], "test_accuracy_pct")
         assert [m.step for m in hist] == [0, 1]
         for key in ("bytes_sent_per_step", "compression_ratio", "compress_s", "decompress_s", "step_s", "train_loss"):

@@ -158,6 +158,10 @@ def test_isgd_flags_the_same_batches_on_every_rank_and_keeps_them_identical(tmp_
     ({"fft_theta": 0.0}, "fft_theta=0.0: must be in (0, 1]"),
     ({"fft_bits": 40}, "fft_bits=40"),
     ({"compressors": ["topk"], "topk_fraction": 2.0}, "topk_fraction=2.0: must be in (0, 1]"),
+    ({"topk_fraction": 2.0}, "topk_fraction=2.0: must be in (0, 1]"),  # also when topk is not run this time
+    ({"compressors": ["none"], "fft_theta": 0.0}, "fft_theta=0.0: must be in (0, 1]"),
+    ({"compressors": ["fft", "fft"]}, "compressors=['fft', 'fft']: fft listed twice"),
+    ({"checkpoint_prefix": "/tmp/x"}, "checkpoint_prefix='/tmp/x': expected an s3://bucket/prefix"),
     ({"n_train": 40}, "n_train=40: 40 training examples over 2 ranks give 20 per rank, less than one batch of 32"),
     ({"world_size": 512}, "world_size=512: larger than the number of Dask workers"),  # before any cluster starts
 ])
