@@ -104,5 +104,18 @@ class Settings(BaseSettings):
 
 @lru_cache(maxsize=1)
 def get_settings() -> Settings:
-    """The process-wide settings, read once. Tests build their own :class:`Settings` instead."""
-    return Settings()
+    """The process-wide settings, read once. Tests build their own :class:`Settings` instead.
+
+    Raises:
+        InputError: a ``PAPERLINE_*`` variable (or ``.env`` entry) with a bad value, naming it.
+    """
+    from pydantic import ValidationError  # noqa: PLC0415
+
+    from paperline.infra.errors import InputError  # noqa: PLC0415
+
+    try:
+        return Settings()
+    except ValidationError as exc:
+        err = exc.errors()[0]
+        name = "PAPERLINE_" + "__".join(str(p) for p in err["loc"]).upper()
+        raise InputError(name, err.get("input"), err["msg"].removeprefix("Value error, ")) from None

@@ -204,3 +204,12 @@ def test_bad_gemm_input_is_refused_before_anything_starts(npy, tmp_path):
         assert_one_line_error(run_cli(*args, env=env), *fragments)
     assert not (tmp_path / "state").exists()
     assert not list((tmp_path).glob("*partial*"))
+
+
+def test_a_bad_paperline_variable_is_one_line_naming_it(tmp_path):
+    env = {"PAPERLINE_STATE_DIR": str(tmp_path / "state")}
+    assert_one_line_error(run_cli("run", "compressed-training", env={**env, "PAPERLINE_N_WORKERS": "0"}),
+                          "PAPERLINE_N_WORKERS='0'", "greater than or equal to 1")
+    assert_one_line_error(run_cli("status", env={**env, "PAPERLINE_DEVICE": "gpu"}),
+                          "PAPERLINE_DEVICE='gpu'", "'auto', 'cpu' or 'cuda'")
+    assert not (tmp_path / "state").exists()
