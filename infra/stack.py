@@ -34,6 +34,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+from urllib.parse import urlsplit
 
 from paperline.infra.errors import PaperlineError, ServiceError
 from paperline.infra.settings import Settings
@@ -371,6 +372,30 @@ def _mlflow_healthy(uri: str) -> bool:
     return _http_ok(uri.rstrip("/") + "/health")
 
 
+def _listens(pid: int, port: int | None) -> bool:
+    """Whether process ``pid`` or one of its descendants listens on TCP ``port`` (None: not
+    checked). A health check alone can be answered by *another* server that took the port first
+    (two stacks starting at once picked the same free port): ours then exits with "address in
+    use" while the check passes, and the stack would record a server it does not own."""
+    import psutil  # noqa: PLC0415
+
+    if port is None:
+        return True
+    try:
+        root = psutil.Process(pid)
+        procs = [root, *root.children(recursive=True)]
+    except psutil.NoSuchProcess:
+        return False
+    for p in procs:
+        try:
+            if any(c.status == psutil.CONN_LISTEN and c.laddr and c.laddr.port == port
+                   for c in p.net_connections(kind="tcp")):
+                return True
+        except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess):
+            continue
+    return False
+
+
 def _wait_healthy(
     pending: dict[str, tuple[subprocess.Popen[bytes], Callable[[], bool], str, str]], timeout_s: float
 ) -> None:
@@ -388,7 +413,7 @@ def _wait_healthy(
     while pending:
         for name in list(pending):
             proc, check, url, log = pending[name]
-            if check():
+            if check() and _listens(proc.pid, urlsplit(url).port):
                 del pending[name]
             elif proc.poll() is not None:
                 raise ServiceError(name, f"server exited with code {proc.returncode} during start-up", url=url, log=log)

@@ -199,3 +199,41 @@ def test_dead_endpoints_raise_service_errors(free_port):
         store.get_bytes("s3://bucket/key")
     with pytest.raises(ServiceError, match="mlflow is not available"):
         Tracker(f"http://127.0.0.1:{port}").start_run("x", run_name="y")
+
+
+def test_a_server_that_lost_its_port_to_another_is_not_taken_as_started(free_port, tmp_path):
+    """Two stacks starting at once can pick the same free port: the health check is then answered
+    by the *other* server while ours exits with "address in use". Start-up waits for our process
+    to listen on the port, so it fails loudly instead of recording a server it does not own."""
+    import http.server
+    import subprocess
+    import sys
+    import threading
+
+    from paperline.infra.stack import _http_ok, _wait_healthy
+
+    port = free_port()
+    other = http.server.ThreadingHTTPServer(("127.0.0.1", port), http.server.SimpleHTTPRequestHandler)
+    threading.Thread(target=other.serve_forever, daemon=True).start()
+    url = f"http://127.0.0.1:{port}"
+    log = tmp_path / "server.log"
+    try:
+        assert _http_ok(url + "/")  # the other server answers the health check
+        with open(log, "wb") as out:
+            ours = subprocess.Popen([sys.executable, "-m", "http.server", str(port), "--bind", "127.0.0.1"],
+                                    stdout=out, stderr=subprocess.STDOUT, cwd=tmp_path)
+        with pytest.raises(ServiceError, match="exited"):
+            _wait_healthy({"web": (ours, lambda: _http_ok(url + "/"), url, str(log))}, 30)
+    finally:
+        other.shutdown()
+        other.server_close()
+    # a server that did bind its port is healthy as before
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    ours = subprocess.Popen([sys.executable, "-m", "http.server", str(port), "--bind", "127.0.0.1"],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, cwd=tmp_path)
+    try:
+        _wait_healthy({"web": (ours, lambda: _http_ok(url + "/"), url, str(log))}, 30)
+    finally:
+        ours.terminate()
+        ours.wait(10)
