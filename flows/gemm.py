@@ -126,7 +126,7 @@ class GemmParameters(BaseModel):
         self.check_size(problem)
 
     def check_output(self, store: ObjectStore | None) -> None:
-        """The output must name a new ``.npy`` file (or S3 object in an existing bucket) that is
+        """The output must name a ``.npy`` file (replaced if it exists) or an S3 object in an existing bucket,
         not one of the operands. Raises InputError."""
         out = self.output
         if out is None:
