@@ -241,7 +241,9 @@ def _log_compressor(tracker: Tracker, parent: str, name: str, cfg: TrainConfig, 
              "bytes_sent_per_step": last["bytes_sent_per_step"], "compression_ratio": last["compression_ratio"],
              "codec_fraction_of_step": share, "wall_s": last["wall_s"],
              "skipped_steps_total": float(len(r0["skipped_steps"])), "restarts": float(result["restarts"])}
-    tracker.log_metrics(child, {k: float(v) for k, v in final.items()})
+    # bytes_sent_per_step, compression_ratio and wall_s are per-epoch series already (their last epoch
+    # is the run's value): logged again here they gained a stray point at step 0
+    tracker.log_metrics(child, {k: float(v) for k, v in final.items() if k not in keys})
     identity = {"train_config": cfg.as_dict(), "world_size": params.world_size, "device": device}
     versus = check_latest(tracker, child, identity, HEADLINES, label=name)
     tracker.end_run(child, "FINISHED")

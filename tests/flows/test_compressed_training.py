@@ -68,6 +68,8 @@ def test_mlflow_has_a_run_per_compressor_with_epoch_metrics_and_the_plots(traine
                 "compressor": r["name"]}.items() <= run.data.params.items()
         hist = client.get_metric_history(r["mlflow_run_id"], "test_accuracy_pct")
         assert [m.step for m in hist] == [0, 1]
+        for key in ("bytes_sent_per_step", "compression_ratio", "wall_s"):  # one point per epoch, no extra
+            assert sorted(m.step for m in client.get_metric_history(r["mlflow_run_id"], key)) == [0, 1], key
         for key in ("bytes_sent_per_step", "compression_ratio", "compress_s", "decompress_s", "step_s", "train_loss"):
             assert key in run.data.metrics, key
 
