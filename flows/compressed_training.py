@@ -249,7 +249,10 @@ def _log_compressor(tracker: Tracker, parent: str, name: str, cfg: TrainConfig, 
     tracker.end_run(child, "FINISHED")
     return {"name": name, "mlflow_run_id": child, "epochs": epochs, **final, "skipped_steps": r0["skipped_steps"],
             "resumed_from": result["resumed_from"], "failures": result["failures"], "versus": versus.as_dict(),
-            "versus_lines": versus.lines(name)}
+            "versus_lines": versus.lines(name),
+            # the drill's rank exits at a global step of the first attempt: from complete checkpoints there is none
+            "drill_missed": params.crash_rank_at_step if params.crash_rank_at_step is not None and not result["failures"]
+            else None}
 
 
 def _summary(runs: list[dict[str, Any]], parent: str, tracker: Tracker, run_url: str, flow_run_id: str
@@ -268,9 +271,15 @@ def _summary(runs: list[dict[str, Any]], parent: str, tracker: Tracker, run_url:
         if r["failures"]:
             lines.append(f"{r['name']}: resumed after {len(r['failures'])} failure(s), from epochs "
                          f"{r['resumed_from'][1:]}: {r['failures'][0][:200]}")
+        if r.get("drill_missed") is not None:
+            start = r["resumed_from"][0]
+            lines.append(f"{r['name']}: the crash drill did not run (crash_rank_at_step={r['drill_missed']} was not "
+                         f"reached{f': training resumed from the checkpoints of epoch {start}' if start is not None else ''}"
+                         "); set another checkpoint_prefix or seed to train from scratch")
     for r in runs:
         lines += r["versus_lines"]
-    lines.append(f"MLflow parent run (plots: accuracy_vs_bytes.png, accuracy_vs_time.png): {tracker.run_url(parent)}")
+    lines.append("MLflow parent run (plots: accuracy_vs_bytes.png, accuracy_vs_time.png, collectives_bandwidth.png): "
+                 f"{tracker.run_url(parent)}")
     return {"runs": runs, "mlflow_run_id": parent, "mlflow_run_url": tracker.run_url(parent),
             "prefect_flow_run_id": flow_run_id, "prefect_flow_run_url": run_url, "lines": lines,
             "table": {"title": "compressed-training: final epoch per compressor",

@@ -92,6 +92,11 @@ def test_a_killed_rank_resumes_from_the_checkpoints_to_the_same_accuracy(trained
     assert run["versus"]["metrics"]["bytes_sent_per_step"]["ratio"] == 1.0
     uris = ObjectStore.from_stack(info).list(f"{prefix}/b/")
     assert sum(u.endswith("epoch-0001.pt") for u in uris) == 2  # each rank wrote its own checkpoint
+    # the drill again on the now complete checkpoints (another step: not a cached task) cannot run: it says so
+    proc = _run(cli_env, *SMALL, "nan_steps=3", "compressors=none", "crash_rank_at_step=16", "timeout_s=20",
+                "collectives_max_bytes=0", f"checkpoint_prefix={prefix}/b")
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "none: the crash drill did not run (crash_rank_at_step=16 was not reached" in " ".join(proc.stdout.split())
 
 
 @pytest.mark.parametrize("sets, message", [
