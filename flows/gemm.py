@@ -59,6 +59,22 @@ def parse_bytes(value: int | str) -> int:
     return n
 
 
+def logged_params(params: GemmParameters, store: ObjectStore | None) -> dict[str, Any]:
+    """The parameters as the MLflow run records them: as given, except that with a file or S3
+    operand ``m``, ``n``, ``k`` and ``dtype`` are the problem's (result rows and columns, inner
+    dimension, the operands' dtype), since such operands bring their own and the given values
+    (often the defaults 4096 and float64) were not used: `paperline compare` showed them.
+
+    Raises:
+        InputError: bad operands (as :func:`build_problem`).
+    """
+    logged = params.model_dump()
+    if any(v is not None and v != "random" for v in (params.a, params.b, params.c)):
+        problem = build_problem(params.kernel_params(), store)
+        logged.update(m=problem.out_shape[0], n=problem.out_shape[1], k=problem.inner, dtype=str(problem.dtype))
+    return logged
+
+
 S3_BUCKET = re.compile(r"[a-z0-9][a-z0-9.-]{1,61}[a-z0-9]")  # S3's bucket naming rules (the common part)
 
 
@@ -223,7 +239,7 @@ def gemm(params: GemmParameters | None = None) -> dict[str, Any]:
         output = str(Path(output).expanduser().resolve())
     tracker = Tracker(info.mlflow_tracking_uri)
     run_url = f"{info.prefect_ui_url.rstrip('/')}/runs/flow-run/{flow_run.id}"
-    mlflow_params = {**params.model_dump(), "memory_budget_bytes": budget, "device": device, "output": output}
+    mlflow_params = {**logged_params(params, store), "memory_budget_bytes": budget, "device": device, "output": output}
     run_id = tracker.start_run(EXPERIMENT, run_name=flow_run.name or "gemm",
                                tags={"prefect.flow_run_id": str(flow_run.id), "prefect.flow_run_url": run_url},
                                params=mlflow_params)

@@ -171,3 +171,17 @@ print(single_process_peer.fn(params, None)["blas"])
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, env=env)
     assert out.returncode == 0, out.stderr
     assert f"({os.cpu_count()} threads" in out.stdout.strip().splitlines()[-1], out.stdout
+
+
+def test_mlflow_records_the_operands_sizes_and_dtype_not_unused_defaults(tmp_path):
+    """With .npy operands m, n, k and dtype are the operands' (a user's `paperline compare`
+    showed m=n=k=4096 float64 for a 300 x 200 float32 run); random operands keep them as given."""
+    from paperline.flows.gemm import GemmParameters, logged_params
+
+    np.save(tmp_path / "a.npy", np.ones((300, 130), np.float32))
+    np.save(tmp_path / "b.npy", np.ones((130, 200), np.float32))
+    p = GemmParameters(a=str(tmp_path / "a.npy"), b=str(tmp_path / "b.npy"), tile=64)
+    assert {k: logged_params(p, None)[k] for k in ("m", "n", "k", "dtype")} == \
+        {"m": 300, "n": 200, "k": 130, "dtype": "float32"}
+    random = GemmParameters(m=90, n=70, k=50, tile=32)
+    assert logged_params(random, None) == random.model_dump()
