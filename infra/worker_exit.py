@@ -18,7 +18,8 @@ its RPC pool), and a heartbeat to the scheduler in flight at that moment fails w
 ("Failed to communicate with scheduler during heartbeat."). It is expected, harmless, and read
 by a user as a crash, so :class:`ClosingCommErrorFilter` drops such records: only while the worker
 is closing, and only those carrying an ``OSError`` (comm errors are ``OSError``). The same
-failure while the worker runs is still logged in full.
+failure while the worker runs is still logged in full. A failed task's record is cut to one line
+(:class:`TaskFailureOneLine`).
 """
 
 from __future__ import annotations
@@ -54,6 +55,21 @@ class ClosingCommErrorFilter(logging.Filter):
         return not (closing and isinstance(exc, OSError))
 
 
+class TaskFailureOneLine(logging.Filter):
+    """Shortens ``distributed.worker``'s "Compute Failed" record (key, state, the task's repr, the
+    exception and its whole traceback as one escaped string) to one line: the task's key and the
+    exception. The failure still reaches its caller with its traceback (Prefect's task log, the
+    CLI's error line, or a training rank's restart message), so the worker's copy printed on the
+    terminal was a second, unreadable report of the same error (a compressed-training resume
+    printed one per killed rank)."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if isinstance(record.msg, str) and record.msg.startswith("Compute Failed") and len(record.args or ()) >= 4:
+            key, exception = record.args[0], record.args[3]
+            record.msg, record.args = "task %s failed on this worker: %s", (key, exception)
+        return True
+
+
 def _exit_after_clean_close() -> None:
     if not _CLOSED_CLEANLY["value"]:
         return
@@ -65,10 +81,11 @@ def _exit_after_clean_close() -> None:
 
 def dask_setup(worker: Any) -> None:
     """Dask preload hook: arm the exit handler (before any task registers its own) and install
-    :class:`ClosingCommErrorFilter` on :data:`QUIET_ON_CLOSE_LOGGERS`."""
+    :class:`ClosingCommErrorFilter` on :data:`QUIET_ON_CLOSE_LOGGERS` and :class:`TaskFailureOneLine`."""
     atexit.register(_exit_after_clean_close)
     for name in QUIET_ON_CLOSE_LOGGERS:
         logging.getLogger(name).addFilter(ClosingCommErrorFilter(worker))
+    logging.getLogger("distributed.worker").addFilter(TaskFailureOneLine())
 
 
 def dask_teardown(worker: Any) -> None:

@@ -204,3 +204,20 @@ print(here, there)
     assert out.returncode == 0, out.stderr
     # here: as before the start; there: Dask's 1, except where this process had set a value (Dask keeps it)
     assert out.stdout.split("\n")[-2] == "[None, '3', None] ['1', '3', '1']"
+
+
+def test_a_failed_task_is_one_line_on_the_workers_terminal():
+    """The worker's "Compute Failed" record (task repr and traceback in one escaped blob) becomes
+    one line: the key and the exception; the caller still gets the traceback."""
+    import logging
+
+    from paperline.infra.worker_exit import TaskFailureOneLine
+
+    record = logging.LogRecord("distributed.worker", logging.ERROR, __file__, 1,
+                               "Compute Failed\nKey:       %s\nState:     %s\nTask:  %s\nException: %r\nTraceback: %r\n",
+                               ("rank-1-fft-0", "executing", "<Task ...>", "RuntimeError('peer died')",
+                                '  File "x.py", line 1\n'), None)
+    assert TaskFailureOneLine().filter(record)
+    assert record.getMessage() == "task rank-1-fft-0 failed on this worker: RuntimeError('peer died')"
+    other = logging.LogRecord("distributed.worker", logging.ERROR, __file__, 1, "something else %s", ("x",), None)
+    assert TaskFailureOneLine().filter(other) and other.getMessage() == "something else x"
