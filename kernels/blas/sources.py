@@ -110,6 +110,8 @@ class NpySource:
 
     def __init__(self, path: str | os.PathLike[str], argument: str = "a"):
         self.path = str(Path(path).resolve())
+        if os.path.isdir(self.path):
+            raise InputError(argument, str(path), "is a directory; name a .npy file")
         if not os.path.isfile(self.path):
             raise InputError(argument, str(path), "no such file")
         try:

@@ -65,6 +65,15 @@ def test_a_missing_s3_operand_is_refused(store):
     s, bucket = store
     with pytest.raises(InputError, match="no such object"):
         S3NpySource(s, f"s3://{bucket}/tests/gemm/missing.npy", "a")
+    with pytest.raises(InputError, match="no such bucket 'no-such-bucket-xyz'"):
+        S3NpySource(s, "s3://no-such-bucket-xyz/a.npy", "a")
+
+
+def test_a_directory_given_as_an_operand_is_named_as_such(tmp_path):
+    from paperline.kernels.blas.sources import NpySource
+
+    with pytest.raises(InputError, match="is a directory"):
+        NpySource(tmp_path, "a")
 
 
 def _params(**kw):
