@@ -31,6 +31,7 @@ from paperline.infra.stack import require_stack
 from paperline.infra.storage import ObjectStore
 from paperline.infra.tracking import Tracker
 from paperline.kernels.blas.runtime import check_memory_budget
+from paperline.kernels.errors import InputError as KernelInputError
 from paperline.tasks.gemm import (
     build_problem,
     render_gemm_report,
@@ -138,7 +139,10 @@ class GemmParameters(BaseModel):
         if any(str(v).startswith("s3://") for v in (self.a, self.b, self.c) if v) and store is None:
             return
         problem = build_problem(self.kernel_params(), store)
-        check_memory_budget(problem, budget)
+        try:
+            check_memory_budget(problem, budget)
+        except KernelInputError as exc:  # name the value as given (1KiB), not in bytes
+            raise InputError("memory_budget", self.memory_budget, f"{budget} bytes are {exc.problem}") from None
         self.check_size(problem)
 
     def check_output(self, store: ObjectStore | None) -> None:

@@ -173,7 +173,7 @@ def test_bad_gemm_input_is_refused_before_anything_starts(npy, tmp_path):
         (["tile=0"], ["tile=0", "greater than 0"]),
         (["routine=foo"], ["routine='foo'"]),
         (["memory_budget=lots"], ["memory_budget='lots'", "expected bytes"]),
-        (["memory_budget=1KiB", "m=64", "n=64", "k=64", "tile=64"], ["memory_budget=1024", "working set"]),
+        (["memory_budget=1KiB", "m=64", "n=64", "k=64", "tile=64"], ["memory_budget='1KiB'", "1024 bytes are below the working set"]),
         ([f"a={tmp_path / 'missing.npy'}"], ["a=", "missing.npy", "no such file"]),
         ([f"a={npy('cut.npy', np.ones((40, 30)), cut=50)}"], ["a=", "cut.npy", "truncated"]),
         ([f"a={npy('text.npy', raw=b'hello')}"], ["a=", "text.npy", "not a .npy file"]),
