@@ -189,7 +189,9 @@ def stage_random_operands(params: dict[str, Any], directory: str) -> dict[str, A
     Path(directory).mkdir(parents=True, exist_ok=True)
     for name, src in random_sources(params).items():
         path = Path(directory) / (hashlib.sha256(src.key.encode()).hexdigest()[:24] + ".npy")
-        if not path.exists():
+        if path.exists():
+            os.utime(path)  # used now: the last to be evicted
+        else:
             tmp = path.with_name(f".{path.name}.{os.getpid()}.partial.npy")
             try:
                 target = np.lib.format.open_memmap(tmp, mode="w+", dtype=src.dtype, shape=src.shape)
@@ -202,7 +204,41 @@ def stage_random_operands(params: dict[str, Any], directory: str) -> dict[str, A
             finally:
                 tmp.unlink(missing_ok=True)
         out[name] = str(path)
+    evict_staged(directory, STAGED_MAX_BYTES)
     return out
+
+
+STAGED_MAX_BYTES = 8 << 30  # staged random operands kept under the state directory
+STAGED_MIN_IDLE_S = 3600.0  # a file used this recently is never evicted (a concurrent run may be opening it)
+
+
+def evict_staged(directory: str, max_bytes: int, min_idle_s: float = STAGED_MIN_IDLE_S) -> list[str]:
+    """Delete the least recently used staged operands until those in ``directory`` total at most
+    ``max_bytes`` (files used within ``min_idle_s`` are kept even above it).
+
+    Returns:
+        The paths deleted.
+    """
+    files = []
+    for p in Path(directory).glob("*.npy"):
+        if p.name.startswith("."):  # a file being written
+            continue
+        try:
+            st = p.stat()
+        except FileNotFoundError:
+            continue
+        files.append((st.st_mtime, st.st_size, p))
+    total = sum(size for _, size, _ in files)
+    now, deleted = time.time(), []
+    for mtime, size, p in sorted(files):
+        if total <= max_bytes:
+            break
+        if now - mtime < min_idle_s:
+            continue
+        p.unlink(missing_ok=True)
+        total -= size
+        deleted.append(str(p))
+    return deleted
 
 
 def scratch_dir() -> str:

@@ -161,6 +161,26 @@ def test_staging_writes_only_the_random_operands_the_routine_reads(tmp_path):
     assert again == staged and len(list(tmp_path.iterdir())) == 2
 
 
+def test_staged_operands_are_evicted_least_recently_used_first(tmp_path):
+    """The staged random operands would otherwise grow without bound under the state directory
+    (a user found 259 MB after one session): beyond the cap the least recently used go, except
+    files used within the last hour (a concurrent run may be opening them)."""
+    import os
+    import time
+
+    import paperline.tasks.gemm as tg
+
+    now = time.time()
+    for i, age_h in enumerate([5, 3, 2, 0]):  # 1000 bytes each; file 3 just used
+        path = tmp_path / f"f{i}.npy"
+        path.write_bytes(b"x" * 1000)
+        os.utime(path, (now - age_h * 3600, now - age_h * 3600))
+    (tmp_path / ".f9.npy.123.partial.npy").write_bytes(b"x" * 5000)  # being written: never touched
+    assert tg.evict_staged(str(tmp_path), 2500) == [str(tmp_path / "f0.npy"), str(tmp_path / "f1.npy")]
+    assert tg.evict_staged(str(tmp_path), 0) == [str(tmp_path / "f2.npy")]  # f3 is too recent
+    assert sorted(p.name for p in tmp_path.iterdir()) == [".f9.npy.123.partial.npy", "f3.npy"]
+
+
 def test_the_peer_runs_on_every_core_whatever_the_environment_set():
     """The SYMM..TRSM peer calls SciPy's own OpenBLAS, which a flow process used to load after
     Dask's nanny had set OPENBLAS_NUM_THREADS=1: it ran on one core and paperline's ratio to it
