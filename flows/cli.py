@@ -296,6 +296,14 @@ def _run_one(spec, params, summary_json: Path | None, early=None) -> dict[str, A
     return summary
 
 
+def _short(text: str, width: int = 36) -> str:
+    """A long path or URI cut to its end (``…/operands/a.npy``), so that a table of runs whose
+    operands differ stays readable; the full values are in the comparison's Parquet file."""
+    if len(text) <= width or "/" not in text:
+        return text
+    return "…" + text[-(width - 1):]
+
+
 def _fmt(x: Any) -> str:
     return f"{x:.4f}" if isinstance(x, float) and math.isfinite(x) else str(x)
 
@@ -435,7 +443,7 @@ def compare(experiment: str = typer.Argument(..., help="MLflow experiment, e.g. 
     title = f"{experiment}: {len(result['rows'])} run(s) ({result['selection']})"
     table = Table(*[Column(c, overflow="fold") for c in result["columns"]], title=title)
     for row in result["rows"]:
-        table.add_row(*[_fmt(v) if isinstance(v, float) else str(v) for v in row])
+        table.add_row(*[_fmt(v) if isinstance(v, float) else _short(str(v)) for v in row])
     console.print(table)
     if result["left_out"]:
         console.print(result["left_out"], highlight=False)

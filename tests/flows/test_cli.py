@@ -213,3 +213,12 @@ def test_a_bad_paperline_variable_is_one_line_naming_it(tmp_path):
     assert_one_line_error(run_cli("status", env={**env, "PAPERLINE_DEVICE": "gpu"}),
                           "PAPERLINE_DEVICE='gpu'", "'auto', 'cpu' or 'cuda'")
     assert not (tmp_path / "state").exists()
+
+
+def test_long_paths_in_the_compare_table_are_cut_to_their_end():
+    from paperline.flows.cli import _short
+
+    path = "/home/someone/.paperline/gemm/operands/0123456789abcdef01234567.npy"
+    assert _short(path) == "…" + path[-35:] and len(_short(path)) == 36
+    assert _short("s3://paperline-data/gemm/result.npy") == "s3://paperline-data/gemm/result.npy"  # fits
+    assert _short("a long value without any slash in it at all, kept whole") .endswith("kept whole")
