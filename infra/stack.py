@@ -386,14 +386,18 @@ def _listens(pid: int, port: int | None) -> bool:
         procs = [root, *root.children(recursive=True)]
     except psutil.NoSuchProcess:
         return False
+    inspected = False
     for p in procs:
         try:
-            if any(c.status == psutil.CONN_LISTEN and c.laddr and c.laddr.port == port
-                   for c in p.net_connections(kind="tcp")):
-                return True
-        except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess):
+            conns = p.net_connections(kind="tcp")
+        except psutil.AccessDenied:  # some platforms (macOS) may refuse: then the health check decides
             continue
-    return False
+        except (psutil.NoSuchProcess, psutil.ZombieProcess):
+            continue
+        inspected = True
+        if any(c.status == psutil.CONN_LISTEN and c.laddr and c.laddr.port == port for c in conns):
+            return True
+    return not inspected and root.is_running()
 
 
 def _wait_healthy(
