@@ -195,15 +195,20 @@ def test_bad_gemm_input_is_refused_before_anything_starts(npy, tmp_path):
         (["m=1000000", "n=1000000", "k=1000", "tile=16384", "memory_budget=16GiB", "stage_random=false"],
          ["output=", "GiB on disk"]),
     ]
-    # Should a case slip past validation, the stack it starts lives in tmp_path, not ~/.paperline.
+    # Should a case slip past validation, the stack it starts lives in tmp_path, not ~/.paperline,
+    # and is stopped again (a failed run of this test left three stacks running).
     env = {"PAPERLINE_STATE_DIR": str(tmp_path / "state")}
-    for sets, fragments in cases:
-        args = ["run", "gemm"]
-        for item in sets:
-            args += ["--set", item]
-        assert_one_line_error(run_cli(*args, env=env), *fragments)
-    assert not (tmp_path / "state").exists()
-    assert not list((tmp_path).glob("*partial*"))
+    try:
+        for sets, fragments in cases:
+            args = ["run", "gemm"]
+            for item in sets:
+                args += ["--set", item]
+            assert_one_line_error(run_cli(*args, env=env), *fragments)
+        assert not (tmp_path / "state").exists()
+        assert not list((tmp_path).glob("*partial*"))
+    finally:
+        if (tmp_path / "state").exists():
+            run_cli("down", env=env)
 
 
 def test_a_bad_paperline_variable_is_one_line_naming_it(tmp_path):
