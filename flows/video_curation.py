@@ -116,10 +116,67 @@ class VideoCurationParameters(BaseModel):
                           max_clip_s=self.max_clip_s, height=self.height, fps=self.fps, encoder=encoder, crf=self.crf,
                           preset=preset, embedder=self.embedder, device=device)
 
+    def validate_inputs(self) -> None:
+        """What can be checked before anything starts (the CLI calls it before the stack): the
+        clip settings (lengths, NVENC's presence), the splitter's option names and types, the
+        encoder preset (libx264's), and a local source that
+        does not exist. Raises InputError naming the parameter."""
+        from paperline.kernels.video.detect import DETECTORS  # noqa: PLC0415
+
+        from paperline.kernels.video.detect import make_detector  # noqa: PLC0415
+
+        cfg = self.clip_config(resolve_device(get_settings().device))
+        check_detector_options(DETECTORS[cfg.splitter], cfg.splitter, cfg.splitter_options)
+        if cfg.splitter != "transnetv2":  # cheap to build: its own range checks (stride_s > 0, ...)
+            make_detector(cfg.splitter, 25.0, **cfg.splitter_options)
+        if cfg.encoder == "libx264":
+            check_x264_preset(cfg.preset)
+        src = self.source
+        if src != "demo" and not src.startswith("s3://"):
+            if "://" in src:
+                raise InputError("source", src, "unsupported scheme: give 'demo', a local path or an s3:// prefix")
+            if not Path(src).expanduser().exists():
+                raise InputError("source", src, "no such file or directory")
+
     def filter_config(self) -> FilterConfig:
         return FilterConfig(min_motion=self.min_motion, min_sharpness=self.min_sharpness,
                             max_black_fraction=self.max_black_fraction, min_duration_s=self.min_duration_s,
                             min_height=self.min_height)
+
+
+def check_detector_options(factory: Any, name: str, options: dict[str, Any]) -> None:
+    """Refuse an option ``name``'s detector does not take, or a non-number where it takes a number
+    (read from its constructor's signature; nothing is built, TransNetV2's weights stay unloaded).
+
+    Raises:
+        InputError: naming ``splitter_options`` and the options ``name`` takes.
+    """
+    import inspect  # noqa: PLC0415
+
+    known = {k: p.default for k, p in inspect.signature(factory).parameters.items() if k not in ("self", "fps")}
+    listing = ", ".join(f"{k} (default {v!r})" for k, v in known.items()) or "none"
+    for key, value in options.items():
+        if key not in known:
+            raise InputError("splitter_options", options, f"{name} takes no option {key!r}; its options: {listing}")
+        default = known[key]
+        numeric = isinstance(default, (int, float)) and not isinstance(default, bool)
+        if numeric and (not isinstance(value, (int, float)) or isinstance(value, bool)):
+            raise InputError("splitter_options", options, f"{name}: {key} must be a number (default {default!r})")
+
+
+X264_PRESETS = ("ultrafast", "superfast", "veryfast", "faster", "fast", "medium", "slow", "slower", "veryslow",
+                "placebo")
+
+
+def check_x264_preset(preset: str) -> None:
+    """Refuse a preset libx264 does not know (x264's ``x264_preset_names``; a bad preset made every
+    video fail to encode, reported as broken sources, and the run "succeeded" with no clips).
+
+    Raises:
+        InputError: naming ``preset`` and libx264's presets.
+    """
+    if preset not in X264_PRESETS:
+        raise InputError("preset", preset, f"not a libx264 preset; known: {', '.join(X264_PRESETS)}")
 
 
 PRESETS: dict[str, dict[str, Any]] = {
@@ -161,6 +218,7 @@ def video_curation(params: VideoCurationParameters | None = None) -> dict[str, A
     settings = get_settings()
     info, store = require_stack(settings)
     device = resolve_device(settings.device)
+    params.validate_inputs()  # also for runs that do not come through the CLI (deployments)
     cfg = params.clip_config(device)
     filt = params.filter_config()
     import datetime  # noqa: PLC0415

@@ -227,3 +227,28 @@ def test_long_paths_in_the_compare_table_are_cut_to_their_end():
     assert _short(path) == "…" + path[-35:] and len(_short(path)) == 36
     assert _short("s3://paperline-data/gemm/result.npy") == "s3://paperline-data/gemm/result.npy"  # fits
     assert _short("a long value without any slash in it at all, kept whole") .endswith("kept whole")
+
+
+def test_bad_video_settings_are_refused_before_anything_starts(tmp_path):
+    """Found by a fresh-user trial: these started the flow (or, a bad preset, 'succeeded' with every
+    video reported broken) before failing."""
+    cases = [
+        (["preset=bogus"], ["preset='bogus'", "not a libx264 preset"]),
+        (["splitter=content", 'splitter_options={"bogus": 1}'], ["content takes no option 'bogus'", "min_score"]),
+        (["splitter=content", 'splitter_options={"min_score": "x"}'], ["min_score must be a number"]),
+        (["splitter=stride", 'splitter_options={"stride_s": 0}'], ["stride_s=0", "must be positive"]),
+        (["min_clip_s=5", "max_clip_s=3"], ["max_clip_s=3.0", "must be >= min_clip_s"]),
+        ([f"source={tmp_path / 'nope'}"], ["source=", "no such file or directory"]),
+        (["source=http://example.com/x.mp4"], ["source=", "unsupported scheme"]),
+    ]
+    env = {"PAPERLINE_STATE_DIR": str(tmp_path / "state")}
+    try:
+        for sets, fragments in cases:
+            args = ["run", "video-curation"]
+            for item in sets:
+                args += ["--set", item]
+            assert_one_line_error(run_cli(*args, env=env), *fragments)
+        assert not (tmp_path / "state").exists()
+    finally:
+        if (tmp_path / "state").exists():
+            run_cli("down", env=env)
