@@ -77,6 +77,13 @@ def _is_list(annotation: Any) -> bool:
     return any(typing.get_origin(a) is list for a in typing.get_args(annotation))
 
 
+def _numeric_not_bool(annotation: Any) -> bool:
+    """``int``/``float`` (also inside ``Optional``) with no ``bool`` alternative: pydantic would
+    read ``true`` there as 1 (``q=true`` started a campaign with q = 1)."""
+    members = set(typing.get_args(annotation)) or {annotation}
+    return bool(members & {int, float}) and bool not in members
+
+
 def _scalar(text: str) -> Any:
     try:
         return json.loads(text)
@@ -109,6 +116,8 @@ def build_parameters(pipeline: Pipeline, preset: str, overrides: list[str]) -> B
             value: Any = json.loads(raw)
         except json.JSONDecodeError:
             value = raw
+        if isinstance(value, bool) and _numeric_not_bool(fields[key].annotation):
+            raise InputError(key, raw, "expected a number, not a boolean")
         if _is_list(fields[key].annotation) and isinstance(value, (str, int, float)) and not isinstance(value, bool):
             value = [_scalar(v.strip()) for v in str(value).split(",") if v.strip()]
         values[key] = value

@@ -52,6 +52,7 @@ def parquet(tmp_path):
     (["bogus=1"], ["--set='bogus'", "unknown parameter"]),
     (["rank"], ["--set='rank'", "expected key=value"]),
     (["seed=-1"], ["seed=-1", "greater than or equal to 0"]),
+    (["rank=true"], ["rank='true'", "expected a number, not a boolean"]),  # pydantic would read it as 1
     (["rank=100000"], ["rank=100000", "less than or equal to 512"]),
     (["splits=random,weird"], ["splits[1]='weird'"]),
 ])
