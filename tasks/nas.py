@@ -96,7 +96,8 @@ def evaluations_table(campaign: Campaign) -> list[dict[str, Any]]:
 
 def render_report(campaign: Campaign, title: str) -> dict[str, bytes]:
     """The campaign's artifacts: ``pareto_front.png`` (multi-objective), ``hypervolume.png`` or
-    ``best_so_far.png``, ``partition_tree.json`` and ``partition_tree.png``, ``evaluations.parquet``."""
+    ``best_so_far.png``, ``partition_tree.json`` and ``partition_tree.png`` (partition-based optimizers),
+    ``evaluations.parquet``."""
     import pyarrow as pa
     import pyarrow.parquet as pq
 
@@ -113,10 +114,12 @@ def render_report(campaign: Campaign, title: str) -> dict[str, bytes]:
             reporting.trace_plot(campaign.hypervolume_trace(), "hypervolume", title, d / "hypervolume.png")
         else:
             reporting.trace_plot(campaign.best_trace(), f"best {names[0]}", title, d / "best_so_far.png")
-        reporting.tree_plot(tree, f"{title}: {campaign.optimizer.name} tree", d / "partition_tree.png")
+        if tree is not None:  # partition-based optimizers only (LaNAS, LA-MCTS, LaMOO)
+            reporting.tree_plot(tree, f"{title}: {campaign.optimizer.name} tree", d / "partition_tree.png")
         for p in d.iterdir():
             out[p.name] = p.read_bytes()
-    out["partition_tree.json"] = json.dumps(tree, indent=1, default=float).encode()
+    if tree is not None:
+        out["partition_tree.json"] = json.dumps(tree, indent=1, default=float).encode()
     buf = io.BytesIO()
     pq.write_table(pa.Table.from_pylist(evaluations_table(campaign)), buf)
     out["evaluations.parquet"] = buf.getvalue()

@@ -69,7 +69,7 @@ class Optimizer(abc.ABC):
             raise InputError("optimizer", self.name, f"supports {'/'.join(self.spaces)} spaces, not {space.kind}")
         unknown = set(options) - set(self.defaults)
         if unknown:
-            raise InputError("optimizer options", sorted(unknown),
+            raise InputError("optimizer_options", sorted(unknown),
                              f"unknown for {self.name}; known: {', '.join(sorted(self.defaults)) or 'none'}")
         self.space = space
         self.n_objectives = int(n_objectives)

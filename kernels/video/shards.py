@@ -149,7 +149,7 @@ def write_dataset(store: Any, output: str, plans: list[ShardPlan], rows: dict[st
         if [{"name": s["name"], "keys": s["keys"]} for s in old["shards"]] == planned:
             return dict(old, uploaded=[], skipped=[s["name"] for s in old["shards"]])
         raise InputError("output", output, "already holds a committed dataset with other shards; a committed "
-                                           "dataset is never rewritten: choose another output prefix")
+                                           "dataset is never rewritten: choose another dataset name (or output prefix)")
     shards, uploaded, skipped = [], [], []
     for plan in plans:
         members = []
