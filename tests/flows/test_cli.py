@@ -31,6 +31,23 @@ def assert_one_line_error(result, *fragments):
         assert f in text, text
 
 
+def assert_refused_before_anything_starts(pipeline, cases, tmp_path):
+    """Each ``(sets, fragments)`` case of ``paperline run PIPELINE --set ...`` is one error line with
+    the fragments, and no stack was started. Should a case slip past validation, the stack it starts
+    lives in tmp_path, not ~/.paperline, and is stopped again (a failed run left three running)."""
+    env = {"PAPERLINE_STATE_DIR": str(tmp_path / "state")}
+    try:
+        for sets, fragments in cases:
+            args = ["run", pipeline]
+            for item in sets:
+                args += ["--set", item]
+            assert_one_line_error(run_cli(*args, env=env), *fragments)
+        assert not (tmp_path / "state").exists()
+    finally:
+        if (tmp_path / "state").exists():
+            run_cli("down", env=env)
+
+
 @pytest.fixture
 def parquet(tmp_path):
     def write(name, table=None, raw=None):
@@ -196,20 +213,8 @@ def test_bad_gemm_input_is_refused_before_anything_starts(npy, tmp_path):
         (["m=1000000", "n=1000000", "k=1000", "tile=16384", "memory_budget=16GiB", "stage_random=false"],
          ["output=", "GiB on disk"]),
     ]
-    # Should a case slip past validation, the stack it starts lives in tmp_path, not ~/.paperline,
-    # and is stopped again (a failed run of this test left three stacks running).
-    env = {"PAPERLINE_STATE_DIR": str(tmp_path / "state")}
-    try:
-        for sets, fragments in cases:
-            args = ["run", "gemm"]
-            for item in sets:
-                args += ["--set", item]
-            assert_one_line_error(run_cli(*args, env=env), *fragments)
-        assert not (tmp_path / "state").exists()
-        assert not list((tmp_path).glob("*partial*"))
-    finally:
-        if (tmp_path / "state").exists():
-            run_cli("down", env=env)
+    assert_refused_before_anything_starts("gemm", cases, tmp_path)
+    assert not list((tmp_path).glob("*partial*"))
 
 
 def test_a_bad_paperline_variable_is_one_line_naming_it(tmp_path):
@@ -242,14 +247,4 @@ def test_bad_video_settings_are_refused_before_anything_starts(tmp_path):
         ([f"source={tmp_path / 'nope'}"], ["source=", "no such file or directory"]),
         (["source=http://example.com/x.mp4"], ["source=", "unsupported scheme"]),
     ]
-    env = {"PAPERLINE_STATE_DIR": str(tmp_path / "state")}
-    try:
-        for sets, fragments in cases:
-            args = ["run", "video-curation"]
-            for item in sets:
-                args += ["--set", item]
-            assert_one_line_error(run_cli(*args, env=env), *fragments)
-        assert not (tmp_path / "state").exists()
-    finally:
-        if (tmp_path / "state").exists():
-            run_cli("down", env=env)
+    assert_refused_before_anything_starts("video-curation", cases, tmp_path)
