@@ -30,7 +30,13 @@ from paperline.infra.stack import require_stack
 from paperline.infra.tracking import Tracker
 from paperline.kernels.train.data import load_dataset
 from paperline.kernels.train.ddp import TrainConfig
-from paperline.tasks.training import bandwidth_plot, comparison_plots, kernel_version, train_ranks
+from paperline.tasks.training import (
+    ONE_RANK_PER_WORKER,
+    bandwidth_plot,
+    comparison_plots,
+    kernel_version,
+    train_ranks,
+)
 
 EXPERIMENT = "compressed-training"
 # What a compressor's run is judged by against the best earlier run of the same configuration: test
@@ -128,8 +134,7 @@ class CompressedTrainingParameters(BaseModel):
         workers = planned_worker_count(get_settings())  # before any cluster starts (else checked on it)
         if workers is not None and self.world_size > workers:
             raise InputError("world_size", self.world_size, f"larger than the number of Dask workers ({workers}); "
-                             "one rank runs per worker (a local cluster has PAPERLINE_N_WORKERS "
-                             "workers, default one per core)")
+                             + ONE_RANK_PER_WORKER)
         data = load_dataset(self.dataset, n_train=self.n_train, seed=self.seed)
         per_rank = len(data.y_train) // self.world_size
         if per_rank < self.batch_size:

@@ -30,6 +30,7 @@ from paperline.infra.settings import get_settings
 from paperline.infra.stack import require_stack
 from paperline.infra.storage import ObjectStore
 from paperline.infra.tracking import Tracker
+from paperline.kernels.blas.plan import Problem
 from paperline.kernels.blas.runtime import check_memory_budget
 from paperline.kernels.errors import InputError as KernelInputError
 from paperline.tasks.gemm import (
@@ -60,18 +61,15 @@ def parse_bytes(value: int | str) -> int:
     return n
 
 
-def logged_params(params: GemmParameters, store: ObjectStore | None) -> dict[str, Any]:
+def logged_params(params: GemmParameters, problem: Problem | None) -> dict[str, Any]:
     """The parameters as the MLflow run records them: as given, except that with a file or S3
-    operand ``m``, ``n``, ``k`` and ``dtype`` are the problem's (result rows and columns, inner
+    operand ``m``, ``n``, ``k`` and ``dtype`` are ``problem``'s (result rows and columns, inner
     dimension, the operands' dtype), since such operands bring their own and the given values
     (often the defaults 4096 and float64) were not used: `paperline compare` showed them.
-
-    Raises:
-        InputError: bad operands (as :func:`build_problem`).
+    ``problem``: from :meth:`GemmParameters.validate_inputs`.
     """
     logged = params.model_dump()
-    if any(v is not None and v != "random" for v in (params.a, params.b, params.c)):
-        problem = build_problem(params.kernel_params(), store)
+    if problem is not None and any(v is not None and v != "random" for v in (params.a, params.b, params.c)):
         logged.update(m=problem.out_shape[0], n=problem.out_shape[1], k=problem.inner, dtype=str(problem.dtype))
     return logged
 
@@ -115,7 +113,7 @@ class GemmParameters(BaseModel):
 
     @field_validator("a", "b", "c", "output")
     @classmethod
-    def _no_blank(cls, v: str | None, info: ValidationInfo) -> str | None:
+    def _check_location(cls, v: str | None, info: ValidationInfo) -> str | None:
         if v is not None and not v.strip():
             raise ValueError("must not be empty")
         if v is None or not v.startswith("s3://"):
@@ -131,19 +129,27 @@ class GemmParameters(BaseModel):
     def kernel_params(self) -> dict[str, Any]:
         return self.model_dump(exclude={"output", "memory_budget", "scaling", "peer", "stage_random"})
 
-    def validate_inputs(self, store: ObjectStore | None = None) -> None:
+    def validate_inputs(self, store: ObjectStore | None = None) -> Problem | None:
         """Open the local operands and check shapes, dtypes, flags, the tile and the budget before
-        anything starts (S3 operands are checked in the flow). Raises InputError."""
+        anything starts (S3 operands are checked in the flow, with ``store``).
+
+        Returns:
+            The problem (operands opened, nothing computed); None when S3 operands wait for a store.
+
+        Raises:
+            InputError: bad parameters or operands.
+        """
         budget = parse_bytes(self.memory_budget)
         self.check_output(store)
         if any(str(v).startswith("s3://") for v in (self.a, self.b, self.c) if v) and store is None:
-            return
+            return None
         problem = build_problem(self.kernel_params(), store)
         try:
             check_memory_budget(problem, budget)
         except KernelInputError as exc:  # name the value as given (1KiB), not in bytes
             raise InputError("memory_budget", self.memory_budget, f"{budget} bytes are {exc.problem}") from None
         self.check_size(problem)
+        return problem
 
     def check_output(self, store: ObjectStore | None) -> None:
         """The output must name a ``.npy`` file (replaced if it exists) or an S3 object in an existing bucket,
@@ -235,7 +241,7 @@ def gemm(params: GemmParameters | None = None) -> dict[str, Any]:
     configure_local_workers()  # before the runner's local cluster starts (at the first task)
     settings = get_settings()
     info, store = require_stack(settings)
-    params.validate_inputs(store)
+    problem = params.validate_inputs(store)
     budget = parse_bytes(params.memory_budget)
     device = array_device(settings.device)
     output = params.output or f"s3://{info.data_bucket}/gemm/{flow_run.id}/result.npy"
@@ -243,7 +249,7 @@ def gemm(params: GemmParameters | None = None) -> dict[str, Any]:
         output = str(Path(output).expanduser().resolve())
     tracker = Tracker(info.mlflow_tracking_uri)
     run_url = f"{info.prefect_ui_url.rstrip('/')}/runs/flow-run/{flow_run.id}"
-    mlflow_params = {**logged_params(params, store), "memory_budget_bytes": budget, "device": device, "output": output}
+    mlflow_params = {**logged_params(params, problem), "memory_budget_bytes": budget, "device": device, "output": output}
     run_id = tracker.start_run(EXPERIMENT, run_name=flow_run.name or "gemm",
                                tags={"prefect.flow_run_id": str(flow_run.id), "prefect.flow_run_url": run_url},
                                params=mlflow_params)

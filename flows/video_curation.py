@@ -118,12 +118,10 @@ class VideoCurationParameters(BaseModel):
 
     def validate_inputs(self) -> None:
         """What can be checked before anything starts (the CLI calls it before the stack): the
-        clip settings (lengths, NVENC's presence), the splitter's option names and types, the
-        encoder preset (libx264's), and a local source that
-        does not exist. Raises InputError naming the parameter."""
-        from paperline.kernels.video.detect import DETECTORS  # noqa: PLC0415
-
-        from paperline.kernels.video.detect import make_detector  # noqa: PLC0415
+        clip settings (lengths, NVENC's presence), the splitter's option names, types and ranges,
+        libx264's preset, and a local source that does not exist. Raises InputError naming the
+        parameter."""
+        from paperline.kernels.video.detect import DETECTORS, make_detector  # noqa: PLC0415
 
         cfg = self.clip_config(resolve_device(get_settings().device))
         check_detector_options(DETECTORS[cfg.splitter], cfg.splitter, cfg.splitter_options)

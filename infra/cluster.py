@@ -59,7 +59,7 @@ def start_local_cluster(cluster_class: str, **kwargs: Any) -> Any:
     ``MKL_NUM_THREADS=1``, ``OPENBLAS_NUM_THREADS=1``) into the *starting* process's
     ``os.environ`` before it spawns a worker, and leaves it there. In a flow process every native
     library loaded afterwards then ran on one thread: SciPy's OpenBLAS (the GEMM flow's peer for
-    SYMM..TRSM ran on 1 of 2 cores, inflating paperline's ratio to it ~1.6x), torch's OpenMP, and
+    SYMM..TRSM ran on 1 of 2 cores, inflating paperline's ratio to it ~1.9x for SYRK), torch's OpenMP, and
     any subprocess. The workers keep their single-threaded settings (they were spawned with
     them); a worker the nanny restarts later sets them again.
     """

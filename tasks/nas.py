@@ -96,7 +96,7 @@ def evaluations_table(campaign: Campaign) -> list[dict[str, Any]]:
 
 def render_report(campaign: Campaign, title: str) -> dict[str, bytes]:
     """The campaign's artifacts: ``pareto_front.png`` (multi-objective), ``hypervolume.png`` or
-    ``best_so_far.png``, ``partition_tree.json`` and ``partition_tree.png`` (partition-based optimizers),
+    ``best_so_far.png``, ``partition_tree.json`` and ``partition_tree.png`` (optimizers with a tree),
     ``evaluations.parquet``."""
     import pyarrow as pa
     import pyarrow.parquet as pq
@@ -114,7 +114,7 @@ def render_report(campaign: Campaign, title: str) -> dict[str, bytes]:
             reporting.trace_plot(campaign.hypervolume_trace(), "hypervolume", title, d / "hypervolume.png")
         else:
             reporting.trace_plot(campaign.best_trace(), f"best {names[0]}", title, d / "best_so_far.png")
-        if tree is not None:  # partition-based optimizers only (LaNAS, LA-MCTS, LaMOO)
+        if tree is not None:  # optimizers with a tree: the partition-based ones and AlphaX
             reporting.tree_plot(tree, f"{title}: {campaign.optimizer.name} tree", d / "partition_tree.png")
         for p in d.iterdir():
             out[p.name] = p.read_bytes()

@@ -93,6 +93,9 @@ class RankFailed(RuntimeError):
     """A rank (or its worker) died or failed; every rank is restarted from the last checkpoint."""
 
 
+ONE_RANK_PER_WORKER = "one rank runs per worker (a local cluster has PAPERLINE_N_WORKERS workers, default one per core)"
+
+
 @task(name="compressed-train", cache_policy=(INPUTS - "store" - "max_restarts" - "timeout_s") + TASK_SOURCE,
       persist_result=True, task_run_name="train-{label}", timeout_seconds=24 * HOUR)
 def train_ranks(cfg: dict[str, Any], world_size: int, store: ObjectStore, prefix: str, device: str, label: str,
@@ -134,8 +137,7 @@ def train_ranks(cfg: dict[str, Any], world_size: int, store: ObjectStore, prefix
         workers = sorted(client.scheduler_info(n_workers=-1)["workers"])
         if world_size > len(workers):
             raise InputError("world_size", world_size, f"larger than the number of Dask workers ({len(workers)}); "
-                                                       "one rank runs per worker (a local cluster has PAPERLINE_N_WORKERS "
-                                                       "workers, default one per core)")
+                                                       + ONE_RANK_PER_WORKER)
         chosen = workers[:world_size]
         host, port = client.submit(_free_port, workers=[chosen[0]], allow_other_workers=False, pure=False).result()
         resume_epoch = latest_common_epoch(store, prefix, world_size)

@@ -210,7 +210,7 @@ def test_mlflow_records_the_operands_sizes_and_dtype_not_unused_defaults(tmp_pat
     np.save(tmp_path / "a.npy", np.ones((300, 130), np.float32))
     np.save(tmp_path / "b.npy", np.ones((130, 200), np.float32))
     p = GemmParameters(a=str(tmp_path / "a.npy"), b=str(tmp_path / "b.npy"), tile=64)
-    assert {k: logged_params(p, None)[k] for k in ("m", "n", "k", "dtype")} == \
+    assert {k: logged_params(p, p.validate_inputs())[k] for k in ("m", "n", "k", "dtype")} == \
         {"m": 300, "n": 200, "k": 130, "dtype": "float32"}
     random = GemmParameters(m=90, n=70, k=50, tile=32)
-    assert logged_params(random, None) == random.model_dump()
+    assert logged_params(random, random.validate_inputs()) == random.model_dump()
