@@ -31,7 +31,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from paperline.kernels.errors import InputError
+from paperline.kernels.errors import InputError, check_int
 from paperline.kernels.search.problems import PROBLEMS, Objective, Problem
 from paperline.kernels.search.space import SearchSpace
 
@@ -244,12 +244,6 @@ def train_and_measure(arch: Arch, seed: int, *, epochs: int = 1, n_train: int = 
     return np.array([accuracy_pct, params, latency_ms], dtype=np.float64)
 
 
-def _int_option(name: str, value: Any, low: int, high: int) -> int:
-    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or not low <= value <= high:
-        raise InputError(name, value, f"expected an integer in [{low}, {high}]")
-    return int(value)
-
-
 @functools.lru_cache(maxsize=1)
 def max_params_count() -> int:
     """The largest :func:`count_params` over the whole space."""
@@ -270,9 +264,9 @@ def live_mnist(epochs: int = 1, device: str = "cpu", threads: int = 1, n_train: 
     Raises:
         InputError: an option out of range, an unknown device, or ``"cuda"`` without a usable GPU.
     """
-    epochs = _int_option("epochs", epochs, 1, 100)
-    threads = _int_option("threads", threads, 1, 256)
-    n_train = _int_option("n_train", n_train, 100, N_TRAIN)
+    epochs = check_int("epochs", epochs, 1, 100)
+    threads = check_int("threads", threads, 1, 256)
+    n_train = check_int("n_train", n_train, 100, N_TRAIN)
     if device not in DEVICES:
         raise InputError("device", device, f"expected one of {', '.join(DEVICES)}")
     if device == "cuda":

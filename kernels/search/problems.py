@@ -25,7 +25,7 @@ from typing import Any
 
 import numpy as np
 
-from paperline.kernels.errors import InputError
+from paperline.kernels.errors import InputError, check_int
 from paperline.kernels.registry import Registry
 from paperline.kernels.search.pareto import check_reference_point
 from paperline.kernels.search.space import SearchSpace
@@ -117,6 +117,7 @@ class Problem:
 
 
 ProblemFactory = Callable[..., Problem]
+
 PROBLEMS: Registry[ProblemFactory] = Registry("problem")
 
 
@@ -137,7 +138,9 @@ def make_problem(name: str, **options: Any) -> Problem:
                                                      f"known: {', '.join(known) or 'none'}")
     try:
         problem = factory(**options)
-    except InputError:
+    except InputError as exc:
+        if exc.argument in options:  # an option's own check: say where it was given
+            raise InputError(f"problem_options.{exc.argument}", exc.value, exc.problem) from None
         raise
     except (TypeError, ValueError) as exc:
         raise InputError("problem_options", options, f"{name}: {exc}") from None
@@ -278,8 +281,8 @@ def _vehicle_safety() -> Problem:
 def _dtlz2(dim: int = 6, n_objectives: int = 2) -> Problem:
     from botorch.test_functions.multi_objective import DTLZ2
 
-    if not 2 <= n_objectives < dim:
-        raise InputError("n_objectives", n_objectives, f"DTLZ2 needs 2 <= n_objectives < dim ({dim})")
+    dim = check_int("dim", dim, 3, 100)
+    n_objectives = check_int("n_objectives", n_objectives, 2, dim - 1)  # DTLZ2 needs n_objectives < dim
     return _botorch_problem("dtlz2", DTLZ2(dim=dim, num_objectives=n_objectives),
                             [f"f{i}" for i in range(n_objectives)])
 
@@ -288,9 +291,7 @@ def _single(name: str, cls_name: str) -> ProblemFactory:
     def factory(dim: int = 20) -> Problem:
         from botorch.test_functions import synthetic
 
-        if not 20 <= int(dim) <= 100:
-            raise InputError("dim", dim, f"{name} is offered in 20 to 100 dimensions")
-        fn = getattr(synthetic, cls_name)(dim=int(dim))
+        fn = getattr(synthetic, cls_name)(dim=check_int("dim", dim, 20, 100))  # the range the paper's tables use
         return _botorch_problem(name, fn, ["value"], optimum=float(fn.optimal_value))
 
     return factory

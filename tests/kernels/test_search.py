@@ -300,7 +300,13 @@ def test_evaluate_point_refuses_a_point_outside_the_space():
     (dict(problem="branin-currin", optimizer="lamcts"), "single-objective"),
     (dict(problem="nasbench201-cifar10", optimizer="turbo", problem_options={"objectives": ["val_accuracy_pct"]}),
      "supports box"),
-    (dict(problem="levy", optimizer="lamcts", problem_options={"dim": 5}), "20 to 100"),
+    (dict(problem="levy", optimizer="lamcts", problem_options={"dim": 5}), r"problem_options\.dim=5: must be in \[20, 100\]"),
+    # a problem option of the wrong type is named, not Python's int() or '<' message
+    (dict(problem="levy", optimizer="lamcts", problem_options={"dim": "x"}), r"problem_options\.dim='x': must be an integer"),
+    (dict(problem="ackley", optimizer="lamcts", problem_options={"dim": 20.5}), r"problem_options\.dim=20\.5"),
+    (dict(problem="dtlz2", optimizer="lamoo", problem_options={"dim": "6"}), r"problem_options\.dim='6'"),
+    (dict(problem="dtlz2", optimizer="lamoo", problem_options={"n_objectives": 6}),
+     r"problem_options\.n_objectives=6: must be in \[2, 5\]"),
     (dict(problem="levy", optimizer="lamcts", optimizer_options={"leaf": 3}), "unknown for lamcts"),
     (dict(problem="levy", optimizer="lamcts", optimizer_options={"sampler": "cmaes"}), "known samplers"),
     # option values are checked against their defaults' types and ranges, naming the option
