@@ -174,7 +174,8 @@ def resumable(cp: CampaignParameters, campaign: Campaign, store: ObjectStore,
     ``(None, None)`` when there is none or ``cp.resume`` is off.
 
     Raises:
-        InputError: the checkpoint holds a campaign with other parameters than ``campaign``.
+        InputError: the checkpoint holds a campaign with other parameters than ``campaign``, or
+            more evaluations than ``cp.budget``.
     """
     state = load_checkpoint(store, checkpoint_uri) if cp.resume else None
     if state is None:
@@ -187,6 +188,11 @@ def resumable(cp: CampaignParameters, campaign: Campaign, store: ObjectStore,
         raise InputError("campaign", cp.campaign_name(campaign), f"a checkpoint of this name holds a campaign with "
                                                                  f"other {', '.join(differ)}; pick another name or "
                                                                  f"set resume=false")
+    if cp.budget < saved.n_done:  # it would end at once, reporting more evaluations than asked for
+        raise InputError("budget", cp.budget, f"campaign {cp.campaign_name(campaign)!r} has already done "
+                                              f"{saved.n_done} evaluations (its checkpoint); a budget of at least "
+                                              f"that continues it, resume=false or another campaign name starts "
+                                              f"a fresh one")
     return state, saved
 
 

@@ -105,6 +105,12 @@ def test_a_checkpoint_of_another_campaign_is_refused_before_the_flow_run(nas_run
                            "--set", "optimizer=qehvi"], env=cli_env, capture_output=True, text=True, timeout=300)
     err = " ".join(proc.stderr.split())
     assert proc.returncode == 1 and "holds a campaign with other optimizer;" in err, err  # not "optimizer_options"
+    # a budget below what the campaign has done would end at once, reporting 20 evaluations for 12
+    proc = subprocess.run([sys.executable, "-m", "paperline.flows.cli", "run", "nas", "--preset", "demo",
+                           "--set", "campaign=test-demo", "--set", "budget=12"], env=cli_env, capture_output=True,
+                          text=True, timeout=300)
+    err = " ".join(proc.stderr.split())
+    assert proc.returncode == 1 and "error: budget=12: campaign 'test-demo' has already done 20 evaluations" in err, err
 
 
 def test_a_killed_campaign_resumes_to_the_uninterrupted_result(stack, cli_env, tmp_path):
