@@ -37,6 +37,28 @@ def _common_headlines(runs: list[Any]) -> list[list[Any]]:
     return json.loads(max(counts, key=counts.__getitem__)) if counts else []
 
 
+def _headline_list(run: Any) -> list[list[Any]]:
+    """A run's headline metrics as ``[[name, higher_is_better], ...]`` (tag ``paperline.headlines``)."""
+    return json.loads(run.data.tags.get(HEADLINES_TAG) or "[]")
+
+
+def _directions(runs: list[Any], metric: str) -> set[bool]:
+    """The directions (higher is better: True) ``runs`` give ``metric`` in their headline tags."""
+    return {bool(better) for r in runs for m, better in _headline_list(r) if m == metric}
+
+
+def _example_kind(runs: list[Any], metric: str) -> dict[str, str]:
+    """A parameter, and its value in the newest run that minimizes ``metric``, that tells runs of
+    opposite directions apart (nas: ``problem``); empty when no single parameter does."""
+    minimized = [r for r in runs if [metric, False] in _headline_list(r)]
+    maximized = [r for r in runs if [metric, True] in _headline_list(r)]
+    for key in ("problem", *sorted(minimized[0].data.params)):
+        low = {r.data.params.get(key) for r in minimized}
+        if key in minimized[0].data.params and low.isdisjoint({r.data.params.get(key) for r in maximized}):
+            return {key: minimized[0].data.params[key]}
+    return {}
+
+
 def compare_runs(tracker: Tracker, experiment: str, metrics: list[str], filter_string: str = "", top: int = 10,
                  out_dir: Path = Path("paperline-compare"), log: bool = False, ascending: bool = False,
                  all_runs: bool = False) -> dict[str, Any]:
@@ -48,7 +70,9 @@ def compare_runs(tracker: Tracker, experiment: str, metrics: list[str], filter_s
         metrics: metric keys to show and plot; empty: the pipeline's headline metrics (tag
             ``paperline.headlines``: the list most of the newest 100 runs carry, the runs that
             have its first metric, sorted by it in its own direction), else every metric the
-            runs share (up to 6; none: no plot).
+            runs share (up to 6; none: no plot). A named headline metric is sorted in its own
+            direction too; one that some runs maximize and others minimize (nas ``final_best``
+            over different problems) is listed newest first, with a note.
         filter_string: an MLflow search filter, e.g. ``"params.routine = 'gemm'"``.
         top: at most this many runs, sorted by the first metric (descending, or ``ascending`` for
             losses and times), else newest first.
@@ -61,8 +85,8 @@ def compare_runs(tracker: Tracker, experiment: str, metrics: list[str], filter_s
 
     Returns:
         ``{"columns", "rows", "parquet", "plot" (None without metrics), "comparison_run_id",
-        "selection", "metrics", "left_out"}`` (``left_out``: a note on the runs the default
-        headline left out, or empty).
+        "selection", "metrics", "note"}`` (``note``: what the default headline left out, or why
+        runs are not ranked; else empty).
 
     Raises:
         InputError: unknown experiment (known ones listed), an invalid filter (as given), no
@@ -96,24 +120,34 @@ def compare_runs(tracker: Tracker, experiment: str, metrics: list[str], filter_s
         except MlflowException as exc:
             raise InputError("--filter", user_filter, f"MLflow rejected it: {str(exc).splitlines()[0][:300]}") from None
 
+    recent = search(["attributes.start_time DESC"], HEADLINE_SAMPLE)
     headline_default = False
+    note = ""
     if not metrics:  # the pipeline's headline metrics, best first in their own direction
-        headlines = _common_headlines(search(["attributes.start_time DESC"], HEADLINE_SAMPLE))
+        headlines = _common_headlines(recent)
         if headlines:
             metrics = [m for m, _ in headlines][:6]
             ascending = not headlines[0][1]
             headline_default = True
-    order = [f"metrics.`{metrics[0]}` {'ASC' if ascending else 'DESC'}"] if metrics else ["attributes.start_time DESC"]
-    left_out = ""
+    elif not ascending:  # a named headline metric is ranked in its own direction (wall_s: fastest first)
+        directions = _directions(recent, metrics[0])
+        if directions == {False}:
+            ascending = True
+        elif len(directions) > 1:  # nas final_best: maximized accuracy beside minimized Levy values
+            ranked_by = " ".join(f"params.{k} = {v!r}" for k, v in _example_kind(recent, metrics[0]).items())
+            note = (f"{metrics[0]} is maximized in some runs and minimized in others: listed newest first, not "
+                    f"ranked" + (f"; --filter \"{ranked_by}\" ranks runs of one kind" if ranked_by else ""))
+    order = ["attributes.start_time DESC"] if note or not metrics else \
+        [f"metrics.`{metrics[0]}` {'ASC' if ascending else 'DESC'}"]
     if headline_default:  # only the runs that have the headline (a user-data tensor run has others)
         found = search(order, max(top, HEADLINE_SAMPLE))
         runs = [r for r in found if metrics[0] in r.data.metrics][:top]
         others = [r for r in found if metrics[0] not in r.data.metrics]
         if others:  # e.g. nas: single-objective campaigns have final_best, not final_hypervolume
-            theirs = sorted({m for r in others for m, _ in json.loads(r.data.tags.get(HEADLINES_TAG) or "[]")})
-            left_out = (f"{len(others)}{'+' if len(found) == max(top, HEADLINE_SAMPLE) else ''} run(s) without "
-                        f"{metrics[0]} left out" + (f" (they have {', '.join(theirs)}: --metric {theirs[0]} shows "
-                                                    f"them)" if theirs else " (--metric names what to show)"))
+            theirs = sorted({m for r in others for m, _ in _headline_list(r)})
+            note = (f"{len(others)}{'+' if len(found) == max(top, HEADLINE_SAMPLE) else ''} run(s) without "
+                    f"{metrics[0]} left out" + (f" (they have {', '.join(theirs)}: --metric {theirs[0]} shows "
+                                                f"them)" if theirs else " (--metric names what to show)"))
     else:
         runs = search(order, top)
     if not runs:
@@ -160,7 +194,7 @@ def compare_runs(tracker: Tracker, experiment: str, metrics: list[str], filter_s
             tracker.log_artifact(comparison_run_id, str(plot))
         tracker.end_run(comparison_run_id, "FINISHED")
     return {"columns": columns, "rows": rows, "parquet": str(parquet), "plot": str(plot) if plot else None,
-            "comparison_run_id": comparison_run_id, "selection": selection, "metrics": metrics, "left_out": left_out}
+            "comparison_run_id": comparison_run_id, "selection": selection, "metrics": metrics, "note": note}
 
 
 def _write_parquet(runs: list[Any], params: list[str], path: Path) -> None:

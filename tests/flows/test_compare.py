@@ -133,6 +133,10 @@ def test_headline_metrics_by_default_and_runs_that_share_none(stack, tmp_path):
     table = pq.read_table(tmp_path / "compare-headlines-runs.parquet").to_pydict()
     assert table["run_id"] == [ids[1], ids[2], ids[0]]  # fastest first; the --log run takes no slot
     assert "3 run(s) (pipeline runs" in " ".join(res.output.split())
+    # a headline metric named with --metric is ranked in its own direction too (it was descending)
+    res = _cli(settings.state_dir, "compare", "compare-headlines", "--metric", "wall_s", "--out", str(tmp_path))
+    assert res.exit_code == 0, res.output
+    assert pq.read_table(tmp_path / "compare-headlines-runs.parquet").to_pydict()["run_id"] == [ids[1], ids[2], ids[0]]
     lone = tracker.start_run("compare-disjoint", run_name="a")
     tracker.log_metrics(lone, {"x": 1.0})
     tracker.end_run(lone)
@@ -179,3 +183,34 @@ def test_default_headlines_are_the_ones_most_runs_share(stack, tmp_path):
         " ".join(res.output.split())
     res = _cli(settings.state_dir, "compare", "compare-mixed", "--metric", "user.rmse", "--out", str(tmp_path))
     assert res.exit_code == 0 and pq.read_table(tmp_path / "compare-mixed-runs.parquet").to_pydict()["run_id"][0] == user
+
+
+def test_a_metric_maximized_by_some_runs_and_minimized_by_others_is_not_ranked(stack, tmp_path):
+    """nas ``final_best``: a NAS-Bench-201 accuracy (higher is better) and a Levy value (lower is
+    better) ranked together put the worst Levy campaign first. They are listed newest first with a
+    note naming a filter that ranks one problem's campaigns; that filter ranks them (ascending)."""
+    import json
+
+    from paperline.infra.tracking import Tracker
+
+    settings, info = stack
+    tracker = Tracker(info.mlflow_tracking_uri)
+    ids = {}
+    for name, problem, better, value in (("acc", "nasbench201-cifar10", True, 91.0), ("levy-a", "levy", False, 40.0),
+                                         ("levy-b", "levy", False, 3.0)):
+        run_id = tracker.start_run("compare-directions", run_name=name, params={"problem": problem}, tags={
+            "paperline.params_key": name, "paperline.headlines": json.dumps([["final_best", better]])})
+        tracker.log_metrics(run_id, {"final_best": value})
+        tracker.end_run(run_id)
+        ids[name] = run_id
+    res = _cli(settings.state_dir, "compare", "compare-directions", "--metric", "final_best", "--out", str(tmp_path))
+    assert res.exit_code == 0, res.output
+    table = pq.read_table(tmp_path / "compare-directions-runs.parquet").to_pydict()
+    assert table["run_id"] == [ids["levy-b"], ids["levy-a"], ids["acc"]]  # newest first
+    assert "final_best is maximized in some runs and minimized in others: listed newest first, not ranked; " \
+        "--filter \"params.problem = 'levy'\" ranks runs of one kind" in " ".join(res.output.split()), res.output
+    res = _cli(settings.state_dir, "compare", "compare-directions", "--metric", "final_best", "--filter",
+               "params.problem = 'levy'", "--out", str(tmp_path))
+    assert res.exit_code == 0 and "not ranked" not in res.output, res.output
+    assert pq.read_table(tmp_path / "compare-directions-runs.parquet").to_pydict()["run_id"] == [ids["levy-b"],
+                                                                                               ids["levy-a"]]
