@@ -179,7 +179,8 @@ def run(pipeline: str = typer.Argument(..., help="Pipeline name, e.g. tensor-fac
         preset: str = typer.Option("demo", "--preset", help="Parameter preset (each pipeline has demo; see README for the others: full, default)."),
         set_: Optional[list[str]] = typer.Option(None, "--set", help="Override a parameter: key=value (repeatable)."),
         summary_json: Optional[Path] = typer.Option(None, "--summary-json",
-                                                    help="Write parameters, metrics and artifact URIs as JSON."),
+                                                    help="Write the parameters (key 'parameters', as run) and the "
+                                                         "summary: metrics, run ids, artifact URIs, as JSON."),
         ) -> None:
     """Run a pipeline on the stack (started if needed) and print its results and URLs.
 
@@ -291,7 +292,9 @@ def _run_one(spec, params, summary_json: Path | None, early=None) -> dict[str, A
     _print_summary(spec.name, summary)
     if summary_json is not None:
         summary_json.parent.mkdir(parents=True, exist_ok=True)
-        summary_json.write_text(json.dumps(summary, indent=2, default=str))
+        # the parameters first: the run's summary alone does not say what it was run with
+        record = {"parameters": params.model_dump(mode="json"), **summary}
+        summary_json.write_text(json.dumps(record, indent=2, default=str))
         console.print(f"summary: {summary_json}")
     return summary
 
@@ -418,7 +421,9 @@ def compare(experiment: str = typer.Argument(..., help="MLflow experiment, e.g. 
             metric: list[str] = typer.Option([], "--metric", "-m", help="Metric to show and plot (repeatable)."),
             filter_string: str = typer.Option("", "--filter", help="MLflow filter, e.g. \"params.routine = 'gemm'\"."),
             top: int = typer.Option(10, "--top", help="At most this many runs, sorted by the first metric."),
-            ascending: bool = typer.Option(False, "--ascending", help="Sort ascending (losses, times)."),
+            ascending: bool = typer.Option(False, "--ascending", help="Sort ascending (losses, times). Default: the metric's "
+                                                                   "own direction where its pipeline records one, "
+                                                                   "else descending."),
             out: Path = typer.Option(Path("paperline-compare"), "--out",
                                      help="Directory for the Parquet file and the plot."),
             log: bool = typer.Option(False, "--log", help="Also log the comparison as an MLflow run."),
@@ -445,8 +450,8 @@ def compare(experiment: str = typer.Argument(..., help="MLflow experiment, e.g. 
     for row in result["rows"]:
         table.add_row(*[_fmt(v) if isinstance(v, float) else _short(str(v)) for v in row])
     console.print(table)
-    if result["left_out"]:
-        console.print(result["left_out"], highlight=False)
+    if result["note"]:
+        console.print(result["note"], highlight=False)
     plot = result["plot"] or "none (these runs share no metric: name some with --metric)"
     console.print(f"runs: {result['parquet']}\nplot: {plot}", highlight=False)
     if result["comparison_run_id"]:
