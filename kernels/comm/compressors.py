@@ -85,6 +85,7 @@ import math
 import threading
 import time
 from dataclasses import dataclass
+from collections.abc import Iterable
 from typing import TYPE_CHECKING, Any, Callable, ClassVar, NamedTuple
 
 from paperline.kernels.errors import InputError, check_int
@@ -1148,6 +1149,32 @@ class PowerSGDCompressorState(CompressorState):
 
     def options(self) -> dict[str, Any]:
         return {**{name: getattr(self.powersgd, name) for name in self._OPTIONS}, "random_seed": self.random_seed}
+
+    def check_compresses(self, parameters: Iterable[Any]) -> None:
+        """Refuse a rank that compresses none of ``parameters``' gradients.
+
+        ``powerSGD_hook`` sends a gradient of shape ``(n, ...)`` as its ``n x m`` matrix
+        (``m`` = the rest) and compresses it only when ``(n + m) * rank * min_compression_rate <
+        n * m`` (torch's ``_should_compress``); vectors always go dense. A rank too large for every
+        matrix of the model turns PowerSGD into a dense allreduce with compression ratio 1.
+
+        Raises:
+            InputError: naming ``matrix_approximation_rank`` and the largest rank that compresses
+                some gradient (none at all: the model has no matrix large enough).
+        """
+        ps = self.powersgd
+        rate = max(ps.min_compression_rate, 1e-12)
+        useful = 0  # the largest rank that compresses at least one matrix
+        for p in parameters:
+            if p.dim() > 1:
+                n, m = p.shape[0], p.numel() // p.shape[0]
+                useful = max(useful, math.ceil(n * m / ((n + m) * rate)) - 1)
+        if ps.matrix_approximation_rank > useful:
+            hint = (f"the largest that compresses any is {useful}" if useful >= 1 else
+                    "no weight matrix of this model is large enough for PowerSGD")
+            raise InputError("matrix_approximation_rank", ps.matrix_approximation_rank,
+                             f"compresses no gradient of the model (each would be sent dense: ratio 1); {hint} "
+                             f"(min_compression_rate {ps.min_compression_rate:g})")
 
     _MEMORY = ("error_dict", "p_memory_dict", "q_memory_dict")
 

@@ -109,8 +109,11 @@ class TrainConfig:
         from paperline.kernels.train.models import make_model  # noqa: PLC0415
         from paperline.kernels.train.recompute import apply_recomputation  # noqa: PLC0415
 
-        apply_recomputation(make_model(self.model, **dict(self.model_options)), self.recompute)
-        make_hook(self.compressor, **dict(self.compressor_options))
+        model = make_model(self.model, **dict(self.model_options))
+        apply_recomputation(model, self.recompute)
+        state, _ = make_hook(self.compressor, **dict(self.compressor_options))
+        if hasattr(state, "check_compresses"):  # powersgd: a rank too large for the model is dense
+            state.check_compresses(model.parameters())
 
     def as_dict(self) -> dict[str, Any]:
         d = asdict(self)

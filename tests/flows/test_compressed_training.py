@@ -39,6 +39,9 @@ def test_none_and_fft_are_compared_with_bytes_and_accuracy(trained):
     _, proc, summary, _, _ = trained
     runs = {r["name"]: r for r in summary["runs"]}
     assert set(runs) == {"none", "fft"}
+    # --summary-json holds the parameters as run (the preset with the --set overrides)
+    assert summary["parameters"]["compressors"] == ["none", "fft"] and summary["parameters"]["nan_steps"] == [3]
+    assert summary["parameters"]["model_options"] == {"width": 8, "blocks": 1}
     assert runs["none"]["compression_ratio"] == 1 and runs["fft"]["compression_ratio"] > 10
     assert runs["fft"]["bytes_sent_per_step"] * 10 < runs["none"]["bytes_sent_per_step"]
     assert all(0 <= r["final_test_accuracy_pct"] <= 100 for r in runs.values())
@@ -102,6 +105,9 @@ def test_a_killed_rank_resumes_from_the_checkpoints_to_the_same_accuracy(trained
 @pytest.mark.parametrize("sets, message", [
     (["fft_theta=1.5"], "theta"),
     (["world_size=3"], "larger than the number of Dask workers (2)"),
+    # width 8: the largest matrix is 16 x 144; rank 8 would send every gradient dense (ratio 1)
+    (["compressors=powersgd", "powersgd_rank=8"], "powersgd_rank=8: compresses no gradient of the model (each would "
+                                                  "be sent dense: ratio 1); the largest that compresses any is 7"),
 ])
 def test_bad_input_is_refused_with_a_clear_error(cli_env, sets, message):
     proc = _run(cli_env, *SMALL, *sets, timeout=300)

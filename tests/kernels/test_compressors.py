@@ -675,3 +675,26 @@ if __name__ == "__main__":
     # (pytorch/pytorch#190489; see tests/kernels/test_train.py).
     sys.stdout.flush()
     os._exit(0)
+
+
+@pytest.mark.parametrize(("shapes", "largest"), [
+    ([(32, 16, 3, 3), (10, 32), (32,)], 13),  # 32 x 144: 4608 / (176 * 2) = 13.09
+    ([(16, 16, 3, 3), (16, 72), (10, 16)], 7),  # 16 x 144: 2304 / (160 * 2) = 7.2
+    ([(4, 4), (8,)], 0),  # nothing a rank >= 1 compresses
+])
+def test_powersgd_refuses_a_rank_that_compresses_no_gradient(shapes, largest):
+    """The check agrees with torch's own rule (``_should_compress``) at the boundary: the largest
+    rank it accepts compresses some matrix, one more compresses none (all sent dense)."""
+    from torch.distributed.algorithms.ddp_comm_hooks.powerSGD_hook import _should_compress
+
+    params = [torch.zeros(s) for s in shapes]
+    mats = [(p.shape[0], p.numel() // p.shape[0]) for p in params if p.dim() > 1]
+    expected = max(r for r in range(0, 200) if r == 0 or any(_should_compress(n, m, r, 2.0)[0] for n, m in mats))
+    assert expected == largest
+    if expected >= 1:
+        state, _ = C.make_hook("powersgd", matrix_approximation_rank=expected)
+        state.check_compresses(params)
+    state, _ = C.make_hook("powersgd", matrix_approximation_rank=expected + 1)
+    hint = f"the largest that compresses any is {expected}" if expected else "no weight matrix"
+    with pytest.raises(InputError, match=f"matrix_approximation_rank={expected + 1}: compresses no gradient.*{hint}"):
+        state.check_compresses(params)
