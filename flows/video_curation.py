@@ -11,6 +11,7 @@ sheet to one MLflow run.
 
 from __future__ import annotations
 
+import hashlib
 import io
 import json
 import tempfile
@@ -33,7 +34,7 @@ from paperline.infra.tracking import Tracker
 from paperline.kernels.errors import InputError as KernelInputError
 from paperline.kernels.video.clips import ClipConfig, FilterConfig, nvenc_usable
 from paperline.kernels.video.dedup import deduplicate
-from paperline.kernels.video.shards import plan_shards
+from paperline.kernels.video.shards import MANIFEST, plan_shards
 from paperline.kernels.video.sources import VIDEO_EXTENSIONS, demo_videos, list_local
 from paperline.tasks.video import contact_sheet, curate_video, read_back, video_stats, write_shards
 
@@ -136,6 +137,33 @@ class VideoCurationParameters(BaseModel):
             if not Path(src).expanduser().exists():
                 raise InputError("source", src, "no such file or directory")
 
+    def destination(self, data_bucket: str) -> tuple[str, str, str]:
+        """``(output prefix, parameter that names it, its value)``: ``output``, else
+        ``s3://<data bucket>/video-curation/<dataset>`` with ``{date}`` as today's UTC date."""
+        import datetime  # noqa: PLC0415
+
+        if self.output:
+            return self.output, "output", self.output
+        dataset = self.dataset.replace("{date}", datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d"))
+        return f"s3://{data_bucket}/video-curation/{dataset}", "dataset", self.dataset
+
+    def inputs_key(self, cfg: ClipConfig, sources: list[str]) -> str:
+        """A digest of what decides a dataset's shards: the sources and every setting except where
+        the dataset goes and how it is read back (stored in its manifest, checked by
+        :func:`check_dataset_free`)."""
+        import dataclasses  # noqa: PLC0415
+
+        blob = {"params": self.model_dump(exclude={"dataset", "output", "world_size", "source"}),
+                "clip_config": dataclasses.asdict(cfg), "embedder": cfg.resolved_embedder(), "sources": sorted(sources)}
+        return hashlib.sha256(json.dumps(blob, sort_keys=True, default=str).encode()).hexdigest()[:16]
+
+    def validate_on_stack(self, info: Any, store: ObjectStore) -> None:
+        """Before the flow run is created: there is something to curate, and the dataset's prefix
+        is free or holds this very dataset (a committed dataset is never rewritten)."""
+        cfg = self.clip_config(resolve_device(get_settings().device))
+        output, argument, value = self.destination(info.data_bucket)
+        check_dataset_free(store, output, self.inputs_key(cfg, list_sources(self.source, store)), argument, value)
+
     def filter_config(self) -> FilterConfig:
         return FilterConfig(min_motion=self.min_motion, min_sharpness=self.min_sharpness,
                             max_black_fraction=self.max_black_fraction, min_duration_s=self.min_duration_s,
@@ -160,6 +188,25 @@ def check_detector_options(factory: Any, name: str, options: dict[str, Any]) -> 
         numeric = isinstance(default, (int, float)) and not isinstance(default, bool)
         if numeric and (not isinstance(value, (int, float)) or isinstance(value, bool)):
             raise InputError("splitter_options", options, f"{name}: {key} must be a number (default {default!r})")
+
+
+def check_dataset_free(store: ObjectStore, output: str, key: str, argument: str, value: str) -> None:
+    """Refuse ``output`` when it holds a committed dataset curated from other sources or settings
+    (its manifest's ``meta.inputs_key`` differs from ``key``), before any video is processed; a
+    re-run of the same dataset passes (its shards are found and skipped). A manifest without the
+    key (older runs) is left to :func:`~paperline.kernels.video.shards.write_dataset`'s own check.
+
+    Raises:
+        InputError: naming ``argument`` (``dataset`` or ``output``) and ``value``.
+    """
+    uri = f"{output.rstrip('/')}/{MANIFEST}"
+    if not store.exists(uri):
+        return
+    old = json.loads(store.get_bytes(uri)).get("meta", {}).get("inputs_key")
+    if old is not None and old != key:
+        raise InputError(argument, value, f"{output} already holds a committed dataset curated from other sources "
+                                          f"or settings; a committed dataset is never rewritten: choose another "
+                                          f"{'output prefix' if argument == 'output' else 'dataset name'}")
 
 
 X264_PRESETS = ("ultrafast", "superfast", "veryfast", "faster", "fast", "medium", "slow", "slower", "veryslow",
@@ -208,8 +255,11 @@ def video_curation(params: VideoCurationParameters | None = None) -> dict[str, A
         URLs, and a table for the CLI.
 
     Raises:
-        InputError: bad parameters, nothing to curate, or every input rejected (the reasons are
-            listed). ServiceError: the stack is not up.
+        InputError: bad parameters, nothing to curate, a dataset name (or output) that holds a
+            dataset curated from other sources or settings (checked before any video is
+            processed), every input rejected (the reasons are listed), or no clip kept (the
+            filters that dropped them are listed; nothing is committed). ServiceError: the stack
+            is not up.
     """
     params = params or VideoCurationParameters()
     configure_local_workers()
@@ -219,12 +269,11 @@ def video_curation(params: VideoCurationParameters | None = None) -> dict[str, A
     params.validate_inputs()  # also for runs that do not come through the CLI (deployments)
     cfg = params.clip_config(device)
     filt = params.filter_config()
-    import datetime  # noqa: PLC0415
-
-    dataset = params.dataset.replace("{date}", datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d"))
-    output = params.output or f"s3://{info.data_bucket}/video-curation/{dataset}"
+    output, argument, value = params.destination(info.data_bucket)
     staging = f"s3://{info.data_bucket}/video-curation/staging"
     sources = list_sources(params.source, store)
+    inputs_key = params.inputs_key(cfg, sources)
+    check_dataset_free(store, output, inputs_key, argument, value)  # before hours of processing, not at upload
     tracker = Tracker(info.mlflow_tracking_uri)
     run_url = f"{info.prefect_ui_url.rstrip('/')}/runs/flow-run/{flow_run.id}"
     mlflow_params = {**params.model_dump(), "splitter_used": cfg.splitter, "encoder_used": cfg.encoder,
@@ -235,7 +284,7 @@ def video_curation(params: VideoCurationParameters | None = None) -> dict[str, A
                                tags={"prefect.flow_run_id": str(flow_run.id), "prefect.flow_run_url": run_url},
                                params=mlflow_params)
     try:
-        summary = _curate(params, cfg, filt, sources, store, tracker, run_id, output, staging)
+        summary = _curate(params, cfg, filt, sources, store, tracker, run_id, output, staging, inputs_key)
         identity = {k: v for k, v in mlflow_params.items() if k not in ("dataset", "output")}
         versus = check_latest(tracker, run_id, identity, HEADLINES)
         summary["lines"] += versus.lines()
@@ -268,7 +317,8 @@ def _label(source: str) -> str:
 
 
 def _curate(params: VideoCurationParameters, cfg: ClipConfig, filt: FilterConfig, sources: list[str],
-            store: ObjectStore, tracker: Tracker, run_id: str, output: str, staging: str) -> dict[str, Any]:
+            store: ObjectStore, tracker: Tracker, run_id: str, output: str, staging: str,
+            inputs_key: str) -> dict[str, Any]:
     import dataclasses  # noqa: PLC0415
 
     t0 = time.perf_counter()
@@ -303,12 +353,16 @@ def _curate(params: VideoCurationParameters, cfg: ClipConfig, filt: FilterConfig
     index = _index_parquet(rows)
     rejected_pq = _rejected_parquet(rejected)
     counts = _counts(results, rows, rejected)
+    if not selected:  # an empty dataset would hold the name forever (never rewritten): commit nothing
+        tracker.log_metrics(run_id, {k: float(v) for k, v in counts.items()})
+        _log_artifacts(tracker, run_id, rows, index, rejected_pq, None)
+        raise InputError(*_nothing_kept(params, counts))
     meta = {"counts": counts, "clip_config": clip_cfg, "filter_config": filter_cfg,
-            "sources": [r["source"] for r in results]}
+            "sources": [r["source"] for r in results], "inputs_key": inputs_key}
     slim = {r["key"]: {k: v for k, v in r.items() if k not in ("embedding", "thumbnail_jpeg")} for r in selected}
     manifest = write_shards(store, output, plans, slim, {"index.parquet": index, "rejected.parquet": rejected_pq},
                             meta)
-    check = read_back(store, output, params.world_size) if selected else {"samples_per_rank": [], "distinct": 0}
+    check = read_back(store, output, params.world_size)
     wall = time.perf_counter() - t0
     video_s = sum(r["stats"]["video_s"] for r in results)
     busy = sum(r["stats"]["seconds"] for r in results)
@@ -340,6 +394,27 @@ def _curate(params: VideoCurationParameters, cfg: ClipConfig, filt: FilterConfig
             "shards": [s["name"] for s in manifest["shards"]], "read_back": check,
             "table": {"title": "video-curation: per-stage counts", "columns": ["stage", "count"], "rows": table_rows},
             "lines": lines}
+
+
+# The parameter behind each filter reason (kernels.video.clips.FilterConfig.decide).
+FILTER_PARAMETERS = {"too_short": "min_duration_s", "low_resolution": "min_height", "static": "min_motion",
+                     "blurry": "min_sharpness", "black_or_flat": "max_black_fraction"}
+
+
+def _nothing_kept(params: VideoCurationParameters, counts: dict[str, int]) -> tuple[str, Any, str]:
+    """``InputError``'s arguments for a run that kept no clip: the filters that dropped them, with
+    their settings, or the clip length that left none to filter."""
+    if not counts["clips_extracted"]:
+        return ("min_clip_s", params.min_clip_s, f"no clip was extracted from the {counts['videos_in']} input(s): "
+                                                 f"{counts['shots_detected']} shot(s) detected, "
+                                                 f"{counts['clips_too_short_dropped']} shorter than min_clip_s; "
+                                                 f"nothing was committed")
+    dropped = {reason: counts[f"filtered.{reason}"] for reason in FILTER_PARAMETERS if f"filtered.{reason}" in counts}
+    settings = {FILTER_PARAMETERS[r]: getattr(params, FILTER_PARAMETERS[r]) for r in dropped}
+    why = ", ".join(f"{r} {n} ({FILTER_PARAMETERS[r]}={getattr(params, FILTER_PARAMETERS[r])})"
+                    for r, n in dropped.items())
+    return ("filters", settings, f"all {counts['clips_extracted']} clip(s) were filtered out: {why}; nothing was "
+                                 f"committed (the index in the MLflow run has every clip's scores)")
 
 
 def _counts(results: list[dict[str, Any]], rows: list[dict[str, Any]], rejected: list[dict[str, Any]]) -> dict[str, int]:
@@ -408,7 +483,7 @@ def _log_rejected(tracker: Tracker, run_id: str, rejected: list[dict[str, Any]])
 
 
 def _log_artifacts(tracker: Tracker, run_id: str, rows: list[dict[str, Any]], index: bytes, rejected_pq: bytes,
-                   manifest: dict[str, Any]) -> None:
+                   manifest: dict[str, Any] | None) -> None:
     kept = [r for r in sorted(rows, key=lambda r: r["key"]) if r["selected"]]
     dropped = [r for r in sorted(rows, key=lambda r: r["key"]) if not r["selected"]]
     items = [{"thumbnail_jpeg": r["thumbnail_jpeg"], "key": r["key"], "kept": True, "label": "kept"}
@@ -418,9 +493,10 @@ def _log_artifacts(tracker: Tracker, run_id: str, rows: list[dict[str, Any]], in
     title = (f"video-curation: clips kept (green, {min(len(kept), CONTACT_KEPT)} of {len(kept)} shown) and dropped by "
              f"filters or dedup (red, {min(len(dropped), CONTACT_DROPPED)} of {len(dropped)} shown)")
     with tempfile.TemporaryDirectory() as tmp:
-        files = {"index.parquet": index, "rejected.parquet": rejected_pq,
-                 "manifest.json": json.dumps({k: v for k, v in manifest.items() if k not in ("uploaded", "skipped")},
-                                             indent=1, sort_keys=True).encode()}
+        files = {"index.parquet": index, "rejected.parquet": rejected_pq}
+        if manifest is not None:  # None: nothing was committed
+            files["manifest.json"] = json.dumps({k: v for k, v in manifest.items() if k not in ("uploaded", "skipped")},
+                                                indent=1, sort_keys=True).encode()
         for name, data in files.items():
             (Path(tmp) / name).write_bytes(data)
             tracker.log_artifact(run_id, str(Path(tmp) / name))

@@ -124,6 +124,41 @@ def test_rerun_gives_the_same_shards_and_rewrites_nothing(curated, cli_env):
     assert versus["metrics"]["per_worker_video_s_per_s"]["ratio"] == pytest.approx(1.0)
 
 
+def test_a_dataset_of_other_inputs_is_refused_before_any_video_is_processed(curated, cli_env, source_dir, tmp_path):
+    """Curating other sources (or settings) into a committed dataset's name used to process every
+    video and fail only at the upload; now it fails before the flow run, naming the dataset."""
+    _, _, first, sets, _ = curated
+    fewer = tmp_path / "fewer"
+    fewer.mkdir()
+    shutil.copy(source_dir / "carphone.mp4", fewer / "carphone.mp4")
+    dataset = next(s for s in sets if s.startswith("dataset=")).partition("=")[2]
+    for change in ([f"source={fewer}"], ["min_motion=0.01"]):
+        proc = _run(cli_env, *[s for s in sets if not s.startswith(change[0].partition("=")[0])], *change)
+        out = " ".join((proc.stdout + proc.stderr).split())
+        assert proc.returncode != 0 and f"error: dataset='{dataset}': {first['output']} already holds a committed " \
+            "dataset curated from other sources or settings" in out, out
+        assert "flow run" not in out.lower() and "Traceback" not in out
+
+
+def test_a_run_that_keeps_no_clip_commits_nothing_and_names_the_filters(stack, cli_env, source_dir, tmp_path):
+    """Every clip filtered out used to commit an empty dataset, which then held the name for good."""
+    from paperline.infra.storage import ObjectStore
+
+    _, info = stack
+    one = tmp_path / "one"
+    one.mkdir()
+    shutil.copy(source_dir / "carphone.mp4", one / "carphone.mp4")
+    dataset = f"test-none-kept-{int(time.time())}"
+    proc = _run(cli_env, f"source={one}", f"dataset={dataset}", "min_clip_s=1.0", "min_sharpness=1e9")
+    out = " ".join((proc.stdout + proc.stderr).split())
+    assert proc.returncode != 0 and "error: filters={'min_sharpness': 1000000000.0}: all 1 clip(s) were filtered " \
+        "out: blurry 1 (min_sharpness=1000000000.0); nothing was committed" in out, out
+    assert not ObjectStore.from_stack(info).exists(f"s3://{info.data_bucket}/video-curation/{dataset}/manifest.json")
+    # the name is still free: the same sources with the default filters commit there
+    proc = _run(cli_env, f"source={one}", f"dataset={dataset}", "min_clip_s=1.0")
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+
+
 def test_a_failure_mid_upload_leaves_no_visible_dataset_and_the_rerun_completes(curated):
     import pandas as pd
 
