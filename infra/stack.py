@@ -9,7 +9,10 @@ configured it uses that one and starts nothing. Everything lives under ``setting
   identities file; ``s3/data``: the objects;
 - ``prefect/``: Prefect's home and SQLite database; ``mlflow/``: MLflow's SQLite database (artifacts go
   to S3, proxied by the MLflow server so clients need no S3 credentials);
-- ``logs/<service>.log``: each server's output.
+- ``logs/<service>.log``: each server's output;
+- ``ports.json`` (and ``s3/ports.json``): the ports of the last start, preferred after the
+  configured ones at the next, so that a stack whose configured ports are taken keeps its URLs
+  across ``down`` and ``up``.
 
 ``paperline down`` (:func:`stop_stack`) stops exactly the recorded processes (whole process groups);
 ``paperline status`` is :func:`stack_status`. :func:`activate` points this process's (and its future
@@ -518,11 +521,37 @@ def _start_s3(settings: Settings, taken: set[int], key: str, secret: str) -> tup
     return proc, _record(proc, url, log, port=ports["s3"], ports=ports)
 
 
+LAST_PORTS_FILE = "ports.json"
+
+
+def _last_port(settings: Settings, name: str) -> int | None:
+    """The port ``name`` (prefect, mlflow) had at its last start: kept in ``state_dir/ports.json``
+    across `paperline down`, so that a stack whose preferred port is taken (another stack has it)
+    comes back on the same URLs, which printed links and MLflow's flow-run tags hold."""
+    try:
+        return int(json.loads((settings.state_dir / LAST_PORTS_FILE).read_text())[name])
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+
+
+def _remember_port(settings: Settings, name: str, port: int) -> None:
+    path = settings.state_dir / LAST_PORTS_FILE
+    try:
+        ports = json.loads(path.read_text())
+        if not isinstance(ports, dict):
+            ports = {}
+    except (OSError, ValueError):
+        ports = {}
+    ports[name] = port
+    _write_atomic(path, json.dumps(ports) + "\n")
+
+
 def _start_prefect(
     settings: Settings, old_port: int | None, taken: set[int]
 ) -> tuple[subprocess.Popen[bytes], dict[str, Any]]:
     host = settings.host
-    port = _pick_port(host, old_port or settings.prefect_port, taken)
+    port = _pick_port(host, (old_port, settings.prefect_port, _last_port(settings, "prefect")), taken)
+    _remember_port(settings, "prefect", port)
     url = f"http://{_url_host(host)}:{port}"
     home = settings.state_dir / "prefect"
     home.mkdir(parents=True, exist_ok=True)
@@ -555,7 +584,8 @@ def _start_mlflow(
     secret: str | None,
 ) -> tuple[subprocess.Popen[bytes], dict[str, Any]]:
     host = settings.host
-    port = _pick_port(host, old_port or settings.mlflow_port, taken)
+    port = _pick_port(host, (old_port, settings.mlflow_port, _last_port(settings, "mlflow")), taken)
+    _remember_port(settings, "mlflow", port)
     url = f"http://{_url_host(host)}:{port}"
     home = settings.state_dir / "mlflow"
     home.mkdir(parents=True, exist_ok=True)

@@ -48,6 +48,13 @@ def test_second_stack_on_taken_ports_stops_completely(settings_factory, tmp_path
         assert info.service("mlflow").pid != mlflow.pid
         assert [s.healthy for s in stack_status(settings)] == [True, True, True]
 
+        # `down` then `up` with the preferred ports still taken: the same URLs again (links printed
+        # earlier and MLflow's flow-run tags keep working); they used to be new random ports
+        urls = [s.url for s in info.services]
+        stop_stack(settings)
+        info = ensure_stack(settings)
+        assert [s.url for s in info.services] == urls
+
         procs = []
         for svc in info.services:
             p = psutil.Process(svc.pid)
