@@ -166,6 +166,8 @@ def tensor_factorization(params: TensorFactorizationParameters | None = None) ->
     run_url = f"{info.prefect_ui_url.rstrip('/')}/runs/flow-run/{flow_run.id}"
     device = array_device(settings.device)
     mlflow_params = {**params.model_dump(), "device": device}
+    if params.data is not None:  # the bundled datasets' default list is not what this run fitted
+        mlflow_params["datasets"] = []
     run_id = tracker.start_run(EXPERIMENT, run_name=flow_run.name or "tensor-factorization",
                                tags={"prefect.flow_run_id": str(flow_run.id), "prefect.flow_run_url": run_url},
                                params=mlflow_params)

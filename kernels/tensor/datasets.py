@@ -169,8 +169,9 @@ def read_coo_parquet(source: str | Path | bytes, *, argument: str = "data") -> C
 
     Raises:
         InputError: unreadable or non-Parquet file (or a directory), missing ``t``/``value``
-            columns, negative or non-integer indices, a non-numeric value column, fewer than 3
-            modes, NaN/inf values, no rows. The message names ``argument`` and the file.
+            columns, negative, missing or non-integer indices, a non-numeric or missing value,
+            a coordinate listed twice, fewer than 3 modes, NaN/inf values, no rows. The message
+            names ``argument`` and the file.
     """
     import io
 
@@ -192,7 +193,12 @@ def read_coo_parquet(source: str | Path | bytes, *, argument: str = "data") -> C
     for c in index_cols:
         col = table.column(c)
         if not pa.types.is_integer(col.type):
-            raise InputError(f"{argument}[{c!r}]", str(col.type), f"index columns must be integers (in {shown})")
+            raise InputError(f"{argument}[{c!r}]", str(col.type), f"index columns must be integers; every column "
+                                                                  f"but 'value' is a mode index, 't' last: drop "
+                                                                  f"other columns (in {shown})")
+        if col.null_count:
+            raise InputError(f"{argument}[{c!r}]", f"{col.null_count} null", f"index columns must have no missing "
+                                                                          f"entries (in {shown})")
         arr = col.to_numpy(zero_copy_only=False)
         coords.append(arr.astype(np.int64))
     if table.num_rows == 0:
@@ -203,12 +209,35 @@ def read_coo_parquet(source: str | Path | bytes, *, argument: str = "data") -> C
     value_col = table.column(COO_VALUE_COLUMN)
     if not (pa.types.is_floating(value_col.type) or pa.types.is_integer(value_col.type)):
         raise InputError(f"{argument}['value']", str(value_col.type), f"the value column must be numeric (in {shown})")
+    if value_col.null_count:
+        raise InputError(f"{argument}['value']", f"{value_col.null_count} null", f"observed values must be present: "
+                                                                              f"leave missing entries out (in {shown})")
     values = value_col.to_numpy(zero_copy_only=False).astype(np.float64)
+    _check_unique(coords_arr, values, argument, shown, index_cols)
     shape = tuple(int(s) for s in coords_arr.max(axis=0) + 1)
     try:
         return COOTensor(coords_arr, values, shape, tuple(index_cols))
     except InputError as exc:  # name the file too
         raise InputError(argument, shown, str(exc)) from None
+
+
+def _check_unique(coords: np.ndarray, values: np.ndarray, argument: str, shown: str, names: list[str]) -> None:
+    """Refuse coordinates listed more than once: which of their values is the observation is not
+    knowable (summing them, as ``scipy.sparse`` does, would invent one).
+
+    Raises:
+        InputError: naming the count and the first repeated coordinate with its values.
+    """
+    order = np.lexsort(coords.T[::-1])
+    ranked = coords[order]
+    same = np.all(ranked[1:] == ranked[:-1], axis=1)
+    if not same.any():
+        return
+    first = int(np.flatnonzero(same)[0])
+    where = ", ".join(f"{n}={v}" for n, v in zip(names, ranked[first]))
+    a, b = values[order[first]], values[order[first + 1]]
+    raise InputError(argument, shown, f"{int(same.sum())} coordinate(s) appear more than once (first: {where}, "
+                                      f"values {a:g} and {b:g}); list each observed entry once")
 
 
 def write_coo_parquet(tensor: COOTensor, path: str | Path) -> None:

@@ -138,3 +138,24 @@ def test_a_local_data_path_is_made_absolute(tmp_path, monkeypatch):
     assert rel.data == str(tmp_path.resolve() / "mine.parquet")
     assert rel == TensorFactorizationParameters(data=str(tmp_path / "mine.parquet"))
     assert TensorFactorizationParameters(data="s3://bucket/x.parquet").data == "s3://bucket/x.parquet"
+
+
+def test_a_run_on_user_data_records_what_it_fitted(stack, cli_env, tmp_path):
+    """A tensor of the user's own (here produc, written as COO Parquet rows) is fitted under the
+    `user` scope, and MLflow's `datasets` parameter is empty: it used to hold the bundled default
+    list, which that run never touched."""
+    from paperline.infra.tracking import Tracker
+    from paperline.kernels.tensor.datasets import load_dataset, write_coo_parquet
+
+    _, info = stack
+    path = tmp_path / "mine.parquet"
+    write_coo_parquet(load_dataset("produc"), path)
+    summary = tmp_path / "summary.json"
+    proc = subprocess.run([sys.executable, "-m", "paperline.flows.cli", "run", "tensor-factorization", "--set",
+                           f"data={path}", "--set", "n_epochs=2", "--set", "baseline_iterations=3", "--set", "rank=3",
+                           "--set", "splits=random", "--summary-json", str(summary)], env=cli_env,
+                          capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    run = Tracker(info.mlflow_tracking_uri).client.get_run(json.loads(summary.read_text())["mlflow_run_id"])
+    assert run.data.params["datasets"] == "[]" and run.data.params["data"] == str(path)
+    assert "user.random.p2t2f.test_rmse" in run.data.metrics
