@@ -24,6 +24,10 @@ target is then the best of all of them), without running anything:
     benchmarks/nas.py --problems nasbench201-cifar10 --seeds 5 --save s0.json
     benchmarks/nas.py --problems nasbench201-cifar10 --first-seed 5 --seeds 10 --save s5.json
     benchmarks/nas.py --load s0.json s5.json          # 15 seeds
+
+An optimizer with other options is reported under its own name, against the same peer:
+
+    benchmarks/nas.py --problems vehicle-safety --optimizers lamoo --options 'lamoo={"kernel": "rbf"}'
 """
 
 from __future__ import annotations
@@ -50,7 +54,7 @@ PEER = {"lamoo": "qehvi", "lamcts": "turbo"}
 
 def one(args: tuple) -> dict:
     """One seeded campaign in a worker process: its score trace and seconds per suggestion."""
-    problem, options, optimizer, seed, budget, q, n_init = args
+    problem, options, optimizer, seed, budget, q, n_init, optimizer_options = args
     import warnings
 
     import torch
@@ -61,10 +65,20 @@ def one(args: tuple) -> dict:
 
     t0 = time.perf_counter()
     c = run_campaign(Campaign(problem, optimizer, budget=budget, q=q, seed=seed, n_init=n_init,
-                              problem_options=options))
+                              problem_options=options, optimizer_options=optimizer_options))
     asks = [s for b, s in enumerate(c.suggest_seconds) if b * q >= n_init]  # model asks, not the design
-    return {"problem": problem, "optimizer": optimizer, "seed": seed, "trace": c.score_trace().tolist(),
+    return {"problem": problem, "optimizer": label(optimizer, optimizer_options), "seed": seed,
+            "trace": c.score_trace().tolist(),
             "suggest_s": float(np.mean(asks)) if asks else math.nan, "wall_s": time.perf_counter() - t0}
+
+
+def label(optimizer: str, options: dict) -> str:
+    """An optimizer's name in the report: with non-default options, ``lamoo[kernel=rbf]``."""
+    return optimizer + (f"[{','.join(f'{k}={v}' for k, v in sorted(options.items()))}]" if options else "")
+
+
+def base(name: str) -> str:
+    return name.partition("[")[0]
 
 
 def samples_to(trace: list[float], target: float, budget: int) -> tuple[float, bool]:
@@ -103,16 +117,18 @@ def report(problem: str, runs: list[dict], budget: int, n_init: int, multi: bool
         rows[name] = (n.mean(), n.std(ddof=1) if n.size > 1 else 0.0, sum(h[1] for h in hits), len(hits),
                       final.mean(), final.std(ddof=1) if final.size > 1 else 0.0,
                       mean_finite([r["suggest_s"] for r in mine]), median)
-    print(f"{'optimizer':10s} {'samples to target':>20s} {'median':>7s} {'reached':>8s} {'ratio':>7s} "
+    w = max(10, *(len(n) for n in names))
+    print(f"{'optimizer':{w}s} {'samples to target':>20s} {'median':>7s} {'reached':>8s} {'ratio':>7s} "
           f"{'final ' + ('HV' if multi else 'best'):>22s} {'s/suggestion':>13s}")
     for name, (mean, sd, reached, total, fmean, fsd, sug, median) in rows.items():
-        peer = PEER.get(name)
+        peer = PEER.get(base(name))
         ratio = f"{rows[peer][0] / mean:.2f}" if peer in rows else "-"
         med = f"{median:.0f}" if math.isfinite(median) else f">{budget}"
-        print(f"{name:10s} {mean:12.1f} ± {sd:5.1f} {med:>7s} {reached:4d}/{total:<3d} {ratio:>7s} "
+        print(f"{name:{w}s} {mean:12.1f} ± {sd:5.1f} {med:>7s} {reached:4d}/{total:<3d} {ratio:>7s} "
               f"{fmean:13.5g} ± {fsd:7.3g} {sug:13.3f}")
-    for name, peer in PEER.items():
-        if name in rows and peer in rows:
+    for name in rows:
+        peer = PEER.get(base(name))
+        if peer in rows:
             mine_med, peer_med = rows[name][7], rows[peer][7]
             if math.isfinite(mine_med) and math.isfinite(peer_med):
                 medians = f"{peer_med / mine_med:.2f}"
@@ -138,6 +154,9 @@ def main() -> None:
     parser.add_argument("--problems", default=",".join([*MULTI, *SINGLE]))
     parser.add_argument("--processes", type=int, default=min(2, os.cpu_count() or 1))
     parser.add_argument("--quick", action="store_true", help="3 seeds, budget 40")
+    parser.add_argument("--options", action="append", default=[], metavar='OPTIMIZER=JSON',
+                        help='optimizer options, e.g. lamoo=\'{"kernel": "rbf"}\' (repeatable); reported as '
+                             'lamoo[kernel=rbf], ranked against the same peer')
     args = parser.parse_args()
     if args.load:
         report_saved(args.load)
@@ -151,10 +170,19 @@ def main() -> None:
     if unknown:
         parser.error(f"unknown --problems {unknown}; known: {', '.join([*MULTI, *SINGLE])}")
     subset = [o for o in args.optimizers.split(",") if o]
+    optimizer_options = {}
+    for item in args.options:
+        name, sep, raw = item.partition("=")
+        try:
+            optimizer_options[name.strip()] = json.loads(raw)
+        except json.JSONDecodeError as exc:
+            parser.error(f"--options {item!r}: not OPTIMIZER=JSON ({exc})")
+        if not sep or not isinstance(optimizer_options[name.strip()], dict):
+            parser.error(f"--options {item!r}: expected OPTIMIZER={{...}}")
     jobs = []
     for problem in wanted:
         options, optimizers = {**MULTI, **SINGLE}[problem]
-        jobs += [(problem, options, o, s, args.budget, args.q, args.n_init)
+        jobs += [(problem, options, o, s, args.budget, args.q, args.n_init, optimizer_options.get(o, {}))
                  for o in optimizers if not subset or o in subset
                  for s in range(args.first_seed, args.first_seed + args.seeds)]
     if not jobs:
