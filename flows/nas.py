@@ -213,6 +213,7 @@ def run_one(cp: CampaignParameters, store: ObjectStore, tracker: Tracker, prefix
         parent_id = state.get("mlflow_parent_run_id")
         print(f"{name}: resuming from {checkpoint_uri} after {campaign.n_done} evaluations")
     if parent_id and tracker.run_exists(parent_id):
+        tracker.set_tags(parent_id, tags)  # this flow run's id first: a RUNNING run of a crashed one is ended
         tracker.reopen_run(parent_id)
         # a kill between the checkpoint and the MLflow logging of a batch: log what is missing
         logged = {int(t["paperline.evaluation_index"]) for t in tracker.child_run_tags(EXPERIMENT, parent_id)

@@ -62,6 +62,7 @@ class Tracker:
         self._client: Any = None
         self._lock = threading.Lock()
         self._experiment_of_run: dict[str, str] = {}
+        self._swept: set[str] = set()  # experiments whose orphaned runs were ended (start_run)
 
     def __repr__(self) -> str:
         return f"Tracker({self.tracking_uri!r})"
@@ -74,6 +75,7 @@ class Tracker:
         self._experiment_of_run = dict(state.get("_experiment_of_run", {}))
         self._client = None
         self._lock = threading.Lock()
+        self._swept = set()
 
     # -- plumbing -------------------------------------------------------------------------------------
 
@@ -170,6 +172,9 @@ class Tracker:
         from mlflow.entities import Param  # noqa: PLC0415
 
         exp_id = self._experiment_id(experiment)
+        if not parent_run_id and exp_id not in self._swept:
+            self._swept.add(exp_id)
+            self.end_orphaned_runs(exp_id)
         all_tags = {k: _truncate(v, MAX_TAG_VAL_LENGTH) for k, v in (tags or {}).items()}
         if parent_run_id:
             all_tags["mlflow.parentRunId"] = parent_run_id
@@ -282,6 +287,50 @@ class Tracker:
 
             raise InputError("status", status, "must be FINISHED, FAILED or KILLED")
         self._call("end run", self.client.set_terminated, run_id, status=status)
+
+    def end_orphaned_runs(self, experiment_id: str) -> list[str]:
+        """End the runs of ``experiment_id`` that MLflow still shows RUNNING while the Prefect flow
+        run that logged them (tag ``prefect.flow_run_id``) has ended: a flow process killed outright
+        (SIGKILL, OOM, a lost machine) never ends its MLflow run, and Prefect marks it Crashed
+        later (`paperline up`'s heartbeat automation). Crashed or cancelled flow runs end theirs
+        KILLED, failed ones FAILED, with tag ``paperline.ended_by``. Called by :meth:`start_run`
+        once per experiment; best effort: Prefect unreachable, or a flow run it does not know,
+        leaves the run as it is.
+
+        Returns:
+            The run ids ended.
+        """
+        import logging  # noqa: PLC0415
+        import uuid  # noqa: PLC0415
+
+        log = logging.getLogger(__name__)
+        try:
+            runs = self.client.search_runs([experiment_id], filter_string="attributes.status = 'RUNNING' and "
+                                           "tags.`prefect.flow_run_id` LIKE '%'", max_results=200)
+        except Exception as exc:  # noqa: BLE001 - best effort
+            log.debug("orphaned-run sweep skipped: %s", exc)
+            return []
+        if not runs:
+            return []
+        ended = []
+        try:
+            from prefect.client.orchestration import get_client  # noqa: PLC0415
+
+            with get_client(sync_client=True) as prefect:
+                for run in runs:
+                    try:
+                        state = prefect.read_flow_run(uuid.UUID(run.data.tags["prefect.flow_run_id"])).state
+                    except Exception:  # noqa: BLE001 - unknown to this Prefect server: not ours to judge
+                        continue
+                    kind = state.type.value if state is not None else ""
+                    if kind in ("CRASHED", "CANCELLED", "FAILED"):
+                        status = "FAILED" if kind == "FAILED" else "KILLED"
+                        self.set_tags(run.info.run_id, {"paperline.ended_by": f"Prefect flow run {state.name}"})
+                        self.end_run(run.info.run_id, status)
+                        ended.append(run.info.run_id)
+        except Exception as exc:  # noqa: BLE001 - best effort
+            log.debug("orphaned-run sweep stopped: %s", exc)
+        return ended
 
     def reopen_run(self, run_id: str) -> None:
         """Mark an ended run as running again (a resumed campaign goes on logging to its run).

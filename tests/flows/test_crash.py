@@ -55,6 +55,19 @@ def test_a_killed_serve_process_leaves_its_run_crashed(stack, tmp_path, cli_env)
                 state = client.read_flow_run(run.id).state
         assert state.name == "Crashed", state
         assert "heartbeat" in (state.message or "")
+        # its MLflow run was left RUNNING (nobody ended it); the next run started in the experiment
+        # ends it KILLED, naming why
+        from paperline.infra.tracking import Tracker
+
+        tracker = Tracker(stack[1].mlflow_tracking_uri)
+        exp_id = tracker.client.get_experiment_by_name("nas").experiment_id
+        runs = tracker.client.search_runs([exp_id], filter_string=f"tags.`prefect.flow_run_id` = '{run.id}'")
+        (orphan,) = [r for r in runs if "mlflow.parentRunId" not in r.data.tags]  # the campaign's parent run
+        assert orphan.info.status == "RUNNING"
+        probe = Tracker(stack[1].mlflow_tracking_uri).start_run("nas", run_name="crash-test-probe")
+        tracker.client.delete_run(probe)
+        orphan = tracker.client.get_run(orphan.info.run_id)
+        assert orphan.info.status == "KILLED" and orphan.data.tags["paperline.ended_by"] == "Prefect flow run Crashed"
     finally:
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
