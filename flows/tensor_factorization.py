@@ -25,7 +25,7 @@ from paperline.infra.errors import InputError
 from paperline.infra.regression import Headline, check_latest
 from paperline.infra.settings import get_settings
 from paperline.infra.stack import require_stack
-from paperline.infra.storage import ObjectStore
+from paperline.infra.storage import ObjectStore, split_uri
 from paperline.infra.tracking import Tracker
 from paperline.kernels.errors import InputError as KernelInputError
 from paperline.kernels.tensor.baselines import MAX_DENSE_CELLS
@@ -118,6 +118,12 @@ class TensorFactorizationParameters(BaseModel):
         for d, shape in shapes.items():
             self.check_shape(d, shape)
 
+    def validate_on_stack(self, info: Any, store: ObjectStore) -> None:
+        """Before the flow run is created: an ``s3://`` data object exists (its bucket named when
+        that is what is missing)."""
+        if self.data is not None and self.data.startswith("s3://"):
+            check_s3_data(store, self.data)
+
     def check_shape(self, name: str, shape: tuple[int, ...]) -> None:
         """Refuse, up front, a tensor these parameters cannot fit. Raises InputError."""
         split = shape[default_split_mode(shape)]
@@ -143,6 +149,19 @@ PRESETS: dict[str, dict[str, Any]] = {
     "default": {},  # the flow's own defaults (the same as demo here)
     "full": {"rank": 8, "n_epochs": 150, "baseline_iterations": 300},
 }
+
+
+def check_s3_data(store: ObjectStore, uri: str) -> None:
+    """Refuse an ``s3://`` data URI whose bucket or object does not exist.
+
+    Raises:
+        InputError: naming ``data``, and the bucket when that is what is missing.
+    """
+    bucket = split_uri(uri)[0]
+    if not store.bucket_exists(bucket):
+        raise InputError("data", uri, f"no such bucket {bucket!r} (or these credentials may not read it)")
+    if not store.exists(uri):
+        raise InputError("data", uri, "no such object in S3")
 
 
 @flow(name="tensor-factorization", log_prints=True, task_runner=default_task_runner())
@@ -174,8 +193,7 @@ def tensor_factorization(params: TensorFactorizationParameters | None = None) ->
     try:
         if params.data is not None:
             if params.data.startswith("s3://"):
-                if not store.exists(params.data):
-                    raise InputError("data", params.data, "no such object in S3")
+                check_s3_data(store, params.data)
                 sha = None
             else:
                 with open(params.data, "rb") as f:

@@ -126,6 +126,12 @@ def test_missing_s3_data_is_one_clear_line(stack):
     assert proc.returncode == 1
     assert "Traceback" not in out
     assert f"error: data='{uri}': no such object in S3" in " ".join(out.split())
+    assert "flow run" not in out.lower()  # refused before a flow run (and an MLflow run) was made
+    uri = "s3://no-such-bucket-here/x.parquet"
+    proc = subprocess.run([sys.executable, "-m", "paperline.flows.cli", "run", "tensor-factorization",
+                           "--set", f"data={uri}"], env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 1
+    assert f"error: data='{uri}': no such bucket 'no-such-bucket-here'" in " ".join((proc.stdout + proc.stderr).split())
 
 
 def test_a_local_data_path_is_made_absolute(tmp_path, monkeypatch):
