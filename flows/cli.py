@@ -1,4 +1,4 @@
-"""The ``paperline`` command line: up, down, status, datasets, run, demo, serve, compare.
+"""The ``paperline`` command line: up, down, status, env, datasets, params, run, demo, serve, worker, compare.
 
 Errors are one clear line and a non-zero exit code; ``--debug`` shows the traceback.
 """
@@ -102,14 +102,20 @@ def down() -> None:
 @app.command()
 @_friendly
 def status() -> None:
-    """Show each service with its URL and health."""
+    """Show each service with its URL and health; exit 1 when one is not healthy (so that
+    `paperline status || paperline up` works in scripts)."""
     from paperline.infra.cluster import describe_cluster
     from paperline.infra.stack import stack_status
 
     settings = _settings()
-    _print_services(stack_status(settings))
+    services = stack_status(settings)
+    _print_services(services)
     console.print(f"Dask: {describe_cluster(settings)}")
     console.print(f"state directory: {settings.state_dir}")
+    down = [s.name for s in services if not s.healthy]
+    if down:
+        console.print(f"not running: {', '.join(down)} (`paperline up` starts the local stack)", highlight=False)
+        raise typer.Exit(1)
 
 
 def _print_services(services) -> None:
@@ -120,6 +126,28 @@ def _print_services(services) -> None:
         table.add_row(s.name, s.url, "local" if s.managed else "external", str(s.pid or "-"), healthy,
                       s.log_path or "-")
     console.print(table)
+
+
+@app.command()
+@_friendly
+def env() -> None:
+    """Print shell `export` lines that point Prefect's and MLflow's own CLIs at the stack:
+    `eval "$(paperline env)"`, then e.g. `prefect deployment run gemm/local` or `prefect deploy
+    --all`. Without them those CLIs use their own defaults (Prefect starts an empty temporary
+    server). No credentials are printed. Fails when the stack is not running."""
+    import shlex
+
+    from paperline.infra.errors import ServiceError
+    from paperline.infra.stack import load_stack_info, stack_status
+
+    settings = _settings()
+    info = load_stack_info(settings)
+    down = [s.name for s in stack_status(settings) if not s.healthy] if info is not None else ["stack"]
+    if down:
+        raise ServiceError(", ".join(down), "not running; start it with `paperline up`")
+    # plain print: rich would wrap long URLs, and `eval` needs the lines as they are
+    print(f"export PREFECT_API_URL={shlex.quote(info.prefect_api_url)}")
+    print(f"export MLFLOW_TRACKING_URI={shlex.quote(info.mlflow_tracking_uri)}")
 
 
 @app.command()
@@ -359,6 +387,7 @@ def serve() -> None:
     its own subprocess on its own Dask cluster. Stop with Ctrl-C (schedules are paused then)."""
     from prefect import serve as prefect_serve
     from prefect.deployments.runner import EntrypointType
+    from prefect.schedules import Cron
 
     from paperline.flows.pipelines import get_pipeline, pipeline_names
 
@@ -374,13 +403,17 @@ def serve() -> None:
     for name in pipeline_names():
         spec = get_pipeline(name)
         deployments.append(spec.flow.to_deployment(  # "<flow>/local": apart from prefect.yaml's work-pool ones
-            name="local", description=spec.description or None, cron=spec.cron, tags=["paperline", name],
-            concurrency_limit=1, entrypoint_type=EntrypointType.MODULE_PATH))
+            name="local", description=spec.description or None, tags=["paperline", name],
+            schedules=[Cron(spec.cron, timezone="UTC")] if spec.cron else None,
+            parameters=spec.deployment_params(info.data_bucket), concurrency_limit=1,
+            entrypoint_type=EntrypointType.MODULE_PATH))
     console.print(f"serving {len(deployments)} deployments: "
                   + ", ".join(f"{d.flow_name}/{d.name} ({d.schedules[0].schedule.cron if d.schedules else 'no schedule'})"
                               for d in deployments), highlight=False)
     console.print(f"trigger them from {info.prefect_ui_url.rstrip('/')}/deployments or with "
-                  "`prefect deployment run gemm/local --params '{\"params\": {\"m\": 512}}'`; Ctrl-C stops serving", soft_wrap=True, highlight=False)
+                  f"`PREFECT_API_URL={info.prefect_api_url} prefect deployment run gemm/local --params "
+                  "'{\"params\": {\"m\": 512}}'` (`eval \"$(paperline env)\"` sets PREFECT_API_URL in your "
+                  "shell); Ctrl-C stops serving", soft_wrap=True, highlight=False, markup=False)
     prefect_serve(*deployments, print_starting_message=False)
 
 

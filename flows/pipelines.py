@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 import typing
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Callable
 
 from pydantic import BaseModel, ValidationError
@@ -21,28 +21,50 @@ class Pipeline:
     flow: Callable[..., Any]
     parameters: type[BaseModel]
     presets: dict[str, dict[str, Any]]
-    cron: str | None = None  # the deployment's schedule (`paperline serve`)
+    cron: str | None = None  # the deployment's schedule, UTC (`paperline serve` and prefect.yaml)
     description: str = ""
+    # the deployment's parameters (both ways of deploying; "{data_bucket}" is the stack's data bucket)
+    deployment_parameters: dict[str, Any] = field(default_factory=dict)
+
+    def deployment_params(self, data_bucket: str) -> dict[str, Any]:
+        """:attr:`deployment_parameters` with ``{data_bucket}`` filled in."""
+        def fill(v: Any) -> Any:
+            if isinstance(v, str):
+                return v.replace("{data_bucket}", data_bucket)
+            if isinstance(v, dict):
+                return {k: fill(x) for k, x in v.items()}
+            if isinstance(v, list):
+                return [fill(x) for x in v]
+            return v
+
+        return fill(self.deployment_parameters)
 
 
 PIPELINES: Registry[Pipeline] = Registry("pipeline")
 
 
-# name -> (module, flow, parameter model, deployment cron, description); a module is imported only
-# when its pipeline is asked for, so `paperline run gemm` does not import the NAS or video stacks.
-_BUILTIN: dict[str, tuple[str, str, str, str, str]] = {
+# name -> (module, flow, parameter model, deployment cron (UTC), description, deployment parameters);
+# a module is imported only when its pipeline is asked for, so `paperline run gemm` does not import
+# the NAS or video stacks. prefect.yaml holds the same schedules and parameters (tests/test_layout.py).
+_BUILTIN: dict[str, tuple[str, str, str, str, str, dict[str, Any]]] = {
     "tensor-factorization": ("paperline.flows.tensor_factorization", "tensor_factorization",
                              "TensorFactorizationParameters", "0 2 * * *",
-                             "P²T²F against TensorLy CP on the bundled real tensors (nightly)."),
+                             "P²T²F against TensorLy CP on the bundled real tensors (nightly).", {}),
     "gemm": ("paperline.flows.gemm", "gemm", "GemmParameters", "30 3 * * *",
-             "Tiled level-3 BLAS health benchmark: GFLOP/s against NumPy, verified (daily)."),
+             "Tiled level-3 BLAS health benchmark: GFLOP/s against NumPy, verified (daily).", {}),
     "nas": ("paperline.flows.nas", "nas", "NasParameters", "0 4 * * 0",
-            "NAS campaign: LaMOO on NAS-Bench-201 (weekly), resumable, parent/child runs in MLflow."),
+            "NAS campaign: LaMOO on NAS-Bench-201 (weekly, the seeded campaign from scratch: resume=false; "
+            "its evaluations come from the task cache), parent/child runs in MLflow.",
+            {"params": {"resume": False}}),
     "compressed-training": ("paperline.flows.compressed_training", "compressed_training",
                             "CompressedTrainingParameters", "0 5 * * 6",
-                            "Data-parallel training with FFT-compressed gradients against dense and peers (weekly)."),
+                            "Data-parallel training with every gradient compressor against dense (weekly).",
+                            {"params": {"compressors": ["none", "fft", "topk", "powersgd", "fp16"]}}),
     "video-curation": ("paperline.flows.video_curation", "video_curation", "VideoCurationParameters", "0 1 * * *",
-                       "Videos to WebDataset shards + Parquet index in S3: split, transcode, filter, dedup (nightly)."),
+                       "The videos under s3://<data bucket>/video-curation/incoming/ to WebDataset shards + "
+                       "Parquet index, a dataset per night (nightly-<date>): split, transcode, filter, dedup.",
+                       {"params": {"source": "s3://{data_bucket}/video-curation/incoming/",
+                                   "dataset": "nightly-{date}"}}),
 }
 
 
@@ -51,10 +73,10 @@ def _register_builtin(name: str) -> None:
         return
     import importlib  # noqa: PLC0415
 
-    module, flow, parameters, cron, description = _BUILTIN[name]
+    module, flow, parameters, cron, description, deployment_parameters = _BUILTIN[name]
     m = importlib.import_module(module)
     PIPELINES.register(name)(Pipeline(name, getattr(m, flow), getattr(m, parameters), m.PRESETS, cron=cron,
-                                      description=description))
+                                      description=description, deployment_parameters=deployment_parameters))
 
 
 def get_pipeline(name: str) -> Pipeline:

@@ -96,6 +96,14 @@ def test_bad_user_data(parquet):
                                             "t": pa.array([], pa.int64()), "value": pa.array([], pa.float64())})),
          ["empty tensor"]),
         ("/no/such/file.parquet", ["data='/no/such/file.parquet'", "no such file"]),
+        # a null index read as a huge negative number ("must be >= 0"); a repeated coordinate was
+        # accepted silently; a stray column was called an index column without saying why
+        (parquet("null.parquet", pa.table({"i": pa.array([0, None]), "j": [0, 1], "t": [0, 1], "value": [1.0, 2.0]})),
+         ["data['i']='1 null'", "no missing entries"]),
+        (parquet("dup.parquet", pa.table({"i": [0, 1, 1], "j": [0, 1, 1], "t": [0, 1, 1], "value": [1.0, 2.0, 5.0]})),
+         ["1 coordinate(s) appear more than once (first: i=1, j=1, t=1, values 2 and 5)"]),
+        (parquet("note.parquet", pa.table({"i": [0, 1], "j": [0, 1], "t": [0, 1], "value": [1.0, 2.0],
+                                           "note": ["a", "b"]})), ["data['note']='string'", "drop other columns"]),
         (str(Path(parquet("x.parquet", raw=b"")).parent), ["is a directory"]),
         (parquet("tiny.parquet", pa.table({"i": [0, 1, 2], "j": [0, 1, 0], "t": [0, 1, 2], "value": [1.0, 2.0, 3.0]})),
          ["tiny.parquet", "cannot make the random split", "too few observed entries"]),
@@ -248,3 +256,15 @@ def test_bad_video_settings_are_refused_before_anything_starts(tmp_path):
         (["source=http://example.com/x.mp4"], ["source=", "unsupported scheme"]),
     ]
     assert_refused_before_anything_starts("video-curation", cases, tmp_path)
+
+
+def test_env_without_a_running_stack_is_one_line(tmp_path):
+    """`eval "$(paperline env)"` must not export URLs of servers that are not there."""
+    result = run_cli("env", env={"PAPERLINE_STATE_DIR": str(tmp_path / "state")})
+    assert_one_line_error(result, "not running; start it with `paperline up`")
+    assert "export" not in result.output
+
+
+def test_status_exits_1_when_a_service_is_down(tmp_path):
+    result = run_cli("status", env={"PAPERLINE_STATE_DIR": str(tmp_path / "state")})
+    assert result.exit_code == 1 and "not running: s3, prefect, mlflow" in result.output, result.output

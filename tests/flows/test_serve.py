@@ -54,6 +54,31 @@ def test_a_run_triggered_through_the_api_completes_and_is_tracked(served, wait_f
     assert runs[0].data.metrics["verification_residual"] < 1e-12
 
 
+def test_the_readme_command_line_triggers_a_run(served, cli_env, wait_for_flow_run):
+    """`eval "$(paperline env)"`, then `prefect deployment run gemm/local --params ...` (the README's
+    commands), in a shell without PREFECT_API_URL: the run is created on the stack's server and
+    completes. Without the export, Prefect's CLI started an empty temporary server of its own and
+    answered "Deployment 'gemm/local' not found"."""
+    import re
+    import subprocess
+
+    from prefect.client.orchestration import get_client
+
+    _, proc, log = served
+    env = {k: v for k, v in cli_env.items() if not k.startswith(("PREFECT_", "MLFLOW_"))}
+    py = sys.executable
+    params = '{"params": {"m": 64, "n": 48, "k": 40, "tile": 32, "scaling": false}}'
+    script = f"eval \"$({py} -m paperline.flows.cli env)\" && {py} -m prefect deployment run gemm/local --params '{params}'"
+    with get_client(sync_client=True) as client:
+        _deployment(client, "gemm/local", proc, log)
+    out = subprocess.run(["bash", "-c", script], env=env, capture_output=True, text=True, timeout=180)
+    assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-2000:]
+    run_id = re.search(r"UUID: ([0-9a-f-]{36})", out.stdout).group(1)
+    with get_client(sync_client=True) as client:
+        state = wait_for_flow_run(client, run_id, proc, log)
+    assert state.name == "Completed", (state, log.read_text()[-3000:])
+
+
 def test_invalid_parameters_are_rejected_with_the_validation_error(served):
     """What the UI shows when a custom run's form holds a bad value: the server refuses the run."""
     from prefect.client.orchestration import get_client

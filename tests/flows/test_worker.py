@@ -2,6 +2,7 @@
 session stack, `paperline worker --pool cpu`, a run triggered through the API with custom
 parameters, executed by the worker to Completed, and its MLflow run tagged with the flow-run id."""
 
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -16,7 +17,12 @@ ROOT = Path(__file__).resolve().parents[2]
 @pytest.fixture(scope="module")
 def deployed(stack, tmp_path_factory, background_process, cli_env):
     _, info = stack
-    env = {**cli_env, "PREFECT_API_URL": info.prefect_api_url}
+    # the README's way: `eval "$(paperline env)"` points Prefect's own CLI at the stack
+    exports = subprocess.run([sys.executable, "-m", "paperline.flows.cli", "env"], env=cli_env, capture_output=True,
+                             text=True, timeout=60, check=True).stdout
+    urls = dict(re.findall(r"^export (\w+)=(\S+)$", exports, re.M))
+    assert urls == {"PREFECT_API_URL": info.prefect_api_url, "MLFLOW_TRACKING_URI": info.mlflow_tracking_uri}
+    env = {**{k: v for k, v in cli_env.items() if not k.startswith(("PREFECT_", "MLFLOW_"))}, **urls}
     proc = subprocess.run([sys.executable, "-m", "prefect", "--no-prompt", "deploy", "--all"], cwd=ROOT, env=env,
                           capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
