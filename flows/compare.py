@@ -108,7 +108,7 @@ def compare_runs(tracker: Tracker, experiment: str, metrics: list[str], filter_s
     user_filter = filter_string.strip()
     clauses = [user_filter] if user_filter else []
     clauses.append(NOT_COMPARISON)  # earlier `--log` runs are not runs to compare
-    selection = "all runs"
+    selection = "all runs; earlier --log comparisons aside"
     if not all_runs and client.search_runs([exp.experiment_id], filter_string=KEY_FILTER, max_results=1):
         selection = "pipeline runs; --all-runs for every run"
         clauses.append(KEY_FILTER)

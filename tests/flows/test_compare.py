@@ -43,6 +43,7 @@ def test_compare_prints_the_table_and_writes_the_plot_and_parquet(stack, experim
     assert res.exit_code == 0, res.output
     text = " ".join(res.output.split())
     assert "params.lr" in text and "lr-1.0" in text and "lr-0.5" in text and "lr-0.1" not in text  # 2 lowest losses
+    assert "(all runs; earlier --log comparisons aside)" in text  # the count leaves those out: say so
     table = pq.read_table(tmp_path / "compare-test-runs.parquet").to_pydict()
     assert table["run_id"] == [ids[2], ids[1]] and "metrics.loss" in table and "params.lr" in table
     assert (tmp_path / "compare-test-metrics.png").stat().st_size > 1000
