@@ -148,13 +148,16 @@ class VideoCurationParameters(BaseModel):
         return f"s3://{data_bucket}/video-curation/{dataset}", "dataset", self.dataset
 
     def inputs_key(self, cfg: ClipConfig, sources: list[str]) -> str:
-        """A digest of what decides a dataset's shards: the sources and every setting except where
-        the dataset goes and how it is read back (stored in its manifest, checked by
-        :func:`check_dataset_free`)."""
+        """A digest of what decides a dataset's shards: the sources' file names and every setting
+        except where the dataset goes and how it is read back (stored in its manifest, checked by
+        :func:`check_dataset_free`). Names, not paths: the demo videos of another clone, or the same
+        files in another directory, are the same inputs (clip keys are by content; a changed file of
+        the same name is caught where the shards are written)."""
         import dataclasses  # noqa: PLC0415
 
         blob = {"params": self.model_dump(exclude={"dataset", "output", "world_size", "source"}),
-                "clip_config": dataclasses.asdict(cfg), "embedder": cfg.resolved_embedder(), "sources": sorted(sources)}
+                "clip_config": dataclasses.asdict(cfg), "embedder": cfg.resolved_embedder(),
+                "sources": sorted(Path(s).name for s in sources)}
         return hashlib.sha256(json.dumps(blob, sort_keys=True, default=str).encode()).hexdigest()[:16]
 
     def validate_on_stack(self, info: Any, store: ObjectStore) -> None:

@@ -818,6 +818,15 @@ class CompressorState:
         """The hyperparameters, as :func:`make_hook` takes them."""
         return {}
 
+    def check_compresses(self, parameters: Iterable[Any]) -> None:
+        """Refuse options under which this compressor would compress none of ``parameters``'
+        gradients (checked before any rank starts). Every compressor compresses every bucket
+        unless it says otherwise (PowerSGD skips small matrices).
+
+        Raises:
+            InputError: naming the option.
+        """
+
     def memory_state(self) -> dict[str, Any]:
         """The compressor's memory a checkpoint keeps (error-feedback residuals, PowerSGD's
         factors), as CPU tensors keyed by bucket index; empty for memoryless compressors."""

@@ -112,8 +112,7 @@ class TrainConfig:
         model = make_model(self.model, **dict(self.model_options))
         apply_recomputation(model, self.recompute)
         state, _ = make_hook(self.compressor, **dict(self.compressor_options))
-        if hasattr(state, "check_compresses"):  # powersgd: a rank too large for the model is dense
-            state.check_compresses(model.parameters())
+        state.check_compresses(model.parameters())  # powersgd: a rank too large for the model is dense
 
     def as_dict(self) -> dict[str, Any]:
         d = asdict(self)

@@ -230,3 +230,16 @@ def test_an_s3_prefix_is_a_source(stack, source_dir):
     (row,) = out["rows"]
     assert row["source"] == f"{prefix}/a/carphone.mp4" and row["kept"]
     assert store.get_bytes(row["staged_uri"], sha256=row["mp4_sha256"])[4:8] == b"ftyp"
+
+
+def test_the_same_videos_in_another_directory_are_the_same_inputs():
+    """The demo videos of another clone (another install path) sharing ~/.paperline must not be
+    refused as "other sources"; another video, or another setting, is."""
+    from paperline.flows.video_curation import VideoCurationParameters
+    from paperline.kernels.video.clips import ClipConfig
+
+    p, cfg = VideoCurationParameters(), ClipConfig()
+    key = p.inputs_key(cfg, ["/clone-a/data/bikes.mp4", "/clone-a/data/carphone.mp4"])
+    assert key == p.inputs_key(cfg, ["/elsewhere/carphone.mp4", "/elsewhere/bikes.mp4"])
+    assert key != p.inputs_key(cfg, ["/clone-a/data/bikes.mp4"])
+    assert key != VideoCurationParameters(min_motion=0.5).inputs_key(cfg, ["/a/bikes.mp4", "/a/carphone.mp4"])
