@@ -36,6 +36,9 @@ class Settings(BaseSettings):
         n_workers: Workers of the local CPU cluster. Unset: one single-threaded worker per core.
         s3_port / prefect_port / mlflow_port: Preferred local ports; free ones are picked if taken.
         startup_timeout_s: Seconds to wait for each local server's health check.
+        crash_after_s: Seconds without a heartbeat after which a Running flow run of
+            ``paperline serve``/``worker`` is marked Crashed (its process died). At least two
+            heartbeats (60 s), so that one late heartbeat never crashes a live run.
         prefect_database_url: Database of the local Prefect server, e.g.
             ``postgresql+asyncpg://user:password@127.0.0.1:5432/prefect`` (``postgresql://`` is
             taken to mean asyncpg). Unset: SQLite in ``state_dir``. Never logged.
@@ -68,6 +71,7 @@ class Settings(BaseSettings):
     prefect_port: int = 4200
     mlflow_port: int = 5000
     startup_timeout_s: float = Field(default=120.0, gt=0)
+    crash_after_s: float = Field(default=90.0, ge=60.0)
 
     prefect_database_url: SecretStr | None = None
     mlflow_backend_store_uri: SecretStr | None = None

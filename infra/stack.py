@@ -685,9 +685,10 @@ ZOMBIE_AUTOMATION = "paperline: crash runs that stopped heartbeating"
 
 
 def ensure_zombie_automation(api_url: str, within_s: float = 3 * FLOW_HEARTBEAT_S) -> None:
-    """Create (once) the automation that marks a Running flow run Crashed when its heartbeats stop
-    for ``within_s`` seconds: a worker or serve process killed mid-run (SIGKILL, OOM, a lost
-    machine) then leaves the run Crashed instead of Running forever (Prefect's zombie-flow recipe).
+    """Create (once; updated when ``within_s`` changed) the automation that marks a Running flow
+    run Crashed when its heartbeats stop for ``within_s`` seconds (``Settings.crash_after_s``): a
+    worker or serve process killed mid-run (SIGKILL, OOM, a lost machine) then leaves the run
+    Crashed instead of Running forever (Prefect's zombie-flow recipe).
 
     Raises:
         ServiceError: The Prefect API rejected it or is unreachable.
@@ -703,12 +704,7 @@ def ensure_zombie_automation(api_url: str, within_s: float = 3 * FLOW_HEARTBEAT_
 
     try:
         with temporary_settings({PREFECT_API_URL: api_url}):
-            try:
-                if Automation.read(name=ZOMBIE_AUTOMATION) is not None:
-                    return
-            except ValueError:  # not found
-                pass
-            Automation(
+            automation = Automation(
                 name=ZOMBIE_AUTOMATION,
                 description="A Running flow run whose heartbeats stop is marked Crashed (paperline up).",
                 trigger=EventTrigger(
@@ -724,7 +720,16 @@ def ensure_zombie_automation(api_url: str, within_s: float = 3 * FLOW_HEARTBEAT_
                 actions=[ChangeFlowRunState(state=StateType.CRASHED,
                                             message=f"No heartbeat for {within_s:.0f} s: the process running this "
                                                     "flow run died (killed worker, OOM, lost machine).")],
-            ).create()
+            )
+            try:
+                existing = Automation.read(name=ZOMBIE_AUTOMATION)
+            except ValueError:  # not found
+                existing = None
+            if existing is None:
+                automation.create()
+            elif existing.trigger.within != automation.trigger.within:
+                automation.id = existing.id
+                automation.update()
     except Exception as exc:  # noqa: BLE001
         raise ServiceError("prefect", f"could not create the zombie-run automation: {exc}", url=api_url) from exc
 
@@ -901,13 +906,14 @@ def ensure_stack(settings: Settings, *, progress: Progress | None = None) -> Sta
                 "bucket": settings.results_bucket,
                 "region": settings.s3_region,
                 "prefect_pid": recs.get("prefect", {}).get("pid"),
+                "crash_after_s": settings.crash_after_s,
             }
             if state.get("result_block") != fingerprint or "prefect" in started:
                 say(f"prefect: saving result storage block {RESULT_STORAGE_BLOCK}")
                 _save_result_block(prefect_api, s3_obj_url, key, secret, settings)
                 say(f"prefect: work pools {', '.join(WORK_POOLS.values())}")
                 ensure_work_pools(prefect_api)
-                ensure_zombie_automation(prefect_api)
+                ensure_zombie_automation(prefect_api, settings.crash_after_s)
                 state["result_block"] = fingerprint
 
             save()

@@ -57,6 +57,9 @@ def settings_factory() -> Callable[..., Settings]:
     return isolated_settings
 
 
+CRASH_AFTER_S = 60.0  # Settings.crash_after_s of the session stack: its minimum
+
+
 @pytest.fixture(scope="session")
 def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Settings, object]]:
     """A real local stack (SeaweedFS, Prefect, MLflow) for the whole test session, in a temporary
@@ -67,8 +70,11 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Settings, 
     """
     from paperline.infra.stack import activate, ensure_stack, stop_stack
 
-    settings = isolated_settings(tmp_path_factory.mktemp("stack"))
+    # runs of `serve`/`worker` whose heartbeats stop are crashed after the shortest allowed window
+    # (test_crash waits for it); set in the environment so that every CLI on this stack agrees
+    settings = isolated_settings(tmp_path_factory.mktemp("stack"), crash_after_s=CRASH_AFTER_S)
     keys = (
+        "PAPERLINE_CRASH_AFTER_S",
         "PREFECT_API_URL",
         "PREFECT_SERVER_ANALYTICS_ENABLED",
         "PREFECT_RESULTS_PERSIST_BY_DEFAULT",
@@ -76,6 +82,7 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Settings, 
         "MLFLOW_TRACKING_URI",
     )
     saved = {k: os.environ.get(k) for k in keys}
+    os.environ["PAPERLINE_CRASH_AFTER_S"] = str(CRASH_AFTER_S)
     try:
         info = ensure_stack(settings)
         activate(info)
@@ -162,7 +169,8 @@ def cli_env(stack) -> dict[str, str]:
     without any PAPERLINE_* of the user's, the stack's state directory, 2 Dask workers."""
     settings, _ = stack
     env = {k: v for k, v in os.environ.items() if not k.startswith("PAPERLINE_")}
-    env.update(PAPERLINE_STATE_DIR=str(settings.state_dir), PAPERLINE_N_WORKERS="2", PYTHONUNBUFFERED="1")
+    env.update(PAPERLINE_STATE_DIR=str(settings.state_dir), PAPERLINE_N_WORKERS="2", PYTHONUNBUFFERED="1",
+               PAPERLINE_CRASH_AFTER_S=str(settings.crash_after_s))
     return env
 
 

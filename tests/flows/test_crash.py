@@ -13,11 +13,46 @@ import pytest
 pytestmark = pytest.mark.stack
 
 
+def _heartbeats(client, flow_run_id) -> int:
+    from prefect.events.filters import EventFilter, EventNameFilter, EventResourceFilter
+
+    page = client.read_events(filter=EventFilter(event=EventNameFilter(name=["prefect.flow-run.heartbeat"]),
+                                                 resource=EventResourceFilter(id=[f"prefect.flow-run.{flow_run_id}"])),
+                              limit=1)  # (the client's default, 100, is over the server's maximum)
+    return page.total
+
+
+def _automation():
+    from prefect.automations import Automation
+
+    from paperline.infra.stack import ZOMBIE_AUTOMATION
+
+    return Automation.read(name=ZOMBIE_AUTOMATION)
+
+
+def test_the_crash_window_follows_the_setting(stack):
+    from prefect.client.orchestration import get_client
+
+    from paperline.infra.stack import ZOMBIE_AUTOMATION, ensure_zombie_automation
+
+    settings, info = stack
+    assert _automation().trigger.within.total_seconds() == settings.crash_after_s
+    try:
+        ensure_zombie_automation(info.prefect_api_url, 75.0)  # e.g. `paperline up` with a new setting
+        assert _automation().trigger.within.total_seconds() == 75.0
+        assert "No heartbeat for 75 s" in _automation().actions[0].message
+    finally:
+        ensure_zombie_automation(info.prefect_api_url, settings.crash_after_s)
+    assert _automation().trigger.within.total_seconds() == settings.crash_after_s
+    with get_client(sync_client=True) as client:
+        assert [a.name for a in client.read_automations()].count(ZOMBIE_AUTOMATION) == 1
+
+
 def test_a_killed_serve_process_leaves_its_run_crashed(stack, tmp_path, cli_env):
     from prefect.client.orchestration import get_client
     from prefect.exceptions import ObjectNotFound
 
-    from paperline.infra.stack import FLOW_HEARTBEAT_S, ZOMBIE_AUTOMATION
+    from paperline.infra.stack import ZOMBIE_AUTOMATION
 
     log = tmp_path / "serve.log"
     with open(log, "w") as out:
@@ -40,15 +75,14 @@ def test_a_killed_serve_process_leaves_its_run_crashed(stack, tmp_path, cli_env)
                       "campaign": f"crash-{int(time.time())}"}
             run = client.create_flow_run_from_deployment(deployment.id, parameters={"params": params})
             deadline = time.time() + 180
-            while client.read_flow_run(run.id).state.name != "Running":
+            while client.read_flow_run(run.id).state.name != "Running" or not _heartbeats(client, run.id):
                 assert proc.poll() is None and time.time() < deadline, log.read_text()[-3000:]
                 time.sleep(1)
-            time.sleep(FLOW_HEARTBEAT_S + 10)  # at least one heartbeat has gone out
-            assert client.read_flow_run(run.id).state.name == "Running"
+            assert client.read_flow_run(run.id).state.name == "Running"  # heartbeating, not yet done
         os.killpg(proc.pid, signal.SIGKILL)  # the serve process and the run's subprocess, no goodbye
         proc.wait()
         with get_client(sync_client=True) as client:
-            deadline = time.time() + 4 * FLOW_HEARTBEAT_S + 60
+            deadline = time.time() + stack[0].crash_after_s + 90
             state = client.read_flow_run(run.id).state
             while state.name == "Running" and time.time() < deadline:
                 time.sleep(3)

@@ -115,10 +115,9 @@ def test_mlflow_run_has_params_metrics_and_artifacts_in_s3(two_runs):
         assert store.exists(uri)
 
 
-def test_missing_s3_data_is_one_clear_line(stack):
+def test_missing_s3_data_is_one_clear_line(stack, cli_env):
     settings, info = stack
-    env = {k: v for k, v in os.environ.items() if not k.startswith("PAPERLINE_")}
-    env.update(PAPERLINE_STATE_DIR=str(settings.state_dir), PAPERLINE_N_WORKERS="1")
+    env = {**cli_env, "PAPERLINE_N_WORKERS": "1"}
     uri = f"s3://{info.data_bucket}/nope/missing.parquet"
     proc = subprocess.run([sys.executable, "-m", "paperline.flows.cli", "run", "tensor-factorization",
                            "--set", f"data={uri}"], env=env, capture_output=True, text=True, timeout=300)

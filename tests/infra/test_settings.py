@@ -34,3 +34,7 @@ def test_bad_values_rejected(monkeypatch, tmp_path):
     monkeypatch.setenv("PAPERLINE_N_WORKERS", "0")
     with pytest.raises(ValidationError):
         Settings()
+    monkeypatch.setenv("PAPERLINE_N_WORKERS", "2")
+    monkeypatch.setenv("PAPERLINE_CRASH_AFTER_S", "45")  # under two heartbeats: live runs would crash
+    with pytest.raises(ValidationError, match="crash_after_s"):
+        Settings()
