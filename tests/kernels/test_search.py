@@ -210,17 +210,20 @@ def test_every_optimizer_option_says_what_it_does():
 
 
 # Every optimizer beats random search on average (3 seeds, same budget, same initial design) on a
-# problem with a known optimum: final best value (single objective) or hypervolume (multi).
-BEATS = [("lanas", "nasbench201-cifar100", {"objectives": ["val_accuracy_pct"]}),
-         ("lamcts", "levy", {"dim": 20}), ("bo", "levy", {"dim": 20}), ("turbo", "levy", {"dim": 20}),
-         ("nsga2", "nasbench201-cifar10", {"objectives": ["val_accuracy_pct"]}),
-         ("lamoo", "branin-currin", {}), ("qehvi", "branin-currin", {}), ("qnehvi", "branin-currin", {})]
+# problem with a known optimum: final best value (single objective) or hypervolume (multi). The
+# GP-based optimizers (BoTorch's, LaMOO's classifier-guided qEHVI) get two batches after the initial
+# design (budget 20), where they are already far ahead (hypervolume 43-48 vs random's 6.9; Levy -95
+# vs -138).
+BEATS = [("lanas", "nasbench201-cifar100", {"objectives": ["val_accuracy_pct"]}, 30),
+         ("lamcts", "levy", {"dim": 20}, 30), ("bo", "levy", {"dim": 20}, 20), ("turbo", "levy", {"dim": 20}, 30),
+         ("nsga2", "nasbench201-cifar10", {"objectives": ["val_accuracy_pct"]}, 30),
+         ("lamoo", "branin-currin", {}, 20), ("qehvi", "branin-currin", {}, 20), ("qnehvi", "branin-currin", {}, 20)]
 
 
-@pytest.mark.parametrize(("name", "problem", "options"), BEATS, ids=[b[0] for b in BEATS])
-def test_beats_random_search(name, problem, options):
+@pytest.mark.parametrize(("name", "problem", "options", "budget"), BEATS, ids=[b[0] for b in BEATS])
+def test_beats_random_search(name, problem, options, budget):
     def score(opt):
-        runs = [run_campaign(Campaign(problem, opt, budget=30, q=5, seed=s, n_init=10, problem_options=options))
+        runs = [run_campaign(Campaign(problem, opt, budget=budget, q=5, seed=s, n_init=10, problem_options=options))
                 for s in range(3)]
         return np.mean([r.score_trace()[-1] for r in runs])
 
