@@ -158,13 +158,13 @@ class GemmParameters(BaseModel):
         if out is None:
             return
         if out.startswith("s3://"):
-            bucket, _, key = out[len("s3://"):].partition("/")
+            key = out[len("s3://"):].partition("/")[2]
             if not key or key.endswith("/"):
                 raise InputError("output", out, "name an object, e.g. s3://bucket/path/result.npy")
             if not key.endswith(".npy"):
                 raise InputError("output", out, "the result is written as .npy: name the object *.npy")
-            if store is not None and not store.bucket_exists(bucket):
-                raise InputError("output", out, f"no such bucket {bucket!r} (it is not created for you)")
+            if store is not None:
+                store.require_bucket("output", out)
             operands = [v for v in (self.a, self.b, self.c) if v]
             if out in operands:
                 raise InputError("output", out, "is also an operand: writing it would destroy the input")

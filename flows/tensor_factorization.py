@@ -25,7 +25,7 @@ from paperline.infra.errors import InputError
 from paperline.infra.regression import Headline, check_latest
 from paperline.infra.settings import get_settings
 from paperline.infra.stack import require_stack
-from paperline.infra.storage import ObjectStore, split_uri
+from paperline.infra.storage import ObjectStore
 from paperline.infra.tracking import Tracker
 from paperline.kernels.errors import InputError as KernelInputError
 from paperline.kernels.tensor.baselines import MAX_DENSE_CELLS
@@ -157,9 +157,7 @@ def check_s3_data(store: ObjectStore, uri: str) -> None:
     Raises:
         InputError: naming ``data``, and the bucket when that is what is missing.
     """
-    bucket = split_uri(uri)[0]
-    if not store.bucket_exists(bucket):
-        raise InputError("data", uri, f"no such bucket {bucket!r} (or these credentials may not read it)")
+    store.require_bucket("data", uri)
     if not store.exists(uri):
         raise InputError("data", uri, "no such object in S3")
 

@@ -239,9 +239,7 @@ def list_sources(source: str, store: ObjectStore) -> list[str]:
     if source == "demo":
         return [str(p) for p in demo_videos()]
     if source.startswith("s3://"):
-        bucket = split_uri(source)[0]
-        if not store.bucket_exists(bucket):
-            raise InputError("source", source, f"no such bucket {bucket!r} (or these credentials may not read it)")
+        store.require_bucket("source", source)
         found = [u for u in store.list(source) if Path(u).suffix.lower() in VIDEO_EXTENSIONS]
         if not found:
             raise InputError("source", source, f"no objects ending in {', '.join(VIDEO_EXTENSIONS)} under this prefix")

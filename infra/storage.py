@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from paperline.infra.errors import PaperlineError, ServiceError
+from paperline.infra.errors import InputError, PaperlineError, ServiceError
 
 if TYPE_CHECKING:
     from paperline.infra.stack import StackInfo
@@ -240,6 +240,18 @@ class ObjectStore:
             if self._is_not_found(exc) or exc.response.get("Error", {}).get("Code") in {"403", "Forbidden"}:
                 return False
             raise
+
+    def require_bucket(self, argument: str, uri: str) -> None:
+        """Refuse a user's ``s3://bucket/...`` URI whose bucket does not exist (buckets named by
+        the user are never created for them).
+
+        Raises:
+            InputError: naming ``argument``, the URI and the bucket.
+            ServiceError: S3 is unreachable or rejects the credentials.
+        """
+        bucket = split_uri(uri)[0]
+        if not self.bucket_exists(bucket):
+            raise InputError(argument, uri, f"no such bucket {bucket!r} (or these credentials may not read it)")
 
     # -- objects --------------------------------------------------------------------------------------
 

@@ -61,9 +61,7 @@ class S3NpySource:
         self.store, self.uri = store, uri
         head = store.head(uri)
         if head is None:
-            bucket = uri[len("s3://"):].partition("/")[0]
-            if not store.bucket_exists(bucket):
-                raise InputError(argument, uri, f"no such bucket {bucket!r}")
+            store.require_bucket(argument, uri)
             raise InputError(argument, uri, "no such object in S3")
         size = int(head["ContentLength"])
         probe = store.get_range(uri, 0, min(size, HEADER_PROBE_BYTES)) if size else b""

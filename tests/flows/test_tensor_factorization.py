@@ -6,7 +6,6 @@ and MLflow, and the artifacts are objects in the SeaweedFS bucket.
 """
 
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path

@@ -8,7 +8,7 @@ import uuid
 
 import pytest
 
-from paperline.infra.errors import ServiceError
+from paperline.infra.errors import InputError, ServiceError
 from paperline.infra.stack import RESULT_STORAGE_BLOCK, ensure_stack, load_stack_info, stack_status
 from paperline.infra.storage import NotCommittedError, ObjectNotFoundError, ObjectStore
 from paperline.infra.tracking import Tracker
@@ -45,6 +45,14 @@ def test_s3_round_trip_is_content_addressed(stack, tmp_path):
     assert clone.get_bytes(ref.uri) == data
     assert info.s3_secret_access_key not in repr(store)
     assert info.s3_secret_access_key not in repr(info)
+
+
+def test_a_users_uri_in_a_missing_bucket_is_refused_naming_it(stack):
+    _, info = stack
+    store = ObjectStore.from_stack(info)
+    store.require_bucket("data", f"s3://{info.data_bucket}/not/yet/written.parquet")  # the object may be missing
+    with pytest.raises(InputError, match=r"^source='s3://no-such-bucket-9/in/': no such bucket 'no-such-bucket-9'"):
+        store.require_bucket("source", "s3://no-such-bucket-9/in/")
 
 
 def test_s3_enforces_signatures(stack):
