@@ -32,7 +32,7 @@ from paperline.kernels.tensor.baselines import MAX_DENSE_CELLS
 from paperline.kernels.tensor.coo import make_split
 from paperline.kernels.tensor.datasets import dataset_info, dataset_names, read_coo_parquet
 from paperline.kernels.tensor.p2t2f import default_split_mode
-from paperline.tasks.tensor import fit_p2t2f, fit_tensorly_cp, load_tensor, render_report, split_tensor
+from paperline.tasks.tensor import fit_p2t2f, fit_tensorly_cp, load_tensor, render_report, split_tensor, user_scope
 
 EXPERIMENT = "tensor-factorization"
 
@@ -196,7 +196,7 @@ def tensor_factorization(params: TensorFactorizationParameters | None = None) ->
             else:
                 with open(params.data, "rb") as f:
                     sha = hashlib.file_digest(f, "sha256").hexdigest()
-            tensors = {"user": load_tensor.submit(store, bucket, data_uri=params.data, data_sha256=sha)}
+            tensors = {user_scope(params.data): load_tensor.submit(store, bucket, data_uri=params.data, data_sha256=sha)}
         else:
             tensors = {d: load_tensor.submit(store, bucket, dataset=d) for d in params.datasets}
         for d, t in tensors.items():  # surface a load error itself, and check what S3 data holds

@@ -144,9 +144,19 @@ def test_a_local_data_path_is_made_absolute(tmp_path, monkeypatch):
     assert TensorFactorizationParameters(data="s3://bucket/x.parquet").data == "s3://bucket/x.parquet"
 
 
+def test_a_user_file_is_scoped_by_its_name():
+    """Runs on different files get different metric names, so compare never ranks the RMSE of one
+    tensor against another's; the name is one MLflow accepts."""
+    from paperline.tasks.tensor import user_scope
+
+    assert user_scope("/home/me/mine.parquet") == "user-mine"
+    assert user_scope("s3://bucket/in/ratings 2026.v2.parquet") == "user-ratings_2026_v2"
+    assert user_scope("s3://bucket/in/.parquet") == "user-_parquet"  # a dot file's stem is its name
+
+
 def test_a_run_on_user_data_records_what_it_fitted(stack, cli_env, tmp_path):
     """A tensor of the user's own (here produc, written as COO Parquet rows) is fitted under the
-    `user` scope, and MLflow's `datasets` parameter is empty: it used to hold the bundled default
+    file's scope (`user-mine`), and MLflow's `datasets` parameter is empty: it used to hold the bundled default
     list, which that run never touched."""
     from paperline.infra.tracking import Tracker
     from paperline.kernels.tensor.datasets import load_dataset, write_coo_parquet
@@ -162,4 +172,4 @@ def test_a_run_on_user_data_records_what_it_fitted(stack, cli_env, tmp_path):
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     run = Tracker(info.mlflow_tracking_uri).client.get_run(json.loads(summary.read_text())["mlflow_run_id"])
     assert run.data.params["datasets"] == "[]" and run.data.params["data"] == str(path)
-    assert "user.random.p2t2f.test_rmse" in run.data.metrics
+    assert "user-mine.random.p2t2f.test_rmse" in run.data.metrics
