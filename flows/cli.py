@@ -349,8 +349,10 @@ def _print_summary(name: str, summary: dict[str, Any]) -> None:
         _print_tail(summary)
         return
     rows = summary.get("rows", [])
+    # the bundled datasets are standardized (kernels/tensor/datasets.py); a user's file is not
+    units = "the file's own units" if any(r["dataset"].startswith("user-") for r in rows) else "standardized units"
     table = Table("dataset", "split", "method", "test RMSE", "validation RMSE", "fit seconds", "epochs",
-                  title=f"{name}: held-out RMSE (standardized units)")
+                  title=f"{name}: held-out RMSE ({units})")
     for r in rows:
         table.add_row(r["dataset"], r["split"], r["method"], _fmt(r["test_rmse"]), _fmt(r["validation_rmse"]),
                       f"{r['fit_seconds']:.2f}", str(r["epochs"]))

@@ -144,10 +144,11 @@ def compare_runs(tracker: Tracker, experiment: str, metrics: list[str], filter_s
         runs = [r for r in found if metrics[0] in r.data.metrics][:top]
         others = [r for r in found if metrics[0] not in r.data.metrics]
         if others:  # e.g. nas: single-objective campaigns have final_best, not final_hypervolume
-            theirs = sorted({m for r in others for m, _ in _headline_list(r)})
+            # the metric each left-out run is ranked by (its first headline), newest run's first
+            theirs = list(dict.fromkeys(h[0][0] for h in map(_headline_list, others) if h))
             note = (f"{len(others)}{'+' if len(found) == max(top, HEADLINE_SAMPLE) else ''} run(s) without "
-                    f"{metrics[0]} left out" + (f" (they have {', '.join(theirs)}: --metric {theirs[0]} shows "
-                                                f"them)" if theirs else " (--metric names what to show)"))
+                    f"{metrics[0]} left out" + (f" (they rank by {', '.join(theirs)}: --metric {theirs[0]} shows "
+                                                f"{'them' if len(theirs) == 1 else 'the newest kind'})" if theirs else " (--metric names what to show)"))
     else:
         runs = search(order, top)
     if not runs:

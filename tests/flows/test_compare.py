@@ -172,15 +172,16 @@ def test_default_headlines_are_the_ones_most_runs_share(stack, tmp_path):
         tracker.end_run(run_id)
         ids.append(run_id)
     user = tracker.start_run("compare-mixed", run_name="user", params={"seed": 9}, tags={
-        "paperline.params_key": "ku", "paperline.headlines": json.dumps([["user.rmse", False]])})
-    tracker.log_metrics(user, {"user.rmse": 0.5})
+        "paperline.params_key": "ku", "paperline.headlines": json.dumps([["user.rmse", False], ["user.fit_s", False]])})
+    tracker.log_metrics(user, {"user.rmse": 0.5, "user.fit_s": 2.0})
     tracker.end_run(user)
     res = _cli(settings.state_dir, "compare", "compare-mixed", "--out", str(tmp_path))
     assert res.exit_code == 0, res.output
     table = pq.read_table(tmp_path / "compare-mixed-runs.parquet").to_pydict()
     assert table["run_id"] == [ids[1], ids[2], ids[0]]  # best kinetic.rmse first, the user run left out
     # ... and the output says so, and how to see it (nas: single-objective campaigns were dropped silently)
-    assert "1 run(s) without kinetic.rmse left out (they have user.rmse: --metric user.rmse shows them)" in \
+    # (named by the metric it ranks by, not the first alphabetically: fit_s)
+    assert "1 run(s) without kinetic.rmse left out (they rank by user.rmse: --metric user.rmse shows them)" in \
         " ".join(res.output.split())
     res = _cli(settings.state_dir, "compare", "compare-mixed", "--metric", "user.rmse", "--out", str(tmp_path))
     assert res.exit_code == 0 and pq.read_table(tmp_path / "compare-mixed-runs.parquet").to_pydict()["run_id"][0] == user

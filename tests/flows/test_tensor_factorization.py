@@ -173,3 +173,5 @@ def test_a_run_on_user_data_records_what_it_fitted(stack, cli_env, tmp_path):
     run = Tracker(info.mlflow_tracking_uri).client.get_run(json.loads(summary.read_text())["mlflow_run_id"])
     assert run.data.params["datasets"] == "[]" and run.data.params["data"] == str(path)
     assert "user-mine.random.p2t2f.test_rmse" in run.data.metrics
+    out = " ".join(proc.stdout.split())
+    assert "held-out RMSE (the file's own units)" in out and "standardized" not in out, out
