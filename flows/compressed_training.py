@@ -103,6 +103,12 @@ class CompressedTrainingParameters(BaseModel):
                            max_steps_per_epoch=self.max_steps_per_epoch, nan_steps=tuple(self.nan_steps),
                            isgd=self.isgd, isgd_stop=self.isgd_stop, isgd_epsilon=self.isgd_epsilon)
 
+    def validate_on_stack(self, info: Any, store: Any) -> None:
+        """Before the flow run is created (and in the flow, before its MLflow run): a
+        ``checkpoint_prefix`` in a bucket that does not exist. Raises InputError."""
+        if self.checkpoint_prefix is not None:
+            store.require_bucket("checkpoint_prefix", self.checkpoint_prefix)
+
     def validate_inputs(self) -> None:
         """Everything checkable before a rank starts: model options, compressor options (θ, bits,
         ...), the dataset's presence and size against ``batch_size x world_size``. Raises
@@ -181,6 +187,7 @@ def compressed_training(params: CompressedTrainingParameters | None = None) -> d
     params.validate_inputs()
     settings = get_settings()
     info, store = require_stack(settings)
+    params.validate_on_stack(info, store)  # (the CLI checked before creating the flow run; a deployment's run here)
     device = resolve_device(settings.device)
     tracker = Tracker(info.mlflow_tracking_uri)
     run_url = f"{info.prefect_ui_url.rstrip('/')}/runs/flow-run/{flow_run.id}"

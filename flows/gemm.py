@@ -129,6 +129,11 @@ class GemmParameters(BaseModel):
     def kernel_params(self) -> dict[str, Any]:
         return self.model_dump(exclude={"output", "memory_budget", "scaling", "peer", "stage_random"})
 
+    def validate_on_stack(self, info: Any, store: ObjectStore) -> None:
+        """Before the flow run is created: S3 operands (their objects and headers) and an S3
+        output's bucket, with the stack's store. Raises InputError."""
+        self.validate_inputs(store)
+
     def validate_inputs(self, store: ObjectStore | None = None) -> Problem | None:
         """Open the local operands and check shapes, dtypes, flags, the tile and the budget before
         anything starts (S3 operands are checked in the flow, with ``store``).

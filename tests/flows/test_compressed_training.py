@@ -104,6 +104,9 @@ def test_a_killed_rank_resumes_from_the_checkpoints_to_the_same_accuracy(trained
 
 @pytest.mark.parametrize("sets, message", [
     (["fft_theta=1.5"], "theta"),
+    # before the flow run (it failed in the flow with botocore's NoSuchBucket, after an MLflow run)
+    (["checkpoint_prefix=s3://no-such-bucket-9/ck"], "error: checkpoint_prefix='s3://no-such-bucket-9/ck': no such "
+                                                     "bucket 'no-such-bucket-9'"),
     (["world_size=3"], "larger than the number of Dask workers (2)"),
     # width 8: the largest matrix is 16 x 144; rank 8 would send every gradient dense (ratio 1)
     (["compressors=powersgd", "powersgd_rank=8"], "powersgd_rank=8: compresses no gradient of the model (each would "

@@ -66,3 +66,19 @@ def test_mlflow_run_has_the_metrics_and_plots(gemm_run):
     assert {"timeline.png", "scaling.png", "tasks.json"} <= names
     assert "s3_secret_access_key" not in json.dumps(run.data.params)
     assert run.data.tags["paperline.params_key"] == summary["versus_best_earlier"]["params_key"]
+
+
+def test_s3_inputs_are_checked_before_the_flow_run(stack, cli_env):
+    """A missing output bucket or S3 operand is named before a flow run exists: it used to fail in
+    the flow (a Failed flow run, Prefect's error log line, then the same error again)."""
+    _, info = stack
+    for sets, message in ((["output=s3://no-such-bucket-9/x.npy"],
+                           "error: output='s3://no-such-bucket-9/x.npy': no such bucket 'no-such-bucket-9'"),
+                          ([f"b=s3://{info.data_bucket}/nothing/here.npy"],
+                           f"error: b='s3://{info.data_bucket}/nothing/here.npy': no such object in S3")):
+        proc = subprocess.run([sys.executable, "-m", "paperline.flows.cli", "run", "gemm", "--preset", "demo",
+                               *[a for s in sets for a in ("--set", s)]], env=cli_env, capture_output=True, text=True,
+                              timeout=300)
+        out = " ".join((proc.stdout + proc.stderr).split())
+        assert proc.returncode == 1 and message in out, out
+        assert "flow run" not in out.lower() and out.count(message) == 1, out
