@@ -106,6 +106,15 @@ def compare_runs(tracker: Tracker, experiment: str, metrics: list[str], filter_s
         known = sorted(e.name for e in client.search_experiments())
         raise InputError("experiment", experiment, f"no such MLflow experiment; known: {', '.join(known) or 'none'}")
     user_filter = filter_string.strip()
+
+    def rejected(exc: MlflowException) -> InputError:
+        return InputError("--filter", user_filter, f"MLflow rejected it: {str(exc).splitlines()[0][:300]}")
+
+    if user_filter:  # alone first: MLflow's message then quotes the user's filter, not the clauses added here
+        try:
+            client.search_runs([exp.experiment_id], filter_string=user_filter, max_results=1)
+        except MlflowException as exc:
+            raise rejected(exc) from None
     clauses = [user_filter] if user_filter else []
     clauses.append(NOT_COMPARISON)  # earlier `--log` runs are not runs to compare
     selection = "all runs; earlier --log comparisons aside"
@@ -118,7 +127,7 @@ def compare_runs(tracker: Tracker, experiment: str, metrics: list[str], filter_s
         try:
             return client.search_runs([exp.experiment_id], filter_string=query, order_by=order, max_results=limit)
         except MlflowException as exc:
-            raise InputError("--filter", user_filter, f"MLflow rejected it: {str(exc).splitlines()[0][:300]}") from None
+            raise rejected(exc) from None
 
     recent = search(["attributes.start_time DESC"], HEADLINE_SAMPLE)
     headline_default = False

@@ -58,6 +58,7 @@ def test_compare_prints_the_table_and_writes_the_plot_and_parquet(stack, experim
     (["nope-experiment"], "experiment='nope-experiment': no such MLflow experiment"),
     (["compare-test", "--metric", "nope"], "--metric='nope'"),
     (["compare-test", "--filter", "params.lr ="], "--filter="),
+    (["compare-test", "--filter", "params.lr = '0.1"], "--filter=\"params.lr = '0.1\": MLflow rejected it"),
     (["compare-test", "--filter", "params.lr = '7'"], "no runs"),
     (["compare-test", "--top", "0"], "--top=0"),
     ([""], "name an MLflow experiment"),
@@ -68,6 +69,7 @@ def test_compare_bad_input(stack, experiment, tmp_path, args, fragment):
     assert res.exit_code != 0
     text = " ".join(res.output.split())
     assert "error:" in text and fragment in text and "Traceback" not in text
+    assert "comparison" not in text and "params_key" not in text  # only the user's filter, not compare's own clauses
 
 
 def test_compare_refuses_a_file_as_out_dir(stack, experiment, tmp_path):
