@@ -156,7 +156,8 @@ def compare_with_best_earlier(tracker: Tracker, run_id: str, key: str, headlines
         tracker: The MLflow tracker.
         run_id: The latest run (its metrics already logged).
         key: Its parameter key (see :func:`params_key`).
-        headlines: The metrics to compare; the first ranks the earlier runs.
+        headlines: The metrics to compare; the first ranks the earlier runs, the next ones break
+            its ties (equal accuracies of cached runs: the fastest is the best).
 
     Returns:
         The comparison (also recorded on the run as tags and ``vs_best_earlier.*`` metrics).
@@ -182,8 +183,11 @@ def compare_with_best_earlier(tracker: Tracker, run_id: str, key: str, headlines
         tracker.set_tags(run_id, {"paperline.regression": "none", "paperline.best_earlier_run_id": "",
                                   "paperline.regressed_metrics": ""})
         return out
-    pick = max if rank.higher_is_better else min
-    best = pick(candidates, key=lambda r: _finite(r.data.metrics, rank.metric))
+    def merit(r: Any) -> tuple[float, ...]:  # better is larger; a tie on one headline goes to the next
+        values = [_finite(r.data.metrics, h.metric) for h in headlines]
+        return tuple(-math.inf if v is None else (v if h.higher_is_better else -v) for h, v in zip(headlines, values))
+
+    best = max(candidates, key=merit)
     out.best_run_id, out.best_run_url = best.info.run_id, tracker.run_url(best.info.run_id)
     for h in headlines:
         a, b = _finite(latest, h.metric), _finite(best.data.metrics, h.metric)

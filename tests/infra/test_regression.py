@@ -97,6 +97,16 @@ def test_best_earlier_run_of_the_same_key_and_regressions(stack, caplog):
     fastest = compare_with_best_earlier(tracker, latest, key, [Headline("wall_s", higher_is_better=False)])
     assert fastest.best_run_id == no_throughput and fastest.metrics[0].best == 0.5 and fastest.earlier_runs == 3
 
+    # a tie on the first headline goes to the next: equal accuracies (cached runs), the fastest is
+    # the best earlier run, not the newest (which once hid a 44% slower run's regression)
+    tie = params_key({"n": 4})
+    quick = run("tie-quick", {"test_accuracy": 93.6, "wall_s": 10.8}, k=tie)
+    run("tie-slow", {"test_accuracy": 93.6, "wall_s": 15.6}, k=tie)
+    again = run("tie-again", {"test_accuracy": 93.6, "wall_s": 15.6}, k=tie, status=None)
+    acc_time = [Headline("test_accuracy", higher_is_better=True), Headline("wall_s", higher_is_better=False)]
+    tied = compare_with_best_earlier(tracker, again, tie, acc_time)
+    assert tied.best_run_id == quick and tied.regressed == ["wall_s"]
+
     # a run that ended before a reopened run (a resumed campaign) counts as earlier; the run itself never
     assert compare_with_best_earlier(tracker, first, key, HEADLINES).best_run_id == best
 
