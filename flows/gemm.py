@@ -77,6 +77,17 @@ def logged_params(params: GemmParameters, problem: Problem | None) -> dict[str, 
 S3_BUCKET = re.compile(r"[a-z0-9][a-z0-9.-]{1,61}[a-z0-9]")  # S3's bucket naming rules (the common part)
 
 
+# The operands and flags each routine reads besides a, alpha and the tile (reference BLAS semantics).
+ROUTINE_USES = {
+    "gemm": {"b", "c", "beta", "trans_a", "trans_b"},
+    "symm": {"b", "c", "beta", "side", "uplo"},
+    "syrk": {"c", "beta", "trans_a", "uplo"},
+    "syr2k": {"b", "c", "beta", "trans_a", "uplo"},
+    "trmm": {"b", "side", "uplo", "trans_a", "diag"},
+    "trsm": {"b", "side", "uplo", "trans_a", "diag"},
+}
+
+
 class GemmParameters(BaseModel):
     """Parameters of the flow (rendered as a form in the Prefect UI)."""
 
@@ -126,6 +137,19 @@ class GemmParameters(BaseModel):
             raise ValueError("name an object, e.g. s3://bucket/path/a.npy")
         return v
 
+    def check_used(self) -> None:
+        """Refuse an operand or flag the routine does not read, given other than its default (a
+        TRSM with ``c`` and ``beta`` ran as plain TRSM, and MLflow recorded them as if used), and
+        a ``beta`` without ``c`` to scale. Raises InputError."""
+        uses = ROUTINE_USES[self.routine]
+        for name in ("b", "c", "beta", "trans_a", "trans_b", "side", "uplo", "diag"):
+            value, default = getattr(self, name), type(self).model_fields[name].default
+            if name not in uses and value != default:
+                raise InputError(name, value, f"{self.routine.upper()} does not use it (it takes "
+                                              f"{', '.join(sorted(uses))}); leave it out")
+        if self.beta != 0 and self.c is None:
+            raise InputError("beta", self.beta, "scales c, which is not given: set c (e.g. c=random) or leave beta 0")
+
     def kernel_params(self) -> dict[str, Any]:
         return self.model_dump(exclude={"output", "memory_budget", "scaling", "peer", "stage_random"})
 
@@ -144,6 +168,7 @@ class GemmParameters(BaseModel):
         Raises:
             InputError: bad parameters or operands.
         """
+        self.check_used()
         budget = parse_bytes(self.memory_budget)
         self.check_output(store)
         if any(str(v).startswith("s3://") for v in (self.a, self.b, self.c) if v) and store is None:

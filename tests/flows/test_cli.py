@@ -208,6 +208,11 @@ def test_bad_gemm_input_is_refused_before_anything_starts(npy, tmp_path):
         ([f"a={a}", f"b={npy('b.npy', np.ones((31, 20)))}"], ["b=(31, 20)", "does not conform"]),
         ([f"a={a}", f"b={npy('b32.npy', np.ones((30, 20), dtype=np.float32))}"], ["b='float32'", "mixed dtypes"]),
         (["routine=trsm", f"a={npy('z.npy', zero_diag)}", "m=40", "n=10"], ["a='a[7,7] = 0'", "nonzero diagonal"]),
+        # what the routine does not read is refused, not ignored (and recorded in MLflow as if used)
+        (["routine=trsm", "c=random"], ["c='random'", "TRSM does not use it"]),
+        (["routine=syrk", f"b={a}"], ["b=", "SYRK does not use it"]),
+        (["routine=trmm", "trans_b=T"], ["trans_b='T'", "TRMM does not use it"]),
+        (["beta=0.5"], ["beta=0.5", "scales c, which is not given"]),
         ([f"output={tmp_path / 'nowhere' / 'c.npy'}"], ["output=", "directory does not exist"]),
         ([f"output={tmp_path}"], ["output=", "is a directory"]),
         ([f"output={tmp_path / 'c.txt'}"], ["output=", "name the file *.npy"]),
