@@ -152,6 +152,28 @@ def env() -> None:
 
 @app.command()
 @_friendly
+def upload(path: Path = typer.Argument(..., help="Local file, e.g. B.npy."),
+           uri: str = typer.Argument(..., help="Destination object, e.g. s3://paperline-data/B.npy.")) -> None:
+    """Upload a local file to an S3 object of the stack (an operand for `--set b=s3://...`, a
+    tensor for `--set data=s3://...`, videos under a `source` prefix), with the stack's
+    credentials. A URI ending in `/` keeps the file's name. The object appears only when complete."""
+    from paperline.infra.errors import InputError
+    from paperline.infra.storage import ObjectStore, split_uri
+
+    if not path.is_file():
+        raise InputError("path", str(path), "no such file" if not path.exists() else "not a file")
+    if not uri.startswith("s3://") or not split_uri(uri)[0]:
+        raise InputError("uri", uri, "expected s3://bucket/key (or s3://bucket/prefix/ to keep the file's name)")
+    if uri.endswith("/") or "/" not in uri[len("s3://"):]:
+        uri = uri.rstrip("/") + "/" + path.name
+    store = ObjectStore.from_stack(_ensure_stack())
+    store.require_bucket("uri", uri)
+    store.upload_file_to(path, uri)
+    console.print(f"uploaded {path} ({path.stat().st_size:,} bytes) to {uri}", highlight=False, soft_wrap=True)
+
+
+@app.command()
+@_friendly
 def datasets() -> None:
     """List the bundled real datasets (tensors) and the search problems of the nas pipeline."""
     from paperline.kernels.tensor.datasets import dataset_info, dataset_names
