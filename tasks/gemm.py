@@ -13,6 +13,7 @@ from __future__ import annotations
 import hashlib
 import io
 import os
+import re
 import tempfile
 import threading
 import time
@@ -154,6 +155,8 @@ def operand_source(spec: str, argument: str, store: ObjectStore | None) -> TileS
         if store is None:
             raise InputError(argument, spec, "an S3 operand needs the stack's object store")
         return S3NpySource(store, spec, argument)
+    if re.match(r"^[A-Za-z][A-Za-z0-9+.-]*://", spec):  # http://, gs://, ...: not "no such file"
+        raise InputError(argument, spec, "expected 'random', a local .npy path or an s3:// URI")
     return NpySource(spec, argument)
 
 

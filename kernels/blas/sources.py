@@ -58,7 +58,7 @@ def read_npy_header(f: Any) -> tuple[tuple[int, ...], bool, np.dtype, int]:
 
 
 def check_matrix_header(argument: str, where: str, shape: tuple[int, ...], dtype: np.dtype) -> tuple[int, int]:
-    """Refuse anything but a 2-D float32/float64 matrix. Returns the shape as a pair.
+    """Refuse anything but a non-empty 2-D float32/float64 matrix. Returns the shape as a pair.
 
     Raises:
         InputError: naming ``argument`` and ``where`` (the path or URI).
@@ -67,6 +67,8 @@ def check_matrix_header(argument: str, where: str, shape: tuple[int, ...], dtype
         raise InputError(argument, where, f"expected a 2-D matrix, found shape {tuple(shape)}")
     if np.dtype(dtype).newbyteorder("=") not in FLOAT_DTYPES:
         raise InputError(argument, where, f"expected float32 or float64, found dtype {np.dtype(dtype)}")
+    if min(shape) < 1:
+        raise InputError(argument, where, f"an empty matrix (shape {tuple(shape)})")
     return int(shape[0]), int(shape[1])
 
 

@@ -201,6 +201,8 @@ def test_bad_gemm_input_is_refused_before_anything_starts(npy, tmp_path):
         (["memory_budget=lots"], ["memory_budget='lots'", "expected bytes"]),
         (["memory_budget=1KiB", "m=64", "n=64", "k=64", "tile=64"], ["memory_budget='1KiB'", "1024 bytes are below the working set"]),
         ([f"a={tmp_path / 'missing.npy'}"], ["a=", "missing.npy", "no such file"]),
+        (["a=http://example.com/A.npy"], ["a='http://example.com/A.npy'", "a local .npy path or an s3:// URI"]),
+        ([f"a={npy('empty.npy', np.ones((0, 30)))}"], ["a=", "empty.npy", "an empty matrix (shape (0, 30))"]),
         ([f"a={npy('cut.npy', np.ones((40, 30)), cut=50)}"], ["a=", "cut.npy", "truncated"]),
         ([f"a={npy('text.npy', raw=b'hello')}"], ["a=", "text.npy", "not a .npy file"]),
         ([f"a={npy('cube.npy', np.ones((2, 2, 2)))}"], ["expected a 2-D matrix"]),
