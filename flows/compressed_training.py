@@ -226,7 +226,7 @@ def compressed_training(params: CompressedTrainingParameters | None = None) -> d
     except BaseException:
         tracker.end_run(parent, "FAILED")
         raise
-    summary = _summary(runs, parent, tracker, run_url, str(flow_run.id))
+    summary = _summary(runs, parent, tracker, run_url, str(flow_run.id), bandwidth_plotted=bool(sweep))
     if sweep:
         summary["collectives"] = sweep
         summary["lines"].insert(0, "Linear Pipelining allreduce / backend allreduce (time ratio, > 1: LP faster): "
@@ -267,8 +267,8 @@ def _log_compressor(tracker: Tracker, parent: str, name: str, cfg: TrainConfig, 
             else None}
 
 
-def _summary(runs: list[dict[str, Any]], parent: str, tracker: Tracker, run_url: str, flow_run_id: str
-             ) -> dict[str, Any]:
+def _summary(runs: list[dict[str, Any]], parent: str, tracker: Tracker, run_url: str, flow_run_id: str,
+             bandwidth_plotted: bool = True) -> dict[str, Any]:
     base = next((r for r in runs if r["name"] == "none"), None)
     rows, lines = [], []
     for r in runs:
@@ -290,8 +290,9 @@ def _summary(runs: list[dict[str, Any]], parent: str, tracker: Tracker, run_url:
                          "); set another checkpoint_prefix or seed to train from scratch")
     for r in runs:
         lines += r["versus_lines"]
-    lines.append("MLflow parent run (plots: accuracy_vs_bytes.png, accuracy_vs_time.png, collectives_bandwidth.png): "
-                 f"{tracker.run_url(parent)}")
+    plots = ["accuracy_vs_bytes.png", "accuracy_vs_time.png"] + (["collectives_bandwidth.png"] if bandwidth_plotted
+                                                                  else [])  # (none with collectives_max_bytes=0)
+    lines.append(f"MLflow parent run (plots: {', '.join(plots)}): {tracker.run_url(parent)}")
     return {"runs": runs, "mlflow_run_id": parent, "mlflow_run_url": tracker.run_url(parent),
             "prefect_flow_run_id": flow_run_id, "prefect_flow_run_url": run_url, "lines": lines,
             "table": {"title": "compressed-training: final epoch per compressor",

@@ -99,7 +99,9 @@ def test_a_killed_rank_resumes_from_the_checkpoints_to_the_same_accuracy(trained
     proc = _run(cli_env, *SMALL, "nan_steps=3", "compressors=none", "crash_rank_at_step=16", "timeout_s=20",
                 "collectives_max_bytes=0", f"checkpoint_prefix={prefix}/b")
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    assert "none: the crash drill did not run (crash_rank_at_step=16 was not reached" in " ".join(proc.stdout.split())
+    out = " ".join(proc.stdout.split())
+    assert "none: the crash drill did not run (crash_rank_at_step=16 was not reached" in out
+    assert "(plots: accuracy_vs_bytes.png, accuracy_vs_time.png):" in out  # no sweep (max bytes 0), no such plot
 
 
 @pytest.mark.parametrize("sets, message", [
