@@ -358,7 +358,10 @@ def _short(text: str, width: int = 36) -> str:
 
 
 def _fmt(x: Any) -> str:
-    return f"{x:.4f}" if isinstance(x, float) and math.isfinite(x) else str(x)
+    """Four decimals; a tiny nonzero value (a verification residual of 1e-17) in scientific notation, not 0.0000."""
+    if not isinstance(x, float) or not math.isfinite(x):
+        return str(x)
+    return f"{x:.3e}" if x != 0 and abs(x) < 1e-3 else f"{x:.4f}"
 
 
 def _print_summary(name: str, summary: dict[str, Any]) -> None:

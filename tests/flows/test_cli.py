@@ -275,3 +275,11 @@ def test_env_without_a_running_stack_is_one_line(tmp_path):
 def test_status_exits_1_when_a_service_is_down(tmp_path):
     result = run_cli("status", env={"PAPERLINE_STATE_DIR": str(tmp_path / "state")})
     assert result.exit_code == 1 and "not running: s3, prefect, mlflow" in result.output, result.output
+
+
+def test_tiny_values_are_not_shown_as_zero():
+    """compare's table showed gemm's verification residual (about 1e-17) as 0.0000."""
+    from paperline.flows.cli import _fmt
+
+    assert [_fmt(v) for v in (1.2e-17, 0.0, 93.6, -2e-5, float("nan"), 7)] == \
+        ["1.200e-17", "0.0000", "93.6000", "-2.000e-05", "nan", "7"]
