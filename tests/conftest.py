@@ -174,6 +174,25 @@ def cli_env(stack) -> dict[str, str]:
     return env
 
 
+@pytest.fixture
+def stack_cli(stack) -> Callable[..., object]:
+    """``stack_cli(*args)``: ``paperline ARGS`` run in this process (typer's CliRunner) on the
+    session stack; returns the click ``Result`` (``exit_code``, ``output``)."""
+    from typer.testing import CliRunner
+
+    from paperline.flows.cli import app
+    from paperline.infra.settings import get_settings
+
+    def invoke(*args: str) -> object:
+        get_settings.cache_clear()
+        try:
+            return CliRunner().invoke(app, list(args), env={"PAPERLINE_STATE_DIR": str(stack[0].state_dir)})
+        finally:
+            get_settings.cache_clear()
+
+    return invoke
+
+
 # --- multi-process (torch.distributed) tests --------------------------------------------------------
 
 def _run_ranks(script: str, args: list[list[str]], logdir: Path, timeout: float = 240) -> None:

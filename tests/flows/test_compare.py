@@ -4,10 +4,6 @@ Parquet of runs, the logged comparison, and bad input."""
 
 import pyarrow.parquet as pq
 import pytest
-from typer.testing import CliRunner
-
-from paperline.flows.cli import app
-from paperline.infra.settings import get_settings
 
 pytestmark = pytest.mark.stack
 
@@ -27,18 +23,10 @@ def experiment(stack):
     return info, tracker, ids
 
 
-def _cli(stack_dir, *args):
-    get_settings.cache_clear()
-    try:
-        return CliRunner().invoke(app, list(args), env={"PAPERLINE_STATE_DIR": str(stack_dir)})
-    finally:
-        get_settings.cache_clear()
-
-
-def test_compare_prints_the_table_and_writes_the_plot_and_parquet(stack, experiment, tmp_path):
+def test_compare_prints_the_table_and_writes_the_plot_and_parquet(stack_cli, stack, experiment, tmp_path):
     settings, _ = stack
     info, tracker, ids = experiment
-    res = _cli(settings.state_dir, "compare", "compare-test", "--metric", "loss", "--top", "2", "--ascending",
+    res = stack_cli("compare", "compare-test", "--metric", "loss", "--top", "2", "--ascending",
                "--filter", "params.seed = '0'", "--out", str(tmp_path), "--log")
     assert res.exit_code == 0, res.output
     text = " ".join(res.output.split())
@@ -63,24 +51,24 @@ def test_compare_prints_the_table_and_writes_the_plot_and_parquet(stack, experim
     (["compare-test", "--top", "0"], "--top=0"),
     ([""], "name an MLflow experiment"),
 ])
-def test_compare_bad_input(stack, experiment, tmp_path, args, fragment):
+def test_compare_bad_input(stack_cli, stack, experiment, tmp_path, args, fragment):
     settings, _ = stack
-    res = _cli(settings.state_dir, "compare", *args, "--out", str(tmp_path))
+    res = stack_cli("compare", *args, "--out", str(tmp_path))
     assert res.exit_code != 0
     text = " ".join(res.output.split())
     assert "error:" in text and fragment in text and "Traceback" not in text
     assert "comparison" not in text and "params_key" not in text  # only the user's filter, not compare's own clauses
 
 
-def test_compare_refuses_a_file_as_out_dir(stack, experiment, tmp_path):
+def test_compare_refuses_a_file_as_out_dir(stack_cli, stack, experiment, tmp_path):
     settings, _ = stack
     target = tmp_path / "a-file"
     target.write_text("x")
-    res = _cli(settings.state_dir, "compare", "compare-test", "--out", str(target))
+    res = stack_cli("compare", "compare-test", "--out", str(target))
     assert res.exit_code != 0 and "--out=" in " ".join(res.output.split()) and "not a directory" in res.output
 
 
-def test_by_default_only_the_runs_a_pipeline_compares_are_listed(stack, tmp_path):
+def test_by_default_only_the_runs_a_pipeline_compares_are_listed(stack_cli, stack, tmp_path):
     """A nas-like experiment: campaign parent runs carry paperline.params_key, their per-evaluation
     child runs do not; the default lists the campaigns with their regression flag, --all-runs all."""
     from paperline.infra.tracking import Tracker
@@ -98,22 +86,22 @@ def test_by_default_only_the_runs_a_pipeline_compares_are_listed(stack, tmp_path
         tracker.log_metrics(parent, {"final_hypervolume": 10.0 - i})
         tracker.end_run(parent)
         parents.append(parent)
-    res = _cli(settings.state_dir, "compare", "compare-nested", "--out", str(tmp_path))
+    res = stack_cli("compare", "compare-nested", "--out", str(tmp_path))
     assert res.exit_code == 0, res.output
     table = pq.read_table(tmp_path / "compare-nested-runs.parquet").to_pydict()
     assert sorted(table["run_id"]) == sorted(parents)
     text = " ".join(res.output.split())
     assert "2 run(s) (pipeline runs" in text and "final_hypervolume" in text and "true" in text
-    res = _cli(settings.state_dir, "compare", "compare-nested", "--all-runs", "--top", "20", "--filter",
+    res = stack_cli("compare", "compare-nested", "--all-runs", "--top", "20", "--filter",
                "params.x = '1'", "--out", str(tmp_path))
     assert res.exit_code == 0, res.output
     assert len(pq.read_table(tmp_path / "compare-nested-runs.parquet").to_pydict()["run_id"]) == 2  # one per campaign
-    res = _cli(settings.state_dir, "compare", "compare-nested", "--filter", "params.seed = '1'", "--out", str(tmp_path))
+    res = stack_cli("compare", "compare-nested", "--filter", "params.seed = '1'", "--out", str(tmp_path))
     assert res.exit_code == 0, res.output
     assert pq.read_table(tmp_path / "compare-nested-runs.parquet").to_pydict()["run_id"] == [parents[1]]
 
 
-def test_headline_metrics_by_default_and_runs_that_share_none(stack, tmp_path):
+def test_headline_metrics_by_default_and_runs_that_share_none(stack_cli, stack, tmp_path):
     """Without --metric: the pipeline's headline metrics, best first in their own direction; runs
     with no shared metric get the table without a plot; --log runs never take a --top slot; a
     rejected filter is echoed as the user wrote it; an --out that cannot be made is one line."""
@@ -130,14 +118,14 @@ def test_headline_metrics_by_default_and_runs_that_share_none(stack, tmp_path):
         tracker.log_metrics(run_id, {"wall_s": wall, "other": 1.0})
         tracker.end_run(run_id)
         ids.append(run_id)
-    assert _cli(settings.state_dir, "compare", "compare-headlines", "--log", "--out", str(tmp_path)).exit_code == 0
-    res = _cli(settings.state_dir, "compare", "compare-headlines", "--top", "3", "--out", str(tmp_path))
+    assert stack_cli("compare", "compare-headlines", "--log", "--out", str(tmp_path)).exit_code == 0
+    res = stack_cli("compare", "compare-headlines", "--top", "3", "--out", str(tmp_path))
     assert res.exit_code == 0, res.output
     table = pq.read_table(tmp_path / "compare-headlines-runs.parquet").to_pydict()
     assert table["run_id"] == [ids[1], ids[2], ids[0]]  # fastest first; the --log run takes no slot
     assert "3 run(s) (pipeline runs" in " ".join(res.output.split())
     # a headline metric named with --metric is ranked in its own direction too (it was descending)
-    res = _cli(settings.state_dir, "compare", "compare-headlines", "--metric", "wall_s", "--out", str(tmp_path))
+    res = stack_cli("compare", "compare-headlines", "--metric", "wall_s", "--out", str(tmp_path))
     assert res.exit_code == 0, res.output
     assert pq.read_table(tmp_path / "compare-headlines-runs.parquet").to_pydict()["run_id"] == [ids[1], ids[2], ids[0]]
     lone = tracker.start_run("compare-disjoint", run_name="a")
@@ -146,18 +134,18 @@ def test_headline_metrics_by_default_and_runs_that_share_none(stack, tmp_path):
     other = tracker.start_run("compare-disjoint", run_name="b")
     tracker.log_metrics(other, {"y": 1.0})
     tracker.end_run(other)
-    res = _cli(settings.state_dir, "compare", "compare-disjoint", "--out", str(tmp_path))
+    res = stack_cli("compare", "compare-disjoint", "--out", str(tmp_path))
     assert res.exit_code == 0 and "share no metric" in res.output, res.output
-    res = _cli(settings.state_dir, "compare", "compare-headlines", "--filter", "params.seed = 1", "--out", str(tmp_path))
+    res = stack_cli("compare", "compare-headlines", "--filter", "params.seed = 1", "--out", str(tmp_path))
     text = " ".join(res.output.split())
     assert res.exit_code != 0 and "--filter='params.seed = 1': MLflow rejected it" in text and "LIKE" not in text
     blocker = tmp_path / "file"
     blocker.write_text("x")
-    res = _cli(settings.state_dir, "compare", "compare-headlines", "--out", str(blocker / "sub"))
+    res = stack_cli("compare", "compare-headlines", "--out", str(blocker / "sub"))
     assert res.exit_code != 0 and "cannot create the directory" in res.output and "Traceback" not in res.output
 
 
-def test_default_headlines_are_the_ones_most_runs_share(stack, tmp_path):
+def test_default_headlines_are_the_ones_most_runs_share(stack_cli, stack, tmp_path):
     """A newest run with other headlines (a tensor run on user data among bundled-dataset runs)
     neither decides the metrics nor shows as a row of NaNs."""
     import json
@@ -177,7 +165,7 @@ def test_default_headlines_are_the_ones_most_runs_share(stack, tmp_path):
         "paperline.params_key": "ku", "paperline.headlines": json.dumps([["user.rmse", False], ["user.fit_s", False]])})
     tracker.log_metrics(user, {"user.rmse": 0.5, "user.fit_s": 2.0})
     tracker.end_run(user)
-    res = _cli(settings.state_dir, "compare", "compare-mixed", "--out", str(tmp_path))
+    res = stack_cli("compare", "compare-mixed", "--out", str(tmp_path))
     assert res.exit_code == 0, res.output
     table = pq.read_table(tmp_path / "compare-mixed-runs.parquet").to_pydict()
     assert table["run_id"] == [ids[1], ids[2], ids[0]]  # best kinetic.rmse first, the user run left out
@@ -185,11 +173,11 @@ def test_default_headlines_are_the_ones_most_runs_share(stack, tmp_path):
     # (named by the metric it ranks by, not the first alphabetically: fit_s)
     assert "1 run(s) without kinetic.rmse left out (they rank by user.rmse: --metric user.rmse shows them)" in \
         " ".join(res.output.split())
-    res = _cli(settings.state_dir, "compare", "compare-mixed", "--metric", "user.rmse", "--out", str(tmp_path))
+    res = stack_cli("compare", "compare-mixed", "--metric", "user.rmse", "--out", str(tmp_path))
     assert res.exit_code == 0 and pq.read_table(tmp_path / "compare-mixed-runs.parquet").to_pydict()["run_id"][0] == user
 
 
-def test_a_metric_maximized_by_some_runs_and_minimized_by_others_is_not_ranked(stack, tmp_path):
+def test_a_metric_maximized_by_some_runs_and_minimized_by_others_is_not_ranked(stack_cli, stack, tmp_path):
     """nas ``final_best``: a NAS-Bench-201 accuracy (higher is better) and a Levy value (lower is
     better) ranked together put the worst Levy campaign first. They are listed newest first with a
     note naming a filter that ranks one problem's campaigns; that filter ranks them (ascending)."""
@@ -207,13 +195,13 @@ def test_a_metric_maximized_by_some_runs_and_minimized_by_others_is_not_ranked(s
         tracker.log_metrics(run_id, {"final_best": value})
         tracker.end_run(run_id)
         ids[name] = run_id
-    res = _cli(settings.state_dir, "compare", "compare-directions", "--metric", "final_best", "--out", str(tmp_path))
+    res = stack_cli("compare", "compare-directions", "--metric", "final_best", "--out", str(tmp_path))
     assert res.exit_code == 0, res.output
     table = pq.read_table(tmp_path / "compare-directions-runs.parquet").to_pydict()
     assert table["run_id"] == [ids["levy-b"], ids["levy-a"], ids["acc"]]  # newest first
     assert "final_best is maximized in some runs and minimized in others: listed newest first, not ranked; " \
         "--filter \"params.problem = 'levy'\" ranks runs of one kind" in " ".join(res.output.split()), res.output
-    res = _cli(settings.state_dir, "compare", "compare-directions", "--metric", "final_best", "--filter",
+    res = stack_cli("compare", "compare-directions", "--metric", "final_best", "--filter",
                "params.problem = 'levy'", "--out", str(tmp_path))
     assert res.exit_code == 0 and "not ranked" not in res.output, res.output
     assert pq.read_table(tmp_path / "compare-directions-runs.parquet").to_pydict()["run_id"] == [ids["levy-b"],
