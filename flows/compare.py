@@ -155,9 +155,11 @@ def compare_runs(tracker: Tracker, experiment: str, metrics: list[str], filter_s
         if others:  # e.g. nas: single-objective campaigns have final_best, not final_hypervolume
             # the metric each left-out run is ranked by (its first headline), newest run's first
             theirs = list(dict.fromkeys(h[0][0] for h in map(_headline_list, others) if h))
+            shows = "them" if len(theirs) == 1 else "the newest kind"
+            hint = f"they rank by {', '.join(theirs)}: --metric {theirs[0]} shows {shows}" if theirs \
+                else "--metric names what to show"
             note = (f"{len(others)}{'+' if len(found) == max(top, HEADLINE_SAMPLE) else ''} run(s) without "
-                    f"{metrics[0]} left out" + (f" (they rank by {', '.join(theirs)}: --metric {theirs[0]} shows "
-                                                f"{'them' if len(theirs) == 1 else 'the newest kind'})" if theirs else " (--metric names what to show)"))
+                    f"{metrics[0]} left out ({hint})")
     else:
         runs = search(order, top)
     if not runs:

@@ -154,9 +154,13 @@ class GemmParameters(BaseModel):
         return self.model_dump(exclude={"output", "memory_budget", "scaling", "peer", "stage_random"})
 
     def validate_on_stack(self, info: Any, store: ObjectStore) -> None:
-        """Before the flow run is created: S3 operands (their objects and headers) and an S3
-        output's bucket, with the stack's store. Raises InputError."""
-        self.validate_inputs(store)
+        """Before the flow run is created, what :meth:`validate_inputs` left for the store: S3
+        operands (their objects and headers, then the whole problem) or an S3 output's bucket.
+        Local operands are not opened again. Raises InputError."""
+        if any(str(v).startswith("s3://") for v in (self.a, self.b, self.c) if v):
+            self.validate_inputs(store)
+        elif self.output and self.output.startswith("s3://"):
+            self.check_output(store)
 
     def validate_inputs(self, store: ObjectStore | None = None) -> Problem | None:
         """Open the local operands and check shapes, dtypes, flags, the tile and the budget before
