@@ -169,7 +169,7 @@ def compare_runs(tracker: Tracker, experiment: str, metrics: list[str], filter_s
         metrics = sorted(shared)[:6]
     for m in metrics:
         if not any(m in r.data.metrics for r in runs):
-            names = sorted({k for r in runs for k in r.data.metrics})
+            names = sorted({k for r in [*runs, *recent] for k in r.data.metrics})  # the shown and the newest runs
             raise InputError("--metric", m, f"no run of {experiment!r} has it (give the bare name, no 'metrics.'); "
                                             f"known: {', '.join(names[:40])}{' ...' if len(names) > 40 else ''}")
     params = sorted({k for r in runs for k in r.data.params})

@@ -210,6 +210,11 @@ class GemmParameters(BaseModel):
             raise InputError("output", out, "the result is written as .npy: name the file *.npy")
         if not path.parent.is_dir():
             raise InputError("output", out, "its directory does not exist")
+        try:  # the result is staged beside the output and renamed into place: the directory must take files
+            with tempfile.NamedTemporaryFile(dir=path.parent, prefix=".paperline-probe-"):
+                pass
+        except OSError as exc:
+            raise InputError("output", out, f"cannot write in {path.parent}: {exc.strerror or exc}") from None
         for name in ("a", "b", "c"):
             spec = getattr(self, name)
             if spec and spec != "random" and not spec.startswith("s3://") and Path(spec).expanduser().resolve() == path:
@@ -217,6 +222,8 @@ class GemmParameters(BaseModel):
 
     def check_size(self, problem: Any) -> None:
         """Refuse plans too fine to schedule and data that cannot fit on disk. Raises InputError."""
+        from dask.utils import format_bytes  # noqa: PLC0415
+
         from paperline.kernels.blas.plan import n_tiles  # noqa: PLC0415
 
         (m, n), k, t = problem.out_shape, problem.inner, problem.tile
@@ -232,14 +239,17 @@ class GemmParameters(BaseModel):
                          if getattr(self, name) == "random")
             if staged:
                 needs.append(("m", self.m, staged, Path(get_settings().state_dir)))
-        out_dir = Path(get_settings().state_dir) if self.output is None or self.output.startswith("s3://") \
-            else Path(self.output).expanduser().resolve().parent  # S3 outputs are staged under the state dir
-        needs.append(("output", self.output or "default (S3)", m * n * item, out_dir))
+        staged = self.output is None or self.output.startswith("s3://")  # staged under the state dir, then uploaded
+        out_dir = Path(get_settings().state_dir) if staged else Path(self.output).expanduser().resolve().parent
+        needs.append(("output", self.output, m * n * item, out_dir))
         for argument, value, nbytes, where in needs:
             free = shutil.disk_usage(_existing(where)).free
             if nbytes > free:
-                raise InputError(argument, value, f"needs {nbytes / 2**30:,.1f} GiB on disk at {where} "
-                                                  f"({free / 2**30:,.1f} GiB free); lower the sizes")
+                what = (f"the {m}x{n} {problem.dtype} result needs" if argument == "output" else
+                        "the staged random operands need")
+                where_ = f"{where} (staged there for S3)" if staged and argument == "output" else str(where)
+                raise InputError(argument, value, f"{what} {format_bytes(nbytes)} on disk at {where_}, "
+                                                  f"{format_bytes(free)} free; lower the sizes")
 
 
 MAX_TILE_TASKS = 100_000

@@ -244,6 +244,19 @@ def planned_worker_count(settings: Settings) -> int | None:
     return settings.n_workers or os.cpu_count() or 1
 
 
+def planned_worker_memory(settings: Settings) -> int | None:
+    """Bytes of host memory each worker of the local CPU cluster :func:`task_runner` starts may use:
+    Dask's default ``memory_limit="auto"``, the machine's memory (``distributed.system.MEMORY_LIMIT``:
+    RAM, or a lower cgroup or rlimit) over its workers. None for a CUDA cluster (tiles live in GPU
+    memory) or an existing scheduler (known once connected)."""
+    n = planned_worker_count(settings)
+    if n is None or resolve_device(settings.device) == "cuda":
+        return None
+    from distributed.system import MEMORY_LIMIT  # noqa: PLC0415 - keep imports of this module light
+
+    return MEMORY_LIMIT // n
+
+
 def describe_cluster(settings: Settings) -> str:
     """One line saying which cluster :func:`task_runner` will use (for the CLI).
 

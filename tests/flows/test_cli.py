@@ -31,14 +31,14 @@ def assert_one_line_error(result, *fragments):
         assert f in text, text
 
 
-def assert_refused_before_anything_starts(pipeline, cases, tmp_path):
+def assert_refused_before_anything_starts(pipeline, cases, tmp_path, *, preset=None, env=None):
     """Each ``(sets, fragments)`` case of ``paperline run PIPELINE --set ...`` is one error line with
     the fragments, and no stack was started. Should a case slip past validation, the stack it starts
     lives in tmp_path, not ~/.paperline, and is stopped again (a failed run left three running)."""
-    env = {"PAPERLINE_STATE_DIR": str(tmp_path / "state")}
+    env = {"PAPERLINE_STATE_DIR": str(tmp_path / "state"), **(env or {})}
     try:
         for sets, fragments in cases:
-            args = ["run", pipeline]
+            args = ["run", pipeline, *(["--preset", preset] if preset else [])]
             for item in sets:
                 args += ["--set", item]
             assert_one_line_error(run_cli(*args, env=env), *fragments)
@@ -224,9 +224,11 @@ def test_bad_gemm_input_is_refused_before_anything_starts(npy, tmp_path):
         (["output=s3://Bad_Bucket!/x.npy"], ["output=", "not a valid S3 bucket name"]),
         (["output="], ["output=''", "must not be empty"]),  # without pydantic's "Value error, "
         (["m=2048", "n=2048", "k=2048", "tile=1"], ["tile=1", "4,194,304 tile tasks", "raise the tile size"]),
-        (["m=1000000000", "tile=16384", "memory_budget=16GiB"], ["m=1000000000", "GiB on disk", "lower the sizes"]),
+        (["m=1000000000", "tile=16384", "memory_budget=16GiB"],
+         ["m=1000000000", "the staged random operands need 29.80 TiB on disk at", "free; lower the sizes"]),
         (["m=1000000", "n=1000000", "k=1000", "tile=16384", "memory_budget=16GiB", "stage_random=false"],
-         ["output=", "GiB on disk"]),
+         ["output=None", "the 1000000x1000000 float64 result needs 7.28 TiB on disk", "(staged there for S3)"]),
+        (["output=/proc/c.npy"], ["output='/proc/c.npy'", "cannot write in /proc:"]),  # was "0.0 GiB free"
     ]
     assert_refused_before_anything_starts("gemm", cases, tmp_path)
     assert not list((tmp_path).glob("*partial*"))
@@ -263,6 +265,33 @@ def test_bad_video_settings_are_refused_before_anything_starts(tmp_path):
         (["source=http://example.com/x.mp4"], ["source=", "unsupported scheme"]),
     ]
     assert_refused_before_anything_starts("video-curation", cases, tmp_path)
+
+
+def test_bad_nas_parameters_are_refused_before_anything_starts(tmp_path):
+    cases = [
+        (["problem=knapsack"], ["problem='knapsack'", "unknown problem"]),
+        (["budget=5"], ["budget=5", "smaller than the initial design"]),
+        (["q=0"], ["q=0"]),
+        (["ref_point=[99.0, 2.0]"], ["no point dominates"]),
+        (["problem=branin-currin", "optimizer=qehvi"], ["objectives=['val_accuracy_pct', 'model_size_mb']: "
+                                                        "branin-currin has fixed objectives"]),
+        (['optimizer_options={"n_candidates": -3}'], ["n_candidates=-3: must be an integer >= 1"]),
+    ]  # and `optimizer=annealing` through a `paperline` process: tests/flows/test_nas.py
+    assert_refused_before_anything_starts("nas", cases, tmp_path, preset="demo")
+
+
+def test_bad_compressed_training_parameters_are_refused_before_anything_starts(tmp_path):
+    small = ["epochs=2", "max_steps_per_epoch=12", "model_options={\"width\": 8, \"blocks\": 1}", "n_train=2000"]
+    cases = [
+        ([*small, "fft_theta=1.5"], ["fft_theta=1.5", "theta"]),
+        ([*small, "world_size=3"], ["world_size=3", "larger than the number of Dask workers (2)"]),
+        # width 8: the largest matrix is 16 x 144; rank 8 would send every gradient dense (ratio 1)
+        ([*small, "compressors=powersgd", "powersgd_rank=8"],
+         ["powersgd_rank=8: compresses no gradient of the model (each would be sent dense: ratio 1); the largest "
+          "that compresses any is 7"]),
+    ]  # and a checkpoint bucket that does not exist, on the stack: tests/flows/test_compressed_training.py
+    assert_refused_before_anything_starts("compressed-training", cases, tmp_path, preset="demo",
+                                          env={"PAPERLINE_N_WORKERS": "2"})
 
 
 def test_env_without_a_running_stack_is_one_line(tmp_path):

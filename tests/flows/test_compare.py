@@ -175,6 +175,11 @@ def test_default_headlines_are_the_ones_most_runs_share(stack_cli, stack, tmp_pa
         " ".join(res.output.split())
     res = stack_cli("compare", "compare-mixed", "--metric", "user.rmse", "--out", str(tmp_path))
     assert res.exit_code == 0 and pq.read_table(tmp_path / "compare-mixed-runs.parquet").to_pydict()["run_id"][0] == user
+    # an unknown metric lists what the experiment's runs have, not only the --top ones it read
+    res = stack_cli("compare", "compare-mixed", "--metric", "rmse", "--top", "1", "--out", str(tmp_path))
+    assert res.exit_code != 0
+    assert "--metric='rmse': no run of 'compare-mixed' has it (give the bare name, no 'metrics.'); known: " \
+        "kinetic.rmse, user.fit_s, user.rmse" in " ".join(res.output.split()), res.output
 
 
 def test_a_metric_maximized_by_some_runs_and_minimized_by_others_is_not_ranked(stack_cli, stack, tmp_path):
