@@ -23,7 +23,12 @@ from prefect.runtime import flow_run
 from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator
 
 from paperline.infra.device import array_device
-from paperline.infra.cluster import configure_local_workers, default_task_runner
+from paperline.infra.cluster import (
+    configure_local_workers,
+    default_task_runner,
+    planned_worker_count,
+    planned_worker_memory,
+)
 from paperline.infra.errors import InputError
 from paperline.infra.regression import Headline, check_latest
 from paperline.infra.settings import get_settings
@@ -174,6 +179,7 @@ class GemmParameters(BaseModel):
         """
         self.check_used()
         budget = parse_bytes(self.memory_budget)
+        self.check_budget_fits(budget)
         self.check_output(store)
         if any(str(v).startswith("s3://") for v in (self.a, self.b, self.c) if v) and store is None:
             return None
@@ -184,6 +190,21 @@ class GemmParameters(BaseModel):
             raise InputError("memory_budget", self.memory_budget, f"{budget} bytes are {exc.problem}") from None
         self.check_size(problem)
         return problem
+
+    def check_budget_fits(self, budget: int) -> None:
+        """A tile cache larger than a worker's memory is refused: on a large problem it would grow
+        until the nanny or the kernel killed the worker. Known for the local CPU cluster only (a
+        CUDA cluster's tiles live in GPU memory; an existing cluster is known once connected).
+        Raises InputError."""
+        from dask.utils import format_bytes  # noqa: PLC0415
+
+        settings = get_settings()
+        limit = planned_worker_memory(settings)
+        if limit is not None and budget > limit:
+            raise InputError("memory_budget", self.memory_budget,
+                             f"more than a worker's memory ({format_bytes(limit)}: this machine's "
+                             f"{format_bytes(limit * planned_worker_count(settings))} over "
+                             f"{planned_worker_count(settings)} workers); the tile cache could outgrow it")
 
     def check_output(self, store: ObjectStore | None) -> None:
         """The output must name a ``.npy`` file (replaced if it exists) or an S3 object in an existing bucket,

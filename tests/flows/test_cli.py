@@ -224,13 +224,14 @@ def test_bad_gemm_input_is_refused_before_anything_starts(npy, tmp_path):
         (["output=s3://Bad_Bucket!/x.npy"], ["output=", "not a valid S3 bucket name"]),
         (["output="], ["output=''", "must not be empty"]),  # without pydantic's "Value error, "
         (["m=2048", "n=2048", "k=2048", "tile=1"], ["tile=1", "4,194,304 tile tasks", "raise the tile size"]),
-        (["m=1000000000", "tile=16384", "memory_budget=16GiB"],
-         ["m=1000000000", "the staged random operands need 29.80 TiB on disk at", "free; lower the sizes"]),
-        (["m=1000000", "n=1000000", "k=1000", "tile=16384", "memory_budget=16GiB", "stage_random=false"],
+        (["m=500000000", "tile=8192", "memory_budget=3GiB"],
+         ["m=500000000", "the staged random operands need 14.90 TiB on disk at", "free; lower the sizes"]),
+        (["m=1000000", "n=1000000", "k=1000", "tile=8192", "memory_budget=3GiB", "stage_random=false"],
          ["output=None", "the 1000000x1000000 float64 result needs 7.28 TiB on disk", "(staged there for S3)"]),
+        (["memory_budget=1PiB"], ["memory_budget='1PiB'", "more than a worker's memory", "over 2 workers"]),
         (["output=/proc/c.npy"], ["output='/proc/c.npy'", "cannot write in /proc:"]),  # was "0.0 GiB free"
     ]
-    assert_refused_before_anything_starts("gemm", cases, tmp_path)
+    assert_refused_before_anything_starts("gemm", cases, tmp_path, env={"PAPERLINE_N_WORKERS": "2"})
     assert not list((tmp_path).glob("*partial*"))
 
 
