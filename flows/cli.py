@@ -237,10 +237,31 @@ def run(pipeline: str = typer.Argument(..., help="Pipeline name, e.g. tensor-fac
     `paperline params PIPELINE` lists the parameters --set takes."""
     from paperline.flows.pipelines import build_parameters, get_pipeline, pipeline_names
 
+    if summary_json is not None:
+        _check_summary_path(summary_json)
     with _early_cluster(pipeline in pipeline_names()) as early:
         spec = get_pipeline(pipeline)
         params = build_parameters(spec, preset, set_ or [])
         _run_one(spec, params, summary_json, early)
+
+
+def _check_summary_path(path: Path) -> None:
+    """``--summary-json`` is written after the run: a path it cannot be written to is refused
+    before anything starts (a directory failed with IsADirectoryError after the whole run).
+    Missing parent directories are created then. Raises InputError."""
+    import os
+
+    from paperline.infra.errors import InputError
+
+    if path.is_dir():
+        raise InputError("--summary-json", str(path), "is a directory; name a file, e.g. summary.json")
+    existing = path.expanduser().absolute().parent
+    while not existing.exists() and existing != existing.parent:
+        existing = existing.parent
+    if not existing.is_dir():
+        raise InputError("--summary-json", str(path), f"{existing} is a file, not a directory")
+    if not os.access(existing, os.W_OK):
+        raise InputError("--summary-json", str(path), f"cannot write in {existing}")
 
 
 _DASK_LOGGERS = ("distributed", "distributed.scheduler", "distributed.core", "distributed.nanny",

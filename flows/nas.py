@@ -118,7 +118,14 @@ class NasParameters(CampaignParameters):
         return [main] + ([self.live] if self.live is not None else [])
 
     def validate_inputs(self) -> None:
-        names = [c.campaign_name(c.build()) for c in self.campaigns()]  # build() validates every input
+        names = []
+        for c in self.campaigns():
+            try:
+                names.append(c.campaign_name(c.build()))  # build() validates every input
+            except InputError as exc:
+                if c is self.live:  # `optimizer='nope'` did not say it was the live campaign's
+                    raise InputError(f"live.{exc.argument}", exc.value, exc.problem) from None
+                raise
         if len(set(names)) != len(names):
             raise InputError("live", names[-1], "the live campaign has the same name as the first; change it")
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import types
 import typing
 from dataclasses import dataclass, field
 from typing import Any, Callable
@@ -106,6 +107,18 @@ def _numeric_not_bool(annotation: Any) -> bool:
     return bool(members & {int, float}) and bool not in members
 
 
+def _text(annotation: Any) -> bool:
+    """``str``, ``list[str]``, or either ``| None``: a name such as ``dataset=2024`` or
+    ``campaign=123`` is text there, not the number JSON reads."""
+    members = {annotation}
+    if typing.get_origin(annotation) in (typing.Union, types.UnionType):
+        members = set(typing.get_args(annotation)) - {type(None)}
+    if len(members) != 1:
+        return False
+    (member,) = members
+    return member is str or (typing.get_origin(member) is list and typing.get_args(member) == (str,))
+
+
 def _scalar(text: str) -> Any:
     try:
         return json.loads(text)
@@ -127,6 +140,7 @@ def build_parameters(pipeline: Pipeline, preset: str, overrides: list[str]) -> B
         raise InputError("--preset", preset, f"unknown preset; known: {', '.join(sorted(pipeline.presets))}")
     values = dict(pipeline.presets[preset])
     fields = pipeline.parameters.model_fields
+    given: dict[str, str] = {}
     for item in overrides:
         key, sep, raw = item.partition("=")
         key = key.strip()
@@ -134,14 +148,20 @@ def build_parameters(pipeline: Pipeline, preset: str, overrides: list[str]) -> B
             raise InputError("--set", item, "expected key=value")
         if key not in fields:
             raise InputError("--set", key, f"unknown parameter; known: {', '.join(fields)}")
+        if key in given:  # the last one silently won
+            raise InputError("--set", key, f"given twice ({given[key]!r}, then {raw!r}); give it once")
+        given[key] = raw
+        annotation = fields[key].annotation
         try:
             value: Any = json.loads(raw)
         except json.JSONDecodeError:
             value = raw
-        if isinstance(value, bool) and _numeric_not_bool(fields[key].annotation):
+        if isinstance(value, bool) and _numeric_not_bool(annotation):
             raise InputError(key, raw, "expected a number, not a boolean")
-        if _is_list(fields[key].annotation) and isinstance(value, (str, int, float)) and not isinstance(value, bool):
-            value = [_scalar(v.strip()) for v in str(value).split(",") if v.strip()]
+        if _text(annotation) and isinstance(value, (bool, int, float)):
+            value = raw.strip()  # dataset=2024 is a name
+        if _is_list(annotation) and isinstance(value, (str, int, float)) and not isinstance(value, bool):
+            value = [v.strip() if _text(annotation) else _scalar(v.strip()) for v in str(value).split(",") if v.strip()]
         values[key] = value
     try:
         return pipeline.parameters.model_validate(values)

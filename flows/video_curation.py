@@ -198,10 +198,13 @@ def check_dataset_free(store: ObjectStore, output: str, key: str, argument: str,
     (its manifest's ``meta.inputs_key`` differs from ``key``), before any video is processed; a
     re-run of the same dataset passes (its shards are found and skipped). A manifest without the
     key (older runs) is left to :func:`~paperline.kernels.video.shards.write_dataset`'s own check.
+    A user's ``output`` must name an existing bucket (it was created for them, silently).
 
     Raises:
         InputError: naming ``argument`` (``dataset`` or ``output``) and ``value``.
     """
+    if argument == "output":
+        store.require_bucket("output", value)
     uri = f"{output.rstrip('/')}/{MANIFEST}"
     if not store.exists(uri):
         return

@@ -61,8 +61,8 @@ def curate_video(source: str, clip_cfg: dict[str, Any], filter_cfg: dict[str, An
             local = str(Path(tmp) / Path(split_uri(source)[1]).name)
             store.get_file(source, local)
         info = probe(local)
-        if isinstance(info, Rejected):
-            rej = Rejected(source, info.reason, info.detail)
+        if isinstance(info, Rejected):  # (details name the S3 object, not its download's temp file)
+            rej = Rejected(source, info.reason, info.detail.replace(local, source))
             return {"source": source, "info": None, "rejected": rej.as_dict(), "rows": [], "stats": video_stats(None)}
         bucket, prefix = split_uri(staging)
         staged: dict[str, str] = {}
@@ -75,7 +75,7 @@ def curate_video(source: str, clip_cfg: dict[str, Any], filter_cfg: dict[str, An
         result = extract_clips(info, cfg, filt, on_clip=upload)
     info_d = dict(info.as_dict(), source=source)
     if result.rejected is not None:
-        rej = Rejected(source, result.rejected.reason, result.rejected.detail)
+        rej = Rejected(source, result.rejected.reason, result.rejected.detail.replace(local, source))
         return {"source": source, "info": info_d, "rejected": rej.as_dict(), "rows": [], "stats": video_stats(result)}
     rows = []
     for c in result.clips:

@@ -78,8 +78,11 @@ class Optimizer(abc.ABC):
         self.ref_point = None if ref_point is None else np.asarray(ref_point, dtype=np.float64)
         if self.multi_objective and self.ref_point is None:
             raise InputError("ref_point", None, f"{self.name} needs a reference point")
-        self.options = {key: check_option(key, value, self.defaults[key], key in self.positive)
-                        for key, value in {**self.defaults, **options}.items()}
+        try:
+            self.options = {key: check_option(key, value, self.defaults[key], key in self.positive)
+                            for key, value in {**self.defaults, **options}.items()}
+        except InputError as exc:  # say where it was given, as problem options do
+            raise InputError(f"optimizer_options.{exc.argument}", exc.value, exc.problem) from None
         self._x = np.zeros((0, space.dim))
         self._y = np.zeros((0, self.n_objectives))
         self.n_batches = 0
@@ -159,6 +162,13 @@ class Optimizer(abc.ABC):
                 x = _unique_rows(np.vstack([x, extra]))[:q]
                 if x.shape[0] >= q or (self.space.is_categorical and len(self._seen) + x.shape[0] >= self.space.size()):
                     break
+        if x.shape[0] < q and self.space.is_categorical and self.space.size() <= ENUMERATE_FILL_MAX:
+            # a nearly exhausted space: random draws rarely hit the few points left, so take them in
+            # a seeded order from the full list (a batch would otherwise come back short or empty)
+            rest = self.space.all_points()
+            rest = rest[self.is_new(rest)]
+            rest = rest[rng.permutation(rest.shape[0])]
+            x = _unique_rows(np.vstack([x, rest]))[:q]
         return x
 
     def tell(self, x: np.ndarray, y: np.ndarray) -> None:
@@ -207,6 +217,9 @@ class Optimizer(abc.ABC):
                         "y": [[None if not np.isfinite(v) else float(v) for v in row] for row in self._y[start:start + n]]})
             start += n
         return out
+
+
+ENUMERATE_FILL_MAX = 1 << 20  # categorical spaces up to this many points are listed to fill a batch
 
 
 def _unique_rows(x: np.ndarray) -> np.ndarray:

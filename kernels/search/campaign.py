@@ -84,7 +84,8 @@ class Campaign:
         optimizer_options: hyperparameters of the optimizer.
 
     Raises:
-        InputError: unknown optimizer or problem, ``q < 1``, ``budget < n_init``, a reference point
+        InputError: unknown optimizer or problem, ``q < 1``, ``budget < n_init`` or above the distinct
+        points of a finite (categorical) space, a reference point
         that no point dominates, bad options.
     """
 
@@ -100,6 +101,9 @@ class Campaign:
         if int(budget) < int(n_init):
             raise InputError("budget", budget, f"smaller than the initial design (n_init={n_init}); "
                                                "raise the budget or lower n_init")
+        if int(budget) > problem.space.size():  # the campaign would run out of new points and never end
+            raise InputError("budget", budget, f"more than the {int(problem.space.size()):,} distinct points of "
+                                               f"{problem.name}'s search space")
         self.problem = problem
         self.budget, self.q, self.seed, self.n_init = int(budget), int(q), int(seed), int(n_init)
         self.ref_point_user = None

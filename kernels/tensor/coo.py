@@ -8,12 +8,16 @@ kernels that fit a tensor compute where its arrays live (:meth:`COOTensor.to`).
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 import numpy as np
 
 from paperline.kernels.arrays import array_module, device_of, to_device, to_host
 from paperline.kernels.errors import InputError
+
+# |value| x sqrt(nnz) above this: sums of squared errors (RMSE, the objectives) overflow float64 (~1.3e154 squared)
+MAX_SCALE = 1e150
 
 
 @dataclass(frozen=True, eq=False)
@@ -27,7 +31,8 @@ class COOTensor:
         mode_names: optional names of the modes, e.g. ``("state", "variable", "year")``.
 
     Raises:
-        InputError: NaN/inf values, no observed entries, N < 3, coordinates out of range, or
+        InputError: NaN/inf values or values so large that their squares overflow (|value| x
+            sqrt(nnz) above 1e150), no observed entries, N < 3, coordinates out of range, or
             mismatched lengths. The message names the argument and the value seen.
     """
 
@@ -56,6 +61,11 @@ class COOTensor:
             n_nan = int(xp.isnan(values).sum())
             raise InputError("values", f"{n_nan} NaN and {int(bad.sum()) - n_nan} inf of {values.size}",
                              "observed values must be finite (leave missing entries out instead)")
+        largest = float(xp.abs(values).max())
+        if largest * math.sqrt(values.size) > MAX_SCALE:  # finite, but squared errors would overflow
+            raise InputError("values", f"largest |value| {largest:.3g} of {values.size}",
+                             f"too large for float64 arithmetic (squared errors overflow): keep |value| x "
+                             f"sqrt(entries) below {MAX_SCALE:.0e}; rescale the data")
         lo = to_host(coords.min(axis=0))
         hi = to_host(coords.max(axis=0))
         for m, s in enumerate(shape):

@@ -72,12 +72,25 @@ def parquet(tmp_path):
     (["rank=true"], ["rank='true'", "expected a number, not a boolean"]),  # pydantic would read it as 1
     (["rank=100000"], ["rank=100000", "less than or equal to 512"]),
     (["splits=random,weird"], ["splits[1]='weird'"]),
+    (["rank=3", "rank=4"], ["--set='rank'", "given twice ('3', then '4'); give it once"]),  # 4 silently won
+    (["datasets=2024"], ["dataset='2024'", "unknown dataset"]),  # a name, not the number 2024
 ])
 def test_bad_parameters(sets, fragments):
     args = ["run", "tensor-factorization"]
     for s in sets:
         args += ["--set", s]
     assert_one_line_error(run_cli(*args), *fragments)
+
+
+def test_names_that_read_as_numbers_are_names():
+    """`--set` reads JSON: dataset=2024 was refused as "Input should be a valid string"."""
+    from paperline.flows.pipelines import build_parameters, get_pipeline
+
+    assert build_parameters(get_pipeline("video-curation"), "demo", ["dataset=2024"]).dataset == "2024"
+    assert build_parameters(get_pipeline("nas"), "demo", ["campaign=123"]).campaign == "123"
+    assert build_parameters(get_pipeline("nas"), "demo", ["campaign=true"]).campaign == "true"
+    params = build_parameters(get_pipeline("tensor-factorization"), "demo", ["datasets=produc,2024", "rank=3"])
+    assert params.datasets == ["produc", "2024"] and params.rank == 3  # numbers stay numbers where they are ones
 
 
 def test_unknown_pipeline_and_preset():
@@ -272,11 +285,13 @@ def test_bad_nas_parameters_are_refused_before_anything_starts(tmp_path):
     cases = [
         (["problem=knapsack"], ["problem='knapsack'", "unknown problem"]),
         (["budget=5"], ["budget=5", "smaller than the initial design"]),
+        (["budget=1e12"], ["budget=1000000000000: more than the 15,625 distinct points of nasbench201-cifar10's"]),
         (["q=0"], ["q=0"]),
         (["ref_point=[99.0, 2.0]"], ["no point dominates"]),
         (["problem=branin-currin", "optimizer=qehvi"], ["objectives=['val_accuracy_pct', 'model_size_mb']: "
                                                         "branin-currin has fixed objectives"]),
-        (['optimizer_options={"n_candidates": -3}'], ["n_candidates=-3: must be an integer >= 1"]),
+        (['optimizer_options={"n_candidates": -3}'], ["optimizer_options.n_candidates=-3: must be an integer >= 1"]),
+        (['live={"optimizer": "nope", "problem": "live-mnist"}'], ["live.optimizer='nope': unknown optimizer"]),
     ]  # and `optimizer=annealing` through a `paperline` process: tests/flows/test_nas.py
     assert_refused_before_anything_starts("nas", cases, tmp_path, preset="demo")
 
@@ -293,6 +308,16 @@ def test_bad_compressed_training_parameters_are_refused_before_anything_starts(t
     ]  # and a checkpoint bucket that does not exist, on the stack: tests/flows/test_compressed_training.py
     assert_refused_before_anything_starts("compressed-training", cases, tmp_path, preset="demo",
                                           env={"PAPERLINE_N_WORKERS": "2"})
+
+
+def test_a_summary_path_that_cannot_be_written_is_refused_before_the_run(tmp_path):
+    """A directory failed with IsADirectoryError after the whole run (and its MLflow run)."""
+    env = {"PAPERLINE_STATE_DIR": str(tmp_path / "state")}
+    (tmp_path / "file").write_text("")
+    for path, fragment in ((tmp_path, "is a directory"), (tmp_path / "file" / "s.json", "is a file, not a directory")):
+        assert_one_line_error(run_cli("run", "tensor-factorization", "--summary-json", str(path), env=env),
+                              f"--summary-json='{path}'", fragment)
+    assert not (tmp_path / "state").exists()
 
 
 def test_env_without_a_running_stack_is_one_line(tmp_path):

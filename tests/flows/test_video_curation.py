@@ -230,6 +230,12 @@ def test_an_s3_prefix_is_a_source(stack, source_dir):
     (row,) = out["rows"]
     assert row["source"] == f"{prefix}/a/carphone.mp4" and row["kept"]
     assert store.get_bytes(row["staged_uri"], sha256=row["mp4_sha256"])[4:8] == b"ftyp"
+    # a corrupt object's rejection names it, not the temporary file it was downloaded to
+    store.put_bytes_to(b"\x00garbage" * 100, f"{prefix}/a/corrupt.mp4")
+    bad = curate_video.fn(f"{prefix}/a/corrupt.mp4", dataclasses.asdict(ClipConfig(min_clip_s=1.0)),
+                          dataclasses.asdict(FilterConfig()), store, f"s3://{info.data_bucket}/test-staging", "corrupt")
+    assert bad["rejected"]["reason"] == "not_a_video" and bad["rejected"]["source"] == f"{prefix}/a/corrupt.mp4"
+    assert f"{prefix}/a/corrupt.mp4" in bad["rejected"]["detail"] and "/tmp" not in bad["rejected"]["detail"], bad
 
 
 def test_the_same_videos_in_another_directory_are_the_same_inputs():
@@ -243,3 +249,19 @@ def test_the_same_videos_in_another_directory_are_the_same_inputs():
     assert key == p.inputs_key(cfg, ["/elsewhere/carphone.mp4", "/elsewhere/bikes.mp4"])
     assert key != p.inputs_key(cfg, ["/clone-a/data/bikes.mp4"])
     assert key != VideoCurationParameters(min_motion=0.5).inputs_key(cfg, ["/a/bikes.mp4", "/a/carphone.mp4"])
+
+
+def test_an_output_in_a_bucket_that_does_not_exist_is_refused_before_the_flow_run(stack, source_dir):
+    """The bucket was created silently and the shards written there (`paperline upload` and gemm's
+    output refuse such a bucket)."""
+    from paperline.flows.video_curation import VideoCurationParameters
+    from paperline.infra.errors import InputError
+    from paperline.infra.storage import ObjectStore
+
+    _, info = stack
+    store = ObjectStore.from_stack(info)
+    params = VideoCurationParameters(source=str(source_dir), output="s3://no-such-bucket-7/curated")
+    params.validate_inputs()
+    with pytest.raises(InputError, match=r"^output='s3://no-such-bucket-7/curated': no such bucket 'no-such-bucket-7'"):
+        params.validate_on_stack(info, store)
+    assert not store.bucket_exists("no-such-bucket-7")

@@ -78,3 +78,12 @@ def test_a_host_tensor_stays_on_the_host():
     assert array_module(t.values, t.coords) is np
     with pytest.raises(ValueError, match="unknown device 'tpu'"):
         t.to("tpu")
+
+
+def test_values_whose_squares_overflow_are_refused():
+    """1e307 passed the finite check and every fit came back with test RMSE nan, exit status 0."""
+    coords = np.array([[0, 0, 0], [1, 1, 1], [0, 1, 1], [1, 0, 0]])
+    with pytest.raises(InputError, match=r"^values='largest \|value\| 1e\+307 of 4': too large for float64 "):
+        COOTensor(coords, np.array([1.0, 1e307, 2.0, 3.0]), (2, 2, 2))
+    ok = COOTensor(coords, np.array([1.0, 1e149, 2.0, 3.0]), (2, 2, 2))  # 1e149 x sqrt(4) = 2e149: fits
+    assert ok.nnz == 4
