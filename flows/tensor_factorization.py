@@ -40,7 +40,7 @@ EXPERIMENT = "tensor-factorization"
 class TensorFactorizationParameters(BaseModel):
     """Parameters of the flow (rendered as a form in the Prefect UI)."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)  # lr=nan: "a finite number", not "> 0"
 
     datasets: list[str] = Field(default_factory=lambda: ["kinetic", "produc", "flights"],
                                 description="Bundled datasets (see `paperline datasets`).")
@@ -131,10 +131,17 @@ class TensorFactorizationParameters(BaseModel):
             raise InputError("n_parts", self.n_parts,
                              f"P larger than the number of slices along the split mode (the largest non-time "
                              f"mode) of {name!r} ({split})")
-        factor_bytes = 8 * self.rank * sum(shape) * (2 * self.n_parts + 2)  # U, W^p, Lambda^p, Z
-        if factor_bytes > MAX_FACTOR_BYTES:
+        from dask.utils import format_bytes  # noqa: PLC0415
+
+        per_rank = 8 * sum(shape) * (2 * self.n_parts + 2)  # bytes of U, W^p, Lambda^p, Z per rank
+        if per_rank > MAX_FACTOR_BYTES:  # the data's shape, not the rank (it was blamed on rank)
+            raise InputError("data" if self.data else "datasets", self.data or name,
+                             f"shape {shape}: its factors would take {format_bytes(per_rank)} even at rank 1 "
+                             f"(limit {format_bytes(MAX_FACTOR_BYTES)})")
+        if per_rank * self.rank > MAX_FACTOR_BYTES:
             raise InputError("rank", self.rank, f"the factors of {name!r} (shape {shape}) would take "
-                             f"{factor_bytes / 2**30:.1f} GiB (limit {MAX_FACTOR_BYTES / 2**30:.0f} GiB)")
+                             f"{format_bytes(per_rank * self.rank)} (limit {format_bytes(MAX_FACTOR_BYTES)}); "
+                             f"at most rank {MAX_FACTOR_BYTES // per_rank} fits")
         cells = int(np.prod(shape, dtype=np.float64))
         if self.baseline and cells > MAX_DENSE_CELLS:
             raise InputError("baseline", True, f"the TensorLy baseline needs {name!r} dense: {cells:.3g} cells "

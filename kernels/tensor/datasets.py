@@ -184,6 +184,11 @@ def read_coo_parquet(source: str | Path | bytes, *, argument: str = "data") -> C
     try:
         table = pq.read_table(io.BytesIO(source) if isinstance(source, bytes) else source)
     except (pa.ArrowException, OSError) as exc:
+        head = source[:6] if isinstance(source, bytes) else _head(source, 6)
+        if head == b"\x93NUMPY":  # a dense array: say what is taken instead of Parquet's magic-bytes message
+            raise InputError(argument, shown, "a NumPy .npy file; this takes a Parquet table of the observed "
+                                              "entries (one int64 index column per mode, time 't' last, and "
+                                              "'value'): README, 'Your own tensor'") from None
         raise InputError(argument, shown, f"not a readable Parquet file ({exc})") from None
     cols = table.column_names
     if COO_VALUE_COLUMN not in cols or COO_TIME_COLUMN not in cols:
@@ -250,3 +255,11 @@ def write_coo_parquet(tensor: COOTensor, path: str | Path) -> None:
     cols = {n: tensor.coords[:, m] for m, n in enumerate(names)}
     cols[COO_VALUE_COLUMN] = tensor.values
     pq.write_table(pa.table(cols), path)
+
+
+def _head(path: str | Path, n: int) -> bytes:
+    try:
+        with open(path, "rb") as f:
+            return f.read(n)
+    except OSError:
+        return b""

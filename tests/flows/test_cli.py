@@ -74,6 +74,7 @@ def parquet(tmp_path):
     (["splits=random,weird"], ["splits[1]='weird'"]),
     (["rank=3", "rank=4"], ["--set='rank'", "given twice ('3', then '4'); give it once"]),  # 4 silently won
     (["datasets=2024"], ["dataset='2024'", "unknown dataset"]),  # a name, not the number 2024
+    (["lr=nan"], ["lr='nan'", "Input should be a finite number"]),  # was "greater than 0"
 ])
 def test_bad_parameters(sets, fragments):
     args = ["run", "tensor-factorization"]
@@ -101,6 +102,8 @@ def test_unknown_pipeline_and_preset():
 def test_bad_user_data(parquet):
     cases = [
         (parquet("junk.parquet", raw=b"not parquet at all"), ["junk.parquet", "not a readable Parquet file"]),
+        (parquet("dense.npy", raw=b"\x93NUMPY\x01\x00" + b" " * 100), ["dense.npy", "a NumPy .npy file; this takes a "
+                                                                          "Parquet table of the observed entries"]),
         (parquet("nan.parquet", pa.table({"i": [0, 1], "j": [0, 1], "t": [0, 1], "value": [1.0, float("nan")]})),
          ["values=", "1 NaN", "must be finite"]),
         (parquet("inf.parquet", pa.table({"i": [0, 1], "j": [0, 1], "t": [0, 1], "value": [1.0, float("inf")]})),
@@ -125,7 +128,11 @@ def test_bad_user_data(parquet):
          ["baseline=True", "needs 'data' dense", "--set baseline=false"]),
         (parquet("huge.parquet", pa.table({"i": [19_000_000] + list(range(59)), "j": [3000] + [7] * 59,
                                            "t": list(range(60)), "value": [1.0] * 60})),
-         ["rank=6", "the factors of 'data'", "GiB (limit 4 GiB)"]),
+         ["rank=6", "the factors of 'data'", "GiB (limit 4.00 GiB); at most rank 4 fits"]),
+        # a mode too long for any rank is the data's fault (it was blamed on rank)
+        (parquet("giant.parquet", pa.table({"i": [200_000_000] + list(range(59)), "j": [30] + [7] * 59,
+                                            "t": list(range(60)), "value": [1.0] * 60})),
+         ["data=", "giant.parquet", "shape (200000001, 31, 60): its factors would take 8.94 GiB even at rank 1"]),
     ]
     for path, fragments in cases:
         assert_one_line_error(run_cli("run", "tensor-factorization", "--set", f"data={path}"), *fragments)
