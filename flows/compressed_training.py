@@ -49,7 +49,7 @@ HEADLINES = [Headline("final_test_accuracy_pct", higher_is_better=True, toleranc
 class CompressedTrainingParameters(BaseModel):
     """Parameters of the flow (rendered as a form in the Prefect UI)."""
 
-    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)  # lr=nan: "a finite number", not "> 0"
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)  # NaN/inf: "should be a finite number"
 
     compressors: list[Literal["none", "fft", "topk", "powersgd", "fp16"]] = Field(
         default_factory=lambda: ["none", "fft"], min_length=1,

@@ -96,7 +96,7 @@ ROUTINE_USES = {
 class GemmParameters(BaseModel):
     """Parameters of the flow (rendered as a form in the Prefect UI)."""
 
-    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)  # lr=nan: "a finite number", not "> 0"
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)  # NaN/inf: "should be a finite number"
 
     routine: Literal["gemm", "symm", "syrk", "syr2k", "trmm", "trsm"] = Field(
         "gemm", description="Level-3 BLAS routine (reference semantics, as scipy.linalg.blas).")

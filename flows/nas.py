@@ -41,7 +41,7 @@ EXPERIMENT = "nas"
 class CampaignParameters(BaseModel):
     """One campaign (rendered as a form in the Prefect UI)."""
 
-    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)  # lr=nan: "a finite number", not "> 0"
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)  # NaN/inf: "should be a finite number"
 
     optimizer: str = Field("lamoo", description="random, lanas, lamcts, lamoo, alphax, bo, turbo, qehvi, qnehvi "
                                                 "or nsga2.")

