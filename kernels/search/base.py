@@ -78,11 +78,8 @@ class Optimizer(abc.ABC):
         self.ref_point = None if ref_point is None else np.asarray(ref_point, dtype=np.float64)
         if self.multi_objective and self.ref_point is None:
             raise InputError("ref_point", None, f"{self.name} needs a reference point")
-        try:
-            self.options = {key: check_option(key, value, self.defaults[key], key in self.positive)
-                            for key, value in {**self.defaults, **options}.items()}
-        except InputError as exc:  # say where it was given, as problem options do
-            raise InputError(f"optimizer_options.{exc.argument}", exc.value, exc.problem) from None
+        self.options = {key: check_option(key, value, self.defaults[key], key in self.positive)
+                        for key, value in {**self.defaults, **options}.items()}
         self._x = np.zeros((0, space.dim))
         self._y = np.zeros((0, self.n_objectives))
         self.n_batches = 0

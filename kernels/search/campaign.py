@@ -22,7 +22,7 @@ from typing import Any
 import numpy as np
 
 from paperline.kernels.errors import InputError
-from paperline.kernels.search.base import Optimizer, load_optimizer, make_optimizer
+from paperline.kernels.search.base import OPTIMIZERS, Optimizer, load_optimizer, make_optimizer
 from paperline.kernels.search.pareto import hypervolume, pareto_mask
 from paperline.kernels.search.problems import Problem, make_problem
 
@@ -115,8 +115,13 @@ class Campaign:
             raise InputError("ref_point", ref_point, f"{problem.name} has one objective; a reference point is "
                                                      "for multi-objective problems")
         self.ref_point = ref
-        self.optimizer: Optimizer = make_optimizer(optimizer, problem.space, problem.n_objectives, seed=self.seed,
-                                                   n_init=self.n_init, ref_point=ref, **(optimizer_options or {}))
+        try:
+            self.optimizer: Optimizer = make_optimizer(optimizer, problem.space, problem.n_objectives, seed=self.seed,
+                                                       n_init=self.n_init, ref_point=ref, **(optimizer_options or {}))
+        except InputError as exc:  # an option's own check: say where it was given, as problem options do
+            if optimizer in OPTIMIZERS and exc.argument in OPTIMIZERS[optimizer].defaults:
+                raise InputError(f"optimizer_options.{exc.argument}", exc.value, exc.problem) from None
+            raise
         self.evaluations: list[Evaluation] = []
         self.suggest_seconds: list[float] = []  # per told batch: seconds its ask took
         self._last_ask_s = math.nan
