@@ -249,19 +249,15 @@ def _check_summary_path(path: Path) -> None:
     """``--summary-json`` is written after the run: a path it cannot be written to is refused
     before anything starts (a directory failed with IsADirectoryError after the whole run).
     Missing parent directories are created then. Raises InputError."""
-    import os
-
     from paperline.infra.errors import InputError
+    from paperline.infra.storage import nearest_existing, require_writable_dir
 
     if path.is_dir():
         raise InputError("--summary-json", str(path), "is a directory; name a file, e.g. summary.json")
-    existing = path.expanduser().absolute().parent
-    while not existing.exists() and existing != existing.parent:
-        existing = existing.parent
+    existing = nearest_existing(path.expanduser().absolute().parent)
     if not existing.is_dir():
         raise InputError("--summary-json", str(path), f"{existing} is a file, not a directory")
-    if not os.access(existing, os.W_OK):
-        raise InputError("--summary-json", str(path), f"cannot write in {existing}")
+    require_writable_dir("--summary-json", str(path), existing)
 
 
 _DASK_LOGGERS = ("distributed", "distributed.scheduler", "distributed.core", "distributed.nanny",

@@ -33,7 +33,7 @@ from paperline.infra.errors import InputError
 from paperline.infra.regression import Headline, check_latest
 from paperline.infra.settings import get_settings
 from paperline.infra.stack import require_stack
-from paperline.infra.storage import ObjectStore
+from paperline.infra.storage import ObjectStore, nearest_existing, require_writable_dir
 from paperline.infra.tracking import Tracker
 from paperline.kernels.blas.plan import Problem
 from paperline.kernels.blas.runtime import check_memory_budget
@@ -201,10 +201,10 @@ class GemmParameters(BaseModel):
         settings = get_settings()
         limit = planned_worker_memory(settings)
         if limit is not None and budget > limit:
+            workers = planned_worker_count(settings)
             raise InputError("memory_budget", self.memory_budget,
                              f"more than a worker's memory ({format_bytes(limit)}: this machine's "
-                             f"{format_bytes(limit * planned_worker_count(settings))} over "
-                             f"{planned_worker_count(settings)} workers); the tile cache could outgrow it")
+                             f"{format_bytes(limit * workers)} over {workers} workers); the tile cache could outgrow it")
 
     def check_output(self, store: ObjectStore | None) -> None:
         """The output must name a ``.npy`` file (replaced if it exists) or an S3 object in an existing bucket,
@@ -231,11 +231,7 @@ class GemmParameters(BaseModel):
             raise InputError("output", out, "the result is written as .npy: name the file *.npy")
         if not path.parent.is_dir():
             raise InputError("output", out, "its directory does not exist")
-        try:  # the result is staged beside the output and renamed into place: the directory must take files
-            with tempfile.NamedTemporaryFile(dir=path.parent, prefix=".paperline-probe-"):
-                pass
-        except OSError as exc:
-            raise InputError("output", out, f"cannot write in {path.parent}: {exc.strerror or exc}") from None
+        require_writable_dir("output", out, path.parent)  # the result is staged beside it, then renamed
         for name in ("a", "b", "c"):
             spec = getattr(self, name)
             if spec and spec != "random" and not spec.startswith("s3://") and Path(spec).expanduser().resolve() == path:
@@ -254,33 +250,28 @@ class GemmParameters(BaseModel):
             raise InputError("tile", t, f"{tasks:,} tile tasks, {products:,} panel products for a {m}x{n} (k={k}) "
                                         f"problem (limits {MAX_TILE_TASKS:,} / {MAX_PANEL_PRODUCTS:,}); raise the tile size")
         item = problem.dtype.itemsize
-        needs: list[tuple[str, object, int, Path]] = []
-        if self.stage_random:
-            staged = sum(int(np.prod(src.shape)) * item for name, src in problem.operands().items()
-                         if getattr(self, name) == "random")
-            if staged:
-                needs.append(("m", self.m, staged, Path(get_settings().state_dir)))
-        staged = self.output is None or self.output.startswith("s3://")  # staged under the state dir, then uploaded
-        out_dir = Path(get_settings().state_dir) if staged else Path(self.output).expanduser().resolve().parent
-        needs.append(("output", self.output, m * n * item, out_dir))
-        for argument, value, nbytes, where in needs:
-            free = shutil.disk_usage(_existing(where)).free
+        state_dir = Path(get_settings().state_dir)
+        needs: list[tuple[str, object, int, Path, str]] = []  # argument, value, bytes, where, what needs them
+        random_bytes = sum(int(np.prod(src.shape)) * item for name, src in problem.operands().items()
+                           if getattr(self, name) == "random") if self.stage_random else 0
+        if random_bytes:
+            needs.append(("m", self.m, random_bytes, state_dir, "the staged random operands need"))
+        result = f"the {m}x{n} {problem.dtype} result"
+        if self.output is None or self.output.startswith("s3://"):  # staged under the state dir, then uploaded
+            needs.append(("output", self.output, m * n * item, state_dir, f"{result}, staged for S3, needs"))
+        else:
+            needs.append(("output", self.output, m * n * item, Path(self.output).expanduser().resolve().parent,
+                          f"{result} needs"))
+        for argument, value, nbytes, where, what in needs:
+            free = shutil.disk_usage(nearest_existing(where)).free
             if nbytes > free:
-                what = (f"the {m}x{n} {problem.dtype} result needs" if argument == "output" else
-                        "the staged random operands need")
-                where_ = f"{where} (staged there for S3)" if staged and argument == "output" else str(where)
-                raise InputError(argument, value, f"{what} {format_bytes(nbytes)} on disk at {where_}, "
+                raise InputError(argument, value, f"{what} {format_bytes(nbytes)} on disk at {where}, "
                                                   f"{format_bytes(free)} free; lower the sizes")
 
 
 MAX_TILE_TASKS = 100_000
 MAX_PANEL_PRODUCTS = 10_000_000
 
-
-def _existing(path: Path) -> Path:
-    while not path.exists() and path != path.parent:
-        path = path.parent
-    return path
 
 
 PRESETS: dict[str, dict[str, Any]] = {

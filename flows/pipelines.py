@@ -93,26 +93,29 @@ def pipeline_names() -> list[str]:
     return sorted(set(PIPELINES.names()) | set(_BUILTIN))
 
 
+def _members(annotation: Any) -> set[Any]:
+    """The alternatives of a union annotation (``int | None`` -> ``{int, None}``), else itself."""
+    if typing.get_origin(annotation) in (typing.Union, types.UnionType):
+        return set(typing.get_args(annotation))
+    return {annotation}
+
+
 def _is_list(annotation: Any) -> bool:
     """``list[...]``, also inside ``Optional``/``|`` unions (``list[str] | None``)."""
-    if typing.get_origin(annotation) is list:
-        return True
-    return any(typing.get_origin(a) is list for a in typing.get_args(annotation))
+    return any(typing.get_origin(a) is list for a in _members(annotation))
 
 
 def _numeric_not_bool(annotation: Any) -> bool:
     """``int``/``float`` (also inside ``Optional``) with no ``bool`` alternative: pydantic would
     read ``true`` there as 1 (``q=true`` started a campaign with q = 1)."""
-    members = set(typing.get_args(annotation)) or {annotation}
+    members = _members(annotation)
     return bool(members & {int, float}) and bool not in members
 
 
 def _text(annotation: Any) -> bool:
     """``str``, ``list[str]``, or either ``| None``: a name such as ``dataset=2024`` or
     ``campaign=123`` is text there, not the number JSON reads."""
-    members = {annotation}
-    if typing.get_origin(annotation) in (typing.Union, types.UnionType):
-        members = set(typing.get_args(annotation)) - {type(None)}
+    members = _members(annotation) - {type(None)}
     if len(members) != 1:
         return False
     (member,) = members

@@ -67,6 +67,27 @@ def split_uri(uri: str) -> tuple[str, str]:
     return bucket, key
 
 
+def nearest_existing(path: Path) -> Path:
+    """``path`` itself, or its nearest ancestor that exists (where a file under it would land)."""
+    while not path.exists() and path != path.parent:
+        path = path.parent
+    return path
+
+
+def require_writable_dir(argument: str, value: object, directory: Path) -> None:
+    """Refuse a local ``directory`` a file cannot be created in, found by creating (and removing)
+    one: permission bits say nothing for root, and ``/proc`` takes no files whatever they say.
+
+    Raises:
+        InputError: naming ``argument``, ``value`` and the directory, with the system's reason.
+    """
+    try:
+        with tempfile.NamedTemporaryFile(dir=directory, prefix=".paperline-probe-"):
+            pass
+    except OSError as exc:
+        raise InputError(argument, value, f"cannot write in {directory}: {exc.strerror or exc}") from None
+
+
 def _sha256_file(path: Path) -> tuple[str, int]:
     """Hex SHA-256 of a file's bytes and how many bytes were hashed (one read of the file)."""
     with open(path, "rb") as f:

@@ -118,7 +118,7 @@ def test_a_checkpoint_of_another_campaign_is_refused_before_the_flow_run(nas_run
             params.validate_on_stack(info, ObjectStore.from_stack(info))
         return str(err.value)
 
-    assert "holds a campaign with other optimizer;" in refusal(*MAIN[1::2], "optimizer=qehvi")  # not "optimizer_options"
+    assert "holds a campaign with other optimizer;" in refusal("budget=20", "campaign=test-demo", "optimizer=qehvi")  # not "optimizer_options"
     # a budget below what the campaign has done would end at once, reporting 20 evaluations for 12
     assert refusal("campaign=test-demo", "budget=12").startswith(
         "budget=12: campaign 'test-demo' has already done 20 evaluations (its checkpoint)")
