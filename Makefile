@@ -26,7 +26,7 @@ run: $(STAMP)
 	$(BIN)/paperline demo
 
 test: $(STAMP)
-	$(BIN)/python -m pytest -m "not gpu" $(PYTEST_ARGS)
+	$(BIN)/python -m pytest -m "not gpu" -n 2 --dist loadgroup --no-loadscope-reorder $(PYTEST_ARGS)
 
 up: $(STAMP)
 	$(BIN)/paperline up

@@ -7,7 +7,9 @@ from distributed import Client, LocalCluster
 from paperline.infra.cluster import DROPPED_WORKER_ENV, configure_local_workers
 
 
-def test_local_workers_start_without_malloc_thresholds():
+def test_local_workers_start_without_malloc_thresholds(monkeypatch):
+    for key in DROPPED_WORKER_ENV:  # left in os.environ by any plain LocalCluster started earlier in this process
+        monkeypatch.delenv(key, raising=False)
     nanny_default = {"MALLOC_TRIM_THRESHOLD_": 65536, "OMP_NUM_THREADS": 1}  # what Dask ships
     with dask.config.set({"distributed.nanny.pre-spawn-environ": nanny_default}):  # local to this test
         configure_local_workers()
