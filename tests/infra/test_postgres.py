@@ -44,10 +44,27 @@ def pg_stack(tmp_path_factory, settings_factory):
         yield settings, info, base, dbs
     finally:
         stop_stack(settings)
-        with conn.cursor() as cur:
-            for db in dbs.values():
-                cur.execute(f'DROP DATABASE IF EXISTS "{db}" WITH (FORCE)')
+        for db in dbs.values():
+            _drop_database(conn, db)
         conn.close()
+
+
+def _drop_database(conn, db: str, tries: int = 30) -> None:
+    """DROP DATABASE ... WITH (FORCE). An autovacuum worker on ``db`` can be ended only by a member of
+    pg_signal_backend (`.ci/run` grants it); without that, wait for the worker to finish."""
+    import time
+
+    import psycopg
+
+    for attempt in range(tries):
+        try:
+            with conn.cursor() as cur:
+                cur.execute(f'DROP DATABASE IF EXISTS "{db}" WITH (FORCE)')
+            return
+        except psycopg.errors.InsufficientPrivilege:
+            if attempt == tries - 1:
+                raise
+            time.sleep(1)
 
 
 def _rows(url: str, sql: str, *args):
