@@ -13,6 +13,9 @@ $(STAMP): pyproject.toml constraints.txt
 	$(PIP) install -q --upgrade pip
 	$(PIP) install -q -c constraints.txt torch==2.13.0
 	$(PIP) install -q -c constraints.txt -e '.[test]'
+	@# BoTorch's fused qLogEHVI kernel (C++, about 40 s to build), here rather than in the first NAS run
+	$(BIN)/python -c 'from paperline.kernels.search.botorch_opt import load_fused_kernel as k; \
+	  print("BoTorch fused qLogEHVI kernel:", "built" if k() else "not built (its PyTorch path is used)")'
 	touch $(STAMP)
 
 install: $(STAMP)

@@ -6,6 +6,7 @@ partitions of hand-built point sets; random search with the same seeds and budge
 
 import itertools
 import json
+import os
 
 import numpy as np
 import pytest
@@ -393,6 +394,28 @@ def test_lamoo_kernel_auto_is_rbf_on_categorical_spaces_and_recorded():
     assert make_optimizer("lamoo", cat, 2, ref_point=[0.0, 0.0]).state_dict()["options"]["kernel"] == "rbf"
     with pytest.raises(InputError, match="kernel"):
         make_optimizer("lamoo", box, 2, ref_point=[0.0, 0.0], kernel="sigmoid")
+
+
+def test_the_fused_qlogehvi_kernel_is_built_in_this_envs_own_directory(monkeypatch):
+    """BoTorch's fused C++ kernel (``make install`` builds it) loads, from a build directory of
+    this virtual env's own: with torch's default, shared by every env of the user, each env's
+    build replaced the other's and the next NAS campaign waited 40-100 s for a rebuild."""
+    import subprocess
+    import sys
+
+    from paperline.kernels.search.botorch_opt import fused_kernel_dir
+
+    env = {k: v for k, v in os.environ.items() if k != "TORCH_EXTENSIONS_DIR"}
+    code = ("import json, os; from paperline.kernels.search.botorch_opt import load_fused_kernel as k; "
+            "m = k(); print(json.dumps([m and m.__file__, os.environ['TORCH_EXTENSIONS_DIR']]))")
+    proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    module, directory = json.loads(proc.stdout.splitlines()[-1])
+    assert directory == str(fused_kernel_dir()) and module is not None, proc.stderr[-2000:]
+    assert module.startswith(directory + os.sep)
+    here = fused_kernel_dir()
+    monkeypatch.setattr(sys, "prefix", sys.prefix + "-another-env")
+    assert fused_kernel_dir() != here and fused_kernel_dir().parent == here.parent
 
 
 @pytest.fixture(scope="module")
