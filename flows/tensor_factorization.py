@@ -102,7 +102,7 @@ class TensorFactorizationParameters(BaseModel):
             known = dataset_names()
             for d in self.datasets:
                 if d not in known:
-                    raise InputError("dataset", d, f"unknown dataset; known: {', '.join(known)}")
+                    raise InputError("datasets", d, f"unknown dataset; known: {', '.join(known)}")
                 shapes[d] = dataset_info(d).shape
         elif not self.data.startswith("s3://"):
             path = Path(self.data)

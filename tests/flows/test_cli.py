@@ -64,7 +64,7 @@ def parquet(tmp_path):
 @pytest.mark.parametrize("sets, fragments", [
     (["rank=0"], ["rank=0", "greater than 0"]),
     (["rank=-3"], ["rank=-3"]),
-    (["datasets=nope"], ["dataset='nope'", "unknown dataset"]),
+    (["datasets=nope"], ["datasets='nope'", "unknown dataset"]),
     (["datasets=flights", "n_parts=106"], ["n_parts=106", "P larger than the number of slices", "'flights' (105)"]),
     (["bogus=1"], ["--set='bogus'", "unknown parameter"]),
     (["rank"], ["--set='rank'", "expected key=value"]),
@@ -73,7 +73,7 @@ def parquet(tmp_path):
     (["rank=100000"], ["rank=100000", "less than or equal to 512"]),
     (["splits=random,weird"], ["splits[1]='weird'"]),
     (["rank=3", "rank=4"], ["--set='rank'", "given twice ('3', then '4'); give it once"]),  # 4 silently won
-    (["datasets=2024"], ["dataset='2024'", "unknown dataset"]),  # a name, not the number 2024
+    (["datasets=2024"], ["datasets='2024'", "unknown dataset"]),  # a name, not the number 2024
     (["lr=nan"], ["lr='nan'", "Input should be a finite number"]),  # was "greater than 0"
 ])
 def test_bad_parameters(sets, fragments):
