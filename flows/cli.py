@@ -198,7 +198,8 @@ def datasets() -> None:
 @app.command()
 @_friendly
 def params(pipeline: str = typer.Argument(..., help="Pipeline name, e.g. nas."),
-           preset: str = typer.Option("demo", "--preset", help="Show this preset's values.")) -> None:
+           preset: Optional[list[str]] = typer.Option(None, "--preset", metavar="NAME", help="Show this preset's values "
+                                                                               "(default: demo).")) -> None:
     """List a pipeline's parameters (what `run --set key=value` takes): type, the preset's value,
     description; and the pipeline's own option tables (nas: each optimizer's options)."""
     import importlib
@@ -206,6 +207,7 @@ def params(pipeline: str = typer.Argument(..., help="Pipeline name, e.g. nas."),
     from paperline.flows.pipelines import build_parameters, get_pipeline
 
     spec = get_pipeline(pipeline)
+    preset = _one_preset(preset)
     values = build_parameters(spec, preset, []).model_dump()
     table = Table("parameter", "type", f"--preset {preset}", "description",
                   title=f"{pipeline}: parameters (presets: {', '.join(sorted(spec.presets))})")
@@ -226,23 +228,40 @@ def params(pipeline: str = typer.Argument(..., help="Pipeline name, e.g. nas."),
 @app.command()
 @_friendly
 def run(pipeline: str = typer.Argument(..., help="Pipeline name, e.g. tensor-factorization."),
-        preset: str = typer.Option("demo", "--preset", help="Parameter preset (each pipeline has demo; see README for the others: full, default)."),
+        preset: Optional[list[str]] = typer.Option(None, "--preset", metavar="NAME", help="Parameter preset (default: demo, which "
+                                                                          "every pipeline has; see README for the "
+                                                                          "others: full, default)."),
         set_: Optional[list[str]] = typer.Option(None, "--set", help="Override a parameter: key=value (repeatable)."),
         summary_json: Optional[Path] = typer.Option(None, "--summary-json",
                                                     help="Write the parameters (key 'parameters', as run) and the "
-                                                         "summary: metrics, run ids, artifact URIs, as JSON."),
+                                                         "summary: metrics, run ids, artifact URIs, as JSON "
+                                                         "(missing directories are created)."),
         ) -> None:
     """Run a pipeline on the stack (started if needed) and print its results and URLs.
 
     `paperline params PIPELINE` lists the parameters --set takes."""
     from paperline.flows.pipelines import build_parameters, get_pipeline, pipeline_names
 
+    preset = _one_preset(preset)
     if summary_json is not None:
         _check_summary_path(summary_json)
     with _early_cluster(pipeline in pipeline_names()) as early:
         spec = get_pipeline(pipeline)
         params = build_parameters(spec, preset, set_ or [])
         _run_one(spec, params, summary_json, early)
+
+
+def _one_preset(given: list[str] | None) -> str:
+    """The ``--preset`` given (``demo`` when none); given twice it is refused, as a repeated
+    ``--set`` is (the last one silently won)."""
+    from paperline.infra.errors import InputError
+
+    if not given:
+        return "demo"
+    if len(given) > 1:
+        raise InputError("--preset", given[-1], f"given {len(given)} times ({', '.join(map(repr, given))}); "
+                                                "give it once")
+    return given[0]
 
 
 def _check_summary_path(path: Path) -> None:

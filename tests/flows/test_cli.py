@@ -38,7 +38,8 @@ def assert_refused_before_anything_starts(pipeline, cases, tmp_path, *, preset=N
     env = {"PAPERLINE_STATE_DIR": str(tmp_path / "state"), **(env or {})}
     try:
         for sets, fragments in cases:
-            args = ["run", pipeline, *(["--preset", preset] if preset else [])]
+            presets = [preset] if isinstance(preset, str) else preset or []
+            args = ["run", pipeline, *[a for p in presets for a in ("--preset", p)]]
             for item in sets:
                 args += ["--set", item]
             assert_one_line_error(run_cli(*args, env=env), *fragments)
@@ -97,6 +98,15 @@ def test_names_that_read_as_numbers_are_names():
 def test_unknown_pipeline_and_preset():
     assert_one_line_error(run_cli("run", "nope"), "pipeline='nope'", "known: compressed-training, gemm, nas, tensor-factorization, video-curation")
     assert_one_line_error(run_cli("run", "tensor-factorization", "--preset", "huge"), "--preset='huge'")
+
+
+def test_a_preset_given_twice_is_refused(tmp_path):
+    """The last --preset silently won (a fresh-user trial ran the demo for `--preset default
+    --preset demo`); a repeated --set was already refused."""
+    assert_refused_before_anything_starts("gemm", [([], ["--preset='demo': given 2 times ('default', 'demo'); "
+                                                         "give it once"])], tmp_path, preset=["default", "demo"])
+    assert_one_line_error(run_cli("params", "gemm", "--preset", "full", "--preset", "demo"),
+                          "--preset='demo': given 2 times ('full', 'demo'); give it once")
 
 
 def test_bad_user_data(parquet):
