@@ -10,10 +10,23 @@ import uuid
 import pytest
 
 from paperline.infra.errors import InputError
-from paperline.infra.regression import Headline, MetricComparison, check_latest, compare_with_best_earlier, params_key
+from paperline.infra.regression import (BestEarlier, Headline, MetricComparison, check_latest,
+                                       compare_with_best_earlier, params_key)
 
 HEADLINES = [Headline("throughput_gflop_per_s", higher_is_better=True, tolerance=0.10),
              Headline("wall_s", higher_is_better=False, tolerance=0.25)]
+
+
+def test_the_summary_names_the_equal_metrics_when_they_are_few():
+    def metric(name, latest):
+        return MetricComparison(name, latest=latest, best=1.0, higher_is_better=True, tolerance=0.05)
+
+    few = BestEarlier("k", 1, "r1", metrics=[metric("per_worker_video_s_per_s", 1.0)]).lines()
+    assert few[1:] == ["  all 1 metric(s) equal: per_worker_video_s_per_s"]
+    mixed = BestEarlier("k", 1, "r1", metrics=[metric("a", 1.0), metric("b", 1.5), metric("c", 1.0)]).lines()
+    assert mixed[1:] == ["  b 1.5 vs 1: 50.0% better", "  the other 2 metric(s) equal: a, c"]
+    many = BestEarlier("k", 1, "r1", metrics=[metric(f"m{i}", 1.0) for i in range(4)]).lines()
+    assert many[1:] == ["  all 4 metric(s) equal"]
 
 
 def test_worsening_follows_the_direction_and_the_tolerance():
