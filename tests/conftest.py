@@ -108,6 +108,48 @@ def settings_factory() -> Callable[..., Settings]:
 CRASH_AFTER_S = 60.0  # Settings.crash_after_s of the session stack: its minimum
 
 
+STACK_OWNER = "pytest-owner.pid"  # in a test stack's state directory: the pytest process it serves
+
+
+def stop_orphaned_stacks(basetemp: Path) -> list[Path]:
+    """Stop the test stacks of earlier sessions whose pytest process is gone, and return their
+    state directories.
+
+    An interrupted parallel run (Ctrl-C of `make test`) left one worker's SeaweedFS, Prefect and
+    MLflow running: xdist ended the worker before its session teardown had stopped them. Stacks
+    are looked for under pytest's temporary root (``pytest-of-<user>``: ``pytest-N/stack*`` and
+    ``pytest-N/popen-gw*/stack*``); one whose owner still runs (another session's, in another
+    terminal) is left alone. Nothing is looked for under a ``--basetemp`` of the user's.
+    """
+    from paperline.infra.stack import stop_stack
+
+    root = next((p for p in [basetemp, *basetemp.parents] if p.name.startswith("pytest-of-")), None)
+    if root is None:
+        return []
+    stopped = []
+    owners = {p.resolve() for pattern in (f"pytest-*/stack*/{STACK_OWNER}", f"pytest-*/popen-gw*/stack*/{STACK_OWNER}")
+              for p in root.glob(pattern)}  # resolved: pytest's *-current links name the latest directories again
+    for owner in sorted(owners):
+        try:
+            pid = int(owner.read_text())
+            os.kill(pid, 0)
+            continue  # its session still runs
+        except ProcessLookupError:
+            pass
+        except (OSError, ValueError):
+            continue  # unreadable, or a process of another user's: not ours to judge
+        stop_stack(isolated_settings(owner.parent))
+        owner.unlink(missing_ok=True)
+        stopped.append(owner.parent)
+    return stopped
+
+
+@pytest.fixture(scope="session")
+def orphan_sweeper() -> Callable[[Path], list[Path]]:
+    """:func:`stop_orphaned_stacks` (what the ``stack`` fixture runs first)."""
+    return stop_orphaned_stacks
+
+
 @pytest.fixture(scope="session")
 def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Settings, object]]:
     """A real local stack (SeaweedFS, Prefect, MLflow) for the whole test session, in a temporary
@@ -131,12 +173,15 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Settings, 
     )
     saved = {k: os.environ.get(k) for k in keys}
     os.environ["PAPERLINE_CRASH_AFTER_S"] = str(CRASH_AFTER_S)
+    stop_orphaned_stacks(tmp_path_factory.getbasetemp())
+    (settings.state_dir / STACK_OWNER).write_text(str(os.getpid()))
     try:
         info = ensure_stack(settings)
         activate(info)
         yield settings, info
     finally:
         stop_stack(settings)
+        (settings.state_dir / STACK_OWNER).unlink(missing_ok=True)
         for k, v in saved.items():
             if v is None:
                 os.environ.pop(k, None)

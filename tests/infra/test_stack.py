@@ -245,3 +245,36 @@ def test_a_server_that_lost_its_port_to_another_is_not_taken_as_started(free_por
     finally:
         ours.terminate()
         ours.wait(10)
+
+
+def test_a_test_stack_whose_session_is_gone_is_stopped_and_a_live_sessions_is_not(orphan_sweeper, tmp_path):
+    """An interrupted `make test` left a worker's servers running; the next session's stack
+    fixture stops them (here: `sleep` processes recorded as the stacks' servers)."""
+    import json
+    import os
+    import subprocess
+
+    import psutil
+
+    root = tmp_path / "pytest-of-someone"
+    gone = subprocess.Popen(["true"])
+    gone.wait()  # a pytest process that has ended
+    servers = {}
+    for state_dir, owner in ((root / "pytest-7" / "popen-gw0" / "stack0", gone.pid),
+                             (root / "pytest-8" / "stack0", os.getpid())):
+        state_dir.mkdir(parents=True)
+        server = subprocess.Popen(["sleep", "300"], start_new_session=True)
+        servers[state_dir] = server
+        record = {"pid": server.pid, "create_time": psutil.Process(server.pid).create_time()}
+        (state_dir / "stack.json").write_text(json.dumps({"version": 1, "services": {"s3": record}}))
+        (state_dir / "pytest-owner.pid").write_text(str(owner))
+    try:
+        orphan, live = servers
+        assert orphan_sweeper(root / "pytest-9" / "popen-gw1") == [orphan]
+        assert servers[orphan].wait(timeout=30) is not None and not (orphan / "stack.json").exists()
+        assert servers[live].poll() is None and (live / "pytest-owner.pid").exists()
+        assert orphan_sweeper(tmp_path / "my-basetemp") == []  # a --basetemp of the user's: nothing looked for
+    finally:
+        for server in servers.values():
+            server.kill()
+            server.wait()
