@@ -822,13 +822,23 @@ def ensure_stack(settings: Settings, *, progress: Progress | None = None) -> Sta
             _write_state(settings, state)
 
         try:
+            # A local server shadowed by a configured endpoint keeps its record (and its ports):
+            # `paperline down` stops it, and a run without the endpoint setting uses it again.
+            # Dropping the record (as before) lost track of a running server: the next run started
+            # a second one on another port, and `down` left both running.
+            for name in SERVICE_NAMES:
+                if external[name] and _live_process(recs.get(name)) is not None:
+                    ports = [int(p) for p in [recs[name].get("port"), *recs[name].get("ports", {}).values()] if p]
+                    taken.update(ports)
+                    if name == "s3":
+                        taken.update(p + _GRPC_OFFSET for p in ports)
+
             # ---- S3
             key, secret = _s3_credentials(settings)
             if external["s3"]:
                 s3_url: str | None = external["s3"]
                 if not _s3_healthy(s3_url, key, secret, settings.s3_region):
                     raise ServiceError("s3", "list_buckets failed (endpoint or credentials)", url=s3_url)
-                recs.pop("s3", None)
             elif reuse("s3", lambda r: _s3_healthy(r["url"], key, secret, settings.s3_region)):
                 s3_url = recs["s3"]["url"]
                 taken.update(recs["s3"].get("ports", {}).values())
@@ -857,7 +867,7 @@ def ensure_stack(settings: Settings, *, progress: Progress | None = None) -> Sta
                 if kept:
                     taken.add(int(recs[name]["port"]))
                     say(f"{name}: reusing server at {recs[name]['url']} (pid {recs[name]['pid']})")
-                else:
+                elif not external[name]:
                     recs.pop(name, None)
 
             from paperline.infra.storage import ObjectStore  # noqa: PLC0415
@@ -905,7 +915,7 @@ def ensure_stack(settings: Settings, *, progress: Progress | None = None) -> Sta
                 "key": key,
                 "bucket": settings.results_bucket,
                 "region": settings.s3_region,
-                "prefect_pid": recs.get("prefect", {}).get("pid"),
+                "prefect_pid": None if external["prefect"] else recs.get("prefect", {}).get("pid"),
                 "crash_after_s": settings.crash_after_s,
             }
             if state.get("result_block") != fingerprint or "prefect" in started:

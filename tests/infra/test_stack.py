@@ -88,6 +88,24 @@ def test_ensure_stack_is_idempotent(stack):
     assert loaded is not None and loaded.prefect_api_url == info.prefect_api_url
 
 
+def test_a_configured_endpoint_leaves_the_local_servers_records_alone(stack, free_port):
+    """A run with an unreachable PAPERLINE_PREFECT_API_URL (or MLFLOW_TRACKING_URI) dropped the
+    running local server from stack.json: the next run started a second Prefect server and
+    `paperline down` left both running (found by a fresh-user trial). A configured endpoint
+    that works is used, and the local servers stay recorded for `down` and for later runs."""
+    settings, info = stack
+    before = {s.name: s.pid for s in info.services}
+    dead = f"http://127.0.0.1:{free_port()}"
+    for override, service in (({"prefect_api_url": f"{dead}/api"}, "prefect"), ({"mlflow_tracking_uri": dead}, "mlflow")):
+        with pytest.raises(ServiceError, match=f"^{service} is not available at {dead}"):
+            ensure_stack(settings.model_copy(update=override))
+        assert {s.name: s.pid for s in stack_status(settings) if s.pid} == before
+    shadowed = ensure_stack(settings.model_copy(update={"mlflow_tracking_uri": info.mlflow_tracking_uri}))
+    assert [s.managed for s in shadowed.services] == [True, True, False]
+    again = ensure_stack(settings)
+    assert {s.name: s.pid for s in again.services} == before  # reused, nothing started
+
+
 def test_running_local_stack_is_known_without_a_health_check(stack, tmp_path):
     from paperline.infra.stack import running_local_stack
 
