@@ -504,11 +504,50 @@ def worker(pool: str = typer.Option("cpu", "--pool", help="cpu or gpu (the work 
     workdir = os.path.dirname(paperline.__file__)
     console.print(f"worker for work pool {WORK_POOLS[pool]} on {info.prefect_api_url} (runs from {workdir}); "
                   "Ctrl-C stops it", soft_wrap=True, highlight=False)
+    _supervise([sys.executable, "-m", "prefect", "worker", "start", "--pool", WORK_POOLS[pool], "--type", "process"],
+               env=env, cwd=workdir)
+
+
+def _supervise(cmd: list[str], *, env: dict[str, str], cwd: str, grace_s: float = 60.0) -> int:
+    """Run ``cmd`` until it exits; SIGTERM or SIGHUP to this process stop it the way Ctrl-C does.
+
+    ``subprocess.run`` left the child (`prefect worker`, which stops on SIGINT and ignored
+    SIGTERM) running under PID 1 when a supervisor or ``kill`` sent SIGTERM to `paperline
+    worker`, and it went on taking runs (fresh-user trial). Here the signal is passed on as SIGINT;
+    a child still running ``grace_s`` seconds later is killed.
+
+    Returns:
+        The child's exit status.
+    """
+    import signal
+    import subprocess
+    import time
+
+    proc = subprocess.Popen(cmd, env=env, cwd=cwd)
+    deadline: list[float] = []
+
+    def stop(*_: object) -> None:
+        with contextlib.suppress(ProcessLookupError):
+            proc.send_signal(signal.SIGINT)
+        deadline[:] = deadline or [time.monotonic() + grace_s]
+
+    previous = {sig: signal.signal(sig, stop) for sig in (signal.SIGTERM, signal.SIGHUP)}
     try:
-        subprocess.run([sys.executable, "-m", "prefect", "worker", "start", "--pool", WORK_POOLS[pool],
-                        "--type", "process"], env=env, cwd=workdir, check=False)
-    except KeyboardInterrupt:
-        pass
+        while proc.poll() is None:
+            try:
+                proc.wait(timeout=1.0)
+            except subprocess.TimeoutExpired:
+                if deadline and time.monotonic() > deadline[0]:
+                    proc.kill()
+            except KeyboardInterrupt:  # a terminal's Ctrl-C reached the child too
+                stop()
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    return proc.returncode
 
 
 @app.command()

@@ -57,3 +57,20 @@ def test_a_worker_executes_a_triggered_run(deployed, wait_for_flow_run):
     runs = tracker.client.search_runs([tracker.client.get_experiment_by_name("gemm").experiment_id],
                                       filter_string=f"tags.`prefect.flow_run_id` = '{run.id}'")
     assert len(runs) == 1 and runs[0].data.params["routine"] == "trmm"
+
+
+def test_sigterm_stops_the_worker_and_its_prefect_worker(deployed):
+    """`kill` (SIGTERM) of `paperline worker`, as a supervisor stops it, left its `prefect worker`
+    child running under PID 1, taking runs (a fresh-user trial); it is passed on now. Runs last:
+    the module's worker is stopped here."""
+    import signal
+
+    import psutil
+
+    _, worker, log = deployed
+    children = psutil.Process(worker.pid).children(recursive=True)
+    assert any("worker" in c.cmdline() and "start" in c.cmdline() for c in children), [c.cmdline() for c in children]
+    worker.send_signal(signal.SIGTERM)
+    assert worker.wait(timeout=90) is not None
+    _, alive = psutil.wait_procs(children, timeout=30)
+    assert not alive, [p.cmdline() for p in alive]
