@@ -198,8 +198,8 @@ def datasets() -> None:
 @app.command()
 @_friendly
 def params(pipeline: str = typer.Argument(..., help="Pipeline name, e.g. nas."),
-           preset: Optional[list[str]] = typer.Option(None, "--preset", metavar="NAME", help="Show this preset's values "
-                                                                               "(default: demo).")) -> None:
+           preset: Optional[list[str]] = typer.Option(None, "--preset", metavar="NAME",
+                                                      help="Show this preset's values (default: demo).")) -> None:
     """List a pipeline's parameters (what `run --set key=value` takes): type, the preset's value,
     description; and the pipeline's own option tables (nas: each optimizer's options)."""
     import importlib
@@ -228,9 +228,9 @@ def params(pipeline: str = typer.Argument(..., help="Pipeline name, e.g. nas."),
 @app.command()
 @_friendly
 def run(pipeline: str = typer.Argument(..., help="Pipeline name, e.g. tensor-factorization."),
-        preset: Optional[list[str]] = typer.Option(None, "--preset", metavar="NAME", help="Parameter preset (default: demo, which "
-                                                                          "every pipeline has; see README for the "
-                                                                          "others: full, default)."),
+        preset: Optional[list[str]] = typer.Option(None, "--preset", metavar="NAME",
+                                                   help="Parameter preset (default: demo, which every pipeline has; "
+                                                        "see README for the others: full, default)."),
         set_: Optional[list[str]] = typer.Option(None, "--set", help="Override a parameter: key=value (repeatable)."),
         summary_json: Optional[Path] = typer.Option(None, "--summary-json",
                                                     help="Write the parameters (key 'parameters', as run) and the "
