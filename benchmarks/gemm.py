@@ -78,21 +78,58 @@ def dask_matmul(client, a_path: str, b_path: str, tile: int) -> np.ndarray:
     return client.compute(x @ y).result()
 
 
+def _positive(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{text!r}: at least 1")
+    return value
+
+
+def _sizes(text: str) -> str:
+    """Comma-separated matrix sizes, each at least 1 (kept as text: --device cuda swaps the default)."""
+    for item in text.split(","):
+        _positive(item.strip())
+    return text
+
+
+def _dtypes(text: str) -> str:
+    bad = [d for d in text.split(",") if d.strip() not in ("float32", "float64")]
+    if bad:
+        raise argparse.ArgumentTypeError(f"{', '.join(map(repr, bad))}: expected float32 and/or float64")
+    return text
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--sizes", default="4096,8192")
-    parser.add_argument("--dtypes", default="float32,float64")
-    parser.add_argument("--tile", type=int, default=0, help="tile edge (default: n/4)")
-    parser.add_argument("--repeats", type=int, default=2)
-    parser.add_argument("--workers", type=int, default=os.cpu_count() or 1)
+    parser.add_argument("--sizes", type=_sizes, default="4096,8192", help="comma-separated n (m = n = k)")
+    parser.add_argument("--dtypes", type=_dtypes, default="float32,float64")
+    parser.add_argument("--tile", type=_positive, default=None, help="tile edge (default: n/4)")
+    parser.add_argument("--repeats", type=_positive, default=2)
+    parser.add_argument("--workers", type=_positive, default=os.cpu_count() or 1)
     parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
                         help="cuda: against cupy.matmul on this machine's GPU (sizes default 16384,32768)")
     args = parser.parse_args()
-    if args.device == "cuda":
-        if args.sizes == parser.get_default("sizes"):
-            args.sizes = "16384,32768"
-        gpu_main(args)
-        return
+    from paperline.kernels.errors import InputError
+
+    try:
+        if args.device == "cuda":
+            from paperline.infra.device import array_device
+
+            array_device("cuda")  # InputError without a usable GPU and CuPy
+            if args.sizes == parser.get_default("sizes"):
+                args.sizes = "16384,32768"
+            gpu_main(args)
+        else:
+            cpu_main(args)
+    except InputError as exc:  # e.g. a tile too large for the memory budget: one line, as the CLI's
+        parser.exit(2, f"{parser.prog}: error: {exc}\n")
+
+
+def cpu_main(args: argparse.Namespace) -> None:
+    """The CPU measurements (module docstring)."""
 
     from distributed import Client, LocalCluster
     from threadpoolctl import threadpool_info

@@ -122,6 +122,16 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--repeats", type=int, default=2)
     ap.add_argument("--json", type=Path)
     args = ap.parse_args(argv)
+    for name in ("height", "repeats"):
+        if getattr(args, name) < 1:
+            ap.error(f"--{name} {getattr(args, name)}: at least 1")
+    from paperline.kernels.video.detect import DETECTORS
+
+    splitters = [s.strip() for s in args.splitters.split(",") if s.strip()]
+    unknown = [s for s in splitters if s not in DETECTORS]
+    if unknown or not splitters:  # before a minute of transcoding, not after it
+        ap.error(f"--splitters {args.splitters!r}: unknown {', '.join(unknown) or '(none given)'}; "
+                 f"known: {', '.join(sorted(DETECTORS.names()))}")
 
     import torch
 
@@ -140,7 +150,7 @@ def main(argv: list[str] | None = None) -> int:
     ff_s, ff_bytes = best_of(lambda: sum(bare_transcode_ffmpeg(v, args.height, args.crf, args.preset) for v in videos),
                              args.repeats)
     rows.append({"name": "bare transcode (ffmpeg CLI)", "seconds": ff_s, "bytes": ff_bytes})
-    for splitter in [s.strip() for s in args.splitters.split(",") if s.strip()]:
+    for splitter in splitters:
         reps = args.repeats if splitter != "transnetv2" else 1
         s, out = best_of(lambda: pipeline(videos, splitter, args.height, args.crf, args.preset), reps)
         rows.append({"name": f"pipeline/{splitter}", "seconds": s, **out})

@@ -1,0 +1,49 @@
+"""The benchmarks refuse bad arguments with argparse's one line (exit status 2) before measuring
+anything; a fresh-user trial met tracebacks (``--sizes abc``, ``--repeats 0``, ``--device cuda``
+without a GPU) and a silently defaulted ``--tile 0``. The measurements themselves are not run here
+(minutes each; README, "The benchmarks")."""
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def refuse(script, *args):
+    proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / script), *args], capture_output=True, text=True,
+                          timeout=120)
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr[-2000:]
+    return proc.stderr.strip().splitlines()[-1]
+
+
+@pytest.mark.parametrize(("args", "message"), [
+    (["--sizes", "abc"], "argument --sizes: 'abc' is not a whole number"),
+    (["--sizes", "4096,,"], "argument --sizes: '' is not a whole number"),
+    (["--sizes", "-5"], "argument --sizes: '-5': at least 1"),
+    (["--dtypes", "float16"], "argument --dtypes: 'float16': expected float32 and/or float64"),
+    (["--tile", "0"], "argument --tile: '0': at least 1"),
+    (["--repeats", "0"], "argument --repeats: '0': at least 1"),
+    (["--workers", "0"], "argument --workers: '0': at least 1"),
+])
+def test_gemm_benchmark_bad_arguments(args, message):
+    assert refuse("gemm.py", *args) == f"gemm.py: error: {message}"
+
+
+def test_gemm_benchmark_on_cuda_without_a_gpu_says_so():
+    from paperline.infra.device import gpu_usable
+
+    if gpu_usable():
+        pytest.skip("a GPU is usable here: --device cuda would run the benchmark")
+    assert refuse("gemm.py", "--device", "cuda").startswith("gemm.py: error: device='cuda': no usable CUDA device")
+
+
+@pytest.mark.parametrize(("args", "message"), [
+    (["--splitters", "bogus"], "--splitters 'bogus': unknown bogus; known: content, stride, transnetv2"),
+    (["--splitters", ","], "--splitters ',': unknown (none given); known: content, stride, transnetv2"),
+    (["--repeats", "0"], "--repeats 0: at least 1"),
+])
+def test_video_benchmark_bad_arguments(args, message):
+    assert refuse("video_curation.py", *args) == f"video_curation.py: error: {message}"
