@@ -27,7 +27,7 @@ app = typer.Typer(help="paperline: systems papers as Prefect flows on Dask, trac
 # Tables hold URLs: never narrower than 140 columns, even when piped (rich's default is 80).
 console = Console(width=max(140, Console().width))
 err_console = Console(stderr=True, width=max(140, Console(stderr=True).width))
-_state = {"debug": False}
+_state: dict[str, Any] = {"debug": False}
 
 
 @app.callback()
@@ -460,6 +460,7 @@ def serve() -> None:
 
     _quiet_logs()
     info = _ensure_stack()
+    _state["serve_lock"] = _serve_lock(_settings().state_dir)  # held until this process ends
     # runs started here heartbeat, so a killed serve process leaves them Crashed (`paperline up`'s automation)
     os.environ.setdefault("PREFECT_FLOWS_HEARTBEAT_FREQUENCY", str(FLOW_HEARTBEAT_S))
     deployments = []
@@ -478,6 +479,36 @@ def serve() -> None:
                   "'{\"params\": {\"m\": 512}}'` (`eval \"$(paperline env)\"` sets PREFECT_API_URL in your "
                   "shell); Ctrl-C stops serving", soft_wrap=True, highlight=False, markup=False)
     prefect_serve(*deployments, print_starting_message=False)
+
+
+def _serve_lock(state_dir: Path) -> Any:
+    """The open, exclusively locked ``serve.pid`` of this stack's state directory (the lock lasts
+    as long as the process; the file names its PID).
+
+    A second `paperline serve` on the same stack served the same ``<flow>/local`` deployments,
+    and when it stopped it paused their schedules under the first one (fresh-user trial).
+
+    Raises:
+        PaperlineError: another `paperline serve` holds the lock.
+    """
+    import fcntl
+    import os
+
+    f = open(state_dir / "serve.pid", "a+")  # noqa: SIM115 - kept open: the lock is the open file
+    try:
+        fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        f.seek(0)
+        other = f.read().strip() or "?"
+        f.close()
+        raise PaperlineError(f"another `paperline serve` (pid {other}) already serves this stack's deployments "
+                             f"(state directory {state_dir}); stop it first (Ctrl-C): two would pause each other's "
+                             "schedules when one stops") from None
+    f.seek(0)
+    f.truncate()
+    f.write(f"{os.getpid()}\n")
+    f.flush()
+    return f
 
 
 @app.command()

@@ -3,6 +3,7 @@ through the Prefect API with the call the UI's "Run" button makes (create a flow
 deployment, with custom parameters), executed to Completed by the serving process, and the
 matching MLflow run tagged with the flow-run id."""
 
+import subprocess
 import sys
 import time
 
@@ -181,3 +182,15 @@ def test_prefect_and_mlflow_uis_show_the_deployments_and_the_runs(served, wait_f
             browser.close()
     for name in ("prefect-deployments.png", "prefect-runs.png", "mlflow-runs.png", "prefect-failed-run.png"):
         assert (shots / name).stat().st_size > 10_000
+
+
+def test_a_second_serve_on_the_same_stack_is_refused(served, cli_env):
+    """Two `paperline serve` on one stack served the same deployments, and stopping the second
+    paused the first one's schedules (a fresh-user trial)."""
+    _, proc, _ = served
+    second = subprocess.run([sys.executable, "-m", "paperline.flows.cli", "serve"], env=cli_env, capture_output=True,
+                            text=True, timeout=300)
+    err = " ".join(second.stderr.split())
+    assert second.returncode == 1 and "Traceback" not in err, err
+    assert f"error: another `paperline serve` (pid {proc.pid}) already serves this stack's deployments" in err, err
+    assert proc.poll() is None  # the first one serves on
