@@ -354,13 +354,14 @@ def _run_one(spec, params, summary_json: Path | None, early=None) -> dict[str, A
             stack's URLs are still those its workers inherited (else the flow starts its own);
             the caller closes it too, in case the run never started.
     """
-    from paperline.infra.cluster import describe_cluster, task_runner
+    from paperline.infra.cluster import describe_cluster, require_scheduler, task_runner
 
     if hasattr(params, "validate_inputs"):
         params.validate_inputs()
     _quiet_logs()
-    info = _ensure_stack()
     settings = _settings()
+    require_scheduler(settings)  # before starting anything
+    info = _ensure_stack()
     if hasattr(params, "validate_on_stack"):  # checks that need the stack's services (nas: its checkpoints)
         from paperline.infra.storage import ObjectStore
 
@@ -458,7 +459,10 @@ def serve() -> None:
 
     from paperline.infra.stack import FLOW_HEARTBEAT_S
 
+    from paperline.infra.cluster import require_scheduler
+
     _quiet_logs()
+    require_scheduler(_settings())  # the runs served here use it
     info = _ensure_stack()
     _state["serve_lock"] = _serve_lock(_settings().state_dir)  # held until this process ends
     # runs started here heartbeat, so a killed serve process leaves them Crashed (`paperline up`'s automation)

@@ -2,6 +2,7 @@
 malloc threshold variable, in particular not the nanny's MALLOC_TRIM_THRESHOLD_."""
 
 import dask
+import pytest
 from distributed import Client, LocalCluster
 
 from paperline.infra.cluster import DROPPED_WORKER_ENV, configure_local_workers
@@ -223,3 +224,27 @@ def test_a_failed_task_is_one_line_on_the_workers_terminal():
     assert record.getMessage() == "task rank-1-fft-0 failed on this worker: RuntimeError('peer died')"
     other = logging.LogRecord("distributed.worker", logging.ERROR, __file__, 1, "something else %s", ("x",), None)
     assert TaskFailureOneLine().filter(other) and other.getMessage() == "something else x"
+
+
+def test_a_dead_scheduler_address_is_one_clear_error_before_any_run(settings_factory, free_port, tmp_path):
+    """`PAPERLINE_DASK_SCHEDULER_ADDRESS` pointing nowhere failed inside the run after 65 s (Dask's
+    connect timeouts); `paperline run` and `serve` now check it first."""
+    import socket
+    import time
+
+    from paperline.infra.cluster import require_scheduler
+    from paperline.infra.errors import ServiceError
+
+    dead = f"tcp://127.0.0.1:{free_port()}"
+    started = time.monotonic()
+    with pytest.raises(ServiceError, match=rf"^dask scheduler is not available at {dead}: cannot connect"):
+        require_scheduler(settings_factory(tmp_path, dask_scheduler_address=dead))
+    assert time.monotonic() - started < 5
+    with socket.socket() as listening:
+        listening.bind(("127.0.0.1", 0))
+        listening.listen()
+        port = listening.getsockname()[1]
+        require_scheduler(settings_factory(tmp_path, dask_scheduler_address=f"tcp://127.0.0.1:{port}"))
+        require_scheduler(settings_factory(tmp_path, dask_scheduler_address=f"127.0.0.1:{port}"))  # no scheme
+    require_scheduler(settings_factory(tmp_path))  # a local cluster: nothing to check
+    require_scheduler(settings_factory(tmp_path, dask_scheduler_address="ucx://10.0.0.1:8786"))  # not checked
