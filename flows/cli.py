@@ -529,6 +529,12 @@ def worker(pool: str = typer.Option("cpu", "--pool", help="cpu or gpu (the work 
 
     if pool not in WORK_POOLS:
         raise InputError("--pool", pool, f"expected one of {', '.join(WORK_POOLS)}")
+    if pool == "gpu":
+        from paperline.infra.device import gpu_usable
+
+        if not gpu_usable():  # its runs use device=cuda in this process: every one would fail
+            raise InputError("--pool", pool, "no usable CUDA device on this machine (its runs set device=cuda); "
+                                             "start the gpu worker on a GPU machine after `make install-gpu`")
     _quiet_logs()
     info = _ensure_stack()  # also creates the work pools
     env = dict(os.environ)  # activate() put the stack's PREFECT_API_URL / MLFLOW_TRACKING_URI here

@@ -355,3 +355,16 @@ def test_tiny_values_are_not_shown_as_zero():
 
     assert [_fmt(v) for v in (1.2e-17, 0.0, 93.6, -2e-5, float("nan"), 7)] == \
         ["1.200e-17", "0.0000", "93.6000", "-2.000e-05", "nan", "7"]
+
+
+def test_worker_pool_is_checked_before_the_stack_starts(tmp_path):
+    """An unknown pool, and the gpu pool on a machine without a usable GPU (every run it took
+    would fail on device=cuda; a fresh-user trial's started silently), are one line; no stack."""
+    from paperline.infra.device import gpu_usable
+
+    env = {"PAPERLINE_STATE_DIR": str(tmp_path / "state")}
+    assert_one_line_error(run_cli("worker", "--pool", "tpu", env=env), "--pool='tpu': expected one of cpu, gpu")
+    if not gpu_usable():
+        assert_one_line_error(run_cli("worker", "--pool", "gpu", env=env),
+                              "--pool='gpu': no usable CUDA device on this machine")
+    assert not (tmp_path / "state").exists()
