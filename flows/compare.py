@@ -227,20 +227,33 @@ def _write_parquet(runs: list[Any], params: list[str], path: Path) -> None:
     pq.write_table(pa.table(table), path)
 
 
-def _overlay_plot(runs: list[Any], metrics: list[str], histories: dict, path: Path) -> None:
+def _overlay_plot(runs: list[Any], metrics: list[str], histories: dict, path: Path) -> dict[str, str]:
+    """One panel per metric: lines over the steps, or, where every run logged the metric once (a
+    throughput, a final accuracy), one bar per run in the table's order (a line plot showed a dot
+    per run at step 0). Returns each metric's kind of panel, ``"lines"`` or ``"bars"``."""
     from paperline.tasks.reporting import _plt
 
     plt = _plt()
     fig, axes = plt.subplots(1, len(metrics), figsize=(4.2 * len(metrics), 3.2), squeeze=False)
+    kinds = {}
     for ax, m in zip(axes[0], metrics):
-        for r in runs:
-            points = sorted(histories[(r.info.run_id, m)])
-            if points:
-                ax.plot([p[0] for p in points], [p[1] for p in points], marker="o" if len(points) < 3 else None,
-                        label=f"{r.info.run_name} ({r.info.run_id[:6]})")
+        series = [(f"{r.info.run_name} ({r.info.run_id[:6]})", sorted(histories[(r.info.run_id, m)])) for r in runs]
+        series = [(label, points) for label, points in series if points]
         ax.set_title(m, fontsize=9)
+        if series and all(len(points) == 1 for _, points in series):
+            kinds[m] = "bars"
+            ax.barh(range(len(series)), [points[0][1] for _, points in series])
+            ax.set_yticks(range(len(series)), [label for label, _ in series], fontsize=6)
+            ax.invert_yaxis()  # the first run of the table on top
+            ax.set_xlabel(m)
+            continue
+        kinds[m] = "lines"
+        for label, points in series:
+            ax.plot([p[0] for p in points], [p[1] for p in points], marker="o" if len(points) < 3 else None,
+                    label=label)
         ax.set_xlabel("step")
         ax.legend(fontsize=6)
     fig.tight_layout()
     fig.savefig(path, dpi=90)
     plt.close(fig)
+    return kinds

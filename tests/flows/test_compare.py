@@ -211,3 +211,20 @@ def test_a_metric_maximized_by_some_runs_and_minimized_by_others_is_not_ranked(s
     assert res.exit_code == 0 and "not ranked" not in res.output, res.output
     assert pq.read_table(tmp_path / "compare-directions-runs.parquet").to_pydict()["run_id"] == [ids["levy-b"],
                                                                                                ids["levy-a"]]
+
+
+def test_a_metric_logged_once_per_run_is_plotted_as_bars(tmp_path):
+    """gemm's throughput is one value per run: as lines it was a dot per run at step 0 (fresh-user
+    trial); it is a bar per run now, and a metric with steps stays a line per run."""
+    from types import SimpleNamespace
+
+    from paperline.flows.compare import _overlay_plot
+
+    runs = [SimpleNamespace(info=SimpleNamespace(run_id=f"{i}abcdef", run_name=f"run-{i}")) for i in range(3)]
+    histories = {(r.info.run_id, "throughput_gflop_per_s"): [(0, 50.0 + i)] for i, r in enumerate(runs)}
+    histories |= {(r.info.run_id, "train_rmse"): [(s, 1.0 / (s + 1)) for s in range(5)] for r in runs}
+    histories[(runs[2].info.run_id, "train_rmse")] = []  # a run without the metric is left out
+    path = tmp_path / "plot.png"
+    kinds = _overlay_plot(runs, ["throughput_gflop_per_s", "train_rmse"], histories, path)
+    assert kinds == {"throughput_gflop_per_s": "bars", "train_rmse": "lines"}
+    assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
