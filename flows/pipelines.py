@@ -10,7 +10,7 @@ from typing import Any, Callable
 
 from pydantic import BaseModel, ValidationError
 
-from paperline.infra.errors import InputError
+from paperline.infra.errors import InputError, input_error_from
 from paperline.kernels.registry import Registry
 
 
@@ -168,9 +168,5 @@ def build_parameters(pipeline: Pipeline, preset: str, overrides: list[str]) -> B
         values[key] = value
     try:
         return pipeline.parameters.model_validate(values)
-    except ValidationError as exc:
-        err = exc.errors()[0]
-        loc = err["loc"]
-        where = str(loc[0]) + "".join(f"[{p}]" for p in loc[1:])
-        msg = err["msg"].removeprefix("Value error, ")  # pydantic's prefix for a validator's ValueError
-        raise InputError(where, err.get("input"), msg) from None
+    except ValidationError as exc:  # e.g. live[budget]
+        raise input_error_from(exc, lambda loc: str(loc[0]) + "".join(f"[{p}]" for p in loc[1:])) from None

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from typing import Any
+
 from paperline.kernels.errors import InputError as KernelInputError
 
 
@@ -15,6 +18,14 @@ class InputError(PaperlineError, KernelInputError):
     The same class as the kernels' :class:`paperline.kernels.errors.InputError` (a subclass), so
     one ``except`` catches bad input wherever it was found.
     """
+
+
+def input_error_from(exc: Any, argument: Callable[[tuple[Any, ...]], str]) -> InputError:
+    """The first error of a pydantic ``ValidationError`` ``exc`` as one line: ``argument`` names
+    the setting or parameter from the error's location tuple; the value seen and pydantic's
+    message (without the ``Value error, `` prefix a validator's ValueError gets) follow."""
+    err = exc.errors()[0]
+    return InputError(argument(tuple(err["loc"])), err.get("input"), err["msg"].removeprefix("Value error, "))
 
 
 class ServiceError(PaperlineError):

@@ -115,11 +115,9 @@ def get_settings() -> Settings:
     """
     from pydantic import ValidationError  # noqa: PLC0415
 
-    from paperline.infra.errors import InputError  # noqa: PLC0415
+    from paperline.infra.errors import input_error_from  # noqa: PLC0415
 
     try:
         return Settings()
     except ValidationError as exc:
-        err = exc.errors()[0]
-        name = "PAPERLINE_" + "__".join(str(p) for p in err["loc"]).upper()
-        raise InputError(name, err.get("input"), err["msg"].removeprefix("Value error, ")) from None
+        raise input_error_from(exc, lambda loc: "PAPERLINE_" + "__".join(str(p) for p in loc).upper()) from None
