@@ -61,8 +61,11 @@ def load_fused_kernel() -> Any | None:
     os.environ.setdefault("TORCH_EXTENSIONS_DIR", str(fused_kernel_dir()))
     from botorch.acquisition.multi_objective import logei  # noqa: PLC0415
 
-    logei._try_load_fused_kernel()  # BoTorch's own lazy loader (what the acquisition's __init__ calls)
-    return logei._C
+    loader = getattr(logei, "_try_load_fused_kernel", None)  # BoTorch's own lazy loader (0.18; private)
+    if loader is None:  # another BoTorch: its acquisitions load what they load, in the directory set above
+        return None
+    loader()
+    return getattr(logei, "_C", None)
 
 
 @contextlib.contextmanager
