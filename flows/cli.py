@@ -580,8 +580,11 @@ def _supervise(cmd: list[str], *, env: dict[str, str], cwd: str, grace_s: float 
             except subprocess.TimeoutExpired:
                 if deadline and time.monotonic() > deadline[0]:
                     proc.kill()
-            except KeyboardInterrupt:  # a terminal's Ctrl-C reached the child too
-                stop()
+            except KeyboardInterrupt:  # a terminal's Ctrl-C reaches the child too: give it a moment first
+                try:
+                    proc.wait(timeout=2.0)
+                except subprocess.TimeoutExpired:
+                    stop()  # (an interrupt sent to this process alone)
     finally:
         for sig, handler in previous.items():
             signal.signal(sig, handler)
