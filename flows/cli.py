@@ -27,7 +27,7 @@ app = typer.Typer(help="paperline: systems papers as Prefect flows on Dask, trac
 # Tables hold URLs: never narrower than 140 columns, even when piped (rich's default is 80).
 console = Console(width=max(140, Console().width))
 err_console = Console(stderr=True, width=max(140, Console(stderr=True).width))
-_state: dict[str, Any] = {"debug": False}
+_state = {"debug": False}
 
 
 @app.callback()
@@ -449,45 +449,43 @@ def serve() -> None:
     """Serve every pipeline as a deployment from this process (no work pool needed): runs
     triggered from the Prefect UI's "Run" button, the API or a schedule execute here, each in
     its own subprocess on its own Dask cluster. Stop with Ctrl-C (schedules are paused then)."""
+    import os
+
     from prefect import serve as prefect_serve
     from prefect.deployments.runner import EntrypointType
     from prefect.schedules import Cron
 
     from paperline.flows.pipelines import get_pipeline, pipeline_names
-
-    import os
-
-    from paperline.infra.stack import FLOW_HEARTBEAT_S
-
     from paperline.infra.cluster import require_scheduler
+    from paperline.infra.stack import FLOW_HEARTBEAT_S
 
     _quiet_logs()
     require_scheduler(_settings())  # the runs served here use it
     info = _ensure_stack()
-    _state["serve_lock"] = _serve_lock(_settings().state_dir)  # held until this process ends
-    # runs started here heartbeat, so a killed serve process leaves them Crashed (`paperline up`'s automation)
-    os.environ.setdefault("PREFECT_FLOWS_HEARTBEAT_FREQUENCY", str(FLOW_HEARTBEAT_S))
-    deployments = []
-    for name in pipeline_names():
-        spec = get_pipeline(name)
-        deployments.append(spec.flow.to_deployment(  # "<flow>/local": apart from prefect.yaml's work-pool ones
-            name="local", description=spec.description or None, tags=["paperline", name],
-            schedules=[Cron(spec.cron, timezone="UTC")] if spec.cron else None,
-            parameters=spec.deployment_params(info.data_bucket), concurrency_limit=1,
-            entrypoint_type=EntrypointType.MODULE_PATH))
-    console.print(f"serving {len(deployments)} deployments: "
-                  + ", ".join(f"{d.flow_name}/{d.name} ({d.schedules[0].schedule.cron if d.schedules else 'no schedule'})"
-                              for d in deployments), highlight=False)
-    console.print(f"trigger them from {info.prefect_ui_url.rstrip('/')}/deployments or with "
-                  f"`PREFECT_API_URL={info.prefect_api_url} prefect deployment run gemm/local --params "
-                  "'{\"params\": {\"m\": 512}}'` (`eval \"$(paperline env)\"` sets PREFECT_API_URL in your "
-                  "shell); Ctrl-C stops serving", soft_wrap=True, highlight=False, markup=False)
-    prefect_serve(*deployments, print_starting_message=False)
+    with _serve_lock(_settings().state_dir):  # one serve per stack, for as long as this one serves
+        # runs started here heartbeat, so a killed serve process leaves them Crashed (`paperline up`'s automation)
+        os.environ.setdefault("PREFECT_FLOWS_HEARTBEAT_FREQUENCY", str(FLOW_HEARTBEAT_S))
+        deployments = []
+        for name in pipeline_names():
+            spec = get_pipeline(name)
+            deployments.append(spec.flow.to_deployment(  # "<flow>/local": apart from prefect.yaml's work-pool ones
+                name="local", description=spec.description or None, tags=["paperline", name],
+                schedules=[Cron(spec.cron, timezone="UTC")] if spec.cron else None,
+                parameters=spec.deployment_params(info.data_bucket), concurrency_limit=1,
+                entrypoint_type=EntrypointType.MODULE_PATH))
+        listed = [f"{d.flow_name}/{d.name} ({d.schedules[0].schedule.cron if d.schedules else 'no schedule'})"
+                  for d in deployments]
+        console.print(f"serving {len(deployments)} deployments: " + ", ".join(listed), highlight=False)
+        console.print(f"trigger them from {info.prefect_ui_url.rstrip('/')}/deployments or with "
+                      f"`PREFECT_API_URL={info.prefect_api_url} prefect deployment run gemm/local --params "
+                      "'{\"params\": {\"m\": 512}}'` (`eval \"$(paperline env)\"` sets PREFECT_API_URL in your "
+                      "shell); Ctrl-C stops serving", soft_wrap=True, highlight=False, markup=False)
+        prefect_serve(*deployments, print_starting_message=False)
 
 
 def _serve_lock(state_dir: Path) -> Any:
-    """The open, exclusively locked ``serve.pid`` of this stack's state directory (the lock lasts
-    as long as the process; the file names its PID).
+    """The open, exclusively locked ``serve.pid`` of this stack's state directory, to use as a
+    context manager (closing it, or the process ending, releases the lock; the file names the PID).
 
     A second `paperline serve` on the same stack served the same ``<flow>/local`` deployments,
     and when it stopped it paused their schedules under the first one (fresh-user trial).
@@ -565,12 +563,14 @@ def _supervise(cmd: list[str], *, env: dict[str, str], cwd: str, grace_s: float 
     import time
 
     proc = subprocess.Popen(cmd, env=env, cwd=cwd)
-    deadline: list[float] = []
+    deadline: float | None = None  # when a child asked to stop is killed
 
     def stop(*_: object) -> None:
+        nonlocal deadline
         with contextlib.suppress(ProcessLookupError):
             proc.send_signal(signal.SIGINT)
-        deadline[:] = deadline or [time.monotonic() + grace_s]
+        if deadline is None:
+            deadline = time.monotonic() + grace_s
 
     previous = {sig: signal.signal(sig, stop) for sig in (signal.SIGTERM, signal.SIGHUP)}
     try:
@@ -578,7 +578,7 @@ def _supervise(cmd: list[str], *, env: dict[str, str], cwd: str, grace_s: float 
             try:
                 proc.wait(timeout=1.0)
             except subprocess.TimeoutExpired:
-                if deadline and time.monotonic() > deadline[0]:
+                if deadline is not None and time.monotonic() > deadline:
                     proc.kill()
             except KeyboardInterrupt:  # a terminal's Ctrl-C reaches the child too: give it a moment first
                 try:
