@@ -33,6 +33,12 @@ _state = {"debug": False}
 @app.callback()
 def _main(debug: bool = typer.Option(False, "--debug", help="Show full tracebacks on errors.")) -> None:
     _state["debug"] = debug
+    if debug:  # flow runs in subprocesses (serve, worker) keep their tracebacks too
+        import os
+
+        from paperline.infra.errors import DEBUG_ENV
+
+        os.environ[DEBUG_ENV] = "1"
 
 
 def _friendly(fn: Callable[..., Any]) -> Callable[..., Any]:
@@ -55,6 +61,11 @@ def _friendly(fn: Callable[..., Any]) -> Callable[..., Any]:
             raise typer.Exit(1) from None
 
     return wrapper
+
+
+def _say(line: str) -> None:
+    """One plain line on the terminal (no markup, no highlighting: ids and paths as they are)."""
+    console.print(line, soft_wrap=True, highlight=False, markup=False)
 
 
 def _settings():
@@ -457,6 +468,7 @@ def serve() -> None:
 
     from paperline.flows.pipelines import get_pipeline, pipeline_names
     from paperline.infra.cluster import require_scheduler
+    from paperline.infra.flow_runs import watch_flow_runs
     from paperline.infra.stack import FLOW_HEARTBEAT_S
 
     _quiet_logs()
@@ -480,7 +492,8 @@ def serve() -> None:
                       f"`PREFECT_API_URL={info.prefect_api_url} prefect deployment run gemm/local --params "
                       "'{\"params\": {\"m\": 512}}'` (`eval \"$(paperline env)\"` sets PREFECT_API_URL in your "
                       "shell); Ctrl-C stops serving", soft_wrap=True, highlight=False, markup=False)
-        prefect_serve(*deployments, print_starting_message=False)
+        with watch_flow_runs("paperline serve", report=_say):  # a run it was executing is marked Crashed on stopping
+            prefect_serve(*deployments, print_starting_message=False)
 
 
 def _serve_lock(state_dir: Path) -> Any:
@@ -523,6 +536,7 @@ def worker(pool: str = typer.Option("cpu", "--pool", help="cpu or gpu (the work 
 
     import paperline
     from paperline.infra.errors import InputError
+    from paperline.infra.flow_runs import watch_flow_runs
     from paperline.infra.stack import FLOW_HEARTBEAT_S, WORK_POOLS
 
     if pool not in WORK_POOLS:
@@ -543,8 +557,9 @@ def worker(pool: str = typer.Option("cpu", "--pool", help="cpu or gpu (the work 
     workdir = os.path.dirname(paperline.__file__)
     console.print(f"worker for work pool {WORK_POOLS[pool]} on {info.prefect_api_url} (runs from {workdir}); "
                   "Ctrl-C stops it", soft_wrap=True, highlight=False)
-    _supervise([sys.executable, "-m", "prefect", "worker", "start", "--pool", WORK_POOLS[pool], "--type", "process"],
-               env=env, cwd=workdir)
+    with watch_flow_runs("paperline worker", report=_say):  # a run it was executing is marked Crashed on stopping
+        _supervise([sys.executable, "-m", "prefect", "worker", "start", "--pool", WORK_POOLS[pool], "--type",
+                    "process"], env=env, cwd=workdir)
 
 
 def _supervise(cmd: list[str], *, env: dict[str, str], cwd: str, grace_s: float = 60.0) -> int:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import logging
+import os
 from collections.abc import Callable
 from typing import Any
 
@@ -43,3 +45,40 @@ class ServiceError(PaperlineError):
         if log:
             msg += f" (log: {log})"
         super().__init__(msg)
+
+
+# Where Prefect logs a run's failure with its traceback: the flow- and task-run loggers and the
+# engine's own ("Encountered exception during execution", "Engine execution exited with
+# unexpected exception", "... interrupted by base exception").
+RUN_LOGGERS = ("prefect.flow_runs", "prefect.task_runs", "prefect.engine")
+DEBUG_ENV = "PAPERLINE_DEBUG"  # set (by `paperline --debug`, inherited by its subprocesses): tracebacks kept
+
+
+class ExpectedErrorOneLine(logging.Filter):
+    """Drops the traceback of a record whose exception is one paperline raises on purpose
+    (:class:`PaperlineError`, the kernels' ``InputError``) or an interrupt (Ctrl-C): the record's
+    message already holds the error's one line.
+
+    A deployment run refused for its input (a TRSM given ``beta``) printed the reason and then two
+    of Prefect's full tracebacks into the `paperline serve` log, and a Ctrl-C one more (fresh-user
+    trials); the run's state message was already that one line. Any other exception keeps its
+    traceback.
+    """
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        exc = record.exc_info[1] if record.exc_info else None
+        if isinstance(exc, (PaperlineError, KernelInputError, KeyboardInterrupt)):
+            record.exc_info = None
+            record.exc_text = None
+        return True
+
+
+def quiet_expected_tracebacks(loggers: tuple[str, ...] = RUN_LOGGERS) -> None:
+    """Install :class:`ExpectedErrorOneLine` on ``loggers`` (idempotent); nothing when
+    ``PAPERLINE_DEBUG`` is set."""
+    if os.environ.get(DEBUG_ENV):
+        return
+    for name in loggers:
+        logger = logging.getLogger(name)
+        if not any(isinstance(f, ExpectedErrorOneLine) for f in logger.filters):
+            logger.addFilter(ExpectedErrorOneLine())

@@ -79,10 +79,30 @@ def _exit_after_clean_close() -> None:
     os._exit(0)
 
 
+def _ignore_interrupt(signum: int, frame: Any) -> None:
+    """SIGINT handler of a worker process: nothing (see :func:`dask_setup`)."""
+
+
 def dask_setup(worker: Any) -> None:
-    """Dask preload hook: arm the exit handler (before any task registers its own) and install
-    :class:`ClosingCommErrorFilter` on :data:`QUIET_ON_CLOSE_LOGGERS` and :class:`TaskFailureOneLine`."""
+    """Dask preload hook: arm the exit handler (before any task registers its own), install
+    :class:`ClosingCommErrorFilter` on :data:`QUIET_ON_CLOSE_LOGGERS` and :class:`TaskFailureOneLine`,
+    and leave SIGINT to the process that owns the cluster.
+
+    A terminal's Ctrl-C reaches every process of its process group, local worker processes
+    included: each printed a ``KeyboardInterrupt`` traceback (two per worker, on top of the run's
+    own one-line report) while the flow process was already closing the cluster (fresh-user trial).
+    A worker process under a nanny is stopped by it, or when the nanny's process is gone (its stop
+    queue closes), so there SIGINT is caught and dropped: a Python handler, not ``SIG_IGN``, so the
+    processes a task starts get the default again when they exec.
+    """
+    import signal  # noqa: PLC0415
+    import threading  # noqa: PLC0415
+
     atexit.register(_exit_after_clean_close)
+    # only under a nanny (a `dask worker --no-nanny` process is the user's to interrupt), and only
+    # from the main thread (the one place signal handlers can be set)
+    if getattr(worker, "nanny", None) and threading.current_thread() is threading.main_thread():
+        signal.signal(signal.SIGINT, _ignore_interrupt)
     for name in QUIET_ON_CLOSE_LOGGERS:
         logging.getLogger(name).addFilter(ClosingCommErrorFilter(worker))
     logging.getLogger("distributed.worker").addFilter(TaskFailureOneLine())

@@ -251,6 +251,30 @@ def _wait_for_flow_run(client, run_id, proc: subprocess.Popen, log: Path, timeou
                          + Path(log).read_text()[-3000:])
 
 
+# a GEMM deployment run that takes tens of seconds: long enough to be stopped while Running
+LONG_GEMM = {"m": 6144, "n": 6144, "k": 6144, "tile": 1024}
+
+
+def _running_flow_run(client, deployment: str, proc: subprocess.Popen, log: Path, timeout: float = 180):
+    deployment_id = client.read_deployment_by_name(deployment).id
+    run = client.create_flow_run_from_deployment(deployment_id, parameters={"params": LONG_GEMM})
+    deadline = time.time() + timeout
+    while (state := client.read_flow_run(run.id).state) is None or state.name != "Running":
+        assert proc.poll() is None and time.time() < deadline, (state, Path(log).read_text()[-3000:])
+        assert state is None or not state.is_final(), (state, Path(log).read_text()[-3000:])
+        time.sleep(1)
+    time.sleep(3)  # past the next poll of the executing process's flow-run watch (every second)
+    assert client.read_flow_run(run.id).state.name == "Running"
+    return run
+
+
+@pytest.fixture(scope="session")
+def running_flow_run():
+    """``running_flow_run(client, deployment, proc, log)``: a long GEMM run of ``deployment``,
+    returned once ``proc`` (the serve or worker process, logging to ``log``) executes it."""
+    return _running_flow_run
+
+
 @pytest.fixture(scope="session")
 def wait_for_flow_run():
     """``wait_for_flow_run(client, run_id, proc, log)``: the run's final state, failing if the

@@ -194,3 +194,27 @@ def test_a_second_serve_on_the_same_stack_is_refused(served, cli_env):
     assert second.returncode == 1 and "Traceback" not in err, err
     assert f"error: another `paperline serve` (pid {proc.pid}) already serves this stack's deployments" in err, err
     assert proc.poll() is None  # the first one serves on
+
+
+def test_ctrl_c_stops_serving_and_crashes_the_run_in_flight_at_once(served, running_flow_run):
+    """Ctrl-C on `paperline serve` during a run left it Running until the heartbeat automation
+    crashed it, 75-90 s later, blaming a dead process (a fresh-user trial); now it ends Crashed as
+    serve exits, either by its own report of the interrupt or, when its process ended without one,
+    by serve's, naming the stop. The log has no traceback of the interrupt (a Dask worker
+    process printed two each). Runs last: the module's serve is stopped here."""
+    import os
+    import signal
+
+    from prefect.client.orchestration import get_client
+
+    _, proc, log = served
+    with get_client(sync_client=True) as client:
+        run = running_flow_run(client, "gemm/local", proc, log)
+        os.killpg(proc.pid, signal.SIGINT)  # what a terminal's Ctrl-C sends
+        proc.wait(timeout=90)
+        state = client.read_flow_run(run.id).state
+    text = log.read_text()
+    assert state.name == "Crashed", (state, text[-3000:])
+    assert state.message == "Execution was aborted by an interrupt signal." or \
+        state.message.startswith("`paperline serve` was stopped while this run was executing"), state.message
+    assert "Traceback" not in text and "KeyboardInterrupt\n" not in text, text[-3000:]

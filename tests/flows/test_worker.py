@@ -59,18 +59,28 @@ def test_a_worker_executes_a_triggered_run(deployed, wait_for_flow_run):
     assert len(runs) == 1 and runs[0].data.params["routine"] == "trmm"
 
 
-def test_sigterm_stops_the_worker_and_its_prefect_worker(deployed):
+def test_sigterm_stops_the_worker_and_crashes_its_run_at_once(deployed, running_flow_run):
     """`kill` (SIGTERM) of `paperline worker`, as a supervisor stops it, left its `prefect worker`
-    child running under PID 1, taking runs (a fresh-user trial); it is passed on now. Runs last:
-    the module's worker is stopped here."""
+    child running under PID 1, taking runs (a fresh-user trial); it is passed on now. The run it
+    was executing stayed Running until the heartbeat automation crashed it, 90 s later, blaming a
+    dead process (another trial): it is Crashed as the worker exits, saying so. Runs last: the
+    module's worker is stopped here."""
     import signal
 
     import psutil
+    from prefect.client.orchestration import get_client
 
     _, worker, log = deployed
-    children = psutil.Process(worker.pid).children(recursive=True)
-    assert any("worker" in c.cmdline() and "start" in c.cmdline() for c in children), [c.cmdline() for c in children]
-    worker.send_signal(signal.SIGTERM)
-    assert worker.wait(timeout=90) is not None
-    _, alive = psutil.wait_procs(children, timeout=30)
-    assert not alive, [p.cmdline() for p in alive]
+    with get_client(sync_client=True) as client:
+        run = running_flow_run(client, "gemm/gemm", worker, log)
+        children = psutil.Process(worker.pid).children(recursive=True)
+        assert any("worker" in c.cmdline() and "start" in c.cmdline() for c in children), \
+            [c.cmdline() for c in children]
+        worker.send_signal(signal.SIGTERM)
+        assert worker.wait(timeout=90) is not None
+        _, alive = psutil.wait_procs(children, timeout=30)
+        assert not alive, [p.cmdline() for p in alive]
+        state = client.read_flow_run(run.id).state
+    assert state.name == "Crashed", (state, log.read_text()[-3000:])
+    assert state.message.startswith("`paperline worker` was stopped while this run was executing"), state.message
+    assert f"({run.id}) marked Crashed" in log.read_text()

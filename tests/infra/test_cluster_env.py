@@ -113,6 +113,35 @@ def test_a_worker_closed_on_request_still_runs_the_exit_hooks_its_tasks_register
     assert process.exitcode == 0
 
 
+def test_a_local_worker_process_leaves_ctrl_c_to_the_process_that_owns_the_cluster():
+    """A terminal's Ctrl-C reached the local worker processes too, and each printed two
+    KeyboardInterrupt tracebacks while its nanny was already closing it (a fresh-user trial): under
+    a nanny a worker process now drops SIGINT, and is stopped by the nanny as before."""
+    import os
+    import signal
+    import time
+
+    from paperline.infra.cluster import _local_cpu_kwargs
+    from paperline.infra.settings import Settings
+
+    def handler_name() -> str:
+        import signal
+
+        return getattr(signal.getsignal(signal.SIGINT), "__name__", "")
+
+    kwargs = {**_local_cpu_kwargs(Settings(n_workers=1)), "dashboard_address": None}
+    with LocalCluster(**kwargs) as c, Client(c) as client:
+        client.wait_for_workers(1)
+        (pid,) = client.run(os.getpid).values()
+        assert list(client.run(handler_name).values()) == ["_ignore_interrupt"]
+        os.kill(pid, signal.SIGINT)
+        time.sleep(1.0)
+        assert list(client.run(os.getpid).values()) == [pid]  # the same process, still serving
+        process = next(iter(c.workers.values())).process.process
+    assert process.exitcode == 0  # closed by its nanny, cleanly
+    assert handler_name() != "_ignore_interrupt"  # this process keeps its own
+
+
 _HEARTBEAT_IN_FLIGHT_AT_CLOSE = r'''
 import asyncio, socket, sys
 from distributed import Client, LocalCluster

@@ -1,0 +1,153 @@
+"""The flow runs a `paperline serve` or `paperline worker` process executes, and what becomes of
+them when that process is stopped.
+
+Stopping either with Ctrl-C or SIGTERM ends the flow-run subprocesses it started (Prefect's
+runner and process worker terminate them), but nothing tells the Prefect server: the runs stayed
+Running until the zombie automation (``infra.stack.ensure_zombie_automation``) crashed them for
+their missing heartbeats, 90 s later, with a message blaming a dead process (fresh-user trial;
+Prefect issue #16746). :func:`watch_flow_runs` records which runs the process's descendants
+execute while it serves, and on leaving marks Crashed, at once and saying why, each run whose
+process has ended while the server still has it in a non-final state.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import threading
+from dataclasses import dataclass, field
+from typing import Callable, Iterator
+
+FLOW_RUN_ENV = "PREFECT__FLOW_RUN_ID"  # set by Prefect's runner and process worker in a flow run's process
+
+
+def flow_run_processes(pid: int) -> dict[str, int]:
+    """The flow runs executed below process ``pid``: flow-run id -> PID of the topmost descendant
+    whose environment names it (the run's engine process, not its Dask workers, which inherit it).
+
+    Processes that end or deny access while being read are left out.
+    """
+    import psutil  # noqa: PLC0415
+
+    try:
+        children = psutil.Process(pid).children(recursive=True)
+    except psutil.Error:
+        return {}
+    runs: dict[str, int] = {}
+    owner: dict[int, str] = {}
+    for child in children:  # breadth-first: a parent comes before its children
+        try:
+            run_id = child.environ().get(FLOW_RUN_ENV)
+            parent = child.ppid()
+        except psutil.Error:
+            continue
+        if run_id:
+            owner[child.pid] = run_id
+            if owner.get(parent) != run_id:
+                runs.setdefault(run_id, child.pid)
+    return runs
+
+
+@dataclass
+class FlowRunWatch:
+    """What :func:`watch_flow_runs` saw: every flow run its process's descendants executed
+    (id -> engine PID), and, after it left, which it marked Crashed and which were still executing."""
+
+    seen: dict[str, int] = field(default_factory=dict)
+    crashed: list[str] = field(default_factory=list)
+    still_running: list[str] = field(default_factory=list)
+
+
+def _pid_alive(pid: int) -> bool:
+    import psutil  # noqa: PLC0415
+
+    try:
+        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+    except psutil.Error:
+        return False
+
+
+def crash_lost_runs(seen: dict[str, int], who: str, *, wait_s: float = 10.0,
+                    report: Callable[[str], None] | None = None) -> tuple[list[str], list[str]]:
+    """Mark Crashed each run of ``seen`` (flow-run id -> engine PID) whose process has ended
+    (waiting up to ``wait_s`` seconds for it) while the Prefect server (``PREFECT_API_URL``) still
+    has it Pending or Running; a run still executing is left to report its own end.
+
+    Args:
+        seen: From :func:`flow_run_processes`.
+        who: The stopped command, for the state message (e.g. ``paperline serve``).
+        report: Called with one line per run it acted on (the terminal).
+
+    Returns:
+        (ids marked Crashed, ids still executing). Server errors are reported, not raised: this
+        runs while the process exits.
+    """
+    import time  # noqa: PLC0415
+
+    from prefect.client.orchestration import get_client  # noqa: PLC0415
+    from prefect.client.schemas.responses import SetStateStatus  # noqa: PLC0415
+    from prefect.states import Crashed  # noqa: PLC0415
+
+    say = report or (lambda _line: None)
+    deadline = time.monotonic() + wait_s
+    alive = {run_id for run_id, pid in seen.items() if _pid_alive(pid)}
+    while alive and time.monotonic() < deadline:
+        time.sleep(0.2)
+        alive = {run_id for run_id in alive if _pid_alive(seen[run_id])}
+    crashed: list[str] = []
+    for run_id in sorted(alive):
+        say(f"flow run {run_id} is still executing (pid {seen[run_id]}); it reports its own end")
+    lost = [run_id for run_id in seen if run_id not in alive]
+    if not lost:
+        return crashed, sorted(alive)
+    try:
+        with get_client(sync_client=True) as client:
+            for run_id in lost:
+                run = client.read_flow_run(run_id)
+                if run.state is None or run.state.is_final() or run.state.name not in ("Pending", "Running"):
+                    continue
+                message = (f"`{who}` was stopped while this run was executing; its process (pid {seen[run_id]}) "
+                           "ended with it.")
+                # not forced: a run that reported its own end meanwhile keeps it
+                result = client.set_flow_run_state(run_id, Crashed(message=message))
+                if result.status == SetStateStatus.ACCEPT:
+                    crashed.append(run_id)
+                    say(f"flow run {run.name!r} ({run_id}) marked Crashed: {who} stopped while it was executing")
+    except Exception as exc:  # noqa: BLE001 - the process is exiting; the zombie automation is the backstop
+        say(f"could not mark the interrupted flow runs Crashed ({type(exc).__name__}: {exc}); the server's "
+            "automation crashes them once their heartbeats stop")
+    return crashed, sorted(alive)
+
+
+@contextlib.contextmanager
+def watch_flow_runs(who: str, *, interval_s: float = 1.0,
+                    report: Callable[[str], None] | None = None) -> Iterator[FlowRunWatch]:
+    """Record, every ``interval_s`` seconds on a daemon thread, the flow runs this process's
+    descendants execute; on leaving (also on KeyboardInterrupt), :func:`crash_lost_runs` them.
+
+    Args:
+        who: The command, for the Crashed state's message (``paperline serve``).
+        report: Called with one line per run acted on.
+
+    Yields:
+        The :class:`FlowRunWatch`, filled in as runs are seen and when leaving.
+    """
+    watch = FlowRunWatch()
+    stop = threading.Event()
+    me = os.getpid()
+
+    def poll() -> None:
+        while not stop.is_set():
+            with contextlib.suppress(Exception):  # a process table read racing with exits
+                for run_id, pid in flow_run_processes(me).items():
+                    watch.seen.setdefault(run_id, pid)
+            stop.wait(interval_s)
+
+    thread = threading.Thread(target=poll, name="paperline-flow-run-watch", daemon=True)
+    thread.start()
+    try:
+        yield watch
+    finally:
+        stop.set()
+        thread.join(timeout=5)
+        watch.crashed, watch.still_running = crash_lost_runs(dict(watch.seen), who, report=report)

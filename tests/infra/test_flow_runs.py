@@ -1,0 +1,138 @@
+"""What `paperline serve` / `paperline worker` do with the flow runs they were executing when
+stopped (infra/flow_runs.py), and the one-line log records of expected errors (infra/errors.py).
+The end-to-end stops are in tests/flows/test_worker.py and test_serve.py."""
+
+import logging
+import os
+import subprocess
+import sys
+import uuid
+
+import pytest
+
+from paperline.infra.errors import ExpectedErrorOneLine, InputError, quiet_expected_tracebacks
+from paperline.infra.flow_runs import FLOW_RUN_ENV, crash_lost_runs, flow_run_processes, watch_flow_runs
+
+# a process that names a flow run in its environment and starts a child that inherits it (as a
+# flow run's engine process starts its Dask workers), then waits for its stdin to close
+_ENGINE = ("import subprocess, sys; c = subprocess.Popen([sys.executable, '-c', 'import sys; sys.stdin.read()'], "
+           "stdin=subprocess.PIPE); print(c.pid, flush=True); sys.stdin.read(); c.stdin.close(); c.wait()")
+
+
+def _engine(run_id: str) -> tuple[subprocess.Popen, int]:
+    proc = subprocess.Popen([sys.executable, "-c", _ENGINE], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+                            env={**os.environ, FLOW_RUN_ENV: run_id})
+    return proc, int(proc.stdout.readline())
+
+
+def _stop(proc: subprocess.Popen) -> None:
+    proc.stdin.close()
+    proc.wait(timeout=30)
+
+
+def test_flow_run_processes_names_each_runs_topmost_process():
+    run_a, run_b = str(uuid.uuid4()), str(uuid.uuid4())
+    (a, a_child), (b, _) = _engine(run_a), _engine(run_b)
+    plain = subprocess.Popen([sys.executable, "-c", "import sys; sys.stdin.read()"], stdin=subprocess.PIPE)
+    try:
+        seen = flow_run_processes(os.getpid())
+        assert {k: v for k, v in seen.items() if k in (run_a, run_b)} == {run_a: a.pid, run_b: b.pid}
+        assert a_child not in seen.values() and plain.pid not in seen.values()
+    finally:
+        for p in (a, b):
+            _stop(p)
+        plain.stdin.close()
+        plain.wait(timeout=30)
+    assert flow_run_processes(2**22 + 12345) == {}  # no such process
+
+
+def test_watch_records_runs_while_it_serves_and_reports_the_lost_ones(monkeypatch):
+    """The watch's thread sees a run's process appear; after it has ended, leaving the watch
+    hands exactly that run to crash_lost_runs (a server is not needed to see what it was given)."""
+    import time
+
+    import paperline.infra.flow_runs as fr
+
+    given = {}
+    monkeypatch.setattr(fr, "crash_lost_runs", lambda seen, who, report=None: (given.update(seen), ([], []))[1])
+    run_id = str(uuid.uuid4())
+    with watch_flow_runs("paperline worker", interval_s=0.1) as watch:
+        proc, _ = _engine(run_id)
+        deadline = time.time() + 30
+        while run_id not in watch.seen and time.time() < deadline:
+            time.sleep(0.05)
+        _stop(proc)
+    assert given == {run_id: proc.pid}
+
+
+def _flow_run(client, state):
+    from prefect import flow
+
+    @flow(name="paperline-test-flow-runs-probe")
+    def probe() -> None:
+        """Never executed: its runs only carry states."""
+
+    run = client.create_flow_run(probe)
+    client.set_flow_run_state(run.id, state, force=True)
+    return run
+
+
+@pytest.mark.stack
+def test_crash_lost_runs_crashes_only_unfinished_runs_whose_process_ended(stack):
+    from prefect.client.orchestration import get_client
+    from prefect.states import Completed, Running
+
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    alive, _ = _engine(str(uuid.uuid4()))
+    lines: list[str] = []
+    try:
+        with get_client(sync_client=True) as client:
+            lost, done, going = (_flow_run(client, s) for s in (Running(), Completed(), Running()))
+            seen = {str(lost.id): dead.pid, str(done.id): dead.pid, str(going.id): alive.pid}
+            crashed, still = crash_lost_runs(seen, "paperline worker", wait_s=0.5, report=lines.append)
+            assert crashed == [str(lost.id)] and still == [str(going.id)]
+            state = client.read_flow_run(lost.id).state
+            assert state.name == "Crashed"
+            assert state.message.startswith("`paperline worker` was stopped while this run was executing")
+            assert client.read_flow_run(done.id).state.name == "Completed"
+            assert client.read_flow_run(going.id).state.name == "Running"
+    finally:
+        _stop(alive)
+    assert any("marked Crashed" in line and str(lost.id) in line for line in lines), lines
+    assert any("still executing" in line and str(going.id) in line for line in lines), lines
+
+
+def _record(exc: BaseException) -> logging.LogRecord:
+    try:
+        raise exc
+    except BaseException:  # noqa: BLE001
+        return logging.LogRecord("prefect.flow_runs", logging.ERROR, __file__, 1, "Encountered exception: %r",
+                                 (exc,), sys.exc_info())
+
+
+@pytest.mark.parametrize("exc", [InputError("beta", 2.0, "TRSM does not use it"), KeyboardInterrupt()])
+def test_expected_errors_are_logged_without_their_traceback(exc):
+    record = _record(exc)
+    assert ExpectedErrorOneLine().filter(record) and record.exc_info is None
+    assert repr(exc) in record.getMessage()
+
+
+def test_other_errors_keep_their_traceback():
+    record = _record(RuntimeError("a bug"))
+    assert ExpectedErrorOneLine().filter(record) and record.exc_info is not None
+
+
+def test_the_filter_sits_on_the_run_loggers_unless_debugging(monkeypatch):
+    logger = logging.getLogger("paperline.test.run-logger")
+    monkeypatch.setattr(logger, "filters", [])
+    monkeypatch.setenv("PAPERLINE_DEBUG", "1")
+    quiet_expected_tracebacks(("paperline.test.run-logger",))
+    assert logger.filters == []
+    monkeypatch.delenv("PAPERLINE_DEBUG")
+    quiet_expected_tracebacks(("paperline.test.run-logger",))
+    quiet_expected_tracebacks(("paperline.test.run-logger",))
+    assert [type(f) for f in logger.filters] == [ExpectedErrorOneLine]
+    import paperline.tasks  # noqa: F401 - installs it, in a flow's process and on every worker
+
+    assert any(isinstance(f, ExpectedErrorOneLine) for f in logging.getLogger("prefect.flow_runs").filters)
