@@ -67,14 +67,14 @@ def parse_bytes(value: int | str) -> int:
 
 
 def logged_params(params: GemmParameters, problem: Problem | None) -> dict[str, Any]:
-    """The parameters as the MLflow run records them: as given, except that with a file or S3
-    operand ``m``, ``n``, ``k`` and ``dtype`` are ``problem``'s (result rows and columns, inner
-    dimension, the operands' dtype), since such operands bring their own and the given values
-    (often the defaults 4096 and float64) were not used: `paperline compare` showed them.
-    ``problem``: from :meth:`GemmParameters.validate_inputs`.
+    """The parameters as the MLflow run records them: as given, except ``m``, ``n``, ``k`` and
+    ``dtype``, which are ``problem``'s (result rows and columns, inner dimension, the operands'
+    dtype): file or S3 operands bring their own, SYRK/SYR2K have no ``m`` (n x n) and SYMM/TRMM/TRSM
+    no ``k``, and the values not used (often the defaults 4096 and float64) were recorded as if
+    they were: `paperline compare` showed them. ``problem``: from :meth:`GemmParameters.validate_inputs`.
     """
     logged = params.model_dump()
-    if problem is not None and any(v is not None and v != "random" for v in (params.a, params.b, params.c)):
+    if problem is not None:
         logged.update(m=problem.out_shape[0], n=problem.out_shape[1], k=problem.inner, dtype=str(problem.dtype))
     return logged
 
@@ -188,8 +188,33 @@ class GemmParameters(BaseModel):
             check_memory_budget(problem, budget)
         except KernelInputError as exc:  # name the value as given (1KiB), not in bytes
             raise InputError("memory_budget", self.memory_budget, f"{budget} bytes are {exc.problem}") from None
+        self.check_sizes_given(problem)
         self.check_size(problem)
         return problem
+
+    def check_sizes_given(self, problem: Problem) -> None:
+        """Refuse ``m``, ``n``, ``k`` or ``dtype`` given (in the run's parameters or with --set; a
+        preset's values do not count) other than the problem has: operand files bring their own
+        shapes and dtype (``--set m=1000`` with 512 x 512 files ran a 512 x 512 GEMM, silently:
+        a fresh-user trial), SYRK/SYR2K have no ``m`` (their result is n x n) and SYMM/TRMM/TRSM
+        no ``k`` (their A is square). Raises InputError."""
+        actual = {"m": problem.out_shape[0], "n": problem.out_shape[1], "k": problem.inner,
+                  "dtype": str(problem.dtype)}
+        files = [f"{name}={getattr(self, name)}" for name in ("a", "b", "c")
+                 if getattr(self, name) not in (None, "random") and (name != "b" or self.routine != "syrk")
+                 and (name != "c" or self.routine not in ("trmm", "trsm"))]
+        routine = self.routine.upper()
+        for name in ("m", "n", "k", "dtype"):
+            value = getattr(self, name)
+            if name not in self.model_fields_set or value == actual[name]:
+                continue
+            if name == "m" and self.routine in ("syrk", "syr2k"):
+                why = f"{routine} does not use it (its result is n x n)"
+            elif name == "k" and self.routine in ("symm", "trmm", "trsm"):
+                why = f"{routine} does not use it (its A is square: m x m with side=L, n x n with side=R)"
+            else:
+                why = f"the operands ({', '.join(files)}) give {name}={actual[name]}"
+            raise InputError(name, value, f"{why}; leave it out")
 
     def check_budget_fits(self, budget: int) -> None:
         """A tile cache larger than a worker's memory is refused: on a large problem it would grow

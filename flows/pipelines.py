@@ -167,6 +167,10 @@ def build_parameters(pipeline: Pipeline, preset: str, overrides: list[str]) -> B
             value = [v.strip() if _text(annotation) else _scalar(v.strip()) for v in str(value).split(",") if v.strip()]
         values[key] = value
     try:
-        return pipeline.parameters.model_validate(values)
+        model = pipeline.parameters.model_validate(values)
     except ValidationError as exc:  # e.g. live[budget]
         raise input_error_from(exc, lambda loc: str(loc[0]) + "".join(f"[{p}]" for p in loc[1:])) from None
+    # "given" means --set, as it means the parameters of a deployment run: a preset's values count
+    # as defaults (gemm refuses a given m that its operand files contradict; `full` sets m)
+    model.__pydantic_fields_set__ = set(given)
+    return model

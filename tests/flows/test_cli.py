@@ -245,6 +245,14 @@ def test_bad_gemm_input_is_refused_before_anything_starts(npy, tmp_path):
         (["routine=syrk", f"b={a}"], ["b=", "SYRK does not use it"]),
         (["routine=trmm", "trans_b=T"], ["trans_b='T'", "TRMM does not use it"]),
         (["beta=0.5"], ["beta=0.5", "scales c, which is not given"]),
+        # sizes the operand files or the routine override are refused, not ignored (a trial's m=1000
+        # ran 512 x 512); the preset's own m (full: 8192) does not count as given
+        ([f"a={a}", f"b={npy('b20.npy', np.ones((30, 20)))}", "m=1000"],
+         ["m=1000", "the operands (a=", "give m=40; leave it out"]),
+        ([f"a={a}", f"b={npy('b20x.npy', np.ones((30, 20)))}", "dtype=float32"],
+         ["dtype='float32'", "give dtype=float64; leave it out"]),
+        (["routine=syrk", "m=100", "n=64", "k=32", "tile=32"], ["m=100", "SYRK does not use it (its result is n x n)"]),
+        (["routine=trsm", "m=64", "n=48", "k=100", "tile=32"], ["k=100", "TRSM does not use it (its A is square"]),
         ([f"output={tmp_path / 'nowhere' / 'c.npy'}"], ["output=", "directory does not exist"]),
         ([f"output={tmp_path}"], ["output=", "is a directory"]),
         ([f"output={tmp_path / 'c.txt'}"], ["output=", "name the file *.npy"]),
@@ -263,6 +271,20 @@ def test_bad_gemm_input_is_refused_before_anything_starts(npy, tmp_path):
     ]
     assert_refused_before_anything_starts("gemm", cases, tmp_path, env={"PAPERLINE_N_WORKERS": "2"})
     assert not list((tmp_path).glob("*partial*"))
+
+
+def test_a_presets_values_are_not_given_parameters(npy):
+    """`--preset full` sets m = n = k = 8192; with operand files of another shape that is not a
+    contradiction the user made (their own --set m would be)."""
+    import numpy as np
+
+    from paperline.flows.pipelines import build_parameters, get_pipeline
+
+    a, b = npy("a.npy", np.ones((40, 30))), npy("b.npy", np.ones((30, 20)))
+    params = build_parameters(get_pipeline("gemm"), "full", [f"a={a}", f"b={b}", "scaling=false"])
+    assert params.m == 8192 and params.model_fields_set == {"a", "b", "scaling"}
+    problem = params.validate_inputs()
+    assert problem.out_shape == (40, 20) and problem.inner == 30
 
 
 def test_a_bad_paperline_variable_is_one_line_naming_it(tmp_path):

@@ -47,7 +47,7 @@ def test_a_worker_executes_a_triggered_run(deployed, wait_for_flow_run):
     from paperline.infra.tracking import Tracker
 
     info, worker, log = deployed
-    params = {"m": 100, "n": 80, "k": 60, "tile": 32, "routine": "trmm", "side": "R", "diag": "U", "scaling": False}
+    params = {"m": 100, "n": 80, "tile": 32, "routine": "trmm", "side": "R", "diag": "U", "scaling": False}
     with get_client(sync_client=True) as client:
         deployment = client.read_deployment_by_name("gemm/gemm")
         run = client.create_flow_run_from_deployment(deployment.id, parameters={"params": params})

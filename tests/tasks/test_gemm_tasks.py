@@ -204,7 +204,7 @@ print(single_process_peer.fn(params, None)["blas"])
 
 def test_mlflow_records_the_operands_sizes_and_dtype_not_unused_defaults(tmp_path):
     """With .npy operands m, n, k and dtype are the operands' (a user's `paperline compare`
-    showed m=n=k=4096 float64 for a 300 x 200 float32 run); random operands keep them as given."""
+    showed m=n=k=4096 float64 for a 300 x 200 float32 run); random GEMM operands keep them as given."""
     from paperline.flows.gemm import GemmParameters, logged_params
 
     np.save(tmp_path / "a.npy", np.ones((300, 130), np.float32))
@@ -214,3 +214,8 @@ def test_mlflow_records_the_operands_sizes_and_dtype_not_unused_defaults(tmp_pat
         {"m": 300, "n": 200, "k": 130, "dtype": "float32"}
     random = GemmParameters(m=90, n=70, k=50, tile=32)
     assert logged_params(random, random.validate_inputs()) == random.model_dump()
+    # a routine's unused size is recorded as what it ran with: SYRK's m is n, TRSM's k is A's order
+    syrk = GemmParameters(routine="syrk", n=70, k=50, tile=32)
+    assert {k: logged_params(syrk, syrk.validate_inputs())[k] for k in "mnk"} == {"m": 70, "n": 70, "k": 50}
+    trsm = GemmParameters(routine="trsm", side="R", m=90, n=70, tile=32)
+    assert {k: logged_params(trsm, trsm.validate_inputs())[k] for k in "mnk"} == {"m": 90, "n": 70, "k": 70}
