@@ -74,7 +74,8 @@ def _settings():
     return get_settings()
 
 
-def _ensure_stack():
+def _ensure_stack(say_reused: bool = False):
+    """The stack, started where needed (saying so); ``say_reused``: also say when it was all running."""
     from paperline.infra.stack import activate, ensure_stack, load_stack_info
 
     settings = _settings()
@@ -86,6 +87,8 @@ def _ensure_stack():
     if started:
         console.print(f"started the local stack in {settings.state_dir} (stop it with `paperline down`): "
                       + ", ".join(f"{s.name} {s.url}" for s in started), soft_wrap=True)
+    elif say_reused:  # a second `up` printed the same table as the first, without saying it did nothing
+        console.print(f"the stack in {settings.state_dir} is already up: nothing started", soft_wrap=True)
     activate(info)
     return info
 
@@ -94,7 +97,7 @@ def _ensure_stack():
 @_friendly
 def up() -> None:
     """Start the local stack (or check the configured endpoints) and print each service's URL."""
-    info = _ensure_stack()
+    info = _ensure_stack(say_reused=True)
     _print_services(info.services)
     console.print(f"S3:         {info.s3_endpoint_url}\nPrefect UI: {info.prefect_ui_url}\n"
                   f"MLflow UI:  {info.mlflow_tracking_uri}", soft_wrap=True)

@@ -157,7 +157,9 @@ def build_parameters(pipeline: Pipeline, preset: str, overrides: list[str]) -> B
         annotation = fields[key].annotation
         try:
             value: Any = json.loads(raw)
-        except json.JSONDecodeError:
+        except json.JSONDecodeError as exc:
+            if raw.lstrip().startswith(("{", "[")) and not _text(annotation):  # meant as JSON: say what broke
+                raise InputError(key, raw, f"not valid JSON ({exc.msg} at character {exc.pos + 1})") from None
             value = raw
         if isinstance(value, bool) and _numeric_not_bool(annotation):
             raise InputError(key, raw, "expected a number, not a boolean")

@@ -79,7 +79,12 @@ class Settings(BaseSettings):
     @field_validator("state_dir")
     @classmethod
     def _expand(cls, v: Path) -> Path:
-        return Path(v).expanduser().resolve()
+        path = Path(v).expanduser().resolve()
+        existing = next(p for p in (path, *path.parents) if p.exists())  # (the root exists)
+        if not existing.is_dir():  # `up` failed with a bare FileExistsError (fresh-user trial)
+            raise ValueError("exists and is not a directory" if existing == path else
+                             f"{existing} is a file, not a directory")
+        return path
 
     @field_validator("prefect_database_url")
     @classmethod

@@ -294,6 +294,12 @@ def test_a_bad_paperline_variable_is_one_line_naming_it(tmp_path):
     assert_one_line_error(run_cli("status", env={**env, "PAPERLINE_DEVICE": "gpu"}),
                           "PAPERLINE_DEVICE='gpu'", "'auto', 'cpu' or 'cuda'")
     assert not (tmp_path / "state").exists()
+    (tmp_path / "afile").write_text("")  # `up` said FileExistsError without naming the variable
+    for command in ("up", "status"):
+        assert_one_line_error(run_cli(command, env={"PAPERLINE_STATE_DIR": str(tmp_path / "afile")}),
+                              f"PAPERLINE_STATE_DIR='{tmp_path / 'afile'}'", "exists and is not a directory")
+        assert_one_line_error(run_cli(command, env={"PAPERLINE_STATE_DIR": str(tmp_path / "afile" / "sub")}),
+                              "PAPERLINE_STATE_DIR=", f"{tmp_path / 'afile'} is a file, not a directory")
 
 
 def test_long_paths_in_the_compare_table_are_cut_to_their_end():
@@ -331,6 +337,8 @@ def test_bad_nas_parameters_are_refused_before_anything_starts(tmp_path):
                                                         "branin-currin has fixed objectives"]),
         (['optimizer_options={"n_candidates": -3}'], ["optimizer_options.n_candidates=-3: must be an integer >= 1"]),
         (['live={"optimizer": "nope", "problem": "live-mnist"}'], ["live.optimizer='nope': unknown optimizer"]),
+        # broken JSON was "Input should be a valid dictionary" (a fresh-user trial)
+        (["problem_options={bad json"], ["problem_options='{bad json': not valid JSON (Expecting property name"]),
     ]  # and `optimizer=annealing` through a `paperline` process: tests/flows/test_nas.py
     assert_refused_before_anything_starts("nas", cases, tmp_path, preset="demo")
 

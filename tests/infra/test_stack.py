@@ -88,6 +88,13 @@ def test_ensure_stack_is_idempotent(stack):
     assert loaded is not None and loaded.prefect_api_url == info.prefect_api_url
 
 
+def test_up_on_a_running_stack_says_it_started_nothing(stack_cli, stack):
+    res = stack_cli("up")
+    assert res.exit_code == 0, res.output
+    assert f"the stack in {stack[0].state_dir} is already up: nothing started" in " ".join(res.output.split())
+    assert stack[1].prefect_ui_url in res.output
+
+
 def test_a_configured_endpoint_leaves_the_local_servers_records_alone(stack, free_port):
     """A run with an unreachable PAPERLINE_PREFECT_API_URL (or MLFLOW_TRACKING_URI) dropped the
     running local server from stack.json: the next run started a second Prefect server and
