@@ -212,7 +212,7 @@ def check_dataset_free(store: ObjectStore, output: str, key: str, argument: str,
     if old is not None and old != key:
         raise InputError(argument, value, f"{output} already holds a committed dataset curated from other sources "
                                           f"or settings; a committed dataset is never rewritten: choose another "
-                                          f"{'output prefix' if argument == 'output' else 'dataset name'}")
+                                          f"{'output prefix' if argument == 'output' else 'dataset name (--set dataset=NAME)'}")
 
 
 X264_PRESETS = ("ultrafast", "superfast", "veryfast", "faster", "fast", "medium", "slow", "slower", "veryslow",

@@ -140,5 +140,8 @@ def probe(path: str | Path, *, min_frames: int = 2) -> VideoInfo | Rejected:
 
 
 def _message(exc: BaseException) -> str:
-    text = str(exc).strip() or type(exc).__name__
+    """The error's own words: for FFmpeg's, its ``strerror`` ("Invalid data found when processing
+    input"), without PyAV's ``[Errno 1094995529]`` (the AVERROR code, opaque to a reader) and
+    the path the caller names anyway."""
+    text = (getattr(exc, "strerror", None) or str(exc)).strip() or type(exc).__name__
     return text if len(text) <= 300 else text[:297] + "..."

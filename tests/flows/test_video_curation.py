@@ -137,6 +137,7 @@ def test_a_dataset_of_other_inputs_is_refused_before_any_video_is_processed(cura
         out = " ".join((proc.stdout + proc.stderr).split())
         assert proc.returncode != 0 and f"error: dataset='{dataset}': {first['output']} already holds a committed " \
             "dataset curated from other sources or settings" in out, out
+        assert out.endswith("choose another dataset name (--set dataset=NAME)"), out
         assert "flow run" not in out.lower() and "Traceback" not in out
 
 
