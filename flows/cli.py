@@ -415,6 +415,18 @@ def _fmt(x: Any) -> str:
     return f"{x:.3e}" if x != 0 and abs(x) < 1e-3 else f"{x:.4f}"
 
 
+def _integral_columns(rows: list[list[Any]]) -> set[int]:
+    """The columns whose values are all whole numbers (MLflow keeps every metric as a float: byte
+    counts showed as 78824.0000), shown without decimals; a column with any fraction keeps four."""
+    width = max((len(r) for r in rows), default=0)
+    whole = set()
+    for i in range(width):
+        values = [r[i] for r in rows if i < len(r) and isinstance(r[i], float) and math.isfinite(r[i])]
+        if values and all(v.is_integer() for v in values):
+            whole.add(i)
+    return whole
+
+
 def _print_summary(name: str, summary: dict[str, Any]) -> None:
     if "table" in summary:
         spec = summary["table"]
@@ -644,8 +656,10 @@ def compare(experiment: str = typer.Argument(..., help="MLflow experiment, e.g. 
 
     title = f"{experiment}: {len(result['rows'])} run(s) ({result['selection']})"
     table = Table(*[Column(c, overflow="fold") for c in result["columns"]], title=title)
+    counts = _integral_columns(result["rows"])
     for row in result["rows"]:
-        table.add_row(*[_fmt(v) if isinstance(v, float) else _short(str(v)) for v in row])
+        table.add_row(*[(f"{v:.0f}" if i in counts else _fmt(v)) if isinstance(v, float) else _short(str(v))
+                        for i, v in enumerate(row)])
     console.print(table)
     if result["note"]:
         console.print(result["note"], highlight=False)

@@ -387,6 +387,15 @@ def test_tiny_values_are_not_shown_as_zero():
         ["1.200e-17", "0.0000", "93.6000", "-2.000e-05", "nan", "7"]
 
 
+def test_columns_of_whole_numbers_are_shown_without_decimals():
+    """compare showed byte counts as 78824.0000 (MLflow keeps metrics as floats)."""
+    from paperline.flows.cli import _integral_columns
+
+    rows = [["run-a", 78824.0, 0.5, float("nan"), 3.0], ["run-b", 1024.0, 1.0, 2.0, 3.5]]
+    assert _integral_columns(rows) == {1, 3}
+    assert _integral_columns([]) == set()
+
+
 def test_worker_pool_is_checked_before_the_stack_starts(tmp_path):
     """An unknown pool, and the gpu pool on a machine without a usable GPU (every run it took
     would fail on device=cuda; a fresh-user trial's started silently), are one line; no stack."""
