@@ -313,7 +313,8 @@ def gemm(params: GemmParameters | None = None) -> dict[str, Any]:
 
     Returns:
         A summary: GFLOP/s, ratio to the peer, verification, counters, output URI, Prefect and
-        MLflow URLs, and a table for the CLI.
+        MLflow URLs, ``mlflow_params`` (the parameters as the MLflow run records them: the sizes
+        that ran, the budget in bytes, the device, the output) and a table for the CLI.
 
     Raises:
         InputError: bad parameters or operands. VerificationError: the result failed the check
@@ -352,7 +353,7 @@ def gemm(params: GemmParameters | None = None) -> dict[str, Any]:
         tracker.end_run(run_id, "FAILED")
         raise
     summary.update(prefect_flow_run_id=str(flow_run.id), prefect_flow_run_url=run_url, mlflow_run_id=run_id,
-                   mlflow_run_url=tracker.run_url(run_id), params=mlflow_params)
+                   mlflow_run_url=tracker.run_url(run_id), mlflow_params=mlflow_params)
     return summary
 
 

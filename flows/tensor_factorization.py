@@ -175,7 +175,8 @@ def tensor_factorization(params: TensorFactorizationParameters | None = None) ->
 
     Returns:
         A summary: ``rows`` (dataset, split, method, test/validation RMSE, fit seconds), the
-        Prefect flow-run id and URL, the MLflow run id and URL, the artifact URIs and the params.
+        Prefect flow-run id and URL, the MLflow run id and URL, the artifact URIs and
+        ``mlflow_params`` (the parameters as the MLflow run records them).
 
     Raises:
         InputError: bad parameters or data. ServiceError: the stack is not up.
@@ -229,7 +230,7 @@ def tensor_factorization(params: TensorFactorizationParameters | None = None) ->
         tracker.end_run(run_id, "FAILED")
         raise
     summary.update(prefect_flow_run_id=str(flow_run.id), prefect_flow_run_url=run_url,
-                   mlflow_run_id=run_id, mlflow_run_url=tracker.run_url(run_id), params=mlflow_params)
+                   mlflow_run_id=run_id, mlflow_run_url=tracker.run_url(run_id), mlflow_params=mlflow_params)
     return summary
 
 

@@ -46,7 +46,9 @@ def test_run_prints_results_and_urls(two_runs):
     assert set(rows) == {(s, m) for s in ("random", "temporal") for m in ("p2t2f", "tensorly_cp")}
     for r in rows.values():
         assert 0 < r["test_rmse"] < 5
-    assert summary["params"]["rank"] == 3 and summary["params"]["n_epochs"] == 4
+    # the parameters as MLflow records them; beside the ones as run (`parameters`), not named alike
+    assert summary["mlflow_params"]["rank"] == 3 and summary["mlflow_params"]["n_epochs"] == 4
+    assert "params" not in summary and summary["parameters"]["rank"] == 3
 
 
 def test_second_run_is_served_from_the_cache(two_runs):
