@@ -273,8 +273,8 @@ class GemmParameters(BaseModel):
         products = tasks * n_tiles(k, t)
         if tasks > MAX_TILE_TASKS or products > MAX_PANEL_PRODUCTS:
             raise InputError("tile", t, f"{tasks:,} tile tasks, {products:,} panel products for a {m}x{n} (k={k}) "
-                                        f"problem (limits {MAX_TILE_TASKS:,} / {MAX_PANEL_PRODUCTS:,}); raise the tile size "
-                                        "or lower m, n, k")
+                                        f"problem (limits {MAX_TILE_TASKS:,} / {MAX_PANEL_PRODUCTS:,}); raise the "
+                                        "tile size or lower m, n, k")
         item = problem.dtype.itemsize
         state_dir = Path(get_settings().state_dir)
         needs: list[tuple[str, object, int, Path, str]] = []  # argument, value, bytes, where, what needs them

@@ -10,6 +10,7 @@ credentials.
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import threading
@@ -18,16 +19,20 @@ from typing import Any
 
 from paperline.infra.errors import ServiceError
 
-try:  # MLflow's own limits; the fallbacks are mlflow 3.17's values
-    from mlflow.utils.validation import (
-        MAX_METRICS_PER_BATCH,
-        MAX_PARAM_VAL_LENGTH,
-        MAX_PARAMS_TAGS_PER_BATCH,
-        MAX_TAG_VAL_LENGTH,
-    )
-except ImportError:  # pragma: no cover
-    MAX_METRICS_PER_BATCH, MAX_PARAMS_TAGS_PER_BATCH = 1000, 100
-    MAX_PARAM_VAL_LENGTH, MAX_TAG_VAL_LENGTH = 6000, 8000
+_FALLBACK_LIMITS = {"MAX_METRICS_PER_BATCH": 1000, "MAX_PARAMS_TAGS_PER_BATCH": 100,  # mlflow 3.17's values
+                    "MAX_PARAM_VAL_LENGTH": 6000, "MAX_TAG_VAL_LENGTH": 8000}
+
+
+@functools.cache
+def _limit(name: str) -> int:
+    """MLflow's own limit ``name`` (``mlflow.utils.validation``), read when first needed: importing
+    MLflow takes 0.8 s here, and every flow module imports this one, so a `paperline run` refused
+    for a bad --set waited for it."""
+    try:
+        import mlflow.utils.validation as validation  # noqa: PLC0415
+    except ImportError:  # pragma: no cover
+        return _FALLBACK_LIMITS[name]
+    return int(getattr(validation, name, _FALLBACK_LIMITS[name]))
 
 _CONNECTION_HINTS = (
     "Max retries exceeded",
@@ -175,15 +180,16 @@ class Tracker:
         if not parent_run_id and exp_id not in self._swept:
             self._swept.add(exp_id)
             self.end_orphaned_runs(exp_id)
-        all_tags = {k: _truncate(v, MAX_TAG_VAL_LENGTH) for k, v in (tags or {}).items()}
+        all_tags = {k: _truncate(v, _limit("MAX_TAG_VAL_LENGTH")) for k, v in (tags or {}).items()}
         if parent_run_id:
             all_tags["mlflow.parentRunId"] = parent_run_id
         run = self._call("create run", self.client.create_run, exp_id, tags=all_tags, run_name=run_name)
         run_id = run.info.run_id
         self._experiment_of_run[run_id] = exp_id
-        items = [Param(str(k), _truncate(v, MAX_PARAM_VAL_LENGTH)) for k, v in (params or {}).items()]
-        for i in range(0, len(items), MAX_PARAMS_TAGS_PER_BATCH):
-            self._call("log params", self.client.log_batch, run_id, params=items[i : i + MAX_PARAMS_TAGS_PER_BATCH])
+        items = [Param(str(k), _truncate(v, _limit("MAX_PARAM_VAL_LENGTH"))) for k, v in (params or {}).items()]
+        batch = _limit("MAX_PARAMS_TAGS_PER_BATCH")
+        for i in range(0, len(items), batch):
+            self._call("log params", self.client.log_batch, run_id, params=items[i : i + batch])
         return run_id
 
     def set_tags(self, run_id: str, tags: dict[str, Any]) -> None:
@@ -194,9 +200,10 @@ class Tracker:
         """
         from mlflow.entities import RunTag  # noqa: PLC0415
 
-        items = [RunTag(str(k), _truncate(v, MAX_TAG_VAL_LENGTH)) for k, v in tags.items()]
-        for i in range(0, len(items), MAX_PARAMS_TAGS_PER_BATCH):
-            self._call("set tags", self.client.log_batch, run_id, tags=items[i : i + MAX_PARAMS_TAGS_PER_BATCH])
+        items = [RunTag(str(k), _truncate(v, _limit("MAX_TAG_VAL_LENGTH"))) for k, v in tags.items()]
+        batch = _limit("MAX_PARAMS_TAGS_PER_BATCH")
+        for i in range(0, len(items), batch):
+            self._call("set tags", self.client.log_batch, run_id, tags=items[i : i + batch])
 
     def log_metrics(self, run_id: str, metrics: dict[str, float], step: int | None = None) -> None:
         """Log metrics in batches (one request per 1000 metrics).
@@ -213,8 +220,9 @@ class Tracker:
 
         ts = int(time.time() * 1000)
         items = [Metric(str(k), float(v), ts, step or 0) for k, v in metrics.items()]
-        for i in range(0, len(items), MAX_METRICS_PER_BATCH):
-            self._call("log metrics", self.client.log_batch, run_id, metrics=items[i : i + MAX_METRICS_PER_BATCH])
+        batch = _limit("MAX_METRICS_PER_BATCH")
+        for i in range(0, len(items), batch):
+            self._call("log metrics", self.client.log_batch, run_id, metrics=items[i : i + batch])
 
     def log_metric_steps(self, run_id: str, steps: list[tuple[int, dict[str, float]]]) -> None:
         """Log many steps' metrics (e.g. a whole training history) in as few requests as possible.
@@ -230,8 +238,9 @@ class Tracker:
 
         ts = int(time.time() * 1000)
         items = [Metric(str(k), float(v), ts, int(step)) for step, metrics in steps for k, v in metrics.items()]
-        for i in range(0, len(items), MAX_METRICS_PER_BATCH):
-            self._call("log metrics", self.client.log_batch, run_id, metrics=items[i : i + MAX_METRICS_PER_BATCH])
+        batch = _limit("MAX_METRICS_PER_BATCH")
+        for i in range(0, len(items), batch):
+            self._call("log metrics", self.client.log_batch, run_id, metrics=items[i : i + batch])
 
     def log_artifact(self, run_id: str, local_path: str, artifact_path: str | None = None) -> None:
         """Upload a local file (or directory) as an artifact of the run.
