@@ -120,10 +120,13 @@ def crash_lost_runs(seen: dict[str, int], who: str, *, wait_s: float = 10.0,
 
 
 @contextlib.contextmanager
-def watch_flow_runs(who: str, *, interval_s: float = 1.0,
+def watch_flow_runs(who: str, *, interval_s: float = 1.0, recent_s: float = 300.0,
                     report: Callable[[str], None] | None = None) -> Iterator[FlowRunWatch]:
     """Record, every ``interval_s`` seconds on a daemon thread, the flow runs this process's
-    descendants execute; on leaving (also on KeyboardInterrupt), :func:`crash_lost_runs` them.
+    descendants execute; on leaving (also on KeyboardInterrupt), :func:`crash_lost_runs` those
+    seen executing in the last ``recent_s`` seconds: the runs the stop ended (a shutdown, even one
+    killed after `paperline worker`'s 60 s grace, takes less), not every run of a long serve,
+    each of which would cost a request. Older ones are forgotten as the thread goes.
 
     Args:
         who: The command, for the Crashed state's message (``paperline serve``).
@@ -132,15 +135,22 @@ def watch_flow_runs(who: str, *, interval_s: float = 1.0,
     Yields:
         The :class:`FlowRunWatch`, filled in as runs are seen and when leaving.
     """
+    import time  # noqa: PLC0415
+
     watch = FlowRunWatch()
+    last_seen: dict[str, float] = {}
     stop = threading.Event()
     me = os.getpid()
 
     def poll() -> None:
         while not stop.is_set():
             with contextlib.suppress(Exception):  # a process table read racing with exits
+                now = time.monotonic()
                 for run_id, pid in flow_run_processes(me).items():
                     watch.seen.setdefault(run_id, pid)
+                    last_seen[run_id] = now
+                for run_id in [r for r, t in last_seen.items() if now - t > recent_s]:
+                    del last_seen[run_id], watch.seen[run_id]
             stop.wait(interval_s)
 
     thread = threading.Thread(target=poll, name="paperline-flow-run-watch", daemon=True)
@@ -150,4 +160,6 @@ def watch_flow_runs(who: str, *, interval_s: float = 1.0,
     finally:
         stop.set()
         thread.join(timeout=5)
-        watch.crashed, watch.still_running = crash_lost_runs(dict(watch.seen), who, report=report)
+        now = time.monotonic()
+        recent = {r: pid for r, pid in watch.seen.items() if now - last_seen.get(r, now) <= recent_s}
+        watch.crashed, watch.still_running = crash_lost_runs(recent, who, report=report)
