@@ -263,7 +263,17 @@ def _running_flow_run(client, deployment: str, proc: subprocess.Popen, log: Path
         assert proc.poll() is None and time.time() < deadline, (state, Path(log).read_text()[-3000:])
         assert state is None or not state.is_final(), (state, Path(log).read_text()[-3000:])
         time.sleep(1)
-    time.sleep(3)  # past the next poll of the executing process's flow-run watch (every second)
+    # stopped while its cluster was still starting, a run's nannies printed "Nanny failed to start"
+    # tracebacks (Dask's, not the stop's): wait for the multiply itself, then for the next poll of
+    # the executing process's flow-run watch (every second)
+    from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterId
+
+    only_this = FlowRunFilter(id=FlowRunFilterId(any_=[run.id]))
+    while not any(t.name.startswith("tiled-multiply") and t.state is not None and t.state.name == "Running"
+                  for t in client.read_task_runs(flow_run_filter=only_this)):
+        assert proc.poll() is None and time.time() < deadline, Path(log).read_text()[-3000:]
+        time.sleep(0.5)
+    time.sleep(2)
     assert client.read_flow_run(run.id).state.name == "Running"
     return run
 
