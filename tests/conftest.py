@@ -251,8 +251,10 @@ def _wait_for_flow_run(client, run_id, proc: subprocess.Popen, log: Path, timeou
                          + Path(log).read_text()[-3000:])
 
 
-# a GEMM deployment run that takes tens of seconds: long enough to be stopped while Running
-LONG_GEMM = {"m": 6144, "n": 6144, "k": 6144, "tile": 1024}
+# a GEMM deployment run whose multiply alone takes 10 s or more (8192^3 float64 on 2 cores): it is
+# stopped during that one task, not while the scaling sweep starts its clusters (a run interrupted
+# while nannies start prints Dask's "Nanny failed to start" tracebacks, not the stop's)
+LONG_GEMM = {"m": 8192, "n": 8192, "k": 8192, "tile": 2048, "scaling": False, "peer": False}
 
 
 def _running_flow_run(client, deployment: str, proc: subprocess.Popen, log: Path, timeout: float = 180):
@@ -263,9 +265,8 @@ def _running_flow_run(client, deployment: str, proc: subprocess.Popen, log: Path
         assert proc.poll() is None and time.time() < deadline, (state, Path(log).read_text()[-3000:])
         assert state is None or not state.is_final(), (state, Path(log).read_text()[-3000:])
         time.sleep(1)
-    # stopped while its cluster was still starting, a run's nannies printed "Nanny failed to start"
-    # tracebacks (Dask's, not the stop's): wait for the multiply itself, then for the next poll of
-    # the executing process's flow-run watch (every second)
+    # wait for the multiply itself (not the cluster's start), then for the next poll of the
+    # executing process's flow-run watch (every second)
     from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterId
 
     only_this = FlowRunFilter(id=FlowRunFilterId(any_=[run.id]))
