@@ -252,12 +252,14 @@ def _wait_for_flow_run(client, run_id, proc: subprocess.Popen, log: Path, timeou
 
 
 # a GEMM deployment run whose multiply alone takes 10 s or more (8192^3 float64 on 2 cores): it is
-# stopped during that one task, not while the scaling sweep starts its clusters (a run interrupted
+# stopped during that one task, not while a scaling sweep starts its clusters (a run interrupted
 # while nannies start prints Dask's "Nanny failed to start" tracebacks, not the stop's)
 LONG_GEMM = {"m": 8192, "n": 8192, "k": 8192, "tile": 2048, "scaling": False, "peer": False}
+CLUSTER_UP = "The Dask dashboard is available at"  # prefect-dask's line once a run's cluster has started
 
 
 def _running_flow_run(client, deployment: str, proc: subprocess.Popen, log: Path, timeout: float = 180):
+    clusters = Path(log).read_text().count(CLUSTER_UP)
     deployment_id = client.read_deployment_by_name(deployment).id
     run = client.create_flow_run_from_deployment(deployment_id, parameters={"params": LONG_GEMM})
     deadline = time.time() + timeout
@@ -265,13 +267,10 @@ def _running_flow_run(client, deployment: str, proc: subprocess.Popen, log: Path
         assert proc.poll() is None and time.time() < deadline, (state, Path(log).read_text()[-3000:])
         assert state is None or not state.is_final(), (state, Path(log).read_text()[-3000:])
         time.sleep(1)
-    # wait for the multiply itself (not the cluster's start), then for the next poll of the
-    # executing process's flow-run watch (every second)
-    from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterId
-
-    only_this = FlowRunFilter(id=FlowRunFilterId(any_=[run.id]))
-    while not any(t.name.startswith("tiled-multiply") and t.state is not None and t.state.name == "Running"
-                  for t in client.read_task_runs(flow_run_filter=only_this)):
+    # wait for the run's Dask cluster to be up (the multiply task starts it: a stop while its
+    # worker processes spawn prints Dask's and multiprocessing's tracebacks, not the stop's), then
+    # for the next poll of the executing process's flow-run watch (every second)
+    while Path(log).read_text().count(CLUSTER_UP) <= clusters:
         assert proc.poll() is None and time.time() < deadline, Path(log).read_text()[-3000:]
         time.sleep(0.5)
     time.sleep(2)
