@@ -45,6 +45,7 @@ from paperline.tasks.gemm import (
     single_process_peer,
     stage_random_operands,
     tiled_multiply,
+    used_operands,
 )
 
 EXPERIMENT = "gemm"
@@ -200,9 +201,8 @@ class GemmParameters(BaseModel):
         no ``k`` (their A is square). Raises InputError."""
         actual = {"m": problem.out_shape[0], "n": problem.out_shape[1], "k": problem.inner,
                   "dtype": str(problem.dtype)}
-        files = [f"{name}={getattr(self, name)}" for name in ("a", "b", "c")
-                 if getattr(self, name) not in (None, "random") and (name != "b" or self.routine != "syrk")
-                 and (name != "c" or self.routine not in ("trmm", "trsm"))]
+        files = [f"{name}={getattr(self, name)}" for name in used_operands(self.kernel_params())
+                 if getattr(self, name) != "random"]
         routine = self.routine.upper()
         for name in ("m", "n", "k", "dtype"):
             value = getattr(self, name)

@@ -15,7 +15,6 @@ from __future__ import annotations
 import contextlib
 import os
 import threading
-from dataclasses import dataclass, field
 from typing import Callable, Iterator
 
 FLOW_RUN_ENV = "PREFECT__FLOW_RUN_ID"  # set by Prefect's runner and process worker in a flow run's process
@@ -46,16 +45,6 @@ def flow_run_processes(pid: int) -> dict[str, int]:
             if owner.get(parent) != run_id:
                 runs.setdefault(run_id, child.pid)
     return runs
-
-
-@dataclass
-class FlowRunWatch:
-    """What :func:`watch_flow_runs` saw: every flow run its process's descendants executed
-    (id -> engine PID), and, after it left, which it marked Crashed and which were still executing."""
-
-    seen: dict[str, int] = field(default_factory=dict)
-    crashed: list[str] = field(default_factory=list)
-    still_running: list[str] = field(default_factory=list)
 
 
 def _pid_alive(pid: int) -> bool:
@@ -104,7 +93,7 @@ def crash_lost_runs(seen: dict[str, int], who: str, *, wait_s: float = 10.0,
         with get_client(sync_client=True) as client:
             for run_id in lost:
                 run = client.read_flow_run(run_id)
-                if run.state is None or run.state.is_final() or run.state.name not in ("Pending", "Running"):
+                if run.state is None or run.state.name not in ("Pending", "Running"):
                     continue
                 message = (f"`{who}` was stopped while this run was executing; its process (pid {seen[run_id]}) "
                            "ended with it.")
@@ -121,7 +110,7 @@ def crash_lost_runs(seen: dict[str, int], who: str, *, wait_s: float = 10.0,
 
 @contextlib.contextmanager
 def watch_flow_runs(who: str, *, interval_s: float = 1.0, recent_s: float = 300.0,
-                    report: Callable[[str], None] | None = None) -> Iterator[FlowRunWatch]:
+                    report: Callable[[str], None] | None = None) -> Iterator[dict[str, int]]:
     """Record, every ``interval_s`` seconds on a daemon thread, the flow runs this process's
     descendants execute; on leaving (also on KeyboardInterrupt), :func:`crash_lost_runs` those
     seen executing in the last ``recent_s`` seconds: the runs the stop ended (a shutdown, even one
@@ -133,11 +122,11 @@ def watch_flow_runs(who: str, *, interval_s: float = 1.0, recent_s: float = 300.
         report: Called with one line per run acted on.
 
     Yields:
-        The :class:`FlowRunWatch`, filled in as runs are seen and when leaving.
+        The runs seen so far (flow-run id -> engine PID), filled in as they are seen.
     """
     import time  # noqa: PLC0415
 
-    watch = FlowRunWatch()
+    seen: dict[str, int] = {}
     last_seen: dict[str, float] = {}
     stop = threading.Event()
     me = os.getpid()
@@ -147,19 +136,19 @@ def watch_flow_runs(who: str, *, interval_s: float = 1.0, recent_s: float = 300.
             with contextlib.suppress(Exception):  # a process table read racing with exits
                 now = time.monotonic()
                 for run_id, pid in flow_run_processes(me).items():
-                    watch.seen.setdefault(run_id, pid)
+                    seen.setdefault(run_id, pid)
                     last_seen[run_id] = now
                 for run_id in [r for r, t in last_seen.items() if now - t > recent_s]:
-                    del last_seen[run_id], watch.seen[run_id]
+                    del last_seen[run_id], seen[run_id]
             stop.wait(interval_s)
 
     thread = threading.Thread(target=poll, name="paperline-flow-run-watch", daemon=True)
     thread.start()
     try:
-        yield watch
+        yield seen
     finally:
         stop.set()
         thread.join(timeout=5)
         now = time.monotonic()
-        recent = {r: pid for r, pid in watch.seen.items() if now - last_seen.get(r, now) <= recent_s}
-        watch.crashed, watch.still_running = crash_lost_runs(recent, who, report=report)
+        recent = {r: pid for r, pid in seen.items() if now - last_seen.get(r, now) <= recent_s}
+        crash_lost_runs(recent, who, report=report)

@@ -56,25 +56,25 @@ def test_watch_records_runs_while_it_serves_and_reports_the_lost_ones(monkeypatc
     given = {}
     monkeypatch.setattr(fr, "crash_lost_runs", lambda seen, who, report=None: (given.update(seen), ([], []))[1])
     run_id = str(uuid.uuid4())
-    with watch_flow_runs("paperline worker", interval_s=0.1) as watch:
+    with watch_flow_runs("paperline worker", interval_s=0.1) as seen:
         proc, _ = _engine(run_id)
         deadline = time.time() + 30
-        while run_id not in watch.seen and time.time() < deadline:
+        while run_id not in seen and time.time() < deadline:
             time.sleep(0.05)
         _stop(proc)
     assert given == {run_id: proc.pid}
     # a run that ended longer than recent_s before the stop is not the stop's doing: forgotten
     given.clear()
-    with watch_flow_runs("paperline worker", interval_s=0.1, recent_s=0.5) as watch:
+    with watch_flow_runs("paperline worker", interval_s=0.1, recent_s=0.5) as seen:
         proc, _ = _engine(run_id)
         deadline = time.time() + 30
-        while run_id not in watch.seen and time.time() < deadline:
+        while run_id not in seen and time.time() < deadline:
             time.sleep(0.05)
         _stop(proc)
         deadline = time.time() + 30
-        while run_id in watch.seen and time.time() < deadline:
+        while run_id in seen and time.time() < deadline:
             time.sleep(0.05)
-    assert given == {} and watch.seen == {}
+    assert given == {} and seen == {}
 
 
 def _flow_run(client, state):
