@@ -340,24 +340,31 @@ def _early_cluster(wanted: bool = True) -> Iterator[Any]:
 
 
 def _quiet_logs() -> None:
-    """Keep the terminal to the result table: Dask's chatter at WARNING, and (unless --debug)
-    Prefect's console records without tracebacks (they stay complete in the Prefect UI)."""
+    """Keep the terminal to the result table: Dask's chatter at WARNING, the comparison with the
+    best earlier run once (in the printed summary, not also as its log record), and (unless
+    --debug) Prefect's console records without tracebacks (all complete in the Prefect UI)."""
     import logging
 
     from prefect.logging.configuration import setup_logging
 
     setup_logging()  # idempotent; Prefect's console handler sits on the root logger
     _quiet_dask()  # after Prefect's setup: it lists `distributed` among its extra loggers, at INFO
-    if _state["debug"]:
-        return
+    for handler in logging.getLogger().handlers:  # the same function objects: added once
+        handler.addFilter(_not_in_summary)
+        if not _state["debug"]:
+            handler.addFilter(_strip_traceback)
 
-    def strip_traceback(record: logging.LogRecord) -> bool:
-        record.exc_info = None
-        record.exc_text = None
-        return True
 
-    for handler in logging.getLogger().handlers:
-        handler.addFilter(strip_traceback)
+def _not_in_summary(record: Any) -> bool:
+    from paperline.infra.regression import IN_SUMMARY
+
+    return not getattr(record, IN_SUMMARY, False)
+
+
+def _strip_traceback(record: Any) -> bool:
+    record.exc_info = None
+    record.exc_text = None
+    return True
 
 
 def _run_one(spec, params, summary_json: Path | None, early=None) -> dict[str, Any]:

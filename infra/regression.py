@@ -30,6 +30,9 @@ from paperline.infra.tracking import Tracker
 
 KEY_TAG = "paperline.params_key"
 HEADLINES_TAG = "paperline.headlines"  # [[metric, higher_is_better], ...]: what `paperline compare` shows first
+# set on the log records of :func:`check_latest`: the flow's summary holds the same lines, so the
+# terminal of `paperline run` (which prints the summary) leaves these records to the Prefect UI
+IN_SUMMARY = "paperline_in_summary"
 MAX_EARLIER = 1000  # the most recent earlier runs searched (MLflow's page size)
 
 
@@ -208,7 +211,8 @@ def compare_with_best_earlier(tracker: Tracker, run_id: str, key: str, headlines
 def check_latest(tracker: Tracker, run_id: str, params: dict[str, Any], headlines: list[Headline],
                  label: str = "", first_run_note: str | None = None) -> BestEarlier:
     """:func:`compare_with_best_earlier` keyed on ``params``, its lines logged to the flow run's
-    log (a regression as a warning, so that it stands out in the Prefect UI).
+    log (a regression as a warning, so that it stands out in the Prefect UI), each record marked
+    with the attribute :data:`IN_SUMMARY` (the flows put the same lines in their summaries).
 
     Args:
         tracker: The MLflow tracker.
@@ -226,7 +230,7 @@ def check_latest(tracker: Tracker, run_id: str, params: dict[str, Any], headline
         outcome.first_run_note = first_run_note
     logger = _logger()
     for line in outcome.lines(label):
-        (logger.warning if outcome.regression else logger.info)(line)
+        (logger.warning if outcome.regression else logger.info)(line, extra={IN_SUMMARY: True})
     return outcome
 
 

@@ -60,6 +60,7 @@ class S3NpySource:
 
     def __init__(self, store: ObjectStore, uri: str, argument: str = "a"):
         self.store, self.uri = store, uri
+        self.where = uri  # what errors about its values name
         head = store.head(uri)
         if head is None:
             store.require_bucket(argument, uri)

@@ -183,7 +183,7 @@ def _spill_in_memory(problem: Problem, directory: str) -> Problem:
         if isinstance(src, ArraySource):
             path = os.path.join(directory, f"{name}.npy")
             np.save(path, src.array)
-            changes[name] = NpySource(path, name)
+            changes[name] = NpySource(path, name, spilled=True)
     return dataclasses.replace(problem, **changes) if changes else problem
 
 

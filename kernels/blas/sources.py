@@ -31,6 +31,8 @@ class TileSource(Protocol):
         dtype: ``float32`` or ``float64``.
         key: identifies the content (cache keys and peer fetch use it).
         kind: ``"memory"``, ``"file"``, ``"generated"`` or ``"s3"`` (S3 reads are what peer fetch saves).
+
+    A file or S3 source also has ``where``, the path or URI that an error about its values names.
     """
 
     shape: tuple[int, int]
@@ -102,6 +104,11 @@ class NpySource:
     Args:
         path: the file.
         argument: the operand's name for error messages.
+        spilled: the file holds a caller's in-memory array, written for the Dask workers: a
+            non-finite entry is then named by its index alone, not by this file.
+
+    Attributes:
+        where: the path, named by errors about the file's values (None when ``spilled``).
 
     Raises:
         InputError: missing file, not a ``.npy`` file, not a 2-D float matrix, or truncated (fewer
@@ -110,8 +117,9 @@ class NpySource:
 
     kind = "file"
 
-    def __init__(self, path: str | os.PathLike[str], argument: str = "a"):
+    def __init__(self, path: str | os.PathLike[str], argument: str = "a", spilled: bool = False):
         self.path = str(Path(path).resolve())
+        self.where = None if spilled else self.path
         if os.path.isdir(self.path):
             raise InputError(argument, str(path), "is a directory; name a .npy file")
         if not os.path.isfile(self.path):

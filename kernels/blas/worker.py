@@ -332,12 +332,17 @@ _STORED_PART = {"U": ("triu", 0), "symU": ("triu", 0), "L": ("tril", 0), "symL":
                 "Uu": ("triu", 1), "Lu": ("tril", -1)}
 
 
-def check_finite_tile(host: np.ndarray, ref: TileRef, tile: int) -> None:
+def check_finite_tile(host: np.ndarray, ref: TileRef, tile: int, where: str | None = None) -> None:
     """Refuse NaN/inf in the part of a stored tile that ``ref`` reads (a diagonal tile's other
     triangle, and a unit diagonal, are never read), naming the entry's index in the operand.
 
+    Args:
+        where: the operand's file path or S3 URI, named as the value seen (None: an in-memory
+            array, whose entry is the value seen).
+
     Raises:
-        InputError: naming the operand and the first non-finite entry ``operand[row,col]``.
+        InputError: naming the operand, its file or URI, and the first non-finite entry
+            ``operand[row,col] = value``.
     """
     part = host
     if ref.mask in _STORED_PART:
@@ -346,8 +351,16 @@ def check_finite_tile(host: np.ndarray, ref: TileRef, tile: int) -> None:
     if np.isfinite(part).all():
         return
     r, c = np.argwhere(~np.isfinite(part))[0]
-    raise InputError(ref.operand, f"{ref.operand}[{ref.i * tile + r},{ref.j * tile + c}] = {host[r, c]}",
-                     "non-finite value (check_finite is on)")
+    entry = f"{ref.operand}[{ref.i * tile + r},{ref.j * tile + c}] = {host[r, c]}"
+    if where is None:
+        raise InputError(ref.operand, entry, "non-finite value (check_finite is on)")
+    raise InputError(ref.operand, where, f"non-finite value {entry} (check_finite is on)")
+
+
+def _where(source: TileSource) -> str | None:
+    """The operand file's path or S3 URI that an error about its values names (None for
+    in-memory and generated operands, and for the output, whose staged file the user never named)."""
+    return getattr(source, "where", None)
 
 
 def load_raw(state: WorkerState, ref: TileRef, peers: dict[TileKey, str], peer_fetch: PeerFetch | None,
@@ -381,7 +394,7 @@ def load_raw(state: WorkerState, ref: TileRef, peers: dict[TileKey, str], peer_f
         if src.kind == "s3":
             moved["bytes_s3"] = host.nbytes
     if check and ctx.check_finite:
-        check_finite_tile(host, ref, ctx.tile)
+        check_finite_tile(host, ref, ctx.tile, _where(ctx.sources[ref.operand]))
     tile = ns.to_device(host)
     if ns.device != "cpu":
         moved["bytes_host_to_device"] = host.nbytes

@@ -36,6 +36,10 @@ def test_run_verifies_and_prints_gflops_with_the_ratio_to_numpy(gemm_run):
     assert summary["gflops"] > 0 and summary["ratio_to_peer"] > 0
     assert summary["verification_residual"] < 1e-12
     assert [r[0] for r in summary["table"]["rows"]][-2:] == ["paperline on 1 worker(s)", "paperline on 2 worker(s)"]
+    # the comparison with the best earlier run: printed once, in the summary (its log record
+    # goes to the Prefect UI, not also to this terminal)
+    (versus,) = [line for line in summary["lines"] if "earlier" in line]
+    assert " ".join((proc.stdout + proc.stderr).split()).count(" ".join(versus.split())) == 1, proc.stderr[-3000:]
 
 
 def test_output_in_s3_equals_an_independent_reference(gemm_run):

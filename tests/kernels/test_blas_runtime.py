@@ -281,6 +281,15 @@ def test_failed_run_leaves_no_output_file(tmp_path):
     assert os.listdir(tmp_path) == []
 
 
+def test_non_finite_entry_of_an_operand_file_names_the_file_and_the_entry(tmp_path):
+    a = rand((M, K), np.float64, 1)
+    a[900, 500] = np.inf
+    np.save(tmp_path / "a.npy", a)
+    with pytest.raises(InputError) as e:
+        run(make_problem("gemm", NpySource(tmp_path / "a.npy", "a"), rand((K, N), np.float64, 2), tile=TILE))
+    assert str(e.value) == f"a={str(tmp_path / 'a.npy')!r}: non-finite value a[900,500] = inf (check_finite is on)"
+
+
 def test_an_output_larger_than_its_disk_is_refused_before_any_tile_is_computed(tmp_path):
     """The staged output's blocks are reserved up front (fallocate): a result that cannot fit
     fails at once, naming the output and the bytes, instead of a short write mid-run."""
