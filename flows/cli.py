@@ -514,7 +514,9 @@ def serve() -> None:
                       f"`PREFECT_API_URL={info.prefect_api_url} prefect deployment run gemm/local --params "
                       "'{\"params\": {\"m\": 512}}'` (`eval \"$(paperline env)\"` sets PREFECT_API_URL in your "
                       "shell); Ctrl-C stops serving", soft_wrap=True, highlight=False, markup=False)
-        with watch_flow_runs("paperline serve", report=_say):  # a run it was executing is marked Crashed on stopping
+        # on stopping, a run it was executing, or had claimed and not started, is marked Crashed
+        with watch_flow_runs("paperline serve", report=_say,
+                             deployments=[f"{d.flow_name}/{d.name}" for d in deployments]):
             prefect_serve(*deployments, print_starting_message=False)
 
 

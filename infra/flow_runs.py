@@ -7,7 +7,8 @@ Running until the zombie automation (``infra.stack.ensure_zombie_automation``) c
 their missing heartbeats, 90 s later, with a message blaming a dead process (fresh-user trial;
 Prefect issue #16746). :func:`watch_flow_runs` records which runs the process's descendants
 execute while it serves, and on leaving marks Crashed, at once and saying why, each run whose
-process has ended while the server still has it in a non-final state.
+process has ended while the server still has it in a non-final state; for `paperline serve`, also
+each run it had claimed (Pending) and not yet started, which nothing else would ever start.
 """
 
 from __future__ import annotations
@@ -108,9 +109,67 @@ def crash_lost_runs(seen: dict[str, int], who: str, *, wait_s: float = 10.0,
     return crashed, sorted(alive)
 
 
+def crash_unstarted_runs(deployments: list[str], who: str, *, executing: set[str] = frozenset(),
+                         report: Callable[[str], None] | None = None) -> list[str]:
+    """Mark Crashed each Pending run of ``deployments`` (``"flow/deployment"`` names) that no
+    process executes: what a stopped `paperline serve` had claimed (Pending) but not yet started.
+    Nothing else serves those deployments (one serve per stack), so such a run stayed Pending,
+    holding its deployment's only concurrency slot, until cancelled by hand.
+
+    Args:
+        deployments: The deployments the stopped command served.
+        who: The stopped command, for the state message.
+        executing: Ids of runs whose process is still there (left alone: they report their end).
+        report: Called with one line per run marked.
+
+    Returns:
+        The ids marked Crashed. Server errors are reported, not raised (this runs while exiting).
+    """
+    from prefect.client.orchestration import get_client  # noqa: PLC0415
+    from prefect.client.schemas.filters import (  # noqa: PLC0415
+        DeploymentFilter,
+        DeploymentFilterId,
+        FlowRunFilter,
+        FlowRunFilterState,
+        FlowRunFilterStateType,
+    )
+    from prefect.client.schemas.objects import StateType  # noqa: PLC0415
+    from prefect.client.schemas.responses import SetStateStatus  # noqa: PLC0415
+    from prefect.exceptions import ObjectNotFound  # noqa: PLC0415
+    from prefect.states import Crashed  # noqa: PLC0415
+
+    say = report or (lambda _line: None)
+    crashed: list[str] = []
+    try:
+        with get_client(sync_client=True) as client:
+            ids = []
+            for name in deployments:
+                with contextlib.suppress(ObjectNotFound):
+                    ids.append(client.read_deployment_by_name(name).id)
+            if not ids:
+                return crashed
+            runs = client.read_flow_runs(
+                deployment_filter=DeploymentFilter(id=DeploymentFilterId(any_=ids)),
+                flow_run_filter=FlowRunFilter(state=FlowRunFilterState(type=FlowRunFilterStateType(
+                    any_=[StateType.PENDING]))))
+            for run in runs:
+                if str(run.id) in executing:
+                    continue
+                message = f"`{who}` was stopped after claiming this run, before its process started; run it again."
+                result = client.set_flow_run_state(run.id, Crashed(message=message))  # not forced, as above
+                if result.status == SetStateStatus.ACCEPT:
+                    crashed.append(str(run.id))
+                    say(f"flow run {run.name!r} ({run.id}) marked Crashed: {who} stopped before it started")
+    except Exception as exc:  # noqa: BLE001 - the process is exiting
+        say(f"could not check for claimed flow runs that never started ({type(exc).__name__}: {exc}); "
+            "cancel a run left Pending from the Prefect UI")
+    return crashed
+
+
 @contextlib.contextmanager
 def watch_flow_runs(who: str, *, interval_s: float = 1.0, recent_s: float = 300.0,
-                    report: Callable[[str], None] | None = None) -> Iterator[dict[str, int]]:
+                    report: Callable[[str], None] | None = None,
+                    deployments: list[str] | None = None) -> Iterator[dict[str, int]]:
     """Record, every ``interval_s`` seconds on a daemon thread, the flow runs this process's
     descendants execute; on leaving (also on KeyboardInterrupt), :func:`crash_lost_runs` those
     seen executing in the last ``recent_s`` seconds: the runs the stop ended (a shutdown, even one
@@ -120,6 +179,8 @@ def watch_flow_runs(who: str, *, interval_s: float = 1.0, recent_s: float = 300.
     Args:
         who: The command, for the Crashed state's message (``paperline serve``).
         report: Called with one line per run acted on.
+        deployments: Deployments that only this process serves (``"flow/deployment"``): their
+            runs it claimed but had not started are marked Crashed too (:func:`crash_unstarted_runs`).
 
     Yields:
         The runs seen so far (flow-run id -> engine PID), filled in as they are seen.
@@ -151,4 +212,8 @@ def watch_flow_runs(who: str, *, interval_s: float = 1.0, recent_s: float = 300.
         thread.join(timeout=5)
         now = time.monotonic()
         recent = {r: pid for r, pid in seen.items() if now - last_seen.get(r, now) <= recent_s}
-        crash_lost_runs(recent, who, report=report)
+        _, executing = crash_lost_runs(recent, who, report=report)
+        if deployments:
+            with contextlib.suppress(Exception):
+                executing = [*executing, *flow_run_processes(me)]  # one started since the last poll
+            crash_unstarted_runs(deployments, who, executing=set(executing), report=report)

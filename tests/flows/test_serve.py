@@ -201,18 +201,26 @@ def test_ctrl_c_stops_serving_and_crashes_the_run_in_flight_at_once(served, runn
     crashed it, 75-90 s later, blaming a dead process (a fresh-user trial); now it ends Crashed as
     serve exits, either by its own report of the interrupt or, when its process ended without one,
     by serve's, naming the stop. The log has no traceback of the interrupt (a Dask worker
-    process printed two each). Runs last: the module's serve is stopped here."""
+    process printed two each). A run serve had claimed (Pending) and not started would stay
+    Pending for good, holding its deployment's one concurrency slot: it is marked Crashed too.
+    Runs last: the module's serve is stopped here."""
     import os
     import signal
 
     from prefect.client.orchestration import get_client
+    from prefect.states import Pending
 
     _, proc, log = served
     with get_client(sync_client=True) as client:
+        _deployment(client, "gemm/local", proc, log)  # served (when this test runs alone)
         run = running_flow_run(client, "gemm/local", proc, log)
+        claimed = client.create_flow_run_from_deployment(  # as serve leaves a run it claims at the instant it stops
+            _deployment(client, "tensor-factorization/local", proc, log).id, state=Pending())
         os.killpg(proc.pid, signal.SIGINT)  # what a terminal's Ctrl-C sends
         proc.wait(timeout=90)
         state = client.read_flow_run(run.id).state
+        unstarted = client.read_flow_run(claimed.id).state
+    assert unstarted.name == "Crashed" and "stopped after claiming this run" in unstarted.message, unstarted
     text = log.read_text()
     assert state.name == "Crashed", (state, text[-3000:])
     assert state.message == "Execution was aborted by an interrupt signal." or \

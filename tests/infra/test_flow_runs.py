@@ -11,7 +11,13 @@ import uuid
 import pytest
 
 from paperline.infra.errors import ExpectedErrorOneLine, InputError, quiet_expected_tracebacks
-from paperline.infra.flow_runs import FLOW_RUN_ENV, crash_lost_runs, flow_run_processes, watch_flow_runs
+from paperline.infra.flow_runs import (
+    FLOW_RUN_ENV,
+    crash_lost_runs,
+    crash_unstarted_runs,
+    flow_run_processes,
+    watch_flow_runs,
+)
 
 # a process that names a flow run in its environment and starts a child that inherits it (as a
 # flow run's engine process starts its Dask workers), then waits for its stdin to close
@@ -113,6 +119,37 @@ def test_crash_lost_runs_crashes_only_unfinished_runs_whose_process_ended(stack)
         _stop(alive)
     assert any("marked Crashed" in line and str(lost.id) in line for line in lines), lines
     assert any("still executing" in line and str(going.id) in line for line in lines), lines
+
+
+@pytest.mark.stack
+def test_crash_unstarted_runs_crashes_the_claimed_runs_of_the_served_deployments_only(stack):
+    """A stopped serve's claimed-but-unstarted run (Pending, no process) is marked Crashed; a
+    Pending run whose process is there, a Scheduled run and another deployment's Pending run are
+    left as they are."""
+    from prefect import flow
+    from prefect.client.orchestration import get_client
+    from prefect.states import Pending, Scheduled
+
+    @flow(name="paperline-test-unstarted-probe")
+    def probe() -> None:
+        """Never executed: its runs only carry states."""
+
+    lines: list[str] = []
+    with get_client(sync_client=True) as client:
+        flow_id = client.create_flow(probe)
+        served, other = (client.create_deployment(flow_id=flow_id, name=n) for n in ("served", "other"))
+        claimed, starting, scheduled = (client.create_flow_run_from_deployment(served, state=s)
+                                        for s in (Pending(), Pending(), Scheduled()))
+        elsewhere = client.create_flow_run_from_deployment(other, state=Pending())
+        crashed = crash_unstarted_runs(["paperline-test-unstarted-probe/served", "no-such-flow/local"],
+                                       "paperline serve", executing={str(starting.id)}, report=lines.append)
+        assert crashed == [str(claimed.id)]
+        state = client.read_flow_run(claimed.id).state
+        assert state.name == "Crashed" and state.message.startswith(
+            "`paperline serve` was stopped after claiming this run, before its process started")
+        assert [client.read_flow_run(r.id).state.name for r in (starting, scheduled, elsewhere)] == \
+            ["Pending", "Scheduled", "Pending"]
+    assert len(lines) == 1 and str(claimed.id) in lines[0], lines
 
 
 def _record(exc: BaseException) -> logging.LogRecord:
