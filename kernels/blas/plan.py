@@ -145,7 +145,8 @@ class Problem:
                           f"diag={'U' if self.unit_diagonal else 'N'}")
         m, n = self.out_shape
         inner = f"k={self.inner}" if self.routine in ("gemm", "syrk", "syr2k") else f"A {self.inner}x{self.inner}"
-        return f"{self.routine.upper()} {m}x{n} ({inner}) {self.dtype} tile={self.tile} {flags}"
+        whole = " (each matrix one tile)" if self.tile >= max(m, n, self.inner) else ""  # tiles are clipped
+        return f"{self.routine.upper()} {m}x{n} ({inner}) {self.dtype} tile={self.tile}{whole} {flags}"
 
 
 def parse_flag(argument: str, value: Any, choices: dict[Any, Any]) -> Any:

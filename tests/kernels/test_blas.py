@@ -624,3 +624,10 @@ def test_overlapped_write_back_equals_the_synchronous_run(routine):
     # they go to a staged .npy file (written by the task itself) even when the result is in memory.
     assert len(sunk) == (0 if routine == "trsm" else len(plain.records)) and len(plain.records) > 1
     assert sorted(r["index"] for r in overlapped.records) == sorted(r["index"] for r in plain.records)
+
+
+def test_describe_names_the_problem_and_says_when_the_tile_covers_each_matrix():
+    a, b = rand((300, 130), np.float64, 1), rand((130, 200), np.float64, 2)
+    assert make_problem("gemm", a, b, tile=64).describe() == "GEMM 300x200 (k=130) float64 tile=64 trans_a=N trans_b=N"
+    assert make_problem("gemm", a, b, tile=1024).describe() == \
+        "GEMM 300x200 (k=130) float64 tile=1024 (each matrix one tile) trans_a=N trans_b=N"
