@@ -166,8 +166,8 @@ def env() -> None:
 
 @app.command()
 @_friendly
-def upload(path: Path = typer.Argument(..., help="Local file, e.g. B.npy."),
-           uri: str = typer.Argument(..., help="Destination object, e.g. s3://paperline-data/B.npy.")) -> None:
+def upload(path: Path = typer.Argument(..., metavar="PATH", help="Local file, e.g. B.npy."),
+           uri: str = typer.Argument(..., metavar="URI", help="Destination object, e.g. s3://paperline-data/B.npy.")) -> None:
     """Upload a local file to an S3 object of the stack (an operand for `--set b=s3://...`, a
     tensor for `--set data=s3://...`, videos under a `source` prefix), with the stack's
     credentials. A URI ending in `/` keeps the file's name. The object appears only when complete."""
@@ -211,7 +211,7 @@ def datasets() -> None:
 
 @app.command()
 @_friendly
-def params(pipeline: str = typer.Argument(..., help="Pipeline name, e.g. nas."),
+def params(pipeline: str = typer.Argument(..., metavar="PIPELINE", help="Pipeline name, e.g. nas."),
            preset: Optional[list[str]] = typer.Option(None, "--preset", metavar="NAME",
                                                       help="Show this preset's values (default: demo).")) -> None:
     """List a pipeline's parameters (what `run --set key=value` takes): type, the preset's value,
@@ -241,12 +241,12 @@ def params(pipeline: str = typer.Argument(..., help="Pipeline name, e.g. nas."),
 
 @app.command()
 @_friendly
-def run(pipeline: str = typer.Argument(..., help="Pipeline name, e.g. tensor-factorization."),
+def run(pipeline: str = typer.Argument(..., metavar="PIPELINE", help="Pipeline name, e.g. tensor-factorization."),
         preset: Optional[list[str]] = typer.Option(None, "--preset", metavar="NAME",
                                                    help="Parameter preset (default: demo, which every pipeline has; "
                                                         "see README for the others: full, default)."),
-        set_: Optional[list[str]] = typer.Option(None, "--set", help="Override a parameter: key=value (repeatable)."),
-        summary_json: Optional[Path] = typer.Option(None, "--summary-json",
+        set_: Optional[list[str]] = typer.Option(None, "--set", metavar="KEY=VALUE", help="Override a parameter: key=value (repeatable)."),
+        summary_json: Optional[Path] = typer.Option(None, "--summary-json", metavar="FILE",
                                                     help="Write the parameters (key 'parameters', as run) and the "
                                                          "summary: metrics, run ids, artifact URIs, as JSON "
                                                          "(missing directories are created)."),
@@ -552,7 +552,7 @@ def _serve_lock(state_dir: Path) -> Any:
 
 @app.command()
 @_friendly
-def worker(pool: str = typer.Option("cpu", "--pool", help="cpu or gpu (the work pools prefect.yaml uses).")) -> None:
+def worker(pool: str = typer.Option("cpu", "--pool", metavar="POOL", help="cpu or gpu (the work pools prefect.yaml uses).")) -> None:
     """Start a Prefect process worker for a paperline work pool, with the stack's environment:
     it executes the runs of deployments created by `prefect deploy --all`. Stop with Ctrl-C."""
     import os
@@ -635,14 +635,14 @@ def _supervise(cmd: list[str], *, env: dict[str, str], cwd: str, grace_s: float 
 
 @app.command()
 @_friendly
-def compare(experiment: str = typer.Argument(..., help="MLflow experiment, e.g. gemm or tensor-factorization."),
-            metric: list[str] = typer.Option([], "--metric", "-m", help="Metric to show and plot (repeatable)."),
-            filter_string: str = typer.Option("", "--filter", help="MLflow filter, e.g. \"params.routine = 'gemm'\"."),
-            top: int = typer.Option(10, "--top", help="At most this many runs, sorted by the first metric."),
+def compare(experiment: str = typer.Argument(..., metavar="EXPERIMENT", help="MLflow experiment, e.g. gemm or tensor-factorization."),
+            metric: list[str] = typer.Option([], "--metric", "-m", metavar="METRIC", help="Metric to show and plot (repeatable)."),
+            filter_string: str = typer.Option("", "--filter", metavar="EXPR", help="MLflow filter, e.g. \"params.routine = 'gemm'\"."),
+            top: int = typer.Option(10, "--top", metavar="N", help="At most this many runs, sorted by the first metric."),
             ascending: bool = typer.Option(False, "--ascending", help="Sort ascending (losses, times). Default: the metric's "
                                                                    "own direction where its pipeline records one, "
                                                                    "else descending."),
-            out: Path = typer.Option(Path("paperline-compare"), "--out",
+            out: Path = typer.Option(Path("paperline-compare"), "--out", metavar="DIR",
                                      help="Directory for the Parquet file and the plot."),
             log: bool = typer.Option(False, "--log", help="Also log the comparison as an MLflow run."),
             all_runs: bool = typer.Option(False, "--all-runs", help="Every run, not only the runs each pipeline "

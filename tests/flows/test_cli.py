@@ -200,6 +200,15 @@ def test_params_lists_a_pipelines_parameters_and_the_optimizers_options():
     assert_one_line_error(run_cli("params", "nas", "--preset", "x"), "--preset='x'", "unknown preset")
 
 
+def test_help_names_what_each_argument_and_option_takes():
+    """Typer's default help showed `{pipeline}` and `<list[str]>` for --set."""
+    text = " ".join(run_cli("run", "--help").output.split())
+    assert "run [OPTIONS] {PIPELINE}" in text or "run [OPTIONS] PIPELINE" in text
+    assert "--set KEY=VALUE" in text and "--summary-json FILE" in text and "list[str]" not in text
+    text = " ".join(run_cli("compare", "--help").output.split())
+    assert "--metric -m METRIC" in text and "--top N" in text and "--out DIR" in text
+
+
 @pytest.fixture
 def npy(tmp_path):
     import numpy as np
