@@ -120,8 +120,9 @@ class VideoCurationParameters(BaseModel):
     def validate_inputs(self) -> None:
         """What can be checked before anything starts (the CLI calls it before the stack): the
         clip settings (lengths, NVENC's presence), the splitter's option names, types and ranges,
-        libx264's preset, and a local source that does not exist. Raises InputError naming the
-        parameter."""
+        libx264's preset, a local source that does not exist, and a source other than the demo's
+        given without a dataset name of its own (it took ``demo`` for good, and the demo then failed
+        on the taken name: a fresh-user trial). Raises InputError naming the parameter."""
         from paperline.kernels.video.detect import DETECTORS, make_detector  # noqa: PLC0415
 
         cfg = self.clip_config(resolve_device(get_settings().device))
@@ -136,6 +137,9 @@ class VideoCurationParameters(BaseModel):
                 raise InputError("source", src, "unsupported scheme: give 'demo', a local path or an s3:// prefix")
             if not Path(src).expanduser().exists():
                 raise InputError("source", src, "no such file or directory")
+        if src != "demo" and self.output is None and self.dataset == "demo":  # it took the demo's name for good
+            raise InputError("dataset", self.dataset, f"the demo videos' dataset; curating source={src} needs a "
+                                                      "name of its own (--set dataset=NAME)")
 
     def destination(self, data_bucket: str) -> tuple[str, str, str]:
         """``(output prefix, parameter that names it, its value)``: ``output``, else

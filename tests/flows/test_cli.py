@@ -331,6 +331,9 @@ def test_bad_video_settings_are_refused_before_anything_starts(tmp_path):
         (["min_clip_s=5", "max_clip_s=3"], ["max_clip_s=3.0", "must be >= min_clip_s"]),
         ([f"source={tmp_path / 'nope'}"], ["source=", "no such file or directory"]),
         (["source=http://example.com/x.mp4"], ["source=", "unsupported scheme"]),
+        # it curated into the demo's dataset name, and every later demo failed on the taken name
+        ([f"source={tmp_path}"], ["dataset='demo': the demo videos' dataset; curating source=",
+                                  "needs a name of its own (--set dataset=NAME)"]),
     ]
     assert_refused_before_anything_starts("video-curation", cases, tmp_path)
 
