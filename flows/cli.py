@@ -594,6 +594,12 @@ def _supervise(cmd: list[str], *, env: dict[str, str], cwd: str, grace_s: float 
     worker`, and it went on taking runs (fresh-user trial). Here the signal is passed on as SIGINT;
     a child still running ``grace_s`` seconds later is killed.
 
+    Started in the background by a shell script (``paperline worker &``), this process, and so
+    the child, had SIGINT ignored: the child never stopped and its run went on (fresh-user trial).
+    The child then gets SIGINT's default (a signal with a handler is reset on exec, an ignored
+    one stays ignored) and a process group of its own, so that a Ctrl-C in the script's terminal
+    still passes the background worker by, as the shell meant.
+
     Returns:
         The child's exit status.
     """
@@ -601,7 +607,14 @@ def _supervise(cmd: list[str], *, env: dict[str, str], cwd: str, grace_s: float 
     import subprocess
     import time
 
-    proc = subprocess.Popen(cmd, env=env, cwd=cwd)
+    ignored = signal.getsignal(signal.SIGINT) is signal.SIG_IGN
+    if ignored:
+        signal.signal(signal.SIGINT, signal.default_int_handler)  # what the child starts with after exec
+    try:
+        proc = subprocess.Popen(cmd, env=env, cwd=cwd, start_new_session=ignored)
+    finally:
+        if ignored:
+            signal.signal(signal.SIGINT, signal.SIG_IGN)
     deadline: float | None = None  # when a child asked to stop is killed
 
     def stop(*_: object) -> None:

@@ -215,15 +215,22 @@ def low_rank_tensor():
 # --- long-running CLI processes (serve, worker) ---------------------------------------------------
 
 @contextlib.contextmanager
-def _background(cmd: list[str], env: dict[str, str], log: os.PathLike[str]) -> Iterator[subprocess.Popen]:
-    """Run ``cmd`` in its own process group with output to ``log``; Ctrl-C it (then kill) on exit."""
+def _background(cmd: list[str], env: dict[str, str], log: os.PathLike[str], *,
+                as_script_job: bool = False) -> Iterator[subprocess.Popen]:
+    """Run ``cmd`` in its own process group with output to ``log``; Ctrl-C it (then kill) on exit.
+    ``as_script_job``: with SIGINT ignored, as a shell script's ``cmd &`` starts it; SIGTERM then
+    stops it."""
+    def ignore_sigint() -> None:
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+
     with open(log, "w") as out:
-        proc = subprocess.Popen(cmd, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+        proc = subprocess.Popen(cmd, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True,
+                                preexec_fn=ignore_sigint if as_script_job else None)
     try:
         yield proc
     finally:
         with contextlib.suppress(ProcessLookupError):  # a test may have stopped it
-            os.killpg(proc.pid, signal.SIGINT)
+            os.killpg(proc.pid, signal.SIGTERM if as_script_job else signal.SIGINT)
         try:
             proc.wait(timeout=60)
         except subprocess.TimeoutExpired:

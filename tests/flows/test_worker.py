@@ -27,7 +27,10 @@ def deployed(stack, tmp_path_factory, background_process, cli_env):
                           capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     log = tmp_path_factory.mktemp("worker") / "worker.log"
-    with background_process([sys.executable, "-m", "paperline.flows.cli", "worker", "--pool", "cpu"], env, log) as worker:
+    # started as `paperline worker &` in a shell script starts it: SIGINT ignored (it was passed on
+    # to its `prefect worker` child as the stop signal, and ignored there too: a trial)
+    with background_process([sys.executable, "-m", "paperline.flows.cli", "worker", "--pool", "cpu"], env, log,
+                            as_script_job=True) as worker:
         yield info, worker, log
 
 
@@ -63,8 +66,9 @@ def test_sigterm_stops_the_worker_and_crashes_its_run_at_once(deployed, running_
     """`kill` (SIGTERM) of `paperline worker`, as a supervisor stops it, left its `prefect worker`
     child running under PID 1, taking runs (a fresh-user trial); it is passed on now. The run it
     was executing stayed Running until the heartbeat automation crashed it, 90 s later, blaming a
-    dead process (another trial): it is Crashed as the worker exits, saying so. Runs last: the
-    module's worker is stopped here."""
+    dead process (another trial): it is Crashed as the worker exits, saying so. The worker was
+    started with SIGINT ignored, as from a script (`paperline worker &`), which once left its
+    child deaf to the stop, its run going on. Runs last: the module's worker is stopped here."""
     import signal
 
     import psutil
