@@ -17,7 +17,7 @@ from typing import Any, Literal
 import numpy as np
 from prefect import flow
 from prefect.runtime import flow_run
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from paperline.infra.cluster import configure_local_workers, default_task_runner
 from paperline.infra.device import array_device
@@ -68,6 +68,15 @@ class TensorFactorizationParameters(BaseModel):
     baseline_iterations: int = Field(100, gt=0, description="ALS iterations of the TensorLy baseline.")
     seed: int = Field(0, ge=0, description="Seed of the splits, the initial factors and the shuffles.")
 
+    @model_validator(mode="before")
+    @classmethod
+    def _no_default_datasets_with_data(cls, values: Any) -> Any:
+        """With ``data`` and no ``datasets``, ``datasets`` is empty: the bundled default list is
+        not what such a run fits (the summary and MLflow recorded it as if it were)."""
+        if isinstance(values, dict) and values.get("data") is not None and "datasets" not in values:
+            return {**values, "datasets": []}
+        return values
+
     @field_validator("data")
     @classmethod
     def _absolute_path(cls, v: str | None) -> str | None:
@@ -91,7 +100,7 @@ class TensorFactorizationParameters(BaseModel):
         (readable, splittable), P against the first mode, and memory bounds (the TensorLy
         baseline's dense tensor, P²T²F's factors). Raises InputError naming the argument and
         the value seen."""
-        if self.data is not None and "datasets" in self.model_fields_set:
+        if self.data is not None and self.datasets:
             raise InputError("datasets", self.datasets, "give either `datasets` or `data`, not both")
         if not self.splits:
             raise InputError("splits", self.splits, "name at least one split kind")
@@ -191,8 +200,6 @@ def tensor_factorization(params: TensorFactorizationParameters | None = None) ->
     run_url = f"{info.prefect_ui_url.rstrip('/')}/runs/flow-run/{flow_run.id}"
     device = array_device(settings.device)
     mlflow_params = {**params.model_dump(), "device": device}
-    if params.data is not None:  # the bundled datasets' default list is not what this run fitted
-        mlflow_params["datasets"] = []
     run_id = tracker.start_run(EXPERIMENT, run_name=flow_run.name or "tensor-factorization",
                                tags={"prefect.flow_run_id": str(flow_run.id), "prefect.flow_run_url": run_url},
                                params=mlflow_params)
@@ -209,6 +216,13 @@ def tensor_factorization(params: TensorFactorizationParameters | None = None) ->
             tensors = {d: load_tensor.submit(store, bucket, dataset=d) for d in params.datasets}
         for d, t in tensors.items():  # surface a load error itself, and check what S3 data holds
             params.check_shape(d, tuple(t.result()["shape"]))
+        # what makes an earlier run comparable: for a user's file its content too, not only its
+        # name (a rewritten file was compared with the old content's runs: a fresh-user trial)
+        identity = dict(mlflow_params)
+        if params.data is not None:
+            content = next(iter(tensors.values())).result()["sha256"]
+            identity["data_sha256"] = content
+            tracker.set_tags(run_id, {"paperline.data_sha256": content})
         splits = {(d, k): split_tensor.submit(store, bucket, t, k, params.seed)
                   for d, t in tensors.items() for k in params.splits}
         # The TensorLy baselines run as tasks on the workers while the P²T²F fits, one after
@@ -222,7 +236,7 @@ def tensor_factorization(params: TensorFactorizationParameters | None = None) ->
             if params.baseline:
                 fits.append({"dataset": d, "split": k, **baselines[(d, k)].result()})
         summary = _log_run(tracker, run_id, store, fits, params)
-        versus = check_latest(tracker, run_id, mlflow_params, _headlines(fits))
+        versus = check_latest(tracker, run_id, identity, _headlines(fits))
         summary["lines"] = versus.lines()
         summary["versus_best_earlier"] = versus.as_dict()
         tracker.end_run(run_id, "FINISHED")

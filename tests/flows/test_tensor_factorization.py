@@ -5,6 +5,7 @@ the first computes, the second is served from the S3-backed cache; both are visi
 and MLflow, and the artifacts are objects in the SeaweedFS bucket.
 """
 
+import dataclasses
 import json
 import subprocess
 import sys
@@ -167,13 +168,23 @@ def test_a_run_on_user_data_records_what_it_fitted(stack, cli_env, tmp_path):
     path = tmp_path / "mine.parquet"
     write_coo_parquet(load_dataset("produc"), path)
     summary = tmp_path / "summary.json"
-    proc = subprocess.run([sys.executable, "-m", "paperline.flows.cli", "run", "tensor-factorization", "--set",
-                           f"data={path}", "--set", "n_epochs=2", "--set", "baseline_iterations=3", "--set", "rank=3",
-                           "--set", "splits=random", "--summary-json", str(summary)], env=cli_env,
-                          capture_output=True, text=True, timeout=600)
+    args = [sys.executable, "-m", "paperline.flows.cli", "run", "tensor-factorization", "--set", f"data={path}",
+            "--set", "n_epochs=2", "--set", "baseline_iterations=3", "--set", "rank=3", "--set", "splits=random",
+            "--summary-json", str(summary)]
+    proc = subprocess.run(args, env=cli_env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     run = Tracker(info.mlflow_tracking_uri).client.get_run(json.loads(summary.read_text())["mlflow_run_id"])
     assert run.data.params["datasets"] == "[]" and run.data.params["data"] == str(path)
     assert "user-mine.random.p2t2f.test_rmse" in run.data.metrics
     out = " ".join(proc.stdout.split())
     assert "held-out RMSE (the file's own units)" in out and "standardized" not in out, out
+    first = json.loads(summary.read_text())
+    assert first["parameters"]["datasets"] == [], first["parameters"]  # not the bundled default list
+    # the same path with other content is not an earlier run of these parameters (it was compared
+    # with the old content's runs and flagged a REGRESSION: a fresh-user trial); the same content is
+    produc = load_dataset("produc")
+    write_coo_parquet(dataclasses.replace(produc, values=produc.values * 2.0), path)
+    for want in ("first finished run with these parameters", "against the best of 1 earlier run(s)"):
+        proc = subprocess.run(args, env=cli_env, capture_output=True, text=True, timeout=600)
+        assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+        assert want in " ".join(proc.stdout.split()), proc.stdout[-3000:]
