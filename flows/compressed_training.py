@@ -267,6 +267,29 @@ def _log_compressor(tracker: Tracker, parent: str, name: str, cfg: TrainConfig, 
             else None}
 
 
+def _notes(r: dict[str, Any]) -> list[str]:
+    """The summary's lines about one compressor's training: skipped steps, restarts after
+    failures, a resume from an earlier run's checkpoints, a crash drill that did not run."""
+    notes: list[str] = []
+    if r["skipped_steps"]:
+        notes.append(f"{r['name']}: skipped {len(r['skipped_steps'])} step(s) with NaN/inf loss or gradients "
+                     f"(global steps {r['skipped_steps'][:10]})")
+    if r["failures"]:
+        notes.append(f"{r['name']}: resumed after {len(r['failures'])} failure(s), from epochs "
+                     f"{r['resumed_from'][1:]}: {r['failures'][0][:200]}")
+    start = r["resumed_from"][0]
+    if start is not None and r.get("drill_missed") is None:  # a re-run after an interruption said nothing
+        notes.append(f"{r['name']}: resumed from the checkpoints of epoch {start} left by an earlier run of this "
+                     "configuration (interrupted); its result can differ slightly from an uninterrupted run's "
+                     "(the restarted ranks repeat the compressor's dense warm-up steps); set another "
+                     "checkpoint_prefix or seed to train from scratch")
+    if r.get("drill_missed") is not None:
+        notes.append(f"{r['name']}: the crash drill did not run (crash_rank_at_step={r['drill_missed']} was not "
+                     f"reached{f': training resumed from the checkpoints of epoch {start}' if start is not None else ''}"
+                     "); set another checkpoint_prefix or seed to train from scratch")
+    return notes
+
+
 def _summary(runs: list[dict[str, Any]], parent: str, tracker: Tracker, run_url: str, flow_run_id: str,
              bandwidth_plotted: bool = True) -> dict[str, Any]:
     base = next((r for r in runs if r["name"] == "none"), None)
@@ -277,17 +300,7 @@ def _summary(runs: list[dict[str, Any]], parent: str, tracker: Tracker, run_url:
                      f"{r['compression_ratio']:.1f}", f"{fewer:.1f}x" if fewer else "-",
                      f"{100 * r['codec_fraction_of_step']:.1f}%", f"{r['wall_s']:.1f}",
                      str(len(r["skipped_steps"])), str(int(r["restarts"]))])
-        if r["skipped_steps"]:
-            lines.append(f"{r['name']}: skipped {len(r['skipped_steps'])} step(s) with NaN/inf loss or gradients "
-                         f"(global steps {r['skipped_steps'][:10]})")
-        if r["failures"]:
-            lines.append(f"{r['name']}: resumed after {len(r['failures'])} failure(s), from epochs "
-                         f"{r['resumed_from'][1:]}: {r['failures'][0][:200]}")
-        if r.get("drill_missed") is not None:
-            start = r["resumed_from"][0]
-            lines.append(f"{r['name']}: the crash drill did not run (crash_rank_at_step={r['drill_missed']} was not "
-                         f"reached{f': training resumed from the checkpoints of epoch {start}' if start is not None else ''}"
-                         "); set another checkpoint_prefix or seed to train from scratch")
+        lines += _notes(r)
     for r in runs:
         lines += r["versus_lines"]
     plots = ["accuracy_vs_bytes.png", "accuracy_vs_time.png"] + (["collectives_bandwidth.png"] if bandwidth_plotted
