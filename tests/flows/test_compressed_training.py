@@ -114,3 +114,17 @@ def test_a_checkpoint_bucket_that_does_not_exist_is_refused_before_the_flow_run(
     out = " ".join((proc.stdout + proc.stderr).split())
     assert "error: checkpoint_prefix='s3://no-such-bucket-9/ck': no such bucket 'no-such-bucket-9'" in out, out
     assert "flow run" not in out.lower()
+
+
+def test_one_rank_trains_and_times_no_collective(stack, cli_env, tmp_path):
+    """world_size=1 printed and logged Linear Pipelining / backend "ratios" with no peer to talk
+    to (a fresh-user trial): one rank trains, and the collectives are said to be not timed."""
+    _, info = stack
+    summary = tmp_path / "one.json"
+    proc = _run(cli_env, *SMALL, "world_size=1", "compressors=none",
+                f"checkpoint_prefix=s3://{info.data_bucket}/test-ct-one-{int(time.time())}", summary=summary)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    result = json.loads(summary.read_text())
+    assert "collectives" not in result and [r["name"] for r in result["runs"]] == ["none"]
+    out = " ".join(proc.stdout.split())
+    assert "collectives: not timed (world_size=1" in out and "Linear Pipelining allreduce" not in out, out
