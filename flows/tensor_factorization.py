@@ -45,7 +45,7 @@ class TensorFactorizationParameters(BaseModel):
     datasets: list[str] = Field(default_factory=lambda: ["kinetic", "produc", "flights"],
                                 description="Bundled datasets (see `paperline datasets`).")
     data: str | None = Field(None, description="Your own tensor: a Parquet file (local path or s3:// URI) of "
-                                               "COO rows with integer index columns, 't' last, and 'value'. "
+                                               "COO rows with integer index columns, 't' (time, the last mode) among them, and 'value'. "
                                                "Replaces `datasets`.")
     splits: list[Literal["random", "temporal"]] = Field(default_factory=lambda: ["random", "temporal"])
     rank: int = Field(6, gt=0, le=512, description="CP rank R.")

@@ -159,9 +159,9 @@ COO_VALUE_COLUMN = "value"
 def read_coo_parquet(source: str | Path | bytes, *, argument: str = "data") -> COOTensor:
     """Read a user tensor from Parquet rows of COO coordinates.
 
-    The file has integer index columns, ``t`` (time) last among them, and a float ``value``
-    column, e.g. ``i, j, t, value`` for a 3-way tensor. The nominal shape is ``max + 1`` per
-    index column.
+    The file has integer index columns, one of them ``t`` (time: found by its name, it becomes
+    the last mode wherever its column is), and a float ``value`` column, e.g. ``i, j, t, value``
+    for a 3-way tensor. The nominal shape is ``max + 1`` per index column.
 
     Args:
         source: a local path or the file's bytes.
@@ -187,19 +187,22 @@ def read_coo_parquet(source: str | Path | bytes, *, argument: str = "data") -> C
         head = source[:6] if isinstance(source, bytes) else _head(source, 6)
         if head == b"\x93NUMPY":  # a dense array: say what is taken instead of Parquet's magic-bytes message
             raise InputError(argument, shown, "a NumPy .npy file; this takes a Parquet table of the observed "
-                                              "entries (one int64 index column per mode, time 't' last, and "
+                                              "entries (one int64 index column per mode, time 't' the last mode, and "
                                               "'value'): README, 'Your own tensor'") from None
         raise InputError(argument, shown, f"not a readable Parquet file ({exc})") from None
     cols = table.column_names
     if COO_VALUE_COLUMN not in cols or COO_TIME_COLUMN not in cols:
         raise InputError(argument, shown, f"needs index columns ending in 't' and a 'value' column; found {cols}")
     index_cols = [c for c in cols if c not in (COO_VALUE_COLUMN, COO_TIME_COLUMN)] + [COO_TIME_COLUMN]
+    if len(index_cols) < 3:  # before the rows are read (a 1-mode file was refused for "duplicate coordinates")
+        raise InputError(argument, shown, f"need a tensor with N >= 3 modes (index columns, 't' the last); found "
+                                          f"{len(index_cols)}: {index_cols}")
     coords = []
     for c in index_cols:
         col = table.column(c)
         if not pa.types.is_integer(col.type):
             raise InputError(f"{argument}[{c!r}]", str(col.type), f"index columns must be integers; every column "
-                                                                  f"but 'value' is a mode index, 't' last: drop "
+                                                                  f"but 'value' is a mode index ('t' the last): drop "
                                                                   f"other columns (in {shown})")
         if col.null_count:
             raise InputError(f"{argument}[{c!r}]", f"{col.null_count} null", f"index columns must have no missing "

@@ -75,6 +75,20 @@ def test_bad_parquet_files_get_clear_errors(tmp_path):
     pq.write_table(pa.table({"i": [0], "value": [1.0]}), cols)
     with pytest.raises(InputError, match="needs index columns"):
         read_coo_parquet(cols)
+    # one or two modes: named as such (a 't'-only file was refused for duplicated coordinates)
+    for name, table in (("t_only", {"t": [0, 0, 1], "value": [1.0, 2.0, 3.0]}),
+                        ("two", {"i": [0, 1], "t": [0, 1], "value": [1.0, 2.0]})):
+        pq.write_table(pa.table(table), tmp_path / f"{name}.parquet")
+        with pytest.raises(InputError, match=rf"^data=.*{name}.parquet.*need a tensor with N >= 3 modes .*found "
+                                             rf"{len(table) - 1}"):
+            read_coo_parquet(tmp_path / f"{name}.parquet")
+
+
+def test_the_time_column_is_found_by_name_and_is_the_last_mode(tmp_path):
+    pq.write_table(pa.table({"t": [0, 2], "i": [1, 0], "j": [0, 3], "value": [1.0, 2.0]}), tmp_path / "tfirst.parquet")
+    tensor = read_coo_parquet(tmp_path / "tfirst.parquet")
+    assert tensor.mode_names == ("i", "j", "t") and tensor.shape == (2, 4, 3)
+    np.testing.assert_array_equal(tensor.coords, [[1, 0, 0], [0, 3, 2]])
 
 
 def test_bad_column_types_name_the_column_and_the_file(tmp_path):
