@@ -348,6 +348,10 @@ def test_bad_nas_parameters_are_refused_before_anything_starts(tmp_path):
         (["problem=branin-currin", "optimizer=qehvi"], ["objectives=['val_accuracy_pct', 'model_size_mb']: "
                                                         "branin-currin has fixed objectives"]),
         (['optimizer_options={"n_candidates": -3}'], ["optimizer_options.n_candidates=-3: must be an integer >= 1"]),
+        # named as set, not as passed on (it said problem_options.objectives: a trial)
+        (["objectives=val_accuracy_pct,foo"], ["objectives='foo': unknown NAS-Bench-201 objective"]),
+        (['problem_options={"objectives": ["foo"]}', "objectives=null"],
+         ["problem_options.objectives='foo': unknown NAS-Bench-201 objective"]),
         (['live={"optimizer": "nope", "problem": "live-mnist"}'], ["live.optimizer='nope': unknown optimizer"]),
         # broken JSON was "Input should be a valid dictionary" (a fresh-user trial)
         (["problem_options={bad json"], ["problem_options='{bad json': not valid JSON (Expecting property name"]),
