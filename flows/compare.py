@@ -150,9 +150,15 @@ def compare_runs(tracker: Tracker, experiment: str, metrics: list[str], filter_s
         [f"metrics.`{metrics[0]}` {'ASC' if ascending else 'DESC'}"]
     if headline_default:  # only the runs that have the headline (a user-data tensor run has others)
         found = search(order, max(top, HEADLINE_SAMPLE))
-        runs = [r for r in found if metrics[0] in r.data.metrics][:top]
+        ranked = [r for r in found if metrics[0] in r.data.metrics]
+        runs = ranked[:top]
         others = [r for r in found if metrics[0] not in r.data.metrics]
-        if others:  # e.g. nas: single-objective campaigns have final_best, not final_hypervolume
+        if others and all_runs:  # every run asked for: those without the headline come last, not left out
+            runs = (ranked + others)[:top]
+            shown = len(runs) - len(ranked[:top])
+            if shown:
+                note = f"the last {shown} run(s) have no {metrics[0]} (listed newest first, after the ranked ones)"
+        elif others:  # e.g. nas: single-objective campaigns have final_best, not final_hypervolume
             # the metric each left-out run is ranked by (its first headline), newest run's first
             theirs = list(dict.fromkeys(h[0][0] for h in map(_headline_list, others) if h))
             shows = "them" if len(theirs) == 1 else "the newest kind"

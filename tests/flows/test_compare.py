@@ -173,6 +173,13 @@ def test_default_headlines_are_the_ones_most_runs_share(stack_cli, stack, tmp_pa
     # (named by the metric it ranks by, not the first alphabetically: fit_s)
     assert "1 run(s) without kinetic.rmse left out (they rank by user.rmse: --metric user.rmse shows them)" in \
         " ".join(res.output.split())
+    # --all-runs lists it too, after the ranked ones (it said "left out" there as well: a trial)
+    res = stack_cli("compare", "compare-mixed", "--all-runs", "--out", str(tmp_path))
+    assert res.exit_code == 0, res.output
+    table = pq.read_table(tmp_path / "compare-mixed-runs.parquet").to_pydict()
+    assert table["run_id"] == [ids[1], ids[2], ids[0], user]
+    text = " ".join(res.output.split())
+    assert "left out" not in text and "the last 1 run(s) have no kinetic.rmse" in text, text
     res = stack_cli("compare", "compare-mixed", "--metric", "user.rmse", "--out", str(tmp_path))
     assert res.exit_code == 0 and pq.read_table(tmp_path / "compare-mixed-runs.parquet").to_pydict()["run_id"][0] == user
     # an unknown metric lists what the experiment's runs have, not only the --top ones it read
