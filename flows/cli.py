@@ -166,24 +166,42 @@ def env() -> None:
 
 @app.command()
 @_friendly
-def upload(path: Path = typer.Argument(..., metavar="PATH", help="Local file, e.g. B.npy."),
-           uri: str = typer.Argument(..., metavar="URI", help="Destination object, e.g. s3://paperline-data/B.npy.")) -> None:
+def upload(path: Path = typer.Argument(..., metavar="PATH", help="Local file or directory, e.g. B.npy or raw/."),
+           uri: str = typer.Argument(..., metavar="URI", help="Destination object, e.g. s3://paperline-data/B.npy, "
+                                                             "or prefix (ending in /).")) -> None:
     """Upload a local file to an S3 object of the stack (an operand for `--set b=s3://...`, a
     tensor for `--set data=s3://...`, videos under a `source` prefix), with the stack's
-    credentials. A URI ending in `/` keeps the file's name. The object appears only when complete."""
+    credentials. A URI ending in `/` keeps the file's name. A directory goes under a prefix (a URI
+    ending in `/`), its files' relative paths kept (symbolic links are not followed). Each object
+    appears only when complete."""
+    import os
+
     from paperline.infra.errors import InputError
     from paperline.infra.storage import ObjectStore, split_uri
 
-    if not path.is_file():
-        raise InputError("path", str(path), "no such file" if not path.exists() else "not a file")
+    if not path.exists():
+        raise InputError("path", str(path), "no such file or directory")
+    if not path.is_file() and not path.is_dir():
+        raise InputError("path", str(path), "not a file or directory")
     if not uri.startswith("s3://") or not split_uri(uri)[0]:
         raise InputError("uri", uri, "expected s3://bucket/key (or s3://bucket/prefix/ to keep the file's name)")
-    if uri.endswith("/") or "/" not in uri[len("s3://"):]:
-        uri = uri.rstrip("/") + "/" + path.name
+    prefix = uri.endswith("/") or "/" not in uri[len("s3://"):]
+    if path.is_dir():
+        if not prefix:
+            raise InputError("uri", uri, f"{path} is a directory: give a prefix ending in / (its files go under it)")
+        files = sorted(Path(root, name) for root, _, names in os.walk(path) for name in names
+                       if Path(root, name).is_file() and not Path(root, name).is_symlink())
+        if not files:
+            raise InputError("path", str(path), "a directory with no files")
+        targets = [(f, uri.rstrip("/") + "/" + f.relative_to(path).as_posix()) for f in files]
+    else:
+        targets = [(path, uri.rstrip("/") + "/" + path.name if prefix else uri)]
     store = ObjectStore.from_stack(_ensure_stack())
     store.require_bucket("uri", uri)
-    store.upload_file_to(path, uri)
-    console.print(f"uploaded {path} ({path.stat().st_size:,} bytes) to {uri}", highlight=False, soft_wrap=True)
+    for source, target in targets:
+        store.upload_file_to(source, target)
+        console.print(f"uploaded {source} ({source.stat().st_size:,} bytes) to {target}", highlight=False,
+                      soft_wrap=True)
 
 
 @app.command()

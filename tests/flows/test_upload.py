@@ -18,8 +18,21 @@ def test_upload_puts_the_file_at_the_uri_and_refuses_bad_input(stack_cli, stack,
     assert store.get_bytes(f"s3://{info.data_bucket}/trial/B.npy") == path.read_bytes()
     res = stack_cli("upload", str(path), f"s3://{info.data_bucket}/kept/")  # a prefix keeps the name
     assert res.exit_code == 0 and store.exists(f"s3://{info.data_bucket}/kept/B.npy"), res.output
+    # a directory: its files under the prefix, relative paths kept (one call per file before: a trial)
+    videos = tmp_path / "videos"
+    (videos / "day2").mkdir(parents=True)
+    (videos / "a.mp4").write_bytes(b"a")
+    (videos / "day2" / "b.mp4").write_bytes(b"bb")
+    (videos / "link.mp4").symlink_to(path)  # not followed
+    res = stack_cli("upload", str(videos), f"s3://{info.data_bucket}/incoming/")
+    assert res.exit_code == 0, res.output
+    assert store.get_bytes(f"s3://{info.data_bucket}/incoming/a.mp4") == b"a"
+    assert store.get_bytes(f"s3://{info.data_bucket}/incoming/day2/b.mp4") == b"bb"
+    assert not store.exists(f"s3://{info.data_bucket}/incoming/link.mp4")
+    (tmp_path / "empty").mkdir()
     for args, *fragments in (([str(tmp_path / "nope.npy"), f"s3://{info.data_bucket}/x.npy"], "path=", "no such file"),
-                             ([str(tmp_path), f"s3://{info.data_bucket}/x.npy"], "path=", "not a file"),
+                             ([str(videos), f"s3://{info.data_bucket}/x.npy"], "uri=", "is a directory: give a prefix"),
+                             ([str(tmp_path / "empty"), f"s3://{info.data_bucket}/x/"], "path=", "with no files"),
                              ([str(path), "/tmp/B.npy"], "uri='/tmp/B.npy'", "expected s3://bucket/key"),
                              ([str(path), "s3://no-such-bucket-9/B.npy"], "uri=", "no such bucket 'no-such-bucket-9'")):
         res = stack_cli("upload", *args)
