@@ -385,6 +385,16 @@ def _strip_traceback(record: Any) -> bool:
     return True
 
 
+# what the same `paperline run` does after an interrupted one (printed on Ctrl-C)
+AGAIN = {
+    "nas": "the same command resumes the campaign from its last checkpoint (resume=true)",
+    "compressed-training": "the same command resumes training from the last epoch every rank checkpointed",
+    "video-curation": "the same command reuses the videos already curated (cached) and the shards already uploaded",
+    "tensor-factorization": "the same command reuses the loads, splits and fits that finished (cached)",
+    "gemm": "the same command runs the multiply again (staged random operands are reused)",
+}
+
+
 def _run_one(spec, params, summary_json: Path | None, early=None) -> dict[str, Any]:
     """Run ``spec``'s flow on ``params`` and print its summary.
 
@@ -413,8 +423,12 @@ def _run_one(spec, params, summary_json: Path | None, early=None) -> dict[str, A
         else:  # the stack came back on other ports: its workers would talk to the old ones
             early[0].close()
     flow = spec.flow.with_options(task_runner=task_runner(settings, started=started))
-    with console.status(f"running {spec.name} (progress in the Prefect UI)..."):
-        summary = flow(params)
+    try:
+        with console.status(f"running {spec.name} (progress in the Prefect UI)..."):
+            summary = flow(params)
+    except KeyboardInterrupt:  # Prefect's "Crash detected!" line alone said nothing of what a re-run does
+        _say(f"interrupted: {AGAIN.get(spec.name, 'the same command runs it again')}")
+        raise
     _print_summary(spec.name, summary)
     if summary_json is not None:
         summary_json.parent.mkdir(parents=True, exist_ok=True)

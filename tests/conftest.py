@@ -293,6 +293,13 @@ def running_flow_run():
 
 
 @pytest.fixture(scope="session")
+def long_gemm() -> tuple[list[str], str]:
+    """``(--set arguments of a GEMM whose multiply alone takes 10 s or more, the log line that
+    says its Dask cluster is up)``: for tests that stop a run during the multiply."""
+    return [a for k, v in LONG_GEMM.items() for a in ("--set", f"{k}={str(v).lower()}")], CLUSTER_UP
+
+
+@pytest.fixture(scope="session")
 def wait_for_flow_run():
     """``wait_for_flow_run(client, run_id, proc, log)``: the run's final state, failing if the
     executing process (``proc``, logging to ``log``) dies first."""

@@ -86,3 +86,28 @@ def test_s3_inputs_are_checked_before_the_flow_run(stack, cli_env):
         out = " ".join((proc.stdout + proc.stderr).split())
         assert proc.returncode == 1 and message in out, out
         assert "flow run" not in out.lower() and out.count(message) == 1, out
+
+
+def test_ctrl_c_says_what_running_the_command_again_does(stack, cli_env, long_gemm, tmp_path):
+    """Ctrl-C on `paperline run` left only Prefect's "Crash detected!" line (a trial): it now says
+    what the same command does next, and exits 130 without a traceback."""
+    import os
+    import signal
+    import time
+
+    sets, cluster_up = long_gemm
+    log = tmp_path / "run.log"
+    with open(log, "w") as out:  # SIGINT at its default, as in a terminal (the test runner's may differ)
+        proc = subprocess.Popen([sys.executable, "-m", "paperline.flows.cli", "run", "gemm", *sets], env=cli_env,
+                                stdout=out, stderr=subprocess.STDOUT, start_new_session=True,
+                                preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
+    deadline = time.time() + 180
+    while cluster_up not in log.read_text():  # stopped during the multiply, not while workers spawn
+        assert proc.poll() is None and time.time() < deadline, log.read_text()[-3000:]
+        time.sleep(0.5)
+    time.sleep(1)
+    os.killpg(proc.pid, signal.SIGINT)  # what a terminal's Ctrl-C sends
+    assert proc.wait(timeout=120) == 130, log.read_text()[-3000:]
+    text = log.read_text()
+    assert "interrupted: the same command runs the multiply again (staged random operands are reused)" in text, text
+    assert "Traceback" not in text, text[-3000:]
