@@ -229,7 +229,7 @@ def datasets() -> None:
 
 @app.command()
 @_friendly
-def params(pipeline: str = typer.Argument(..., metavar="PIPELINE", help="Pipeline name, e.g. nas."),
+def params(pipeline: Optional[str] = typer.Argument(None, metavar="PIPELINE", help="Pipeline name, e.g. nas."),
            preset: Optional[list[str]] = typer.Option(None, "--preset", metavar="NAME",
                                                       help="Show this preset's values (default: demo).")) -> None:
     """List a pipeline's parameters (what `run --set key=value` takes): type, the preset's value,
@@ -238,7 +238,7 @@ def params(pipeline: str = typer.Argument(..., metavar="PIPELINE", help="Pipelin
 
     from paperline.flows.pipelines import build_parameters, get_pipeline
 
-    spec = get_pipeline(pipeline)
+    spec = get_pipeline(_named(pipeline, "params"))
     preset = _one_preset(preset)
     values = build_parameters(spec, preset, []).model_dump()
     table = Table("parameter", "type", f"--preset {preset}", "description",
@@ -259,7 +259,7 @@ def params(pipeline: str = typer.Argument(..., metavar="PIPELINE", help="Pipelin
 
 @app.command()
 @_friendly
-def run(pipeline: str = typer.Argument(..., metavar="PIPELINE", help="Pipeline name, e.g. tensor-factorization."),
+def run(pipeline: Optional[str] = typer.Argument(None, metavar="PIPELINE", help="Pipeline name, e.g. tensor-factorization."),
         preset: Optional[list[str]] = typer.Option(None, "--preset", metavar="NAME",
                                                    help="Parameter preset (default: demo, which every pipeline has; "
                                                         "see README for the others: full, default)."),
@@ -274,6 +274,7 @@ def run(pipeline: str = typer.Argument(..., metavar="PIPELINE", help="Pipeline n
     `paperline params PIPELINE` lists the parameters --set takes."""
     from paperline.flows.pipelines import build_parameters, get_pipeline, pipeline_names
 
+    pipeline = _named(pipeline, "run")
     preset = _one_preset(preset)
     if summary_json is not None:
         _check_summary_path(summary_json)
@@ -281,6 +282,16 @@ def run(pipeline: str = typer.Argument(..., metavar="PIPELINE", help="Pipeline n
         spec = get_pipeline(pipeline)
         params = build_parameters(spec, preset, set_ or [])
         _run_one(spec, params, summary_json, early)
+
+
+def _named(pipeline: str | None, command: str) -> str:
+    """``pipeline``, or (none given) an error listing the pipelines: Typer's usage box named
+    neither them nor where to look."""
+    if pipeline is None:
+        from paperline.flows.pipelines import pipeline_names
+
+        raise PaperlineError(f"name a pipeline: paperline {command} PIPELINE, one of {', '.join(pipeline_names())}")
+    return pipeline
 
 
 def _one_preset(given: list[str] | None) -> str:

@@ -197,13 +197,16 @@ def test_params_lists_a_pipelines_parameters_and_the_optimizers_options():
     gemm = run_cli("params", "gemm", "--preset", "full")
     assert gemm.exit_code == 0 and "tile" in gemm.output and "8192" in gemm.output
     assert_one_line_error(run_cli("params", "nope"), "pipeline='nope'", "unknown pipeline")
+    for command in ("params", "run"):  # none named: Typer's usage box said neither which nor where to look
+        assert_one_line_error(run_cli(command), f"name a pipeline: paperline {command} PIPELINE, one of "
+                                                "compressed-training, gemm, nas")
     assert_one_line_error(run_cli("params", "nas", "--preset", "x"), "--preset='x'", "unknown preset")
 
 
 def test_help_names_what_each_argument_and_option_takes():
     """Typer's default help showed `{pipeline}` and `<list[str]>` for --set."""
     text = " ".join(run_cli("run", "--help").output.split())
-    assert "run [OPTIONS] {PIPELINE}" in text or "run [OPTIONS] PIPELINE" in text
+    assert "run [OPTIONS] [PIPELINE]" in text and "{pipeline}" not in text
     assert "--set KEY=VALUE" in text and "--summary-json FILE" in text and "list[str]" not in text
     text = " ".join(run_cli("compare", "--help").output.split())
     assert "--metric -m METRIC" in text and "--top N" in text and "--out DIR" in text
