@@ -237,6 +237,8 @@ def _overlay_plot(runs: list[Any], metrics: list[str], histories: dict, path: Pa
     """One panel per metric: lines over the steps, or, where every run logged the metric once (a
     throughput, a final accuracy), one bar per run in the table's order (a line plot showed a dot
     per run at step 0). Returns each metric's kind of panel, ``"lines"`` or ``"bars"``."""
+    from matplotlib.ticker import MaxNLocator
+
     from paperline.tasks.reporting import _plt
 
     plt = _plt()
@@ -258,6 +260,7 @@ def _overlay_plot(runs: list[Any], metrics: list[str], histories: dict, path: Pa
             ax.plot([p[0] for p in points], [p[1] for p in points], marker="o" if len(points) < 3 else None,
                     label=label)
         ax.set_xlabel("step")
+        ax.xaxis.set_major_locator(MaxNLocator(integer=True))  # MLflow steps are whole (epochs showed 0.5 ticks)
         ax.legend(fontsize=6)
     fig.tight_layout()
     fig.savefig(path, dpi=90)
