@@ -204,14 +204,15 @@ def tensor_factorization(params: TensorFactorizationParameters | None = None) ->
                                tags={"prefect.flow_run_id": str(flow_run.id), "prefect.flow_run_url": run_url},
                                params=mlflow_params)
     try:
-        if params.data is not None:
+        if params.data is not None:  # what the load task's cache key holds: the file's version, not only its name
             if params.data.startswith("s3://"):
                 check_s3_data(store, params.data)
-                sha = None
+                # a replaced object was served from the cache with the old content's results (a trial)
+                version = "etag:" + str((store.head(params.data) or {}).get("ETag", "")).strip('"')
             else:
                 with open(params.data, "rb") as f:
-                    sha = hashlib.file_digest(f, "sha256").hexdigest()
-            tensors = {user_scope(params.data): load_tensor.submit(store, bucket, data_uri=params.data, data_sha256=sha)}
+                    version = "sha256:" + hashlib.file_digest(f, "sha256").hexdigest()
+            tensors = {user_scope(params.data): load_tensor.submit(store, bucket, data_uri=params.data, data_version=version)}
         else:
             tensors = {d: load_tensor.submit(store, bucket, dataset=d) for d in params.datasets}
         for d, t in tensors.items():  # surface a load error itself, and check what S3 data holds

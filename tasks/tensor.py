@@ -53,7 +53,7 @@ def user_scope(data: str) -> str:
 @task(name="load-tensor", cache_policy=CACHED, persist_result=True, retries=1,
       retry_condition_fn=retry_unless_bad_input, timeout_seconds=HOUR)
 def load_tensor(store: ObjectStore, bucket: str, dataset: str | None = None, data_uri: str | None = None,
-                data_sha256: str | None = None) -> dict[str, Any]:
+                data_version: str | None = None) -> dict[str, Any]:
     """Load a bundled dataset (or a user's Parquet COO file) and store it content-addressed.
 
     Args:
@@ -61,7 +61,8 @@ def load_tensor(store: ObjectStore, bucket: str, dataset: str | None = None, dat
         bucket: data bucket.
         dataset: bundled dataset name; or
         data_uri: a local path or ``s3://`` URI of a Parquet COO file, with
-        data_sha256: its content hash (part of the cache key: a changed file is reloaded).
+        data_version: the file's SHA-256 or the S3 object's ETag (part of the cache key: a
+            changed file or a replaced object is read again).
 
     Returns:
         ``{"name", "uri", "sha256", "shape", "nnz", "mode_names"}``.

@@ -167,6 +167,7 @@ def test_a_run_on_user_data_records_what_it_fitted(stack, cli_env, tmp_path):
     _, info = stack
     path = tmp_path / "mine.parquet"
     write_coo_parquet(load_dataset("produc"), path)
+    (tmp_path / "first.parquet").write_bytes(path.read_bytes())
     summary = tmp_path / "summary.json"
     args = [sys.executable, "-m", "paperline.flows.cli", "run", "tensor-factorization", "--set", f"data={path}",
             "--set", "n_epochs=2", "--set", "baseline_iterations=3", "--set", "rank=3", "--set", "splits=random",
@@ -188,3 +189,17 @@ def test_a_run_on_user_data_records_what_it_fitted(stack, cli_env, tmp_path):
         proc = subprocess.run(args, env=cli_env, capture_output=True, text=True, timeout=600)
         assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
         assert want in " ".join(proc.stdout.split()), proc.stdout[-3000:]
+    # an S3 object replaced under the same key is read again (it was served from the task cache
+    # with the old content's results: a trial), and its run is not compared with the old one's
+    from paperline.infra.storage import ObjectStore
+
+    store, uri = ObjectStore.from_stack(info), f"s3://{info.data_bucket}/test-user-data/{tmp_path.name}/mine.parquet"
+    rmse = []
+    for content in (path.read_bytes(), (tmp_path / "first.parquet").read_bytes()):
+        store.put_bytes_to(content, uri)
+        proc = subprocess.run([*args[:6], f"data={uri}", *args[7:]], env=cli_env, capture_output=True, text=True,
+                              timeout=600)
+        assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+        assert "first finished run with these parameters" in " ".join(proc.stdout.split()), proc.stdout[-3000:]
+        rmse.append(json.loads(summary.read_text())["rows"][0]["test_rmse"])
+    assert rmse[0] != rmse[1]
