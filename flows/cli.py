@@ -350,9 +350,11 @@ def _early_cluster(wanted: bool = True) -> Iterator[Any]:
     Yields:
         ``(cluster, (prefect_api_url, mlflow_tracking_uri))`` or None.
     """
+    from paperline.infra import interrupts
     from paperline.infra.cluster import BackgroundCluster
     from paperline.infra.stack import activate, running_local_stack
 
+    interrupts.install()  # before a scheduler runs here: a Ctrl-C landing in its gc callback was lost
     settings = _settings()
     info = running_local_stack(settings) if wanted and not settings.dask_scheduler_address else None
     early = None
