@@ -408,6 +408,14 @@ AGAIN = {
 }
 
 
+def _again(pipeline: str, params: Any) -> str:
+    """What the same `paperline run` does after an interrupted one."""
+    if getattr(params, "resume", True) is False:  # nas with resume=false starts over
+        return ("the same command starts the campaign over (its evaluations come from the task cache); without "
+                "resume=false it resumes from the last checkpoint")
+    return AGAIN.get(pipeline, "the same command runs it again")
+
+
 def _run_one(spec, params, summary_json: Path | None, early=None) -> dict[str, Any]:
     """Run ``spec``'s flow on ``params`` and print its summary.
 
@@ -440,7 +448,7 @@ def _run_one(spec, params, summary_json: Path | None, early=None) -> dict[str, A
         with console.status(f"running {spec.name} (progress in the Prefect UI)..."):
             summary = flow(params)
     except KeyboardInterrupt:  # Prefect's "Crash detected!" line alone said nothing of what a re-run does
-        _say(f"interrupted: {AGAIN.get(spec.name, 'the same command runs it again')}")
+        _say(f"interrupted: {_again(spec.name, params)}")
         raise
     _print_summary(spec.name, summary)
     if summary_json is not None:

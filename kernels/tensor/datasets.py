@@ -192,10 +192,11 @@ def read_coo_parquet(source: str | Path | bytes, *, argument: str = "data") -> C
         raise InputError(argument, shown, f"not a readable Parquet file ({exc})") from None
     cols = table.column_names
     if COO_VALUE_COLUMN not in cols or COO_TIME_COLUMN not in cols:
-        raise InputError(argument, shown, f"needs index columns ending in 't' and a 'value' column; found {cols}")
+        raise InputError(argument, shown, f"needs integer index columns, one of them 't' (time), and a 'value' column; "
+                                          f"found {cols}")
     index_cols = [c for c in cols if c not in (COO_VALUE_COLUMN, COO_TIME_COLUMN)] + [COO_TIME_COLUMN]
     if len(index_cols) < 3:  # before the rows are read (a 1-mode file was refused for "duplicate coordinates")
-        raise InputError(argument, shown, f"need a tensor with N >= 3 modes (index columns, 't' the last); found "
+        raise InputError(argument, shown, f"need a tensor with N >= 3 modes (index columns, 't' among them); found "
                                           f"{len(index_cols)}: {index_cols}")
     coords = []
     for c in index_cols:

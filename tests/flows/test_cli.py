@@ -440,3 +440,15 @@ def test_worker_pool_is_checked_before_the_stack_starts(tmp_path):
         assert_one_line_error(run_cli("worker", "--pool", "gpu", env=env),
                               "--pool='gpu': no usable CUDA device on this machine")
     assert not (tmp_path / "state").exists()
+
+
+def test_an_interrupted_run_says_what_the_same_command_does_next():
+    """nas with resume=false was told it would resume (a trial): it starts over."""
+    from paperline.flows.cli import _again
+    from paperline.flows.pipelines import build_parameters, get_pipeline
+
+    nas = get_pipeline("nas")
+    assert _again("nas", build_parameters(nas, "demo", [])).startswith("the same command resumes the campaign")
+    assert _again("nas", build_parameters(nas, "demo", ["resume=false"])).startswith(
+        "the same command starts the campaign over")
+    assert "resumes training" in _again("compressed-training", object())

@@ -73,7 +73,7 @@ def test_bad_parquet_files_get_clear_errors(tmp_path):
         read_coo_parquet(empty)
     cols = tmp_path / "cols.parquet"
     pq.write_table(pa.table({"i": [0], "value": [1.0]}), cols)
-    with pytest.raises(InputError, match="needs index columns"):
+    with pytest.raises(InputError, match="needs integer index columns, one of them 't' \\(time\\), and a 'value' column"):
         read_coo_parquet(cols)
     # one or two modes: named as such (a 't'-only file was refused for duplicated coordinates)
     for name, table in (("t_only", {"t": [0, 0, 1], "value": [1.0, 2.0, 3.0]}),
