@@ -183,7 +183,7 @@ def upload(path: Path = typer.Argument(..., metavar="PATH", help="Local file or 
         raise InputError("path", str(path), "no such file or directory")
     if not path.is_file() and not path.is_dir():
         raise InputError("path", str(path), "not a file or directory")
-    if not uri.startswith("s3://") or not split_uri(uri)[0]:
+    if not uri.startswith("s3://") or not split_uri(uri)[0] or "//" in uri[len("s3://"):]:
         raise InputError("uri", uri, "expected s3://bucket/key (or s3://bucket/prefix/ to keep the file's name)")
     prefix = uri.endswith("/") or "/" not in uri[len("s3://"):]
     if path.is_dir():
@@ -192,7 +192,9 @@ def upload(path: Path = typer.Argument(..., metavar="PATH", help="Local file or 
         files = sorted(Path(root, name) for root, _, names in os.walk(path) for name in names
                        if Path(root, name).is_file() and not Path(root, name).is_symlink())
         if not files:
-            raise InputError("path", str(path), "a directory with no files")
+            links = any(Path(root, name).is_symlink() for root, _, names in os.walk(path) for name in names)
+            raise InputError("path", str(path), "a directory with no files" + (" (symbolic links are not followed)"
+                                                                                if links else ""))
         targets = [(f, uri.rstrip("/") + "/" + f.relative_to(path).as_posix()) for f in files]
     else:
         targets = [(path, uri.rstrip("/") + "/" + path.name if prefix else uri)]

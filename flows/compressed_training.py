@@ -308,7 +308,7 @@ def _summary(runs: list[dict[str, Any]], parent: str, tracker: Tracker, run_url:
         lines += r["versus_lines"]
     plots = ["accuracy_vs_bytes.png", "accuracy_vs_time.png"] + (["collectives_bandwidth.png"] if bandwidth_plotted
                                                                   else [])  # (none with collectives_max_bytes=0)
-    lines.append(f"MLflow parent run (plots: {', '.join(plots)}): {tracker.run_url(parent)}")
+    lines.append(f"plots in the MLflow run below (the compressors' runs are its children): {', '.join(plots)}")
     return {"runs": runs, "mlflow_run_id": parent, "mlflow_run_url": tracker.run_url(parent),
             "prefect_flow_run_id": flow_run_id, "prefect_flow_run_url": run_url, "lines": lines,
             "table": {"title": "compressed-training: final epoch per compressor",

@@ -103,7 +103,9 @@ def test_a_killed_rank_resumes_from_the_checkpoints_to_the_same_accuracy(trained
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     out = " ".join(proc.stdout.split())
     assert "none: the crash drill did not run (crash_rank_at_step=16 was not reached" in out
-    assert "(plots: accuracy_vs_bytes.png, accuracy_vs_time.png):" in out  # no sweep (max bytes 0), no such plot
+    assert "children): accuracy_vs_bytes.png, accuracy_vs_time.png Prefect flow run:" in out  # no sweep, no such plot
+    parent_url = out.split("MLflow run: ")[1].split()[0]
+    assert out.count(parent_url) == 1, out  # once (it was printed twice)
 
 
 def test_a_checkpoint_bucket_that_does_not_exist_is_refused_before_the_flow_run(cli_env):

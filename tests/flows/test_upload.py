@@ -30,9 +30,14 @@ def test_upload_puts_the_file_at_the_uri_and_refuses_bad_input(stack_cli, stack,
     assert store.get_bytes(f"s3://{info.data_bucket}/incoming/day2/b.mp4") == b"bb"
     assert not store.exists(f"s3://{info.data_bucket}/incoming/link.mp4")
     (tmp_path / "empty").mkdir()
+    (tmp_path / "links").mkdir()
+    (tmp_path / "links" / "a.mp4").symlink_to(path)
     for args, *fragments in (([str(tmp_path / "nope.npy"), f"s3://{info.data_bucket}/x.npy"], "path=", "no such file"),
                              ([str(videos), f"s3://{info.data_bucket}/x.npy"], "uri=", "is a directory: give a prefix"),
                              ([str(tmp_path / "empty"), f"s3://{info.data_bucket}/x/"], "path=", "with no files"),
+                             ([str(tmp_path / "links"), f"s3://{info.data_bucket}/x/"], "path=",
+                              "with no files (symbolic links are not followed)"),
+                             ([str(path), f"s3://{info.data_bucket}//x/"], "uri=", "expected s3://bucket/key"),
                              ([str(path), "/tmp/B.npy"], "uri='/tmp/B.npy'", "expected s3://bucket/key"),
                              ([str(path), "s3://no-such-bucket-9/B.npy"], "uri=", "no such bucket 'no-such-bucket-9'")):
         res = stack_cli("upload", *args)
