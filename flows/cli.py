@@ -356,7 +356,7 @@ def _early_cluster(wanted: bool = True) -> Iterator[Any]:
     from paperline.infra.cluster import BackgroundCluster
     from paperline.infra.stack import activate, running_local_stack
 
-    interrupts.install()  # before a scheduler runs here: a Ctrl-C landing in its gc callback was lost
+    interrupts.install()  # a Ctrl-C landing in a finalizer or a gc callback (a scheduler runs here) was lost
     settings = _settings()
     info = running_local_stack(settings) if wanted and not settings.dask_scheduler_address else None
     early = None

@@ -1,55 +1,45 @@
-"""Ctrl-C that is not lost inside a garbage-collector callback.
+"""Ctrl-C that is not lost where Python cannot raise it.
 
-Python raises KeyboardInterrupt wherever the main thread is when SIGINT arrives. Inside a
-``gc.callbacks`` function (Dask's scheduler, which `paperline run` hosts in its own process,
-installs one that times every full collection) the exception cannot propagate: Python prints
-"Exception ignored in: ... _gc_callback", the run goes on, and the user's Ctrl-C is lost (a
-fresh-user trial: 3 of 14 early Ctrl-Cs, and the interrupted callback's state then failed an
-assertion). :func:`install` puts a SIGINT handler in place that, when the signal lands inside such
-a callback, delivers it again 50 ms later, outside it.
+Python raises KeyboardInterrupt wherever the main thread is when SIGINT arrives. In a finalizer
+(``__del__``, e.g. asyncio's transports), a weakref callback or a ``gc.callbacks`` function (Dask's
+scheduler, which `paperline run` hosts in its own process, installs one that times every full
+collection) the exception cannot propagate: Python prints "Exception ignored in: ...", the run
+goes on, and the user's Ctrl-C is lost (a fresh-user trial: 3 of 14 early Ctrl-Cs; the
+interrupted gc callback then failed an assertion). :func:`install` wraps ``sys.unraisablehook``
+so that a KeyboardInterrupt that ends there is delivered to the main thread again, 50 ms later.
 """
 
 from __future__ import annotations
 
 import _thread
-import gc
-import signal
+import sys
 import threading
-from types import FrameType
+from typing import Any
 
-RETRY_S = 0.05  # when an interrupt that landed inside a gc callback is delivered again
-
-
-def in_gc_callback(frame: FrameType | None) -> bool:
-    """Whether ``frame`` or one of its callers runs a function of ``gc.callbacks``."""
-    codes = {getattr(getattr(cb, "__func__", cb), "__code__", None) for cb in list(gc.callbacks)}
-    codes.discard(None)
-    while frame is not None:
-        if frame.f_code in codes:
-            return True
-        frame = frame.f_back
-    return False
+RETRY_S = 0.05  # when an interrupt swallowed as "unraisable" is delivered again
 
 
-def on_sigint(signum: int, frame: FrameType | None) -> None:
-    """SIGINT handler: KeyboardInterrupt, as Python's own, except inside a gc callback, where the
-    interrupt is delivered again shortly (``_thread.interrupt_main`` calls this handler anew)."""
-    if in_gc_callback(frame):
-        threading.Timer(RETRY_S, _thread.interrupt_main).start()
-        return
-    raise KeyboardInterrupt
+def _redeliver(unraisable: Any, previous: Any) -> None:
+    if unraisable.exc_type is not None and issubclass(unraisable.exc_type, KeyboardInterrupt):
+        threading.Timer(RETRY_S, _thread.interrupt_main).start()  # its SIGINT handler runs anew
+        return  # not printed: the interrupt is not lost, the traceback would only alarm
+    previous(unraisable)
 
 
 def install() -> bool:
-    """Use :func:`on_sigint` for SIGINT where Python's default handler is in place (not where a
-    shell or a caller chose another, e.g. ignored for a background job). Main thread only.
+    """Deliver again each KeyboardInterrupt that Python could only report as unraisable.
+    Idempotent.
 
     Returns:
-        Whether it was installed.
+        Whether it was installed now (False: already in place).
     """
-    if threading.current_thread() is not threading.main_thread():
+    hook = sys.unraisablehook
+    if getattr(hook, "_paperline_redeliver", False):
         return False
-    if signal.getsignal(signal.SIGINT) is not signal.default_int_handler:
-        return False
-    signal.signal(signal.SIGINT, on_sigint)
+
+    def redeliver(unraisable: Any) -> None:
+        _redeliver(unraisable, hook)
+
+    redeliver._paperline_redeliver = True  # type: ignore[attr-defined]
+    sys.unraisablehook = redeliver
     return True

@@ -1,8 +1,10 @@
-"""A Ctrl-C that lands inside a garbage-collector callback still interrupts (infra/interrupts.py)."""
+"""A Ctrl-C that lands where Python cannot raise it (a gc callback, a finalizer) still interrupts
+(infra/interrupts.py)."""
 
 import gc
 import os
 import signal
+import sys
 import time
 
 import pytest
@@ -11,60 +13,71 @@ from paperline.infra import interrupts
 
 
 @pytest.fixture
-def on_sigint():
-    previous = signal.signal(signal.SIGINT, interrupts.on_sigint)
+def default_sigint():
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
     yield
     signal.signal(signal.SIGINT, previous)
 
 
-def _interrupt_inside_a_gc_callback() -> list[bool]:
-    """Run a full collection whose callback receives SIGINT (Python runs the handler inside it),
-    then wait; returns whether the callback ran."""
+@pytest.fixture
+def redelivering(monkeypatch):
+    monkeypatch.setattr(sys, "unraisablehook", sys.unraisablehook)  # restored after the test
+    assert interrupts.install() and not interrupts.install()
+
+
+def _sigint_here() -> None:
+    os.kill(os.getpid(), signal.SIGINT)
+    for _ in range(10_000):  # bytecodes for Python to run the handler in, here
+        pass
+
+
+def _in_a_gc_callback() -> None:
     ran: list[bool] = []
 
     def callback(phase, info):
         if phase == "start" and not ran:
             ran.append(True)
-            os.kill(os.getpid(), signal.SIGINT)
-            for _ in range(10_000):  # bytecodes for the handler to run in, here
-                pass
+            _sigint_here()
 
     gc.callbacks.append(callback)
     try:
         gc.collect()
     finally:
         gc.callbacks.remove(callback)
-    time.sleep(2)  # the deferred interrupt arrives here
-    return ran
+    assert ran
 
 
-def test_an_interrupt_inside_a_gc_callback_arrives_after_it(on_sigint):
+def _in_a_finalizer() -> None:
+    class Transport:
+        def __del__(self):
+            _sigint_here()
+
+    Transport()  # finalized at once (reference count 0)
+
+
+@pytest.mark.parametrize("where", [_in_a_gc_callback, _in_a_finalizer])
+def test_an_interrupt_python_cannot_raise_arrives_just_after(where, default_sigint, redelivering):
     with pytest.raises(KeyboardInterrupt):
-        _interrupt_inside_a_gc_callback()
+        where()
+        time.sleep(2)  # the interrupt arrives here
 
 
 @pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")  # the lost interrupt, reported
-def test_pythons_own_handler_loses_it_there():
-    """What the handler is for: with Python's default, the interrupt is "ignored" in the callback."""
-    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
-    try:
-        assert _interrupt_inside_a_gc_callback() == [True]  # no KeyboardInterrupt: lost
-    finally:
-        signal.signal(signal.SIGINT, previous)
+@pytest.mark.parametrize("where", [_in_a_gc_callback, _in_a_finalizer])
+def test_without_it_the_interrupt_is_lost(where, default_sigint):
+    """What it is for: Python only reports such an interrupt ("Exception ignored in ...")."""
+    where()
+    time.sleep(0.5)
 
 
-def test_elsewhere_it_is_a_keyboard_interrupt_at_once(on_sigint):
-    with pytest.raises(KeyboardInterrupt):
-        os.kill(os.getpid(), signal.SIGINT)
-        time.sleep(2)
+def test_other_unraisable_errors_still_reach_the_previous_hook(redelivering, monkeypatch):
+    seen = []
+    monkeypatch.setattr(sys, "unraisablehook", seen.append)
+    interrupts.install()
 
+    class Broken:
+        def __del__(self):
+            raise ValueError("in a finalizer")
 
-def test_installed_only_over_pythons_default():
-    previous = signal.getsignal(signal.SIGINT)
-    try:
-        signal.signal(signal.SIGINT, signal.SIG_IGN)
-        assert not interrupts.install() and signal.getsignal(signal.SIGINT) is signal.SIG_IGN
-        signal.signal(signal.SIGINT, signal.default_int_handler)
-        assert interrupts.install() and signal.getsignal(signal.SIGINT) is interrupts.on_sigint
-    finally:
-        signal.signal(signal.SIGINT, previous)
+    Broken()
+    assert [u.exc_type for u in seen] == [ValueError]
