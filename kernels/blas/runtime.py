@@ -518,10 +518,15 @@ def stage_npy(path: str, dtype: np.dtype, shape: tuple[int, int]) -> None:
         OSError: naming ``path`` and the bytes needed when the filesystem has not that much room
             (the file is removed).
     """
+    import errno  # noqa: PLC0415
+
     np.lib.format.open_memmap(path, mode="w+", dtype=dtype, shape=shape).flush()
     size = os.path.getsize(path)
     fd = os.open(path, os.O_RDWR)
     try:
+        disk = os.fstatvfs(fd)
+        if size > disk.f_bavail * disk.f_frsize:  # before fallocate: a failing one can leave the disk full
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))  # until the file goes (it failed a test beside it)
         _fallocate(fd, size)
     except OSError as exc:
         Path(path).unlink(missing_ok=True)

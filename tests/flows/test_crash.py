@@ -79,6 +79,14 @@ def test_a_killed_serve_process_leaves_its_run_crashed(stack, tmp_path, cli_env)
                 assert proc.poll() is None and time.time() < deadline, log.read_text()[-3000:]
                 time.sleep(1)
             assert client.read_flow_run(run.id).state.name == "Running"  # heartbeating, not yet done
+        # and its MLflow run exists (the flow creates it after its first heartbeat on a loaded host)
+        from paperline.infra.tracking import Tracker
+
+        tracker = Tracker(stack[1].mlflow_tracking_uri)
+        deadline = time.time() + 120
+        while not _mlflow_runs(tracker, run.id):
+            assert proc.poll() is None and time.time() < deadline, log.read_text()[-3000:]
+            time.sleep(1)
         os.killpg(proc.pid, signal.SIGKILL)  # the serve process and the run's subprocess, no goodbye
         proc.wait()
         with get_client(sync_client=True) as client:
@@ -91,12 +99,7 @@ def test_a_killed_serve_process_leaves_its_run_crashed(stack, tmp_path, cli_env)
         assert "heartbeat" in (state.message or "")
         # its MLflow run was left RUNNING (nobody ended it); the next run started in the experiment
         # ends it KILLED, naming why
-        from paperline.infra.tracking import Tracker
-
-        tracker = Tracker(stack[1].mlflow_tracking_uri)
-        exp_id = tracker.client.get_experiment_by_name("nas").experiment_id
-        runs = tracker.client.search_runs([exp_id], filter_string=f"tags.`prefect.flow_run_id` = '{run.id}'")
-        (orphan,) = [r for r in runs if "mlflow.parentRunId" not in r.data.tags]  # the campaign's parent run
+        (orphan,) = [r for r in _mlflow_runs(tracker, run.id) if "mlflow.parentRunId" not in r.data.tags]  # the parent
         assert orphan.info.status == "RUNNING"
         probe = Tracker(stack[1].mlflow_tracking_uri).start_run("nas", run_name="crash-test-probe")
         tracker.client.delete_run(probe)
@@ -106,3 +109,12 @@ def test_a_killed_serve_process_leaves_its_run_crashed(stack, tmp_path, cli_env)
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
             proc.wait()
+
+
+def _mlflow_runs(tracker, flow_run_id) -> list:
+    """The nas experiment's MLflow runs of the flow run (none before the experiment exists)."""
+    experiment = tracker.client.get_experiment_by_name("nas")
+    if experiment is None:
+        return []
+    return tracker.client.search_runs([experiment.experiment_id],
+                                      filter_string=f"tags.`prefect.flow_run_id` = '{flow_run_id}'")
