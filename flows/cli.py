@@ -189,10 +189,10 @@ def upload(path: Path = typer.Argument(..., metavar="PATH", help="Local file or 
     if path.is_dir():
         if not prefix:
             raise InputError("uri", uri, f"{path} is a directory: give a prefix ending in / (its files go under it)")
-        files = sorted(Path(root, name) for root, _, names in os.walk(path) for name in names
-                       if Path(root, name).is_file() and not Path(root, name).is_symlink())
+        walked = [Path(root, name) for root, _, names in os.walk(path) for name in names]
+        files = sorted(f for f in walked if f.is_file() and not f.is_symlink())
         if not files:
-            links = any(Path(root, name).is_symlink() for root, _, names in os.walk(path) for name in names)
+            links = any(f.is_symlink() for f in walked)
             raise InputError("path", str(path), "a directory with no files" + (" (symbolic links are not followed)"
                                                                                 if links else ""))
         targets = [(f, uri.rstrip("/") + "/" + f.relative_to(path).as_posix()) for f in files]
@@ -380,18 +380,14 @@ def _quiet_logs() -> None:
 
     from prefect.logging.configuration import setup_logging
 
+    from paperline.infra.regression import not_in_summary
+
     setup_logging()  # idempotent; Prefect's console handler sits on the root logger
     _quiet_dask()  # after Prefect's setup: it lists `distributed` among its extra loggers, at INFO
     for handler in logging.getLogger().handlers:  # the same function objects: added once
-        handler.addFilter(_not_in_summary)
+        handler.addFilter(not_in_summary)
         if not _state["debug"]:
             handler.addFilter(_strip_traceback)
-
-
-def _not_in_summary(record: Any) -> bool:
-    from paperline.infra.regression import IN_SUMMARY
-
-    return not getattr(record, IN_SUMMARY, False)
 
 
 def _strip_traceback(record: Any) -> bool:

@@ -167,15 +167,20 @@ PRESETS: dict[str, dict[str, Any]] = {
 }
 
 
-def check_s3_data(store: ObjectStore, uri: str) -> None:
+def check_s3_data(store: ObjectStore, uri: str) -> dict[str, Any]:
     """Refuse an ``s3://`` data URI whose bucket or object does not exist.
+
+    Returns:
+        The object's metadata (``ETag``, ``ContentLength``, ...).
 
     Raises:
         InputError: naming ``data``, and the bucket when that is what is missing.
     """
     store.require_bucket("data", uri)
-    if not store.exists(uri):
+    head = store.head(uri)
+    if head is None:
         raise InputError("data", uri, "no such object in S3")
+    return head
 
 
 @flow(name="tensor-factorization", log_prints=True, task_runner=default_task_runner())
@@ -206,9 +211,8 @@ def tensor_factorization(params: TensorFactorizationParameters | None = None) ->
     try:
         if params.data is not None:  # what the load task's cache key holds: the file's version, not only its name
             if params.data.startswith("s3://"):
-                check_s3_data(store, params.data)
                 # a replaced object was served from the cache with the old content's results (a trial)
-                version = "etag:" + str((store.head(params.data) or {}).get("ETag", "")).strip('"')
+                version = "etag:" + str(check_s3_data(store, params.data).get("ETag", "")).strip('"')
             else:
                 with open(params.data, "rb") as f:
                     version = "sha256:" + hashlib.file_digest(f, "sha256").hexdigest()

@@ -234,6 +234,12 @@ def check_latest(tracker: Tracker, run_id: str, params: dict[str, Any], headline
     return outcome
 
 
+def not_in_summary(record: Any) -> bool:
+    """A logging filter: False for the records of :func:`check_latest` (for a terminal that prints
+    the flow's summary, which holds the same lines)."""
+    return not getattr(record, IN_SUMMARY, False)
+
+
 def _logger() -> Any:
     import logging  # noqa: PLC0415
 

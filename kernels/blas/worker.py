@@ -357,12 +357,6 @@ def check_finite_tile(host: np.ndarray, ref: TileRef, tile: int, where: str | No
     raise InputError(ref.operand, where, f"non-finite value {entry} (check_finite is on)")
 
 
-def _where(source: TileSource) -> str | None:
-    """The operand file's path or S3 URI that an error about its values names (None for
-    in-memory and generated operands, and for the output, whose staged file the user never named)."""
-    return getattr(source, "where", None)
-
-
 def load_raw(state: WorkerState, ref: TileRef, peers: dict[TileKey, str], peer_fetch: PeerFetch | None,
              check: bool = False) -> Any:
     """The stored tile of ``ref`` on this worker's device: L1 cache, else a peer (L2), else its
@@ -394,7 +388,8 @@ def load_raw(state: WorkerState, ref: TileRef, peers: dict[TileKey, str], peer_f
         if src.kind == "s3":
             moved["bytes_s3"] = host.nbytes
     if check and ctx.check_finite:
-        check_finite_tile(host, ref, ctx.tile, _where(ctx.sources[ref.operand]))
+        # a file's path or an S3 URI; None for in-memory and generated operands and the staged output
+        check_finite_tile(host, ref, ctx.tile, getattr(ctx.sources[ref.operand], "where", None))
     tile = ns.to_device(host)
     if ns.device != "cpu":
         moved["bytes_host_to_device"] = host.nbytes
