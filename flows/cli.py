@@ -473,6 +473,14 @@ def _fmt(x: Any) -> str:
     return f"{x:.3e}" if x != 0 and abs(x) < 1e-3 else f"{x:.4f}"
 
 
+def _headers(columns: list[str], rows: list[list[str]], width: int) -> list[str]:
+    """Column headers for a table of ``rows`` on a console ``width`` characters wide: as they are
+    where the table fits, else broken after each ``.`` (``params.``/``routine``), where rich would
+    fold a dotted metric or parameter name mid-word (it breaks lines only at spaces)."""
+    natural = sum(max([len(c), *(len(r[i]) for r in rows)]) + 3 for i, c in enumerate(columns)) + 1
+    return columns if natural <= width else [c.replace(".", ".\n") for c in columns]
+
+
 def _integral_columns(rows: list[list[Any]]) -> set[int]:
     """The columns whose values are all whole numbers (MLflow keeps every metric as a float: byte
     counts showed as 78824.0000), shown without decimals; a column with any fraction keeps four."""
@@ -634,10 +642,11 @@ def worker(pool: str = typer.Option("cpu", "--pool", metavar="POOL", help="cpu o
                   "Ctrl-C stops it", soft_wrap=True, highlight=False)
     with watch_flow_runs("paperline worker", report=_say):  # a run it was executing is marked Crashed on stopping
         _supervise([sys.executable, "-m", "prefect", "worker", "start", "--pool", WORK_POOLS[pool], "--type",
-                    "process"], env=env, cwd=workdir)
+                    "process"], env=env, cwd=workdir, what="the Prefect worker")
 
 
-def _supervise(cmd: list[str], *, env: dict[str, str], cwd: str, grace_s: float = 60.0) -> int:
+def _supervise(cmd: list[str], *, env: dict[str, str], cwd: str, grace_s: float = 60.0,
+               what: str = "the child process") -> int:
     """Run ``cmd`` until it exits; SIGTERM or SIGHUP to this process stop it the way Ctrl-C does.
 
     ``subprocess.run`` left the child (`prefect worker`, which stops on SIGINT and ignored
@@ -668,8 +677,11 @@ def _supervise(cmd: list[str], *, env: dict[str, str], cwd: str, grace_s: float 
             signal.signal(signal.SIGINT, signal.SIG_IGN)
     deadline: float | None = None  # when a child asked to stop is killed
 
-    def stop(*_: object) -> None:
+    def stop(signum: int | None = None, _frame: object = None) -> None:
         nonlocal deadline
+        if signum is not None and deadline is None:  # the child's log will say SIGINT: say what came
+            print(f"paperline: {signal.Signals(signum).name} received: stopping {what} (passed on as "
+                  f"SIGINT, killed after {grace_s:.0f} s)", file=sys.stderr, flush=True)
         with contextlib.suppress(ProcessLookupError):
             proc.send_signal(signal.SIGINT)
         if deadline is None:
@@ -728,11 +740,13 @@ def compare(experiment: str = typer.Argument(..., metavar="EXPERIMENT", help="ML
     from rich.table import Column
 
     title = f"{experiment}: {len(result['rows'])} run(s) ({result['selection']})"
-    table = Table(*[Column(c, overflow="fold") for c in result["columns"]], title=title)
     counts = _integral_columns(result["rows"])
-    for row in result["rows"]:
-        table.add_row(*[(f"{v:.0f}" if i in counts else _fmt(v)) if isinstance(v, float) else _short(str(v))
-                        for i, v in enumerate(row)])
+    cells = [[(f"{v:.0f}" if i in counts else _fmt(v)) if isinstance(v, float) else _short(str(v))
+              for i, v in enumerate(row)] for row in result["rows"]]
+    table = Table(*[Column(h, overflow="fold") for h in _headers(result["columns"], cells, console.width)],
+                  title=title)
+    for row in cells:
+        table.add_row(*row)
     console.print(table)
     if result["note"]:
         console.print(result["note"], highlight=False)

@@ -59,6 +59,9 @@ def _example_kind(runs: list[Any], metric: str) -> dict[str, str]:
     return {}
 
 
+MAX_PARAM_COLUMNS = 5  # parameters that differ between the runs, shown as table columns
+
+
 def compare_runs(tracker: Tracker, experiment: str, metrics: list[str], filter_string: str = "", top: int = 10,
                  out_dir: Path = Path("paperline-compare"), log: bool = False, ascending: bool = False,
                  all_runs: bool = False) -> dict[str, Any]:
@@ -85,8 +88,9 @@ def compare_runs(tracker: Tracker, experiment: str, metrics: list[str], filter_s
 
     Returns:
         ``{"columns", "rows", "parquet", "plot" (None without metrics), "comparison_run_id",
-        "selection", "metrics", "note"}`` (``note``: what the default headline left out, or why
-        runs are not ranked; else empty).
+        "selection", "metrics", "note"}`` (``note``: what the default headline left out, why
+        runs are not ranked, the parameters that differ beyond the :data:`MAX_PARAM_COLUMNS`
+        shown; else empty).
 
     Raises:
         InputError: unknown experiment (known ones listed), an invalid filter (as given), no
@@ -180,6 +184,14 @@ def compare_runs(tracker: Tracker, experiment: str, metrics: list[str], filter_s
                                             f"known: {', '.join(names[:40])}{' ...' if len(names) > 40 else ''}")
     params = sorted({k for r in runs for k in r.data.params})
     varying = [k for k in params if len({r.data.params.get(k) for r in runs}) > 1]
+    if len(varying) > MAX_PARAM_COLUMNS:  # e.g. --all-runs of compressed training: parent and child runs
+        # differ in ~15; the table shows those with the most distinct values, the Parquet file all
+        shown = sorted(varying, key=lambda k: -len({r.data.params.get(k) for r in runs}))[:MAX_PARAM_COLUMNS]
+        left = [k for k in varying if k not in shown]
+        more = (f"{len(left)} more parameter(s) differ between these runs, in the Parquet file: "
+                f"{', '.join(left[:12])}{' ...' if len(left) > 12 else ''}")
+        note = f"{note}; {more}" if note else more
+        varying = [k for k in varying if k in shown]
     flagged = any("paperline.regression" in r.data.tags for r in runs)
     columns = ["run", "name", "status", *[f"params.{k}" for k in varying], *metrics,
                *(["regression vs best earlier"] if flagged else [])]

@@ -228,8 +228,10 @@ def compressed_training(params: CompressedTrainingParameters | None = None) -> d
         tracker.end_run(parent, "FAILED")
         raise
     summary = _summary(runs, parent, tracker, run_url, str(flow_run.id), bandwidth_plotted=bool(sweep))
-    if params.world_size == 1 and params.collectives_max_bytes:
-        summary["lines"].insert(0, "collectives: not timed (world_size=1: no collective between ranks)")
+    if params.world_size == 1:
+        summary["lines"].insert(0, "world_size=1: no collective between ranks ran; bytes/step/rank is what the "
+                                "compressor hands to the allreduce, what each rank would send with more ranks"
+                                + ("; collectives: not timed" if params.collectives_max_bytes else ""))
     if sweep:
         summary["collectives"] = sweep
         summary["lines"].insert(0, "Linear Pipelining allreduce / backend allreduce (time ratio, > 1: LP faster): "

@@ -264,6 +264,12 @@ def _headlines(fits: list[dict[str, Any]]) -> list[Headline]:
 MLFLOW_NAMES = {"wall_seconds": "wall_s"}  # units in MLflow names (README "MLflow names")
 
 
+def _iterations(history: list[dict[str, float]]) -> int:
+    """Epochs (ALS sweeps / ADMM iterations) a fit ran: its last record's ``epoch``; TensorLy's
+    history also holds the initialization as epoch 0, so its length is one more."""
+    return int(history[-1]["epoch"]) if history else 0
+
+
 def _log_run(tracker: Tracker, run_id: str, store: ObjectStore, fits: list[dict[str, Any]],
              params: TensorFactorizationParameters) -> dict[str, Any]:
     rows, metrics, steps = [], {}, []
@@ -281,7 +287,7 @@ def _log_run(tracker: Tracker, run_id: str, store: ObjectStore, fits: list[dict[
         metrics.update(final)
         rows.append({"dataset": f["dataset"], "split": f["split"], "method": f["method"],
                      "test_rmse": f["test_rmse"], "validation_rmse": f["validation_rmse"],
-                     "fit_seconds": f["fit_seconds"], "epochs": len(f["history"]), "factors": f["manifest"]})
+                     "fit_seconds": f["fit_seconds"], "epochs": _iterations(f["history"]), "factors": f["manifest"]})
     report = render_report.submit(store, fits, rows, params.splits[0])
     with tempfile.TemporaryDirectory() as tmp, ThreadPoolExecutor(max_workers=4) as pool:
         metrics_logged = pool.submit(tracker.log_metric_steps, run_id, steps)  # meanwhile: the report

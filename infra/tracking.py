@@ -342,11 +342,15 @@ class Tracker:
         return ended
 
     def reopen_run(self, run_id: str) -> None:
-        """Mark an ended run as running again (a resumed campaign goes on logging to its run).
+        """Mark an ended run as running again (a resumed campaign goes on logging to its run),
+        dropping the ``paperline.ended_by`` tag an interrupted attempt was ended with.
 
         Raises:
             ServiceError: The tracking server is unreachable.
         """
+        run = self._call("read run", self.client.get_run, run_id)
+        if "paperline.ended_by" in run.data.tags:
+            self._call("delete tag", self.client.delete_tag, run_id, "paperline.ended_by")
         self._call("reopen run", self.client.update_run, run_id, status="RUNNING")
 
     def run_exists(self, run_id: str) -> bool:

@@ -33,17 +33,20 @@ def tensorly_cp(tensor: COOTensor, *, rank: int, n_iter_max: int = 100, l2_reg: 
 
     Returns:
         ``(factors, history)``: N arrays ``I_m x R`` (weights folded into the first) and one dict
-        per iteration with ``epoch``, ``objective`` (TensorLy's relative reconstruction error),
+        for the random initialization (``epoch`` 0: TensorLy's callback sees it first) and one per
+        ALS iteration (``epoch`` 1, 2, ...), with ``epoch``, ``objective`` (TensorLy's relative reconstruction error),
         ``train_rmse``, ``validation_rmse`` and ``wall_seconds``.
 
     Raises:
-        InputError: rank <= 0, or a nominal shape too large to densify.
+        InputError: rank <= 0, tol <= 0, or a nominal shape too large to densify.
     """
     import tensorly as tl
     from tensorly.decomposition import parafac
 
     if not isinstance(rank, (int, np.integer)) or rank <= 0:
         raise InputError("rank", rank, "CP rank must be a positive integer")
+    if not tol > 0:  # TensorLy 0.9 only computes the error its callback reports when tol is set
+        raise InputError("tol", tol, "must be > 0")
     cells = int(np.prod(tensor.shape))
     if cells > MAX_DENSE_CELLS:
         raise InputError("tensor.shape", tensor.shape,

@@ -452,3 +452,22 @@ def test_an_interrupted_run_says_what_the_same_command_does_next():
     assert _again("nas", build_parameters(nas, "demo", ["resume=false"])).startswith(
         "the same command starts the campaign over")
     assert "resumes training" in _again("compressed-training", object())
+
+
+def test_compare_headers_break_at_dots_not_mid_word_when_the_table_is_too_wide():
+    from rich.console import Console
+    from rich.table import Column, Table
+
+    from paperline.flows.cli import _headers
+
+    columns = ["run", "params.routine", "produc.random.p2t2f.test_rmse", "produc.temporal.tensorly_cp.test_rmse"]
+    rows = [["1a2b3c4d", "gemm", "0.4123", "0.9876"]]
+    assert _headers(columns, rows, 120) == columns  # fits: as they are
+    narrow = _headers(columns, rows, 52)
+    assert narrow[1] == "params.\nroutine" and narrow[2] == "produc.\nrandom.\np2t2f.\ntest_rmse"
+    console = Console(width=52, record=True)
+    table = Table(*[Column(h, overflow="fold") for h in narrow])
+    table.add_row(*rows[0])
+    console.print(table)
+    text = console.export_text()
+    assert "routine" in text and "test_rmse" in text and "tensorly_cp" in text, text  # no word folded

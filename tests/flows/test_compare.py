@@ -235,3 +235,28 @@ def test_a_metric_logged_once_per_run_is_plotted_as_bars(tmp_path):
     kinds = _overlay_plot(runs, ["throughput_gflop_per_s", "train_rmse"], histories, path)
     assert kinds == {"throughput_gflop_per_s": "bars", "train_rmse": "lines"}
     assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_many_differing_parameters_are_capped_in_the_table_not_the_parquet(stack_cli, stack, tmp_path):
+    """`compare compressed-training --all-runs` had ~15 parameter columns (parent and child runs
+    differ in most): unreadable at 80 columns. The table shows the most varied few and names the
+    rest; the Parquet file keeps them all."""
+    from paperline.flows.compare import MAX_PARAM_COLUMNS, compare_runs
+    from paperline.infra.tracking import Tracker
+
+    _, info = stack
+    tracker = Tracker(info.mlflow_tracking_uri)
+    names = [f"p{i}" for i in range(MAX_PARAM_COLUMNS + 2)]
+    for run in range(3):  # p0 takes 3 values, the others 2
+        params = {n: (run if n == "p0" else run % 2) for n in names}
+        run_id = tracker.start_run("compare-wide", run_name=f"wide-{run}", params=params)
+        tracker.log_metric_steps(run_id, [(0, {"loss": float(run)})])
+        tracker.end_run(run_id)
+    res = stack_cli("compare", "compare-wide", "--out", str(tmp_path))
+    assert res.exit_code == 0, res.output
+    text = " ".join(res.output.split())
+    assert "2 more parameter(s) differ between these runs, in the Parquet file: " in text, text
+    table = pq.read_table(tmp_path / "compare-wide-runs.parquet").to_pydict()
+    assert all(f"params.{n}" in table for n in names)
+    shown = [c for c in compare_runs(tracker, "compare-wide", [], out_dir=tmp_path)["columns"] if c.startswith("params.")]
+    assert len(shown) == MAX_PARAM_COLUMNS and "params.p0" in shown  # the most varied first

@@ -129,4 +129,4 @@ def test_one_rank_trains_and_times_no_collective(stack, cli_env, tmp_path):
     result = json.loads(summary.read_text())
     assert "collectives" not in result and [r["name"] for r in result["runs"]] == ["none"]
     out = " ".join(proc.stdout.split())
-    assert "collectives: not timed (world_size=1" in out and "Linear Pipelining allreduce" not in out, out
+    assert "world_size=1: no collective between ranks ran" in out and "collectives: not timed" in out and "Linear Pipelining allreduce" not in out, out

@@ -105,6 +105,11 @@ def test_a_killed_serve_process_leaves_its_run_crashed(stack, tmp_path, cli_env)
         tracker.client.delete_run(probe)
         orphan = tracker.client.get_run(orphan.info.run_id)
         assert orphan.info.status == "KILLED" and orphan.data.tags["paperline.ended_by"] == "Prefect flow run Crashed"
+        # a resumed campaign reopens it: running again, without the old attempt's ending
+        tracker.reopen_run(orphan.info.run_id)
+        orphan = tracker.client.get_run(orphan.info.run_id)
+        assert orphan.info.status == "RUNNING" and "paperline.ended_by" not in orphan.data.tags
+        tracker.end_run(orphan.info.run_id, "KILLED")
     finally:
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)

@@ -47,6 +47,8 @@ def test_run_prints_results_and_urls(two_runs):
     assert set(rows) == {(s, m) for s in ("random", "temporal") for m in ("p2t2f", "tensorly_cp")}
     for r in rows.values():
         assert 0 < r["test_rmse"] < 5
+        # iterations run: n_epochs / baseline_iterations (TensorLy's history adds the initialization)
+        assert 1 <= r["epochs"] <= (4 if r["method"] == "p2t2f" else 5), r
     # the parameters as MLflow records them; beside the ones as run (`parameters`), not named alike
     assert summary["mlflow_params"]["rank"] == 3 and summary["mlflow_params"]["n_epochs"] == 4
     assert "params" not in summary and summary["parameters"]["rank"] == 3

@@ -88,3 +88,5 @@ def test_sigterm_stops_the_worker_and_crashes_its_run_at_once(deployed, running_
     assert state.name == "Crashed", (state, log.read_text()[-3000:])
     assert state.message.startswith("`paperline worker` was stopped while this run was executing"), state.message
     assert f"({run.id}) marked Crashed" in log.read_text()
+    # Prefect's worker logs the stop it was passed as "Received SIGINT": ours says what came
+    assert "paperline: SIGTERM received: stopping the Prefect worker (passed on as SIGINT" in log.read_text()

@@ -1,7 +1,9 @@
 """The TensorLy baseline on the same synthetic problem."""
 
 import numpy as np
+import pytest
 
+from paperline.kernels.errors import InputError
 from paperline.kernels.tensor.baselines import tensorly_cp
 from paperline.kernels.tensor.coo import random_split, temporal_split
 from paperline.kernels.tensor.pttf import als, rmse
@@ -12,7 +14,17 @@ def test_tensorly_cp_recovers_random_held_out_entries(low_rank_tensor):
     split = random_split(tensor, seed=0)
     factors, history = tensorly_cp(split.train, rank=3, n_iter_max=200, validation=split.validation)
     assert len(history) >= 2 and np.isfinite(history[-1]["validation_rmse"])
+    # epoch 0 is the random initialization, then one record per ALS iteration
+    assert [h["epoch"] for h in history] == list(range(len(history))) and len(history) <= 201
     assert rmse(factors, split.test) < 1.25 * low_rank_tensor.noise
+
+
+def test_tensorly_cp_history_counts_iterations(low_rank_tensor):
+    tensor, _ = low_rank_tensor()
+    _, history = tensorly_cp(tensor, rank=3, n_iter_max=7, tol=1e-300)
+    assert [h["epoch"] for h in history] == list(range(8))
+    with pytest.raises(InputError, match="tol"):
+        tensorly_cp(tensor, rank=3, tol=0.0)
 
 
 def test_temporal_prior_extrapolates_where_plain_cp_cannot(low_rank_tensor):
