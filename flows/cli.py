@@ -82,7 +82,8 @@ def _ensure_stack(say_reused: bool = False):
     before = load_stack_info(settings)
     pids_before = {s.pid for s in before.services} if before else set()
     with console.status("starting the local stack (S3, Prefect, MLflow)...") as status:
-        info = ensure_stack(settings, progress=lambda msg: status.update(msg))
+        info = ensure_stack(settings, progress=lambda msg: status.update(msg),
+                            notice=lambda msg: console.print(msg, highlight=False, soft_wrap=True))
     started = [s for s in info.services if s.managed and s.pid not in pids_before]
     if started:
         console.print(f"started the local stack in {settings.state_dir} (stop it with `paperline down`): "
@@ -99,8 +100,10 @@ def up() -> None:
     """Start the local stack (or check the configured endpoints) and print each service's URL."""
     info = _ensure_stack(say_reused=True)
     _print_services(info.services)
-    console.print(f"S3:         {info.s3_endpoint_url}\nPrefect UI: {info.prefect_ui_url}\n"
-                  f"MLflow UI:  {info.mlflow_tracking_uri}", soft_wrap=True)
+    from paperline.infra.errors import redact_url
+
+    console.print(f"S3:         {info.s3_endpoint_url}\nPrefect UI: {redact_url(info.prefect_ui_url)}\n"
+                  f"MLflow UI:  {redact_url(info.mlflow_tracking_uri)}", soft_wrap=True)
 
 
 @app.command()
@@ -126,18 +129,31 @@ def status() -> None:
     _print_services(services)
     console.print(f"Dask: {describe_cluster(settings)}")
     console.print(f"state directory: {settings.state_dir}")
-    down = [s.name for s in services if not s.healthy]
-    if down:
-        console.print(f"not running: {', '.join(down)} (`paperline up` starts the local stack)", highlight=False)
+    for line in _down_lines(services):
+        console.print(line, highlight=False, soft_wrap=True)
+    if any(not s.healthy for s in services):
         raise typer.Exit(1)
 
 
+def _down_lines(services) -> list[str]:
+    """What is wrong with the services that are not healthy: a local one is started by `paperline
+    up`; a configured endpoint is not (`up` starts nothing for it), so its line says why it failed."""
+    from paperline.infra.errors import redact_url
+
+    local = [s.name for s in services if not s.healthy and s.managed]
+    lines = [f"not running: {', '.join(local)} (`paperline up` starts the local stack)"] if local else []
+    return lines + [f"not reachable: {s.name} at {redact_url(s.url)} (configured endpoint): {s.problem}"
+                    for s in services if not s.healthy and not s.managed]
+
+
 def _print_services(services) -> None:
+    from paperline.infra.errors import redact_url
+
     table = Table("service", "url", "managed", "pid", "healthy", "log")
     table.columns[1].no_wrap = True
     for s in services:
         healthy = {True: "[green]yes[/]", False: "[red]no[/]", None: "?"}[s.healthy]
-        table.add_row(s.name, s.url, "local" if s.managed else "external", str(s.pid or "-"), healthy,
+        table.add_row(s.name, redact_url(s.url), "local" if s.managed else "external", str(s.pid or "-"), healthy,
                       s.log_path or "-")
     console.print(table)
 
@@ -146,22 +162,30 @@ def _print_services(services) -> None:
 @_friendly
 def env() -> None:
     """Print shell `export` lines that point Prefect's and MLflow's own CLIs at the stack:
-    `eval "$(paperline env)"`, then e.g. `prefect deployment run gemm/local` or `prefect deploy
-    --all`. Without them those CLIs use their own defaults (Prefect starts an empty temporary
+    `eval "$(paperline env)"`, then e.g. `prefect deploy --all`, or `prefect deployment run
+    gemm/local` while `paperline serve` runs. Without them those CLIs use their own defaults (Prefect starts an empty temporary
     server). No credentials are printed. Fails when the stack is not running."""
     import shlex
+    from urllib.parse import urlsplit, urlunsplit
 
-    from paperline.infra.errors import ServiceError
+    from paperline.infra.errors import PaperlineError, ServiceError
     from paperline.infra.stack import load_stack_info, stack_status
 
     settings = _settings()
     info = load_stack_info(settings)
-    down = [s.name for s in stack_status(settings) if not s.healthy] if info is not None else ["stack"]
-    if down:
-        raise ServiceError(", ".join(down), "not running; start it with `paperline up`")
+    if info is None:
+        raise ServiceError("stack", "not running; start it with `paperline up`")
+    services = stack_status(settings)
+    if any(not s.healthy for s in services):
+        raise PaperlineError("; ".join(_down_lines(services)))
     # plain print: rich would wrap long URLs, and `eval` needs the lines as they are
     print(f"export PREFECT_API_URL={shlex.quote(info.prefect_api_url)}")
-    print(f"export MLFLOW_TRACKING_URI={shlex.quote(info.mlflow_tracking_uri)}")
+    uri = urlsplit(info.mlflow_tracking_uri)
+    if "@" in uri.netloc:  # credentials in the URI: not printed; MLflow's client reads its own variables
+        print("# MLFLOW_TRACKING_URI without the credentials in PAPERLINE_MLFLOW_TRACKING_URI (not printed): "
+              "export MLFLOW_TRACKING_USERNAME and MLFLOW_TRACKING_PASSWORD (or MLFLOW_TRACKING_TOKEN)")
+        uri = uri._replace(netloc=uri.netloc.rsplit("@", 1)[1])
+    print(f"export MLFLOW_TRACKING_URI={shlex.quote(urlunsplit(uri))}")
 
 
 @app.command()
@@ -552,6 +576,8 @@ def serve() -> None:
     from paperline.infra.flow_runs import watch_flow_runs
     from paperline.infra.stack import FLOW_HEARTBEAT_S
 
+    from paperline.infra.errors import redact_url
+
     _quiet_logs()
     require_scheduler(_settings())  # the runs served here use it
     info = _ensure_stack()
@@ -569,8 +595,8 @@ def serve() -> None:
         listed = [f"{d.flow_name}/{d.name} ({d.schedules[0].schedule.cron if d.schedules else 'no schedule'})"
                   for d in deployments]
         console.print(f"serving {len(deployments)} deployments: " + ", ".join(listed), highlight=False)
-        console.print(f"trigger them from {info.prefect_ui_url.rstrip('/')}/deployments or with "
-                      f"`PREFECT_API_URL={info.prefect_api_url} prefect deployment run gemm/local --params "
+        console.print(f"trigger them from {redact_url(info.prefect_ui_url.rstrip('/'))}/deployments or with "
+                      f"`PREFECT_API_URL={redact_url(info.prefect_api_url)} prefect deployment run gemm/local --params "
                       "'{\"params\": {\"m\": 512}}'` (`eval \"$(paperline env)\"` sets PREFECT_API_URL in your "
                       "shell); Ctrl-C stops serving", soft_wrap=True, highlight=False, markup=False)
         # on stopping, a run it was executing, or had claimed and not started, is marked Crashed
@@ -618,7 +644,7 @@ def worker(pool: str = typer.Option("cpu", "--pool", metavar="POOL", help="cpu o
     import subprocess
 
     import paperline
-    from paperline.infra.errors import InputError
+    from paperline.infra.errors import InputError, redact_url
     from paperline.infra.flow_runs import watch_flow_runs
     from paperline.infra.stack import FLOW_HEARTBEAT_S, WORK_POOLS
 
@@ -638,7 +664,7 @@ def worker(pool: str = typer.Option("cpu", "--pool", metavar="POOL", help="cpu o
         env["PAPERLINE_DEVICE"] = "cuda"
     # Deployment entrypoints are relative paths (flows/gemm.py): run from the package's directory.
     workdir = os.path.dirname(paperline.__file__)
-    console.print(f"worker for work pool {WORK_POOLS[pool]} on {info.prefect_api_url} (runs from {workdir}); "
+    console.print(f"worker for work pool {WORK_POOLS[pool]} on {redact_url(info.prefect_api_url)} (runs from {workdir}); "
                   "Ctrl-C stops it", soft_wrap=True, highlight=False)
     with watch_flow_runs("paperline worker", report=_say):  # a run it was executing is marked Crashed on stopping
         _supervise([sys.executable, "-m", "prefect", "worker", "start", "--pool", WORK_POOLS[pool], "--type",
@@ -709,6 +735,24 @@ def _supervise(cmd: list[str], *, env: dict[str, str], cwd: str, grace_s: float 
     return proc.returncode
 
 
+def _runs_table(experiment: str, result: dict[str, Any], width: int) -> Table:
+    """``compare``'s table of runs for a console ``width`` characters wide: the run id, name and
+    status are never folded (``3045c8e│d``, ``FINISHE│D`` with many columns: a trial); the
+    parameter and metric columns give way instead."""
+    from rich.table import Column
+
+    title = f"{experiment}: {len(result['rows'])} run(s) ({result['selection']})"
+    counts = _integral_columns(result["rows"])
+    cells = [[(f"{v:.0f}" if i in counts else _fmt(v)) if isinstance(v, float) else _short(str(v))
+              for i, v in enumerate(row)] for row in result["rows"]]
+    headers = _headers(result["columns"], cells, width)
+    table = Table(*[Column(h, overflow="fold", no_wrap=i < 3)  # run, name, status (a metric may be named "name")
+                    for i, h in enumerate(headers)], title=title)
+    for row in cells:
+        table.add_row(*row)
+    return table
+
+
 @app.command()
 @_friendly
 def compare(experiment: str = typer.Argument(..., metavar="EXPERIMENT", help="MLflow experiment, e.g. gemm or tensor-factorization."),
@@ -737,17 +781,7 @@ def compare(experiment: str = typer.Argument(..., metavar="EXPERIMENT", help="ML
         raise ServiceError("stack", "no running stack or configured endpoints; run `paperline up` first")
     result = compare_runs(Tracker(info.mlflow_tracking_uri), experiment, list(metric), filter_string, top, out, log,
                           ascending, all_runs)
-    from rich.table import Column
-
-    title = f"{experiment}: {len(result['rows'])} run(s) ({result['selection']})"
-    counts = _integral_columns(result["rows"])
-    cells = [[(f"{v:.0f}" if i in counts else _fmt(v)) if isinstance(v, float) else _short(str(v))
-              for i, v in enumerate(row)] for row in result["rows"]]
-    table = Table(*[Column(h, overflow="fold") for h in _headers(result["columns"], cells, console.width)],
-                  title=title)
-    for row in cells:
-        table.add_row(*row)
-    console.print(table)
+    console.print(_runs_table(experiment, result, console.width))
     if result["note"]:
         console.print(result["note"], highlight=False)
     plot = result["plot"] or "none (these runs share no metric: name some with --metric)"

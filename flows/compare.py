@@ -70,7 +70,7 @@ def compare_runs(tracker: Tracker, experiment: str, metrics: list[str], filter_s
     Args:
         tracker: the MLflow tracker.
         experiment: experiment name (e.g. ``gemm``).
-        metrics: metric keys to show and plot; empty: the pipeline's headline metrics (tag
+        metrics: metric keys to show and plot (a key given twice counts once); empty: the pipeline's headline metrics (tag
             ``paperline.headlines``: the list most of the newest 100 runs carry, the runs that
             have its first metric, sorted by it in its own direction), else every metric the
             runs share (up to 6; none: no plot). A named headline metric is sorted in its own
@@ -93,8 +93,10 @@ def compare_runs(tracker: Tracker, experiment: str, metrics: list[str], filter_s
         shown; else empty).
 
     Raises:
-        InputError: unknown experiment (known ones listed), an invalid filter (as given), no
-            matching runs, a metric no run has, top < 1, an output directory that cannot be made.
+        InputError: unknown experiment (known ones listed; a pipeline's that has not run yet
+            said so), an invalid filter (as given), no runs (an empty experiment named as such;
+            runs that only ``all_runs`` would list pointed to), a metric no run has, top < 1, an
+            output directory that cannot be made.
     """
     from mlflow.exceptions import MlflowException
 
@@ -104,11 +106,13 @@ def compare_runs(tracker: Tracker, experiment: str, metrics: list[str], filter_s
         raise InputError("experiment", experiment, "name an MLflow experiment, e.g. gemm")
     if out_dir.exists() and not out_dir.is_dir():
         raise InputError("--out", str(out_dir), "exists and is not a directory")
+    metrics = list(dict.fromkeys(metrics))  # --metric x --metric x: one column, one panel
     client = tracker.client
     exp = client.get_experiment_by_name(experiment)
     if exp is None:
         known = sorted(e.name for e in client.search_experiments())
-        raise InputError("experiment", experiment, f"no such MLflow experiment; known: {', '.join(known) or 'none'}")
+        raise InputError("experiment", experiment, f"no such MLflow experiment{_not_run_yet(experiment)}; "
+                                                   f"known: {', '.join(known) or 'none'}")
     user_filter = filter_string.strip()
 
     def rejected(exc: MlflowException) -> InputError:
@@ -122,10 +126,10 @@ def compare_runs(tracker: Tracker, experiment: str, metrics: list[str], filter_s
     clauses = [user_filter] if user_filter else []
     clauses.append(NOT_COMPARISON)  # earlier `--log` runs are not runs to compare
     selection = "all runs; earlier --log comparisons aside"
-    if not all_runs and client.search_runs([exp.experiment_id], filter_string=KEY_FILTER, max_results=1):
+    keyed = not all_runs and bool(client.search_runs([exp.experiment_id], filter_string=KEY_FILTER, max_results=1))
+    if keyed:
         selection = "pipeline runs; --all-runs for every run"
-        clauses.append(KEY_FILTER)
-    query = " and ".join(clauses)
+    query = " and ".join([*clauses, KEY_FILTER] if keyed else clauses)
 
     def search(order: list[str], limit: int) -> list[Any]:
         try:
@@ -157,7 +161,11 @@ def compare_runs(tracker: Tracker, experiment: str, metrics: list[str], filter_s
         ranked = [r for r in found if metrics[0] in r.data.metrics]
         runs = ranked[:top]
         others = [r for r in found if metrics[0] not in r.data.metrics]
-        if others and all_runs:  # every run asked for: those without the headline come last, not left out
+        if others and not ranked:  # e.g. --filter "attributes.status = 'FAILED'": none got as far as the headline
+            runs = search(["attributes.start_time DESC"], top)
+            note = f"none of these runs has {metrics[0]}: listed newest first"
+            metrics = []  # the metrics they share, below
+        elif others and all_runs:  # every run asked for: those without the headline come last, not left out
             runs = (ranked + others)[:top]
             shown = len(runs) - len(ranked[:top])
             if shown:
@@ -173,7 +181,7 @@ def compare_runs(tracker: Tracker, experiment: str, metrics: list[str], filter_s
     else:
         runs = search(order, top)
     if not runs:
-        raise InputError("--filter", user_filter, f"no runs in experiment {experiment!r} match")
+        raise _no_runs(client, exp.experiment_id, experiment, user_filter, " and ".join(clauses) if keyed else "")
     if not metrics:
         shared = set.intersection(*(set(r.data.metrics) for r in runs))
         metrics = sorted(shared)[:6]
@@ -225,6 +233,30 @@ def compare_runs(tracker: Tracker, experiment: str, metrics: list[str], filter_s
         tracker.end_run(comparison_run_id, "FINISHED")
     return {"columns": columns, "rows": rows, "parquet": str(parquet), "plot": str(plot) if plot else None,
             "comparison_run_id": comparison_run_id, "selection": selection, "metrics": metrics, "note": note}
+
+
+def _not_run_yet(experiment: str) -> str:
+    """``: the <name> pipeline has not run here yet ...`` where ``experiment`` is a pipeline's name
+    (each pipeline logs to the experiment of its name), else empty."""
+    from paperline.flows.pipelines import pipeline_names
+
+    if experiment not in pipeline_names():
+        return ""
+    return f" (the {experiment} pipeline has not run here yet: run `paperline run {experiment}` first)"
+
+
+def _no_runs(client: Any, experiment_id: str, experiment: str, user_filter: str, unkeyed: str) -> InputError:
+    """The error for a selection with no run: the experiment has none (no filter given), or none
+    match the filter; when the default selection left out runs that ``--all-runs`` would list
+    (``unkeyed``: the query without it; failed runs carry no ``paperline.params_key``), it says so."""
+    if unkeyed and client.search_runs([experiment_id], filter_string=unkeyed, max_results=1):
+        more = "runs the default selection leaves out (e.g. failed runs) do: --all-runs lists them"
+        if not user_filter:
+            return InputError("experiment", experiment, f"no pipeline runs to compare, but {more}")
+        return InputError("--filter", user_filter, f"no pipeline runs of experiment {experiment!r} match, but {more}")
+    if not user_filter:
+        return InputError("experiment", experiment, f"the experiment has no runs{_not_run_yet(experiment)}")
+    return InputError("--filter", user_filter, f"no runs in experiment {experiment!r} match")
 
 
 def _write_parquet(runs: list[Any], params: list[str], path: Path) -> None:

@@ -190,7 +190,7 @@ def compressed_training(params: CompressedTrainingParameters | None = None) -> d
     params.validate_on_stack(info, store)  # (the CLI checked before creating the flow run; a deployment's run here)
     device = resolve_device(settings.device)
     tracker = Tracker(info.mlflow_tracking_uri)
-    run_url = f"{info.prefect_ui_url.rstrip('/')}/runs/flow-run/{flow_run.id}"
+    run_url = info.flow_run_url(flow_run.id)
     tags = {"prefect.flow_run_id": str(flow_run.id), "prefect.flow_run_url": run_url}
     parent = tracker.start_run(EXPERIMENT, run_name=flow_run.name or "compressed-training", tags=tags,
                                params={**params.model_dump(), "device": device})

@@ -133,6 +133,8 @@ class GemmParameters(BaseModel):
     def _check_location(cls, v: str | None, info: ValidationInfo) -> str | None:
         if v is not None and not v.strip():
             raise ValueError("must not be empty")
+        if v is not None and v[:3].lower() == "s3:" and not v.startswith("s3://"):  # s3:/bucket/x.npy was a local path
+            raise ValueError("looks like an S3 URI: start it with s3:// (e.g. s3://bucket/key.npy)")
         if v is None or not v.startswith("s3://"):
             return v
         bucket, _, key = v[len("s3://"):].partition("/")
@@ -331,7 +333,7 @@ def gemm(params: GemmParameters | None = None) -> dict[str, Any]:
     if not output.startswith("s3://"):
         output = str(Path(output).expanduser().resolve())
     tracker = Tracker(info.mlflow_tracking_uri)
-    run_url = f"{info.prefect_ui_url.rstrip('/')}/runs/flow-run/{flow_run.id}"
+    run_url = info.flow_run_url(flow_run.id)
     mlflow_params = {**logged_params(params, problem), "memory_budget_bytes": budget, "device": device, "output": output}
     run_id = tracker.start_run(EXPERIMENT, run_name=flow_run.name or "gemm",
                                tags={"prefect.flow_run_id": str(flow_run.id), "prefect.flow_run_url": run_url},

@@ -172,7 +172,7 @@ def nas(params: NasParameters | None = None) -> dict[str, Any]:
     settings = get_settings()
     info, store = require_stack(settings)
     tracker = Tracker(info.mlflow_tracking_uri)
-    run_url = f"{info.prefect_ui_url.rstrip('/')}/runs/flow-run/{flow_run.id}"
+    run_url = info.flow_run_url(flow_run.id)
     tags = {"prefect.flow_run_id": str(flow_run.id), "prefect.flow_run_url": run_url}
     results = [run_one(c, store, tracker, campaigns_prefix(info.data_bucket), tags) for c in params.campaigns()]
     return _summary(results, run_url, str(flow_run.id), tracker)

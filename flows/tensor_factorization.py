@@ -202,7 +202,7 @@ def tensor_factorization(params: TensorFactorizationParameters | None = None) ->
     info, store = require_stack(settings)
     tracker = Tracker(info.mlflow_tracking_uri)
     bucket = info.data_bucket
-    run_url = f"{info.prefect_ui_url.rstrip('/')}/runs/flow-run/{flow_run.id}"
+    run_url = info.flow_run_url(flow_run.id)
     device = array_device(settings.device)
     mlflow_params = {**params.model_dump(), "device": device}
     run_id = tracker.start_run(EXPERIMENT, run_name=flow_run.name or "tensor-factorization",

@@ -283,7 +283,7 @@ def video_curation(params: VideoCurationParameters | None = None) -> dict[str, A
     inputs_key = params.inputs_key(cfg, sources)
     check_dataset_free(store, output, inputs_key, argument, value)  # before hours of processing, not at upload
     tracker = Tracker(info.mlflow_tracking_uri)
-    run_url = f"{info.prefect_ui_url.rstrip('/')}/runs/flow-run/{flow_run.id}"
+    run_url = info.flow_run_url(flow_run.id)
     mlflow_params = {**params.model_dump(), "splitter_used": cfg.splitter, "encoder_used": cfg.encoder,
                      "embedder_used": cfg.resolved_embedder(), "device": device, "output": output,
                      "semantic_threshold_used": params.semantic_threshold or SEMANTIC_THRESHOLDS[cfg.resolved_embedder()],

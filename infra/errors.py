@@ -30,17 +30,35 @@ def input_error_from(exc: Any, argument: Callable[[tuple[Any, ...]], str]) -> In
     return InputError(argument(tuple(err["loc"])), err.get("input"), err["msg"].removeprefix("Value error, "))
 
 
+def redact_url(url: str) -> str:
+    """``url`` with the password of its user info masked (``http://alice:***@host:5000``; a user
+    part alone, which may be a token, as ``***@``), for
+    anything shown or logged: a tracking URI may carry basic-auth credentials."""
+    from urllib.parse import urlsplit, urlunsplit  # noqa: PLC0415
+
+    try:
+        parts = urlsplit(url)
+    except ValueError:
+        return url
+    if "@" not in parts.netloc:
+        return url
+    host = parts.netloc.rsplit("@", 1)[1]
+    user = "***" if parts.password is None else f"{parts.username}:***"  # a bare user part may be a token
+    return urlunsplit(parts._replace(netloc=f"{user}@{host}"))
+
+
 class ServiceError(PaperlineError):
     """A service of the stack (S3, Prefect, MLflow, Dask) is down or failed to start.
 
-    The message names the service, its URL and, for a local server, where its log is.
+    The message names the service, its URL (a password in it masked: :func:`redact_url`) and,
+    for a local server, where its log is.
     """
 
     def __init__(self, service: str, detail: str, *, url: str | None = None, log: str | None = None):
         self.service = service
         parts = [f"{service} is not available"]
         if url:
-            parts.append(f"at {url}")
+            parts.append(f"at {redact_url(url)}")
         msg = " ".join(parts) + f": {detail}"
         if log:
             msg += f" (log: {log})"

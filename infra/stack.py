@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import contextlib
 import fcntl
+import hashlib
 import json
 import os
 import secrets
@@ -39,12 +40,15 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
 
-from paperline.infra.errors import PaperlineError, ServiceError
+from paperline.infra.errors import PaperlineError, ServiceError, redact_url
 from paperline.infra.settings import Settings
 
 SERVICE_NAMES = ("s3", "prefect", "mlflow")
-RESULT_BLOCK_NAME = "paperline-results"
-RESULT_STORAGE_BLOCK = f"s3-bucket/{RESULT_BLOCK_NAME}"
+def result_block_name(s3_url: str | None, key: str | None, region: str, bucket: str) -> str:
+    """The result-storage block's name for these S3 settings: ``paperline-results-<10 hex digits>``
+    (SHA-256 of endpoint, access key id, region and bucket; the secret is not part of it)."""
+    digest = hashlib.sha256(json.dumps([s3_url or "", key or "", region, bucket]).encode()).hexdigest()
+    return f"paperline-results-{digest[:10]}"
 """Slug of the Prefect ``S3Bucket`` block holding task results (the cache)."""
 
 STATE_FILE = "stack.json"
@@ -70,6 +74,8 @@ class Service:
         pid: PID of the local server's process (process-group leader), if managed and running.
         log_path: The local server's log file, if managed.
         healthy: Result of the last health check; None when not checked.
+        problem: Why the last health check failed, naming the setting to fix (configured
+            endpoints; None otherwise).
     """
 
     name: str
@@ -78,6 +84,7 @@ class Service:
     pid: int | None = None
     log_path: str | None = None
     healthy: bool | None = None
+    problem: str | None = None
 
 
 @dataclass
@@ -106,6 +113,18 @@ class StackInfo:
     results_bucket: str
     artifacts_bucket: str
     data_bucket: str
+
+    @property
+    def result_storage_block(self) -> str:
+        """The Prefect ``S3Bucket`` block (``s3-bucket/<name>``) that task results persist to, named
+        after the S3 endpoint, access key id, region and results bucket it holds: clients with other
+        S3 settings on one Prefect server keep blocks of their own (one name for all overwrote each
+        other's storage, a fresh-user trial)."""
+        return f"s3-bucket/{result_block_name(self.s3_endpoint_url, self.s3_access_key_id, self.s3_region, self.results_bucket)}"
+
+    def flow_run_url(self, flow_run_id: Any) -> str:
+        """The flow run's page in the Prefect UI, a password in the URL masked (for printing)."""
+        return redact_url(f"{self.prefect_ui_url.rstrip('/')}/runs/flow-run/{flow_run_id}")
 
     def service(self, name: str) -> Service:
         """The service called ``name``.
@@ -333,9 +352,16 @@ def _clean_env(drop_prefixes: tuple[str, ...]) -> dict[str, str]:
 # Health checks
 
 
-def _s3_healthy(url: str | None, key: str | None, secret: str | None, region: str) -> bool:
+def _s3_problem(url: str | None, key: str | None, secret: str | None, region: str, bucket: str | None = None) -> str | None:
+    """Why the S3 endpoint cannot be used with these credentials, naming the setting to fix; None
+    when it can. ``ListBuckets`` first; where that is denied (an IAM user limited to its own
+    buckets), ``HeadBucket`` on ``bucket`` (a missing bucket still proves the credentials)."""
     import boto3  # noqa: PLC0415
     from botocore.config import Config  # noqa: PLC0415
+    from botocore.exceptions import BotoCoreError, ClientError, EndpointConnectionError, NoCredentialsError  # noqa: PLC0415
+
+    def code(exc: ClientError) -> str:
+        return str(exc.response.get("Error", {}).get("Code", ""))
 
     try:
         client = boto3.session.Session().client(
@@ -352,27 +378,87 @@ def _s3_healthy(url: str | None, key: str | None, secret: str | None, region: st
                 retries={"max_attempts": 1},
             ),
         )
-        client.list_buckets()
-        return True
-    except Exception:  # noqa: BLE001 - any failure is "not healthy"
-        return False
+        try:
+            client.list_buckets()
+        except ClientError as exc:
+            if code(exc) != "AccessDenied" or not bucket:
+                raise
+            try:
+                client.head_bucket(Bucket=bucket)
+            except ClientError as head:
+                if code(head) not in ("404", "NoSuchBucket"):
+                    raise
+        return None
+    except NoCredentialsError:
+        return "no credentials: set PAPERLINE_S3_ACCESS_KEY_ID and PAPERLINE_S3_SECRET_ACCESS_KEY (or AWS_ACCESS_KEY_ID/AWS_SECRET_ACCESS_KEY)"
+    except EndpointConnectionError as exc:
+        return f"cannot connect ({exc}); check PAPERLINE_S3_ENDPOINT_URL"
+    except ClientError as exc:
+        hint = {"InvalidAccessKeyId": "PAPERLINE_S3_ACCESS_KEY_ID", "SignatureDoesNotMatch": "PAPERLINE_S3_SECRET_ACCESS_KEY",
+                "AccessDenied": "the credentials' permissions (PAPERLINE_S3_ACCESS_KEY_ID)",
+                "AuthorizationHeaderMalformed": "PAPERLINE_S3_REGION"}.get(code(exc), "PAPERLINE_S3_ENDPOINT_URL and the credentials")
+        return f"{code(exc) or 'error'}: {str(exc)[:200]}; check {hint}"
+    except (BotoCoreError, ValueError) as exc:  # an invalid endpoint URL, a reply that is not S3, ...
+        return f"{type(exc).__name__}: {str(exc)[:200]}; check PAPERLINE_S3_ENDPOINT_URL"
+    except Exception as exc:  # noqa: BLE001 - any other failure: not usable, say what it was
+        return f"{type(exc).__name__}: {str(exc)[:200]}"
 
 
-def _http_ok(url: str) -> bool:
+def _s3_healthy(url: str | None, key: str | None, secret: str | None, region: str) -> bool:
+    return _s3_problem(url, key, secret, region) is None
+
+
+def _http_problem(url: str, headers: dict[str, str] | None = None) -> str | None:
+    """Why ``GET url`` did not return 200; None when it did."""
     import httpx  # noqa: PLC0415
 
     try:
-        return httpx.get(url, timeout=3.0).status_code == 200
-    except httpx.HTTPError:
-        return False
+        code = httpx.get(url, timeout=3.0, headers=headers).status_code
+    except (httpx.HTTPError, ValueError) as exc:  # ValueError: not a URL httpx accepts
+        return f"GET /health failed: {type(exc).__name__}: {str(exc)[:200]}"
+    if code in (401, 403):
+        return f"GET /health returned {code} (not authorized)"
+    return None if code == 200 else f"GET /health returned {code}"
+
+
+def _http_ok(url: str) -> bool:
+    return _http_problem(url) is None
+
+
+def _auth_headers(service: str) -> dict[str, str]:
+    """The authorization header the service's own client would send, from its own environment
+    variables: Prefect's ``PREFECT_API_KEY`` (Prefect Cloud) or ``PREFECT_API_AUTH_STRING`` (a
+    self-hosted server's basic auth); MLflow's ``MLFLOW_TRACKING_TOKEN`` or
+    ``MLFLOW_TRACKING_USERNAME``/``MLFLOW_TRACKING_PASSWORD``."""
+    import base64  # noqa: PLC0415
+
+    env = os.environ
+    if service == "prefect":
+        if env.get("PREFECT_API_KEY"):
+            return {"Authorization": f"Bearer {env['PREFECT_API_KEY']}"}
+        basic = env.get("PREFECT_API_AUTH_STRING")
+    else:
+        if env.get("MLFLOW_TRACKING_TOKEN"):
+            return {"Authorization": f"Bearer {env['MLFLOW_TRACKING_TOKEN']}"}
+        user, password = env.get("MLFLOW_TRACKING_USERNAME"), env.get("MLFLOW_TRACKING_PASSWORD")
+        basic = f"{user}:{password}" if user and password else None
+    return {"Authorization": "Basic " + base64.b64encode(basic.encode()).decode()} if basic else {}
+
+
+def _prefect_problem(api_url: str) -> str | None:
+    return _http_problem(api_url.rstrip("/") + "/health", _auth_headers("prefect"))
+
+
+def _mlflow_problem(uri: str) -> str | None:
+    return _http_problem(uri.rstrip("/") + "/health", _auth_headers("mlflow"))
 
 
 def _prefect_healthy(api_url: str) -> bool:
-    return _http_ok(api_url.rstrip("/") + "/health")
+    return _prefect_problem(api_url) is None
 
 
 def _mlflow_healthy(uri: str) -> bool:
-    return _http_ok(uri.rstrip("/") + "/health")
+    return _mlflow_problem(uri) is None
 
 
 def _listens(pid: int, port: int | None) -> bool:
@@ -628,7 +714,9 @@ def _start_mlflow(
 
 
 def _save_result_block(api_url: str, s3_url: str | None, key: str | None, secret: str | None, settings: Settings) -> None:
-    """Save the Prefect ``S3Bucket`` block that persists task results, on the Prefect server at ``api_url``.
+    """Save the Prefect ``S3Bucket`` block that persists task results (:func:`result_block_name`),
+    on the Prefect server at ``api_url``. Prefect keeps the S3 secret in the block, encrypted in its
+    database; anyone with access to that Prefect API can read it back.
 
     Raises:
         ServiceError: The Prefect API rejected it or is unreachable.
@@ -645,7 +733,7 @@ def _save_result_block(api_url: str, s3_url: str | None, key: str | None, secret
     block = S3Bucket(bucket_name=settings.results_bucket, credentials=AwsCredentials(**creds))
     try:
         with temporary_settings({PREFECT_API_URL: api_url}):
-            block.save(RESULT_BLOCK_NAME, overwrite=True)
+            block.save(result_block_name(s3_url, key, settings.s3_region, settings.results_bucket), overwrite=True)
     except Exception as exc:  # noqa: BLE001 - httpx/prefect errors; the message names the cause
         raise ServiceError("prefect", f"could not save the result-storage block: {exc}", url=api_url) from exc
 
@@ -767,19 +855,21 @@ def _make_info(settings: Settings, urls: dict[str, str | None], services: list[S
     )
 
 
-def ensure_stack(settings: Settings, *, progress: Progress | None = None) -> StackInfo:
+def ensure_stack(settings: Settings, *, progress: Progress | None = None, notice: Progress | None = None) -> StackInfo:
     """Make sure S3, Prefect and MLflow are up (``paperline up``); idempotent.
 
     Configured endpoints are used as they are. For the others, servers recorded in ``stack.json`` that
     still run (same PID and start time) and pass their health check are reused; the rest are started
     fresh (S3 first, then Prefect and MLflow in parallel) on the preferred ports, or free ones if those
     are taken. Then the buckets are created and the Prefect result-storage block
-    (:data:`RESULT_STORAGE_BLOCK`) is saved. If anything fails, the servers this call started are
+    (:attr:`StackInfo.result_storage_block`) is saved. If anything fails, the servers this call started are
     stopped again.
 
     Args:
         settings: Endpoints, ports, buckets, ``state_dir``, ``startup_timeout_s`` (seconds per wait).
         progress: Called with one-line messages about what is being started.
+        notice: Called with lines to keep (a bucket created on a configured S3 endpoint); default
+            ``progress``.
 
     Returns:
         The endpoints and credentials of the stack.
@@ -789,6 +879,7 @@ def ensure_stack(settings: Settings, *, progress: Progress | None = None) -> Sta
             seconds (the message names its URL and log), or a configured endpoint is unreachable.
     """
     say = progress or (lambda _msg: None)
+    tell = notice or say
     settings.state_dir.mkdir(parents=True, exist_ok=True)
     external = _external_urls(settings)
     with _locked(settings):
@@ -837,8 +928,9 @@ def ensure_stack(settings: Settings, *, progress: Progress | None = None) -> Sta
             key, secret = _s3_credentials(settings)
             if external["s3"]:
                 s3_url: str | None = external["s3"]
-                if not _s3_healthy(s3_url, key, secret, settings.s3_region):
-                    raise ServiceError("s3", "list_buckets failed (endpoint or credentials)", url=s3_url)
+                problem = _s3_problem(s3_url, key, secret, settings.s3_region, settings.results_bucket)
+                if problem:
+                    raise ServiceError("s3", problem, url=s3_url)
             elif reuse("s3", lambda r: _s3_healthy(r["url"], key, secret, settings.s3_region)):
                 s3_url = recs["s3"]["url"]
                 taken.update(recs["s3"].get("ports", {}).values())
@@ -872,16 +964,21 @@ def ensure_stack(settings: Settings, *, progress: Progress | None = None) -> Sta
 
             from paperline.infra.storage import ObjectStore  # noqa: PLC0415
 
-            ObjectStore(s3_obj_url, key, secret, settings.s3_region).ensure_buckets(
-                [settings.results_bucket, settings.artifacts_bucket, settings.data_bucket]
-            )
+            buckets = {settings.results_bucket: "PAPERLINE_RESULTS_BUCKET", settings.artifacts_bucket:
+                       "PAPERLINE_ARTIFACTS_BUCKET", settings.data_bucket: "PAPERLINE_DATA_BUCKET"}
+            created = ObjectStore(s3_obj_url, key, secret, settings.s3_region).ensure_buckets(list(buckets))
+            if external["s3"] and created:  # on someone's S3 a mistyped name would otherwise go unnoticed
+                tell("s3: created bucket(s) " + ", ".join(f"{b} ({buckets[b]})" for b in created)
+                     + f" at {s3_obj_url}")
 
             # ---- Prefect and MLflow, started in parallel
             pending: dict[str, tuple[subprocess.Popen[bytes], Callable[[], bool], str, str]] = {}
             if external["prefect"]:
                 api, _ = _prefect_urls(external["prefect"])
-                if not _prefect_healthy(api):
-                    raise ServiceError("prefect", "GET /health failed", url=api)
+                problem = _prefect_problem(api)
+                if problem:
+                    raise ServiceError("prefect", f"{problem}; check PAPERLINE_PREFECT_API_URL (and PREFECT_API_KEY or "
+                                                  "PREFECT_API_AUTH_STRING where the server needs them)", url=api)
             elif "prefect" not in recs:
                 proc, rec = _start_prefect(settings, None, taken)
                 say(f"prefect: starting server at {rec['url']} (log: {rec['log_path']})")
@@ -889,8 +986,11 @@ def ensure_stack(settings: Settings, *, progress: Progress | None = None) -> Sta
                 started.append("prefect")
                 pending["prefect"] = (proc, lambda r=rec: _prefect_healthy(r["api_url"]), rec["url"], rec["log_path"])
             if external["mlflow"]:
-                if not _mlflow_healthy(external["mlflow"]):
-                    raise ServiceError("mlflow", "GET /health failed", url=external["mlflow"])
+                problem = _mlflow_problem(external["mlflow"])
+                if problem:
+                    raise ServiceError("mlflow", f"{problem}; check PAPERLINE_MLFLOW_TRACKING_URI (and "
+                                                 "MLFLOW_TRACKING_TOKEN or MLFLOW_TRACKING_USERNAME/PASSWORD where the "
+                                                 "server needs them)", url=external["mlflow"])
             elif "mlflow" not in recs:
                 proc, rec = _start_mlflow(settings, None, taken, s3_obj_url, key, secret)
                 say(f"mlflow: starting server at {rec['url']} (log: {rec['log_path']})")
@@ -919,7 +1019,8 @@ def ensure_stack(settings: Settings, *, progress: Progress | None = None) -> Sta
                 "crash_after_s": settings.crash_after_s,
             }
             if state.get("result_block") != fingerprint or "prefect" in started:
-                say(f"prefect: saving result storage block {RESULT_STORAGE_BLOCK}")
+                block = result_block_name(s3_obj_url, key, settings.s3_region, settings.results_bucket)
+                say(f"prefect: saving result storage block s3-bucket/{block}")
                 _save_result_block(prefect_api, s3_obj_url, key, secret, settings)
                 say(f"prefect: work pools {', '.join(WORK_POOLS.values())}")
                 ensure_work_pools(prefect_api)
@@ -1025,23 +1126,27 @@ def stack_status(settings: Settings) -> list[Service]:
     except (OSError, ValueError, KeyError):
         key = secret = None
 
-    def check(name: str, url: str) -> bool:
+    def check(name: str, url: str) -> str | None:
         if name == "s3":
-            return _s3_healthy(url, key, secret, settings.s3_region)
+            return _s3_problem(url, key, secret, settings.s3_region, settings.results_bucket)
         if name == "prefect":
-            return _prefect_healthy(_prefect_urls(url)[0])
-        return _mlflow_healthy(url)
+            problem = _prefect_problem(_prefect_urls(url)[0])
+            return problem and f"{problem}; check PAPERLINE_PREFECT_API_URL"
+        problem = _mlflow_problem(url)
+        return problem and f"{problem}; check PAPERLINE_MLFLOW_TRACKING_URI"
 
     out = []
     for name in SERVICE_NAMES:
         if external[name]:
             url = external[name] or ""
             shown = _prefect_urls(url)[1] if name == "prefect" else url
-            out.append(Service(name, shown, managed=False, healthy=check(name, url)))
+            problem = check(name, url)
+            out.append(Service(name, shown, managed=False, healthy=problem is None, problem=problem))
             continue
         rec = recs.get(name)
         if rec and _live_process(rec) is not None:
-            out.append(Service(name, rec["url"], True, pid=rec["pid"], log_path=rec["log_path"], healthy=check(name, rec["url"])))
+            out.append(Service(name, rec["url"], True, pid=rec["pid"], log_path=rec["log_path"],
+                               healthy=check(name, rec["url"]) is None))
         else:
             # Not running: no URL to show (the default port may belong to someone else's stack).
             log = str(settings.state_dir / "logs" / f"{name}.log")
@@ -1122,7 +1227,7 @@ def activate(info: StackInfo) -> None:
 
     Sets ``PREFECT_API_URL``, ``PREFECT_SERVER_ANALYTICS_ENABLED=false``,
     ``PREFECT_RESULTS_PERSIST_BY_DEFAULT=true``, ``PREFECT_RESULTS_DEFAULT_STORAGE_BLOCK`` (=
-    :data:`RESULT_STORAGE_BLOCK`) and ``MLFLOW_TRACKING_URI``. S3 secrets are never put in the
+    :attr:`StackInfo.result_storage_block`) and ``MLFLOW_TRACKING_URI``. S3 secrets are never put in the
     environment (the result block and the MLflow server hold them). If Prefect is already imported, its
     global settings are refreshed so the change takes effect in this process too.
     """
@@ -1131,7 +1236,7 @@ def activate(info: StackInfo) -> None:
             "PREFECT_API_URL": info.prefect_api_url,
             "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
             "PREFECT_RESULTS_PERSIST_BY_DEFAULT": "true",
-            "PREFECT_RESULTS_DEFAULT_STORAGE_BLOCK": RESULT_STORAGE_BLOCK,
+            "PREFECT_RESULTS_DEFAULT_STORAGE_BLOCK": info.result_storage_block,
             "MLFLOW_TRACKING_URI": info.mlflow_tracking_uri,
         }
     )

@@ -217,8 +217,8 @@ class ObjectStore:
 
     # -- buckets --------------------------------------------------------------------------------------
 
-    def ensure_buckets(self, names: list[str] | tuple[str, ...]) -> None:
-        """Create the buckets that do not exist yet (idempotent).
+    def ensure_buckets(self, names: list[str] | tuple[str, ...]) -> list[str]:
+        """Create the buckets that do not exist yet (idempotent); returns the names created.
 
         Raises:
             InputError: A bucket name is shorter than 3 characters.
@@ -228,6 +228,7 @@ class ObjectStore:
 
         from paperline.infra.errors import InputError  # noqa: PLC0415
 
+        created = []
         for name in names:
             if len(name) < 3:
                 raise InputError("bucket", name, "S3 bucket names have at least 3 characters")
@@ -242,9 +243,11 @@ class ObjectStore:
                 kwargs["CreateBucketConfiguration"] = {"LocationConstraint": self.region}
             try:
                 self._call(f"create bucket {name}", self.client.create_bucket, **kwargs)
+                created.append(name)
             except ClientError as exc:
                 if exc.response.get("Error", {}).get("Code") not in {"BucketAlreadyOwnedByYou", "BucketAlreadyExists"}:
                     raise
+        return created
 
     def bucket_exists(self, name: str) -> bool:
         """Whether the bucket exists (and these credentials may see it).

@@ -17,7 +17,7 @@ import threading
 import time
 from typing import Any
 
-from paperline.infra.errors import ServiceError
+from paperline.infra.errors import ServiceError, redact_url
 
 _FALLBACK_LIMITS = {"MAX_METRICS_PER_BATCH": 1000, "MAX_PARAMS_TAGS_PER_BATCH": 100,  # mlflow 3.17's values
                     "MAX_PARAM_VAL_LENGTH": 6000, "MAX_TAG_VAL_LENGTH": 8000}
@@ -70,7 +70,7 @@ class Tracker:
         self._swept: set[str] = set()  # experiments whose orphaned runs were ended (start_run)
 
     def __repr__(self) -> str:
-        return f"Tracker({self.tracking_uri!r})"
+        return f"Tracker({redact_url(self.tracking_uri)!r})"
 
     def __getstate__(self) -> dict[str, Any]:
         return {"tracking_uri": self.tracking_uri, "_experiment_of_run": dict(self._experiment_of_run)}
@@ -100,6 +100,10 @@ class Tracker:
                     # MLflow writes two "View run" lines to stdout per ended run; paperline prints
                     # the run URLs itself (a campaign ends one child run per evaluation).
                     os.environ.setdefault("MLFLOW_SUPPRESS_PRINTING_URL_TO_STDOUT", "true")
+                    # A tracking server that died mid-run: MLflow's 7 retries (backoff factor 2,
+                    # sized for hosted servers' rate limits) held a run ~4 minutes per call, 8 in
+                    # all, before it failed (a fresh-user trial); 4 retries give up after ~30 s.
+                    os.environ.setdefault("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "4")
                     self._client = MlflowClient(tracking_uri=self.tracking_uri)
         return self._client
 
@@ -404,7 +408,8 @@ class Tracker:
                 return out
 
     def run_url(self, run_id: str) -> str:
-        """The run's page in the MLflow UI: ``{uri}/#/experiments/{experiment_id}/runs/{run_id}``.
+        """The run's page in the MLflow UI: ``{uri}/#/experiments/{experiment_id}/runs/{run_id}``
+        (a password in the URI masked: it is printed and logged).
 
         Raises:
             ServiceError: The tracking server is unreachable (only if the run was not started here).
@@ -413,4 +418,4 @@ class Tracker:
         if exp_id is None:
             exp_id = self._call("get run", self.client.get_run, run_id).info.experiment_id
             self._experiment_of_run[run_id] = exp_id
-        return f"{self.tracking_uri}/#/experiments/{exp_id}/runs/{run_id}"
+        return redact_url(f"{self.tracking_uri}/#/experiments/{exp_id}/runs/{run_id}")

@@ -192,7 +192,8 @@ def make_problem(routine: str, a: Any, b: Any = None, c: Any = None, *, alpha: A
     Raises:
         InputError: unknown routine or flag, shapes that do not conform, mixed dtypes, a tile
             size below 1, non-finite alpha/beta, a TRSM diagonal entry equal to zero (checked
-            here for in-memory and file operands, during the solve otherwise).
+            here for in-memory and file operands, during the solve otherwise). An error about an
+            operand read from a file or S3 names the path or URI as the value seen.
     """
     if routine not in ROUTINES:
         raise InputError("routine", routine, f"unknown BLAS routine; known: {', '.join(ROUTINES.names())}")
@@ -206,38 +207,41 @@ def make_problem(routine: str, a: Any, b: Any = None, c: Any = None, *, alpha: A
     C = None if c is None or routine in ("trmm", "trsm") else as_source(c, "c")
     for name, s in (("b", B), ("c", C)):
         if s is not None and s.dtype != A.dtype:
-            raise InputError(name, str(s.dtype), f"dtype differs from a ({A.dtype}); mixed dtypes are not supported")
+            differs = f"differs from a ({A.dtype}); mixed dtypes are not supported"
+            if _where(s) is not None:  # the file or URI is the value seen, its dtype leads the reason
+                raise InputError(name, _where(s), f"dtype {s.dtype} {differs}")
+            raise InputError(name, str(s.dtype), f"dtype {differs}")
 
     def square(name: str, s: TileSource) -> int:
         if s.shape[0] != s.shape[1]:
-            raise InputError(name, s.shape, f"{routine.upper()} needs a square {name}")
+            raise _shape_error(name, s, f"{routine.upper()} needs a square {name}")
         return s.shape[0]
 
-    def conform(name: str, got: tuple[int, int], want: tuple[int, int], why: str) -> None:
-        if tuple(got) != tuple(want):
-            raise InputError(name, tuple(got), f"shape does not conform: expected {tuple(want)} ({why})")
+    def conform(name: str, s: TileSource, want: tuple[int, int], why: str) -> None:
+        if tuple(s.shape) != tuple(want):
+            raise _shape_error(name, s, f"shape does not conform: expected {tuple(want)} ({why})")
 
     if routine == "gemm":
         m, k = A.shape[::-1] if ta else A.shape
         kb, n = B.shape[::-1] if tb else B.shape
         if kb != k:
-            raise InputError("b", B.shape, f"shape does not conform: op(b) has {kb} rows, op(a) has {k} columns")
+            raise _shape_error("b", B, f"shape does not conform: op(b) has {kb} rows, op(a) has {k} columns")
         flops = 2.0 * m * n * k
     elif routine in ("syrk", "syr2k"):
         n, k = A.shape[::-1] if ta else A.shape
         m = n
         if B is not None:
-            conform("b", B.shape, A.shape, "SYR2K needs a and b of one shape")
+            conform("b", B, A.shape, "SYR2K needs a and b of one shape")
         flops = (1.0 if routine == "syrk" else 2.0) * n * (n + 1) * k
     else:  # symm, trmm, trsm: a square A on side L (m x m) or R (n x n) of B (m x n)
         na = square("a", A)
         m, n = B.shape
         if (m if sd == "L" else n) != na:
-            raise InputError("b", B.shape, f"shape does not conform with a {A.shape} on side {sd}")
+            raise _shape_error("b", B, f"shape does not conform with a {tuple(A.shape)} on side {sd}")
         k = na
         flops = (2.0 if routine == "symm" else 1.0) * m * n * k
     if C is not None:
-        conform("c", C.shape, (m, n), "the result's shape")
+        conform("c", C, (m, n), "the result's shape")
     if min(m, n, k) < 1:
         raise InputError("shape", (m, n, k), "empty problem: every dimension must be at least 1")
     problem = Problem(routine, A, B, C, alpha, beta if routine not in ("trmm", "trsm") else 0.0, ta, tb, sd, lower,
@@ -247,11 +251,38 @@ def make_problem(routine: str, a: Any, b: Any = None, c: Any = None, *, alpha: A
     return problem
 
 
+def _where(s: TileSource) -> str | None:
+    """The file path or S3 URI operand ``s`` was read from (None: an in-memory or generated matrix)."""
+    return getattr(s, "where", None)
+
+
+def _shape_error(name: str, s: TileSource, problem: str) -> InputError:
+    """A shape error about operand ``name``: the value seen is its file or URI, the shape then
+    leads the reason (``b='/data/B.npy': shape (100, 128) does not conform: ...``, as a
+    non-finite entry's error names the file); else the shape is the value seen."""
+    where = _where(s)
+    if where is None:
+        return InputError(name, tuple(s.shape), problem)
+    shape = f"shape {tuple(s.shape)}"
+    return InputError(name, where, problem.replace("shape", shape, 1) if problem.startswith("shape")
+                      else f"{shape}: {problem}")
+
+
+def zero_diagonal_error(i: int, where: str | None) -> InputError:
+    """The error for a zero at ``a[i,i]`` of a TRSM's triangular matrix: the value seen is the
+    file or URI ``where`` (``a='/data/A.npy': TRSM needs a nonzero diagonal, found a[37,37] = 0``),
+    else (an in-memory or generated matrix), as for a non-finite entry, the entry itself."""
+    entry = f"a[{i},{i}] = 0"
+    if where is None:
+        return InputError("a", entry, "TRSM needs a nonzero diagonal (the triangular matrix is singular)")
+    return InputError("a", where, f"TRSM needs a nonzero diagonal, found {entry} (the triangular matrix is singular)")
+
+
 def check_trsm_diagonal(a: TileSource, band: int = 256) -> None:
     """Refuse a triangular matrix with a zero on its diagonal (singular: TRSM would divide by zero).
 
     Raises:
-        InputError: naming the first zero entry.
+        InputError: naming the first zero entry and the operand's file (:func:`zero_diagonal_error`).
     """
     n = a.shape[0]
     for r in range(0, n, band):
@@ -259,8 +290,7 @@ def check_trsm_diagonal(a: TileSource, band: int = 256) -> None:
         block = a.read(slice(r, r1), slice(r, r1))
         zeros = np.flatnonzero(np.diagonal(block) == 0)
         if zeros.size:
-            i = r + int(zeros[0])
-            raise InputError("a", f"a[{i},{i}] = 0", "TRSM needs a nonzero diagonal (the triangular matrix is singular)")
+            raise zero_diagonal_error(r + int(zeros[0]), _where(a))
 
 
 def n_tiles(size: int, tile: int) -> int:

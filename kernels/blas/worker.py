@@ -24,7 +24,7 @@ from typing import Any, Callable
 import numpy as np
 
 from paperline.kernels.blas.namespace import Namespace, namespace
-from paperline.kernels.blas.plan import TileRef, TileTask
+from paperline.kernels.blas.plan import TileRef, TileTask, zero_diagonal_error
 from paperline.kernels.blas.sources import TileSource, read_npy_header
 from paperline.kernels.errors import InputError
 
@@ -508,8 +508,7 @@ def _execute(state: WorkerState, ctx: RunContext, task: TileTask, peers: dict[Ti
         diag = load(state, task.solve, peers, peer_fetch, True)
         zeros = xp.flatnonzero(xp.diagonal(diag) == 0)
         if zeros.size:
-            i = task.solve.i * ctx.tile + int(zeros[0])
-            raise InputError("a", f"a[{i},{i}] = 0", "TRSM needs a nonzero diagonal (the triangular matrix is singular)")
+            raise zero_diagonal_error(task.solve.i * ctx.tile + int(zeros[0]), getattr(ctx.sources["a"], "where", None))
         if task.side == "L":
             acc = ns.solve_triangular(diag, acc, lower=task.solve_lower, trans=False)
         else:

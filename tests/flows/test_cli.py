@@ -249,9 +249,13 @@ def test_bad_gemm_input_is_refused_before_anything_starts(npy, tmp_path):
         ([f"a={npy('text.npy', raw=b'hello')}"], ["a=", "text.npy", "not a .npy file"]),
         ([f"a={npy('cube.npy', np.ones((2, 2, 2)))}"], ["expected a 2-D matrix"]),
         ([f"a={npy('int.npy', np.ones((4, 4), dtype=np.int64))}"], ["expected float32 or float64"]),
-        ([f"a={a}", f"b={npy('b.npy', np.ones((31, 20)))}"], ["b=(31, 20)", "does not conform"]),
-        ([f"a={a}", f"b={npy('b32.npy', np.ones((30, 20), dtype=np.float32))}"], ["b='float32'", "mixed dtypes"]),
-        (["routine=trsm", f"a={npy('z.npy', zero_diag)}", "m=40", "n=10"], ["a='a[7,7] = 0'", "nonzero diagonal"]),
+        # an operand's error names its file (it named the shape, the dtype, the entry alone: a trial)
+        ([f"a={a}", f"b={npy('b.npy', np.ones((31, 20)))}"],
+         [f"b='{tmp_path / 'b.npy'}': shape (31, 20) does not conform: op(b) has 31 rows"]),
+        ([f"a={a}", f"b={npy('b32.npy', np.ones((30, 20), dtype=np.float32))}"],
+         [f"b='{tmp_path / 'b32.npy'}': dtype float32 differs from a (float64); mixed dtypes"]),
+        (["routine=trsm", f"a={npy('z.npy', zero_diag)}", "m=40", "n=10"],
+         [f"a='{tmp_path / 'z.npy'}': TRSM needs a nonzero diagonal, found a[7,7] = 0"]),
         # what the routine does not read is refused, not ignored (and recorded in MLflow as if used)
         (["routine=trsm", "c=random"], ["c='random'", "TRSM does not use it"]),
         (["routine=syrk", f"b={a}"], ["b=", "SYRK does not use it"]),
@@ -272,6 +276,9 @@ def test_bad_gemm_input_is_refused_before_anything_starts(npy, tmp_path):
         (["output=s3://paperline-data/"], ["output=", "name an object"]),
         (["b=s3://paperline-data/"], ["b=", "name an object"]),  # not "s3 is not available"
         (["output=s3://Bad_Bucket!/x.npy"], ["output=", "not a valid S3 bucket name"]),
+        # one slash was taken as a local path ("its directory does not exist": a trial)
+        (["output=s3:/paperline-data/x.npy"], ["output='s3:/paperline-data/x.npy': looks like an S3 URI: start it with s3://"]),
+        (["b=s3:/paperline-data/b.npy"], ["b='s3:/paperline-data/b.npy': looks like an S3 URI"]),
         (["output="], ["output=''", "must not be empty"]),  # without pydantic's "Value error, "
         (["m=2048", "n=2048", "k=2048", "tile=1"], ["tile=1", "4,194,304 tile tasks", "raise the tile size"]),
         (["m=500000000", "tile=8192", "memory_budget=3GiB"],
@@ -471,3 +478,25 @@ def test_compare_headers_break_at_dots_not_mid_word_when_the_table_is_too_wide()
     console.print(table)
     text = console.export_text()
     assert "routine" in text and "test_rmse" in text and "tensorly_cp" in text, text  # no word folded
+
+
+def test_compare_table_never_folds_the_run_name_and_status_columns():
+    """With many columns, `compare` folded the run id and status mid-value (``3045c8e│d``,
+    ``FINISHE│D``: a fresh-user trial); the parameter and metric columns give way instead."""
+    from rich.console import Console
+
+    from paperline.flows.cli import _runs_table
+
+    params = ["params.routine", "params.tile", "params.a", "params.b", "params.output"]
+    metrics = ["throughput_gflop_per_s", "wall_s", "peer_wall_s", "speedup_vs_peer", "verify.max_rel_residual",
+               "scaling.efficiency_at_max"]
+    rows = [[f"3045c8e{i}", f"resilient-toucan-{i}", "FINISHED", "gemm", "1024", f"/data/operands/a{i}.npy",
+             f"/data/operands/b{i}.npy", f"/data/gemm/run-{i}/result.npy", *[1234.56789 * (i + 1)] * 6]
+            for i in range(3)]
+    result = {"columns": ["run", "name", "status", *params, *metrics], "rows": rows, "selection": "all runs"}
+    console = Console(width=140, record=True)
+    console.print(_runs_table("gemm", result, 140))
+    lines = console.export_text().splitlines()
+    for i in range(3):
+        assert any(f"3045c8e{i}" in line and f"resilient-toucan-{i}" in line and "FINISHED" in line
+                   for line in lines), "\n".join(lines)

@@ -260,3 +260,74 @@ def test_many_differing_parameters_are_capped_in_the_table_not_the_parquet(stack
     assert all(f"params.{n}" in table for n in names)
     shown = [c for c in compare_runs(tracker, "compare-wide", [], out_dir=tmp_path)["columns"] if c.startswith("params.")]
     assert len(shown) == MAX_PARAM_COLUMNS and "params.p0" in shown  # the most varied first
+
+
+def test_no_runs_errors_say_why(stack_cli, stack, tmp_path, monkeypatch):
+    """A fresh-user trial: `compare gemm --filter "attributes.status = 'FAILED'"` said no runs
+    match while --all-runs listed the failed runs (they carry no params_key); `compare Default`
+    (no runs) blamed `--filter=''`; a pipeline never run was only "no such MLflow experiment"."""
+    from paperline.infra.tracking import Tracker
+
+    _, info = stack
+    tracker = Tracker(info.mlflow_tracking_uri)
+    ok = tracker.start_run("compare-failed", run_name="ok", params={"seed": 0}, tags={"paperline.params_key": "k"})
+    tracker.log_metrics(ok, {"wall_s": 1.0})
+    tracker.end_run(ok)
+    failed = tracker.start_run("compare-failed", run_name="bad", params={"seed": 1})
+    tracker.end_run(failed, "FAILED")
+    res = stack_cli("compare", "compare-failed", "--filter", "attributes.status = 'FAILED'", "--out", str(tmp_path))
+    text = " ".join(res.output.split())
+    assert res.exit_code != 0 and "--filter=\"attributes.status = 'FAILED'\": no pipeline runs of experiment " \
+        "'compare-failed' match, but runs the default selection leaves out (e.g. failed runs) do: --all-runs " \
+        "lists them" in text, text
+    assert "params_key" not in text
+    res = stack_cli("compare", "compare-failed", "--all-runs", "--filter", "attributes.status = 'FAILED'",
+                    "--out", str(tmp_path))
+    assert res.exit_code == 0, res.output
+    assert pq.read_table(tmp_path / "compare-failed-runs.parquet").to_pydict()["run_id"] == [failed]
+    res = stack_cli("compare", "compare-failed", "--filter", "params.seed = '7'", "--out", str(tmp_path))
+    text = " ".join(res.output.split())
+    assert res.exit_code != 0 and "no runs in experiment 'compare-failed' match" in text and "--all-runs" not in text
+
+    tracker.client.create_experiment("compare-empty")
+    res = stack_cli("compare", "compare-empty", "--out", str(tmp_path))
+    text = " ".join(res.output.split())
+    assert res.exit_code != 0 and "error: experiment='compare-empty': the experiment has no runs" in text, text
+    assert "--filter" not in text
+
+    monkeypatch.setattr("paperline.flows.pipelines.pipeline_names", lambda: ["compare-never-run"])
+    res = stack_cli("compare", "compare-never-run", "--out", str(tmp_path))
+    text = " ".join(res.output.split())
+    assert res.exit_code != 0 and "experiment='compare-never-run': no such MLflow experiment (the compare-never-run " \
+        "pipeline has not run here yet: run `paperline run compare-never-run` first); known: " in text, text
+    res = stack_cli("compare", "compare-never-ran", "--out", str(tmp_path))  # not a pipeline: no such hint
+    assert res.exit_code != 0 and "no such MLflow experiment; known: " in " ".join(res.output.split()), res.output
+
+
+def test_runs_without_the_headline_metric_are_listed_not_refused(stack_cli, stack, tmp_path):
+    """Pipeline runs that failed before logging their headline metric: the default headline
+    ranking found none and said no runs match; they are listed newest first, with a note."""
+    import json
+
+    from paperline.infra.tracking import Tracker
+
+    _, info = stack
+    tracker = Tracker(info.mlflow_tracking_uri)
+    tags = {"paperline.params_key": "k", "paperline.headlines": json.dumps([["wall_s", False]])}
+    ok = tracker.start_run("compare-unranked", run_name="ok", params={"seed": 0}, tags=tags)
+    tracker.log_metrics(ok, {"wall_s": 1.0})
+    tracker.end_run(ok)
+    failed = tracker.start_run("compare-unranked", run_name="bad", params={"seed": 1}, tags=tags)
+    tracker.end_run(failed, "FAILED")
+    res = stack_cli("compare", "compare-unranked", "--filter", "attributes.status = 'FAILED'", "--out", str(tmp_path))
+    assert res.exit_code == 0, res.output
+    assert "none of these runs has wall_s: listed newest first" in " ".join(res.output.split())
+    assert pq.read_table(tmp_path / "compare-unranked-runs.parquet").to_pydict()["run_id"] == [failed]
+
+
+def test_a_metric_named_twice_is_one_column(stack, experiment, tmp_path):
+    from paperline.flows.compare import compare_runs
+
+    _, tracker, _ = experiment
+    result = compare_runs(tracker, "compare-test", ["loss", "step_s", "loss"], out_dir=tmp_path)
+    assert result["metrics"] == ["loss", "step_s"] and result["columns"].count("loss") == 1

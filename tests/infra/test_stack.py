@@ -9,7 +9,7 @@ import uuid
 import pytest
 
 from paperline.infra.errors import InputError, ServiceError
-from paperline.infra.stack import RESULT_STORAGE_BLOCK, ensure_stack, load_stack_info, stack_status
+from paperline.infra.stack import ensure_stack, load_stack_info, stack_status
 from paperline.infra.storage import NotCommittedError, ObjectNotFoundError, ObjectStore
 from paperline.infra.tracking import Tracker
 
@@ -146,7 +146,7 @@ def test_prefect_task_results_are_cached_in_s3(stack):
     assert PREFECT_API_URL.value() == info.prefect_api_url  # activate() reached the imported prefect
     token = uuid.uuid4().hex
 
-    @task(cache_policy=INPUTS + TASK_SOURCE, result_storage=RESULT_STORAGE_BLOCK, persist_result=True)
+    @task(cache_policy=INPUTS + TASK_SOURCE, result_storage=info.result_storage_block, persist_result=True)
     def square(x: int, token: str) -> int:
         return x * x
 
@@ -303,3 +303,76 @@ def test_a_test_stack_whose_session_is_gone_is_stopped_and_a_live_sessions_is_no
         for server in servers.values():
             server.kill()
             server.wait()
+
+
+def test_a_configured_endpoint_that_fails_says_why_and_names_the_setting(stack, free_port):
+    """Every failure of a configured S3 endpoint was one line, `list_buckets failed (endpoint or
+    credentials)`, and Prefect's and MLflow's `GET /health failed` (a fresh-user trial)."""
+    from pydantic import SecretStr
+
+    settings, info = stack
+    s3 = {"s3_endpoint_url": info.s3_endpoint_url, "s3_access_key_id": info.s3_access_key_id,
+          "s3_secret_access_key": SecretStr(info.s3_secret_access_key)}
+    dead = f"http://127.0.0.1:{free_port()}"
+    for override, pattern in (
+            ({**s3, "s3_secret_access_key": SecretStr("not-the-secret")}, "SignatureDoesNotMatch.*PAPERLINE_S3_SECRET_ACCESS_KEY"),
+            ({**s3, "s3_access_key_id": "nobody"}, "InvalidAccessKeyId.*PAPERLINE_S3_ACCESS_KEY_ID"),
+            ({**s3, "s3_endpoint_url": dead}, "cannot connect.*PAPERLINE_S3_ENDPOINT_URL"),
+            ({"prefect_api_url": f"{dead}/api"}, "GET /health failed: ConnectError.*PAPERLINE_PREFECT_API_URL"),
+            ({"mlflow_tracking_uri": dead}, "GET /health failed: ConnectError.*PAPERLINE_MLFLOW_TRACKING_URI")):
+        with pytest.raises(ServiceError, match=pattern):
+            ensure_stack(settings.model_copy(update=override))
+    # status says it too, and does not send the user to `paperline up` (which starts nothing for it)
+    (mlflow,) = [s for s in stack_status(settings.model_copy(update={"mlflow_tracking_uri": dead})) if s.name == "mlflow"]
+    assert not mlflow.healthy and not mlflow.managed and "PAPERLINE_MLFLOW_TRACKING_URI" in mlflow.problem
+
+
+def test_a_password_in_the_tracking_uri_is_never_printed(stack):
+    """`status`, `env`, the MLflow run links and the regression line printed
+    `http://alice:s3cretpw@...` (and the last went to Prefect's logs: a fresh-user trial)."""
+    from typer.testing import CliRunner
+
+    from paperline.flows.cli import app
+    from paperline.infra.settings import get_settings
+
+    settings, info = stack
+    with_password = info.mlflow_tracking_uri.replace("http://", "http://alice:s3cretpw@")
+    env = {"PAPERLINE_STATE_DIR": str(settings.state_dir), "PAPERLINE_MLFLOW_TRACKING_URI": with_password}
+    get_settings.cache_clear()
+    try:
+        status, exports = (CliRunner().invoke(app, [cmd], env=env) for cmd in ("status", "env"))
+    finally:
+        get_settings.cache_clear()
+    assert status.exit_code == 0 and exports.exit_code == 0, status.output + exports.output
+    assert "alice:***@" in status.output and "s3cretpw" not in status.output + exports.output
+    assert f"export MLFLOW_TRACKING_URI={info.mlflow_tracking_uri}\n" in exports.output
+    assert "MLFLOW_TRACKING_PASSWORD" in exports.output  # how to give MLflow's own CLI the credentials
+    tracker = Tracker(with_password)  # the server (no auth of its own) takes the request
+    run_id = tracker.start_run("redaction-test", run_name="r")
+    tracker.end_run(run_id)
+    assert "s3cretpw" not in tracker.run_url(run_id) + repr(tracker) and "alice:***@" in tracker.run_url(run_id)
+
+
+def test_a_bucket_created_on_a_configured_s3_endpoint_is_announced(stack):
+    """A mistyped PAPERLINE_DATA_BUCKET made a new bucket on the user's S3 without a word."""
+    import uuid
+
+    from typer.testing import CliRunner
+
+    from paperline.flows.cli import app
+    from paperline.infra.settings import get_settings
+
+    settings, info = stack
+    typo = f"paperline-typo-{uuid.uuid4().hex[:8]}"
+    env = {"PAPERLINE_STATE_DIR": str(settings.state_dir), "PAPERLINE_S3_ENDPOINT_URL": info.s3_endpoint_url,
+           "PAPERLINE_S3_ACCESS_KEY_ID": info.s3_access_key_id, "PAPERLINE_S3_SECRET_ACCESS_KEY": info.s3_secret_access_key,
+           "PAPERLINE_DATA_BUCKET": typo}
+    get_settings.cache_clear()
+    try:
+        first, second = (CliRunner().invoke(app, ["up"], env=env) for _ in range(2))
+    finally:
+        get_settings.cache_clear()
+    assert first.exit_code == 0, first.output
+    assert f"s3: created bucket(s) {typo} (PAPERLINE_DATA_BUCKET) at {info.s3_endpoint_url}" in " ".join(first.output.split())
+    assert "created bucket" not in second.output  # it exists now
+    assert ObjectStore.from_stack(info).bucket_exists(typo)

@@ -341,6 +341,31 @@ def test_mixed_dtypes_are_refused():
     assert_input_error(e, "c", "float64")
 
 
+def test_shape_and_dtype_errors_name_the_operands_file(tmp_path):
+    """A file operand's shape or dtype error names the file (it named the shape or dtype alone, so
+    the user could not tell which of their files was wrong: a fresh-user trial)."""
+    paths = {}
+    for name, array in (("a", np.ones((40, 30))), ("b", np.ones((31, 20))), ("b32", np.ones((30, 20), np.float32)),
+                        ("sq", np.ones((40, 39))), ("c", np.ones((41, 20)))):
+        paths[name] = str(tmp_path / f"{name}.npy")
+        np.save(paths[name], array)
+    with pytest.raises(InputError, match="^b='.*b.npy': shape \\(31, 20\\) does not conform: op\\(b\\) has 31 rows") as e:
+        make_problem("gemm", paths["a"], paths["b"])
+    assert_input_error(e, "b", paths["b"])
+    with pytest.raises(InputError, match="dtype float32 differs from a \\(float64\\)") as e:
+        make_problem("gemm", paths["a"], paths["b32"])
+    assert_input_error(e, "b", paths["b32"])
+    with pytest.raises(InputError, match="shape \\(41, 20\\) does not conform: expected \\(40, 20\\)") as e:
+        make_problem("gemm", paths["a"], np.ones((30, 20)), paths["c"])
+    assert_input_error(e, "c", paths["c"])
+    with pytest.raises(InputError, match="shape \\(40, 39\\): SYMM needs a square a") as e:
+        make_problem("symm", paths["sq"], np.ones((40, 20)))
+    assert_input_error(e, "a", paths["sq"])
+    with pytest.raises(InputError, match="shape \\(31, 20\\) does not conform with a \\(30, 30\\) on side L") as e:
+        make_problem("symm", np.ones((30, 30)), paths["b"])
+    assert_input_error(e, "b", paths["b"])
+
+
 @pytest.mark.parametrize("tile", [0, -1, 1.5, "256", True, None])
 def test_bad_tile_sizes_are_refused(tile):
     with pytest.raises(InputError, match="positive integer") as e:
@@ -403,10 +428,10 @@ def test_trsm_zero_diagonal_in_memory_is_caught_at_make_problem(tmp_path):
     with pytest.raises(InputError, match="nonzero diagonal") as e:
         make_problem("trsm", a, b, uplo="L", tile=TILE)
     assert_input_error(e, "a", "a[600,600] = 0")
-    np.save(tmp_path / "a.npy", a)  # a file operand too
-    with pytest.raises(InputError) as e:
+    np.save(tmp_path / "a.npy", a)  # a file operand too: named as the value seen, the entry in the reason
+    with pytest.raises(InputError, match="TRSM needs a nonzero diagonal, found a\\[600,600\\] = 0") as e:
         make_problem("trsm", str(tmp_path / "a.npy"), b, uplo="L", tile=TILE)
-    assert_input_error(e, "a", "a[600,600] = 0")
+    assert_input_error(e, "a", str(tmp_path / "a.npy"))
     # a unit diagonal is not read: no error, and the result is the unit-diagonal solve
     got = api.trsm(1.0, a, b, uplo="L", diag="U", tile=TILE)
     assert_matches(got, sblas.dtrsm(1.0, a, b, lower=1, diag=1), np.float64)
@@ -437,6 +462,10 @@ def test_trsm_zero_diagonal_found_by_the_worker(side, trans_a):
     with pytest.raises(InputError, match="nonzero diagonal") as e:
         run(p)
     assert_input_error(e, "a", "a[600,600] = 0")
+    src.where = "s3://bucket/A.npy"  # an S3 operand (checked by the worker too) is named by its URI
+    with pytest.raises(InputError, match="TRSM needs a nonzero diagonal, found a\\[600,600\\] = 0") as e:
+        run(make_problem("trsm", src, rand((M, N), np.float64, 2), side=side, uplo="L", trans_a=trans_a, tile=TILE))
+    assert_input_error(e, "a", "s3://bucket/A.npy")
 
 
 def test_generated_source_runs_like_an_array():
