@@ -408,16 +408,14 @@ def _s3_healthy(url: str | None, key: str | None, secret: str | None, region: st
     return _s3_problem(url, key, secret, region) is None
 
 
-def _http_problem(url: str, headers: dict[str, str] | None = None) -> str | None:
-    """Why ``GET url`` did not return 200; None when it did."""
+def _http_problem(url: str) -> str | None:
+    """Why ``GET url`` (a health check) did not return 200; None when it did."""
     import httpx  # noqa: PLC0415
 
     try:
-        code = httpx.get(url, timeout=3.0, headers=headers).status_code
+        code = httpx.get(url, timeout=3.0).status_code
     except (httpx.HTTPError, ValueError) as exc:  # ValueError: not a URL httpx accepts
         return f"GET /health failed: {type(exc).__name__}: {str(exc)[:200]}"
-    if code in (401, 403):
-        return f"GET /health returned {code} (not authorized)"
     return None if code == 200 else f"GET /health returned {code}"
 
 
@@ -445,12 +443,45 @@ def _auth_headers(service: str) -> dict[str, str]:
     return {"Authorization": "Basic " + base64.b64encode(basic.encode()).decode()} if basic else {}
 
 
-def _prefect_problem(api_url: str) -> str | None:
-    return _http_problem(api_url.rstrip("/") + "/health", _auth_headers("prefect"))
+_LOGIN_HINTS = {
+    "prefect": "set PREFECT_API_AUTH_STRING (user:password of the server's basic auth) or PREFECT_API_KEY (Prefect Cloud)",
+    "mlflow": "set MLFLOW_TRACKING_USERNAME and MLFLOW_TRACKING_PASSWORD, or MLFLOW_TRACKING_TOKEN",
+}
+# A request the server answers only to an authorized client (health checks are open on both).
+_AUTHORIZED_PATHS = {"prefect": "/admin/version", "mlflow": "/api/2.0/mlflow/experiments/search?max_results=1"}
 
 
-def _mlflow_problem(uri: str) -> str | None:
-    return _http_problem(uri.rstrip("/") + "/health", _auth_headers("mlflow"))
+def _service_problem(service: str, url: str, *, login: bool = False) -> str | None:
+    """Why the Prefect API (``url``: ``.../api``) or MLflow server (tracking URI) cannot be used;
+    None when it can. ``login``: also make an authorized request with the login the service's
+    own client would send (:func:`_auth_headers`), so that a missing or wrong one is said here,
+    not as a 401 halfway through a run (configured endpoints; the local servers have none)."""
+    import httpx  # noqa: PLC0415
+
+    base = url.rstrip("/")
+    problem = _http_problem(base + "/health")
+    if problem or not login:
+        return problem
+    try:
+        code = httpx.get(base + _AUTHORIZED_PATHS[service], timeout=5.0, headers=_auth_headers(service)).status_code
+    except (httpx.HTTPError, ValueError) as exc:
+        return f"GET {_AUTHORIZED_PATHS[service].split('?')[0]} failed: {type(exc).__name__}: {str(exc)[:200]}"
+    if code in (401, 403):
+        return f"not authorized (HTTP {code}): {_LOGIN_HINTS[service]}"
+    return None  # (another status, e.g. a path this server does not have: not a login problem)
+
+
+def _prefect_problem(api_url: str, login: bool = False) -> str | None:
+    return _service_problem("prefect", api_url, login=login)
+
+
+def _mlflow_problem(uri: str, login: bool = False) -> str | None:
+    return _service_problem("mlflow", uri, login=login)
+
+
+def _with_setting(problem: str, setting: str) -> str:
+    """A Prefect/MLflow problem with the setting to check (a login problem names its own)."""
+    return problem if problem.startswith("not authorized") else f"{problem}; check {setting}"
 
 
 def _prefect_healthy(api_url: str) -> bool:
@@ -975,10 +1006,9 @@ def ensure_stack(settings: Settings, *, progress: Progress | None = None, notice
             pending: dict[str, tuple[subprocess.Popen[bytes], Callable[[], bool], str, str]] = {}
             if external["prefect"]:
                 api, _ = _prefect_urls(external["prefect"])
-                problem = _prefect_problem(api)
+                problem = _prefect_problem(api, login=True)
                 if problem:
-                    raise ServiceError("prefect", f"{problem}; check PAPERLINE_PREFECT_API_URL (and PREFECT_API_KEY or "
-                                                  "PREFECT_API_AUTH_STRING where the server needs them)", url=api)
+                    raise ServiceError("prefect", _with_setting(problem, "PAPERLINE_PREFECT_API_URL"), url=api)
             elif "prefect" not in recs:
                 proc, rec = _start_prefect(settings, None, taken)
                 say(f"prefect: starting server at {rec['url']} (log: {rec['log_path']})")
@@ -986,11 +1016,10 @@ def ensure_stack(settings: Settings, *, progress: Progress | None = None, notice
                 started.append("prefect")
                 pending["prefect"] = (proc, lambda r=rec: _prefect_healthy(r["api_url"]), rec["url"], rec["log_path"])
             if external["mlflow"]:
-                problem = _mlflow_problem(external["mlflow"])
+                problem = _mlflow_problem(external["mlflow"], login=True)
                 if problem:
-                    raise ServiceError("mlflow", f"{problem}; check PAPERLINE_MLFLOW_TRACKING_URI (and "
-                                                 "MLFLOW_TRACKING_TOKEN or MLFLOW_TRACKING_USERNAME/PASSWORD where the "
-                                                 "server needs them)", url=external["mlflow"])
+                    raise ServiceError("mlflow", _with_setting(problem, "PAPERLINE_MLFLOW_TRACKING_URI"),
+                                       url=external["mlflow"])
             elif "mlflow" not in recs:
                 proc, rec = _start_mlflow(settings, None, taken, s3_obj_url, key, secret)
                 say(f"mlflow: starting server at {rec['url']} (log: {rec['log_path']})")
@@ -1129,11 +1158,12 @@ def stack_status(settings: Settings) -> list[Service]:
     def check(name: str, url: str) -> str | None:
         if name == "s3":
             return _s3_problem(url, key, secret, settings.s3_region, settings.results_bucket)
+        login = bool(external[name])
         if name == "prefect":
-            problem = _prefect_problem(_prefect_urls(url)[0])
-            return problem and f"{problem}; check PAPERLINE_PREFECT_API_URL"
-        problem = _mlflow_problem(url)
-        return problem and f"{problem}; check PAPERLINE_MLFLOW_TRACKING_URI"
+            problem = _prefect_problem(_prefect_urls(url)[0], login=login)
+            return problem and _with_setting(problem, "PAPERLINE_PREFECT_API_URL")
+        problem = _mlflow_problem(url, login=login)
+        return problem and _with_setting(problem, "PAPERLINE_MLFLOW_TRACKING_URI")
 
     out = []
     for name in SERVICE_NAMES:

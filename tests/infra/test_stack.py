@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
+import os
 import pickle
+import signal
 import uuid
 
 import pytest
@@ -376,3 +379,62 @@ def test_a_bucket_created_on_a_configured_s3_endpoint_is_announced(stack):
     assert f"s3: created bucket(s) {typo} (PAPERLINE_DATA_BUCKET) at {info.s3_endpoint_url}" in " ".join(first.output.split())
     assert "created bucket" not in second.output  # it exists now
     assert ObjectStore.from_stack(info).bucket_exists(typo)
+
+
+def test_a_prefect_server_with_a_login_is_used_with_prefects_own_variable(stack, free_port, tmp_path, monkeypatch):
+    """A configured Prefect server that needs basic auth: without PREFECT_API_AUTH_STRING the
+    check says so (its health check is open, so that alone passed and the run failed later on a
+    401); with it, the stack is set up on that server (block, work pools) by Prefect's client."""
+    import subprocess
+    import sys
+    import time
+
+    import httpx
+
+    settings, info = stack
+    port = free_port()
+    env = {k: v for k, v in os.environ.items() if not k.startswith("PREFECT_")}
+    env.update(PREFECT_HOME=str(tmp_path), PREFECT_SERVER_ANALYTICS_ENABLED="false",
+               PREFECT_SERVER_DATABASE_CONNECTION_URL=f"sqlite+aiosqlite:///{tmp_path / 'prefect.db'}",
+               PREFECT_SERVER_API_AUTH_STRING="admin:s3cret")
+    log = open(tmp_path / "prefect.log", "wb")  # noqa: SIM115 - closed below
+    proc = subprocess.Popen([sys.executable, "-m", "prefect", "server", "start", "--host", "127.0.0.1", "--port",
+                             str(port), "--analytics-off"], env=env, stdout=log, stderr=subprocess.STDOUT,
+                            start_new_session=True)
+    api = f"http://127.0.0.1:{port}/api"
+    try:
+        deadline = time.time() + 120
+        while True:
+            with contextlib.suppress(httpx.HTTPError):
+                if httpx.get(f"{api}/health", timeout=2).status_code == 200:
+                    break
+            assert proc.poll() is None and time.time() < deadline, (tmp_path / "prefect.log").read_text()[-2000:]
+            time.sleep(0.5)
+        configured = settings.model_copy(update={"prefect_api_url": api})
+        monkeypatch.delenv("PREFECT_API_AUTH_STRING", raising=False)
+        monkeypatch.delenv("PREFECT_API_KEY", raising=False)
+        with pytest.raises(ServiceError, match=r"^prefect is not available at .*: not authorized \(HTTP 401\): set "
+                                               r"PREFECT_API_AUTH_STRING"):
+            ensure_stack(configured)
+        (prefect,) = [s for s in stack_status(configured) if s.name == "prefect"]
+        assert not prefect.healthy and "PREFECT_API_AUTH_STRING" in prefect.problem
+        monkeypatch.setenv("PREFECT_API_AUTH_STRING", "admin:s3cret")
+        _refresh_prefect_settings()
+        there = ensure_stack(configured)
+        pools = httpx.post(f"{api}/work_pools/filter", json={}, auth=("admin", "s3cret"), timeout=10).json()
+        assert {"paperline-cpu", "paperline-gpu"} <= {p["name"] for p in pools}
+        blocks = httpx.post(f"{api}/block_documents/filter", json={}, auth=("admin", "s3cret"), timeout=10).json()
+        assert there.result_storage_block.split("/")[1] in {b["name"] for b in blocks}
+    finally:
+        os.killpg(proc.pid, signal.SIGTERM)
+        proc.wait(timeout=30)
+        log.close()
+        monkeypatch.undo()
+        _refresh_prefect_settings()
+
+
+def _refresh_prefect_settings() -> None:
+    """Prefect reads its settings from the environment once: after a change, again."""
+    import prefect.context
+
+    prefect.context.refresh_global_settings_context()
