@@ -1038,17 +1038,14 @@ def ensure_stack(settings: Settings, *, progress: Progress | None = None, notice
             prefect_api, _ = _prefect_urls(urls["prefect"])  # type: ignore[arg-type]
 
             # ---- the result-storage block (also for external S3/Prefect)
-            fingerprint = {
+            block = result_block_name(s3_obj_url, key, settings.s3_region, settings.results_bucket)
+            fingerprint = {  # the block's name digests its S3 settings: no access key id in stack.json
                 "api_url": prefect_api,
-                "s3": s3_obj_url,
-                "key": key,
-                "bucket": settings.results_bucket,
-                "region": settings.s3_region,
+                "block": block,
                 "prefect_pid": None if external["prefect"] else recs.get("prefect", {}).get("pid"),
                 "crash_after_s": settings.crash_after_s,
             }
             if state.get("result_block") != fingerprint or "prefect" in started:
-                block = result_block_name(s3_obj_url, key, settings.s3_region, settings.results_bucket)
                 say(f"prefect: saving result storage block s3-bucket/{block}")
                 _save_result_block(prefect_api, s3_obj_url, key, secret, settings)
                 say(f"prefect: work pools {', '.join(WORK_POOLS.values())}")

@@ -89,6 +89,8 @@ def test_ensure_stack_is_idempotent(stack):
     assert again.s3_access_key_id == info.s3_access_key_id
     loaded = load_stack_info(settings)
     assert loaded is not None and loaded.prefect_api_url == info.prefect_api_url
+    # no credential in the state file, not even the access key id (it named the result block)
+    assert info.s3_access_key_id not in (settings.state_dir / "stack.json").read_text()
 
 
 def test_up_on_a_running_stack_says_it_started_nothing(stack_cli, stack):
