@@ -9,6 +9,7 @@ import contextlib
 import functools
 import json
 import math
+import os
 import re
 import sys
 from pathlib import Path
@@ -24,6 +25,9 @@ from paperline.kernels.errors import InputError as KernelInputError
 app = typer.Typer(help="paperline: systems papers as Prefect flows on Dask, tracked in MLflow, artifacts in S3.",
                   no_args_is_help=True, add_completion=False, pretty_exceptions_enable=False,
                   rich_markup_mode="markdown")  # docstring lines reflow into paragraphs
+# Prefect's client printed a usage-data notice on a terminal (and would report to a server with
+# analytics on); the local servers run with analytics off, and so does the client here.
+os.environ.setdefault("DO_NOT_TRACK", "1")
 # Tables hold URLs: never narrower than 140 columns, even when piped (rich's default is 80).
 console = Console(width=max(140, Console().width))
 err_console = Console(stderr=True, width=max(140, Console(stderr=True).width))
@@ -173,11 +177,12 @@ def env() -> None:
 
     settings = _settings()
     info = load_stack_info(settings)
+    services = stack_status(settings)
+    if any(not s.healthy and not s.managed for s in services) or info is not None and not all(
+            s.healthy for s in services):  # a configured endpoint that fails: say why, not `paperline up`
+        raise PaperlineError("; ".join(_down_lines(services)))
     if info is None:
         raise ServiceError("stack", "not running; start it with `paperline up`")
-    services = stack_status(settings)
-    if any(not s.healthy for s in services):
-        raise PaperlineError("; ".join(_down_lines(services)))
     # plain print: rich would wrap long URLs, and `eval` needs the lines as they are
     print(f"export PREFECT_API_URL={shlex.quote(info.prefect_api_url)}")
     uri = urlsplit(info.mlflow_tracking_uri)
@@ -781,7 +786,8 @@ def compare(experiment: str = typer.Argument(..., metavar="EXPERIMENT", help="ML
         raise ServiceError("stack", "no running stack or configured endpoints; run `paperline up` first")
     result = compare_runs(Tracker(info.mlflow_tracking_uri), experiment, list(metric), filter_string, top, out, log,
                           ascending, all_runs)
-    console.print(_runs_table(experiment, result, console.width))
+    width = Console().width  # the terminal's (COLUMNS), not the 140 the module's console keeps for URLs
+    console.print(_runs_table(experiment, result, width), width=width)
     if result["note"]:
         console.print(result["note"], highlight=False)
     plot = result["plot"] or "none (these runs share no metric: name some with --metric)"

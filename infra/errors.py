@@ -31,8 +31,8 @@ def input_error_from(exc: Any, argument: Callable[[tuple[Any, ...]], str]) -> In
 
 
 def redact_url(url: str) -> str:
-    """``url`` with the password of its user info masked (``http://alice:***@host:5000``; a user
-    part alone, which may be a token, as ``***@``), for
+    """``url`` without the password of its user info (``http://alice@host:5000``; a user part
+    alone, which may be a token, left out too), for
     anything shown or logged: a tracking URI may carry basic-auth credentials."""
     from urllib.parse import urlsplit, urlunsplit  # noqa: PLC0415
 
@@ -43,14 +43,16 @@ def redact_url(url: str) -> str:
     if "@" not in parts.netloc:
         return url
     host = parts.netloc.rsplit("@", 1)[1]
-    user = "***" if parts.password is None else f"{parts.username}:***"  # a bare user part may be a token
-    return urlunsplit(parts._replace(netloc=f"{user}@{host}"))
+    # the user name stays (a browser asks for its password: the link still opens); a bare user
+    # part may be a token, and goes
+    user = f"{parts.username}@" if parts.password is not None and parts.username else ""
+    return urlunsplit(parts._replace(netloc=f"{user}{host}"))
 
 
 class ServiceError(PaperlineError):
     """A service of the stack (S3, Prefect, MLflow, Dask) is down or failed to start.
 
-    The message names the service, its URL (a password in it masked: :func:`redact_url`) and,
+    The message names the service, its URL (a password in it left out: :func:`redact_url`) and,
     for a local server, where its log is.
     """
 

@@ -8,12 +8,16 @@ existing Dask scheduler, and nothing is started.
 
 from __future__ import annotations
 
+import re
 from functools import lru_cache
 from pathlib import Path
 from typing import Literal
 
 from pydantic import Field, SecretStr, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
+
+_BUCKET_NAME = re.compile(r"[a-z0-9][a-z0-9.-]{1,61}[a-z0-9]")
+_IP_LIKE = re.compile(r"\d+\.\d+\.\d+\.\d+")
 
 
 class Settings(BaseSettings):
@@ -85,6 +89,15 @@ class Settings(BaseSettings):
             raise ValueError("exists and is not a directory" if existing == path else
                              f"{existing} is a file, not a directory")
         return path
+
+    @field_validator("results_bucket", "artifacts_bucket", "data_bucket")
+    @classmethod
+    def _bucket_name(cls, v: str) -> str:
+        # S3's bucket naming rules (general purpose buckets); a bad name failed deep in boto3
+        if not _BUCKET_NAME.fullmatch(v) or ".." in v or _IP_LIKE.fullmatch(v):
+            raise ValueError("not a valid S3 bucket name: 3-63 characters, lowercase letters, digits, '.' and '-', "
+                             "starting and ending with a letter or digit")
+        return v
 
     @field_validator("prefect_database_url")
     @classmethod

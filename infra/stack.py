@@ -123,7 +123,7 @@ class StackInfo:
         return f"s3-bucket/{result_block_name(self.s3_endpoint_url, self.s3_access_key_id, self.s3_region, self.results_bucket)}"
 
     def flow_run_url(self, flow_run_id: Any) -> str:
-        """The flow run's page in the Prefect UI, a password in the URL masked (for printing)."""
+        """The flow run's page in the Prefect UI, without a password in the URL (for printing)."""
         return redact_url(f"{self.prefect_ui_url.rstrip('/')}/runs/flow-run/{flow_run_id}")
 
     def service(self, name: str) -> Service:
@@ -394,6 +394,11 @@ def _s3_problem(url: str | None, key: str | None, secret: str | None, region: st
     except EndpointConnectionError as exc:
         return f"cannot connect ({exc}); check PAPERLINE_S3_ENDPOINT_URL"
     except ClientError as exc:
+        status = exc.response.get("ResponseMetadata", {}).get("HTTPStatusCode") or 0
+        if status >= 500 or code(exc) in ("500", "502", "503", "504"):  # also what botocore makes of a
+            # 200 page that is not an S3 reply (another web server at that address)
+            return (f"ListBuckets failed with HTTP {status or code(exc)}: not an S3 endpoint, or a failing one; "
+                    "check PAPERLINE_S3_ENDPOINT_URL")
         hint = {"InvalidAccessKeyId": "PAPERLINE_S3_ACCESS_KEY_ID", "SignatureDoesNotMatch": "PAPERLINE_S3_SECRET_ACCESS_KEY",
                 "AccessDenied": "the credentials' permissions (PAPERLINE_S3_ACCESS_KEY_ID)",
                 "AuthorizationHeaderMalformed": "PAPERLINE_S3_REGION"}.get(code(exc), "PAPERLINE_S3_ENDPOINT_URL and the credentials")
@@ -412,11 +417,12 @@ def _http_problem(url: str) -> str | None:
     """Why ``GET url`` (a health check) did not return 200; None when it did."""
     import httpx  # noqa: PLC0415
 
+    path = urlsplit(url).path if "://" in url else url
     try:
         code = httpx.get(url, timeout=3.0).status_code
-    except (httpx.HTTPError, ValueError) as exc:  # ValueError: not a URL httpx accepts
-        return f"GET /health failed: {type(exc).__name__}: {str(exc)[:200]}"
-    return None if code == 200 else f"GET /health returned {code}"
+    except Exception as exc:  # noqa: BLE001 - httpx.HTTPError, InvalidURL (not one), ValueError: all say why
+        return f"GET {path} failed: {type(exc).__name__}: {str(exc)[:200]}"
+    return None if code == 200 else f"GET {path} returned {code}"
 
 
 def _http_ok(url: str) -> bool:
@@ -447,6 +453,8 @@ _LOGIN_HINTS = {
     "prefect": "set PREFECT_API_AUTH_STRING (user:password of the server's basic auth) or PREFECT_API_KEY (Prefect Cloud)",
     "mlflow": "set MLFLOW_TRACKING_USERNAME and MLFLOW_TRACKING_PASSWORD, or MLFLOW_TRACKING_TOKEN",
 }
+_LOGIN_VARS = {"prefect": "PREFECT_API_AUTH_STRING or PREFECT_API_KEY",
+               "mlflow": "MLFLOW_TRACKING_USERNAME/PASSWORD, MLFLOW_TRACKING_TOKEN or the URI's user:password"}
 # A request the server answers only to an authorized client (health checks are open on both).
 _AUTHORIZED_PATHS = {"prefect": "/admin/version", "mlflow": "/api/2.0/mlflow/experiments/search?max_results=1"}
 
@@ -462,11 +470,14 @@ def _service_problem(service: str, url: str, *, login: bool = False) -> str | No
     problem = _http_problem(base + "/health")
     if problem or not login:
         return problem
+    headers = _auth_headers(service)
     try:
-        code = httpx.get(base + _AUTHORIZED_PATHS[service], timeout=5.0, headers=_auth_headers(service)).status_code
-    except (httpx.HTTPError, ValueError) as exc:
+        code = httpx.get(base + _AUTHORIZED_PATHS[service], timeout=5.0, headers=headers).status_code
+    except Exception as exc:  # noqa: BLE001 - as in _http_problem
         return f"GET {_AUTHORIZED_PATHS[service].split('?')[0]} failed: {type(exc).__name__}: {str(exc)[:200]}"
     if code in (401, 403):
+        if headers or "@" in urlsplit(base).netloc:  # a login was sent: it is the wrong one
+            return f"not authorized (HTTP {code}): the server refused the login given ({_LOGIN_VARS[service]})"
         return f"not authorized (HTTP {code}): {_LOGIN_HINTS[service]}"
     return None  # (another status, e.g. a path this server does not have: not a login problem)
 
@@ -1254,7 +1265,8 @@ def activate(info: StackInfo) -> None:
 
     Sets ``PREFECT_API_URL``, ``PREFECT_SERVER_ANALYTICS_ENABLED=false``,
     ``PREFECT_RESULTS_PERSIST_BY_DEFAULT=true``, ``PREFECT_RESULTS_DEFAULT_STORAGE_BLOCK`` (=
-    :attr:`StackInfo.result_storage_block`) and ``MLFLOW_TRACKING_URI``. S3 secrets are never put in the
+    :attr:`StackInfo.result_storage_block`), ``MLFLOW_TRACKING_URI`` and, unless set,
+    ``DO_NOT_TRACK=1``. S3 secrets are never put in the
     environment (the result block and the MLflow server hold them). If Prefect is already imported, its
     global settings are refreshed so the change takes effect in this process too.
     """
@@ -1267,6 +1279,7 @@ def activate(info: StackInfo) -> None:
             "MLFLOW_TRACKING_URI": info.mlflow_tracking_uri,
         }
     )
+    os.environ.setdefault("DO_NOT_TRACK", "1")  # Prefect's client usage data, as the local servers' analytics
     if "prefect.context" in sys.modules:
         refresh = getattr(sys.modules["prefect.context"], "refresh_global_settings_context", None)
         if refresh is not None:

@@ -409,7 +409,7 @@ class Tracker:
 
     def run_url(self, run_id: str) -> str:
         """The run's page in the MLflow UI: ``{uri}/#/experiments/{experiment_id}/runs/{run_id}``
-        (a password in the URI masked: it is printed and logged).
+        (without a password in the URI: it is printed and logged).
 
         Raises:
             ServiceError: The tracking server is unreachable (only if the run was not started here).

@@ -320,7 +320,7 @@ def cli_env(stack) -> dict[str, str]:
 @pytest.fixture
 def stack_cli(stack) -> Callable[..., object]:
     """``stack_cli(*args)``: ``paperline ARGS`` run in this process (typer's CliRunner) on the
-    session stack; returns the click ``Result`` (``exit_code``, ``output``)."""
+    session stack, on a 200-column terminal; returns the click ``Result`` (``exit_code``, ``output``)."""
     from typer.testing import CliRunner
 
     from paperline.flows.cli import app
@@ -329,7 +329,9 @@ def stack_cli(stack) -> Callable[..., object]:
     def invoke(*args: str) -> object:
         get_settings.cache_clear()
         try:
-            return CliRunner().invoke(app, list(args), env={"PAPERLINE_STATE_DIR": str(stack[0].state_dir)})
+            # a wide terminal: compare's table takes the terminal's width (rich: COLUMNS, else 80)
+            return CliRunner().invoke(app, list(args), env={"PAPERLINE_STATE_DIR": str(stack[0].state_dir),
+                                                             "COLUMNS": "200"})
         finally:
             get_settings.cache_clear()
 

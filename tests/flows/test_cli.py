@@ -500,3 +500,14 @@ def test_compare_table_never_folds_the_run_name_and_status_columns():
     for i in range(3):
         assert any(f"3045c8e{i}" in line and f"resilient-toucan-{i}" in line and "FINISHED" in line
                    for line in lines), "\n".join(lines)
+
+
+def test_env_with_a_failing_configured_endpoint_says_why(tmp_path, free_port):
+    """`env` said `stack is not available: not running; start it with paperline up` for a configured
+    MLflow URI with a bad port: `up` starts nothing for it (a fresh-user trial)."""
+    for uri, cause in ((f"http://127.0.0.1:{free_port()}", "ConnectError"), ("http://127.0.0.1:notaport", "InvalidURL")):
+        result = run_cli("env", env={"PAPERLINE_STATE_DIR": str(tmp_path), "PAPERLINE_MLFLOW_TRACKING_URI": uri})
+        text = " ".join(result.output.split())
+        assert result.exit_code != 0
+        assert f"not reachable: mlflow at {uri} (configured endpoint): GET /health failed: {cause}" in text, text
+        assert "check PAPERLINE_MLFLOW_TRACKING_URI" in text, text

@@ -331,3 +331,25 @@ def test_a_metric_named_twice_is_one_column(stack, experiment, tmp_path):
     _, tracker, _ = experiment
     result = compare_runs(tracker, "compare-test", ["loss", "step_s", "loss"], out_dir=tmp_path)
     assert result["metrics"] == ["loss", "step_s"] and result["columns"].count("loss") == 1
+
+
+def test_the_table_takes_a_narrow_terminals_width(stack, experiment, tmp_path):
+    """The CLI's console is at least 140 columns wide (URLs), and printed compare's table that wide
+    on a 60-column terminal: every row wrapped (a fresh-user trial)."""
+    from typer.testing import CliRunner
+
+    from paperline.flows.cli import app
+    from paperline.infra.settings import get_settings
+
+    args = ["compare", "compare-test", "--metric", "loss", "--metric", "step_s", "--all-runs", "--out", str(tmp_path)]
+    widths = {}
+    get_settings.cache_clear()
+    try:
+        for columns in (60, 200):
+            res = CliRunner().invoke(app, args, env={"PAPERLINE_STATE_DIR": str(stack[0].state_dir),
+                                                     "COLUMNS": str(columns)})
+            assert res.exit_code == 0, res.output
+            widths[columns] = max(len(line) for line in res.output.splitlines() if line[:1] in "┏┃┡│└")
+    finally:
+        get_settings.cache_clear()
+    assert widths[60] <= 60 < widths[200], widths  # the table needs more room, and gives way

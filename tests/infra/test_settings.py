@@ -38,3 +38,38 @@ def test_bad_values_rejected(monkeypatch, tmp_path):
     monkeypatch.setenv("PAPERLINE_CRASH_AFTER_S", "45")  # under two heartbeats: live runs would crash
     with pytest.raises(ValidationError, match="crash_after_s"):
         Settings()
+
+
+@pytest.mark.parametrize("name, ok", [("paperline-data", True), ("a.b-c", True), ("Bad_Bucket", False),
+                                      ("Bad_Bucket!!", False), ("xy", False), ("-lead", False), ("a..b", False),
+                                      ("192.168.1.1", False), ("x" * 64, False)])
+def test_bucket_names_follow_s3s_rules(monkeypatch, tmp_path, name, ok):
+    """A bad name failed deep in boto3 (`InvalidBucketName ... CreateBucket`, or a parameter-validation
+    regex) without naming the setting (a fresh-user trial)."""
+    from paperline.infra.errors import InputError
+    from paperline.infra.settings import get_settings
+
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("PAPERLINE_DATA_BUCKET", name)
+    get_settings.cache_clear()
+    try:
+        if ok:
+            assert get_settings().data_bucket == name
+        else:
+            with pytest.raises(InputError, match=f"^PAPERLINE_DATA_BUCKET='{name}': not a valid S3 bucket name"):
+                get_settings()
+    finally:
+        get_settings.cache_clear()
+
+
+def test_the_cli_turns_prefects_client_usage_data_off_unless_told(tmp_path):
+    import os
+    import subprocess
+    import sys
+
+    code = "import os, paperline.flows.cli; print(os.environ['DO_NOT_TRACK'])"
+    env = {k: v for k, v in os.environ.items() if k != "DO_NOT_TRACK"}
+    assert subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
+                          check=True).stdout.strip() == "1"
+    assert subprocess.run([sys.executable, "-c", code], env={**env, "DO_NOT_TRACK": "0"}, capture_output=True,
+                          text=True, check=True).stdout.strip() == "0"

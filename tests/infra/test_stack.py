@@ -323,8 +323,10 @@ def test_a_configured_endpoint_that_fails_says_why_and_names_the_setting(stack, 
             ({**s3, "s3_secret_access_key": SecretStr("not-the-secret")}, "SignatureDoesNotMatch.*PAPERLINE_S3_SECRET_ACCESS_KEY"),
             ({**s3, "s3_access_key_id": "nobody"}, "InvalidAccessKeyId.*PAPERLINE_S3_ACCESS_KEY_ID"),
             ({**s3, "s3_endpoint_url": dead}, "cannot connect.*PAPERLINE_S3_ENDPOINT_URL"),
-            ({"prefect_api_url": f"{dead}/api"}, "GET /health failed: ConnectError.*PAPERLINE_PREFECT_API_URL"),
-            ({"mlflow_tracking_uri": dead}, "GET /health failed: ConnectError.*PAPERLINE_MLFLOW_TRACKING_URI")):
+            ({"prefect_api_url": f"{dead}/api"}, "GET /api/health failed: ConnectError.*PAPERLINE_PREFECT_API_URL"),
+            ({**s3, "s3_endpoint_url": info.mlflow_tracking_uri}, "not an S3 endpoint.*PAPERLINE_S3_ENDPOINT_URL"),
+            ({"mlflow_tracking_uri": dead}, "GET /health failed: ConnectError.*PAPERLINE_MLFLOW_TRACKING_URI"),
+            ({"mlflow_tracking_uri": "http://127.0.0.1:notaport"}, "InvalidURL.*PAPERLINE_MLFLOW_TRACKING_URI")):
         with pytest.raises(ServiceError, match=pattern):
             ensure_stack(settings.model_copy(update=override))
     # status says it too, and does not send the user to `paperline up` (which starts nothing for it)
@@ -349,13 +351,13 @@ def test_a_password_in_the_tracking_uri_is_never_printed(stack):
     finally:
         get_settings.cache_clear()
     assert status.exit_code == 0 and exports.exit_code == 0, status.output + exports.output
-    assert "alice:***@" in status.output and "s3cretpw" not in status.output + exports.output
+    assert "alice@127.0.0.1" in status.output and "s3cretpw" not in status.output + exports.output
     assert f"export MLFLOW_TRACKING_URI={info.mlflow_tracking_uri}\n" in exports.output
     assert "MLFLOW_TRACKING_PASSWORD" in exports.output  # how to give MLflow's own CLI the credentials
     tracker = Tracker(with_password)  # the server (no auth of its own) takes the request
     run_id = tracker.start_run("redaction-test", run_name="r")
     tracker.end_run(run_id)
-    assert "s3cretpw" not in tracker.run_url(run_id) + repr(tracker) and "alice:***@" in tracker.run_url(run_id)
+    assert "s3cretpw" not in tracker.run_url(run_id) + repr(tracker) and "http://alice@" in tracker.run_url(run_id)
 
 
 def test_a_bucket_created_on_a_configured_s3_endpoint_is_announced(stack):
@@ -420,6 +422,9 @@ def test_a_prefect_server_with_a_login_is_used_with_prefects_own_variable(stack,
             ensure_stack(configured)
         (prefect,) = [s for s in stack_status(configured) if s.name == "prefect"]
         assert not prefect.healthy and "PREFECT_API_AUTH_STRING" in prefect.problem
+        monkeypatch.setenv("PREFECT_API_AUTH_STRING", "admin:wrong")
+        with pytest.raises(ServiceError, match=r"not authorized \(HTTP 401\): the server refused the login given"):
+            ensure_stack(configured)
         monkeypatch.setenv("PREFECT_API_AUTH_STRING", "admin:s3cret")
         _refresh_prefect_settings()
         there = ensure_stack(configured)
