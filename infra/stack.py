@@ -471,15 +471,20 @@ def _service_problem(service: str, url: str, *, login: bool = False) -> str | No
     if problem or not login:
         return problem
     headers = _auth_headers(service)
+    path = _AUTHORIZED_PATHS[service].split("?")[0]
     try:
-        code = httpx.get(base + _AUTHORIZED_PATHS[service], timeout=5.0, headers=headers).status_code
+        resp = httpx.get(base + _AUTHORIZED_PATHS[service], timeout=5.0, headers=headers)
     except Exception as exc:  # noqa: BLE001 - as in _http_problem
-        return f"GET {_AUTHORIZED_PATHS[service].split('?')[0]} failed: {type(exc).__name__}: {str(exc)[:200]}"
-    if code in (401, 403):
+        return f"GET {path} failed: {type(exc).__name__}: {str(exc)[:200]}"
+    if resp.status_code in (401, 403):
         if headers or "@" in urlsplit(base).netloc:  # a login was sent: it is the wrong one
-            return f"not authorized (HTTP {code}): the server refused the login given ({_LOGIN_VARS[service]})"
-        return f"not authorized (HTTP {code}): {_LOGIN_HINTS[service]}"
-    return None  # (another status, e.g. a path this server does not have: not a login problem)
+            return f"not authorized (HTTP {resp.status_code}): the server refused the login given ({_LOGIN_VARS[service]})"
+        return f"not authorized (HTTP {resp.status_code}): {_LOGIN_HINTS[service]}"
+    if service == "mlflow" and (resp.status_code == 404 or resp.status_code == 200 and "json" not in
+                                resp.headers.get("content-type", "")):
+        # another web server that answers /health: the run failed later with its HTML page (a trial)
+        return f"not an MLflow tracking server (GET {path} returned {resp.status_code} {resp.headers.get('content-type', '')})"
+    return None  # (another status, e.g. Prefect Cloud without /admin/version: not a login problem)
 
 
 def _prefect_problem(api_url: str, login: bool = False) -> str | None:

@@ -445,3 +445,33 @@ def _refresh_prefect_settings() -> None:
     import prefect.context
 
     prefect.context.refresh_global_settings_context()
+
+
+def test_a_web_server_that_is_not_mlflow_is_refused_as_one(stack, free_port, tmp_path):
+    """Another web server answering `/health` passed the check, and the run failed halfway with
+    its HTML page in the error (a fresh-user trial)."""
+    import subprocess
+    import sys
+    import time
+
+    import httpx
+
+    settings, _ = stack
+    (tmp_path / "health").write_text("ok")
+    port = free_port()
+    web = subprocess.Popen([sys.executable, "-m", "http.server", str(port), "--bind", "127.0.0.1"], cwd=tmp_path,
+                           stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        deadline = time.time() + 30
+        while True:
+            with contextlib.suppress(httpx.HTTPError):
+                if httpx.get(f"http://127.0.0.1:{port}/health", timeout=2).status_code == 200:
+                    break
+            assert time.time() < deadline
+            time.sleep(0.2)
+        with pytest.raises(ServiceError, match=r"not an MLflow tracking server \(GET /api/2.0/mlflow/experiments/"
+                                               r"search returned 404.*PAPERLINE_MLFLOW_TRACKING_URI"):
+            ensure_stack(settings.model_copy(update={"mlflow_tracking_uri": f"http://127.0.0.1:{port}"}))
+    finally:
+        web.terminate()
+        web.wait(timeout=10)
