@@ -177,12 +177,11 @@ def env() -> None:
 
     settings = _settings()
     info = load_stack_info(settings)
-    services = stack_status(settings)
-    if any(not s.healthy and not s.managed for s in services) or info is not None and not all(
-            s.healthy for s in services):  # a configured endpoint that fails: say why, not `paperline up`
-        raise PaperlineError("; ".join(_down_lines(services)))
-    if info is None:
+    down = [s for s in stack_status(settings) if not s.healthy]
+    if info is None and all(s.managed for s in down):
         raise ServiceError("stack", "not running; start it with `paperline up`")
+    if down:  # a configured endpoint that fails is said why, not sent to `paperline up`
+        raise PaperlineError("; ".join(_down_lines(down)))
     # plain print: rich would wrap long URLs, and `eval` needs the lines as they are
     print(f"export PREFECT_API_URL={shlex.quote(info.prefect_api_url)}")
     uri = urlsplit(info.mlflow_tracking_uri)
@@ -578,10 +577,9 @@ def serve() -> None:
 
     from paperline.flows.pipelines import get_pipeline, pipeline_names
     from paperline.infra.cluster import require_scheduler
+    from paperline.infra.errors import redact_url
     from paperline.infra.flow_runs import watch_flow_runs
     from paperline.infra.stack import FLOW_HEARTBEAT_S
-
-    from paperline.infra.errors import redact_url
 
     _quiet_logs()
     require_scheduler(_settings())  # the runs served here use it

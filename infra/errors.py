@@ -32,8 +32,8 @@ def input_error_from(exc: Any, argument: Callable[[tuple[Any, ...]], str]) -> In
 
 def redact_url(url: str) -> str:
     """``url`` without the password of its user info (``http://alice@host:5000``; a user part
-    alone, which may be a token, left out too), for
-    anything shown or logged: a tracking URI may carry basic-auth credentials."""
+    alone, which may be a token, left out too), for anything shown or logged: a tracking URI may
+    carry basic-auth credentials."""
     from urllib.parse import urlsplit, urlunsplit  # noqa: PLC0415
 
     try:

@@ -44,13 +44,6 @@ from paperline.infra.errors import PaperlineError, ServiceError, redact_url
 from paperline.infra.settings import Settings
 
 SERVICE_NAMES = ("s3", "prefect", "mlflow")
-def result_block_name(s3_url: str | None, key: str | None, region: str, bucket: str) -> str:
-    """The result-storage block's name for these S3 settings: ``paperline-results-<10 hex digits>``
-    (SHA-256 of endpoint, access key id, region and bucket; the secret is not part of it)."""
-    digest = hashlib.sha256(json.dumps([s3_url or "", key or "", region, bucket]).encode()).hexdigest()
-    return f"paperline-results-{digest[:10]}"
-"""Slug of the Prefect ``S3Bucket`` block holding task results (the cache)."""
-
 STATE_FILE = "stack.json"
 _STOP_TIMEOUT_S = 15.0  # seconds between SIGTERM and SIGKILL
 _GRPC_OFFSET = 10000  # SeaweedFS's grpc port convention; some of its clients assume it
@@ -136,6 +129,14 @@ class StackInfo:
             if s.name == name:
                 return s
         raise KeyError(name)
+
+
+def result_block_name(s3_url: str | None, key: str | None, region: str, bucket: str) -> str:
+    """The name of the Prefect ``S3Bucket`` block holding task results (the cache) for these S3
+    settings: ``paperline-results-<10 hex digits>`` (SHA-256 of endpoint, access key id, region and
+    bucket; the secret is not part of it)."""
+    digest = hashlib.sha256(json.dumps([s3_url or "", key or "", region, bucket]).encode()).hexdigest()
+    return f"paperline-results-{digest[:10]}"
 
 
 # --------------------------------------------------------------------------------------------------
@@ -459,23 +460,30 @@ _LOGIN_VARS = {"prefect": "PREFECT_API_AUTH_STRING or PREFECT_API_KEY",
 _AUTHORIZED_PATHS = {"prefect": "/admin/version", "mlflow": "/api/2.0/mlflow/experiments/search?max_results=1"}
 
 
-def _service_problem(service: str, url: str, *, login: bool = False) -> str | None:
+_URL_SETTINGS = {"prefect": "PAPERLINE_PREFECT_API_URL", "mlflow": "PAPERLINE_MLFLOW_TRACKING_URI"}
+
+
+def _service_problem(service: str, url: str, *, configured: bool = False) -> str | None:
     """Why the Prefect API (``url``: ``.../api``) or MLflow server (tracking URI) cannot be used;
-    None when it can. ``login``: also make an authorized request with the login the service's
-    own client would send (:func:`_auth_headers`), so that a missing or wrong one is said here,
-    not as a 401 halfway through a run (configured endpoints; the local servers have none)."""
+    None when it can. ``configured`` (an endpoint from the settings; the local servers have no
+    login): also make an authorized request with the login the service's own client would send
+    (:func:`_auth_headers`), so that a missing or wrong one is said here, not as a 401 halfway
+    through a run, and name the setting to check."""
     import httpx  # noqa: PLC0415
 
     base = url.rstrip("/")
     problem = _http_problem(base + "/health")
-    if problem or not login:
+    if not configured:
         return problem
+    check = f"; check {_URL_SETTINGS[service]}"
+    if problem:
+        return problem + check
     headers = _auth_headers(service)
     path = _AUTHORIZED_PATHS[service].split("?")[0]
     try:
         resp = httpx.get(base + _AUTHORIZED_PATHS[service], timeout=5.0, headers=headers)
     except Exception as exc:  # noqa: BLE001 - as in _http_problem
-        return f"GET {path} failed: {type(exc).__name__}: {str(exc)[:200]}"
+        return f"GET {path} failed: {type(exc).__name__}: {str(exc)[:200]}{check}"
     if resp.status_code in (401, 403):
         if headers or "@" in urlsplit(base).netloc:  # a login was sent: it is the wrong one
             return f"not authorized (HTTP {resp.status_code}): the server refused the login given ({_LOGIN_VARS[service]})"
@@ -483,29 +491,17 @@ def _service_problem(service: str, url: str, *, login: bool = False) -> str | No
     if service == "mlflow" and (resp.status_code == 404 or resp.status_code == 200 and "json" not in
                                 resp.headers.get("content-type", "")):
         # another web server that answers /health: the run failed later with its HTML page (a trial)
-        return f"not an MLflow tracking server (GET {path} returned {resp.status_code} {resp.headers.get('content-type', '')})"
+        return (f"not an MLflow tracking server (GET {path} returned {resp.status_code} "
+                f"{resp.headers.get('content-type', '')}){check}")
     return None  # (another status, e.g. Prefect Cloud without /admin/version: not a login problem)
 
 
-def _prefect_problem(api_url: str, login: bool = False) -> str | None:
-    return _service_problem("prefect", api_url, login=login)
-
-
-def _mlflow_problem(uri: str, login: bool = False) -> str | None:
-    return _service_problem("mlflow", uri, login=login)
-
-
-def _with_setting(problem: str, setting: str) -> str:
-    """A Prefect/MLflow problem with the setting to check (a login problem names its own)."""
-    return problem if problem.startswith("not authorized") else f"{problem}; check {setting}"
-
-
 def _prefect_healthy(api_url: str) -> bool:
-    return _prefect_problem(api_url) is None
+    return _service_problem("prefect", api_url) is None
 
 
 def _mlflow_healthy(uri: str) -> bool:
-    return _mlflow_problem(uri) is None
+    return _service_problem("mlflow", uri) is None
 
 
 def _listens(pid: int, port: int | None) -> bool:
@@ -1022,9 +1018,9 @@ def ensure_stack(settings: Settings, *, progress: Progress | None = None, notice
             pending: dict[str, tuple[subprocess.Popen[bytes], Callable[[], bool], str, str]] = {}
             if external["prefect"]:
                 api, _ = _prefect_urls(external["prefect"])
-                problem = _prefect_problem(api, login=True)
+                problem = _service_problem("prefect", api, configured=True)
                 if problem:
-                    raise ServiceError("prefect", _with_setting(problem, "PAPERLINE_PREFECT_API_URL"), url=api)
+                    raise ServiceError("prefect", problem, url=api)
             elif "prefect" not in recs:
                 proc, rec = _start_prefect(settings, None, taken)
                 say(f"prefect: starting server at {rec['url']} (log: {rec['log_path']})")
@@ -1032,10 +1028,9 @@ def ensure_stack(settings: Settings, *, progress: Progress | None = None, notice
                 started.append("prefect")
                 pending["prefect"] = (proc, lambda r=rec: _prefect_healthy(r["api_url"]), rec["url"], rec["log_path"])
             if external["mlflow"]:
-                problem = _mlflow_problem(external["mlflow"], login=True)
+                problem = _service_problem("mlflow", external["mlflow"], configured=True)
                 if problem:
-                    raise ServiceError("mlflow", _with_setting(problem, "PAPERLINE_MLFLOW_TRACKING_URI"),
-                                       url=external["mlflow"])
+                    raise ServiceError("mlflow", problem, url=external["mlflow"])
             elif "mlflow" not in recs:
                 proc, rec = _start_mlflow(settings, None, taken, s3_obj_url, key, secret)
                 say(f"mlflow: starting server at {rec['url']} (log: {rec['log_path']})")
@@ -1171,12 +1166,7 @@ def stack_status(settings: Settings) -> list[Service]:
     def check(name: str, url: str) -> str | None:
         if name == "s3":
             return _s3_problem(url, key, secret, settings.s3_region, settings.results_bucket)
-        login = bool(external[name])
-        if name == "prefect":
-            problem = _prefect_problem(_prefect_urls(url)[0], login=login)
-            return problem and _with_setting(problem, "PAPERLINE_PREFECT_API_URL")
-        problem = _mlflow_problem(url, login=login)
-        return problem and _with_setting(problem, "PAPERLINE_MLFLOW_TRACKING_URI")
+        return _service_problem(name, _prefect_urls(url)[0] if name == "prefect" else url, configured=bool(external[name]))
 
     out = []
     for name in SERVICE_NAMES:

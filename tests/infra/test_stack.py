@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import contextlib
 import hashlib
 import os
 import pickle
@@ -391,9 +390,10 @@ def test_a_prefect_server_with_a_login_is_used_with_prefects_own_variable(stack,
     401); with it, the stack is set up on that server (block, work pools) by Prefect's client."""
     import subprocess
     import sys
-    import time
 
     import httpx
+
+    from paperline.infra.stack import _http_ok, _wait_healthy
 
     settings, info = stack
     port = free_port()
@@ -407,13 +407,7 @@ def test_a_prefect_server_with_a_login_is_used_with_prefects_own_variable(stack,
                             start_new_session=True)
     api = f"http://127.0.0.1:{port}/api"
     try:
-        deadline = time.time() + 120
-        while True:
-            with contextlib.suppress(httpx.HTTPError):
-                if httpx.get(f"{api}/health", timeout=2).status_code == 200:
-                    break
-            assert proc.poll() is None and time.time() < deadline, (tmp_path / "prefect.log").read_text()[-2000:]
-            time.sleep(0.5)
+        _wait_healthy({"prefect": (proc, lambda: _http_ok(f"{api}/health"), api, str(tmp_path / "prefect.log"))}, 120)
         configured = settings.model_copy(update={"prefect_api_url": api})
         monkeypatch.delenv("PREFECT_API_AUTH_STRING", raising=False)
         monkeypatch.delenv("PREFECT_API_KEY", raising=False)
@@ -452,26 +446,20 @@ def test_a_web_server_that_is_not_mlflow_is_refused_as_one(stack, free_port, tmp
     its HTML page in the error (a fresh-user trial)."""
     import subprocess
     import sys
-    import time
 
-    import httpx
+    from paperline.infra.stack import _http_ok, _wait_healthy
 
     settings, _ = stack
     (tmp_path / "health").write_text("ok")
     port = free_port()
     web = subprocess.Popen([sys.executable, "-m", "http.server", str(port), "--bind", "127.0.0.1"], cwd=tmp_path,
                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    url = f"http://127.0.0.1:{port}"
     try:
-        deadline = time.time() + 30
-        while True:
-            with contextlib.suppress(httpx.HTTPError):
-                if httpx.get(f"http://127.0.0.1:{port}/health", timeout=2).status_code == 200:
-                    break
-            assert time.time() < deadline
-            time.sleep(0.2)
+        _wait_healthy({"web": (web, lambda: _http_ok(f"{url}/health"), url, "(stderr discarded)")}, 30)
         with pytest.raises(ServiceError, match=r"not an MLflow tracking server \(GET /api/2.0/mlflow/experiments/"
                                                r"search returned 404.*PAPERLINE_MLFLOW_TRACKING_URI"):
-            ensure_stack(settings.model_copy(update={"mlflow_tracking_uri": f"http://127.0.0.1:{port}"}))
+            ensure_stack(settings.model_copy(update={"mlflow_tracking_uri": url}))
     finally:
         web.terminate()
         web.wait(timeout=10)
