@@ -17,12 +17,40 @@ from typing import Any, Callable, Iterator, Optional
 
 import typer
 from rich.console import Console
+from typer.core import TyperArgument, TyperCommand, TyperGroup, TyperOption
 from rich.table import Table
 
 from paperline.infra.errors import PaperlineError
 from paperline.kernels.errors import InputError as KernelInputError
 
-app = typer.Typer(help="paperline: systems papers as Prefect flows on Dask, tracked in MLflow, artifacts in S3.",
+def _plain_types(params: list[Any]) -> list[Any]:
+    """Typer 0.29's help prints each parameter's Python type beside it: ``<bool>`` beside flags that
+    take no value (``--help``, ``--log``: read as if they wanted ``true``) and ``<str>`` beside
+    arguments whose metavar already says what they take, and braces around a required argument
+    in the usage line (``compare [OPTIONS] {EXPERIMENT}``, braces usually listing choices). Those
+    show no type, and a required argument its bare name, as click writes it; options with a value
+    keep their metavar (``--top N``)."""
+    for param in params:
+        if isinstance(param, TyperOption) and param.is_flag and param.metavar is None:
+            param.metavar = ""
+        elif isinstance(param, TyperArgument) and param.metavar is not None:
+            param.display_type_rich = lambda ctx: None
+            if param.required and param.nargs == 1:
+                param._usage_display_name = lambda name=param.metavar: name
+    return params
+
+
+class _Command(TyperCommand):
+    def get_params(self, ctx: Any) -> list[Any]:
+        return _plain_types(super().get_params(ctx))
+
+
+class _Group(TyperGroup):
+    def get_params(self, ctx: Any) -> list[Any]:
+        return _plain_types(super().get_params(ctx))
+
+
+app = typer.Typer(cls=_Group, help="paperline: systems papers as Prefect flows on Dask, tracked in MLflow, artifacts in S3.",
                   no_args_is_help=True, add_completion=False, pretty_exceptions_enable=False,
                   rich_markup_mode="markdown")  # docstring lines reflow into paragraphs
 # Prefect's client printed a usage-data notice on a terminal (and would report to a server with
@@ -98,7 +126,7 @@ def _ensure_stack(say_reused: bool = False):
     return info
 
 
-@app.command()
+@app.command(cls=_Command)
 @_friendly
 def up() -> None:
     """Start the local stack (or check the configured endpoints) and print each service's URL."""
@@ -110,7 +138,7 @@ def up() -> None:
                   f"MLflow UI:  {redact_url(info.mlflow_tracking_uri)}", soft_wrap=True)
 
 
-@app.command()
+@app.command(cls=_Command)
 @_friendly
 def down() -> None:
     """Stop the local servers this state directory started (by PID)."""
@@ -120,7 +148,7 @@ def down() -> None:
     console.print(f"stopped: {', '.join(stopped)}" if stopped else "nothing to stop")
 
 
-@app.command()
+@app.command(cls=_Command)
 @_friendly
 def status() -> None:
     """Show each service with its URL and health; exit 1 when one is not healthy (so that
@@ -162,7 +190,7 @@ def _print_services(services) -> None:
     console.print(table)
 
 
-@app.command()
+@app.command(cls=_Command)
 @_friendly
 def env() -> None:
     """Print shell `export` lines that point Prefect's and MLflow's own CLIs at the stack:
@@ -192,7 +220,7 @@ def env() -> None:
     print(f"export MLFLOW_TRACKING_URI={shlex.quote(urlunsplit(uri))}")
 
 
-@app.command()
+@app.command(cls=_Command)
 @_friendly
 def upload(path: Path = typer.Argument(..., metavar="PATH", help="Local file or directory, e.g. B.npy or raw/."),
            uri: str = typer.Argument(..., metavar="URI", help="Destination object, e.g. s3://paperline-data/B.npy, "
@@ -234,7 +262,7 @@ def upload(path: Path = typer.Argument(..., metavar="PATH", help="Local file or 
                       soft_wrap=True)
 
 
-@app.command()
+@app.command(cls=_Command)
 @_friendly
 def datasets() -> None:
     """List the bundled real datasets (tensors) and the search problems of the nas pipeline."""
@@ -257,7 +285,7 @@ def datasets() -> None:
     console.print(table)
 
 
-@app.command()
+@app.command(cls=_Command)
 @_friendly
 def params(pipeline: Optional[str] = typer.Argument(None, metavar="PIPELINE", help="Pipeline name, e.g. nas."),
            preset: Optional[list[str]] = typer.Option(None, "--preset", metavar="NAME",
@@ -287,7 +315,7 @@ def params(pipeline: Optional[str] = typer.Argument(None, metavar="PIPELINE", he
         console.print(more)
 
 
-@app.command()
+@app.command(cls=_Command)
 @_friendly
 def run(pipeline: Optional[str] = typer.Argument(None, metavar="PIPELINE", help="Pipeline name, e.g. tensor-factorization."),
         preset: Optional[list[str]] = typer.Option(None, "--preset", metavar="NAME",
@@ -551,7 +579,7 @@ def _print_tail(summary: dict[str, Any]) -> None:
     console.print(f"MLflow run:       {summary['mlflow_run_url']}", soft_wrap=True)
 
 
-@app.command()
+@app.command(cls=_Command)
 @_friendly
 def demo() -> None:
     """Run every pipeline on its demo preset (bundled real data)."""
@@ -563,7 +591,7 @@ def demo() -> None:
             _run_one(spec, build_parameters(spec, "demo", []), None, early)
 
 
-@app.command()
+@app.command(cls=_Command)
 @_friendly
 def serve() -> None:
     """Serve every pipeline as a deployment from this process (no work pool needed): runs
@@ -638,7 +666,7 @@ def _serve_lock(state_dir: Path) -> Any:
     return f
 
 
-@app.command()
+@app.command(cls=_Command)
 @_friendly
 def worker(pool: str = typer.Option("cpu", "--pool", metavar="POOL", help="cpu or gpu (the work pools prefect.yaml uses).")) -> None:
     """Start a Prefect process worker for a paperline work pool, with the stack's environment:
@@ -756,7 +784,7 @@ def _runs_table(experiment: str, result: dict[str, Any], width: int) -> Table:
     return table
 
 
-@app.command()
+@app.command(cls=_Command)
 @_friendly
 def compare(experiment: str = typer.Argument(..., metavar="EXPERIMENT", help="MLflow experiment, e.g. gemm or tensor-factorization."),
             metric: list[str] = typer.Option([], "--metric", "-m", metavar="METRIC", help="Metric to show and plot (repeatable)."),

@@ -210,6 +210,18 @@ def test_help_names_what_each_argument_and_option_takes():
     assert "--set KEY=VALUE" in text and "--summary-json FILE" in text and "list[str]" not in text
     text = " ".join(run_cli("compare", "--help").output.split())
     assert "--metric -m METRIC" in text and "--top N" in text and "--out DIR" in text
+    # typer 0.29 wrote `<bool>` beside flags (as if `--log true` were wanted), `<str>` beside named
+    # arguments, and `{EXPERIMENT}` (braces read as choices) in the usage line
+    assert "compare [OPTIONS] EXPERIMENT " in text and "{" not in text
+    import typer.main
+
+    names = sorted(typer.main.get_command(app).commands)
+    assert {"compare", "run", "upload", "worker"} <= set(names)
+    for command in ((), *((name,) for name in names)):
+        help_text = run_cli(*command, "--help").output
+        assert "Usage: " in help_text, (command, help_text)
+        assert "<bool>" not in help_text and "<str>" not in help_text, (command, help_text)
+        assert "<int>" not in help_text and "<path>" not in help_text.lower(), (command, help_text)
 
 
 @pytest.fixture
