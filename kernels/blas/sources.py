@@ -108,7 +108,7 @@ class NpySource:
             non-finite entry is then named by its index alone, not by this file.
 
     Attributes:
-        where: the path, named by errors about the file's values (None when ``spilled``).
+        where: the path as given, named by errors about the file's values (None when ``spilled``).
 
     Raises:
         InputError: missing file, not a ``.npy`` file, not a 2-D float matrix, or truncated (fewer
@@ -119,7 +119,7 @@ class NpySource:
 
     def __init__(self, path: str | os.PathLike[str], argument: str = "a", spilled: bool = False):
         self.path = str(Path(path).resolve())
-        self.where = None if spilled else self.path
+        self.where = None if spilled else str(path)  # as given, as the errors above name it
         if os.path.isdir(self.path):
             raise InputError(argument, str(path), "is a directory; name a .npy file")
         if not os.path.isfile(self.path):

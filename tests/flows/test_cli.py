@@ -304,6 +304,18 @@ def test_bad_gemm_input_is_refused_before_anything_starts(npy, tmp_path):
     assert not list((tmp_path).glob("*partial*"))
 
 
+def test_an_operand_is_named_as_given(npy, tmp_path, monkeypatch):
+    """A relative path is named as typed in every refusal: the shape and dtype errors named the
+    resolved path while 'no such file' and 'truncated' named it as typed (a trial)."""
+    import numpy as np
+
+    npy("a.npy", np.ones((40, 30)))
+    npy("b.npy", np.ones((31, 20)))
+    monkeypatch.chdir(tmp_path)
+    assert_refused_before_anything_starts("gemm", [(["a=a.npy", "b=b.npy"], ["b='b.npy': shape (31, 20) does not conform"])],
+                                          tmp_path, env={"PAPERLINE_N_WORKERS": "2"})
+
+
 def test_a_presets_values_are_not_given_parameters(npy):
     """`--preset full` sets m = n = k = 8192; with operand files of another shape that is not a
     contradiction the user made (their own --set m would be)."""
