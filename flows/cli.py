@@ -195,8 +195,10 @@ def _print_services(services) -> None:
 def env() -> None:
     """Print shell `export` lines that point Prefect's and MLflow's own CLIs at the stack:
     `eval "$(paperline env)"`, then e.g. `prefect deploy --all`, or `prefect deployment run
-    gemm/local` while `paperline serve` runs. Without them those CLIs use their own defaults (Prefect starts an empty temporary
-    server). No credentials are printed. Fails when the stack is not running."""
+    gemm/local` while `paperline serve` runs; a flow a script in that shell calls runs on the stack and
+    caches its task results in its S3, as with `paperline run`. Without them those CLIs use their own
+    defaults (Prefect starts an empty temporary server). No credentials are printed. Fails when the
+    stack is not running."""
     import shlex
     from urllib.parse import urlsplit, urlunsplit
 
@@ -212,6 +214,9 @@ def env() -> None:
         raise PaperlineError("; ".join(_down_lines(down)))
     # plain print: rich would wrap long URLs, and `eval` needs the lines as they are
     print(f"export PREFECT_API_URL={shlex.quote(info.prefect_api_url)}")
+    # a flow called from a script in this shell caches its task results in the stack's S3, as `paperline run`
+    print("export PREFECT_RESULTS_PERSIST_BY_DEFAULT=true")
+    print(f"export PREFECT_RESULTS_DEFAULT_STORAGE_BLOCK={shlex.quote(info.result_storage_block)}")
     uri = urlsplit(info.mlflow_tracking_uri)
     if "@" in uri.netloc:  # credentials in the URI: not printed; MLflow's client reads its own variables
         print("# MLFLOW_TRACKING_URI without the credentials in PAPERLINE_MLFLOW_TRACKING_URI (not printed): "

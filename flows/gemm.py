@@ -128,6 +128,17 @@ class GemmParameters(BaseModel):
     scaling: bool = Field(True, description="Also time 1..W workers for the scaling plot.")
     peer: bool = Field(True, description="Also time the single-process NumPy/SciPy peer (operands up to 4 GiB).")
 
+    @field_validator("memory_budget")
+    @classmethod
+    def _check_budget(cls, v: int | str) -> int | str:
+        """A budget that does not read as bytes is refused as the model is built (from Python
+        too, not only by the CLI); the value is kept as given (``"1GiB"``)."""
+        try:
+            parse_bytes(v)
+        except InputError as exc:
+            raise ValueError(exc.problem) from None
+        return v
+
     @field_validator("a", "b", "c", "output")
     @classmethod
     def _check_location(cls, v: str | None, info: ValidationInfo) -> str | None:

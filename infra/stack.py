@@ -41,7 +41,7 @@ from typing import Any
 from urllib.parse import urlsplit
 
 from paperline.infra.errors import PaperlineError, ServiceError, redact_url
-from paperline.infra.settings import Settings
+from paperline.infra.settings import Settings, get_settings
 
 SERVICE_NAMES = ("s3", "prefect", "mlflow")
 STATE_FILE = "stack.json"
@@ -1195,13 +1195,97 @@ def require_stack(settings: Settings) -> tuple[StackInfo, Any]:
 
     Raises:
         ServiceError: no running stack and no configured endpoints.
+        PaperlineError: called in a flow run that is not on the stack's Prefect server (a flow
+            called from Python before :func:`connect`).
     """
     from paperline.infra.storage import ObjectStore  # noqa: PLC0415 - storage imports this module
 
     info = load_stack_info(settings)
     if info is None:
         raise ServiceError("stack", "no running stack or configured endpoints; run `paperline up` first")
+    _check_flow_run_server(info)
     return info, ObjectStore.from_stack(info)
+
+
+def _endpoint(url: str) -> tuple[str, str, int | None, str]:
+    """``url`` as (scheme, host, port, path), loopback names made one, for comparing endpoints."""
+    u = urlsplit(url.rstrip("/"))
+    host = (u.hostname or "").lower()
+    if host in ("localhost", "127.0.0.1", "::1"):
+        host = "loopback"
+    return u.scheme, host, u.port or {"http": 80, "https": 443}.get(u.scheme), u.path
+
+
+def _check_flow_run_server(info: StackInfo) -> None:
+    """Refuse a flow run that is not on the stack's Prefect server.
+
+    A flow called from Python before :func:`connect` (or ``eval "$(paperline env)"``) runs on a
+    temporary Prefect server of its own: its run, logs and cached results vanish when it ends,
+    while the MLflow run would record a link to the stack's UI where no such run exists (a user
+    trial). Outside a flow run this checks nothing.
+
+    Raises:
+        PaperlineError: the flow run's Prefect API is not the stack's.
+    """
+    try:
+        from prefect.context import FlowRunContext  # noqa: PLC0415 - only flows call this with Prefect loaded
+    except ImportError:  # pragma: no cover - prefect is a core dependency
+        return
+    ctx = FlowRunContext.get()
+    client = getattr(ctx, "client", None)
+    if client is None:
+        return
+    from prefect.settings import PREFECT_API_URL  # noqa: PLC0415
+
+    running_on = str(client.api_url)
+    if _endpoint(running_on) == _endpoint(info.prefect_api_url):
+        return
+    where = ("Prefect's temporary server (PREFECT_API_URL is not set)" if PREFECT_API_URL.value() is None
+             else f"the Prefect server at {redact_url(running_on)}")
+    raise PaperlineError(f"this flow run is on {where}, not the stack's ({redact_url(info.prefect_api_url)}): its run "
+                         "and cached results would vanish when it ends, and its MLflow run would link to a page that "
+                         "does not exist; from Python, call paperline.infra.stack.connect() before the flow (in a "
+                         "shell: eval \"$(paperline env)\")")
+
+
+def connect(settings: Settings | None = None, *, start: bool = True, progress: Progress | None = None) -> StackInfo:
+    """Point this Python process at the stack, to call flows from your own code: what
+    ``paperline run`` does before it runs a flow.
+
+    Starts the local stack when it is not running (``start``; else it must be), then
+    :func:`activate`\ s it: Prefect's client (flow runs, the S3 result cache), MLflow's and the
+    Dask workers started later all use it. Call it under ``if __name__ == "__main__":`` in a
+    script, since the local Dask cluster's worker processes import the script again.
+
+    Example::
+
+        from paperline.flows.gemm import GemmParameters, gemm
+        from paperline.infra.stack import connect
+
+        if __name__ == "__main__":
+            connect()
+            summary = gemm(GemmParameters(m=512, n=512, k=512, tile=128))
+
+    Args:
+        settings: The settings (default: :func:`~paperline.infra.settings.get_settings`, i.e. the
+            ``PAPERLINE_*`` environment).
+        start: Start the local stack if it is not running (as ``paperline up``); False: refuse.
+        progress: Called with a line for each service started (default: none printed).
+
+    Returns:
+        The stack's endpoints.
+
+    Raises:
+        ServiceError: the stack is not running and ``start`` is False, or a service failed to start
+            or a configured endpoint does not answer.
+    """
+    settings = settings or get_settings()
+    if start:
+        info = ensure_stack(settings, progress=progress)
+    else:
+        info, _ = require_stack(settings)
+    activate(info)
+    return info
 
 
 def load_stack_info(settings: Settings) -> StackInfo | None:

@@ -316,6 +316,19 @@ def test_an_operand_is_named_as_given(npy, tmp_path, monkeypatch):
                                           tmp_path, env={"PAPERLINE_N_WORKERS": "2"})
 
 
+def test_a_budget_that_is_not_bytes_is_refused_as_the_model_is_built():
+    """From Python, `GemmParameters(memory_budget="lots")` was accepted and failed the flow run
+    later (a trial of the library): refused at construction, the value kept as given otherwise."""
+    from pydantic import ValidationError
+
+    from paperline.flows.gemm import GemmParameters
+
+    for bad, why in (("lots", "expected bytes as an integer or with a unit"), ("0", "must be positive"), (-5, "must be positive")):
+        with pytest.raises(ValidationError, match=why):
+            GemmParameters(memory_budget=bad)
+    assert GemmParameters(memory_budget="512MiB").memory_budget == "512MiB"
+
+
 def test_a_presets_values_are_not_given_parameters(npy):
     """`--preset full` sets m = n = k = 8192; with operand files of another shape that is not a
     contradiction the user made (their own --set m would be)."""

@@ -2,6 +2,7 @@
 2-worker local cluster), then the result object in S3, the MLflow run and its plots are checked
 against an independent reference."""
 
+import dataclasses
 import io
 import json
 import subprocess
@@ -70,6 +71,63 @@ def test_mlflow_run_has_the_metrics_and_plots(gemm_run):
     assert {"timeline.png", "scaling.png", "tasks.json"} <= names
     assert "s3_secret_access_key" not in json.dumps(run.data.params)
     assert run.data.tags["paperline.params_key"] == summary["versus_best_earlier"]["params_key"]
+
+
+SCRIPT = """
+from paperline.flows.gemm import GemmParameters, gemm
+from paperline.infra.errors import PaperlineError
+from paperline.infra.stack import connect
+
+if __name__ == "__main__":  # the local Dask cluster's workers import this script again
+    params = GemmParameters(m=90, n=70, k=50, tile=32, scaling=False, peer=False)
+    try:
+        gemm(params)
+    except PaperlineError as exc:
+        print("REFUSED:", exc)
+    connect(start=False)
+    print("URL:", gemm(params)["prefect_flow_run_url"])
+"""
+
+
+def test_a_flow_called_from_python_runs_on_the_stack_after_connect(stack, cli_env, tmp_path):
+    """A user's script that called the gemm flow without pointing Prefect at the stack ran it on
+    Prefect's temporary server, while the summary and MLflow linked to a page of the stack's UI that
+    did not exist (a trial): refused, naming connect(); after connect() the run is on the stack."""
+    from prefect.client.orchestration import get_client
+
+    _, info = stack
+    (tmp_path / "use.py").write_text(SCRIPT)
+    env = {k: v for k, v in cli_env.items() if not k.startswith(("PREFECT_", "MLFLOW_"))}
+    proc = subprocess.run([sys.executable, "use.py"], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    refused = next(line for line in proc.stdout.splitlines() if line.startswith("REFUSED:"))
+    assert "Prefect's temporary server" in refused and f"not the stack's ({info.prefect_api_url})" in refused
+    assert "call paperline.infra.stack.connect()" in refused
+    url = next(line for line in proc.stdout.splitlines() if line.startswith("URL:")).split()[1]
+    assert url.startswith(f"{info.prefect_ui_url}/runs/flow-run/")
+    with get_client(sync_client=True) as client:
+        assert client.read_flow_run(url.rsplit("/", 1)[1]).state.name == "Completed"
+
+
+def test_a_flow_on_another_prefect_server_is_refused(stack):
+    """The same check in a flow run on the stack, against a stack whose Prefect is elsewhere; the
+    loopback names are one host (localhost for 127.0.0.1 is no mismatch)."""
+    from prefect import flow
+
+    from paperline.infra.errors import PaperlineError
+    from paperline.infra.stack import _check_flow_run_server
+
+    _, info = stack
+    _check_flow_run_server(info)  # outside a flow run: nothing to check
+
+    @flow
+    def check(api_url: str) -> None:
+        _check_flow_run_server(dataclasses.replace(info, prefect_api_url=api_url))
+
+    check(info.prefect_api_url.replace("127.0.0.1", "localhost") + "/")
+    with pytest.raises(PaperlineError, match=r"this flow run is on the Prefect server at http://127\.0\.0\.1:\d+/api/?, "
+                                             r"not the stack's \(http://127\.0\.0\.1:1/api\)"):
+        check("http://127.0.0.1:1/api")
 
 
 def test_s3_inputs_are_checked_before_the_flow_run(stack, cli_env):

@@ -21,7 +21,10 @@ def deployed(stack, tmp_path_factory, background_process, cli_env):
     exports = subprocess.run([sys.executable, "-m", "paperline.flows.cli", "env"], env=cli_env, capture_output=True,
                              text=True, timeout=60, check=True).stdout
     urls = dict(re.findall(r"^export (\w+)=(\S+)$", exports, re.M))
-    assert urls == {"PREFECT_API_URL": info.prefect_api_url, "MLFLOW_TRACKING_URI": info.mlflow_tracking_uri}
+    assert urls == {"PREFECT_API_URL": info.prefect_api_url, "MLFLOW_TRACKING_URI": info.mlflow_tracking_uri,
+                    # a flow called from a script in that shell caches in the stack's S3, as `paperline run`
+                    "PREFECT_RESULTS_PERSIST_BY_DEFAULT": "true",
+                    "PREFECT_RESULTS_DEFAULT_STORAGE_BLOCK": info.result_storage_block}
     env = {**{k: v for k, v in cli_env.items() if not k.startswith(("PREFECT_", "MLFLOW_"))}, **urls}
     proc = subprocess.run([sys.executable, "-m", "prefect", "--no-prompt", "deploy", "--all"], cwd=ROOT, env=env,
                           capture_output=True, text=True, timeout=300)
