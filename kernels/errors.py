@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import math
+import numbers
+
 
 class InputError(ValueError):
     """Bad input at a public boundary: the message names the argument and the value seen."""
@@ -19,15 +22,60 @@ class InputError(ValueError):
         return (type(self), (self.argument, self.value, self.problem))
 
 
+def is_real(value: object) -> bool:
+    """A real number: a Python int or float or a NumPy integer or float scalar (``numbers.Real``),
+    not a bool."""
+    return isinstance(value, numbers.Real) and not isinstance(value, bool)
+
+
+def as_float(value: object) -> float:
+    """A real as a Python float; a NumPy float32/float16 scalar by its shortest decimal form, the
+    number the caller wrote (``np.float32(0.1)`` -> ``0.1``, not ``0.10000000149``, which would
+    e.g. turn ``ceil(0.1 * 50)`` into 6)."""
+    if type(value).__module__ == "numpy" and getattr(value, "itemsize", 8) < 8:
+        return float(str(value))
+    return float(value)  # type: ignore[arg-type]
+
+
 def check_int(argument: str, value: object, low: int, high: int | None = None) -> int:
-    """``value`` as an int in ``[low, high]`` (``high`` None: no upper bound).
+    """``value`` as an int in ``[low, high]`` (``high`` None: no upper bound). Python and NumPy
+    integers (``numbers.Integral``) are integers; bools are not.
 
     Raises:
-        InputError: not an integer (bools are refused), or out of range.
+        InputError: not an integer, or out of range.
     """
-    if isinstance(value, bool) or not isinstance(value, int):
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
         raise InputError(argument, value, "must be an integer")
     if value < low or (high is not None and value > high):
-        span = f"[{low}, {high}]" if high is not None else f">= {low}"
-        raise InputError(argument, value, f"must be in {span}")
+        span = f"in [{low}, {high}]" if high is not None else f">= {low}"
+        raise InputError(argument, value, f"must be {span}")
     return int(value)
+
+
+def check_number(argument: str, value: object, *, low: float | None = None, high: float | None = None,
+                 low_open: bool = False, high_open: bool = False) -> float:
+    """``value`` as a finite float in the range given by ``low``/``high`` (None: unbounded).
+
+    ``low_open``/``high_open`` exclude the bound itself (``low=0, low_open=True``: ``> 0``). Ints
+    and floats (Python or NumPy) are numbers; bools, strings and complex numbers are not.
+
+    Raises:
+        InputError: not a real number, NaN or infinite, or out of range. The message names
+            ``argument`` and reads e.g. ``lr=-1.0: must be a finite number > 0``.
+    """
+    if not is_real(value):
+        raise InputError(argument, value, "must be a real number")
+    number = as_float(value)
+    bounds = []
+    if low is not None:
+        bounds.append(f"{'>' if low_open else '>='} {low:g}")
+    if high is not None:
+        bounds.append(f"{'<' if high_open else '<='} {high:g}")
+    wanted = "must be a finite number" + (" " + " and ".join(bounds) if bounds else "")
+    if not math.isfinite(number):
+        raise InputError(argument, value, wanted)
+    if low is not None and (number < low or (low_open and number == low)):
+        raise InputError(argument, value, wanted)
+    if high is not None and (number > high or (high_open and number == high)):
+        raise InputError(argument, value, wanted)
+    return number

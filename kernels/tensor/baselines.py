@@ -11,9 +11,9 @@ import time
 
 import numpy as np
 
-from paperline.kernels.errors import InputError
+from paperline.kernels.errors import InputError, check_number
 from paperline.kernels.tensor.coo import COOTensor
-from paperline.kernels.tensor.pttf import rmse
+from paperline.kernels.tensor.pttf import check_count, check_held_out, check_seed, check_tensor, rmse
 
 MAX_DENSE_CELLS = 50_000_000  # float64 cells: 400 MB for the tensor, as much again for the mask/reconstruction
 
@@ -24,12 +24,12 @@ def tensorly_cp(tensor: COOTensor, *, rank: int, n_iter_max: int = 100, l2_reg: 
 
     Args:
         tensor: training entries; densified (``prod(shape)`` float64 cells) with a boolean mask.
-        rank: CP rank R (> 0).
-        n_iter_max: ALS iterations.
-        l2_reg: TensorLy's ridge penalty.
-        seed: ``random_state`` of the random initialization.
-        validation: optional held-out entries, scored every iteration.
-        tol: TensorLy's convergence tolerance on the relative reconstruction error.
+        rank: CP rank R (an integer > 0).
+        n_iter_max: ALS iterations (an integer >= 1).
+        l2_reg: TensorLy's ridge penalty (finite, >= 0).
+        seed: ``random_state`` of the random initialization (an integer >= 0).
+        validation: optional held-out entries, scored every iteration; ``tensor``'s shape.
+        tol: TensorLy's convergence tolerance on the relative reconstruction error (finite, > 0).
 
     Returns:
         ``(factors, history)``: N arrays ``I_m x R`` (weights folded into the first) and one dict
@@ -38,15 +38,22 @@ def tensorly_cp(tensor: COOTensor, *, rank: int, n_iter_max: int = 100, l2_reg: 
         ``train_rmse``, ``validation_rmse`` and ``wall_seconds``.
 
     Raises:
-        InputError: rank <= 0, tol <= 0, or a nominal shape too large to densify.
+        InputError: ``tensor`` not a COOTensor, rank, ``n_iter_max`` or seed not an integer in
+            range, ``l2_reg`` < 0, tol <= 0 (either NaN/inf), a ``validation`` tensor of another
+            shape, or a nominal shape too large to densify.
     """
+    check_tensor(tensor)
+    check_count("rank", rank, 1, "CP rank must be a positive integer")
+    n_iter_max = check_count("n_iter_max", n_iter_max, 1)
+    check_number("l2_reg", l2_reg, low=0.0)
+    seed = check_seed(seed)
+    # TensorLy 0.9 only computes the error its callback reports when tol is set
+    check_number("tol", tol, low=0.0, low_open=True)
+    check_held_out(validation, tensor.shape)
+
     import tensorly as tl
     from tensorly.decomposition import parafac
 
-    if not isinstance(rank, (int, np.integer)) or rank <= 0:
-        raise InputError("rank", rank, "CP rank must be a positive integer")
-    if not tol > 0:  # TensorLy 0.9 only computes the error its callback reports when tol is set
-        raise InputError("tol", tol, "must be > 0")
     cells = int(np.prod(tensor.shape))
     if cells > MAX_DENSE_CELLS:
         raise InputError("tensor.shape", tensor.shape,

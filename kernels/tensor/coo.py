@@ -9,6 +9,7 @@ kernels that fit a tensor compute where its arrays live (:meth:`COOTensor.to`).
 from __future__ import annotations
 
 import math
+import weakref
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -20,9 +21,115 @@ from paperline.kernels.errors import InputError
 MAX_SCALE = 1e150
 
 
+def _check_shape(shape: object) -> tuple[int, ...]:
+    """The nominal shape as a tuple of ints. Raises InputError for non-integer entries."""
+    try:
+        entries = tuple(shape)
+    except TypeError:
+        raise InputError("shape", shape, "must be a tuple of integers (I_1, ..., I_N)") from None
+    for s in entries:
+        if isinstance(s, (bool, np.bool_)) or not isinstance(s, (int, np.integer)):
+            raise InputError("shape", shape, f"entries must be integers (got {s!r}); a mode has a whole "
+                                             f"number of indices")
+    shape = tuple(int(s) for s in entries)
+    if len(shape) < 3:
+        raise InputError("shape", shape, "need a tensor with N >= 3 modes (time last)")
+    if any(s <= 0 for s in shape):
+        raise InputError("shape", shape, "every mode must have at least one index")
+    return shape
+
+
+def _check_values(xp, values: object, argument: str = "values") -> np.ndarray:
+    """``values`` as an array of real numbers (not yet float64). Raises InputError naming ``argument``
+    otherwise."""
+    try:
+        arr = xp.asarray(values)
+    except (TypeError, ValueError) as exc:  # ragged lists and the like
+        raise InputError(argument, values, f"must be an array of real numbers ({exc})") from None
+    kind = arr.dtype.kind
+    if kind == "c":
+        raise InputError(argument, f"array of dtype {arr.dtype}",
+                         "complex values are not supported: pass the real part (or the magnitude) explicitly")
+    if kind == "O":  # e.g. Python numbers in an object array: numeric only if each converts
+        try:
+            return arr.astype(np.float64)
+        except (TypeError, ValueError):
+            raise InputError(argument, f"array of dtype {arr.dtype}", "must be real numbers") from None
+    if kind not in "biuf":
+        raise InputError(argument, f"array of dtype {arr.dtype}", "must be real numbers")
+    return arr
+
+
+# Read-only NumPy arrays this module made (copies, or fresh results of indexing) and so knows no
+# writeable view of: a COOTensor may share them instead of copying (id -> array; entries vanish
+# with their arrays). A caller's read-only array may have writeable views, so it is copied.
+_OWNED: weakref.WeakValueDictionary[int, np.ndarray] = weakref.WeakValueDictionary()
+
+
+def _owned(a: np.ndarray, dtype) -> np.ndarray:
+    """A C-contiguous ``dtype`` array nobody else can write into: ``a`` itself when this module
+    made it read-only (another tensor's entries), else a copy (made read-only for NumPy)."""
+    if isinstance(a, np.ndarray) and _OWNED.get(id(a)) is a and a.dtype == dtype and a.flags.c_contiguous:
+        return a
+    out = array_module(a).array(a, dtype=dtype, order="C", copy=True)
+    return _frozen(out)
+
+
+def _frozen(a: np.ndarray) -> np.ndarray:
+    """Mark a freshly made NumPy array (no other reference to its memory, no views) read-only, so
+    that :class:`COOTensor` can take it without a copy."""
+    if isinstance(a, np.ndarray) and a.flags.owndata and a.base is None:
+        a.flags.writeable = False
+        _OWNED[id(a)] = a
+    return a
+
+
+def _check_unique(xp, coords: np.ndarray, shape: tuple[int, ...]) -> None:
+    """Refuse a coordinate listed twice (which value is the observation is not knowable).
+
+    Sorts one linear index per entry (``O(nnz log nnz)``); shapes whose cell count does not fit
+    in int64 sort the rows lexicographically instead.
+
+    Raises:
+        InputError: naming the count, the first repeated coordinate and two of its rows.
+    """
+    n = coords.shape[0]
+    if n < 2:
+        return
+    if math.prod(shape) < 2**63:
+        linear = coords[:, 0].copy()
+        for m in range(1, len(shape)):
+            linear *= shape[m]
+            linear += coords[:, m]
+        ranked = xp.sort(linear)
+        same = ranked[1:] == ranked[:-1]
+    else:
+        order = xp.lexsort(coords.T[::-1])
+        ranked = coords[order]
+        same = xp.all(ranked[1:] == ranked[:-1], axis=1)
+    n_same = int(same.sum())
+    if n_same == 0:
+        return
+    first = int(to_host(xp.flatnonzero(same))[0])
+    if ranked.ndim == 1:
+        rows = to_host(xp.flatnonzero(linear == ranked[first]))
+    else:
+        rows = to_host(xp.flatnonzero(xp.all(coords == ranked[first], axis=1)))
+    where = tuple(int(i) for i in to_host(coords[int(rows[0])]))
+    raise InputError("coords", f"{n_same} repeated of {n}",
+                     f"a coordinate appears more than once (first: {where} at rows {int(rows[0])} and "
+                     f"{int(rows[1])}); list each observed entry once")
+
+
 @dataclass(frozen=True, eq=False)
 class COOTensor:
     """Observed entries of an N-way tensor (N >= 3, last mode is time).
+
+    The tensor owns its entries: the constructor copies ``coords`` and ``values`` (converted to
+    int64 and float64) unless they already are another tensor's (read-only) entries, and makes
+    NumPy copies read-only (``flags.writeable = False``), so neither the caller's arrays
+    nor writes through ``tensor.values[i] = ...`` can change a validated tensor. (CuPy arrays have
+    no read-only flag: they are copied, not protected.)
 
     Attributes:
         coords: ``nnz x N`` int64 indices of the observed entries (NumPy, or CuPy on a GPU).
@@ -32,8 +139,11 @@ class COOTensor:
 
     Raises:
         InputError: NaN/inf values or values so large that their squares overflow (|value| x
-            sqrt(nnz) above 1e150), no observed entries, N < 3, coordinates out of range, or
-            mismatched lengths. The message names the argument and the value seen.
+            sqrt(nnz) above 1e150), non-numeric or complex values, values that are not 1-D, no
+            observed entries, N < 3, non-integer shape entries, non-integer coordinates (float
+            dtypes are refused, not truncated), coordinates out of range, a coordinate listed
+            more than once, or mismatched lengths. The message names the argument and the value
+            seen.
     """
 
     coords: np.ndarray
@@ -43,16 +153,18 @@ class COOTensor:
 
     def __post_init__(self) -> None:
         xp = array_module(self.coords, self.values)
-        coords = xp.ascontiguousarray(xp.asarray(self.coords), dtype=xp.int64)
-        values = xp.ascontiguousarray(xp.asarray(self.values, dtype=xp.float64))
-        shape = tuple(int(s) for s in self.shape)
-        if len(shape) < 3:
-            raise InputError("shape", shape, "need a tensor with N >= 3 modes (time last)")
-        if any(s <= 0 for s in shape):
-            raise InputError("shape", shape, "every mode must have at least one index")
-        if values.ndim != 1 or values.size == 0:
+        shape = _check_shape(self.shape)
+        values = _owned(_check_values(xp, self.values), xp.float64)
+        if values.ndim != 1:
+            raise InputError("values", f"array of shape {values.shape}",
+                             "must be 1-D: one value per row of coords")
+        if values.size == 0:
             raise InputError("values", f"array of shape {values.shape}",
                              "empty tensor: no observed entries")
+        coords = xp.asarray(self.coords)
+        if coords.dtype.kind not in "iu":  # a float index would be truncated (0.7 -> 0), a bool one is no index
+            raise InputError("coords", f"array of dtype {coords.dtype}",
+                             "coordinates must be integers (int64): convert integral values explicitly")
         if coords.shape != (values.size, len(shape)):
             raise InputError("coords", f"array of shape {coords.shape}",
                              f"expected ({values.size}, {len(shape)}) to match values and shape")
@@ -66,17 +178,27 @@ class COOTensor:
             raise InputError("values", f"largest |value| {largest:.3g} of {values.size}",
                              f"too large for float64 arithmetic (squared errors overflow): keep |value| x "
                              f"sqrt(entries) below {MAX_SCALE:.0e}; rescale the data")
-        lo = to_host(coords.min(axis=0))
+        lo = to_host(coords.min(axis=0))  # in the caller's dtype: a huge uint64 does not wrap negative
         hi = to_host(coords.max(axis=0))
         for m, s in enumerate(shape):
             if lo[m] < 0 or hi[m] >= s:
                 raise InputError(f"coords[:, {m}]", (int(lo[m]), int(hi[m])),
                                  f"indices must lie in [0, {s}) for mode {m}")
+        coords = _owned(coords, xp.int64)
+        _check_unique(xp, coords, shape)
         if self.mode_names is not None and len(self.mode_names) != len(shape):
             raise InputError("mode_names", self.mode_names, f"need {len(shape)} names")
         object.__setattr__(self, "coords", coords)
         object.__setattr__(self, "values", values)
         object.__setattr__(self, "shape", shape)
+
+    def __setstate__(self, state: dict) -> None:
+        """Unpickled (Dask, Prefect results): the arrays come back writeable; make them read-only."""
+        for name in ("coords", "values"):
+            a = state.get(name)
+            if isinstance(a, np.ndarray):
+                a.flags.writeable = False
+        self.__dict__.update(state)
 
     @property
     def nnz(self) -> int:
@@ -113,26 +235,33 @@ class COOTensor:
             mask: optional boolean array of the same shape, True where observed.
 
         Raises:
-            InputError: shape mismatch, no observed entries, or inf among observed values.
+            InputError: shape mismatch, no observed entries (an all-False ``mask``, or only NaN
+                where observed: named ``dense``), complex or non-numeric ``dense``, or inf among
+                observed values.
         """
         xp = array_module(dense)
+        dense = _check_values(xp, dense, "dense")
+        if dense.dtype.kind == "O":
+            dense = dense.astype(np.float64)
         dense = xp.asarray(dense, dtype=xp.float64)
         observed = ~xp.isnan(dense)
         if mask is not None:
             mask = xp.asarray(mask, dtype=bool)
             if mask.shape != dense.shape:
                 raise InputError("mask", f"shape {mask.shape}", f"must match tensor shape {dense.shape}")
+            if not bool(mask.any()):
+                raise InputError("mask", f"0 of {dense.size} observed", "mask has no observed entries")
             observed &= mask
         if not bool(observed.any()):
-            raise InputError("mask", f"{int(observed.sum())} of {dense.size} observed",
-                             "mask has no observed entries")
-        coords = xp.argwhere(observed)
-        return cls(coords, dense[observed], dense.shape, mode_names)
+            where = "every entry the mask selects is NaN" if mask is not None else "every entry is NaN"
+            raise InputError("dense", f"array of shape {dense.shape}", f"{where}: no observed entries")
+        coords = xp.stack(xp.nonzero(observed), axis=1)  # as argwhere, but a fresh array it can own
+        return cls(_frozen(coords), _frozen(dense[observed]), dense.shape, mode_names)
 
     def subset(self, index: np.ndarray) -> "COOTensor":
         """The observed entries selected by an integer or boolean index (same nominal shape)."""
         index = array_module(self.values).asarray(index)
-        return COOTensor(self.coords[index], self.values[index], self.shape, self.mode_names)
+        return COOTensor(_frozen(self.coords[index]), _frozen(self.values[index]), self.shape, self.mode_names)
 
     def to_dense(self, fill: float = np.nan) -> np.ndarray:
         """Dense ``I_1 x ... x I_N`` array with ``fill`` where unobserved. Only for small shapes."""
@@ -192,14 +321,20 @@ def temporal_split(tensor: COOTensor, *, horizon: int | None = None) -> Split:
     validation set, everything earlier is training.
 
     Args:
-        horizon: number of time slices in each held-out set; default ``max(1, I_N // 10)``.
+        horizon: number of time slices in each held-out set (an integer >= 1); default
+            ``max(1, I_N // 10)``.
 
     Raises:
-        InputError: a horizon that leaves fewer than 2 training slices.
+        InputError: a horizon that is not an integer (2.5 is refused, not truncated), < 1, or
+            leaves fewer than 2 training slices.
     """
     n_t = tensor.shape[-1]
+    if horizon is not None and (isinstance(horizon, (bool, np.bool_)) or not isinstance(horizon, (int, np.integer))):
+        raise InputError("horizon", horizon, "must be an integer number of time slices")
     h = max(1, n_t // 10) if horizon is None else int(horizon)
-    if h < 1 or n_t - 2 * h < 2:
+    if h < 1:
+        raise InputError("horizon", h, "must be >= 1")
+    if n_t - 2 * h < 2:
         raise InputError("horizon", h, f"leaves fewer than 2 training time slices of {n_t}")
     t = tensor.coords[:, -1]
     train, val, test = t < n_t - 2 * h, (t >= n_t - 2 * h) & (t < n_t - h), t >= n_t - h

@@ -68,7 +68,7 @@ from typing import Any, Protocol
 import numpy as np
 
 from paperline.kernels.arrays import array_module, to_host
-from paperline.kernels.errors import InputError
+from paperline.kernels.errors import InputError, check_number
 from paperline.kernels.tensor.coo import COOTensor
 from paperline.kernels.tensor.pttf import (
     _other_modes,
@@ -86,6 +86,10 @@ from paperline.kernels.tensor.pttf import (
     predict,
     prior_penalty,
     rmse,
+    check_count,
+    check_held_out,
+    check_seed,
+    check_tensor,
     validate_hyperparameters,
 )
 
@@ -180,14 +184,13 @@ def split_tensor(tensor: COOTensor, n_parts: int) -> list[SubTensor]:
     balanced by entry count (Sec. 3.1).
 
     Raises:
-        InputError: ``n_parts < 1`` or larger than the number of slices along the first mode (the
-            split mode, moved first by :func:`p2t2f`).
+        InputError: ``n_parts`` (P) not an integer >= 1, or larger than the number of slices along
+            the first mode (the split mode, moved first by :func:`p2t2f`). Named ``n_parts``.
     """
     n0 = tensor.shape[0]
-    if not isinstance(n_parts, (int, np.integer)) or n_parts < 1:
-        raise InputError("P", n_parts, "the number of sub-tensors must be a positive integer")
+    n_parts = check_count("n_parts", n_parts, 1, "P, the number of sub-tensors, must be a positive integer")
     if n_parts > n0:
-        raise InputError("P", n_parts, f"larger than the number of slices along the split mode ({n0})")
+        raise InputError("n_parts", n_parts, f"P larger than the number of slices along the split mode ({n0})")
     xp = array_module(tensor.values)
     first = to_host(tensor.coords[:, 0])  # the cut points are computed on the host
     per_row = np.bincount(first, minlength=n0)
@@ -440,22 +443,27 @@ def p2t2f(tensor: COOTensor, rank: int, *, n_parts: int = 2, lam: float = 1.0, l
 
     Args:
         tensor: training entries (COO), time last, N >= 3.
-        rank: CP rank R (> 0).
-        n_parts: P, the number of sub-tensors (1 <= P <= I_1).
-        lam, lam_t: prior precisions of Eq. (4).
-        rho: initial consensus penalty per entry (> 0).
-        lr: unit-free step size of (8)-(9) (> 0); round t uses ``lr / (1 + lr_decay (t - 1))``, the
-            decaying steps stochastic ADMM needs to converge rather than hover.
+        rank: CP rank R (an integer > 0).
+        n_parts: P, the number of sub-tensors (an integer, 1 <= P <= I_1).
+        lam, lam_t: prior precisions of Eq. (4) (finite; ``lam`` > 0, ``lam_t`` >= 0).
+        rho: initial consensus penalty per entry (finite, > 0).
+        lr: unit-free step size of (8)-(9) (finite, > 0); round t uses ``lr / (1 + lr_decay (t - 1))``
+            (``lr_decay`` finite, >= 0), the decaying steps stochastic ADMM needs to converge rather
+            than hover.
         rho_growth, rho_max: round t uses ``min(rho rho_growth^(t-1), rho_max)``; an increasing
             penalty (with the scaled duals rescaled) tightens consensus as the fit settles.
+            ``rho_growth`` finite, >= 1 (1: constant); ``rho_max`` finite, > 0 (a ``rho`` above it
+            is capped from the first round).
         rho_balance: if > 1, residual balancing (Boyd et al. 2011, Sec. 3.4.1): rho doubles when
             the primal residual exceeds ``rho_balance`` times the dual one and halves in the
-            opposite case. 0 turns it off.
-        local_passes: mini-batch passes of each sub-problem per round (a more exact step (5)).
-        n_epochs: ADMM rounds.
-        batch_size: entries per mini-batch.
-        seed: seeds the initial factors and each sub-problem's shuffles.
-        validation: optional held-out entries for ``validation_rmse``.
+            opposite case. 0 (or anything <= 1) turns it off; finite, >= 0.
+        local_passes: mini-batch passes of each sub-problem per round (an integer >= 1; more:
+            a more exact step (5)).
+        n_epochs: ADMM rounds (an integer >= 1).
+        batch_size: entries per mini-batch (an integer >= 1).
+        seed: seeds the initial factors and each sub-problem's shuffles (an integer >= 0; None is
+            refused: a fit is reproducible and independent of the executor by design).
+        validation: optional held-out entries for ``validation_rmse``, with ``tensor``'s shape.
         executor: runs the sub-problems; default :class:`SerialExecutor`.
         callback: called with each epoch's history row, one round after that epoch (the data term
             of its objective is computed by the sub-problems of the next round).
@@ -463,7 +471,8 @@ def p2t2f(tensor: COOTensor, rank: int, *, n_parts: int = 2, lam: float = 1.0, l
             :func:`default_split_mode`, the largest. The returned factors are in the tensor's own
             mode order either way.
         closing_sweeps: exact block-coordinate sweeps after the last round (module docstring,
-            "Closing step"; 0: only the private rows' exact solve). Each costs N parallel calls.
+            "Closing step"; 0: only the private rows' exact solve; an integer >= 0). Each costs N
+            parallel calls.
 
     Returns:
         :class:`FitResult`: factors ``(U, Z_2, ..., Z_N)`` and the per-epoch history with
@@ -471,15 +480,28 @@ def p2t2f(tensor: COOTensor, rank: int, *, n_parts: int = 2, lam: float = 1.0, l
         residual ``rho sqrt(sum_p ||Z - Z_prev||^2)`` (Boyd et al. 2011, Sec. 3.3).
 
     Raises:
-        InputError: bad hyperparameters, a split mode that is not a non-time mode, or P larger
-            than the split mode.
+        InputError: ``tensor`` not a COOTensor (e.g. a dense array), a hyperparameter of the wrong
+            type or out of the ranges above (NaN/inf included), a ``validation`` tensor that is not
+            a COOTensor of ``tensor``'s shape, a split mode that is not a non-time mode, or P
+            larger than the split mode. The message names the argument.
     """
+    check_tensor(tensor)
     validate_hyperparameters(rank=rank, lam=lam, lam_t=lam_t, n_epochs=n_epochs)
-    if isinstance(closing_sweeps, bool) or not isinstance(closing_sweeps, (int, np.integer)) or closing_sweeps < 0:
-        raise InputError("closing_sweeps", closing_sweeps, "must be an integer >= 0")
+    check_number("rho", rho, low=0.0, low_open=True)
+    check_number("lr", lr, low=0.0, low_open=True)
+    check_number("lr_decay", lr_decay, low=0.0)
+    check_number("rho_growth", rho_growth, low=1.0)
+    check_number("rho_max", rho_max, low=0.0, low_open=True)
+    check_number("rho_balance", rho_balance, low=0.0)
+    local_passes = check_count("local_passes", local_passes, 1)
+    batch_size = check_count("batch_size", batch_size, 1, "must be a positive integer")
+    seed = check_seed(seed)
+    closing_sweeps = check_count("closing_sweeps", closing_sweeps, 0)
+    check_count("n_parts", n_parts, 1, "P, the number of sub-tensors, must be a positive integer")
+    check_held_out(validation, tensor.shape)
     n_modes = len(tensor.shape)
     mode = default_split_mode(tensor.shape) if split_mode is None else split_mode
-    if not isinstance(mode, (int, np.integer)) or not 0 <= mode < n_modes - 1:
+    if isinstance(mode, (bool, np.bool_)) or not isinstance(mode, (int, np.integer)) or not 0 <= mode < n_modes - 1:
         raise InputError("split_mode", split_mode, f"must be a non-time mode, 0..{n_modes - 2}")
     if mode != 0:  # solve with the split mode first, then put the factors back in order
         order = [int(mode)] + [m for m in range(n_modes) if m != mode]
@@ -492,11 +514,6 @@ def p2t2f(tensor: COOTensor, rank: int, *, n_parts: int = 2, lam: float = 1.0, l
         for i, m in enumerate(order):
             factors[m] = fit.factors.factors[i]
         return FitResult(CPFactors(factors), fit.history)
-    for name, v in (("rho", rho), ("lr", lr)):
-        if not np.isfinite(v) or v <= 0:
-            raise InputError(name, v, "must be a finite number > 0")
-    if not isinstance(batch_size, (int, np.integer)) or batch_size < 1:
-        raise InputError("batch_size", batch_size, "must be a positive integer")
     parts = split_tensor(tensor, n_parts)
     executor = executor or SerialExecutor()
     xp = array_module(tensor.values)

@@ -32,10 +32,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
-import scipy.linalg
 
 from paperline.kernels.arrays import array_module, to_host
-from paperline.kernels.errors import InputError
+from paperline.kernels.errors import InputError, check_number
 from paperline.kernels.tensor.coo import COOTensor
 
 
@@ -124,7 +123,12 @@ def predict(factors: list[np.ndarray], coords: np.ndarray) -> np.ndarray:
 
 
 def rmse(factors: list[np.ndarray], tensor: COOTensor) -> float:
-    """Root-mean-square error of the model on a tensor's observed entries (data units)."""
+    """Root-mean-square error of the model on a tensor's observed entries (data units).
+
+    Raises:
+        InputError: ``tensor``'s nominal shape differs from the factors' (``I_m`` rows each).
+    """
+    _check_factors_fit(factors, tensor)
     xp = array_module(tensor.values)
     return float(xp.sqrt(xp.mean((predict(factors, tensor.coords) - tensor.values) ** 2)))
 
@@ -141,7 +145,12 @@ def prior_penalty(factors: list[np.ndarray], lam: float, lam_t: float) -> float:
 
 
 def objective(factors: list[np.ndarray], tensor: COOTensor, lam: float, lam_t: float) -> float:
-    """The MAP objective L(A) of Eq. (4) (sum over observed entries, not a mean)."""
+    """The MAP objective L(A) of Eq. (4) (sum over observed entries, not a mean).
+
+    Raises:
+        InputError: ``tensor``'s nominal shape differs from the factors'.
+    """
+    _check_factors_fit(factors, tensor)
     resid = predict(factors, tensor.coords) - tensor.values
     return 0.5 * float(resid @ resid) + prior_penalty(factors, lam, lam_t)
 
@@ -152,7 +161,11 @@ def gradient(factors: list[np.ndarray], tensor: COOTensor, lam: float, lam_t: fl
     ``dL/dA_m[i] = sum_{e: i_m(e)=i} (yhat_e - y_e) h_{e,m} + lam A_m[i]`` with
     ``h_{e,m} = *_{m' != m} A_{m'}[i_{m'}(e)]`` (Hadamard product of the other modes' rows, an
     MTTKRP over the observed entries), plus the temporal terms for the time factors.
+
+    Raises:
+        InputError: ``tensor``'s nominal shape differs from the factors'.
     """
+    _check_factors_fit(factors, tensor)
     resid = predict(factors, tensor.coords) - tensor.values
     grads = []
     n_modes = len(factors)
@@ -189,17 +202,78 @@ def _scatter_rows(index: np.ndarray, values: np.ndarray, n_rows: int) -> np.ndar
                      for r in range(values.shape[1])], axis=1)
 
 
+def check_count(argument: str, value: object, low: int, problem: str | None = None) -> int:
+    """``value`` as a Python int ``>= low`` (NumPy integers accepted, bools and floats refused).
+
+    Raises:
+        InputError: naming ``argument``; ``problem`` (default ``must be an integer >= low``).
+    """
+    problem = problem or f"must be an integer >= {low}"
+    if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, np.integer)) or value < low:
+        raise InputError(argument, value, problem)
+    return int(value)
+
+
+def check_seed(value: object, argument: str = "seed") -> int:
+    """A seed: an integer >= 0. None is refused: the fits are reproducible by design.
+
+    Raises:
+        InputError: naming ``argument``.
+    """
+    return check_count(argument, value, 0, "must be an integer >= 0 (None is refused: a seed makes the fit "
+                                           "reproducible)")
+
+
+def check_tensor(value: object, argument: str = "tensor") -> COOTensor:
+    """``value`` if it is a :class:`COOTensor`.
+
+    Raises:
+        InputError: anything else (a dense array: build one with ``COOTensor.from_dense``).
+    """
+    if not isinstance(value, COOTensor):
+        shown = f"{type(value).__module__}.{type(value).__qualname__}"
+        if hasattr(value, "shape"):
+            shown += f" of shape {tuple(value.shape)}"
+        raise InputError(argument, shown, "must be a COOTensor of the observed entries (a dense array: "
+                                          "COOTensor.from_dense(array, mask))")
+    return value
+
+
+def check_held_out(value: object, shape: tuple[int, ...], argument: str = "validation") -> COOTensor | None:
+    """A held-out tensor (None allowed) of the training tensor's nominal ``shape``: its coordinates
+    index the same rows, so another shape would score unrelated data (or fail on an index).
+
+    Raises:
+        InputError: not a COOTensor, or a different shape.
+    """
+    if value is None:
+        return None
+    check_tensor(value, argument)
+    if tuple(value.shape) != tuple(shape):
+        raise InputError(argument, f"COOTensor of shape {value.shape}",
+                         f"must have the training tensor's shape {tuple(shape)}")
+    return value
+
+
+def _check_factors_fit(factors: list[np.ndarray], tensor: COOTensor, argument: str = "tensor") -> None:
+    """Raise InputError when ``tensor`` is not a COOTensor or its nominal shape differs from the
+    factors' row counts."""
+    check_tensor(tensor, argument)
+    shape = tuple(int(f.shape[0]) for f in factors)
+    if tuple(tensor.shape) != shape:
+        raise InputError(argument, f"COOTensor of shape {tensor.shape}",
+                         f"does not match the factors' shape {shape}")
+
+
 def validate_hyperparameters(*, rank: int, lam: float, lam_t: float, n_epochs: int) -> None:
-    """Raise InputError naming the first bad hyperparameter."""
-    if not isinstance(rank, (int, np.integer)) or rank <= 0:
-        raise InputError("rank", rank, "CP rank must be a positive integer")
+    """Raise InputError naming the first bad hyperparameter (``rank``, ``n_epochs``: integers >= 1;
+    ``lam`` finite > 0; ``lam_t`` finite >= 0)."""
+    check_count("rank", rank, 1, "CP rank must be a positive integer")
     for name, v in (("lam", lam), ("lam_t", lam_t)):
-        if not np.isfinite(v) or v < 0:
-            raise InputError(name, v, "must be a finite number >= 0")
+        check_number(name, v, low=0.0)
     if lam <= 0:
         raise InputError("lam", lam, "must be > 0 (it keeps rows without observations bounded)")
-    if not isinstance(n_epochs, (int, np.integer)) or n_epochs <= 0:
-        raise InputError("n_epochs", n_epochs, "must be a positive integer")
+    check_count("n_epochs", n_epochs, 1, "must be a positive integer")
 
 
 def init_factors(shape: tuple[int, ...], rank: int, seed: int, scale: float | None = None,
@@ -232,24 +306,31 @@ def als(tensor: COOTensor, rank: int, *, lam: float = 1.0, lam_t: float = 10.0, 
 
     Args:
         tensor: training entries (COO).
-        rank: CP rank ``R`` (> 0).
-        lam, lam_t: prior precisions of Eq. (4).
-        n_epochs: sweeps over all modes.
-        seed: seed of :func:`init_factors`.
-        validation: optional held-out entries for ``validation_rmse``.
-        init: optional initial factors (copied).
+        rank: CP rank ``R`` (an integer > 0).
+        lam, lam_t: prior precisions of Eq. (4) (finite; ``lam`` > 0, ``lam_t`` >= 0).
+        n_epochs: sweeps over all modes (an integer > 0).
+        seed: seed of :func:`init_factors` (an integer >= 0; None is refused).
+        validation: optional held-out entries for ``validation_rmse``, of ``tensor``'s shape.
+        init: optional initial factors (copied): N finite real arrays ``I_m x R``, in the
+            tensor's array module.
         callback: called after every epoch with that epoch's row of the history.
-        tol: stop when the relative objective decrease falls below ``tol``.
+        tol: stop when the relative objective decrease falls below ``tol`` (finite, >= 0; 0:
+            run all epochs).
 
     Returns:
         :class:`FitResult` with factors and per-epoch history.
 
     Raises:
-        InputError: bad hyperparameters.
+        InputError: bad hyperparameters, ``tensor`` not a COOTensor, a ``validation`` tensor of
+            another shape, or ``init`` factors of the wrong number, shape or dtype.
     """
+    check_tensor(tensor)
     validate_hyperparameters(rank=rank, lam=lam, lam_t=lam_t, n_epochs=n_epochs)
+    seed = check_seed(seed)
+    check_number("tol", tol, low=0.0)
+    check_held_out(validation, tensor.shape)
     xp = array_module(tensor.values)
-    factors = ([xp.array(f, dtype=xp.float64) for f in init] if init is not None
+    factors = (_check_init(init, tensor, rank) if init is not None
                else init_factors(tensor.shape, rank, seed, like=tensor.values))
     history = FitHistory()
     start = time.perf_counter()
@@ -276,6 +357,28 @@ def als(tensor: COOTensor, rank: int, *, lam: float = 1.0, lam_t: float = 10.0, 
             break
         prev = obj
     return FitResult(CPFactors(factors), history)
+
+
+def _check_init(init: object, tensor: COOTensor, rank: int) -> list[np.ndarray]:
+    """Copies of initial factors for ``tensor`` at ``rank`` as float64 arrays, or InputError."""
+    xp = array_module(tensor.values)
+    expected = [(s, rank) for s in tensor.shape]
+    if isinstance(init, (str, bytes)) or not hasattr(init, "__len__") or len(init) != len(expected):
+        raise InputError("init", f"{type(init).__name__}", f"need a list of {len(expected)} factors of shapes "
+                                                            f"{expected}")
+    factors = []
+    for m, (f, want) in enumerate(zip(init, expected)):
+        arr = xp.asarray(f)
+        if arr.dtype.kind not in "biuf":
+            raise InputError(f"init[{m}]", f"array of dtype {arr.dtype}", "factors must be real numbers")
+        if tuple(arr.shape) != want:
+            raise InputError(f"init[{m}]", f"array of shape {tuple(arr.shape)}",
+                             f"expected {want} (I_{m + 1} x rank) for a tensor of shape {tensor.shape}")
+        arr = xp.array(arr, dtype=xp.float64)
+        if not bool(xp.isfinite(arr).all()):
+            raise InputError(f"init[{m}]", f"array of shape {want}", "factors must be finite")
+        factors.append(arr)
+    return factors
 
 
 def ridge_rows(factors: list[np.ndarray], coords: np.ndarray, values: np.ndarray, mode: int,
@@ -355,6 +458,8 @@ def solve_time_system(gram: np.ndarray, rhs: np.ndarray, lam: float, lam_t: floa
     Solved on the host (SciPy's banded Cholesky, ``O(K R^3)``) whatever the inputs' device; the
     result is returned in the inputs' array module.
     """
+    import scipy.linalg  # noqa: PLC0415 - here, not at import: importing the kernels stays light
+
     xp = array_module(gram, rhs)
     gram, rhs = to_host(gram), to_host(rhs)
     k, r = rhs.shape

@@ -35,3 +35,30 @@ def test_temporal_prior_extrapolates_where_plain_cp_cannot(low_rank_tensor):
     factors, _ = tensorly_cp(split.train, rank=3, n_iter_max=100)
     pttf = als(split.train, 3, lam=1.0, lam_t=10.0, n_epochs=40)
     assert rmse(pttf.factors.factors, split.test) < 0.5 * rmse(factors, split.test)
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    ({"n_iter_max": 0}, r"^n_iter_max=0: must be an integer >= 1"),
+    ({"n_iter_max": -1}, r"^n_iter_max=-1: must be an integer >= 1"),
+    ({"n_iter_max": 10.0}, r"^n_iter_max=10.0: must be an integer >= 1"),
+    ({"l2_reg": -1}, r"^l2_reg=-1: must be a finite number >= 0"),
+    ({"l2_reg": float("nan")}, r"^l2_reg=nan: must be a finite number >= 0"),
+    ({"rank": True}, r"^rank=True: CP rank must be a positive integer"),
+    ({"seed": None}, r"^seed=None: must be an integer >= 0"),
+    ({"tol": float("inf")}, r"^tol=inf: must be a finite number > 0"),
+])
+def test_tensorly_cp_checks_its_arguments(low_rank_tensor, kwargs, message):
+    tensor, _ = low_rank_tensor(shape=(5, 4, 6))
+    with pytest.raises(InputError, match=message):
+        tensorly_cp(tensor, **{"rank": 2, **kwargs})
+
+
+def test_tensorly_cp_refuses_a_validation_tensor_of_another_shape(low_rank_tensor):
+    from paperline.kernels.tensor.coo import COOTensor
+
+    tensor, _ = low_rank_tensor(shape=(5, 4, 6))
+    with pytest.raises(InputError, match=r"^validation='COOTensor of shape \(3, 3, 3\)': must have the training "
+                                         r"tensor's shape \(5, 4, 6\)"):
+        tensorly_cp(tensor, rank=2, validation=COOTensor.from_dense(np.ones((3, 3, 3))))
+    with pytest.raises(InputError, match=r"^tensor='numpy.ndarray of shape \(5, 4, 6\)'"):
+        tensorly_cp(np.ones((5, 4, 6)), rank=2)

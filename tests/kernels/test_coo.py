@@ -1,5 +1,7 @@
 """COO tensors, validation at the boundary, and the two split kinds."""
 
+import importlib
+
 import numpy as np
 import pytest
 
@@ -40,6 +42,11 @@ def test_empty_tensor_and_empty_mask_are_refused():
         COOTensor(np.zeros((0, 3), dtype=int), np.zeros(0), (2, 2, 2))
     with pytest.raises(InputError, match="^mask=.*no observed entries"):
         COOTensor.from_dense(np.ones((2, 2, 2)), np.zeros((2, 2, 2), dtype=bool))
+    # all NaN without a mask: the array is to blame (it named mask=, which was not passed)
+    with pytest.raises(InputError, match=r"^dense='array of shape \(2, 2, 2\)': every entry is NaN: no observed"):
+        COOTensor.from_dense(np.full((2, 2, 2), np.nan))
+    with pytest.raises(InputError, match=r"^dense=.*every entry the mask selects is NaN"):
+        COOTensor.from_dense(np.full((2, 2, 2), np.nan), np.ones((2, 2, 2), dtype=bool))
 
 
 def test_shape_and_coordinate_checks():
@@ -87,3 +94,109 @@ def test_values_whose_squares_overflow_are_refused():
         COOTensor(coords, np.array([1.0, 1e307, 2.0, 3.0]), (2, 2, 2))
     ok = COOTensor(coords, np.array([1.0, 1e149, 2.0, 3.0]), (2, 2, 2))  # 1e149 x sqrt(4) = 2e149: fits
     assert ok.nnz == 4
+
+
+def test_the_tensor_owns_its_entries():
+    """It kept the caller's arrays: writing into them afterwards changed a validated tensor
+    (an out-of-range coordinate, a NaN), and ``tt.values[1] = inf`` worked on the frozen class."""
+    c = np.array([[0, 0, 0], [1, 1, 1]])
+    v = np.array([1.0, 2.0])
+    tt = COOTensor(c, v, (2, 2, 2))
+    c[0, 0] = 99
+    v[0] = np.nan
+    np.testing.assert_array_equal(tt.coords, [[0, 0, 0], [1, 1, 1]])
+    np.testing.assert_array_equal(tt.values, [1.0, 2.0])
+    with pytest.raises(ValueError, match="read-only"):
+        tt.values[1] = np.inf
+    with pytest.raises(ValueError, match="read-only"):
+        tt.coords[0, 0] = 5
+    for derived in (COOTensor.from_dense(np.ones((2, 2, 2))), tt.subset(np.array([1])), tt.to("cpu"),
+                    random_split(small(), seed=0).test, temporal_split(small(shape=(4, 3, 20))).train):
+        assert not derived.values.flags.writeable and not derived.coords.flags.writeable
+    # an array the tensor already owns read-only is shared, not copied again
+    assert COOTensor(tt.coords, tt.values, tt.shape).values is tt.values
+    import pickle
+
+    back = pickle.loads(pickle.dumps(tt))
+    assert not back.values.flags.writeable and not back.coords.flags.writeable
+    np.testing.assert_array_equal(back.values, tt.values)
+
+
+def test_float_coordinates_are_refused_not_truncated():
+    with pytest.raises(InputError, match=r"^coords='array of dtype float64': coordinates must be integers"):
+        COOTensor(np.array([[0, 0, 0.7]]), np.ones(1), (2, 2, 2))  # was taken as (0, 0, 0)
+    with pytest.raises(InputError, match=r"^coords='array of dtype bool'"):
+        COOTensor(np.array([[True, False, True]]), np.ones(1), (2, 2, 2))
+    ok = COOTensor(np.array([[0, 1, 1]], dtype=np.uint8), np.ones(1), (2, 2, 2))
+    assert ok.coords.dtype == np.int64
+
+
+def test_duplicate_coordinates_are_refused():
+    coords = np.array([[0, 0, 1], [1, 1, 1], [0, 1, 0], [1, 1, 1]])
+    with pytest.raises(InputError, match=r"^coords='1 repeated of 4': a coordinate appears more than once "
+                                         r"\(first: \(1, 1, 1\) at rows 1 and 3\)"):
+        COOTensor(coords, np.arange(4.0), (2, 2, 2))
+    # a nominal shape whose cell count overflows int64 takes the lexicographic path
+    huge = (2**31, 2**31, 2**31)
+    with pytest.raises(InputError, match=r"first: \(1, 1, 1\) at rows 1 and 3"):
+        COOTensor(coords, np.arange(4.0), huge)
+    assert COOTensor(coords[:3], np.arange(3.0), huge).nnz == 3
+
+
+@pytest.mark.parametrize("shape", [(2.7, 2, 2), (2.0, 2, 2), (True, 2, 2), ("2", 2, 2)])
+def test_non_integer_shape_entries_are_refused(shape):
+    with pytest.raises(InputError, match=r"^shape=.*entries must be integers"):  # (2.7, 2, 2) became (2, 2, 2)
+        COOTensor(np.array([[0, 0, 1]]), np.ones(1), shape)
+    assert COOTensor(np.array([[0, 0, 1]]), np.ones(1), (np.int64(2), 2, 2)).shape == (2, 2, 2)
+
+
+def test_complex_and_non_numeric_values_are_refused():
+    coords = np.array([[0, 0, 1]])
+    with pytest.raises(InputError, match=r"^values='array of dtype complex128': complex values are not supported"):
+        COOTensor(coords, np.array([1.0 + 2.0j]), (2, 2, 2))  # became 1.0 with only a ComplexWarning
+    with pytest.raises(InputError, match=r"^dense='array of dtype complex128': complex values are not supported"):
+        COOTensor.from_dense(np.ones((2, 2, 2)) * (1 + 1j))
+    with pytest.raises(InputError, match=r"^values='array of dtype <U1': must be real numbers"):  # raw ValueError
+        COOTensor(coords, np.array(["a"]), (2, 2, 2))
+    with pytest.raises(InputError, match=r"^values='array of dtype object': must be real numbers"):
+        COOTensor(coords, np.array([{"a": 1}], dtype=object), (2, 2, 2))
+    assert COOTensor(coords, [3], (2, 2, 2)).values.dtype == np.float64
+
+
+def test_values_must_be_one_dimensional():
+    with pytest.raises(InputError, match=r"^values='array of shape \(1, 1\)': must be 1-D: one value per row of "
+                                         r"coords"):  # was "empty tensor: no observed entries"
+        COOTensor(np.array([[0, 0, 1]]), np.ones((1, 1)), (2, 2, 2))
+
+
+@pytest.mark.parametrize("horizon", [2.5, 2.0, True, "2"])
+def test_temporal_split_horizon_must_be_an_integer(horizon):
+    with pytest.raises(InputError, match=rf"^horizon={horizon!r}: must be an integer number of time slices".replace(
+            ".", r"\.")):  # 2.5 became 2
+        temporal_split(small(shape=(4, 3, 20)), horizon=horizon)
+    with pytest.raises(InputError, match=r"^horizon=0: must be >= 1"):
+        temporal_split(small(shape=(4, 3, 20)), horizon=0)
+    assert temporal_split(small(shape=(4, 3, 20)), horizon=np.int64(2)).test.coords[:, -1].min() == 18
+
+
+def test_check_int_wording():
+    from paperline.kernels.errors import check_int
+
+    with pytest.raises(InputError, match=r"^n=0: must be >= 1$"):  # it read "must be in >= 1"
+        check_int("n", 0, 1)
+    with pytest.raises(InputError, match=r"^n=9: must be in \[1, 5\]$"):
+        check_int("n", 9, 1, 5)
+
+
+def test_the_package_re_exports_its_public_names():
+    import paperline.kernels.tensor as tensor
+    from paperline.kernels.tensor.coo import COOTensor as direct
+    from paperline.kernels.tensor.pttf import als
+
+    assert tensor.COOTensor is direct and tensor.als is als
+    # not P²T²F's function: it would hide the module of its name (a dotted patch or import of
+    # paperline.kernels.tensor.p2t2f would get the function)
+    module = importlib.import_module("paperline.kernels.tensor.p2t2f")
+    assert tensor.p2t2f is module and "p2t2f" not in tensor.__all__
+    for name in tensor.__all__:
+        assert getattr(tensor, name) is not None

@@ -101,3 +101,18 @@ def test_bad_column_types_name_the_column_and_the_file(tmp_path):
     pq.write_table(pa.table({"i": [0, 1], "j": [0, 1], "t": [0, 1], "value": ["a", "b"]}), text)
     with pytest.raises(InputError, match=r"^data\['value'\]=.*numeric \(in .*text.parquet\)"):
         read_coo_parquet(text)
+
+
+def test_loaded_tensors_are_read_only(tmp_path):
+    """Bundled and user tensors own their entries: a write into them fails instead of silently
+    changing a validated tensor (its shape, its finiteness)."""
+    t = load_dataset("produc")
+    with pytest.raises(ValueError, match="read-only"):
+        t.values[0] = np.nan
+    pq.write_table(pa.table({"i": [0, 1], "j": [0, 1], "t": [0, 1], "value": [1.0, 2.0]}), tmp_path / "x.parquet")
+    user = read_coo_parquet(tmp_path / "x.parquet")
+    with pytest.raises(ValueError, match="read-only"):
+        user.coords[0, 0] = 7
+    from paperline.kernels.tensor import load_dataset as exported
+
+    assert exported is load_dataset

@@ -33,13 +33,13 @@ def test_split_partitions_entries_by_first_mode_blocks(low_rank_tensor):
 
 def test_p_larger_than_the_split_mode_is_refused(low_rank_tensor):
     tensor, _ = low_rank_tensor(shape=(3, 4, 6))  # split along mode 1, the largest non-time mode
-    with pytest.raises(InputError, match=r"^P=5: larger than the number of slices along the split mode \(4\)"):
+    with pytest.raises(InputError, match=r"^n_parts=5: P larger than the number of slices along the split mode \(4\)"):
         p2t2f(tensor, 2, n_parts=5)
-    with pytest.raises(InputError, match=r"^P=4: larger than the number of slices along the split mode \(3\)"):
+    with pytest.raises(InputError, match=r"^n_parts=4: P larger than the number of slices along the split mode \(3\)"):
         p2t2f(tensor, 2, n_parts=4, split_mode=0)
     with pytest.raises(InputError, match=r"^split_mode=2: must be a non-time mode, 0..1"):
         p2t2f(tensor, 2, split_mode=2)
-    with pytest.raises(InputError, match="^P=0"):
+    with pytest.raises(InputError, match="^n_parts=0: P, the number of sub-tensors"):
         split_tensor(tensor, 0)
 
 
@@ -168,3 +168,86 @@ def test_closing_sweeps_never_increase_the_objective_and_reach_the_serial_optimu
     assert objectives[-1] <= 1.001 * reference.history.objective[-1]
     with pytest.raises(InputError, match="^closing_sweeps="):
         p2t2f(split.train, 3, closing_sweeps=-1)
+
+
+# --- input validation at the boundary (a user trial of the API) -------------------------------
+
+
+@pytest.fixture(scope="module")
+def small_train(low_rank_tensor):
+    tensor, _ = low_rank_tensor(shape=(20, 15, 30))
+    return tensor
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    ({"rho_growth": 0}, r"^rho_growth=0: must be a finite number >= 1"),  # was ZeroDivisionError
+    ({"rho_growth": float("nan")}, r"^rho_growth=nan: must be a finite number >= 1"),  # was all-NaN factors
+    ({"rho_growth": 0.5}, r"^rho_growth=0.5: must be a finite number >= 1"),
+    ({"rho_max": -1}, r"^rho_max=-1: must be a finite number > 0"),  # was LinAlgError
+    ({"rho_max": float("inf")}, r"^rho_max=inf: must be a finite number > 0"),
+    ({"local_passes": 0}, r"^local_passes=0: must be an integer >= 1"),  # was "need at least one array"
+    ({"local_passes": -3}, r"^local_passes=-3: must be an integer >= 1"),
+    ({"local_passes": 1.5}, r"^local_passes=1.5: must be an integer >= 1"),
+    ({"lr_decay": -5}, r"^lr_decay=-5: must be a finite number >= 0"),  # negative step sizes
+    ({"lr_decay": float("inf")}, r"^lr_decay=inf: must be a finite number >= 0"),
+    ({"rho_balance": -1.0}, r"^rho_balance=-1.0: must be a finite number >= 0"),
+    ({"rank": True}, r"^rank=True: CP rank must be a positive integer"),  # was TypeError
+    ({"rank": 2.0}, r"^rank=2.0: CP rank must be a positive integer"),
+    ({"lam": "1"}, r"^lam='1': must be a real number"),  # was TypeError from isfinite
+    ({"lam_t": None}, r"^lam_t=None: must be a real number"),
+    ({"rho": float("nan")}, r"^rho=nan: must be a finite number > 0"),
+    ({"lr": "fast"}, r"^lr='fast': must be a real number"),
+    ({"seed": None}, r"^seed=None: must be an integer >= 0"),  # was TypeError
+    ({"seed": -1}, r"^seed=-1: must be an integer >= 0"),  # was NumPy's ValueError
+    ({"seed": 1.0}, r"^seed=1.0: must be an integer >= 0"),
+    ({"n_epochs": True}, r"^n_epochs=True: must be a positive integer"),
+    ({"batch_size": 64.0}, r"^batch_size=64.0: must be a positive integer"),
+    ({"closing_sweeps": 1.5}, r"^closing_sweeps=1.5: must be an integer >= 0"),
+    ({"n_parts": True}, r"^n_parts=True: P, the number of sub-tensors, must be a positive integer"),
+    ({"n_parts": 2.0}, r"^n_parts=2.0: P, the number of sub-tensors"),
+    ({"split_mode": True}, r"^split_mode=True: must be a non-time mode"),
+])
+def test_every_hyperparameter_is_checked_and_named(small_train, kwargs, message):
+    with pytest.raises(InputError, match=message):
+        p2t2f(small_train, **{"rank": 2, "n_epochs": 1, **kwargs})
+
+
+def test_numpy_integers_and_floats_are_accepted_and_fit_alike(small_train):
+    kw = dict(n_epochs=2, batch_size=256, closing_sweeps=1)
+    a = p2t2f(small_train, 2, seed=3, n_parts=2, local_passes=1, lam=1.0, **kw)
+    b = p2t2f(small_train, np.int64(2), seed=np.int64(3), n_parts=np.int32(2), local_passes=np.int64(1),
+              lam=np.float32(1.0), **kw)
+    for fa, fb in zip(a.factors.factors, b.factors.factors):
+        np.testing.assert_array_equal(fa, fb)
+
+
+def test_a_dense_array_is_refused_with_a_pointer_to_from_dense():
+    dense = np.ones((20, 15, 30))
+    with pytest.raises(InputError, match=r"^tensor='numpy.ndarray of shape \(20, 15, 30\)': must be a COOTensor.*"
+                                         r"COOTensor.from_dense"):  # was AttributeError
+        p2t2f(dense, 2)
+    with pytest.raises(InputError, match=r"^tensor='numpy.ndarray"):
+        als(dense, 2)
+
+
+def test_a_validation_tensor_of_another_shape_is_refused(small_train):
+    from paperline.kernels.tensor.coo import COOTensor
+
+    small = COOTensor.from_dense(np.ones((3, 3, 3)))  # returned RMSEs for unrelated data
+    with pytest.raises(InputError, match=r"^validation='COOTensor of shape \(3, 3, 3\)': must have the training "
+                                         r"tensor's shape \(20, 15, 30\)"):
+        p2t2f(small_train, 2, validation=small)
+    big = COOTensor.from_dense(np.ones((50, 50, 50)))  # was IndexError in pttf
+    with pytest.raises(InputError, match=r"^validation='COOTensor of shape \(50, 50, 50\)'"):
+        p2t2f(small_train, 2, validation=big)
+    with pytest.raises(InputError, match=r"^validation='COOTensor of shape \(50, 50, 50\)'"):
+        als(small_train, 2, validation=big)
+    with pytest.raises(InputError, match=r"^validation='numpy.ndarray"):
+        p2t2f(small_train, 2, validation=np.ones((20, 15, 30)))
+
+
+def test_the_fit_leaves_its_tensors_unchanged(small_train):
+    coords, values = small_train.coords.copy(), small_train.values.copy()
+    p2t2f(small_train, 2, n_parts=3, n_epochs=2, batch_size=128, closing_sweeps=1, validation=small_train)
+    np.testing.assert_array_equal(small_train.coords, coords)
+    np.testing.assert_array_equal(small_train.values, values)

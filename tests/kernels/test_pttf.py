@@ -8,6 +8,7 @@ from paperline.kernels.errors import InputError
 from paperline.kernels.tensor.coo import COOTensor, random_split
 from paperline.kernels.tensor.pttf import (
     als,
+    rmse,
     balance_scales,
     gradient,
     init_factors,
@@ -104,3 +105,47 @@ def test_als_rejects_bad_hyperparameters(low_rank_tensor, kwargs, argument):
     args = {"rank": 2, **kwargs}
     with pytest.raises(InputError, match=f"^{argument}="):
         als(tensor, **args)
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    ({"rank": True}, r"^rank=True: CP rank must be a positive integer"),
+    ({"lam": "1"}, r"^lam='1': must be a real number"),
+    ({"seed": None}, r"^seed=None: must be an integer >= 0"),
+    ({"seed": -1}, r"^seed=-1: must be an integer >= 0"),
+    ({"tol": -1.0}, r"^tol=-1.0: must be a finite number >= 0"),
+    ({"tol": float("nan")}, r"^tol=nan: must be a finite number >= 0"),
+])
+def test_als_names_bad_types_and_seeds(low_rank_tensor, kwargs, message):
+    tensor, _ = low_rank_tensor(shape=(5, 4, 6))
+    with pytest.raises(InputError, match=message):
+        als(tensor, **{"rank": 2, "n_epochs": 1, **kwargs})
+
+
+def test_als_checks_its_initial_factors(low_rank_tensor):
+    tensor, _ = low_rank_tensor(shape=(5, 4, 6))
+    good = init_factors(tensor.shape, 2, seed=0)
+    ref = als(tensor, 2, n_epochs=2, seed=0)
+    fit = als(tensor, 2, n_epochs=2, init=good)  # the same start as seed 0: the same fit
+    for a, b in zip(fit.factors.factors, ref.factors.factors):
+        np.testing.assert_array_equal(a, b)
+    with pytest.raises(InputError, match=r"^init\[1\]='array of shape \(3, 2\)': expected \(4, 2\)"):  # was IndexError
+        als(tensor, 2, init=[good[0], good[1][:3], good[2]])
+    with pytest.raises(InputError, match=r"^init\[0\]='array of shape \(5, 3\)': expected \(5, 2\)"):
+        als(tensor, 2, init=[np.ones((5, 3)), good[1], good[2]])
+    with pytest.raises(InputError, match=r"^init='list': need a list of 3 factors"):
+        als(tensor, 2, init=good[:2])
+    with pytest.raises(InputError, match=r"^init\[2\]=.*must be finite"):
+        als(tensor, 2, init=[good[0], good[1], np.full((6, 2), np.nan)])
+
+
+def test_rmse_and_objective_refuse_a_tensor_of_another_shape(low_rank_tensor):
+    tensor, _ = low_rank_tensor(shape=(5, 4, 6))
+    factors = init_factors(tensor.shape, 2, seed=0)
+    other = COOTensor.from_dense(np.ones((3, 3, 3)))  # indices in range: it used to score unrelated data
+    with pytest.raises(InputError, match=r"^tensor='COOTensor of shape \(3, 3, 3\)': does not match the factors' "
+                                         r"shape \(5, 4, 6\)"):
+        rmse(factors, other)
+    with pytest.raises(InputError, match=r"^tensor='COOTensor of shape \(3, 3, 3\)'"):
+        objective(factors, other, 1.0, 1.0)
+    with pytest.raises(InputError, match=r"^tensor='COOTensor of shape \(3, 3, 3\)'"):
+        gradient(factors, other, 1.0, 1.0)
