@@ -25,6 +25,7 @@ rather than overwritten:
 from __future__ import annotations
 
 import math
+import os
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -164,7 +165,37 @@ UPLO = {"U": False, "L": True, 0: False, 1: True}  # -> lower
 DIAG = {"N": False, "U": True, 0: False, 1: True}  # -> unit diagonal
 
 
+# The operands and flags each routine reads besides a, alpha and the tile (reference BLAS semantics);
+# the same table as the gemm flow's, which refuses the others in the same words.
+ROUTINE_USES = {
+    "gemm": frozenset({"b", "c", "beta", "trans_a", "trans_b"}),
+    "symm": frozenset({"b", "c", "beta", "side", "uplo"}),
+    "syrk": frozenset({"c", "beta", "trans_a", "uplo"}),
+    "syr2k": frozenset({"b", "c", "beta", "trans_a", "uplo"}),
+    "trmm": frozenset({"b", "side", "uplo", "trans_a", "diag"}),
+    "trsm": frozenset({"b", "side", "uplo", "trans_a", "diag"}),
+}
+
+
+def _unused(routine: str, name: str, value: Any) -> InputError:
+    """The error for an operand or flag ``routine`` does not read, worded as the gemm flow's."""
+    uses = ROUTINE_USES[routine]
+    shown = _shown(value) if name in ("b", "c") else value
+    return InputError(name, shown, f"{routine.upper()} does not use it (it takes "
+                                    f"{', '.join(sorted(uses))}); leave it out")
+
+
+def _shown(operand: Any) -> Any:
+    """An operand as an error shows it: a path as given, an array by its type and shape."""
+    if isinstance(operand, (str, os.PathLike)):
+        return str(operand)
+    shape = getattr(operand, "shape", None)
+    return f"{type(operand).__name__} of shape {tuple(shape)}" if shape is not None else type(operand).__name__
+
+
 def _scalar(argument: str, value: Any) -> float:
+    if isinstance(value, (str, bytes, bool, np.bool_)):
+        raise InputError(argument, value, "expected a real number")
     try:
         v = float(value)
     except (TypeError, ValueError):
@@ -181,19 +212,30 @@ def make_problem(routine: str, a: Any, b: Any = None, c: Any = None, *, alpha: A
 
     Args:
         routine: ``gemm``, ``symm``, ``syrk``, ``syr2k``, ``trmm`` or ``trsm``.
-        a, b, c: arrays, ``.npy`` paths or :class:`TileSource` s (``c`` optional; ``b`` required
-            except for SYRK).
-        alpha, beta: scalars (``beta`` unused by TRMM/TRSM).
-        trans_a, trans_b: ``"N"``/``"T"`` (``"C"`` = ``"T"`` for real matrices). SYRK/SYR2K take
-            ``trans_a`` as their ``trans``.
-        side: ``"L"``/``"R"`` (SYMM, TRMM, TRSM). uplo: ``"U"``/``"L"``. diag: ``"N"``/``"U"``.
+        a, b, c: 2-D float32/float64 arrays (not ``numpy.ma.MaskedArray``), ``.npy`` paths or
+            :class:`TileSource` s. ``b`` is required except for SYRK, which takes none; ``c`` is
+            optional for GEMM/SYMM/SYRK/SYR2K (zeros when absent, also with a nonzero ``beta``, as
+            in ``scipy.linalg.blas``) and taken by neither TRMM nor TRSM.
+        alpha, beta: finite real scalars (``beta`` is read by GEMM/SYMM/SYRK/SYR2K only).
+        trans_a, trans_b: ``"N"``/``"T"`` (``"C"`` = ``"T"`` for real matrices; also 0/1/2).
+            ``trans_b`` is GEMM's only; SYRK/SYR2K take ``trans_a`` as their ``trans``; SYMM reads
+            neither.
+        side: ``"L"``/``"R"`` (SYMM, TRMM, TRSM). uplo: ``"U"``/``"L"`` (all but GEMM).
+            diag: ``"N"``/``"U"`` (TRMM, TRSM).
         tile: tile edge in entries (> 0).
 
+    An operand or flag the routine does not read (see above; the gemm flow's table
+    :data:`ROUTINE_USES`) is refused when given other than its default (``None`` for operands,
+    ``beta = 0``, ``"N"``/``"L"``/``"U"``/``"N"`` for the flags), rather than silently ignored.
+
     Raises:
-        InputError: unknown routine or flag, shapes that do not conform, mixed dtypes, a tile
-            size below 1, non-finite alpha/beta, a TRSM diagonal entry equal to zero (checked
-            here for in-memory and file operands, during the solve otherwise). An error about an
-            operand read from a file or S3 names the path or URI as the value seen.
+        InputError: unknown routine or flag, an operand or flag the routine does not use (``c``
+            with TRMM/TRSM, ``b`` with SYRK, ``trans_b`` with any routine but GEMM, ...), a masked
+            array, an empty operand (a dimension of 0), shapes that do not conform, mixed dtypes,
+            a tile size below 1, non-finite or non-numeric alpha/beta (strings and bools are
+            refused), a TRSM diagonal entry equal to zero (checked here for in-memory and file
+            operands, during the solve otherwise). An error about an operand read from a file or
+            S3 names the path or URI as the value seen.
     """
     if routine not in ROUTINES:
         raise InputError("routine", routine, f"unknown BLAS routine; known: {', '.join(ROUTINES.names())}")
@@ -202,9 +244,20 @@ def make_problem(routine: str, a: Any, b: Any = None, c: Any = None, *, alpha: A
     alpha, beta = _scalar("alpha", alpha), _scalar("beta", beta)
     ta, tb = parse_flag("trans_a", trans_a, TRANS), parse_flag("trans_b", trans_b, TRANS)
     sd, lower, unit = parse_flag("side", side, SIDE), parse_flag("uplo", uplo, UPLO), parse_flag("diag", diag, DIAG)
+    uses = ROUTINE_USES[routine]
+    given = {"b": (b, b is not None), "c": (c, c is not None), "beta": (beta, beta != 0.0),
+             "trans_a": (trans_a, ta), "trans_b": (trans_b, tb), "side": (side, sd != "L"),
+             "uplo": (uplo, lower), "diag": (diag, unit)}
+    for name, (value, set_) in given.items():
+        if set_ and name not in uses:
+            raise _unused(routine, name, value)
+    for name, operand in (("a", a), ("b", b), ("c", c)):
+        if isinstance(operand, np.ma.MaskedArray):
+            raise InputError(name, _shown(operand), "a masked array: its mask would be dropped silently; "
+                                                    "pass operand.filled(value) or the plain data")
     A = as_source(a, "a")
     B = None if routine == "syrk" else as_source(b, "b")
-    C = None if c is None or routine in ("trmm", "trsm") else as_source(c, "c")
+    C = None if c is None else as_source(c, "c")
     for name, s in (("b", B), ("c", C)):
         if s is not None and s.dtype != A.dtype:
             differs = f"differs from a ({A.dtype}); mixed dtypes are not supported"
@@ -244,8 +297,8 @@ def make_problem(routine: str, a: Any, b: Any = None, c: Any = None, *, alpha: A
         conform("c", C, (m, n), "the result's shape")
     if min(m, n, k) < 1:
         raise InputError("shape", (m, n, k), "empty problem: every dimension must be at least 1")
-    problem = Problem(routine, A, B, C, alpha, beta if routine not in ("trmm", "trsm") else 0.0, ta, tb, sd, lower,
-                      unit, int(tile), (int(m), int(n)), int(k), A.dtype, flops)
+    problem = Problem(routine, A, B, C, alpha, beta, ta, tb, sd, lower, unit, int(tile), (int(m), int(n)), int(k),
+                      A.dtype, flops)
     if routine == "trsm" and not unit and A.kind in ("memory", "file"):
         check_trsm_diagonal(A)
     return problem

@@ -60,7 +60,12 @@ device work. Error-feedback compressors run a dense allreduce for the first ``st
 kept per bucket index (the same rule as torch's ``PowerSGDState``).
 
 NaN/inf gradients are passed through (the mean comes back non-finite, so the training loop can
-skip the step) and never enter the residual memory; ``state.nonfinite_buckets`` counts them.
+skip the step) and never enter the residual memory; ``state.nonfinite_buckets`` counts them. So is
+an ``fft`` bucket whose spectrum overflows its compute dtype (float32 entries near ``3e38``: the
+rfft sums them); the range quantizer itself handles every finite range (F3). A corrupt message
+(an index out of range; the compressors never write one) makes ``fft_decompress``/
+``topk_decompress`` raise InputError; inside the hooks, which never wait for the device, it makes
+the bucket's mean NaN instead.
 
 torch is imported lazily (``kernels/`` modules import no backend at module top), so listing the
 compressors costs nothing.
@@ -88,7 +93,7 @@ from dataclasses import dataclass
 from collections.abc import Iterable
 from typing import TYPE_CHECKING, Any, Callable, ClassVar, NamedTuple
 
-from paperline.kernels.errors import InputError, check_int
+from paperline.kernels.errors import InputError, as_float, check_int, is_real
 from paperline.kernels.registry import Registry
 
 if TYPE_CHECKING:
@@ -135,30 +140,44 @@ HEADER_NBYTES = 16  # lo, hi of the range quantizer as two little-endian float64
 
 
 def _check_fraction(argument: str, value: object) -> float:
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+    if not is_real(value) or not math.isfinite(float(value)):
         raise InputError(argument, value, "must be a finite number in (0, 1]")
     if not 0.0 < float(value) <= 1.0:
         raise InputError(argument, value, "must be in (0, 1]")
-    return float(value)
-
-
-_check_int = check_int
+    return as_float(value)
 
 
 def _check_bool(argument: str, value: object) -> bool:
+    if type(value).__module__ == "numpy" and type(value).__name__ in ("bool", "bool_"):
+        value = bool(value)  # a NumPy bool scalar, as numpy comparisons return it
     if not isinstance(value, bool):
         raise InputError(argument, value, "must be True or False")
     return value
 
 
+def _check_residual(residual: object, shape: tuple[int, ...], dtype: "torch.dtype", like: "torch.Tensor") -> None:
+    """Refuse an error-feedback residual that is not what the compressor keeps: a tensor of
+    ``shape`` and ``dtype`` on ``like``'s device (a residual of another dtype would change the
+    payload's bytes or the dtype of the residual handed back)."""
+    import torch
+
+    if not isinstance(residual, torch.Tensor):
+        raise InputError("residual", type(residual).__name__, "must be a torch.Tensor or None")
+    if tuple(residual.shape) != shape or residual.dtype != dtype or residual.device != like.device:
+        seen = f"{str(residual.dtype).replace('torch.', '')} {tuple(residual.shape)} on {residual.device}"
+        want = f"{str(dtype).replace('torch.', '')} {shape} on {like.device}"
+        raise InputError("residual", seen, f"must be {want}: the residual this compressor returned for the same "
+                                           "bucket (its compute dtype follows the gradient's)")
+
+
 def _check_bits(value: object) -> int:
-    return _check_int("bits", value, 1, 32)
+    return check_int("bits", value, 1, 32)
 
 
 def _start_iter(value: object, error_feedback: bool) -> int:
     if value is None:
         return 2 if error_feedback else 0
-    start = _check_int("start_iter", value, 0)
+    start = check_int("start_iter", value, 0)
     if error_feedback and start < 2:
         raise InputError(
             "start_iter", value,
@@ -277,6 +296,10 @@ def range_quantize(values: "torch.Tensor", bits: int) -> tuple["torch.Tensor", "
 
     ``step = (hi - lo) / (2^bits - 1)``, ``code = round((v - lo) / step)``; all codes are 0 when
     ``hi == lo``. Computed in float64, so the codes are exact for every width up to 31 bits.
+    When ``hi - lo`` overflows float64 (finite values of both signs beyond ``±9e307``, e.g.
+    ``[-1e308, 1e308]``), everything is computed on the values halved (exact in binary floating
+    point), so finite input always quantizes within :func:`range_quantization_bound`; otherwise
+    the scale is 1 and the arithmetic is the plain formula above.
 
     Args:
         values: ``N`` floating tensor.
@@ -284,47 +307,82 @@ def range_quantize(values: "torch.Tensor", bits: int) -> tuple["torch.Tensor", "
 
     Returns:
         ``(codes, lo, hi)``: ``N`` int64 codes in ``[0, 2^bits)`` and 0-d float64 ``lo``, ``hi``
-        on ``values.device``. Non-finite input gives non-finite ``lo``/``hi`` (and code 0), so
-        decoding returns NaN instead of a plausible wrong number.
+        on ``values.device``. Non-finite input (NaN or inf) gives non-finite ``lo``/``hi`` (and
+        code 0), so decoding returns NaN instead of a plausible wrong number; finite input never
+        does.
+
+    Raises:
+        InputError: ``bits`` outside 1-31, empty ``values``.
     """
     import torch
 
-    bits = _check_int("bits", bits, 1, 31)
+    bits = check_int("bits", bits, 1, 31)
     v = values.reshape(-1).to(torch.float64)
     if v.numel() == 0:
         raise InputError("values", tuple(values.shape), "must not be empty")
     lo, hi = torch.aminmax(v)  # NaN propagates to both
     levels = (1 << bits) - 1
-    step = (hi - lo) / levels
+    scale = _range_scale(lo, hi)
+    lo_s = lo * scale
+    step = (hi * scale - lo_s) / levels
     safe = torch.where(step > 0, step, torch.ones_like(step))
-    q = torch.round((v - lo) / safe).clamp_(0, levels)
+    q = torch.round((v * scale - lo_s) / safe).clamp_(0, levels)
     q = torch.where(torch.isfinite(q) & (step > 0), q, torch.zeros_like(q))
     return q.to(torch.int64), lo, hi
 
 
+def _range_scale(lo: "torch.Tensor", hi: "torch.Tensor") -> "torch.Tensor":
+    """0.5 where ``hi - lo`` overflows float64 for finite ``lo``, ``hi`` (the quantizer then works
+    on halved values, exactly representable), else 1.0 (a multiply by 1 changes no bit)."""
+    import torch
+
+    overflow = torch.isinf(hi - lo) & torch.isfinite(lo) & torch.isfinite(hi)
+    return torch.where(overflow, torch.full_like(lo, 0.5), torch.ones_like(lo))
+
+
 def range_dequantize(codes: "torch.Tensor", lo: "torch.Tensor", hi: "torch.Tensor", bits: int) -> "torch.Tensor":
     """Decode :func:`range_quantize`: ``lo + code * (hi - lo) / (2^bits - 1)``.
+
+    When ``hi - lo`` overflows float64 the same formula is evaluated on ``lo / 2`` and ``hi / 2``
+    and the result doubled (see :func:`range_quantize`).
 
     Args:
         codes: ``N`` integer codes; lo, hi: 0-d float64 tensors; bits: code width, 1 to 31.
 
     Returns:
         ``N`` float64 tensor.
+
+    Raises:
+        InputError: ``bits`` outside 1-31.
     """
     import torch
 
-    bits = _check_int("bits", bits, 1, 31)
-    step = (hi.to(torch.float64) - lo.to(torch.float64)) / ((1 << bits) - 1)
-    return lo.to(torch.float64) + codes.to(torch.float64) * step
+    bits = check_int("bits", bits, 1, 31)
+    lo, hi = lo.to(torch.float64), hi.to(torch.float64)
+    scale = _range_scale(lo, hi)
+    lo_s = lo * scale
+    step = (hi * scale - lo_s) / ((1 << bits) - 1)
+    return (lo_s + codes.to(torch.float64) * step) / scale
 
 
 def range_quantization_bound(lo: float, hi: float, bits: int) -> float:
     """The worst-case error per value of :func:`range_quantize`, stated as ``(hi - lo) / 2^bits``.
 
     The exact worst case is half a step, ``(hi - lo) / (2 (2^bits - 1))``, which is at most the
-    stated bound for every ``bits >= 1``. Units: those of the values.
+    stated bound for every ``bits >= 1``. Units: those of the values. Evaluated as
+    ``hi / 2^bits - lo / 2^bits`` when ``hi - lo`` overflows (the same number: dividing by a power
+    of two is exact), so it stays finite for a range wider than the largest float, e.g.
+    ``[-1e308, 1e308]``.
+
+    Raises:
+        InputError: ``bits`` outside 1-31.
     """
-    return (float(hi) - float(lo)) / float(2 ** _check_int("bits", bits, 1, 31))
+    scale = float(2 ** check_int("bits", bits, 1, 31))
+    lo, hi = float(lo), float(hi)
+    bound = (hi - lo) / scale
+    if math.isinf(bound) and math.isfinite(lo) and math.isfinite(hi):
+        bound = hi / scale - lo / scale
+    return bound
 
 
 # --------------------------------------------------------------------------------------------------
@@ -356,7 +414,7 @@ class FFTLayout:
     value_itemsize: int = 4
 
     def __post_init__(self) -> None:
-        _check_int("n", self.n, 1)
+        check_int("n", self.n, 1)
         _check_fraction("theta", self.theta)
         _check_bits(self.bits)
         if self.value_itemsize not in (4, 8):
@@ -458,26 +516,33 @@ def fft_compress(
         x: gradient, any shape with ``n`` elements, floating dtype (computed in float32, or
             float64 for float64 input).
         theta: fraction of frequency coefficients kept, in (0, 1].
-        bits: bits per quantized real value, 1 to 32 (32: no quantization).
+        bits: bits per quantized real value, 1 to 32 (32: no quantization). Python or NumPy
+            integers.
         residual: ``m = n_fft // 2 + 1`` complex residual spectrum from the previous step (error
-            feedback), or None.
+            feedback), or None: complex64 for float32 compute, complex128 for float64, on
+            ``x.device`` -- what the previous call returned as ``residual``.
 
     Returns:
-        :class:`FFTCompressed`.
+        :class:`FFTCompressed`. ``finite`` is False when the kept spectrum is not finite: NaN/inf
+        in ``x`` or ``residual``, or a spectrum that overflows the compute dtype (a float32 bucket
+        whose coefficients exceed about ``3.4e38``, e.g. entries near ``3e38``: compress such
+        buckets in float64); its reconstruction is then non-finite, as for a NaN gradient.
 
     Raises:
-        InputError: bad θ, bits, empty ``x``, or a residual of the wrong length.
+        InputError: bad θ, bits, empty or non-floating ``x``, or a residual that is not a tensor
+            of shape ``(m,)``, of the complex dtype above and on ``x``'s device.
     """
     import torch
 
     xr = _flat(x)
     layout = FFTLayout(xr.numel(), _check_fraction("theta", theta), _check_bits(bits), xr.element_size())
     n, m, k = layout.n_fft, layout.m, layout.k
+    if residual is not None:
+        ctype = torch.complex128 if xr.dtype == torch.float64 else torch.complex64
+        _check_residual(residual, (m,), ctype, xr)
     # F1. spectrum of the bucket (zero-padded to the fast length n_fft), plus the remembered residual
     spectrum = torch.fft.rfft(xr, n=n)
     if residual is not None:
-        if residual.shape != (m,) or not residual.is_complex():
-            raise InputError("residual", tuple(residual.shape), f"must be a complex tensor of shape ({m},)")
         spectrum = spectrum + residual
     # F2. keep the k coefficients of largest magnitude, in ascending frequency order
     if k == m:
@@ -505,7 +570,8 @@ def fft_compress(
     else:
         index_bytes = pack_bits(indices, layout.index_bits)
     payload = torch.cat([header, index_bytes, value_bytes])
-    assert payload.numel() == layout.nbytes, (payload.numel(), layout)
+    if payload.numel() != layout.nbytes:  # an internal invariant (inputs are checked above), kept under -O
+        raise RuntimeError(f"fft_compress wrote {payload.numel()} bytes, its layout says {layout.nbytes}: {layout}")
     # error feedback: what was not sent (dropped coefficients and quantization error) is remembered
     new_residual = None
     if residual is not None:
@@ -513,6 +579,70 @@ def fft_compress(
         new_residual[indices] = spectrum[indices] - values
         new_residual = torch.where(finite, new_residual, residual)
     return FFTCompressed(payload, indices, values, new_residual, finite, layout)
+
+
+def _check_payload(argument: str, payload: object, nbytes: int) -> None:
+    import torch
+
+    if not isinstance(payload, torch.Tensor):
+        raise InputError(argument, type(payload).__name__, f"must be a tensor of {nbytes} uint8 bytes")
+    if payload.dtype != torch.uint8 or payload.numel() != nbytes:
+        raise InputError(argument, (payload.dtype, payload.numel()), f"must be {nbytes} uint8 bytes")
+
+
+_CORRUPT = "the message is corrupt or was written with another layout"
+
+
+def _out_of_range(indices: "torch.Tensor", size: int) -> "torch.Tensor":
+    """0-d bool tensor: some position is outside ``[0, size)`` (computed on the device, no sync)."""
+    return ((indices < 0) | (indices >= size)).any()
+
+
+def _raise_out_of_range(argument: str, indices: "torch.Tensor", size: int, what: str) -> None:
+    bad = (indices < 0) | (indices >= size)
+    if bool(bad.any()):  # one host sync
+        raise InputError(argument, f"{what} {int(indices[bad][0])}", f"out of range [0, {size}): {_CORRUPT}")
+
+
+def _fft_decode(payload: "torch.Tensor", layout: FFTLayout, dtype: "torch.dtype | None", argument: str,
+                check: bool = True) -> tuple["torch.Tensor", "torch.Tensor", "torch.Tensor"]:
+    """``(indices, values, corrupt)``; with ``check`` a corrupt message raises (one host sync),
+    without it ``corrupt`` (a 0-d bool tensor) says so and the caller must not use the rest."""
+    import torch
+
+    if dtype is None:
+        dtype = torch.float64 if layout.value_itemsize == 8 else torch.float32
+    _check_payload(argument, payload, layout.nbytes)
+    k, m = layout.k, layout.m
+    off = layout.header_nbytes
+    section = payload[off:off + layout.index_nbytes]
+    if layout.index_encoding == "bitmap":
+        mask = unpack_bits(section, 1, m)
+        if k < m:
+            ones = mask.sum()
+            corrupt = ones != k
+            if check and bool(corrupt):
+                raise InputError(argument, f"{int(ones)} frequencies marked in its bitmap",
+                                 f"must mark exactly k = {k} of the m = {m} frequencies: {_CORRUPT}")
+            indices = torch.nonzero_static(mask, size=k).reshape(-1)
+        else:
+            indices = torch.arange(m, device=payload.device)
+            corrupt = torch.zeros((), dtype=torch.bool, device=payload.device)
+    else:
+        indices = unpack_bits(section, layout.index_bits, k)
+        if check:
+            _raise_out_of_range(argument, indices, m, "frequency")
+        corrupt = _out_of_range(indices, m)
+    off += layout.index_nbytes
+    section = payload[off:off + layout.value_nbytes]
+    if layout.quantized:
+        lo, hi = payload[:HEADER_NBYTES].clone().view(torch.float64)
+        codes = unpack_bits(section, layout.bits, 2 * k)
+        values = range_dequantize(codes, lo, hi, layout.bits).to(dtype)
+    else:
+        values = section.clone().view(dtype)
+    values = _zero_real_bins(torch.view_as_complex(values.reshape(k, 2).contiguous()), indices, layout.n_fft)
+    return indices, values, corrupt
 
 
 def fft_decode(payload: "torch.Tensor", layout: FFTLayout, dtype: "torch.dtype | None" = None
@@ -526,31 +656,33 @@ def fft_decode(payload: "torch.Tensor", layout: FFTLayout, dtype: "torch.dtype |
 
     Returns:
         ``(indices, values)``: ``k`` int64 ascending frequencies and ``k`` complex coefficients.
+
+    Raises:
+        InputError: naming ``payload``: not ``layout.nbytes`` uint8 bytes, or corrupt (a packed
+            frequency outside ``[0, m)``, or a bitmap that does not mark exactly ``k`` frequencies).
+            The index check reads one number back to the host (a device sync on GPU).
     """
+    indices, values, _ = _fft_decode(payload, layout, dtype, "payload")
+    return indices, values
+
+
+def _check_payloads(payloads: object) -> None:
     import torch
 
-    if dtype is None:
-        dtype = torch.float64 if layout.value_itemsize == 8 else torch.float32
-    if payload.dtype != torch.uint8 or payload.numel() != layout.nbytes:
-        raise InputError("payload", (payload.dtype, payload.numel()), f"must be {layout.nbytes} uint8 bytes")
-    k, m = layout.k, layout.m
-    off = layout.header_nbytes
-    section = payload[off:off + layout.index_nbytes]
-    if layout.index_encoding == "bitmap":
-        mask = unpack_bits(section, 1, m)
-        indices = torch.nonzero_static(mask, size=k).reshape(-1) if k < m else \
-            torch.arange(m, device=payload.device)
-    else:
-        indices = unpack_bits(section, layout.index_bits, k)
-    off += layout.index_nbytes
-    section = payload[off:off + layout.value_nbytes]
-    if layout.quantized:
-        lo, hi = payload[:HEADER_NBYTES].clone().view(torch.float64)
-        codes = unpack_bits(section, layout.bits, 2 * k)
-        values = range_dequantize(codes, lo, hi, layout.bits).to(dtype)
-    else:
-        values = section.clone().view(dtype)
-    return indices, _zero_real_bins(torch.view_as_complex(values.reshape(k, 2).contiguous()), indices, layout.n_fft)
+    if not isinstance(payloads, torch.Tensor) or payloads.dim() != 2 or payloads.shape[0] < 1:
+        shown = tuple(payloads.shape) if isinstance(payloads, torch.Tensor) else type(payloads).__name__
+        raise InputError("payloads", shown, "must be P x nbytes with P >= 1")
+
+
+def _refuse_corrupt_rows(decode: Callable, payloads: "torch.Tensor", corrupt: list["torch.Tensor"]) -> None:
+    """Raise the error of the first corrupt row (one host sync for all rows when none is)."""
+    import torch
+
+    flags = torch.stack(corrupt)
+    if bool(flags.any()):
+        r = int(flags.nonzero()[0, 0])
+        decode(payloads[r], f"payloads[{r}]")  # raises the row's precise InputError
+        raise InputError(f"payloads[{r}]", "corrupt message", _CORRUPT)  # pragma: no cover - decode raised
 
 
 def fft_decompress(payloads: "torch.Tensor", layout: FFTLayout, dtype: "torch.dtype | None" = None) -> "torch.Tensor":
@@ -563,19 +695,36 @@ def fft_decompress(payloads: "torch.Tensor", layout: FFTLayout, dtype: "torch.dt
 
     Returns:
         ``n`` tensor of the compute dtype: ``irfft(sum_r spectrum_r / P, n_fft)[:n]``.
+
+    Raises:
+        InputError: ``payloads`` not a 2-D tensor with at least one row, or a row that
+            :func:`fft_decode` refuses (named ``payloads[r]``; one host sync checks every row).
     """
+    return _fft_decompress(payloads, layout, dtype, strict=True)
+
+
+def _fft_decompress(payloads: "torch.Tensor", layout: FFTLayout, dtype: "torch.dtype | None", *, strict: bool
+                    ) -> "torch.Tensor":
+    """:func:`fft_decompress`; ``strict=False`` (the hook) never syncs with the device: a corrupt
+    row makes the whole result NaN instead of raising."""
     import torch
 
-    if payloads.dim() != 2:
-        raise InputError("payloads", tuple(payloads.shape), "must be P x nbytes")
+    _check_payloads(payloads)
     world = payloads.shape[0]
-    spectrum = None
-    for r in range(world):
-        indices, values = fft_decode(payloads[r], layout, dtype)
+    rows = [_fft_decode(payloads[r], layout, dtype, f"payloads[{r}]", check=False) for r in range(world)]
+    if strict:
+        _refuse_corrupt_rows(lambda row, argument: _fft_decode(row, layout, dtype, argument), payloads,
+                             [corrupt for _, _, corrupt in rows])
+    spectrum, bad = None, None
+    for indices, values, corrupt in rows:
         if spectrum is None:
             spectrum = torch.zeros(layout.m, dtype=values.dtype, device=values.device)
+        if not strict:  # keep index_add_ in bounds (out of range is a device-side assert on CUDA)
+            indices = torch.where(corrupt, torch.zeros_like(indices), indices)
+            bad = corrupt if bad is None else bad | corrupt
         spectrum.index_add_(0, indices, values)
-    return torch.fft.irfft(spectrum / world, n=layout.n_fft)[: layout.n]
+    out = torch.fft.irfft(spectrum / world, n=layout.n_fft)[: layout.n]
+    return out if strict else torch.where(bad, torch.full_like(out, math.nan), out)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -595,7 +744,7 @@ class TopKLayout:
     value_itemsize: int = 4
 
     def __post_init__(self) -> None:
-        _check_int("n", self.n, 1, 2**31 - 1)
+        check_int("n", self.n, 1, 2**31 - 1)
         _check_fraction("fraction", self.fraction)
         if self.value_itemsize not in (4, 8):
             raise InputError("value_itemsize", self.value_itemsize, "must be 4 or 8")
@@ -630,21 +779,31 @@ def topk_compress(x: "torch.Tensor", *, fraction: float, residual: "torch.Tensor
 
     Args:
         x: gradient with ``n`` elements, floating (float32 compute, float64 kept).
-        fraction: kept fraction in (0, 1].
-        residual: ``n`` residual of the previous step, or None (no error feedback).
+        fraction: kept fraction in (0, 1] (a Python or NumPy number).
+        residual: ``n`` residual of the previous step, or None (no error feedback): of the compute
+            dtype (float32, or float64 for float64 ``x``) and on ``x.device`` -- what the previous
+            call returned as ``residual``.
+
+    Returns:
+        :class:`TopKCompressed`.
+
+    Raises:
+        InputError: bad fraction, empty or non-floating ``x``, or a residual that is not a tensor
+            of shape ``(n,)``, of the compute dtype and on ``x``'s device.
     """
     import torch
 
     u = _flat(x)
     layout = TopKLayout(u.numel(), _check_fraction("fraction", fraction), u.element_size())
     if residual is not None:
-        if residual.shape != (layout.n,):
-            raise InputError("residual", tuple(residual.shape), f"must have shape ({layout.n},)")
+        _check_residual(residual, (layout.n,), u.dtype, u)
         u = u + residual
     indices = torch.topk(u.abs(), layout.k, sorted=False).indices
     values = u[indices]
     finite = torch.isfinite(u).all()
     payload = torch.cat([values.contiguous().view(torch.uint8), indices.to(torch.int32).view(torch.uint8)])
+    if payload.numel() != layout.nbytes:  # an internal invariant (inputs are checked above)
+        raise RuntimeError(f"topk_compress wrote {payload.numel()} bytes, its layout says {layout.nbytes}: {layout}")
     new_residual = None
     if residual is not None:
         new_residual = u  # a fresh tensor (x + residual); the values were copied out above
@@ -653,35 +812,74 @@ def topk_compress(x: "torch.Tensor", *, fraction: float, residual: "torch.Tensor
     return TopKCompressed(payload, indices, values, new_residual, finite, layout)
 
 
-def topk_decode(payload: "torch.Tensor", layout: TopKLayout, dtype: "torch.dtype | None" = None
-                ) -> tuple["torch.Tensor", "torch.Tensor"]:
-    """``(indices, values)``, ``k`` each, from one rank's message."""
+def _topk_decode(payload: "torch.Tensor", layout: TopKLayout, dtype: "torch.dtype | None", argument: str,
+                 check: bool = True) -> tuple["torch.Tensor", "torch.Tensor", "torch.Tensor"]:
+    """``(indices, values, corrupt)``, as :func:`_fft_decode`."""
     import torch
 
     if dtype is None:
         dtype = torch.float64 if layout.value_itemsize == 8 else torch.float32
-    if payload.dtype != torch.uint8 or payload.numel() != layout.nbytes:
-        raise InputError("payload", (payload.dtype, payload.numel()), f"must be {layout.nbytes} uint8 bytes")
+    _check_payload(argument, payload, layout.nbytes)
     split = layout.k * layout.value_itemsize
     values = payload[:split].clone().view(dtype)
     indices = payload[split:].clone().view(torch.int32).to(torch.int64)
+    if check:
+        _raise_out_of_range(argument, indices, layout.n, "index")
+    return indices, values, _out_of_range(indices, layout.n)
+
+
+def topk_decode(payload: "torch.Tensor", layout: TopKLayout, dtype: "torch.dtype | None" = None
+                ) -> tuple["torch.Tensor", "torch.Tensor"]:
+    """``(indices, values)``, ``k`` each, from one rank's message.
+
+    Args:
+        payload: ``layout.nbytes`` uint8 tensor (``k`` values, then ``k`` int32 indices).
+        layout: the :class:`TopKLayout` it was written with.
+        dtype: value dtype (float32 or float64); default from ``layout.value_itemsize``.
+
+    Returns:
+        ``(indices, values)``: ``k`` int64 positions in ``[0, n)`` and ``k`` values.
+
+    Raises:
+        InputError: naming ``payload``: not ``layout.nbytes`` uint8 bytes, or corrupt (an index
+            outside ``[0, n)``). The index check reads one number back to the host (a device sync
+            on GPU).
+    """
+    indices, values, _ = _topk_decode(payload, layout, dtype, "payload")
     return indices, values
 
 
 def topk_decompress(payloads: "torch.Tensor", layout: TopKLayout, dtype: "torch.dtype | None" = None) -> "torch.Tensor":
-    """Mean over ranks of the scattered top-k entries: ``P x nbytes`` uint8 -> ``n`` tensor."""
+    """Mean over ranks of the scattered top-k entries: ``P x nbytes`` uint8 -> ``n`` tensor.
+
+    Raises:
+        InputError: ``payloads`` not a 2-D tensor with at least one row, or a row that
+            :func:`topk_decode` refuses (named ``payloads[r]``; one host sync checks every row).
+    """
+    return _topk_decompress(payloads, layout, dtype, strict=True)
+
+
+def _topk_decompress(payloads: "torch.Tensor", layout: TopKLayout, dtype: "torch.dtype | None", *, strict: bool
+                     ) -> "torch.Tensor":
+    """:func:`topk_decompress`; ``strict=False`` as in :func:`_fft_decompress`."""
     import torch
 
-    if payloads.dim() != 2:
-        raise InputError("payloads", tuple(payloads.shape), "must be P x nbytes")
+    _check_payloads(payloads)
     world = payloads.shape[0]
-    out = None
-    for r in range(world):
-        indices, values = topk_decode(payloads[r], layout, dtype)
+    rows = [_topk_decode(payloads[r], layout, dtype, f"payloads[{r}]", check=False) for r in range(world)]
+    if strict:
+        _refuse_corrupt_rows(lambda row, argument: _topk_decode(row, layout, dtype, argument), payloads,
+                             [corrupt for _, _, corrupt in rows])
+    out, bad = None, None
+    for indices, values, corrupt in rows:
         if out is None:
             out = torch.zeros(layout.n, dtype=values.dtype, device=values.device)
+        if not strict:
+            indices = torch.where(corrupt, torch.zeros_like(indices), indices)
+            bad = corrupt if bad is None else bad | corrupt
         out.index_add_(0, indices, values)
-    return out / world
+    out = out / world
+    return out if strict else torch.where(bad, torch.full_like(out, math.nan), out)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -1020,7 +1218,7 @@ class FFTState(_ResidualMixin, CompressorState):
         def decompress(fut):
             t1 = time.perf_counter()
             fut.wait()
-            buf.copy_(fft_decompress(torch.stack(gathered), c.layout, compute))
+            buf.copy_(_fft_decompress(torch.stack(gathered), c.layout, compute, strict=False))
             state._add_decompress(rec, time.perf_counter() - t1)
             return buf
 
@@ -1090,7 +1288,7 @@ class TopKState(_ResidualMixin, CompressorState):
         def decompress(fut):
             t1 = time.perf_counter()
             fut.wait()
-            buf.copy_(topk_decompress(torch.stack(gathered), c.layout, compute))
+            buf.copy_(_topk_decompress(torch.stack(gathered), c.layout, compute, strict=False))
             state._add_decompress(rec, time.perf_counter() - t1)
             return buf
 
@@ -1130,16 +1328,20 @@ class PowerSGDCompressorState(CompressorState):
         from torch.distributed.algorithms.ddp_comm_hooks.powerSGD_hook import PowerSGDState
 
         super().__init__(process_group)
-        _check_int("matrix_approximation_rank", matrix_approximation_rank, 1)
-        _check_bool("use_error_feedback", use_error_feedback)
-        _check_bool("warm_start", warm_start)
-        _check_bool("batch_tensors_with_same_shape", batch_tensors_with_same_shape)
-        _check_int("random_seed", random_seed, 0)
-        _check_int("start_powerSGD_iter", start_powerSGD_iter, 2 if (use_error_feedback or warm_start) else 0)
+        # NumPy scalars are accepted and handed on as Python ints/floats/bools
+        matrix_approximation_rank = check_int("matrix_approximation_rank", matrix_approximation_rank, 1)
+        use_error_feedback = _check_bool("use_error_feedback", use_error_feedback)
+        warm_start = _check_bool("warm_start", warm_start)
+        batch_tensors_with_same_shape = _check_bool("batch_tensors_with_same_shape", batch_tensors_with_same_shape)
+        random_seed = check_int("random_seed", random_seed, 0)
+        start_powerSGD_iter = check_int("start_powerSGD_iter", start_powerSGD_iter,
+                                         2 if (use_error_feedback or warm_start) else 0)
         for arg, v in (("min_compression_rate", min_compression_rate),
                        ("orthogonalization_epsilon", orthogonalization_epsilon)):
-            if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v < 0:
+            if not is_real(v) or not math.isfinite(float(v)) or v < 0:
                 raise InputError(arg, v, "must be a finite number >= 0")
+        min_compression_rate = as_float(min_compression_rate)
+        orthogonalization_epsilon = as_float(orthogonalization_epsilon)
         self.random_seed = random_seed
         self.powersgd = PowerSGDState(
             process_group=process_group,

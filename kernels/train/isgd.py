@@ -63,7 +63,7 @@ import math
 from collections import deque
 from typing import TYPE_CHECKING, Any, Callable
 
-from paperline.kernels.errors import InputError, check_int
+from paperline.kernels.errors import InputError, as_float, check_int, is_real
 
 if TYPE_CHECKING:
     import torch
@@ -75,17 +75,28 @@ __all__ = ["LossControlChart", "ISGD"]
 # Validation helpers
 
 
-_check_int = check_int
-
-
 def _check_real(argument: str, value: object, *, positive: bool) -> float:
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+    if not is_real(value) or not math.isfinite(float(value)):
         raise InputError(argument, value, "must be a finite real number")
     if positive and not value > 0:
         raise InputError(argument, value, "must be > 0")
     if not positive and not value >= 0:
         raise InputError(argument, value, "must be >= 0")
-    return float(value)
+    return as_float(value)
+
+
+def _loss_value(loss: object) -> float:
+    """``loss`` as a float: a real number (Python or NumPy, not bool) or a one-element
+    floating-point array/tensor; anything else (a string, a bool, a list) is refused."""
+    if is_real(loss):
+        return float(loss)
+    shape, dtype = getattr(loss, "shape", None), getattr(loss, "dtype", None)
+    if shape is not None and dtype is not None and math.prod(shape) == 1:
+        # a NumPy array (dtype.kind "f") or a torch tensor (dtype.is_floating_point)
+        if getattr(dtype, "kind", None) == "f" or getattr(dtype, "is_floating_point", False) is True:
+            return float(loss)
+    raise InputError("loss", loss, "must be a real number (a Python or NumPy float, or a one-element "
+                                   "floating-point tensor)")
 
 
 # --------------------------------------------------------------------------------------------------
@@ -99,10 +110,12 @@ class LossControlChart:
     with the upper control limit of the losses seen *before* it, then appends it.
 
     Args:
-        window: number of past losses kept (the paper's ``n_b``, one epoch of batches), >= 2.
-        min_history: losses needed before anything can be flagged, in ``[2, window]``; with fewer
-            the limit is ``+inf``.
-        sigmas: width of the control band in standard deviations (the paper's 3), finite, > 0.
+        window: number of past losses kept (the paper's ``n_b``, one epoch of batches), an integer
+            >= 2 (Python or NumPy).
+        min_history: losses needed before anything can be flagged, an integer in ``[2, window]``;
+            with fewer the limit is ``+inf``.
+        sigmas: width of the control band in standard deviations (the paper's 3), a finite real
+            > 0 (Python or NumPy; bools refused).
 
     Attributes:
         mean: mean of the kept losses (``nan`` when empty).
@@ -116,8 +129,8 @@ class LossControlChart:
     """
 
     def __init__(self, window: int = 100, *, min_history: int = 10, sigmas: float = 3.0):
-        self.window = _check_int("window", window, 2)
-        self.min_history = _check_int("min_history", min_history, 2, self.window)
+        self.window = check_int("window", window, 2)
+        self.min_history = check_int("min_history", min_history, 2, self.window)
         self.sigmas = _check_real("sigmas", sigmas, positive=True)
         self._losses: deque[float] = deque(maxlen=self.window)
         self.n_flagged = 0
@@ -152,22 +165,19 @@ class LossControlChart:
         """Record one batch loss; True when it is above the limit of the losses before it.
 
         Args:
-            loss: the batch's training loss, a finite real (a Python or NumPy float, or a 0-d
-                tensor's ``float()``).
+            loss: the batch's training loss, a finite real: a Python or NumPy int/float, or a
+                one-element floating-point array or tensor (read with ``float()``). Strings and
+                bools are refused.
 
         Returns:
             True when ``loss > limit`` computed over the kept losses before this one (never True
             before ``min_history`` losses are kept). The loss is appended either way.
 
         Raises:
-            InputError: ``loss`` is not a finite real number (NaN or inf); nothing is recorded.
+            InputError: ``loss`` is not a real number (e.g. the string ``"2"``), or is NaN or inf;
+                nothing is recorded.
         """
-        if isinstance(loss, bool):
-            raise InputError("loss", loss, "must be a finite real number")
-        try:
-            value = float(loss)
-        except (TypeError, ValueError):
-            raise InputError("loss", loss, "must be a finite real number") from None
+        value = _loss_value(loss)
         if not math.isfinite(value):
             raise InputError("loss", value, "must be finite: the batch loss is NaN or inf (diverged training?)")
         flagged = value > self.limit
@@ -187,7 +197,8 @@ class ISGD:
         model: any ``torch.nn.Module`` (any device; its mode is left as the caller set it).
         loss_fn: ``loss_fn(model(inputs), targets)`` -> a scalar (one-element) floating tensor.
         optimizer: a ``torch.optim.Optimizer`` over the model's trainable parameters (SGD with
-            momentum in the paper; any optimizer works for the ordinary step I1).
+            momentum in the paper; any optimizer works for the ordinary step I1). It may hold a
+            subset of them (the rest stay frozen) but no parameter that is not ``model``'s.
         window: losses kept by the control chart (the paper: batches per epoch), >= 2.
         min_history: losses needed before a batch can be flagged, in ``[2, window]``.
         sigmas: control-band width in standard deviations (3 in the paper), > 0.
@@ -196,13 +207,18 @@ class ISGD:
         lr_subproblem: step size of the extra steps, > 0; None: the optimizer's first parameter
             group's current ``lr`` (read at every flagged step, so schedulers are followed).
 
+        The integers (``window``, ``min_history``, ``stop``) and reals (``sigmas``, ``epsilon``,
+        ``lr_subproblem``) may be Python or NumPy scalars; bools are refused.
+
     Attributes:
         chart: the :class:`LossControlChart`.
         n_extra_steps: extra steps taken so far, over all flagged batches.
 
     Raises:
         InputError: a wrong type for ``model``, ``loss_fn`` or ``optimizer``, an optimizer with no
-            trainable parameters, or a bad number (see each argument).
+            trainable parameters or with a trainable parameter that is not one of ``model``'s
+            (e.g. built over another model's parameters: ISGD would train nothing), or a bad
+            number (see each argument).
     """
 
     def __init__(
@@ -228,7 +244,7 @@ class ISGD:
             raise InputError("optimizer", type(optimizer).__name__, "must be a torch.optim.Optimizer")
         self.model, self.loss_fn, self.optimizer = model, loss_fn, optimizer
         self.chart = LossControlChart(window, min_history=min_history, sigmas=sigmas)
-        self.stop = _check_int("stop", stop, 0)
+        self.stop = check_int("stop", stop, 0)
         self.epsilon = _check_real("epsilon", epsilon, positive=False)
         self.lr_subproblem = (
             None if lr_subproblem is None else _check_real("lr_subproblem", lr_subproblem, positive=True)
@@ -242,6 +258,15 @@ class ISGD:
                     self._params.append(p)
         if not self._params:
             raise InputError("optimizer", type(optimizer).__name__, "has no trainable parameters")
+        own = {id(p) for p in model.parameters()}
+        foreign = [p for p in self._params if id(p) not in own]
+        if foreign:
+            raise InputError(
+                "optimizer", type(optimizer).__name__,
+                f"{len(foreign)} of its {len(self._params)} trainable parameters (the first of shape "
+                f"{tuple(foreign[0].shape)}) are not parameters of model: the ordinary and the extra steps "
+                "would not train the model; build it over model.parameters()",
+            )
         self.n_params = sum(p.numel() for p in self._params)  # the paper's n_w
         self.n_extra_steps = 0
 

@@ -101,6 +101,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import numbers
 from typing import TYPE_CHECKING, Callable, Iterator, NamedTuple
 
 from paperline.kernels.errors import InputError
@@ -201,9 +202,9 @@ def cheap_layer(module: "nn.Module") -> bool:
 
 
 def _check_policy(policy: object) -> str:
-    if policy not in POLICIES:
+    if not isinstance(policy, str) or policy not in POLICIES:  # a str first: an array would compare elementwise
         raise InputError("policy", policy, f"unknown recomputation policy; known: {', '.join(POLICIES)}")
-    return policy  # type: ignore[return-value]
+    return str(policy)  # type: ignore[return-value]
 
 
 def _flatten(seq: "nn.Sequential", prefix: str = "") -> Iterator[tuple[str, "nn.Module"]]:
@@ -470,9 +471,9 @@ def deepest_trainable(
     Args:
         make_model: ``d -> nn.Module`` for ``d >= 1`` (an ``nn.Sequential`` unless policy ``"none"``).
         example_input: a tensor or a tuple of tensors for the model.
-        budget_bytes: memory budget in bytes, int >= 1.
+        budget_bytes: memory budget in bytes, an integer >= 1 (Python or NumPy; bools refused).
         policy: one of :data:`POLICIES`.
-        max_depth: largest depth tried, int >= 1.
+        max_depth: largest depth tried, an integer >= 1 (Python or NumPy; bools refused).
 
     Returns:
         The largest ``d`` in ``1..max_depth`` with ``peak_activation_bytes <= budget_bytes``, or 0 when
@@ -485,10 +486,12 @@ def deepest_trainable(
     from torch import nn
 
     policy = _check_policy(policy)
-    if isinstance(budget_bytes, bool) or not isinstance(budget_bytes, int) or budget_bytes < 1:
+    # Python or NumPy integers (numbers.Integral), bools refused; used as Python ints
+    if isinstance(budget_bytes, bool) or not isinstance(budget_bytes, numbers.Integral) or budget_bytes < 1:
         raise InputError("budget_bytes", budget_bytes, "must be an integer >= 1 (bytes)")
-    if isinstance(max_depth, bool) or not isinstance(max_depth, int) or max_depth < 1:
+    if isinstance(max_depth, bool) or not isinstance(max_depth, numbers.Integral) or max_depth < 1:
         raise InputError("max_depth", max_depth, "must be an integer >= 1")
+    budget_bytes, max_depth = int(budget_bytes), int(max_depth)
     if not callable(make_model):
         raise InputError("make_model", make_model, "must be callable as make_model(depth) -> nn.Module")
     inputs = _as_inputs(example_input)

@@ -534,6 +534,119 @@ def test_bad_in_memory_operands_are_refused():
     assert_input_error(e, "b", "dict")
 
 
+@pytest.mark.parametrize("budget", ["1GiB", None, 1.5e9, True, 0, -1, np.float64(1 << 30)])
+def test_memory_budget_must_be_an_int_number_of_bytes(budget):
+    a, b = rand((5, 4), np.float64, 1), rand((4, 3), np.float64, 2)
+    with pytest.raises(InputError, match="bytes as an int, e.g. 1 << 30") as e:
+        api.gemm(1.0, a, b, memory_budget=budget)
+    assert_input_error(e, "memory_budget", budget)
+
+
+def test_memory_budget_takes_numpy_integers():
+    a, b = rand((5, 4), np.float64, 1), rand((4, 3), np.float64, 2)
+    np.testing.assert_array_equal(api.gemm(1.0, a, b, memory_budget=np.int64(1 << 20)), api.gemm(1.0, a, b))
+
+
+@pytest.mark.parametrize("runtime, shown", [("dask", "dask"), ("local", "local"), (object(), "object")])
+def test_runtime_must_be_a_runtime(runtime, shown):
+    a, b = rand((5, 4), np.float64, 1), rand((4, 3), np.float64, 2)
+    with pytest.raises(InputError, match="expected None \\(a LocalRuntime on the CPU\\), a LocalRuntime or a "
+                                         "DaskRuntime") as e:
+        api.symm(1.0, rand((5, 5), np.float64, 3), a[:, :3], runtime=runtime)
+    assert_input_error(e, "runtime", shown)
+    from paperline.kernels.blas.runtime import LocalRuntime
+
+    np.testing.assert_array_equal(api.gemm(1.0, a, b, runtime=LocalRuntime()), api.gemm(1.0, a, b))
+
+
+@pytest.mark.parametrize("check_finite", ["no", "False", 0, 1, None])
+def test_check_finite_must_be_a_bool(check_finite):
+    a, b = rand((5, 4), np.float64, 1), rand((4, 3), np.float64, 2)
+    with pytest.raises(InputError, match="must be True or False") as e:
+        api.gemm(1.0, a, b, check_finite=check_finite)
+    assert_input_error(e, "check_finite", check_finite)
+    a[0, 0] = np.nan  # np.bool_ is a bool: False lets the NaN through
+    assert np.isnan(api.gemm(1.0, a, b, check_finite=np.False_)[0]).all()
+
+
+@pytest.mark.parametrize("routine, kw, argument, value", [
+    ("trsm", {"c": "sq"}, "c", "ndarray of shape (6, 6)"),
+    ("trmm", {"c": "sq"}, "c", "ndarray of shape (6, 6)"),
+    ("trsm", {"beta": 0.5}, "beta", 0.5),
+    ("syrk", {"b": "sq"}, "b", "ndarray of shape (6, 6)"),
+    ("syrk", {"b": "path"}, "b", "path"),
+    ("symm", {"trans_b": "T"}, "trans_b", "T"),
+    ("trmm", {"trans_b": "T"}, "trans_b", "T"),
+    ("trsm", {"trans_b": 1}, "trans_b", 1),
+    ("syrk", {"trans_b": "C"}, "trans_b", "C"),
+    ("syr2k", {"trans_b": "t"}, "trans_b", "t"),
+    ("symm", {"trans_a": "T"}, "trans_a", "T"),
+    ("gemm", {"side": "R"}, "side", "R"),
+    ("gemm", {"uplo": "L"}, "uplo", "L"),
+    ("syrk", {"diag": "U"}, "diag", "U"),
+    ("symm", {"diag": "U"}, "diag", "U"),
+])
+def test_an_operand_or_flag_the_routine_does_not_read_is_refused(tmp_path, routine, kw, argument, value):
+    """Worded as the gemm flow words it (flows/gemm.py, GemmParameters.check_used)."""
+    sq = rand((6, 6), np.float64, 1) + 6 * np.eye(6)
+    path = str(tmp_path / "b.npy")
+    np.save(path, sq)
+    if value == "path":
+        value = path
+    kw = {k: {"sq": sq, "path": path}.get(v, v) if isinstance(v, str) else v for k, v in kw.items()}
+    b = None if routine == "syrk" else sq
+    with pytest.raises(InputError, match=f"{routine.upper()} does not use it \\(it takes .*\\); leave it out") as e:
+        make_problem(routine, sq, kw.pop("b", b), **kw)
+    assert_input_error(e, argument, value)
+
+
+def test_flags_the_routine_reads_and_defaults_given_explicitly_are_accepted():
+    sq, b = rand((6, 6), np.float64, 1) + 6 * np.eye(6), rand((6, 4), np.float64, 2)
+    make_problem("trsm", sq, b, c=None, beta=0.0, trans_b="N", trans_a="T", side="L", uplo="L", diag="U")
+    make_problem("syrk", b, None, rand((6, 6), np.float64, 3), beta=2.0, trans_b="n", trans_a="N", uplo="L")
+    make_problem("gemm", b.T, sq, trans_b=0, side="L", uplo="U", diag="N")
+    # a beta without c: accepted, as scipy.linalg.blas does (c defaults to zeros)
+    np.testing.assert_allclose(api.gemm(1.0, sq, b, beta=3.0), sq @ b, rtol=1e-12)
+    np.testing.assert_allclose(api.gemm(1.0, sq, b, beta=3.0), sblas.dgemm(1.0, sq, b, beta=3.0), rtol=1e-12)
+
+
+@pytest.mark.parametrize("operand", ["a", "b", "c"])
+def test_masked_arrays_are_refused(operand):
+    ops = {"a": rand((5, 4), np.float64, 1), "b": rand((4, 3), np.float64, 2), "c": rand((5, 3), np.float64, 3)}
+    ops[operand] = np.ma.masked_array(ops[operand], mask=np.zeros(ops[operand].shape, bool))
+    shape = ops[operand].shape
+    with pytest.raises(InputError, match="mask would be dropped silently") as e:
+        api.gemm(1.0, ops["a"], ops["b"], 0.5, ops["c"])
+    assert_input_error(e, operand, f"MaskedArray of shape {shape}")
+
+
+@pytest.mark.parametrize("value", ["2", b"2", True, np.bool_(False)])
+def test_non_numeric_scalars_are_refused(value):
+    a, b = rand((5, 4), np.float64, 1), rand((4, 3), np.float64, 2)
+    for argument in ("alpha", "beta"):
+        with pytest.raises(InputError, match="expected a real number") as e:
+            make_problem("gemm", a, b, **{argument: value})
+        assert e.value.argument == argument
+    np.testing.assert_array_equal(api.gemm(np.float32(2), a, b), api.gemm(2.0, a, b))
+
+
+@pytest.mark.parametrize("shapes, argument", [(((0, 4), (4, 3)), "a"), (((5, 4), (4, 0)), "b"),
+                                              (((5, 0), (0, 3)), "a")])
+def test_empty_operands_are_refused(shapes, argument):
+    (sa, sb) = shapes
+    with pytest.raises(InputError, match="an empty matrix") as e:
+        api.gemm(1.0, np.zeros(sa), np.zeros(sb))
+    assert e.value.argument == argument
+
+
+def test_api_docstrings_state_shapes_dtypes_units_raises_and_source():
+    for f in (api.gemm, api.symm, api.syrk, api.syr2k, api.trmm, api.trsm):
+        doc = f.__doc__
+        for needle in ("Args:", "Returns:", "Raises:", "InputError", "float32", "float64", "tile", "bytes",
+                       "BLASX", "Sec. 3", f"scipy.linalg.blas.d{f.__name__}", " x "):
+            assert needle in doc, (f.__name__, needle)
+
+
 # --- 7. RandomSource ------------------------------------------------------------------------------
 
 

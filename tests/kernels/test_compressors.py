@@ -234,6 +234,143 @@ def test_bad_input_is_refused_with_the_argument_named():
         C.compressors.register("fft")(C.FFTState)
 
 
+@pytest.mark.parametrize("x_dtype, bad", [
+    (torch.float32, {"dtype": torch.float64}),   # was: a 60-byte payload against layout.nbytes 40
+    (torch.float64, {"dtype": torch.float32}),   # was: the residual silently became float64
+    (torch.float32, {"shape": (9,)}),
+    (torch.float16, {"dtype": torch.float16}),   # float16 gradients are computed (and kept) in float32
+])
+def test_topk_refuses_a_residual_other_than_the_one_it_keeps(x_dtype, bad):
+    shape, dtype = bad.get("shape", (10,)), bad.get("dtype", torch.float32 if x_dtype != torch.float64 else x_dtype)
+    residual = torch.zeros(shape, dtype=dtype)
+    with pytest.raises(InputError, match="^residual=") as e:
+        C.topk_compress(torch.randn(10, dtype=torch.float32).to(x_dtype), fraction=0.5, residual=residual)
+    assert e.value.argument == "residual"
+    assert str(dtype).replace("torch.", "") in str(e.value) and str(shape) in str(e.value)
+    with pytest.raises(InputError, match="residual"):
+        C.topk_compress(torch.randn(10), fraction=0.5, residual=np.zeros(10, dtype=np.float32))
+
+
+@pytest.mark.parametrize("x_dtype, residual_dtype, length", [
+    (torch.float32, torch.complex128, 6),  # was: a bare assert (skipped under python -O)
+    (torch.float64, torch.complex64, 6),
+    (torch.float32, torch.float32, 6),     # not complex
+    (torch.float32, torch.complex64, 5),
+])
+def test_fft_refuses_a_residual_other_than_the_one_it_keeps(x_dtype, residual_dtype, length):
+    assert fast_len(10) // 2 + 1 == 6
+    with pytest.raises(InputError, match="^residual=") as e:
+        C.fft_compress(torch.randn(10, dtype=x_dtype), theta=0.5, bits=8,
+                       residual=torch.zeros(length, dtype=residual_dtype))
+    assert str(residual_dtype).replace("torch.", "") in str(e.value) and f"({length},)" in str(e.value)
+
+
+def test_the_residuals_each_compressor_returns_are_accepted_back():
+    """What the DDP hooks do: the residual returned is passed in at the next step, per dtype."""
+    for dtype in (torch.float16, torch.float32, torch.float64):
+        x = torch.randn(100).to(dtype)
+        compute = torch.float64 if dtype == torch.float64 else torch.float32
+        c = C.topk_compress(x, fraction=0.1, residual=torch.zeros(100, dtype=compute))
+        c = C.topk_compress(x, fraction=0.1, residual=c.residual)
+        assert c.residual.dtype == compute and c.payload.numel() == c.layout.nbytes
+        ctype = torch.complex128 if dtype == torch.float64 else torch.complex64
+        f = C.fft_compress(x, theta=0.1, bits=8, residual=torch.zeros(fast_len(100) // 2 + 1, dtype=ctype))
+        f = C.fft_compress(x, theta=0.1, bits=8, residual=f.residual)
+        assert f.residual.dtype == ctype and f.payload.numel() == f.layout.nbytes
+
+
+def test_topk_decode_refuses_a_corrupt_payload():
+    layout = C.TopKLayout(10, 0.5)
+    corrupt = torch.full((2, layout.nbytes), 0xFF, dtype=torch.uint8)  # every index -1
+    with pytest.raises(InputError, match="out of range \\[0, 10\\)") as e:
+        C.topk_decompress(corrupt, layout)
+    assert e.value.argument == "payloads[0]" and e.value.value == "index -1"
+    with pytest.raises(InputError, match="^payload='index -1': out of range"):
+        C.topk_decode(corrupt[0], layout)
+    good = C.topk_compress(torch.randn(10), fraction=0.5)
+    big = good.payload.clone()
+    big[-4:] = torch.tensor([10], dtype=torch.int32).view(torch.uint8)  # the last index: 10 = n
+    with pytest.raises(InputError) as e:
+        C.topk_decompress(torch.stack([good.payload, big]), layout)
+    assert e.value.argument == "payloads[1]" and e.value.value == "index 10"
+
+
+@pytest.mark.parametrize("theta, bits, encoding", [(0.5, 8, "bitmap"), (0.1, 8, "positions"), (0.05, 32, "positions")])
+def test_fft_decode_refuses_a_corrupt_payload(theta, bits, encoding):
+    layout = C.FFTLayout(1000, theta, bits)
+    assert layout.index_encoding == encoding
+    corrupt = torch.full((2, layout.nbytes), 0xFF, dtype=torch.uint8)
+    problem = "frequencies marked in its bitmap" if encoding == "bitmap" else f"out of range \\[0, {layout.m}\\)"
+    with pytest.raises(InputError, match=problem) as e:
+        C.fft_decompress(corrupt, layout)
+    assert e.value.argument == "payloads[0]"
+    with pytest.raises(InputError, match="^payload="):
+        C.fft_decode(corrupt[0], layout)
+    # a valid message still decodes to what the compressor kept
+    c = C.fft_compress(torch.randn(1000), theta=theta, bits=bits)
+    indices, values = C.fft_decode(c.payload, layout)
+    assert torch.equal(indices, c.indices) and torch.equal(values, c.values)
+    # the hooks' path never waits for the device: a corrupt row makes the mean NaN, valid rows decode as before
+    both = torch.stack([c.payload, corrupt[0]])
+    assert torch.isnan(C._fft_decompress(both, layout, None, strict=False)).all()
+    np.testing.assert_array_equal(C._fft_decompress(c.payload[None], layout, None, strict=False).numpy(),
+                                  C.fft_decompress(c.payload[None], layout).numpy())
+
+
+def test_topk_hook_path_turns_a_corrupt_payload_into_nan():
+    c = C.topk_compress(torch.randn(10), fraction=0.5)
+    corrupt = torch.full_like(c.payload, 0xFF)
+    assert torch.isnan(C._topk_decompress(torch.stack([c.payload, corrupt]), c.layout, None, strict=False)).all()
+    np.testing.assert_array_equal(C._topk_decompress(c.payload[None], c.layout, None, strict=False).numpy(),
+                                  C.topk_decompress(c.payload[None], c.layout).numpy())
+
+
+@pytest.mark.parametrize("dtype, extreme", [(torch.float32, 3e38), (torch.float64, 1e308)])
+@pytest.mark.parametrize("bits", [1, 8, 31])
+def test_range_quantizer_extreme_finite_values_within_stated_bound(dtype, extreme, bits):
+    """hi - lo overflows float64 for [-1e308, 1e308] (it gave NaN); near the float32 maximum the
+    float64 range must not lose the bound either."""
+    v = torch.tensor([-extreme, extreme, 0.3 * extreme, -0.77 * extreme, extreme / 3], dtype=dtype)
+    codes, lo, hi = C.range_quantize(v, bits)
+    assert float(lo) == v.min().item() and float(hi) == v.max().item()
+    decoded = C.range_dequantize(codes, lo, hi, bits)
+    assert torch.isfinite(decoded).all()
+    bound = C.range_quantization_bound(float(lo), float(hi), bits)
+    assert math.isfinite(bound) and bound == v[1].item() / 2**bits * 2  # (hi - lo) / 2^bits, exactly
+    err = (decoded - v.to(torch.float64)).abs().max().item()
+    assert err <= bound * (1 + 1e-12)
+    assert decoded[0].item() == v[0].item()  # code 0 decodes to lo exactly
+
+
+def test_fft_spectrum_spanning_the_float64_range_quantizes_within_bound():
+    x = torch.tensor([0.0, 1e308], dtype=torch.float64)  # rfft: [1e308, -1e308]: hi - lo overflows
+    c = C.fft_compress(x, theta=1.0, bits=8)
+    assert bool(c.finite)
+    spectrum = torch.fft.rfft(x)
+    bound = C.range_quantization_bound(-1e308, 1e308, 8)
+    assert torch.isfinite(torch.view_as_real(c.values)).all()
+    assert (c.values - spectrum).abs().max().item() <= bound
+    _, values = C.fft_decode(c.payload, c.layout)
+    assert torch.equal(values, c.values)
+
+
+def test_numpy_scalars_are_taken_as_python_numbers():
+    state, _ = C.make_hook("fft", theta=np.float32(0.5), bits=np.int64(8), start_iter=np.int32(3))
+    assert state.options() == {"theta": 0.5, "bits": 8, "error_feedback": False, "start_iter": 3}
+    assert type(state.bits) is int and type(state.theta) is float and type(state.start_iter) is int
+    state, _ = C.make_hook("topk", fraction=np.float32(0.25), error_feedback=np.bool_(True))
+    assert type(state.fraction) is float and state.error_feedback is True
+    ps, _ = C.make_hook("powersgd", matrix_approximation_rank=np.int64(2), min_compression_rate=np.float32(2),
+                        random_seed=np.uint8(3))
+    assert type(ps.powersgd.matrix_approximation_rank) is int and ps.options()["random_seed"] == 3
+    c = C.fft_compress(torch.randn(50), theta=np.float64(0.5), bits=np.int16(6))
+    assert c.layout.bits == 6 and type(c.layout.bits) is int
+    assert C.topk_compress(torch.randn(50), fraction=np.float32(0.1)).layout.k == 5
+    for bad in (np.bool_(True), np.float64(8.0), "8"):
+        with pytest.raises(InputError, match="bits"):
+            C.make_hook("fft", bits=bad)
+
+
 @pytest.mark.parametrize("name, options", [
     ("none", {}),
     ("fp16", {}),

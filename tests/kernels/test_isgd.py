@@ -301,3 +301,45 @@ def test_diverging_subproblem_restores_weights():
     assert err.value.argument == "lr_subproblem"
     for p, q in zip(model.parameters(), copy.parameters()):
         assert torch.equal(p, q), "weights must be restored to those before the subproblem"
+
+
+def test_an_optimizer_over_another_models_parameters_is_refused():
+    model, other = mlp(), mlp()
+    with pytest.raises(InputError, match="not parameters of model") as err:
+        ISGD(model, nn.functional.mse_loss, torch.optim.SGD(other.parameters(), lr=0.1))
+    assert err.value.argument == "optimizer"
+    mixed = torch.optim.SGD([*model.parameters(), next(other.parameters())], lr=0.1)
+    with pytest.raises(InputError, match="1 of its"):
+        ISGD(model, nn.functional.mse_loss, mixed)
+    # a subset of the model's own parameters (the rest frozen) is fine
+    first = next(model.parameters())
+    assert ISGD(model, nn.functional.mse_loss, torch.optim.SGD([first], lr=0.1)).n_params == first.numel()
+
+
+def test_non_numeric_losses_are_refused():
+    chart = LossControlChart(window=5, min_history=2)
+    for bad in ("2", b"2", [1.0], np.bool_(True), torch.tensor([1, 2.0]), torch.tensor(True), np.array(["1"])):
+        with pytest.raises(InputError) as err:
+            chart.update(bad)
+        assert err.value.argument == "loss"
+    assert len(chart) == 0
+    for good in (1, 1.5, np.float32(2.0), np.int64(3), np.array(4.0), torch.tensor(5.0), torch.tensor([6.0])):
+        chart.update(good)
+    assert chart.history == (2.0, 3.0, 4.0, 5.0, 6.0)
+    assert all(type(v) is float for v in chart.history)
+
+
+def test_numpy_scalars_are_taken_as_python_numbers():
+    model = mlp()
+    isgd = ISGD(model, nn.functional.mse_loss, torch.optim.SGD(model.parameters(), lr=0.1),
+                window=np.int64(10), min_history=np.int32(3), sigmas=np.float32(3), stop=np.uint8(2),
+                epsilon=np.float32(0.1), lr_subproblem=np.float16(0.5))
+    chart = isgd.chart
+    assert (chart.window, chart.min_history, chart.sigmas, isgd.stop) == (10, 3, 3.0, 2)
+    assert type(chart.window) is int and type(chart.min_history) is int and type(isgd.stop) is int
+    assert type(chart.sigmas) is float and isgd.epsilon == 0.1 and isgd.lr_subproblem == 0.5
+    for kwargs, argument in (({"window": np.bool_(True)}, "window"), ({"sigmas": np.float32("nan")}, "sigmas"),
+                             ({"stop": True}, "stop"), ({"window": np.float64(10.0)}, "window")):
+        with pytest.raises(InputError) as err:
+            ISGD(model, nn.functional.mse_loss, torch.optim.SGD(model.parameters(), lr=0.1), **kwargs)
+        assert err.value.argument == argument

@@ -9,6 +9,7 @@ over depths for :func:`deepest_trainable`. Small CPU models only.
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 from torch import nn
@@ -256,6 +257,25 @@ def test_bad_input():
         deepest_trainable(lambda d: None, torch.randn(1, 4, 4, 4), 1000, "none")
     with pytest.raises(InputError, match="example_input"):
         peak_activation_bytes(small_cnn(), [1, 2])
+
+
+def test_numpy_integers_are_taken_and_bools_and_arrays_refused():
+    x = torch.randn(2, 4, 8, 8)
+    expected = deepest_trainable(make_stack, x, 40_000, "cost-aware", max_depth=6)
+    got = deepest_trainable(make_stack, x, np.int64(40_000), "cost-aware", max_depth=np.int32(6))
+    assert got == expected and type(got) is int
+    with pytest.raises(InputError) as err:
+        deepest_trainable(make_stack, x, np.bool_(True), "none")
+    assert err.value.argument == "budget_bytes"
+    with pytest.raises(InputError) as err:
+        deepest_trainable(make_stack, x, 1000, "none", max_depth=True)
+    assert err.value.argument == "max_depth"
+    with pytest.raises(InputError) as err:
+        deepest_trainable(make_stack, x, 40_000.0, "none")
+    assert err.value.argument == "budget_bytes"
+    with pytest.raises(InputError) as err:  # compared elementwise before; now a plain refusal
+        recomputation_plan(small_cnn(), np.array(["none", "all"]))
+    assert err.value.argument == "policy"
 
 
 def test_cost_aware_reaches_inside_residual_blocks_of_the_training_resnet():
