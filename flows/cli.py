@@ -142,9 +142,16 @@ def up() -> None:
 @_friendly
 def down() -> None:
     """Stop the local servers this state directory started (by PID)."""
-    from paperline.infra.stack import stop_stack
+    from paperline.infra.stack import running_local_stack, running_flow_runs, stop_stack
 
-    stopped = stop_stack(_settings())
+    settings = _settings()
+    info = running_local_stack(settings)
+    running = running_flow_runs(info) if info is not None else []
+    if running:  # stopped under a run, the run failed minutes later with a bare ConnectError (a trial)
+        console.print(f"[yellow]stopping the stack under {len(running)} Running flow run(s): {', '.join(running)}; "
+                      "each fails when it next reports to Prefect, and the next `paperline up` marks it Crashed[/]",
+                      soft_wrap=True)
+    stopped = stop_stack(settings)
     console.print(f"stopped: {', '.join(stopped)}" if stopped else "nothing to stop")
 
 
@@ -418,6 +425,7 @@ def _early_cluster(wanted: bool = True) -> Iterator[Any]:
     from paperline.infra.stack import activate, running_local_stack
 
     interrupts.install()  # a Ctrl-C landing in a finalizer or a gc callback (a scheduler runs here) was lost
+    interrupts.hangup_as_interrupt()  # a closed terminal stops the run as Ctrl-C does
     settings = _settings()
     info = running_local_stack(settings) if wanted and not settings.dask_scheduler_address else None
     early = None
@@ -484,12 +492,17 @@ def _run_one(spec, params, summary_json: Path | None, early=None) -> dict[str, A
             the caller closes it too, in case the run never started.
     """
     from paperline.infra.cluster import describe_cluster, require_scheduler, task_runner
+    from paperline.infra.stack import FLOW_HEARTBEAT_S
 
     if hasattr(params, "validate_inputs"):
         params.validate_inputs()
     _quiet_logs()
     settings = _settings()
     require_scheduler(settings)  # before starting anything
+    # heartbeats, as the runs of `serve` and `worker` send: a run whose process is killed (or whose
+    # Prefect server went away under it) is Crashed by `paperline up`'s automation, not Running for
+    # good (a trial); read when _ensure_stack activates the stack
+    os.environ.setdefault("PREFECT_FLOWS_HEARTBEAT_FREQUENCY", str(FLOW_HEARTBEAT_S))
     info = _ensure_stack()
     if hasattr(params, "validate_on_stack"):  # checks that need the stack's services (nas: its checkpoints)
         from paperline.infra.storage import ObjectStore
@@ -509,6 +522,12 @@ def _run_one(spec, params, summary_json: Path | None, early=None) -> dict[str, A
     except KeyboardInterrupt:  # Prefect's "Crash detected!" line alone said nothing of what a re-run does
         _say(f"interrupted: {_again(spec.name, params)}")
         raise
+    except Exception as exc:
+        gone = _prefect_gone(exc, info)
+        if gone is None:
+            raise
+        _state["prefect_gone"] = True  # Prefect's exit hooks would retry sending logs and events to it
+        raise gone from exc
     _print_summary(spec.name, summary)
     if summary_json is not None:
         summary_json.parent.mkdir(parents=True, exist_ok=True)
@@ -517,6 +536,27 @@ def _run_one(spec, params, summary_json: Path | None, early=None) -> dict[str, A
         summary_json.write_text(json.dumps(record, indent=2, default=str))
         console.print(f"summary: {summary_json}")
     return summary
+
+
+def _prefect_gone(exc: BaseException, info: Any) -> Exception | None:
+    """The error for a Prefect server that stopped answering during a run (killed, or `paperline
+    down` run meanwhile): after Prefect's client had retried for minutes the run ended in
+    ``ConnectError: [Errno 111] Connection refused``, naming neither the server nor what to do (a
+    trial). None when ``exc`` is not a connection error to ``info``'s Prefect server."""
+    import httpx
+
+    from paperline.infra.errors import ServiceError
+    from paperline.infra.stack import same_endpoint
+
+    if not isinstance(exc, httpx.TransportError):
+        return None
+    with contextlib.suppress(RuntimeError):  # an error without its request
+        if not same_endpoint(str(exc.request.url), info.prefect_api_url):
+            return None
+    return ServiceError("prefect", f"the server stopped answering during the run ({type(exc).__name__}: {exc}), so "
+                                   "the run's end is not recorded there; `paperline status` shows what is down and "
+                                   "`paperline up` restarts it (the run, left Running, is then marked Crashed once "
+                                   "its heartbeats are missed)", url=info.prefect_ui_url)
 
 
 def _short(text: str, width: int = 36) -> str:
@@ -842,7 +882,8 @@ def _exit(code: Any) -> None:
     Prefect's log and event drains, logging's flush), then ``os._exit``, skipping the teardown
     of every module's objects that follows: after a pipeline run (Prefect, MLflow, pydantic,
     Dask and the pipeline's numerics loaded) that teardown alone took 0.9 s on this 2-core machine,
-    7% of a cached ``paperline run tensor-factorization``.
+    7% of a cached ``paperline run tensor-factorization``. After the Prefect server went away
+    during the run (:func:`_prefect_gone`) the hooks are skipped: their drains retried it for 100 s.
 
     Args:
         code: ``SystemExit.code``: None (0), an int, or a message (printed to stderr; exit 1).
@@ -856,8 +897,9 @@ def _exit(code: Any) -> None:
     elif not isinstance(code, int):
         print(code, file=sys.stderr)
         code = 1
-    threading._shutdown()  # what Py_Finalize does first: joins non-daemon threads, executor exits
-    atexit._run_exitfuncs()
+    if not _state.get("prefect_gone"):  # else their drains retried the dead server for 100 s more
+        threading._shutdown()  # what Py_Finalize does first: joins non-daemon threads, executor exits
+        atexit._run_exitfuncs()
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(code)

@@ -267,14 +267,39 @@ def _live_process(rec: dict[str, Any] | None) -> Any:
         return None
 
 
+def _orphans(rec: dict[str, Any] | None) -> list[Any]:
+    """The processes left in a recorded server's session after the server itself died: MLflow's
+    ``uvicorn`` child kept its port and answered health checks after its parent was killed, so
+    ``up`` started a second MLflow on another port and ``down`` left the first running (a trial).
+
+    A server is started as the leader of a new session (``start_new_session``), so its descendants
+    share its session id, the recorded PID, which Linux does not hand out again while the session
+    has members; each one must also have started after the server (PID reuse long after).
+    """
+    import psutil  # noqa: PLC0415
+
+    if not rec or not rec.get("pid") or _live_process(rec) is not None:
+        return []
+    sid, since = int(rec["pid"]), float(rec.get("create_time", -1))
+    if since < 0:
+        return []
+    found = []
+    for proc in psutil.process_iter(["create_time", "status"]):
+        with contextlib.suppress(OSError, psutil.Error):
+            if (os.getsid(proc.pid) == sid and proc.info["create_time"] >= since - 0.5
+                    and proc.info["status"] != psutil.STATUS_ZOMBIE):  # the unreaped server itself
+                found.append(proc)
+    return found
+
+
 def _stop_records(recs: list[dict[str, Any]], timeout_s: float = _STOP_TIMEOUT_S) -> list[bool]:
     """Stop recorded servers and all their descendants, in parallel.
 
     Each server's process group (and any descendant that left it) gets SIGTERM, then SIGKILL after
-    ``timeout_s`` seconds.
+    ``timeout_s`` seconds; of a server that died, the processes it left (:func:`_orphans`).
 
     Returns:
-        For each record, whether it was running (and has now been stopped).
+        For each record, whether it (or what it left) was running and has now been stopped.
     """
     import psutil  # noqa: PLC0415
 
@@ -282,7 +307,8 @@ def _stop_records(recs: list[dict[str, Any]], timeout_s: float = _STOP_TIMEOUT_S
     for rec in recs:
         proc = _live_process(rec)
         if proc is None:
-            groups.append(None)
+            left = _orphans(rec)  # the server died, its children may not have
+            groups.append((int(rec["pid"]), left) if left else None)
             continue
         try:
             groups.append((proc.pid, [proc, *proc.children(recursive=True)]))
@@ -610,7 +636,7 @@ def _start_s3(settings: Settings, taken: set[int], key: str, secret: str) -> tup
     except (OSError, ValueError, AttributeError):
         old = {}
     ports = {
-        "s3": _pick_port(host, (settings.s3_port, old.get("s3")), taken, with_grpc=True),
+        "s3": _pick_port(host, _preferred_ports(settings, "s3", old.get("s3")), taken, with_grpc=True),
         "master": _pick_port(host, old.get("master"), taken, with_grpc=True),
         "volume": _pick_port(host, old.get("volume"), taken, with_grpc=True),
         "filer": _pick_port(host, old.get("filer"), taken, with_grpc=True),
@@ -663,6 +689,19 @@ def _last_port(settings: Settings, name: str) -> int | None:
         return None
 
 
+def _preferred_ports(settings: Settings, name: str, last: int | None) -> tuple[int | None, int | None]:
+    """The ports to try first for service ``name`` (s3, prefect, mlflow), in order.
+
+    A port set in the settings (``PAPERLINE_PREFECT_PORT``, ...) comes first, then ``last``, the
+    port of this stack's last start. Without one, ``last`` comes before the default port: two
+    stacks (state directories) stopped and started again in the other order took each other's
+    ports, and the links of one stack's MLflow runs opened the other's Prefect UI (a trial).
+    """
+    field = f"{name}_port"
+    configured = getattr(settings, field)
+    return (configured, last) if field in settings.model_fields_set else (last, configured)
+
+
 def _remember_port(settings: Settings, name: str, port: int) -> None:
     path = settings.state_dir / LAST_PORTS_FILE
     try:
@@ -679,7 +718,7 @@ def _start_prefect(
     settings: Settings, old_port: int | None, taken: set[int]
 ) -> tuple[subprocess.Popen[bytes], dict[str, Any]]:
     host = settings.host
-    port = _pick_port(host, (old_port, settings.prefect_port, _last_port(settings, "prefect")), taken)
+    port = _pick_port(host, (old_port, *_preferred_ports(settings, "prefect", _last_port(settings, "prefect"))), taken)
     _remember_port(settings, "prefect", port)
     url = f"http://{_url_host(host)}:{port}"
     home = settings.state_dir / "prefect"
@@ -713,7 +752,7 @@ def _start_mlflow(
     secret: str | None,
 ) -> tuple[subprocess.Popen[bytes], dict[str, Any]]:
     host = settings.host
-    port = _pick_port(host, (old_port, settings.mlflow_port, _last_port(settings, "mlflow")), taken)
+    port = _pick_port(host, (old_port, *_preferred_ports(settings, "mlflow", _last_port(settings, "mlflow"))), taken)
     _remember_port(settings, "mlflow", port)
     url = f"http://{_url_host(host)}:{port}"
     home = settings.state_dir / "mlflow"
@@ -865,6 +904,77 @@ def ensure_zombie_automation(api_url: str, within_s: float = 3 * FLOW_HEARTBEAT_
         raise ServiceError("prefect", f"could not create the zombie-run automation: {exc}", url=api_url) from exc
 
 
+def _running_flow_runs(client: Any) -> list[Any]:
+    """The flow runs the server has Running (at most 200)."""
+    from prefect.client.schemas.filters import (  # noqa: PLC0415
+        FlowRunFilter,
+        FlowRunFilterState,
+        FlowRunFilterStateType,
+    )
+    from prefect.client.schemas.objects import StateType  # noqa: PLC0415
+
+    running = FlowRunFilter(state=FlowRunFilterState(type=FlowRunFilterStateType(any_=[StateType.RUNNING])))
+    return client.read_flow_runs(flow_run_filter=running, limit=200)
+
+
+def crash_silent_runs(api_url: str, within_s: float) -> list[str]:
+    """Mark Crashed each Running flow run whose last heartbeat is more than ``within_s`` seconds old.
+
+    The server's automation (:func:`ensure_zombie_automation`) does this while it runs. A run
+    whose heartbeats stopped while the server itself was down (killed, or ``paperline down``
+    during the run) was never marked: the server drops a trigger's window that expired while it
+    was down, and the run stayed Running after the next ``paperline up`` (a trial: 20 minutes
+    later). :func:`ensure_stack` calls this when it (re)starts the Prefect server. Runs that never
+    sent a heartbeat are left alone (the server cannot tell whether they are alive).
+
+    Returns:
+        ``"name (id)"`` of each run marked. Server errors are left to the automation: nothing raised.
+    """
+    import datetime  # noqa: PLC0415
+
+    from prefect.client.orchestration import get_client  # noqa: PLC0415
+    from prefect.client.schemas.responses import SetStateStatus  # noqa: PLC0415
+    from prefect.events.filters import (  # noqa: PLC0415
+        EventFilter,
+        EventNameFilter,
+        EventOccurredFilter,
+        EventResourceFilter,
+    )
+    from prefect.settings import PREFECT_API_URL, temporary_settings  # noqa: PLC0415
+    from prefect.states import Crashed  # noqa: PLC0415
+
+    marked: list[str] = []
+    now = datetime.datetime.now(datetime.timezone.utc)
+    with contextlib.suppress(Exception), temporary_settings({PREFECT_API_URL: api_url}), \
+            get_client(sync_client=True) as client:
+        for run in _running_flow_runs(client):
+            since = run.start_time or run.created or now - datetime.timedelta(days=7)
+            page = client.read_events(filter=EventFilter(
+                event=EventNameFilter(name=["prefect.flow-run.heartbeat"]),
+                resource=EventResourceFilter(id=[f"prefect.flow-run.{run.id}"]),
+                occurred=EventOccurredFilter(since=since, until=now)), limit=1)  # newest first
+            if not page.events or (now - page.events[0].occurred).total_seconds() <= within_s:
+                continue
+            last = page.events[0].occurred.strftime("%Y-%m-%d %H:%M:%S UTC")
+            state = Crashed(message=f"No heartbeat since {last}: the process running this flow run died, or lost "
+                                    "its Prefect server (found when `paperline up` restarted it).")
+            if client.set_flow_run_state(run.id, state).status == SetStateStatus.ACCEPT:  # not forced
+                marked.append(f"{run.name} ({run.id})")
+    return marked
+
+
+def running_flow_runs(info: StackInfo) -> list[str]:
+    """``"name (id)"`` of the flow runs the stack's Prefect server has Running, for ``paperline
+    down`` to name what stopping the stack interrupts; empty when the server does not answer."""
+    from prefect.client.orchestration import get_client  # noqa: PLC0415
+    from prefect.settings import PREFECT_API_URL, temporary_settings  # noqa: PLC0415
+
+    with contextlib.suppress(Exception), temporary_settings({PREFECT_API_URL: info.prefect_api_url}), \
+            get_client(sync_client=True) as client:
+        return [f"{run.name} ({run.id})" for run in _running_flow_runs(client)]
+    return []
+
+
 # --------------------------------------------------------------------------------------------------
 # Public API
 
@@ -935,6 +1045,9 @@ def ensure_stack(settings: Settings, *, progress: Progress | None = None, notice
         def reuse(name: str, check: Callable[[dict[str, Any]], bool], stale: bool = False) -> bool:
             rec = recs.get(name)
             if external[name] or _live_process(rec) is None:
+                if not external[name] and _orphans(rec):  # they hold its port: the new one takes it again
+                    say(f"{name}: recorded server (pid {rec['pid']}) died; stopping what it left running")
+                    _stop_record(rec)
                 return False
             if stale:
                 say(f"{name}: recorded server (pid {rec['pid']}) is out of date; restarting it")
@@ -1063,6 +1176,11 @@ def ensure_stack(settings: Settings, *, progress: Progress | None = None, notice
                 ensure_work_pools(prefect_api)
                 ensure_zombie_automation(prefect_api, settings.crash_after_s)
                 state["result_block"] = fingerprint
+            if "prefect" in started:
+                crashed = crash_silent_runs(prefect_api, settings.crash_after_s)
+                if crashed:
+                    tell(f"prefect: marked Crashed {len(crashed)} flow run(s) whose heartbeats stopped while the "
+                         f"server was down: {', '.join(crashed)}")
 
             save()
         except BaseException:
@@ -1214,6 +1332,12 @@ def _endpoint(url: str) -> tuple[str, str, int | None, str]:
     if host in ("localhost", "127.0.0.1", "::1"):
         host = "loopback"
     return u.scheme, host, u.port or {"http": 80, "https": 443}.get(u.scheme), u.path
+
+
+def same_endpoint(url: str, other: str) -> bool:
+    """Whether two URLs name one server (scheme, host and port; ``localhost``, ``127.0.0.1`` and
+    ``::1`` are one host), whatever their paths."""
+    return _endpoint(url)[:3] == _endpoint(other)[:3]
 
 
 def _check_flow_run_server(info: StackInfo) -> None:

@@ -86,14 +86,15 @@ def _ignore_interrupt(signum: int, frame: Any) -> None:
 def dask_setup(worker: Any) -> None:
     """Dask preload hook: arm the exit handler (before any task registers its own), install
     :class:`ClosingCommErrorFilter` on :data:`QUIET_ON_CLOSE_LOGGERS` and :class:`TaskFailureOneLine`,
-    and leave SIGINT to the process that owns the cluster.
+    and leave SIGINT and SIGHUP to the process that owns the cluster.
 
     A terminal's Ctrl-C reaches every process of its process group, local worker processes
     included: each printed a ``KeyboardInterrupt`` traceback (two per worker, on top of the run's
     own one-line report) while the flow process was already closing the cluster (fresh-user trial).
     A worker process under a nanny is stopped by it, or when the nanny's process is gone (its stop
     queue closes), so there SIGINT is caught and dropped: a Python handler, not ``SIG_IGN``, so the
-    processes a task starts get the default again when they exec.
+    processes a task starts get the default again when they exec. So is SIGHUP, which a closed
+    terminal sends to the same process group (`paperline run` stops on it as on Ctrl-C).
     """
     import signal  # noqa: PLC0415
     import threading  # noqa: PLC0415
@@ -103,6 +104,8 @@ def dask_setup(worker: Any) -> None:
     # from the main thread (the one place signal handlers can be set)
     if getattr(worker, "nanny", None) and threading.current_thread() is threading.main_thread():
         signal.signal(signal.SIGINT, _ignore_interrupt)
+        if hasattr(signal, "SIGHUP"):  # a closed terminal's SIGHUP killed workers mid-task: the nanny
+            signal.signal(signal.SIGHUP, _ignore_interrupt)  # restarted them, with tracebacks (a trial)
     for name in QUIET_ON_CLOSE_LOGGERS:
         logging.getLogger(name).addFilter(ClosingCommErrorFilter(worker))
     logging.getLogger("distributed.worker").addFilter(TaskFailureOneLine())

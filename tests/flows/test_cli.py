@@ -548,3 +548,27 @@ def test_env_with_a_failing_configured_endpoint_says_why(tmp_path, free_port):
         assert result.exit_code != 0
         assert f"not reachable: mlflow at {uri} (configured endpoint): GET /health failed: {cause}" in text, text
         assert "check PAPERLINE_MLFLOW_TRACKING_URI" in text, text
+
+
+def test_a_prefect_server_gone_during_a_run_is_named():
+    """A Prefect server killed (or `paperline down`) under a run ended it, minutes later, with
+    `error: ConnectError: [Errno 111] Connection refused` (a trial): the error now names Prefect
+    and what to do; a connection error to another server is left as it was."""
+    import types
+
+    import httpx
+
+    from paperline.flows.cli import _prefect_gone
+    from paperline.infra.errors import ServiceError
+
+    info = types.SimpleNamespace(prefect_api_url="http://127.0.0.1:4200/api", prefect_ui_url="http://127.0.0.1:4200")
+    refused = httpx.ConnectError("[Errno 111] Connection refused",
+                                 request=httpx.Request("POST", "http://localhost:4200/api/flow_runs/x/set_state"))
+    error = _prefect_gone(refused, info)
+    assert isinstance(error, ServiceError)
+    assert str(error).startswith("prefect is not available at http://127.0.0.1:4200: the server stopped answering "
+                                 "during the run (ConnectError: [Errno 111] Connection refused)")
+    assert "`paperline up` restarts it" in str(error)
+    elsewhere = httpx.ConnectError("refused", request=httpx.Request("GET", "http://127.0.0.1:5000/health"))
+    assert _prefect_gone(elsewhere, info) is None
+    assert _prefect_gone(ValueError("x"), info) is None

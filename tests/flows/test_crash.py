@@ -123,3 +123,49 @@ def _mlflow_runs(tracker, flow_run_id) -> list:
         return []
     return tracker.client.search_runs([experiment.experiment_id],
                                       filter_string=f"tags.`prefect.flow_run_id` = '{flow_run_id}'")
+
+
+def test_a_run_whose_heartbeats_stopped_while_the_server_was_down_is_crashed_at_up(stack):
+    """A run whose Prefect server was killed (or stopped by `paperline down`) under it stayed
+    Running after the next `paperline up`, for good: the server drops a heartbeat window that
+    expired while it was down (a trial). `up` restarting the server marks such runs Crashed; a run
+    that heartbeats still, or never did, is left alone; `down` names the Running runs first."""
+    import datetime
+    import uuid
+
+    from prefect import flow
+    from prefect.client.orchestration import get_client
+    from prefect.events import Event
+    from prefect.states import Cancelled, Running
+
+    from paperline.infra.stack import crash_silent_runs, running_flow_runs
+
+    _, info = stack
+
+    @flow(name="heartbeat-probe")
+    def probe() -> None:
+        pass
+
+    def heartbeat(run_id) -> dict:
+        return Event(event="prefect.flow-run.heartbeat", resource={"prefect.resource.id": f"prefect.flow-run.{run_id}"},
+                     occurred=datetime.datetime.now(datetime.timezone.utc), id=uuid.uuid4()).model_dump(mode="json")
+
+    with get_client(sync_client=True) as client:
+        silent, quiet = (client.create_flow_run(probe, state=Running()) for _ in range(2))  # quiet: no heartbeat
+        client._client.post("/events", json=[heartbeat(silent.id)]).raise_for_status()
+        deadline = time.time() + 60
+        while not _heartbeats(client, silent.id):  # the server persists events asynchronously
+            assert time.time() < deadline
+            time.sleep(0.5)
+        try:
+            assert f"{silent.name} ({silent.id})" in running_flow_runs(info)
+            assert f"{silent.name} ({silent.id})" not in crash_silent_runs(info.prefect_api_url, within_s=600)  # recent
+            time.sleep(1.5)
+            crashed = crash_silent_runs(info.prefect_api_url, within_s=1)  # (and any run of this worker's left dead)
+            assert f"{silent.name} ({silent.id})" in crashed and str(quiet.id) not in " ".join(crashed)
+            state = client.read_flow_run(silent.id).state
+            assert state.name == "Crashed" and "No heartbeat since" in state.message
+            assert client.read_flow_run(quiet.id).state.name == "Running"
+        finally:
+            for run in (silent, quiet):
+                client.set_flow_run_state(run.id, Cancelled(), force=True)

@@ -146,9 +146,11 @@ def test_s3_inputs_are_checked_before_the_flow_run(stack, cli_env):
         assert "flow run" not in out.lower() and out.count(message) == 1, out
 
 
-def test_ctrl_c_says_what_running_the_command_again_does(stack, cli_env, long_gemm, tmp_path):
+@pytest.mark.parametrize("signame", ["SIGINT", "SIGHUP"])
+def test_ctrl_c_says_what_running_the_command_again_does(stack, cli_env, long_gemm, tmp_path, signame):
     """Ctrl-C on `paperline run` left only Prefect's "Crash detected!" line (a trial): it now says
-    what the same command does next, and exits 130 without a traceback."""
+    what the same command does next, and exits 130 without a traceback. A closed terminal (SIGHUP)
+    killed it at once, its runs left Running: it stops the same way."""
     import os
     import signal
     import time
@@ -164,7 +166,7 @@ def test_ctrl_c_says_what_running_the_command_again_does(stack, cli_env, long_ge
         assert proc.poll() is None and time.time() < deadline, log.read_text()[-3000:]
         time.sleep(0.5)
     time.sleep(1)
-    os.killpg(proc.pid, signal.SIGINT)  # what a terminal's Ctrl-C sends
+    os.killpg(proc.pid, getattr(signal, signame))  # what a terminal's Ctrl-C (or its closing) sends
     assert proc.wait(timeout=120) == 130, log.read_text()[-3000:]
     text = log.read_text()
     assert "interrupted: the same command runs the multiply again (staged random operands are reused)" in text, text

@@ -38,14 +38,18 @@ def test_second_stack_on_taken_ports_stops_completely(settings_factory, tmp_path
         _, first = stack
         assert {s.url for s in info.services}.isdisjoint({s.url for s in first.services})
 
-        # A dead server is restarted; the live ones are reused.
+        # A dead server is restarted; the live ones are reused. Killed alone, MLflow's server left
+        # its uvicorn child serving its port: `up` started a second MLflow on another port (and
+        # `down` left the first running: a trial); what it left is stopped and the port reused
         mlflow = info.service("mlflow")
-        for p in [psutil.Process(mlflow.pid), *psutil.Process(mlflow.pid).children(recursive=True)]:
-            p.kill()
+        children = psutil.Process(mlflow.pid).children(recursive=True)
+        assert children
+        psutil.Process(mlflow.pid).kill()
         psutil.wait_procs([psutil.Process(mlflow.pid)], timeout=10)
         assert [s.healthy for s in stack_status(settings)] == [True, True, False]
         info = ensure_stack(settings)
-        assert info.service("mlflow").pid != mlflow.pid
+        assert info.service("mlflow").pid != mlflow.pid and info.service("mlflow").url == mlflow.url
+        assert [c.pid for c in children if not _gone(c.pid)] == []
         assert [s.healthy for s in stack_status(settings)] == [True, True, True]
 
         # `down` then `up` with the preferred ports still taken: the same URLs again (links printed
@@ -61,6 +65,7 @@ def test_second_stack_on_taken_ports_stops_completely(settings_factory, tmp_path
             procs += [p, *p.children(recursive=True)]
         pids = [p.pid for p in procs]
         assert len(pids) >= 3
+        psutil.Process(info.service("mlflow").pid).kill()  # `down` stops what a dead server left too
     finally:
         stopped = stop_stack(settings)
         for s in blockers:

@@ -73,3 +73,22 @@ def test_the_cli_turns_prefects_client_usage_data_off_unless_told(tmp_path):
                           check=True).stdout.strip() == "1"
     assert subprocess.run([sys.executable, "-c", code], env={**env, "DO_NOT_TRACK": "0"}, capture_output=True,
                           text=True, check=True).stdout.strip() == "0"
+
+
+def test_a_stack_prefers_its_last_ports_to_the_defaults_and_a_set_port_to_both(monkeypatch, tmp_path):
+    """Two stacks stopped and started again in the other order swapped ports (the defaults came
+    before each one's last ports), and one stack's MLflow links opened the other's Prefect UI (a
+    trial); a port the user sets still comes first."""
+    from paperline.infra.stack import _pick_port, _preferred_ports
+
+    monkeypatch.chdir(tmp_path)
+    for name in ("S3", "PREFECT", "MLFLOW"):
+        monkeypatch.delenv(f"PAPERLINE_{name}_PORT", raising=False)
+    default = Settings(state_dir=tmp_path)
+    assert _preferred_ports(default, "prefect", 41811) == (41811, 4200)
+    assert _preferred_ports(default, "mlflow", None) == (None, 5000)
+    monkeypatch.setenv("PAPERLINE_PREFECT_PORT", "4300")
+    assert _preferred_ports(Settings(state_dir=tmp_path), "prefect", 41811) == (4300, 41811)
+    # the order is what _pick_port takes: the first free port of it
+    free = _pick_port("127.0.0.1", None, set())
+    assert _pick_port("127.0.0.1", _preferred_ports(default, "s3", free), set()) == free
