@@ -348,10 +348,23 @@ def run(pipeline: Optional[str] = typer.Argument(None, metavar="PIPELINE", help=
     preset = _one_preset(preset)
     if summary_json is not None:
         _check_summary_path(summary_json)
-    with _early_cluster(pipeline in pipeline_names()) as early:
+    with _said_if_interrupted(), _early_cluster(pipeline in pipeline_names()) as early:
         spec = get_pipeline(pipeline)
         params = build_parameters(spec, preset, set_ or [])
         _run_one(spec, params, summary_json, early)
+
+
+@contextlib.contextmanager
+def _said_if_interrupted() -> Iterator[None]:
+    """A Ctrl-C before the flow run started (the cluster starting, the stack checked) ended the
+    command with exit status 130 and not a word (a trial); :func:`_run_one` says what the same
+    command does next once the run has started."""
+    try:
+        yield
+    except KeyboardInterrupt:
+        if not _state.get("interrupt_said"):
+            _say("interrupted before the flow run started: nothing ran (the same command starts it)")
+        raise
 
 
 def _named(pipeline: str | None, command: str) -> str:
@@ -372,7 +385,8 @@ def _one_preset(given: list[str] | None) -> str:
     if not given:
         return "demo"
     if len(given) > 1:
-        raise InputError("--preset", given[-1], f"given {len(given)} times ({', '.join(map(repr, given))}); "
+        times = "twice" if len(given) == 2 else f"{len(given)} times"  # as a repeated --set says it
+        raise InputError("--preset", given[-1], f"given {times} ({', '.join(map(repr, given))}); "
                                                 "give it once")
     return given[0]
 
@@ -521,6 +535,7 @@ def _run_one(spec, params, summary_json: Path | None, early=None) -> dict[str, A
             summary = flow(params)
     except KeyboardInterrupt:  # Prefect's "Crash detected!" line alone said nothing of what a re-run does
         _say(f"interrupted: {_again(spec.name, params)}")
+        _state["interrupt_said"] = True
         raise
     except Exception as exc:
         gone = _prefect_gone(exc, info)
@@ -631,7 +646,7 @@ def demo() -> None:
     from paperline.flows.pipelines import build_parameters, get_pipeline, pipeline_names
 
     for name in pipeline_names():
-        with _early_cluster() as early:
+        with _said_if_interrupted(), _early_cluster() as early:
             spec = get_pipeline(name)
             _run_one(spec, build_parameters(spec, "demo", []), None, early)
 

@@ -8,9 +8,12 @@ single-threaded worker processes, one per core. Local clusters bind loopback onl
 
 from __future__ import annotations
 
+import contextlib
 import os
+import signal
 import threading
 import uuid
+from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
 from paperline.infra.device import resolve_device
@@ -51,6 +54,33 @@ def configure_local_workers() -> None:
 WORKER_PRELOAD = ["prefect.task_engine", "paperline.tasks", "paperline.infra.worker_exit"]
 
 
+STOP_SIGNALS = ("SIGINT", "SIGHUP")  # a terminal's Ctrl-C, and its closing
+
+
+@contextlib.contextmanager
+def stop_signals_blocked() -> Iterator[None]:
+    """Block SIGINT and SIGHUP in the calling thread while a local cluster starts.
+
+    A terminal sends them to every process of its process group, worker processes included: a
+    Ctrl-C in the seconds a worker was still importing or registering printed two tracebacks per
+    worker (``CancelledError``, then ``AssertionError: Queue ... not closed``; two user trials).
+    The thread that starts the cluster, and the event-loop thread it creates, spawn the worker
+    processes; a blocked signal mask is inherited through fork and exec, so a worker receives
+    neither signal until its preload (``infra/worker_exit.py``) has installed its handlers and
+    unblocked them. In this process they stay pending while blocked and arrive when the calling
+    thread unblocks them: a Ctrl-C is delayed by the cluster's start, never lost.
+    """
+    if not hasattr(signal, "pthread_sigmask"):  # pragma: no cover - not POSIX
+        yield
+        return
+    wanted = {getattr(signal, name) for name in STOP_SIGNALS if hasattr(signal, name)}
+    old = signal.pthread_sigmask(signal.SIG_BLOCK, wanted)
+    try:
+        yield
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, old)
+
+
 def start_local_cluster(cluster_class: str, **kwargs: Any) -> Any:
     """Start ``cluster_class`` (a dotted path: ``distributed.LocalCluster`` or
     ``dask_cuda.LocalCUDACluster``) with ``kwargs``, leaving this process's environment as it was.
@@ -71,7 +101,8 @@ def start_local_cluster(cluster_class: str, **kwargs: Any) -> Any:
     before = {k: os.environ.get(k) for k in keys}
     module, _, name = cluster_class.rpartition(".")
     try:
-        return getattr(importlib.import_module(module), name)(**kwargs)
+        with stop_signals_blocked():
+            return getattr(importlib.import_module(module), name)(**kwargs)
     finally:
         for k, v in before.items():
             if v is None:

@@ -106,6 +106,11 @@ def dask_setup(worker: Any) -> None:
         signal.signal(signal.SIGINT, _ignore_interrupt)
         if hasattr(signal, "SIGHUP"):  # a closed terminal's SIGHUP killed workers mid-task: the nanny
             signal.signal(signal.SIGHUP, _ignore_interrupt)  # restarted them, with tracebacks (a trial)
+    if threading.current_thread() is threading.main_thread() and hasattr(signal, "pthread_sigmask"):
+        # spawned with them blocked (infra.cluster.stop_signals_blocked), so that a Ctrl-C while
+        # the worker was still starting did not end it with tracebacks: delivered from here on
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, {getattr(signal, n) for n in ("SIGINT", "SIGHUP")
+                                                    if hasattr(signal, n)})
     for name in QUIET_ON_CLOSE_LOGGERS:
         logging.getLogger(name).addFilter(ClosingCommErrorFilter(worker))
     logging.getLogger("distributed.worker").addFilter(TaskFailureOneLine())

@@ -103,10 +103,10 @@ def test_unknown_pipeline_and_preset():
 def test_a_preset_given_twice_is_refused(tmp_path):
     """The last --preset silently won (a fresh-user trial ran the demo for `--preset default
     --preset demo`); a repeated --set was already refused."""
-    assert_refused_before_anything_starts("gemm", [([], ["--preset='demo': given 2 times ('default', 'demo'); "
+    assert_refused_before_anything_starts("gemm", [([], ["--preset='demo': given twice ('default', 'demo'); "
                                                          "give it once"])], tmp_path, preset=["default", "demo"])
     assert_one_line_error(run_cli("params", "gemm", "--preset", "full", "--preset", "demo"),
-                          "--preset='demo': given 2 times ('full', 'demo'); give it once")
+                          "--preset='demo': given twice ('full', 'demo'); give it once")
 
 
 def test_bad_user_data(parquet):

@@ -146,11 +146,13 @@ def test_s3_inputs_are_checked_before_the_flow_run(stack, cli_env):
         assert "flow run" not in out.lower() and out.count(message) == 1, out
 
 
-@pytest.mark.parametrize("signame", ["SIGINT", "SIGHUP"])
-def test_ctrl_c_says_what_running_the_command_again_does(stack, cli_env, long_gemm, tmp_path, signame):
+@pytest.mark.parametrize("signame, when", [("SIGINT", "multiply"), ("SIGHUP", "multiply"), ("SIGINT", "start")])
+def test_ctrl_c_says_what_running_the_command_again_does(stack, cli_env, long_gemm, tmp_path, signame, when):
     """Ctrl-C on `paperline run` left only Prefect's "Crash detected!" line (a trial): it now says
     what the same command does next, and exits 130 without a traceback. A closed terminal (SIGHUP)
-    killed it at once, its runs left Running: it stops the same way."""
+    killed it at once, its runs left Running: it stops the same way. A Ctrl-C while the local
+    cluster's workers were still starting printed two tracebacks per worker, and no word of
+    what happened (two trials)."""
     import os
     import signal
     import time
@@ -162,12 +164,33 @@ def test_ctrl_c_says_what_running_the_command_again_does(stack, cli_env, long_ge
                                 stdout=out, stderr=subprocess.STDOUT, start_new_session=True,
                                 preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     deadline = time.time() + 180
-    while cluster_up not in log.read_text():  # stopped during the multiply, not while workers spawn
+    if when == "start":  # as soon as a worker process is starting (importing, registering)
+        while not _spawned_workers(proc.pid):
+            assert proc.poll() is None and time.time() < deadline, log.read_text()[-3000:]
+            time.sleep(0.05)
+        time.sleep(0.3)
+    while when == "multiply" and cluster_up not in log.read_text():  # stopped during the multiply
         assert proc.poll() is None and time.time() < deadline, log.read_text()[-3000:]
         time.sleep(0.5)
-    time.sleep(1)
+    time.sleep(1 if when == "multiply" else 0)
     os.killpg(proc.pid, getattr(signal, signame))  # what a terminal's Ctrl-C (or its closing) sends
     assert proc.wait(timeout=120) == 130, log.read_text()[-3000:]
     text = log.read_text()
-    assert "interrupted: the same command runs the multiply again (staged random operands are reused)" in text, text
+    again = "interrupted: the same command runs the multiply again (staged random operands are reused)"
+    assert again in text or (when == "start" and "interrupted before the flow run started: nothing ran" in text), text
     assert "Traceback" not in text, text[-3000:]
+
+
+def _spawned_workers(pid: int) -> list:
+    """The Dask worker processes (multiprocessing spawn children, not its resource tracker) below ``pid``."""
+    import psutil
+
+    found = []
+    for child in psutil.Process(pid).children(recursive=True):
+        try:
+            cmdline = " ".join(child.cmdline())
+        except psutil.Error:
+            continue
+        if "spawn_main" in cmdline:
+            found.append(child)
+    return found
