@@ -22,6 +22,8 @@ from paperline.infra.errors import ServiceError, redact_url
 _FALLBACK_LIMITS = {"MAX_METRICS_PER_BATCH": 1000, "MAX_PARAMS_TAGS_PER_BATCH": 100,  # mlflow 3.17's values
                     "MAX_PARAM_VAL_LENGTH": 6000, "MAX_TAG_VAL_LENGTH": 8000}
 
+STATUS_HINT = "`paperline status` shows what is down"  # the server was killed mid-run: where to look
+
 
 @functools.cache
 def _limit(name: str) -> int:
@@ -120,9 +122,9 @@ class Tracker:
         try:
             resp = httpx.get(f"{self.tracking_uri}/health", timeout=5.0)
         except httpx.HTTPError as exc:
-            raise ServiceError("mlflow", f"GET /health failed: {exc}", url=self.tracking_uri) from exc
+            raise ServiceError("mlflow", f"GET /health failed: {exc}; {STATUS_HINT}", url=self.tracking_uri) from exc
         if resp.status_code != 200:
-            raise ServiceError("mlflow", f"GET /health returned {resp.status_code}", url=self.tracking_uri)
+            raise ServiceError("mlflow", f"GET /health returned {resp.status_code}; {STATUS_HINT}", url=self.tracking_uri)
 
     def _call(self, what: str, fn: Any, *args: Any, **kwargs: Any) -> Any:
         """Call the client, turning connection failures into ServiceError."""
@@ -133,7 +135,8 @@ class Tracker:
         except Exception as exc:
             text = f"{type(exc).__name__}: {exc}"
             if isinstance(exc, (ConnectionError, TimeoutError)) or any(h in text for h in _CONNECTION_HINTS):
-                raise ServiceError("mlflow", f"{what}: {text[:300]}", url=self.tracking_uri) from exc
+                # killed mid-run, it ended the run with this alone (a trial): say where to look
+                raise ServiceError("mlflow", f"{what}: {text[:300]}; {STATUS_HINT}", url=self.tracking_uri) from exc
             raise
 
     def _experiment_id(self, name: str) -> str:

@@ -234,7 +234,7 @@ def test_dead_endpoints_raise_service_errors(free_port):
     store = ObjectStore(f"http://127.0.0.1:{port}", "k", "s", "us-east-1")
     with pytest.raises(ServiceError, match="s3 is not available"):
         store.get_bytes("s3://bucket/key")
-    with pytest.raises(ServiceError, match="mlflow is not available"):
+    with pytest.raises(ServiceError, match="mlflow is not available.*; `paperline status` shows what is down"):
         Tracker(f"http://127.0.0.1:{port}").start_run("x", run_name="y")
 
 
