@@ -266,6 +266,13 @@ def upload(path: Path = typer.Argument(..., metavar="PATH", help="Local file or 
         targets = [(f, uri.rstrip("/") + "/" + f.relative_to(path).as_posix()) for f in files]
     else:
         targets = [(path, uri.rstrip("/") + "/" + path.name if prefix else uri)]
+    for _, target in targets:  # S3's own refusal was a raw S3UploadFailedError (a trial)
+        key = split_uri(target)[1]
+        if {".", ".."} & set(key.split("/")):
+            raise InputError("uri", target, "a key with . or .. segments (S3 keeps them as they are; most clients "
+                                            "and the console cannot reach such objects)")
+        if len(key.encode()) > 1024:
+            raise InputError("uri", target[:80] + "...", f"a key of {len(key.encode())} bytes: S3 takes at most 1024")
     store = ObjectStore.from_stack(_ensure_stack())
     store.require_bucket("uri", uri)
     for source, target in targets:

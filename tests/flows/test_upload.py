@@ -39,7 +39,11 @@ def test_upload_puts_the_file_at_the_uri_and_refuses_bad_input(stack_cli, stack,
                               "with no files (symbolic links are not followed)"),
                              ([str(path), f"s3://{info.data_bucket}//x/"], "uri=", "expected s3://bucket/key"),
                              ([str(path), "/tmp/B.npy"], "uri='/tmp/B.npy'", "expected s3://bucket/key"),
-                             ([str(path), "s3://no-such-bucket-9/B.npy"], "uri=", "no such bucket 'no-such-bucket-9'")):
+                             ([str(path), "s3://no-such-bucket-9/B.npy"], "uri=", "no such bucket 'no-such-bucket-9'"),
+                             # S3's refusals were raw S3UploadFailedError tracebacks' last line (a trial)
+                             ([str(path), f"s3://{info.data_bucket}/t/../y.npy"], "uri=", "a key with . or .. segments"),
+                             ([str(path), f"s3://{info.data_bucket}/{'k' * 1100}.npy"], "uri=",
+                              "a key of 1104 bytes: S3 takes at most 1024")):
         res = stack_cli("upload", *args)
         text = " ".join(res.output.split())
         assert res.exit_code == 1 and "error:" in text and all(f in text for f in fragments), text
