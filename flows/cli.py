@@ -108,15 +108,14 @@ def _settings():
 
 def _ensure_stack(say_reused: bool = False):
     """The stack, started where needed (saying so); ``say_reused``: also say when it was all running."""
-    from paperline.infra.stack import activate, ensure_stack, load_stack_info
+    from paperline.infra.stack import activate, ensure_stack
 
     settings = _settings()
-    before = load_stack_info(settings)
-    pids_before = {s.pid for s in before.services} if before else set()
     with console.status("starting the local stack (S3, Prefect, MLflow)...") as status:
         info = ensure_stack(settings, progress=lambda msg: status.update(msg),
                             notice=lambda msg: console.print(msg, highlight=False, soft_wrap=True))
-    started = [s for s in info.services if s.managed and s.pid not in pids_before]
+    # what this call started (under the stack's lock): two `up`s at once both said they started it
+    started = [s for s in info.services if s.name in info.started]
     if started:
         console.print(f"started the local stack in {settings.state_dir} (stop it with `paperline down`): "
                       + ", ".join(f"{s.name} {s.url}" for s in started), soft_wrap=True)

@@ -93,6 +93,8 @@ class StackInfo:
         mlflow_tracking_uri: MLflow tracking URI.
         services: The three services.
         results_bucket / artifacts_bucket / data_bucket: Bucket names.
+        started: The services :func:`ensure_stack` started for this info (none when it reused them
+            all, or for one read from ``stack.json``).
     """
 
     s3_endpoint_url: str | None
@@ -106,6 +108,7 @@ class StackInfo:
     results_bucket: str
     artifacts_bucket: str
     data_bucket: str
+    started: tuple[str, ...] = ()
 
     @property
     def result_storage_block(self) -> str:
@@ -1196,7 +1199,9 @@ def ensure_stack(settings: Settings, *, progress: Progress | None = None, notice
         else:
             rec = recs[name]
             services.append(Service(name, rec["url"], managed=True, pid=rec["pid"], log_path=rec["log_path"], healthy=True))
-    return _make_info(settings, urls, services, key, secret)
+    info = _make_info(settings, urls, services, key, secret)
+    info.started = tuple(started)
+    return info
 
 
 def _drain_prefect_clients(timeout_s: float = 10.0) -> None:

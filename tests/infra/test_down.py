@@ -31,6 +31,8 @@ def test_second_stack_on_taken_ports_stops_completely(settings_factory, tmp_path
         blockers.append(s)
     try:
         info = ensure_stack(settings)
+        # what this call started, under the stack's lock (two `up`s at once both said "started")
+        assert info.started == ("s3", "prefect", "mlflow") and ensure_stack(settings).started == ()
         assert urlparse(info.s3_endpoint_url).port not in (None, settings.s3_port)
         assert urlparse(info.prefect_api_url).port not in (None, settings.prefect_port)
         assert urlparse(info.mlflow_tracking_uri).port == settings.mlflow_port
@@ -48,6 +50,7 @@ def test_second_stack_on_taken_ports_stops_completely(settings_factory, tmp_path
         psutil.wait_procs([psutil.Process(mlflow.pid)], timeout=10)
         assert [s.healthy for s in stack_status(settings)] == [True, True, False]
         info = ensure_stack(settings)
+        assert info.started == ("mlflow",)
         assert info.service("mlflow").pid != mlflow.pid and info.service("mlflow").url == mlflow.url
         assert [c.pid for c in children if not _gone(c.pid)] == []
         assert [s.healthy for s in stack_status(settings)] == [True, True, True]
