@@ -412,20 +412,6 @@ def _check_summary_path(path: Path) -> None:
     require_writable_dir("--summary-json", str(path), existing)
 
 
-_DASK_LOGGERS = ("distributed", "distributed.scheduler", "distributed.core", "distributed.nanny",
-                 "distributed.worker", "distributed.http.proxy")
-
-
-def _quiet_dask() -> None:
-    """Dask's loggers at WARNING, here and (through the environment) in worker processes."""
-    import logging
-    import os
-
-    os.environ.setdefault("DASK_LOGGING__DISTRIBUTED", "warning")  # inherited by worker processes
-    for name in _DASK_LOGGERS:
-        logging.getLogger(name).setLevel(logging.WARNING)
-
-
 @contextlib.contextmanager
 def _early_cluster(wanted: bool = True) -> Iterator[Any]:
     """The run's local Dask cluster, started now on a background thread (``BackgroundCluster``,
@@ -441,7 +427,7 @@ def _early_cluster(wanted: bool = True) -> Iterator[Any]:
         ``(cluster, (prefect_api_url, mlflow_tracking_uri))`` or None.
     """
     from paperline.infra import interrupts
-    from paperline.infra.cluster import BackgroundCluster
+    from paperline.infra.cluster import BackgroundCluster, quiet_dask_logs
     from paperline.infra.stack import activate, running_local_stack
 
     interrupts.install()  # a Ctrl-C landing in a finalizer or a gc callback (a scheduler runs here) was lost
@@ -450,7 +436,7 @@ def _early_cluster(wanted: bool = True) -> Iterator[Any]:
     info = running_local_stack(settings) if wanted and not settings.dask_scheduler_address else None
     early = None
     if info is not None:
-        _quiet_dask()
+        quiet_dask_logs()
         activate(info)
         with contextlib.suppress(Exception):  # e.g. device=cuda without a GPU: _run_one reports it in full
             early = BackgroundCluster(settings), (info.prefect_api_url, info.mlflow_tracking_uri)
@@ -469,10 +455,11 @@ def _quiet_logs() -> None:
 
     from prefect.logging.configuration import setup_logging
 
+    from paperline.infra.cluster import quiet_dask_logs
     from paperline.infra.regression import not_in_summary
 
     setup_logging()  # idempotent; Prefect's console handler sits on the root logger
-    _quiet_dask()  # after Prefect's setup: it lists `distributed` among its extra loggers, at INFO
+    quiet_dask_logs()  # after Prefect's setup: it lists `distributed` among its extra loggers, at INFO
     for handler in logging.getLogger().handlers:  # the same function objects: added once
         handler.addFilter(not_in_summary)
         if not _state["debug"]:
@@ -898,13 +885,17 @@ def main() -> None:
     _exit(code)
 
 
+EXIT_HOOKS_S = 15.0  # the most the exit hooks (Prefect's drains to its server) may take
+
+
 def _exit(code: Any) -> None:
     """Exit the way the interpreter does (join non-daemon threads, run the ``atexit`` hooks:
     Prefect's log and event drains, logging's flush), then ``os._exit``, skipping the teardown
     of every module's objects that follows: after a pipeline run (Prefect, MLflow, pydantic,
     Dask and the pipeline's numerics loaded) that teardown alone took 0.9 s on this 2-core machine,
     7% of a cached ``paperline run tensor-factorization``. After the Prefect server went away
-    during the run (:func:`_prefect_gone`) the hooks are skipped: their drains retried it for 100 s.
+    during the run (:func:`_prefect_gone`) the hooks are skipped: their drains retried it for 100 s;
+    otherwise they get :data:`EXIT_HOOKS_S` seconds.
 
     Args:
         code: ``SystemExit.code``: None (0), an int, or a message (printed to stderr; exit 1).
@@ -920,7 +911,14 @@ def _exit(code: Any) -> None:
         code = 1
     if not _state.get("prefect_gone"):  # else their drains retried the dead server for 100 s more
         threading._shutdown()  # what Py_Finalize does first: joins non-daemon threads, executor exits
-        atexit._run_exitfuncs()
+        # the hooks on a thread, waited for EXIT_HOOKS_S at most: with the stack stopped as a run
+        # finished, its results printed, Prefect's drains retried the dead server for 72 s (a trial)
+        hooks = threading.Thread(target=atexit._run_exitfuncs, name="paperline-exit-hooks", daemon=True)
+        hooks.start()
+        hooks.join(EXIT_HOOKS_S)
+        if hooks.is_alive():
+            print(f"paperline: exiting without Prefect's last logs and events: its server did not take them within "
+                  f"{EXIT_HOOKS_S:.0f} s (`paperline status` shows what is down)", file=sys.stderr)
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(code)

@@ -54,6 +54,21 @@ def configure_local_workers() -> None:
 WORKER_PRELOAD = ["prefect.task_engine", "paperline.tasks", "paperline.infra.worker_exit"]
 
 
+DASK_LOGGERS = ("distributed", "distributed.scheduler", "distributed.core", "distributed.nanny",
+                "distributed.worker", "distributed.http.proxy")
+
+
+def quiet_dask_logs() -> None:
+    """Dask's loggers at WARNING, here and (through the environment, unless set) in the worker
+    processes started later: a local cluster's start and close are 90 lines of INFO otherwise
+    (nanny, preload, scheduler), for a 512-cube GEMM called from Python (a trial)."""
+    import logging  # noqa: PLC0415
+
+    os.environ.setdefault("DASK_LOGGING__DISTRIBUTED", "warning")  # inherited by worker processes
+    for name in DASK_LOGGERS:
+        logging.getLogger(name).setLevel(logging.WARNING)
+
+
 STOP_SIGNALS = ("SIGINT", "SIGHUP")  # a terminal's Ctrl-C, and its closing
 
 

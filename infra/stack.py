@@ -1325,7 +1325,8 @@ def require_stack(settings: Settings) -> tuple[StackInfo, Any]:
 
     info = load_stack_info(settings)
     if info is None:
-        raise ServiceError("stack", "no running stack or configured endpoints; run `paperline up` first")
+        raise ServiceError("stack", f"no running stack in {settings.state_dir} (PAPERLINE_STATE_DIR) and no configured "
+                                    "endpoints; run `paperline up` first")
     _check_flow_run_server(info)
     return info, ObjectStore.from_stack(info)
 
@@ -1407,14 +1408,54 @@ def connect(settings: Settings | None = None, *, start: bool = True, progress: P
     Raises:
         ServiceError: the stack is not running and ``start`` is False, or a service failed to start
             or a configured endpoint does not answer.
+        PaperlineError: the running script has no ``if __name__ == "__main__":`` block.
     """
+    from paperline.infra.cluster import quiet_dask_logs  # noqa: PLC0415
+
+    unguarded = _unguarded_main_script()
+    if unguarded:
+        raise PaperlineError(f"{unguarded} has no `if __name__ == \"__main__\":` block: each worker process of the "
+                             "local Dask cluster imports the script again, and would connect and run its flows too "
+                             "(one call made five failed runs); put connect() and the flow calls under it")
     settings = settings or get_settings()
     if start:
         info = ensure_stack(settings, progress=progress)
+        if info.started:  # it outlives the script: say so, as `paperline run` does
+            print(f"paperline: started {', '.join(info.started)} of the local stack in {settings.state_dir} "
+                  "(it keeps running; `paperline down` stops it)", file=sys.stderr)
     else:
         info, _ = require_stack(settings)
     activate(info)
+    from prefect.logging.configuration import setup_logging  # noqa: PLC0415
+
+    setup_logging()  # idempotent; it sets `distributed` to INFO, so before quieting it
+    quiet_dask_logs()
     return info
+
+
+def _unguarded_main_script() -> str | None:
+    """The path of the running script when it is a file without a module-level
+    ``if __name__ == "__main__":`` block (None: it has one, or it is no file: ``python -c``, a
+    notebook, a REPL). Worker processes are spawned and import such a script again."""
+    import ast  # noqa: PLC0415
+
+    main = sys.modules.get("__main__")
+    path = getattr(main, "__file__", None)
+    if main is None or getattr(main, "__name__", "") != "__main__" or not path or not str(path).endswith(".py"):
+        return None
+    try:
+        tree = ast.parse(Path(path).read_text())
+    except (OSError, SyntaxError, ValueError, UnicodeDecodeError):
+        return None
+
+    def is_main_test(test: ast.expr) -> bool:
+        if not (isinstance(test, ast.Compare) and len(test.ops) == 1 and isinstance(test.ops[0], ast.Eq)):
+            return False
+        sides = [test.left, test.comparators[0]]
+        return (any(isinstance(x, ast.Name) and x.id == "__name__" for x in sides)
+                and any(isinstance(x, ast.Constant) and x.value == "__main__" for x in sides))
+
+    return None if any(isinstance(n, ast.If) and is_main_test(n.test) for n in tree.body) else str(path)
 
 
 def load_stack_info(settings: Settings) -> StackInfo | None:

@@ -572,3 +572,19 @@ def test_a_prefect_server_gone_during_a_run_is_named():
     elsewhere = httpx.ConnectError("refused", request=httpx.Request("GET", "http://127.0.0.1:5000/health"))
     assert _prefect_gone(elsewhere, info) is None
     assert _prefect_gone(ValueError("x"), info) is None
+
+
+def test_exit_hooks_that_hang_are_cut_short():
+    """With the stack stopped as a run finished, its results printed, `paperline run` sat 72 s in
+    Prefect's exit drains retrying the dead server (a trial): the hooks get EXIT_HOOKS_S."""
+    import subprocess
+    import sys
+    import time
+
+    code = ("import atexit, time; atexit.register(time.sleep, 120); from paperline.flows import cli; "
+            "cli.EXIT_HOOKS_S = 2.0; print('done', flush=True); cli._exit(0)")
+    start = time.monotonic()
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=100)
+    assert proc.returncode == 0 and proc.stdout == "done\n", proc.stdout + proc.stderr
+    assert time.monotonic() - start < 60
+    assert "exiting without Prefect's last logs and events: its server did not take them within 2 s" in proc.stderr

@@ -109,6 +109,21 @@ def test_a_flow_called_from_python_runs_on_the_stack_after_connect(stack, cli_en
         assert client.read_flow_run(url.rsplit("/", 1)[1]).state.name == "Completed"
 
 
+def test_a_script_without_a_main_guard_is_refused_by_connect(stack, cli_env, tmp_path):
+    """Each spawned Dask worker imports the script again: without the guard one gemm call made
+    five failed flow runs and 4,000 lines of tracebacks ending in "Nanny failed to start" (a
+    trial). connect() refuses such a script at once, naming the guard."""
+    script = "\n".join(line for line in SCRIPT.splitlines() if line.startswith(("from", "import"))) + "\n"
+    script += "connect(start=False)\nprint('RAN', gemm(GemmParameters(m=90, n=70, k=50, tile=32)))\n"
+    (tmp_path / "noguard.py").write_text(script)
+    env = {k: v for k, v in cli_env.items() if not k.startswith(("PREFECT_", "MLFLOW_"))}
+    proc = subprocess.run([sys.executable, "noguard.py"], cwd=tmp_path, env=env, capture_output=True, text=True,
+                          timeout=300)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 1 and "RAN" not in out and "Nanny failed" not in out, out[-3000:]
+    assert "noguard.py has no `if __name__ == \"__main__\":` block" in out and "put connect() and the flow calls under it" in out
+
+
 def test_a_flow_on_another_prefect_server_is_refused(stack):
     """The same check in a flow run on the stack, against a stack whose Prefect is elsewhere; the
     loopback names are one host (localhost for 127.0.0.1 is no mismatch)."""
