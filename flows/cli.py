@@ -60,6 +60,10 @@ os.environ.setdefault("DO_NOT_TRACK", "1")
 console = Console(width=max(140, Console().width))
 err_console = Console(stderr=True, width=max(140, Console(stderr=True).width))
 _state = {"debug": False}
+# the pipelines' names, for `run --help` and `params --help` (tests/flows/test_cli.py checks the list
+# against the registry, which is not imported here: it loads every pipeline's module)
+PIPELINE_HELP = ("Pipeline name: compressed-training, gemm, nas, tensor-factorization or video-curation "
+                 "(`paperline params PIPELINE` lists its parameters).")
 
 
 @app.callback()
@@ -129,7 +133,11 @@ def _ensure_stack(say_reused: bool = False):
 @_friendly
 def up() -> None:
     """Start the local stack (or check the configured endpoints) and print each service's URL."""
-    info = _ensure_stack(say_reused=True)
+    try:
+        info = _ensure_stack(say_reused=True)
+    except KeyboardInterrupt:  # it exited 130 without a word (a trial)
+        _say("interrupted: the servers this `up` had started are stopped again (those running before are left)")
+        raise
     _print_services(info.services)
     from paperline.infra.errors import redact_url
 
@@ -305,7 +313,7 @@ def datasets() -> None:
 
 @app.command(cls=_Command)
 @_friendly
-def params(pipeline: Optional[str] = typer.Argument(None, metavar="PIPELINE", help="Pipeline name, e.g. nas."),
+def params(pipeline: Optional[str] = typer.Argument(None, metavar="PIPELINE", help=PIPELINE_HELP),
            preset: Optional[list[str]] = typer.Option(None, "--preset", metavar="NAME",
                                                       help="Show this preset's values (default: demo).")) -> None:
     """List a pipeline's parameters (what `run --set key=value` takes): type, the preset's value,
@@ -335,7 +343,7 @@ def params(pipeline: Optional[str] = typer.Argument(None, metavar="PIPELINE", he
 
 @app.command(cls=_Command)
 @_friendly
-def run(pipeline: Optional[str] = typer.Argument(None, metavar="PIPELINE", help="Pipeline name, e.g. tensor-factorization."),
+def run(pipeline: Optional[str] = typer.Argument(None, metavar="PIPELINE", help=PIPELINE_HELP),
         preset: Optional[list[str]] = typer.Option(None, "--preset", metavar="NAME",
                                                    help="Parameter preset (default: demo, which every pipeline has; "
                                                         "see README for the others: full, default)."),

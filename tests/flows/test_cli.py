@@ -217,6 +217,10 @@ def test_help_names_what_each_argument_and_option_takes():
 
     names = sorted(typer.main.get_command(app).commands)
     assert {"compare", "run", "upload", "worker"} <= set(names)
+    from paperline.flows.pipelines import pipeline_names
+
+    text = " ".join(run_cli("run", "--help", env={"COLUMNS": "250"}).output.split())  # the names, which `run` alone listed
+    assert ", ".join(pipeline_names()[:-1]) + " or " + pipeline_names()[-1] in text
     for command in ((), *((name,) for name in names)):
         help_text = run_cli(*command, "--help").output
         assert "Usage: " in help_text, (command, help_text)
@@ -588,3 +592,17 @@ def test_exit_hooks_that_hang_are_cut_short():
     assert proc.returncode == 0 and proc.stdout == "done\n", proc.stdout + proc.stderr
     assert time.monotonic() - start < 60
     assert "exiting without Prefect's last logs and events: its server did not take them within 2 s" in proc.stderr
+
+
+def test_up_interrupted_while_starting_says_what_it_left(monkeypatch):
+    """`paperline up` stopped by Ctrl-C while its servers started exited 130 without a word (a
+    trial); ensure_stack stops what it had started (tests/infra/test_down.py), and `up` says so."""
+    from paperline.flows import cli
+
+    def interrupted(**_):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(cli, "_ensure_stack", interrupted)
+    result = run_cli("up")
+    assert result.exit_code != 0
+    assert "interrupted: the servers this `up` had started are stopped again" in " ".join(result.output.split())
