@@ -17,8 +17,8 @@ from typing import Any, Callable, Iterator, Optional
 
 import typer
 from rich.console import Console
-from typer.core import TyperArgument, TyperCommand, TyperGroup, TyperOption
 from rich.table import Table
+from typer.core import TyperArgument, TyperCommand, TyperGroup, TyperOption
 
 from paperline.infra.errors import PaperlineError
 from paperline.kernels.errors import InputError as KernelInputError
@@ -507,17 +507,12 @@ def _run_one(spec, params, summary_json: Path | None, early=None) -> dict[str, A
             the caller closes it too, in case the run never started.
     """
     from paperline.infra.cluster import describe_cluster, require_scheduler, task_runner
-    from paperline.infra.stack import FLOW_HEARTBEAT_S
 
     if hasattr(params, "validate_inputs"):
         params.validate_inputs()
     _quiet_logs()
     settings = _settings()
     require_scheduler(settings)  # before starting anything
-    # heartbeats, as the runs of `serve` and `worker` send: a run whose process is killed (or whose
-    # Prefect server went away under it) is Crashed by `paperline up`'s automation, not Running for
-    # good (a trial); read when _ensure_stack activates the stack
-    os.environ.setdefault("PREFECT_FLOWS_HEARTBEAT_FREQUENCY", str(FLOW_HEARTBEAT_S))
     info = _ensure_stack()
     if hasattr(params, "validate_on_stack"):  # checks that need the stack's services (nas: its checkpoints)
         from paperline.infra.storage import ObjectStore
@@ -668,14 +663,11 @@ def serve() -> None:
     from paperline.infra.cluster import require_scheduler
     from paperline.infra.errors import redact_url
     from paperline.infra.flow_runs import watch_flow_runs
-    from paperline.infra.stack import FLOW_HEARTBEAT_S
 
     _quiet_logs()
     require_scheduler(_settings())  # the runs served here use it
     info = _ensure_stack()
     with _serve_lock(_settings().state_dir):  # one serve per stack, for as long as this one serves
-        # runs started here heartbeat, so a killed serve process leaves them Crashed (`paperline up`'s automation)
-        os.environ.setdefault("PREFECT_FLOWS_HEARTBEAT_FREQUENCY", str(FLOW_HEARTBEAT_S))
         deployments = []
         for name in pipeline_names():
             spec = get_pipeline(name)
@@ -738,7 +730,7 @@ def worker(pool: str = typer.Option("cpu", "--pool", metavar="POOL", help="cpu o
     import paperline
     from paperline.infra.errors import InputError, redact_url
     from paperline.infra.flow_runs import watch_flow_runs
-    from paperline.infra.stack import FLOW_HEARTBEAT_S, WORK_POOLS
+    from paperline.infra.stack import WORK_POOLS
 
     if pool not in WORK_POOLS:
         raise InputError("--pool", pool, f"expected one of {', '.join(WORK_POOLS)}")
@@ -750,8 +742,7 @@ def worker(pool: str = typer.Option("cpu", "--pool", metavar="POOL", help="cpu o
                                              "start the gpu worker on a GPU machine after `make install-gpu`")
     _quiet_logs()
     info = _ensure_stack()  # also creates the work pools
-    env = dict(os.environ)  # activate() put the stack's PREFECT_API_URL / MLFLOW_TRACKING_URI here
-    env.setdefault("PREFECT_FLOWS_HEARTBEAT_FREQUENCY", str(FLOW_HEARTBEAT_S))  # see ensure_zombie_automation
+    env = dict(os.environ)  # activate() put the stack's URLs and the heartbeat frequency here
     if pool == "gpu":
         env["PAPERLINE_DEVICE"] = "cuda"
     # Deployment entrypoints are relative paths (flows/gemm.py): run from the package's directory.

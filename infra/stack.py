@@ -853,7 +853,7 @@ def ensure_work_pools(api_url: str) -> None:
         raise ServiceError("prefect", f"could not create the work pools: {exc}", url=api_url) from exc
 
 
-FLOW_HEARTBEAT_S = 30  # PREFECT_FLOWS_HEARTBEAT_FREQUENCY for the runs of `paperline serve`/`worker` (Prefect's minimum)
+FLOW_HEARTBEAT_S = 30  # PREFECT_FLOWS_HEARTBEAT_FREQUENCY that activate() sets (Prefect's minimum)
 ZOMBIE_AUTOMATION = "paperline: crash runs that stopped heartbeating"
 
 
@@ -1515,7 +1515,7 @@ def activate(info: StackInfo) -> None:
     Sets ``PREFECT_API_URL``, ``PREFECT_SERVER_ANALYTICS_ENABLED=false``,
     ``PREFECT_RESULTS_PERSIST_BY_DEFAULT=true``, ``PREFECT_RESULTS_DEFAULT_STORAGE_BLOCK`` (=
     :attr:`StackInfo.result_storage_block`), ``MLFLOW_TRACKING_URI`` and, unless set,
-    ``DO_NOT_TRACK=1``. S3 secrets are never put in the
+    ``DO_NOT_TRACK=1`` and ``PREFECT_FLOWS_HEARTBEAT_FREQUENCY`` (:data:`FLOW_HEARTBEAT_S`). S3 secrets are never put in the
     environment (the result block and the MLflow server hold them). If Prefect is already imported, its
     global settings are refreshed so the change takes effect in this process too.
     """
@@ -1529,6 +1529,9 @@ def activate(info: StackInfo) -> None:
         }
     )
     os.environ.setdefault("DO_NOT_TRACK", "1")  # Prefect's client usage data, as the local servers' analytics
+    # every flow run of this process and its children (`run`, `serve`, `worker`, a script after
+    # connect()) heartbeats: killed, it is Crashed by ensure_zombie_automation, not Running for good
+    os.environ.setdefault("PREFECT_FLOWS_HEARTBEAT_FREQUENCY", str(FLOW_HEARTBEAT_S))
     if "prefect.context" in sys.modules:
         refresh = getattr(sys.modules["prefect.context"], "refresh_global_settings_context", None)
         if refresh is not None:

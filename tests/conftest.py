@@ -311,7 +311,9 @@ def cli_env(stack) -> dict[str, str]:
     """The environment of a `paperline` subprocess on the session stack: this process's variables
     without any PAPERLINE_* of the user's, the stack's state directory, 2 Dask workers."""
     settings, _ = stack
-    env = {k: v for k, v in os.environ.items() if not k.startswith("PAPERLINE_")}
+    # not this process's heartbeat setting either: the subprocess's own activate() sets it
+    env = {k: v for k, v in os.environ.items()
+           if not k.startswith("PAPERLINE_") and k != "PREFECT_FLOWS_HEARTBEAT_FREQUENCY"}
     env.update(PAPERLINE_STATE_DIR=str(settings.state_dir), PAPERLINE_N_WORKERS="2", PYTHONUNBUFFERED="1",
                PAPERLINE_CRASH_AFTER_S=str(settings.crash_after_s))
     return env

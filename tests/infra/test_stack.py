@@ -140,6 +140,19 @@ def test_status_shows_three_healthy_loopback_services(stack):
         assert s.url.startswith("http://127.0.0.1:"), s.url
 
 
+def test_flow_runs_heartbeat_within_the_crash_window(stack):
+    """Every flow run of an activated process heartbeats every FLOW_HEARTBEAT_S seconds: Prefect's
+    default (180 s) is longer than the zombie automation's window (crash_after_s, 60-90 s), and
+    only serve's and worker's runs had it set."""
+    from prefect.settings import get_current_settings
+
+    from paperline.infra.stack import FLOW_HEARTBEAT_S
+
+    settings, _ = stack
+    assert get_current_settings().flows.heartbeat_frequency == FLOW_HEARTBEAT_S
+    assert 2 * FLOW_HEARTBEAT_S <= settings.crash_after_s
+
+
 def test_prefect_task_results_are_cached_in_s3(stack):
     from prefect import flow, task
     from prefect.cache_policies import INPUTS, TASK_SOURCE
