@@ -37,18 +37,20 @@ def as_float(value: object) -> float:
     return float(value)  # type: ignore[arg-type]
 
 
-def check_int(argument: str, value: object, low: int, high: int | None = None) -> int:
+def check_int(argument: str, value: object, low: int, high: int | None = None, *, unit: str = "") -> int:
     """``value`` as an int in ``[low, high]`` (``high`` None: no upper bound). Python and NumPy
-    integers (``numbers.Integral``) are integers; bools are not.
+    integers (``numbers.Integral``) are integers; bools are not. ``unit``, e.g. ``"bytes, e.g.
+    1 << 30"``, ends the message in parentheses.
 
     Raises:
         InputError: not an integer, or out of range.
     """
+    unit = f" ({unit})" if unit else ""
     if isinstance(value, bool) or not isinstance(value, numbers.Integral):
-        raise InputError(argument, value, "must be an integer")
+        raise InputError(argument, value, f"must be an integer{unit}")
     if value < low or (high is not None and value > high):
         span = f"in [{low}, {high}]" if high is not None else f">= {low}"
-        raise InputError(argument, value, f"must be {span}")
+        raise InputError(argument, value, f"must be {span}{unit}")
     return int(value)
 
 

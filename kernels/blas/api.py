@@ -3,8 +3,7 @@
 Each takes the arguments of its scipy counterpart (``trans_a``/``trans_b``/``side``/``uplo``/``diag``
 as BLAS letters) plus ``tile``, ``runtime``, ``memory_budget`` and ``check_finite``; operands
 may be arrays, ``.npy`` paths or tile sources. They raise
-:class:`~paperline.kernels.errors.InputError` on bad input (see :func:`.plan.make_problem` and
-:func:`.runtime.run`).
+:class:`~paperline.kernels.errors.InputError` on bad input (below, "Errors").
 
 Semantics are the reference BLAS ones, as ``scipy.linalg.blas.{s,d}gemm`` etc. document them, with
 the result returned rather than written over an operand: ``op(X)`` is ``X`` for ``"N"`` and ``X^T``
@@ -28,18 +27,25 @@ Common arguments of every function here:
   ``1 << 30``; at least the working set of one tile task (6 tiles of ``tile`` x ``tile`` entries).
   Operands larger than it are streamed (out of core).
 - ``check_finite``: True or False; True refuses NaN/inf in the operand tiles read.
+
+Errors: every function raises :class:`~paperline.kernels.errors.InputError`, naming the argument
+and the value seen, for bad operands (not a 2-D float32/float64 matrix, a masked array, an empty
+matrix, mixed dtypes, shapes that do not conform, an operand or flag the routine does not read), a
+bad flag, a non-finite or non-numeric ``alpha``/``beta``, ``tile`` below 1, ``memory_budget`` not
+an int or below one task's working set, a ``runtime`` of another type, a non-bool
+``check_finite``, or a NaN/inf entry read with ``check_finite`` on (the error names the operand
+and the entry).
 """
 
 from __future__ import annotations
 
-import numbers
 from typing import Any
 
 import numpy as np
 
 from paperline.kernels.blas.plan import make_problem
 from paperline.kernels.blas.runtime import DaskRuntime, LocalRuntime, run
-from paperline.kernels.errors import InputError
+from paperline.kernels.errors import InputError, check_int
 
 __all__ = ["gemm", "symm", "syrk", "syr2k", "trmm", "trsm"]
 
@@ -49,15 +55,12 @@ def _check_call(runtime: Any, memory_budget: Any, check_finite: Any) -> tuple[An
     if runtime is not None and not isinstance(runtime, (LocalRuntime, DaskRuntime)):
         raise InputError("runtime", runtime if isinstance(runtime, str) else type(runtime).__name__,
                          "expected None (a LocalRuntime on the CPU), a LocalRuntime or a DaskRuntime")
-    if isinstance(memory_budget, (bool, np.bool_)) or not isinstance(memory_budget, numbers.Integral):
-        raise InputError("memory_budget", memory_budget, "expected bytes as an int, e.g. 1 << 30")
-    if memory_budget < 1:
-        raise InputError("memory_budget", memory_budget, "must be positive (bytes as an int, e.g. 1 << 30)")
+    memory_budget = check_int("memory_budget", memory_budget, 1, unit="bytes, e.g. 1 << 30")  # run() checks one task fits
     if isinstance(check_finite, np.bool_):
         check_finite = bool(check_finite)
     if not isinstance(check_finite, bool):
         raise InputError("check_finite", check_finite, "must be True or False")
-    return runtime, int(memory_budget), check_finite
+    return runtime, memory_budget, check_finite
 
 
 def _call(routine: str, runtime: Any, memory_budget: Any, check_finite: Any, **kw: Any) -> np.ndarray:
@@ -87,12 +90,7 @@ def gemm(alpha: float, a: Any, b: Any, beta: float = 0.0, c: Any = None, trans_a
         The ``m x n`` result, a new array of the operands' dtype (float32 or float64).
 
     Raises:
-        InputError: bad operands (not a 2-D float32/float64 matrix, a masked array, an empty
-            matrix, mixed dtypes, shapes that do not conform), a bad flag, a non-finite or
-            non-numeric ``alpha``/``beta``, ``tile`` below 1, ``memory_budget`` not an int or
-            below one task's working set, a ``runtime`` of another type, a non-bool
-            ``check_finite``, or a NaN/inf entry read with ``check_finite`` on (the error names
-            the operand and the entry).
+        InputError: any bad argument the module docstring lists under "Errors".
     """
     return _call("gemm", runtime, memory_budget, check_finite, a=a, b=b, c=c, alpha=alpha, beta=beta,
                  trans_a=trans_a, trans_b=trans_b, tile=tile)
@@ -121,12 +119,7 @@ def symm(alpha: float, a: Any, b: Any, beta: float = 0.0, c: Any = None, side: s
         The ``m x n`` result, a new array of the operands' dtype (float32 or float64).
 
     Raises:
-        InputError: bad operands (not a 2-D float32/float64 matrix, a masked array, an empty
-            matrix, mixed dtypes, shapes that do not conform), a bad flag, a non-finite or
-            non-numeric ``alpha``/``beta``, ``tile`` below 1, ``memory_budget`` not an int or
-            below one task's working set, a ``runtime`` of another type, a non-bool
-            ``check_finite``, or a NaN/inf entry read with ``check_finite`` on (the error names
-            the operand and the entry).
+        InputError: any bad argument the module docstring lists under "Errors".
     """
     return _call("symm", runtime, memory_budget, check_finite, a=a, b=b, c=c, alpha=alpha, beta=beta, side=side,
                  uplo=uplo, tile=tile)
@@ -153,12 +146,7 @@ def syrk(alpha: float, a: Any, beta: float = 0.0, c: Any = None, trans: str = "N
         The ``n x n`` result, a new array of the operands' dtype (float32 or float64).
 
     Raises:
-        InputError: bad operands (not a 2-D float32/float64 matrix, a masked array, an empty
-            matrix, mixed dtypes, shapes that do not conform), a bad flag, a non-finite or
-            non-numeric ``alpha``/``beta``, ``tile`` below 1, ``memory_budget`` not an int or
-            below one task's working set, a ``runtime`` of another type, a non-bool
-            ``check_finite``, or a NaN/inf entry read with ``check_finite`` on (the error names
-            the operand and the entry).
+        InputError: any bad argument the module docstring lists under "Errors".
     """
     return _call("syrk", runtime, memory_budget, check_finite, a=a, c=c, alpha=alpha, beta=beta, trans_a=trans,
                  uplo=uplo, tile=tile)
@@ -186,12 +174,7 @@ def syr2k(alpha: float, a: Any, b: Any, beta: float = 0.0, c: Any = None, trans:
         The ``n x n`` result, a new array of the operands' dtype (float32 or float64).
 
     Raises:
-        InputError: bad operands (not a 2-D float32/float64 matrix, a masked array, an empty
-            matrix, mixed dtypes, shapes that do not conform), a bad flag, a non-finite or
-            non-numeric ``alpha``/``beta``, ``tile`` below 1, ``memory_budget`` not an int or
-            below one task's working set, a ``runtime`` of another type, a non-bool
-            ``check_finite``, or a NaN/inf entry read with ``check_finite`` on (the error names
-            the operand and the entry).
+        InputError: any bad argument the module docstring lists under "Errors".
     """
     return _call("syr2k", runtime, memory_budget, check_finite, a=a, b=b, c=c, alpha=alpha, beta=beta,
                  trans_a=trans, uplo=uplo, tile=tile)
@@ -219,12 +202,7 @@ def trmm(alpha: float, a: Any, b: Any, side: str = "L", uplo: str = "U", trans_a
         The ``m x n`` result, a new array of the operands' dtype (float32 or float64).
 
     Raises:
-        InputError: bad operands (not a 2-D float32/float64 matrix, a masked array, an empty
-            matrix, mixed dtypes, shapes that do not conform), a bad flag, a non-finite or
-            non-numeric ``alpha``/``beta``, ``tile`` below 1, ``memory_budget`` not an int or
-            below one task's working set, a ``runtime`` of another type, a non-bool
-            ``check_finite``, or a NaN/inf entry read with ``check_finite`` on (the error names
-            the operand and the entry).
+        InputError: any bad argument the module docstring lists under "Errors".
     """
     return _call("trmm", runtime, memory_budget, check_finite, a=a, b=b, alpha=alpha, side=side, uplo=uplo,
                  trans_a=trans_a, diag=diag, tile=tile)
@@ -255,13 +233,8 @@ def trsm(alpha: float, a: Any, b: Any, side: str = "L", uplo: str = "U", trans_a
         The ``m x n`` solution ``X``, a new array of the operands' dtype (float32 or float64).
 
     Raises:
-        InputError: bad operands (not a 2-D float32/float64 matrix, a masked array, an empty
-            matrix, mixed dtypes, shapes that do not conform), a bad flag, a non-finite or
-            non-numeric ``alpha``/``beta``, ``tile`` below 1, ``memory_budget`` not an int or
-            below one task's working set, a ``runtime`` of another type, a non-bool
-            ``check_finite``, or a NaN/inf entry read with ``check_finite`` on (the error names
-            the operand and the entry); a zero on ``a``'s diagonal with diag ``"N"`` (singular),
-            named by its index.
+        InputError: any bad argument the module docstring lists under "Errors"; a zero on
+            ``a``'s diagonal with diag ``"N"`` (singular), named by its index.
     """
     return _call("trsm", runtime, memory_budget, check_finite, a=a, b=b, alpha=alpha, side=side, uplo=uplo,
                  trans_a=trans_a, diag=diag, tile=tile)

@@ -537,7 +537,7 @@ def test_bad_in_memory_operands_are_refused():
 @pytest.mark.parametrize("budget", ["1GiB", None, 1.5e9, True, 0, -1, np.float64(1 << 30)])
 def test_memory_budget_must_be_an_int_number_of_bytes(budget):
     a, b = rand((5, 4), np.float64, 1), rand((4, 3), np.float64, 2)
-    with pytest.raises(InputError, match="bytes as an int, e.g. 1 << 30") as e:
+    with pytest.raises(InputError, match=r"must be (an integer|>= 1) \(bytes, e.g. 1 << 30\)") as e:
         api.gemm(1.0, a, b, memory_budget=budget)
     assert_input_error(e, "memory_budget", budget)
 
