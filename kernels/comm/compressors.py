@@ -709,22 +709,45 @@ def _fft_decompress(payloads: "torch.Tensor", layout: FFTLayout, dtype: "torch.d
     row makes the whole result NaN instead of raising."""
     import torch
 
+    decode = functools.partial(_fft_decode, layout=layout, dtype=dtype)
+    spectrum, bad = _mean_of_rows(decode, payloads, layout.m, strict)
+    return _nan_where(bad, torch.fft.irfft(spectrum, n=layout.n_fft)[: layout.n])
+
+
+def _mean_of_rows(decode: Callable, payloads: "torch.Tensor", size: int, strict: bool
+                  ) -> tuple["torch.Tensor", "torch.Tensor | None"]:
+    """The mean over the rows of ``payloads`` of each row's ``(indices, values)`` scattered into
+    ``size`` zeros, and (``strict=False``) the flag of a corrupt row, else None.
+
+    ``decode(payload, argument=..., check=...)`` is :func:`_fft_decode` or :func:`_topk_decode`
+    with its layout. ``strict``: a corrupt row raises (one host sync checks every row); else its
+    indices are replaced by 0 (an out-of-range index_add_ is a device-side assert on CUDA) and the
+    flag returned, for :func:`_nan_where`, without a sync.
+    """
+    import torch
+
     _check_payloads(payloads)
     world = payloads.shape[0]
-    rows = [_fft_decode(payloads[r], layout, dtype, f"payloads[{r}]", check=False) for r in range(world)]
+    rows = [decode(payloads[r], argument=f"payloads[{r}]", check=False) for r in range(world)]
     if strict:
-        _refuse_corrupt_rows(lambda row, argument: _fft_decode(row, layout, dtype, argument), payloads,
+        _refuse_corrupt_rows(lambda row, argument: decode(row, argument=argument), payloads,
                              [corrupt for _, _, corrupt in rows])
-    spectrum, bad = None, None
+    total, bad = None, None
     for indices, values, corrupt in rows:
-        if spectrum is None:
-            spectrum = torch.zeros(layout.m, dtype=values.dtype, device=values.device)
-        if not strict:  # keep index_add_ in bounds (out of range is a device-side assert on CUDA)
+        if total is None:
+            total = torch.zeros(size, dtype=values.dtype, device=values.device)
+        if not strict:
             indices = torch.where(corrupt, torch.zeros_like(indices), indices)
             bad = corrupt if bad is None else bad | corrupt
-        spectrum.index_add_(0, indices, values)
-    out = torch.fft.irfft(spectrum / world, n=layout.n_fft)[: layout.n]
-    return out if strict else torch.where(bad, torch.full_like(out, math.nan), out)
+        total.index_add_(0, indices, values)
+    return total / world, bad
+
+
+def _nan_where(bad: "torch.Tensor | None", out: "torch.Tensor") -> "torch.Tensor":
+    """``out``, or all NaN where ``bad`` (a 0-d bool tensor) is set; None: ``out``."""
+    import torch
+
+    return out if bad is None else torch.where(bad, torch.full_like(out, math.nan), out)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -862,24 +885,9 @@ def topk_decompress(payloads: "torch.Tensor", layout: TopKLayout, dtype: "torch.
 def _topk_decompress(payloads: "torch.Tensor", layout: TopKLayout, dtype: "torch.dtype | None", *, strict: bool
                      ) -> "torch.Tensor":
     """:func:`topk_decompress`; ``strict=False`` as in :func:`_fft_decompress`."""
-    import torch
-
-    _check_payloads(payloads)
-    world = payloads.shape[0]
-    rows = [_topk_decode(payloads[r], layout, dtype, f"payloads[{r}]", check=False) for r in range(world)]
-    if strict:
-        _refuse_corrupt_rows(lambda row, argument: _topk_decode(row, layout, dtype, argument), payloads,
-                             [corrupt for _, _, corrupt in rows])
-    out, bad = None, None
-    for indices, values, corrupt in rows:
-        if out is None:
-            out = torch.zeros(layout.n, dtype=values.dtype, device=values.device)
-        if not strict:
-            indices = torch.where(corrupt, torch.zeros_like(indices), indices)
-            bad = corrupt if bad is None else bad | corrupt
-        out.index_add_(0, indices, values)
-    out = out / world
-    return out if strict else torch.where(bad, torch.full_like(out, math.nan), out)
+    decode = functools.partial(_topk_decode, layout=layout, dtype=dtype)
+    mean, bad = _mean_of_rows(decode, payloads, layout.n, strict)
+    return _nan_where(bad, mean)
 
 
 # --------------------------------------------------------------------------------------------------
