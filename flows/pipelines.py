@@ -171,7 +171,11 @@ def build_parameters(pipeline: Pipeline, preset: str, overrides: list[str]) -> B
     try:
         model = pipeline.parameters.model_validate(values)
     except ValidationError as exc:  # e.g. live[budget]
-        raise input_error_from(exc, lambda loc: str(loc[0]) + "".join(f"[{p}]" for p in loc[1:])) from None
+        error = input_error_from(exc, lambda loc: str(loc[0]) + "".join(f"[{p}]" for p in loc[1:]))
+        raw = given.get(error.argument)
+        if raw is not None and repr(error.value) != raw:  # --set m=null said m=None: the value as typed
+            error = InputError(error.argument, raw, error.problem)
+        raise error from None
     # "given" means --set, as it means the parameters of a deployment run: a preset's values count
     # as defaults (gemm refuses a given m that its operand files contradict; `full` sets m)
     model.__pydantic_fields_set__ = set(given)
