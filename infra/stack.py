@@ -1325,8 +1325,13 @@ def require_stack(settings: Settings) -> tuple[StackInfo, Any]:
 
     info = load_stack_info(settings)
     if info is None:
+        from prefect.settings import PREFECT_API_URL  # noqa: PLC0415 - flows call this with Prefect loaded
+
+        # a flow called from Python without connect() runs on Prefect's temporary server
+        python = ("; from Python, call paperline.infra.stack.connect() before the flow: it starts the stack"
+                  if PREFECT_API_URL.value() is None else "")
         raise ServiceError("stack", f"no running stack in {settings.state_dir} (PAPERLINE_STATE_DIR) and no configured "
-                                    "endpoints; run `paperline up` first")
+                                    f"endpoints; run `paperline up` first{python}")
     _check_flow_run_server(info)
     return info, ObjectStore.from_stack(info)
 

@@ -476,3 +476,21 @@ def test_a_web_server_that_is_not_mlflow_is_refused_as_one(stack, free_port, tmp
     finally:
         web.terminate()
         web.wait(timeout=10)
+
+
+def test_no_stack_names_connect_where_prefect_is_not_pointed_at_one(tmp_path):
+    """A script calling a flow without connect() and no stack running was told only to run
+    `paperline up` (its flow run was on Prefect's temporary server): it is also told connect()."""
+    from prefect.settings import PREFECT_API_URL, temporary_settings
+
+    from paperline.infra.settings import Settings
+    from paperline.infra.stack import require_stack
+
+    settings = Settings(state_dir=tmp_path)
+    with temporary_settings(updates={PREFECT_API_URL: None}):
+        with pytest.raises(ServiceError, match=f"no running stack in {tmp_path} .*run `paperline up` first; from "
+                                               "Python, call paperline.infra.stack.connect\\(\\) before the flow"):
+            require_stack(settings)
+    with temporary_settings(updates={PREFECT_API_URL: "http://127.0.0.1:4200/api"}):
+        with pytest.raises(ServiceError, match="run `paperline up` first$"):
+            require_stack(settings)
