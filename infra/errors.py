@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import os
+import re
 from collections.abc import Callable
 from typing import Any
 
@@ -41,12 +42,27 @@ def redact_url(url: str) -> str:
     except ValueError:
         return url
     if "@" not in parts.netloc:
+        try:
+            parts.port
+        except ValueError:  # "http://bob:pa/ss@host": a password with a '/', '?' or '#' ends the netloc early
+            if "@" in url:
+                return f"{parts.scheme}://{parts.netloc.split(':', 1)[0]}@{url.rsplit('@', 1)[1]}"
         return url
     host = parts.netloc.rsplit("@", 1)[1]
     # the user name stays (a browser asks for its password: the link still opens); a bare user
     # part may be a token, and goes
     user = f"{parts.username}@" if parts.password is not None and parts.username else ""
     return urlunsplit(parts._replace(netloc=f"{user}{host}"))
+
+
+_URL = re.compile(r"[A-Za-z][A-Za-z0-9+.-]*://[^\s\"'<>]+")
+
+
+def redact_text(text: str) -> str:
+    """``text`` with :func:`redact_url` applied to every URL in it: a client library's message
+    (botocore's "Could not connect to the endpoint URL: ...") quotes the URL it was given,
+    credentials and all."""
+    return _URL.sub(lambda m: redact_url(m.group(0)), text) if "@" in text else text
 
 
 class ServiceError(PaperlineError):
@@ -61,7 +77,7 @@ class ServiceError(PaperlineError):
         parts = [f"{service} is not available"]
         if url:
             parts.append(f"at {redact_url(url)}")
-        msg = " ".join(parts) + f": {detail}"
+        msg = " ".join(parts) + f": {redact_text(detail)}"
         if log:
             msg += f" (log: {log})"
         super().__init__(msg)

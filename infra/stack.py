@@ -40,7 +40,7 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
 
-from paperline.infra.errors import PaperlineError, ServiceError, redact_url
+from paperline.infra.errors import PaperlineError, ServiceError, redact_text, redact_url
 from paperline.infra.settings import Settings, get_settings
 
 SERVICE_NAMES = ("s3", "prefect", "mlflow")
@@ -1297,7 +1297,8 @@ def stack_status(settings: Settings) -> list[Service]:
             url = external[name] or ""
             shown = _prefect_urls(url)[1] if name == "prefect" else url
             problem = check(name, url)
-            out.append(Service(name, shown, managed=False, healthy=problem is None, problem=problem))
+            out.append(Service(name, shown, managed=False, healthy=problem is None,
+                               problem=None if problem is None else redact_text(problem)))
             continue
         rec = recs.get(name)
         if rec and _live_process(rec) is not None:
@@ -1517,7 +1518,8 @@ def activate(info: StackInfo) -> None:
     """Point this process's Prefect and MLflow clients (and any process it starts later, e.g. Dask
     workers) at the stack, through environment variables.
 
-    Sets ``PREFECT_API_URL``, ``PREFECT_SERVER_ANALYTICS_ENABLED=false``,
+    Sets ``PREFECT_API_URL``, ``PREFECT_UI_URL`` (without a password),
+    ``PREFECT_SERVER_ANALYTICS_ENABLED=false``,
     ``PREFECT_RESULTS_PERSIST_BY_DEFAULT=true``, ``PREFECT_RESULTS_DEFAULT_STORAGE_BLOCK`` (=
     :attr:`StackInfo.result_storage_block`), ``MLFLOW_TRACKING_URI`` and, unless set,
     ``DO_NOT_TRACK=1`` and ``PREFECT_FLOWS_HEARTBEAT_FREQUENCY`` (:data:`FLOW_HEARTBEAT_S`). S3 secrets are never put in the
@@ -1527,6 +1529,8 @@ def activate(info: StackInfo) -> None:
     os.environ.update(
         {
             "PREFECT_API_URL": info.prefect_api_url,
+            # Prefect's "View at" links, else derived from the API URL with any password in it
+            "PREFECT_UI_URL": redact_url(info.prefect_ui_url),
             "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
             "PREFECT_RESULTS_PERSIST_BY_DEFAULT": "true",
             "PREFECT_RESULTS_DEFAULT_STORAGE_BLOCK": info.result_storage_block,

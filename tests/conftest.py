@@ -166,6 +166,7 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Settings, 
     keys = (
         "PAPERLINE_CRASH_AFTER_S",
         "PREFECT_API_URL",
+        "PREFECT_UI_URL",
         "PREFECT_SERVER_ANALYTICS_ENABLED",
         "PREFECT_RESULTS_PERSIST_BY_DEFAULT",
         "PREFECT_RESULTS_DEFAULT_STORAGE_BLOCK",

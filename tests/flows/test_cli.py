@@ -557,6 +557,30 @@ def test_env_with_a_failing_configured_endpoint_says_why(tmp_path, free_port):
         assert "check PAPERLINE_MLFLOW_TRACKING_URI" in text, text
 
 
+def test_a_password_in_a_failing_s3_endpoint_is_never_printed(tmp_path, free_port):
+    """botocore's "Could not connect to the endpoint URL: ..." quoted the configured URL with its
+    password in `status` and `env`, though the row's own URL was redacted (a security review)."""
+    uri = f"http://carol:pw9@127.0.0.1:{free_port()}/"
+    env = {"PAPERLINE_STATE_DIR": str(tmp_path), "PAPERLINE_S3_ENDPOINT_URL": uri,
+           "PAPERLINE_S3_ACCESS_KEY_ID": "k", "PAPERLINE_S3_SECRET_ACCESS_KEY": "s"}
+    for command in ("status", "env"):
+        result = run_cli(command, env=env)
+        assert "carol@127.0.0.1" in result.output and "pw9" not in result.output, result.output
+
+
+def test_redact_url_and_text():
+    from paperline.infra.errors import redact_text, redact_url
+
+    assert redact_url("http://alice:s3cret@h:5000/x") == "http://alice@h:5000/x"
+    assert redact_url("http://token@h/") == "http://h/"  # a bare user part may be a token
+    # a '/', '?' or '#' in the password ends the URL's authority early: still no password shown
+    for url in ("http://bob:pa/ss@h:9000/x", "http://bob:pa?ss@h:9000/x", "http://bob:pa#ss@h:9000/x"):
+        assert redact_url(url) == "http://bob@h:9000/x", url
+    assert redact_url("http://h:5000/users/a@b.example") == "http://h:5000/users/a@b.example"  # no user info
+    assert redact_text('Could not connect to the endpoint URL: "http://carol:pw9@127.0.0.1:3/"; retry') == \
+        'Could not connect to the endpoint URL: "http://carol@127.0.0.1:3/"; retry'
+
+
 def test_a_prefect_server_gone_during_a_run_is_named():
     """A Prefect server killed (or `paperline down`) under a run ended it, minutes later, with
     `error: ConnectError: [Errno 111] Connection refused` (a trial): the error now names Prefect

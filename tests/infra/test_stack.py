@@ -356,7 +356,9 @@ def test_a_password_in_the_tracking_uri_is_never_printed(stack):
 
     settings, info = stack
     with_password = info.mlflow_tracking_uri.replace("http://", "http://alice:s3cretpw@")
-    env = {"PAPERLINE_STATE_DIR": str(settings.state_dir), "PAPERLINE_MLFLOW_TRACKING_URI": with_password}
+    prefect_with_password = info.prefect_api_url.replace("http://", "http://bob:s3cretpw@")  # printed by `env`
+    env = {"PAPERLINE_STATE_DIR": str(settings.state_dir), "PAPERLINE_MLFLOW_TRACKING_URI": with_password,
+           "PAPERLINE_PREFECT_API_URL": prefect_with_password}
     get_settings.cache_clear()
     try:
         status, exports = (CliRunner().invoke(app, [cmd], env=env) for cmd in ("status", "env"))
@@ -366,10 +368,38 @@ def test_a_password_in_the_tracking_uri_is_never_printed(stack):
     assert "alice@127.0.0.1" in status.output and "s3cretpw" not in status.output + exports.output
     assert f"export MLFLOW_TRACKING_URI={info.mlflow_tracking_uri}\n" in exports.output
     assert "MLFLOW_TRACKING_PASSWORD" in exports.output  # how to give MLflow's own CLI the credentials
+    assert f"export PREFECT_API_URL={info.prefect_api_url}\n" in exports.output
+    assert "export PREFECT_API_AUTH_STRING" in exports.output
     tracker = Tracker(with_password)  # the server (no auth of its own) takes the request
     run_id = tracker.start_run("redaction-test", run_name="r")
     tracker.end_run(run_id)
     assert "s3cretpw" not in tracker.run_url(run_id) + repr(tracker) and "http://alice@" in tracker.run_url(run_id)
+
+
+def test_prefects_links_carry_no_password(stack, tmp_path):
+    """Prefect derived its UI URL, the "View at" link every run prints, from PREFECT_API_URL, a
+    password in it included (a security review): activate() sets PREFECT_UI_URL without it."""
+    import subprocess
+    import sys
+
+    from prefect.settings import get_current_settings
+
+    settings, info = stack
+    assert get_current_settings().ui_url == info.prefect_ui_url
+    script = (
+        "import dataclasses\n"
+        "from paperline.infra.settings import get_settings\n"
+        "from paperline.infra.stack import activate, load_stack_info\n"
+        "info = load_stack_info(get_settings())\n"
+        "url = info.prefect_api_url.replace('http://', 'http://bob:s3cretpw@')\n"
+        "activate(dataclasses.replace(info, prefect_api_url=url, prefect_ui_url=url.removesuffix('/api')))\n"
+        "from prefect.settings import get_current_settings\n"
+        "print(get_current_settings().ui_url)\n"
+    )
+    env = {**os.environ, "PAPERLINE_STATE_DIR": str(settings.state_dir)}
+    env.pop("PREFECT_UI_URL", None)
+    out = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=120, check=True)
+    assert out.stdout.strip() == info.prefect_ui_url.replace("http://", "http://bob@"), out.stdout + out.stderr
 
 
 def test_a_bucket_created_on_a_configured_s3_endpoint_is_announced(stack):
