@@ -182,10 +182,23 @@ def _write_state(settings: Settings, state: dict[str, Any]) -> None:
     _write_atomic(_state_path(settings), json.dumps(state, indent=2, sort_keys=True) + "\n")
 
 
+def _private_state_dir(settings: Settings) -> None:
+    """Create the state directory readable by its owner alone (0700), or take the group's and
+    others' access away from an existing one: it holds the S3 credentials, Prefect's database with
+    the key that decrypts its blocks (the result storage's S3 secret) and the object data, and
+    with the usual umask 022 any local user could read them (a security review)."""
+    path = settings.state_dir
+    path.mkdir(mode=0o700, parents=True, exist_ok=True)
+    mode = path.stat().st_mode
+    if mode & 0o077:
+        with contextlib.suppress(PermissionError):  # not ours: its owner decides
+            os.chmod(path, mode & 0o7700)
+
+
 @contextlib.contextmanager
 def _locked(settings: Settings) -> Iterator[None]:
     """Serialise ``up``/``down`` on one state directory across processes."""
-    settings.state_dir.mkdir(parents=True, exist_ok=True)
+    _private_state_dir(settings)
     with open(settings.state_dir / ".stack.lock", "w") as f:
         fcntl.flock(f, fcntl.LOCK_EX)
         try:
@@ -361,6 +374,7 @@ def _spawn(cmd: list[str], env: dict[str, str], log_path: Path, cwd: Path) -> su
             start_new_session=True,
             env=env,
             cwd=str(cwd),
+            umask=0o077,  # the servers' databases and objects: their owner's alone, as the state directory
         )
 
 
@@ -1036,7 +1050,7 @@ def ensure_stack(settings: Settings, *, progress: Progress | None = None, notice
     """
     say = progress or (lambda _msg: None)
     tell = notice or say
-    settings.state_dir.mkdir(parents=True, exist_ok=True)
+    _private_state_dir(settings)
     external = _external_urls(settings)
     with _locked(settings):
         state = _read_state(settings)

@@ -524,3 +524,27 @@ def test_no_stack_names_connect_where_prefect_is_not_pointed_at_one(tmp_path):
     with temporary_settings(updates={PREFECT_API_URL: "http://127.0.0.1:4200/api"}):
         with pytest.raises(ServiceError, match="run `paperline up` first$"):
             require_stack(settings)
+
+
+def test_the_state_directory_is_its_owners_alone(stack, tmp_path):
+    """The state directory (S3 credentials; Prefect's database with the key that decrypts the
+    result block's S3 secret; the objects) was 0755 and its databases 0644: any local user could
+    decrypt the secret (a security review)."""
+    import stat
+
+    from paperline.infra.settings import Settings
+    from paperline.infra.stack import _private_state_dir
+
+    settings, _ = stack
+    assert stat.S_IMODE(settings.state_dir.stat().st_mode) == 0o700
+    databases = list(settings.state_dir.rglob("*.db"))
+    assert databases, sorted(p.name for p in settings.state_dir.iterdir())
+    for path in databases:  # written by the servers, spawned with umask 077
+        assert stat.S_IMODE(path.stat().st_mode) & 0o077 == 0, (path, oct(path.stat().st_mode))
+    existing = tmp_path / "state"
+    existing.mkdir(mode=0o755)
+    (existing / "keep").write_text("x")
+    _private_state_dir(Settings(state_dir=existing))
+    assert stat.S_IMODE(existing.stat().st_mode) == 0o700 and (existing / "keep").read_text() == "x"
+    _private_state_dir(Settings(state_dir=tmp_path / "new" / "state"))
+    assert stat.S_IMODE((tmp_path / "new" / "state").stat().st_mode) == 0o700
