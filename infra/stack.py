@@ -672,6 +672,7 @@ def _start_s3(settings: Settings, taken: set[int], key: str, secret: str) -> tup
         ]
     }
     _write_atomic(s3_dir / "s3.json", json.dumps(identities, indent=1) + "\n", mode=0o600)
+    _write_atomic(s3_dir / "security.toml", _seaweed_security(), mode=0o600)  # read from weed's working directory
     cmd = [
         _weed_binary(),
         "mini",
@@ -691,6 +692,21 @@ def _start_s3(settings: Settings, taken: set[int], key: str, secret: str) -> tup
     log = settings.state_dir / "logs" / "s3.log"
     proc = _spawn(cmd, _clean_env(("AWS_",)), log, s3_dir)
     return proc, _record(proc, url, log, port=ports["s3"], ports=ports)
+
+
+def _seaweed_security() -> str:
+    """SeaweedFS's ``security.toml``: fresh random keys (each start) that sign the JWTs its volume
+    servers and filer require over HTTP.
+
+    Only the S3 port checks credentials; without these the filer's and volume server's HTTP ports
+    (loopback, with CORS ``*``) served and took every bucket's objects to any local user, or to a
+    web page open in the user's browser (a security review). The S3 gateway and ``weed mini``'s
+    own parts get their tokens from the master. Left open: the gRPC ports (mutual TLS would close
+    them) and the master's ``/dir/assign``, which hands out write tokens for new blobs that no
+    bucket references.
+    """
+    sections = ("jwt.signing", "jwt.signing.read", "jwt.filer_signing", "jwt.filer_signing.read")
+    return "".join(f'[{name}]\nkey = "{secrets.token_hex(32)}"\nexpires_after_seconds = 10\n\n' for name in sections)
 
 
 LAST_PORTS_FILE = "ports.json"

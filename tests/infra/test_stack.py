@@ -79,6 +79,21 @@ def test_s3_enforces_signatures(stack):
     with pytest.raises(ClientError) as exc:
         anonymous.get_object(Bucket=bucket, Key=key)
     assert exc.value.response["ResponseMetadata"]["HTTPStatusCode"] in (401, 403)
+    # SeaweedFS's filer and volume server take no S3 signature: they served and took every object
+    # to anyone on the machine (or a web page: CORS *) until they required signed tokens
+    import httpx
+
+    from paperline.infra.stack import _read_state
+
+    settings, _ = stack
+    ports = _read_state(settings)["services"]["s3"]["ports"]
+    filer, volume, master = (f"http://127.0.0.1:{ports[k]}" for k in ("filer", "volume", "master"))
+    assert httpx.get(f"{filer}/buckets/{bucket}/{key}").status_code == 401
+    assert httpx.get(f"{filer}/buckets/", headers={"Accept": "application/json"}).status_code == 401
+    assert httpx.post(f"{filer}/buckets/{bucket}/planted.txt", files={"file": b"x"}).status_code == 401
+    fid = httpx.get(f"{master}/dir/assign").json()["fid"]
+    assert httpx.post(f"{volume}/{fid}", files={"file": b"x"}).status_code == 401
+    assert good.get_bytes(ref.uri) == b"secret data" and not good.list(f"s3://{bucket}/planted")
 
 
 def test_ensure_stack_is_idempotent(stack):
