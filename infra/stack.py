@@ -765,6 +765,9 @@ def _start_prefect(
             if settings.prefect_database_url else f"sqlite+aiosqlite:///{home / 'prefect.db'}",
             "PREFECT_SERVER_UI_API_URL": f"{url}/api",
             "PREFECT_SERVER_UI_SHOW_PROMOTIONAL_CONTENT": "false",
+            # the UI's own origins only: with Prefect's default (*) a web page open in the user's
+            # browser could read the API, the result block's S3 secret included (a security review)
+            "PREFECT_SERVER_CORS_ALLOWED_ORIGINS": ",".join(_ui_origins(host, port)) or "*",
             "PREFECT_SERVER_API_HOST": host,
             "PREFECT_SERVER_API_PORT": str(port),
             "PREFECT_API_URL": f"{url}/api",
@@ -774,6 +777,17 @@ def _start_prefect(
     log = settings.state_dir / "logs" / "prefect.log"
     proc = _spawn(cmd, env, log, home)
     return proc, _record(proc, url, log, port=port, api_url=f"{url}/api")
+
+
+def _ui_origins(host: str, port: int) -> list[str]:
+    """The origins a browser may show a server's UI at: its address, and on loopback the names
+    of loopback too (the UI at ``localhost`` calls the API at ``127.0.0.1``: another origin).
+    None (an empty list) for a server bound to every interface: its users chose to open it to
+    the network, under names this cannot know."""
+    if host in ("", "0.0.0.0", "::"):
+        return []
+    names = ["127.0.0.1", "localhost", "[::1]"] if host in ("127.0.0.1", "localhost", "::1") else [_url_host(host)]
+    return [f"http://{name}:{port}" for name in names]
 
 
 def _start_mlflow(

@@ -96,6 +96,22 @@ def test_s3_enforces_signatures(stack):
     assert good.get_bytes(ref.uri) == b"secret data" and not good.list(f"s3://{bucket}/planted")
 
 
+def test_prefects_api_answers_no_other_web_origin(stack):
+    """Prefect allowed every origin (CORS *): a web page open in the user's browser could read its
+    API, the result block's S3 secret included (a security review). Its own UI's origins remain."""
+    import httpx
+
+    _, info = stack
+    port = info.prefect_api_url.rsplit(":", 1)[1].split("/")[0]
+    preflight = {"Access-Control-Request-Method": "POST", "Access-Control-Request-Headers": "content-type"}
+    url = f"{info.prefect_api_url}/block_documents/filter"
+    evil = httpx.options(url, headers={"Origin": "https://evil.example", **preflight})
+    assert "access-control-allow-origin" not in evil.headers, evil.headers
+    for origin in (f"http://localhost:{port}", f"http://127.0.0.1:{port}"):
+        ui = httpx.options(url, headers={"Origin": origin, **preflight})
+        assert ui.headers.get("access-control-allow-origin") == origin, (origin, ui.headers)
+
+
 def test_ensure_stack_is_idempotent(stack):
     settings, info = stack
     again = ensure_stack(settings)
