@@ -59,52 +59,55 @@ def worker(rank: int, world: int, port: int, args: argparse.Namespace, out_path:
     import torch.distributed as dist
 
     from paperline.kernels.comm.collectives import bandwidth, lp_allreduce, lp_broadcast, lp_reduce, time_collective
+    from paperline.kernels.train.ddp import process_group
 
     torch.set_num_threads(1)
     nccl = args.backend == "nccl"
     if nccl:
         torch.cuda.set_device(rank)
     device = torch.device("cuda", rank) if nccl else torch.device("cpu")
-    dist.init_process_group(args.backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
-    chunk = None if args.chunk_bytes is None else parse_bytes(args.chunk_bytes)
-    impls = {
-        "allreduce": {"lp": lambda x: lp_allreduce(x, chunk_bytes=chunk), "backend": dist.all_reduce},
-        "broadcast": {"lp": lambda x: lp_broadcast(x, 0, chunk_bytes=chunk), "backend": lambda x: dist.broadcast(x, 0)},
-        "reduce": {"lp": lambda x: lp_reduce(x, 0, chunk_bytes=chunk), "backend": lambda x: dist.reduce(x, 0)},
-    }
-    rows = []
-    for nbytes in args.sizes:
-        numel = max(1, nbytes // 4)
-        for kind in args.kinds:
-            # Check once: integer-valued float32, so every summation order gives the same bits.
-            base = (torch.arange(numel, device=device, dtype=torch.float32) % 7) + rank
-            got, want = base.clone(), base.clone()
-            impls[kind]["lp"](got)
-            impls[kind]["backend"](want)
-            ok = torch.equal(got, want) if kind != "reduce" or rank == 0 else torch.equal(got, base)
-            flag = torch.tensor([0.0 if ok else 1.0], device=device)
-            dist.all_reduce(flag, op=dist.ReduceOp.MAX)
-            del base, got, want
-            x = torch.zeros(numel, device=device, dtype=torch.float32)  # zeros: no inf/denormal slow paths
-            row = {"world_size": world, "kind": kind, "bytes": numel * 4, "check": flag.item() == 0.0}
-            for impl in ("backend", "lp"):
-                fn = impls[kind][impl]
-                probe = time_collective(lambda: fn(x), iters=1, warmup=1, repeats=1)
-                iters = max(1, min(args.max_iters, int(args.target_s / max(probe, 1e-9))))
-                seconds = time_collective(lambda: fn(x), iters=iters, warmup=0, repeats=args.repeats)
-                bw = bandwidth(seconds, numel * 4, world, kind)
-                row[impl] = {"seconds": seconds, "iters": iters, "algbw_bytes_per_s": bw.algbw_bytes_per_s,
-                             "busbw_bytes_per_s": bw.busbw_bytes_per_s}
-            row["speedup"] = row["backend"]["seconds"] / row["lp"]["seconds"]
-            rows.append(row)
-            if rank == 0:
-                print_row(row, flush=True)
-            del x
-    if rank == 0:
-        with open(out_path, "w") as f:
-            json.dump(rows, f)
-    dist.barrier()
-    dist.destroy_process_group()
+    # rank 0's store listens on 127.0.0.1 only, and so does gloo (torch's tcp:// rendezvous would
+    # listen on every interface)
+    with process_group(args.backend, f"tcp://127.0.0.1:{port}", rank, world, timeout_s=1800):
+        chunk = None if args.chunk_bytes is None else parse_bytes(args.chunk_bytes)
+        impls = {
+            "allreduce": {"lp": lambda x: lp_allreduce(x, chunk_bytes=chunk), "backend": dist.all_reduce},
+            "broadcast": {"lp": lambda x: lp_broadcast(x, 0, chunk_bytes=chunk),
+                          "backend": lambda x: dist.broadcast(x, 0)},
+            "reduce": {"lp": lambda x: lp_reduce(x, 0, chunk_bytes=chunk), "backend": lambda x: dist.reduce(x, 0)},
+        }
+        rows = []
+        for nbytes in args.sizes:
+            numel = max(1, nbytes // 4)
+            for kind in args.kinds:
+                # Check once: integer-valued float32, so every summation order gives the same bits.
+                base = (torch.arange(numel, device=device, dtype=torch.float32) % 7) + rank
+                got, want = base.clone(), base.clone()
+                impls[kind]["lp"](got)
+                impls[kind]["backend"](want)
+                ok = torch.equal(got, want) if kind != "reduce" or rank == 0 else torch.equal(got, base)
+                flag = torch.tensor([0.0 if ok else 1.0], device=device)
+                dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+                del base, got, want
+                x = torch.zeros(numel, device=device, dtype=torch.float32)  # zeros: no inf/denormal slow paths
+                row = {"world_size": world, "kind": kind, "bytes": numel * 4, "check": flag.item() == 0.0}
+                for impl in ("backend", "lp"):
+                    fn = impls[kind][impl]
+                    probe = time_collective(lambda: fn(x), iters=1, warmup=1, repeats=1)
+                    iters = max(1, min(args.max_iters, int(args.target_s / max(probe, 1e-9))))
+                    seconds = time_collective(lambda: fn(x), iters=iters, warmup=0, repeats=args.repeats)
+                    bw = bandwidth(seconds, numel * 4, world, kind)
+                    row[impl] = {"seconds": seconds, "iters": iters, "algbw_bytes_per_s": bw.algbw_bytes_per_s,
+                                 "busbw_bytes_per_s": bw.busbw_bytes_per_s}
+                row["speedup"] = row["backend"]["seconds"] / row["lp"]["seconds"]
+                rows.append(row)
+                if rank == 0:
+                    print_row(row, flush=True)
+                del x
+        if rank == 0:
+            with open(out_path, "w") as f:
+                json.dump(rows, f)
+        dist.barrier()
 
 
 HEADER = (f"{'P':>2} {'kind':<9} {'size':>6} | {'backend ms':>10} {'algbw':>7} {'busbw':>7} | "

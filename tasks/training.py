@@ -48,7 +48,9 @@ def latest_common_epoch(store: ObjectStore, prefix: str, world_size: int) -> int
 
 
 def _free_port() -> tuple[str, int]:
-    """Runs on a worker: its host (as the scheduler knows it) and a free TCP port there."""
+    """Runs on a worker: its host (as the scheduler knows it) and a free TCP port there. Rank 0
+    listens on that host and port only (:func:`paperline.kernels.train.ddp.process_group`): on a
+    local cluster, 127.0.0.1."""
     import socket  # noqa: PLC0415
 
     from distributed import get_worker  # noqa: PLC0415
@@ -62,15 +64,22 @@ def _free_port() -> tuple[str, int]:
 def _rank_main(rank: int, world_size: int, init_method: str, cfg: dict[str, Any], store: ObjectStore, prefix: str,
                resume_epoch: int | None, device: str, timeout_s: float, exit_at_step: int | None,
                collectives_sizes: list[int] | None = None) -> dict[str, Any]:
-    """One rank on its worker: resume from its checkpoint, train, checkpoint every epoch to S3."""
-    resume = store.get_bytes(checkpoint_uri(prefix, rank, resume_epoch)) if resume_epoch is not None else None
+    """One rank on its worker: resume from its checkpoint, train, checkpoint every epoch to S3.
+
+    The checkpoint is read from the bucket, so it is loaded with ``weights_only=True``
+    (:func:`paperline.kernels.train.ddp.load_checkpoint`): one planted there that would run code is
+    refused with an InputError naming its URI, which stops the task (no restart loads it again).
+    """
+    uri = checkpoint_uri(prefix, rank, resume_epoch) if resume_epoch is not None else None
+    resume = store.get_bytes(uri) if uri is not None else None
 
     def save(epoch: int, data: bytes) -> None:
         store.put_bytes_to(data, checkpoint_uri(prefix, rank, epoch))
 
     return train_rank(rank, world_size, init_method, TrainConfig(**cfg), device=device, resume_bytes=resume,
                       save_checkpoint=save, timeout_s=timeout_s, threads=1 if device == "cpu" else None,
-                      exit_at_step=exit_at_step, collectives_sizes=collectives_sizes)
+                      exit_at_step=exit_at_step, collectives_sizes=collectives_sizes,
+                      resume_source=uri or "resume_bytes")
 
 
 def _wait_first_error(futures: list[Any], poll_s: float = 0.2) -> BaseException | None:

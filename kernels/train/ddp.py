@@ -9,6 +9,12 @@ evaluates on its shard of the test set (counts summed across ranks). After every
 its checkpoint (model, optimizer, epoch, history) to ``save_checkpoint``; given ``resume_bytes``
 it continues from there.
 
+Security: a checkpoint is read back from the object store, so it is loaded with
+``torch.load(weights_only=True)`` (:func:`load_checkpoint`): a planted pickle that would run code
+is refused, not unpickled. The rendezvous store of rank 0 listens on ``init_method``'s host only,
+and on a loopback host the backend's own sockets stay on loopback too (:func:`process_group`):
+torch's ``tcp://`` rendezvous would listen on every interface, without authentication.
+
 NaN/inf handling: after the backward pass (the gradients are then the same on every rank, being
 the result of the collective) a step whose loss or any gradient is not finite is skipped on every
 rank: no optimizer update, the step is counted in ``skipped_steps`` and its index recorded. It is
@@ -27,15 +33,17 @@ References:
 
 from __future__ import annotations
 
+import contextlib
 import io
 import math
+import os
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass, field
 from datetime import timedelta
 from typing import Any
 
-from paperline.kernels.errors import InputError
+from paperline.kernels.errors import InputError, as_float
 
 
 @dataclass(frozen=True)
@@ -120,6 +128,240 @@ class TrainConfig:
         return d
 
 
+# -- rendezvous ------------------------------------------------------------------------------------
+
+
+def parse_init_method(init_method: str) -> tuple[str, int]:
+    """``(host, port)`` of a ``tcp://host:port`` rendezvous (an IPv6 host in brackets:
+    ``tcp://[::1]:29500``).
+
+    Only TCP rendezvous is taken: :func:`process_group` binds rank 0's store to that host itself
+    (torch's own ``tcp://`` handler binds every interface), and ``env://`` or ``file://`` would
+    bypass that.
+
+    Raises:
+        InputError: not ``tcp://host:port`` with a port in [1, 65535].
+    """
+    from urllib.parse import urlsplit  # noqa: PLC0415
+
+    wanted = "expected tcp://host:port (the rendezvous of rank 0)"
+    if not isinstance(init_method, str):
+        raise InputError("init_method", init_method, wanted)
+    try:
+        parts = urlsplit(init_method)
+        port = parts.port
+    except ValueError:
+        raise InputError("init_method", init_method, wanted) from None
+    if (parts.scheme != "tcp" or not parts.hostname or port is None or not 0 < port < 65536
+            or parts.path not in ("", "/") or parts.query or parts.fragment or parts.username):
+        raise InputError("init_method", init_method, wanted)
+    return parts.hostname, port
+
+
+def _is_loopback(host: str) -> bool:
+    """Whether every address ``host`` resolves to is a loopback address (127.0.0.0/8, ::1)."""
+    import ipaddress  # noqa: PLC0415
+    import socket  # noqa: PLC0415
+
+    try:
+        infos = socket.getaddrinfo(host, None, type=socket.SOCK_STREAM)
+    except OSError:
+        return False
+    addrs = {ipaddress.ip_address(info[4][0].split("%", 1)[0]) for info in infos}
+    return bool(addrs) and all(a.is_loopback for a in addrs)
+
+
+def _loopback_interface() -> str:
+    """The name of the network interface that holds the loopback address (``lo`` on Linux,
+    ``lo0`` on macOS), for ``GLOO_SOCKET_IFNAME``/``NCCL_SOCKET_IFNAME``."""
+    import ipaddress  # noqa: PLC0415
+    import socket  # noqa: PLC0415
+
+    import psutil  # noqa: PLC0415
+
+    for name, addrs in psutil.net_if_addrs().items():
+        for a in addrs:
+            if a.family in (socket.AF_INET, socket.AF_INET6):
+                with contextlib.suppress(ValueError):
+                    if ipaddress.ip_address(a.address.split("%", 1)[0]).is_loopback:
+                        return name
+    return "lo"
+
+
+def _listen_socket(host: str, port: int) -> Any:
+    """A TCP socket listening on ``host:port`` only (not the wildcard address)."""
+    import socket  # noqa: PLC0415
+
+    family, kind, proto, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]
+    sock = socket.socket(family, kind, proto)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as TCPStore's own server does
+        sock.bind(address)
+        sock.listen(128)
+    except BaseException:
+        sock.close()
+        raise
+    return sock
+
+
+def rendezvous_store(init_method: str, rank: int, world_size: int, timeout_s: float) -> Any:
+    """The ``torch.distributed.TCPStore`` of a ``tcp://host:port`` rendezvous: rank 0 serves it
+    on ``host:port`` alone, the other ranks connect to it.
+
+    torch's own ``tcp://`` rendezvous (``init_process_group(init_method=...)``) has rank 0's store
+    listen on *every* interface (``*:port``), and the store has no authentication: anyone on the
+    network could read and write the ranks' keys while they meet. Here rank 0 binds the socket
+    itself and hands it over (``master_listen_fd``), so a rendezvous on 127.0.0.1 is reachable
+    from this host only, and one on a host's address from that address's network only.
+
+    Raises:
+        InputError: ``init_method`` is not ``tcp://host:port``.
+        OSError: rank 0 cannot listen on ``host:port`` (e.g. the port was taken meanwhile).
+        RuntimeError: (``torch.distributed.DistError``) a rank could not reach rank 0's store
+            within ``timeout_s``.
+    """
+    import torch.distributed as dist  # noqa: PLC0415
+
+    host, port = parse_init_method(init_method)
+    timeout = timedelta(seconds=timeout_s)
+    if rank != 0:
+        return dist.TCPStore(host, port, world_size, False, timeout)
+    fd = _listen_socket(host, port).detach()  # the store owns the socket from here
+    try:
+        return dist.TCPStore(host, port, world_size, True, timeout, master_listen_fd=fd)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.close(fd)  # not left listening in a long-lived (Dask worker) process
+        raise
+
+
+@contextlib.contextmanager
+def process_group(backend: str, init_method: str, rank: int, world_size: int, *, timeout_s: float = 300.0,
+                  device_id: Any = None) -> Iterator[None]:
+    """Join the default process group at ``init_method`` (``tcp://host:port``) for the ``with``
+    block, and leave it (``destroy_process_group``) at the end, also on an error.
+
+    Nothing listens beyond ``host``: rank 0's store is bound to it (:func:`rendezvous_store`),
+    and for a loopback ``host`` (a one-host run) the backend's own sockets are too:
+    ``GLOO_SOCKET_IFNAME`` (gloo) or ``NCCL_SOCKET_IFNAME`` (NCCL's bootstrap) names the loopback
+    interface while the group exists (restored after), overriding any value of the caller's.
+    Without that, gloo listens on the address the host name resolves to and NCCL on its first
+    non-loopback interface, open to the network although every rank is on this host. (NCCL reads
+    the variable once per process, when it first initializes: a process that ran NCCL before
+    keeps its earlier interface.) For another ``host`` (ranks on several hosts), the backend's
+    defaults and the caller's variables stand.
+
+    Args:
+        backend: ``gloo`` or ``nccl``.
+        init_method: ``tcp://host:port`` of rank 0.
+        rank, world_size: This rank and the number of ranks.
+        timeout_s: The store's and the collectives' timeout.
+        device_id: NCCL: this rank's ``torch.device`` (binds the group to it); None for gloo.
+
+    Raises:
+        InputError: ``init_method`` is not ``tcp://host:port``.
+        OSError, RuntimeError: see :func:`rendezvous_store`.
+    """
+    import torch.distributed as dist  # noqa: PLC0415
+
+    host, _ = parse_init_method(init_method)
+    env = {}
+    if _is_loopback(host):
+        env["NCCL_SOCKET_IFNAME" if backend == "nccl" else "GLOO_SOCKET_IFNAME"] = _loopback_interface()
+    saved = {k: os.environ.get(k) for k in env}
+    os.environ.update(env)
+    try:
+        store = rendezvous_store(init_method, rank, world_size, timeout_s)
+        dist.init_process_group(backend, store=store, rank=rank, world_size=world_size,
+                                timeout=timedelta(seconds=timeout_s), device_id=device_id)
+        try:
+            yield
+        finally:
+            dist.destroy_process_group()
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
+# -- checkpoints -----------------------------------------------------------------------------------
+
+
+def _plain(value: Any) -> Any:
+    """``value`` with NumPy scalars and arrays (at any depth of plain dicts, lists and tuples)
+    turned into Python numbers and torch tensors, so the checkpoint loads with
+    ``torch.load(weights_only=True)``, which refuses NumPy's types (an epoch record's
+    ``np.mean`` left unconverted would make every later resume fail). Tensors and Python scalars
+    are kept, and so are dict subclasses: a module's ``state_dict`` (an OrderedDict) keeps its
+    ``_metadata``, which ``load_state_dict`` reads."""
+    import numpy as np  # noqa: PLC0415
+    import torch  # noqa: PLC0415
+
+    if type(value) is dict:
+        return {_plain(k): _plain(v) for k, v in value.items()}
+    if type(value) in (list, tuple):
+        return type(value)(_plain(v) for v in value)
+    if isinstance(value, np.floating):
+        return as_float(value)  # np.float32(0.1) -> 0.1, the number written, not 0.10000000149
+    if isinstance(value, np.generic):
+        return value.item()
+    if isinstance(value, np.ndarray):
+        return torch.from_numpy(np.array(value))
+    return value
+
+
+def checkpoint_bytes(checkpoint: dict[str, Any]) -> bytes:
+    """``checkpoint`` as ``torch.save`` bytes that :func:`load_checkpoint` accepts (NumPy values
+    made plain: :func:`_plain`)."""
+    import torch  # noqa: PLC0415
+
+    buf = io.BytesIO()
+    torch.save(_plain(checkpoint), buf)
+    return buf.getvalue()
+
+
+def load_checkpoint(data: bytes, source: str, map_location: Any = "cpu") -> dict[str, Any]:
+    """A checkpoint of :func:`train_rank` from its bytes, loaded with ``weights_only=True``.
+
+    The bytes come from the object store, where anyone who can write the bucket can plant a
+    pickle; a full unpickle (``weights_only=False``) would run whatever code it names. The
+    restricted unpickler builds only tensors, state dicts and plain Python values, which is all
+    a checkpoint holds.
+
+    Args:
+        data: The checkpoint's bytes.
+        source: Where they came from (an ``s3://`` URI), named in the error.
+        map_location: ``torch.load``'s.
+
+    Raises:
+        InputError: naming ``source``: the bytes are not a torch checkpoint, or one holding
+            objects other than tensors and plain values (possibly code to run on loading).
+    """
+    import pickle  # noqa: PLC0415
+    import re  # noqa: PLC0415
+
+    import torch  # noqa: PLC0415
+
+    try:
+        ck = torch.load(io.BytesIO(data), map_location=map_location, weights_only=True)
+    except pickle.UnpicklingError as exc:
+        # torch's message is a page of advice (including "load it with weights_only=False"); keep
+        # the reason, e.g. "Unsupported global: GLOBAL posix.system was not an allowed global"
+        found = re.search(r"WeightsUnpickler error:\s*(.+?)(?:\.\s|\n|$)", str(exc))
+        reason = found.group(1).strip() if found else str(exc)[:200]
+        raise InputError("checkpoint", source,
+                         "refused: not loaded, as it holds more than tensors and plain values (tampered with, "
+                         f"or not written by train_rank): {reason}") from None
+    except (RuntimeError, EOFError, ValueError, OSError) as exc:  # not a torch zip file, truncated
+        raise InputError("checkpoint", source, f"not a readable torch checkpoint: {exc}"[:400]) from None
+    if not isinstance(ck, dict) or not {"model", "optimizer", "epoch", "epochs", "skipped_steps"} <= set(ck):
+        raise InputError("checkpoint", source, "not a training checkpoint (expected a dict with model, optimizer, "
+                                               "epoch, epochs and skipped_steps)")
+    return ck
+
+
 def _all_finite(loss: Any, params: list[Any]) -> bool:
     import torch  # noqa: PLC0415
 
@@ -132,15 +374,18 @@ def train_rank(rank: int, world_size: int, init_method: str, cfg: TrainConfig, *
                resume_bytes: bytes | None = None, save_checkpoint: Callable[[int, bytes], None] | None = None,
                timeout_s: float = 300.0, on_epoch: Callable[[dict[str, Any]], None] | None = None,
                threads: int | None = None, exit_at_step: int | None = None,
-               collectives_sizes: list[int] | None = None) -> dict[str, Any]:
+               collectives_sizes: list[int] | None = None, resume_source: str = "resume_bytes") -> dict[str, Any]:
     """Train one rank to the end (see the module docstring).
 
     Args:
         rank, world_size: This rank and the number of ranks.
-        init_method: ``tcp://host:port`` of the rendezvous (rank 0 listens there).
+        init_method: ``tcp://host:port`` of the rendezvous (rank 0 listens there, and only there:
+            :func:`process_group`).
         cfg: The training configuration (identical on every rank).
         device: ``cpu`` (gloo) or ``cuda`` (NCCL, this rank's current CUDA device).
-        resume_bytes: This rank's checkpoint to continue from (from ``save_checkpoint``).
+        resume_bytes: This rank's checkpoint to continue from (from ``save_checkpoint``), loaded
+            with ``weights_only=True`` (:func:`load_checkpoint`) before joining the group.
+        resume_source: Where ``resume_bytes`` came from (an ``s3://`` URI), named in errors.
         save_checkpoint: Called after every epoch with ``(epoch, bytes)`` (the epoch just finished).
         timeout_s: Collective timeout: a rank whose peer died fails after this long instead of
             hanging (the flow then restarts every rank from the last checkpoint).
@@ -163,8 +408,11 @@ def train_rank(rank: int, world_size: int, init_method: str, cfg: TrainConfig, *
         started, resumed epochs included), ``steps`` and ``skipped_steps``.
 
     Raises:
-        InputError: bad configuration, a missing dataset, or more ranks than batches.
+        InputError: bad configuration, a missing dataset, more ranks than batches, an
+            ``init_method`` other than ``tcp://host:port``, or a resume checkpoint refused by
+            :func:`load_checkpoint` (naming ``resume_source``).
         RuntimeError: a collective failed (a peer died or timed out).
+        OSError: rank 0 could not listen on ``init_method``'s port.
     """
     import numpy as np  # noqa: PLC0415
     import torch  # noqa: PLC0415
@@ -182,14 +430,14 @@ def train_rank(rank: int, world_size: int, init_method: str, cfg: TrainConfig, *
         torch.set_num_threads(threads)
     data = load_dataset(cfg.dataset, n_train=cfg.n_train, seed=cfg.seed)
     backend = "nccl" if device == "cuda" else "gloo"
+    dev = torch.device(device)
+    # before joining: a refused checkpoint fails this rank at once, with no peer waiting on it
+    ck = load_checkpoint(resume_bytes, resume_source, map_location=dev) if resume_bytes is not None else None
     # NCCL: bind the group to this rank's GPU, so its barriers and collectives know the device
     # (without it NCCL's barrier guesses one and warns).
-    dist.init_process_group(backend, init_method=init_method, rank=rank, world_size=world_size,
-                            timeout=timedelta(seconds=timeout_s),
-                            device_id=torch.device("cuda", torch.cuda.current_device()) if device == "cuda" else None)
-    try:
+    with process_group(backend, init_method, rank, world_size, timeout_s=timeout_s,
+                       device_id=torch.device("cuda", torch.cuda.current_device()) if device == "cuda" else None):
         torch.manual_seed(cfg.seed)
-        dev = torch.device(device)
         base = make_model(cfg.model, n_classes=data.n_classes, **dict(cfg.model_options))
         model = apply_recomputation(base, cfg.recompute).to(dev)
         ddp = DDP(model, device_ids=[torch.cuda.current_device()] if device == "cuda" else None)
@@ -200,8 +448,7 @@ def train_rank(rank: int, world_size: int, init_method: str, cfg: TrainConfig, *
         epochs: list[dict[str, Any]] = []
         skipped: list[int] = []
         start_epoch, wall0, restored = 0, 0.0, []
-        if resume_bytes is not None:
-            ck = torch.load(io.BytesIO(resume_bytes), map_location=dev, weights_only=False)
+        if ck is not None:
             model.load_state_dict(ck["model"])
             opt.load_state_dict(ck["optimizer"])
             restored = state.load_memory_state(ck.get("compressor_memory") or {}, dev)
@@ -274,12 +521,10 @@ def train_rank(rank: int, world_size: int, init_method: str, cfg: TrainConfig, *
             if on_epoch is not None:
                 on_epoch(record)
             if save_checkpoint is not None:
-                buf = io.BytesIO()
-                torch.save({"model": model.state_dict(), "optimizer": opt.state_dict(), "epoch": epoch,
-                            "compressor_memory": state.memory_state(),
-                            "epochs": epochs, "skipped_steps": skipped, "config": cfg.as_dict(), "rank": rank,
-                            "world_size": world_size}, buf)
-                save_checkpoint(epoch, buf.getvalue())
+                save_checkpoint(epoch, checkpoint_bytes({
+                    "model": model.state_dict(), "optimizer": opt.state_dict(), "epoch": epoch,
+                    "compressor_memory": state.memory_state(), "epochs": epochs, "skipped_steps": skipped,
+                    "config": cfg.as_dict(), "rank": rank, "world_size": world_size}))
         sweep = []
         if collectives_sizes:
             from paperline.kernels.comm.collectives import allreduce_sweep  # noqa: PLC0415
@@ -291,8 +536,6 @@ def train_rank(rank: int, world_size: int, init_method: str, cfg: TrainConfig, *
                 "dense_bytes_per_step": sum(p.numel() * p.element_size() for p in params),
                 "config": cfg.as_dict(), "collectives": sweep,
                 "restored_memory_buckets": restored}
-    finally:
-        dist.destroy_process_group()
 
 
 def _allreduce_sum(values: list[float], dev: Any) -> list[float]:

@@ -249,10 +249,12 @@ def _run_no_garbage(world: int, rank: int, device) -> dict:
 
 
 def _worker_main(argv: list[str]) -> None:
-    from datetime import timedelta
+    from contextlib import ExitStack
 
     import torch
     import torch.distributed as dist
+
+    from paperline.kernels.train.ddp import process_group
 
     rank, world, port, out, backend = int(argv[0]), int(argv[1]), int(argv[2]), argv[3], argv[4]
     torch.set_num_threads(1)
@@ -260,8 +262,8 @@ def _worker_main(argv: list[str]) -> None:
     if backend == "nccl":
         torch.cuda.set_device(rank)
         device = torch.device("cuda", rank)
-    dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
-                            timeout=timedelta(seconds=60))
+    group = ExitStack()  # left at the end: rank 0's store and gloo listen on 127.0.0.1 only meanwhile
+    group.enter_context(process_group(backend, f"tcp://127.0.0.1:{port}", rank, world, timeout_s=60))
     results = {}
     for case in CASES:
         if case.subgroup and world == 1:
@@ -280,7 +282,7 @@ def _worker_main(argv: list[str]) -> None:
     with open(out, "w") as f:
         json.dump(results, f)
     dist.barrier()
-    dist.destroy_process_group()
+    group.close()
 
 
 # --------------------------------------------------------------------------------------------- tests

@@ -568,11 +568,12 @@ def _rank_main(rank: int, port: int, out: str, world: int, work) -> None:
     """One gloo rank: join the group, save ``work()``'s result as ``rank<r>.pt``, leave together."""
     import torch.distributed as dist
 
+    from paperline.kernels.train.ddp import process_group
+
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
-    torch.save(work(), Path(out) / f"rank{rank}.pt")
-    dist.barrier()
-    dist.destroy_process_group()
+    with process_group("gloo", f"tcp://127.0.0.1:{port}", rank, world):  # listens on 127.0.0.1 only
+        torch.save(work(), Path(out) / f"rank{rank}.pt")
+        dist.barrier()
 
 
 def _worker(rank: int, port: int, out: str) -> None:

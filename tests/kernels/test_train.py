@@ -104,12 +104,12 @@ def test_two_ranks_skip_a_nan_step_and_resume_from_a_checkpoint_to_the_same_weig
     e = r0["epochs"][-1]
     assert e["compression_ratio"] == 1 and e["bytes_sent_per_step"] == e["dense_bytes_per_step"] > 0
     assert 0 <= e["test_accuracy_pct"] <= 100 and np.isfinite(e["train_loss"])
-    w = [torch.load(io.BytesIO(x["final"]), weights_only=False)["model"] for x in full]
+    w = [torch.load(io.BytesIO(x["final"]), weights_only=True)["model"] for x in full]
     params = [k for k in w[0] if not k.endswith(("running_mean", "running_var", "num_batches_tracked"))]
     assert all(torch.equal(w[0][k], w[1][k]) for k in params)  # DDP keeps the parameters identical (BN stats are local)
     assert all(torch.isfinite(v).all() for v in w[0].values() if v.is_floating_point())  # NaN never applied
     assert [x["epoch"] for x in resumed[0]["result"]["epochs"]] == [0, 1]  # the resumed run keeps epoch 0's record
-    w2 = torch.load(io.BytesIO(resumed[0]["final"]), weights_only=False)["model"]
+    w2 = torch.load(io.BytesIO(resumed[0]["final"]), weights_only=True)["model"]
     for k in w[0]:
         if w[0][k].is_floating_point():
             torch.testing.assert_close(w2[k], w[0][k], rtol=1e-5, atol=1e-6)
@@ -120,7 +120,7 @@ def test_error_feedback_residuals_are_checkpointed_and_restored(tmp_path, free_p
     spectra, and a run resumed from it restores them (applied after the warm-up steps, once DDP has
     rebuilt its buckets) instead of restarting from zero."""
     full = _spawn(run_ranks, tmp_path, "fft-full", free_port())
-    memory = [torch.load(tmp_path / f"fftck{r}.pt", weights_only=False)["compressor_memory"] for r in range(2)]
+    memory = [torch.load(tmp_path / f"fftck{r}.pt", weights_only=True)["compressor_memory"] for r in range(2)]
     for m in memory:
         assert m["residuals"] and all(v.is_complex() and torch.isfinite(v).all() for v in m["residuals"].values())
         assert any(v.abs().max() > 0 for v in m["residuals"].values())
@@ -147,7 +147,7 @@ def test_isgd_flags_the_same_batches_on_every_rank_and_keeps_them_identical(tmp_
     e = [[(x["isgd_flagged"], x["isgd_extra_steps"]) for x in r["result"]["epochs"]] for r in ranks]
     assert e[0] == e[1]  # the chart watches the global loss: the same decisions on both ranks
     assert sum(f for f, _ in e[0]) >= 1 and sum(k for _, k in e[0]) >= 1, e[0]
-    w = [torch.load(io.BytesIO(x["final"]), weights_only=False)["model"] for x in ranks]
+    w = [torch.load(io.BytesIO(x["final"]), weights_only=True)["model"] for x in ranks]
     params = [k for k in w[0] if not k.endswith(("running_mean", "running_var", "num_batches_tracked"))]
     assert all(torch.equal(w[0][k], w[1][k]) for k in params)  # the extra steps went through DDP
 
