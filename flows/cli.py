@@ -168,26 +168,31 @@ def status() -> None:
     """Show each service with its URL and health; exit 1 when one is not healthy (so that
     `paperline status || paperline up` works in scripts)."""
     from paperline.infra.cluster import describe_cluster
-    from paperline.infra.stack import stack_status
+    from paperline.infra.stack import stack_status, state_problem
 
     settings = _settings()
     services = stack_status(settings)
     _print_services(services)
     console.print(f"Dask: {describe_cluster(settings)}")
     console.print(f"state directory: {settings.state_dir}")
-    for line in _down_lines(services):
+    problem = state_problem(settings)
+    if problem:  # its servers may be running unrecorded: "not running" alone sent users to `up`, which failed
+        console.print(f"[yellow]{problem}[/]", highlight=False, soft_wrap=True)
+    for line in _down_lines(services, unrecorded=bool(problem)):
         console.print(line, highlight=False, soft_wrap=True)
-    if any(not s.healthy for s in services):
+    if problem or any(not s.healthy for s in services):
         raise typer.Exit(1)
 
 
-def _down_lines(services) -> list[str]:
+def _down_lines(services, unrecorded: bool = False) -> list[str]:
     """What is wrong with the services that are not healthy: a local one is started by `paperline
-    up`; a configured endpoint is not (`up` starts nothing for it), so its line says why it failed."""
+    up`; a configured endpoint is not (`up` starts nothing for it), so its line says why it failed.
+    ``unrecorded``: the stack's state could not be read, so the local ones are not known to be down."""
     from paperline.infra.errors import redact_url
 
     local = [s.name for s in services if not s.healthy and s.managed]
-    lines = [f"not running: {', '.join(local)} (`paperline up` starts the local stack)"] if local else []
+    lines = [f"not running: {', '.join(local)} (`paperline up` starts the local stack)"] if local and not unrecorded \
+        else []
     return lines + [f"not reachable: {s.name} at {redact_url(s.url)} (configured endpoint): {s.problem}"
                     for s in services if not s.healthy and not s.managed]
 

@@ -157,7 +157,7 @@ def _read_state(settings: Settings) -> dict[str, Any]:
     except FileNotFoundError:
         return {"version": 1, "services": {}}
     except (OSError, ValueError) as exc:
-        raise PaperlineError(f"{path}: unreadable stack state ({exc}); run `paperline down` or delete it") from exc
+        raise PaperlineError(f"{path}: unreadable stack state ({exc}); `paperline down` stops the servers it recorded (found by their processes) and deletes it") from exc
     state.setdefault("services", {})
     return state
 
@@ -199,9 +199,21 @@ def _private_state_dir(settings: Settings) -> None:
 def _locked(settings: Settings) -> Iterator[None]:
     """Serialise ``up``/``down`` on one state directory across processes."""
     _private_state_dir(settings)
-    with open(settings.state_dir / ".stack.lock", "w") as f:
-        fcntl.flock(f, fcntl.LOCK_EX)
+    path = settings.state_dir / ".stack.lock"
+    with open(path, "a+") as f:  # not "w": that emptied the holder's PID before the wait
         try:
+            fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:  # `paperline run` sat silent behind a slow (or stopped) `up` (a trial)
+            f.seek(0)
+            holder = f.read().strip()
+            print(f"paperline: waiting for another paperline command{f' (pid {holder})' if holder.isdigit() else ''} "
+                  f"that is starting or stopping this stack (it holds {path})", file=sys.stderr, flush=True)
+            fcntl.flock(f, fcntl.LOCK_EX)
+        try:
+            f.seek(0)
+            f.truncate()
+            f.write(str(os.getpid()))
+            f.flush()
             yield
         finally:
             fcntl.flock(f, fcntl.LOCK_UN)
@@ -354,6 +366,44 @@ def _stop_records(recs: list[dict[str, Any]], timeout_s: float = _STOP_TIMEOUT_S
         signal_all(signal.SIGKILL, only=alive)
         psutil.wait_procs(alive, timeout=5)
     return [g is not None for g in groups]
+
+
+def _unrecorded_servers(settings: Settings, recs: dict[str, dict[str, Any]]) -> dict[str, dict[str, Any]]:
+    """Servers of this state directory that ``recs`` (``stack.json``) does not record, as records
+    for :func:`_stop_records`, keyed by service name (``s3-<pid>``, ...).
+
+    A ``stack.json`` damaged or deleted while the stack ran left its servers running unknown: `down`
+    said "nothing to stop", and the next `up` started a second SeaweedFS on the same data, which
+    died on its filer's lock (a trial). Found by what only they are: processes of this user that
+    lead their own session (:func:`_spawn`), run in a directory under the state directory and
+    are ``weed``, ``python -m prefect server`` or ``python -m mlflow server``.
+    """
+    import psutil  # noqa: PLC0415
+
+    root = settings.state_dir.resolve()
+    known = {int(r["pid"]) for r in recs.values() if isinstance(r, dict) and r.get("pid")}
+    found: dict[str, dict[str, Any]] = {}
+    for proc in psutil.process_iter(["cmdline", "cwd", "uids", "create_time"]):
+        info = proc.info
+        with contextlib.suppress(OSError, psutil.Error, ValueError):
+            if proc.pid in known or os.getsid(proc.pid) != proc.pid or not info["cwd"] or not info["uids"]:
+                continue
+            if info["uids"].real != os.getuid() or not Path(info["cwd"]).resolve().is_relative_to(root):
+                continue
+            name = _server_name(info["cmdline"] or [])
+            if name is not None:
+                found[f"{name}-{proc.pid}"] = {"pid": proc.pid, "create_time": info["create_time"]}
+    return found
+
+
+def _server_name(cmdline: list[str]) -> str | None:
+    """``s3``, ``prefect`` or ``mlflow`` for a command line :func:`_start_s3` and the others run."""
+    if cmdline and Path(cmdline[0]).name == "weed":
+        return "s3"
+    for i, arg in enumerate(cmdline[:-2]):
+        if arg == "-m" and cmdline[i + 1] in ("prefect", "mlflow") and cmdline[i + 2] == "server":
+            return cmdline[i + 1]
+    return None
 
 
 def _stop_record(rec: dict[str, Any], timeout_s: float = _STOP_TIMEOUT_S) -> bool:
@@ -1085,6 +1135,11 @@ def ensure_stack(settings: Settings, *, progress: Progress | None = None, notice
     with _locked(settings):
         state = _read_state(settings)
         recs: dict[str, dict[str, Any]] = state["services"]
+        unrecorded = _unrecorded_servers(settings, recs)
+        if unrecorded:  # they hold the data directories (SeaweedFS's filer lock) the new ones need
+            say(f"stopping servers of this state directory that stack.json does not record: "
+                f"{', '.join(k.replace('-', ' (pid ') + ')' for k in unrecorded)}")
+            _stop_records(list(unrecorded.values()))
         started: list[str] = []
         # Ports held by recorded servers we keep must not be handed to new ones.
         taken: set[int] = set()
@@ -1268,8 +1323,10 @@ def stop_stack(settings: Settings) -> list[str]:
     """Stop the local servers recorded in ``stack.json`` (``paperline down``) and delete the file.
 
     Each recorded process is checked (PID and start time) before being signalled, so a recycled PID is
-    never hit. Its whole process group gets SIGTERM, then SIGKILL after 15 seconds. Configured external
-    endpoints are never touched. Data under ``state_dir`` is kept.
+    never hit. Its whole process group gets SIGTERM, then SIGKILL after 15 seconds. Servers of this
+    state directory that ``stack.json`` does not record (it was damaged or deleted) are found by
+    their processes and stopped too (:func:`_unrecorded_servers`). Configured external endpoints
+    are never touched. Data under ``state_dir`` is kept.
 
     Args:
         settings: Uses ``state_dir``.
@@ -1278,23 +1335,36 @@ def stop_stack(settings: Settings) -> list[str]:
         Names of the services that were running and have been stopped.
     """
     path = _state_path(settings)
-    if not path.exists():
+    if not settings.state_dir.is_dir():
         return []
     _drain_prefect_clients()
     stopped: list[str] = []
     with _locked(settings):
         try:
             state = _read_state(settings)
-        except PaperlineError:
+        except PaperlineError:  # damaged: its servers are found by their processes below
             state = {"services": {}}
         recs = state.get("services", {})
         names = [n for n in SERVICE_NAMES if recs.get(n)]
         for name, was_running in zip(names, _stop_records([recs[n] for n in names]), strict=True):
             if was_running:
                 stopped.append(name)
+        unrecorded = _unrecorded_servers(settings, recs)
+        for key, was_running in zip(unrecorded, _stop_records(list(unrecorded.values())), strict=True):
+            if was_running:
+                stopped.append(f"{key.split('-')[0]} (pid {unrecorded[key]['pid']}, not in stack.json)")
         with contextlib.suppress(FileNotFoundError):
             path.unlink()
     return stopped
+
+
+def state_problem(settings: Settings) -> str | None:
+    """Why ``stack.json`` cannot be read (what `up` refuses to start on), or None."""
+    try:
+        _read_state(settings)
+    except PaperlineError as exc:
+        return str(exc)
+    return None
 
 
 def stack_status(settings: Settings) -> list[Service]:

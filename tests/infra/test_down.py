@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import re
+import time
 import socket
 from urllib.parse import urlparse
 
@@ -117,3 +118,42 @@ def test_failed_start_leaves_nothing_running(settings_factory, tmp_path):
     ]
     assert leftovers == []
     assert stop_stack(settings) == []
+
+
+def test_servers_a_damaged_stack_json_lost_are_stopped_by_down(settings_factory, tmp_path):
+    """A damaged stack.json left the stack running unknown: `down` said "nothing to stop" and the
+    next `up` started a second SeaweedFS on the same data, which died on its filer's lock (a trial).
+    `down` finds this state directory's servers by their processes; nothing else is touched."""
+
+    from paperline.infra.stack import _spawn, _unrecorded_servers, state_problem
+
+    settings = settings_factory(tmp_path / "state")
+    (settings.state_dir / "s3").mkdir(parents=True)
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+
+    def spawn(argv0: str, cwd):  # a server as _spawn starts one: its own session, cwd in the state directory
+        return _spawn(["bash", "-c", f"exec -a {argv0} sleep 120"], {}, tmp_path / f"{argv0}.log", cwd)
+
+    weed = spawn("weed", settings.state_dir / "s3")
+    other_dir = spawn("weed", elsewhere)  # another state directory's
+    not_a_server = spawn("notaserver", settings.state_dir)  # e.g. a shell a user left in the directory
+    try:
+        for proc in (weed, other_dir, not_a_server):
+            for _ in range(50):
+                if psutil.Process(proc.pid).cmdline()[:1] != ["bash"]:
+                    break
+                time.sleep(0.05)
+        (settings.state_dir / "stack.json").write_text('{"services": {"s3": {"pid": 1')  # cut short
+        assert "unreadable stack state" in state_problem(settings)
+        assert set(_unrecorded_servers(settings, {})) == {f"s3-{weed.pid}"}
+        assert stop_stack(settings) == [f"s3 (pid {weed.pid}, not in stack.json)"]
+        assert weed.wait(10) is not None
+        assert other_dir.poll() is None and not_a_server.poll() is None
+        assert not (settings.state_dir / "stack.json").exists() and state_problem(settings) is None
+    finally:
+        for proc in (weed, other_dir, not_a_server):
+            proc.kill()
+            proc.wait()
+    assert stop_stack(settings_factory(tmp_path / "never-made")) == []
+    assert not (tmp_path / "never-made").exists()  # `down` on no state directory creates none

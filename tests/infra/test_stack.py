@@ -579,3 +579,38 @@ def test_the_state_directory_is_its_owners_alone(stack, tmp_path):
     assert stat.S_IMODE(existing.stat().st_mode) == 0o700 and (existing / "keep").read_text() == "x"
     _private_state_dir(Settings(state_dir=tmp_path / "new" / "state"))
     assert stat.S_IMODE((tmp_path / "new" / "state").stat().st_mode) == 0o700
+
+
+def test_a_command_waiting_for_the_stack_lock_says_who_holds_it(tmp_path, capfd):
+    """`paperline run` behind a slow (or stopped) `up` sat silent in flock (a trial)."""
+    import subprocess
+    import sys
+    import threading
+
+    from paperline.infra.settings import Settings
+    from paperline.infra.stack import _locked
+
+    script = ("import sys\nfrom paperline.infra.settings import Settings\nfrom paperline.infra.stack import _locked\n"
+              f"with _locked(Settings(state_dir={str(tmp_path)!r})):\n    print('held', flush=True)\n    sys.stdin.read()\n")
+    holder = subprocess.Popen([sys.executable, "-c", script], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline().strip() == "held"
+        got = []
+
+        def wait() -> None:
+            with _locked(Settings(state_dir=tmp_path)):
+                got.append(True)
+
+        waiter = threading.Thread(target=wait)
+        waiter.start()
+        waiter.join(1.0)
+        assert not got  # still waiting
+        holder.stdin.close()
+        waiter.join(30)
+        assert got
+    finally:
+        holder.kill()
+        holder.wait()
+    err = capfd.readouterr().err
+    assert f"waiting for another paperline command (pid {holder.pid}) that is starting or stopping this stack" in err
+    assert str(tmp_path / ".stack.lock") in err
