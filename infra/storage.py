@@ -119,8 +119,10 @@ class ObjectStore:
         access_key_id: str | None,
         secret_access_key: str | None,
         region: str = "us-east-1",
+        log_path: str | None = None,
     ):
         self.endpoint_url = endpoint_url
+        self.log_path = log_path  # the local server's log, named in its errors
         self.access_key_id = access_key_id
         self._secret_access_key = secret_access_key
         self.region = region
@@ -130,7 +132,9 @@ class ObjectStore:
     @classmethod
     def from_stack(cls, info: StackInfo) -> ObjectStore:
         """The store of a running stack (see :func:`paperline.infra.stack.ensure_stack`)."""
-        return cls(info.s3_endpoint_url, info.s3_access_key_id, info.s3_secret_access_key, info.s3_region)
+        log = next((s.log_path for s in info.services if s.name == "s3" and s.managed), None)
+        return cls(info.s3_endpoint_url, info.s3_access_key_id, info.s3_secret_access_key, info.s3_region,
+                   log_path=log)
 
     # -- plumbing -------------------------------------------------------------------------------------
 
@@ -174,7 +178,9 @@ class ObjectStore:
         return self._client
 
     def _service_error(self, exc: Exception, what: str) -> ServiceError:
-        return ServiceError("s3", f"{what}: {exc}", url=self.endpoint_url)
+        from paperline.infra.tracking import STATUS_HINT  # noqa: PLC0415
+
+        return ServiceError("s3", f"{what}: {exc}; {STATUS_HINT}", url=self.endpoint_url, log=self.log_path)
 
     def _call(self, what: str, fn: Any, *args: Any, **kwargs: Any) -> Any:
         """Call a boto3 method, turning connection and credential failures into ServiceError."""
@@ -190,6 +196,13 @@ class ObjectStore:
             code = exc.response.get("Error", {}).get("Code", "")
             if code in {"SignatureDoesNotMatch", "InvalidAccessKeyId", "AccessDenied", "InvalidToken"}:
                 raise ServiceError("s3", f"{what}: credentials rejected ({code})", url=self.endpoint_url) from exc
+            status = exc.response.get("ResponseMetadata", {}).get("HTTPStatusCode") or 0
+            if status >= 500:  # "InternalError ... please try again" blamed nothing (a trial: a full disk)
+                message = exc.response.get("Error", {}).get("Message", "")
+                disk = ("; a full disk stops SeaweedFS's writes (check `df -h` of the state directory)"
+                        if self.log_path else "")
+                raise ServiceError("s3", f"{what}: the server failed (HTTP {status}, {code}: {message}){disk}",
+                                   url=self.endpoint_url, log=self.log_path) from exc
             raise
         except NoCredentialsError as exc:
             raise ServiceError("s3", f"{what}: no S3 credentials configured", url=self.endpoint_url) from exc

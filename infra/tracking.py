@@ -25,6 +25,15 @@ _FALLBACK_LIMITS = {"MAX_METRICS_PER_BATCH": 1000, "MAX_PARAMS_TAGS_PER_BATCH": 
 STATUS_HINT = "`paperline status` shows what is down"  # the server was killed mid-run: where to look
 
 
+def _shortened(text: str, limit: int) -> str:
+    """``text`` cut to about ``limit`` characters at a word boundary, with "..." where cut (a
+    message ended "Failed to est" mid-word: a trial)."""
+    if len(text) <= limit:
+        return text
+    cut = text[:limit].rsplit(" ", 1)[0]
+    return (cut if len(cut) > limit // 2 else text[:limit]) + " ..."
+
+
 @functools.cache
 def _limit(name: str) -> int:
     """MLflow's own limit ``name`` (``mlflow.utils.validation``), read when first needed: importing
@@ -136,7 +145,8 @@ class Tracker:
             text = f"{type(exc).__name__}: {exc}"
             if isinstance(exc, (ConnectionError, TimeoutError)) or any(h in text for h in _CONNECTION_HINTS):
                 # killed mid-run, it ended the run with this alone (a trial): say where to look
-                raise ServiceError("mlflow", f"{what}: {text[:300]}; {STATUS_HINT}", url=self.tracking_uri) from exc
+                raise ServiceError("mlflow", f"{what}: {_shortened(text, 300)}; {STATUS_HINT}",
+                                   url=self.tracking_uri) from exc
             raise
 
     def _experiment_id(self, name: str) -> str:

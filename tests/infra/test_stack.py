@@ -276,10 +276,50 @@ def test_failed_part_leaves_no_manifest(stack):
 def test_dead_endpoints_raise_service_errors(free_port):
     port = free_port()
     store = ObjectStore(f"http://127.0.0.1:{port}", "k", "s", "us-east-1")
-    with pytest.raises(ServiceError, match="s3 is not available"):
+    with pytest.raises(ServiceError, match="s3 is not available.*; `paperline status` shows what is down"):
         store.get_bytes("s3://bucket/key")
     with pytest.raises(ServiceError, match="mlflow is not available.*; `paperline status` shows what is down"):
         Tracker(f"http://127.0.0.1:{port}").start_run("x", run_name="y")
+
+
+def test_an_s3_server_failing_is_named_with_its_log(tmp_path):
+    """A SeaweedFS whose disk filled answered PutObject with HTTP 500 "InternalError ... please try
+    again": the run ended with a bare ClientError naming neither S3's log nor the disk (a trial)."""
+    import http.server
+    import threading
+
+    class Failing(http.server.BaseHTTPRequestHandler):
+        def _fail(self) -> None:
+            self.rfile.read(int(self.headers.get("Content-Length") or 0))
+            body = (b"<?xml version='1.0' encoding='UTF-8'?><Error><Code>InternalError</Code><Message>We "
+                    b"encountered an internal error, please try again.</Message></Error>")
+            self.send_response(500)
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        do_PUT = do_GET = do_HEAD = _fail
+
+        def log_message(self, *args) -> None:
+            pass
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Failing)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        url = f"http://127.0.0.1:{server.server_address[1]}"
+        log = str(tmp_path / "s3.log")
+        store = ObjectStore(url, "k", "s", "us-east-1", log_path=log)
+        with pytest.raises(ServiceError) as e:
+            store.put_bytes_to(b"x", "s3://bucket/a/b.bin")
+        text = str(e.value)
+        assert text.startswith(f"s3 is not available at {url}: ") and "the server failed (HTTP 500, InternalError" in text
+        assert "a full disk stops SeaweedFS's writes" in text and text.endswith(f"(log: {log})")
+        # a configured endpoint (no local log): no word of SeaweedFS
+        with pytest.raises(ServiceError, match="the server failed") as e:
+            ObjectStore(url, "k", "s", "us-east-1").put_bytes_to(b"x", "s3://bucket/a/b.bin")
+        assert "SeaweedFS" not in str(e.value)
+    finally:
+        server.shutdown()
 
 
 def test_a_server_that_lost_its_port_to_another_is_not_taken_as_started(free_port, tmp_path):
@@ -614,3 +654,11 @@ def test_a_command_waiting_for_the_stack_lock_says_who_holds_it(tmp_path, capfd)
     err = capfd.readouterr().err
     assert f"waiting for another paperline command (pid {holder.pid}) that is starting or stopping this stack" in err
     assert str(tmp_path / ".stack.lock") in err
+
+
+def test_long_service_messages_are_cut_at_a_word():
+    from paperline.infra.tracking import _shortened
+
+    text = "HTTPConnectionPool(host='127.0.0.1'): Max retries exceeded " + "word " * 80
+    short = _shortened(text, 120)
+    assert len(short) <= 124 and short.endswith("word ...") and _shortened("short", 120) == "short"
