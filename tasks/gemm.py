@@ -27,7 +27,7 @@ from prefect.cache_policies import NO_CACHE
 
 from paperline.infra.storage import ObjectStore
 from paperline.kernels.blas.plan import Problem, make_problem
-from paperline.kernels.blas.runtime import DaskRuntime, LocalRuntime, RunResult, run
+from paperline.kernels.blas.runtime import DaskRuntime, LocalRuntime, RunResult, owner_tag, run, sweep_leftovers
 from paperline.kernels.blas.sources import NpySource, RandomSource, TileSource, check_matrix_header, read_all, read_npy_header
 from paperline.kernels.blas.verify import freivalds
 from paperline.kernels.errors import InputError
@@ -250,6 +250,8 @@ def scratch_dir() -> str:
 
     path = Path(get_settings().state_dir) / "gemm" / "scratch"
     path.mkdir(parents=True, exist_ok=True)
+    for prefix in ("run-", "scaling-"):  # of runs killed outright (kill -9): their cleanup never ran
+        sweep_leftovers(path, prefix)
     return str(path)
 
 
@@ -293,7 +295,7 @@ def tiled_multiply(params: dict[str, Any], store: ObjectStore | None, output: st
     """
     problem = build_problem(params, store)
     to_s3 = output.startswith("s3://")
-    with tempfile.TemporaryDirectory(prefix="run-", dir=scratch_dir()) as tmp:
+    with tempfile.TemporaryDirectory(prefix=f"run-{owner_tag()}-", dir=scratch_dir()) as tmp:
         local = os.path.join(tmp, "result.npy") if to_s3 else output
         result = run(problem, _runtime(device), output=local, memory_budget=memory_budget,
                      check_finite=params["check_finite"])
@@ -329,7 +331,7 @@ def scaling_sweep(params: dict[str, Any], store: ObjectStore | None, memory_budg
     rt = _runtime(device)
     all_workers = rt.workers()
     rows = []
-    with tempfile.TemporaryDirectory(prefix="scaling-", dir=scratch_dir()) as tmp:
+    with tempfile.TemporaryDirectory(prefix=f"scaling-{owner_tag()}-", dir=scratch_dir()) as tmp:
         for w in range(1, len(all_workers) + 1):
             sub = _runtime(device, all_workers[:w]) if w < len(all_workers) else rt
             res = run(problem, sub, output=os.path.join(tmp, f"r{w}.npy"), memory_budget=memory_budget,

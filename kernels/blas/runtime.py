@@ -13,6 +13,7 @@ straight into a staged ``.npy`` file that becomes visible (renamed) only on :met
 from __future__ import annotations
 
 import os
+import re
 import shutil
 import tempfile
 import threading
@@ -449,10 +450,12 @@ def run(problem: Problem, runtime: LocalRuntime | DaskRuntime | None = None, *, 
             if isinstance(source, NpySource) and Path(source.path).exists() and Path(final).exists() \
                     and os.path.samefile(source.path, final):
                 raise InputError("output", output, f"is operand {name}: writing it would destroy the input")
-        staged = str(Path(final).with_name(f".{Path(final).name}.partial-{run_id}.npy"))
+        sweep_leftovers(Path(final).parent, f".{Path(final).name}.partial-")
+        staged = str(Path(final).with_name(f".{Path(final).name}.partial-{owner_tag()}-{run_id}.npy"))
     if spill or (output is None and problem.routine == "trsm"):
         # TRSM reads finished output tiles back: an in-memory result is staged in a scratch file.
-        tmp = tempfile.mkdtemp(prefix="paperline-blas-", dir=spill_dir)
+        sweep_leftovers(Path(spill_dir or tempfile.gettempdir()), "paperline-blas-")
+        tmp = tempfile.mkdtemp(prefix=f"paperline-blas-{owner_tag()}-", dir=spill_dir)
         if staged is None and problem.routine == "trsm":
             staged = os.path.join(tmp, "x.npy")
     try:
@@ -504,6 +507,59 @@ def _fallocate(fd: int, nbytes: int) -> bool:
     if err in (errno.EOPNOTSUPP, errno.ENOSYS, errno.EINVAL):
         return False
     raise OSError(err, os.strerror(err))
+
+
+def owner_tag() -> str:
+    """``<pid>@<host>`` of this process, put in the names of the partial outputs and scratch
+    directories it creates, so that :func:`sweep_leftovers` knows one left by a dead process."""
+    import socket  # noqa: PLC0415
+
+    return f"{os.getpid()}@{socket.gethostname()}"
+
+
+_OWNED = re.compile(r"(\d+)@(.+)-[^-]*$")
+
+
+def sweep_leftovers(directory: Path, prefix: str) -> list[str]:
+    """Delete the entries of ``directory`` named ``prefix`` + :func:`owner_tag` + ``-...`` whose
+    owner, a process of this host, is gone: what a run killed outright (``kill -9``, a lost
+    machine) left, which its cleanup never got to (a trial: a 302 MB hidden partial output beside
+    the output, 129 MB of scratch, still there after later runs). An entry of a live process, of
+    another host, or without the tag is kept; a PID reused since keeps its entry too.
+
+    Returns:
+        The paths deleted.
+    """
+    import socket  # noqa: PLC0415
+
+    host, deleted = socket.gethostname(), []
+    try:
+        entries = [e for e in directory.iterdir() if e.name.startswith(prefix)]
+    except OSError:
+        return deleted
+    for entry in entries:
+        found = _OWNED.match(entry.name[len(prefix):])
+        if found is None or found.group(2) != host or _alive(int(found.group(1))):
+            continue
+        try:
+            if entry.is_dir() and not entry.is_symlink():
+                shutil.rmtree(entry)
+            else:
+                entry.unlink()
+            deleted.append(str(entry))
+        except OSError:
+            continue  # another sweeper got it, or not ours to delete
+    return deleted
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's
+        return True
+    return True
 
 
 def stage_npy(path: str, dtype: np.dtype, shape: tuple[int, int]) -> None:

@@ -281,6 +281,36 @@ def test_failed_run_leaves_no_output_file(tmp_path):
     assert os.listdir(tmp_path) == []
 
 
+def test_what_a_killed_run_left_is_swept_by_the_next_one(tmp_path):
+    """kill -9 of a run left its hidden .partial output (302 MB in a trial) beside the output, and
+    later runs of the same command never removed it. Leftovers of a live process, another host or
+    no owner tag are kept."""
+    import socket
+    import subprocess
+    import sys
+
+    from paperline.kernels.blas.runtime import owner_tag, sweep_leftovers
+
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    host = socket.gethostname()
+    stale = tmp_path / f".c.npy.partial-{dead.pid}@{host}-0123456789ab.npy"
+    live = tmp_path / f".c.npy.partial-{owner_tag()}-0123456789ab.npy"
+    elsewhere = tmp_path / f".c.npy.partial-{dead.pid}@not-{host}-0123456789ab.npy"
+    untagged = tmp_path / ".c.npy.partial-0123456789ab.npy"
+    for path in (stale, live, elsewhere, untagged):
+        path.write_bytes(b"x")
+    scratch = tmp_path / "scratch"
+    (scratch / f"run-{dead.pid}@{host}-k2j_x9ab").mkdir(parents=True)
+    (scratch / f"run-{dead.pid}@{host}-k2j_x9ab" / "result.npy").write_bytes(b"x")
+    assert sweep_leftovers(scratch, "run-") == [str(scratch / f"run-{dead.pid}@{host}-k2j_x9ab")]
+    assert os.listdir(scratch) == []
+    a, b = rand((M, K), np.float64, 1), rand((K, N), np.float64, 2)
+    run(make_problem("gemm", a, b, tile=TILE), output=str(tmp_path / "c.npy")).commit()
+    assert not stale.exists() and live.exists() and elsewhere.exists() and untagged.exists()
+    np.testing.assert_allclose(np.load(tmp_path / "c.npy"), a @ b, rtol=1e-10, atol=1e-10)
+
+
 def test_non_finite_entry_of_an_operand_file_names_the_file_and_the_entry(tmp_path):
     a = rand((M, K), np.float64, 1)
     a[900, 500] = np.inf
