@@ -1137,7 +1137,7 @@ def ensure_stack(settings: Settings, *, progress: Progress | None = None, notice
         recs: dict[str, dict[str, Any]] = state["services"]
         unrecorded = _unrecorded_servers(settings, recs)
         if unrecorded:  # they hold the data directories (SeaweedFS's filer lock) the new ones need
-            say(f"stopping servers of this state directory that stack.json does not record: "
+            tell(f"stopping servers of this state directory that stack.json does not record: "
                 f"{', '.join(k.replace('-', ' (pid ') + ')' for k in unrecorded)}")
             _stop_records(list(unrecorded.values()))
         started: list[str] = []
@@ -1236,7 +1236,8 @@ def ensure_stack(settings: Settings, *, progress: Progress | None = None, notice
                 problem = _service_problem("prefect", api, configured=True)
                 if problem:
                     raise ServiceError("prefect", problem, url=api)
-            elif "prefect" not in recs:
+            last = {name: _last_port(settings, name) for name in ("prefect", "mlflow")}
+            if "prefect" not in recs and not external["prefect"]:
                 proc, rec = _start_prefect(settings, None, taken)
                 say(f"prefect: starting server at {rec['url']} (log: {rec['log_path']})")
                 recs["prefect"] = rec
@@ -1246,12 +1247,18 @@ def ensure_stack(settings: Settings, *, progress: Progress | None = None, notice
                 problem = _service_problem("mlflow", external["mlflow"], configured=True)
                 if problem:
                     raise ServiceError("mlflow", problem, url=external["mlflow"])
-            elif "mlflow" not in recs:
+            if "mlflow" not in recs and not external["mlflow"]:
                 proc, rec = _start_mlflow(settings, None, taken, s3_obj_url, key, secret)
                 say(f"mlflow: starting server at {rec['url']} (log: {rec['log_path']})")
                 recs["mlflow"] = rec
                 started.append("mlflow")
                 pending["mlflow"] = (proc, lambda r=rec: _mlflow_healthy(r["url"]), rec["url"], rec["log_path"])
+            for name in pending:
+                if last[name] and recs[name]["port"] != last[name] and not _port_free(settings.host, last[name]):
+                    # MLflow moved off 5000 silently (a trial); a port newly set in settings is no news
+                    tell(f"{name}: its last port {last[name]} is taken by another process, so it is on "
+                         f"{recs[name]['port']} now: links to the old port (e.g. earlier runs' MLflow links) "
+                         "no longer reach this stack")
             if pending:
                 save()
                 _wait_healthy(pending, settings.startup_timeout_s)

@@ -62,6 +62,20 @@ def test_second_stack_on_taken_ports_stops_completely(settings_factory, tmp_path
         stop_stack(settings)
         info = ensure_stack(settings)
         assert [s.url for s in info.services] == urls
+        # the last port taken meanwhile too: a new one, and `up` says so (MLflow moved off 5000
+        # silently, and earlier links reached the process that took it: a trial)
+        stop_stack(settings)
+        last = urlparse(info.prefect_api_url).port
+        held = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        held.bind(("127.0.0.1", last))
+        held.listen(1)
+        blockers.append(held)
+        notices: list[str] = []
+        info = ensure_stack(settings, notice=notices.append)
+        assert urlparse(info.prefect_api_url).port != last
+        assert [n for n in notices if n.startswith(f"prefect: its last port {last} is taken by another process, so it "
+                                                   f"is on {urlparse(info.prefect_api_url).port} now")], notices
+        assert not [n for n in notices if n.startswith("mlflow: its last port")], notices
 
         procs = []
         for svc in info.services:
