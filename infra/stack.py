@@ -22,6 +22,7 @@ children's) Prefect and MLflow clients at the stack.
 from __future__ import annotations
 
 import contextlib
+import errno
 import fcntl
 import hashlib
 import json
@@ -188,11 +189,17 @@ def _private_state_dir(settings: Settings) -> None:
     the key that decrypts its blocks (the result storage's S3 secret) and the object data, and
     with the usual umask 022 any local user could read them (a security review)."""
     path = settings.state_dir
-    path.mkdir(mode=0o700, parents=True, exist_ok=True)
-    mode = path.stat().st_mode
-    if mode & 0o077:
-        with contextlib.suppress(PermissionError):  # not ours: its owner decides
-            os.chmod(path, mode & 0o7700)
+    try:
+        path.mkdir(mode=0o700, parents=True, exist_ok=True)
+        mode = path.stat().st_mode
+        if mode & 0o077:
+            with contextlib.suppress(PermissionError):  # not ours: its owner decides
+                os.chmod(path, mode & 0o7700)
+        if not os.access(path, os.W_OK | os.X_OK):
+            raise PermissionError(errno.EACCES, os.strerror(errno.EACCES))
+    except OSError as exc:  # it said "OSError: [Errno 30] Read-only file system: '.../.stack.lock'" (a trial)
+        raise PaperlineError(f"state directory {path}: cannot write there ({exc.strerror}); set PAPERLINE_STATE_DIR "
+                             "to a writable directory") from None
 
 
 @contextlib.contextmanager

@@ -662,3 +662,17 @@ def test_long_service_messages_are_cut_at_a_word():
     text = "HTTPConnectionPool(host='127.0.0.1'): Max retries exceeded " + "word " * 80
     short = _shortened(text, 120)
     assert len(short) <= 124 and short.endswith("word ...") and _shortened("short", 120) == "short"
+
+
+def test_a_state_directory_that_cannot_be_made_says_which_setting_to_change():
+    """A read-only state directory failed with "OSError: [Errno 30] Read-only file system:
+    '.../.stack.lock'", naming neither the setting nor what to do (a trial)."""
+    from pathlib import Path
+
+    from paperline.infra.errors import PaperlineError
+    from paperline.infra.settings import Settings
+    from paperline.infra.stack import _private_state_dir
+
+    with pytest.raises(PaperlineError, match=r"^state directory /proc/.*: cannot write there \(.*\); set "
+                                             "PAPERLINE_STATE_DIR to a writable directory$"):
+        _private_state_dir(Settings(state_dir=Path("/proc/self/paperline-state")))
