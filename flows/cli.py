@@ -487,8 +487,20 @@ def _quiet_logs() -> None:
     quiet_dask_logs()  # after Prefect's setup: it lists `distributed` among its extra loggers, at INFO
     for handler in logging.getLogger().handlers:  # the same function objects: added once
         handler.addFilter(not_in_summary)
+        handler.addFilter(_short_event_failures)
         if not _state["debug"]:
             handler.addFilter(_strip_traceback)
+    for handler in logging.getLogger("prefect._internal").handlers:  # its own (the events worker's records)
+        handler.addFilter(_short_event_failures)
+
+
+def _short_event_failures(record: Any) -> bool:
+    """One short line for each event Prefect's events worker could not send: with the server gone
+    each such record printed the whole event (2,000 characters; a trial)."""
+    args = record.args if isinstance(record.args, tuple) else ()
+    if "failed to process item" in str(record.msg) and any(type(a).__name__ == "Event" for a in args):
+        record.msg, record.args = "Prefect's events worker could not send an event to the server", ()
+    return True
 
 
 def _strip_traceback(record: Any) -> bool:

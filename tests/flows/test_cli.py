@@ -633,3 +633,20 @@ def test_up_interrupted_while_starting_says_what_it_left(monkeypatch):
     result = run_cli("up")
     assert result.exit_code != 0
     assert "interrupted: the servers this `up` had started are stopped again" in " ".join(result.output.split())
+
+
+def test_an_event_prefect_could_not_send_is_one_short_line():
+    import logging
+
+    from prefect.events import Event
+
+    from paperline.flows.cli import _short_event_failures
+
+    event = Event(event="prefect.task-run.Completed", resource={"prefect.resource.id": "x" * 3000})
+    record = logging.LogRecord("prefect._internal.concurrency", logging.ERROR, __file__, 1,
+                               "Service %r failed to process item %r", ("EventsWorker", event), None)
+    assert _short_event_failures(record) and record.getMessage() == \
+        "Prefect's events worker could not send an event to the server"
+    other = logging.LogRecord("prefect", logging.ERROR, __file__, 1, "Service %r failed to process item %r",
+                              ("LogsWorker", {"x": 1}), None)
+    assert _short_event_failures(other) and "LogsWorker" in other.getMessage()
