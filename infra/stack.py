@@ -163,7 +163,7 @@ def _read_state(settings: Settings) -> dict[str, Any]:
     return state
 
 
-def _write_atomic(path: Path, text: str, mode: int = 0o644) -> None:
+def _write_atomic(path: Path, text: str, mode: int = 0o600) -> None:  # its files may hold URLs with passwords
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
     try:

@@ -349,8 +349,12 @@ def load_checkpoint(data: bytes, source: str, map_location: Any = "cpu") -> dict
     except pickle.UnpicklingError as exc:
         # torch's message is a page of advice (including "load it with weights_only=False"); keep
         # the reason, e.g. "Unsupported global: GLOBAL posix.system was not an allowed global"
-        found = re.search(r"WeightsUnpickler error:\s*(.+?)(?:\.\s|\n|$)", str(exc))
-        reason = found.group(1).strip() if found else str(exc)[:200]
+        # (never its advice to reload with weights_only=False: a trial found the message ending there)
+        lines = [line.strip() for line in str(exc).splitlines() if line.strip()]
+        reasons = [line for line in lines if "weights_only" not in line and not line.startswith(
+            ("Weights only load failed", "Check the documentation", "Please file an issue"))]
+        reason = re.sub(r"^WeightsUnpickler error:\s*", "", reasons[0])[:200] if reasons else \
+            "it names objects other than tensors and plain values"
         raise InputError("checkpoint", source,
                          "refused: not loaded, as it holds more than tensors and plain values (tampered with, "
                          f"or not written by train_rank): {reason}") from None
