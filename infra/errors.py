@@ -28,7 +28,10 @@ def input_error_from(exc: Any, argument: Callable[[tuple[Any, ...]], str]) -> In
     the setting or parameter from the error's location tuple; the value seen and pydantic's
     message (without the ``Value error, `` prefix a validator's ValueError gets) follow."""
     err = exc.errors()[0]
-    return InputError(argument(tuple(err["loc"])), err.get("input"), err["msg"].removeprefix("Value error, "))
+    value = err.get("input")
+    if isinstance(value, str):  # a URL's password is not shown
+        value = redact_text(value)
+    return InputError(argument(tuple(err["loc"])), value, err["msg"].removeprefix("Value error, "))
 
 
 def redact_url(url: str) -> str:

@@ -99,6 +99,25 @@ class Settings(BaseSettings):
                              "starting and ending with a letter or digit")
         return v
 
+    @field_validator("s3_endpoint_url", "prefect_api_url", "mlflow_tracking_uri")
+    @classmethod
+    def _url(cls, v: str | None) -> str | None:
+        from urllib.parse import urlsplit  # noqa: PLC0415
+
+        if not v:
+            return v
+        try:
+            parts = urlsplit(v)
+            parts.port  # noqa: B018 - raises on a port that is not a number
+        except ValueError:
+            parts = None
+        if parts is None or parts.scheme not in ("http", "https") or not parts.hostname:
+            # a password with a raw '/' or '#' ended the host early: its halves were printed in
+            # "GET /cdef@host/health failed: Invalid port: 'ab'" (a trial)
+            raise ValueError("expected http(s)://[user:password@]host[:port][/path]; a password with '/', '?', "
+                             "'#' or '@' must be percent-encoded (e.g. %2F for '/')")
+        return v
+
     @field_validator("prefect_database_url")
     @classmethod
     def _asyncpg(cls, v: SecretStr | None) -> SecretStr | None:

@@ -549,12 +549,25 @@ def test_compare_table_never_folds_the_run_name_and_status_columns():
 def test_env_with_a_failing_configured_endpoint_says_why(tmp_path, free_port):
     """`env` said `stack is not available: not running; start it with paperline up` for a configured
     MLflow URI with a bad port: `up` starts nothing for it (a fresh-user trial)."""
-    for uri, cause in ((f"http://127.0.0.1:{free_port()}", "ConnectError"), ("http://127.0.0.1:notaport", "InvalidURL")):
-        result = run_cli("env", env={"PAPERLINE_STATE_DIR": str(tmp_path), "PAPERLINE_MLFLOW_TRACKING_URI": uri})
+    uri = f"http://127.0.0.1:{free_port()}"
+    result = run_cli("env", env={"PAPERLINE_STATE_DIR": str(tmp_path), "PAPERLINE_MLFLOW_TRACKING_URI": uri})
+    text = " ".join(result.output.split())
+    assert result.exit_code != 0
+    assert f"not reachable: mlflow at {uri} (configured endpoint): GET /health failed: ConnectError" in text, text
+    assert "check PAPERLINE_MLFLOW_TRACKING_URI" in text, text
+
+
+@pytest.mark.parametrize("uri", ["http://127.0.0.1:notaport", "http://bob:qz/xk@127.0.0.1:5000",
+                                 "http://bob:vv#zzq@127.0.0.1:5000", "127.0.0.1:5000"])
+def test_a_malformed_endpoint_url_is_refused_without_its_password(tmp_path, uri):
+    """A password with a raw '/' or '#' ended the host early, and its halves were printed in
+    "GET /cdef@127.0.0.1:5000/health failed: InvalidURL: Invalid port: 'ab'" (a trial)."""
+    for command in ("status", "env"):
+        result = run_cli(command, env={"PAPERLINE_STATE_DIR": str(tmp_path), "PAPERLINE_MLFLOW_TRACKING_URI": uri})
         text = " ".join(result.output.split())
-        assert result.exit_code != 0
-        assert f"not reachable: mlflow at {uri} (configured endpoint): GET /health failed: {cause}" in text, text
-        assert "check PAPERLINE_MLFLOW_TRACKING_URI" in text, text
+        assert result.exit_code != 0 and "error: PAPERLINE_MLFLOW_TRACKING_URI=" in text, text
+        assert "a password with '/', '?', '#' or '@' must be percent-encoded" in text, text
+        assert not any(secret in text for secret in ("qz", "xk", "vv", "zzq")), text
 
 
 def test_a_password_in_a_failing_s3_endpoint_is_never_printed(tmp_path, free_port):
