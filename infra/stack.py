@@ -825,6 +825,9 @@ def _start_prefect(
             # the UI's own origins only: with Prefect's default (*) a web page open in the user's
             # browser could read the API, the result block's S3 secret included (a security review)
             "PREFECT_SERVER_CORS_ALLOWED_ORIGINS": ",".join(_ui_origins(host, port)) or "*",
+            # and CSRF tokens: a page could still send "simple" requests it cannot read the answer
+            # of (a POST without Content-Type created a flow and cancelled a run: a trial)
+            "PREFECT_SERVER_API_CSRF_PROTECTION_ENABLED": "true",
             "PREFECT_SERVER_API_HOST": host,
             "PREFECT_SERVER_API_PORT": str(port),
             "PREFECT_API_URL": f"{url}/api",

@@ -110,6 +110,11 @@ def test_prefects_api_answers_no_other_web_origin(stack):
     for origin in (f"http://localhost:{port}", f"http://127.0.0.1:{port}"):
         ui = httpx.options(url, headers={"Origin": origin, **preflight})
         assert ui.headers.get("access-control-allow-origin") == origin, (origin, ui.headers)
+    # a request that needs no preflight (a POST without Content-Type) is refused without a CSRF token,
+    # which Prefect's own client and UI fetch: it created a flow and cancelled a run (a trial)
+    simple = httpx.post(f"{info.prefect_api_url}/flows/", content=b'{"name": "csrf-probe"}',
+                        headers={"Origin": "https://evil.example", "Content-Type": ""})
+    assert simple.status_code == 403, (simple.status_code, simple.text)
 
 
 def test_ensure_stack_is_idempotent(stack):
