@@ -732,6 +732,7 @@ def _start_s3(settings: Settings, taken: set[int], key: str, secret: str) -> tup
     _write_atomic(s3_dir / "security.toml", _seaweed_security(), mode=0o600)  # read from weed's working directory
     cmd = [
         _weed_binary(),
+        "-logtostderr",  # its log is s3.log (stderr): not also files of its own in /tmp (a trial)
         "mini",
         f"-dir={s3_dir / 'data'}",
         f"-ip={_url_host(host).strip('[]')}",

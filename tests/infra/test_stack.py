@@ -627,6 +627,12 @@ def test_the_state_directory_is_its_owners_alone(stack, tmp_path):
     assert databases, sorted(p.name for p in settings.state_dir.iterdir())
     for path in databases:  # written by the servers, spawned with umask 077
         assert stat.S_IMODE(path.stat().st_mode) & 0o077 == 0, (path, oct(path.stat().st_mode))
+    # SeaweedFS also wrote log files of its own into /tmp (its log is the state directory's s3.log)
+    import glob
+    import tempfile
+
+    weed = load_stack_info(settings).service("s3").pid
+    assert not glob.glob(os.path.join(tempfile.gettempdir(), f"weed.*.{weed}")), weed
     existing = tmp_path / "state"
     existing.mkdir(mode=0o755)
     (existing / "keep").write_text("x")
