@@ -204,6 +204,34 @@ def _listen_socket(host: str, port: int) -> Any:
     return sock
 
 
+def _wait_listening(host: str, port: int, timeout_s: float) -> None:
+    """Wait until something listens on ``host:port`` (rank 0's store), before torch's client tries.
+
+    A port the OS hands out (a free one, from the ephemeral range) that nothing listens on yet can
+    be connected *to itself*: a client retrying ``127.0.0.1:port`` may get ``port`` as its own
+    source port, and TCP's simultaneous open then "connects" it to itself. torch's client then
+    waited for the store's answer for its whole timeout (300 s in a CI run whose rank 0 started
+    late). Such a self-connection is recognised here and dropped; once rank 0 listens the port
+    is taken, and the client cannot get it.
+
+    Raises:
+        TimeoutError: nothing listened within ``timeout_s`` seconds.
+    """
+    import socket  # noqa: PLC0415
+
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            with socket.create_connection((host, port), timeout=min(5.0, timeout_s)) as probe:
+                if probe.getsockname() != probe.getpeername():
+                    return
+        except OSError:
+            pass
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"rank 0's rendezvous at {host}:{port} did not listen within {timeout_s:g} s")
+        time.sleep(0.05)
+
+
 def rendezvous_store(init_method: str, rank: int, world_size: int, timeout_s: float) -> Any:
     """The ``torch.distributed.TCPStore`` of a ``tcp://host:port`` rendezvous: rank 0 serves it
     on ``host:port`` alone, the other ranks connect to it.
@@ -218,13 +246,14 @@ def rendezvous_store(init_method: str, rank: int, world_size: int, timeout_s: fl
         InputError: ``init_method`` is not ``tcp://host:port``.
         OSError: rank 0 cannot listen on ``host:port`` (e.g. the port was taken meanwhile).
         RuntimeError: (``torch.distributed.DistError``) a rank could not reach rank 0's store
-            within ``timeout_s``.
+            within ``timeout_s``; TimeoutError: rank 0 did not listen within it.
     """
     import torch.distributed as dist  # noqa: PLC0415
 
     host, port = parse_init_method(init_method)
     timeout = timedelta(seconds=timeout_s)
     if rank != 0:
+        _wait_listening(host, port, timeout_s)
         return dist.TCPStore(host, port, world_size, False, timeout)
     fd = _listen_socket(host, port).detach()  # the store owns the socket from here
     try:
