@@ -232,28 +232,29 @@ def env() -> None:
         raise PaperlineError("; ".join(_down_lines(down)))
     # plain print: rich would wrap long URLs, and `eval` needs the lines as they are; credentials in
     # a URL are not printed (they were, for Prefect's): each client reads its own variables for them
-    print(f"export PREFECT_API_URL={_without_credentials(info.prefect_api_url, 'PAPERLINE_PREFECT_API_URL', 'PREFECT_API_AUTH_STRING (user:password)')}")
+    _export("PREFECT_API_URL", info.prefect_api_url, "PAPERLINE_PREFECT_API_URL", "PREFECT_API_AUTH_STRING (user:password)")
     # a flow called from a script in this shell caches its task results in the stack's S3, as `paperline run`
     print("export PREFECT_RESULTS_PERSIST_BY_DEFAULT=true")
     print(f"export PREFECT_RESULTS_DEFAULT_STORAGE_BLOCK={shlex.quote(info.result_storage_block)}")
-    print(f"export MLFLOW_TRACKING_URI={_without_credentials(info.mlflow_tracking_uri, 'PAPERLINE_MLFLOW_TRACKING_URI', 'MLFLOW_TRACKING_USERNAME and MLFLOW_TRACKING_PASSWORD (or MLFLOW_TRACKING_TOKEN)')}")
+    _export("MLFLOW_TRACKING_URI", info.mlflow_tracking_uri, "PAPERLINE_MLFLOW_TRACKING_URI",
+            "MLFLOW_TRACKING_USERNAME and MLFLOW_TRACKING_PASSWORD (or MLFLOW_TRACKING_TOKEN)")
 
 
-def _without_credentials(url: str, setting: str, variables: str) -> str:
-    """``url`` shell-quoted without its user info; where it had some, a comment line first saying
-    which ``variables`` to export instead (the credentials in ``setting`` are not printed)."""
+def _export(variable: str, url: str, setting: str, instead: str) -> None:
+    """Print ``export variable=url`` without the URL's user info; where it had some, a comment
+    line first naming the variables to export ``instead`` (the credentials in ``setting`` are not
+    printed)."""
     import shlex
     from urllib.parse import urlsplit, urlunsplit
 
     from paperline.infra.errors import redact_url
 
-    parts = urlsplit(url)
-    if "@" in parts.netloc or redact_url(url) != url:
-        print(f"# {setting} carries credentials (not printed): export {variables}")
-        url = redact_url(url)
-        parts = urlsplit(url)
-        url = urlunsplit(parts._replace(netloc=parts.netloc.rsplit("@", 1)[-1]))
-    return shlex.quote(url)
+    shown = redact_url(url)
+    if shown != url:
+        print(f"# {setting} carries credentials (not printed): export {instead}")
+        parts = urlsplit(shown)
+        shown = urlunsplit(parts._replace(netloc=parts.netloc.rsplit("@", 1)[-1]))
+    print(f"export {variable}={shlex.quote(shown)}")
 
 
 @app.command(cls=_Command)

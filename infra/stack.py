@@ -158,7 +158,8 @@ def _read_state(settings: Settings) -> dict[str, Any]:
     except FileNotFoundError:
         return {"version": 1, "services": {}}
     except (OSError, ValueError) as exc:
-        raise PaperlineError(f"{path}: unreadable stack state ({exc}); `paperline down` stops the servers it recorded (found by their processes) and deletes it") from exc
+        raise PaperlineError(f"{path}: unreadable stack state ({exc}); `paperline down` stops the servers it "
+                             "recorded (found by their processes) and deletes it") from exc
     state.setdefault("services", {})
     return state
 
@@ -375,9 +376,9 @@ def _stop_records(recs: list[dict[str, Any]], timeout_s: float = _STOP_TIMEOUT_S
     return [g is not None for g in groups]
 
 
-def _unrecorded_servers(settings: Settings, recs: dict[str, dict[str, Any]]) -> dict[str, dict[str, Any]]:
+def _unrecorded_servers(settings: Settings, recs: dict[str, dict[str, Any]]) -> list[dict[str, Any]]:
     """Servers of this state directory that ``recs`` (``stack.json``) does not record, as records
-    for :func:`_stop_records`, keyed by service name (``s3-<pid>``, ...).
+    for :func:`_stop_records` with their service's ``name`` (``s3``, ``prefect``, ``mlflow``).
 
     A ``stack.json`` damaged or deleted while the stack ran left its servers running unknown: `down`
     said "nothing to stop", and the next `up` started a second SeaweedFS on the same data, which
@@ -389,7 +390,7 @@ def _unrecorded_servers(settings: Settings, recs: dict[str, dict[str, Any]]) -> 
 
     root = settings.state_dir.resolve()
     known = {int(r["pid"]) for r in recs.values() if isinstance(r, dict) and r.get("pid")}
-    found: dict[str, dict[str, Any]] = {}
+    found: list[dict[str, Any]] = []
     for proc in psutil.process_iter(["cmdline", "cwd", "uids", "create_time"]):
         info = proc.info
         with contextlib.suppress(OSError, psutil.Error, ValueError):
@@ -399,7 +400,7 @@ def _unrecorded_servers(settings: Settings, recs: dict[str, dict[str, Any]]) -> 
                 continue
             name = _server_name(info["cmdline"] or [])
             if name is not None:
-                found[f"{name}-{proc.pid}"] = {"pid": proc.pid, "create_time": info["create_time"]}
+                found.append({"name": name, "pid": proc.pid, "create_time": info["create_time"]})
     return found
 
 
@@ -759,9 +760,9 @@ def _seaweed_security() -> str:
     Only the S3 port checks credentials; without these the filer's and volume server's HTTP ports
     (loopback, with CORS ``*``) served and took every bucket's objects to any local user, or to a
     web page open in the user's browser (a security review). The S3 gateway and ``weed mini``'s
-    own parts get their tokens from the master. Left open: the gRPC ports (mutual TLS would close
-    them) and the master's ``/dir/assign``, which hands out write tokens for new blobs that no
-    bucket references.
+    own parts get their tokens from the master. Left open to other users of the machine (README,
+    "Who can reach it"): the master hands a signed token to anyone who asks (``/dir/lookup``,
+    ``/dir/assign``) and deletes a bucket on a GET of ``/col/delete``; the gRPC ports take no login.
     """
     sections = ("jwt.signing", "jwt.signing.read", "jwt.filer_signing", "jwt.filer_signing.read")
     return "".join(f'[{name}]\nkey = "{secrets.token_hex(32)}"\nexpires_after_seconds = 10\n\n' for name in sections)
@@ -1141,18 +1142,17 @@ def ensure_stack(settings: Settings, *, progress: Progress | None = None, notice
     """
     say = progress or (lambda _msg: None)
     tell = notice or say
-    _private_state_dir(settings)
     external = _external_urls(settings)
     with _locked(settings):
         state = _read_state(settings)
         recs: dict[str, dict[str, Any]] = state["services"]
         # (only when a local server must start: the scan reads every process, ~30 ms for 90 of them)
         to_start = any(not external[n] and _live_process(recs.get(n)) is None for n in SERVICE_NAMES)
-        unrecorded = _unrecorded_servers(settings, recs) if to_start else {}
+        unrecorded = _unrecorded_servers(settings, recs) if to_start else []
         if unrecorded:  # they hold the data directories (SeaweedFS's filer lock) the new ones need
-            tell(f"stopping servers of this state directory that stack.json does not record: "
-                f"{', '.join(k.replace('-', ' (pid ') + ')' for k in unrecorded)}")
-            _stop_records(list(unrecorded.values()))
+            tell("stopping servers of this state directory that stack.json does not record: "
+                 + ", ".join(f"{r['name']} (pid {r['pid']})" for r in unrecorded))
+            _stop_records(unrecorded)
         started: list[str] = []
         # Ports held by recorded servers we keep must not be handed to new ones.
         taken: set[int] = set()
@@ -1370,9 +1370,9 @@ def stop_stack(settings: Settings) -> list[str]:
             if was_running:
                 stopped.append(name)
         unrecorded = _unrecorded_servers(settings, recs)
-        for key, was_running in zip(unrecorded, _stop_records(list(unrecorded.values())), strict=True):
+        for rec, was_running in zip(unrecorded, _stop_records(unrecorded), strict=True):
             if was_running:
-                stopped.append(f"{key.split('-')[0]} (pid {unrecorded[key]['pid']}, not in stack.json)")
+                stopped.append(f"{rec['name']} (pid {rec['pid']}, not in stack.json)")
         with contextlib.suppress(FileNotFoundError):
             path.unlink()
     return stopped
@@ -1661,8 +1661,9 @@ def activate(info: StackInfo) -> None:
     :attr:`StackInfo.result_storage_block`), ``MLFLOW_TRACKING_URI`` and, unless set,
     ``DO_NOT_TRACK=1``, ``PREFECT_FLOWS_HEARTBEAT_FREQUENCY`` (:data:`FLOW_HEARTBEAT_S`) and, for the
     local stack's Prefect, ``PREFECT_CLIENT_MAX_RETRIES`` (:data:`LOCAL_PREFECT_RETRIES`). S3
-    secrets are never put in the environment (the result block and the MLflow server hold them). If Prefect is already imported, its
-    global settings are refreshed so the change takes effect in this process too.
+    secrets are never put in the environment (the result block and the MLflow server hold them).
+    If Prefect is already imported, its global settings are refreshed so the change takes effect
+    in this process too.
     """
     os.environ.update(
         {

@@ -160,7 +160,7 @@ def test_servers_a_damaged_stack_json_lost_are_stopped_by_down(settings_factory,
                 time.sleep(0.05)
         (settings.state_dir / "stack.json").write_text('{"services": {"s3": {"pid": 1')  # cut short
         assert "unreadable stack state" in state_problem(settings)
-        assert set(_unrecorded_servers(settings, {})) == {f"s3-{weed.pid}"}
+        assert [(r["name"], r["pid"]) for r in _unrecorded_servers(settings, {})] == [("s3", weed.pid)]
         assert stop_stack(settings) == [f"s3 (pid {weed.pid}, not in stack.json)"]
         assert weed.wait(10) is not None
         assert other_dir.poll() is None and not_a_server.poll() is None

@@ -196,7 +196,7 @@ def test_a_dead_local_prefect_is_given_up_on_in_seconds_not_a_minute(stack):
 
     from paperline.infra.stack import LOCAL_PREFECT_RETRIES
 
-    assert LOCAL_PREFECT_RETRIES == 3 and get_current_settings().client.max_retries == LOCAL_PREFECT_RETRIES
+    assert get_current_settings().client.max_retries == LOCAL_PREFECT_RETRIES < 5  # Prefect's own default: 5
 
 
 def test_prefect_task_results_are_cached_in_s3(stack):
