@@ -141,7 +141,11 @@ def up() -> None:
     _print_services(info.services)
     from paperline.infra.errors import redact_url
 
-    console.print(f"S3:         {info.s3_endpoint_url}\nPrefect UI: {redact_url(info.prefect_ui_url)}\n"
+    from paperline.infra.stack import PREFECT_AUTH_FILE
+
+    login = (f" (it asks for a login: the line in {_settings().state_dir / PREFECT_AUTH_FILE})"
+             if info.prefect_auth_string else "")
+    console.print(f"S3:         {info.s3_endpoint_url}\nPrefect UI: {redact_url(info.prefect_ui_url)}{login}\n"
                   f"MLflow UI:  {redact_url(info.mlflow_tracking_uri)}", soft_wrap=True)
 
 
@@ -221,7 +225,7 @@ def env() -> None:
     import shlex
 
     from paperline.infra.errors import PaperlineError, ServiceError
-    from paperline.infra.stack import load_stack_info, stack_status
+    from paperline.infra.stack import PREFECT_AUTH_FILE, load_stack_info, stack_status
 
     settings = _settings()
     info = load_stack_info(settings)
@@ -233,6 +237,8 @@ def env() -> None:
     # plain print: rich would wrap long URLs, and `eval` needs the lines as they are; credentials in
     # a URL are not printed (they were, for Prefect's): each client reads its own variables for them
     _export("PREFECT_API_URL", info.prefect_api_url, "PAPERLINE_PREFECT_API_URL", "PREFECT_API_AUTH_STRING (user:password)")
+    if info.prefect_auth_string:  # the local server's login, read from its file by the shell, not printed
+        print(f'export PREFECT_API_AUTH_STRING="$(cat {shlex.quote(str(settings.state_dir / PREFECT_AUTH_FILE))})"')
     # a flow called from a script in this shell caches its task results in the stack's S3, as `paperline run`
     print("export PREFECT_RESULTS_PERSIST_BY_DEFAULT=true")
     print(f"export PREFECT_RESULTS_DEFAULT_STORAGE_BLOCK={shlex.quote(info.result_storage_block)}")

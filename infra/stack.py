@@ -94,6 +94,9 @@ class StackInfo:
         mlflow_tracking_uri: MLflow tracking URI.
         services: The three services.
         results_bucket / artifacts_bucket / data_bucket: Bucket names.
+        prefect_auth_string: The local Prefect server's login (``user:password``, generated once
+            per state directory, :func:`_local_prefect_auth`); None for a configured Prefect
+            (its client reads ``PREFECT_API_AUTH_STRING`` from the environment).
         started: The services :func:`ensure_stack` started for this info (none when it reused them
             all, or for one read from ``stack.json``).
     """
@@ -109,6 +112,7 @@ class StackInfo:
     results_bucket: str
     artifacts_bucket: str
     data_bucket: str
+    prefect_auth_string: str | None = field(default=None, repr=False)
     started: tuple[str, ...] = ()
 
     @property
@@ -701,6 +705,52 @@ def _s3_credentials(settings: Settings) -> tuple[str | None, str | None]:
     return _local_s3_credentials(settings)
 
 
+PREFECT_AUTH_FILE = Path("prefect") / "auth_string"  # under the state directory
+PREFECT_USER = "paperline"
+
+
+def _local_prefect_auth(settings: Settings, *, create: bool = False) -> str | None:
+    """The local Prefect server's login, ``paperline:<random>`` (Prefect's
+    ``PREFECT_SERVER_API_AUTH_STRING``), kept in ``state_dir/prefect/auth_string`` (0600).
+
+    Without it every local user could use the API, read back the result block's S3 secret and
+    plant cached task results, which run as code when a flow loads them (a security review). The
+    same login is kept across restarts, so the UI's stored login and running workers keep working;
+    deleting the file makes a new one at the next start.
+
+    Args:
+        create: Generate the file when it is missing (a server is about to start).
+
+    Returns:
+        The login, or None when the file is missing (and not created) or unreadable.
+    """
+    path = settings.state_dir / PREFECT_AUTH_FILE
+    if create and not path.exists():
+        _write_atomic(path, f"{PREFECT_USER}:{secrets.token_urlsafe(24)}\n", mode=0o600)
+    try:
+        login = path.read_text().strip()
+    except OSError:
+        return None
+    return login or None
+
+
+def _login_digest(login: str | None) -> str | None:
+    """What ``stack.json`` records of a server's login (to notice a changed one): a short SHA-256."""
+    return hashlib.sha256(login.encode()).hexdigest()[:16] if login else None
+
+
+@contextlib.contextmanager
+def _prefect_login(login: str | None) -> Iterator[None]:
+    """Prefect's client in this block sends ``login`` (None: the environment's, as it is)."""
+    if login is None:
+        yield
+        return
+    from prefect.settings import PREFECT_API_AUTH_STRING, temporary_settings  # noqa: PLC0415
+
+    with temporary_settings({PREFECT_API_AUTH_STRING: login}):
+        yield
+
+
 def _start_s3(settings: Settings, taken: set[int], key: str, secret: str) -> tuple[subprocess.Popen[bytes], dict[str, Any]]:
     host = settings.host
     # SeaweedFS keeps per-port state (its master's directory is named after the port): prefer the
@@ -815,10 +865,15 @@ def _start_prefect(
     url = f"http://{_url_host(host)}:{port}"
     home = settings.state_dir / "prefect"
     home.mkdir(parents=True, exist_ok=True)
+    login = _local_prefect_auth(settings, create=True)
     env = _clean_env(("PREFECT_",))
     env.update(
         {
             "PREFECT_HOME": str(home),
+            # every request but the health checks needs the login, the UI asks for it; the
+            # server's own services send it (its environment, readable by this user alone)
+            "PREFECT_SERVER_API_AUTH_STRING": login or "",
+            "PREFECT_API_AUTH_STRING": login or "",
             "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
             "PREFECT_SERVER_DATABASE_CONNECTION_URL": settings.prefect_database_url.get_secret_value()
             if settings.prefect_database_url else f"sqlite+aiosqlite:///{home / 'prefect.db'}",
@@ -838,7 +893,7 @@ def _start_prefect(
     cmd = [sys.executable, "-m", "prefect", "server", "start", "--host", host, "--port", str(port), "--analytics-off"]
     log = settings.state_dir / "logs" / "prefect.log"
     proc = _spawn(cmd, env, log, home)
-    return proc, _record(proc, url, log, port=port, api_url=f"{url}/api")
+    return proc, _record(proc, url, log, port=port, api_url=f"{url}/api", login=_login_digest(login))
 
 
 def _ui_origins(host: str, port: int) -> list[str]:
@@ -1079,7 +1134,7 @@ def running_flow_runs(info: StackInfo) -> list[str]:
     from prefect.settings import PREFECT_API_URL, temporary_settings  # noqa: PLC0415
 
     with contextlib.suppress(Exception), temporary_settings({PREFECT_API_URL: info.prefect_api_url}), \
-            get_client(sync_client=True) as client:
+            _prefect_login(info.prefect_auth_string), get_client(sync_client=True) as client:
         return [f"{run.name} ({run.id})" for run in _running_flow_runs(client)]
     return []
 
@@ -1100,7 +1155,8 @@ def _prefect_urls(api_or_root: str) -> tuple[str, str]:
     return u + "/api", u
 
 
-def _make_info(settings: Settings, urls: dict[str, str | None], services: list[Service], key: str | None, secret: str | None) -> StackInfo:
+def _make_info(settings: Settings, urls: dict[str, str | None], services: list[Service], key: str | None,
+               secret: str | None, prefect_login: str | None) -> StackInfo:
     api, ui = _prefect_urls(urls["prefect"] or "")
     return StackInfo(
         s3_endpoint_url=urls["s3"],
@@ -1114,6 +1170,7 @@ def _make_info(settings: Settings, urls: dict[str, str | None], services: list[S
         results_bucket=settings.results_bucket,
         artifacts_bucket=settings.artifacts_bucket,
         data_bucket=settings.data_bucket,
+        prefect_auth_string=prefect_login,
     )
 
 
@@ -1222,7 +1279,10 @@ def ensure_stack(settings: Settings, *, progress: Progress | None = None, notice
                 s3_url = rec["url"]
             s3_obj_url = s3_url
 
-            reuse_prefect = reuse("prefect", lambda r: _prefect_healthy(r["api_url"]))
+            login = None if external["prefect"] else _local_prefect_auth(settings, create=True)
+            # a server started with another login (or none: before paperline made one) is restarted
+            stale = recs.get("prefect", {}).get("login") != _login_digest(login)
+            reuse_prefect = reuse("prefect", lambda r: _prefect_healthy(r["api_url"]), stale=stale)
             # MLflow proxies artifacts to S3: a server started against another S3 endpoint is restarted.
             stale = recs.get("mlflow", {}).get("s3_url") != s3_obj_url
             reuse_mlflow = reuse("mlflow", lambda r: _mlflow_healthy(r["url"]), stale=stale)
@@ -1291,18 +1351,18 @@ def ensure_stack(settings: Settings, *, progress: Progress | None = None, notice
                 "prefect_pid": None if external["prefect"] else recs.get("prefect", {}).get("pid"),
                 "crash_after_s": settings.crash_after_s,
             }
-            if state.get("result_block") != fingerprint or "prefect" in started:
-                say(f"prefect: saving result storage block s3-bucket/{block}")
-                _save_result_block(prefect_api, s3_obj_url, key, secret, settings)
-                say(f"prefect: work pools {', '.join(WORK_POOLS.values())}")
-                ensure_work_pools(prefect_api)
-                ensure_zombie_automation(prefect_api, settings.crash_after_s)
-                state["result_block"] = fingerprint
-            if "prefect" in started:
-                crashed = crash_silent_runs(prefect_api, settings.crash_after_s)
-                if crashed:
-                    tell(f"prefect: marked Crashed {len(crashed)} flow run(s) whose heartbeats stopped while the "
-                         f"server was down: {', '.join(crashed)}")
+            with _prefect_login(login):
+                if state.get("result_block") != fingerprint or "prefect" in started:
+                    say(f"prefect: saving result storage block s3-bucket/{block}")
+                    _save_result_block(prefect_api, s3_obj_url, key, secret, settings)
+                    say(f"prefect: work pools {', '.join(WORK_POOLS.values())}")
+                    ensure_work_pools(prefect_api)
+                    ensure_zombie_automation(prefect_api, settings.crash_after_s)
+                    state["result_block"] = fingerprint
+                crashed = crash_silent_runs(prefect_api, settings.crash_after_s) if "prefect" in started else []
+            if crashed:
+                tell(f"prefect: marked Crashed {len(crashed)} flow run(s) whose heartbeats stopped while the "
+                     f"server was down: {', '.join(crashed)}")
 
             save()
         except BaseException:
@@ -1318,7 +1378,7 @@ def ensure_stack(settings: Settings, *, progress: Progress | None = None, notice
         else:
             rec = recs[name]
             services.append(Service(name, rec["url"], managed=True, pid=rec["pid"], log_path=rec["log_path"], healthy=True))
-    info = _make_info(settings, urls, services, key, secret)
+    info = _make_info(settings, urls, services, key, secret, login)
     info.started = tuple(started)
     return info
 
@@ -1631,7 +1691,7 @@ def load_stack_info(settings: Settings) -> StackInfo | None:
             return None
         urls[name] = rec.get("api_url", rec["url"]) if name == "prefect" else rec["url"]
         services.append(Service(name, rec["url"], True, pid=rec["pid"], log_path=rec["log_path"]))
-    return _make_info(settings, urls, services, key, secret)
+    return _make_info(settings, urls, services, key, secret, None if external["prefect"] else _local_prefect_auth(settings))
 
 
 def running_local_stack(settings: Settings) -> StackInfo | None:
@@ -1649,6 +1709,7 @@ def running_local_stack(settings: Settings) -> StackInfo | None:
 
 
 LOCAL_PREFECT_RETRIES = 3  # Prefect client's retries of a failed request to the local stack's server
+_activated_login: str | None = None  # the PREFECT_API_AUTH_STRING activate() set in this process
 
 
 def activate(info: StackInfo) -> None:
@@ -1658,7 +1719,9 @@ def activate(info: StackInfo) -> None:
     Sets ``PREFECT_API_URL``, ``PREFECT_UI_URL`` (without a password),
     ``PREFECT_SERVER_ANALYTICS_ENABLED=false``,
     ``PREFECT_RESULTS_PERSIST_BY_DEFAULT=true``, ``PREFECT_RESULTS_DEFAULT_STORAGE_BLOCK`` (=
-    :attr:`StackInfo.result_storage_block`), ``MLFLOW_TRACKING_URI`` and, unless set,
+    :attr:`StackInfo.result_storage_block`), ``MLFLOW_TRACKING_URI``, for the local stack's
+    Prefect ``PREFECT_API_AUTH_STRING`` (its login; one an earlier call set is removed again for a
+    configured Prefect, whose login is the user's own variable) and, unless set,
     ``DO_NOT_TRACK=1``, ``PREFECT_FLOWS_HEARTBEAT_FREQUENCY`` (:data:`FLOW_HEARTBEAT_S`) and, for the
     local stack's Prefect, ``PREFECT_CLIENT_MAX_RETRIES`` (:data:`LOCAL_PREFECT_RETRIES`). S3
     secrets are never put in the environment (the result block and the MLflow server hold them).
@@ -1676,6 +1739,13 @@ def activate(info: StackInfo) -> None:
             "MLFLOW_TRACKING_URI": info.mlflow_tracking_uri,
         }
     )
+    global _activated_login  # noqa: PLW0603 - what this process set, to take back for another stack
+    if info.prefect_auth_string:
+        os.environ["PREFECT_API_AUTH_STRING"] = _activated_login = info.prefect_auth_string
+    elif _activated_login is not None:
+        if os.environ.get("PREFECT_API_AUTH_STRING") == _activated_login:
+            del os.environ["PREFECT_API_AUTH_STRING"]
+        _activated_login = None
     os.environ.setdefault("DO_NOT_TRACK", "1")  # Prefect's client usage data, as the local servers' analytics
     # every flow run of this process and its children (`run`, `serve`, `worker`, a script after
     # connect()) heartbeats: killed, it is Crashed by ensure_zombie_automation, not Running for good

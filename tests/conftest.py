@@ -166,6 +166,7 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Settings, 
     keys = (
         "PAPERLINE_CRASH_AFTER_S",
         "PREFECT_API_URL",
+        "PREFECT_API_AUTH_STRING",
         "PREFECT_UI_URL",
         "PREFECT_CLIENT_MAX_RETRIES",
         "PREFECT_SERVER_ANALYTICS_ENABLED",

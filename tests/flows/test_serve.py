@@ -118,7 +118,7 @@ def _browser_or_skip():
 
 @pytest.mark.browser
 def test_prefect_and_mlflow_uis_show_the_deployments_and_the_runs(served, wait_for_flow_run):
-    """Headless Chromium opens the Prefect UI's deployments page and finds every deployment, runs a
+    """Headless Chromium logs in to the Prefect UI with the stack's login, finds every deployment, runs a
     small campaign from the nas deployment (the UI's Run call), then finds that run on the Prefect
     flow-runs page and the campaign in the MLflow UI's runs page; a gemm run that fails (a missing
     operand file) shows Failed and its error on its Prefect UI page. Screenshots go to
@@ -160,6 +160,10 @@ def test_prefect_and_mlflow_uis_show_the_deployments_and_the_runs(served, wait_f
         page = browser.new_page(viewport={"width": 1400, "height": 900})
         try:
             page.goto(f"{prefect_ui}/deployments", wait_until="load")
+            # the UI asks for the server's login once (the line in prefect/auth_string), then keeps it
+            page.get_by_placeholder("admin:pass").fill(info.prefect_auth_string)
+            page.screenshot(path=str(shots / "prefect-login.png"))
+            page.get_by_role("button", name="Login").click()
             for n in names:  # each row: the deployment's name over its flow's name
                 page.get_by_text(n.split("/")[0], exact=True).first.wait_for(timeout=60_000)
             assert page.get_by_text("local", exact=True).count() >= len(names)

@@ -2,7 +2,6 @@
 session stack, `paperline worker --pool cpu`, a run triggered through the API with custom
 parameters, executed by the worker to Completed, and its MLflow run tagged with the flow-run id."""
 
-import re
 import subprocess
 import sys
 from pathlib import Path
@@ -20,12 +19,17 @@ def deployed(stack, tmp_path_factory, background_process, cli_env):
     # the README's way: `eval "$(paperline env)"` points Prefect's own CLI at the stack
     exports = subprocess.run([sys.executable, "-m", "paperline.flows.cli", "env"], env=cli_env, capture_output=True,
                              text=True, timeout=60, check=True).stdout
-    urls = dict(re.findall(r"^export (\w+)=(\S+)$", exports, re.M))
-    assert urls == {"PREFECT_API_URL": info.prefect_api_url, "MLFLOW_TRACKING_URI": info.mlflow_tracking_uri,
-                    # a flow called from a script in that shell caches in the stack's S3, as `paperline run`
-                    "PREFECT_RESULTS_PERSIST_BY_DEFAULT": "true",
-                    "PREFECT_RESULTS_DEFAULT_STORAGE_BLOCK": info.result_storage_block}
-    env = {**{k: v for k, v in cli_env.items() if not k.startswith(("PREFECT_", "MLFLOW_"))}, **urls}
+    assert info.prefect_auth_string not in exports  # the shell reads the login from its file
+    clean = {k: v for k, v in cli_env.items() if not k.startswith(("PREFECT_", "MLFLOW_"))}
+    shell = subprocess.run(["bash", "-c", 'eval "$1" && env -0', "-", exports], env=clean, capture_output=True,
+                           text=True, timeout=60, check=True).stdout
+    env = dict(line.split("=", 1) for line in shell.split("\0") if "=" in line)
+    assert {k: v for k, v in env.items() if k.startswith(("PREFECT_", "MLFLOW_"))} == {
+        "PREFECT_API_URL": info.prefect_api_url, "MLFLOW_TRACKING_URI": info.mlflow_tracking_uri,
+        # the local Prefect server's login: without it Prefect's CLI got 401s
+        "PREFECT_API_AUTH_STRING": info.prefect_auth_string,
+        # a flow called from a script in that shell caches in the stack's S3, as `paperline run`
+        "PREFECT_RESULTS_PERSIST_BY_DEFAULT": "true", "PREFECT_RESULTS_DEFAULT_STORAGE_BLOCK": info.result_storage_block}
     proc = subprocess.run([sys.executable, "-m", "prefect", "--no-prompt", "deploy", "--all"], cwd=ROOT, env=env,
                           capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]

@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import json
 import re
 import time
 import socket
 from urllib.parse import urlparse
 
+import httpx
 import psutil
 import pytest
 
@@ -56,12 +58,22 @@ def test_second_stack_on_taken_ports_stops_completely(settings_factory, tmp_path
         assert [c.pid for c in children if not _gone(c.pid)] == []
         assert [s.healthy for s in stack_status(settings)] == [True, True, True]
 
+        # a Prefect server an earlier paperline started without a login is restarted with one
+        state = json.loads((settings.state_dir / "stack.json").read_text())
+        del state["services"]["prefect"]["login"]
+        (settings.state_dir / "stack.json").write_text(json.dumps(state))
+        login = info.prefect_auth_string
+        info = ensure_stack(settings)
+        assert info.started == ("prefect",) and info.prefect_auth_string == login
+        assert httpx.get(f"{info.prefect_api_url}/admin/version").status_code == 401
+
         # `down` then `up` with the preferred ports still taken: the same URLs again (links printed
         # earlier and MLflow's flow-run tags keep working); they used to be new random ports
         urls = [s.url for s in info.services]
         stop_stack(settings)
         info = ensure_stack(settings)
         assert [s.url for s in info.services] == urls
+        assert info.prefect_auth_string == login  # the UI's stored login and workers' still work
         # the last port taken meanwhile too: a new one, and `up` says so (MLflow moved off 5000
         # silently, and earlier links reached the process that took it: a trial)
         stop_stack(settings)

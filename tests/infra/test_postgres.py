@@ -85,7 +85,8 @@ def test_flow_runs_and_mlflow_runs_are_stored_in_postgresql(pg_stack):
             "from prefect.runtime import flow_run\n"
             "print(check(return_state=True).state_details.flow_run_id)\n")
     env = {k: v for k, v in os.environ.items() if not k.startswith(("PREFECT_", "PAPERLINE_"))}
-    env.update(PREFECT_API_URL=info.prefect_api_url, PREFECT_SERVER_ANALYTICS_ENABLED="false")
+    env.update(PREFECT_API_URL=info.prefect_api_url, PREFECT_API_AUTH_STRING=info.prefect_auth_string,
+               PREFECT_SERVER_ANALYTICS_ENABLED="false")
     proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     flow_run_id = proc.stdout.strip().splitlines()[-1]

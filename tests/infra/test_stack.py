@@ -112,9 +112,46 @@ def test_prefects_api_answers_no_other_web_origin(stack):
         assert ui.headers.get("access-control-allow-origin") == origin, (origin, ui.headers)
     # a request that needs no preflight (a POST without Content-Type) is refused without a CSRF token,
     # which Prefect's own client and UI fetch: it created a flow and cancelled a run (a trial)
+    # (with the login, which a page cannot send: the browser keeps no basic-auth login for the API)
     simple = httpx.post(f"{info.prefect_api_url}/flows/", content=b'{"name": "csrf-probe"}',
-                        headers={"Origin": "https://evil.example", "Content-Type": ""})
+                        headers={"Origin": "https://evil.example", "Content-Type": ""},
+                        auth=tuple(info.prefect_auth_string.split(":", 1)))
     assert simple.status_code == 403, (simple.status_code, simple.text)
+
+
+def test_the_local_prefect_api_needs_its_login(stack):
+    """Every local user could use the Prefect API: read the result block's S3 secret back, plant
+    cached task results (cloudpickle: code run by the next flow that loads them), cancel runs (a
+    security review). The local server takes a login made once per state directory, which only its
+    owner can read; health checks stay open, the UI asks for it, websockets need it too."""
+    import json
+    import stat
+
+    import httpx
+    from websockets.exceptions import ConnectionClosed
+    from websockets.sync.client import connect as ws_connect
+
+    from paperline.infra.stack import PREFECT_AUTH_FILE
+
+    settings, info = stack
+    login = info.prefect_auth_string
+    path = settings.state_dir / PREFECT_AUTH_FILE
+    assert login and path.read_text().strip() == login and stat.S_IMODE(path.stat().st_mode) == 0o600
+    assert login not in repr(info) and login.split(":", 1)[1] not in (settings.state_dir / "stack.json").read_text()
+    assert load_stack_info(settings).prefect_auth_string == login
+    block = f"{info.prefect_api_url}/block_types/slug/s3-bucket/block_documents/name/" + \
+        info.result_storage_block.split("/")[1]
+    user, password = login.split(":", 1)
+    assert httpx.get(block).status_code == 401
+    assert httpx.get(block, auth=(user, password[:-1])).status_code == 401
+    assert httpx.get(block, auth=(user, password)).status_code == 200
+    assert httpx.get(f"{info.prefect_api_url}/health").status_code == 200  # `status` and probes need none
+    assert httpx.get(f"{info.prefect_ui_url}/ui-settings").json()["auth"] == "BASIC"  # the UI's login page
+    events = info.prefect_api_url.replace("http://", "ws://") + "/events/out"
+    for token in (None, "bm9wZQ=="):  # no login, a wrong one: closed before any event is sent
+        with pytest.raises(ConnectionClosed), ws_connect(events, subprotocols=["prefect"], open_timeout=10) as ws:
+            ws.send(json.dumps({"type": "auth", "token": token}))
+            ws.recv(timeout=10)
 
 
 def test_ensure_stack_is_idempotent(stack):
@@ -442,7 +479,8 @@ def test_a_password_in_the_tracking_uri_is_never_printed(stack):
 
     settings, info = stack
     with_password = info.mlflow_tracking_uri.replace("http://", "http://alice:s3cretpw@")
-    prefect_with_password = info.prefect_api_url.replace("http://", "http://bob:s3cretpw@")  # printed by `env`
+    login = info.prefect_auth_string  # the server's own login, given in its URL
+    prefect_with_password = info.prefect_api_url.replace("http://", f"http://{login}@")  # printed by `env`
     env = {"PAPERLINE_STATE_DIR": str(settings.state_dir), "PAPERLINE_MLFLOW_TRACKING_URI": with_password,
            "PAPERLINE_PREFECT_API_URL": prefect_with_password}
     get_settings.cache_clear()
@@ -452,6 +490,7 @@ def test_a_password_in_the_tracking_uri_is_never_printed(stack):
         get_settings.cache_clear()
     assert status.exit_code == 0 and exports.exit_code == 0, status.output + exports.output
     assert "alice@127.0.0.1" in status.output and "s3cretpw" not in status.output + exports.output
+    assert login.split(":")[1] not in status.output + exports.output
     assert f"export MLFLOW_TRACKING_URI={info.mlflow_tracking_uri}\n" in exports.output
     assert "MLFLOW_TRACKING_PASSWORD" in exports.output  # how to give MLflow's own CLI the credentials
     assert f"export PREFECT_API_URL={info.prefect_api_url}\n" in exports.output
