@@ -46,6 +46,10 @@ def test_workers_point_at_the_scheduler_the_api_and_the_pools_prefect_yaml_uses(
     assert worker["command"][worker["command"].index("--pool") + 1] == pool
     env = worker["environment"]
     assert env["PREFECT_API_URL"] == "http://prefect-server:4200/api"
+    # the server requires a login (anyone reaching its port could read the result block's S3
+    # secret); the worker sends the same one
+    server_login = SERVICES["prefect-server"]["environment"]["PREFECT_SERVER_API_AUTH_STRING"]
+    assert server_login.startswith("${PREFECT_API_AUTH_STRING:?") and env["PREFECT_API_AUTH_STRING"] == "${PREFECT_API_AUTH_STRING}"
     assert env["PAPERLINE_DASK_SCHEDULER_ADDRESS"] == "tcp://dask-scheduler:8786"
     assert SERVICES["dask-cuda-worker"]["command"][:3] == ["dask", "cuda", "worker"]
     assert "tcp://dask-scheduler:8786" in SERVICES["dask-cuda-worker"]["command"]
@@ -73,7 +77,8 @@ def test_the_example_sets_no_secret_and_says_the_password_must_be_url_safe():
     known secrets (a security review). Empty, each is refused until set."""
     text = (INFRA / "compose.env.example").read_text()
     env = dict(line.split("=", 1) for line in text.splitlines() if line and not line.startswith("#"))
-    assert set(env) == {"POSTGRES_PASSWORD", "PAPERLINE_S3_ACCESS_KEY_ID", "PAPERLINE_S3_SECRET_ACCESS_KEY"}
+    assert set(env) == {"POSTGRES_PASSWORD", "PAPERLINE_S3_ACCESS_KEY_ID", "PAPERLINE_S3_SECRET_ACCESS_KEY",
+                        "PREFECT_API_AUTH_STRING"}
     assert all(value == "" for value in env.values()), env
     compose = (INFRA / "compose.yaml").read_text()
     for name in env:  # `:?` refuses an empty value as well as a missing one
