@@ -140,13 +140,15 @@ def up() -> None:
         raise
     _print_services(info.services)
     from paperline.infra.errors import redact_url
+    from paperline.infra.stack import LOGIN_FILES
 
-    from paperline.infra.stack import PREFECT_AUTH_FILE
-
-    login = (f" (it asks for a login: the line in {_settings().state_dir / PREFECT_AUTH_FILE})"
-             if info.prefect_auth_string else "")
-    console.print(f"S3:         {info.s3_endpoint_url}\nPrefect UI: {redact_url(info.prefect_ui_url)}{login}\n"
-                  f"MLflow UI:  {redact_url(info.mlflow_tracking_uri)}", soft_wrap=True)
+    state = _settings().state_dir
+    prefect_login = (f" (it asks for a login: the line in {state / LOGIN_FILES['prefect']})"
+                     if info.prefect_auth_string else "")
+    mlflow_login = (f" (user name and password: the two halves of the line in {state / LOGIN_FILES['mlflow']})"
+                    if info.mlflow_login else "")
+    console.print(f"S3:         {info.s3_endpoint_url}\nPrefect UI: {redact_url(info.prefect_ui_url)}{prefect_login}\n"
+                  f"MLflow UI:  {redact_url(info.mlflow_tracking_uri)}{mlflow_login}", soft_wrap=True)
 
 
 @app.command(cls=_Command)
@@ -225,7 +227,7 @@ def env() -> None:
     import shlex
 
     from paperline.infra.errors import PaperlineError, ServiceError
-    from paperline.infra.stack import PREFECT_AUTH_FILE, load_stack_info, stack_status
+    from paperline.infra.stack import LOGIN_FILES, load_stack_info, stack_status
 
     settings = _settings()
     info = load_stack_info(settings)
@@ -238,12 +240,15 @@ def env() -> None:
     # a URL are not printed (they were, for Prefect's): each client reads its own variables for them
     _export("PREFECT_API_URL", info.prefect_api_url, "PAPERLINE_PREFECT_API_URL", "PREFECT_API_AUTH_STRING (user:password)")
     if info.prefect_auth_string:  # the local server's login, read from its file by the shell, not printed
-        print(f'export PREFECT_API_AUTH_STRING="$(cat {shlex.quote(str(settings.state_dir / PREFECT_AUTH_FILE))})"')
+        print(f'export PREFECT_API_AUTH_STRING="$(cat {shlex.quote(str(settings.state_dir / LOGIN_FILES["prefect"]))})"')
     # a flow called from a script in this shell caches its task results in the stack's S3, as `paperline run`
     print("export PREFECT_RESULTS_PERSIST_BY_DEFAULT=true")
     print(f"export PREFECT_RESULTS_DEFAULT_STORAGE_BLOCK={shlex.quote(info.result_storage_block)}")
     _export("MLFLOW_TRACKING_URI", info.mlflow_tracking_uri, "PAPERLINE_MLFLOW_TRACKING_URI",
             "MLFLOW_TRACKING_USERNAME and MLFLOW_TRACKING_PASSWORD (or MLFLOW_TRACKING_TOKEN)")
+    if info.mlflow_login:  # likewise: user name before the colon, password after it
+        path = shlex.quote(str(settings.state_dir / LOGIN_FILES["mlflow"]))
+        print(f'export MLFLOW_TRACKING_USERNAME="$(cut -d: -f1 {path})" MLFLOW_TRACKING_PASSWORD="$(cut -d: -f2- {path})"')
 
 
 def _export(variable: str, url: str, setting: str, instead: str) -> None:

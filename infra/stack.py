@@ -95,8 +95,10 @@ class StackInfo:
         services: The three services.
         results_bucket / artifacts_bucket / data_bucket: Bucket names.
         prefect_auth_string: The local Prefect server's login (``user:password``, generated once
-            per state directory, :func:`_local_prefect_auth`); None for a configured Prefect
+            per state directory, :func:`_local_login`); None for a configured Prefect
             (its client reads ``PREFECT_API_AUTH_STRING`` from the environment).
+        mlflow_login: The local MLflow server's login (``user:password``, likewise); None for a
+            configured MLflow (``MLFLOW_TRACKING_USERNAME``/``PASSWORD`` or a token).
         started: The services :func:`ensure_stack` started for this info (none when it reused them
             all, or for one read from ``stack.json``).
     """
@@ -113,6 +115,7 @@ class StackInfo:
     artifacts_bucket: str
     data_bucket: str
     prefect_auth_string: str | None = field(default=None, repr=False)
+    mlflow_login: str | None = field(default=None, repr=False)
     started: tuple[str, ...] = ()
 
     @property
@@ -705,28 +708,31 @@ def _s3_credentials(settings: Settings) -> tuple[str | None, str | None]:
     return _local_s3_credentials(settings)
 
 
-PREFECT_AUTH_FILE = Path("prefect") / "auth_string"  # under the state directory
-PREFECT_USER = "paperline"
+LOGIN_FILES = {"prefect": Path("prefect") / "auth_string", "mlflow": Path("mlflow") / "auth_string"}  # under state_dir
+LOCAL_USER = "paperline"
 
 
-def _local_prefect_auth(settings: Settings, *, create: bool = False) -> str | None:
-    """The local Prefect server's login, ``paperline:<random>`` (Prefect's
-    ``PREFECT_SERVER_API_AUTH_STRING``), kept in ``state_dir/prefect/auth_string`` (0600).
+def _local_login(settings: Settings, service: str, *, create: bool = False) -> str | None:
+    """The local Prefect or MLflow server's login, ``paperline:<random>``, kept in
+    ``state_dir/<service>/auth_string`` (:data:`LOGIN_FILES`, mode 0600): Prefect's
+    ``PREFECT_SERVER_API_AUTH_STRING``, MLflow's basic-auth admin user.
 
-    Without it every local user could use the API, read back the result block's S3 secret and
-    plant cached task results, which run as code when a flow loads them (a security review). The
-    same login is kept across restarts, so the UI's stored login and running workers keep working;
-    deleting the file makes a new one at the next start.
+    Without one every local user could use the servers: read the result block's S3 secret back from
+    Prefect, plant cached task results (which run as code when a flow loads them), cancel runs,
+    delete MLflow's experiments (a security review). The same login is kept across restarts, so a
+    browser's stored login and running workers keep working; deleting the file makes a new one at
+    the next start.
 
     Args:
+        service: ``"prefect"`` or ``"mlflow"``.
         create: Generate the file when it is missing (a server is about to start).
 
     Returns:
         The login, or None when the file is missing (and not created) or unreadable.
     """
-    path = settings.state_dir / PREFECT_AUTH_FILE
+    path = settings.state_dir / LOGIN_FILES[service]
     if create and not path.exists():
-        _write_atomic(path, f"{PREFECT_USER}:{secrets.token_urlsafe(24)}\n", mode=0o600)
+        _write_atomic(path, f"{LOCAL_USER}:{secrets.token_urlsafe(24)}\n", mode=0o600)
     try:
         login = path.read_text().strip()
     except OSError:
@@ -865,7 +871,7 @@ def _start_prefect(
     url = f"http://{_url_host(host)}:{port}"
     home = settings.state_dir / "prefect"
     home.mkdir(parents=True, exist_ok=True)
-    login = _local_prefect_auth(settings, create=True)
+    login = _local_login(settings, "prefect", create=True)
     env = _clean_env(("PREFECT_",))
     env.update(
         {
@@ -921,9 +927,16 @@ def _start_mlflow(
     url = f"http://{_url_host(host)}:{port}"
     home = settings.state_dir / "mlflow"
     home.mkdir(parents=True, exist_ok=True)
+    login = _local_login(settings, "mlflow", create=True) or ""
     env = _clean_env(("MLFLOW_", "AWS_"))
     env.update(
         {
+            # MLflow's basic-auth app: every request but /health needs the login (the UI asks
+            # the browser for it); its admin user is made with it in a user store of its own
+            "MLFLOW_AUTH_CONFIG_PATH": str(_mlflow_auth_config(home, login)),
+            "MLFLOW_AUTH_ADMIN_USERNAME": login.split(":", 1)[0],
+            "MLFLOW_AUTH_ADMIN_PASSWORD": login.split(":", 1)[-1],
+            "MLFLOW_FLASK_SERVER_SECRET_KEY": secrets.token_hex(32),  # signs its forms' CSRF tokens
             "MLFLOW_SERVER_ENABLE_JOB_EXECUTION": "false",
             # the store URI may hold a password: the environment, not the command line (`ps`)
             "MLFLOW_BACKEND_STORE_URI": settings.mlflow_backend_store_uri.get_secret_value()
@@ -951,12 +964,31 @@ def _start_mlflow(
         f"s3://{settings.artifacts_bucket}/mlflow",
         "--workers",
         "1",
+        "--app-name",
+        "basic-auth",
         "--allowed-hosts",
         ",".join(dict.fromkeys([uh, f"{uh}:{port}", "localhost", f"localhost:{port}", "127.0.0.1", f"127.0.0.1:{port}"])),
     ]
     log = settings.state_dir / "logs" / "mlflow.log"
     proc = _spawn(cmd, env, log, home)
-    return proc, _record(proc, url, log, port=port, s3_url=s3_url)
+    return proc, _record(proc, url, log, port=port, s3_url=s3_url, login=_login_digest(login))
+
+
+def _mlflow_auth_config(home: Path, login: str) -> Path:
+    """Write the basic-auth app's configuration for the local MLflow server (``basic_auth.ini``,
+    mode 0600) and return its path. Its user store is named after the login's digest: the admin
+    user is made from ``MLFLOW_AUTH_ADMIN_*`` only in an empty store, so a new login gets a new
+    store. Users other than the admin get no permission by default; a checked login is cached
+    for 10 minutes (each check is a deliberately slow password hash)."""
+    path = home / "basic_auth.ini"
+    store = home / f"basic_auth-{_login_digest(login)}.db"
+    _write_atomic(path, "[mlflow]\n"
+                        "default_permission = NO_PERMISSIONS\n"
+                        f"database_uri = sqlite:///{store}\n"
+                        "authorization_function = mlflow.server.auth:authenticate_request_basic_auth\n"
+                        "grant_default_workspace_access = false\n"
+                        "auth_cache_ttl_seconds = 600\n")
+    return path
 
 
 def _save_result_block(api_url: str, s3_url: str | None, key: str | None, secret: str | None, settings: Settings) -> None:
@@ -1156,7 +1188,7 @@ def _prefect_urls(api_or_root: str) -> tuple[str, str]:
 
 
 def _make_info(settings: Settings, urls: dict[str, str | None], services: list[Service], key: str | None,
-               secret: str | None, prefect_login: str | None) -> StackInfo:
+               secret: str | None, prefect_login: str | None, mlflow_login: str | None) -> StackInfo:
     api, ui = _prefect_urls(urls["prefect"] or "")
     return StackInfo(
         s3_endpoint_url=urls["s3"],
@@ -1171,6 +1203,7 @@ def _make_info(settings: Settings, urls: dict[str, str | None], services: list[S
         artifacts_bucket=settings.artifacts_bucket,
         data_bucket=settings.data_bucket,
         prefect_auth_string=prefect_login,
+        mlflow_login=mlflow_login,
     )
 
 
@@ -1279,12 +1312,14 @@ def ensure_stack(settings: Settings, *, progress: Progress | None = None, notice
                 s3_url = rec["url"]
             s3_obj_url = s3_url
 
-            login = None if external["prefect"] else _local_prefect_auth(settings, create=True)
+            login = None if external["prefect"] else _local_login(settings, "prefect", create=True)
             # a server started with another login (or none: before paperline made one) is restarted
             stale = recs.get("prefect", {}).get("login") != _login_digest(login)
             reuse_prefect = reuse("prefect", lambda r: _prefect_healthy(r["api_url"]), stale=stale)
             # MLflow proxies artifacts to S3: a server started against another S3 endpoint is restarted.
-            stale = recs.get("mlflow", {}).get("s3_url") != s3_obj_url
+            mlflow_login = None if external["mlflow"] else _local_login(settings, "mlflow", create=True)
+            stale = (recs.get("mlflow", {}).get("s3_url") != s3_obj_url
+                     or recs.get("mlflow", {}).get("login") != _login_digest(mlflow_login))
             reuse_mlflow = reuse("mlflow", lambda r: _mlflow_healthy(r["url"]), stale=stale)
             for name, kept in (("prefect", reuse_prefect), ("mlflow", reuse_mlflow)):
                 if kept:
@@ -1378,7 +1413,7 @@ def ensure_stack(settings: Settings, *, progress: Progress | None = None, notice
         else:
             rec = recs[name]
             services.append(Service(name, rec["url"], managed=True, pid=rec["pid"], log_path=rec["log_path"], healthy=True))
-    info = _make_info(settings, urls, services, key, secret, login)
+    info = _make_info(settings, urls, services, key, secret, login, mlflow_login)
     info.started = tuple(started)
     return info
 
@@ -1691,7 +1726,8 @@ def load_stack_info(settings: Settings) -> StackInfo | None:
             return None
         urls[name] = rec.get("api_url", rec["url"]) if name == "prefect" else rec["url"]
         services.append(Service(name, rec["url"], True, pid=rec["pid"], log_path=rec["log_path"]))
-    return _make_info(settings, urls, services, key, secret, None if external["prefect"] else _local_prefect_auth(settings))
+    logins = {name: None if external[name] else _local_login(settings, name) for name in ("prefect", "mlflow")}
+    return _make_info(settings, urls, services, key, secret, logins["prefect"], logins["mlflow"])
 
 
 def running_local_stack(settings: Settings) -> StackInfo | None:
@@ -1709,7 +1745,7 @@ def running_local_stack(settings: Settings) -> StackInfo | None:
 
 
 LOCAL_PREFECT_RETRIES = 3  # Prefect client's retries of a failed request to the local stack's server
-_activated_login: str | None = None  # the PREFECT_API_AUTH_STRING activate() set in this process
+_activated_logins: dict[str, str] = {}  # the login variables activate() set in this process
 
 
 def activate(info: StackInfo) -> None:
@@ -1719,9 +1755,9 @@ def activate(info: StackInfo) -> None:
     Sets ``PREFECT_API_URL``, ``PREFECT_UI_URL`` (without a password),
     ``PREFECT_SERVER_ANALYTICS_ENABLED=false``,
     ``PREFECT_RESULTS_PERSIST_BY_DEFAULT=true``, ``PREFECT_RESULTS_DEFAULT_STORAGE_BLOCK`` (=
-    :attr:`StackInfo.result_storage_block`), ``MLFLOW_TRACKING_URI``, for the local stack's
-    Prefect ``PREFECT_API_AUTH_STRING`` (its login; one an earlier call set is removed again for a
-    configured Prefect, whose login is the user's own variable) and, unless set,
+    :attr:`StackInfo.result_storage_block`), ``MLFLOW_TRACKING_URI``, the local servers' logins
+    (``PREFECT_API_AUTH_STRING``, ``MLFLOW_TRACKING_USERNAME``/``PASSWORD``; those an earlier call
+    set are removed again for a configured server, whose login is the user's own) and, unless set,
     ``DO_NOT_TRACK=1``, ``PREFECT_FLOWS_HEARTBEAT_FREQUENCY`` (:data:`FLOW_HEARTBEAT_S`) and, for the
     local stack's Prefect, ``PREFECT_CLIENT_MAX_RETRIES`` (:data:`LOCAL_PREFECT_RETRIES`). S3
     secrets are never put in the environment (the result block and the MLflow server hold them).
@@ -1739,13 +1775,15 @@ def activate(info: StackInfo) -> None:
             "MLFLOW_TRACKING_URI": info.mlflow_tracking_uri,
         }
     )
-    global _activated_login  # noqa: PLW0603 - what this process set, to take back for another stack
-    if info.prefect_auth_string:
-        os.environ["PREFECT_API_AUTH_STRING"] = _activated_login = info.prefect_auth_string
-    elif _activated_login is not None:
-        if os.environ.get("PREFECT_API_AUTH_STRING") == _activated_login:
-            del os.environ["PREFECT_API_AUTH_STRING"]
-        _activated_login = None
+    mlflow_user, _, mlflow_password = (info.mlflow_login or "").partition(":")
+    logins = {"PREFECT_API_AUTH_STRING": info.prefect_auth_string,
+              "MLFLOW_TRACKING_USERNAME": mlflow_user or None, "MLFLOW_TRACKING_PASSWORD": mlflow_password or None}
+    for variable, login in logins.items():
+        if login:
+            os.environ[variable] = _activated_logins[variable] = login
+        elif variable in _activated_logins:  # set for a local stack before: a configured one has the user's
+            if os.environ.get(variable) == _activated_logins.pop(variable):
+                del os.environ[variable]
     os.environ.setdefault("DO_NOT_TRACK", "1")  # Prefect's client usage data, as the local servers' analytics
     # every flow run of this process and its children (`run`, `serve`, `worker`, a script after
     # connect()) heartbeats: killed, it is Crashed by ensure_zombie_automation, not Running for good

@@ -173,6 +173,8 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Settings, 
         "PREFECT_RESULTS_PERSIST_BY_DEFAULT",
         "PREFECT_RESULTS_DEFAULT_STORAGE_BLOCK",
         "MLFLOW_TRACKING_URI",
+        "MLFLOW_TRACKING_USERNAME",
+        "MLFLOW_TRACKING_PASSWORD",
     )
     saved = {k: os.environ.get(k) for k in keys}
     os.environ["PAPERLINE_CRASH_AFTER_S"] = str(CRASH_AFTER_S)

@@ -157,7 +157,10 @@ def test_prefect_and_mlflow_uis_show_the_deployments_and_the_runs(served, wait_f
     prefect_ui, mlflow_ui = info.prefect_ui_url.rstrip("/"), info.mlflow_tracking_uri.rstrip("/")
     with sync_playwright() as p:
         browser = p.chromium.launch(executable_path=chromium, args=CHROMIUM_ARGS)
-        page = browser.new_page(viewport={"width": 1400, "height": 900})
+        # MLflow's UI takes the browser's basic auth (its login prompt): the stack's MLflow login
+        user, password = info.mlflow_login.split(":", 1)
+        page = browser.new_page(viewport={"width": 1400, "height": 900},
+                                http_credentials={"username": user, "password": password})
         try:
             page.goto(f"{prefect_ui}/deployments", wait_until="load")
             # the UI asks for the server's login once (the line in prefect/auth_string), then keeps it

@@ -19,15 +19,17 @@ def deployed(stack, tmp_path_factory, background_process, cli_env):
     # the README's way: `eval "$(paperline env)"` points Prefect's own CLI at the stack
     exports = subprocess.run([sys.executable, "-m", "paperline.flows.cli", "env"], env=cli_env, capture_output=True,
                              text=True, timeout=60, check=True).stdout
-    assert info.prefect_auth_string not in exports  # the shell reads the login from its file
+    assert info.prefect_auth_string not in exports and info.mlflow_login.split(":", 1)[1] not in exports  # read from files
     clean = {k: v for k, v in cli_env.items() if not k.startswith(("PREFECT_", "MLFLOW_"))}
     shell = subprocess.run(["bash", "-c", 'eval "$1" && env -0', "-", exports], env=clean, capture_output=True,
                            text=True, timeout=60, check=True).stdout
     env = dict(line.split("=", 1) for line in shell.split("\0") if "=" in line)
     assert {k: v for k, v in env.items() if k.startswith(("PREFECT_", "MLFLOW_"))} == {
         "PREFECT_API_URL": info.prefect_api_url, "MLFLOW_TRACKING_URI": info.mlflow_tracking_uri,
-        # the local Prefect server's login: without it Prefect's CLI got 401s
+        # the local servers' logins: without them Prefect's and MLflow's CLIs got 401s
         "PREFECT_API_AUTH_STRING": info.prefect_auth_string,
+        "MLFLOW_TRACKING_USERNAME": info.mlflow_login.split(":")[0],
+        "MLFLOW_TRACKING_PASSWORD": info.mlflow_login.split(":", 1)[1],
         # a flow called from a script in that shell caches in the stack's S3, as `paperline run`
         "PREFECT_RESULTS_PERSIST_BY_DEFAULT": "true", "PREFECT_RESULTS_DEFAULT_STORAGE_BLOCK": info.result_storage_block}
     proc = subprocess.run([sys.executable, "-m", "prefect", "--no-prompt", "deploy", "--all"], cwd=ROOT, env=env,

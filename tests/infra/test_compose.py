@@ -50,6 +50,10 @@ def test_workers_point_at_the_scheduler_the_api_and_the_pools_prefect_yaml_uses(
     # secret); the worker sends the same one
     server_login = SERVICES["prefect-server"]["environment"]["PREFECT_SERVER_API_AUTH_STRING"]
     assert server_login.startswith("${PREFECT_API_AUTH_STRING:?") and env["PREFECT_API_AUTH_STRING"] == "${PREFECT_API_AUTH_STRING}"
+    mlflow = SERVICES["mlflow"]  # likewise MLflow: its basic-auth app, whose admin login the worker sends
+    assert mlflow["command"][mlflow["command"].index("--app-name") + 1] == "basic-auth"
+    assert mlflow["environment"]["MLFLOW_AUTH_ADMIN_PASSWORD"].startswith("${MLFLOW_TRACKING_PASSWORD:?")
+    assert env["MLFLOW_TRACKING_PASSWORD"] == "${MLFLOW_TRACKING_PASSWORD}"
     assert env["PAPERLINE_DASK_SCHEDULER_ADDRESS"] == "tcp://dask-scheduler:8786"
     assert SERVICES["dask-cuda-worker"]["command"][:3] == ["dask", "cuda", "worker"]
     assert "tcp://dask-scheduler:8786" in SERVICES["dask-cuda-worker"]["command"]
@@ -78,7 +82,8 @@ def test_the_example_sets_no_secret_and_says_the_password_must_be_url_safe():
     text = (INFRA / "compose.env.example").read_text()
     env = dict(line.split("=", 1) for line in text.splitlines() if line and not line.startswith("#"))
     assert set(env) == {"POSTGRES_PASSWORD", "PAPERLINE_S3_ACCESS_KEY_ID", "PAPERLINE_S3_SECRET_ACCESS_KEY",
-                        "PREFECT_API_AUTH_STRING"}
+                        "PREFECT_API_AUTH_STRING", "MLFLOW_TRACKING_USERNAME", "MLFLOW_TRACKING_PASSWORD",
+                        "MLFLOW_FLASK_SERVER_SECRET_KEY"}
     assert all(value == "" for value in env.values()), env
     compose = (INFRA / "compose.yaml").read_text()
     for name in env:  # `:?` refuses an empty value as well as a missing one

@@ -58,14 +58,16 @@ def test_second_stack_on_taken_ports_stops_completely(settings_factory, tmp_path
         assert [c.pid for c in children if not _gone(c.pid)] == []
         assert [s.healthy for s in stack_status(settings)] == [True, True, True]
 
-        # a Prefect server an earlier paperline started without a login is restarted with one
+        # servers an earlier paperline started without a login are restarted with one
         state = json.loads((settings.state_dir / "stack.json").read_text())
-        del state["services"]["prefect"]["login"]
+        for name in ("prefect", "mlflow"):
+            del state["services"][name]["login"]
         (settings.state_dir / "stack.json").write_text(json.dumps(state))
-        login = info.prefect_auth_string
+        logins = info.prefect_auth_string, info.mlflow_login
         info = ensure_stack(settings)
-        assert info.started == ("prefect",) and info.prefect_auth_string == login
+        assert info.started == ("prefect", "mlflow") and (info.prefect_auth_string, info.mlflow_login) == logins
         assert httpx.get(f"{info.prefect_api_url}/admin/version").status_code == 401
+        assert httpx.get(f"{info.mlflow_tracking_uri}/api/2.0/mlflow/experiments/search").status_code == 401
 
         # `down` then `up` with the preferred ports still taken: the same URLs again (links printed
         # earlier and MLflow's flow-run tags keep working); they used to be new random ports
@@ -73,7 +75,7 @@ def test_second_stack_on_taken_ports_stops_completely(settings_factory, tmp_path
         stop_stack(settings)
         info = ensure_stack(settings)
         assert [s.url for s in info.services] == urls
-        assert info.prefect_auth_string == login  # the UI's stored login and workers' still work
+        assert (info.prefect_auth_string, info.mlflow_login) == logins  # browsers' stored logins still work
         # the last port taken meanwhile too: a new one, and `up` says so (MLflow moved off 5000
         # silently, and earlier links reached the process that took it: a trial)
         stop_stack(settings)

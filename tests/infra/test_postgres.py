@@ -75,7 +75,7 @@ def _rows(url: str, sql: str, *args):
         return cur.fetchall()
 
 
-def test_flow_runs_and_mlflow_runs_are_stored_in_postgresql(pg_stack):
+def test_flow_runs_and_mlflow_runs_are_stored_in_postgresql(pg_stack, monkeypatch):
     from paperline.infra.tracking import Tracker
 
     settings, info, base, dbs = pg_stack
@@ -93,6 +93,9 @@ def test_flow_runs_and_mlflow_runs_are_stored_in_postgresql(pg_stack):
     rows = _rows(f"{base}/{dbs['prefect']}", "SELECT state_type FROM flow_run WHERE id = %s", flow_run_id)
     assert rows == [("COMPLETED",)]
 
+    user, password = info.mlflow_login.split(":", 1)  # this stack's own MLflow login, not the session stack's
+    monkeypatch.setenv("MLFLOW_TRACKING_USERNAME", user)
+    monkeypatch.setenv("MLFLOW_TRACKING_PASSWORD", password)
     tracker = Tracker(info.mlflow_tracking_uri)
     run_id = tracker.start_run("pg-check", run_name="pg", params={"x": 1})
     tracker.log_metrics(run_id, {"value": 3.5})

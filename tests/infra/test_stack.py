@@ -131,11 +131,11 @@ def test_the_local_prefect_api_needs_its_login(stack):
     from websockets.exceptions import ConnectionClosed
     from websockets.sync.client import connect as ws_connect
 
-    from paperline.infra.stack import PREFECT_AUTH_FILE
+    from paperline.infra.stack import LOGIN_FILES
 
     settings, info = stack
     login = info.prefect_auth_string
-    path = settings.state_dir / PREFECT_AUTH_FILE
+    path = settings.state_dir / LOGIN_FILES["prefect"]
     assert login and path.read_text().strip() == login and stat.S_IMODE(path.stat().st_mode) == 0o600
     assert login not in repr(info) and login.split(":", 1)[1] not in (settings.state_dir / "stack.json").read_text()
     assert load_stack_info(settings).prefect_auth_string == login
@@ -154,6 +154,31 @@ def test_the_local_prefect_api_needs_its_login(stack):
             ws.recv(timeout=10)
 
 
+def test_the_local_mlflow_needs_its_login(stack):
+    """Every local user could use MLflow's API: delete experiments, overwrite runs' artifacts. The
+    local server runs MLflow's basic-auth app with an admin login made once per state directory;
+    /health stays open, the UI gets the browser's login prompt."""
+    import stat
+
+    import httpx
+
+    from paperline.infra.stack import LOGIN_FILES
+
+    settings, info = stack
+    login = info.mlflow_login
+    path = settings.state_dir / LOGIN_FILES["mlflow"]
+    assert login and path.read_text().strip() == login and stat.S_IMODE(path.stat().st_mode) == 0o600
+    assert login not in repr(info) and load_stack_info(settings).mlflow_login == login
+    user, password = login.split(":", 1)
+    search = f"{info.mlflow_tracking_uri}/api/2.0/mlflow/experiments/search?max_results=1"
+    refused = httpx.get(search)
+    assert refused.status_code == 401 and refused.headers["www-authenticate"].startswith("Basic")  # the prompt
+    assert httpx.get(search, auth=(user, password[:-1])).status_code == 401
+    assert httpx.get(search, auth=(user, password)).status_code == 200
+    assert httpx.get(f"{info.mlflow_tracking_uri}/health").status_code == 200
+    assert password not in (settings.state_dir / "mlflow" / "basic_auth.ini").read_text()
+
+
 def test_ensure_stack_is_idempotent(stack):
     settings, info = stack
     again = ensure_stack(settings)
@@ -170,6 +195,9 @@ def test_up_on_a_running_stack_says_it_started_nothing(stack_cli, stack):
     assert res.exit_code == 0, res.output
     assert f"the stack in {stack[0].state_dir} is already up: nothing started" in " ".join(res.output.split())
     assert stack[1].prefect_ui_url in res.output
+    flat = "".join(res.output.split())  # where each UI's login is, not the login
+    assert "prefect/auth_string" in flat and "mlflow/auth_string" in flat, res.output
+    assert stack[1].prefect_auth_string.split(":")[1] not in flat and stack[1].mlflow_login.split(":")[1] not in flat
 
 
 def test_a_configured_endpoint_leaves_the_local_servers_records_alone(stack, free_port):
@@ -469,7 +497,7 @@ def test_a_configured_endpoint_that_fails_says_why_and_names_the_setting(stack, 
     assert not mlflow.healthy and not mlflow.managed and "PAPERLINE_MLFLOW_TRACKING_URI" in mlflow.problem
 
 
-def test_a_password_in_the_tracking_uri_is_never_printed(stack):
+def test_a_password_in_the_tracking_uri_is_never_printed(stack, monkeypatch):
     """`status`, `env`, the MLflow run links and the regression line printed
     `http://alice:s3cretpw@...` (and the last went to Prefect's logs: a fresh-user trial)."""
     from typer.testing import CliRunner
@@ -478,8 +506,9 @@ def test_a_password_in_the_tracking_uri_is_never_printed(stack):
     from paperline.infra.settings import get_settings
 
     settings, info = stack
-    with_password = info.mlflow_tracking_uri.replace("http://", "http://alice:s3cretpw@")
-    login = info.prefect_auth_string  # the server's own login, given in its URL
+    user, password = info.mlflow_login.split(":", 1)  # the servers' own logins, given in their URLs
+    with_password = info.mlflow_tracking_uri.replace("http://", f"http://{user}:{password}@")
+    login = info.prefect_auth_string
     prefect_with_password = info.prefect_api_url.replace("http://", f"http://{login}@")  # printed by `env`
     env = {"PAPERLINE_STATE_DIR": str(settings.state_dir), "PAPERLINE_MLFLOW_TRACKING_URI": with_password,
            "PAPERLINE_PREFECT_API_URL": prefect_with_password}
@@ -489,16 +518,18 @@ def test_a_password_in_the_tracking_uri_is_never_printed(stack):
     finally:
         get_settings.cache_clear()
     assert status.exit_code == 0 and exports.exit_code == 0, status.output + exports.output
-    assert "alice@127.0.0.1" in status.output and "s3cretpw" not in status.output + exports.output
+    assert f"{user}@127.0.0.1" in status.output and password not in status.output + exports.output
     assert login.split(":")[1] not in status.output + exports.output
     assert f"export MLFLOW_TRACKING_URI={info.mlflow_tracking_uri}\n" in exports.output
     assert "MLFLOW_TRACKING_PASSWORD" in exports.output  # how to give MLflow's own CLI the credentials
     assert f"export PREFECT_API_URL={info.prefect_api_url}\n" in exports.output
     assert "export PREFECT_API_AUTH_STRING" in exports.output
-    tracker = Tracker(with_password)  # the server (no auth of its own) takes the request
+    for variable in ("MLFLOW_TRACKING_USERNAME", "MLFLOW_TRACKING_PASSWORD"):
+        monkeypatch.delenv(variable)  # the URI's login alone is enough
+    tracker = Tracker(with_password)
     run_id = tracker.start_run("redaction-test", run_name="r")
     tracker.end_run(run_id)
-    assert "s3cretpw" not in tracker.run_url(run_id) + repr(tracker) and "http://alice@" in tracker.run_url(run_id)
+    assert password not in tracker.run_url(run_id) + repr(tracker) and f"http://{user}@" in tracker.run_url(run_id)
 
 
 def test_prefects_links_carry_no_password(stack, tmp_path):
