@@ -144,7 +144,7 @@ def up() -> None:
 
     state = _settings().state_dir
     prefect_login = (f" (it asks for a login: the line in {state / LOGIN_FILES['prefect']})"
-                     if info.prefect_auth_string else "")
+                     if info.prefect_login else "")
     mlflow_login = (f" (user name and password: the two halves of the line in {state / LOGIN_FILES['mlflow']})"
                     if info.mlflow_login else "")
     console.print(f"S3:         {info.s3_endpoint_url}\nPrefect UI: {redact_url(info.prefect_ui_url)}{prefect_login}\n"
@@ -239,7 +239,7 @@ def env() -> None:
     # plain print: rich would wrap long URLs, and `eval` needs the lines as they are; credentials in
     # a URL are not printed (they were, for Prefect's): each client reads its own variables for them
     _export("PREFECT_API_URL", info.prefect_api_url, "PAPERLINE_PREFECT_API_URL", "PREFECT_API_AUTH_STRING (user:password)")
-    if info.prefect_auth_string:  # the local server's login, read from its file by the shell, not printed
+    if info.prefect_login:  # the local server's login, read from its file by the shell, not printed
         print(f'export PREFECT_API_AUTH_STRING="$(cat {shlex.quote(str(settings.state_dir / LOGIN_FILES["prefect"]))})"')
     # a flow called from a script in this shell caches its task results in the stack's S3, as `paperline run`
     print("export PREFECT_RESULTS_PERSIST_BY_DEFAULT=true")
@@ -895,7 +895,7 @@ def compare(experiment: str = typer.Argument(..., metavar="EXPERIMENT", help="ML
     """Compare an experiment's MLflow runs: a table, an overlay plot of step-wise metrics and a
     Parquet file of the runs."""
     from paperline.flows.compare import compare_runs
-    from paperline.infra.stack import load_stack_info
+    from paperline.infra.stack import activate, load_stack_info
     from paperline.infra.tracking import Tracker
 
     info = load_stack_info(_settings())
@@ -903,6 +903,7 @@ def compare(experiment: str = typer.Argument(..., metavar="EXPERIMENT", help="ML
         from paperline.infra.errors import ServiceError
 
         raise ServiceError("stack", "no running stack or configured endpoints; run `paperline up` first")
+    activate(info)  # the local MLflow's login
     result = compare_runs(Tracker(info.mlflow_tracking_uri), experiment, list(metric), filter_string, top, out, log,
                           ascending, all_runs)
     width = Console().width  # the terminal's (COLUMNS), not the 140 the module's console keeps for URLs

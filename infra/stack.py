@@ -31,6 +31,7 @@ import secrets
 import shutil
 import signal
 import socket
+import stat
 import subprocess
 import sys
 import tempfile
@@ -48,6 +49,7 @@ SERVICE_NAMES = ("s3", "prefect", "mlflow")
 STATE_FILE = "stack.json"
 _STOP_TIMEOUT_S = 15.0  # seconds between SIGTERM and SIGKILL
 _GRPC_OFFSET = 10000  # SeaweedFS's grpc port convention; some of its clients assume it
+_MAX_SOCKET_PATH = 100  # bytes of a unix socket's path (sun_path holds 108 with its NUL on Linux)
 _MAX_PORT = 65535
 
 Progress = Callable[[str], None]
@@ -94,7 +96,7 @@ class StackInfo:
         mlflow_tracking_uri: MLflow tracking URI.
         services: The three services.
         results_bucket / artifacts_bucket / data_bucket: Bucket names.
-        prefect_auth_string: The local Prefect server's login (``user:password``, generated once
+        prefect_login: The local Prefect server's login (``user:password``, generated once
             per state directory, :func:`_local_login`); None for a configured Prefect
             (its client reads ``PREFECT_API_AUTH_STRING`` from the environment).
         mlflow_login: The local MLflow server's login (``user:password``, likewise); None for a
@@ -114,7 +116,7 @@ class StackInfo:
     results_bucket: str
     artifacts_bucket: str
     data_bucket: str
-    prefect_auth_string: str | None = field(default=None, repr=False)
+    prefect_login: str | None = field(default=None, repr=False)
     mlflow_login: str | None = field(default=None, repr=False)
     started: tuple[str, ...] = ()
 
@@ -380,6 +382,11 @@ def _stop_records(recs: list[dict[str, Any]], timeout_s: float = _STOP_TIMEOUT_S
     if alive:
         signal_all(signal.SIGKILL, only=alive)
         psutil.wait_procs(alive, timeout=5)
+    for rec in recs:  # the unix socket a stopped server leaves behind
+        sock = Path(rec["socket"]) if rec.get("socket") else None
+        with contextlib.suppress(OSError):
+            if sock is not None and _live_process(rec) is None and stat.S_ISSOCK(sock.lstat().st_mode):
+                sock.unlink()
     return [g is not None for g in groups]
 
 
@@ -725,18 +732,30 @@ def _local_login(settings: Settings, service: str, *, create: bool = False) -> s
 
     Args:
         service: ``"prefect"`` or ``"mlflow"``.
-        create: Generate the file when it is missing (a server is about to start).
+        create: Generate the file when it is missing or empty (a server is about to start).
 
     Returns:
-        The login, or None when the file is missing (and not created) or unreadable.
+        The login, or None when the file is missing or empty (and not created) or unreadable.
+
+    Raises:
+        PaperlineError: ``create`` and the file cannot be read, or does not hold ``user:password``
+            (an edited one), naming the file.
     """
     path = settings.state_dir / LOGIN_FILES[service]
-    if create and not path.exists():
-        _write_atomic(path, f"{LOCAL_USER}:{secrets.token_urlsafe(24)}\n", mode=0o600)
     try:
         login = path.read_text().strip()
-    except OSError:
+    except FileNotFoundError:
+        login = ""
+    except (OSError, UnicodeDecodeError) as exc:
+        if create:
+            raise PaperlineError(f"{path}: unreadable ({exc}); delete it to make a new login") from exc
         return None
+    if create and not login:
+        login = f"{LOCAL_USER}:{secrets.token_urlsafe(24)}"
+        _write_atomic(path, login + "\n", mode=0o600)
+    user, _, password = login.partition(":")
+    if create and not (user and password and login.isprintable()):
+        raise PaperlineError(f"{path}: not a login (`user:password` on one line); delete it to make a new one")
     return login or None
 
 
@@ -803,10 +822,17 @@ def _start_s3(settings: Settings, taken: set[int], key: str, secret: str) -> tup
     ]
     for comp, port in ports.items():
         cmd += [f"-{comp}.port={port}", f"-{comp}.port.grpc={port + _GRPC_OFFSET}"]
+    # its S3 gateway's unix socket: in the state directory where the path fits a socket address
+    # (else SeaweedFS's default in /tmp); removed by _stop_records (they piled up in /tmp: a trial)
+    sock = s3_dir / "s3.sock"
+    if len(os.fsencode(sock)) <= _MAX_SOCKET_PATH:
+        cmd.append(f"-s3.localSocket={sock}")
+    else:
+        sock = Path(f"/tmp/seaweedfs-s3-{ports['s3']}.sock")
     url = f"http://{_url_host(host)}:{ports['s3']}"
     log = settings.state_dir / "logs" / "s3.log"
     proc = _spawn(cmd, _clean_env(("AWS_",)), log, s3_dir)
-    return proc, _record(proc, url, log, port=ports["s3"], ports=ports)
+    return proc, _record(proc, url, log, port=ports["s3"], ports=ports, socket=str(sock))
 
 
 def _seaweed_security() -> str:
@@ -1166,7 +1192,7 @@ def running_flow_runs(info: StackInfo) -> list[str]:
     from prefect.settings import PREFECT_API_URL, temporary_settings  # noqa: PLC0415
 
     with contextlib.suppress(Exception), temporary_settings({PREFECT_API_URL: info.prefect_api_url}), \
-            _prefect_login(info.prefect_auth_string), get_client(sync_client=True) as client:
+            _prefect_login(info.prefect_login), get_client(sync_client=True) as client:
         return [f"{run.name} ({run.id})" for run in _running_flow_runs(client)]
     return []
 
@@ -1202,7 +1228,7 @@ def _make_info(settings: Settings, urls: dict[str, str | None], services: list[S
         results_bucket=settings.results_bucket,
         artifacts_bucket=settings.artifacts_bucket,
         data_bucket=settings.data_bucket,
-        prefect_auth_string=prefect_login,
+        prefect_login=prefect_login,
         mlflow_login=mlflow_login,
     )
 
@@ -1776,7 +1802,7 @@ def activate(info: StackInfo) -> None:
         }
     )
     mlflow_user, _, mlflow_password = (info.mlflow_login or "").partition(":")
-    logins = {"PREFECT_API_AUTH_STRING": info.prefect_auth_string,
+    logins = {"PREFECT_API_AUTH_STRING": info.prefect_login,
               "MLFLOW_TRACKING_USERNAME": mlflow_user or None, "MLFLOW_TRACKING_PASSWORD": mlflow_password or None}
     for variable, login in logins.items():
         if login:

@@ -164,7 +164,7 @@ def test_prefect_and_mlflow_uis_show_the_deployments_and_the_runs(served, wait_f
         try:
             page.goto(f"{prefect_ui}/deployments", wait_until="load")
             # the UI asks for the server's login once (the line in prefect/auth_string), then keeps it
-            page.get_by_placeholder("admin:pass").fill(info.prefect_auth_string)
+            page.get_by_placeholder("admin:pass").fill(info.prefect_login)
             page.screenshot(path=str(shots / "prefect-login.png"))
             page.get_by_role("button", name="Login").click()
             for n in names:  # each row: the deployment's name over its flow's name

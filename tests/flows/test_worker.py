@@ -19,7 +19,7 @@ def deployed(stack, tmp_path_factory, background_process, cli_env):
     # the README's way: `eval "$(paperline env)"` points Prefect's own CLI at the stack
     exports = subprocess.run([sys.executable, "-m", "paperline.flows.cli", "env"], env=cli_env, capture_output=True,
                              text=True, timeout=60, check=True).stdout
-    assert info.prefect_auth_string not in exports and info.mlflow_login.split(":", 1)[1] not in exports  # read from files
+    assert info.prefect_login not in exports and info.mlflow_login.split(":", 1)[1] not in exports  # read from files
     clean = {k: v for k, v in cli_env.items() if not k.startswith(("PREFECT_", "MLFLOW_"))}
     shell = subprocess.run(["bash", "-c", 'eval "$1" && env -0', "-", exports], env=clean, capture_output=True,
                            text=True, timeout=60, check=True).stdout
@@ -27,7 +27,7 @@ def deployed(stack, tmp_path_factory, background_process, cli_env):
     assert {k: v for k, v in env.items() if k.startswith(("PREFECT_", "MLFLOW_"))} == {
         "PREFECT_API_URL": info.prefect_api_url, "MLFLOW_TRACKING_URI": info.mlflow_tracking_uri,
         # the local servers' logins: without them Prefect's and MLflow's CLIs got 401s
-        "PREFECT_API_AUTH_STRING": info.prefect_auth_string,
+        "PREFECT_API_AUTH_STRING": info.prefect_login,
         "MLFLOW_TRACKING_USERNAME": info.mlflow_login.split(":")[0],
         "MLFLOW_TRACKING_PASSWORD": info.mlflow_login.split(":", 1)[1],
         # a flow called from a script in that shell caches in the stack's S3, as `paperline run`

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import re
 import time
 import socket
@@ -12,7 +13,7 @@ import httpx
 import psutil
 import pytest
 
-from paperline.infra.stack import ensure_stack, stack_status, stop_stack
+from paperline.infra.stack import _read_state, ensure_stack, stack_status, stop_stack
 
 pytestmark = pytest.mark.stack
 
@@ -63,9 +64,9 @@ def test_second_stack_on_taken_ports_stops_completely(settings_factory, tmp_path
         for name in ("prefect", "mlflow"):
             del state["services"][name]["login"]
         (settings.state_dir / "stack.json").write_text(json.dumps(state))
-        logins = info.prefect_auth_string, info.mlflow_login
+        logins = info.prefect_login, info.mlflow_login
         info = ensure_stack(settings)
-        assert info.started == ("prefect", "mlflow") and (info.prefect_auth_string, info.mlflow_login) == logins
+        assert info.started == ("prefect", "mlflow") and (info.prefect_login, info.mlflow_login) == logins
         assert httpx.get(f"{info.prefect_api_url}/admin/version").status_code == 401
         assert httpx.get(f"{info.mlflow_tracking_uri}/api/2.0/mlflow/experiments/search").status_code == 401
 
@@ -75,7 +76,7 @@ def test_second_stack_on_taken_ports_stops_completely(settings_factory, tmp_path
         stop_stack(settings)
         info = ensure_stack(settings)
         assert [s.url for s in info.services] == urls
-        assert (info.prefect_auth_string, info.mlflow_login) == logins  # browsers' stored logins still work
+        assert (info.prefect_login, info.mlflow_login) == logins  # browsers' stored logins still work
         # the last port taken meanwhile too: a new one, and `up` says so (MLflow moved off 5000
         # silently, and earlier links reached the process that took it: a trial)
         stop_stack(settings)
@@ -91,6 +92,8 @@ def test_second_stack_on_taken_ports_stops_completely(settings_factory, tmp_path
                                                    f"is on {urlparse(info.prefect_api_url).port} now")], notices
         assert not [n for n in notices if n.startswith("mlflow: its last port")], notices
 
+        socket_path = _read_state(settings)["services"]["s3"]["socket"]  # S3's unix socket: private, in the state dir
+        assert socket_path == str(settings.state_dir / "s3" / "s3.sock") and os.path.exists(socket_path)
         procs = []
         for svc in info.services:
             p = psutil.Process(svc.pid)
@@ -105,7 +108,7 @@ def test_second_stack_on_taken_ports_stops_completely(settings_factory, tmp_path
 
     assert sorted(stopped) == ["mlflow", "prefect", "s3"]
     assert [pid for pid in pids if not _gone(pid)] == []
-    assert not (settings.state_dir / "stack.json").exists()
+    assert not (settings.state_dir / "stack.json").exists() and not os.path.exists(socket_path)
     assert [s.healthy for s in stack_status(settings)] == [False, False, False]
     assert stop_stack(settings) == []
     # The session's stack was not touched.

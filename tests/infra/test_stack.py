@@ -115,7 +115,7 @@ def test_prefects_api_answers_no_other_web_origin(stack):
     # (with the login, which a page cannot send: the browser keeps no basic-auth login for the API)
     simple = httpx.post(f"{info.prefect_api_url}/flows/", content=b'{"name": "csrf-probe"}',
                         headers={"Origin": "https://evil.example", "Content-Type": ""},
-                        auth=tuple(info.prefect_auth_string.split(":", 1)))
+                        auth=tuple(info.prefect_login.split(":", 1)))
     assert simple.status_code == 403, (simple.status_code, simple.text)
 
 
@@ -134,11 +134,11 @@ def test_the_local_prefect_api_needs_its_login(stack):
     from paperline.infra.stack import LOGIN_FILES
 
     settings, info = stack
-    login = info.prefect_auth_string
+    login = info.prefect_login
     path = settings.state_dir / LOGIN_FILES["prefect"]
     assert login and path.read_text().strip() == login and stat.S_IMODE(path.stat().st_mode) == 0o600
     assert login not in repr(info) and login.split(":", 1)[1] not in (settings.state_dir / "stack.json").read_text()
-    assert load_stack_info(settings).prefect_auth_string == login
+    assert load_stack_info(settings).prefect_login == login
     block = f"{info.prefect_api_url}/block_types/slug/s3-bucket/block_documents/name/" + \
         info.result_storage_block.split("/")[1]
     user, password = login.split(":", 1)
@@ -152,6 +152,34 @@ def test_the_local_prefect_api_needs_its_login(stack):
         with pytest.raises(ConnectionClosed), ws_connect(events, subprotocols=["prefect"], open_timeout=10) as ws:
             ws.send(json.dumps({"type": "auth", "token": token}))
             ws.recv(timeout=10)
+
+
+def test_a_login_file_is_made_once_and_an_edited_one_is_refused(settings_factory, tmp_path):
+    """The local servers' logins: made once (0600), kept, made again when emptied; one that is not
+    `user:password` on a line is refused naming the file (MLflow refused to start with an empty
+    password, Prefect would have required an empty login), never printed; the user's own is kept."""
+    import stat
+
+    from paperline.infra.errors import PaperlineError
+    from paperline.infra.stack import LOGIN_FILES, _local_login
+
+    settings = settings_factory(tmp_path / "state")
+    assert _local_login(settings, "prefect") is None  # nothing is made without create
+    login = _local_login(settings, "prefect", create=True)
+    user, password = login.split(":")
+    assert user == "paperline" and len(password) >= 32 and _local_login(settings, "prefect", create=True) == login
+    path = settings.state_dir / LOGIN_FILES["prefect"]
+    assert stat.S_IMODE(path.stat().st_mode) == 0o600 and _local_login(settings, "mlflow") is None
+    path.write_text("\n")
+    assert _local_login(settings, "prefect") is None
+    assert _local_login(settings, "prefect", create=True) not in (None, login)
+    for bad in ("s3cret-without-user\n", ":s3cret\n", "alice:\n", "alice:s3cret\nmore\n"):
+        path.write_text(bad)
+        with pytest.raises(PaperlineError, match="not a login .*delete it to make a new one") as err:
+            _local_login(settings, "prefect", create=True)
+        assert str(path) in str(err.value) and "s3cret" not in str(err.value)
+    path.write_text("alice:chosen-password\n")
+    assert _local_login(settings, "prefect", create=True) == "alice:chosen-password"
 
 
 def test_the_local_mlflow_needs_its_login(stack):
@@ -197,7 +225,7 @@ def test_up_on_a_running_stack_says_it_started_nothing(stack_cli, stack):
     assert stack[1].prefect_ui_url in res.output
     flat = "".join(res.output.split())  # where each UI's login is, not the login
     assert "prefect/auth_string" in flat and "mlflow/auth_string" in flat, res.output
-    assert stack[1].prefect_auth_string.split(":")[1] not in flat and stack[1].mlflow_login.split(":")[1] not in flat
+    assert stack[1].prefect_login.split(":")[1] not in flat and stack[1].mlflow_login.split(":")[1] not in flat
 
 
 def test_a_configured_endpoint_leaves_the_local_servers_records_alone(stack, free_port):
@@ -508,7 +536,7 @@ def test_a_password_in_the_tracking_uri_is_never_printed(stack, monkeypatch):
     settings, info = stack
     user, password = info.mlflow_login.split(":", 1)  # the servers' own logins, given in their URLs
     with_password = info.mlflow_tracking_uri.replace("http://", f"http://{user}:{password}@")
-    login = info.prefect_auth_string
+    login = info.prefect_login
     prefect_with_password = info.prefect_api_url.replace("http://", f"http://{login}@")  # printed by `env`
     env = {"PAPERLINE_STATE_DIR": str(settings.state_dir), "PAPERLINE_MLFLOW_TRACKING_URI": with_password,
            "PAPERLINE_PREFECT_API_URL": prefect_with_password}

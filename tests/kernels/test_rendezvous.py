@@ -251,6 +251,11 @@ def test_every_compressors_checkpoint_loads_weights_only_and_resumes(tmp_path, f
 
 
 if __name__ == "__main__" and len(sys.argv) > 1 and sys.argv[1] in ("--rendezvous", "--nccl", "--checkpoints"):
+    import faulthandler
+
+    # a rank still here after 270 s is stuck (a CI run: rank 0's store waited its 300 s for rank 1,
+    # whose log was empty): its threads' stacks go to its log before the others time out
+    faulthandler.dump_traceback_later(270)
     if sys.argv[1] in ("--rendezvous", "--nccl"):
         (_rendezvous_worker if sys.argv[1] == "--rendezvous" else _nccl_worker)(int(sys.argv[2]), int(sys.argv[3]),
                                                                                 sys.argv[4])
