@@ -89,6 +89,9 @@ def _friendly(fn: Callable[..., Any]) -> Callable[..., Any]:
                 raise
             known = isinstance(exc, (PaperlineError, KernelInputError))
             msg = str(exc) if known else f"{type(exc).__name__}: {exc}"
+            refused = None if known else _unauthorized(exc)
+            if refused:  # a bare 401 said nothing of why (a trial: the stack's login made anew under `serve`)
+                known, msg = True, refused
             from rich.markup import escape  # noqa: PLC0415 - messages may hold [brackets] (paths, C++ sources)
 
             err_console.print(f"[bold red]error:[/] {escape(msg)}", highlight=False, soft_wrap=True)
@@ -97,6 +100,28 @@ def _friendly(fn: Callable[..., Any]) -> Callable[..., Any]:
             raise typer.Exit(1) from None
 
     return wrapper
+
+
+def _unauthorized(exc: BaseException) -> str | None:
+    """The line for an error that is (or wraps) a server's 401: Prefect's client (httpx) or
+    MLflow's (``... error code 401 ...``); None for any other error."""
+    import httpx
+
+    seen: list[BaseException] = [exc]
+    while seen:
+        e = seen.pop()
+        if isinstance(e, httpx.HTTPStatusError) and e.response.status_code == 401:
+            where = f"Prefect at {e.request.url.scheme}://{e.request.url.netloc.decode().rsplit('@', 1)[-1]}"
+        elif type(e).__name__ == "MlflowException" and "error code 401" in str(e):
+            where = "MLflow"
+        else:
+            seen += [x for x in (e.__cause__, e.__context__, *getattr(e, "exceptions", ())) if x is not None]
+            continue
+        return (f"not authorized (HTTP 401): {where} refused this process's login. The local stack's logins "
+                "change when `paperline up` makes new ones (a login file deleted or edited): restart this command, "
+                "and log in to the UIs again; for a configured server check PREFECT_API_AUTH_STRING or "
+                "MLFLOW_TRACKING_USERNAME/MLFLOW_TRACKING_PASSWORD")
+    return None
 
 
 def _say(line: str) -> None:
@@ -196,9 +221,10 @@ def _down_lines(services, unrecorded: bool = False) -> list[str]:
     ``unrecorded``: the stack's state could not be read, so the local ones are not known to be down."""
     from paperline.infra.errors import redact_url
 
-    local = [s.name for s in services if not s.healthy and s.managed]
+    local = [s.name for s in services if not s.healthy and s.managed and not s.problem]
     lines = [f"not running: {', '.join(local)} (`paperline up` starts the local stack)"] if local and not unrecorded \
         else []
+    lines += [f"{s.name}: {s.problem}" for s in services if not s.healthy and s.managed and s.problem]
     return lines + [f"not reachable: {s.name} at {redact_url(s.url)} (configured endpoint): {s.problem}"
                     for s in services if not s.healthy and not s.managed]
 
@@ -720,10 +746,12 @@ def serve() -> None:
         listed = [f"{d.flow_name}/{d.name} ({d.schedules[0].schedule.cron if d.schedules else 'no schedule'})"
                   for d in deployments]
         console.print(f"serving {len(deployments)} deployments: " + ", ".join(listed), highlight=False)
-        console.print(f"trigger them from {redact_url(info.prefect_ui_url.rstrip('/'))}/deployments or with "
-                      f"`PREFECT_API_URL={redact_url(info.prefect_api_url)} prefect deployment run gemm/local --params "
-                      "'{\"params\": {\"m\": 512}}'` (`eval \"$(paperline env)\"` sets PREFECT_API_URL in your "
-                      "shell); Ctrl-C stops serving", soft_wrap=True, highlight=False, markup=False)
+        # (the environment first: PREFECT_API_URL alone, as this said before, got a 401 once the
+        # local Prefect required its login, a trial)
+        console.print(f"trigger them from {redact_url(info.prefect_ui_url.rstrip('/'))}/deployments or, in a shell, "
+                      "with `eval \"$(paperline env)\"` (the stack's URLs and logins) then `prefect deployment run "
+                      "gemm/local --params '{\"params\": {\"m\": 512}}'`; Ctrl-C stops serving",
+                      soft_wrap=True, highlight=False, markup=False)
         # on stopping, a run it was executing, or had claimed and not started, is marked Crashed
         with watch_flow_runs("paperline serve", report=_say,
                              deployments=[f"{d.flow_name}/{d.name}" for d in deployments]):
@@ -895,14 +923,18 @@ def compare(experiment: str = typer.Argument(..., metavar="EXPERIMENT", help="ML
     """Compare an experiment's MLflow runs: a table, an overlay plot of step-wise metrics and a
     Parquet file of the runs."""
     from paperline.flows.compare import compare_runs
-    from paperline.infra.stack import activate, load_stack_info
+    from paperline.infra.stack import activate, load_stack_info, login_problem
     from paperline.infra.tracking import Tracker
 
-    info = load_stack_info(_settings())
+    settings = _settings()
+    info = load_stack_info(settings)
     if info is None:
         from paperline.infra.errors import ServiceError
 
         raise ServiceError("stack", "no running stack or configured endpoints; run `paperline up` first")
+    problem = login_problem(settings, "mlflow") if info.service("mlflow").managed else None
+    if problem:  # else MLflow's bare 401 (a trial)
+        raise PaperlineError(f"mlflow: {problem}")
     activate(info)  # the local MLflow's login
     result = compare_runs(Tracker(info.mlflow_tracking_uri), experiment, list(metric), filter_string, top, out, log,
                           ascending, all_runs)

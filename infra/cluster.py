@@ -107,10 +107,20 @@ def start_local_cluster(cluster_class: str, **kwargs: Any) -> Any:
     SYMM..TRSM ran on 1 of 2 cores, inflating paperline's ratio to it ~1.9x for SYRK), torch's OpenMP, and
     any subprocess. The workers keep their single-threaded settings (they were spawned with
     them); a worker the nanny restarts later sets them again.
+
+    Unless ``kwargs`` name a ``security``, the cluster speaks TLS with certificates made for it
+    alone (``distributed.security.Security.temporary()``, held in memory; clients made from the
+    cluster object get them): a plain ``tcp://`` scheduler on 127.0.0.1 took clients from every
+    local user, who could run code as this one through it (``Client.run``) and read the stack's
+    logins from the workers' environment (a trial). Made here, not passed in ``kwargs``, so that
+    the key is in no pickled task runner.
     """
     import importlib  # noqa: PLC0415
 
     import dask  # noqa: PLC0415
+    from distributed.security import Security  # noqa: PLC0415
+
+    kwargs.setdefault("security", Security.temporary())
 
     keys = set(dask.config.get("distributed.nanny.pre-spawn-environ", default={}) or {})
     before = {k: os.environ.get(k) for k in keys}

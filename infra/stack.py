@@ -434,8 +434,12 @@ def _stop_record(rec: dict[str, Any], timeout_s: float = _STOP_TIMEOUT_S) -> boo
 
 
 def _spawn(cmd: list[str], env: dict[str, str], log_path: Path, cwd: Path) -> subprocess.Popen[bytes]:
-    log_path.parent.mkdir(parents=True, exist_ok=True)
-    with open(log_path, "ab") as log:
+    log_path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+    # its owner's alone, as what the server writes (an existing log of an earlier version tightened)
+    fd = os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
+    with contextlib.suppress(PermissionError):
+        os.fchmod(fd, 0o600)
+    with open(fd, "ab") as log:
         log.write(f"\n=== paperline: starting {Path(cmd[0]).name} at {time.strftime('%Y-%m-%d %H:%M:%S')}\n".encode())
         log.flush()
         return subprocess.Popen(
@@ -611,6 +615,23 @@ def _service_problem(service: str, url: str, *, configured: bool = False) -> str
     return None  # (another status, e.g. Prefect Cloud without /admin/version: not a login problem)
 
 
+def _login_refused(settings: Settings, service: str, url: str) -> str | None:
+    """Why the local ``service``'s server refuses the login in its file (an authorized request
+    answered 401/403: the file was changed since the server started), or None."""
+    import httpx  # noqa: PLC0415
+
+    login = _local_login(settings, service) or ""
+    base = (_prefect_urls(url)[0] if service == "prefect" else url).rstrip("/")
+    try:
+        code = httpx.get(base + _AUTHORIZED_PATHS[service], timeout=5.0, auth=tuple(login.split(":", 1))).status_code
+    except Exception:  # noqa: BLE001 - it answered its health check; a hiccup here is no login problem
+        return None
+    if code not in (401, 403):
+        return None
+    return (f"the server refuses the login in {settings.state_dir / LOGIN_FILES[service]} (not the one it was "
+            "started with): `paperline up` restarts it with this one")
+
+
 def _prefect_healthy(api_url: str) -> bool:
     return _service_problem("prefect", api_url) is None
 
@@ -753,10 +774,31 @@ def _local_login(settings: Settings, service: str, *, create: bool = False) -> s
     if create and not login:
         login = f"{LOCAL_USER}:{secrets.token_urlsafe(24)}"
         _write_atomic(path, login + "\n", mode=0o600)
-    user, _, password = login.partition(":")
-    if create and not (user and password and login.isprintable()):
+    if create and not _is_login(login):
         raise PaperlineError(f"{path}: not a login (`user:password` on one line); delete it to make a new one")
     return login or None
+
+
+def _is_login(login: str) -> bool:
+    user, _, password = login.partition(":")
+    return bool(user and password and login.isprintable())
+
+
+def login_problem(settings: Settings, service: str) -> str | None:
+    """Why the local ``service``'s (``"prefect"``, ``"mlflow"``) login file cannot be used by a
+    client (missing, unreadable, not ``user:password``), naming the file and the fix; None when it
+    can. Never shows the file's content."""
+    path = settings.state_dir / LOGIN_FILES[service]
+    try:
+        login = path.read_text().strip()
+    except FileNotFoundError:
+        return f"its login file {path} is missing: `paperline up` makes a new login (restarting the server)"
+    except (OSError, UnicodeDecodeError) as exc:
+        return f"its login file {path} is unreadable ({exc}): delete it, then `paperline up` makes a new login"
+    if not _is_login(login):
+        return (f"its login file {path} holds no login (`user:password` on one line): delete it, then "
+                "`paperline up` makes a new one")
+    return None
 
 
 def _login_digest(login: str | None) -> str | None:
@@ -1339,13 +1381,19 @@ def ensure_stack(settings: Settings, *, progress: Progress | None = None, notice
             s3_obj_url = s3_url
 
             login = None if external["prefect"] else _local_login(settings, "prefect", create=True)
-            # a server started with another login (or none: before paperline made one) is restarted
-            stale = recs.get("prefect", {}).get("login") != _login_digest(login)
-            reuse_prefect = reuse("prefect", lambda r: _prefect_healthy(r["api_url"]), stale=stale)
-            # MLflow proxies artifacts to S3: a server started against another S3 endpoint is restarted.
             mlflow_login = None if external["mlflow"] else _local_login(settings, "mlflow", create=True)
-            stale = (recs.get("mlflow", {}).get("s3_url") != s3_obj_url
-                     or recs.get("mlflow", {}).get("login") != _login_digest(mlflow_login))
+            # a server started with another login (or none: before paperline made one) is restarted,
+            # and the processes that hold its old one are named (they failed with bare 401s: a trial)
+            new_login = {name: not external[name] and _live_process(recs.get(name)) is not None
+                         and recs[name].get("login") != _login_digest(value)
+                         for name, value in (("prefect", login), ("mlflow", mlflow_login))}
+            for name in (n for n, changed in new_login.items() if changed):
+                tell(f"{name}: restarting its server (pid {recs[name]['pid']}) for the login in "
+                     f"{settings.state_dir / LOGIN_FILES[name]}, which is not the one it was started with: restart "
+                     "any `paperline serve` or `paperline worker` running on the stack, and log in to its UI again")
+            reuse_prefect = reuse("prefect", lambda r: _prefect_healthy(r["api_url"]), stale=new_login["prefect"])
+            # MLflow proxies artifacts to S3: a server started against another S3 endpoint is restarted.
+            stale = recs.get("mlflow", {}).get("s3_url") != s3_obj_url or new_login["mlflow"]
             reuse_mlflow = reuse("mlflow", lambda r: _mlflow_healthy(r["url"]), stale=stale)
             for name, kept in (("prefect", reuse_prefect), ("mlflow", reuse_mlflow)):
                 if kept:
@@ -1557,8 +1605,12 @@ def stack_status(settings: Settings) -> list[Service]:
             continue
         rec = recs.get(name)
         if rec and _live_process(rec) is not None:
+            healthy = check(name, rec["url"]) is None
+            # up, but its clients' login is not the server's: they get 401s (`status` said healthy)
+            problem = (login_problem(settings, name) or _login_refused(settings, name, rec["url"])
+                       if healthy and name in LOGIN_FILES else None)
             out.append(Service(name, rec["url"], True, pid=rec["pid"], log_path=rec["log_path"],
-                               healthy=check(name, rec["url"]) is None))
+                               healthy=healthy and problem is None, problem=problem))
         else:
             # Not running: no URL to show (the default port may belong to someone else's stack).
             log = str(settings.state_dir / "logs" / f"{name}.log")

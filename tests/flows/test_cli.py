@@ -663,3 +663,33 @@ def test_an_event_prefect_could_not_send_is_one_short_line():
     other = logging.LogRecord("prefect", logging.ERROR, __file__, 1, "Service %r failed to process item %r",
                               ("LogsWorker", {"x": 1}), None)
     assert _short_event_failures(other) and "LogsWorker" in other.getMessage()
+
+
+def test_a_401_is_said_as_a_refused_login_with_what_to_do(capsys):
+    """`paperline serve` on a stack whose login was made anew died with `PrefectHTTPStatusError:
+    Client error '401 Unauthorized' ...`, a worker's runs with MLflow's 40-line 401 (a trial)."""
+    import httpx
+    import typer
+    from mlflow.exceptions import MlflowException
+
+    from paperline.flows.cli import _friendly, _unauthorized
+
+    request = httpx.Request("GET", "http://paperline:s3cret@127.0.0.1:4200/api/deployments/x")
+    status = httpx.HTTPStatusError("Client error '401 Unauthorized'", request=request,
+                                   response=httpx.Response(401, request=request))
+    grouped = ExceptionGroup("worker", [RuntimeError("x"), status])
+    assert "Prefect at http://127.0.0.1:4200 refused this process's login" in _unauthorized(grouped)
+    mlflow = MlflowException("API request to endpoint /api/2.0/mlflow/runs/create failed with error code 401 != 200")
+    wrapped = RuntimeError("the flow run failed")
+    wrapped.__cause__ = mlflow
+    assert "MLflow refused this process's login" in _unauthorized(wrapped)
+    forbidden = httpx.HTTPStatusError("403", request=request, response=httpx.Response(403, request=request))
+    assert _unauthorized(forbidden) is None and _unauthorized(ValueError("error code 401")) is None
+
+    def serve():
+        raise grouped
+
+    with pytest.raises(typer.Exit):
+        _friendly(serve)()
+    err = " ".join(capsys.readouterr().err.split())
+    assert "error: not authorized (HTTP 401)" in err and "restart this command" in err and "s3cret" not in err

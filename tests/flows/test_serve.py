@@ -70,6 +70,9 @@ def test_the_readme_command_line_triggers_a_run(served, cli_env, wait_for_flow_r
     py = sys.executable
     params = '{"params": {"m": 64, "n": 48, "k": 40, "tile": 32, "scaling": false}}'
     script = f"eval \"$({py} -m paperline.flows.cli env)\" && {py} -m prefect deployment run gemm/local --params '{params}'"
+    # what `serve` prints says the same (it said PREFECT_API_URL=... alone, a 401 with the login: a trial)
+    assert "in a shell, with `eval \"$(paperline env)\"` (the stack's URLs and logins) then `prefect deployment run " \
+        "gemm/local" in " ".join(log.read_text().split())
     with get_client(sync_client=True) as client:
         _deployment(client, "gemm/local", proc, log)
     out = subprocess.run(["bash", "-c", script], env=env, capture_output=True, text=True, timeout=180)

@@ -277,3 +277,23 @@ def test_a_dead_scheduler_address_is_one_clear_error_before_any_run(settings_fac
         require_scheduler(settings_factory(tmp_path, dask_scheduler_address=f"127.0.0.1:{port}"))  # no scheme
     require_scheduler(settings_factory(tmp_path))  # a local cluster: nothing to check
     require_scheduler(settings_factory(tmp_path, dask_scheduler_address="ucx://10.0.0.1:8786"))  # not checked
+
+
+def test_the_local_cluster_takes_only_its_own_clients():
+    """A plain tcp:// scheduler on 127.0.0.1 took clients from every local user, who ran code as
+    this one through it (Client.run) and read the stack's logins from the workers' environment
+    (a trial). The local cluster speaks TLS with certificates of its own: a client made from the
+    cluster works; plain TCP and TLS with other certificates are refused."""
+    from distributed.security import Security
+
+    from paperline.infra.cluster import start_local_cluster
+
+    with start_local_cluster("distributed.LocalCluster", n_workers=1, threads_per_worker=1, processes=False,
+                             host="127.0.0.1", dashboard_address=None) as cluster:
+        assert cluster.scheduler_address.startswith("tls://127.0.0.1:")
+        with Client(cluster) as client:
+            assert client.submit(sum, [40, 2]).result() == 42
+        plain = cluster.scheduler_address.replace("tls://", "tcp://")
+        for address, security in ((plain, None), (cluster.scheduler_address, Security.temporary())):
+            with pytest.raises(Exception):  # noqa: B017 - CommClosedError, OSError, ssl.SSLError: any refusal
+                Client(address, security=security, timeout=5)

@@ -65,9 +65,47 @@ def test_second_stack_on_taken_ports_stops_completely(settings_factory, tmp_path
             del state["services"][name]["login"]
         (settings.state_dir / "stack.json").write_text(json.dumps(state))
         logins = info.prefect_login, info.mlflow_login
-        info = ensure_stack(settings)
+        notices: list[str] = []
+        info = ensure_stack(settings, notice=notices.append)
         assert info.started == ("prefect", "mlflow") and (info.prefect_login, info.mlflow_login) == logins
         assert httpx.get(f"{info.prefect_api_url}/admin/version").status_code == 401
+        # said on lines that stay (a trial: only the spinner said it, and `serve` died of bare 401s)
+        for name in ("prefect", "mlflow"):
+            assert [n for n in notices if n.startswith(f"{name}: restarting its server") and "restart any "
+                    "`paperline serve` or `paperline worker`" in n], notices
+
+        # a damaged or changed login file: `status` and `env` say which file and what to do, not "healthy"
+        from typer.testing import CliRunner
+
+        from paperline.flows.cli import app
+        from paperline.infra.settings import get_settings
+
+        login_file = settings.state_dir / "mlflow" / "auth_string"
+
+        def cli(*args):
+            get_settings.cache_clear()
+            try:
+                res = CliRunner().invoke(app, list(args), env={"PAPERLINE_STATE_DIR": str(settings.state_dir)})
+            finally:
+                get_settings.cache_clear()
+            return res.exit_code, " ".join(res.output.split())
+
+        login_file.write_text("s3cret-garbage\n")
+        mlflow = stack_status(settings)[2]
+        assert not mlflow.healthy and f"its login file {login_file} holds no login" in mlflow.problem
+        for command in (["status"], ["env"], ["compare", "gemm"]):
+            code, out = cli(*command)
+            assert code == 1 and f"mlflow: its login file {login_file} holds no login" in out, (command, out)
+            assert "s3cret-garbage" not in out and "not running" not in out
+        login_file.write_text("paperline:another-password-of-the-users\n")
+        mlflow = stack_status(settings)[2]
+        assert not mlflow.healthy and "the server refuses the login in" in mlflow.problem, mlflow
+        notices.clear()
+        info = ensure_stack(settings, notice=notices.append)
+        assert info.started == ("mlflow",) and info.mlflow_login == "paperline:another-password-of-the-users"
+        assert [n for n in notices if n.startswith("mlflow: restarting its server")], notices
+        assert all(s.healthy for s in stack_status(settings))
+        logins = info.prefect_login, info.mlflow_login
         assert httpx.get(f"{info.mlflow_tracking_uri}/api/2.0/mlflow/experiments/search").status_code == 401
 
         # `down` then `up` with the preferred ports still taken: the same URLs again (links printed

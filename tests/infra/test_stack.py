@@ -725,6 +725,8 @@ def test_the_state_directory_is_its_owners_alone(stack, tmp_path):
     assert databases, sorted(p.name for p in settings.state_dir.iterdir())
     for path in databases:  # written by the servers, spawned with umask 077
         assert stat.S_IMODE(path.stat().st_mode) & 0o077 == 0, (path, oct(path.stat().st_mode))
+    logs = list((settings.state_dir / "logs").glob("*.log"))
+    assert len(logs) == 3 and all(stat.S_IMODE(p.stat().st_mode) == 0o600 for p in logs), logs  # they were 0644
     # SeaweedFS also wrote log files of its own into /tmp (its log is the state directory's s3.log)
     import glob
     import tempfile
