@@ -33,6 +33,7 @@ References:
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import io
 import math
@@ -564,6 +565,12 @@ def train_rank(rank: int, world_size: int, init_method: str, cfg: TrainConfig, *
 
             sweep = allreduce_sweep(collectives_sizes, device=dev)
         dist.barrier()
+        # gloo's worker threads free each finished collective's tensors after waking the caller,
+        # needing the GIL for any that Python made. The group is destroyed (this DDP module
+        # freed) with the GIL held, joining those threads: one still freeing a tensor waited for
+        # the GIL for good, and the rank hung after its last epoch (seen under gdb, 2 in 12 runs
+        # of a test under load). A pause with the GIL released lets them finish first.
+        time.sleep(_TEARDOWN_PAUSE_S)
         return {"rank": rank, "world_size": world_size, "epochs": epochs, "skipped_steps": skipped,
                 "params_count": sum(p.numel() for p in params),
                 "dense_bytes_per_step": sum(p.numel() * p.element_size() for p in params),
@@ -571,15 +578,29 @@ def train_rank(rank: int, world_size: int, init_method: str, cfg: TrainConfig, *
                 "restored_memory_buckets": restored}
 
 
+_TEARDOWN_PAUSE_S = 0.5  # seconds train_rank waits, GIL released, before its process group goes
+
+# The tensors of the last few host-number collectives, kept alive here (see _allreduce_sum).
+_RECENT_COLLECTIVE_TENSORS: collections.deque[Any] = collections.deque(maxlen=4)
+
+
 def _allreduce_sum(values: list[float], dev: Any) -> list[float]:
     """The sums over ranks of a few host numbers, through the process group's backend. The tensor
     lives on ``dev``: NCCL reduces CUDA tensors only ("No backend type associated with device type
-    cpu"); gloo takes either."""
+    cpu"); gloo takes either.
+
+    The tensor outlives the call (:data:`_RECENT_COLLECTIVE_TENSORS`): gloo's worker thread drops
+    its reference to a finished collective's tensor after waking the caller, and when that was the
+    last one it needs the GIL to free the Python object. A rank whose process group was then
+    destroyed (its DDP module freed as ``train_rank`` returned) held the GIL while joining that
+    thread, and both waited for good (a deadlock seen in CI runs and under gdb, after the last
+    epoch's allreduce)."""
     import torch  # noqa: PLC0415
     import torch.distributed as dist  # noqa: PLC0415
 
     t = torch.tensor(values, dtype=torch.float64, device=dev)
     dist.all_reduce(t)
+    _RECENT_COLLECTIVE_TENSORS.append(t)
     return t.tolist()
 
 
