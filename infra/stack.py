@@ -615,23 +615,6 @@ def _service_problem(service: str, url: str, *, configured: bool = False) -> str
     return None  # (another status, e.g. Prefect Cloud without /admin/version: not a login problem)
 
 
-def _login_refused(settings: Settings, service: str, url: str) -> str | None:
-    """Why the local ``service``'s server refuses the login in its file (an authorized request
-    answered 401/403: the file was changed since the server started), or None."""
-    import httpx  # noqa: PLC0415
-
-    login = _local_login(settings, service) or ""
-    base = (_prefect_urls(url)[0] if service == "prefect" else url).rstrip("/")
-    try:
-        code = httpx.get(base + _AUTHORIZED_PATHS[service], timeout=5.0, auth=tuple(login.split(":", 1))).status_code
-    except Exception:  # noqa: BLE001 - it answered its health check; a hiccup here is no login problem
-        return None
-    if code not in (401, 403):
-        return None
-    return (f"the server refuses the login in {settings.state_dir / LOGIN_FILES[service]} (not the one it was "
-            "started with): `paperline up` restarts it with this one")
-
-
 def _prefect_healthy(api_url: str) -> bool:
     return _service_problem("prefect", api_url) is None
 
@@ -740,6 +723,28 @@ LOGIN_FILES = {"prefect": Path("prefect") / "auth_string", "mlflow": Path("mlflo
 LOCAL_USER = "paperline"
 
 
+_REMADE = ("is missing", "is empty")  # the ends of _read_login's problems that a new login fixes
+
+
+def _read_login(settings: Settings, service: str) -> tuple[str | None, str | None]:
+    """``(login, None)`` from the local ``service``'s login file, or ``(None, why not)``: the
+    file is missing, empty, unreadable or not ``user:password`` on one line. ``why`` names the
+    file, never its content."""
+    path = settings.state_dir / LOGIN_FILES[service]
+    try:
+        login = path.read_text().strip()
+    except FileNotFoundError:
+        return None, f"its login file {path} is missing"
+    except (OSError, UnicodeDecodeError) as exc:
+        return None, f"its login file {path} is unreadable ({exc})"
+    if not login:
+        return None, f"its login file {path} is empty"
+    user, _, password = login.partition(":")
+    if not (user and password and login.isprintable()):
+        return None, f"its login file {path} holds no login (`user:password` on one line)"
+    return login, None
+
+
 def _local_login(settings: Settings, service: str, *, create: bool = False) -> str | None:
     """The local Prefect or MLflow server's login, ``paperline:<random>``, kept in
     ``state_dir/<service>/auth_string`` (:data:`LOGIN_FILES`, mode 0600): Prefect's
@@ -756,49 +761,48 @@ def _local_login(settings: Settings, service: str, *, create: bool = False) -> s
         create: Generate the file when it is missing or empty (a server is about to start).
 
     Returns:
-        The login, or None when the file is missing or empty (and not created) or unreadable.
+        The login, or None when the file does not hold one (and none was made).
 
     Raises:
-        PaperlineError: ``create`` and the file cannot be read, or does not hold ``user:password``
+        PaperlineError: ``create`` and the file cannot be read or does not hold ``user:password``
             (an edited one), naming the file.
     """
-    path = settings.state_dir / LOGIN_FILES[service]
-    try:
-        login = path.read_text().strip()
-    except FileNotFoundError:
-        login = ""
-    except (OSError, UnicodeDecodeError) as exc:
-        if create:
-            raise PaperlineError(f"{path}: unreadable ({exc}); delete it to make a new login") from exc
+    login, problem = _read_login(settings, service)
+    if login is not None or not create:
+        return login
+    if not problem.endswith(_REMADE):  # a file the user damaged or edited is not overwritten
+        raise PaperlineError(f"{problem}; delete it to make a new one")
+    login = f"{LOCAL_USER}:{secrets.token_urlsafe(24)}"
+    _write_atomic(settings.state_dir / LOGIN_FILES[service], login + "\n", mode=0o600)
+    return login
+
+
+def login_problem(settings: Settings, service: str, url: str | None = None) -> str | None:
+    """Why the local ``service``'s (``"prefect"``, ``"mlflow"``) login cannot be used by a client,
+    naming its file and the fix; None when it can. Never shows the file's content.
+
+    Args:
+        url: The running server (Prefect's root or API URL, MLflow's tracking URI): also make an
+            authorized request with the login, which it refuses (401/403) when the file changed
+            since it started. None: the file alone is checked.
+    """
+    import httpx  # noqa: PLC0415
+
+    login, problem = _read_login(settings, service)
+    if problem is not None:
+        return problem + (": `paperline up` makes a new login (restarting the server)" if problem.endswith(_REMADE)
+                          else ": delete it, then `paperline up` makes a new one")
+    if url is None:
         return None
-    if create and not login:
-        login = f"{LOCAL_USER}:{secrets.token_urlsafe(24)}"
-        _write_atomic(path, login + "\n", mode=0o600)
-    if create and not _is_login(login):
-        raise PaperlineError(f"{path}: not a login (`user:password` on one line); delete it to make a new one")
-    return login or None
-
-
-def _is_login(login: str) -> bool:
-    user, _, password = login.partition(":")
-    return bool(user and password and login.isprintable())
-
-
-def login_problem(settings: Settings, service: str) -> str | None:
-    """Why the local ``service``'s (``"prefect"``, ``"mlflow"``) login file cannot be used by a
-    client (missing, unreadable, not ``user:password``), naming the file and the fix; None when it
-    can. Never shows the file's content."""
-    path = settings.state_dir / LOGIN_FILES[service]
+    base = (_prefect_urls(url)[0] if service == "prefect" else url).rstrip("/")
     try:
-        login = path.read_text().strip()
-    except FileNotFoundError:
-        return f"its login file {path} is missing: `paperline up` makes a new login (restarting the server)"
-    except (OSError, UnicodeDecodeError) as exc:
-        return f"its login file {path} is unreadable ({exc}): delete it, then `paperline up` makes a new login"
-    if not _is_login(login):
-        return (f"its login file {path} holds no login (`user:password` on one line): delete it, then "
-                "`paperline up` makes a new one")
-    return None
+        code = httpx.get(base + _AUTHORIZED_PATHS[service], timeout=5.0, auth=tuple(login.split(":", 1))).status_code
+    except Exception:  # noqa: BLE001 - it answered its health check; a hiccup here is no login problem
+        return None
+    if code not in (401, 403):
+        return None
+    return (f"the server refuses the login in {settings.state_dir / LOGIN_FILES[service]} (not the one it was "
+            "started with): `paperline up` restarts it with this one")
 
 
 def _login_digest(login: str | None) -> str | None:
@@ -931,7 +935,7 @@ def _remember_port(settings: Settings, name: str, port: int) -> None:
 
 
 def _start_prefect(
-    settings: Settings, old_port: int | None, taken: set[int]
+    settings: Settings, old_port: int | None, taken: set[int], login: str
 ) -> tuple[subprocess.Popen[bytes], dict[str, Any]]:
     host = settings.host
     port = _pick_port(host, (old_port, *_preferred_ports(settings, "prefect", _last_port(settings, "prefect"))), taken)
@@ -939,15 +943,14 @@ def _start_prefect(
     url = f"http://{_url_host(host)}:{port}"
     home = settings.state_dir / "prefect"
     home.mkdir(parents=True, exist_ok=True)
-    login = _local_login(settings, "prefect", create=True)
     env = _clean_env(("PREFECT_",))
     env.update(
         {
             "PREFECT_HOME": str(home),
             # every request but the health checks needs the login, the UI asks for it; the
             # server's own services send it (its environment, readable by this user alone)
-            "PREFECT_SERVER_API_AUTH_STRING": login or "",
-            "PREFECT_API_AUTH_STRING": login or "",
+            "PREFECT_SERVER_API_AUTH_STRING": login,
+            "PREFECT_API_AUTH_STRING": login,
             "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
             "PREFECT_SERVER_DATABASE_CONNECTION_URL": settings.prefect_database_url.get_secret_value()
             if settings.prefect_database_url else f"sqlite+aiosqlite:///{home / 'prefect.db'}",
@@ -988,6 +991,7 @@ def _start_mlflow(
     s3_url: str | None,
     key: str | None,
     secret: str | None,
+    login: str,
 ) -> tuple[subprocess.Popen[bytes], dict[str, Any]]:
     host = settings.host
     port = _pick_port(host, (old_port, *_preferred_ports(settings, "mlflow", _last_port(settings, "mlflow"))), taken)
@@ -995,15 +999,15 @@ def _start_mlflow(
     url = f"http://{_url_host(host)}:{port}"
     home = settings.state_dir / "mlflow"
     home.mkdir(parents=True, exist_ok=True)
-    login = _local_login(settings, "mlflow", create=True) or ""
+    user, _, password = login.partition(":")
     env = _clean_env(("MLFLOW_", "AWS_"))
     env.update(
         {
             # MLflow's basic-auth app: every request but /health needs the login (the UI asks
             # the browser for it); its admin user is made with it in a user store of its own
             "MLFLOW_AUTH_CONFIG_PATH": str(_mlflow_auth_config(home, login)),
-            "MLFLOW_AUTH_ADMIN_USERNAME": login.split(":", 1)[0],
-            "MLFLOW_AUTH_ADMIN_PASSWORD": login.split(":", 1)[-1],
+            "MLFLOW_AUTH_ADMIN_USERNAME": user,
+            "MLFLOW_AUTH_ADMIN_PASSWORD": password,
             "MLFLOW_FLASK_SERVER_SECRET_KEY": secrets.token_hex(32),  # signs its forms' CSRF tokens
             "MLFLOW_SERVER_ENABLE_JOB_EXECUTION": "false",
             # the store URI may hold a password: the environment, not the command line (`ps`)
@@ -1420,7 +1424,7 @@ def ensure_stack(settings: Settings, *, progress: Progress | None = None, notice
                     raise ServiceError("prefect", problem, url=api)
             last = {name: _last_port(settings, name) for name in ("prefect", "mlflow")}
             if "prefect" not in recs and not external["prefect"]:
-                proc, rec = _start_prefect(settings, None, taken)
+                proc, rec = _start_prefect(settings, None, taken, login)  # type: ignore[arg-type]
                 say(f"prefect: starting server at {rec['url']} (log: {rec['log_path']})")
                 recs["prefect"] = rec
                 started.append("prefect")
@@ -1430,7 +1434,7 @@ def ensure_stack(settings: Settings, *, progress: Progress | None = None, notice
                 if problem:
                     raise ServiceError("mlflow", problem, url=external["mlflow"])
             if "mlflow" not in recs and not external["mlflow"]:
-                proc, rec = _start_mlflow(settings, None, taken, s3_obj_url, key, secret)
+                proc, rec = _start_mlflow(settings, None, taken, s3_obj_url, key, secret, mlflow_login)  # type: ignore[arg-type]
                 say(f"mlflow: starting server at {rec['url']} (log: {rec['log_path']})")
                 recs["mlflow"] = rec
                 started.append("mlflow")
@@ -1607,8 +1611,7 @@ def stack_status(settings: Settings) -> list[Service]:
         if rec and _live_process(rec) is not None:
             healthy = check(name, rec["url"]) is None
             # up, but its clients' login is not the server's: they get 401s (`status` said healthy)
-            problem = (login_problem(settings, name) or _login_refused(settings, name, rec["url"])
-                       if healthy and name in LOGIN_FILES else None)
+            problem = login_problem(settings, name, rec["url"]) if healthy and name in LOGIN_FILES else None
             out.append(Service(name, rec["url"], True, pid=rec["pid"], log_path=rec["log_path"],
                                healthy=healthy and problem is None, problem=problem))
         else:

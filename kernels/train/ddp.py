@@ -33,7 +33,6 @@ References:
 
 from __future__ import annotations
 
-import collections
 import contextlib
 import io
 import math
@@ -580,27 +579,16 @@ def train_rank(rank: int, world_size: int, init_method: str, cfg: TrainConfig, *
 
 _TEARDOWN_PAUSE_S = 0.5  # seconds train_rank waits, GIL released, before its process group goes
 
-# The tensors of the last few host-number collectives, kept alive here (see _allreduce_sum).
-_RECENT_COLLECTIVE_TENSORS: collections.deque[Any] = collections.deque(maxlen=4)
-
 
 def _allreduce_sum(values: list[float], dev: Any) -> list[float]:
     """The sums over ranks of a few host numbers, through the process group's backend. The tensor
     lives on ``dev``: NCCL reduces CUDA tensors only ("No backend type associated with device type
-    cpu"); gloo takes either.
-
-    The tensor outlives the call (:data:`_RECENT_COLLECTIVE_TENSORS`): gloo's worker thread drops
-    its reference to a finished collective's tensor after waking the caller, and when that was the
-    last one it needs the GIL to free the Python object. A rank whose process group was then
-    destroyed (its DDP module freed as ``train_rank`` returned) held the GIL while joining that
-    thread, and both waited for good (a deadlock seen in CI runs and under gdb, after the last
-    epoch's allreduce)."""
+    cpu"); gloo takes either."""
     import torch  # noqa: PLC0415
     import torch.distributed as dist  # noqa: PLC0415
 
     t = torch.tensor(values, dtype=torch.float64, device=dev)
     dist.all_reduce(t)
-    _RECENT_COLLECTIVE_TENSORS.append(t)
     return t.tolist()
 
 

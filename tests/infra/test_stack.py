@@ -161,7 +161,7 @@ def test_a_login_file_is_made_once_and_an_edited_one_is_refused(settings_factory
     import stat
 
     from paperline.infra.errors import PaperlineError
-    from paperline.infra.stack import LOGIN_FILES, _local_login
+    from paperline.infra.stack import LOGIN_FILES, _local_login, login_problem
 
     settings = settings_factory(tmp_path / "state")
     assert _local_login(settings, "prefect") is None  # nothing is made without create
@@ -175,9 +175,13 @@ def test_a_login_file_is_made_once_and_an_edited_one_is_refused(settings_factory
     assert _local_login(settings, "prefect", create=True) not in (None, login)
     for bad in ("s3cret-without-user\n", ":s3cret\n", "alice:\n", "alice:s3cret\nmore\n"):
         path.write_text(bad)
-        with pytest.raises(PaperlineError, match="not a login .*delete it to make a new one") as err:
+        with pytest.raises(PaperlineError, match="holds no login .*; delete it to make a new one") as err:
             _local_login(settings, "prefect", create=True)
         assert str(path) in str(err.value) and "s3cret" not in str(err.value)
+        assert login_problem(settings, "prefect").endswith("holds no login (`user:password` on one line): "
+                                                           "delete it, then `paperline up` makes a new one")
+    assert login_problem(settings, "mlflow") == (f"its login file {settings.state_dir / LOGIN_FILES['mlflow']} is "
+                                                 "missing: `paperline up` makes a new login (restarting the server)")
     path.write_text("alice:chosen-password\n")
     assert _local_login(settings, "prefect", create=True) == "alice:chosen-password"
 
