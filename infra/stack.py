@@ -6,7 +6,8 @@ configured it uses that one and starts nothing. Everything lives under ``setting
 
 - ``stack.json``: the running servers (ports, PIDs and their start times, log paths), written atomically;
 - ``s3/credentials.json`` (mode 600): the S3 key pair generated once; ``s3/s3.json``: SeaweedFS's
-  identities file; ``s3/data``: the objects;
+  identities file; ``s3/security.toml`` and ``s3/tls/`` (mode 600): its token keys and
+  certificates, made at each start (:func:`_seaweed_security`); ``s3/data``: the objects;
 - ``prefect/``: Prefect's home and SQLite database; ``mlflow/``: MLflow's SQLite database (artifacts go
   to S3, proxied by the MLflow server so clients need no S3 credentials);
 - ``logs/<service>.log``: each server's output;
@@ -786,23 +787,29 @@ def login_problem(settings: Settings, service: str, url: str | None = None) -> s
             authorized request with the login, which it refuses (401/403) when the file changed
             since it started. None: the file alone is checked.
     """
-    import httpx  # noqa: PLC0415
-
     login, problem = _read_login(settings, service)
     if problem is not None:
         return problem + (": `paperline up` makes a new login (restarting the server)" if problem.endswith(_REMADE)
                           else ": delete it, then `paperline up` makes a new one")
-    if url is None:
-        return None
-    base = (_prefect_urls(url)[0] if service == "prefect" else url).rstrip("/")
-    try:
-        code = httpx.get(base + _AUTHORIZED_PATHS[service], timeout=5.0, auth=tuple(login.split(":", 1))).status_code
-    except Exception:  # noqa: BLE001 - it answered its health check; a hiccup here is no login problem
-        return None
-    if code not in (401, 403):
+    if url is None or not login_refused(service, url, login):
         return None
     return (f"the server refuses the login in {settings.state_dir / LOGIN_FILES[service]} (not the one it was "
             "started with): `paperline up` restarts it with this one")
+
+
+def login_refused(service: str, url: str, login: str | None) -> bool:
+    """Whether the running ``service`` (``"prefect"``, ``"mlflow"``) at ``url`` (Prefect's root or
+    API URL, MLflow's tracking URI) refuses ``login`` (``user:password``; None: none sent) on a
+    request that needs one (HTTP 401 or 403). False when it takes it, or does not answer."""
+    import httpx  # noqa: PLC0415
+
+    base = (_prefect_urls(url)[0] if service == "prefect" else url).rstrip("/")
+    auth = tuple(login.split(":", 1)) if login and ":" in login else None
+    try:
+        code = httpx.get(base + _AUTHORIZED_PATHS[service], timeout=5.0, auth=auth).status_code  # type: ignore[arg-type]
+    except Exception:  # noqa: BLE001 - a hiccup here is no login problem
+        return False
+    return code in (401, 403)
 
 
 def _login_digest(login: str | None) -> str | None:
@@ -851,7 +858,8 @@ def _start_s3(settings: Settings, taken: set[int], key: str, secret: str) -> tup
         ]
     }
     _write_atomic(s3_dir / "s3.json", json.dumps(identities, indent=1) + "\n", mode=0o600)
-    _write_atomic(s3_dir / "security.toml", _seaweed_security(), mode=0o600)  # read from weed's working directory
+    # read from weed's working directory
+    _write_atomic(s3_dir / "security.toml", _seaweed_security(s3_dir / "tls", host), mode=0o600)
     cmd = [
         _weed_binary(),
         "-logtostderr",  # its log is s3.log (stderr): not also files of its own in /tmp (a trial)
@@ -881,19 +889,94 @@ def _start_s3(settings: Settings, taken: set[int], key: str, secret: str) -> tup
     return proc, _record(proc, url, log, port=ports["s3"], ports=ports, socket=str(sock))
 
 
-def _seaweed_security() -> str:
-    """SeaweedFS's ``security.toml``: fresh random keys (each start) that sign the JWTs its volume
-    servers and filer require over HTTP.
+def _seaweed_security(tls_dir: Path, host: str) -> str:
+    """SeaweedFS's ``security.toml``: fresh random keys and certificates (each start) that keep
+    every port but the S3 gateway's to the stack's owner.
 
-    Only the S3 port checks credentials; without these the filer's and volume server's HTTP ports
-    (loopback, with CORS ``*``) served and took every bucket's objects to any local user, or to a
-    web page open in the user's browser (a security review). The S3 gateway and ``weed mini``'s
-    own parts get their tokens from the master. Left open to other users of the machine (README,
-    "Who can reach it"): the master hands a signed token to anyone who asks (``/dir/lookup``,
-    ``/dir/assign``) and deletes a bucket on a GET of ``/col/delete``; the gRPC ports take no login.
+    - JWT keys sign the tokens its volume servers and filer require over HTTP. Only the S3 port
+      checks credentials; without tokens the filer's and volume server's HTTP ports (loopback, with
+      CORS ``*``) served and took every bucket's objects to any local user, or to a web page open
+      in the user's browser (a security review).
+    - Mutual TLS (:func:`_seaweed_tls`) on the master's, volume server's, filer's and admin's HTTP
+      ports and on every gRPC port: the master handed a signed token to anyone who asked
+      (``/dir/lookup``, ``/dir/assign``), deleted a bucket on a plain GET of ``/col/delete`` (which
+      a web page could send blind), and the gRPC ports took no login. Now a client must present a
+      certificate signed by a CA made for this start, whose key is never written: the certificate's
+      key is in ``tls_dir`` (mode 600, in the private state directory). ``weed mini``'s parts talk
+      to each other with it (``[grpc.client]``, ``[https.client]``); the S3 gateway stays plain
+      HTTP with signed requests.
     """
-    sections = ("jwt.signing", "jwt.signing.read", "jwt.filer_signing", "jwt.filer_signing.read")
-    return "".join(f'[{name}]\nkey = "{secrets.token_hex(32)}"\nexpires_after_seconds = 10\n\n' for name in sections)
+    ca, cert, key = _seaweed_tls(tls_dir, host)
+    q = json.dumps  # a TOML basic string, as a JSON one, for paths
+    jwt = ("jwt.signing", "jwt.signing.read", "jwt.filer_signing", "jwt.filer_signing.read")
+    text = "".join(f'[{name}]\nkey = "{secrets.token_hex(32)}"\nexpires_after_seconds = 10\n\n' for name in jwt)
+    text += f"[grpc]\nca = {q(str(ca))}\n\n"
+    pair = f"cert = {q(str(cert))}\nkey = {q(str(key))}\n"
+    for comp in ("master", "volume", "filer", "s3", "admin", "msg_broker", "msg_agent", "worker", "mq"):
+        text += (f"[grpc.{comp}]\n{pair}client_cert = {q(str(cert))}\nclient_key = {q(str(key))}\n"
+                 f'allowed_commonNames = "{_TLS_NAME}"\n\n')
+    text += f"[grpc.client]\n{pair}\n"
+    text += f"[https.client]\nenabled = true\n{pair}ca = {q(str(ca))}\n\n"
+    for comp in ("master", "volume", "filer", "admin"):  # a "ca" makes the server require a client certificate
+        text += f"[https.{comp}]\n{pair}ca = {q(str(ca))}\n\n"
+    return text
+
+
+_TLS_NAME = "paperline"  # the common name of the stack's SeaweedFS certificate, the one gRPC allows
+
+
+def _seaweed_tls(tls_dir: Path, host: str) -> tuple[Path, Path, Path]:
+    """Write ``ca.crt``, ``tls.crt`` and ``tls.key`` (all mode 600) into ``tls_dir``: a CA made now
+    (its key only in memory, so nothing else can ever be signed by it) and one ECDSA P-256
+    certificate it signs, for server and client use, valid for ``localhost``, ``127.0.0.1``, ``::1``
+    and ``host``. Returns their paths (CA, certificate, key)."""
+    import datetime  # noqa: PLC0415
+    import ipaddress  # noqa: PLC0415
+
+    from cryptography import x509  # noqa: PLC0415
+    from cryptography.hazmat.primitives import hashes, serialization  # noqa: PLC0415
+    from cryptography.hazmat.primitives.asymmetric import ec  # noqa: PLC0415
+    from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID  # noqa: PLC0415
+
+    now = datetime.datetime.now(datetime.timezone.utc)
+
+    def issue(subject: str, key: Any, issuer: str, signer: Any, *extensions: tuple[Any, bool]) -> Any:
+        builder = (
+            x509.CertificateBuilder()
+            .subject_name(x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, subject)]))
+            .issuer_name(x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, issuer)]))
+            .public_key(key.public_key())
+            .serial_number(x509.random_serial_number())
+            .not_valid_before(now - datetime.timedelta(hours=1))  # clocks of other processes may lag
+            .not_valid_after(now + datetime.timedelta(days=3650))  # the next start makes new ones
+        )
+        for extension, critical in extensions:
+            builder = builder.add_extension(extension, critical=critical)
+        return builder.sign(signer, hashes.SHA256())
+
+    ca_name = f"{_TLS_NAME} local stack CA"
+    ca_key, key = ec.generate_private_key(ec.SECP256R1()), ec.generate_private_key(ec.SECP256R1())
+    ca = issue(ca_name, ca_key, ca_name, ca_key, (x509.BasicConstraints(ca=True, path_length=0), True))
+    names: list[x509.GeneralName] = []
+    for name in dict.fromkeys(("localhost", "127.0.0.1", "::1", _url_host(host).strip("[]"))):
+        try:
+            names.append(x509.IPAddress(ipaddress.ip_address(name)))
+        except ValueError:
+            names.append(x509.DNSName(name))
+    cert = issue(
+        _TLS_NAME, key, ca_name, ca_key,
+        (x509.SubjectAlternativeName(names), False),
+        (x509.ExtendedKeyUsage([ExtendedKeyUsageOID.SERVER_AUTH, ExtendedKeyUsageOID.CLIENT_AUTH]), False),
+    )
+    pem = serialization.Encoding.PEM
+    paths = (tls_dir / "ca.crt", tls_dir / "tls.crt", tls_dir / "tls.key")
+    for path, text in zip(paths, (
+        ca.public_bytes(pem),
+        cert.public_bytes(pem),
+        key.private_bytes(pem, serialization.PrivateFormat.PKCS8, serialization.NoEncryption()),
+    ), strict=True):
+        _write_atomic(path, text.decode(), mode=0o600)
+    return paths
 
 
 LAST_PORTS_FILE = "ports.json"

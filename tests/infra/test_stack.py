@@ -79,20 +79,47 @@ def test_s3_enforces_signatures(stack):
     with pytest.raises(ClientError) as exc:
         anonymous.get_object(Bucket=bucket, Key=key)
     assert exc.value.response["ResponseMetadata"]["HTTPStatusCode"] in (401, 403)
-    # SeaweedFS's filer and volume server take no S3 signature: they served and took every object
-    # to anyone on the machine (or a web page: CORS *) until they required signed tokens
+    # SeaweedFS's master, filer and volume server take no S3 signature: they served and took every
+    # object to anyone on the machine (or a web page: CORS *) until they required signed tokens, and
+    # the master handed tokens out and deleted a bucket on a GET until it required a client certificate
+    import socket
+    import ssl
+
     import httpx
 
     from paperline.infra.stack import _read_state
 
     settings, _ = stack
     ports = _read_state(settings)["services"]["s3"]["ports"]
-    filer, volume, master = (f"http://127.0.0.1:{ports[k]}" for k in ("filer", "volume", "master"))
-    assert httpx.get(f"{filer}/buckets/{bucket}/{key}").status_code == 401
-    assert httpx.get(f"{filer}/buckets/", headers={"Accept": "application/json"}).status_code == 401
-    assert httpx.post(f"{filer}/buckets/{bucket}/planted.txt", files={"file": b"x"}).status_code == 401
-    fid = httpx.get(f"{master}/dir/assign").json()["fid"]
-    assert httpx.post(f"{volume}/{fid}", files={"file": b"x"}).status_code == 401
+    filer, volume, master = (f"127.0.0.1:{ports[k]}" for k in ("filer", "volume", "master"))
+    tls = settings.state_dir / "s3" / "tls"
+    for hostport in (filer, volume, master):
+        assert httpx.get(f"http://{hostport}/").status_code == 400  # "Client sent an HTTP request to an HTTPS server"
+        with pytest.raises(httpx.HTTPError):  # no client certificate: the handshake (or first read) fails
+            httpx.get(f"https://{hostport}/", verify=False)
+    delete = f"https://{master}/col/delete?collection={bucket}"
+    with pytest.raises(httpx.HTTPError):
+        httpx.get(delete, verify=False)
+    for name in ("master", "volume", "filer", "s3"):  # gRPC (HTTP/2 over mutual TLS) refuses the same way
+        context = ssl.create_default_context(cafile=tls / "ca.crt")
+        context.set_alpn_protocols(["h2"])
+        with socket.create_connection(("127.0.0.1", ports[name] + 10000), timeout=10) as raw:
+            with pytest.raises((ssl.SSLError, ConnectionError)):
+                with context.wrap_socket(raw, server_hostname="127.0.0.1") as conn:
+                    conn.sendall(b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n")
+                    if not conn.recv(1):  # closed without a word (TLS 1.3 reports the refusal late)
+                        raise ConnectionError("closed")
+    # the stack's own certificate opens them (so the refusals above are the certificate's doing),
+    # and the filer and volume server still want a signed token on top
+    context = ssl.create_default_context(cafile=tls / "ca.crt")
+    context.load_cert_chain(tls / "tls.crt", tls / "tls.key")
+    owner = httpx.Client(verify=context)
+    assert owner.get(f"https://{master}/cluster/status").status_code == 200
+    assert owner.get(f"https://{filer}/buckets/{bucket}/{key}").status_code == 401
+    assert owner.get(f"https://{filer}/buckets/", headers={"Accept": "application/json"}).status_code == 401
+    assert owner.post(f"https://{filer}/buckets/{bucket}/planted.txt", files={"file": b"x"}).status_code == 401
+    fid = owner.get(f"https://{master}/dir/assign").json()["fid"]
+    assert owner.post(f"https://{volume}/{fid}", files={"file": b"x"}).status_code == 401
     assert good.get_bytes(ref.uri) == b"secret data" and not good.list(f"s3://{bucket}/planted")
 
 
