@@ -117,11 +117,15 @@ def _unauthorized(exc: BaseException) -> str | None:
         else:
             seen += [x for x in (e.__cause__, e.__context__, *getattr(e, "exceptions", ())) if x is not None]
             continue
-        return (f"not authorized (HTTP 401): {where} refused this process's login. The local stack's logins "
-                "change when `paperline up` makes new ones (a login file deleted or edited): restart this command, "
-                "and log in to the UIs again; for a configured server check PREFECT_API_AUTH_STRING or "
-                "MLFLOW_TRACKING_USERNAME/MLFLOW_TRACKING_PASSWORD")
+        return _not_authorized(where)
     return None
+
+
+def _not_authorized(where: str) -> str:
+    return (f"not authorized (HTTP 401): {where} refused this process's login. The local stack's logins "
+            "change when `paperline up` makes new ones (a login file deleted or edited): restart this command, "
+            "and log in to the UIs again; for a configured server check PREFECT_API_AUTH_STRING or "
+            "MLFLOW_TRACKING_USERNAME/MLFLOW_TRACKING_PASSWORD")
 
 
 def _say(line: str) -> None:
@@ -819,12 +823,33 @@ def worker(pool: str = typer.Option("cpu", "--pool", metavar="POOL", help="cpu o
     console.print(f"worker for work pool {WORK_POOLS[pool]} on {redact_url(info.prefect_api_url)} (runs from {workdir}); "
                   "Ctrl-C stops it", soft_wrap=True, highlight=False)
     with watch_flow_runs("paperline worker", report=_say):  # a run it was executing is marked Crashed on stopping
-        _supervise([sys.executable, "-m", "prefect", "worker", "start", "--pool", WORK_POOLS[pool], "--type",
-                    "process"], env=env, cwd=workdir, what="the Prefect worker")
+        code, stopped = _supervise([sys.executable, "-m", "prefect", "worker", "start", "--pool", WORK_POOLS[pool],
+                                    "--type", "process"], env=env, cwd=workdir, what="the Prefect worker")
+    if code == 0 or stopped:
+        return
+    _worker_failed(code, info.prefect_api_url, env.get("PREFECT_API_AUTH_STRING"))
+
+
+def _worker_failed(code: int, api_url: str, login: str | None) -> None:
+    """Raise the line for a `prefect worker` that exited with status ``code`` unasked: a login the
+    server now refuses is named as such (its own output was a 401 traceback: a trial, the stack's
+    login made anew under a running worker, which then exited 0 as if it had been stopped).
+
+    Raises:
+        PaperlineError: always.
+    """
+    from urllib.parse import urlsplit
+
+    from paperline.infra.stack import login_refused
+
+    if login_refused("prefect", api_url, login):
+        parts = urlsplit(api_url)
+        raise PaperlineError(_not_authorized(f"Prefect at {parts.scheme}://{parts.netloc.rsplit('@', 1)[-1]}"))
+    raise PaperlineError(f"the Prefect worker exited with status {code} (its output above says why)")
 
 
 def _supervise(cmd: list[str], *, env: dict[str, str], cwd: str, grace_s: float = 60.0,
-               what: str = "the child process") -> int:
+               what: str = "the child process") -> tuple[int, bool]:
     """Run ``cmd`` until it exits; SIGTERM or SIGHUP to this process stop it the way Ctrl-C does.
 
     ``subprocess.run`` left the child (`prefect worker`, which stops on SIGINT and ignored
@@ -839,7 +864,7 @@ def _supervise(cmd: list[str], *, env: dict[str, str], cwd: str, grace_s: float 
     still passes the background worker by, as the shell meant.
 
     Returns:
-        The child's exit status.
+        The child's exit status, and whether it was asked to stop (a signal or Ctrl-C).
     """
     import signal
     import subprocess
@@ -854,6 +879,7 @@ def _supervise(cmd: list[str], *, env: dict[str, str], cwd: str, grace_s: float 
         if ignored:
             signal.signal(signal.SIGINT, signal.SIG_IGN)
     deadline: float | None = None  # when a child asked to stop is killed
+    interrupted = False  # a Ctrl-C (it reached the child from the terminal)
 
     def stop(signum: int | None = None, _frame: object = None) -> None:
         nonlocal deadline
@@ -874,6 +900,7 @@ def _supervise(cmd: list[str], *, env: dict[str, str], cwd: str, grace_s: float 
                 if deadline is not None and time.monotonic() > deadline:
                     proc.kill()
             except KeyboardInterrupt:  # a terminal's Ctrl-C reaches the child too: give it a moment first
+                interrupted = True
                 try:
                     proc.wait(timeout=2.0)
                 except subprocess.TimeoutExpired:
@@ -884,7 +911,7 @@ def _supervise(cmd: list[str], *, env: dict[str, str], cwd: str, grace_s: float 
         if proc.poll() is None:
             proc.kill()
             proc.wait()
-    return proc.returncode
+    return proc.returncode, interrupted or deadline is not None
 
 
 def _runs_table(experiment: str, result: dict[str, Any], width: int) -> Table:

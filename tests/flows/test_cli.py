@@ -693,3 +693,22 @@ def test_a_401_is_said_as_a_refused_login_with_what_to_do(capsys):
         _friendly(serve)()
     err = " ".join(capsys.readouterr().err.split())
     assert "error: not authorized (HTTP 401)" in err and "restart this command" in err and "s3cret" not in err
+
+
+def test_a_worker_that_exits_unasked_says_why_and_fails(stack):
+    """The stack's login made anew under a running `paperline worker`: its `prefect worker` died
+    with a 401 traceback, and `paperline worker` exited 0 as if stopped (a trial). A child that
+    exits unasked is now an error, named as a refused login when the server refuses the one it had."""
+    import os
+    import sys
+
+    from paperline.flows.cli import _supervise, _worker_failed
+    from paperline.infra.errors import PaperlineError
+
+    _, info = stack
+    assert _supervise([sys.executable, "-c", "raise SystemExit(3)"], env=dict(os.environ), cwd=".") == (3, False)
+    with pytest.raises(PaperlineError, match=r"^not authorized \(HTTP 401\): Prefect at http://127\.0\.0\.1:\d+ "
+                                             r"refused this process's login"):
+        _worker_failed(1, info.prefect_api_url, "paperline:not-the-login")
+    with pytest.raises(PaperlineError, match=r"^the Prefect worker exited with status 1 \(its output above says why\)"):
+        _worker_failed(1, info.prefect_api_url, info.prefect_login)
