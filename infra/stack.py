@@ -886,7 +886,17 @@ def _start_s3(settings: Settings, taken: set[int], key: str, secret: str) -> tup
     url = f"http://{_url_host(host)}:{ports['s3']}"
     log = settings.state_dir / "logs" / "s3.log"
     proc = _spawn(cmd, _clean_env(("AWS_",)), log, s3_dir)
-    return proc, _record(proc, url, log, port=ports["s3"], ports=ports, socket=str(sock))
+    return proc, _record(proc, url, log, port=ports["s3"], ports=ports, socket=str(sock), tls=True)
+
+
+def _s3_open(rec: dict[str, Any] | None, tell: Progress) -> bool:
+    """Whether the live recorded SeaweedFS was started by an earlier paperline, without client
+    certificates on its own ports (:func:`_seaweed_security`): it is restarted, saying so."""
+    if _live_process(rec) is None or rec.get("tls"):  # type: ignore[union-attr]
+        return False
+    tell(f"s3: restarting SeaweedFS (pid {rec['pid']}): an earlier paperline started it with its master's "  # type: ignore[index]
+         "and gRPC ports open to every local user; runs writing to it now fail")
+    return True
 
 
 def _seaweed_security(tls_dir: Path, host: str) -> str:
@@ -1447,7 +1457,8 @@ def ensure_stack(settings: Settings, *, progress: Progress | None = None, notice
                 problem = _s3_problem(s3_url, key, secret, settings.s3_region, settings.results_bucket)
                 if problem:
                     raise ServiceError("s3", problem, url=s3_url)
-            elif reuse("s3", lambda r: _s3_healthy(r["url"], key, secret, settings.s3_region)):
+            elif reuse("s3", lambda r: _s3_healthy(r["url"], key, secret, settings.s3_region),
+                       stale=_s3_open(recs.get("s3"), tell)):
                 s3_url = recs["s3"]["url"]
                 taken.update(recs["s3"].get("ports", {}).values())
                 taken.update(p + _GRPC_OFFSET for p in recs["s3"].get("ports", {}).values())

@@ -59,15 +59,19 @@ def test_second_stack_on_taken_ports_stops_completely(settings_factory, tmp_path
         assert [c.pid for c in children if not _gone(c.pid)] == []
         assert [s.healthy for s in stack_status(settings)] == [True, True, True]
 
-        # servers an earlier paperline started without a login are restarted with one
+        # servers an earlier paperline started without a login are restarted with one, and its
+        # SeaweedFS, whose master and gRPC ports took no client certificate, with them
         state = json.loads((settings.state_dir / "stack.json").read_text())
         for name in ("prefect", "mlflow"):
             del state["services"][name]["login"]
+        del state["services"]["s3"]["tls"]
         (settings.state_dir / "stack.json").write_text(json.dumps(state))
         logins = info.prefect_login, info.mlflow_login
         notices: list[str] = []
+        s3_pid = info.service("s3").pid
         info = ensure_stack(settings, notice=notices.append)
-        assert info.started == ("prefect", "mlflow") and (info.prefect_login, info.mlflow_login) == logins
+        assert info.started == ("s3", "prefect", "mlflow") and (info.prefect_login, info.mlflow_login) == logins
+        assert [n for n in notices if n.startswith(f"s3: restarting SeaweedFS (pid {s3_pid}): an earlier paperline")]
         assert httpx.get(f"{info.prefect_api_url}/admin/version").status_code == 401
         # said on lines that stay (a trial: only the spinner said it, and `serve` died of bare 401s)
         for name in ("prefect", "mlflow"):
