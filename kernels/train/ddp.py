@@ -447,15 +447,11 @@ def train_rank(rank: int, world_size: int, init_method: str, cfg: TrainConfig, *
         RuntimeError: a collective failed (a peer died or timed out).
         OSError: rank 0 could not listen on ``init_method``'s port.
     """
-    import numpy as np  # noqa: PLC0415
-    import torch  # noqa: PLC0415
-    import torch.distributed as dist  # noqa: PLC0415
-    from torch.nn.parallel import DistributedDataParallel as DDP  # noqa: PLC0415
+    import gc  # noqa: PLC0415
 
-    from paperline.kernels.comm.compressors import make_hook  # noqa: PLC0415
-    from paperline.kernels.train.data import load_dataset, rank_batches  # noqa: PLC0415
-    from paperline.kernels.train.models import make_model  # noqa: PLC0415
-    from paperline.kernels.train.recompute import apply_recomputation  # noqa: PLC0415
+    import torch  # noqa: PLC0415
+
+    from paperline.kernels.train.data import load_dataset  # noqa: PLC0415
 
     if not 0 <= rank < world_size:
         raise InputError("rank", rank, f"must be in [0, {world_size})")
@@ -470,114 +466,138 @@ def train_rank(rank: int, world_size: int, init_method: str, cfg: TrainConfig, *
     # (without it NCCL's barrier guesses one and warns).
     with process_group(backend, init_method, rank, world_size, timeout_s=timeout_s,
                        device_id=torch.device("cuda", torch.cuda.current_device()) if device == "cuda" else None):
-        torch.manual_seed(cfg.seed)
-        base = make_model(cfg.model, n_classes=data.n_classes, **dict(cfg.model_options))
-        model = apply_recomputation(base, cfg.recompute).to(dev)
-        ddp = DDP(model, device_ids=[torch.cuda.current_device()] if device == "cuda" else None)
-        state, hook = make_hook(cfg.compressor, **dict(cfg.compressor_options))
-        ddp.register_comm_hook(state, hook)
-        params = [p for p in ddp.parameters() if p.requires_grad]
-        opt = torch.optim.SGD(params, lr=cfg.lr, momentum=cfg.momentum, weight_decay=cfg.weight_decay)
-        epochs: list[dict[str, Any]] = []
-        skipped: list[int] = []
-        start_epoch, wall0, restored = 0, 0.0, []
-        if ck is not None:
-            model.load_state_dict(ck["model"])
-            opt.load_state_dict(ck["optimizer"])
-            restored = state.load_memory_state(ck.get("compressor_memory") or {}, dev)
-            start_epoch, epochs, skipped = ck["epoch"] + 1, ck["epochs"], ck["skipped_steps"]
-            wall0 = epochs[-1]["wall_s"] if epochs else 0.0
-        x_train, y_train = torch.from_numpy(np.array(data.x_train)), torch.from_numpy(np.array(data.y_train))
-        t_run = time.perf_counter() - wall0
-        loss_fn = torch.nn.functional.cross_entropy
-        chart = None
-        n_params = sum(p.numel() for p in params)
-        for epoch in range(start_epoch, cfg.epochs):
-            t_epoch = time.perf_counter()
-            batches = rank_batches(len(y_train), rank, world_size, cfg.batch_size, epoch, cfg.seed)
-            if cfg.max_steps_per_epoch is not None:
-                batches = batches[: cfg.max_steps_per_epoch]
-            n0 = len(state.history)
-            losses, step_s, epoch_skipped = [], [], 0
-            flagged, extra_steps = 0, 0
-            if cfg.isgd and chart is None:
-                from paperline.kernels.train.isgd import LossControlChart  # noqa: PLC0415
-
-                window = cfg.isgd_window or max(2, len(batches))
-                chart = LossControlChart(window, min_history=min(10, window))
-            ddp.train()
-            for i, idx in enumerate(batches):
-                t0 = time.perf_counter()
-                global_step = epoch * len(batches) + i
-                if exit_at_step is not None and global_step == exit_at_step:
-                    import os  # noqa: PLC0415
-
-                    os._exit(17)
-                x, y = x_train[idx].to(dev), y_train[idx].to(dev)
-                opt.zero_grad(set_to_none=True)
-                loss = loss_fn(ddp(x), y)
-                if global_step in cfg.nan_steps:
-                    loss = loss * float("nan")
-                loss.backward()
-                if not _all_finite(loss, params):
-                    epoch_skipped += 1
-                    skipped.append(global_step)
-                    continue
-                opt.step()
-                losses.append(float(loss.detach()))
-                if chart is not None:
-                    global_loss = _global_mean(float(loss.detach()), world_size, dev)
-                    limit = chart.limit
-                    if chart.update(global_loss):
-                        flagged += 1
-                        extra_steps += _isgd_subproblem(ddp, params, opt, loss_fn, x, y, limit, cfg, n_params,
-                                                        world_size)
-                step_s.append(time.perf_counter() - t0)
-            hist = [s for s in state.history[n0:] if not s.warmup] or state.history[n0:]
-            stats = _allreduce_sum([sum(losses), len(losses)], dev)
-            record = {
-                "epoch": epoch, "train_loss": float(stats[0] / stats[1]) if stats[1] else float("nan"),
-                "test_accuracy_pct": _evaluate(ddp, data, rank, world_size, dev,
-                                               [x_train[idx] for idx in batches[:PRECISE_BN_BATCHES]]),
-                "bytes_sent_per_step": float(np.mean([s.bytes_sent for s in hist])) if hist else 0.0,
-                "dense_bytes_per_step": float(np.mean([s.dense_bytes for s in hist])) if hist else 0.0,
-                "compress_s": float(np.mean([s.compress_seconds for s in hist])) if hist else 0.0,
-                "decompress_s": float(np.mean([s.decompress_seconds for s in hist])) if hist else 0.0,
-                "step_s": float(np.mean(step_s)) if step_s else float("nan"),
-                "epoch_s": time.perf_counter() - t_epoch, "wall_s": time.perf_counter() - t_run,
-                "steps": len(batches), "skipped_steps": epoch_skipped,
-                "isgd_flagged": flagged, "isgd_extra_steps": extra_steps,
-            }
-            sent = record["bytes_sent_per_step"]
-            record["compression_ratio"] = record["dense_bytes_per_step"] / sent if sent else float("nan")
-            epochs.append(record)
-            if on_epoch is not None:
-                on_epoch(record)
-            if save_checkpoint is not None:
-                save_checkpoint(epoch, checkpoint_bytes({
-                    "model": model.state_dict(), "optimizer": opt.state_dict(), "epoch": epoch,
-                    "compressor_memory": state.memory_state(), "epochs": epochs, "skipped_steps": skipped,
-                    "config": cfg.as_dict(), "rank": rank, "world_size": world_size}))
-        sweep = []
-        if collectives_sizes:
-            from paperline.kernels.comm.collectives import allreduce_sweep  # noqa: PLC0415
-
-            sweep = allreduce_sweep(collectives_sizes, device=dev)
-        dist.barrier()
-        # gloo's worker threads free each finished collective's tensors after waking the caller,
-        # needing the GIL for any that Python made. The group is destroyed (this DDP module
-        # freed) with the GIL held, joining those threads: one still freeing a tensor waited for
-        # the GIL for good, and the rank hung after its last epoch (seen under gdb, 2 in 12 runs
-        # of a test under load). A pause with the GIL released lets them finish first.
-        time.sleep(_TEARDOWN_PAUSE_S)
-        return {"rank": rank, "world_size": world_size, "epochs": epochs, "skipped_steps": skipped,
-                "params_count": sum(p.numel() for p in params),
-                "dense_bytes_per_step": sum(p.numel() * p.element_size() for p in params),
-                "config": cfg.as_dict(), "collectives": sweep,
-                "restored_memory_buckets": restored}
+        # The DDP module must go before the group does: its Reducer (C++) held the group's last
+        # reference when this frame freed the module after destroy_process_group, so the group
+        # was destroyed with the GIL held, and its gloo backend joined its worker threads, one of
+        # which may be freeing a finished collective's Python-made tensor and so waiting for the
+        # GIL: the rank hung for good after its last epoch (gdb; 1 call in ~70 under load). The
+        # module lives and dies in _train_in_group (its reference cycles collected below), so the
+        # group's last reference is destroy_process_group's Python handle, and torch releases the
+        # GIL when a Python handle frees a group.
+        try:
+            return _train_in_group(rank, world_size, cfg, data, dev, ck, save_checkpoint=save_checkpoint,
+                                   on_epoch=on_epoch, exit_at_step=exit_at_step,
+                                   collectives_sizes=collectives_sizes)
+        finally:
+            gc.collect()
 
 
-_TEARDOWN_PAUSE_S = 0.5  # seconds train_rank waits, GIL released, before its process group goes
+def _train_in_group(rank: int, world_size: int, cfg: TrainConfig, data: Any, dev: Any, ck: dict[str, Any] | None, *,
+                    save_checkpoint: Callable[[int, bytes], None] | None,
+                    on_epoch: Callable[[dict[str, Any]], None] | None, exit_at_step: int | None,
+                    collectives_sizes: list[int] | None) -> dict[str, Any]:
+    """:func:`train_rank`'s training, in the process group it joined: every object that holds
+    the group through DDP lives in this frame alone (see there)."""
+    import numpy as np  # noqa: PLC0415
+    import torch  # noqa: PLC0415
+    import torch.distributed as dist  # noqa: PLC0415
+    from torch.nn.parallel import DistributedDataParallel as DDP  # noqa: PLC0415
+
+    from paperline.kernels.comm.compressors import make_hook  # noqa: PLC0415
+    from paperline.kernels.train.data import rank_batches  # noqa: PLC0415
+    from paperline.kernels.train.models import make_model  # noqa: PLC0415
+    from paperline.kernels.train.recompute import apply_recomputation  # noqa: PLC0415
+
+    torch.manual_seed(cfg.seed)
+    base = make_model(cfg.model, n_classes=data.n_classes, **dict(cfg.model_options))
+    model = apply_recomputation(base, cfg.recompute).to(dev)
+    ddp = DDP(model, device_ids=[torch.cuda.current_device()] if dev.type == "cuda" else None)
+    state, hook = make_hook(cfg.compressor, **dict(cfg.compressor_options))
+    ddp.register_comm_hook(state, hook)
+    params = [p for p in ddp.parameters() if p.requires_grad]
+    opt = torch.optim.SGD(params, lr=cfg.lr, momentum=cfg.momentum, weight_decay=cfg.weight_decay)
+    epochs: list[dict[str, Any]] = []
+    skipped: list[int] = []
+    start_epoch, wall0, restored = 0, 0.0, []
+    if ck is not None:
+        model.load_state_dict(ck["model"])
+        opt.load_state_dict(ck["optimizer"])
+        restored = state.load_memory_state(ck.get("compressor_memory") or {}, dev)
+        start_epoch, epochs, skipped = ck["epoch"] + 1, ck["epochs"], ck["skipped_steps"]
+        wall0 = epochs[-1]["wall_s"] if epochs else 0.0
+    x_train, y_train = torch.from_numpy(np.array(data.x_train)), torch.from_numpy(np.array(data.y_train))
+    t_run = time.perf_counter() - wall0
+    loss_fn = torch.nn.functional.cross_entropy
+    chart = None
+    n_params = sum(p.numel() for p in params)
+    for epoch in range(start_epoch, cfg.epochs):
+        t_epoch = time.perf_counter()
+        batches = rank_batches(len(y_train), rank, world_size, cfg.batch_size, epoch, cfg.seed)
+        if cfg.max_steps_per_epoch is not None:
+            batches = batches[: cfg.max_steps_per_epoch]
+        n0 = len(state.history)
+        losses, step_s, epoch_skipped = [], [], 0
+        flagged, extra_steps = 0, 0
+        if cfg.isgd and chart is None:
+            from paperline.kernels.train.isgd import LossControlChart  # noqa: PLC0415
+
+            window = cfg.isgd_window or max(2, len(batches))
+            chart = LossControlChart(window, min_history=min(10, window))
+        ddp.train()
+        for i, idx in enumerate(batches):
+            t0 = time.perf_counter()
+            global_step = epoch * len(batches) + i
+            if exit_at_step is not None and global_step == exit_at_step:
+                import os  # noqa: PLC0415
+
+                os._exit(17)
+            x, y = x_train[idx].to(dev), y_train[idx].to(dev)
+            opt.zero_grad(set_to_none=True)
+            loss = loss_fn(ddp(x), y)
+            if global_step in cfg.nan_steps:
+                loss = loss * float("nan")
+            loss.backward()
+            if not _all_finite(loss, params):
+                epoch_skipped += 1
+                skipped.append(global_step)
+                continue
+            opt.step()
+            losses.append(float(loss.detach()))
+            if chart is not None:
+                global_loss = _global_mean(float(loss.detach()), world_size, dev)
+                limit = chart.limit
+                if chart.update(global_loss):
+                    flagged += 1
+                    extra_steps += _isgd_subproblem(ddp, params, opt, loss_fn, x, y, limit, cfg, n_params,
+                                                    world_size)
+            step_s.append(time.perf_counter() - t0)
+        hist = [s for s in state.history[n0:] if not s.warmup] or state.history[n0:]
+        stats = _allreduce_sum([sum(losses), len(losses)], dev)
+        record = {
+            "epoch": epoch, "train_loss": float(stats[0] / stats[1]) if stats[1] else float("nan"),
+            "test_accuracy_pct": _evaluate(ddp, data, rank, world_size, dev,
+                                           [x_train[idx] for idx in batches[:PRECISE_BN_BATCHES]]),
+            "bytes_sent_per_step": float(np.mean([s.bytes_sent for s in hist])) if hist else 0.0,
+            "dense_bytes_per_step": float(np.mean([s.dense_bytes for s in hist])) if hist else 0.0,
+            "compress_s": float(np.mean([s.compress_seconds for s in hist])) if hist else 0.0,
+            "decompress_s": float(np.mean([s.decompress_seconds for s in hist])) if hist else 0.0,
+            "step_s": float(np.mean(step_s)) if step_s else float("nan"),
+            "epoch_s": time.perf_counter() - t_epoch, "wall_s": time.perf_counter() - t_run,
+            "steps": len(batches), "skipped_steps": epoch_skipped,
+            "isgd_flagged": flagged, "isgd_extra_steps": extra_steps,
+        }
+        sent = record["bytes_sent_per_step"]
+        record["compression_ratio"] = record["dense_bytes_per_step"] / sent if sent else float("nan")
+        epochs.append(record)
+        if on_epoch is not None:
+            on_epoch(record)
+        if save_checkpoint is not None:
+            save_checkpoint(epoch, checkpoint_bytes({
+                "model": model.state_dict(), "optimizer": opt.state_dict(), "epoch": epoch,
+                "compressor_memory": state.memory_state(), "epochs": epochs, "skipped_steps": skipped,
+                "config": cfg.as_dict(), "rank": rank, "world_size": world_size}))
+    sweep = []
+    if collectives_sizes:
+        from paperline.kernels.comm.collectives import allreduce_sweep  # noqa: PLC0415
+
+        sweep = allreduce_sweep(collectives_sizes, device=dev)
+    dist.barrier()
+    return {"rank": rank, "world_size": world_size, "epochs": epochs, "skipped_steps": skipped,
+            "params_count": sum(p.numel() for p in params),
+            "dense_bytes_per_step": sum(p.numel() * p.element_size() for p in params),
+            "config": cfg.as_dict(), "collectives": sweep,
+            "restored_memory_buckets": restored}
+
 
 
 def _allreduce_sum(values: list[float], dev: Any) -> list[float]:
