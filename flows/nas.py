@@ -184,20 +184,26 @@ def resumable(cp: CampaignParameters, campaign: Campaign, store: ObjectStore,
     ``(None, None)`` when there is none or ``cp.resume`` is off.
 
     Raises:
-        InputError: the checkpoint holds a campaign with other parameters than ``campaign``, or
-            more evaluations than ``cp.budget``.
+        InputError: the checkpoint is not a campaign checkpoint (naming its URI), holds a campaign
+            with other parameters than ``campaign``, or more evaluations than ``cp.budget``.
     """
-    state = load_checkpoint(store, checkpoint_uri) if cp.resume else None
-    if state is None:
-        return None, None
-    saved = Campaign.from_state(state["campaign"], budget=cp.budget)
+    try:
+        state = load_checkpoint(store, checkpoint_uri) if cp.resume else None
+        if state is None:
+            return None, None
+        saved = Campaign.from_state(state["campaign"], budget=cp.budget)
+    except (ValueError, KeyError, TypeError, AttributeError, IndexError) as exc:  # a bare JSONDecodeError or KeyError before
+        why = f"no {exc} in it" if isinstance(exc, KeyError) else f"{type(exc).__name__}: {exc}"
+        raise InputError("checkpoint", checkpoint_uri, f"not a readable campaign checkpoint ({why}); resume=false "
+                                                       "starts the campaign over under this name, replacing it") from exc
     differ = [k for k, a, b in _identity(saved, campaign) if a != b]
     if "optimizer" in differ:  # another optimizer's options differ too; saying so adds nothing
         differ = [k for k in differ if k != "optimizer_options"]
     if differ:
         raise InputError("campaign", cp.campaign_name(campaign), f"a checkpoint of this name holds a campaign with "
-                                                                 f"other {', '.join(differ)}; pick another name or "
-                                                                 f"set resume=false")
+                                                                 f"other {', '.join(differ)}; pick another name, or set "
+                                                                 f"resume=false to start over under this one "
+                                                                 f"(replacing that campaign's checkpoint)")
     if cp.budget < saved.n_done:  # it would end at once, reporting more evaluations than asked for
         raise InputError("budget", cp.budget, f"campaign {cp.campaign_name(campaign)!r} has already done "
                                               f"{saved.n_done} evaluations (its checkpoint); a budget of at least "

@@ -113,7 +113,8 @@ def test_a_checkpoint_of_another_campaign_is_refused_before_the_flow_run(nas_run
                            "--set", "q=3"], env=cli_env, capture_output=True, text=True, timeout=300)
     err = " ".join(proc.stderr.split())
     assert proc.returncode == 1 and "error: campaign='test-demo': a checkpoint of this name holds a campaign with " \
-        "other q; pick another name or set resume=false" in err, err
+        "other q; pick another name, or set resume=false to start over under this one (replacing that campaign's " \
+        "checkpoint)" in err, err
     assert "flow run" not in (proc.stdout + proc.stderr).lower() and "Traceback" not in proc.stderr
     # the same check, in this process (what `paperline run` calls before the flow run)
     info = nas_run[0]
@@ -129,6 +130,19 @@ def test_a_checkpoint_of_another_campaign_is_refused_before_the_flow_run(nas_run
     # a budget below what the campaign has done would end at once, reporting 20 evaluations for 12
     assert refusal("campaign=test-demo", "budget=12", OPTIONS[1]).startswith(
         "budget=12: campaign 'test-demo' has already done 20 evaluations (its checkpoint)")
+    # a damaged checkpoint is named, with the way out (a bare JSONDecodeError or KeyError: a trial)
+    from paperline.flows.nas import campaigns_prefix
+
+    uri = f"{campaigns_prefix(info.data_bucket)}/test-damaged/checkpoint.json"
+    store = ObjectStore.from_stack(info)
+    for content, why in ((b'{"campaign": {"problem": "ack', "JSONDecodeError: "), (b'{"foo": 1}', "no 'campaign' in it")):
+        store.put_bytes_to(content, uri)
+        assert refusal("campaign=test-damaged").startswith(
+            f"checkpoint='{uri}': not a readable campaign checkpoint ({why}"), why
+        assert "resume=false starts the campaign over under this name, replacing it" in refusal("campaign=test-damaged")
+    params = build_parameters(get_pipeline("nas"), "demo", ["campaign=test-damaged", "resume=false"])
+    params.validate_inputs()
+    params.validate_on_stack(info, store)  # the way out it names is taken
 
 
 def test_a_killed_campaign_resumes_to_the_uninterrupted_result(stack, cli_env, tmp_path, nas_run):
