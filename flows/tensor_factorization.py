@@ -84,6 +84,8 @@ class TensorFactorizationParameters(BaseModel):
         ``/home/me/mine.parquet`` have the same parameters (and compare with each other)."""
         if v is None or not v or v.startswith("s3://"):
             return v
+        if v[:3].lower() == "s3:":  # s3:/bucket/x.parquet was taken for a local path (a trial)
+            raise ValueError("looks like an S3 URI: start it with s3:// (e.g. s3://bucket/key.parquet)")
         return str(Path(v).expanduser().resolve())
 
     def p2t2f_params(self) -> dict[str, Any]:
@@ -117,21 +119,29 @@ class TensorFactorizationParameters(BaseModel):
             path = Path(self.data)
             if not self.data or not path.exists():
                 raise InputError("data", self.data, "no such file")
-            tensor = read_coo_parquet(path, argument="data")
-            for kind in self.splits:
-                try:
-                    make_split(tensor, kind, seed=self.seed)
-                except KernelInputError as exc:
-                    raise InputError("data", self.data, f"cannot make the {kind} split: {exc}") from None
-            shapes["data"] = tensor.shape
+            self.check_data(path)
         for d, shape in shapes.items():
             self.check_shape(d, shape)
 
     def validate_on_stack(self, info: Any, store: ObjectStore) -> None:
         """Before the flow run is created: an ``s3://`` data object exists (its bucket named when
-        that is what is missing)."""
+        that is what is missing) and holds a tensor these parameters can split and fit, as a local
+        file is checked (a damaged object failed the flow run, leaving a failed MLflow run: a trial)."""
         if self.data is not None and self.data.startswith("s3://"):
             check_s3_data(store, self.data)
+            self.check_data(store.get_bytes(self.data))
+
+    def check_data(self, source: Path | bytes) -> None:
+        """Refuse a data file (its path, or the bytes of the ``s3://`` object ``data``) that is not
+        a readable COO tensor, cannot make the requested splits, or does not fit these parameters.
+        Raises InputError naming ``data``."""
+        tensor = read_coo_parquet(source, argument="data", name=self.data)
+        for kind in self.splits:
+            try:
+                make_split(tensor, kind, seed=self.seed)
+            except KernelInputError as exc:
+                raise InputError("data", self.data, f"cannot make the {kind} split: {exc}") from None
+        self.check_shape("data", tensor.shape)
 
     def check_shape(self, name: str, shape: tuple[int, ...]) -> None:
         """Refuse, up front, a tensor these parameters cannot fit. Raises InputError."""

@@ -74,7 +74,7 @@ def load_tensor(store: ObjectStore, bucket: str, dataset: str | None = None, dat
         tensor, name = load_dataset(dataset), dataset
     else:
         raw = store.get_bytes(data_uri) if str(data_uri).startswith("s3://") else open(data_uri, "rb").read()
-        tensor, name = read_coo_parquet(raw, argument="data"), user_scope(data_uri)
+        tensor, name = read_coo_parquet(raw, argument="data", name=str(data_uri)), user_scope(data_uri)
     ref = store.put_bytes(tensor_to_parquet(tensor), bucket=bucket, prefix="tensors", suffix=".parquet")
     return {"name": name, "uri": ref.uri, "sha256": ref.sha256, "shape": list(tensor.shape),
             "nnz": tensor.nnz, "mode_names": list(tensor.mode_names or [])}

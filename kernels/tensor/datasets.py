@@ -156,7 +156,7 @@ COO_TIME_COLUMN = "t"
 COO_VALUE_COLUMN = "value"
 
 
-def read_coo_parquet(source: str | Path | bytes, *, argument: str = "data") -> COOTensor:
+def read_coo_parquet(source: str | Path | bytes, *, argument: str = "data", name: str | None = None) -> COOTensor:
     """Read a user tensor from Parquet rows of COO coordinates.
 
     The file has integer index columns, one of them ``t`` (time: found by its name, it becomes
@@ -166,6 +166,8 @@ def read_coo_parquet(source: str | Path | bytes, *, argument: str = "data") -> C
     Args:
         source: a local path or the file's bytes.
         argument: the argument name used in error messages.
+        name: what the messages call the file (e.g. the ``s3://`` URI its bytes came from); by
+            default its path, or ``<N bytes>``.
 
     Raises:
         InputError: unreadable or non-Parquet file (or a directory), missing ``t``/``value``
@@ -178,7 +180,7 @@ def read_coo_parquet(source: str | Path | bytes, *, argument: str = "data") -> C
     import pyarrow as pa
     import pyarrow.parquet as pq
 
-    shown = f"<{len(source)} bytes>" if isinstance(source, bytes) else str(source)
+    shown = name or (f"<{len(source)} bytes>" if isinstance(source, bytes) else str(source))
     if not isinstance(source, bytes) and Path(source).is_dir():
         raise InputError(argument, shown, "is a directory, not a Parquet file")
     try:

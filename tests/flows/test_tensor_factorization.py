@@ -135,6 +135,25 @@ def test_missing_s3_data_is_one_clear_line(stack, cli_env):
                            "--set", f"data={uri}"], env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 1
     assert f"error: data='{uri}': no such bucket 'no-such-bucket-here'" in " ".join((proc.stdout + proc.stderr).split())
+    # a damaged object is refused before the flow run too, by its URI, as a local file is (it
+    # failed the flow run, leaving a failed MLflow run, and was called "<24203 bytes>": a trial)
+    import io
+
+    from paperline.flows.tensor_factorization import TensorFactorizationParameters
+    from paperline.infra.storage import ObjectStore
+    from paperline.kernels.errors import InputError  # (the CLI says either kind in one line)
+    from paperline.kernels.tensor.datasets import load_dataset, write_coo_parquet
+
+    buf = io.BytesIO()
+    write_coo_parquet(load_dataset("produc"), buf)
+    store, uri = ObjectStore.from_stack(info), f"s3://{info.data_bucket}/test-damaged/trunc.parquet"
+    store.put_bytes_to(buf.getvalue()[: len(buf.getvalue()) // 2], uri)
+    with pytest.raises(InputError, match=rf"^data='{uri}': not a readable Parquet file"):
+        TensorFactorizationParameters(data=uri).validate_on_stack(info, store)
+    store.put_bytes_to(buf.getvalue(), uri)
+    with pytest.raises(InputError, match=rf"^n_parts=99: .*data"):  # what the flow checked only after loading
+        TensorFactorizationParameters(data=uri, n_parts=99).validate_on_stack(info, store)
+    TensorFactorizationParameters(data=uri).validate_on_stack(info, store)
 
 
 def test_a_local_data_path_is_made_absolute(tmp_path, monkeypatch):
@@ -147,6 +166,11 @@ def test_a_local_data_path_is_made_absolute(tmp_path, monkeypatch):
     assert rel.data == str(tmp_path.resolve() / "mine.parquet")
     assert rel == TensorFactorizationParameters(data=str(tmp_path / "mine.parquet"))
     assert TensorFactorizationParameters(data="s3://bucket/x.parquet").data == "s3://bucket/x.parquet"
+    from pydantic import ValidationError
+
+    for typo in ("s3:/bucket/x.parquet", "S3://bucket/x.parquet"):  # taken for local paths (a trial)
+        with pytest.raises(ValidationError, match="looks like an S3 URI: start it with s3://"):
+            TensorFactorizationParameters(data=typo)
 
 
 def test_a_user_file_is_scoped_by_its_name():
