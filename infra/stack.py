@@ -1015,6 +1015,16 @@ def _preferred_ports(settings: Settings, name: str, last: int | None) -> tuple[i
     return (configured, last) if field in settings.model_fields_set else (last, configured)
 
 
+def _configured_port_taken(settings: Settings, name: str, port: int, tell: Progress) -> None:
+    """Say so, on a lasting line, when service ``name`` started on ``port`` because the port its
+    setting names (``PAPERLINE_<NAME>_PORT``) was taken. A port asked for was replaced by a random
+    one with nothing said, and what pointed at it reached another stack (a trial)."""
+    field = f"{name}_port"
+    asked = getattr(settings, field)
+    if field in settings.model_fields_set and port != asked:
+        tell(f"{name}: port {asked} (PAPERLINE_{field.upper()}) is taken by another process, so it is on {port}")
+
+
 def _remember_port(settings: Settings, name: str, port: int) -> None:
     path = settings.state_dir / LAST_PORTS_FILE
     try:
@@ -1468,6 +1478,7 @@ def ensure_stack(settings: Settings, *, progress: Progress | None = None, notice
             if not external["s3"] and "s3" not in recs:
                 proc, rec = _start_s3(settings, taken, key, secret)  # type: ignore[arg-type]
                 say(f"s3: starting SeaweedFS at {rec['url']} (log: {rec['log_path']})")
+                _configured_port_taken(settings, "s3", rec["port"], tell)
                 recs["s3"] = rec
                 started.append("s3")
                 save()
@@ -1539,6 +1550,8 @@ def ensure_stack(settings: Settings, *, progress: Progress | None = None, notice
                     tell(f"{name}: its last port {last[name]} is taken by another process, so it is on "
                          f"{recs[name]['port']} now: links to the old port (e.g. earlier runs' MLflow links) "
                          "no longer reach this stack")
+                else:
+                    _configured_port_taken(settings, name, recs[name]["port"], tell)
             if pending:
                 save()
                 _wait_healthy(pending, settings.startup_timeout_s)

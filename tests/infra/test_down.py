@@ -34,12 +34,18 @@ def test_second_stack_on_taken_ports_stops_completely(settings_factory, tmp_path
         s.listen(1)
         blockers.append(s)
     try:
-        info = ensure_stack(settings)
+        moved: list[str] = []
+        info = ensure_stack(settings, notice=moved.append)
         # what this call started, under the stack's lock (two `up`s at once both said "started")
         assert info.started == ("s3", "prefect", "mlflow") and ensure_stack(settings).started == ()
         assert urlparse(info.s3_endpoint_url).port not in (None, settings.s3_port)
         assert urlparse(info.prefect_api_url).port not in (None, settings.prefect_port)
         assert urlparse(info.mlflow_tracking_uri).port == settings.mlflow_port
+        # the ports asked for were replaced with nothing said (a trial): said on lasting lines
+        assert moved == [f"s3: port {settings.s3_port} (PAPERLINE_S3_PORT) is taken by another process, so it is on "
+                         f"{urlparse(info.s3_endpoint_url).port}",
+                         f"prefect: port {settings.prefect_port} (PAPERLINE_PREFECT_PORT) is taken by another "
+                         f"process, so it is on {urlparse(info.prefect_api_url).port}"], moved
         # The session stack runs side by side.
         _, first = stack
         assert {s.url for s in info.services}.isdisjoint({s.url for s in first.services})
