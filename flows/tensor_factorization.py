@@ -106,6 +106,10 @@ class TensorFactorizationParameters(BaseModel):
             raise InputError("datasets", self.datasets, "give either `datasets` or `data`, not both")
         if not self.splits:
             raise InputError("splits", self.splits, "name at least one split kind")
+        for name, values in (("datasets", self.datasets), ("splits", self.splits)):
+            twice = sorted({v for v in values if values.count(v) > 1})
+            if twice:  # fitted once, recorded twice: another comparison key than the list without it (a trial)
+                raise InputError(name, values, f"{', '.join(twice)} listed twice: each is fitted once")
         shapes: dict[str, tuple[int, ...]] = {}
         if self.data is None:
             if not self.datasets:

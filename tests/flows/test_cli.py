@@ -79,6 +79,9 @@ def parquet(tmp_path):
     (["rank=null"], ["rank='null'", "valid integer"]),  # as typed: it said rank=None
     (["rank=[1,2]"], ["rank='[1,2]'", "valid integer"]),
     (["rank=2.5"], ["rank=2.5", "fractional part"]),
+    # fitted once, recorded twice (another comparison key than the list without the repeat: a trial)
+    (["datasets=produc,produc"], ["datasets=['produc', 'produc']", "produc listed twice: each is fitted once"]),
+    (["splits=random,temporal,random"], ["splits=['random', 'temporal', 'random']", "random listed twice"]),
 ])
 def test_bad_parameters(sets, fragments):
     args = ["run", "tensor-factorization"]
