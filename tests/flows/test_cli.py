@@ -549,6 +549,32 @@ def test_compare_table_never_folds_the_run_name_and_status_columns():
                    for line in lines), "\n".join(lines)
 
 
+def test_compare_table_never_folds_a_value_and_says_which_columns_it_left_out():
+    """Piped or in an 80-column terminal a test RMSE of 0.0469 showed as "0.0" over "469" (a
+    trial): values keep their width, and the columns that do not fit are named instead."""
+    from rich.console import Console
+
+    from paperline.flows.cli import _runs_table
+
+    metrics = [f"produc.{split}.{method}.test_rmse" for split in ("random", "temporal")
+               for method in ("p2t2f", "tensorly_cp")]
+    rows = [[f"3045c8e{i}", f"resilient-toucan-{i}", "FINISHED", *[0.0469123 + i / 1000] * 4, 12.75, 0.125]
+            for i in range(3)]
+    result = {"columns": ["run", "name", "status", *metrics, "fit_s", "params.rank"], "rows": rows,
+              "selection": "all runs"}
+    console = Console(width=80, record=True)
+    console.print(_runs_table("tensor-factorization", result, 80))
+    text = console.export_text()
+    assert all(len(line) <= 80 for line in text.splitlines()), text
+    assert text.count("0.0469") >= 2 and text.count("0.0489") >= 2, text  # whole values, every row
+    assert "column(s) left out for the console's width (80): " in " ".join(text.split()), text
+    for width in (140, 200):  # wide enough: nothing left out
+        console = Console(width=width, record=True)
+        console.print(_runs_table("tensor-factorization", result, width))
+        wide = console.export_text()
+        assert "left out" not in wide and "rank" in wide and "12.75" in wide, wide
+
+
 def test_env_with_a_failing_configured_endpoint_says_why(tmp_path, free_port):
     """`env` said `stack is not available: not running; start it with paperline up` for a configured
     MLflow URI with a bad port: `up` starts nothing for it (a fresh-user trial)."""
