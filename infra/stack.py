@@ -383,11 +383,14 @@ def _stop_records(recs: list[dict[str, Any]], timeout_s: float = _STOP_TIMEOUT_S
     if alive:
         signal_all(signal.SIGKILL, only=alive)
         psutil.wait_procs(alive, timeout=5)
-    for rec in recs:  # the unix socket a stopped server leaves behind
-        sock = Path(rec["socket"]) if rec.get("socket") else None
-        with contextlib.suppress(OSError):
-            if sock is not None and _live_process(rec) is None and stat.S_ISSOCK(sock.lstat().st_mode):
-                sock.unlink()
+    for rec in recs:  # the unix sockets a stopped server leaves behind (this user's: /tmp is shared)
+        if _live_process(rec) is not None:
+            continue
+        for sock in [Path(p) for p in rec.get("sockets", [rec["socket"]] if rec.get("socket") else [])]:
+            with contextlib.suppress(OSError):
+                st = sock.lstat()
+                if stat.S_ISSOCK(st.st_mode) and st.st_uid == os.getuid():
+                    sock.unlink()
     return [g is not None for g in groups]
 
 
@@ -876,17 +879,22 @@ def _start_s3(settings: Settings, taken: set[int], key: str, secret: str) -> tup
     ]
     for comp, port in ports.items():
         cmd += [f"-{comp}.port={port}", f"-{comp}.port.grpc={port + _GRPC_OFFSET}"]
-    # its S3 gateway's unix socket: in the state directory where the path fits a socket address
-    # (else SeaweedFS's default in /tmp); removed by _stop_records (they piled up in /tmp: a trial)
-    sock = s3_dir / "s3.sock"
-    if len(os.fsencode(sock)) <= _MAX_SOCKET_PATH:
-        cmd.append(f"-s3.localSocket={sock}")
-    else:
-        sock = Path(f"/tmp/seaweedfs-s3-{ports['s3']}.sock")
+    # its S3 gateway's and filer's unix sockets: in the state directory where the path fits a
+    # socket address (else SeaweedFS's defaults in /tmp); the gRPC ones are always in /tmp. A
+    # killed SeaweedFS leaves them, which _stop_records removes (they piled up in /tmp: a trial)
+    sockets = []
+    for comp in ("s3", "filer"):
+        sock = s3_dir / f"{comp}.sock"
+        if len(os.fsencode(sock)) <= _MAX_SOCKET_PATH:
+            cmd.append(f"-{comp}.localSocket={sock}")
+        else:
+            sock = Path(f"/tmp/seaweedfs-{comp}-{ports[comp]}.sock")
+        sockets.append(str(sock))
+    sockets += [f"/tmp/seaweedfs-{comp}-grpc-{port + _GRPC_OFFSET}.sock" for comp, port in ports.items()]
     url = f"http://{_url_host(host)}:{ports['s3']}"
     log = settings.state_dir / "logs" / "s3.log"
     proc = _spawn(cmd, _clean_env(("AWS_",)), log, s3_dir)
-    return proc, _record(proc, url, log, port=ports["s3"], ports=ports, socket=str(sock), tls=True)
+    return proc, _record(proc, url, log, port=ports["s3"], ports=ports, sockets=sockets, tls=True)
 
 
 def _s3_open(rec: dict[str, Any] | None, tell: Progress) -> bool:

@@ -140,8 +140,10 @@ def test_second_stack_on_taken_ports_stops_completely(settings_factory, tmp_path
                                                    f"is on {urlparse(info.prefect_api_url).port} now")], notices
         assert not [n for n in notices if n.startswith("mlflow: its last port")], notices
 
-        socket_path = _read_state(settings)["services"]["s3"]["socket"]  # S3's unix socket: private, in the state dir
-        assert socket_path == str(settings.state_dir / "s3" / "s3.sock") and os.path.exists(socket_path)
+        # SeaweedFS's unix sockets: S3's and the filer's private, in the state dir; its gRPC ones in /tmp
+        sockets = _read_state(settings)["services"]["s3"]["sockets"]
+        assert sockets[:2] == [str(settings.state_dir / "s3" / f"{c}.sock") for c in ("s3", "filer")], sockets
+        assert len(sockets) == 7 and all(os.path.exists(p) for p in sockets), sockets
         procs = []
         for svc in info.services:
             p = psutil.Process(svc.pid)
@@ -149,14 +151,18 @@ def test_second_stack_on_taken_ports_stops_completely(settings_factory, tmp_path
         pids = [p.pid for p in procs]
         assert len(pids) >= 3
         psutil.Process(info.service("mlflow").pid).kill()  # `down` stops what a dead server left too
+        weed = psutil.Process(info.service("s3").pid)
+        weed.kill()  # and removes the sockets a killed SeaweedFS left
+        weed.wait(timeout=10)
     finally:
         stopped = stop_stack(settings)
         for s in blockers:
             s.close()
 
-    assert sorted(stopped) == ["mlflow", "prefect", "s3"]
+    assert sorted(stopped) == ["mlflow", "prefect"]  # (SeaweedFS, killed, left no process to stop)
     assert [pid for pid in pids if not _gone(pid)] == []
-    assert not (settings.state_dir / "stack.json").exists() and not os.path.exists(socket_path)
+    assert not (settings.state_dir / "stack.json").exists()
+    assert [p for p in sockets if os.path.exists(p)] == []
     assert [s.healthy for s in stack_status(settings)] == [False, False, False]
     assert stop_stack(settings) == []
     # The session's stack was not touched.
