@@ -199,7 +199,11 @@ class ObjectStore:
             status = exc.response.get("ResponseMetadata", {}).get("HTTPStatusCode") or 0
             if status >= 500:  # "InternalError ... please try again" blamed nothing (a trial: a full disk)
                 message = exc.response.get("Error", {}).get("Message", "")
-                disk = ("; a full disk stops SeaweedFS's writes (check `df -h` of the state directory)"
+                # (or no free volumes: SeaweedFS sized its count of 1 GiB volumes from the disk's
+                # free space at its start, and its log said "no free volumes left": measured)
+                disk = ("; a full disk stops SeaweedFS's writes, as does running out of volumes (it makes as many "
+                        "1 GiB volumes as the disk had free space when it started: free some, then `paperline "
+                        "down` and `up`; check `df -h` of the state directory and its log)"
                         if self.log_path else "")
                 raise ServiceError("s3", f"{what}: the server failed (HTTP {status}, {code}: {message}){disk}",
                                    url=self.endpoint_url, log=self.log_path) from exc
