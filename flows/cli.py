@@ -111,7 +111,7 @@ def _unauthorized(exc: BaseException) -> str | None:
     while seen:
         e = seen.pop()
         if isinstance(e, httpx.HTTPStatusError) and e.response.status_code == 401:
-            where = f"Prefect at {e.request.url.scheme}://{e.request.url.netloc.decode().rsplit('@', 1)[-1]}"
+            where = _prefect_at(str(e.request.url))
         elif type(e).__name__ == "MlflowException" and "error code 401" in str(e):
             where = "MLflow"
         else:
@@ -119,6 +119,14 @@ def _unauthorized(exc: BaseException) -> str | None:
             continue
         return _not_authorized(where)
     return None
+
+
+def _prefect_at(url: str) -> str:
+    """``Prefect at scheme://host:port`` for a Prefect URL (any login in it left out)."""
+    from urllib.parse import urlsplit
+
+    parts = urlsplit(url)
+    return f"Prefect at {parts.scheme}://{parts.netloc.rsplit('@', 1)[-1]}"
 
 
 def _not_authorized(where: str) -> str:
@@ -838,13 +846,10 @@ def _worker_failed(code: int, api_url: str, login: str | None) -> None:
     Raises:
         PaperlineError: always.
     """
-    from urllib.parse import urlsplit
-
     from paperline.infra.stack import login_refused
 
     if login_refused("prefect", api_url, login):
-        parts = urlsplit(api_url)
-        raise PaperlineError(_not_authorized(f"Prefect at {parts.scheme}://{parts.netloc.rsplit('@', 1)[-1]}"))
+        raise PaperlineError(_not_authorized(_prefect_at(api_url)))
     raise PaperlineError(f"the Prefect worker exited with status {code} (its output above says why)")
 
 
