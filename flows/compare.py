@@ -86,6 +86,9 @@ def compare_runs(tracker: Tracker, experiment: str, metrics: list[str], filter_s
             nas campaign's parent run, each compressor's run of compressed training, not a nas
             campaign's per-evaluation child runs); every run when no run carries the tag.
 
+    Runs of the experiment that MLflow shows RUNNING while Prefect has their flow run Crashed
+    (a killed process) are ended first (:meth:`Tracker.end_orphaned_runs`).
+
     Returns:
         ``{"columns", "rows", "parquet", "plot" (None without metrics), "comparison_run_id",
         "selection", "metrics", "note"}`` (``note``: what the default headline left out, why
@@ -113,6 +116,8 @@ def compare_runs(tracker: Tracker, experiment: str, metrics: list[str], filter_s
         known = sorted(e.name for e in client.search_experiments())
         raise InputError("experiment", experiment, f"no such MLflow experiment{_not_run_yet(experiment)}; "
                                                    f"known: {', '.join(known) or 'none'}")
+    # a run whose flow process was killed shows RUNNING until swept: Prefect has it Crashed by now
+    tracker.end_orphaned_runs([exp.experiment_id])
     user_filter = filter_string.strip()
 
     def rejected(exc: MlflowException) -> InputError:

@@ -78,7 +78,7 @@ class Tracker:
         self._client: Any = None
         self._lock = threading.Lock()
         self._experiment_of_run: dict[str, str] = {}
-        self._swept: set[str] = set()  # experiments whose orphaned runs were ended (start_run)
+        self._swept = False  # whether start_run ended the orphaned runs of every experiment
 
     def __repr__(self) -> str:
         return f"Tracker({redact_url(self.tracking_uri)!r})"
@@ -91,7 +91,7 @@ class Tracker:
         self._experiment_of_run = dict(state.get("_experiment_of_run", {}))
         self._client = None
         self._lock = threading.Lock()
-        self._swept = set()
+        self._swept = False
 
     # -- plumbing -------------------------------------------------------------------------------------
 
@@ -194,9 +194,9 @@ class Tracker:
         from mlflow.entities import Param  # noqa: PLC0415
 
         exp_id = self._experiment_id(experiment)
-        if not parent_run_id and exp_id not in self._swept:
-            self._swept.add(exp_id)
-            self.end_orphaned_runs(exp_id)
+        if not parent_run_id and not self._swept:
+            self._swept = True
+            self.end_orphaned_runs()
         all_tags = {k: _truncate(v, _limit("MAX_TAG_VAL_LENGTH")) for k, v in (tags or {}).items()}
         if parent_run_id:
             all_tags["mlflow.parentRunId"] = parent_run_id
@@ -314,14 +314,18 @@ class Tracker:
             raise InputError("status", status, "must be FINISHED, FAILED or KILLED")
         self._call("end run", self.client.set_terminated, run_id, status=status)
 
-    def end_orphaned_runs(self, experiment_id: str) -> list[str]:
-        """End the runs of ``experiment_id`` that MLflow still shows RUNNING while the Prefect flow
-        run that logged them (tag ``prefect.flow_run_id``) has ended: a flow process killed outright
-        (SIGKILL, OOM, a lost machine) never ends its MLflow run, and Prefect marks it Crashed
-        later (`paperline up`'s heartbeat automation). Crashed or cancelled flow runs end theirs
-        KILLED, failed ones FAILED, with tag ``paperline.ended_by``. Called by :meth:`start_run`
-        once per experiment; best effort: Prefect unreachable, or a flow run it does not know,
-        leaves the run as it is.
+    def end_orphaned_runs(self, experiment_ids: list[str] | None = None) -> list[str]:
+        """End the runs that MLflow still shows RUNNING while the Prefect flow run that logged them
+        (tag ``prefect.flow_run_id``) has ended: a flow process killed outright (SIGKILL, OOM, a
+        lost machine) never ends its MLflow run, and Prefect marks it Crashed later (`paperline
+        up`'s heartbeat automation). Crashed or cancelled flow runs end theirs KILLED, failed ones
+        FAILED, with tag ``paperline.ended_by``. Called by :meth:`start_run` once per tracker for
+        every experiment (a killed nas run was left RUNNING in the MLflow UI until the next nas
+        run) and by ``paperline compare`` for its experiment; best effort: Prefect unreachable, or
+        a flow run it does not know, leaves the run as it is.
+
+        Args:
+            experiment_ids: The experiments to sweep; None for every active one.
 
         Returns:
             The run ids ended.
@@ -331,8 +335,11 @@ class Tracker:
 
         log = logging.getLogger(__name__)
         try:
-            runs = self.client.search_runs([experiment_id], filter_string="attributes.status = 'RUNNING' and "
-                                           "tags.`prefect.flow_run_id` LIKE '%'", max_results=200)
+            if experiment_ids is None:
+                experiment_ids = [e.experiment_id for e in self.client.search_experiments()]
+            runs = self.client.search_runs(experiment_ids, filter_string="attributes.status = 'RUNNING' and "
+                                           "tags.`prefect.flow_run_id` LIKE '%'", max_results=200) \
+                if experiment_ids else []
         except Exception as exc:  # noqa: BLE001 - best effort
             log.debug("orphaned-run sweep skipped: %s", exc)
             return []

@@ -97,11 +97,11 @@ def test_a_killed_serve_process_leaves_its_run_crashed(stack, tmp_path, cli_env)
                 state = client.read_flow_run(run.id).state
         assert state.name == "Crashed", state
         assert "heartbeat" in (state.message or "")
-        # its MLflow run was left RUNNING (nobody ended it); the next run started in the experiment
+        # its MLflow run was left RUNNING (nobody ended it); the next run started, in any experiment,
         # ends it KILLED, naming why
         (orphan,) = [r for r in _mlflow_runs(tracker, run.id) if "mlflow.parentRunId" not in r.data.tags]  # the parent
         assert orphan.info.status == "RUNNING"
-        probe = Tracker(stack[1].mlflow_tracking_uri).start_run("nas", run_name="crash-test-probe")
+        probe = Tracker(stack[1].mlflow_tracking_uri).start_run("crash-test-probe", run_name="crash-test-probe")
         tracker.client.delete_run(probe)
         orphan = tracker.client.get_run(orphan.info.run_id)
         assert orphan.info.status == "KILLED" and orphan.data.tags["paperline.ended_by"] == "Prefect flow run Crashed"
@@ -109,7 +109,13 @@ def test_a_killed_serve_process_leaves_its_run_crashed(stack, tmp_path, cli_env)
         tracker.reopen_run(orphan.info.run_id)
         orphan = tracker.client.get_run(orphan.info.run_id)
         assert orphan.info.status == "RUNNING" and "paperline.ended_by" not in orphan.data.tags
-        tracker.end_run(orphan.info.run_id, "KILLED")
+        # `paperline compare` sweeps its experiment before listing: the table does not show it RUNNING
+        from paperline.flows.compare import compare_runs
+
+        compared = compare_runs(tracker, "nas", [], f"tags.`prefect.flow_run_id` = '{run.id}'", 5, tmp_path, False,
+                                False, True)
+        orphan = tracker.client.get_run(orphan.info.run_id)
+        assert orphan.info.status == "KILLED", compared
     finally:
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
