@@ -216,6 +216,9 @@ def status() -> None:
     settings = _settings()
     services = stack_status(settings)
     _print_services(services)
+    for s in services:
+        if s.detail and s.healthy:
+            console.print(f"{s.name}: {s.detail}", highlight=False, soft_wrap=True)
     console.print(f"Dask: {describe_cluster(settings)}")
     console.print(f"state directory: {settings.state_dir}")
     problem = state_problem(settings)

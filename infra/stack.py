@@ -73,6 +73,7 @@ class Service:
         healthy: Result of the last health check; None when not checked.
         problem: Why the last health check failed, naming the setting to fix (configured
             endpoints; None otherwise).
+        detail: What else ``paperline status`` shows of it (the local SeaweedFS's volumes in use).
     """
 
     name: str
@@ -82,6 +83,7 @@ class Service:
     log_path: str | None = None
     healthy: bool | None = None
     problem: str | None = None
+    detail: str | None = None
 
 
 @dataclass
@@ -895,6 +897,50 @@ def _start_s3(settings: Settings, taken: set[int], key: str, secret: str) -> tup
     log = settings.state_dir / "logs" / "s3.log"
     proc = _spawn(cmd, _clean_env(("AWS_",)), log, s3_dir)
     return proc, _record(proc, url, log, port=ports["s3"], ports=ports, sockets=sockets, tls=True)
+
+
+def seaweed_volumes(s3_dir: Path, host: str, master_port: int) -> tuple[int, int] | None:
+    """``(free, max)``: the local SeaweedFS master's count of volumes it can still create and of
+    all it may hold (``GET /dir/status``, over the stack's mutual TLS, :func:`_seaweed_tls`).
+    ``weed mini`` sizes ``max`` from the disk's free GiB when it starts (one 1 GiB volume each);
+    each bucket takes volumes as it grows, and at 0 free every new object fails with 500 (a trial).
+    None when the master does not answer."""
+    import ssl  # noqa: PLC0415
+
+    import httpx  # noqa: PLC0415
+
+    tls = s3_dir / "tls"
+    try:
+        context = ssl.create_default_context(cafile=str(tls / "ca.crt"))
+        context.load_cert_chain(tls / "tls.crt", tls / "tls.key")
+        topology = httpx.get(f"https://{_url_host(host)}:{master_port}/dir/status", verify=context,
+                             timeout=3.0).json()["Topology"]
+        return int(topology["Free"]), int(topology["Max"])
+    except Exception:  # noqa: BLE001 - an older untls'd SeaweedFS, one starting or stopping: nothing to show
+        return None
+
+
+def _volumes_problem(service: Service, settings: Settings, rec: dict[str, Any]) -> None:
+    """Add the local SeaweedFS's volume count to ``service`` (``detail``), or, with none free, make
+    it unhealthy saying why and what to do (:func:`seaweed_volumes`, :func:`volumes_report`)."""
+    master = rec.get("ports", {}).get("master")
+    counts = seaweed_volumes(settings.state_dir / "s3", settings.host, master) if master and rec.get("tls") else None
+    if counts is not None:
+        service.detail, problem = volumes_report(*counts)
+        if problem:
+            service.healthy, service.problem = False, problem
+
+
+def volumes_report(free: int, most: int) -> tuple[str, str | None]:
+    """What ``paperline status`` says of SeaweedFS's volumes: a line of the count in use, and the
+    problem when none is free (else None)."""
+    detail = (f"{most - free} of {most} volumes in use (SeaweedFS made one 1 GiB volume per free GiB of disk at "
+              "its start; each bucket takes more as it grows)")
+    if free > 0:
+        return detail, None
+    return detail, (f"SeaweedFS has no free volume left (all {most} in use): writing a new object fails with 500. "
+                    "Free disk space, then `paperline down` and `paperline up` (it counts volumes from the free "
+                    "space when it starts)")
 
 
 def _s3_open(rec: dict[str, Any] | None, tell: Progress) -> bool:
@@ -1729,6 +1775,8 @@ def stack_status(settings: Settings) -> list[Service]:
             problem = login_problem(settings, name, rec["url"]) if healthy and name in LOGIN_FILES else None
             out.append(Service(name, rec["url"], True, pid=rec["pid"], log_path=rec["log_path"],
                                healthy=healthy and problem is None, problem=problem))
+            if name == "s3" and healthy:
+                _volumes_problem(out[-1], settings, rec)
         else:
             # Not running: no URL to show (the default port may belong to someone else's stack).
             log = str(settings.state_dir / "logs" / f"{name}.log")

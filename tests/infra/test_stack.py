@@ -298,6 +298,21 @@ def test_status_shows_three_healthy_loopback_services(stack):
         assert s.healthy, s
         assert s.managed and s.pid
         assert s.url.startswith("http://127.0.0.1:"), s.url
+    # SeaweedFS's volumes, read from its master over the stack's TLS: a full count fails writes with
+    # 500 (a trial), so `status` shows how many are in use
+    used, _, most = services[0].detail.partition(" volumes in use")[0].partition(" of ")
+    assert 0 <= int(used) <= int(most) and int(most) > 0, services[0].detail
+    assert all(s.detail is None for s in services[1:])
+
+
+def test_status_calls_a_seaweedfs_without_free_volumes_unhealthy():
+    from paperline.infra.stack import volumes_report
+
+    assert volumes_report(7, 52)[1] is None
+    assert volumes_report(7, 52)[0].startswith("45 of 52 volumes in use")
+    detail, problem = volumes_report(0, 52)
+    assert detail.startswith("52 of 52 volumes in use")
+    assert "no free volume left (all 52 in use)" in problem and "`paperline down` and `paperline up`" in problem
 
 
 def test_flow_runs_heartbeat_within_the_crash_window(stack):
@@ -579,6 +594,7 @@ def test_a_password_in_the_tracking_uri_is_never_printed(stack, monkeypatch):
         get_settings.cache_clear()
     assert status.exit_code == 0 and exports.exit_code == 0, status.output + exports.output
     assert f"{user}@127.0.0.1" in status.output and password not in status.output + exports.output
+    assert "\ns3: " in status.output and " volumes in use (SeaweedFS made" in status.output, status.output
     assert login.split(":")[1] not in status.output + exports.output
     assert f"export MLFLOW_TRACKING_URI={info.mlflow_tracking_uri}\n" in exports.output
     assert "MLFLOW_TRACKING_PASSWORD" in exports.output  # how to give MLflow's own CLI the credentials
