@@ -11,7 +11,7 @@ from __future__ import annotations
 import re
 from functools import lru_cache
 from pathlib import Path
-from typing import Literal
+from typing import Any, Literal
 
 from pydantic import Field, SecretStr, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
@@ -79,6 +79,16 @@ class Settings(BaseSettings):
 
     prefect_database_url: SecretStr | None = None
     mlflow_backend_store_uri: SecretStr | None = None
+
+    @field_validator("state_dir", mode="before")
+    @classmethod
+    def _empty_is_unset(cls, v: Any) -> Any:
+        # `PAPERLINE_STATE_DIR=` made the current directory the state directory (Path("") is "."):
+        # `down` tightened it to 700 and wrote its lock there, `up` would have put credentials and
+        # databases into the working tree (a trial). Empty means unset, as for the endpoints.
+        if isinstance(v, str | Path) and not str(v).strip():
+            return Path.home() / ".paperline"
+        return v
 
     @field_validator("state_dir")
     @classmethod

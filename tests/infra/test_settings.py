@@ -25,6 +25,15 @@ def test_env_maps_to_fields(monkeypatch, tmp_path):
     assert s.uses_local_stack
 
 
+@pytest.mark.parametrize("value", ["", "  "])
+def test_an_empty_state_dir_is_the_default_not_the_current_directory(monkeypatch, tmp_path, value):
+    """`PAPERLINE_STATE_DIR=` made the current directory the state directory (a trial)."""
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    monkeypatch.setenv("PAPERLINE_STATE_DIR", value)
+    assert Settings().state_dir == (tmp_path / "home" / ".paperline").resolve()
+
+
 def test_bad_values_rejected(monkeypatch, tmp_path):
     monkeypatch.chdir(tmp_path)
     monkeypatch.setenv("PAPERLINE_DEVICE", "tpu")
