@@ -1314,7 +1314,9 @@ def ensure_zombie_automation(api_url: str, within_s: float = 3 * FLOW_HEARTBEAT_
                 ),
                 actions=[ChangeFlowRunState(state=StateType.CRASHED,
                                             message=f"No heartbeat for {within_s:.0f} s: the process running this "
-                                                    "flow run died (killed worker, OOM, lost machine).")],
+                                                    "flow run ended without reporting it (killed, OOM, a lost "
+                                                    "machine, or it lost this Prefect server: `paperline down` "
+                                                    "during the run).")],
             )
             try:
                 existing = Automation.read(name=ZOMBIE_AUTOMATION)
@@ -1322,7 +1324,8 @@ def ensure_zombie_automation(api_url: str, within_s: float = 3 * FLOW_HEARTBEAT_
                 existing = None
             if existing is None:
                 automation.create()
-            elif existing.trigger.within != automation.trigger.within:
+            elif (existing.trigger.within, existing.actions[0].message) != \
+                    (automation.trigger.within, automation.actions[0].message):  # a new setting, or paperline's wording
                 automation.id = existing.id
                 automation.update()
     except Exception as exc:  # noqa: BLE001

@@ -44,6 +44,13 @@ def test_the_crash_window_follows_the_setting(stack):
     finally:
         ensure_zombie_automation(info.prefect_api_url, settings.crash_after_s)
     assert _automation().trigger.within.total_seconds() == settings.crash_after_s
+    # an earlier paperline's wording ("died", said also of a run whose server was stopped) is replaced
+    old = _automation()
+    old.actions[0].message = "No heartbeat for 90 s: the process running this flow run died."
+    old.update()
+    assert _automation().actions[0].message.endswith("died.")
+    ensure_zombie_automation(info.prefect_api_url, settings.crash_after_s)
+    assert "`paperline down` during the run" in _automation().actions[0].message
     with get_client(sync_client=True) as client:
         assert [a.name for a in client.read_automations()].count(ZOMBIE_AUTOMATION) == 1
 
