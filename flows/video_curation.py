@@ -46,6 +46,7 @@ EXPERIMENT = "video-curation"
 SEMANTIC_THRESHOLDS = {"hsv-histogram": 0.98, "transnetv2": 0.995}
 # What a run is judged by against the best earlier run of the same parameters: the workers' own
 # processing rate (not the wall-clock throughput, which a cached re-run inflates); 20% for timings.
+MAX_WORLD_SIZE = 4096  # ranks read back (~14 ms each here): world_size=1000000 ran for hours (a trial)
 HEADLINES = [Headline("per_worker_video_s_per_s", higher_is_better=True, tolerance=0.20)]
 
 
@@ -89,13 +90,17 @@ class VideoCurationParameters(BaseModel):
                                              "0.995 for TransNetV2 features (all their pairs are >= 0.94).")
     n_clusters: int | None = Field(None, ge=1, description="k-means clusters (default ceil(sqrt(n/2))).")
     shard_target_mb: float = Field(64.0, gt=0, description="Target shard size (MB of clips).")
-    world_size: int = Field(2, ge=1, description="Ranks the dataset is read back for (equal samples per rank).")
+    world_size: int = Field(2, ge=1, le=MAX_WORLD_SIZE,
+                            description=f"Ranks the dataset is read back for (equal samples per rank; at most "
+                                        f"{MAX_WORLD_SIZE}: the read-back streams each rank's samples in turn).")
 
     @field_validator("source")
     @classmethod
     def _source(cls, v: str) -> str:
         if not v.strip():
             raise ValueError("must not be empty")
+        if v.strip()[:3].lower() == "s3:" and not v.strip().startswith("s3://"):  # s3:/bucket/x was a local path (a trial)
+            raise ValueError("looks like an S3 prefix: start it with s3:// (e.g. s3://bucket/videos/)")
         return v.strip()
 
     @field_validator("output")
@@ -140,6 +145,8 @@ class VideoCurationParameters(BaseModel):
         if src != "demo" and self.output is None and self.dataset == "demo":  # it took the demo's name for good
             raise InputError("dataset", self.dataset, f"the demo videos' dataset; curating source={src} needs a "
                                                       "name of its own (--set dataset=NAME)")
+        if src != "demo" and not src.startswith("s3://"):
+            list_local(src)  # a directory without videos, or one file not named like a video
 
     def destination(self, data_bucket: str) -> tuple[str, str, str]:
         """``(output prefix, parameter that names it, its value)``: ``output``, else
@@ -396,7 +403,7 @@ def _curate(params: VideoCurationParameters, cfg: ClipConfig, filt: FilterConfig
              f"encoder {cfg.encoder}, embedder {cfg.resolved_embedder()}",
              f"dataset: {output}/manifest.json ({len(sizes)} shard(s), {sum(sizes) / 1e6:.2f} MB; "
              f"{len(manifest['uploaded'])} uploaded, {len(manifest['skipped'])} already there)",
-             f"read back for {params.world_size} rank(s): {check['samples_per_rank']} samples per rank"]
+             f"read back for {params.world_size} rank(s): {check['samples_per_rank'][0]} samples per rank"]
     lines += [f"rejected {Path(r['source']).name}: {r['reason']} ({r['detail']})" for r in rejected]
     return {"counts": counts, "metrics": metrics, "output": output, "manifest": f"{output}/manifest.json",
             "shards": [s["name"] for s in manifest["shards"]], "read_back": check,

@@ -338,7 +338,8 @@ def extract_clips(info: VideoInfo, cfg: ClipConfig, filt: FilterConfig | None = 
 
     Returns:
         :class:`VideoResult`. A video that stops decoding early (truncated, corrupt) is returned
-        as ``rejected`` (reason ``truncated`` or ``decode_error``) with no clips.
+        as ``rejected`` with no clips: reason ``decode_error`` when the decoder failed on its data
+        (corrupt), ``truncated`` when it ended quietly short of the frames the container declares.
 
     Raises:
         InputError: bad configuration (unknown splitter or option).
@@ -455,7 +456,10 @@ def extract_clips(info: VideoInfo, cfg: ClipConfig, filt: FilterConfig | None = 
         if error is not None or (declared and decoded < declared * 0.98 - 1):
             if state["enc"] is not None:
                 state["enc"].abort()
-            why = "decode_error" if error is not None and decoded == 0 else "truncated"
+            # the decoder failing on the stream's data is corruption; a stream that ends quietly short
+            # of its declared frames is cut off ("truncated" named a full-length file with corrupt
+            # chunks: a trial)
+            why = "decode_error" if error is not None else "truncated"
             detail = f"decoded {decoded} of {declared or '?'} declared frames" + (f": {error}" if error else "")
             return VideoResult(info, [], Rejected(info.source, why, detail), decoded, 0, 0,
                                time.perf_counter() - t0)

@@ -91,8 +91,8 @@ def probe(path: str | Path, *, min_frames: int = 2) -> VideoInfo | Rejected:
     src = str(path)
     if not p.exists():
         return Rejected(src, "missing", "no such file")
-    if not p.is_file():
-        return Rejected(src, "missing", "not a regular file")
+    if not p.is_file():  # a FIFO would block the decoder's open until a writer came
+        return Rejected(src, "decode_error", "not a regular file (a FIFO, socket or device)")
     size = p.stat().st_size
     if size == 0:
         return Rejected(src, "empty_file", "0 bytes")

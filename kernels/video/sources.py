@@ -66,15 +66,20 @@ def list_local(source: str | Path) -> list[Path]:
     a missing directory is an error.
 
     Raises:
-        InputError: ``source`` is a directory with no videos, or a missing path ending in ``/``.
+        InputError: ``source`` is a directory with no videos, a missing path ending in ``/``, or a
+            file whose extension is not one of :data:`VIDEO_EXTENSIONS`.
     """
     p = Path(source).expanduser()
     if p.is_dir():
-        found = sorted(q for q in p.rglob("*")  # a broken link is listed: the probe records it as missing
-                       if (q.is_file() or q.is_symlink()) and q.suffix.lower() in VIDEO_EXTENSIONS)
+        # a broken link, or a FIFO named like a video, is listed: the probe records why it is rejected
+        # (a FIFO was skipped unsaid: a trial)
+        found = sorted(q for q in p.rglob("*")
+                       if (q.is_symlink() or (q.exists() and not q.is_dir())) and q.suffix.lower() in VIDEO_EXTENSIONS)
         if not found:
             raise InputError("source", str(source), f"no videos ({', '.join(VIDEO_EXTENSIONS)}) in this directory")
         return found
     if str(source).endswith("/"):
         raise InputError("source", str(source), "no such directory")
+    if p.suffix.lower() not in VIDEO_EXTENSIONS:  # one file, so the run could only fail (after starting a cluster)
+        raise InputError("source", str(source), f"not named like a video (one of {', '.join(VIDEO_EXTENSIONS)})")
     return [p]

