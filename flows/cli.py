@@ -962,7 +962,9 @@ def compare(experiment: str = typer.Argument(..., metavar="EXPERIMENT", help="ML
             top: int = typer.Option(10, "--top", metavar="N", help="At most this many runs, sorted by the first metric."),
             ascending: bool = typer.Option(False, "--ascending", help="Sort ascending (losses, times). Default: the metric's "
                                                                    "own direction where its pipeline records one, "
-                                                                   "else descending."),
+                                                                   "else ascending for times and losses (names "
+                                                                   "ending in _s, or with loss, rmse, residual or "
+                                                                   "error in them), else descending."),
             out: Path = typer.Option(Path("paperline-compare"), "--out", metavar="DIR",
                                      help="Directory for the Parquet file and the plot."),
             log: bool = typer.Option(False, "--log", help="Also log the comparison as an MLflow run."),

@@ -59,6 +59,16 @@ def _example_kind(runs: list[Any], metric: str) -> dict[str, str]:
     return {}
 
 
+def lower_is_better(metric: str) -> bool:
+    """Whether a metric no pipeline records a direction for is best low, by its name: a time
+    (``_s``, ``_seconds``; not a rate ``_per_s``) or a loss or error (``loss``, ``rmse``,
+    ``residual``, ``error``). ``--metric wall_s`` of video-curation listed the slowest run first (a trial)."""
+    name = metric.rsplit(".", 1)[-1].lower()
+    if name.endswith("_per_s"):
+        return False
+    return name.endswith(("_s", "_seconds")) or any(w in name for w in ("loss", "rmse", "residual", "error"))
+
+
 MAX_PARAM_COLUMNS = 5  # parameters that differ between the runs, shown as table columns
 
 
@@ -74,7 +84,7 @@ def compare_runs(tracker: Tracker, experiment: str, metrics: list[str], filter_s
             ``paperline.headlines``: the list most of the newest 100 runs carry, the runs that
             have its first metric, sorted by it in its own direction), else every metric the
             runs share (up to 6; none: no plot). A named headline metric is sorted in its own
-            direction too; one that some runs maximize and others minimize (nas ``final_best``
+            direction too (another one ascending when :func:`lower_is_better` says so by its name); one that some runs maximize and others minimize (nas ``final_best``
             over different problems) is listed newest first, with a note.
         filter_string: an MLflow search filter, e.g. ``"params.routine = 'gemm'"``.
         top: at most this many runs, sorted by the first metric (descending, or ``ascending`` for
@@ -153,7 +163,7 @@ def compare_runs(tracker: Tracker, experiment: str, metrics: list[str], filter_s
             headline_default = True
     elif not ascending:  # a named headline metric is ranked in its own direction (wall_s: fastest first)
         directions = _directions(recent, metrics[0])
-        if directions == {False}:
+        if directions == {False} or (not directions and lower_is_better(metrics[0])):
             ascending = True
         elif len(directions) > 1:  # nas final_best: maximized accuracy beside minimized Levy values
             ranked_by = " ".join(f"params.{k} = {v!r}" for k, v in _example_kind(recent, metrics[0]).items())
@@ -187,6 +197,9 @@ def compare_runs(tracker: Tracker, experiment: str, metrics: list[str], filter_s
         runs = search(order, top)
     if not runs:
         raise _no_runs(client, exp.experiment_id, experiment, user_filter, " and ".join(clauses) if keyed else "")
+    if len(runs) == top and len(search(["attributes.start_time DESC"], top + 1)) > top:  # "10 run(s)" of 12 (a trial)
+        more = f"more runs than the {top} shown match: --top N shows more"
+        note = f"{note}; {more}" if note else more
     if not metrics:
         shared = set.intersection(*(set(r.data.metrics) for r in runs))
         metrics = sorted(shared)[:6]
@@ -194,7 +207,8 @@ def compare_runs(tracker: Tracker, experiment: str, metrics: list[str], filter_s
         if not any(m in r.data.metrics for r in runs):
             names = sorted({k for r in [*runs, *recent] for k in r.data.metrics})  # the shown and the newest runs
             raise InputError("--metric", m, f"no run of {experiment!r} has it (give the bare name, no 'metrics.'); "
-                                            f"known: {', '.join(names[:40])}{' ...' if len(names) > 40 else ''}")
+                                            f"known: {', '.join(names[:40])}"
+                                            f"{f' and {len(names) - 40} more' if len(names) > 40 else ''}")
     params = sorted({k for r in runs for k in r.data.params})
     varying = [k for k in params if len({r.data.params.get(k) for r in runs}) > 1]
     if len(varying) > MAX_PARAM_COLUMNS:  # e.g. --all-runs of compressed training: parent and child runs

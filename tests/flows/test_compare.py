@@ -34,6 +34,7 @@ def test_compare_prints_the_table_and_writes_the_plot_and_parquet(stack_cli, sta
     text = " ".join(res.output.split())
     assert "params.lr" in text and "lr-1.0" in text and "lr-0.5" in text and "lr-0.1" not in text  # 2 lowest losses
     assert "(all runs; earlier --log comparisons aside)" in text  # the count leaves those out: say so
+    assert "more runs than the 2 shown match: --top N shows more" in text  # "2 run(s)" of 3 (a trial)
     table = pq.read_table(tmp_path / "compare-test-runs.parquet").to_pydict()
     assert table["run_id"] == [ids[2], ids[1]] and "metrics.loss" in table and "params.lr" in table
     assert (tmp_path / "compare-test-metrics.png").stat().st_size > 1000
@@ -60,6 +61,20 @@ def test_compare_bad_input(stack_cli, stack, experiment, tmp_path, args, fragmen
     text = " ".join(res.output.split())
     assert "error:" in text and fragment in text and "Traceback" not in text
     assert "comparison" not in text and "params_key" not in text  # only the user's filter, not compare's own clauses
+
+
+def test_times_and_losses_without_a_recorded_direction_are_ranked_lowest_first(stack, experiment, tmp_path):
+    """`--metric wall_s` of video-curation (not a headline there) listed the slowest run first (a trial)."""
+    from paperline.flows.compare import compare_runs, lower_is_better
+
+    _, tracker, ids = experiment
+    for metric in ("step_s", "loss"):
+        result = compare_runs(tracker, "compare-test", [metric], "params.seed = '0'", 3, tmp_path)
+        first = [row[1] for row in result["rows"]]
+        assert first[0] == ("lr-0.1" if metric == "step_s" else "lr-1.0"), (metric, first)
+        assert "more runs" not in result["note"]  # all 3 shown
+    assert [lower_is_better(m) for m in ("wall_s", "fit_seconds", "train_loss", "test_rmse", "verification_residual",
+                                         "throughput_video_s_per_s", "accuracy_pct", "gflops")] == [True] * 5 + [False] * 3
 
 
 def test_compare_refuses_a_file_as_out_dir(stack_cli, stack, experiment, tmp_path):
