@@ -8,9 +8,9 @@ goes on, and the user's Ctrl-C is lost (a fresh-user trial: 3 of 14 early Ctrl-C
 interrupted gc callback then failed an assertion). :func:`install` wraps ``sys.unraisablehook``
 so that a KeyboardInterrupt that ends there is delivered to the main thread again, 50 ms later.
 
-:func:`hangup_as_interrupt` makes SIGHUP (the terminal closed) stop a run as Ctrl-C does: it
-killed `paperline run` at once (exit 129), its flow run left Running until the heartbeat
-automation crashed it and its MLflow run RUNNING (a trial).
+:func:`hangup_as_interrupt` makes SIGHUP (the terminal closed) and SIGTERM (``kill``) stop a run
+as Ctrl-C does: they killed `paperline run` at once (exit 129, 143), its flow run left Running
+until the heartbeat automation crashed it and its MLflow run RUNNING (trials).
 """
 
 from __future__ import annotations
@@ -51,22 +51,31 @@ def install() -> bool:
 
 
 def hangup_as_interrupt() -> bool:
-    """Raise KeyboardInterrupt on SIGHUP, as on SIGINT, unless SIGHUP is ignored (``nohup``) or
-    handled already. Call it from the main thread.
+    """Raise KeyboardInterrupt on SIGHUP and SIGTERM, as on SIGINT, for each of them that is not
+    ignored (``nohup``) or handled already. Call it from the main thread.
+
+    SIGTERM (``kill PID``, a supervisor stopping the run) killed `paperline run` at once, its flow
+    run left Running until the heartbeat automation crashed it, its MLflow run RUNNING, and
+    multiprocessing's resource tracker warned of leaked semaphores (a trial); now it stops as
+    Ctrl-C does (exit 130, saying what the same command does next).
 
     Returns:
-        Whether the handler was installed.
+        Whether a handler was installed.
     """
-    if not hasattr(signal, "SIGHUP") or signal.getsignal(signal.SIGHUP) is not signal.SIG_DFL:
+    stops = [getattr(signal, name) for name in ("SIGHUP", "SIGTERM")
+             if hasattr(signal, name) and signal.getsignal(getattr(signal, name)) is signal.SIG_DFL]
+    if not stops:
         return False
     # multiprocessing's resource tracker (a process Dask's worker processes share) is in the same
     # process group: killed by the SIGHUP, it was restarted and printed a KeyError traceback for each
-    # semaphore the closing workers released. Started now with SIGHUP ignored, it keeps ignoring it.
+    # semaphore the closing workers released. Started now with them ignored, it keeps ignoring them.
     from multiprocessing import resource_tracker  # noqa: PLC0415
 
-    signal.signal(signal.SIGHUP, signal.SIG_IGN)
+    for sig in stops:
+        signal.signal(sig, signal.SIG_IGN)
     try:
         resource_tracker.ensure_running()
     finally:
-        signal.signal(signal.SIGHUP, signal.default_int_handler)
+        for sig in stops:
+            signal.signal(sig, signal.default_int_handler)
     return True

@@ -161,11 +161,13 @@ def test_s3_inputs_are_checked_before_the_flow_run(stack, cli_env):
         assert "flow run" not in out.lower() and out.count(message) == 1, out
 
 
-@pytest.mark.parametrize("signame, when", [("SIGINT", "multiply"), ("SIGHUP", "multiply"), ("SIGINT", "start")])
+@pytest.mark.parametrize("signame, when", [("SIGINT", "multiply"), ("SIGHUP", "multiply"), ("SIGTERM", "multiply"),
+                                           ("SIGINT", "start")])
 def test_ctrl_c_says_what_running_the_command_again_does(stack, cli_env, long_gemm, tmp_path, signame, when):
     """Ctrl-C on `paperline run` left only Prefect's "Crash detected!" line (a trial): it now says
     what the same command does next, and exits 130 without a traceback. A closed terminal (SIGHUP)
-    killed it at once, its runs left Running: it stops the same way. A Ctrl-C while the local
+    killed it at once, its runs left Running: it stops the same way, as does SIGTERM (`kill`). A
+    Ctrl-C while the local
     cluster's workers were still starting printed two tracebacks per worker, and no word of
     what happened (two trials)."""
     import os
