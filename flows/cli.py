@@ -1034,15 +1034,24 @@ def _exit(code: Any) -> None:
         print(code, file=sys.stderr)
         code = 1
     if not _state.get("prefect_gone"):  # else their drains retried the dead server for 100 s more
-        threading._shutdown()  # what Py_Finalize does first: joins non-daemon threads, executor exits
-        # the hooks on a thread, waited for EXIT_HOOKS_S at most: with the stack stopped as a run
-        # finished, its results printed, Prefect's drains retried the dead server for 72 s (a trial)
-        hooks = threading.Thread(target=atexit._run_exitfuncs, name="paperline-exit-hooks", daemon=True)
+        def finalize() -> None:
+            threading._shutdown()  # what Py_Finalize does first: joins non-daemon threads, runs the
+            atexit._run_exitfuncs()  # threading exit callbacks (Prefect's queue drains), then atexit's
+
+        # on a thread, waited for EXIT_HOOKS_S at most: with the stack stopped as a run finished, its
+        # results printed, Prefect's drains retried the dead server for 72 s, and after a Ctrl-C under
+        # memory pressure a drain in threading._shutdown held the exit for minutes (two trials)
+        hooks = threading.Thread(target=finalize, name="paperline-exit-hooks", daemon=True)
         hooks.start()
-        hooks.join(EXIT_HOOKS_S)
-        if hooks.is_alive():
-            print(f"paperline: exiting without Prefect's last logs and events: its server did not take them within "
-                  f"{EXIT_HOOKS_S:.0f} s (`paperline status` shows what is down)", file=sys.stderr)
+        try:
+            hooks.join(EXIT_HOOKS_S)
+        except KeyboardInterrupt:  # a second Ctrl-C while it waited printed a traceback (a trial): exit now
+            print("paperline: interrupted again: exiting without Prefect's last logs and events", file=sys.stderr)
+            code = code or 130
+        else:
+            if hooks.is_alive():
+                print(f"paperline: exiting without Prefect's last logs and events: its server did not take them within "
+                      f"{EXIT_HOOKS_S:.0f} s (`paperline status` shows what is down)", file=sys.stderr)
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(code)

@@ -661,13 +661,36 @@ def test_exit_hooks_that_hang_are_cut_short():
     import sys
     import time
 
-    code = ("import atexit, time; atexit.register(time.sleep, 120); from paperline.flows import cli; "
-            "cli.EXIT_HOOKS_S = 2.0; print('done', flush=True); cli._exit(0)")
+    for hang in ("atexit.register(time.sleep, 120)",
+                 # Prefect's queue services drain in threading's exit callbacks (a trial: minutes)
+                 "threading._register_atexit(time.sleep, 120)"):
+        code = (f"import atexit, threading, time; {hang}; from paperline.flows import cli; "
+                "cli.EXIT_HOOKS_S = 2.0; print('done', flush=True); cli._exit(0)")
+        start = time.monotonic()
+        proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=100)
+        assert proc.returncode == 0 and proc.stdout == "done\n", proc.stdout + proc.stderr
+        assert time.monotonic() - start < 60
+        assert "exiting without Prefect's last logs and events: its server did not take them within 2 s" in proc.stderr
+
+
+def test_a_second_ctrl_c_while_the_exit_hooks_wait_exits_at_once():
+    """A second Ctrl-C while `paperline run` waited on Prefect's exit drains printed a
+    KeyboardInterrupt traceback and went on waiting (a trial)."""
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    code = ("import threading, time; threading._register_atexit(time.sleep, 120); from paperline.flows import cli; "
+            "cli.EXIT_HOOKS_S = 90.0; print('done', flush=True); cli._exit(0)")
+    proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    assert proc.stdout.readline() == "done\n"
+    time.sleep(1.0)  # waiting in _exit now
     start = time.monotonic()
-    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=100)
-    assert proc.returncode == 0 and proc.stdout == "done\n", proc.stdout + proc.stderr
-    assert time.monotonic() - start < 60
-    assert "exiting without Prefect's last logs and events: its server did not take them within 2 s" in proc.stderr
+    proc.send_signal(signal.SIGINT)
+    out, err = proc.communicate(timeout=60)
+    assert time.monotonic() - start < 30 and proc.returncode == 130, (proc.returncode, err)
+    assert "interrupted again: exiting without Prefect's last logs" in err and "Traceback" not in err, err
 
 
 def test_up_interrupted_while_starting_says_what_it_left(monkeypatch):
