@@ -1783,7 +1783,11 @@ def stack_status(settings: Settings) -> list[Service]:
         else:
             # Not running: no URL to show (the default port may belong to someone else's stack).
             log = str(settings.state_dir / "logs" / f"{name}.log")
-            out.append(Service(name, "(not running)", True, log_path=log, healthy=False))
+            left = _orphans(rec)  # MLflow's uvicorn child still served its port: "not running" puzzled (a trial)
+            problem = (f"its server process ({rec['pid']}) died, but process(es) {', '.join(str(p.pid) for p in left)} "  # type: ignore[index]
+                       f"it started still run (and may answer on {rec['url']}): `paperline up` stops them and starts "  # type: ignore[index]
+                       "it again") if left else None
+            out.append(Service(name, "(not running)", True, log_path=log, healthy=False, problem=problem))
     return out
 
 

@@ -59,6 +59,10 @@ def test_second_stack_on_taken_ports_stops_completely(settings_factory, tmp_path
         psutil.Process(mlflow.pid).kill()
         psutil.wait_procs([psutil.Process(mlflow.pid)], timeout=10)
         assert [s.healthy for s in stack_status(settings)] == [True, True, False]
+        # `status` said only "not running" while the child still served (a trial): it names them
+        problem = stack_status(settings)[2].problem
+        assert problem and f"its server process ({mlflow.pid}) died" in problem and "`paperline up` stops them" in problem
+        assert str(children[0].pid) in problem
         info = ensure_stack(settings)
         assert info.started == ("mlflow",)
         assert info.service("mlflow").pid != mlflow.pid and info.service("mlflow").url == mlflow.url
