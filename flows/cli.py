@@ -1027,6 +1027,7 @@ def _exit(code: Any) -> None:
     import atexit
     import os
     import threading
+    import time
 
     if code is None:
         code = 0
@@ -1034,22 +1035,31 @@ def _exit(code: Any) -> None:
         print(code, file=sys.stderr)
         code = 1
     if not _state.get("prefect_gone"):  # else their drains retried the dead server for 100 s more
-        def finalize() -> None:
-            threading._shutdown()  # what Py_Finalize does first: joins non-daemon threads, runs the
-            atexit._run_exitfuncs()  # threading exit callbacks (Prefect's queue drains), then atexit's
+        # What Py_Finalize does, with the hooks on a thread, waited for EXIT_HOOKS_S in all: with the
+        # stack stopped as a run finished, its results printed, Prefect's drains retried the dead
+        # server for 72 s, and after a Ctrl-C under memory pressure a drain among threading's exit
+        # callbacks held the exit for minutes (two trials). threading._shutdown itself stays on
+        # the main thread (it joins every non-daemon thread, the main one too).
+        deadline = time.monotonic() + EXIT_HOOKS_S
+        callbacks = list(reversed(threading._threading_atexits))  # run first by threading._shutdown
+        threading._threading_atexits.clear()
 
-        # on a thread, waited for EXIT_HOOKS_S at most: with the stack stopped as a run finished, its
-        # results printed, Prefect's drains retried the dead server for 72 s, and after a Ctrl-C under
-        # memory pressure a drain in threading._shutdown held the exit for minutes (two trials)
-        hooks = threading.Thread(target=finalize, name="paperline-exit-hooks", daemon=True)
-        hooks.start()
+        def bounded(fn: Any) -> bool:
+            hooks = threading.Thread(target=fn, name="paperline-exit-hooks", daemon=True)
+            hooks.start()
+            hooks.join(max(0.0, deadline - time.monotonic()))
+            return not hooks.is_alive()
+
         try:
-            hooks.join(EXIT_HOOKS_S)
+            done = bounded(lambda: [call() for call in callbacks])
+            if done:
+                threading._shutdown()  # joins the non-daemon threads (executors' workers)
+                done = bounded(atexit._run_exitfuncs)
         except KeyboardInterrupt:  # a second Ctrl-C while it waited printed a traceback (a trial): exit now
             print("paperline: interrupted again: exiting without Prefect's last logs and events", file=sys.stderr)
             code = code or 130
         else:
-            if hooks.is_alive():
+            if not done:
                 print(f"paperline: exiting without Prefect's last logs and events: its server did not take them within "
                       f"{EXIT_HOOKS_S:.0f} s (`paperline status` shows what is down)", file=sys.stderr)
     sys.stdout.flush()

@@ -671,6 +671,15 @@ def test_exit_hooks_that_hang_are_cut_short():
         assert proc.returncode == 0 and proc.stdout == "done\n", proc.stdout + proc.stderr
         assert time.monotonic() - start < 60
         assert "exiting without Prefect's last logs and events: its server did not take them within 2 s" in proc.stderr
+    # hooks that finish, and a non-daemon thread, are waited for and exit at once (threading._shutdown
+    # called off the main thread waited for the main thread: every exit took EXIT_HOOKS_S)
+    code = ("import atexit, threading, time; threading._register_atexit(print, 'drained'); "
+            "atexit.register(print, 'flushed'); threading.Thread(target=time.sleep, args=(1,)).start(); "
+            "from paperline.flows import cli; cli.EXIT_HOOKS_S = 30.0; cli._exit(3)")
+    start = time.monotonic()
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=100)
+    assert (proc.returncode, proc.stdout, proc.stderr) == (3, "drained\nflushed\n", ""), proc
+    assert time.monotonic() - start < 15
 
 
 def test_a_second_ctrl_c_while_the_exit_hooks_wait_exits_at_once():
