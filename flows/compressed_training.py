@@ -82,13 +82,15 @@ class CompressedTrainingParameters(BaseModel):
                                           "so a re-run continues where the last one stopped).")
     collectives_max_bytes: int = Field(4 << 20, ge=0, description="After the first compressor's training, the ranks "
                                        "time Linear Pipelining allreduce against the backend's from 1 KiB to this "
-                                       "size (x4 steps) for the bandwidth plot; 0 skips it (as does world_size=1).")
+                                       "size (x4 steps, at most 1 GiB) for the bandwidth plot; 0 skips it (as does "
+                                       "world_size=1).")
     timeout_s: float = Field(120.0, gt=0, description="Collective timeout: how long a rank waits for a dead peer.")
     max_restarts: int = Field(2, ge=0, description="Restarts of all ranks from the last checkpoint after a failure.")
     crash_rank_at_step: int | None = Field(None, ge=0, description="Drill: the last rank exits at this global step "
                                                                    "(first attempt only), to exercise resume.")
-    nan_steps: list[int] = Field(default_factory=list, description="Drill: global steps whose loss is made NaN "
-                                                                   "(the step is skipped, counted and logged).")
+    nan_steps: list[int] = Field(default_factory=list, description="Drill: global steps (from 0, below epochs x "
+                                                                   "steps per epoch) whose loss is made NaN (the "
+                                                                   "step is skipped, counted and logged).")
 
     def compressor_options(self, name: str) -> dict[str, Any]:
         return {"fft": {"theta": self.fft_theta, "bits": self.fft_bits, "error_feedback": self.fft_error_feedback},
@@ -110,12 +112,15 @@ class CompressedTrainingParameters(BaseModel):
             store.require_bucket("checkpoint_prefix", self.checkpoint_prefix)
 
     def validate_inputs(self) -> None:
-        """Everything checkable before a rank starts: model options, compressor options (θ, bits,
-        ...), the dataset's presence and size against ``batch_size x world_size``. Raises
+        """Everything checkable before a rank starts, in well under a second whatever the values:
+        the model's size (parameter count and depth, by arithmetic, before anything is built:
+        :func:`paperline.kernels.train.models.check_model_size`) and options, compressor options
+        (θ, bits, ..., also of a compressor not in ``compressors``; PowerSGD's rank against the
+        model when powersgd runs or ``powersgd_rank`` is not its default), the bandwidth sweep's
+        largest message (:data:`COLLECTIVES_MAX_BYTES`), ``nan_steps`` within the run's global
+        steps, the dataset's presence and size against ``batch_size x world_size``. Raises
         InputError naming the flow parameter."""
         from paperline.kernels.errors import InputError as KernelInputError  # noqa: PLC0415
-
-        from paperline.kernels.comm.compressors import make_hook  # noqa: PLC0415
 
         duplicates = sorted({c for c in self.compressors if self.compressors.count(c) > 1})
         if duplicates:
@@ -123,19 +128,34 @@ class CompressedTrainingParameters(BaseModel):
         prefix = self.checkpoint_prefix
         if prefix is not None and (not prefix.startswith("s3://") or not prefix[len("s3://"):].partition("/")[0]):
             raise InputError("checkpoint_prefix", prefix, "expected an s3://bucket/prefix (checkpoints go to S3)")
+        if self.collectives_max_bytes > COLLECTIVES_MAX_BYTES:
+            raise InputError("collectives_max_bytes", self.collectives_max_bytes,
+                             f"at most {COLLECTIVES_MAX_BYTES} (1 GiB): every rank allocates each message of the "
+                             "sweep and the backend's buffers for it, and a local cluster's ranks share one "
+                             "machine; 0 skips the sweep")
+        if 0 < self.collectives_max_bytes < 1024:
+            raise InputError("collectives_max_bytes", self.collectives_max_bytes,
+                             "below the sweep's first message (1024 bytes), so nothing would be timed; 0 skips the "
+                             "sweep")
+        negative = [step for step in self.nan_steps if step < 0]
+        if negative:
+            raise InputError("nan_steps", self.nan_steps, f"global step {negative[0]} is negative: steps count from 0")
         unused = sorted({c for c, _ in OPTION_PARAMETERS} - set(self.compressors))
+        model = None
         for c in [*self.compressors, *unused]:  # a bad option is refused even for a compressor not run now
+            # (the model is built once, on torch's meta device, after its size was checked; PowerSGD's rank
+            # is checked against it when powersgd runs, or when powersgd_rank was changed from its default:
+            # the default is not refused for a model too small for it when powersgd is not run)
+            changed = any(getattr(self, param) != type(self).model_fields[param].default
+                          for (comp, _), param in OPTION_PARAMETERS.items() if comp == c)
             try:
-                if c in self.compressors:  # builds the model, its recomputation and the hook
-                    self.train_config(c).validate()
-                else:
-                    make_hook(c, **self.compressor_options(c))
+                model = self.train_config(c).validate(model, check_compresses=c in self.compressors or changed)
             except KernelInputError as exc:
                 if exc.argument == "model_options":
                     raise InputError("model_options", self.model_options, f"{self.model}: {exc.problem}") from None
                 raise InputError(OPTION_PARAMETERS.get((c, exc.argument), f"{c} options"), exc.value,
                                  exc.problem) from None
-            except (TypeError, ValueError) as exc:  # e.g. int("abc") of a model option
+            except (TypeError, ValueError) as exc:  # e.g. GroupNorm's channels not divisible by its groups
                 raise InputError("model_options", self.model_options, f"{self.model}: {exc}") from None
         workers = planned_worker_count(get_settings())  # before any cluster starts (else checked on it)
         if workers is not None and self.world_size > workers:
@@ -147,7 +167,19 @@ class CompressedTrainingParameters(BaseModel):
             raise InputError("n_train" if self.n_train else "batch_size", self.n_train or self.batch_size,
                              f"{len(data.y_train)} training examples over {self.world_size} ranks give {per_rank} "
                              f"per rank, less than one batch of {self.batch_size}")
+        steps = min(per_rank // self.batch_size, self.max_steps_per_epoch or per_rank)  # as rank_batches cuts them
+        late = [step for step in self.nan_steps if step >= self.epochs * steps]
+        if late:
+            raise InputError("nan_steps", self.nan_steps, f"global step {late[0]} is never reached: the run has "
+                             f"{self.epochs * steps} steps ({self.epochs} epoch(s) of {steps}), numbered from 0")
 
+
+# The largest message of the bandwidth sweep (collectives_max_bytes), 1 GiB (the sweep's sizes are
+# 1 KiB x 4^k, so 1 GiB is one of them). Every rank allocates each message plus the backend's own
+# buffers, and a local cluster's ranks share one machine: a trial's 1e11 made every Dask worker
+# allocate about 9 GB. The sweep shows allreduce going from latency- to bandwidth-bound, which the
+# default 4 MiB reaches; benchmarks/compressed_training.py times LP against gloo at 64-256 MiB.
+COLLECTIVES_MAX_BYTES = 1 << 30
 
 # The flow parameter behind each compressor option (for error messages).
 OPTION_PARAMETERS = {("fft", "theta"): "fft_theta", ("fft", "bits"): "fft_bits",
@@ -285,9 +317,9 @@ def _notes(r: dict[str, Any]) -> list[str]:
     start = r["resumed_from"][0]
     if start is not None and r.get("drill_missed") is None:  # a re-run after an interruption said nothing
         notes.append(f"{r['name']}: resumed from the checkpoints of epoch {start} left by an earlier run of this "
-                     "configuration (interrupted); its result can differ slightly from an uninterrupted run's "
-                     "(the restarted ranks repeat the compressor's dense warm-up steps); set another "
-                     "checkpoint_prefix or seed to train from scratch")
+                     "configuration (interrupted), and trained on as an uninterrupted run would have (on a CPU "
+                     "to the same result: model, optimizer, compressor memory and step count, ISGD's chart and "
+                     "DDP's buckets are restored); set another checkpoint_prefix or seed to train from scratch")
     if r.get("drill_missed") is not None:
         notes.append(f"{r['name']}: the crash drill did not run (crash_rank_at_step={r['drill_missed']} was not "
                      f"reached{f': training resumed from the checkpoints of epoch {start}' if start is not None else ''}"

@@ -1041,14 +1041,25 @@ class CompressorState:
     def load_memory_state(self, memory: dict[str, Any], device: Any) -> list[int]:
         """Restore :meth:`memory_state` on ``device`` after a restart.
 
-        The step counter is not restored: the warm-up steps (``start_iter`` >= 2 whenever there
-        is memory) run again while DDP rebuilds its buckets, so the residuals, kept per rebuilt
-        bucket, apply to the same buckets as before the restart.
+        The memory is kept per bucket of DDP's *rebuilt* layout (the one from its second
+        iteration on): the step counter stays at 0 here, so a first step after loading is a
+        dense warm-up step that leaves the memory alone while DDP rebuilds its buckets; then
+        :meth:`restore_step` continues the count (``paperline.kernels.train.ddp`` takes that
+        first step as a throwaway, so a resumed run goes on exactly as an uninterrupted one).
 
         Returns:
             The bucket indices restored.
         """
         return []
+
+    def restore_step(self, step: int) -> None:
+        """Set the completed-step counter to ``step`` (a checkpoint's ``step``) and forget the
+        history recorded since construction (a throwaway priming step's): the warm-up, counted
+        in steps, is not run again after a restart."""
+        with self._lock:
+            self.step = int(step)
+            self.history = []
+            self._open = StepStats(step=self.step)
 
     def __repr__(self) -> str:
         opts = ", ".join(f"{k}={v!r}" for k, v in self.options().items())
@@ -1398,13 +1409,27 @@ class PowerSGDCompressorState(CompressorState):
     _MEMORY = ("error_dict", "p_memory_dict", "q_memory_dict")
 
     def memory_state(self) -> dict[str, Any]:
-        return {name: {int(k): v.detach().cpu().clone() for k, v in getattr(self.powersgd, name).items()}
-                for name in self._MEMORY}
+        memory: dict[str, Any] = {name: {int(k): v.detach().cpu().clone()
+                                         for k, v in getattr(self.powersgd, name).items()} for name in self._MEMORY}
+        # the RNG that draws Q's initialization (every step without warm_start): plain values only,
+        # so the checkpoint loads with weights_only=True
+        kind, keys, pos, has_gauss, cached = self.powersgd.rng.get_state()
+        memory["rng_state"] = [str(kind), [int(k) for k in keys], int(pos), int(has_gauss), float(cached)]
+        return memory
 
     def load_memory_state(self, memory: dict[str, Any], device: Any) -> list[int]:
+        import numpy as np
+
         for name in self._MEMORY:
             setattr(self.powersgd, name, {int(k): v.to(device) for k, v in (memory.get(name) or {}).items()})
+        if memory.get("rng_state"):
+            kind, keys, pos, has_gauss, cached = memory["rng_state"]
+            self.powersgd.rng.set_state((kind, np.asarray(keys, dtype=np.uint32), pos, has_gauss, cached))
         return sorted(self.powersgd.error_dict or self.powersgd.p_memory_dict)
+
+    def restore_step(self, step: int) -> None:
+        super().restore_step(step)
+        self.powersgd.iter = int(step)  # torch's own counter: warm-up until start_powerSGD_iter
 
     @staticmethod
     def hook(state, bucket):

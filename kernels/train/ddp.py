@@ -18,7 +18,9 @@ torch's ``tcp://`` rendezvous would listen on every interface, without authentic
 NaN/inf handling: after the backward pass (the gradients are then the same on every rank, being
 the result of the collective) a step whose loss or any gradient is not finite is skipped on every
 rank: no optimizer update, the step is counted in ``skipped_steps`` and its index recorded. It is
-never applied silently.
+never applied silently. A run that diverged fails (:class:`TrainingDiverged`, naming ``lr``) at the
+end of the epoch where every step was skipped, or whose mean training loss exceeded
+:data:`DIVERGED_LOSS_FACTOR` times a uniform guess's, rather than finishing at chance accuracy.
 
 Units: seconds are wall seconds (``time.perf_counter``); bytes are the compressor's payload bytes
 per rank (see :class:`~paperline.kernels.comm.compressors.StepStats`); accuracy in percent.
@@ -109,18 +111,42 @@ class TrainConfig:
             raise InputError("isgd_epsilon", self.isgd_epsilon, "must be >= 0")
         if self.isgd_lr is not None and not self.isgd_lr > 0:
             raise InputError("isgd_lr", self.isgd_lr, "must be positive")
+        negative = [s for s in self.nan_steps if s < 0]
+        if negative:
+            raise InputError("nan_steps", list(self.nan_steps), f"global step {negative[0]} is negative: steps "
+                                                                 "count from 0")
 
-    def validate(self) -> None:
-        """Check names and options before any rank starts (builds a model and a hook state, loads
-        nothing heavy). Raises InputError."""
+    def validate(self, model: Any = None, *, check_compresses: bool = True) -> Any:
+        """Check names and options before any rank starts: the model's size first, by arithmetic
+        (:func:`~paperline.kernels.train.models.check_model_size`), then the model is built on
+        torch's ``meta`` device (shapes only, no memory, fast) with its recomputation, and the
+        compressor's hook state is checked against it. Loads nothing heavy.
+
+        Args:
+            model: A model this configuration built before (another compressor's configuration
+                of the same model): reused instead of building it again.
+            check_compresses: Also refuse compressor options that compress no gradient of the
+                model (PowerSGD's rank).
+
+        Returns:
+            The (meta) model, for the next call.
+
+        Raises:
+            InputError: naming the argument.
+        """
+        import torch  # noqa: PLC0415
+
         from paperline.kernels.comm.compressors import make_hook  # noqa: PLC0415
         from paperline.kernels.train.models import make_model  # noqa: PLC0415
         from paperline.kernels.train.recompute import apply_recomputation  # noqa: PLC0415
 
-        model = make_model(self.model, **dict(self.model_options))
-        apply_recomputation(model, self.recompute)
+        if model is None:
+            with torch.device("meta"):
+                model = apply_recomputation(make_model(self.model, **dict(self.model_options)), self.recompute)
         state, _ = make_hook(self.compressor, **dict(self.compressor_options))
-        state.check_compresses(model.parameters())  # powersgd: a rank too large for the model is dense
+        if check_compresses:
+            state.check_compresses(model.parameters())  # powersgd: a rank too large for the model is dense
+        return model
 
     def as_dict(self) -> dict[str, Any]:
         d = asdict(self)
@@ -443,7 +469,9 @@ def train_rank(rank: int, world_size: int, init_method: str, cfg: TrainConfig, *
     Raises:
         InputError: bad configuration, a missing dataset, more ranks than batches, an
             ``init_method`` other than ``tcp://host:port``, or a resume checkpoint refused by
-            :func:`load_checkpoint` (naming ``resume_source``).
+            :func:`load_checkpoint` (naming ``resume_source``). TrainingDiverged (an InputError
+            naming ``lr``): an epoch diverged (:func:`_check_diverged`), raised on every rank
+            before that epoch's checkpoint.
         RuntimeError: a collective failed (a peer died or timed out).
         OSError: rank 0 could not listen on ``init_method``'s port.
     """
@@ -516,6 +544,10 @@ def _train_in_group(rank: int, world_size: int, cfg: TrainConfig, data: Any, dev
         start_epoch, epochs, skipped = ck["epoch"] + 1, ck["epochs"], ck["skipped_steps"]
         wall0 = epochs[-1]["wall_s"] if epochs else 0.0
     x_train, y_train = torch.from_numpy(np.array(data.x_train)), torch.from_numpy(np.array(data.y_train))
+    if ck is not None and start_epoch < cfg.epochs and "compressor_step" in ck:
+        _prime_buckets(ddp, state, loss_fn=torch.nn.functional.cross_entropy, step=int(ck["compressor_step"]),
+                       batch=rank_batches(len(y_train), rank, world_size, cfg.batch_size, start_epoch, cfg.seed)[0],
+                       x_train=x_train, y_train=y_train, dev=dev, opt=opt)
     t_run = time.perf_counter() - wall0
     loss_fn = torch.nn.functional.cross_entropy
     chart = None
@@ -533,6 +565,8 @@ def _train_in_group(rank: int, world_size: int, cfg: TrainConfig, data: Any, dev
 
             window = cfg.isgd_window or max(2, len(batches))
             chart = LossControlChart(window, min_history=min(10, window))
+            if ck is not None and ck.get("isgd_chart"):  # the losses it watched before the restart
+                chart.load(ck["isgd_chart"]["history"], ck["isgd_chart"]["n_flagged"])
         ddp.train()
         for i, idx in enumerate(batches):
             t0 = time.perf_counter()
@@ -563,6 +597,7 @@ def _train_in_group(rank: int, world_size: int, cfg: TrainConfig, data: Any, dev
             step_s.append(time.perf_counter() - t0)
         hist = [s for s in state.history[n0:] if not s.warmup] or state.history[n0:]
         stats = _allreduce_sum([sum(losses), len(losses)], dev)
+        _check_diverged(cfg, epoch, len(batches), stats, skipped, data.n_classes)  # the same on every rank
         record = {
             "epoch": epoch, "train_loss": float(stats[0] / stats[1]) if stats[1] else float("nan"),
             "test_accuracy_pct": _evaluate(ddp, data, rank, world_size, dev,
@@ -584,7 +619,9 @@ def _train_in_group(rank: int, world_size: int, cfg: TrainConfig, data: Any, dev
         if save_checkpoint is not None:
             save_checkpoint(epoch, checkpoint_bytes({
                 "model": model.state_dict(), "optimizer": opt.state_dict(), "epoch": epoch,
-                "compressor_memory": state.memory_state(), "epochs": epochs, "skipped_steps": skipped,
+                "compressor_memory": state.memory_state(), "compressor_step": state.step,
+                "isgd_chart": {"history": list(chart.history), "n_flagged": chart.n_flagged} if chart else None,
+                "epochs": epochs, "skipped_steps": skipped,
                 "config": cfg.as_dict(), "rank": rank, "world_size": world_size}))
     sweep = []
     if collectives_sizes:
@@ -598,6 +635,67 @@ def _train_in_group(rank: int, world_size: int, cfg: TrainConfig, data: Any, dev
             "config": cfg.as_dict(), "collectives": sweep,
             "restored_memory_buckets": restored}
 
+
+
+def _prime_buckets(ddp: Any, state: Any, *, loss_fn: Any, step: int, batch: Any, x_train: Any, y_train: Any,
+                   dev: Any, opt: Any) -> None:
+    """After a resume, make DDP and the compressor continue exactly where the checkpoint stopped.
+
+    DDP's first iteration uses its initial gradient buckets and rebuilds them, in the order the
+    gradients became ready, at the next forward; the compressors' memory (error-feedback residuals,
+    PowerSGD's factors) is kept per *rebuilt* bucket, and fft/topk compress each bucket's whole
+    buffer. Without this, a restarted rank ran the compressor's dense warm-up steps again (while DDP
+    rebuilt its buckets): a perturbation the uninterrupted run never had, which chaotic training
+    amplified (seed 2 of the demo: 89.7% resumed against 91.3%).
+
+    Here one throwaway forward/backward on ``batch`` (the compressor still at step 0, so its hook
+    sends it dense and touches no memory) lets DDP take its first iteration; the gradients are
+    dropped, no optimizer step is taken, and the compressor's step counter (and PowerSGD's
+    ``iter``) is set to the checkpoint's ``step``: the next step uses the rebuilt buckets with the
+    restored memory, as the uninterrupted run did. Its forward updates BatchNorm's running
+    statistics, which training never reads (train mode) and evaluation re-estimates from scratch.
+    """
+    ddp.train()
+    opt.zero_grad(set_to_none=True)
+    loss_fn(ddp(x_train[batch].to(dev)), y_train[batch].to(dev)).backward()
+    opt.zero_grad(set_to_none=True)
+    state.restore_step(step)
+
+
+class TrainingDiverged(InputError):
+    """Training diverged (every step of an epoch non-finite, or a huge loss): an InputError naming
+    ``lr``, so the flow stops at once instead of restarting the ranks into the same divergence."""
+
+
+# An epoch whose mean training loss is above this many times the loss of a uniform guess
+# (ln n_classes, 2.3 for 10 classes) has diverged: a network that learns anything is below ln C
+# after its first steps, and 100x is far above the transient spikes of a large but stable lr
+# (lr=1e6 on the demo gave a mean cross-entropy of 7e15 with `none`, at chance accuracy).
+DIVERGED_LOSS_FACTOR = 100.0
+
+
+def _check_diverged(cfg: TrainConfig, epoch: int, steps: int, stats: list[float], skipped: list[int],
+                    n_classes: int) -> None:
+    """Stop a diverged run after an epoch: every step skipped as non-finite on every rank (``stats``
+    are the loss sum and the count of steps taken, summed over ranks, so every rank decides alike),
+    or a mean training loss above :data:`DIVERGED_LOSS_FACTOR` x ln(n_classes). An epoch whose
+    steps were all made NaN by ``nan_steps`` (the drill) is not a divergence; a few skipped steps
+    never are.
+
+    Raises:
+        TrainingDiverged: naming ``lr``.
+    """
+    total, taken = stats
+    first = epoch * steps
+    organic = [s for s in skipped if first <= s < first + steps and s not in cfg.nan_steps]
+    if not taken and organic:
+        raise TrainingDiverged("lr", cfg.lr, f"training diverged: all {steps} steps of epoch {epoch} had non-finite "
+                                             "loss or gradients (skipped); the learning rate may be too large")
+    uniform = math.log(max(n_classes, 2))
+    if taken and not total / taken <= DIVERGED_LOSS_FACTOR * uniform:
+        raise TrainingDiverged("lr", cfg.lr, f"training diverged: the mean training loss of epoch {epoch} was "
+                                             f"{total / taken:.3g}, more than {DIVERGED_LOSS_FACTOR:g}x a uniform "
+                                             f"guess's {uniform:.2f}; the learning rate may be too large")
 
 
 def _allreduce_sum(values: list[float], dev: Any) -> list[float]:

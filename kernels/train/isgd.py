@@ -161,6 +161,13 @@ class LossControlChart:
             return math.inf
         return self.mean + self.sigmas * self.std
 
+    def load(self, history: Any, n_flagged: int = 0) -> None:
+        """Restore a chart's kept losses (oldest first; the last ``window`` are kept) and flag count,
+        e.g. from a checkpoint, so a resumed run flags the same batches as an uninterrupted one."""
+        self._losses.clear()
+        self._losses.extend(float(v) for v in history)
+        self.n_flagged = int(n_flagged)
+
     def update(self, loss: float) -> bool:
         """Record one batch loss; True when it is above the limit of the losses before it.
 

@@ -12,6 +12,103 @@ from paperline.kernels.errors import InputError
 
 MODELS = ("resnet", "lstm")
 
+# The most parameters a model may have. The models here classify 28x28 images (MNIST-size data, the
+# defaults have 20k-30k parameters); 100M parameters take 1.1 GiB per rank for weights, gradients
+# and SGD momentum (12 bytes each in float32), and about twice that with DDP's gradient buckets
+# and a compressor's memory (error-feedback residuals) -- per rank, with every rank of a local
+# cluster on the same machine -- and hours per epoch on a CPU. Checked arithmetically from the
+# options (:func:`parameter_count`) before anything is allocated: a huge option is refused at once,
+# instead of the build growing the process's memory for minutes or failing in torch's allocator.
+MAX_PARAMETERS = 100_000_000
+# The most residual blocks per stage (resnet ``blocks``: 4 convolutions each, over its two stages) or
+# LSTM ``layers``. A thin model can be very deep within MAX_PARAMETERS (width=1 would allow a
+# million blocks): building it takes minutes (about 2 ms per block, even without
+# allocating), every step runs its Python layer by layer, and the activations kept for backward
+# grow with depth x width x batch (about 1.5 GB per rank at width 16, 100 blocks, batch 32).
+MAX_DEPTH = 100
+# float32 weights, their gradients and SGD's momentum buffer: bytes per parameter
+TRAINING_BYTES_PER_PARAMETER = 12
+
+
+def _int(options: dict[str, Any], key: str, default: int) -> int:
+    value = options.pop(key, default)
+    try:
+        return int(value)
+    except (TypeError, ValueError, OverflowError):  # "abc", None, inf
+        raise InputError("model_options", {key: value}, f"{key} must be an integer") from None
+
+
+def _sizes(name: str, options: dict[str, Any]) -> dict[str, int]:
+    """The size options of ``name`` (defaults filled in) as ints; ``options`` keeps the rest."""
+    if name == "resnet":
+        sizes = {"width": _int(options, "width", 16), "blocks": _int(options, "blocks", 1)}
+        if options:
+            raise InputError("model_options", sorted(options), "unknown for resnet; known: width, blocks, norm")
+    elif name == "lstm":
+        sizes = {"hidden": _int(options, "hidden", 64), "layers": _int(options, "layers", 1)}
+        if options:
+            raise InputError("model_options", sorted(options), "unknown for lstm; known: hidden, layers")
+    else:
+        raise InputError("model", name, f"unknown model; known: {', '.join(MODELS)}")
+    if min(sizes.values()) < 1:
+        raise InputError("model_options", sizes, "must be >= 1")
+    return sizes
+
+
+def _count(name: str, sizes: dict[str, int], n_classes: int) -> int:
+    if name == "resnet":  # conv weights (no bias) + 2 affine parameters per norm channel; see make_model
+        w, b = sizes["width"], sizes["blocks"]
+        stem = 9 * w + 2 * w
+        block_w = 18 * w * w + 4 * w  # two 3x3 convs w -> w and two norms
+        transition = 9 * w * 2 * w + 9 * 4 * w * w + 2 * w * w + 3 * 2 * 2 * w  # 3x3 w->2w, 3x3 2w->2w, 1x1 skip
+        block_2w = 72 * w * w + 8 * w
+        return stem + b * block_w + transition + (b - 1) * block_2w + 2 * w * n_classes + n_classes
+    h, layers = sizes["hidden"], sizes["layers"]  # torch's LSTM: 4 gates, input and hidden weights, two biases
+    first = 4 * h * 28 + 4 * h * h + 8 * h
+    return first + (layers - 1) * (8 * h * h + 8 * h) + h * n_classes + n_classes
+
+
+def parameter_count(name: str, n_classes: int = 10, **options: Any) -> int:
+    """The number of parameters :func:`make_model` would build, computed from the options alone
+    (nothing is allocated, so it is instant for any value).
+
+    Raises:
+        InputError: unknown name or option, or a non-positive size.
+    """
+    options.pop("norm", None)
+    return _count(name, _sizes(name, options), n_classes)
+
+
+def check_model_size(name: str, n_classes: int = 10, **options: Any) -> int:
+    """:func:`parameter_count`, refused above :data:`MAX_PARAMETERS`, or a depth (``blocks``,
+    ``layers``) above :data:`MAX_DEPTH`; arithmetic only, instant for any value.
+
+    Raises:
+        InputError: ``model_options``, naming the size options, the parameter count and its
+            training memory, or the depth; or what :func:`parameter_count` raises.
+    """
+    given = dict(options)
+    given.pop("norm", None)
+    sizes = _sizes(name, given)
+    count = _count(name, sizes, n_classes)
+    if count > MAX_PARAMETERS:
+        shown = ", ".join(f"{k}={v}" if v < 10**12 else f"{k}={str(v)[:6]}...({len(str(v))} digits)"
+                          for k, v in sizes.items())
+        if count < 10**18:
+            what = f"{count:,} parameters ({count * TRAINING_BYTES_PER_PARAMETER / 2**30:,.1f} GiB"
+        else:
+            what = f"more than 10^18 parameters (more than {10**18 * TRAINING_BYTES_PER_PARAMETER // 2**60:,} EiB"
+        raise InputError("model_options", options,
+                         f"{shown} makes a model of {what} with gradients and optimizer state); at most "
+                         f"{MAX_PARAMETERS:,} parameters (MNIST-size models; see paperline.kernels.train.models."
+                         "MAX_PARAMETERS)")
+    depth = "blocks" if name == "resnet" else "layers"
+    if sizes[depth] > MAX_DEPTH:
+        raise InputError("model_options", options,
+                         f"{depth}={sizes[depth]}: at most {MAX_DEPTH} (building and stepping a deeper model "
+                         "takes minutes; see paperline.kernels.train.models.MAX_DEPTH)")
+    return count
+
 
 def make_model(name: str, n_classes: int = 10, **options: Any) -> Any:
     """Build a model.
@@ -25,7 +122,8 @@ def make_model(name: str, n_classes: int = 10, **options: Any) -> Any:
     pixels); the last hidden state feeds a linear head.
 
     Raises:
-        InputError: unknown name or option, or a non-positive size.
+        InputError: unknown name or option, a non-positive size, or a model of more than
+            :data:`MAX_PARAMETERS` parameters (:func:`check_model_size`, before anything is built).
     """
     import torch  # noqa: PLC0415
     from torch import nn  # noqa: PLC0415
@@ -59,22 +157,14 @@ def make_model(name: str, n_classes: int = 10, **options: Any) -> Any:
             out, _ = self.lstm(x.flatten(1, 2))  # (B, 1, 28, 28) -> (B, 28 steps, 28 features)
             return out[:, -1]
 
+    check_model_size(name, n_classes, **options)  # before anything is allocated
+    sizes = _sizes(name, options)
     if name == "resnet":
-        width, blocks = int(options.pop("width", 16)), int(options.pop("blocks", 1))
-        if options:
-            raise InputError("model_options", sorted(options), "unknown for resnet; known: width, blocks, norm")
-        if width < 1 or blocks < 1:
-            raise InputError("model_options", {"width": width, "blocks": blocks}, "must be >= 1")
+        width, blocks = sizes["width"], sizes["blocks"]
         layers: list[nn.Module] = [nn.Conv2d(1, width, 3, 1, 1, bias=False), norm(width), nn.ReLU()]
         layers += [BasicBlock(width, width) for _ in range(blocks)]
         layers += [BasicBlock(width, 2 * width, 2)] + [BasicBlock(2 * width, 2 * width) for _ in range(blocks - 1)]
         layers += [nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(2 * width, n_classes)]
         return nn.Sequential(*layers)
-    if name == "lstm":
-        hidden, depth = int(options.pop("hidden", 64)), int(options.pop("layers", 1))
-        if options:
-            raise InputError("model_options", sorted(options), "unknown for lstm; known: hidden, layers")
-        if hidden < 1 or depth < 1:
-            raise InputError("model_options", {"hidden": hidden, "layers": depth}, "must be >= 1")
-        return nn.Sequential(RowLSTM(hidden, depth), nn.Linear(hidden, n_classes))
-    raise InputError("model", name, f"unknown model; known: {', '.join(MODELS)}")
+    hidden, depth = sizes["hidden"], sizes["layers"]
+    return nn.Sequential(RowLSTM(hidden, depth), nn.Linear(hidden, n_classes))

@@ -130,3 +130,16 @@ def test_one_rank_trains_and_times_no_collective(stack, cli_env, tmp_path):
     assert "collectives" not in result and [r["name"] for r in result["runs"]] == ["none"]
     out = " ".join(proc.stdout.split())
     assert "world_size=1: no collective between ranks ran" in out and "collectives: not timed" in out and "Linear Pipelining allreduce" not in out, out
+
+
+def test_a_diverged_run_fails_naming_lr_without_restarting_its_ranks(stack, cli_env):
+    """lr=1e6 finished FINISHED at chance accuracy (a fresh-user trial): now the run fails at its
+    first epoch's end with one line naming lr, and its ranks are not restarted into the same
+    divergence."""
+    _, info = stack
+    proc = _run(cli_env, *SMALL, "lr=1e6", "compressors=none", "world_size=1", "collectives_max_bytes=0",
+                f"checkpoint_prefix=s3://{info.data_bucket}/test-ct-diverge-{int(time.time())}", timeout=300)
+    out = " ".join((proc.stdout + proc.stderr).split())
+    assert proc.returncode != 0 and "Traceback" not in proc.stderr, out[-3000:]
+    assert "lr=1000000.0: training diverged: the mean training loss of epoch 0 was" in out, out[-3000:]
+    assert "restarting all" not in out, out[-3000:]

@@ -12,10 +12,12 @@ def test_an_uninterrupted_run_has_nothing_to_say():
 
 
 def test_a_run_resumed_from_an_earlier_runs_checkpoints_says_so():
-    """A re-run after Ctrl-C resumed silently and differed from an uninterrupted run (a trial)."""
+    """A re-run after Ctrl-C resumed silently (a trial). It no longer differs from an
+    uninterrupted run (tests/kernels/test_train.py), and says so."""
     (line,) = _notes(_result(resumed_from=[3]))
     assert line.startswith("topk: resumed from the checkpoints of epoch 3 left by an earlier run of this configuration")
-    assert "can differ slightly from an uninterrupted run's" in line
+    assert "trained on as an uninterrupted run would have (on a CPU to the same result" in line
+    assert line.endswith("set another checkpoint_prefix or seed to train from scratch")
 
 
 def test_restarts_skipped_steps_and_a_missed_drill_are_named():

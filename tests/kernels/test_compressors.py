@@ -397,15 +397,23 @@ def test_make_hook_forwards_every_option_and_states_pickle_without_the_group(nam
     if name == "powersgd":
         state.powersgd.error_dict[1] = torch.ones(2)
         state.powersgd.q_memory_dict[1] = torch.full((2, 1), 3.0)
+        state.powersgd.rng.randint(10, size=5)  # its RNG moved on (Q's draws without warm_start)
     fresh, _ = C.make_hook(name, **options)
     restored = fresh.load_memory_state(pickle.loads(pickle.dumps(state.memory_state())), "cpu")
     if hasattr(state, "residuals"):
         assert restored == [0] and torch.equal(fresh.residuals[0], torch.ones(3)) and fresh.step == 0
     elif name == "powersgd":
         assert restored == [1] and torch.equal(fresh.powersgd.q_memory_dict[1], torch.full((2, 1), 3.0))
-        assert fresh.powersgd.iter == 0  # the warm-up steps run again after a restart
+        assert fresh.powersgd.iter == 0  # until restore_step (after DDP's first iteration)
+        assert fresh.powersgd.rng.randint(2**31) == state.powersgd.rng.randint(2**31)
     else:
         assert restored == [] and state.memory_state() == {}
+    # a resumed rank continues the step count (no second warm-up), its priming step forgotten
+    fresh.history.append(C.StepStats(step=0, warmup=True))
+    fresh.restore_step(7)
+    assert fresh.step == 7 and fresh.history == []
+    if name == "powersgd":
+        assert fresh.powersgd.iter == 7  # torch's own counter: past start_powerSGD_iter
 
 
 def _cuda_usable() -> bool:

@@ -1,0 +1,48 @@
+"""`paperline run compressed-training` refuses parameters found by a fresh-user trial in one line,
+quickly, before any stack, flow run or Dask cluster starts: a huge model (it grew the CLI's memory
+~90 MB/s, hung, or failed in torch's allocator while validating), a bandwidth sweep that allocated
+~9 GB per worker, a powersgd_rank too large while powersgd is not run, and NaN-drill steps that
+never come."""
+
+import time
+
+import pytest
+from typer.testing import CliRunner
+
+from paperline.flows.cli import app
+from paperline.infra.settings import get_settings
+
+
+@pytest.mark.parametrize("sets, fragments", [
+    (['model_options={"blocks":1000000}'],
+     ["model_options={'blocks': 1000000}: resnet: width=16, blocks=1000000 makes a model of 23,231,996,474 "
+      "parameters (259.6 GiB with gradients and optimizer state); at most 100,000,000 parameters"]),
+    (["model=lstm", 'model_options={"layers":100000}'], ["model_options={'layers': 100000}: lstm: hidden=64, "
+                                                          "layers=100000 makes a model of 3,327,991,434 parameters"]),
+    (['model_options={"width":100000}'], ["model_options={'width': 100000}: resnet: width=100000, blocks=1 makes"]),
+    (["model=lstm", 'model_options={"hidden":100000000}'], ["model_options={'hidden': 100000000}: lstm:"]),
+    (["collectives_max_bytes=100000000000"], ["collectives_max_bytes=100000000000: at most 1073741824 (1 GiB)"]),
+    (["powersgd_rank=100000"], ["powersgd_rank=100000: compresses no gradient of the model",
+                                "the largest that compresses any is 14"]),
+    (["nan_steps=[-1]"], ["nan_steps=[-1]: global step -1 is negative"]),
+    (["nan_steps=[3,248]"], ["nan_steps=[3, 248]: global step 248 is never reached: the run has 248 steps "
+                             "(4 epoch(s) of 62)"]),
+])
+def test_refused_in_one_line_before_anything_starts(sets, fragments, tmp_path):
+    args = ["run", "compressed-training", "--preset", "demo"]
+    for item in sets:
+        args += ["--set", item]
+    t0 = time.perf_counter()
+    get_settings.cache_clear()
+    try:
+        result = CliRunner().invoke(app, args, env={"PAPERLINE_STATE_DIR": str(tmp_path / "state")})
+    finally:
+        get_settings.cache_clear()
+    assert result.exit_code != 0, result.output
+    assert "Traceback" not in result.output
+    text = " ".join(result.output.split())
+    assert "error:" in text
+    for f in fragments:
+        assert f in text, text
+    assert not (tmp_path / "state").exists()  # no stack was started
+    assert time.perf_counter() - t0 < 30  # (the dataset's first load is most of it)
