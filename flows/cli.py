@@ -938,11 +938,17 @@ def _runs_table(experiment: str, result: dict[str, Any], width: int) -> Table:
     # that do not fit the console after run, name and status are left out, saying so.
     need = [max([len(r[i]) for r in cells if i < len(r)] + [len(line) for line in h.split("\n")])
             for i, h in enumerate(headers)]
+    # the metrics (named with --metric, or the headlines) take the room first, then the parameters
+    # that differ: at 80 columns a named metric was left out for params.output (a trial)
+    metrics = set(result.get("metrics") or [])
+    order = [*range(3), *[i for i in range(3, len(need)) if result["columns"][i] in metrics],
+             *[i for i in range(3, len(need)) if result["columns"][i] not in metrics]]
     kept, used = [], 1  # the table's left border
-    for i, n in enumerate(need):
-        if i < 3 or used + n + 3 <= width:  # two spaces of padding and a border per column
+    for i in order:
+        if i < 3 or used + need[i] + 3 <= width:  # two spaces of padding and a border per column
             kept.append(i)
-            used += n + 3
+            used += need[i] + 3
+    kept.sort()
     left_out = [result["columns"][i] for i in range(len(headers)) if i not in kept]
     caption = (f"{len(left_out)} column(s) left out for the console's width ({width}): "
                f"{', '.join(left_out)}; all are in the Parquet file below, or name some with --metric"
