@@ -769,8 +769,25 @@ def serve() -> None:
                       soft_wrap=True, highlight=False, markup=False)
         # on stopping, a run it was executing, or had claimed and not started, is marked Crashed
         with watch_flow_runs("paperline serve", report=_say,
-                             deployments=[f"{d.flow_name}/{d.name}" for d in deployments]):
+                             deployments=[f"{d.flow_name}/{d.name}" for d in deployments]), _sigterm_as_ctrl_c():
             prefect_serve(*deployments, print_starting_message=False)
+
+
+@contextlib.contextmanager
+def _sigterm_as_ctrl_c() -> Iterator[None]:
+    """SIGTERM stops `paperline serve` as Ctrl-C does (its runs end Crashed, naming the stop, as
+    `paperline worker`'s do): Prefect's runner installs its own SIGTERM handler, which cancelled
+    the runs instead, so a supervisor's stop read as a user's deliberate cancel (a trial)."""
+    import signal
+
+    from prefect.runner import Runner
+
+    original = Runner.handle_sigterm
+    Runner.handle_sigterm = lambda self, *args, **kwargs: signal.default_int_handler(signal.SIGINT, None)
+    try:
+        yield
+    finally:
+        Runner.handle_sigterm = original
 
 
 def _serve_lock(state_dir: Path) -> Any:

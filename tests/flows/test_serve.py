@@ -236,3 +236,24 @@ def test_ctrl_c_stops_serving_and_crashes_the_run_in_flight_at_once(served, runn
     assert state.message == "Execution was aborted by an interrupt signal." or \
         state.message.startswith("`paperline serve` was stopped while this run was executing"), state.message
     assert "Traceback" not in text and "KeyboardInterrupt\n" not in text, text[-3000:]
+
+
+def test_sigterm_stops_serving_as_ctrl_c_does(stack, background_process, cli_env, running_flow_run, tmp_path):
+    """`kill` (SIGTERM) on `paperline serve` ended its run Cancelled, Prefect's runner's own
+    handling, while Ctrl-C and `paperline worker` end it Crashed naming the stop (a trial). Runs
+    after the module's serve is stopped (one serve per stack)."""
+    import os
+    import signal
+
+    from prefect.client.orchestration import get_client
+
+    log = tmp_path / "serve.log"
+    with background_process([sys.executable, "-m", "paperline.flows.cli", "serve"], cli_env, log) as proc, \
+            get_client(sync_client=True) as client:
+        run = running_flow_run(client, "gemm/local", proc, log)
+        os.kill(proc.pid, signal.SIGTERM)  # `kill PID`, as a supervisor stops it
+        proc.wait(timeout=90)
+        state = client.read_flow_run(run.id).state
+    text = log.read_text()
+    assert state.name == "Crashed", (state, text[-3000:])
+    assert "Traceback" not in text, text[-3000:]
