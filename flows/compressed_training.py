@@ -256,8 +256,8 @@ def compressed_training(params: CompressedTrainingParameters | None = None) -> d
                                                   for r in sweep])
         tracker.log_dict(parent, {"runs": runs, "collectives": sweep}, "comparison.json")
         tracker.end_run(parent, "FINISHED")
-    except BaseException:
-        tracker.end_run(parent, "FAILED")
+    except BaseException as exc:
+        tracker.end_failed(parent, exc)
         raise
     summary = _summary(runs, parent, tracker, run_url, str(flow_run.id), bandwidth_plotted=bool(sweep))
     if params.world_size == 1:

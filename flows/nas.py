@@ -268,8 +268,8 @@ def run_one(cp: CampaignParameters, store: ObjectStore, tracker: Tracker, prefix
                 "parameters to compare with (resume=false starts a fresh one)") if state is not None else None
         versus = check_latest(tracker, parent_id, identity, _headlines(campaign), label=name, first_run_note=note)
         tracker.end_run(parent_id, "FINISHED")
-    except BaseException:
-        tracker.end_run(parent_id, "FAILED")
+    except BaseException as exc:
+        tracker.end_failed(parent_id, exc)
         raise
     return {"name": name, "campaign": campaign, "parent_run_id": parent_id, "checkpoint": checkpoint_uri,
             "versus": versus}

@@ -259,8 +259,8 @@ def tensor_factorization(params: TensorFactorizationParameters | None = None) ->
         summary["lines"] = versus.lines()
         summary["versus_best_earlier"] = versus.as_dict()
         tracker.end_run(run_id, "FINISHED")
-    except BaseException:
-        tracker.end_run(run_id, "FAILED")
+    except BaseException as exc:
+        tracker.end_failed(run_id, exc)
         raise
     summary.update(prefect_flow_run_id=str(flow_run.id), prefect_flow_run_url=run_url,
                    mlflow_run_id=run_id, mlflow_run_url=tracker.run_url(run_id), mlflow_params=mlflow_params)

@@ -10,6 +10,7 @@ credentials.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import json
 import os
@@ -17,7 +18,7 @@ import threading
 import time
 from typing import Any
 
-from paperline.infra.errors import ServiceError, redact_url
+from paperline.infra.errors import ServiceError, redact_text, redact_url
 
 _FALLBACK_LIMITS = {"MAX_METRICS_PER_BATCH": 1000, "MAX_PARAMS_TAGS_PER_BATCH": 100,  # mlflow 3.17's values
                     "MAX_PARAM_VAL_LENGTH": 6000, "MAX_TAG_VAL_LENGTH": 8000}
@@ -364,6 +365,24 @@ class Tracker:
         except Exception as exc:  # noqa: BLE001 - best effort
             log.debug("orphaned-run sweep stopped: %s", exc)
         return ended
+
+    def end_failed(self, run_id: str, exc: BaseException) -> None:
+        """End the run of a flow that raised ``exc``, saying why in tag ``paperline.ended_by``: a
+        stop (Ctrl-C, SIGTERM, SIGHUP, or a cancellation from Prefect, which sends the flow's process
+        SIGTERM: ``TerminationSignal``) ends it KILLED, anything else FAILED with the exception's
+        first line (credentials redacted). A cancelled run read as a failure, with no reason (a trial).
+        """
+        from prefect.exceptions import TerminationSignal  # noqa: PLC0415
+
+        if isinstance(exc, KeyboardInterrupt | TerminationSignal):
+            status, why = "KILLED", ("stopped: cancelled from Prefect, or its process was sent SIGTERM"
+                                     if isinstance(exc, TerminationSignal) else "stopped: interrupted (Ctrl-C, SIGTERM "
+                                                                                "or SIGHUP)")
+        else:
+            status, why = "FAILED", f"{type(exc).__name__}: {(str(exc).splitlines() or [''])[0]}"
+        with contextlib.suppress(Exception):  # the tag is the extra; the ending is what matters
+            self.set_tags(run_id, {"paperline.ended_by": redact_text(why)})
+        self.end_run(run_id, status)
 
     def reopen_run(self, run_id: str) -> None:
         """Mark an ended run as running again (a resumed campaign goes on logging to its run),

@@ -182,3 +182,23 @@ def test_a_run_whose_heartbeats_stopped_while_the_server_was_down_is_crashed_at_
         finally:
             for run in (silent, quiet):
                 client.set_flow_run_state(run.id, Cancelled(), force=True)
+
+
+def test_a_stopped_run_ends_killed_and_a_failed_one_says_why(stack):
+    """A run cancelled from Prefect (its process gets SIGTERM: TerminationSignal in the flow) ended
+    FAILED in MLflow with no reason, like a real failure (a trial)."""
+    from prefect.exceptions import TerminationSignal
+
+    from paperline.infra.tracking import Tracker
+
+    _, info = stack
+    tracker = Tracker(info.mlflow_tracking_uri)
+    cases = [(TerminationSignal(signal=15), "KILLED", "stopped: cancelled from Prefect"),
+             (KeyboardInterrupt(), "KILLED", "stopped: interrupted"),
+             (ValueError("m=-1: must be positive\nmore"), "FAILED", "ValueError: m=-1: must be positive")]
+    for exc, status, why in cases:
+        run_id = tracker.start_run("end-failed-test", run_name=type(exc).__name__)
+        tracker.end_failed(run_id, exc)
+        run = tracker.client.get_run(run_id)
+        assert run.info.status == status and run.data.tags["paperline.ended_by"].startswith(why), run.data.tags
+        assert "more" not in run.data.tags["paperline.ended_by"]
