@@ -371,6 +371,8 @@ class Tracker:
         stop (Ctrl-C, SIGTERM, SIGHUP, or a cancellation from Prefect, which sends the flow's process
         SIGTERM: ``TerminationSignal``) ends it KILLED, anything else FAILED with the exception's
         first line (credentials redacted). A cancelled run read as a failure, with no reason (a trial).
+        A run that failed because MLflow itself stopped answering is left for the next run's sweep
+        (:meth:`end_orphaned_runs`).
         """
         from prefect.exceptions import TerminationSignal  # noqa: PLC0415
 
@@ -380,9 +382,11 @@ class Tracker:
                                                                                 "or SIGHUP)")
         else:
             status, why = "FAILED", f"{type(exc).__name__}: {(str(exc).splitlines() or [''])[0]}"
+        if isinstance(exc, ServiceError) and exc.service == "mlflow":  # its retries would hold the run ~30 s
+            return  # more per call (a trial: minutes after `paperline down`); the next run ends it KILLED
+        self.end_run(run_id, status)  # first: with MLflow gone, one call's retries, not two
         with contextlib.suppress(Exception):  # the tag is the extra; the ending is what matters
             self.set_tags(run_id, {"paperline.ended_by": redact_text(why)})
-        self.end_run(run_id, status)
 
     def reopen_run(self, run_id: str) -> None:
         """Mark an ended run as running again (a resumed campaign goes on logging to its run),

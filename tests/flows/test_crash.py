@@ -202,3 +202,10 @@ def test_a_stopped_run_ends_killed_and_a_failed_one_says_why(stack):
         run = tracker.client.get_run(run_id)
         assert run.info.status == status and run.data.tags["paperline.ended_by"].startswith(why), run.data.tags
         assert "more" not in run.data.tags["paperline.ended_by"]
+    # MLflow itself gone: no ending tried (each call's retries held the run ~30 s); the next run's sweep ends it
+    from paperline.infra.errors import ServiceError
+
+    run_id = tracker.start_run("end-failed-test", run_name="mlflow-gone")
+    tracker.end_failed(run_id, ServiceError("mlflow", "not available"))
+    assert tracker.client.get_run(run_id).info.status == "RUNNING"
+    tracker.end_run(run_id, "KILLED")
