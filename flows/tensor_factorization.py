@@ -47,7 +47,10 @@ class TensorFactorizationParameters(BaseModel):
     data: str | None = Field(None, description="Your own tensor: a Parquet file (local path or s3:// URI) of "
                                                "COO rows with integer index columns, 't' (time, the last mode) among them, and 'value'. "
                                                "Replaces `datasets`.")
-    splits: list[Literal["random", "temporal"]] = Field(default_factory=lambda: ["random", "temporal"])
+    splits: list[Literal["random", "temporal"]] = Field(
+        default_factory=lambda: ["random", "temporal"],
+        description="Train/validation/test splits each dataset is fitted on: random entries, or the last time "
+                    "steps held out (temporal).")
     rank: int = Field(6, gt=0, le=512, description="CP rank R.")
     n_parts: int = Field(2, ge=1, description="P, sub-tensors solved in parallel (<= size of the largest non-time mode, "
                                             "which is split).")

@@ -1910,6 +1910,10 @@ def connect(settings: Settings | None = None, *, start: bool = True, progress: P
             print(f"paperline: started {', '.join(info.started)} of the local stack in {settings.state_dir} "
                   "(it keeps running; `paperline down` stops it)", file=sys.stderr)
     else:
+        if load_stack_info(settings) is None:  # require_stack's "call connect(): it starts the stack" misled here
+            raise ServiceError("stack", f"no running stack in {settings.state_dir} (PAPERLINE_STATE_DIR) and no "
+                                        "configured endpoints, and connect(start=False) starts none: run `paperline "
+                                        "up` first, or call connect() to start it")
         info, _ = require_stack(settings)
     activate(info)
     from prefect.logging.configuration import setup_logging  # noqa: PLC0415

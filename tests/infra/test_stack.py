@@ -756,6 +756,13 @@ def test_no_stack_names_connect_where_prefect_is_not_pointed_at_one(tmp_path):
     with temporary_settings(updates={PREFECT_API_URL: "http://127.0.0.1:4200/api"}):
         with pytest.raises(ServiceError, match="run `paperline up` first$"):
             require_stack(settings)
+    # connect(start=False) was told to call connect() because "it starts the stack" (a trial)
+    from paperline.infra.stack import connect
+
+    with temporary_settings(updates={PREFECT_API_URL: None}):
+        with pytest.raises(ServiceError, match=r"connect\(start=False\) starts none: run `paperline up` first, or "
+                                               r"call connect\(\) to start it$"):
+            connect(settings, start=False)
 
 
 def test_the_state_directory_is_its_owners_alone(stack, tmp_path):
