@@ -211,7 +211,8 @@ def status() -> None:
     """Show each service with its URL and health; exit 1 when one is not healthy (so that
     `paperline status || paperline up` works in scripts)."""
     from paperline.infra.cluster import describe_cluster
-    from paperline.infra.stack import stack_status, state_problem
+    from paperline.infra.flow_runs import deployment_status
+    from paperline.infra.stack import load_stack_info, stack_status, state_problem
 
     settings = _settings()
     services = stack_status(settings)
@@ -220,6 +221,11 @@ def status() -> None:
         if s.detail and s.healthy:
             console.print(f"{s.name}: {s.detail}", highlight=False, soft_wrap=True)
     console.print(f"Dask: {describe_cluster(settings)}")
+    prefect = next((s for s in services if s.name == "prefect"), None)
+    info = load_stack_info(settings) if prefect is not None and prefect.healthy else None
+    if info is not None:  # who executes the deployments' runs: nothing said so, and runs waited Scheduled
+        for line in deployment_status(info.prefect_api_url, info.prefect_login, settings.state_dir):
+            console.print(line, highlight=False, soft_wrap=True)
     console.print(f"state directory: {settings.state_dir}")
     problem = state_problem(settings)
     if problem:  # its servers may be running unrecorded: "not running" alone sent users to `up`, which failed

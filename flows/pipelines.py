@@ -129,6 +129,22 @@ def _scalar(text: str) -> Any:
         return text
 
 
+class _AsTyped(str):
+    """A ``--set`` value shown as typed: ``fps=1e9``, not ``fps='1e9'`` (it was a number, and the
+    quotes read as if it had been taken as text)."""
+
+    def __repr__(self) -> str:
+        return str(self)
+
+
+def _json_non_text(raw: str) -> bool:
+    """``raw`` parses as JSON other than a string (a number, bool, null, list or object)."""
+    try:
+        return not isinstance(json.loads(raw), str)
+    except json.JSONDecodeError:
+        return False
+
+
 def build_parameters(pipeline: Pipeline, preset: str, overrides: list[str]) -> BaseModel:
     """Parameters from a preset plus ``key=value`` overrides.
 
@@ -174,7 +190,7 @@ def build_parameters(pipeline: Pipeline, preset: str, overrides: list[str]) -> B
         error = input_error_from(exc, lambda loc: str(loc[0]) + "".join(f"[{p}]" for p in loc[1:]))
         raw = given.get(error.argument)
         if raw is not None and repr(error.value) != raw:  # --set m=null said m=None: the value as typed
-            error = InputError(error.argument, raw, error.problem)
+            error = InputError(error.argument, _AsTyped(raw) if _json_non_text(raw) else raw, error.problem)
         raise error from None
     # "given" means --set, as it means the parameters of a deployment run: a preset's values count
     # as defaults (gemm refuses a given m that its operand files contradict; `full` sets m)

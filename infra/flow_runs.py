@@ -217,3 +217,141 @@ def watch_flow_runs(who: str, *, interval_s: float = 1.0, recent_s: float = 300.
             with contextlib.suppress(Exception):
                 executing = [*executing, *flow_run_processes(me)]  # one started since the last poll
             crash_unstarted_runs(deployments, who, executing=set(executing), report=report)
+
+
+# --------------------------------------------------------------------------------------------------
+# What runs the stack's deployments (for `paperline status`)
+
+POLLED_WITHIN_S = 90.0  # served deployments poll every 10 s, workers heartbeat every 30 s (Prefect's defaults)
+LATE_AFTER_S = 60.0  # a Scheduled run this far past its start time is waiting for a process to take it
+
+
+def deployment_report(deployments: list[dict[str, object]], workers: dict[str, list[dict[str, object]]],
+                      late: dict[str, int], *, serve_pid: int | None = None) -> list[str]:
+    """The lines `paperline status` prints about who executes the deployments' runs.
+
+    A deployment does nothing by itself: its runs (scheduled, or triggered from the UI) wait
+    Scheduled until a `paperline serve` (the ``<flow>/local`` deployments, no work pool) or a
+    worker of its work pool (``prefect deploy --all``) takes them, and `status` said nothing of
+    either (fresh-user trial).
+
+    Args:
+        deployments: One dict per deployment: ``name`` (``"flow/deployment"``), ``work_pool``
+            (None for served ones), ``polled_s_ago`` (seconds since a process last asked for its
+            runs; None: never), ``paused`` (its schedules are paused).
+        workers: Work pool -> its workers, each ``{"name", "heartbeat_s_ago"}`` (None: never).
+        late: Deployment name -> how many of its Scheduled runs are past their start time by
+            more than :data:`LATE_AFTER_S`.
+        serve_pid: The PID holding this state directory's `paperline serve` lock, if any.
+
+    Returns:
+        Lines (one saying so when there are no deployments).
+    """
+    from paperline.infra.stack import WORK_POOLS  # noqa: PLC0415
+
+    def fresh(seconds: object) -> bool:
+        return isinstance(seconds, (int, float)) and seconds <= POLLED_WITHIN_S
+
+    def late_note(names: list[str]) -> str:
+        n = sum(late.get(name, 0) for name in names)
+        return f"; {n} scheduled run(s) past their start time wait for it" if n else ""
+
+    lines: list[str] = []
+    served = [d for d in deployments if not d.get("work_pool")]
+    if served:
+        names = [str(d["name"]) for d in served]
+        # a stopping serve pauses its deployments: one polled seconds ago and paused is not served
+        if serve_pid is not None or any(fresh(d.get("polled_s_ago")) and not d.get("paused") for d in served):
+            who = f"`paperline serve` (pid {serve_pid})" if serve_pid is not None else "a serving process"
+            lines.append(f"deployments: {len(served)} served by {who}{late_note(names)}")
+        else:
+            lines.append(f"deployments: {len(served)} without a work pool ({', '.join(sorted(names)[:3])}"
+                         f"{', ...' if len(names) > 3 else ''}), not served now: their runs wait Scheduled until "
+                         f"`paperline serve` runs{late_note(names)}")
+    pools = sorted({str(d["work_pool"]) for d in deployments if d.get("work_pool")})
+    for pool in pools:
+        names = [str(d["name"]) for d in deployments if d.get("work_pool") == pool]
+        online = [w for w in workers.get(pool, []) if fresh(w.get("heartbeat_s_ago"))]
+        if online:
+            shown = ", ".join(f"{w['name']} (heartbeat {w['heartbeat_s_ago']:.0f} s ago)" for w in online[:3])
+            lines.append(f"work pool {pool}: {len(names)} deployment(s), {len(online)} worker(s) online: "
+                         f"{shown}{late_note(names)}")
+        else:
+            kind = next((k for k, name in WORK_POOLS.items() if name == pool), None)
+            start = f"`paperline worker --pool {kind}`" if kind else "a worker of the pool"
+            lines.append(f"work pool {pool}: {len(names)} deployment(s), no worker online: their runs wait "
+                         f"Scheduled until {start} runs{late_note(names)}")
+    paused = sorted(str(d["name"]) for d in deployments if d.get("paused"))
+    if paused:
+        lines.append(f"paused schedules: {', '.join(paused)}")
+    if not deployments:
+        lines.append(f"deployments: `paperline serve` (pid {serve_pid}) is starting" if serve_pid is not None else
+                     "deployments: none (`paperline serve`, or `prefect deploy --all` with `paperline worker`: "
+                     "README \"Deployments\")")
+    return lines
+
+
+def serve_lock_holder(state_dir: os.PathLike[str] | str) -> int | None:
+    """The PID of the `paperline serve` holding ``state_dir``'s ``serve.pid`` lock, or None when
+    no process holds it (a file left by a stopped serve is not held)."""
+    import fcntl  # noqa: PLC0415
+    from pathlib import Path  # noqa: PLC0415
+
+    path = Path(state_dir) / "serve.pid"
+    try:
+        f = open(path)  # noqa: SIM115 - closed below; flock needs no write access
+    except OSError:
+        return None
+    with f:
+        try:
+            fcntl.flock(f, fcntl.LOCK_SH | fcntl.LOCK_NB)
+        except BlockingIOError:
+            text = f.read().strip()
+            return int(text) if text.isdigit() else -1
+        fcntl.flock(f, fcntl.LOCK_UN)
+    return None
+
+
+def deployment_status(api_url: str, login: str | None, state_dir: os.PathLike[str] | str) -> list[str]:
+    """:func:`deployment_report` for the Prefect server at ``api_url``, sending ``login`` (None:
+    the environment's, as it is). Server errors give one line saying so; nothing raised."""
+    import datetime  # noqa: PLC0415
+
+    from prefect.client.orchestration import get_client  # noqa: PLC0415
+    from prefect.client.schemas.filters import (  # noqa: PLC0415
+        FlowRunFilter,
+        FlowRunFilterExpectedStartTime,
+        FlowRunFilterState,
+        FlowRunFilterStateType,
+    )
+    from prefect.client.schemas.objects import StateType  # noqa: PLC0415
+    from prefect.settings import PREFECT_API_AUTH_STRING, PREFECT_API_URL, temporary_settings  # noqa: PLC0415
+
+    now = datetime.datetime.now(datetime.timezone.utc)
+    overrides = {PREFECT_API_URL: api_url, **({PREFECT_API_AUTH_STRING: login} if login is not None else {})}
+
+    def ago(when: datetime.datetime | None) -> float | None:
+        return None if when is None else (now - when).total_seconds()
+
+    serve_pid = serve_lock_holder(state_dir)
+    try:
+        with temporary_settings(overrides), get_client(sync_client=True) as client:
+            flows = {f.id: f.name for f in client.read_flows(limit=200)}
+            found = client.read_deployments(limit=200)
+            deployments = [{"name": f"{flows.get(d.flow_id, '?')}/{d.name}", "work_pool": d.work_pool_name,
+                            "polled_s_ago": ago(d.last_polled), "paused": d.paused} for d in found]
+            by_id = {d.id: f"{flows.get(d.flow_id, '?')}/{d.name}" for d in found}
+            workers = {pool: [{"name": w.name, "heartbeat_s_ago": ago(w.last_heartbeat_time)}
+                              for w in client.read_workers_for_work_pool(pool)]
+                       for pool in {d.work_pool_name for d in found if d.work_pool_name}}
+            waiting = client.read_flow_runs(flow_run_filter=FlowRunFilter(
+                state=FlowRunFilterState(type=FlowRunFilterStateType(any_=[StateType.SCHEDULED])),
+                expected_start_time=FlowRunFilterExpectedStartTime(
+                    before_=now - datetime.timedelta(seconds=LATE_AFTER_S))), limit=200)
+    except Exception as exc:  # noqa: BLE001 - httpx/prefect errors: status reports, it does not fail on this
+        return [f"deployments: could not read them from Prefect ({type(exc).__name__}: {exc})"]
+    late: dict[str, int] = {}
+    for run in waiting:
+        if run.deployment_id in by_id:
+            late[by_id[run.deployment_id]] = late.get(by_id[run.deployment_id], 0) + 1
+    return deployment_report(deployments, workers, late, serve_pid=serve_pid)

@@ -76,8 +76,9 @@ def parquet(tmp_path):
     (["rank=3", "rank=4"], ["--set='rank'", "given twice ('3', then '4'); give it once"]),  # 4 silently won
     (["datasets=2024"], ["datasets='2024'", "unknown dataset"]),  # a name, not the number 2024
     (["lr=nan"], ["lr='nan'", "Input should be a finite number"]),  # was "greater than 0"
-    (["rank=null"], ["rank='null'", "valid integer"]),  # as typed: it said rank=None
-    (["rank=[1,2]"], ["rank='[1,2]'", "valid integer"]),
+    (["rank=null"], ["rank=null", "valid integer"]),  # as typed: it said rank=None
+    (["rank=[1,2]"], ["rank=[1,2]", "valid integer"]),
+    (["rank=1e9"], ["rank=1e9:", "less than or equal to 512"]),  # a number, unquoted as typed (was rank='1e9')
     (["rank=2.5"], ["rank=2.5", "fractional part"]),
     # fitted once, recorded twice (another comparison key than the list without the repeat: a trial)
     (["datasets=produc,produc"], ["datasets=['produc', 'produc']", "produc listed twice: each is fitted once"]),

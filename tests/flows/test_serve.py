@@ -3,6 +3,7 @@ through the Prefect API with the call the UI's "Run" button makes (create a flow
 deployment, with custom parameters), executed to Completed by the serving process, and the
 matching MLflow run tagged with the flow-run id."""
 
+import re
 import subprocess
 import sys
 import time
@@ -204,6 +205,20 @@ def test_a_second_serve_on_the_same_stack_is_refused(served, cli_env):
     assert second.returncode == 1 and "Traceback" not in err, err
     assert f"error: another `paperline serve` (pid {proc.pid}) already serves this stack's deployments" in err, err
     assert proc.poll() is None  # the first one serves on
+
+
+def test_status_names_the_serving_process(served, cli_env):
+    """`paperline status` did not say whether anything served the deployments (a fresh-user trial)."""
+    from prefect.client.orchestration import get_client
+
+    _, proc, log = served
+    with get_client(sync_client=True) as client:
+        _deployment(client, "video-curation/local", proc, log)
+    status = subprocess.run([sys.executable, "-m", "paperline.flows.cli", "status"], env=cli_env, capture_output=True,
+                            text=True, timeout=120)
+    out = " ".join(status.stdout.split())
+    assert status.returncode == 0, status.stdout + status.stderr
+    assert re.search(rf"deployments: \d+ served by `paperline serve` \(pid {proc.pid}\)", out), out
 
 
 def test_ctrl_c_stops_serving_and_crashes_the_run_in_flight_at_once(served, running_flow_run):

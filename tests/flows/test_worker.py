@@ -4,6 +4,7 @@ parameters, executed by the worker to Completed, and its MLflow run tagged with 
 
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -69,6 +70,23 @@ def test_a_worker_executes_a_triggered_run(deployed, wait_for_flow_run):
     runs = tracker.client.search_runs([tracker.client.get_experiment_by_name("gemm").experiment_id],
                                       filter_string=f"tags.`prefect.flow_run_id` = '{run.id}'")
     assert len(runs) == 1 and runs[0].data.params["routine"] == "trmm"
+
+
+def test_status_says_the_pool_has_a_worker_online(deployed, cli_env):
+    """`paperline status` said nothing of workers: a run waiting Scheduled for lack of one was
+    unexplained (a fresh-user trial)."""
+    deadline = time.monotonic() + 120  # the worker's first heartbeat comes once `prefect worker` has started
+    while True:
+        proc = subprocess.run([sys.executable, "-m", "paperline.flows.cli", "status"], env=cli_env,
+                              capture_output=True, text=True, timeout=120)
+        out = " ".join(proc.stdout.split())
+        assert proc.returncode == 0, proc.stdout + proc.stderr
+        if "work pool paperline-cpu: 5 deployment(s), 1 worker(s) online: " in out or time.monotonic() > deadline:
+            break
+        assert "work pool paperline-cpu: 5 deployment(s), no worker online: their runs wait Scheduled until " \
+               "`paperline worker --pool cpu` runs" in out, out
+        time.sleep(5)
+    assert "work pool paperline-cpu: 5 deployment(s), 1 worker(s) online: " in out, out
 
 
 def test_sigterm_stops_the_worker_and_crashes_its_run_at_once(deployed, running_flow_run):

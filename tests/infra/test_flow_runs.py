@@ -15,7 +15,10 @@ from paperline.infra.flow_runs import (
     FLOW_RUN_ENV,
     crash_lost_runs,
     crash_unstarted_runs,
+    deployment_report,
+    deployment_status,
     flow_run_processes,
+    serve_lock_holder,
     watch_flow_runs,
 )
 
@@ -150,6 +153,90 @@ def test_crash_unstarted_runs_crashes_the_claimed_runs_of_the_served_deployments
         assert [client.read_flow_run(r.id).state.name for r in (starting, scheduled, elsewhere)] == \
             ["Pending", "Scheduled", "Pending"]
     assert len(lines) == 1 and str(claimed.id) in lines[0], lines
+
+
+def _served(name, polled=None, paused=False):
+    return {"name": name, "work_pool": None, "polled_s_ago": polled, "paused": paused}
+
+
+def test_deployment_report_says_who_executes_the_runs_and_what_waits():
+    """`paperline status` said nothing of serve or workers, so runs waited Scheduled unexplained."""
+    assert deployment_report([], {}, {}) == [
+        'deployments: none (`paperline serve`, or `prefect deploy --all` with `paperline worker`: README "Deployments")']
+    assert deployment_report([], {}, {}, serve_pid=42) == ["deployments: `paperline serve` (pid 42) is starting"]
+    local = [_served(f"{f}/local", polled=5.0) for f in ("a", "b")]
+    assert deployment_report(local, {}, {}, serve_pid=42) == ["deployments: 2 served by `paperline serve` (pid 42)"]
+    # another host's serve: no lock here, but its polls are fresh
+    assert deployment_report(local, {}, {"a/local": 2}) == [
+        "deployments: 2 served by a serving process; 2 scheduled run(s) past their start time wait for it"]
+    # a stopped serve pauses its deployments: a poll seconds old no longer means served
+    stopped = [_served(f"{f}/local", polled=5.0, paused=True) for f in ("a", "b", "c", "d")]
+    lines = deployment_report(stopped, {}, {"c/local": 1})
+    assert lines[0] == ("deployments: 4 without a work pool (a/local, b/local, c/local, ...), not served now: their "
+                        "runs wait Scheduled until `paperline serve` runs; 1 scheduled run(s) past their start time "
+                        "wait for it"), lines
+    assert lines[1] == "paused schedules: a/local, b/local, c/local, d/local"
+    assert deployment_report([_served("a/local", polled=91.0)], {}, {})[0].startswith("deployments: 1 without a work pool")
+    pooled = [{"name": "gemm/gemm", "work_pool": "paperline-cpu", "polled_s_ago": None, "paused": False},
+              {"name": "x/y", "work_pool": "other", "polled_s_ago": None, "paused": False}]
+    workers = {"paperline-cpu": [{"name": "w1", "heartbeat_s_ago": 12.4}, {"name": "old", "heartbeat_s_ago": 600.0}],
+               "other": [{"name": "never", "heartbeat_s_ago": None}]}
+    assert deployment_report(pooled, workers, {"x/y": 3}) == [
+        "work pool other: 1 deployment(s), no worker online: their runs wait Scheduled until a worker of the pool "
+        "runs; 3 scheduled run(s) past their start time wait for it",
+        "work pool paperline-cpu: 1 deployment(s), 1 worker(s) online: w1 (heartbeat 12 s ago)"]
+    assert deployment_report(pooled[:1], {}, {})[0].endswith("until `paperline worker --pool cpu` runs")
+
+
+def test_serve_lock_holder_names_the_pid_only_while_the_lock_is_held(tmp_path):
+    import fcntl
+
+    assert serve_lock_holder(tmp_path) is None  # no file
+    with open(tmp_path / "serve.pid", "a+") as f:
+        f.write("4242\n")
+        f.flush()
+        assert serve_lock_holder(tmp_path) is None  # a stopped serve's file: not held
+        fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        assert serve_lock_holder(tmp_path) == 4242
+    assert serve_lock_holder(tmp_path) is None
+
+
+@pytest.mark.stack
+def test_deployment_status_reads_pools_workers_and_late_runs_from_the_server(stack, tmp_path):
+    import datetime
+
+    from prefect import flow
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.actions import WorkPoolCreate
+    from prefect.states import Scheduled
+
+    _, info = stack
+
+    @flow(name="paperline-test-status-probe")
+    def probe() -> None:
+        """Never executed: its runs only carry states."""
+
+    pool = f"paperline-test-status-{uuid.uuid4().hex[:8]}"
+    past = datetime.datetime.now(datetime.timezone.utc) - datetime.timedelta(minutes=5)
+    with get_client(sync_client=True) as client:
+        client.create_work_pool(WorkPoolCreate(name=pool, type="process"))
+        try:
+            deployment = client.create_deployment(flow_id=client.create_flow(probe), name="pooled", work_pool_name=pool)
+            for when in (past, past, datetime.datetime.now(datetime.timezone.utc) + datetime.timedelta(hours=1)):
+                client.create_flow_run_from_deployment(deployment, state=Scheduled(scheduled_time=when))
+            lines = deployment_status(info.prefect_api_url, info.prefect_login, tmp_path)
+            assert f"work pool {pool}: 1 deployment(s), no worker online: their runs wait Scheduled until a worker " \
+                   "of the pool runs; 2 scheduled run(s) past their start time wait for it" in lines, lines
+            client.send_worker_heartbeat(pool, "probe-worker")
+            lines = deployment_status(info.prefect_api_url, info.prefect_login, tmp_path)
+            online = [line for line in lines if line.startswith(f"work pool {pool}: 1 deployment(s), 1 worker(s) "
+                                                                 "online: probe-worker (heartbeat ")]
+            assert len(online) == 1 and online[0].endswith("2 scheduled run(s) past their start time wait for it"), lines
+        finally:
+            client.delete_deployment(deployment)
+            client.delete_work_pool(pool)
+    refused = deployment_status(info.prefect_api_url, "nobody:wrong", tmp_path)
+    assert len(refused) == 1 and refused[0].startswith("deployments: could not read them from Prefect ("), refused
 
 
 def _record(exc: BaseException) -> logging.LogRecord:
