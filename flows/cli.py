@@ -766,7 +766,8 @@ def serve() -> None:
                 entrypoint_type=EntrypointType.MODULE_PATH))
         listed = [f"{d.flow_name}/{d.name} ({d.schedules[0].schedule.cron if d.schedules else 'no schedule'})"
                   for d in deployments]
-        console.print(f"serving {len(deployments)} deployments: " + ", ".join(listed), highlight=False)
+        console.print(f"serving {len(deployments)} deployments: " + ", ".join(listed), highlight=False,
+                      soft_wrap=True)  # not folded inside a cron expression in a log file (a trial)
         # (the environment first: PREFECT_API_URL alone, as this said before, got a 401 once the
         # local Prefect required its login, a trial)
         console.print(f"trigger them from {redact_url(info.prefect_ui_url.rstrip('/'))}/deployments or, in a shell, "
@@ -776,20 +777,56 @@ def serve() -> None:
         # on stopping, a run it was executing, or had claimed and not started, is marked Crashed
         with watch_flow_runs("paperline serve", report=_say,
                              deployments=[f"{d.flow_name}/{d.name}" for d in deployments]), _sigterm_as_ctrl_c():
-            prefect_serve(*deployments, print_starting_message=False)
+            try:
+                prefect_serve(*deployments, print_starting_message=False)
+            finally:
+                _pause_served([f"{d.flow_name}/{d.name}" for d in deployments])
+
+
+def _pause_served(names: list[str]) -> None:
+    """Pause each of the deployments ``names`` (``"flow/deployment"``) still unpaused: what
+    Prefect's runner does as it stops serving, and left undone when the stop interrupted it (a
+    trial: SIGTERM during a run paused one of five; the other four kept making Scheduled runs
+    that nothing would execute). Errors are reported, not raised: this runs while stopping."""
+    from prefect.client.orchestration import get_client
+    from prefect.exceptions import ObjectNotFound
+
+    try:
+        with get_client(sync_client=True) as client:
+            for name in names:
+                with contextlib.suppress(ObjectNotFound):
+                    deployment = client.read_deployment_by_name(name)
+                    if not deployment.paused:
+                        client.pause_deployment(deployment.id)
+    except Exception as exc:  # noqa: BLE001 - httpx/prefect errors: say what to do, the stop goes on
+        _say(f"could not pause the served deployments' schedules ({type(exc).__name__}: {exc}); their runs wait "
+             "Scheduled until the next `paperline serve` (pause them in the Prefect UI to stop that)")
 
 
 @contextlib.contextmanager
 def _sigterm_as_ctrl_c() -> Iterator[None]:
     """SIGTERM stops `paperline serve` as Ctrl-C does (its runs end Crashed, naming the stop, as
     `paperline worker`'s do): Prefect's runner installs its own SIGTERM handler, which cancelled
-    the runs instead, so a supervisor's stop read as a user's deliberate cancel (a trial)."""
+    the runs instead, so a supervisor's stop read as a user's deliberate cancel (a trial).
+
+    The SIGINT handler that ``asyncio.run`` installs is called, as for a Ctrl-C: it cancels the
+    runner's task, so the runner stops as it does on Ctrl-C (a KeyboardInterrupt raised into the
+    loop instead stopped it mid-way, its deployments left unpaused: a trial). Where SIGINT is
+    ignored (`paperline serve &` in a script) asyncio installs none, and KeyboardInterrupt is raised.
+    """
     import signal
 
     from prefect.runner import Runner
 
+    def as_ctrl_c(_self: Any, signum: int = signal.SIGTERM, frame: Any = None, *_args: Any, **_kwargs: Any) -> None:
+        handler = signal.getsignal(signal.SIGINT)
+        if callable(handler) and handler is not signal.default_int_handler:  # asyncio.Runner's _on_sigint
+            handler(signal.SIGINT, frame)
+        else:
+            signal.default_int_handler(signal.SIGINT, frame)
+
     original = Runner.handle_sigterm
-    Runner.handle_sigterm = lambda self, *args, **kwargs: signal.default_int_handler(signal.SIGINT, None)
+    Runner.handle_sigterm = as_ctrl_c
     try:
         yield
     finally:

@@ -271,10 +271,18 @@ CLUSTER_UP = "The Dask dashboard is available at"  # prefect-dask's line once a 
 
 
 def _running_flow_run(client, deployment: str, proc: subprocess.Popen, log: Path, timeout: float = 180):
+    from prefect.exceptions import ObjectNotFound
+
     clusters = Path(log).read_text().count(CLUSTER_UP)
-    deployment_id = client.read_deployment_by_name(deployment).id
-    run = client.create_flow_run_from_deployment(deployment_id, parameters={"params": LONG_GEMM})
     deadline = time.time() + timeout
+    while True:  # a serve just started registers its deployments first
+        try:
+            deployment_id = client.read_deployment_by_name(deployment).id
+            break
+        except ObjectNotFound:
+            assert proc.poll() is None and time.time() < deadline, Path(log).read_text()[-3000:]
+            time.sleep(1)
+    run = client.create_flow_run_from_deployment(deployment_id, parameters={"params": LONG_GEMM})
     while (state := client.read_flow_run(run.id).state) is None or state.name != "Running":
         assert proc.poll() is None and time.time() < deadline, (state, Path(log).read_text()[-3000:])
         assert state is None or not state.is_final(), (state, Path(log).read_text()[-3000:])

@@ -253,22 +253,34 @@ def test_ctrl_c_stops_serving_and_crashes_the_run_in_flight_at_once(served, runn
     assert "Traceback" not in text and "KeyboardInterrupt\n" not in text, text[-3000:]
 
 
-def test_sigterm_stops_serving_as_ctrl_c_does(stack, background_process, cli_env, running_flow_run, tmp_path):
+@pytest.mark.parametrize("as_script_job", [False, True], ids=["terminal", "script-job"])
+def test_sigterm_stops_serving_as_ctrl_c_does(stack, background_process, cli_env, running_flow_run, tmp_path,
+                                              as_script_job):
     """`kill` (SIGTERM) on `paperline serve` ended its run Cancelled, Prefect's runner's own
-    handling, while Ctrl-C and `paperline worker` end it Crashed naming the stop (a trial). Runs
-    after the module's serve is stopped (one serve per stack)."""
+    handling, while Ctrl-C and `paperline worker` end it Crashed naming the stop (a trial). Then
+    SIGTERM during a run paused one of the five deployments (another trial): the other four kept
+    making Scheduled runs that nothing executes. Also with SIGINT ignored, as `paperline serve &`
+    in a script starts it (asyncio then installs no Ctrl-C handler to call). Runs after the
+    module's serve is stopped (one serve per stack)."""
     import os
     import signal
 
     from prefect.client.orchestration import get_client
 
     log = tmp_path / "serve.log"
-    with background_process([sys.executable, "-m", "paperline.flows.cli", "serve"], cli_env, log) as proc, \
-            get_client(sync_client=True) as client:
+    names = [f"{name}/local" for name in ("compressed-training", "gemm", "nas", "tensor-factorization",
+                                          "video-curation")]
+    with background_process([sys.executable, "-m", "paperline.flows.cli", "serve"], cli_env, log,
+                            as_script_job=as_script_job) as proc, get_client(sync_client=True) as client:
         run = running_flow_run(client, "gemm/local", proc, log)
+        assert not any(client.read_deployment_by_name(n).paused for n in names)  # serving unpaused them
         os.kill(proc.pid, signal.SIGTERM)  # `kill PID`, as a supervisor stops it
         proc.wait(timeout=90)
         state = client.read_flow_run(run.id).state
+        paused = {n: client.read_deployment_by_name(n).paused for n in names}
     text = log.read_text()
     assert state.name == "Crashed", (state, text[-3000:])
     assert "Traceback" not in text, text[-3000:]
+    assert all(paused.values()), (paused, text[-3000:])
+    if not as_script_job:  # Prefect's runner stopped as on Ctrl-C, not only paperline's backstop pausing
+        assert "All deployments have been paused!" in text, text[-3000:]
