@@ -142,9 +142,19 @@ def _say(line: str) -> None:
 
 
 def _settings():
-    from paperline.infra.settings import get_settings
+    from rich.markup import escape
 
-    return get_settings()
+    from paperline.infra.settings import get_settings, unknown_variables
+
+    settings = get_settings()
+    if not _warned_variables:  # once per command
+        _warned_variables.append(True)
+        for line in unknown_variables():
+            err_console.print(f"[yellow]warning: {escape(line)}[/]", soft_wrap=True, highlight=False)
+    return settings
+
+
+_warned_variables: list[bool] = []
 
 
 def _ensure_stack(say_reused: bool = False):
@@ -160,6 +170,8 @@ def _ensure_stack(say_reused: bool = False):
     if started:
         console.print(f"started the local stack in {settings.state_dir} (stop it with `paperline down`): "
                       + ", ".join(f"{s.name} {s.url}" for s in started), soft_wrap=True)
+    elif say_reused and not any(s.managed for s in info.services):  # "already up" read as if a local one ran
+        console.print("every service is a configured endpoint (checked; nothing local to start)", soft_wrap=True)
     elif say_reused:  # a second `up` printed the same table as the first, without saying it did nothing
         console.print(f"the stack in {settings.state_dir} is already up: nothing started", soft_wrap=True)
     activate(info)

@@ -8,6 +8,7 @@ existing Dask scheduler, and nothing is started.
 
 from __future__ import annotations
 
+import os
 import re
 from functools import lru_cache
 from pathlib import Path
@@ -100,6 +101,24 @@ class Settings(BaseSettings):
                              f"{existing} is a file, not a directory")
         return path
 
+    @field_validator("host")
+    @classmethod
+    def _host(cls, v: str) -> str:
+        # `up` failed with a bare "gaierror: [Errno -2] Name or service not known" (a trial)
+        import ipaddress  # noqa: PLC0415
+        import socket  # noqa: PLC0415
+
+        v = v.strip()
+        try:
+            ipaddress.ip_address(v)
+        except ValueError:
+            try:
+                socket.getaddrinfo(v, None)
+            except (OSError, UnicodeError):
+                raise ValueError("not an IP address or a host name this machine resolves (the interface the local "
+                                 "servers bind to; 127.0.0.1 unless you mean to expose them)") from None
+        return v
+
     @field_validator("results_bucket", "artifacts_bucket", "data_bucket")
     @classmethod
     def _bucket_name(cls, v: str) -> str:
@@ -151,6 +170,41 @@ class Settings(BaseSettings):
     def uses_local_stack(self) -> bool:
         """True when any of S3, Prefect or MLflow is left to the embedded local stack."""
         return not (self.s3_endpoint_url and self.prefect_api_url and self.mlflow_tracking_uri)
+
+
+# PAPERLINE_* variables that are not settings: read where they act (infra/errors.py, the tests)
+OTHER_VARIABLES = frozenset({"PAPERLINE_DEBUG", "PAPERLINE_TEST_POSTGRES_URL", "PAPERLINE_REQUIRE_POSTGRES",
+                             "PAPERLINE_REQUIRE_BROWSER", "PAPERLINE_CHROMIUM", "PAPERLINE_TEST_ARTIFACTS"})
+
+
+def unknown_variables(environ: dict[str, str] | None = None, env_file: str | os.PathLike[str] | None = ".env") -> list[str]:
+    """One line per ``PAPERLINE_*`` name, in the environment or the ``.env`` file, that is neither
+    a setting nor one of :data:`OTHER_VARIABLES`, with the closest setting's name where one is close.
+
+    Such a name is ignored, silently until this: ``PAPERLINE_S3_ENDPOINT=...`` (for
+    ``PAPERLINE_S3_ENDPOINT_URL``) made `up` start a local SeaweedFS, and the data went there
+    instead of to the intended endpoint (a fresh-user trial).
+    """
+    import difflib  # noqa: PLC0415
+
+    from dotenv import dotenv_values  # noqa: PLC0415 - pydantic-settings' own .env reader
+
+    known = {f"PAPERLINE_{name.upper()}" for name in Settings.model_fields}
+    found = {k: "environment" for k in (os.environ if environ is None else environ) if k.upper().startswith("PAPERLINE_")}
+    if env_file is not None and Path(env_file).is_file():
+        for key in dotenv_values(env_file):
+            if key.upper().startswith("PAPERLINE_"):
+                found.setdefault(key, f"{env_file} file")
+    lines = []
+    for name, where in sorted(found.items()):
+        if name.upper() in known or name.upper() in OTHER_VARIABLES:
+            continue
+        # compared without the prefix, which every name shares (FOO came out close to HOST)
+        close = difflib.get_close_matches(name.upper().removeprefix("PAPERLINE_"),
+                                          sorted(k.removeprefix("PAPERLINE_") for k in known), n=1, cutoff=0.6)
+        hint = f"; did you mean PAPERLINE_{close[0]}?" if close else f"; the settings: README \"Pointing paperline at real infrastructure\""
+        lines.append(f"{name} (in the {where}) is not a paperline setting and is ignored{hint}")
+    return lines
 
 
 @lru_cache(maxsize=1)

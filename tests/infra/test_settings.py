@@ -71,6 +71,59 @@ def test_bucket_names_follow_s3s_rules(monkeypatch, tmp_path, name, ok):
         get_settings.cache_clear()
 
 
+@pytest.mark.parametrize("host, ok", [("127.0.0.1", True), ("::1", True), ("localhost", True), ("0.0.0.0", True),
+                                      ("not-a-host.invalid", False), ("", False), ("127.0.0.1:80", False)])
+def test_host_is_an_address_or_a_resolvable_name(monkeypatch, tmp_path, host, ok):
+    """A bad PAPERLINE_HOST failed `up` with "gaierror: [Errno -2] Name or service not known",
+    not naming the setting (a trial)."""
+    from paperline.infra.errors import InputError
+    from paperline.infra.settings import get_settings
+
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("PAPERLINE_HOST", host)
+    get_settings.cache_clear()
+    try:
+        if ok:
+            assert get_settings().host == host
+        else:
+            with pytest.raises(InputError, match=f"^PAPERLINE_HOST='{host}': not an IP address or a host name"):
+                get_settings()
+    finally:
+        get_settings.cache_clear()
+
+
+def test_unknown_paperline_variables_are_named_with_the_closest_setting(tmp_path):
+    """`PAPERLINE_S3_ENDPOINT=...` (for ..._URL) was ignored silently: `up` started a local
+    SeaweedFS and the data went there, not to the intended endpoint (a trial)."""
+    from paperline.infra.settings import unknown_variables
+
+    env_file = tmp_path / ".env"
+    env_file.write_text("PAPERLINE_STATEDIR=/tmp/x\nPAPERLINE_DEVICE=cpu\nOTHER=1\n")
+    environ = {"PAPERLINE_S3_ENDPOINT": "http://s3", "PAPERLINE_STATE_DIR": "/tmp/y", "PAPERLINE_DEBUG": "1",
+               "paperline_n_workers": "2", "PAPERLINE_FOO": "1", "HOME": "/root"}
+    assert unknown_variables(environ, env_file) == [
+        "PAPERLINE_FOO (in the environment) is not a paperline setting and is ignored; the settings: README "
+        '"Pointing paperline at real infrastructure"',
+        "PAPERLINE_S3_ENDPOINT (in the environment) is not a paperline setting and is ignored; did you mean "
+        "PAPERLINE_S3_ENDPOINT_URL?",
+        f"PAPERLINE_STATEDIR (in the {env_file} file) is not a paperline setting and is ignored; did you mean "
+        "PAPERLINE_STATE_DIR?"]
+    assert unknown_variables({"PAPERLINE_HOST": "x"}, tmp_path / "missing.env") == []
+
+
+def test_the_cli_warns_about_an_unknown_variable_once(tmp_path):
+    import os
+    import subprocess
+    import sys
+
+    env = {**os.environ, "PAPERLINE_S3_ENDPOINT": "http://s3.example", "PAPERLINE_STATE_DIR": str(tmp_path / "st")}
+    proc = subprocess.run([sys.executable, "-m", "paperline.flows.cli", "status"], env=env, cwd=tmp_path,
+                          capture_output=True, text=True, timeout=120)
+    assert proc.stderr.count("warning:") == 1, proc.stderr
+    assert "warning: PAPERLINE_S3_ENDPOINT (in the environment) is not a paperline setting and is ignored; did you " \
+           "mean PAPERLINE_S3_ENDPOINT_URL?" in " ".join(proc.stderr.split()), proc.stderr
+
+
 def test_the_cli_turns_prefects_client_usage_data_off_unless_told(tmp_path):
     import os
     import subprocess

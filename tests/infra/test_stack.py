@@ -659,6 +659,32 @@ def test_a_bucket_created_on_a_configured_s3_endpoint_is_announced(stack):
     assert ObjectStore.from_stack(info).bucket_exists(typo)
 
 
+def test_up_with_every_service_configured_says_so(stack, tmp_path):
+    """It said "the stack in DIR is already up: nothing started", of a state directory that had
+    never held a server (a trial)."""
+    from typer.testing import CliRunner
+
+    from paperline.flows.cli import app
+    from paperline.infra.settings import get_settings
+
+    _, info = stack
+    user, password = info.mlflow_login.split(":", 1)
+    env = {"PAPERLINE_STATE_DIR": str(tmp_path / "st"), "PAPERLINE_S3_ENDPOINT_URL": info.s3_endpoint_url,
+           "PAPERLINE_S3_ACCESS_KEY_ID": info.s3_access_key_id, "PAPERLINE_S3_SECRET_ACCESS_KEY": info.s3_secret_access_key,
+           "PAPERLINE_PREFECT_API_URL": info.prefect_api_url, "PREFECT_API_AUTH_STRING": info.prefect_login,
+           "PAPERLINE_MLFLOW_TRACKING_URI": info.mlflow_tracking_uri, "MLFLOW_TRACKING_USERNAME": user,
+           "MLFLOW_TRACKING_PASSWORD": password}
+    get_settings.cache_clear()
+    try:
+        res = CliRunner().invoke(app, ["up"], env=env)
+    finally:
+        get_settings.cache_clear()
+    out = " ".join(res.output.split())
+    assert res.exit_code == 0, res.output
+    assert "every service is a configured endpoint (checked; nothing local to start)" in out, out
+    assert "already up" not in out and "started the local stack" not in out, out
+
+
 def test_a_prefect_server_with_a_login_is_used_with_prefects_own_variable(stack, free_port, tmp_path, monkeypatch):
     """A configured Prefect server that needs basic auth: without PREFECT_API_AUTH_STRING the
     check says so (its health check is open, so that alone passed and the run failed later on a
