@@ -204,6 +204,7 @@ def up() -> None:
 @_friendly
 def down() -> None:
     """Stop the local servers this state directory started (by PID)."""
+    from paperline.infra.flow_runs import serve_lock_holder
     from paperline.infra.stack import running_local_stack, running_flow_runs, stop_stack
 
     settings = _settings()
@@ -215,6 +216,10 @@ def down() -> None:
                       soft_wrap=True)
     stopped = stop_stack(settings)
     console.print(f"stopped: {', '.join(stopped)}" if stopped else "nothing to stop")
+    serving = serve_lock_holder(settings.state_dir)
+    if serving is not None and stopped:  # it went on silently (one websocket warning in its log: a trial)
+        console.print(f"`paperline serve` (pid {serving}) keeps running without its stack: it serves again after the "
+                      "next `paperline up` (Ctrl-C it to stop serving)", soft_wrap=True, highlight=False)
 
 
 @app.command(cls=_Command)

@@ -125,7 +125,17 @@ def test_second_stack_on_taken_ports_stops_completely(settings_factory, tmp_path
         # `down` then `up` with the preferred ports still taken: the same URLs again (links printed
         # earlier and MLflow's flow-run tags keep working); they used to be new random ports
         urls = [s.url for s in info.services]
-        stop_stack(settings)
+        import fcntl
+
+        with open(settings.state_dir / "serve.pid", "a+") as serve:  # as a `paperline serve` holds it
+            serve.write("4242\n")
+            serve.flush()
+            fcntl.flock(serve, fcntl.LOCK_EX)
+            code, out = cli("down")
+        # `down` said nothing of the serve attached to the stack, which went on silently (a trial)
+        assert code == 0 and "stopped: s3, prefect, mlflow" in out, out
+        assert "`paperline serve` (pid 4242) keeps running without its stack: it serves again after the next " \
+               "`paperline up`" in out, out
         info = ensure_stack(settings)
         assert [s.url for s in info.services] == urls
         assert (info.prefect_login, info.mlflow_login) == logins  # browsers' stored logins still work
