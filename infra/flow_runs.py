@@ -104,8 +104,10 @@ def crash_lost_runs(seen: dict[str, int], who: str, *, wait_s: float = 10.0,
                     crashed.append(run_id)
                     say(f"flow run {run.name!r} ({run_id}) marked Crashed: {who} stopped while it was executing")
     except Exception as exc:  # noqa: BLE001 - the process is exiting; the zombie automation is the backstop
-        say(f"could not mark the interrupted flow runs Crashed ({type(exc).__name__}: {exc}); the server's "
-            "automation crashes them once their heartbeats stop")
+        # (it said "the interrupted flow runs" of a run that had ended minutes before: a trial)
+        say(f"could not check whether the {len(lost)} flow run(s) it executed lately ended "
+            f"({type(exc).__name__}: {(str(exc).splitlines() or [''])[0]}); one left Running is marked Crashed by the server's "
+            "automation once its heartbeats stop")
     return crashed, sorted(alive)
 
 

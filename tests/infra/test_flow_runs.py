@@ -98,6 +98,22 @@ def _flow_run(client, state):
     return run
 
 
+def test_crash_lost_runs_says_what_it_could_not_check(free_port):
+    """With the server unreachable (or refusing the login) it said "could not mark the
+    interrupted flow runs Crashed" of a run that had ended minutes before (a trial)."""
+    from prefect.settings import PREFECT_API_URL, PREFECT_CLIENT_MAX_RETRIES, temporary_settings
+
+    proc = subprocess.Popen([sys.executable, "-c", "pass"])
+    proc.wait()
+    lines: list[str] = []
+    with temporary_settings({PREFECT_API_URL: f"http://127.0.0.1:{free_port()}/api", PREFECT_CLIENT_MAX_RETRIES: 0}):
+        assert crash_lost_runs({str(uuid.uuid4()): proc.pid}, "paperline worker", report=lines.append) == ([], [])
+    assert len(lines) == 1 and lines[0].startswith("could not check whether the 1 flow run(s) it executed lately "
+                                                   "ended (ConnectError: "), lines
+    assert lines[0].endswith("one left Running is marked Crashed by the server's automation once its heartbeats "
+                             "stop"), lines
+
+
 @pytest.mark.stack
 def test_crash_lost_runs_crashes_only_unfinished_runs_whose_process_ended(stack):
     from prefect.client.orchestration import get_client
