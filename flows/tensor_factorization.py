@@ -31,7 +31,7 @@ from paperline.kernels.errors import InputError as KernelInputError
 from paperline.kernels.tensor.baselines import MAX_DENSE_CELLS
 from paperline.kernels.tensor.coo import make_split
 from paperline.kernels.tensor.datasets import dataset_info, dataset_names, read_coo_parquet
-from paperline.kernels.tensor.p2t2f import default_split_mode
+from paperline.kernels.tensor.p2t2f import default_split_mode, working_set_bytes
 from paperline.tasks.tensor import fit_p2t2f, fit_tensorly_cp, load_tensor, render_report, split_tensor, user_scope
 
 EXPERIMENT = "tensor-factorization"
@@ -168,13 +168,38 @@ class TensorFactorizationParameters(BaseModel):
             raise InputError("rank", self.rank, f"the factors of {name!r} (shape {shape}) would take "
                              f"{format_bytes(per_rank * self.rank)} (limit {format_bytes(MAX_FACTOR_BYTES)}); "
                              f"at most rank {MAX_FACTOR_BYTES // per_rank} fits")
+        self.check_working_set(name, shape)
         cells = int(np.prod(shape, dtype=np.float64))
         if self.baseline and cells > MAX_DENSE_CELLS:
             raise InputError("baseline", True, f"the TensorLy baseline needs {name!r} dense: {cells:.3g} cells "
                              f"(limit {MAX_DENSE_CELLS:.3g}); use --set baseline=false for P²T²F alone")
 
 
+    def check_working_set(self, name: str, shape: tuple[int, ...]) -> None:
+        """Refuse a ``rank``/``batch_size`` whose fit would need more than :data:`MAX_WORKING_BYTES`
+        per worker (:func:`~paperline.kernels.tensor.p2t2f.working_set_bytes`), naming the largest
+        rank, and batch size, that fit. Raises InputError naming ``rank`` (or ``batch_size``)."""
+        from dask.utils import format_bytes  # noqa: PLC0415
+
+        def total(rank: int, batch: int) -> int:
+            return sum(working_set_bytes(shape, rank, batch, self.n_parts).values())
+
+        need = total(self.rank, self.batch_size)
+        if need <= MAX_WORKING_BYTES:
+            return
+        fits = max((r for r in range(1, self.rank) if total(r, self.batch_size) <= MAX_WORKING_BYTES), default=0)
+        per_entry, grams = working_set_bytes(shape, self.rank, 1, self.n_parts).values()
+        batch = (MAX_WORKING_BYTES - grams) // per_entry if grams < MAX_WORKING_BYTES else 0
+        ways = [f"rank at most {fits}" if fits else None, f"batch_size at most {batch}" if batch >= 1 else None]
+        argument, value = ("rank", self.rank) if fits or not batch else ("batch_size", self.batch_size)
+        raise InputError(argument, value, f"fitting {name!r} (shape {shape}) at rank {self.rank} with mini-batches "
+                                          f"of {self.batch_size} entries would take about {format_bytes(need)} per "
+                                          f"worker (limit {format_bytes(MAX_WORKING_BYTES)}): set "
+                                          + " or ".join(w for w in ways if w))
+
+
 MAX_FACTOR_BYTES = 4 * 2**30
+MAX_WORKING_BYTES = 2 * 2**30  # a fit's peak beyond its data, per worker (working_set_bytes)
 
 
 PRESETS: dict[str, dict[str, Any]] = {
@@ -243,7 +268,8 @@ def tensor_factorization(params: TensorFactorizationParameters | None = None) ->
         identity = dict(mlflow_params)
         if params.data is not None:
             content = next(iter(tensors.values())).result()["sha256"]
-            identity["data_sha256"] = content
+            identity["data_sha256"] = content  # the content, not where it lies: the same file
+            del identity["data"]  # uploaded to S3 was "first finished run" (a trial); metric names hold the stem
             tracker.set_tags(run_id, {"paperline.data_sha256": content})
         splits = {(d, k): split_tensor.submit(store, bucket, t, k, params.seed)
                   for d, t in tensors.items() for k in params.splits}

@@ -239,6 +239,30 @@ def time_penalty_rows(sub: SubTensor) -> np.ndarray:
     return array_module(sub.values).maximum(sub.row_counts[-1], 1).astype(np.float64)
 
 
+def working_set_bytes(shape: Sequence[int], rank: int, batch_size: int, n_parts: int = 1) -> dict[str, int]:
+    """Peak bytes of one worker's P²T²F fit beyond its data, by term, for the up-front check of
+    ``rank`` and ``batch_size`` (rank 512 was accepted, and a 30 x 20 x 25 tensor ran the
+    workers out of memory for minutes: a fresh-user trial).
+
+    Args:
+        shape: the tensor's shape ``(I_1, ..., I_N)``, ``I_N`` the time slices.
+        rank: CP rank R. batch_size: entries per mini-batch B. n_parts: P, the sub-problems
+            the split mode (:func:`default_split_mode`) is divided into.
+
+    Returns:
+        ``{"batch_statistics": ..., "row_grams": ...}`` in bytes: the mini-batch statistics of
+        :func:`local_update` (``B x (R(R+1)/2 + R)`` float64, about three copies at once: measured
+        2.9 with tracemalloc at R = 64 and 96), and the per-row Gram matrices of the largest mode
+        (``I x R x R``, the update and the closing ALS sweeps: twice, with the solve's copy; the
+        split mode's ``I / P`` rows per sub-problem).
+    """
+    pairs = rank * (rank + 1) // 2
+    split = default_split_mode(shape)
+    rows = max(-(-int(i) // max(int(n_parts), 1)) if m == split else int(i) for m, i in enumerate(shape))
+    return {"batch_statistics": 3 * 8 * int(batch_size) * (pairs + rank),
+            "row_grams": 2 * 8 * rows * rank * rank}
+
+
 def local_update(sub: SubTensor, state: LocalState, consensus: list[np.ndarray], round_: int,
                  lr: float, rho: float, lam: float, lam_t: float, n_parts: int, batch_size: int,
                  local_passes: int = 1, warmup_rounds: int = 1) -> LocalResult:

@@ -78,7 +78,11 @@ def parquet(tmp_path):
     (["lr=nan"], ["lr='nan'", "Input should be a finite number"]),  # was "greater than 0"
     (["rank=null"], ["rank=null", "valid integer"]),  # as typed: it said rank=None
     (["rank=[1,2]"], ["rank=[1,2]", "valid integer"]),
-    (["rank=1e9"], ["rank=1e9:", "less than or equal to 512"]),  # a number, unquoted as typed (was rank='1e9')
+    (["rank=1e9"], ["rank=1e9:", "less than or equal to 512"]),
+    # accepted, then ran the workers out of memory for minutes (a trial): refused with what fits
+    (["rank=512"], ["rank=512: fitting 'kinetic' (shape (64, 12, 10, 60)) at rank 512 with mini-batches of 4096 "
+                    "entries would take about 12.30 GiB per worker (limit 2.00 GiB): set rank at most 205 or "
+                    "batch_size at most 599"]),  # a number, unquoted as typed (was rank='1e9')
     (["rank=2.5"], ["rank=2.5", "fractional part"]),
     # fitted once, recorded twice (another comparison key than the list without the repeat: a trial)
     (["datasets=produc,produc"], ["datasets=['produc', 'produc']", "produc listed twice: each is fitted once"]),

@@ -216,16 +216,18 @@ def test_a_run_on_user_data_records_what_it_fitted(stack, cli_env, tmp_path):
         assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
         assert want in " ".join(proc.stdout.split()), proc.stdout[-3000:]
     # an S3 object replaced under the same key is read again (it was served from the task cache
-    # with the old content's results: a trial), and its run is not compared with the old one's
+    # with the old content's results: a trial), and its run is compared with the runs of its
+    # content, wherever that lay: the local file's (the path was part of the key: the same file
+    # uploaded was a "first finished run", another trial)
     from paperline.infra.storage import ObjectStore
 
     store, uri = ObjectStore.from_stack(info), f"s3://{info.data_bucket}/test-user-data/{tmp_path.name}/mine.parquet"
     rmse = []
-    for content in (path.read_bytes(), (tmp_path / "first.parquet").read_bytes()):
+    for content, earlier in ((path.read_bytes(), 2), ((tmp_path / "first.parquet").read_bytes(), 1)):
         store.put_bytes_to(content, uri)
         proc = subprocess.run([*args[:6], f"data={uri}", *args[7:]], env=cli_env, capture_output=True, text=True,
                               timeout=600)
         assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-        assert "first finished run with these parameters" in " ".join(proc.stdout.split()), proc.stdout[-3000:]
+        assert f"against the best of {earlier} earlier run(s)" in " ".join(proc.stdout.split()), proc.stdout[-3000:]
         rmse.append(json.loads(summary.read_text())["rows"][0]["test_rmse"])
     assert rmse[0] != rmse[1]
