@@ -2,10 +2,12 @@
 Freivalds' check, measured against the single-process NumPy/SciPy peer, tracked in MLflow.
 
 Steps: validate the parameters and open the operands (seeded random, ``.npy`` files or S3
-objects); run the tile plan on the workers, writing the output tile by tile to a staged file;
-verify it (the flow fails and nothing is written when the check fails); commit the output (an
-atomic rename, or an S3 upload that is visible only once complete); sweep 1..W workers for the
-scaling plot; run the peer; log metrics and plots to one MLflow run.
+objects); sweep 1..W workers for the scaling plot (scratch outputs); run the peer; run the tile
+plan on the workers, writing the output tile by tile to a staged file; verify it (the flow fails
+and nothing is written when the check fails); commit the output (an atomic rename, or an S3
+upload that is visible only once complete); log metrics and plots to one MLflow run. The output
+is committed last, so that a run stopped or failed in the sweep or the peer leaves none (an
+interrupted run wrote its full result, at a default S3 key nobody was told: a trial).
 """
 
 from __future__ import annotations
@@ -349,20 +351,25 @@ def gemm(params: GemmParameters | None = None) -> dict[str, Any]:
     run_id = tracker.start_run(EXPERIMENT, run_name=flow_run.name or "gemm",
                                tags={"prefect.flow_run_id": str(flow_run.id), "prefect.flow_run_url": run_url},
                                params=mlflow_params)
+    main = None
     try:
-        kp = params.kernel_params()
+        # the sizes that run: random operands beside file ones take the files' (tasks.gemm.implied_sizes)
+        kp = {**params.kernel_params(), "m": problem.out_shape[0], "n": problem.out_shape[1], "k": problem.inner,
+              "dtype": str(problem.dtype)}
         if params.stage_random and "random" in (params.a, params.b, params.c):
             kp = stage_random_operands(kp, str(Path(settings.state_dir) / "gemm" / "operands"))
-        main = tiled_multiply(kp, store, output, budget, device)
-        tracker.set_tags(run_id, {"problem": main["problem"], "operand_shapes": json.dumps(main["shapes"])})
         scaling = scaling_sweep(kp, store, budget, device) if params.scaling else []
         peer = single_process_peer(kp, store) if params.peer else None
+        main = tiled_multiply(kp, store, output, budget, device)
+        tracker.set_tags(run_id, {"problem": main["problem"], "operand_shapes": json.dumps(main["shapes"])})
         summary = _log_run(tracker, run_id, main, scaling, peer)
         versus = check_latest(tracker, run_id, {k: v for k, v in mlflow_params.items() if k != "output"}, HEADLINES)
         summary["lines"] += versus.lines()
         summary["versus_best_earlier"] = versus.as_dict()
         tracker.end_run(run_id, "FINISHED")
     except BaseException as exc:
+        if main is not None:  # stopped while logging: the result is whole and verified; say where it is
+            print(f"the verified result had been written to {main['output']} before the run stopped")
         tracker.end_failed(run_id, exc)
         raise
     summary.update(prefect_flow_run_id=str(flow_run.id), prefect_flow_run_url=run_url, mlflow_run_id=run_id,

@@ -146,6 +146,40 @@ def random_sources(params: dict[str, Any]) -> dict[str, RandomSource]:
             for name in used_operands(params) if params[name] == "random"}
 
 
+def implied_sizes(params: dict[str, Any], files: dict[str, TileSource]) -> dict[str, Any]:
+    """``m``, ``n``, ``k`` and ``dtype`` as the file (or S3) operands ``files`` fix them, in the
+    conventions of :func:`random_sources`, so that random operands beside them conform; the
+    first operand (a, b, c) to fix one wins (a conflict between files is make_problem's to name).
+    Operands that are not 2-D fix nothing (make_problem refuses them).
+
+    Raises:
+        InputError: a bad trans/side flag.
+    """
+    from paperline.kernels.blas.plan import SIDE, TRANS, parse_flag  # noqa: PLC0415
+
+    routine = params["routine"]
+    ta, tb = parse_flag("trans_a", params["trans_a"], TRANS), parse_flag("trans_b", params["trans_b"], TRANS)
+    sizes: dict[str, Any] = {}
+    for name in OPERANDS:
+        src = files.get(name)
+        if src is None or len(src.shape) != 2:
+            continue
+        rows, cols = (int(d) for d in src.shape)
+        if routine == "gemm":
+            fixed = {"a": {"m": cols if ta else rows, "k": rows if ta else cols},
+                     "b": {"k": cols if tb else rows, "n": rows if tb else cols}, "c": {"m": rows, "n": cols}}[name]
+        elif routine in ("symm", "trmm", "trsm"):
+            left = parse_flag("side", params["side"], SIDE) == "L"
+            fixed = {"m" if left else "n": rows} if name == "a" else {"m": rows, "n": cols}
+        else:  # syrk, syr2k: op(a) is n x k
+            fixed = {"n": rows} if name == "c" else {"n": cols if ta else rows, "k": rows if ta else cols}
+        if str(src.dtype) in ("float32", "float64"):  # another one is make_problem's to refuse, naming the file
+            fixed["dtype"] = str(src.dtype)
+        for key, value in fixed.items():
+            sizes.setdefault(key, value)
+    return sizes
+
+
 def operand_source(spec: str, argument: str, store: ObjectStore | None) -> TileSource:
     """The source a file or S3 operand spec names: an ``s3://`` URI or a local ``.npy`` path.
 
@@ -167,10 +201,11 @@ def build_problem(params: dict[str, Any], store: ObjectStore | None) -> Problem:
     Raises:
         InputError: bad parameters or operands.
     """
-    srcs: dict[str, TileSource] = dict(random_sources(params))
-    for name in used_operands(params):
-        if name not in srcs:
-            srcs[name] = operand_source(params[name], name, store)
+    files = {name: operand_source(params[name], name, store) for name in used_operands(params)
+             if params[name] != "random"}
+    # random operands take the sizes the files fix (a 300 x 200 a= with b random made b 4096 x
+    # 4096, the preset's, refused as "b=(4096, 4096): shape does not conform": a trial)
+    srcs: dict[str, TileSource] = {**random_sources({**params, **implied_sizes(params, files)}), **files}
     return make_problem(params["routine"], srcs["a"], srcs.get("b"), srcs.get("c"), alpha=params["alpha"],
                         beta=params["beta"], trans_a=params["trans_a"], trans_b=params["trans_b"],
                         side=params["side"], uplo=params["uplo"], diag=params["diag"], tile=params["tile"])

@@ -211,3 +211,45 @@ def _spawned_workers(pid: int) -> list:
         if "spawn_main" in cmdline:
             found.append(child)
     return found
+
+
+FAILING = """
+import os
+import sys
+
+import paperline.flows.gemm as g
+from paperline.infra.stack import connect
+
+
+def fail(*args, **kwargs):
+    raise RuntimeError("stopped here")
+
+
+if __name__ == "__main__":
+    connect(start=False)
+    out, step = sys.argv[1], sys.argv[2]
+    setattr(g, step, fail)
+    try:
+        g.gemm(g.GemmParameters(m=90, n=70, k=50, tile=32, output=out, peer=False))
+    except RuntimeError as exc:
+        print("FAILED:", exc)
+    print("EXISTS:", os.path.exists(out))
+"""
+
+
+@pytest.mark.parametrize("step, written", [("scaling_sweep", False), ("_log_run", True)])
+def test_a_run_that_fails_before_its_end_leaves_no_output_or_says_where_it_is(stack, cli_env, tmp_path, step,
+                                                                            written):
+    """An interrupted run (its multiply committed, then stopped in the scaling sweep) left its
+    whole result at a default S3 key nobody was told (a trial): the output is now committed
+    last, and a run stopped after that (logging to MLflow) says where its verified result is."""
+    (tmp_path / "fail.py").write_text(FAILING)
+    out = tmp_path / "c.npy"
+    env = {k: v for k, v in cli_env.items() if not k.startswith(("PREFECT_", "MLFLOW_"))}
+    proc = subprocess.run([sys.executable, "fail.py", str(out), step], cwd=tmp_path, env=env, capture_output=True,
+                          text=True, timeout=300)
+    text = proc.stdout + proc.stderr
+    assert proc.returncode == 0 and "FAILED: stopped here" in text, text[-3000:]
+    assert f"EXISTS: {written}" in text, text[-3000:]
+    said = f"the verified result had been written to {out} before the run stopped"
+    assert (said in " ".join(text.split())) == written, text[-3000:]

@@ -219,3 +219,30 @@ def test_mlflow_records_the_operands_sizes_and_dtype_not_unused_defaults(tmp_pat
     assert {k: logged_params(syrk, syrk.validate_inputs())[k] for k in "mnk"} == {"m": 70, "n": 70, "k": 50}
     trsm = GemmParameters(routine="trsm", side="R", m=90, n=70, tile=32)
     assert {k: logged_params(trsm, trsm.validate_inputs())[k] for k in "mnk"} == {"m": 90, "n": 70, "k": 70}
+
+
+@pytest.mark.parametrize("routine, files, extra, shapes", [
+    # a=300x200 file, b random: b was 4096 x 4096 (the preset's k, n), refused as "b=(4096, 4096)"
+    ("gemm", {"a": (300, 200)}, {"n": 60}, {"a": (300, 200), "b": (200, 60)}),
+    ("gemm", {"a": (200, 300)}, {"trans_a": "T", "trans_b": "T", "n": 60}, {"a": (200, 300), "b": (60, 200)}),
+    ("gemm", {"a": (300, 200), "b": (200, 250)}, {"c": "random", "beta": 1.0}, {"c": (300, 250)}),
+    ("syrk", {"a": (300, 200)}, {"c": "random", "beta": 1.0}, {"c": (300, 300)}),
+    ("syr2k", {"b": (300, 200)}, {"trans_a": "T"}, {"a": (300, 200)}),  # B's shape fixes a random A
+    ("trsm", {"b": (120, 90)}, {"side": "R"}, {"a": (90, 90)}),
+    ("symm", {"a": (80, 80)}, {}, {"b": (80, 4096)}),  # n is not fixed by the files: the parameter's
+])
+def test_random_operands_take_the_sizes_the_files_fix(tmp_path, routine, files, extra, shapes):
+    """A random operand beside file operands is shaped from the files (and their dtype), not from
+    the m, n, k parameters (a fresh-user trial)."""
+    from paperline.flows.gemm import GemmParameters
+
+    rng = np.random.default_rng(0)
+    params = GemmParameters(**{"routine": routine, "tile": 64, "dtype": "float64", **extra}).kernel_params()
+    for name, shape in files.items():
+        path = tmp_path / f"{name}.npy"
+        np.save(path, rng.standard_normal(shape).astype(np.float32))
+        params[name] = str(path)
+    problem = build_problem(params, None)
+    assert problem.dtype == np.float32
+    for name, shape in shapes.items():
+        assert tuple(problem.operands()[name].shape) == shape, (name, problem.describe())
