@@ -147,7 +147,9 @@ class TensorFactorizationParameters(BaseModel):
             try:
                 make_split(tensor, kind, seed=self.seed)
             except KernelInputError as exc:
-                raise InputError("data", self.data, f"cannot make the {kind} split: {exc}") from None
+                # a way on, besides the split's internal value (horizon=1): a trial
+                hint = "; --set splits=random fits it without the temporal split" if kind == "temporal" else ""
+                raise InputError("data", self.data, f"cannot make the {kind} split: {exc}{hint}") from None
         self.check_shape("data", tensor.shape)
 
     def check_shape(self, name: str, shape: tuple[int, ...]) -> None:
@@ -165,9 +167,10 @@ class TensorFactorizationParameters(BaseModel):
                              f"shape {shape}: its factors would take {format_bytes(per_rank)} even at rank 1 "
                              f"(limit {format_bytes(MAX_FACTOR_BYTES)})")
         if per_rank * self.rank > MAX_FACTOR_BYTES:
+            fits = self._largest_rank(shape, MAX_FACTOR_BYTES // per_rank)  # whose fit fits too
             raise InputError("rank", self.rank, f"the factors of {name!r} (shape {shape}) would take "
                              f"{format_bytes(per_rank * self.rank)} (limit {format_bytes(MAX_FACTOR_BYTES)}); "
-                             f"at most rank {MAX_FACTOR_BYTES // per_rank} fits")
+                             + (f"at most rank {fits} fits" if fits else "no rank fits in memory"))
         self.check_working_set(name, shape)
         cells = int(np.prod(shape, dtype=np.float64))
         if self.baseline and cells > MAX_DENSE_CELLS:
@@ -175,19 +178,22 @@ class TensorFactorizationParameters(BaseModel):
                              f"(limit {MAX_DENSE_CELLS:.3g}); use --set baseline=false for P²T²F alone")
 
 
+    def _largest_rank(self, shape: tuple[int, ...], upto: int) -> int:
+        """The largest rank up to ``upto`` whose fit stays within :data:`MAX_WORKING_BYTES` (0: none)."""
+        return max((r for r in range(1, upto + 1)
+                    if sum(working_set_bytes(shape, r, self.batch_size, self.n_parts).values()) <= MAX_WORKING_BYTES),
+                   default=0)
+
     def check_working_set(self, name: str, shape: tuple[int, ...]) -> None:
         """Refuse a ``rank``/``batch_size`` whose fit would need more than :data:`MAX_WORKING_BYTES`
         per worker (:func:`~paperline.kernels.tensor.p2t2f.working_set_bytes`), naming the largest
         rank, and batch size, that fit. Raises InputError naming ``rank`` (or ``batch_size``)."""
         from dask.utils import format_bytes  # noqa: PLC0415
 
-        def total(rank: int, batch: int) -> int:
-            return sum(working_set_bytes(shape, rank, batch, self.n_parts).values())
-
-        need = total(self.rank, self.batch_size)
+        need = sum(working_set_bytes(shape, self.rank, self.batch_size, self.n_parts).values())
         if need <= MAX_WORKING_BYTES:
             return
-        fits = max((r for r in range(1, self.rank) if total(r, self.batch_size) <= MAX_WORKING_BYTES), default=0)
+        fits = self._largest_rank(shape, self.rank - 1)
         per_entry, grams = working_set_bytes(shape, self.rank, 1, self.n_parts).values()
         batch = (MAX_WORKING_BYTES - grams) // per_entry if grams < MAX_WORKING_BYTES else 0
         ways = [f"rank at most {fits}" if fits else None, f"batch_size at most {batch}" if batch >= 1 else None]

@@ -25,6 +25,7 @@ import numpy as np
 from prefect import task
 from prefect.cache_policies import NO_CACHE
 
+from paperline.infra.errors import PaperlineError
 from paperline.infra.storage import ObjectStore
 from paperline.kernels.blas.plan import Problem, make_problem
 from paperline.kernels.blas.runtime import DaskRuntime, LocalRuntime, RunResult, owner_tag, run, sweep_leftovers
@@ -36,8 +37,10 @@ from paperline.tasks.retry import HOUR, retry_unless, retry_unless_bad_input
 HEADER_PROBE_BYTES = 1 << 16
 
 
-class VerificationError(RuntimeError):
-    """A result failed Freivalds' check (its output was not committed)."""
+class VerificationError(PaperlineError, RuntimeError):
+    """A result failed Freivalds' check (its output was not committed). A PaperlineError: its
+    message is the whole story, shown as one line (it came with "run with --debug for the
+    traceback", unlike the input errors: a trial)."""
 
 
 class S3NpySource:
@@ -417,9 +420,17 @@ def single_process_peer(params: dict[str, Any], store: ObjectStore | None) -> di
         calls[p.routine]()
         seconds = time.perf_counter() - start
         blas = [f"{i.get('internal_api')} {i.get('version')} ({i.get('num_threads')} threads, {i.get('architecture')})"
-                for i in threadpool_info() if i.get("user_api") == "blas" and owner in str(i.get("filepath", ""))]
+                for i in threadpool_info() if i.get("user_api") == "blas" and _bundled_by(i.get("filepath"), owner)]
     name = "numpy.matmul" if p.routine == "gemm" else f"scipy.linalg.blas.{pre}{p.routine}"
     return {"name": name, "seconds": seconds, "gflops": p.flops / seconds / 1e9, "blas": "; ".join(blas)}
+
+
+def _bundled_by(filepath: object, package: str) -> bool:
+    """``filepath`` is a library that wheel ``package`` bundles (``.../numpy.libs/...``) or holds.
+    A substring test matched NumPy's ``libscipy_openblas64_`` for SciPy: the peer line listed
+    both OpenBLAS builds, in an order that changed run to run (a trial)."""
+    parts = Path(str(filepath or "")).parts
+    return f"{package}.libs" in parts or package in parts
 
 
 @task(name="render-gemm-report", cache_policy=NO_CACHE, retries=1, timeout_seconds=HOUR)

@@ -144,12 +144,16 @@ def test_bad_user_data(parquet):
         (str(Path(parquet("x.parquet", raw=b"")).parent), ["is a directory"]),
         (parquet("tiny.parquet", pa.table({"i": [0, 1, 2], "j": [0, 1, 0], "t": [0, 1, 2], "value": [1.0, 2.0, 3.0]})),
          ["tiny.parquet", "cannot make the random split", "too few observed entries"]),
+        # a tensor too short in time for the temporal split: the error says how to go on (a trial)
+        (parquet("short.parquet", pa.table({"i": list(range(40)), "j": [k % 5 for k in range(40)], "t": [0] * 40,
+                                            "value": [1.0] * 40})),
+         ["short.parquet", "cannot make the temporal split", "--set splits=random fits it without the temporal split"]),
         (parquet("wide.parquet", pa.table({"i": [2_000_000] + list(range(59)), "j": [3000] + [7] * 59,
                                            "t": list(range(60)), "value": [1.0] * 60})),
          ["baseline=True", "needs 'data' dense", "--set baseline=false"]),
         (parquet("huge.parquet", pa.table({"i": [19_000_000] + list(range(59)), "j": [3000] + [7] * 59,
                                            "t": list(range(60)), "value": [1.0] * 60})),
-         ["rank=6", "the factors of 'data'", "GiB (limit 4.00 GiB); at most rank 4 fits"]),
+         ["rank=6", "the factors of 'data'", "GiB (limit 4.00 GiB); at most rank 3 fits"]),
         # a mode too long for any rank is the data's fault (it was blamed on rank)
         (parquet("giant.parquet", pa.table({"i": [200_000_000] + list(range(59)), "j": [30] + [7] * 59,
                                             "t": list(range(60)), "value": [1.0] * 60})),
@@ -794,3 +798,22 @@ def test_a_worker_that_exits_unasked_says_why_and_fails(stack):
         _worker_failed(1, info.prefect_api_url, "paperline:not-the-login")
     with pytest.raises(PaperlineError, match=r"^the Prefect worker exited with status 1 \(its output above says why\)"):
         _worker_failed(1, info.prefect_api_url, info.prefect_login)
+
+
+def test_a_failed_verification_is_one_line_like_other_refusals(capsys):
+    """It printed "error: VerificationError: Freivalds' check failed ..." and "(run with --debug for
+    the traceback)", unlike the input errors' one line (a trial)."""
+    import typer
+
+    from paperline.flows.cli import _friendly
+    from paperline.tasks.gemm import VerificationError
+
+    @_friendly
+    def fails() -> None:
+        raise VerificationError("Freivalds' check failed: residual 1 > tolerance 1e-12; the output was not written")
+
+    with pytest.raises(typer.Exit):
+        fails()
+    err = " ".join(capsys.readouterr().err.split())
+    assert "error: Freivalds' check failed: residual 1" in err, err
+    assert "--debug" not in err and "VerificationError" not in err, err

@@ -193,13 +193,25 @@ def test_the_peer_runs_on_every_core_whatever_the_environment_set():
 import os
 from paperline.flows.gemm import GemmParameters
 from paperline.tasks.gemm import single_process_peer
-params = GemmParameters(routine="syrk", m=300, n=300, k=200, tile=64).kernel_params()
-print(single_process_peer.fn(params, None)["blas"])
+for routine in ("gemm", "syrk"):
+    params = GemmParameters(routine=routine, m=300, n=300, k=200, tile=64).kernel_params()
+    print(single_process_peer.fn(params, None)["blas"])
 """
     env = {**os.environ, "OPENBLAS_NUM_THREADS": "1"}
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, env=env)
     assert out.returncode == 0, out.stderr
-    assert f"({os.cpu_count()} threads" in out.stdout.strip().splitlines()[-1], out.stdout
+    numpy_line, scipy_line = out.stdout.strip().splitlines()[-2:]
+    assert f"({os.cpu_count()} threads" in scipy_line, out.stdout
+    # the library the peer called, alone: both OpenBLAS builds were listed, NumPy's
+    # libscipy_openblas64_ taken for SciPy's by a substring test (a trial)
+    import scipy.linalg.blas  # noqa: F401 - loaded, so that threadpoolctl sees its OpenBLAS
+    from threadpoolctl import threadpool_info
+
+    versions = {lib: i["version"] for i in threadpool_info() if i.get("user_api") == "blas"
+                for lib in ("numpy", "scipy") if f"/{lib}.libs/" in i["filepath"]}
+    assert ";" not in numpy_line and ";" not in scipy_line, out.stdout
+    if versions.get("numpy") != versions.get("scipy"):
+        assert f" {versions['numpy']} (" in numpy_line and f" {versions['scipy']} (" in scipy_line, (versions, out.stdout)
 
 
 def test_mlflow_records_the_operands_sizes_and_dtype_not_unused_defaults(tmp_path):
