@@ -91,10 +91,12 @@ class CampaignParameters(BaseModel):
                             n_init=self.n_init, ref_point=self.ref_point, optimizer_options=self.optimizer_options,
                             problem_options=self.problem_kwargs())
         except KernelInputError as exc:
-            argument = exc.argument
+            argument, value = exc.argument, exc.value
             if argument == "problem_options.objectives" and "objectives" not in self.problem_options:
                 argument = "objectives"  # the parameter the user set, not where it is passed on
-            raise InputError(argument, exc.value, exc.problem) from None
+            if argument == "problem_options" and isinstance(value, dict):  # as given: without the
+                value = dict(self.problem_options)  # objectives/device merged in (a trial)
+            raise InputError(argument, value, exc.problem) from None
 
     def campaign_name(self, built: Campaign | None = None) -> str:
         """The campaign's name: ``campaign``, else derived from the parameters (``built``: this

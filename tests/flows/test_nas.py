@@ -229,3 +229,15 @@ def test_a_long_candidate_is_shortened_with_a_marker():
     assert len(long) == 120 and long.endswith("…") and long.startswith("x0=0, x1=1.235")
     assert _candidate_text({"x0": 0.5, "x1": 2}) == "x0=0.5, x1=2"
     assert _candidate_text({"cell": "|nor_conv_3x3~0|" * 10, "x0": 1.0}) == "|nor_conv_3x3~0|" * 10
+
+
+def test_a_refused_problem_option_is_shown_as_given():
+    """The value shown had the demo's objectives merged in, a key the user never typed (a trial)."""
+    from paperline.flows.nas import CampaignParameters
+    from paperline.kernels.errors import InputError
+
+    params = CampaignParameters(optimizer="lamoo", problem="nasbench201-cifar10",
+                                objectives=["val_accuracy_pct", "model_size_mb"], problem_options={"dim": -3})
+    with pytest.raises(InputError) as caught:
+        params.build()
+    assert str(caught.value).startswith("problem_options={'dim': -3}: nasbench201-cifar10 has no option 'dim'")
