@@ -327,6 +327,7 @@ def deployment_status(api_url: str, login: str | None, state_dir: os.PathLike[st
         FlowRunFilterStateType,
     )
     from prefect.client.schemas.objects import StateType  # noqa: PLC0415
+    from prefect.exceptions import ObjectNotFound  # noqa: PLC0415
     from prefect.settings import PREFECT_API_AUTH_STRING, PREFECT_API_URL, temporary_settings  # noqa: PLC0415
 
     now = datetime.datetime.now(datetime.timezone.utc)
@@ -343,9 +344,11 @@ def deployment_status(api_url: str, login: str | None, state_dir: os.PathLike[st
             deployments = [{"name": f"{flows.get(d.flow_id, '?')}/{d.name}", "work_pool": d.work_pool_name,
                             "polled_s_ago": ago(d.last_polled), "paused": d.paused} for d in found]
             by_id = {d.id: f"{flows.get(d.flow_id, '?')}/{d.name}" for d in found}
-            workers = {pool: [{"name": w.name, "heartbeat_s_ago": ago(w.last_heartbeat_time)}
-                              for w in client.read_workers_for_work_pool(pool)]
-                       for pool in {d.work_pool_name for d in found if d.work_pool_name}}
+            workers: dict[str, list[dict[str, object]]] = {}
+            for pool in {d.work_pool_name for d in found if d.work_pool_name}:
+                with contextlib.suppress(ObjectNotFound):  # a pool deleted under its deployments: none online
+                    workers[pool] = [{"name": w.name, "heartbeat_s_ago": ago(w.last_heartbeat_time)}
+                                     for w in client.read_workers_for_work_pool(pool)]
             waiting = client.read_flow_runs(flow_run_filter=FlowRunFilter(
                 state=FlowRunFilterState(type=FlowRunFilterStateType(any_=[StateType.SCHEDULED])),
                 expected_start_time=FlowRunFilterExpectedStartTime(
