@@ -197,6 +197,13 @@ def compare_runs(tracker: Tracker, experiment: str, metrics: list[str], filter_s
         runs = search(order, top)
     if not runs:
         raise _no_runs(client, exp.experiment_id, experiment, user_filter, " and ".join(clauses) if keyed else "")
+    problems = sorted({r.data.params["problem"] for r in runs if "problem" in r.data.params})
+    if metrics and order[0] != "attributes.start_time DESC" and len(problems) > 1:
+        # nas: hypervolumes of live-mnist (5.7e9) and NAS-Bench-201 (5.6) ranked as one list (a trial)
+        mixed = (f"ranked across {len(problems)} problems ({', '.join(problems[:4])}"
+                 f"{', ...' if len(problems) > 4 else ''}), whose {metrics[0]} values do not compare: "
+                 f"--filter \"params.problem = '{problems[0]}'\" ranks one")
+        note = f"{note}; {mixed}" if note else mixed
     if len(runs) == top and len(search(["attributes.start_time DESC"], top + 1)) > top:  # "10 run(s)" of 12 (a trial)
         more = f"more runs than the {top} shown match: --top N shows more"
         note = f"{note}; {more}" if note else more

@@ -237,6 +237,29 @@ def test_a_metric_maximized_by_some_runs_and_minimized_by_others_is_not_ranked(s
                                                                                                ids["levy-a"]]
 
 
+def test_runs_of_different_problems_ranked_together_get_a_note(stack_cli, stack, tmp_path):
+    """nas hypervolumes of live-mnist (5.7e9) and NAS-Bench-201 (5.6) were ranked as one list
+    without a word (a trial): ranked still, with a note naming a filter for one problem."""
+    import json
+
+    from paperline.infra.tracking import Tracker
+
+    _, info = stack
+    tracker = Tracker(info.mlflow_tracking_uri)
+    for name, problem, value in (("bench", "nasbench201-cifar10", 5.6), ("live", "live-mnist", 5.7e9)):
+        run_id = tracker.start_run("compare-problems", run_name=name, params={"problem": problem}, tags={
+            "paperline.params_key": name, "paperline.headlines": json.dumps([["final_hypervolume", True]])})
+        tracker.log_metrics(run_id, {"final_hypervolume": value})
+        tracker.end_run(run_id)
+    res = stack_cli("compare", "compare-problems", "--out", str(tmp_path))
+    out = " ".join(res.output.split())
+    assert res.exit_code == 0, res.output
+    assert "ranked across 2 problems (live-mnist, nasbench201-cifar10), whose final_hypervolume values do not " \
+           "compare: --filter \"params.problem = 'live-mnist'\" ranks one" in out, res.output
+    res = stack_cli("compare", "compare-problems", "--filter", "params.problem = 'live-mnist'", "--out", str(tmp_path))
+    assert res.exit_code == 0 and "ranked across" not in res.output, res.output
+
+
 def test_a_metric_logged_once_per_run_is_plotted_as_bars(tmp_path):
     """gemm's throughput is one value per run: as lines it was a dot per run at step 0 (fresh-user
     trial); it is a bar per run now, and a metric with steps stays a line per run."""
