@@ -263,6 +263,43 @@ def _port_free(host: str, port: int) -> bool:
     return True
 
 
+@contextlib.contextmanager
+def _ports_lock(wait_s: float, tell: Progress) -> Iterator[None]:
+    """Held, by this user's paperline processes on this machine, from picking a new server's ports
+    until the stack is up: two `paperline up` of different state directories at the same moment
+    picked the same free port, and one server failed with "bind: address already in use" (a
+    trial). After ``wait_s`` seconds, or where the lock file cannot be used as ours (another
+    user's, a symbolic link), it goes on without, as before."""
+    path = Path(tempfile.gettempdir()) / f"paperline-ports-{os.getuid()}.lock"
+    try:
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o600)
+    except OSError:
+        yield
+        return
+    with os.fdopen(fd, "r+") as f:
+        if os.fstat(fd).st_uid != os.getuid():  # planted by another user, who could hold it forever
+            yield
+            return
+        deadline, waiting = time.monotonic() + wait_s, False
+        while True:
+            try:
+                fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                break
+            except BlockingIOError:
+                if time.monotonic() > deadline:
+                    tell(f"another paperline stack kept starting for {wait_s:.0f} s: picking ports without waiting")
+                    yield
+                    return
+                if not waiting:
+                    waiting = True
+                    tell("waiting for another paperline stack on this machine to finish starting (ports)")
+                time.sleep(0.2)
+        try:
+            yield
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)
+
+
 def _pick_port(
     host: str, preferred: int | None | tuple[int | None, ...], taken: set[int], *, with_grpc: bool = False
 ) -> int:
@@ -1505,6 +1542,14 @@ def ensure_stack(settings: Settings, *, progress: Progress | None = None, notice
         def save() -> None:
             _write_state(settings, state)
 
+        ports = contextlib.ExitStack()  # the machine-wide ports lock, once a server is to start
+        claimed: list[bool] = []
+
+        def claim_ports() -> None:
+            if not claimed:
+                claimed.append(True)
+                ports.enter_context(_ports_lock(settings.startup_timeout_s, tell))
+
         try:
             # A local server shadowed by a configured endpoint keeps its record (and its ports):
             # `paperline down` stops it, and a run without the endpoint setting uses it again.
@@ -1533,6 +1578,7 @@ def ensure_stack(settings: Settings, *, progress: Progress | None = None, notice
             else:
                 recs.pop("s3", None)
             if not external["s3"] and "s3" not in recs:
+                claim_ports()
                 proc, rec = _start_s3(settings, taken, key, secret)  # type: ignore[arg-type]
                 say(f"s3: starting SeaweedFS at {rec['url']} (log: {rec['log_path']})")
                 _configured_port_taken(settings, "s3", rec["port"], tell)
@@ -1586,6 +1632,7 @@ def ensure_stack(settings: Settings, *, progress: Progress | None = None, notice
                     raise ServiceError("prefect", problem, url=api)
             last = {name: _last_port(settings, name) for name in ("prefect", "mlflow")}
             if "prefect" not in recs and not external["prefect"]:
+                claim_ports()
                 proc, rec = _start_prefect(settings, None, taken, login)  # type: ignore[arg-type]
                 say(f"prefect: starting server at {rec['url']} (log: {rec['log_path']})")
                 recs["prefect"] = rec
@@ -1596,6 +1643,7 @@ def ensure_stack(settings: Settings, *, progress: Progress | None = None, notice
                 if problem:
                     raise ServiceError("mlflow", problem, url=external["mlflow"])
             if "mlflow" not in recs and not external["mlflow"]:
+                claim_ports()
                 proc, rec = _start_mlflow(settings, None, taken, s3_obj_url, key, secret, mlflow_login)  # type: ignore[arg-type]
                 say(f"mlflow: starting server at {rec['url']} (log: {rec['log_path']})")
                 recs["mlflow"] = rec
@@ -1646,6 +1694,8 @@ def ensure_stack(settings: Settings, *, progress: Progress | None = None, notice
             _stop_records([recs.pop(name) for name in reversed(started) if name in recs])
             _write_state(settings, state)
             raise
+        finally:
+            ports.close()
 
     services = []
     for name in SERVICE_NAMES:

@@ -256,3 +256,33 @@ def test_servers_a_damaged_stack_json_lost_are_stopped_by_down(settings_factory,
             proc.wait()
     assert stop_stack(settings_factory(tmp_path / "never-made")) == []
     assert not (tmp_path / "never-made").exists()  # `down` on no state directory creates none
+
+
+def test_two_stacks_started_at_once_on_the_same_preferred_ports_both_start(settings_factory, tmp_path, stack):
+    """Two `paperline up` of different state directories at the same moment picked the same free
+    port, and one failed with "bind: address already in use" (a trial): the port pick and the
+    servers' binding are now serialized per user, and the second moves to free ports."""
+    import subprocess
+    import sys
+
+    one, two = settings_factory(tmp_path / "one"), settings_factory(tmp_path / "two")
+    env = {k: v for k, v in os.environ.items() if not k.startswith("PAPERLINE_")}
+    env.update(PAPERLINE_S3_PORT=str(one.s3_port), PAPERLINE_PREFECT_PORT=str(one.prefect_port),
+               PAPERLINE_MLFLOW_PORT=str(one.mlflow_port))
+    procs = [subprocess.Popen([sys.executable, "-m", "paperline.flows.cli", "up"], env={**env, "PAPERLINE_STATE_DIR":
+                              str(s.state_dir)}, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+             for s in (one, two)]
+    try:
+        outs = [p.communicate(timeout=300)[0] for p in procs]
+        assert [p.returncode for p in procs] == [0, 0], outs
+        urls = [{s.url for s in stack_status(s) if s.healthy} for s in (one, two)]
+        assert all(len(u) == 3 for u in urls) and urls[0].isdisjoint(urls[1]), (urls, outs)
+        assert any("waiting for another paperline stack on this machine to finish starting" in " ".join(o.split())
+                   for o in outs), outs
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+        for s in (one, two):
+            stop_stack(s)

@@ -1,5 +1,6 @@
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import pytest
@@ -154,3 +155,29 @@ def test_a_stack_prefers_its_last_ports_to_the_defaults_and_a_set_port_to_both(m
     # the order is what _pick_port takes: the first free port of it
     free = _pick_port("127.0.0.1", None, set())
     assert _pick_port("127.0.0.1", _preferred_ports(default, "s3", free), set()) == free
+
+
+def test_the_ports_lock_waits_then_goes_on_and_ignores_a_planted_file(tmp_path, monkeypatch):
+    """Two stacks starting at once are serialized by a per-user lock file in the temp directory;
+    a holder that never lets go costs at most the wait, and a file another user could plant (a
+    symbolic link) is not used."""
+    import tempfile
+    import time
+
+    from paperline.infra.stack import _ports_lock
+
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    said: list[str] = []
+    with _ports_lock(5.0, said.append):
+        start = time.monotonic()
+        with _ports_lock(0.5, said.append):  # held above: waits 0.5 s, then goes on
+            assert time.monotonic() - start >= 0.5
+    assert said == ["waiting for another paperline stack on this machine to finish starting (ports)",
+                    "another paperline stack kept starting for 0 s: picking ports without waiting"], said
+    lock = tmp_path / f"paperline-ports-{os.getuid()}.lock"
+    lock.unlink()
+    lock.symlink_to(tmp_path / "elsewhere")
+    said.clear()
+    with _ports_lock(5.0, said.append):
+        pass
+    assert said == [] and not (tmp_path / "elsewhere").exists()
