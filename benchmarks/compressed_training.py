@@ -78,7 +78,7 @@ def train(cfg: dict) -> dict:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--epochs", type=int, default=4)
     ap.add_argument("--compressors", default="none,fft,topk,powersgd,fp16")
     ap.add_argument("--fft-theta", type=float, default=0.2)

@@ -114,7 +114,7 @@ def best_of(fn, repeats: int):
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--splitters", default="content,transnetv2")
     ap.add_argument("--height", type=int, default=360)
     ap.add_argument("--crf", type=int, default=23)

@@ -47,3 +47,16 @@ def test_gemm_benchmark_on_cuda_without_a_gpu_says_so():
 ])
 def test_video_benchmark_bad_arguments(args, message):
     assert refuse("video_curation.py", *args) == f"video_curation.py: error: {message}"
+
+
+@pytest.mark.parametrize("script", sorted(p.name for p in (ROOT / "benchmarks").glob("*.py")))
+def test_each_benchmarks_help_says_how_long_it_runs_and_how_to_narrow_it(script):
+    """`compressed_training.py --help` stopped mid-sentence (its docstring's first line only) and
+    said nothing of its 10 minutes or the flags that narrow it (a trial)."""
+    proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / script), "--help"], capture_output=True,
+                          text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    text = " ".join(proc.stdout.split())
+    import re
+
+    assert "Run with" in text and re.search(r"\d+ (s|seconds|minutes?)\b", text), text[:600]
