@@ -999,6 +999,9 @@ def _supervise(cmd: list[str], *, env: dict[str, str], cwd: str, grace_s: float 
     return proc.returncode, interrupted or deadline is not None
 
 
+MIN_NAME_WIDTH = 12  # a run name shortened (with "…") in compare's table for the ranking metric's room
+
+
 def _runs_table(experiment: str, result: dict[str, Any], width: int) -> Table:
     """``compare``'s table of runs for a console ``width`` characters wide: the run id, name and
     status are never folded (``3045c8e│d``, ``FINISHE│D`` with many columns: a trial); the
@@ -1020,6 +1023,14 @@ def _runs_table(experiment: str, result: dict[str, Any], width: int) -> Table:
     metrics = set(result.get("metrics") or [])
     order = [*range(3), *[i for i in range(3, len(need)) if result["columns"][i] in metrics],
              *[i for i in range(3, len(need)) if result["columns"][i] not in metrics]]
+    ranked = next((i for i in order[3:] if result["columns"][i] in metrics), None)
+    excess = 1 + sum(need[i] + 3 for i in range(3)) + (need[ranked] + 3 if ranked is not None else 0) - width
+    if excess > 0 and need[1] > MIN_NAME_WIDTH:  # the metric runs are sorted by, before whole run names:
+        need[1] = max(MIN_NAME_WIDTH, need[1] - excess)  # at 80 columns nas's long names left it out (a trial)
+        for row in cells:
+            if len(row[1]) > need[1]:  # the middle goes: names differ by their ends (a campaign's digest)
+                head = (need[1] - 1) // 2
+                row[1] = row[1][:head] + "…" + row[1][len(row[1]) - (need[1] - 1 - head):]
     kept, used = [], 1  # the table's left border
     for i in order:
         if i < 3 or used + need[i] + 3 <= width:  # two spaces of padding and a border per column

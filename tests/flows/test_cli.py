@@ -600,6 +600,28 @@ def test_compare_table_never_folds_a_value_and_says_which_columns_it_left_out():
         assert "left out" not in wide and "rank" in wide and "12.75" in wide, wide
 
 
+def test_compare_table_shortens_long_run_names_for_the_ranking_metric():
+    """At 80 columns `compare nas` left out final_hypervolume, the metric its runs are sorted by,
+    for the campaigns' long names, and showed params.budget instead (a trial): the names give way."""
+    from rich.console import Console
+
+    from paperline.flows.cli import _runs_table
+
+    rows = [[f"3045c8e{i}", f"nasbench201-cifar10-lamoo-seed0-16641aab3f-{i}", "FINISHED", 40, 5659579209.5 + i]
+            for i in range(2)]
+    result = {"columns": ["run", "name", "status", "params.budget", "final_hypervolume"], "rows": rows,
+              "selection": "all runs", "metrics": ["final_hypervolume"]}
+    console = Console(width=80, record=True)
+    console.print(_runs_table("nas", result, 80))
+    text = console.export_text()
+    assert all(len(line) <= 80 for line in text.splitlines()), text
+    assert "final_hypervolume" in text and "5659579209" in text and "5659579210" in text, text
+    assert "params.budget" not in text.split("left out")[0], text  # the parameter gives way, not the metric
+    names = [line.split("│")[2].strip() for line in text.splitlines() if "3045c8e" in line]
+    assert len(names) == 2 and all("…" in n and n.startswith("nasbench201-") for n in names), names
+    assert names[0].endswith("aab3f-0") and names[1].endswith("aab3f-1"), names  # still told apart
+
+
 def test_env_with_a_failing_configured_endpoint_says_why(tmp_path, free_port):
     """`env` said `stack is not available: not running; start it with paperline up` for a configured
     MLflow URI with a bad port: `up` starts nothing for it (a fresh-user trial)."""
