@@ -439,7 +439,7 @@ def params(pipeline: Optional[str] = typer.Argument(None, metavar="PIPELINE", he
 def run(pipeline: Optional[str] = typer.Argument(None, metavar="PIPELINE", help=PIPELINE_HELP),
         preset: Optional[list[str]] = typer.Option(None, "--preset", metavar="NAME",
                                                    help="Parameter preset (default: demo, which every pipeline has; "
-                                                        "see README for the others: full, default)."),
+                                                        "`paperline params PIPELINE` lists its others: default, and full where it has one)."),
         set_: Optional[list[str]] = typer.Option(None, "--set", metavar="KEY=VALUE", help="Override a parameter: key=value (repeatable)."),
         summary_json: Optional[Path] = typer.Option(None, "--summary-json", metavar="FILE",
                                                     help="Write the parameters (key 'parameters', as run) and the "
