@@ -59,6 +59,8 @@ def test_run_prints_per_stage_counts_and_records_every_bad_input(curated):
     assert c["clips_out"] >= 4 and c["clips_out"] == c["clips_extracted"] - c["clips_filtered"] - c["duplicates_removed"]
     out = " ".join(proc.stdout.split())
     assert "per-stage counts" in out and "clips_out" in out and "rejected notes.mp4: not_a_video" in out
+    rate = summary["metrics"]["per_worker_video_s_per_s"]  # beside the wall-clock rate a cached re-run inflates
+    assert f"; {rate:.1f} per worker-second of curating, which cached tasks keep)" in out, out
     assert summary["read_back"]["samples_per_rank"][0] == summary["read_back"]["samples_per_rank"][1]
 
 
