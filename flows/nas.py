@@ -375,7 +375,9 @@ def _summary(results: list[dict[str, Any]], run_url: str, flow_run_id: str, trac
         failed = sum(not e.ok for e in c.evaluations)
         lines.append(f"{r['name']}: {c.optimizer.name} on {c.problem.name}, {c.n_done} evaluations "
                      f"({failed} failed), {_score_text(c)}"
-                     + (f" (reference point {c.ref_point_user})" if c.ref_point_user else ""))
+                     # shown to 6 significant digits ([87.2360000024414, 1.6847006000000002]: a trial)
+                     + (f" (reference point [{', '.join(f'{v:.6g}' for v in c.ref_point_user)}])"
+                        if c.ref_point_user else ""))
         lines.append(f"  MLflow parent run: {tracker.run_url(r['parent_run_id'])}; checkpoint: {r['checkpoint']}")
         lines += [f"  {line}" for line in r["versus"].lines()]
         trace = c.score_trace()
@@ -388,7 +390,7 @@ def _summary(results: list[dict[str, Any]], run_url: str, flow_run_id: str, trac
                           "versus_best_earlier": r["versus"].as_dict()})
     first = results[0]["parent_run_id"]
     return {"campaigns": campaigns,
-            "table": {"title": "nas: Pareto front (best point for one objective)",
+            "table": {"title": "nas: each campaign's Pareto front (its best point when it has one objective)",
                       "columns": ["campaign", "evaluation", "objectives", "candidate"], "rows": rows},
             "lines": lines, "prefect_flow_run_id": flow_run_id, "prefect_flow_run_url": run_url,
             "mlflow_run_id": first, "mlflow_run_url": tracker.run_url(first)}

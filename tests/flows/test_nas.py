@@ -55,6 +55,10 @@ def test_flow_prints_the_front_and_equals_the_in_process_campaign(nas_run):
     _, proc, summary = nas_run
     out = " ".join(proc.stdout.split())
     assert "Pareto front" in out and "hypervolume" in out
+    import re
+
+    points = re.findall(r"\(reference point \[([^\]]*)\]\)", out)  # 6 significant digits, not float reprs
+    assert points and all(len(v.strip()) <= 12 for p in points for v in p.split(",")), points
     main, live = summary["campaigns"]
     assert (main["name"], main["evaluations"], live["name"], live["evaluations"]) == ("test-demo", 20, "test-live", 4)
     ref = reference()
