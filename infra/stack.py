@@ -1542,13 +1542,13 @@ def ensure_stack(settings: Settings, *, progress: Progress | None = None, notice
         def save() -> None:
             _write_state(settings, state)
 
-        ports = contextlib.ExitStack()  # the machine-wide ports lock, once a server is to start
+        port_lock = contextlib.ExitStack()  # the machine-wide ports lock, once a server is to start
         claimed: list[bool] = []
 
         def claim_ports() -> None:
             if not claimed:
                 claimed.append(True)
-                ports.enter_context(_ports_lock(settings.startup_timeout_s, tell))
+                port_lock.enter_context(_ports_lock(settings.startup_timeout_s, tell))
 
         try:
             # A local server shadowed by a configured endpoint keeps its record (and its ports):
@@ -1695,7 +1695,7 @@ def ensure_stack(settings: Settings, *, progress: Progress | None = None, notice
             _write_state(settings, state)
             raise
         finally:
-            ports.close()
+            port_lock.close()
 
     services = []
     for name in SERVICE_NAMES:
