@@ -258,10 +258,11 @@ def test_servers_a_damaged_stack_json_lost_are_stopped_by_down(settings_factory,
     assert not (tmp_path / "never-made").exists()  # `down` on no state directory creates none
 
 
-def test_two_stacks_started_at_once_on_the_same_preferred_ports_both_start(settings_factory, tmp_path, stack):
+def test_two_stacks_started_at_once_on_the_same_preferred_ports_both_start(settings_factory, tmp_path):
     """Two `paperline up` of different state directories at the same moment picked the same free
     port, and one failed with "bind: address already in use" (a trial): the port pick and the
-    servers' binding are now serialized per user, and the second moves to free ports."""
+    servers' binding are now serialized per user, and the second moves to free ports. (Without
+    the session stack: a group of its own, off the stack worker's long list.)"""
     import subprocess
     import sys
 
