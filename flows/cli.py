@@ -792,12 +792,12 @@ def serve() -> None:
                       "gemm/local --params '{\"params\": {\"m\": 512}}'`; Ctrl-C stops serving",
                       soft_wrap=True, highlight=False, markup=False)
         # on stopping, a run it was executing, or had claimed and not started, is marked Crashed
-        with watch_flow_runs("paperline serve", report=_say,
-                             deployments=[f"{d.flow_name}/{d.name}" for d in deployments]), _sigterm_as_ctrl_c():
+        names = [f"{d.flow_name}/{d.name}" for d in deployments]
+        with watch_flow_runs("paperline serve", report=_say, deployments=names), _sigterm_as_ctrl_c():
             try:
                 prefect_serve(*deployments, print_starting_message=False)
             finally:
-                _pause_served([f"{d.flow_name}/{d.name}" for d in deployments])
+                _pause_served(names)
 
 
 def _pause_served(names: list[str]) -> None:

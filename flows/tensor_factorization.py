@@ -194,7 +194,8 @@ class TensorFactorizationParameters(BaseModel):
         if need <= MAX_WORKING_BYTES:
             return
         fits = self._largest_rank(shape, self.rank - 1)
-        per_entry, grams = working_set_bytes(shape, self.rank, 1, self.n_parts).values()
+        one = working_set_bytes(shape, self.rank, 1, self.n_parts)  # per entry of a mini-batch, and the grams
+        per_entry, grams = one["batch_statistics"], one["row_grams"]
         batch = (MAX_WORKING_BYTES - grams) // per_entry if grams < MAX_WORKING_BYTES else 0
         ways = [f"rank at most {fits}" if fits else None, f"batch_size at most {batch}" if batch >= 1 else None]
         argument, value = ("rank", self.rank) if fits or not batch else ("batch_size", self.batch_size)

@@ -341,9 +341,9 @@ def deployment_status(api_url: str, login: str | None, state_dir: os.PathLike[st
         with temporary_settings(overrides), get_client(sync_client=True) as client:
             flows = {f.id: f.name for f in client.read_flows(limit=200)}
             found = client.read_deployments(limit=200)
-            deployments = [{"name": f"{flows.get(d.flow_id, '?')}/{d.name}", "work_pool": d.work_pool_name,
-                            "polled_s_ago": ago(d.last_polled), "paused": d.paused} for d in found]
             by_id = {d.id: f"{flows.get(d.flow_id, '?')}/{d.name}" for d in found}
+            deployments = [{"name": by_id[d.id], "work_pool": d.work_pool_name, "polled_s_ago": ago(d.last_polled),
+                            "paused": d.paused} for d in found]
             workers: dict[str, list[dict[str, object]]] = {}
             for pool in {d.work_pool_name for d in found if d.work_pool_name}:
                 with contextlib.suppress(ObjectNotFound):  # a pool deleted under its deployments: none online
