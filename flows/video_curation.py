@@ -78,11 +78,15 @@ class VideoCurationParameters(BaseModel):
     embedder: Literal["auto", "transnetv2", "hsv-histogram"] = Field(
         "auto", description="Clip embedding for semantic dedup: TransNetV2's penultimate features or HSV histograms; "
                             "auto = the splitter's own.")
-    min_motion: float = Field(0.002, ge=0, description="Clips with a lower mean frame difference (0-1) are static.")
-    min_sharpness: float = Field(15.0, ge=0, description="Clips with a lower variance of the Laplacian are blurry.")
-    max_black_fraction: float = Field(0.5, ge=0, le=1, description="Most black or flat frames a kept clip may have.")
-    min_duration_s: float = Field(0.0, ge=0, description="Clips shorter than this are filtered (seconds).")
-    min_height: int = Field(64, ge=0, description="Sources of lower height are filtered (pixels).")
+    min_motion: float = Field(FilterConfig.min_motion, ge=0,
+                              description="Clips with a lower mean frame difference (0-1) are static.")
+    min_sharpness: float = Field(FilterConfig.min_sharpness, ge=0,
+                                 description="Clips with a lower variance of the Laplacian are blurry.")
+    max_black_fraction: float = Field(FilterConfig.max_black_fraction, ge=0, le=1,
+                                      description="Most black or flat frames a kept clip may have.")
+    min_duration_s: float = Field(FilterConfig.min_duration_s, ge=0,
+                                  description="Clips shorter than this are filtered (seconds).")
+    min_height: int = Field(FilterConfig.min_height, ge=0, description="Sources of lower height are filtered (pixels).")
     phash_max_distance: int = Field(4, ge=-1, le=64, description="Near duplicates: perceptual-hash Hamming distance "
                                                                  "(bits) at first/middle/last frame; -1 disables.")
     semantic_threshold: float | None = Field(None, gt=0, description="Semantic duplicates: cosine similarity within "

@@ -109,7 +109,7 @@ class FilterConfig:
         min_height: Lowest source resolution kept (pixels of height).
     """
 
-    min_motion: float = 0.004
+    min_motion: float = 0.002
     min_sharpness: float = 15.0
     max_black_fraction: float = 0.5
     black_luma: float = 20.0

@@ -4,6 +4,7 @@ webdataset and tarfile), the MLflow run, a re-run that rewrites nothing, a failu
 mid-upload, and a run where every input is rejected."""
 
 import hashlib
+import inspect
 import io
 import json
 import shutil
@@ -252,6 +253,19 @@ def test_the_same_videos_in_another_directory_are_the_same_inputs():
     assert key == p.inputs_key(cfg, ["/elsewhere/carphone.mp4", "/elsewhere/bikes.mp4"])
     assert key != p.inputs_key(cfg, ["/clone-a/data/bikes.mp4"])
     assert key != VideoCurationParameters(min_motion=0.5).inputs_key(cfg, ["/a/bikes.mp4", "/a/carphone.mp4"])
+
+
+def test_the_flow_and_the_kernels_default_to_the_same_filters_and_clips():
+    """The flow filtered static clips below 0.002 and the kernel's FilterConfig below 0.004, so the
+    benchmark (kernel defaults) sharded 27 of the demo's clips where the flow sharded 28."""
+    from paperline.flows.video_curation import VideoCurationParameters
+    from paperline.kernels.video.clips import ClipConfig, FilterConfig
+    from paperline.kernels.video.dedup import deduplicate
+
+    p = VideoCurationParameters()
+    assert p.filter_config() == FilterConfig()
+    assert p.clip_config("cpu") == ClipConfig()
+    assert p.phash_max_distance == inspect.signature(deduplicate).parameters["phash_max_distance"].default
 
 
 def test_an_output_in_a_bucket_that_does_not_exist_is_refused_before_the_flow_run(stack, source_dir):
