@@ -23,6 +23,8 @@ from paperline.infra.settings import Settings
 # both starts one), every other module is a group of its own (a module-scoped fixture is built
 # once); the groups go out in this order, longest first, the rest in collection order as workers
 # free up. On 2 cores the suite took 29.0 min serially and 22.9 so (2026-12-02, one slow host, 1 h apart).
+# Three workers with the stack tests in three groups took 18.4 min against two's 17.5 (2026-12-03):
+# the suite is CPU-bound (two cores 98% busy), so a third worker only adds a stack.
 STACK_GROUP_A = {"test_nas", "test_compressed_training"}  # about half of the stack tests' time
 GROUP_ORDER = {"stack-a": 0, "stack-b": 1, "test_search": 2}
 
