@@ -60,7 +60,8 @@ device work. Error-feedback compressors run a dense allreduce for the first ``st
 kept per bucket index (the same rule as torch's ``PowerSGDState``).
 
 NaN/inf gradients are passed through (the mean comes back non-finite, so the training loop can
-skip the step) and never enter the residual memory; ``state.nonfinite_buckets`` counts them. So is
+skip the step) and never enter the residual memory (nor, for ``powersgd``, its warm-start Q);
+``state.nonfinite_buckets`` counts them. So is
 an ``fft`` bucket whose spectrum overflows its compute dtype (float32 entries near ``3e38``: the
 rfft sums them); the range quantizer itself handles every finite range (F3). A corrupt message
 (an index out of range; the compressors never write one) makes ``fft_decompress``/
@@ -1332,6 +1333,8 @@ class PowerSGDCompressorState(CompressorState):
 
     Attributes:
         powersgd: the wrapped ``torch...powerSGD_hook.PowerSGDState``.
+        nonfinite_buckets: buckets whose mean came back NaN/inf (their residual and Q kept from
+            before the step; torch's hook alone would carry the NaN into every later step).
 
     Raises:
         InputError: a rank < 1, ``start_powerSGD_iter`` < 2 with error feedback or warm start, ...
@@ -1362,6 +1365,7 @@ class PowerSGDCompressorState(CompressorState):
         min_compression_rate = as_float(min_compression_rate)
         orthogonalization_epsilon = as_float(orthogonalization_epsilon)
         self.random_seed = random_seed
+        self._nonfinite = 0
         self.powersgd = PowerSGDState(
             process_group=process_group,
             matrix_approximation_rank=matrix_approximation_rank,
@@ -1444,13 +1448,48 @@ class PowerSGDCompressorState(CompressorState):
         buf = bucket.buffer()
         warmup = ps.iter < ps.start_powerSGD_iter
         before = ps.total_numel_after_compression
+        memory = None if warmup else state._memory_before(bucket.index())
         fut = powerSGD_hook(ps, bucket)
         if not warmup and dist.get_backend(state.group) == "gloo":
             fut.wait()  # see the class docstring: keeps the ranks' collective order identical on gloo
         numel = buf.numel() if warmup else ps.total_numel_after_compression - before
         state._record(bucket, bytes_sent=numel * buf.element_size(), dense_bytes=buf.numel() * buf.element_size(),
                       warmup=warmup, seconds=time.perf_counter() - t0)
-        return fut
+        if memory is None:
+            return fut
+        return fut.then(lambda f: state._keep_memory_finite(bucket.index(), memory, f.value()))
+
+    def _memory_before(self, index: int) -> dict[str, Any]:
+        """What ``powerSGD_hook`` will replace or overwrite of bucket ``index``'s memory: the
+        residual (replaced, so the old tensor is kept as is) and the warm-start Q (overwritten in
+        place: copied; it is small, ``m x rank`` per matrix). P is recomputed from Q every step."""
+        ps = self.powersgd
+        q = ps.q_memory_dict.get(index)
+        return {"error_dict": ps.error_dict.get(index), "p_memory_dict": ps.p_memory_dict.get(index),
+                "q_memory_dict": None if q is None else q.clone()}
+
+    def _keep_memory_finite(self, index: int, memory: dict[str, Any], mean: "torch.Tensor") -> "torch.Tensor":
+        """A bucket whose mean came back non-finite (a rank's gradient had NaN/inf: the allreduced
+        P and Q carry it to every rank) gets its memory from before the step back, on every rank
+        alike: torch's hook would keep the NaN residual and Q, and every later step would be NaN."""
+        import torch
+
+        if bool(torch.isfinite(mean).all()):
+            return mean
+        self._nonfinite += 1
+        ps = self.powersgd
+        for name, old in memory.items():
+            held = getattr(ps, name)
+            if old is None or (name != "error_dict" and not ps.warm_start):
+                held.pop(index, None)  # (without warm start torch clears P and Q after every step)
+            else:
+                held[index] = old
+        return mean
+
+    @property
+    def nonfinite_buckets(self) -> int:
+        """Buckets whose mean came back non-finite (NaN/inf gradients; the memory kept from before)."""
+        return self._nonfinite
 
     def __getstate__(self) -> dict[str, Any]:
         state = super().__getstate__()
@@ -1468,6 +1507,7 @@ class PowerSGDCompressorState(CompressorState):
             setattr(ps, slot, value)
         ps.process_group = None
         self.powersgd = ps
+        self.__dict__.setdefault("_nonfinite", 0)
 
 
 # --------------------------------------------------------------------------------------------------

@@ -844,3 +844,33 @@ def test_powersgd_refuses_a_rank_that_compresses_no_gradient(shapes, largest):
     hint = f"the largest that compresses any is {expected}" if expected else "no weight matrix"
     with pytest.raises(InputError, match=f"matrix_approximation_rank={expected + 1}: compresses no gradient.*{hint}"):
         state.check_compresses(params)
+
+
+@pytest.mark.parametrize("options", [{}, {"use_error_feedback": False, "warm_start": False}])
+def test_one_nan_step_under_powersgd_leaves_the_later_steps_finite(free_port, options):
+    """torch's powerSGD_hook kept a NaN step's residual and warm-start Q: every later gradient of
+    the run was NaN (a trial), so skipping the NaN step did not save it. The memory from before
+    that step is kept instead, as the other compressors keep theirs."""
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    from paperline.kernels.train.ddp import process_group
+
+    torch.manual_seed(0)
+    with process_group("gloo", f"tcp://127.0.0.1:{free_port()}", 0, 1):
+        model = torch.nn.Linear(50, 20)
+        ddp = DDP(model)
+        state, hook = C.make_hook("powersgd", **options)
+        ddp.register_comm_hook(state, hook)
+        finite, residuals = [], []
+        for step in range(8):
+            ddp.zero_grad(set_to_none=True)
+            x = torch.randn(16, 50)
+            if step == 4:
+                x[0, 0] = float("nan")
+            ddp(x).square().mean().backward()
+            finite.append(all(bool(torch.isfinite(p.grad).all()) for p in model.parameters()))
+            residuals.append({k: v.clone() for k, v in state.powersgd.error_dict.items()})
+    assert finite == [True] * 4 + [False] + [True] * 3, finite
+    assert state.nonfinite_buckets == 1
+    if not options:  # the residual after the NaN step is the one from before it
+        assert residuals[3] and all(torch.equal(residuals[3][k], residuals[4][k]) for k in residuals[3])
