@@ -21,6 +21,42 @@ import numpy as np
 from paperline.kernels.errors import InputError
 
 
+_FIELDS = ("key", "duration_s", "content_sha256", "phash", "embedding")
+
+
+def _check_rows(rows: list[dict[str, Any]]) -> None:
+    """Refuse rows :func:`deduplicate` would misread: a bare string as ``phash`` was read one hex
+    digit per hash (so nearly every clip was a "near duplicate"), a NaN duration changed which
+    clip was kept, a NaN embedding failed deep in scikit-learn."""
+    seen: set[str] = set()
+    n_hashes = None
+    for i, r in enumerate(rows):
+        missing = [f for f in _FIELDS if f not in r]
+        if missing:
+            raise InputError(f"rows[{i}]", sorted(r)[:8], f"missing {', '.join(missing)}")
+        key = r["key"]
+        if not isinstance(key, str) or key in seen:
+            raise InputError(f"rows[{i}].key", key, "must be a string, unique among the rows")
+        seen.add(key)
+        d = r["duration_s"]
+        if isinstance(d, bool) or not isinstance(d, (int, float, np.number)) or not math.isfinite(d) or d < 0:
+            raise InputError(f"rows[{i}].duration_s", d, "must be a finite number of seconds >= 0")
+        ph = r["phash"]
+        if isinstance(ph, (str, bytes)) or not isinstance(ph, (list, tuple)) or not ph or not all(
+                isinstance(h, str) and 0 < len(h) <= 16 and all(c in "0123456789abcdefABCDEF" for c in h) for h in ph):
+            raise InputError(f"rows[{i}].phash", ph, "must be a list of 64-bit hashes as hex strings (one per "
+                                                     "sampled frame), e.g. ['c3a1...', ...]")
+        if n_hashes is not None and len(ph) != n_hashes:
+            raise InputError(f"rows[{i}].phash", ph, f"has {len(ph)} hashes, the rows before it {n_hashes}")
+        n_hashes = len(ph)
+        try:
+            emb = np.asarray(r["embedding"], dtype=np.float64)
+        except (TypeError, ValueError):
+            raise InputError(f"rows[{i}].embedding", r["embedding"], "must be a list of numbers") from None
+        if emb.ndim != 1 or emb.size == 0 or not np.isfinite(emb).all():
+            raise InputError(f"rows[{i}].embedding", r["embedding"], "must be a non-empty list of finite numbers")
+
+
 def _phash_bits(rows: list[dict[str, Any]]) -> np.ndarray:
     return np.array([[int(h, 16) for h in r["phash"]] for r in rows], dtype=np.uint64).reshape(len(rows), -1)
 
@@ -47,14 +83,27 @@ def deduplicate(rows: list[dict[str, Any]], *, phash_max_distance: int = 4, sema
         ``duplicate_of`` (key or None) and ``dedup_reason`` (``exact``/``near``/``semantic``/None).
 
     Raises:
-        InputError: thresholds out of range, or rows with different embedding sizes.
+        InputError: thresholds, ``n_clusters`` or ``seed`` out of range or of the wrong type; a row
+            missing a field, with a duplicate key, a negative or non-finite duration, ``phash``
+            not a list of hex strings (or of another length than the other rows'), or an
+            embedding that is empty, non-finite or of another size than the other rows'.
     """
     if phash_max_distance > 64:
         raise InputError("phash_max_distance", phash_max_distance, "must be <= 64 bits (-1 disables)")
     if not semantic_threshold > 0:
         raise InputError("semantic_threshold", semantic_threshold, "must be > 0 (> 1 disables)")
-    if n_clusters is not None and n_clusters < 1:
-        raise InputError("n_clusters", n_clusters, "must be >= 1")
+    if isinstance(phash_max_distance, bool) or not isinstance(phash_max_distance, (int, np.integer)) \
+            or phash_max_distance < -1:
+        raise InputError("phash_max_distance", phash_max_distance, "must be a whole number of bits, 0-64 (-1 disables)")
+    if not isinstance(semantic_threshold, (int, float, np.number)) or isinstance(semantic_threshold, bool) \
+            or math.isnan(semantic_threshold):
+        raise InputError("semantic_threshold", semantic_threshold, "must be a number > 0 (> 1 disables)")
+    for name, v, low in (("n_clusters", n_clusters, 1), ("seed", seed, 0)):
+        if v is None and name == "n_clusters":
+            continue
+        if isinstance(v, bool) or not isinstance(v, (int, np.integer)) or v < low:
+            raise InputError(name, v, f"must be a whole number >= {low}")
+    _check_rows(rows)
     out = [dict(r, dedup_cluster=-1, duplicate_of=None, dedup_reason=None) for r in sorted(rows, key=lambda r: r["key"])]
     if not out:
         return out

@@ -231,6 +231,35 @@ def test_dedup_exact_near_and_semantic_keep_the_longest():
         deduplicate([_row("x", emb=(1, 0)), _row("y", sha="z", phash=("f" * 16,) * 3, emb=(1, 0, 0))])
 
 
+@pytest.mark.parametrize("change, match", [
+    # a bare string was read one hex digit per hash: every clip a "near duplicate" of one (a trial)
+    ({"phash": "ffff000000000000"}, r"rows\[1\]\.phash='ffff000000000000': must be a list of 64-bit hashes"),
+    ({"phash": ["zz"] * 3}, "must be a list of 64-bit hashes"),
+    ({"phash": ["0" * 16] * 2}, r"has 2 hashes, the rows before it 3"),
+    ({"embedding": [float("nan"), 1.0]}, r"rows\[1\]\.embedding=\[nan, 1.0\]: must be a non-empty list of finite"),
+    ({"embedding": []}, "non-empty list of finite numbers"),
+    ({"duration_s": float("nan")}, r"rows\[1\]\.duration_s=nan: must be a finite number"),  # changed which was kept
+    ({"key": "a"}, r"rows\[1\]\.key='a': must be a string, unique"),
+    ({"duration_s": None}, "duration_s=None"),
+])
+def test_dedup_refuses_rows_it_would_misread(change, match):
+    rows = [_row("a", sha="s1"), dict(_row("b", sha="s2", phash=("ffff000000000000",) * 3), **change)]
+    with pytest.raises(InputError, match=match):
+        deduplicate(rows)
+    del rows[1]["content_sha256"]
+    with pytest.raises(InputError, match=r"rows\[1\]=.*missing content_sha256"):
+        deduplicate(rows)
+
+
+@pytest.mark.parametrize("option", [{"phash_max_distance": -2}, {"phash_max_distance": 4.5},
+                                    {"phash_max_distance": True}, {"seed": None}, {"seed": -1},
+                                    {"n_clusters": 2.5}, {"semantic_threshold": float("nan")}])
+def test_dedup_refuses_bad_options(option):
+    (name, value), = option.items()
+    with pytest.raises(InputError, match=f"^{name}="):
+        deduplicate([_row("a"), _row("b", sha="s2")], **option)
+
+
 def test_shards_are_deterministic_and_read_back_with_webdataset_and_tarfile(tmp_path):
     import webdataset as wds
 
