@@ -281,15 +281,10 @@ class GemmParameters(BaseModel):
         """Refuse plans too fine to schedule and data that cannot fit on disk. Raises InputError."""
         from dask.utils import format_bytes  # noqa: PLC0415
 
-        from paperline.kernels.blas.plan import n_tiles  # noqa: PLC0415
+        from paperline.kernels.blas.plan import check_plan_size  # noqa: PLC0415
 
-        (m, n), k, t = problem.out_shape, problem.inner, problem.tile
-        tasks = n_tiles(m, t) * n_tiles(n, t)
-        products = tasks * n_tiles(k, t)
-        if tasks > MAX_TILE_TASKS or products > MAX_PANEL_PRODUCTS:
-            raise InputError("tile", t, f"{tasks:,} tile tasks, {products:,} panel products for a {m}x{n} (k={k}) "
-                                        f"problem (limits {MAX_TILE_TASKS:,} / {MAX_PANEL_PRODUCTS:,}); raise the "
-                                        "tile size or lower m, n, k")
+        check_plan_size(problem)
+        (m, n) = problem.out_shape
         item = problem.dtype.itemsize
         state_dir = Path(get_settings().state_dir)
         needs: list[tuple[str, object, int, Path, str]] = []  # argument, value, bytes, where, what needs them
@@ -309,9 +304,6 @@ class GemmParameters(BaseModel):
                 raise InputError(argument, value, f"{what} {format_bytes(nbytes)} on disk at {where}, "
                                                   f"{format_bytes(free)} free; lower the sizes")
 
-
-MAX_TILE_TASKS = 100_000
-MAX_PANEL_PRODUCTS = 10_000_000
 
 
 

@@ -33,8 +33,11 @@ and the value seen, for bad operands (not a 2-D float32/float64 matrix, a masked
 matrix, mixed dtypes, shapes that do not conform, an operand or flag the routine does not read), a
 bad flag, a non-finite or non-numeric ``alpha``/``beta``, ``tile`` below 1, ``memory_budget`` not
 an int or below one task's working set, a ``runtime`` of another type, a non-bool
-``check_finite``, or a NaN/inf entry read with ``check_finite`` on (the error names the operand
-and the entry).
+``check_finite``, a NaN/inf entry read with ``check_finite`` on (the error names the operand
+and the entry), a plan too fine to schedule (more than 100,000 output tiles or 10,000,000 tile
+products: raise ``tile``), or a result larger than the memory available (these functions return
+it in memory; :func:`.runtime.run` with ``output=`` writes a ``.npy`` file tile by tile). The two
+size checks come before any planning or allocation.
 """
 
 from __future__ import annotations

@@ -350,6 +350,27 @@ def n_tiles(size: int, tile: int) -> int:
     return -(-size // tile)
 
 
+MAX_TILE_TASKS = 100_000  # a plan finer than these takes longer to schedule than to compute
+MAX_PANEL_PRODUCTS = 10_000_000
+
+
+def check_plan_size(p: Problem) -> None:
+    """Refuse a plan too fine to schedule, before it is built (a ``10**6``-square gemm at tile
+    1024 planned for minutes and gigabytes before failing).
+
+    Raises:
+        InputError: naming ``tile``, when ``p`` has more than :data:`MAX_TILE_TASKS` output tiles
+            or more than :data:`MAX_PANEL_PRODUCTS` tile products.
+    """
+    (m, n), k, t = p.out_shape, p.inner, p.tile
+    tasks = n_tiles(m, t) * n_tiles(n, t)
+    products = tasks * n_tiles(k, t)
+    if tasks > MAX_TILE_TASKS or products > MAX_PANEL_PRODUCTS:
+        raise InputError("tile", t, f"{tasks:,} tile tasks, {products:,} panel products for a {m}x{n} (k={k}) "
+                                    f"problem (limits {MAX_TILE_TASKS:,} / {MAX_PANEL_PRODUCTS:,}); raise the "
+                                    "tile size or lower m, n, k")
+
+
 def plan_tasks(p: Problem) -> list[TileTask]:
     """The tile tasks of ``p``, in an order that respects their dependencies.
 

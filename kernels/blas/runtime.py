@@ -27,7 +27,7 @@ from typing import Any
 import numpy as np
 
 from paperline.kernels.blas.namespace import copy_parallel
-from paperline.kernels.blas.plan import Problem, TileTask, plan_tasks
+from paperline.kernels.blas.plan import Problem, TileTask, check_plan_size, plan_tasks
 from paperline.kernels.blas.sources import ArraySource, NpySource, TileSource
 from paperline.kernels.blas.worker import RunContext, TileKey, execute, peer_tile, release_run
 from paperline.kernels.errors import InputError
@@ -405,6 +405,24 @@ def check_memory_budget(problem: Problem, memory_budget: int) -> None:
                          f"{problem.dtype} = {WORKING_SET_TILES * tile_bytes} bytes); lower the tile size or raise the budget")
 
 
+def check_result_fits(problem: Problem) -> None:
+    """Refuse an in-memory result larger than this machine's available memory (it failed with
+    NumPy's MemoryError after the planning; ``output=`` writes a file tile by tile instead).
+
+    Raises:
+        InputError: naming the shape, its size and the memory available.
+    """
+    import psutil  # noqa: PLC0415
+
+    (m, n) = problem.out_shape
+    nbytes = m * n * problem.dtype.itemsize
+    available = psutil.virtual_memory().available
+    if nbytes > available:
+        raise InputError("output", None, f"the {m}x{n} {problem.dtype} result, {nbytes / 2**30:,.1f} GiB, held in "
+                                         f"memory exceeds the {available / 2**30:,.1f} GiB available; name a .npy "
+                                         "file to write it to tile by tile, or lower the sizes")
+
+
 def run(problem: Problem, runtime: LocalRuntime | DaskRuntime | None = None, *, output: str | None = None,
         memory_budget: int = 1 << 30, check_finite: bool = True, peer_fetch: frozenset[str] | None = None,
         prefetch: bool = True, spill_dir: str | None = None) -> RunResult:
@@ -429,12 +447,17 @@ def run(problem: Problem, runtime: LocalRuntime | DaskRuntime | None = None, *, 
         A :class:`RunResult`.
 
     Raises:
-        InputError: a memory budget below the working set of one task; an ``output`` that is a
+        InputError: a plan too fine to schedule (:func:`~paperline.kernels.blas.plan.check_plan_size`);
+            an in-memory result larger than the memory available; a memory budget below the
+            working set of one task; an ``output`` that is a
             directory, in a missing directory, or an operand's own file; bad operand values
             found while computing (non-finite, zero TRSM diagonal). Nothing is left at ``output``.
     """
     runtime = runtime or LocalRuntime()
+    check_plan_size(problem)
     check_memory_budget(problem, memory_budget)
+    if output is None:
+        check_result_fits(problem)
     t = problem.tile
     run_id = uuid.uuid4().hex[:12]
     tmp = None

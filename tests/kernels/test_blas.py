@@ -773,3 +773,26 @@ def test_describe_names_the_problem_and_says_when_the_tile_covers_each_matrix():
     assert make_problem("gemm", a, b, tile=64).describe() == "GEMM 300x200 (k=130) float64 tile=64 trans_a=N trans_b=N"
     assert make_problem("gemm", a, b, tile=1024).describe() == \
         "GEMM 300x200 (k=130) float64 tile=1024 (each matrix one tile) trans_a=N trans_b=N"
+
+
+def test_huge_problems_are_refused_before_planning_or_allocating(tmp_path):
+    """A 10**6-square gemm from Python planned for minutes and gigabytes (the flow refused it, the
+    kernel API did not: a trial); an in-memory result beyond the machine's memory failed with
+    NumPy's MemoryError after planning. Both are refused at once, naming what to change."""
+    import time
+
+    big = (10**6, 10**6)
+    t0 = time.perf_counter()
+    with pytest.raises(InputError, match=r"^tile=1024: 954,529 tile tasks, 932,574,833 panel products .* \(limits 100,000 / 10,000,000\)"):
+        api.gemm(1.0, RandomSource(big, "float64", 1), RandomSource(big, "float64", 2), tile=1024)
+    tall, wide = RandomSource((10**6, 4096), "float64", 1), RandomSource((4096, 10**6), "float64", 2)
+    with pytest.raises(InputError, match=r"^output=None: the 1000000x1000000 float64 result, 7,450.6 GiB, held in "
+                                         r"memory exceeds the .* GiB available; name a .npy file"):
+        api.gemm(1.0, tall, wide, tile=4096)
+    assert time.perf_counter() - t0 < 30  # refused, not planned (a generous bound on a loaded host)
+    # written tile by tile to a file, the same problem is not refused for memory (only for disk,
+    # which the flow checks): the plan is within the limits
+    problem = make_problem("gemm", a=tall, b=wide, tile=4096)
+    from paperline.kernels.blas.plan import check_plan_size
+
+    check_plan_size(problem)
