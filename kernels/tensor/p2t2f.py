@@ -73,6 +73,7 @@ from paperline.kernels.tensor.coo import COOTensor
 from paperline.kernels.tensor.pttf import (
     _other_modes,
     _row_normal_equations,
+    check_fit_fits_memory,
     ridge_rows,
     solve_ridge_rows,
     solve_time_system,
@@ -506,8 +507,10 @@ def p2t2f(tensor: COOTensor, rank: int, *, n_parts: int = 2, lam: float = 1.0, l
     Raises:
         InputError: ``tensor`` not a COOTensor (e.g. a dense array), a hyperparameter of the wrong
             type or out of the ranges above (NaN/inf included), a ``validation`` tensor that is not
-            a COOTensor of ``tensor``'s shape, a split mode that is not a non-time mode, or P
-            larger than the split mode. The message names the argument.
+            a COOTensor of ``tensor``'s shape, a split mode that is not a non-time mode, P
+            larger than the split mode, or a fit beyond the memory available
+            (:func:`~paperline.kernels.tensor.pttf.check_fit_fits_memory`, with
+            :func:`working_set_bytes`). The message names the argument.
     """
     check_tensor(tensor)
     validate_hyperparameters(rank=rank, lam=lam, lam_t=lam_t, n_epochs=n_epochs)
@@ -523,6 +526,8 @@ def p2t2f(tensor: COOTensor, rank: int, *, n_parts: int = 2, lam: float = 1.0, l
     closing_sweeps = check_count("closing_sweeps", closing_sweeps, 0)
     check_count("n_parts", n_parts, 1, "P, the number of sub-tensors, must be a positive integer")
     check_held_out(validation, tensor.shape)
+    check_fit_fits_memory(tensor.shape, rank, sum(working_set_bytes(tensor.shape, rank, batch_size, n_parts).values()),
+                          like=tensor.values)
     n_modes = len(tensor.shape)
     mode = default_split_mode(tensor.shape) if split_mode is None else split_mode
     if isinstance(mode, (bool, np.bool_)) or not isinstance(mode, (int, np.integer)) or not 0 <= mode < n_modes - 1:

@@ -276,6 +276,32 @@ def validate_hyperparameters(*, rank: int, lam: float, lam_t: float, n_epochs: i
     check_count("n_epochs", n_epochs, 1, "must be a positive integer")
 
 
+def check_fit_fits_memory(shape: tuple[int, ...], rank: int, working_bytes: int, like: Any = None) -> None:
+    """Refuse a fit whose factors (``sum(shape) x R`` float64) and ``working_bytes`` of scratch
+    exceed the memory available on this host (``psutil``), before anything is allocated:
+    ``als(X, 100000)`` failed in NumPy with "Unable to allocate 894 GiB" (a trial). Arrays of
+    another module (CuPy) live on the device: not checked here.
+
+    Raises:
+        InputError: naming ``rank`` (or ``tensor``'s shape, when even rank 1 does not fit).
+    """
+    if array_module(like) is not np:
+        return
+    import psutil  # noqa: PLC0415
+
+    available = psutil.virtual_memory().available
+    factors = 8 * sum(int(i) for i in shape) * int(rank)
+    need = factors + int(working_bytes)
+    if need <= available:
+        return
+    gib = 2**30
+    if 8 * sum(int(i) for i in shape) > available:
+        raise InputError("tensor", f"shape {tuple(shape)}", f"its factors would take {8 * sum(shape) / gib:,.1f} GiB "
+                                                             f"even at rank 1, {available / gib:,.1f} GiB available")
+    raise InputError("rank", rank, f"the factors and the fit's scratch would take {need / gib:,.1f} GiB, "
+                                   f"{available / gib:,.1f} GiB available; lower the rank")
+
+
 def init_factors(shape: tuple[int, ...], rank: int, seed: int, scale: float | None = None,
                  like: Any = None) -> list[np.ndarray]:
     """Seeded Gaussian initial factors, scaled so that ``yhat`` has unit variance at start.
@@ -322,13 +348,16 @@ def als(tensor: COOTensor, rank: int, *, lam: float = 1.0, lam_t: float = 10.0, 
 
     Raises:
         InputError: bad hyperparameters, ``tensor`` not a COOTensor, a ``validation`` tensor of
-            another shape, or ``init`` factors of the wrong number, shape or dtype.
+            another shape, ``init`` factors of the wrong number, shape or dtype, or a fit that
+            would not fit in the memory available (:func:`check_fit_fits_memory`).
     """
     check_tensor(tensor)
     validate_hyperparameters(rank=rank, lam=lam, lam_t=lam_t, n_epochs=n_epochs)
     seed = check_seed(seed)
     check_number("tol", tol, low=0.0)
     check_held_out(validation, tensor.shape)
+    # the per-row R x R Gram matrices of the largest mode, with the solve's copy
+    check_fit_fits_memory(tensor.shape, rank, 2 * 8 * max(tensor.shape) * rank * rank, like=tensor.values)
     xp = array_module(tensor.values)
     factors = (_check_init(init, tensor, rank) if init is not None
                else init_factors(tensor.shape, rank, seed, like=tensor.values))

@@ -274,3 +274,23 @@ def test_working_set_bytes_predicts_a_fits_peak_memory(rank):
         tracemalloc.stop()
     predicted = sum(working_set_bytes(shape, rank, 4096, n_parts=2).values())
     assert 0.75 * peak <= predicted <= 1.25 * peak, (predicted / 2**20, peak / 2**20)
+
+
+@pytest.mark.parametrize("fit", [als, p2t2f])
+def test_fits_beyond_the_memory_available_are_refused_before_allocating(fit):
+    """als(X, 100000) died in NumPy's "Unable to allocate 894 GiB", and a tensor of 10**11 rows
+    at rank 2 likewise (a trial of the library: the flow refused both, the kernels did not)."""
+    import psutil
+
+    coords = np.array([[i, j, k] for i in range(5) for j in range(4) for k in range(3)])
+    x = COOTensor(coords, np.random.default_rng(0).normal(size=len(coords)), (5, 4, 3))
+    before = psutil.Process().memory_info().rss
+    with pytest.raises(InputError, match=r"^rank=100000: the factors and the fit's scratch would take [\d,.]+ GiB, "
+                                         r"[\d,.]+ GiB available; lower the rank"):
+        fit(x, 100000)
+    tall = COOTensor(np.array([[0, 0, 0], [1, 1, 1]]), np.array([1.0, 2.0]), (10**11, 4, 3))
+    with pytest.raises(InputError, match=r"^tensor='shape \(100000000000, 4, 3\)': its factors would take 745.1 GiB "
+                                         r"even at rank 1"):
+        fit(tall, 2)
+    assert psutil.Process().memory_info().rss - before < 2**30  # nothing big was allocated on the way
+    assert np.isfinite(fit(x, 2, n_epochs=2).history.objective[-1])  # a fit that fits runs
