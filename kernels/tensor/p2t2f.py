@@ -72,6 +72,7 @@ from paperline.kernels.errors import InputError, check_number
 from paperline.kernels.tensor.coo import COOTensor
 from paperline.kernels.tensor.pttf import (
     _other_modes,
+    _predict,
     _row_normal_equations,
     check_fit_fits_memory,
     ridge_rows,
@@ -84,7 +85,6 @@ from paperline.kernels.tensor.pttf import (
     FitResult,
     init_factors,
     objective,
-    predict,
     prior_penalty,
     rmse,
     check_count,
@@ -287,7 +287,7 @@ def local_update(sub: SubTensor, state: LocalState, consensus: list[np.ndarray],
     start = time.perf_counter()
     xp = array_module(sub.values)
     n_modes = sub.coords.shape[1]
-    resid_in = predict([state.u] + list(consensus), sub.coords) - sub.values
+    resid_in = _predict([state.u] + list(consensus), sub.coords) - sub.values
     consensus_sse = float(resid_in @ resid_in)
     factors = [state.u.copy()] + [w.copy() for w in state.w]
     target = [None] + [z - d for z, d in zip(consensus, state.dual)]  # Z - Lambda

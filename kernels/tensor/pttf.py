@@ -107,15 +107,39 @@ EpochCallback = Callable[[dict[str, float]], None]
 
 
 def predict(factors: list[np.ndarray], coords: np.ndarray) -> np.ndarray:
-    """CP model values at coordinates.
+    """CP model values at coordinates (Eq. 1's mean).
 
     Args:
-        factors: N arrays ``I_m x R``.
-        coords: ``nnz x N`` int64.
+        factors: N arrays ``I_m x R`` of one rank R.
+        coords: ``nnz x N`` integer indices, ``0 <= coords[:, m] < I_m``.
 
     Returns:
         ``nnz`` float64: ``sum_r prod_m factors[m][coords[:, m], r]``.
+
+    Raises:
+        InputError: factors of different ranks or not 2-D; ``coords`` not an integer
+            ``nnz x N`` array, or an index outside its mode (a negative one wrapped around to
+            the last rows, a silent wrong value: a trial).
     """
+    xp = array_module(coords)
+    coords = xp.asarray(coords)
+    if not factors or any(getattr(f, "ndim", 0) != 2 for f in factors) or len({f.shape[1] for f in factors}) != 1:
+        raise InputError("factors", [getattr(f, "shape", type(f).__name__) for f in factors] if factors else factors,
+                         "expected N 2-D arrays I_m x R of one rank R")
+    if coords.dtype.kind not in "iu" or coords.ndim != 2 or coords.shape[1] != len(factors):
+        raise InputError("coords", f"array of dtype {coords.dtype} and shape {coords.shape}",
+                         f"expected an integer nnz x {len(factors)} array")
+    if coords.shape[0]:
+        lo, hi = to_host(coords.min(axis=0)), to_host(coords.max(axis=0))
+        for m, f in enumerate(factors):
+            if lo[m] < 0 or hi[m] >= f.shape[0]:
+                raise InputError(f"coords[:, {m}]", (int(lo[m]), int(hi[m])),
+                                 f"indices must lie in 0..{f.shape[0] - 1} (the factor's rows)")
+    return _predict(factors, coords)
+
+
+def _predict(factors: list[np.ndarray], coords: np.ndarray) -> np.ndarray:
+    """:func:`predict` without the checks (coordinates already checked, e.g. a COOTensor's)."""
     prod = factors[0][coords[:, 0]].copy()
     for m in range(1, len(factors)):
         prod *= factors[m][coords[:, m]]
@@ -130,7 +154,7 @@ def rmse(factors: list[np.ndarray], tensor: COOTensor) -> float:
     """
     _check_factors_fit(factors, tensor)
     xp = array_module(tensor.values)
-    return float(xp.sqrt(xp.mean((predict(factors, tensor.coords) - tensor.values) ** 2)))
+    return float(xp.sqrt(xp.mean((_predict(factors, tensor.coords) - tensor.values) ** 2)))
 
 
 def temporal_penalty(t: np.ndarray) -> float:

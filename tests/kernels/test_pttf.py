@@ -149,3 +149,24 @@ def test_rmse_and_objective_refuse_a_tensor_of_another_shape(low_rank_tensor):
         objective(factors, other, 1.0, 1.0)
     with pytest.raises(InputError, match=r"^tensor='COOTensor of shape \(3, 3, 3\)'"):
         gradient(factors, other, 1.0, 1.0)
+
+
+def test_predict_refuses_coordinates_outside_the_factors():
+    """A negative index wrapped around to the last rows: 799 plausible wrong values, no error (a
+    trial); float or out-of-range indices failed in NumPy's indexing."""
+    from paperline.kernels.tensor.pttf import CPFactors, predict
+
+    rng = np.random.default_rng(0)
+    factors = [rng.normal(size=(i, 2)) for i in (4, 3, 5)]
+    coords = np.array([[0, 0, 0], [3, 2, 4]])
+    want = np.einsum("nr,nr,nr->n", factors[0][coords[:, 0]], factors[1][coords[:, 1]], factors[2][coords[:, 2]])
+    np.testing.assert_allclose(predict(factors, coords), want)
+    np.testing.assert_allclose(CPFactors(factors).predict(coords), want)
+    for bad, match in ((-coords - 1, r"^coords\[:, 0\]=\(-4, -1\): indices must lie in 0..3"),
+                       (coords + [0, 1, 0], r"^coords\[:, 1\]=\(1, 3\): indices must lie in 0..2"),
+                       (coords.astype(float), "expected an integer nnz x 3 array"),
+                       (coords[:, :2], "expected an integer nnz x 3 array")):
+        with pytest.raises(InputError, match=match):
+            predict(factors, bad)
+    with pytest.raises(InputError, match="^factors=.*one rank R"):
+        predict([factors[0], factors[1][:, :1], factors[2]], coords)
