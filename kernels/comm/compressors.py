@@ -197,6 +197,21 @@ def _compute_dtype(dtype: "torch.dtype") -> "torch.dtype":
     return torch.float64 if dtype == torch.float64 else torch.float32
 
 
+def _value_dtype(dtype: "torch.dtype | None", itemsize: int) -> "torch.dtype":
+    """The dtype a message's values are read as: float32 or float64 of the layout's value size
+    (another dtype reinterpreted the bytes, e.g. int32 gave 1072318574 for 1.8: a trial)."""
+    import torch
+
+    want = torch.float64 if itemsize == 8 else torch.float32
+    if dtype is None:
+        return want
+    if dtype not in (torch.float32, torch.float64):
+        raise InputError("dtype", dtype, "must be torch.float32 or torch.float64 (or None: the layout's)")
+    if torch.empty(0, dtype=dtype).element_size() != itemsize:
+        raise InputError("dtype", dtype, f"the layout's values are {itemsize}-byte floats: use {want} (or None)")
+    return dtype
+
+
 def _flat(x: "torch.Tensor", argument: str = "x") -> "torch.Tensor":
     import torch
 
@@ -233,6 +248,9 @@ def pack_bits(codes: "torch.Tensor", bits: int) -> "torch.Tensor":
     import torch
 
     bits = _check_bits(bits)
+    if not isinstance(codes, torch.Tensor) or codes.dtype.is_floating_point or codes.dtype.is_complex:
+        shown = codes.dtype if isinstance(codes, torch.Tensor) else type(codes).__name__
+        raise InputError("codes", shown, "must be an integer torch.Tensor (a float code was truncated)")
     n = codes.numel()
     nbytes = (n * bits + 7) // 8
     if n == 0:
@@ -267,6 +285,7 @@ def unpack_bits(stream: "torch.Tensor", bits: int, count: int) -> "torch.Tensor"
     import torch
 
     bits = _check_bits(bits)
+    count = check_int("count", count, 0)
     if count == 0:
         return torch.zeros(0, dtype=torch.int64, device=stream.device)
     nbytes = (count * bits + 7) // 8
@@ -313,11 +332,13 @@ def range_quantize(values: "torch.Tensor", bits: int) -> tuple["torch.Tensor", "
         does.
 
     Raises:
-        InputError: ``bits`` outside 1-31, empty ``values``.
+        InputError: ``bits`` outside 1-31, ``values`` not a tensor or empty.
     """
     import torch
 
     bits = check_int("bits", bits, 1, 31)
+    if not isinstance(values, torch.Tensor):
+        raise InputError("values", type(values).__name__, "must be a torch.Tensor")
     v = values.reshape(-1).to(torch.float64)
     if v.numel() == 0:
         raise InputError("values", tuple(values.shape), "must not be empty")
@@ -376,10 +397,16 @@ def range_quantization_bound(lo: float, hi: float, bits: int) -> float:
     ``[-1e308, 1e308]``.
 
     Raises:
-        InputError: ``bits`` outside 1-31.
+        InputError: ``bits`` outside 1-31, ``lo``/``hi`` not real numbers (NaN included) or
+            ``lo > hi``.
     """
     scale = float(2 ** check_int("bits", bits, 1, 31))
+    for name, v in (("lo", lo), ("hi", hi)):
+        if not is_real(v) or math.isnan(float(v)):
+            raise InputError(name, v, "must be a real number")
     lo, hi = float(lo), float(hi)
+    if lo > hi:
+        raise InputError("lo", lo, f"must be <= hi ({hi}): the range is [lo, hi]")
     bound = (hi - lo) / scale
     if math.isinf(bound) and math.isfinite(lo) and math.isfinite(hi):
         bound = hi / scale - lo / scale
@@ -611,8 +638,7 @@ def _fft_decode(payload: "torch.Tensor", layout: FFTLayout, dtype: "torch.dtype 
     without it ``corrupt`` (a 0-d bool tensor) says so and the caller must not use the rest."""
     import torch
 
-    if dtype is None:
-        dtype = torch.float64 if layout.value_itemsize == 8 else torch.float32
+    dtype = _value_dtype(dtype, layout.value_itemsize)
     _check_payload(argument, payload, layout.nbytes)
     k, m = layout.k, layout.m
     off = layout.header_nbytes
@@ -841,8 +867,7 @@ def _topk_decode(payload: "torch.Tensor", layout: TopKLayout, dtype: "torch.dtyp
     """``(indices, values, corrupt)``, as :func:`_fft_decode`."""
     import torch
 
-    if dtype is None:
-        dtype = torch.float64 if layout.value_itemsize == 8 else torch.float32
+    dtype = _value_dtype(dtype, layout.value_itemsize)
     _check_payload(argument, payload, layout.nbytes)
     split = layout.k * layout.value_itemsize
     values = payload[:split].clone().view(dtype)

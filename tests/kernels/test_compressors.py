@@ -874,3 +874,24 @@ def test_one_nan_step_under_powersgd_leaves_the_later_steps_finite(free_port, op
     assert state.nonfinite_buckets == 1
     if not options:  # the residual after the NaN step is the one from before it
         assert residuals[3] and all(torch.equal(residuals[3][k], residuals[4][k]) for k in residuals[3])
+
+
+def test_codec_helpers_refuse_what_they_would_misread():
+    """A trial of the codecs: int32 read top-k's float bytes as integers, count=-1 unpacked two
+    codes, a float code was truncated, lo > hi gave a negative bound, a list failed in reshape."""
+    layout = C.TopKLayout(100, 0.1, 4)
+    payload = torch.zeros(layout.nbytes, dtype=torch.uint8)
+    for dtype, match in ((torch.int32, "must be torch.float32 or torch.float64"), (torch.float64, "4-byte floats")):
+        with pytest.raises(InputError, match=f"^dtype=.*{match}"):
+            C.topk_decode(payload, layout, dtype=dtype)
+    assert C.topk_decode(payload, layout, dtype=torch.float32)[1].dtype == torch.float32
+    with pytest.raises(InputError, match="^count=-1"):
+        C.unpack_bits(torch.zeros(4, dtype=torch.uint8), 8, -1)
+    with pytest.raises(InputError, match="^codes=torch.float32: must be an integer"):
+        C.pack_bits(torch.tensor([1.5]), 4)
+    with pytest.raises(InputError, match=r"^lo=2.0: must be <= hi \(1.0\)"):
+        C.range_quantization_bound(2.0, 1.0, 8)
+    with pytest.raises(InputError, match="^lo=nan"):
+        C.range_quantization_bound(float("nan"), 1.0, 8)
+    with pytest.raises(InputError, match="^values='list': must be a torch.Tensor"):
+        C.range_quantize([1.0, 2.0], 8)
