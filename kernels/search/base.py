@@ -29,6 +29,8 @@ from paperline.kernels.errors import InputError
 from paperline.kernels.registry import Registry
 from paperline.kernels.search.space import SearchSpace, point_key
 
+MAX_BATCH = 100_000  # points asked at once (q) or in the initial design: more is a typo, not a design
+
 OPTIMIZERS: Registry[type[Optimizer]] = Registry("optimizer")
 
 
@@ -59,8 +61,9 @@ class Optimizer(abc.ABC):
 
     def __init__(self, space: SearchSpace, n_objectives: int = 1, *, seed: int = 0, n_init: int = 10,
                  ref_point: np.ndarray | list[float] | None = None, **options: Any):
-        if int(n_init) < 1:
-            raise InputError("n_init", n_init, "the initial design needs at least one point")
+        n_init = check_count(n_init, "n_init", "points of the initial design")
+        seed = check_int(seed, "seed", low=0)
+        n_objectives = check_int(n_objectives, "n_objectives", low=1)
         if self.multi_objective is True and n_objectives < 2:
             raise InputError("optimizer", self.name, "is multi-objective; the problem has one objective")
         if self.multi_objective is False and n_objectives != 1:
@@ -124,11 +127,9 @@ class Optimizer(abc.ABC):
         space, from every point told so far, while such points remain).
 
         Raises:
-            InputError: ``q < 1``.
+            InputError: ``q`` not an integer in ``[1, MAX_BATCH]``.
         """
-        if int(q) < 1:
-            raise InputError("q", q, "the batch size must be at least 1")
-        q = int(q)
+        q = check_count(q, "q", "the batch size")
         if self._x.shape[0] < self.n_init or self.data()[0].shape[0] == 0:
             return self._initial(q)
         x = np.atleast_2d(np.asarray(self._suggest(q), dtype=np.float64))
@@ -291,6 +292,16 @@ def check_int(value: Any, argument: str, *, low: int) -> int:
     if not ok or int(value) < low:
         raise InputError(argument, value, f"must be an integer >= {low}")
     return int(value)
+
+
+def check_count(value: Any, argument: str, what: str) -> int:
+    """``value`` as an int in ``[1, MAX_BATCH]`` (``what`` it counts, for the message)."""
+    if isinstance(value, int | np.integer) and not isinstance(value, bool) and value < 1:
+        raise InputError(argument, value, f"must be at least 1 ({what})")
+    value = check_int(value, argument, low=1)
+    if value > MAX_BATCH:
+        raise InputError(argument, value, f"must be at most {MAX_BATCH:,} ({what})")
+    return value
 
 
 def check_option(key: str, value: Any, default: Any, positive: bool) -> Any:

@@ -22,7 +22,8 @@ from typing import Any
 import numpy as np
 
 from paperline.kernels.errors import InputError
-from paperline.kernels.search.base import OPTIMIZERS, Optimizer, load_optimizer, make_optimizer
+from paperline.kernels.search.base import (OPTIMIZERS, Optimizer, check_count, check_int, load_optimizer,
+                                           make_optimizer)
 from paperline.kernels.search.pareto import hypervolume, pareto_mask
 from paperline.kernels.search.problems import Problem, make_problem
 
@@ -94,10 +95,10 @@ class Campaign:
                  optimizer_options: dict[str, Any] | None = None, problem_options: dict[str, Any] | None = None):
         if isinstance(problem, str):
             problem = make_problem(problem, **(problem_options or {}))
-        if int(q) < 1:
-            raise InputError("q", q, "the batch size must be at least 1")
-        if int(n_init) < 1:
-            raise InputError("n_init", n_init, "the initial design needs at least one point")
+        q = check_count(q, "q", "the batch size")
+        n_init = check_count(n_init, "n_init", "points of the initial design")
+        seed = check_int(seed, "seed", low=0)
+        budget = check_int(budget, "budget", low=1)
         if int(budget) < int(n_init):
             raise InputError("budget", budget, f"smaller than the initial design (n_init={n_init}); "
                                                "raise the budget or lower n_init")

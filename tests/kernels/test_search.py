@@ -506,3 +506,31 @@ def test_the_last_points_of_a_nearly_exhausted_space_fill_the_batch():
     opt.tell(told, told.sum(axis=1, keepdims=True))
     x = opt.ask(5)
     assert sorted(map(tuple, x)) == sorted(map(tuple, points[left]))
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    ({"seed": -1}, r"^seed=-1: must be an integer >= 0"),  # was NumPy's "expected non-negative integer"
+    ({"seed": None}, r"^seed=None: must be an integer >= 0"),
+    ({"seed": "1"}, r"^seed='1': must be an integer >= 0"),  # was accepted
+    ({"n_init": 10**12}, r"^n_init=1000000000000: must be at most 100,000 \(points of the initial design\)"),  # was a 16 TiB MemoryError
+    ({"n_objectives": 0}, r"^n_objectives=0: must be an integer >= 1"),
+])
+def test_optimizers_refuse_bad_counts_and_seeds(kwargs, match):
+    from paperline.kernels.search.base import make_optimizer
+    from paperline.kernels.search.space import SearchSpace
+
+    space = SearchSpace.box([0.0, 0.0], [1.0, 1.0])
+    with pytest.raises(InputError, match=match):
+        make_optimizer("random", space, **kwargs)
+
+
+@pytest.mark.parametrize("q, match", [(2.5, r"^q=2.5: must be an integer"), ("2", "^q='2': must be an integer"),
+                                      (10**10, r"^q=10000000000: must be at most 100,000 \(the batch size\)"), (0, "^q=0")])
+def test_ask_refuses_a_batch_size_that_is_not_a_count(q, match):
+    from paperline.kernels.search.base import make_optimizer
+    from paperline.kernels.search.space import SearchSpace
+
+    opt = make_optimizer("random", SearchSpace.box([0.0, 0.0], [1.0, 1.0]))
+    with pytest.raises(InputError, match=match):
+        opt.ask(q)
+    assert opt.ask(2).shape == (2, 2)
