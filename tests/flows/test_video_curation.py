@@ -218,6 +218,7 @@ def test_an_s3_prefix_is_a_source(stack, source_dir):
     import dataclasses
 
     from paperline.flows.video_curation import list_sources
+    from paperline.infra.errors import InputError
     from paperline.infra.storage import ObjectStore
     from paperline.kernels.video.clips import ClipConfig, FilterConfig
     from paperline.tasks.video import curate_video
@@ -228,6 +229,13 @@ def test_an_s3_prefix_is_a_source(stack, source_dir):
     store.upload_file_to(source_dir / "carphone.mp4", f"{prefix}/a/carphone.mp4")
     store.put_bytes_to(b"not a video", f"{prefix}/readme.txt")
     assert list_sources(prefix + "/", store) == [f"{prefix}/a/carphone.mp4"]
+    # a folder without its slash is the same folder, not a string prefix: s3://b/inc listed
+    # s3://b/inc-extra/ too (a trial); an object is itself
+    store.upload_file_to(source_dir / "carphone.mp4", f"{prefix}-extra/carphone.mp4")
+    assert list_sources(prefix, store) == [f"{prefix}/a/carphone.mp4"]
+    assert list_sources(f"{prefix}/a/carphone.mp4", store) == [f"{prefix}/a/carphone.mp4"]
+    with pytest.raises(InputError, match=f"no objects ending in .* under {prefix}/a/car/ "):
+        list_sources(f"{prefix}/a/car", store)
     out = curate_video.fn(f"{prefix}/a/carphone.mp4", dataclasses.asdict(ClipConfig(min_clip_s=1.0)),
                           dataclasses.asdict(FilterConfig()), store, f"s3://{info.data_bucket}/test-staging", "carphone")
     assert out["rejected"] is None and out["info"]["source"] == f"{prefix}/a/carphone.mp4"
