@@ -509,6 +509,15 @@ class ObjectStore:
         self._call(f"list {uri_prefix}", _all)
         return sorted(out)
 
+    def delete(self, uri: str) -> None:
+        """Delete one object (no error when it is already gone).
+
+        Raises:
+            ServiceError: S3 is unreachable or rejects the credentials.
+        """
+        bucket, key = split_uri(uri)
+        self._call(f"delete {uri}", lambda: self.client.delete_object(Bucket=bucket, Key=key))
+
     # -- write-then-commit ----------------------------------------------------------------------------
 
     def commit(self, prefix_uri: str, parts: dict[str, bytes], meta: dict[str, Any] | None = None) -> ObjectRef:

@@ -21,6 +21,7 @@ from __future__ import annotations
 import hashlib
 import io
 import json
+import re
 import tarfile
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -124,8 +125,10 @@ def write_dataset(store: Any, output: str, plans: list[ShardPlan], rows: dict[st
     """Upload shards, then ``extra`` objects (index, rejected table), then the manifest (last).
 
     Args:
-        store: An object store with ``head(uri)``, ``put_bytes_to(data, uri)``, ``get_bytes(uri)``
-            and ``exists(uri)`` (:class:`paperline.infra.storage.ObjectStore`).
+        store: An object store with ``head(uri)``, ``put_bytes_to(data, uri)``, ``get_bytes(uri)``,
+            ``exists(uri)``, ``list(prefix)`` and ``delete(uri)``
+            (:class:`paperline.infra.storage.ObjectStore`). Shards of an earlier uncommitted
+            write to ``output`` that this plan does not name are deleted before the commit.
         output: ``s3://bucket/prefix`` of the dataset.
         plans: From :func:`plan_shards`.
         rows: Clip rows by key (index fields; ``mp4_sha256`` checked against the bytes read).
@@ -170,6 +173,14 @@ def write_dataset(store: Any, output: str, plans: list[ShardPlan], rows: dict[st
             uploaded.append(plan.name)
         shards.append({"name": plan.name, "uri": uri, "sha256": sha, "size_bytes": len(tar), "keys": list(plan.keys),
                        "n_samples": len(plan.keys)})
+    # shards of an earlier, uncommitted write to this prefix (interrupted, with other inputs or
+    # settings) that this plan does not name: a later commit left them beside its own, outside
+    # the manifest, where a glob of shard-*.tar read them (a trial)
+    names = {p.name for p in plans}
+    for uri in store.list(f"{output}/shard-"):
+        name = uri.rsplit("/", 1)[-1]
+        if name not in names and re.fullmatch(r"shard-\d{6}\.tar", name):
+            store.delete(uri)
     objects = {}
     for name, data in extra.items():
         uri = f"{output}/{name}"

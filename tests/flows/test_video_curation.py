@@ -199,9 +199,16 @@ def test_a_failure_mid_upload_leaves_no_visible_dataset_and_the_rerun_completes(
     assert not store.exists(f"{output}/manifest.json")
     with pytest.raises(NotCommitted):
         next(iter_samples(store, output))
+    # an interrupted write of other settings left a shard this plan does not name: a later commit
+    # kept it beside its own, outside the manifest, where a glob of shard-*.tar read it (a trial)
+    stale = f"{output}/shard-{len(plans):06d}.tar"
+    store.put_bytes_to(b"an earlier attempt's shard", stale)
+    store.put_bytes_to(b"the user's own notes", f"{output}/shard-notes.txt")
     done = write_dataset(store, output, plans, rows, read_clip, {}, {})
     assert done["skipped"] == [plans[0].name] and done["uploaded"] == [p.name for p in plans[1:]]
     assert [s["__key__"] for s in iter_samples(store, output)] == sorted(rows)
+    assert not store.exists(stale) and store.exists(f"{output}/shard-notes.txt")
+    assert [u for u in store.list(f"{output}/shard-") if u.endswith(".tar")] == [s["uri"] for s in done["shards"]]
 
 
 def test_every_input_rejected_fails_and_says_why(cli_env, bad_videos, tmp_path):
