@@ -13,7 +13,6 @@ interrupted run wrote its full result, at a default S3 key nobody was told: a tr
 from __future__ import annotations
 
 import json
-import re
 import shutil
 import tempfile
 from pathlib import Path
@@ -35,7 +34,7 @@ from paperline.infra.errors import InputError
 from paperline.infra.regression import Headline, check_latest
 from paperline.infra.settings import get_settings
 from paperline.infra.stack import require_stack
-from paperline.infra.storage import ObjectStore, nearest_existing, require_writable_dir
+from paperline.infra.storage import S3_BUCKET_NAME, ObjectStore, nearest_existing, require_writable_dir
 from paperline.infra.tracking import Tracker
 from paperline.kernels.blas.plan import Problem
 from paperline.kernels.blas.runtime import check_memory_budget
@@ -82,7 +81,6 @@ def logged_params(params: GemmParameters, problem: Problem | None) -> dict[str, 
     return logged
 
 
-S3_BUCKET = re.compile(r"[a-z0-9][a-z0-9.-]{1,61}[a-z0-9]")  # S3's bucket naming rules (the common part)
 
 
 # The operands and flags each routine reads besides a, alpha and the tile (reference BLAS semantics).
@@ -151,7 +149,7 @@ class GemmParameters(BaseModel):
         if v is None or not v.startswith("s3://"):
             return v
         bucket, _, key = v[len("s3://"):].partition("/")
-        if not S3_BUCKET.fullmatch(bucket):
+        if not S3_BUCKET_NAME.fullmatch(bucket):
             raise ValueError("not a valid S3 bucket name (3-63 lowercase letters, digits, dots and hyphens): "
                              "expected s3://bucket/key.npy")
         if info.field_name != "output" and (not key or key.endswith("/")):  # the output's own check says more

@@ -29,7 +29,7 @@ from paperline.infra.errors import InputError
 from paperline.infra.regression import Headline, check_latest
 from paperline.infra.settings import get_settings
 from paperline.infra.stack import require_stack
-from paperline.infra.storage import ObjectStore, split_uri
+from paperline.infra.storage import ObjectStore, s3_location_problem, split_uri
 from paperline.infra.tracking import Tracker
 from paperline.kernels.errors import InputError as KernelInputError
 from paperline.kernels.video.clips import ClipConfig, FilterConfig, nvenc_usable
@@ -105,6 +105,8 @@ class VideoCurationParameters(BaseModel):
             raise ValueError("must not be empty")
         if v.strip()[:3].lower() == "s3:" and not v.strip().startswith("s3://"):  # s3:/bucket/x was a local path (a trial)
             raise ValueError("looks like an S3 prefix: start it with s3:// (e.g. s3://bucket/videos/)")
+        if v.strip().startswith("s3://") and (problem := s3_location_problem(v.strip())):
+            raise ValueError(problem)
         return v.strip()
 
     @field_validator("output")
@@ -112,6 +114,8 @@ class VideoCurationParameters(BaseModel):
     def _output(cls, v: str | None) -> str | None:
         if v is not None and (not v.startswith("s3://") or not split_uri(v.rstrip("/"))[1]):
             raise ValueError("must be an s3://bucket/prefix")
+        if v is not None and (problem := s3_location_problem(v)):
+            raise ValueError(problem)
         return v.rstrip("/") if v else v
 
     def clip_config(self, device: str) -> ClipConfig:

@@ -14,6 +14,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import re
 import tempfile
 import threading
 from dataclasses import dataclass
@@ -49,6 +50,22 @@ class ObjectRef:
     uri: str
     sha256: str
     size_bytes: int
+
+
+S3_BUCKET_NAME = re.compile(r"[a-z0-9][a-z0-9.-]{1,61}[a-z0-9]")  # S3's bucket naming rules (the common part)
+
+
+def s3_location_problem(uri: str) -> str | None:
+    """What is wrong with ``s3://bucket/key`` as a location to read or write, or None: a bucket
+    name S3 refuses (the request failed as "S3 is not available"), or a key with ``.``/``..``
+    or empty segments (SeaweedFS answered 400 Bad Request; ``a//b`` was stored as is)."""
+    bucket, _, key = uri[len("s3://"):].partition("/")
+    if not S3_BUCKET_NAME.fullmatch(bucket):
+        return f"{bucket!r} is not a valid S3 bucket name (3-63 lowercase letters, digits, dots and hyphens)"
+    parts = key.rstrip("/").split("/") if key.rstrip("/") else []
+    if any(p in ("", ".", "..") or p != p.strip() for p in parts):
+        return "its key has an empty, '.', '..' or space-padded segment; name it plainly, e.g. s3://bucket/videos/set1"
+    return None
 
 
 def split_uri(uri: str) -> tuple[str, str]:

@@ -32,6 +32,8 @@ def _video_key(_ctx: Any, p: dict[str, Any]) -> str:
     if src.startswith("s3://"):
         head = p["store"].head(src) or {}
         ident = f"{head.get('ETag')}:{head.get('ContentLength')}"
+    elif not Path(src).is_file():  # opening a FIFO named like a video blocked the run for good (a trial);
+        ident = "not-a-regular-file"  # probe() rejects it, without opening it
     else:
         try:
             ident = file_sha256(src)

@@ -407,6 +407,10 @@ def test_bad_video_settings_are_refused_before_anything_starts(tmp_path):
         (["source=s3:/paperline-data/videos/", "dataset=x"], ["source='s3:/paperline-data/videos/'",
                                                               "start it with s3://"]),
         ([f"source={notes}", "dataset=x"], [f"source='{notes}': not named like a video (one of .mp4"]),
+        # SeaweedFS answered a bare "400 Bad Request"; a bad bucket was blamed on S3's health (a trial)
+        (["output=s3://paperline-data/a/../c"], ["output=", "'..' or space-padded segment"]),
+        (["output=s3://Bad_Bucket!/x"], ["output=", "'Bad_Bucket!' is not a valid S3 bucket name"]),
+        (["source=s3://paperline-data/in//x/"], ["source=", "empty, '.', '..'"]),
     ]
     assert_refused_before_anything_starts("video-curation", cases, tmp_path)
 

@@ -197,6 +197,18 @@ def test_corrupt_data_in_a_full_length_video_is_a_decode_error_and_a_fifo_is_rej
     os.mkfifo(tmp_path / "pipe.mp4")
     assert tmp_path / "pipe.mp4" in list_local(tmp_path)
     assert probe(tmp_path / "pipe.mp4").reason == "decode_error"
+    # the flow task's cache key hashed the file first: opening the FIFO blocked the run for good
+    # (a trial); it is keyed without opening it (a thread, so that a regression fails, not hangs)
+    import threading
+
+    from paperline.tasks.video import _video_key
+
+    keys: list[str] = []
+    t = threading.Thread(target=lambda: keys.append(_video_key(None, {
+        "source": str(tmp_path / "pipe.mp4"), "clip_cfg": {}, "filter_cfg": {}, "staging": "s3://b/s"})), daemon=True)
+    t.start()
+    t.join(30)
+    assert len(keys) == 1, "the cache key of a FIFO blocked"
     with pytest.raises(InputError, match="not named like a video"):
         list_local(tmp_path / "notes.txt")
 
