@@ -93,7 +93,8 @@ class VideoCurationParameters(BaseModel):
                                              "a k-means cluster; > 1 disables; default 0.98 for HSV histograms, "
                                              "0.995 for TransNetV2 features (all their pairs are >= 0.94).")
     n_clusters: int | None = Field(None, ge=1, description="k-means clusters (default ceil(sqrt(n/2))).")
-    shard_target_mb: float = Field(64.0, gt=0, description="Target shard size (MB of clips).")
+    shard_target_mb: float = Field(64.0, ge=0.001, description="Target shard size (MB of clips; at least 0.001, "
+                                                                "a kB: 1e-9 passed and failed after curating).")
     world_size: int = Field(2, ge=1, le=MAX_WORLD_SIZE,
                             description=f"Ranks the dataset is read back for (equal samples per rank; at most "
                                         f"{MAX_WORLD_SIZE}: the read-back streams each rank's samples in turn).")

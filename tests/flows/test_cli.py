@@ -411,6 +411,7 @@ def test_bad_video_settings_are_refused_before_anything_starts(tmp_path):
         (["output=s3://paperline-data/a/../c"], ["output=", "'..' or space-padded segment"]),
         (["output=s3://Bad_Bucket!/x"], ["output=", "'Bad_Bucket!' is not a valid S3 bucket name"]),
         (["source=s3://paperline-data/in//x/"], ["source=", "empty, '.', '..'"]),
+        (["shard_target_mb=1e-9"], ["shard_target_mb=1e-9", "greater than or equal to 0.001"]),
     ]
     assert_refused_before_anything_starts("video-curation", cases, tmp_path)
 
