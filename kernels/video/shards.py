@@ -27,7 +27,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
-from paperline.kernels.errors import InputError
+from paperline.kernels.errors import InputError, check_int
 
 MANIFEST = "manifest.json"
 SHARD_PATTERN = "shard-{:06d}.tar"
@@ -216,10 +216,13 @@ def rank_indices(n: int, rank: int, world_size: int, drop_last: bool = False) ->
             ``drop_last``) fewer samples than ranks. Without ``drop_last`` more ranks than samples
             is allowed: every rank gets one sample, repeated.
     """
-    if world_size < 1:
-        raise InputError("world_size", world_size, "must be >= 1")
-    if not 0 <= rank < world_size:
+    n = check_int("n", n, 0)  # a str rank failed in a comparison, a float world size in range() (a trial)
+    world_size = check_int("world_size", world_size, 1)
+    rank = check_int("rank", rank, 0)
+    if rank >= world_size:
         raise InputError("rank", rank, f"must be in [0, {world_size})")
+    if type(drop_last).__name__ not in ("bool", "bool_"):  # Python's or NumPy's
+        raise InputError("drop_last", drop_last, "must be True or False")
     if n < world_size and (drop_last or n == 0):
         raise InputError("world_size", world_size, f"more ranks than samples ({n})")
     per = n // world_size if drop_last else -(-n // world_size)

@@ -311,6 +311,15 @@ def test_rank_indices_give_equal_samples_per_rank():
         rank_indices(5, 2, 2)
     with pytest.raises(InputError, match="more ranks than samples"):
         rank_indices(1, 0, 2, drop_last=True)
+    # a str rank failed in a comparison, a float world size in range(), a negative n gave [] (a trial)
+    for args, match in (((5, "0", 2), "^rank='0': must be an integer"), ((5, 0, 2.5), "^world_size=2.5: must be an integer"),
+                        ((-3, 0, 1), "^n=-3: must be >= 0"), ((5, True, 2), "^rank=True: must be an integer"),
+                        ((5, 0, 0), "^world_size=0: must be >= 1")):
+        with pytest.raises(InputError, match=match):
+            rank_indices(*args)
+    with pytest.raises(InputError, match="^drop_last='yes'"):
+        rank_indices(5, 0, 2, drop_last="yes")
+    assert rank_indices(4, 1, 2, drop_last=np.bool_(True)) == [2, 3]
 
 
 def test_bad_configuration_is_refused():
