@@ -69,7 +69,7 @@ class VideoCurationParameters(BaseModel):
                                              "{\"threshold\": 0.5} (transnetv2), {\"stride_s\": 5} (stride).")
     min_clip_s: float = Field(2.0, gt=0, description="Shorter shots are dropped (seconds).")
     max_clip_s: float = Field(10.0, gt=0, description="Longer shots are cut into windows of this length (seconds).")
-    height: int = Field(360, ge=16, le=4320, description="Output height in pixels (never upscaled).")
+    height: int = Field(360, ge=16, le=4320, description="Output height in pixels of the upright frame (never upscaled).")
     fps: float | None = Field(None, gt=0, le=240, description="Output frame rate (default: the source's).")
     encoder: Literal["auto", "libx264", "h264_nvenc"] = Field("auto", description="H.264 encoder; auto = NVENC "
                                                                                    "when usable, else libx264.")
@@ -86,7 +86,7 @@ class VideoCurationParameters(BaseModel):
                                       description="Most black or flat frames a kept clip may have.")
     min_duration_s: float = Field(FilterConfig.min_duration_s, ge=0,
                                   description="Clips shorter than this are filtered (seconds).")
-    min_height: int = Field(FilterConfig.min_height, ge=0, description="Sources of lower height are filtered (pixels).")
+    min_height: int = Field(FilterConfig.min_height, ge=0, description="Sources whose upright frames are lower are filtered (pixels).")
     phash_max_distance: int = Field(4, ge=-1, le=64, description="Near duplicates: perceptual-hash Hamming distance "
                                                                  "(bits) at first/middle/last frame; -1 disables.")
     semantic_threshold: float | None = Field(None, gt=0, description="Semantic duplicates: cosine similarity within "
@@ -469,8 +469,8 @@ def _counts(results: list[dict[str, Any]], rows: list[dict[str, Any]], rejected:
 CONTACT_KEPT, CONTACT_DROPPED = 24, 12  # thumbnails on the contact sheet (the index lists every clip)
 
 INDEX_COLUMNS = ["key", "source", "source_sha256", "start_s", "end_s", "duration_s", "start_frame", "end_frame",
-                 "frames", "fps", "width", "height", "source_width", "source_height", "motion", "sharpness",
-                 "black_fraction", "content_sha256", "phash", "filter_reasons", "kept", "dedup_cluster",
+                 "frames", "fps", "width", "height", "source_width", "source_height", "source_rotation", "motion",
+                 "sharpness", "black_fraction", "content_sha256", "phash", "filter_reasons", "kept", "dedup_cluster",
                  "duplicate_of", "dedup_reason", "selected", "shard", "member", "mp4_sha256", "mp4_size_bytes"]
 
 
@@ -483,7 +483,8 @@ def _index_parquet(rows: list[dict[str, Any]]) -> bytes:
                         ("start_s", pa.float64()), ("end_s", pa.float64()), ("duration_s", pa.float64()),
                         ("start_frame", pa.int64()), ("end_frame", pa.int64()), ("frames", pa.int64()),
                         ("fps", pa.float64()), ("width", pa.int32()), ("height", pa.int32()),
-                        ("source_width", pa.int32()), ("source_height", pa.int32()), ("motion", pa.float64()),
+                        ("source_width", pa.int32()), ("source_height", pa.int32()), ("source_rotation", pa.int32()),
+                        ("motion", pa.float64()),
                         ("sharpness", pa.float64()), ("black_fraction", pa.float64()),
                         ("content_sha256", pa.string()), ("phash", pa.list_(pa.string())),
                         ("filter_reasons", pa.list_(pa.string())), ("kept", pa.bool_()),

@@ -6,7 +6,9 @@ analysis size (48x27 RGB, for the detector, motion, black/flat and perceptual ha
 output size (YUV 4:2:0, encoded as is and used for sharpness). A frame waits in memory only until
 the detector has decided it (its lookahead), then it is appended to the open clip's H.264 encoder.
 
-Frames are timed by index at the stream's average rate (constant frame rate assumed).
+Frames are timed by index at the stream's average rate (constant frame rate assumed). A stream
+with a display matrix (a phone's portrait video) is turned upright first, by the FFmpeg filters
+``ffmpeg`` itself would insert (:attr:`VideoInfo.display_filters`).
 """
 
 from __future__ import annotations
@@ -39,7 +41,8 @@ class ClipConfig:
         splitter_options: Keyword options of the detector.
         min_clip_s: Shots (and the last window of a long shot) shorter than this are dropped, seconds.
         max_clip_s: Longer shots are cut into windows of this length, seconds.
-        height: Output height in pixels (never upscaled; even); width keeps the aspect ratio.
+        height: Output height in pixels of the upright frame (never upscaled; even); width keeps
+            the aspect ratio (a portrait 1080x1920 phone video at 360 gives 202x360 clips).
         fps: Output frame rate; None keeps the source's.
         encoder: ``libx264`` or ``h264_nvenc``.
         crf: Constant rate factor (libx264) / constant quality (NVENC), 0-51.
@@ -138,7 +141,10 @@ class Clip:
     """One clip: where it came from, its scores, decisions and (if kept) its H.264 mp4 bytes.
 
     Times are seconds from the start of the source; frame indices are source frames
-    (``end_frame`` exclusive).
+    (``end_frame`` exclusive). Sizes are of upright frames: ``source_width``/``source_height`` as
+    displayed (after the source's display matrix, whose rotation is ``source_rotation``, degrees
+    counterclockwise as ``ffprobe`` reports it), ``width``/``height`` the clip's (which carries no
+    display matrix: its frames are stored upright).
     """
 
     key: str
@@ -155,6 +161,7 @@ class Clip:
     height: int
     source_width: int
     source_height: int
+    source_rotation: int
     motion: float
     sharpness: float
     black_fraction: float
@@ -199,6 +206,37 @@ def output_size(width: int, height: int, target_height: int) -> tuple[int, int]:
     h -= h % 2
     w = round(width * h / height / 2) * 2
     return max(w, 2), max(h, 2)
+
+
+class _Autorotate:
+    """Turns decoded frames upright through an FFmpeg filter graph (``transpose``, ``hflip``, ...),
+    rebuilt when the frames' size or format changes mid-stream."""
+
+    def __init__(self, filters: str, time_base: Fraction | None):
+        self.filters = [f.partition("=") for f in filters.split(",") if f]
+        self.time_base = time_base
+        self.graph: Any = None
+        self.shape: tuple[int, int, str] | None = None
+
+    def __call__(self, frame: Any) -> Any:
+        if not self.filters:
+            return frame
+        shape = (frame.width, frame.height, frame.format.name)
+        if shape != self.shape:
+            import av.filter  # noqa: PLC0415
+
+            graph = av.filter.Graph()
+            node = graph.add_buffer(width=frame.width, height=frame.height, format=frame.format.name,
+                                    time_base=frame.time_base or self.time_base or Fraction(1, 1000))
+            for name, _, arg in self.filters:
+                nxt = graph.add(name, arg or None)
+                node.link_to(nxt)
+                node = nxt
+            node.link_to(graph.add("buffersink"))
+            graph.configure()
+            self.graph, self.shape = graph, shape
+        self.graph.push(frame)
+        return self.graph.pull()
 
 
 def source_id(info: VideoInfo) -> str:
@@ -433,8 +471,10 @@ def extract_clips(info: VideoInfo, cfg: ClipConfig, filt: FilterConfig | None = 
         decoded = 0
         error: str | None = None
         to_small, to_big = VideoReformatter(), VideoReformatter()  # reused: one scaler context each
+        upright = _Autorotate(info.display_filters, stream.time_base)
         try:
             for frame in container.decode(stream):
+                frame = upright(frame)
                 small = to_small.reformat(frame, width=ANALYSIS_SIZE[0], height=ANALYSIS_SIZE[1],
                                           format="rgb24").to_ndarray()
                 if frame.width == width and frame.height == height and frame.format.name == "yuv420p":
@@ -488,7 +528,7 @@ def _finish_clip(enc: _ClipEncoder, info: VideoInfo, sid: str, filt: FilterConfi
         key=f"{sid}-{start:06d}", source=info.source, source_sha256=info.sha256, start_frame=start, end_frame=end,
         start_s=float(start / src_rate), end_s=float(end / src_rate), duration_s=float(enc.n / src_rate),
         frames=enc.out_n, fps=float(out_rate), width=width, height=height, source_width=info.width,
-        source_height=info.height, motion=float(np.mean(enc.diffs)) if enc.diffs else 0.0,
+        source_height=info.height, source_rotation=info.rotation, motion=float(np.mean(enc.diffs)) if enc.diffs else 0.0,
         sharpness=float(np.mean(enc.sharp)) if enc.sharp else 0.0, black_fraction=enc.dark / enc.n,
         content_sha256=enc.sha.hexdigest(), phash=phash, embedding=[float(v) for v in emb],
         thumbnail_jpeg=jpeg.getvalue())

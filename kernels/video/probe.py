@@ -8,6 +8,7 @@ file never stops the others.
 from __future__ import annotations
 
 import hashlib
+import math
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -28,9 +29,16 @@ class VideoInfo:
         codec: Video codec name (e.g. ``"h264"``).
         duration_s: Duration in seconds (container's, else stream's; 0 when unknown).
         fps: Average frame rate in frames per second.
-        width, height: Frame size in pixels.
+        width, height: Frame size in pixels as displayed: after ``display_filters`` (a phone's
+            portrait clip, coded 1920x1080 with a 90 degree display matrix, is 1080x1920).
         frames: Frame count declared by the container (0 when unknown).
         has_audio: Whether the container has an audio stream.
+        rotation: The display matrix's rotation in degrees counterclockwise, in [-180, 180], as
+            ``ffprobe`` and PyAV's ``VideoFrame.rotation`` report it (``-90`` for a phone held
+            upright); 0 when the stream has no display matrix.
+        display_filters: The FFmpeg filter chain that turns decoded frames upright (``""``,
+            ``"transpose=clock"``, ``"hflip,vflip"``, ...): the one ``ffmpeg`` inserts when it
+            autorotates (:func:`autorotate_filters`). Clips are cut from the upright frames.
     """
 
     source: str
@@ -44,6 +52,8 @@ class VideoInfo:
     height: int
     frames: int
     has_audio: bool
+    rotation: int = 0
+    display_filters: str = ""
 
     def as_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -67,6 +77,67 @@ class Rejected:
 
     def as_dict(self) -> dict[str, Any]:
         return asdict(self)
+
+
+def display_rotation(matrix: Any) -> float:
+    """The rotation of a display matrix, degrees counterclockwise in [-180, 180] (NaN when its
+    rotation part is degenerate): FFmpeg's ``av_display_rotation_get`` (libavutil/display.c).
+
+    Args:
+        matrix: The ``DISPLAYMATRIX`` side data: 9 int32 (3x3, row major; a, b, c, d in 16.16
+            fixed point), as bytes or a sequence.
+    """
+    m = _matrix(matrix)
+    scale0, scale1 = math.hypot(m[0], m[3]), math.hypot(m[1], m[4])
+    if scale0 == 0 or scale1 == 0:
+        return math.nan
+    return -math.degrees(math.atan2(m[1] / scale1, m[0] / scale0))
+
+
+def autorotate_filters(matrix: Any) -> str:
+    """The FFmpeg filter chain that displays frames upright, given their display matrix.
+
+    The same choice as ``ffmpeg``'s autorotation (fftools/ffmpeg_filter.c,
+    ``configure_input_video_filter``): a quarter turn is a ``transpose`` (with its flip folded
+    in), a half turn ``hflip,vflip``, no turn a ``vflip`` when the matrix mirrors vertically, and
+    any other angle FFmpeg's ``rotate`` filter (frame size kept, corners cut).
+
+    Args:
+        matrix: ``DISPLAYMATRIX`` side data (see :func:`display_rotation`), or None.
+
+    Returns:
+        The filter chain (``","``-separated ``name`` or ``name=argument``), ``""`` for none.
+    """
+    if matrix is None:
+        return ""
+    m = _matrix(matrix)
+    rot = display_rotation(m)
+    if math.isnan(rot):
+        return ""
+    theta = -round(rot)  # clockwise, as ffmpeg's get_rotation()
+    theta -= 360 * math.floor(theta / 360 + 0.9 / 360)
+    if abs(theta - 90) < 1.0:
+        return "transpose=cclock_flip" if m[3] > 0 else "transpose=clock"
+    if abs(theta - 180) < 1.0:
+        return ",".join(f for f, flip in (("hflip", m[0] < 0), ("vflip", m[4] < 0)) if flip)
+    if abs(theta - 270) < 1.0:
+        return "transpose=clock_flip" if m[3] < 0 else "transpose=cclock"
+    if abs(theta) > 1.0:
+        return f"rotate={theta:g}*PI/180"
+    return "vflip" if m[4] < 0 else ""
+
+
+def _matrix(matrix: Any) -> list[int]:
+    """Nine ints from ``DISPLAYMATRIX`` side data (bytes, or already a sequence)."""
+    import numpy as np  # noqa: PLC0415
+
+    if isinstance(matrix, (bytes, bytearray, memoryview)) or hasattr(matrix, "buffer_size"):
+        m = np.frombuffer(bytes(matrix), dtype="<i4").tolist()
+    else:
+        m = [int(v) for v in matrix]
+    if len(m) != 9:
+        raise ValueError(f"a display matrix has 9 entries; got {len(m)}")
+    return m
 
 
 def file_sha256(path: str | Path) -> str:
@@ -123,8 +194,12 @@ def probe(path: str | Path, *, min_frames: int = 2) -> VideoInfo | Rejected:
         has_audio = bool(container.streams.audio)
         # Decode up to min_frames frames: catches a stream the decoder cannot read at all.
         decoded = 0
+        matrix = None  # FFmpeg attaches the stream's display matrix to every decoded frame
         try:
-            for _ in container.decode(stream):
+            for frame in container.decode(stream):
+                if decoded == 0:
+                    matrix = frame.side_data.get("DISPLAYMATRIX")
+                    matrix = bytes(matrix) if matrix is not None else None
                 decoded += 1
                 if decoded >= min_frames:
                     break
@@ -135,8 +210,12 @@ def probe(path: str | Path, *, min_frames: int = 2) -> VideoInfo | Rejected:
             return Rejected(src, "too_few_frames", f"{decoded} decodable frame(s); at least {min_frames} needed")
         if width <= 0 or height <= 0 or fps <= 0:
             return Rejected(src, "decode_error", f"bad stream geometry {width}x{height} at {fps} fps")
+    rotation = 0 if matrix is None or math.isnan(display_rotation(matrix)) else round(display_rotation(matrix))
+    filters = autorotate_filters(matrix)
+    if "transpose" in filters:
+        width, height = height, width
     return VideoInfo(src, file_sha256(p), size, container.format.name, codec, duration, fps, width, height,
-                     frames, has_audio)
+                     frames, has_audio, rotation, filters)
 
 
 def _message(exc: BaseException) -> str:

