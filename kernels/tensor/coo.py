@@ -8,14 +8,16 @@ kernels that fit a tensor compute where its arrays live (:meth:`COOTensor.to`).
 
 from __future__ import annotations
 
+import decimal
 import math
+import numbers
 import weakref
 from dataclasses import dataclass, field
 
 import numpy as np
 
 from paperline.kernels.arrays import array_module, device_of, to_device, to_host
-from paperline.kernels.errors import InputError
+from paperline.kernels.errors import InputError, check_int, check_number
 
 # |value| x sqrt(nnz) above this: sums of squared errors (RMSE, the objectives) overflow float64 (~1.3e154 squared)
 MAX_SCALE = 1e150
@@ -39,23 +41,42 @@ def _check_shape(shape: object) -> tuple[int, ...]:
     return shape
 
 
+def _is_number(x: object) -> bool:
+    """An element an object array may hold: a real number (Python/NumPy int or float, Fraction) or a
+    Decimal (database drivers return them), not a bool, str, None or complex."""
+    return isinstance(x, (numbers.Real, decimal.Decimal)) and not isinstance(x, (bool, np.bool_))
+
+
 def _check_values(xp, values: object, argument: str = "values") -> np.ndarray:
-    """``values`` as an array of real numbers (not yet float64). Raises InputError naming ``argument``
-    otherwise."""
+    """``values`` as an array of real numbers (not yet float64, except object arrays). Integer dtypes
+    are numbers; bool, complex, string and other dtypes are not.
+
+    Raises:
+        InputError: naming ``argument`` and the dtype seen (and, for an object array, the first
+            element that is not a number).
+    """
     try:
         arr = xp.asarray(values)
     except (TypeError, ValueError) as exc:  # ragged lists and the like
         raise InputError(argument, values, f"must be an array of real numbers ({exc})") from None
     kind = arr.dtype.kind
+    if kind == "b":  # True/False would become 1.0/0.0 observations nobody measured
+        raise InputError(argument, f"array of dtype {arr.dtype}",
+                         f"must be real numbers, not booleans: if 1.0/0.0 is meant, convert explicitly "
+                         f"(e.g. {argument}.astype(float))")
     if kind == "c":
         raise InputError(argument, f"array of dtype {arr.dtype}",
                          "complex values are not supported: pass the real part (or the magnitude) explicitly")
-    if kind == "O":  # e.g. Python numbers in an object array: numeric only if each converts
+    if kind == "O":  # e.g. Python numbers in an object array: astype alone would also take True and "1.5"
+        for i, x in enumerate(arr.flat):
+            if not _is_number(x):
+                raise InputError(argument, f"array of dtype {arr.dtype}",
+                                 f"must be real numbers (element {i} is {x!r:.40}, a {type(x).__name__})")
         try:
             return arr.astype(np.float64)
-        except (TypeError, ValueError):
-            raise InputError(argument, f"array of dtype {arr.dtype}", "must be real numbers") from None
-    if kind not in "biuf":
+        except (TypeError, ValueError, OverflowError) as exc:  # 10**400, Decimal('sNaN')
+            raise InputError(argument, f"array of dtype {arr.dtype}", f"must be float64 numbers ({exc})") from None
+    if kind not in "iuf":
         raise InputError(argument, f"array of dtype {arr.dtype}", "must be real numbers")
     return arr
 
@@ -125,6 +146,11 @@ def _check_unique(xp, coords: np.ndarray, shape: tuple[int, ...]) -> None:
 class COOTensor:
     """Observed entries of an N-way tensor (N >= 3, last mode is time).
 
+    ``values`` are real numbers: float arrays, integer arrays (converted to float64: counts and
+    integer ratings are data) and object arrays of Python numbers. Bool arrays are refused, not
+    read as 1.0/0.0: True/False are rarely observations, and a mask passed as values is a
+    mistake; convert explicitly (``values.astype(float)``) when 1.0/0.0 is meant.
+
     The tensor owns its entries: the constructor copies ``coords`` and ``values`` (converted to
     int64 and float64) unless they already are another tensor's (read-only) entries, and makes
     NumPy copies read-only (``flags.writeable = False``), so neither the caller's arrays
@@ -139,7 +165,8 @@ class COOTensor:
 
     Raises:
         InputError: NaN/inf values or values so large that their squares overflow (|value| x
-            sqrt(nnz) above 1e150), non-numeric or complex values, values that are not 1-D, no
+            sqrt(nnz) above 1e150), bool, complex or other non-numeric values (a str, object or
+            datetime dtype; an object array holding anything but numbers), values that are not 1-D, no
             observed entries, N < 3, non-integer shape entries, non-integer coordinates (float
             dtypes are refused, not truncated), coordinates out of range, a coordinate listed
             more than once, or mismatched lengths. The message names the argument and the value
@@ -236,7 +263,8 @@ class COOTensor:
 
         Raises:
             InputError: shape mismatch, no observed entries (an all-False ``mask``, or only NaN
-                where observed: named ``dense``), complex or non-numeric ``dense``, or inf among
+                where observed: named ``dense``), bool, complex or non-numeric ``dense`` (a bool
+                array is refused, not read as 1.0/0.0: pass it as ``mask``), or inf among
                 observed values.
         """
         xp = array_module(dense)
@@ -295,15 +323,25 @@ def random_split(tensor: COOTensor, *, validation_fraction: float = 0.1, test_fr
                  seed: int = 0) -> Split:
     """Hold out random observed entries for validation and test.
 
+    Args:
+        validation_fraction, test_fraction: shares of the observed entries held out, each a real
+            number in (0, 1), together < 1.
+        seed: seed of the permutation, an integer >= 0. None is refused: the split is a cached,
+            named artifact (its seed is part of its name), so it must be reproducible.
+
     Raises:
-        InputError: fractions outside (0, 1) or summing to >= 1, or too few entries.
+        InputError: a fraction that is not a real number, NaN, outside (0, 1), or fractions
+            summing to >= 1; a seed that is not an integer (a float, str, bool or None) or < 0;
+            too few entries.
     """
-    for name, f in (("validation_fraction", validation_fraction), ("test_fraction", test_fraction)):
-        if not 0.0 < f < 1.0:
-            raise InputError(name, f, "must lie in (0, 1)")
+    # check_number, not a bare comparison: a str or None raised a raw TypeError
+    validation_fraction = check_number("validation_fraction", validation_fraction, low=0.0, high=1.0,
+                                       low_open=True, high_open=True)
+    test_fraction = check_number("test_fraction", test_fraction, low=0.0, high=1.0, low_open=True, high_open=True)
     if validation_fraction + test_fraction >= 1.0:
         raise InputError("validation_fraction + test_fraction", validation_fraction + test_fraction,
                          "must be < 1 so that entries remain for training")
+    seed = check_int("seed", seed, 0)  # default_rng's own error named no argument ("expected non-negative integer")
     n = tensor.nnz
     n_val = int(round(validation_fraction * n))
     n_test = int(round(test_fraction * n))
@@ -350,9 +388,13 @@ SPLIT_KINDS = ("random", "temporal")
 def make_split(tensor: COOTensor, kind: str, *, seed: int = 0) -> Split:
     """Dispatch to :func:`random_split` or :func:`temporal_split` by name.
 
+    ``seed`` (an integer >= 0) is checked for either kind, though only the random split uses it:
+    the same bad seed must not pass for one kind and fail for the other.
+
     Raises:
-        InputError: unknown split kind.
+        InputError: unknown split kind; a seed that is not an integer >= 0.
     """
+    seed = check_int("seed", seed, 0)
     if kind == "random":
         return random_split(tensor, seed=seed)
     if kind == "temporal":

@@ -154,6 +154,7 @@ def _entry(name: str) -> _Entry:
 
 COO_TIME_COLUMN = "t"
 COO_VALUE_COLUMN = "value"
+_MAX_INDEX = 2**63 - 1  # coordinates are int64
 
 
 def read_coo_parquet(source: str | Path | bytes, *, argument: str = "data", name: str | None = None) -> COOTensor:
@@ -171,9 +172,10 @@ def read_coo_parquet(source: str | Path | bytes, *, argument: str = "data", name
 
     Raises:
         InputError: unreadable or non-Parquet file (or a directory), missing ``t``/``value``
-            columns, negative, missing or non-integer indices, a non-numeric or missing value,
-            a coordinate listed twice, fewer than 3 modes, NaN/inf values, no rows. The message
-            names ``argument`` and the file.
+            columns, negative, missing or non-integer indices, indices beyond int64 (a uint64
+            column above 2**63 - 1: named with its column and largest value, not wrapped to a
+            negative number), a non-numeric or missing value, a coordinate listed twice, fewer
+            than 3 modes, NaN/inf values, no rows. The message names ``argument`` and the file.
     """
     import io
 
@@ -211,12 +213,19 @@ def read_coo_parquet(source: str | Path | bytes, *, argument: str = "data", name
             raise InputError(f"{argument}[{c!r}]", f"{col.null_count} null", f"index columns must have no missing "
                                                                           f"entries (in {shown})")
         arr = col.to_numpy(zero_copy_only=False)
+        if arr.size:  # range-checked in the column's own type: a uint64 beyond int64 would wrap negative
+            lo, hi = int(arr.min()), int(arr.max())  # Python ints: uint64 vs int64 compares as float64 in NumPy 1
+            if lo < 0:
+                raise InputError(f"{argument}[{c!r}]", f"min {lo} ({col.type})",
+                                 f"index columns must be >= 0 (in {shown})")
+            if hi > _MAX_INDEX:
+                raise InputError(f"{argument}[{c!r}]", f"max {hi} ({col.type})",
+                                 f"index too large: coordinates are int64, so indices must be <= 2**63 - 1 "
+                                 f"(in {shown})")
         coords.append(arr.astype(np.int64))
     if table.num_rows == 0:
         raise InputError(argument, shown, "empty tensor: the file has no rows")
     coords_arr = np.stack(coords, axis=1)
-    if (coords_arr < 0).any():
-        raise InputError(argument, shown, "index columns must be >= 0")
     value_col = table.column(COO_VALUE_COLUMN)
     if not (pa.types.is_floating(value_col.type) or pa.types.is_integer(value_col.type)):
         raise InputError(f"{argument}['value']", str(value_col.type), f"the value column must be numeric (in {shown})")
@@ -225,7 +234,7 @@ def read_coo_parquet(source: str | Path | bytes, *, argument: str = "data", name
                                                                               f"leave missing entries out (in {shown})")
     values = value_col.to_numpy(zero_copy_only=False).astype(np.float64)
     _check_unique(coords_arr, values, argument, shown, index_cols)
-    shape = tuple(int(s) for s in coords_arr.max(axis=0) + 1)
+    shape = tuple(int(s) + 1 for s in coords_arr.max(axis=0))  # + 1 as Python ints: 2**63 - 1 + 1 wraps in int64
     try:
         return COOTensor(coords_arr, values, shape, tuple(index_cols))
     except InputError as exc:  # name the file too

@@ -163,6 +163,62 @@ def test_complex_and_non_numeric_values_are_refused():
     assert COOTensor(coords, [3], (2, 2, 2)).values.dtype == np.float64
 
 
+def test_bool_values_are_refused_not_read_as_ratings():
+    """True/False became 1.0/0.0 observations (an object array also took "1.5" and True)."""
+    coords = np.array([[0, 0, 1], [1, 1, 1]])
+    for values in (np.array([True, False]), [True, False]):
+        with pytest.raises(InputError, match=r"^values='array of dtype bool': must be real numbers, not booleans: "
+                                             r"if 1\.0/0\.0 is meant, convert explicitly"):
+            COOTensor(coords, values, (2, 2, 2))
+    with pytest.raises(InputError, match=r"^dense='array of dtype bool': must be real numbers, not booleans"):
+        COOTensor.from_dense(np.ones((2, 2, 2), dtype=bool))
+    with pytest.raises(InputError, match=r"^values='array of dtype object': must be real numbers \(element 1 is True, "
+                                         r"a bool\)"):
+        COOTensor(coords, np.array([2.5, True], dtype=object), (2, 2, 2))
+    with pytest.raises(InputError, match=r"^values='array of dtype object': must be real numbers \(element 0 is "
+                                         r"'1\.5', a str\)"):
+        COOTensor(coords, np.array(["1.5", 2.0], dtype=object), (2, 2, 2))
+    with pytest.raises(InputError, match=r"^values='array of dtype datetime64\[D\]': must be real numbers"):
+        COOTensor(coords, np.array(["2020-01-01", "2020-01-02"], dtype="datetime64[D]"), (2, 2, 2))
+    # numbers stay numbers: integer arrays (counts, integer ratings) and object arrays of them become float64
+    from decimal import Decimal
+
+    for values in (np.array([3, 4], dtype=np.uint8), [3, 4], np.array([3, Decimal("4")], dtype=object)):
+        ok = COOTensor(coords, values, (2, 2, 2))
+        assert ok.values.dtype == np.float64 and ok.values.tolist() == [3.0, 4.0]
+
+
+@pytest.mark.parametrize("seed, problem", [
+    (-1, "must be >= 0"),  # was NumPy's "expected non-negative integer", naming no argument
+    (1.5, "must be an integer"), (1.0, "must be an integer"), ("1", "must be an integer"),
+    (True, "must be an integer"), (None, "must be an integer"),  # None was a fresh, unreproducible split
+])
+def test_random_split_seed_must_be_a_non_negative_integer(seed, problem):
+    t = small()
+    expected = rf"^seed={seed!r}: {problem}$".replace(".", r"\.")
+    with pytest.raises(InputError, match=expected):
+        random_split(t, seed=seed)
+    for kind in ("random", "temporal"):  # the temporal split ignores the seed; a bad one is still refused
+        with pytest.raises(InputError, match=expected):
+            make_split(t, kind, seed=seed)
+    np.testing.assert_array_equal(random_split(t, seed=np.int64(3)).test.coords, random_split(t, seed=3).test.coords)
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    (dict(validation_fraction="0.1"), r"^validation_fraction='0\.1': must be a real number$"),  # raw TypeError
+    (dict(test_fraction=None), r"^test_fraction=None: must be a real number$"),  # raw TypeError
+    (dict(validation_fraction=True), r"^validation_fraction=True: must be a real number$"),
+    (dict(validation_fraction=float("nan")), r"^validation_fraction=nan: must be a finite number > 0 and < 1$"),
+    (dict(test_fraction=-0.1), r"^test_fraction=-0\.1: must be a finite number > 0 and < 1$"),
+    (dict(test_fraction=1.0), r"^test_fraction=1\.0: must be a finite number > 0 and < 1$"),
+    (dict(validation_fraction=0.5, test_fraction=0.5), r"^validation_fraction \+ test_fraction=1\.0: must be < 1"),
+])
+def test_random_split_fractions_are_checked_by_name(kwargs, message):
+    with pytest.raises(InputError, match=message):
+        random_split(small(), **kwargs)
+    assert random_split(small(), validation_fraction=np.float32(0.2)).validation.nnz == round(0.2 * 120)
+
+
 def test_values_must_be_one_dimensional():
     with pytest.raises(InputError, match=r"^values='array of shape \(1, 1\)': must be 1-D: one value per row of "
                                          r"coords"):  # was "empty tensor: no observed entries"

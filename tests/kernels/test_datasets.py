@@ -116,3 +116,26 @@ def test_loaded_tensors_are_read_only(tmp_path):
     from paperline.kernels.tensor import load_dataset as exported
 
     assert exported is load_dataset
+
+
+def test_index_out_of_int64_range_names_the_column_and_the_value(tmp_path):
+    """A uint64 index above 2**63 - 1 wrapped to a negative int64 and was refused as "index columns
+    must be >= 0", naming neither the column nor the value in the file."""
+    big = tmp_path / "big.parquet"
+    pq.write_table(pa.table({"i": [0, 1], "j": pa.array([0, 2**64 - 1], pa.uint64()), "t": [0, 1],
+                             "value": [1.0, 2.0]}), big)
+    with pytest.raises(InputError, match=r"^data\['j'\]='max 18446744073709551615 \(uint64\)': index too large: "
+                                         r"coordinates are int64, so indices must be <= 2\*\*63 - 1 "
+                                         r"\(in .*big\.parquet\)"):
+        read_coo_parquet(big)
+    neg = tmp_path / "neg.parquet"
+    pq.write_table(pa.table({"i": [0, -3], "j": [0, 1], "t": [0, 1], "value": [1.0, 2.0]}), neg)
+    with pytest.raises(InputError, match=r"^data\['i'\]='min -3 \(int64\)': index columns must be >= 0 "
+                                         r"\(in .*neg\.parquet\)"):
+        read_coo_parquet(neg)
+    # uint64 indices that fit are read; the largest int64 index makes a mode of 2**63 (its + 1 wrapped negative)
+    ok = tmp_path / "ok.parquet"
+    pq.write_table(pa.table({"i": pa.array([0, 2], pa.uint64()), "j": [0, 2**63 - 1], "t": [0, 1],
+                             "value": [1.0, 2.0]}), ok)
+    tensor = read_coo_parquet(ok)
+    assert tensor.shape == (3, 2**63, 2) and tensor.coords[:, 0].tolist() == [0, 2]
