@@ -6,7 +6,11 @@ analysis size (48x27 RGB, for the detector, motion, black/flat and perceptual ha
 output size (YUV 4:2:0, encoded as is and used for sharpness). A frame waits in memory only until
 the detector has decided it (its lookahead), then it is appended to the open clip's H.264 encoder.
 
-Frames are timed by index at the stream's average rate (constant frame rate assumed). A stream
+Frames are timed by their presentation timestamps, so a variable-frame-rate source (phones record
+them) gives clips whose times are the source's and whose output frames (constant rate) follow
+the source's clock: a source frame is repeated or dropped to fill the output ticks inside its
+display interval, as FFmpeg's ``fps`` filter does. Shot lengths (``min_clip_s``, ``max_clip_s``)
+are counted in frames at the stream's average rate. A stream
 with a display matrix (a phone's portrait video) is turned upright first, by the FFmpeg filters
 ``ffmpeg`` itself would insert (:attr:`VideoInfo.display_filters`).
 """
@@ -211,6 +215,28 @@ def output_size(width: int, height: int, target_height: int) -> tuple[int, int]:
     return max(w, 2), max(h, 2)
 
 
+class _Clock:
+    """Decoded frames' presentation times, seconds from the first frame (exact: ``pts`` x
+    ``time_base``). A frame without a timestamp is one average frame after the one before."""
+
+    def __init__(self, rate: Fraction):
+        self.step = 1 / rate
+        self.origin: Fraction | None = None
+        self.last: Fraction | None = None
+
+    def __call__(self, frame: Any) -> Fraction:
+        after = self.last + self.step if self.last is not None else Fraction(0)
+        if frame.pts is None or frame.time_base is None:
+            t = after
+        else:
+            at = Fraction(frame.pts) * Fraction(frame.time_base)
+            if self.origin is None:
+                self.origin = at - after
+            t = at - self.origin
+        self.last = t
+        return t
+
+
 class _Autorotate:
     """Turns decoded frames upright through an FFmpeg filter graph (``transpose``, ``hflip``, ...),
     rebuilt when the frames' size or format changes mid-stream."""
@@ -283,9 +309,12 @@ class _ClipEncoder:
     def __init__(self, cfg: ClipConfig, start: int, width: int, height: int, src_rate: Fraction,
                  out_rate: Fraction, thumb_at: int, min_frames: int):
         self.start, self.n = start, 0
+        self.t0 = Fraction(0)  # the first frame's time from the video's first frame, seconds
+        self.held: Any = None  # the newest frame: its display interval ends when the next one starts
+        self.last_t = Fraction(0)  # the newest frame's time from t0
         self.cfg, self.width, self.height = cfg, width, height
         self.container: Any = None  # opened once the clip reaches min_frames: short shots are never encoded
-        self.waiting: list[Any] = []
+        self.waiting: list[tuple[Any, Fraction]] = []  # (frame, end of its interval) until the encoder opens
         self.min_frames = min_frames
         self.src_rate, self.out_rate = src_rate, out_rate
         self.out_n = 0
@@ -312,12 +341,15 @@ class _ClipEncoder:
             st.options = {"cq": str(cfg.crf), "preset": cfg.preset}
         self.stream = st
         waiting, self.waiting = self.waiting, []
-        for j, frame in enumerate(waiting):
-            self._encode(frame, j)
+        for frame, until in waiting:
+            self._encode(frame, until)
 
-    def _encode(self, big: Any, j: int) -> None:
-        # As many output frames as output ticks fall inside source frame j's interval (rate change).
-        until = Fraction(j + 1) / self.src_rate
+    def _encode(self, big: Any, until: Fraction) -> None:
+        # As many output frames as output ticks fall before the end of this frame's interval
+        # (seconds from the clip's start): repeated or dropped when the rates differ
+        if self.container is None:
+            self.waiting.append((big, until))
+            return
         while Fraction(self.out_n) / self.out_rate < until:
             big.pts = self.out_n
             big.time_base = 1 / self.out_rate
@@ -325,13 +357,16 @@ class _ClipEncoder:
                 self.container.mux(packet)
             self.out_n += 1
 
-    def add(self, big: Any, small: np.ndarray, feat: np.ndarray | None, stats: _FrameStats) -> None:
-        if self.container is not None:
-            self._encode(big, self.n)
-        else:
-            self.waiting.append(big)
-            if self.n + 1 >= self.min_frames:
-                self._open()
+    def add(self, big: Any, small: np.ndarray, feat: np.ndarray | None, stats: _FrameStats, t: Fraction) -> None:
+        """Append a frame shown from ``t`` (seconds from the video's first frame)."""
+        if self.n == 0:
+            self.t0 = t
+        rel = max(t - self.t0, self.last_t)  # a timestamp going back: the frame before gets no time
+        if self.held is not None:
+            self._encode(self.held, rel)
+        self.held, self.last_t = big, rel
+        if self.container is None and self.n + 1 >= self.min_frames:
+            self._open()
         if self.n == 0 or self.n == self.thumb_at:
             self.thumb = big
         if self.n > 0:  # motion: the difference to the previous frame of this clip
@@ -348,9 +383,17 @@ class _ClipEncoder:
         self.sha.update(small.tobytes())
         self.n += 1
 
+    @property
+    def duration(self) -> Fraction:
+        """Seconds from the first frame to the end of the last one (shown for one average frame)."""
+        return self.last_t + 1 / self.src_rate
+
     def close(self) -> bytes:
         if self.container is None:
             self._open()
+        if self.held is not None:
+            self._encode(self.held, self.duration)
+            self.held = None
         for packet in self.stream.encode():
             self.container.mux(packet)
         self.container.close()
@@ -412,16 +455,16 @@ def extract_clips(info: VideoInfo, cfg: ClipConfig, filt: FilterConfig | None = 
         max_frames = max(min_frames, round(cfg.max_clip_s * float(src_rate)))
         thumb_at = min_frames // 2
         segmenter = ShotSegmenter()
-        pending: deque[tuple[Any, np.ndarray, _FrameStats]] = deque()  # frames not yet decided
+        pending: deque[tuple[Any, np.ndarray, _FrameStats, Fraction]] = deque()  # frames not yet decided
         need_hists = cfg.splitter == "content" or embedder == "hsv-histogram"
-        batch: list[tuple[Any, np.ndarray]] = []  # decoded, not yet analysed
+        batch: list[tuple[Any, np.ndarray, Fraction]] = []  # decoded, not yet analysed
 
         def analyse_batch() -> None:
             if not batch:
                 return
             stats, state["prev_gray"] = _analyse(np.stack([b[1] for b in batch]), state["prev_gray"], filt, need_hists)
-            for (big, small), st in zip(batch, stats):
-                pending.append((big, small, st))
+            for (big, small, t), st in zip(batch, stats):
+                pending.append((big, small, st, t))
                 if cfg.splitter == "content":
                     detector.push(small, hist=st.hist)
                 else:
@@ -450,7 +493,7 @@ def extract_clips(info: VideoInfo, cfg: ClipConfig, filt: FilterConfig | None = 
         def drain(limit: int) -> None:
             while state["decided"] < limit:
                 i = state["decided"]
-                big, small, stats = pending[0]
+                big, small, stats, t = pending[0]
                 role = segmenter.role(detector.flags[i])
                 feat = features(i)
                 pending.popleft()
@@ -460,7 +503,7 @@ def extract_clips(info: VideoInfo, cfg: ClipConfig, filt: FilterConfig | None = 
                 enc = state["enc"]
                 if enc is None:
                     enc = state["enc"] = _ClipEncoder(cfg, i, width, height, src_rate, out_rate, thumb_at, min_frames)
-                enc.add(big, small, feat, stats)
+                enc.add(big, small, feat, stats, t)
                 if role == LAST_OF_SHOT:
                     state["shots"] += 1
                     close(enc)
@@ -475,8 +518,10 @@ def extract_clips(info: VideoInfo, cfg: ClipConfig, filt: FilterConfig | None = 
         error: str | None = None
         to_small, to_big = VideoReformatter(), VideoReformatter()  # reused: one scaler context each
         upright = _Autorotate(info.display_filters, stream.time_base)
+        clock = _Clock(src_rate)
         try:
             for frame in container.decode(stream):
+                t = clock(frame)
                 frame = upright(frame)
                 small = to_small.reformat(frame, width=ANALYSIS_SIZE[0], height=ANALYSIS_SIZE[1],
                                           format="rgb24").to_ndarray()
@@ -485,7 +530,7 @@ def extract_clips(info: VideoInfo, cfg: ClipConfig, filt: FilterConfig | None = 
                 else:
                     big = to_big.reformat(frame, width=width, height=height, format="yuv420p")
                 big.pict_type = 0  # let the encoder choose frame types (the source's are not ours)
-                batch.append((big, small))
+                batch.append((big, small, t))
                 decoded += 1
                 if len(batch) >= _BATCH:
                     analyse_batch()
@@ -516,8 +561,9 @@ def extract_clips(info: VideoInfo, cfg: ClipConfig, filt: FilterConfig | None = 
 def _finish_clip(enc: _ClipEncoder, info: VideoInfo, sid: str, filt: FilterConfig, imagehash: Any, image: Any,
                  on_clip: Callable[[Clip], None] | None) -> Clip:
     data = enc.close()
-    width, height, src_rate, out_rate = enc.width, enc.height, enc.src_rate, enc.out_rate
+    width, height, out_rate = enc.width, enc.height, enc.out_rate
     start, end = enc.start, enc.start + enc.n
+    duration = enc.duration
     picks = [enc.smalls[0], enc.smalls[len(enc.smalls) // 2], enc.smalls[-1]]
     phash = [str(imagehash.phash(image.fromarray(s))) for s in picks]
     emb = np.mean(np.stack(enc.feats), axis=0) if enc.feats else np.zeros(1, np.float32)
@@ -529,7 +575,7 @@ def _finish_clip(enc: _ClipEncoder, info: VideoInfo, sid: str, filt: FilterConfi
     image.fromarray(thumb).save(jpeg, format="JPEG", quality=80)
     clip = Clip(
         key=f"{sid}-{start:06d}", source=info.source, source_sha256=info.sha256, start_frame=start, end_frame=end,
-        start_s=float(start / src_rate), end_s=float(end / src_rate), duration_s=float(enc.n / src_rate),
+        start_s=float(enc.t0), end_s=float(enc.t0 + duration), duration_s=float(duration),
         frames=enc.out_n, fps=float(out_rate), width=width, height=height, source_width=info.width,
         source_height=info.height, source_rotation=info.rotation, motion=float(np.mean(enc.diffs)) if enc.diffs else 0.0,
         sharpness=float(np.mean(enc.sharp)) if enc.sharp else 0.0, black_fraction=enc.dark / enc.n,

@@ -275,6 +275,44 @@ def test_clips_of_a_video_with_a_display_matrix_are_upright(tmp_path, degrees, h
         assert sorted(others)[1] > 5 * err  # only the expected orientation matches
 
 
+def test_a_variable_frame_rate_video_keeps_its_clock(tmp_path):
+    """A phone's variable-frame-rate video was timed by frame index at the average rate: clip
+    times drifted and the output played the slow part fast. Frames are timed by their
+    timestamps: 2 s at 25 fps then 2 s at 12.5 fps give 25 fps clips showing frame k at tick k,
+    then each frame twice, and clip times are the source's (each frame's index is painted on it)."""
+    import av
+
+    ticks = [2 * i for i in range(50)] + [100 + 4 * i for i in range(25)]  # 1/50 s
+    tex = np.random.default_rng(0).integers(0, 40, (48, 64, 3), dtype=np.uint8)
+    path = tmp_path / "vfr.mp4"
+    with av.open(str(path), "w") as out:
+        s = out.add_stream("libx264", rate=25)
+        s.width, s.height, s.pix_fmt = 64, 48, "yuv420p"
+        s.codec_context.time_base = fractions.Fraction(1, 50)
+        for i, tick in enumerate(ticks):
+            img = np.roll(tex, 2 * i, axis=1)
+            img[:16] = 3 * i + 15  # the frame's index, readable through the encoders
+            f = av.VideoFrame.from_ndarray(img, format="rgb24")
+            f.pts, f.time_base = tick, fractions.Fraction(1, 50)
+            out.mux(s.encode(f))
+        out.mux(s.encode())
+    info = probe(path)
+    assert info.frames == 75 and abs(info.fps - 75 / 3.88) < 0.01  # average rate: 19.33
+    cfg = ClipConfig(splitter="stride", splitter_options={"stride_s": 2}, min_clip_s=1.0, fps=25, height=48, crf=10)
+    r = extract_clips(info, cfg, FilterConfig(min_sharpness=0, min_height=0))
+    assert [c.start_frame for c in r.clips] == [0, 39]  # stride windows are counted in frames at 19.33 fps
+    shown = []
+    for c in r.clips:
+        with av.open(io.BytesIO(c.mp4)) as f:
+            shown.append([round((x.to_ndarray(format="rgb24")[2:14].mean() - 15) / 3) for x in f.decode(video=0)])
+        assert c.frames == len(shown[-1])
+    first, second = r.clips
+    assert (first.start_s, second.start_s) == (0.0, 39 * 0.04)  # frame 39 is shown at 1.56 s (index: 2.02 s)
+    assert first.end_s == pytest.approx(1.52 + 1 / info.fps) and second.end_s == pytest.approx(3.92 + 1 / info.fps)
+    assert shown[0] == list(range(39)) + [38]  # (the window's end: one average frame, 0.052 s, two ticks)
+    want = [39, 40] + [k for k in range(41, 50)] + [50 + j // 2 for j in range(50)]
+    assert shown[1] == want[:len(shown[1])] and len(shown[1]) == second.frames == 61
+
 def test_autorotate_filters_follow_ffmpeg():
     from paperline.kernels.video.probe import autorotate_filters, display_rotation
 
