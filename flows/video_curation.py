@@ -37,7 +37,7 @@ from paperline.kernels.video.clips import ClipConfig, FilterConfig, nvenc_usable
 from paperline.kernels.video.dedup import deduplicate
 from paperline.kernels.video.shards import MANIFEST, plan_shards
 from paperline.kernels.video.sources import VIDEO_EXTENSIONS, demo_videos, list_local
-from paperline.tasks.video import contact_sheet, curate_video, read_back, video_stats, write_shards
+from paperline.tasks.video import contact_sheet, curate_video, read_back, unstaged, video_stats, write_shards
 
 EXPERIMENT = "video-curation"
 # Default cosine thresholds of semantic dedup per embedder. HSV histograms: the demo's duplicates at
@@ -387,6 +387,12 @@ def _curate(params: VideoCurationParameters, cfg: ClipConfig, filt: FilterConfig
     filter_cfg = dataclasses.asdict(filt)
     futures = [curate_video.submit(s, clip_cfg, filter_cfg, store, staging, _label(s)) for s in sources]
     results = [_result(f, s) for f, s in zip(futures, sources)]
+    # cached results whose staged clips were deleted since: curate those videos again
+    recurated = unstaged(store, results)
+    again = curate_video.with_options(refresh_cache=True)
+    futures = [again.submit(sources[i], clip_cfg, filter_cfg, store, staging, _label(sources[i])) for i in recurated]
+    for i, f in zip(recurated, futures):
+        results[i] = _result(f, sources[i])
     rejected = [r["rejected"] for r in results if r["rejected"] is not None]
     rows = [row for r in results for row in r["rows"]]
     if len(rejected) == len(results):
@@ -438,6 +444,7 @@ def _curate(params: VideoCurationParameters, cfg: ClipConfig, filt: FilterConfig
         "shard_bytes_mean": float(sum(sizes) / len(sizes)) if sizes else 0.0,
         "shard_bytes_max": float(max(sizes)) if sizes else 0.0,
         "shards_uploaded": float(len(manifest["uploaded"])), "shards_skipped": float(len(manifest["skipped"])),
+        "videos_recurated": float(len(recurated)),
     }
     tracker.log_metrics(run_id, metrics)
     _log_artifacts(tracker, run_id, rows, index, rejected_pq, manifest)
@@ -454,6 +461,9 @@ def _curate(params: VideoCurationParameters, cfg: ClipConfig, filt: FilterConfig
              f"{len(manifest['uploaded'])} uploaded, {len(manifest['skipped'])} already there)",
              f"read back for {params.world_size} rank(s): {check['samples_per_rank'][0]} samples per rank"]
     lines += [f"rejected {Path(r['source']).name}: {r['reason']} ({r['detail']})" for r in rejected]
+    if recurated:
+        lines.append(f"curated again (their cached clips were gone from {staging}/): "
+                     + ", ".join(Path(sources[i]).name for i in recurated))
     return {"counts": counts, "metrics": metrics, "output": output, "manifest": f"{output}/manifest.json",
             "shards": [s["name"] for s in manifest["shards"]], "read_back": check,
             "table": {"title": "video-curation: per-stage counts", "columns": ["stage", "count"], "rows": table_rows},

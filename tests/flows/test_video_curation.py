@@ -261,6 +261,13 @@ def test_an_s3_prefix_is_a_source(stack, source_dir):
                           dataclasses.asdict(FilterConfig()), store, f"s3://{info.data_bucket}/test-staging", "corrupt")
     assert bad["rejected"]["reason"] == "not_a_video" and bad["rejected"]["source"] == f"{prefix}/a/corrupt.mp4"
     assert "/tmp" not in bad["rejected"]["detail"], bad  # FFmpeg's reason alone; `source` names the object
+    # a cached result whose staged clip is gone (staging cleaned) is found, to be curated again
+    # (the shards could not be written from it: every run failed at write-shards, a trial)
+    from paperline.tasks.video import unstaged
+
+    assert unstaged(store, [bad, out]) == []
+    store.delete(row["staged_uri"])
+    assert unstaged(store, [bad, out, bad]) == [1]
 
 
 def test_the_same_videos_in_another_directory_are_the_same_inputs():
