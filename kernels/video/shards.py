@@ -27,7 +27,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
-from paperline.kernels.errors import InputError, check_int
+from paperline.kernels.errors import InputError, check_int, check_number
 
 MANIFEST = "manifest.json"
 SHARD_PATTERN = "shard-{:06d}.tar"
@@ -53,14 +53,19 @@ def plan_shards(rows: list[dict[str, Any]], target_bytes: int) -> list[ShardPlan
     """Assign clips to shards: sorted by key, packed in order up to ``target_bytes`` each.
 
     Args:
-        rows: Kept clips with ``key`` and ``mp4_size_bytes``.
-        target_bytes: Target shard size in bytes (tar overhead excluded).
+        rows: Kept clips with ``key`` (str) and ``mp4_size_bytes`` (int >= 0).
+        target_bytes: Target shard size in bytes (tar overhead excluded), a finite number > 0.
 
     Raises:
-        InputError: ``target_bytes`` <= 0 or duplicate keys.
+        InputError: ``target_bytes`` not a finite number > 0 (NaN packed everything into one
+            shard); a row without a str ``key`` or an integer ``mp4_size_bytes`` >= 0 (named
+            ``rows[i]``); duplicate keys.
     """
-    if target_bytes <= 0:
-        raise InputError("shard_target_bytes", target_bytes, "must be positive")
+    check_number("target_bytes", target_bytes, low=0, low_open=True)
+    for i, r in enumerate(rows):
+        if not isinstance(r, dict) or not isinstance(r.get("key"), str):
+            raise InputError(f"rows[{i}]", r if not isinstance(r, dict) else r.get("key"), "needs a str 'key'")
+        check_int(f"rows[{i}].mp4_size_bytes", r.get("mp4_size_bytes"), 0, unit="bytes")
     keys = [r["key"] for r in rows]
     if len(set(keys)) != len(keys):
         raise InputError("rows", len(keys), "clip keys must be unique")
@@ -103,13 +108,18 @@ def build_shard(members: list[tuple[str, bytes, dict[str, Any]]]) -> bytes:
         members: ``(key, mp4 bytes, metadata dict)``; keys must not contain ``.`` or ``/``.
 
     Raises:
-        InputError: a key with ``.`` or ``/`` (WebDataset splits keys at the first dot).
+        InputError: a key with ``.`` or ``/`` (WebDataset splits keys at the first dot), or a key
+            given twice (both were written: readers saw one sample or two).
     """
     buf = io.BytesIO()
+    seen: set[str] = set()
     with tarfile.open(fileobj=buf, mode="w", format=tarfile.USTAR_FORMAT) as tar:
         for key, mp4, meta in members:
-            if "." in key or "/" in key or not key:
-                raise InputError("key", key, "must be non-empty without '.' or '/'")
+            if not isinstance(key, str) or "." in key or "/" in key or not key:
+                raise InputError("key", key, "must be a non-empty str without '.' or '/'")
+            if key in seen:
+                raise InputError("key", key, "given twice: a shard holds each sample once")
+            seen.add(key)
             for name, data in ((f"{key}.mp4", mp4), (f"{key}.json", _member_bytes(meta))):
                 info = tarfile.TarInfo(name)
                 info.size, info.mtime, info.mode = len(data), 0, 0o644

@@ -420,6 +420,17 @@ def test_shards_are_deterministic_and_read_back_with_webdataset_and_tarfile(tmp_
         assert meta["member"] == f"{s['__key__']}.mp4" and meta["shard"] in {p.name for p in plans}
     with pytest.raises(InputError, match="without '.'"):
         build_shard([("a.b", b"x", {})])
+    with pytest.raises(InputError, match="key='a': given twice"):  # both were written (a trial)
+        build_shard([("a", b"x", {}), ("a", b"y", {})])
+    # NaN packed every clip into one shard, a str target or a row without a size failed raw (a trial)
+    for target, match in ((float("nan"), "target_bytes=nan: must be a finite number"),
+                          ("1000", "target_bytes='1000': must be a real number"), (0, "target_bytes=0")):
+        with pytest.raises(InputError, match=match):
+            plan_shards(rows, target)
+    with pytest.raises(InputError, match=r"rows\[1\]\.mp4_size_bytes=None: must be an integer"):
+        plan_shards([rows[0], {"key": "k"}], 1000)
+    with pytest.raises(InputError, match=r"rows\[0\]=3: needs a str 'key'"):
+        plan_shards([{"key": 3, "mp4_size_bytes": 1}], 1000)
 
 
 def test_rank_indices_give_equal_samples_per_rank():
