@@ -163,7 +163,7 @@ def probe(path: str | Path, *, min_frames: int = 2) -> VideoInfo | Rejected:
     p = Path(path)
     src = str(path)
     if not p.exists():
-        return Rejected(src, "missing", "no such file")
+        return Rejected(src, "missing", _missing_detail(p))
     if not p.is_file():  # a FIFO would block the decoder's open until a writer came
         return Rejected(src, "decode_error", "not a regular file (a FIFO, socket or device)")
     size = p.stat().st_size
@@ -218,6 +218,21 @@ def probe(path: str | Path, *, min_frames: int = 2) -> VideoInfo | Rejected:
         width, height = height, width
     return VideoInfo(src, file_sha256(p), size, container.format.name, codec, duration, fps, width, height,
                      frames, has_audio, rotation, filters)
+
+
+def _missing_detail(p: Path) -> str:
+    """Why a listed path does not exist: a broken or looping symbolic link, or nothing there."""
+    import errno  # noqa: PLC0415
+    import os  # noqa: PLC0415
+
+    if not p.is_symlink():
+        return "no such file"
+    try:
+        os.stat(p)
+    except OSError as exc:
+        if exc.errno == errno.ELOOP:
+            return f"a symbolic link loop ({p} -> {os.readlink(p)})"
+    return f"a symbolic link to a missing target ({p} -> {os.readlink(p)})"
 
 
 def _message(exc: BaseException) -> str:

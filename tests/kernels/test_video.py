@@ -168,6 +168,9 @@ def test_unsupported_extension_and_directory_listing(tmp_path):
     (tmp_path / "c.mp4").symlink_to(tmp_path / "gone.mp4")  # a broken link is listed, then rejected
     assert list_local(tmp_path) == [tmp_path / "b.MKV", tmp_path / "c.mp4"]
     assert probe(tmp_path / "c.mp4").reason == "missing"
+    assert "a symbolic link to a missing target" in probe(tmp_path / "c.mp4").detail
+    (tmp_path / "loop.mp4").symlink_to(tmp_path / "loop.mp4")  # was "no such file" (a trial)
+    assert probe(tmp_path / "loop.mp4").detail.startswith("a symbolic link loop")
     assert probe(tmp_path / "a.txt").reason == "unsupported_extension"
     with pytest.raises(InputError, match="no videos"):
         list_local(tmp_path / "empty_dir_" if False else _mk(tmp_path / "empty"))
