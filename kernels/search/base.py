@@ -9,7 +9,8 @@ Every optimizer maximizes ``m`` objectives (``m = 1``: a single objective) over 
 - ``tell(x, y)`` appends one evaluated batch; all learned state (trees, trust regions, populations)
   is rebuilt from the told batches, so :meth:`Optimizer.state_dict` is just the options plus the
   batches, and :func:`load_optimizer` replays them.
-- Failed evaluations are told as NaN rows: recorded, never fitted, never suggested again.
+- Failed evaluations are told as NaN rows: recorded, never fitted, never suggested again. An
+  infinite value is refused rather than read as a failure or as an unbeatable point.
 
 The first ``n_init`` evaluations come from one scrambled-Sobol design seeded by the campaign seed,
 the same for every optimizer, so comparisons start from the same points.
@@ -26,6 +27,7 @@ from typing import Any, ClassVar
 import numpy as np
 
 from paperline.kernels.errors import InputError
+from paperline.kernels.errors import check_int as _check_int
 from paperline.kernels.registry import Registry
 from paperline.kernels.search.space import SearchSpace, point_key
 
@@ -48,8 +50,9 @@ class Optimizer(abc.ABC):
             number is >= 0, and > 0 when it is in ``positive``; subclasses check the rest.
 
     Raises:
-        InputError: bad ``n_init``, a multi-objective optimizer on one objective or vice versa, an
-        unknown option, an option of the wrong type or out of range (naming the option).
+        InputError: bad ``n_init``, ``seed`` or ``n_objectives``, a ``ref_point`` that is not
+        ``m`` finite numbers, a multi-objective optimizer on one objective or vice versa, an unknown
+        option, an option of the wrong type or out of range (naming the option).
     """
 
     name: ClassVar[str] = ""
@@ -78,7 +81,7 @@ class Optimizer(abc.ABC):
         self.n_objectives = int(n_objectives)
         self.seed = int(seed)
         self.n_init = int(n_init)
-        self.ref_point = None if ref_point is None else np.asarray(ref_point, dtype=np.float64)
+        self.ref_point = None if ref_point is None else _check_ref_point(ref_point, self.n_objectives)
         if self.multi_objective and self.ref_point is None:
             raise InputError("ref_point", None, f"{self.name} needs a reference point")
         self.options = {key: check_option(key, value, self.defaults[key], key in self.positive)
@@ -172,13 +175,26 @@ class Optimizer(abc.ABC):
     def tell(self, x: np.ndarray, y: np.ndarray) -> None:
         """Record one evaluated batch: ``x`` (``n x d``) and ``y`` (``n x m``, maximization, NaN = failed).
 
+        A row with a NaN is a failed evaluation (recorded, never fitted). Nothing is recorded when
+        the batch is refused.
+
         Raises:
-            InputError: shapes that do not match the space or the number of objectives.
+            InputError: ``x`` not points of the space; ``y`` not numbers, of the wrong shape, or
+                holding ``inf``/``-inf`` (naming the rows; NaN, not inf, marks a failure).
         """
         x = self.space.validate(x, "x")
-        y = np.atleast_2d(np.asarray(y, dtype=np.float64))
+        try:
+            y = np.atleast_2d(np.asarray(y, dtype=np.float64))
+        except (TypeError, ValueError):
+            shown = y.tolist() if isinstance(y, np.ndarray) else y  # an array's repr spans lines
+            raise InputError("y", shown, f"expected {x.shape[0]} x {self.n_objectives} numbers") from None
         if y.shape != (x.shape[0], self.n_objectives):
             raise InputError("y", y.shape, f"expected {x.shape[0]} x {self.n_objectives} values")
+        rows = np.flatnonzero(np.isinf(y).any(axis=1))
+        if rows.size:  # checked before anything is recorded: a refused batch leaves the history as it was
+            raise InputError("y", y[rows].tolist(), f"infinite objective values (row{'s' * (rows.size > 1)} "
+                                                    f"{', '.join(map(str, rows.tolist()))}); values must be finite, "
+                                                    "NaN marks a failed evaluation")
         y = np.where(np.isfinite(y).all(axis=1, keepdims=True), y, np.nan)
         self._x = np.vstack([self._x, x])
         self._y = np.vstack([self._y, y])
@@ -231,7 +247,7 @@ def make_optimizer(name: str, space: SearchSpace, n_objectives: int = 1, **kwarg
     """Build the registered optimizer ``name``. Raises InputError for an unknown name (listing the
     known ones) or bad arguments."""
     _register_builtin()
-    if name not in OPTIMIZERS:
+    if not isinstance(name, str) or name not in OPTIMIZERS:  # an unhashable name is a TypeError in `in`
         raise InputError("optimizer", name, f"unknown optimizer; known: {', '.join(OPTIMIZERS.names())}")
     return OPTIMIZERS[name](space, n_objectives, **kwargs)
 
@@ -241,21 +257,95 @@ def optimizer_names() -> list[str]:
     return OPTIMIZERS.names()
 
 
+STATE_KEYS = ("optimizer", "n_objectives", "seed", "n_init", "options", "ref_point", "batches")
+
+
 def load_optimizer(state: dict[str, Any] | str, space: SearchSpace | None = None) -> Optimizer:
     """Rebuild an optimizer from :meth:`Optimizer.state_dict` (a dict or its JSON) by replaying
-    its told batches. The result asks exactly what the saved optimizer would have asked next."""
-    if isinstance(state, str):
-        state = json.loads(state)
+    its told batches. The result asks exactly what the saved optimizer would have asked next.
+
+    ``space`` None: the space saved in ``state`` (its ``"space"`` key).
+
+    Raises:
+        InputError: ``state`` is not valid JSON or not a dict, lacks a key, or holds a bad value:
+            an unknown optimizer (listing the known ones), a value of the wrong type or out of
+            range, a batch that does not fit the space. The message names ``state``, or the bad
+            entry as ``state.<key>`` (``state.options.<option>``, ``state.batches[<i>].y``).
+    """
+    keys = STATE_KEYS + (("space",) if space is None else ())
+    state = check_state(state, "state", keys, "Optimizer.state_dict()")
+    if not isinstance(state["optimizer"], str):
+        raise InputError("state.optimizer", state["optimizer"], "must be an optimizer name (a string)")
+    if not isinstance(state["options"], dict) or not all(isinstance(k, str) for k in state["options"]):
+        raise InputError("state.options", state["options"], "must be a dict {option name: value}")
+    if not isinstance(state["batches"], list):
+        raise InputError("state.batches", state["batches"], "must be a list of {x, y} batches")
     if space is None:
-        spec = state["space"]
-        space = (SearchSpace.categorical(spec["choices"]) if spec["kind"] == "categorical"
-                 else SearchSpace.box(spec["lower"], spec["upper"], spec["names"]))
-    opt = make_optimizer(state["optimizer"], space, state["n_objectives"], seed=state["seed"],
-                         n_init=state["n_init"], ref_point=state["ref_point"], **state["options"])
-    for b in state["batches"]:
-        y = np.array([[np.nan if v is None else v for v in row] for row in b["y"]], dtype=np.float64)
-        opt.tell(np.asarray(b["x"], dtype=np.float64).reshape(-1, space.dim), y.reshape(-1, opt.n_objectives))
+        space = _space_from_state(state["space"])
+    try:
+        opt = make_optimizer(state["optimizer"], space, state["n_objectives"], seed=state["seed"],
+                             n_init=state["n_init"], ref_point=state["ref_point"], **state["options"])
+    except InputError as exc:  # name the entry of the state, as Campaign names optimizer_options.<option>
+        options = OPTIMIZERS[state["optimizer"]].defaults if state["optimizer"] in OPTIMIZERS else {}
+        where = ("state.options" if exc.argument == "optimizer_options"
+                 else f"state.options.{exc.argument}" if exc.argument in options else f"state.{exc.argument}")
+        raise InputError(where, exc.value, exc.problem) from None
+    for i, batch in enumerate(state["batches"]):
+        try:
+            x = np.asarray(batch["x"], dtype=np.float64)
+            y = np.array([[np.nan if v is None else v for v in row] for row in batch["y"]], dtype=np.float64)
+            # only an empty batch is reshaped: reshaping rows of the wrong width would hide the error
+            x, y = (x.reshape(0, space.dim), y.reshape(0, opt.n_objectives)) if x.size == y.size == 0 else (x, y)
+        except (KeyError, TypeError, ValueError):  # not a dict, a key missing, ragged or non-numeric rows
+            raise InputError(f"state.batches[{i}]", batch, f"must be {{x: n x {space.dim} numbers, y: n x "
+                                                          f"{opt.n_objectives} numbers (null: failed)}}") from None
+        try:
+            opt.tell(x, y)
+        except InputError as exc:
+            if exc.argument not in ("x", "y"):
+                raise
+            raise InputError(f"state.batches[{i}].{exc.argument}", exc.value, exc.problem) from None
     return opt
+
+
+def check_state(state: Any, argument: str, keys: tuple[str, ...], made_by: str) -> dict[str, Any]:
+    """``state`` (a dict or its JSON text) as a dict holding ``keys``.
+
+    Raises:
+        InputError: naming ``argument``: not valid JSON, not a dict, or a key missing (``made_by``
+            says what writes a valid one).
+    """
+    if isinstance(state, str | bytes):
+        try:
+            state = json.loads(state)
+        except ValueError as exc:  # JSONDecodeError, or bytes that are not UTF-8
+            raise InputError(argument, state, f"not valid JSON ({exc}); expected {made_by}") from None
+    if not isinstance(state, dict):
+        raise InputError(argument, state, f"must be a dict (or its JSON text) from {made_by}, "
+                                          f"not {type(state).__name__}")
+    missing = [k for k in keys if k not in state]
+    if missing:
+        raise InputError(argument, state, f"missing key{'s' if len(missing) > 1 else ''} "
+                                          f"{', '.join(map(repr, missing))} (written by {made_by})")
+    return state
+
+
+def _space_from_state(spec: Any) -> SearchSpace:
+    """The :class:`SearchSpace` of ``SearchSpace.to_dict()``; InputError naming ``state.space``."""
+    keys = {"box": ("lower", "upper", "names"), "categorical": ("choices",)}
+    wanted = "must be SearchSpace.to_dict(): {kind: 'box', lower, upper, names} or {kind: 'categorical', choices}"
+    kind = spec.get("kind") if isinstance(spec, dict) else None
+    if kind not in keys or any(k not in spec for k in keys[kind]):
+        raise InputError("state.space", spec, wanted)
+    if kind == "categorical" and not isinstance(spec["choices"], dict):
+        raise InputError("state.space.choices", spec["choices"], "must be a dict {variable: [option, ...]}")
+    try:
+        return (SearchSpace.categorical(spec["choices"]) if kind == "categorical"
+                else SearchSpace.box(spec["lower"], spec["upper"], spec["names"]))
+    except InputError as exc:
+        raise InputError(f"state.space.{exc.argument}", exc.value, exc.problem) from None
+    except (TypeError, ValueError):  # bounds that are not numbers, options that are not lists
+        raise InputError("state.space", spec, wanted) from None
 
 
 def timed_ask(opt: Optimizer, q: int) -> tuple[np.ndarray, float]:
@@ -287,11 +377,27 @@ def check_float(value: Any, argument: str, *, low: float, strict: bool = False) 
 
 
 def check_int(value: Any, argument: str, *, low: int) -> int:
-    """``value`` as an int; InputError naming ``argument`` unless it is an integer ``>= low``."""
-    ok = isinstance(value, int | np.integer) and not isinstance(value, bool)
-    if not ok or int(value) < low:
-        raise InputError(argument, value, f"must be an integer >= {low}")
-    return int(value)
+    """``value`` as an int; InputError naming ``argument`` unless it is an integer ``>= low``.
+
+    The rule is :func:`paperline.kernels.errors.check_int`'s (integers, not bools); the message is
+    one for both failures, ``seed=None: must be an integer >= 0``, which search's callers and
+    tests read.
+    """
+    try:
+        return _check_int(argument, value, low)
+    except InputError:
+        raise InputError(argument, value, f"must be an integer >= {low}") from None
+
+
+def _check_ref_point(ref_point: Any, m: int) -> np.ndarray:
+    """``ref_point`` as ``m`` finite float64 values; InputError naming ``ref_point`` otherwise."""
+    try:
+        ref = np.asarray(ref_point, dtype=np.float64)
+    except (TypeError, ValueError):
+        raise InputError("ref_point", ref_point, f"expected {m} finite number(s), one per objective") from None
+    if ref.shape != (m,) or not np.isfinite(ref).all():
+        raise InputError("ref_point", ref_point, f"expected {m} finite number(s), one per objective")
+    return ref
 
 
 def check_count(value: Any, argument: str, what: str) -> int:

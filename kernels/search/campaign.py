@@ -16,14 +16,14 @@ import math
 import time
 import traceback
 from collections.abc import Callable, Iterable
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, fields
 from typing import Any
 
 import numpy as np
 
-from paperline.kernels.errors import InputError
-from paperline.kernels.search.base import (OPTIMIZERS, Optimizer, check_count, check_int, load_optimizer,
-                                           make_optimizer)
+from paperline.kernels.errors import InputError, is_real
+from paperline.kernels.search.base import (OPTIMIZERS, STATE_KEYS, Optimizer, check_count, check_int, check_state,
+                                           load_optimizer, make_optimizer)
 from paperline.kernels.search.pareto import hypervolume, pareto_mask
 from paperline.kernels.search.problems import Problem, make_problem
 
@@ -69,6 +69,9 @@ def evaluate_point(problem: Problem, x: list[float] | np.ndarray, seed: int) -> 
     if not np.isfinite(y).all():
         return {"values": None, "error": f"non-finite objective values {y.tolist()}", "seconds": seconds}
     return {"values": [float(v) for v in y], "error": None, "seconds": seconds}
+
+
+CAMPAIGN_KEYS = ("problem", "problem_options", "budget", "q", "seed", "n_init", "ref_point", "optimizer", "evaluations")
 
 
 class Campaign:
@@ -120,7 +123,8 @@ class Campaign:
             self.optimizer: Optimizer = make_optimizer(optimizer, problem.space, problem.n_objectives, seed=self.seed,
                                                        n_init=self.n_init, ref_point=ref, **(optimizer_options or {}))
         except InputError as exc:  # an option's own check: say where it was given, as problem options do
-            if optimizer in OPTIMIZERS and exc.argument in OPTIMIZERS[optimizer].defaults:
+            known = OPTIMIZERS[optimizer].defaults if isinstance(optimizer, str) and optimizer in OPTIMIZERS else {}
+            if exc.argument in known:
                 raise InputError(f"optimizer_options.{exc.argument}", exc.value, exc.problem) from None
             raise
         self.evaluations: list[Evaluation] = []
@@ -198,18 +202,57 @@ class Campaign:
                 "suggest_seconds": self.suggest_seconds}
 
     @classmethod
-    def from_state(cls, state: dict[str, Any], *, budget: int | None = None) -> Campaign:
-        """Rebuild a campaign from :meth:`state_dict` (optionally with a larger ``budget``)."""
-        opt_state = state["optimizer"]
-        campaign = cls(state["problem"], opt_state["optimizer"], budget=budget or state["budget"], q=state["q"],
-                       seed=state["seed"], n_init=state["n_init"], ref_point=state["ref_point"],
-                       optimizer_options=opt_state["options"], problem_options=state["problem_options"])
-        campaign.optimizer = load_optimizer(opt_state, campaign.problem.space)
+    def from_state(cls, state: dict[str, Any] | str, *, budget: int | None = None) -> Campaign:
+        """Rebuild a campaign from :meth:`state_dict` (a dict or its JSON; optionally with a larger
+        ``budget``).
+
+        Raises:
+            InputError: ``state`` is not valid JSON or not a dict, lacks a key, or holds a bad value
+                (an unknown problem or optimizer, listing the known ones; a value of the wrong type
+                or out of range; evaluation records that disagree with the optimizer's history).
+                The message names ``state``, or the bad entry as ``state.<key>``
+                (``state.optimizer.options.<option>``, ``state.evaluations[<i>]``); a bad
+                ``budget`` argument is named ``budget``.
+        """
+        state = check_state(state, "state", CAMPAIGN_KEYS, "Campaign.state_dict()")
+        opt_state = check_state(state["optimizer"], "state.optimizer", STATE_KEYS, "Optimizer.state_dict()")
+        ref = state["ref_point"]
+        for key, ok, what in (  # what the constructor would otherwise meet as a raw TypeError or ValueError
+                ("problem", isinstance(state["problem"], str), "a problem name (a string)"),
+                ("problem_options", isinstance(state["problem_options"], dict | None), "a dict or null"),
+                ("ref_point", ref is None or (isinstance(ref, list) and all(map(is_real, ref))), "numbers or null"),
+                ("evaluations", isinstance(state["evaluations"], list), "a list of evaluation records"),
+                ("suggest_seconds", isinstance(state.get("suggest_seconds", []), list), "a list of seconds")):
+            if not ok:
+                raise InputError(f"state.{key}", state[key], f"must be {what}")
+        if not isinstance(opt_state["options"], dict):
+            raise InputError("state.optimizer.options", opt_state["options"], "must be a dict {option name: value}")
+        try:
+            campaign = cls(state["problem"], opt_state["optimizer"], budget=budget or state["budget"], q=state["q"],
+                           seed=state["seed"], n_init=state["n_init"], ref_point=ref,
+                           optimizer_options=opt_state["options"], problem_options=state["problem_options"])
+        except InputError as exc:  # name the entry of the state (the caller's own budget keeps its name)
+            if exc.argument == "budget" and budget:
+                raise
+            where = exc.argument.replace("optimizer_options", "optimizer.options", 1)
+            where = "optimizer.optimizer" if where == "optimizer" else where
+            raise InputError(f"state.{where}", exc.value, exc.problem) from None
+        try:
+            campaign.optimizer = load_optimizer(opt_state, campaign.problem.space)
+        except InputError as exc:  # a told batch that does not fit: state.batches[i].y -> state.optimizer.batches[i].y
+            if not exc.argument.startswith("state"):
+                raise
+            raise InputError("state.optimizer" + exc.argument[len("state"):], exc.value, exc.problem) from None
+        names = [f.name for f in fields(Evaluation)]
+        for i, e in enumerate(state["evaluations"]):
+            if not isinstance(e, dict) or set(e) != set(names):
+                raise InputError(f"state.evaluations[{i}]", e, f"an evaluation record has the keys {', '.join(names)}")
         campaign.evaluations = [Evaluation(**e) for e in state["evaluations"]]
         campaign.suggest_seconds = list(state.get("suggest_seconds", []))
         if len(campaign.evaluations) != campaign.optimizer.x.shape[0]:
-            raise InputError("checkpoint", len(campaign.evaluations), "evaluation records and optimizer history "
-                                                                      "disagree; the checkpoint is corrupt")
+            raise InputError("state.evaluations", len(campaign.evaluations),
+                             f"expected {campaign.optimizer.x.shape[0]} records (one per evaluation told to "
+                             "state.optimizer); the checkpoint is corrupt")
         return campaign
 
 

@@ -46,14 +46,15 @@ def hypervolume(y: np.ndarray, ref_point: np.ndarray) -> float:
 
     Points that do not strictly dominate the reference point add nothing; NaN rows (failed
     evaluations) are ignored. Returns 0.0 for no such points.
+
+    Raises:
+        InputError: ``y`` not numbers or not 2-D (naming ``y`` and its shape); ``ref_point`` not
+            ``m`` finite numbers (naming ``ref_point``).
     """
     import torch
     from botorch.utils.multi_objective.box_decompositions.dominated import DominatedPartitioning
 
-    y = np.asarray(y, dtype=np.float64)
-    ref = np.asarray(ref_point, dtype=np.float64)
-    if y.ndim != 2 or ref.shape != (y.shape[1],):
-        raise InputError("ref_point", ref.tolist(), f"expected {y.shape[1] if y.ndim == 2 else '?'} values")
+    y, ref = _check_front(y, ref_point)
     y = y[np.isfinite(y).all(axis=1)]
     y = y[(y > ref).all(axis=1)]
     if y.shape[0] == 0:
@@ -63,8 +64,12 @@ def hypervolume(y: np.ndarray, ref_point: np.ndarray) -> float:
 
 
 def hypervolume_trace(y: np.ndarray, ref_point: np.ndarray) -> np.ndarray:
-    """Hypervolume of the first ``i + 1`` points, for each ``i`` (``n`` float64)."""
-    y = np.asarray(y, dtype=np.float64)
+    """Hypervolume of the first ``i + 1`` points, for each ``i`` (``n`` float64).
+
+    Raises:
+        InputError: as :func:`hypervolume`.
+    """
+    y, ref_point = _check_front(y, ref_point)
     out = np.zeros(y.shape[0])
     front = np.zeros((0, y.shape[1]))
     hv = 0.0
@@ -76,6 +81,32 @@ def hypervolume_trace(y: np.ndarray, ref_point: np.ndarray) -> np.ndarray:
             hv = hypervolume(front, ref_point)
         out[i] = hv
     return out
+
+
+def _check_front(y: np.ndarray, ref_point: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """``(y, ref_point)`` as float64: ``y`` ``n x m``, ``ref_point`` ``m`` finite values.
+
+    A NaN reference point would make every hypervolume a silent 0.0, so it is refused.
+    """
+    try:
+        y = np.asarray(y, dtype=np.float64)
+    except (TypeError, ValueError):
+        shown = y.tolist() if isinstance(y, np.ndarray) else y  # an array's repr spans lines
+        raise InputError("y", shown, "must be a 2-D (n_points, n_objectives) array of numbers") from None
+    if y.ndim != 2:
+        raise InputError("y", y.shape, "must be 2-D (n_points, n_objectives)")
+    m = y.shape[1]
+    try:
+        ref = np.asarray(ref_point, dtype=np.float64)
+    except (TypeError, ValueError):
+        shown = ref_point.tolist() if isinstance(ref_point, np.ndarray) else ref_point
+        raise InputError("ref_point", shown, f"expected {m} finite numbers, one per objective of y") from None
+    if ref.shape != (m,):
+        raise InputError("ref_point", ref.tolist(), f"expected {m} values, one per objective (column) of y, "
+                                                    f"which is {y.shape[0]} x {m}")
+    if not np.isfinite(ref).all():
+        raise InputError("ref_point", ref.tolist(), "values must be finite")
+    return y, ref
 
 
 def _dominated_by(p: np.ndarray, front: np.ndarray) -> bool:

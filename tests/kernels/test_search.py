@@ -534,3 +534,109 @@ def test_ask_refuses_a_batch_size_that_is_not_a_count(q, match):
     with pytest.raises(InputError, match=match):
         opt.ask(q)
     assert opt.ask(2).shape == (2, 2)
+
+
+# -- malformed input at the public boundary: refused by name, nothing lost ------------------------
+def told_optimizer():
+    opt = make_optimizer("random", SearchSpace.box([0.0, 0.0], [1.0, 1.0]), 2, seed=0, n_init=4, ref_point=[0.0, 0.0])
+    x = opt.ask(4)
+    opt.tell(x, np.column_stack([x.sum(axis=1), -x[:, 0]]))
+    return opt
+
+
+@pytest.mark.parametrize("bad, match", [
+    (np.inf, r"^y=\[\[inf, 1\.0\]\]: infinite objective values \(row 1\); values must be finite, NaN marks a failed"),
+    (-np.inf, r"^y=\[\[-inf, 1\.0\]\]: infinite objective values \(row 1\)"),  # was recorded as a failure, silently
+    # was NumPy's "could not convert string to float"
+    ("abc", r"^y=\[\[0\.5, 0\.5\], \[.abc., 1\.0\], \[0\.2, 0\.3\]\]: expected 3 x 2 numbers$"),
+])
+def test_tell_refuses_infinite_or_non_numeric_values_and_keeps_the_history(bad, match):
+    opt = told_optimizer()
+    before, asked = json.dumps(opt.state_dict()), opt.ask(3)
+    y = np.array([[0.5, 0.5], [0.0, 1.0], [0.2, 0.3]], dtype=object)
+    y[1, 0] = bad
+    with pytest.raises(InputError, match=match):
+        opt.tell(asked, y)
+    assert json.dumps(opt.state_dict()) == before and opt.n_batches == 1 and opt.x.shape == (4, 2)
+    np.testing.assert_array_equal(opt.ask(3), asked)  # the next batch is what it was
+    opt.tell(asked, np.array([[0.5, 0.5], [np.nan, 1.0], [0.2, 0.3]]))  # NaN still marks a failed evaluation
+    assert opt.ok.tolist() == [True] * 5 + [False, True]
+
+
+@pytest.mark.parametrize("fn", [hypervolume, hypervolume_trace])
+@pytest.mark.parametrize("y, ref, match", [
+    ([[1.0, 2.0]], [np.nan, 0.0], r"^ref_point=\[nan, 0\.0\]: values must be finite"),  # was a silent 0.0
+    ([[1.0, 2.0]], [0.0, -np.inf], r"^ref_point=\[0\.0, -inf\]: values must be finite"),
+    ([1.0, 2.0, 3.0], [0.0, 0.0], r"^y=\(3,\): must be 2-D \(n_points, n_objectives\)"),  # was blamed on ref_point
+    ([[1.0, 2.0, 3.0]], [0.0, 0.0], r"^ref_point=\[0\.0, 0\.0\]: expected 3 values, one per objective \(column\) of y"),
+    ([["a", 2.0]], [0.0, 0.0], r"^y=.*must be a 2-D \(n_points, n_objectives\) array of numbers"),
+])
+def test_hypervolume_names_a_bad_front_or_reference_point(fn, y, ref, match):
+    with pytest.raises(InputError, match=match):
+        fn(y, ref)
+
+
+def drop(key):
+    return lambda s: {k: v for k, v in s.items() if k != key}
+
+
+@pytest.mark.parametrize("edit, match", [
+    (lambda s: "{not json", r"^state='\{not json': not valid JSON \(Expecting property name"),  # was JSONDecodeError
+    (lambda s: [s], r"^state=\[.*must be a dict \(or its JSON text\) from Optimizer\.state_dict\(\), not list"),
+    (drop("seed"), r"^state=\{.*: missing key 'seed' \(written by Optimizer\.state_dict\(\)\)$"),  # was KeyError
+    (drop("space"), r"^state=\{.*: missing key 'space'"),
+    (lambda s: {**s, "optimizer": "simulated-annealing"},
+     r"^state\.optimizer='simulated-annealing': unknown optimizer; known: alphax, bo, .*random, turbo$"),
+    (lambda s: {**s, "optimizer": ["random"]}, r"^state\.optimizer=\['random'\]: must be an optimizer name"),
+    (lambda s: {**s, "options": ["leaf_size"]}, r"^state\.options=\['leaf_size'\]: must be a dict"),  # was TypeError
+    (lambda s: {**s, "options": {"leaf_size": 3}}, r"^state\.options=\['leaf_size'\]: unknown for random"),
+    (lambda s: {**s, "seed": "0"}, r"^state\.seed='0': must be an integer >= 0"),
+    (lambda s: {**s, "ref_point": "abc"}, r"^state\.ref_point='abc': expected 2 finite number"),  # was ValueError
+    (lambda s: {**s, "ref_point": [0.0]}, r"^state\.ref_point=\[0\.0\]: expected 2 finite number"),
+    (lambda s: {**s, "space": {"kind": "sphere"}}, r"^state\.space=\{'kind': 'sphere'\}: must be SearchSpace\.to_dict"),
+    (lambda s: {**s, "batches": {"x": []}}, r"^state\.batches=\{'x': \[\]\}: must be a list"),
+    (lambda s: {**s, "batches": [{"x": [[0.5, 0.5]]}]}, r"^state\.batches\[0\]=\{'x'.*: must be \{x: n x 2 numbers"),
+    (lambda s: {**s, "batches": [{"x": [[0.5, 0.5]], "y": [[1.0]]}]},
+     r"^state\.batches\[0\]\.y=\(1, 1\): expected 1 x 2"),
+    (lambda s: {**s, "batches": [{"x": [[5.0, 0.5]], "y": [[1.0, 2.0]]}]},
+     r"^state\.batches\[0\]\.x=.*outside the search"),
+])
+def test_load_optimizer_names_what_is_wrong_with_a_malformed_state(edit, match):
+    state = json.loads(json.dumps(told_optimizer().state_dict()))
+    with pytest.raises(InputError, match=match):
+        load_optimizer(edit(state))
+
+
+@pytest.fixture(scope="module")
+def campaign_state():
+    campaign = run_campaign(Campaign("branin-currin", "random", budget=10, q=5, n_init=5))
+    return json.loads(json.dumps(campaign.state_dict()))
+
+
+@pytest.mark.parametrize("edit, match", [
+    (lambda s: "{", r"^state='\{': not valid JSON"),
+    (lambda s: None, r"^state=None: must be a dict \(or its JSON text\) from Campaign\.state_dict\(\), not NoneType"),
+    (drop("evaluations"), r"^state=\{.*: missing key 'evaluations' \(written by Campaign\.state_dict\(\)\)$"),
+    (lambda s: {**s, "optimizer": drop("batches")(s["optimizer"])}, r"^state\.optimizer=\{.*: missing key 'batches'"),
+    (lambda s: {**s, "problem": "knapsack"}, r"^state\.problem='knapsack': unknown problem; known: .*branin-currin"),
+    (lambda s: {**s, "problem": 3}, r"^state\.problem=3: must be a problem name"),
+    (lambda s: {**s, "optimizer": {**s["optimizer"], "optimizer": "sa"}},
+     r"^state\.optimizer\.optimizer='sa': unknown optimizer; known: alphax, bo, "),
+    (lambda s: {**s, "optimizer": {**s["optimizer"], "optimizer": ["sa"]}}, r"^state\.optimizer\.optimizer=\['sa'\]"),
+    (lambda s: {**s, "optimizer": {**s["optimizer"], "options": {"cp": 1.0}}}, r"^state\.optimizer\.options=\['cp'\]"),
+    (lambda s: {**s, "problem_options": ["dim"]}, r"^state\.problem_options=\['dim'\]: must be a dict or null"),
+    (lambda s: {**s, "seed": 1.5}, r"^state\.seed=1\.5: must be an integer >= 0"),
+    (lambda s: {**s, "ref_point": "18,6"}, r"^state\.ref_point='18,6': must be numbers or null"),
+    (lambda s: {**s, "evaluations": s["evaluations"][:-1]}, r"^state\.evaluations=9: expected 10 records"),
+    (lambda s: {**s, "evaluations": [{"x": 1}] + s["evaluations"][1:]},
+     r"^state\.evaluations\[0\]=\{'x': 1\}: an evaluation record has the keys index, batch, x"),
+    (lambda s: {**s, "optimizer": {**s["optimizer"], "batches": [{"x": [[9.0, 0.5]], "y": [[1.0, 2.0]]}]}},
+     r"^state\.optimizer\.batches\[0\]\.x=.*outside the search space"),
+])
+def test_campaign_from_state_names_what_is_wrong_with_a_malformed_checkpoint(campaign_state, edit, match):
+    state = json.loads(json.dumps(campaign_state))
+    with pytest.raises(InputError, match=match):
+        Campaign.from_state(edit(state))
+    assert Campaign.from_state(json.dumps(state), budget=15).n_done == 10  # the JSON text of a valid one loads
+    with pytest.raises(InputError, match=r"^budget=4: smaller than the initial design"):  # the caller's own: by name
+        Campaign.from_state(state, budget=4)
