@@ -94,7 +94,7 @@ def curate_video(source: str, clip_cfg: dict[str, Any], filter_cfg: dict[str, An
     return {"source": source, "info": info_d, "rejected": None, "rows": rows, "stats": video_stats(result)}
 
 
-def unstaged(store: ObjectStore, results: list[dict[str, Any]], threads: int = 16) -> list[int]:
+def unstaged(store: ObjectStore, results: list[dict[str, Any]], threads: int = 8) -> list[int]:
     """Indices of ``results`` (:func:`curate_video`'s) holding a kept clip whose staged object is
     gone: the staging prefix was cleaned (by hand or by a lifecycle rule) after the task was
     cached, and the shards could not be written from it (the run failed at write-shards, and so
@@ -106,7 +106,7 @@ def unstaged(store: ObjectStore, results: list[dict[str, Any]], threads: int = 1
     from concurrent.futures import ThreadPoolExecutor  # noqa: PLC0415
 
     checks = [(i, row["staged_uri"]) for i, r in enumerate(results) for row in r["rows"] if row.get("staged_uri")]
-    with ThreadPoolExecutor(threads) as pool:  # one HEAD per clip, a few ms each
+    with ThreadPoolExecutor(threads) as pool:  # one HEAD per clip, a few ms each (boto3 pools 10 connections)
         found = list(pool.map(lambda c: store.exists(c[1]), checks))
     return sorted({i for (i, _), ok in zip(checks, found) if not ok})
 
