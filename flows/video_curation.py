@@ -461,6 +461,9 @@ def _curate(params: VideoCurationParameters, cfg: ClipConfig, filt: FilterConfig
              f"{len(manifest['uploaded'])} uploaded, {len(manifest['skipped'])} already there)",
              f"read back for {params.world_size} rank(s): {check['samples_per_rank'][0]} samples per rank"]
     lines += [f"rejected {Path(r['source']).name}: {r['reason']} ({r['detail']})" for r in rejected]
+    if manifest.get("kept_committed"):  # the same clips and shards, other scores (a newer paperline, other videos' bytes)
+        lines.append(f"kept the committed {', '.join(manifest['kept_committed'])} of {output} (a committed dataset is "
+                     "never rewritten); this run's differ(s): see its MLflow run")
     if recurated:
         lines.append(f"curated again (their cached clips were gone from {staging}/): "
                      + ", ".join(Path(sources[i]).name for i in recurated))

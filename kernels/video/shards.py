@@ -147,8 +147,11 @@ def write_dataset(store: Any, output: str, plans: list[ShardPlan], rows: dict[st
         meta: JSON-serialisable run facts stored in the manifest.
 
     Returns:
-        The manifest (a dict), with ``uploaded`` (shard names written now) and ``skipped`` (already
-        present) added (not stored).
+        The manifest (a dict), with ``uploaded`` (shard names written now), ``skipped`` (already
+        present) and ``kept_committed`` added (not stored): when ``output`` already holds this very
+        dataset nothing is written, and ``kept_committed`` names the ``extra`` objects whose bytes
+        differ from the committed ones (kept: a committed dataset is never rewritten), so the
+        caller can say so.
 
     Raises:
         InputError: the prefix already holds a committed dataset with other shards, or a clip's
@@ -160,7 +163,10 @@ def write_dataset(store: Any, output: str, plans: list[ShardPlan], rows: dict[st
     if store.exists(manifest_uri):
         old = json.loads(store.get_bytes(manifest_uri))
         if [{"name": s["name"], "keys": s["keys"]} for s in old["shards"]] == planned:
-            return dict(old, uploaded=[], skipped=[s["name"] for s in old["shards"]])
+            committed = old.get("objects", {})
+            kept = sorted(n for n, data in extra.items()
+                               if committed.get(n, {}).get("sha256") != hashlib.sha256(data).hexdigest())
+            return dict(old, uploaded=[], skipped=[s["name"] for s in old["shards"]], kept_committed=kept)
         raise InputError("output", output, "already holds a committed dataset with other shards; a committed "
                                            "dataset is never rewritten: choose another dataset name (or output prefix)")
     shards, uploaded, skipped = [], [], []
@@ -200,7 +206,7 @@ def write_dataset(store: Any, output: str, plans: list[ShardPlan], rows: dict[st
                 "n_samples": sum(s["n_samples"] for s in shards), "meta": meta}
     json.dumps(manifest)  # fail before committing
     store.put_bytes_to(json.dumps(manifest, sort_keys=True, indent=1).encode(), manifest_uri)
-    return dict(manifest, uploaded=uploaded, skipped=skipped)
+    return dict(manifest, uploaded=uploaded, skipped=skipped, kept_committed=[])
 
 
 def read_manifest(store: Any, output: str) -> dict[str, Any]:

@@ -124,6 +124,7 @@ def test_rerun_gives_the_same_shards_and_rewrites_nothing(curated, cli_env):
     second = json.loads((out / "s2.json").read_text())
     assert second["shards"] == first["shards"] and second["counts"] == first["counts"]
     assert second["metrics"]["shards_uploaded"] == 0 and second["metrics"]["shards_skipped"] == len(first["shards"])
+    assert not any("kept the committed" in line for line in second["lines"])  # the same index, byte for byte
     # compared with the first run on the workers' own rate, which the cache keeps
     versus = second["versus_best_earlier"]
     assert versus["best_run_id"] == first["mlflow_run_id"] and not versus["regression"]
@@ -215,6 +216,10 @@ def test_a_failure_mid_upload_leaves_no_visible_dataset_and_the_rerun_completes(
     assert not store.exists(stale) and store.exists(f"{output}/shard-notes.txt") and store.exists(nested)
     assert [u for u in store.list(f"{output}/shard-") if u.endswith(".tar") and u != nested] == [
         s["uri"] for s in done["shards"]]
+    # committed: the same plan again writes nothing and says which of its objects it kept as they were
+    again = write_dataset(store, output, plans, rows, read_clip, {"index.parquet": b"other scores"}, {})
+    assert again["uploaded"] == [] and again["kept_committed"] == ["index.parquet"]
+    assert not store.exists(f"{output}/index.parquet")  # (the first commit wrote no extra objects)
 
 
 def test_every_input_rejected_fails_and_says_why(cli_env, bad_videos, tmp_path):
