@@ -118,7 +118,8 @@ class CompressedTrainingParameters(BaseModel):
         (θ, bits, ..., also of a compressor not in ``compressors``; PowerSGD's rank against the
         model when powersgd runs or ``powersgd_rank`` is not its default), the bandwidth sweep's
         largest message (:data:`COLLECTIVES_MAX_BYTES`), ``nan_steps`` within the run's global
-        steps, the dataset's presence and size against ``batch_size x world_size``. Raises
+        steps, the dataset's presence and size against ``batch_size x world_size``, and (ResNet on a local
+        CPU cluster) the ranks' memory against the machine's (:meth:`check_rank_memory`). Raises
         InputError naming the flow parameter."""
         from paperline.kernels.errors import InputError as KernelInputError  # noqa: PLC0415
 
@@ -172,6 +173,41 @@ class CompressedTrainingParameters(BaseModel):
         if late:
             raise InputError("nan_steps", self.nan_steps, f"global step {late[0]} is never reached: the run has "
                              f"{self.epochs * steps} steps ({self.epochs} epoch(s) of {steps}), numbered from 0")
+        settings = get_settings()
+        if self.model == "resnet" and not settings.dask_scheduler_address and resolve_device(settings.device) == "cpu":
+            self.check_rank_memory(model)
+
+    def check_rank_memory(self, model: Any, available: int | None = None) -> None:
+        """Refuse a run whose ranks, all on this machine (a local CPU cluster), would need more
+        memory than it has available: a wide ResNet with a big batch passed the size caps and the
+        ranks died in the OOM killer. Per rank: the activations one step saves for backward
+        (:func:`~paperline.kernels.train.recompute.saved_tensor_bytes` on the ``meta`` model, at
+        ``batch_size``, after the recomputation policy) plus twice the weights, gradients and
+        momentum (DDP's buckets and the compressor's state). Not checked: LSTMs (their ``meta``
+        estimate is 2-5x loose), GPUs and remote clusters.
+
+        Raises:
+            InputError: naming ``batch_size``, with the estimate and what to change.
+        """
+        import psutil  # noqa: PLC0415 - a dependency of distributed
+        import torch  # noqa: PLC0415
+
+        from paperline.kernels.train.models import TRAINING_BYTES_PER_PARAMETER  # noqa: PLC0415
+        from paperline.kernels.train.recompute import saved_tensor_bytes  # noqa: PLC0415
+
+        activations = saved_tensor_bytes(model, torch.zeros(self.batch_size, 1, 28, 28, device="meta"))
+        weights = 2 * TRAINING_BYTES_PER_PARAMETER * sum(p.numel() for p in model.parameters())
+        per_rank = activations + weights
+        available = psutil.virtual_memory().available if available is None else available
+        if per_rank * self.world_size > available:
+            gib = 2**30
+            raise InputError("batch_size", self.batch_size,
+                             f"{self.world_size} rank(s) on this machine would need about "
+                             f"{per_rank * self.world_size / gib:,.1f} GiB ({activations / gib:,.2f} GiB of activations "
+                             f"kept for backward and {weights / gib:,.2f} GiB of weights, gradients and optimizer "
+                             f"state per rank, recompute={self.recompute}), more than the "
+                             f"{available / gib:,.1f} GiB available: lower batch_size or model_options, or set "
+                             "recompute=cost-aware or all")
 
 
 # The largest message of the bandwidth sweep (collectives_max_bytes), 1 GiB (the sweep's sizes are

@@ -46,3 +46,26 @@ def test_refused_in_one_line_before_anything_starts(sets, fragments, tmp_path):
         assert f in text, text
     assert not (tmp_path / "state").exists()  # no stack was started
     assert time.perf_counter() - t0 < 30  # (the dataset's first load is most of it)
+
+
+def test_ranks_that_would_not_fit_in_memory_are_refused():
+    """A wide ResNet with a big batch passed the size caps and the ranks died in the OOM killer:
+    the ranks' memory is estimated (activations kept for backward, on torch's meta device, plus
+    the weights' training state) and checked against the machine's available memory."""
+    from paperline.flows.compressed_training import CompressedTrainingParameters
+    from paperline.infra.errors import InputError
+
+    params = CompressedTrainingParameters(batch_size=64, world_size=2)
+    model = params.train_config("none").validate()  # built on torch's meta device
+    params.check_rank_memory(model, available=1 << 40)  # a TiB: fits
+    with pytest.raises(InputError, match=r"batch_size=64: 2 rank\(s\) on this machine would need about 0\.1 GiB "
+                                         r"\(0\.0[0-9] GiB of activations kept for backward and 0\.00 GiB of weights"):
+        params.check_rank_memory(model, available=1 << 20)
+    cheaper = CompressedTrainingParameters(batch_size=64, world_size=2, recompute="all")
+    need = {}
+    for p in (params, cheaper):
+        try:
+            p.check_rank_memory(p.train_config("none").validate(), available=1)
+        except InputError as exc:
+            need[p.recompute] = float(exc.problem.split("about ")[1].split(" GiB")[0])
+    assert need["all"] <= need["none"]

@@ -25,6 +25,7 @@ from paperline.kernels.train.recompute import (
     deepest_trainable,
     peak_activation_bytes,
     recomputation_plan,
+    saved_tensor_bytes,
 )
 
 F64 = 8  # bytes per float64 / int64 element
@@ -195,6 +196,25 @@ def test_saved_activation_bytes():
     relu_outputs = conv_outputs
     pool_outputs = block_outputs + n * F64 * 64
     assert measured["none"] >= measured["cost-aware"] + relu_outputs + pool_outputs, message
+
+
+@pytest.mark.parametrize("policy", POLICIES)
+def test_saved_tensor_bytes_on_meta_bound_the_measured_bytes(policy):
+    """The estimate the flow checks a run's memory with (no memory, any batch): on the ``meta``
+    device it equals the same sum on CPU, and bounds the distinct storages measured, loosely."""
+    from paperline.kernels.train.models import make_model
+
+    x = torch.zeros(16, 1, 28, 28)
+    real = apply_recomputation(make_model("resnet", width=32, blocks=2), policy)
+    with torch.device("meta"):
+        meta = apply_recomputation(make_model("resnet", width=32, blocks=2), policy)
+    estimate = saved_tensor_bytes(meta, x.to("meta"))
+    assert estimate == saved_tensor_bytes(real, x)
+    measured = peak_activation_bytes(real, x)
+    assert measured <= estimate <= 2 * measured, (measured, estimate)
+    # linear in the batch, but for the weights layers save (0.3 MB here)
+    big = saved_tensor_bytes(meta, torch.zeros(1600, 1, 28, 28, device="meta"))
+    assert big == pytest.approx(100 * estimate, rel=0.02)
 
 
 def test_measurement_has_no_side_effects():
