@@ -11,10 +11,12 @@ task cache.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import tempfile
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -25,6 +27,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from paperline.infra.cluster import configure_local_workers, default_task_runner
 from paperline.infra.device import resolve_device
 from paperline.infra.errors import InputError
+from paperline.infra.locks import Held, held_by_this_process
 from paperline.infra.regression import Headline, check_latest
 from paperline.infra.settings import get_settings
 from paperline.infra.stack import require_stack
@@ -218,11 +221,38 @@ def campaigns_prefix(data_bucket: str) -> str:
     return f"s3://{data_bucket}/nas/campaigns"
 
 
+@contextlib.contextmanager
+def campaign_lock(name: str, state_dir: Path) -> Iterator[None]:
+    """Hold campaign ``name`` for this process: a second flow run of the same campaign on this
+    machine is refused (two ran side by side from one checkpoint and logged every evaluation
+    twice in one MLflow run: a trial). A lock on ``<state dir>/locks/nas-<name>.lock`` that the
+    kernel releases when the process ends, however it ends (a ``kill -9``'d run resumes at once;
+    :func:`paperline.infra.locks.held_by_this_process`). Runs on other machines are not seen.
+
+    Raises:
+        InputError: naming ``campaign`` and the process that holds it.
+    """
+    try:
+        with held_by_this_process(state_dir / "locks" / f"nas-{name}.lock"):
+            yield
+    except Held as exc:
+        raise InputError("campaign", name, f"is being run now by another flow run on this machine (process "
+                                           f"{exc.holder}): wait for it to end, or stop it (Ctrl-C) and run this "
+                                           "again to resume from its checkpoint") from None
+
+
 def run_one(cp: CampaignParameters, store: ObjectStore, tracker: Tracker, prefix: str,
             tags: dict[str, str]) -> dict[str, Any]:
-    """One campaign to its budget, resuming its checkpoint when there is one."""
+    """One campaign to its budget, resuming its checkpoint when there is one; the campaign is held
+    by this process meanwhile (:func:`campaign_lock`)."""
     campaign = cp.build()
     name = cp.campaign_name(campaign)
+    with campaign_lock(name, get_settings().state_dir):
+        return _run_one(cp, campaign, name, store, tracker, prefix, tags)
+
+
+def _run_one(cp: CampaignParameters, campaign: Campaign, name: str, store: ObjectStore, tracker: Tracker,
+             prefix: str, tags: dict[str, str]) -> dict[str, Any]:
     checkpoint_uri = f"{prefix}/{name}/checkpoint.json"
     state, saved = resumable(cp, campaign, store, checkpoint_uri)
     parent_id = None

@@ -25,7 +25,7 @@ from paperline.infra.errors import InputError
 from paperline.infra.regression import Headline, check_latest
 from paperline.infra.settings import get_settings
 from paperline.infra.stack import require_stack
-from paperline.infra.storage import ObjectStore
+from paperline.infra.storage import ObjectStore, s3_location_problem, split_uri
 from paperline.infra.tracking import Tracker
 from paperline.kernels.errors import InputError as KernelInputError
 from paperline.kernels.tensor.baselines import MAX_DENSE_CELLS
@@ -85,10 +85,18 @@ class TensorFactorizationParameters(BaseModel):
     def _absolute_path(cls, v: str | None) -> str | None:
         """A local file by its absolute path, so that a run given ``mine.parquet`` and one given
         ``/home/me/mine.parquet`` have the same parameters (and compare with each other)."""
-        if v is None or not v or v.startswith("s3://"):
+        if v is None or not v:
+            return v
+        if v.startswith("s3://"):  # a prefix was read as a 0-byte "not a Parquet file" (a trial)
+            if v.endswith("/") or not split_uri(v)[1]:
+                raise ValueError("an S3 prefix (a folder); give the Parquet object's URI (s3://bucket/key.parquet)")
+            if problem := s3_location_problem(v):
+                raise ValueError(problem)
             return v
         if v[:3].lower() == "s3:":  # s3:/bucket/x.parquet was taken for a local path (a trial)
             raise ValueError("looks like an S3 URI: start it with s3:// (e.g. s3://bucket/key.parquet)")
+        if "://" in v:  # http://host/x.parquet became the local path ./http:/host/x.parquet (a trial)
+            raise ValueError(f"unsupported scheme {v.split('://')[0]}://: give a local path or an s3:// URI")
         return str(Path(v).expanduser().resolve())
 
     def p2t2f_params(self) -> dict[str, Any]:

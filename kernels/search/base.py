@@ -60,6 +60,9 @@ class Optimizer(abc.ABC):
     spaces: ClassVar[tuple[str, ...]] = ("box", "categorical")
     defaults: ClassVar[dict[str, Any]] = {}
     positive: ClassVar[frozenset[str]] = frozenset()  # numeric options that must be > 0 (counts: >= 1)
+    # integer options with another least value (one message for every bad value: a trial saw
+    # "must be an integer >= 0" for -1 and "at least 4" for 2)
+    minimums: ClassVar[dict[str, int]] = {}
     option_help: ClassVar[dict[str, str]] = {}  # option -> what it does (`paperline params nas`); one per default
 
     def __init__(self, space: SearchSpace, n_objectives: int = 1, *, seed: int = 0, n_init: int = 10,
@@ -84,7 +87,8 @@ class Optimizer(abc.ABC):
         self.ref_point = None if ref_point is None else _check_ref_point(ref_point, self.n_objectives)
         if self.multi_objective and self.ref_point is None:
             raise InputError("ref_point", None, f"{self.name} needs a reference point")
-        self.options = {key: check_option(key, value, self.defaults[key], key in self.positive)
+        self.options = {key: check_option(key, value, self.defaults[key], key in self.positive,
+                                          self.minimums.get(key))
                         for key, value in {**self.defaults, **options}.items()}
         self._x = np.zeros((0, space.dim))
         self._y = np.zeros((0, self.n_objectives))
@@ -410,14 +414,15 @@ def check_count(value: Any, argument: str, what: str) -> int:
     return value
 
 
-def check_option(key: str, value: Any, default: Any, positive: bool) -> Any:
-    """An optimizer option checked against its default's type (see :class:`Optimizer`)."""
+def check_option(key: str, value: Any, default: Any, positive: bool, low: int | None = None) -> Any:
+    """An optimizer option checked against its default's type (see :class:`Optimizer`); an integer
+    option is at least ``low`` when given (:attr:`Optimizer.minimums`), else 1 or 0 (``positive``)."""
     if isinstance(default, bool):
         if not isinstance(value, bool):
             raise InputError(key, value, "must be true or false")
         return value
     if isinstance(default, int):
-        return check_int(value, key, low=1 if positive else 0)
+        return check_int(value, key, low=low if low is not None else 1 if positive else 0)
     if isinstance(default, float):
         return check_float(value, key, low=0.0, strict=positive)
     if isinstance(default, str) and not isinstance(value, str):

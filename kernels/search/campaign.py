@@ -105,6 +105,9 @@ class Campaign:
         if int(budget) < int(n_init):
             raise InputError("budget", budget, f"smaller than the initial design (n_init={n_init}); "
                                                "raise the budget or lower n_init")
+        if q > budget:  # a typo, run silently with batches cut to the evaluations left (a trial)
+            raise InputError("q", q, f"larger than the budget ({budget} evaluations): a batch is at most the "
+                                     "evaluations left; lower q or raise the budget")
         if int(budget) > problem.space.size():  # the campaign would run out of new points and never end
             raise InputError("budget", budget, f"more than the {int(problem.space.size()):,} distinct points of "
                                                f"{problem.name}'s search space")

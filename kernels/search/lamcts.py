@@ -59,6 +59,7 @@ class PartitionOptimizer(Optimizer):
 
     defaults: dict[str, Any] = {"cp": 0.5, "leaf_size": 20, "kernel": "rbf", "n_candidates": 2000}
     positive = frozenset({"n_candidates", "turbo_length"})
+    minimums = {"leaf_size": 4}  # a node needs at least 4 samples to split
     option_help: dict[str, str] = {
         "cp": "UCB exploration constant of the tree's selection (values standardized: unit-free)",
         "leaf_size": "a node with at least this many samples is split in two (theta; >= 4)",
@@ -69,8 +70,6 @@ class PartitionOptimizer(Optimizer):
     def __init__(self, space: SearchSpace, n_objectives: int = 1, **kwargs: Any):
         super().__init__(space, n_objectives, **kwargs)
         o = self.options
-        if int(o["leaf_size"]) < 4:
-            raise InputError("leaf_size", o["leaf_size"], "a node needs at least 4 samples to split")
         if "kernel" in o and o["kernel"] not in ("rbf", "poly", "linear"):
             raise InputError("kernel", o["kernel"], "known SVM kernels: rbf, poly, linear")
         if "sampler" in o and o["sampler"] not in self.samplers:

@@ -245,3 +245,32 @@ def test_a_refused_problem_option_is_shown_as_given():
     with pytest.raises(InputError) as caught:
         params.build()
     assert str(caught.value).startswith("problem_options={'dim': -3}: nasbench201-cifar10 has no option 'dim'")
+
+
+def test_a_campaign_is_run_by_one_process_at_a_time(tmp_path):
+    """Two runs of one campaign ran side by side from its checkpoint and logged every evaluation
+    twice (a trial): the campaign is held by a lock the kernel releases however its holder ends."""
+    from pathlib import Path
+
+    from paperline.flows.nas import campaign_lock
+    from paperline.infra.errors import InputError
+
+    code = ("import sys, time; from pathlib import Path; from paperline.infra.locks import held_by_this_process\n"
+            "with held_by_this_process(Path(sys.argv[1]) / 'locks' / 'nas-c1.lock'):\n"
+            "    print('held', flush=True); time.sleep(120)")
+    holder = subprocess.Popen([sys.executable, "-c", code, str(tmp_path)], stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline().strip() == "held"
+        with pytest.raises(InputError, match=rf"campaign='c1': is being run now by another flow run on this machine "
+                                             rf"\(process {holder.pid}\)"):
+            with campaign_lock("c1", Path(tmp_path)):
+                pass
+        with campaign_lock("c2", Path(tmp_path)):  # another campaign is free
+            pass
+    finally:
+        holder.kill()  # SIGKILL: no cleanup of its own
+        holder.wait()
+    with campaign_lock("c1", Path(tmp_path)):  # released with the process: resumed at once
+        with pytest.raises(InputError, match=rf"process {os.getpid()}\)"):  # and held by this one
+            with campaign_lock("c1", Path(tmp_path)):
+                pass

@@ -171,6 +171,12 @@ def test_a_local_data_path_is_made_absolute(tmp_path, monkeypatch):
     for typo in ("s3:/bucket/x.parquet", "S3://bucket/x.parquet"):  # taken for local paths (a trial)
         with pytest.raises(ValidationError, match="looks like an S3 URI: start it with s3://"):
             TensorFactorizationParameters(data=typo)
+    # a prefix was "not a readable Parquet file (... 0 bytes)"; http://h/x a local ./http:/h/x (trials)
+    for uri, match in (("s3://bucket/mine/", "an S3 prefix"), ("s3://bucket", "an S3 prefix"),
+                       ("http://example.com/x.parquet", "unsupported scheme http://"),
+                       ("s3://Bad_Bucket/x.parquet", "not a valid S3 bucket name")):
+        with pytest.raises(ValidationError, match=match):
+            TensorFactorizationParameters(data=uri)
 
 
 def test_a_user_file_is_scoped_by_its_name():

@@ -323,6 +323,11 @@ def test_evaluate_point_refuses_a_point_outside_the_space():
     (dict(problem="levy", optimizer="turbo", optimizer_options={"success_tolerance": 2.5}), "success_tolerance.*integer"),
     (dict(problem="levy", optimizer="lamcts", optimizer_options={"turbo_length": float("nan")}), "turbo_length"),
     (dict(problem="levy", optimizer="lamcts", optimizer_options={"leaf_size": True}), "leaf_size=True"),
+    # "must be an integer >= 0" for -1 but "at least 4 samples" for 2 (a trial): one message
+    (dict(problem="levy", optimizer="lamcts", optimizer_options={"leaf_size": 2}), r"leaf_size=2: must be an integer >= 4"),
+    (dict(problem="levy", optimizer="lamcts", optimizer_options={"leaf_size": -1}), r"leaf_size=-1: must be an integer >= 4"),
+    # ran to the end with batches cut to the budget, unsaid (a trial)
+    (dict(problem="levy", optimizer="random", q=100), r"^q=100: larger than the budget \(20 evaluations\)"),
     (dict(problem="branin-currin", optimizer="lamoo", optimizer_options={"kernel": 3}), "kernel=3.*string"),
     (dict(problem="nasbench201-cifar10", optimizer="alphax", problem_options={"objectives": ["val_accuracy_pct"]},
           optimizer_options={"lr": 0}), "lr=0.*> 0"),

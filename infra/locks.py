@@ -1,0 +1,51 @@
+"""Locks between processes of this machine.
+
+:func:`held_by_this_process` takes an advisory ``fcntl.flock`` on a file, which the kernel releases
+when the holding process ends, however it ends (even ``kill -9``): nothing stale is left to clean
+up, and a crashed holder's work can be resumed at once. The file records the holder's PID for
+messages. POSIX only.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from collections.abc import Iterator
+from pathlib import Path
+
+
+class Held(Exception):
+    """The lock is held by another process (or by another open of it in this one).
+
+    Attributes:
+        path: The lock file.
+        holder: The holder's PID as it wrote it, or ``"?"``.
+    """
+
+    def __init__(self, path: Path, holder: str):
+        super().__init__(f"{path} is held by process {holder}")
+        self.path, self.holder = path, holder
+
+
+@contextlib.contextmanager
+def held_by_this_process(path: Path) -> Iterator[None]:
+    """Hold the lock file ``path`` (created with its folder if missing) for the ``with`` block.
+
+    Raises:
+        Held: another process holds it (never waits).
+        OSError: the file cannot be created or opened.
+    """
+    import fcntl  # noqa: PLC0415 - POSIX
+
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "a+") as f:  # (closing the file releases the lock)
+        try:
+            fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            f.seek(0)
+            raise Held(path, f.read().strip() or "?") from None
+        f.seek(0)
+        f.truncate()
+        f.write(str(os.getpid()))  # ("a+" appends: at 0 after the truncate)
+        f.flush()
+        yield
