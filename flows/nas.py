@@ -138,9 +138,12 @@ class NasParameters(CampaignParameters):
             raise InputError("live", names[-1], "the live campaign has the same name as the first; change it")
 
     def validate_on_stack(self, info: Any, store: ObjectStore) -> None:
-        """Before the flow run is created: a checkpoint to resume must hold the same campaign."""
+        """Before the flow run is created: no other process runs the campaign now (checked again
+        while the flow holds it), and a checkpoint to resume holds the same campaign."""
         for c in self.campaigns():
             built = c.build()
+            with campaign_lock(c.campaign_name(built), get_settings().state_dir):
+                pass
             resumable(c, built, store, f"{campaigns_prefix(info.data_bucket)}/{c.campaign_name(built)}/checkpoint.json")
 
 
