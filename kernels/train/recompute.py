@@ -389,6 +389,15 @@ def _as_inputs(example_input: object) -> tuple["torch.Tensor", ...]:
     return tuple(inputs)
 
 
+def _model_inputs(model: object, example_input: object) -> tuple["torch.Tensor", ...]:
+    """``example_input`` as a tuple of tensors, once ``model`` is known to be an ``nn.Module``."""
+    from torch import nn
+
+    if not isinstance(model, nn.Module):
+        raise InputError("model", type(model).__name__, "must be a torch.nn.Module")
+    return _as_inputs(example_input)
+
+
 def _storage_key(t: "torch.Tensor") -> tuple[str, int, int] | None:
     try:
         storage = t.untyped_storage()
@@ -425,11 +434,8 @@ def peak_activation_bytes(model: "nn.Module", example_input: "torch.Tensor | tup
             non-empty tuple of tensors.
     """
     import torch
-    from torch import nn
 
-    if not isinstance(model, nn.Module):
-        raise InputError("model", type(model).__name__, "must be a torch.nn.Module")
-    inputs = _as_inputs(example_input)
+    inputs = _model_inputs(model, example_input)
     excluded = {_storage_key(t) for t in (*model.parameters(), *model.buffers())}
     saved: dict[tuple[str, int], int] = {}
     alive: list[torch.Tensor] = []  # hold every packed tensor so no address is reused mid-forward
@@ -440,6 +446,19 @@ def peak_activation_bytes(model: "nn.Module", example_input: "torch.Tensor | tup
             saved.setdefault(key[:2], key[2])
             alive.append(t)
         return t
+
+    try:
+        _forward_packing(model, inputs, pack)
+    finally:
+        alive.clear()
+    return int(sum(saved.values()))
+
+
+def _forward_packing(model: "nn.Module", inputs: tuple["torch.Tensor", ...],
+                     pack: Callable[["torch.Tensor"], "torch.Tensor"]) -> None:
+    """One forward of ``model`` with grad, ``pack`` seeing every tensor saved for backward; no
+    lasting effect (buffers restored, the RNG states of the CPU and the devices used forked)."""
+    import torch
 
     buffers = [(b, b.detach().clone()) for b in model.buffers()]
     devices = sorted({t.device.index or 0 for t in (*inputs, *model.parameters()) if t.device.type == "cuda"})
@@ -452,8 +471,6 @@ def peak_activation_bytes(model: "nn.Module", example_input: "torch.Tensor | tup
         with torch.no_grad():
             for buf, copy in buffers:
                 buf.copy_(copy)
-        alive.clear()
-    return int(sum(saved.values()))
 
 
 def saved_tensor_bytes(model: "nn.Module", example_input: "torch.Tensor | tuple[torch.Tensor, ...]") -> int:
@@ -481,11 +498,8 @@ def saved_tensor_bytes(model: "nn.Module", example_input: "torch.Tensor | tuple[
             non-empty tuple of tensors.
     """
     import torch
-    from torch import nn
 
-    if not isinstance(model, nn.Module):
-        raise InputError("model", type(model).__name__, "must be a torch.nn.Module")
-    inputs = _as_inputs(example_input)
+    inputs = _model_inputs(model, example_input)
     total = 0
 
     def pack(t: torch.Tensor) -> torch.Tensor:
@@ -493,17 +507,7 @@ def saved_tensor_bytes(model: "nn.Module", example_input: "torch.Tensor | tuple[
         total += t.numel() * t.element_size()
         return t
 
-    buffers = [(b, b.detach().clone()) for b in model.buffers()]
-    devices = sorted({t.device.index or 0 for t in (*inputs, *model.parameters()) if t.device.type == "cuda"})
-    try:
-        with torch.random.fork_rng(devices=devices), torch.enable_grad(), \
-                torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-            out = model(*inputs)
-        del out
-    finally:
-        with torch.no_grad():
-            for buf, copy in buffers:
-                buf.copy_(copy)
+    _forward_packing(model, inputs, pack)
     return int(total)
 
 
