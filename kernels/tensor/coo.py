@@ -264,7 +264,8 @@ class COOTensor:
         Raises:
             InputError: shape mismatch, no observed entries (an all-False ``mask``, or only NaN
                 where observed: named ``dense``), bool, complex or non-numeric ``dense`` (a bool
-                array is refused, not read as 1.0/0.0: pass it as ``mask``), or inf among
+                array is refused, not read as 1.0/0.0: pass it as ``mask``), a ``mask`` that is not
+                a bool array, or inf among
                 observed values.
         """
         xp = array_module(dense)
@@ -274,7 +275,10 @@ class COOTensor:
         dense = xp.asarray(dense, dtype=xp.float64)
         observed = ~xp.isnan(dense)
         if mask is not None:
-            mask = xp.asarray(mask, dtype=bool)
+            mask = xp.asarray(mask)
+            if mask.dtype.kind != "b":  # 0.5 or a ratings array counted as "observed" wherever non-zero
+                raise InputError("mask", f"array of dtype {mask.dtype}", "must be a bool array (True where observed); "
+                                                                         "e.g. mask=ratings > 0")
             if mask.shape != dense.shape:
                 raise InputError("mask", f"shape {mask.shape}", f"must match tensor shape {dense.shape}")
             if not bool(mask.any()):

@@ -47,6 +47,9 @@ def test_empty_tensor_and_empty_mask_are_refused():
         COOTensor.from_dense(np.full((2, 2, 2), np.nan))
     with pytest.raises(InputError, match=r"^dense=.*every entry the mask selects is NaN"):
         COOTensor.from_dense(np.full((2, 2, 2), np.nan), np.ones((2, 2, 2), dtype=bool))
+    # a float mask counted 0.5 (or any rating) as "observed" (a helper's review)
+    with pytest.raises(InputError, match=r"^mask='array of dtype float64': must be a bool array"):
+        COOTensor.from_dense(np.ones((2, 2, 2)), np.full((2, 2, 2), 0.5))
 
 
 def test_shape_and_coordinate_checks():
