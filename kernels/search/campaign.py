@@ -231,11 +231,12 @@ class Campaign:
         if not isinstance(opt_state["options"], dict):
             raise InputError("state.optimizer.options", opt_state["options"], "must be a dict {option name: value}")
         try:
-            campaign = cls(state["problem"], opt_state["optimizer"], budget=budget or state["budget"], q=state["q"],
-                           seed=state["seed"], n_init=state["n_init"], ref_point=ref,
-                           optimizer_options=opt_state["options"], problem_options=state["problem_options"])
+            own = state["budget"] if budget is None else budget  # (budget=0 fell back to the saved one, unsaid)
+            campaign = cls(state["problem"], opt_state["optimizer"], budget=own, q=state["q"], seed=state["seed"],
+                           n_init=state["n_init"], ref_point=ref, optimizer_options=opt_state["options"],
+                           problem_options=state["problem_options"])
         except InputError as exc:  # name the entry of the state (the caller's own budget keeps its name)
-            if exc.argument == "budget" and budget:
+            if exc.argument == "budget" and budget is not None:
                 raise
             where = exc.argument.replace("optimizer_options", "optimizer.options", 1)
             where = "optimizer.optimizer" if where == "optimizer" else where

@@ -645,3 +645,5 @@ def test_campaign_from_state_names_what_is_wrong_with_a_malformed_checkpoint(cam
     assert Campaign.from_state(json.dumps(state), budget=15).n_done == 10  # the JSON text of a valid one loads
     with pytest.raises(InputError, match=r"^budget=4: smaller than the initial design"):  # the caller's own: by name
         Campaign.from_state(state, budget=4)
+    with pytest.raises(InputError, match=r"^budget=0: must be an integer >= 1"):  # fell back to the saved budget
+        Campaign.from_state(state, budget=0)
