@@ -69,6 +69,11 @@ def lower_is_better(metric: str) -> bool:
     return name.endswith(("_s", "_seconds")) or any(w in name for w in ("loss", "rmse", "residual", "error"))
 
 
+def _locations(values: Any) -> bool:
+    """Whether every given value names a storage location (an S3 URI or an absolute path)."""
+    return all(isinstance(v, str) and (v.startswith("s3://") or v.startswith("/")) for v in values if v is not None)
+
+
 MAX_PARAM_COLUMNS = 5  # parameters that differ between the runs, shown as table columns
 
 
@@ -220,7 +225,10 @@ def compare_runs(tracker: Tracker, experiment: str, metrics: list[str], filter_s
     varying = [k for k in params if len({r.data.params.get(k) for r in runs}) > 1]
     if len(varying) > MAX_PARAM_COLUMNS:  # e.g. --all-runs of compressed training: parent and child runs
         # differ in ~15; the table shows those with the most distinct values, the Parquet file all
-        shown = sorted(varying, key=lambda k: -len({r.data.params.get(k) for r in runs}))[:MAX_PARAM_COLUMNS]
+        # where a run wrote (gemm's default output is per run: the most varied, and the least telling)
+        # goes last; then the most varied first
+        shown = sorted(varying, key=lambda k: (_locations(r.data.params.get(k) for r in runs),
+                                               -len({r.data.params.get(k) for r in runs})))[:MAX_PARAM_COLUMNS]
         left = [k for k in varying if k not in shown]
         more = (f"{len(left)} more parameter(s) differ between these runs, in the Parquet file: "
                 f"{', '.join(left[:12])}{' ...' if len(left) > 12 else ''}")
