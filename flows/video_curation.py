@@ -208,6 +208,9 @@ class VideoCurationParameters(BaseModel):
         if output == staging or output.startswith(f"{staging}/"):
             raise InputError(argument, value, f"inside {staging}/, where the curate tasks stage clips (content-"
                                               "addressed, shared by every dataset); choose another prefix")
+        if staging.startswith(f"{output}/"):  # s3://b/video-curation itself became a dataset (a trial)
+            raise InputError(argument, value, f"holds {staging}/ (the curate tasks' staged clips) and every dataset "
+                                              "named by `dataset`; choose a prefix of its own")
         check_dataset_free(store, output, self.inputs_key(cfg, list_sources(self.source, store)), argument, value)
 
     def filter_config(self) -> FilterConfig:

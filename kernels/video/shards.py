@@ -167,8 +167,9 @@ def write_dataset(store: Any, output: str, plans: list[ShardPlan], rows: dict[st
             kept = sorted(n for n, data in extra.items()
                                if committed.get(n, {}).get("sha256") != hashlib.sha256(data).hexdigest())
             return dict(old, uploaded=[], skipped=[s["name"] for s in old["shards"]], kept_committed=kept)
-        raise InputError("output", output, "already holds a committed dataset with other shards; a committed "
-                                           "dataset is never rewritten: choose another dataset name (or output prefix)")
+        raise InputError("output", output, f"already holds a committed dataset with other shards{_what_differs(old, plans)}; "
+                                           "a committed dataset is never rewritten: choose another dataset name (or "
+                                           "output prefix)")
     shards, uploaded, skipped = [], [], []
     for plan in plans:
         members = []
@@ -207,6 +208,26 @@ def write_dataset(store: Any, output: str, plans: list[ShardPlan], rows: dict[st
     json.dumps(manifest)  # fail before committing
     store.put_bytes_to(json.dumps(manifest, sort_keys=True, indent=1).encode(), manifest_uri)
     return dict(manifest, uploaded=uploaded, skipped=skipped, kept_committed=[])
+
+
+def _what_differs(old: dict[str, Any], plans: list[ShardPlan]) -> str:
+    """Which videos' clips differ between a committed manifest and a plan (clip keys are
+    ``<stem>-<10 hex of the video's SHA-256>-<start frame>``): a source changed in place was
+    refused only as "other shards" (a trial)."""
+    def videos(keys: Any) -> set[str]:
+        return {k.rsplit("-", 1)[0] for k in keys if isinstance(k, str) and "-" in k}
+
+    committed = videos(k for s in old.get("shards", []) for k in s.get("keys", []))
+    planned = videos(k for p in plans for k in p.keys)
+    gone, new = sorted(committed - planned), sorted(planned - committed)
+    parts = []
+    if new:
+        parts.append(f"videos not in it: {', '.join(new[:5])}{' ...' if len(new) > 5 else ''}")
+    if gone:
+        parts.append(f"its videos not in this run: {', '.join(gone[:5])}{' ...' if len(gone) > 5 else ''}")
+    if not parts:
+        return " (the same videos, cut or filtered otherwise)"
+    return f" ({'; '.join(parts)}: a video whose content changed has a new id)"
 
 
 def read_manifest(store: Any, output: str) -> dict[str, Any]:

@@ -220,6 +220,14 @@ def test_a_failure_mid_upload_leaves_no_visible_dataset_and_the_rerun_completes(
     again = write_dataset(store, output, plans, rows, read_clip, {"index.parquet": b"other scores"}, {})
     assert again["uploaded"] == [] and again["kept_committed"] == ["index.parquet"]
     assert not store.exists(f"{output}/index.parquet")  # (the first commit wrote no extra objects)
+    # other clips: refused, naming the videos (a source changed in place was only "other shards": a trial)
+    from paperline.kernels.errors import InputError
+    from paperline.kernels.video.shards import ShardPlan
+
+    other = [ShardPlan(plans[0].name, ("phone-0123456789-000000",), 1)]
+    with pytest.raises(InputError, match=r"other shards \(videos not in it: phone-0123456789; its videos not in this "
+                                         r"run: .*: a video whose content changed has a new id\)"):
+        write_dataset(store, output, other, {}, read_clip, {}, {})
 
 
 def test_every_input_rejected_fails_and_says_why(cli_env, bad_videos, tmp_path):
@@ -304,6 +312,9 @@ def test_dataset_names_and_outputs_stay_out_of_the_staging_prefix():
     info = types.SimpleNamespace(data_bucket="bkt")
     for output in ("s3://bkt/video-curation/staging", "s3://bkt/video-curation/staging/mine"):
         with pytest.raises(InputError, match="output=.*inside s3://bkt/video-curation/staging/, where the curate"):
+            VideoCurationParameters(source="demo", output=output).validate_on_stack(info, store=None)
+    for output in ("s3://bkt/video-curation",):  # the root of every dataset became one (a trial)
+        with pytest.raises(InputError, match="output=.*holds s3://bkt/video-curation/staging/ .* and every dataset"):
             VideoCurationParameters(source="demo", output=output).validate_on_stack(info, store=None)
 
 
