@@ -390,8 +390,9 @@ def _curate(params: VideoCurationParameters, cfg: ClipConfig, filt: FilterConfig
     filter_cfg = dataclasses.asdict(filt)
     futures = [curate_video.submit(s, clip_cfg, filter_cfg, store, staging, _label(s)) for s in sources]
     results = [_result(f, s) for f, s in zip(futures, sources)]
-    # cached results whose staged clips were deleted since: curate those videos again
-    recurated = unstaged(store, results)
+    # cached results whose staged clips were deleted since: curate those videos again (one HEAD per
+    # kept clip, so not for a committed output, whose shards are never rebuilt from staged clips)
+    recurated = [] if store.exists(f"{output}/{MANIFEST}") else unstaged(store, results)
     again = curate_video.with_options(refresh_cache=True)
     futures = [again.submit(sources[i], clip_cfg, filter_cfg, store, staging, _label(sources[i])) for i in recurated]
     for i, f in zip(recurated, futures):

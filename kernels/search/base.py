@@ -29,6 +29,7 @@ import numpy as np
 from paperline.kernels.errors import InputError
 from paperline.kernels.errors import check_int as _check_int
 from paperline.kernels.registry import Registry
+from paperline.kernels.search.pareto import check_ref_point
 from paperline.kernels.search.space import SearchSpace, point_key
 
 MAX_BATCH = 100_000  # points asked at once (q) or in the initial design: more is a typo, not a design
@@ -84,7 +85,7 @@ class Optimizer(abc.ABC):
         self.n_objectives = int(n_objectives)
         self.seed = int(seed)
         self.n_init = int(n_init)
-        self.ref_point = None if ref_point is None else _check_ref_point(ref_point, self.n_objectives)
+        self.ref_point = None if ref_point is None else check_ref_point(ref_point, self.n_objectives)
         if self.multi_objective and self.ref_point is None:
             raise InputError("ref_point", None, f"{self.name} needs a reference point")
         self.options = {key: check_option(key, value, self.defaults[key], key in self.positive,
@@ -391,17 +392,6 @@ def check_int(value: Any, argument: str, *, low: int) -> int:
         return _check_int(argument, value, low)
     except InputError:
         raise InputError(argument, value, f"must be an integer >= {low}") from None
-
-
-def _check_ref_point(ref_point: Any, m: int) -> np.ndarray:
-    """``ref_point`` as ``m`` finite float64 values; InputError naming ``ref_point`` otherwise."""
-    try:
-        ref = np.asarray(ref_point, dtype=np.float64)
-    except (TypeError, ValueError):
-        raise InputError("ref_point", ref_point, f"expected {m} finite number(s), one per objective") from None
-    if ref.shape != (m,) or not np.isfinite(ref).all():
-        raise InputError("ref_point", ref_point, f"expected {m} finite number(s), one per objective")
-    return ref
 
 
 def check_count(value: Any, argument: str, what: str) -> int:

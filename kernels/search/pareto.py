@@ -84,10 +84,8 @@ def hypervolume_trace(y: np.ndarray, ref_point: np.ndarray) -> np.ndarray:
 
 
 def _check_front(y: np.ndarray, ref_point: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """``(y, ref_point)`` as float64: ``y`` ``n x m``, ``ref_point`` ``m`` finite values.
-
-    A NaN reference point would make every hypervolume a silent 0.0, so it is refused.
-    """
+    """``(y, ref_point)`` as float64: ``y`` ``n x m``, ``ref_point`` ``m`` finite values
+    (:func:`check_ref_point`)."""
     try:
         y = np.asarray(y, dtype=np.float64)
     except (TypeError, ValueError):
@@ -95,18 +93,28 @@ def _check_front(y: np.ndarray, ref_point: np.ndarray) -> tuple[np.ndarray, np.n
         raise InputError("y", shown, "must be a 2-D (n_points, n_objectives) array of numbers") from None
     if y.ndim != 2:
         raise InputError("y", y.shape, "must be 2-D (n_points, n_objectives)")
-    m = y.shape[1]
+    return y, check_ref_point(ref_point, y.shape[1], f" (column) of y, which is {y.shape[0]} x {y.shape[1]}")
+
+
+def check_ref_point(ref_point: object, m: int, where: str = "") -> np.ndarray:
+    """``ref_point`` as ``m`` finite float64 values, one per objective.
+
+    A NaN reference point would make every hypervolume a silent 0.0, so it is refused.
+    ``where`` ends the message of a wrong length (e.g. ``" (column) of y, which is 2 x 3"``).
+
+    Raises:
+        InputError: naming ``ref_point``: not numbers, not ``m`` of them, or not finite.
+    """
     try:
         ref = np.asarray(ref_point, dtype=np.float64)
     except (TypeError, ValueError):
         shown = ref_point.tolist() if isinstance(ref_point, np.ndarray) else ref_point
-        raise InputError("ref_point", shown, f"expected {m} finite numbers, one per objective of y") from None
+        raise InputError("ref_point", shown, f"expected {m} finite numbers, one per objective{where}") from None
     if ref.shape != (m,):
-        raise InputError("ref_point", ref.tolist(), f"expected {m} values, one per objective (column) of y, "
-                                                    f"which is {y.shape[0]} x {m}")
+        raise InputError("ref_point", ref.tolist(), f"expected {m} finite numbers, one per objective{where}")
     if not np.isfinite(ref).all():
         raise InputError("ref_point", ref.tolist(), "values must be finite")
-    return y, ref
+    return ref
 
 
 def _dominated_by(p: np.ndarray, front: np.ndarray) -> bool:

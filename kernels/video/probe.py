@@ -212,7 +212,8 @@ def probe(path: str | Path, *, min_frames: int = 2) -> VideoInfo | Rejected:
             return Rejected(src, "too_few_frames", f"{decoded} decodable frame(s); at least {min_frames} needed")
         if width <= 0 or height <= 0 or fps <= 0:
             return Rejected(src, "decode_error", f"bad stream geometry {width}x{height} at {fps} fps")
-    rotation = 0 if matrix is None or math.isnan(display_rotation(matrix)) else round(display_rotation(matrix))
+    angle = math.nan if matrix is None else display_rotation(matrix)
+    rotation = 0 if math.isnan(angle) else round(angle)
     filters = autorotate_filters(matrix)
     if "transpose" in filters:
         width, height = height, width

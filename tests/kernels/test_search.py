@@ -573,7 +573,7 @@ def test_tell_refuses_infinite_or_non_numeric_values_and_keeps_the_history(bad, 
     ([[1.0, 2.0]], [np.nan, 0.0], r"^ref_point=\[nan, 0\.0\]: values must be finite"),  # was a silent 0.0
     ([[1.0, 2.0]], [0.0, -np.inf], r"^ref_point=\[0\.0, -inf\]: values must be finite"),
     ([1.0, 2.0, 3.0], [0.0, 0.0], r"^y=\(3,\): must be 2-D \(n_points, n_objectives\)"),  # was blamed on ref_point
-    ([[1.0, 2.0, 3.0]], [0.0, 0.0], r"^ref_point=\[0\.0, 0\.0\]: expected 3 values, one per objective \(column\) of y"),
+    ([[1.0, 2.0, 3.0]], [0.0, 0.0], r"^ref_point=\[0\.0, 0\.0\]: expected 3 finite numbers, one per objective \(column\) of y"),
     ([["a", 2.0]], [0.0, 0.0], r"^y=.*must be a 2-D \(n_points, n_objectives\) array of numbers"),
 ])
 def test_hypervolume_names_a_bad_front_or_reference_point(fn, y, ref, match):
