@@ -59,6 +59,46 @@ def pytest_configure(config: pytest.Config) -> None:
         config._paperline_thread_limits = threadpoolctl.threadpool_limits(1)  # kept for the session
 
 
+HARD_TIMEOUT_GRACE_S = float(os.environ.get("PAPERLINE_TEST_HARD_TIMEOUT_GRACE_S", "120"))
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None) -> Iterator[None]:
+    """A test still running ``HARD_TIMEOUT_GRACE_S`` past its pytest-timeout limit is stuck where
+    that limit's SIGALRM cannot reach it (native code that never returns to the interpreter, e.g. a
+    deadlocked C++ lock): dump every thread's stack to stderr and end this process, so the run
+    reports the test (pytest-xdist replaces the worker and marks it failed) instead of hanging until
+    CI's own limit, with nothing printed (a CI run was killed so at 90 minutes on 2026-12-04)."""
+    import faulthandler
+    import sys
+    import threading
+
+    marker = item.get_closest_marker("timeout")
+    limit = float(marker.args[0]) if marker and marker.args else float(item.config.getini("timeout") or 0)
+    if limit <= 0:
+        yield
+        return
+
+    def stuck() -> None:
+        capture = item.config.pluginmanager.getplugin("capturemanager")
+        if capture is not None:  # write to the real stderr (under pytest-xdist: the controller's output)
+            capture.suspend_global_capture(in_=True)
+        sys.stderr.write(f"\n{item.nodeid}: still running {limit + HARD_TIMEOUT_GRACE_S:.0f} s after it started "
+                         f"(pytest-timeout's {limit:.0f} s did not stop it): every thread's stack, then exit\n")
+        sys.stderr.flush()
+        faulthandler.dump_traceback(all_threads=True)
+        os._exit(70)
+
+    watchdog = threading.Timer(limit + HARD_TIMEOUT_GRACE_S, stuck)
+    watchdog.daemon = True
+    watchdog.name = "paperline-test-watchdog"
+    watchdog.start()
+    try:
+        yield
+    finally:
+        watchdog.cancel()
+
+
 def pytest_xdist_node_collection_finished(node: object, ids: list[str]) -> None:
     """Under ``--dist loadgroup`` (on the controller), stop at once if pytest-xdist did not tag the
     tests with their groups (pytest 9.2 broke that silently, pytest-xdist#1386): every worker would
