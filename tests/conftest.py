@@ -62,6 +62,29 @@ def pytest_configure(config: pytest.Config) -> None:
 HARD_TIMEOUT_GRACE_S = float(os.environ.get("PAPERLINE_TEST_HARD_TIMEOUT_GRACE_S", "120"))
 
 
+def _native_stacks() -> None:
+    """Every thread's native stack (gdb attached to this process, when gdb is installed and may
+    attach) to stderr: where in C or C++ a stuck test waits, which Python's dump does not show."""
+    import shutil
+    import sys
+
+    gdb = shutil.which("gdb")
+    if gdb is None:
+        sys.stderr.write("(gdb not installed: no native stacks)\n")
+        return
+    try:
+        done = subprocess.run([gdb, "-p", str(os.getpid()), "-batch", "-nx", "-ex", "thread apply all bt 25"],
+                              capture_output=True, text=True, timeout=90)
+        # the interpreter's own frames (ceval and friends) left out: the native libraries' remain
+        interpreter = (" at Python/", " at Objects/", " at ./Include/", " at Modules/", " at Parser/")
+        lines = [line[:200] for line in done.stdout.splitlines()
+                 if line.startswith("Thread ") or (line.startswith("#") and not any(i in line for i in interpreter))]
+        sys.stderr.write("\n".join(lines) + "\n" if lines else f"(gdb printed no stacks: {done.stderr[-500:]})\n")
+    except (OSError, subprocess.SubprocessError) as e:
+        sys.stderr.write(f"(gdb failed: {e})\n")
+    sys.stderr.flush()
+
+
 @pytest.hookimpl(hookwrapper=True)
 def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None) -> Iterator[None]:
     """A test still running ``HARD_TIMEOUT_GRACE_S`` past its pytest-timeout limit is stuck where
@@ -87,6 +110,10 @@ def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None) -> 
                          f"(pytest-timeout's {limit:.0f} s did not stop it): every thread's stack, then exit\n")
         sys.stderr.flush()
         faulthandler.dump_traceback(all_threads=True)
+        _native_stacks()
+        sys.stderr.write(f"\n{item.nodeid}: stuck (stacks above: Python's, then every thread's native one, the main "
+                         "thread's last); ending this worker\n")
+        sys.stderr.flush()
         os._exit(70)
 
     watchdog = threading.Timer(limit + HARD_TIMEOUT_GRACE_S, stuck)

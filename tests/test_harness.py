@@ -32,3 +32,5 @@ def test_a_test_past_its_timeout_that_sigalrm_cannot_stop_ends_the_process_with_
     assert done.returncode == 70, done.stdout + done.stderr
     assert "test_stuck.py::test_stuck: still running 2 s after it started" in done.stderr
     assert "in test_stuck" in done.stderr  # the stuck test's own frame is in the dump
+    if shutil.which("gdb"):  # and the native stacks, the main thread's sleeping in the kernel
+        assert "Thread 1 " in done.stderr and "sleep" in done.stderr, done.stderr[-3000:]
