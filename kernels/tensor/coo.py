@@ -78,6 +78,12 @@ def _check_values(xp, values: object, argument: str = "values") -> np.ndarray:
             raise InputError(argument, f"array of dtype {arr.dtype}", f"must be float64 numbers ({exc})") from None
     if kind not in "iuf":
         raise InputError(argument, f"array of dtype {arr.dtype}", "must be real numbers")
+    if isinstance(values, (list, tuple)):  # NumPy made [True, 2.5] floats before the dtype could tell
+        for i, x in enumerate(np.asarray(values, dtype=object).flat):
+            if isinstance(x, (bool, np.bool_)):
+                raise InputError(argument, f"a {type(values).__name__} of {len(values)}",
+                                 f"must be real numbers, not booleans (element {i} is {x!r}): if 1.0/0.0 is meant, "
+                                 "convert explicitly")
     return arr
 
 

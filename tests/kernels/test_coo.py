@@ -178,6 +178,12 @@ def test_bool_values_are_refused_not_read_as_ratings():
     with pytest.raises(InputError, match=r"^values='array of dtype object': must be real numbers \(element 1 is True, "
                                          r"a bool\)"):
         COOTensor(coords, np.array([2.5, True], dtype=object), (2, 2, 2))
+    # a list mixing them: NumPy makes [2.5, True] a float array before any dtype shows it
+    for values in ([2.5, True], (3, np.False_)):
+        with pytest.raises(InputError, match=rf"^values='a {type(values).__name__} of 2': must be real numbers, not "
+                                             r"booleans \(element 1 is (True|np.False_|False)\)"):
+            COOTensor(coords, values, (2, 2, 2))
+    assert COOTensor(coords, [2.5, 1], (2, 2, 2)).values.tolist() == [2.5, 1.0]
     with pytest.raises(InputError, match=r"^values='array of dtype object': must be real numbers \(element 0 is "
                                          r"'1\.5', a str\)"):
         COOTensor(coords, np.array(["1.5", 2.0], dtype=object), (2, 2, 2))
