@@ -28,6 +28,7 @@ import numpy as np
 
 from paperline.kernels.errors import InputError
 from paperline.kernels.errors import check_int as _check_int
+from paperline.kernels.errors import check_number as _check_number
 from paperline.kernels.registry import Registry
 from paperline.kernels.search.pareto import check_ref_point
 from paperline.kernels.search.space import SearchSpace, point_key
@@ -374,11 +375,15 @@ def _register_builtin() -> None:
 
 def check_float(value: Any, argument: str, *, low: float, strict: bool = False) -> float:
     """``value`` as a float; InputError naming ``argument`` unless it is a finite number ``>= low``
-    (``> low`` when ``strict``)."""
-    ok = isinstance(value, int | float | np.integer | np.floating) and not isinstance(value, bool)
-    if not ok or not math.isfinite(float(value)) or (float(value) <= low if strict else float(value) < low):
-        raise InputError(argument, value, f"must be a finite number {'>' if strict else '>='} {low:g}")
-    return float(value)
+    (``> low`` when ``strict``).
+
+    The rule is :func:`paperline.kernels.errors.check_number`'s; the message is one for every
+    failure, ``tau=nan: must be a finite number >= 0``.
+    """
+    try:
+        return _check_number(argument, value, low=low, low_open=strict)
+    except InputError:
+        raise InputError(argument, value, f"must be a finite number {'>' if strict else '>='} {low:g}") from None
 
 
 def check_int(value: Any, argument: str, *, low: int) -> int:
