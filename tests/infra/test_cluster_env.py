@@ -1,6 +1,8 @@
 """Local Dask workers start with glibc's default malloc behaviour (see infra/cluster.py): no
 malloc threshold variable, in particular not the nanny's MALLOC_TRIM_THRESHOLD_."""
 
+import asyncio
+
 import dask
 import pytest
 from distributed import Client, LocalCluster
@@ -294,6 +296,13 @@ def test_the_local_cluster_takes_only_its_own_clients():
         with Client(cluster) as client:
             assert client.submit(sum, [40, 2]).result() == 42
         plain = cluster.scheduler_address.replace("tls://", "tcp://")
+
+        async def connect(address: str, security: Security | None) -> None:
+            async with Client(address, security=security, timeout=5, asynchronous=True):
+                pass
+
+        # asynchronous, in a loop asyncio.run closes: a refused synchronous Client leaves its IO-loop
+        # thread running in this process for the rest of the session (two per run of this test)
         for address, security in ((plain, None), (cluster.scheduler_address, Security.temporary())):
             with pytest.raises(Exception):  # noqa: B017 - CommClosedError, OSError, ssl.SSLError: any refusal
-                Client(address, security=security, timeout=5)
+                asyncio.run(connect(address, security))
