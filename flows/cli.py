@@ -1043,9 +1043,11 @@ def _runs_table(experiment: str, result: dict[str, Any], width: int) -> Table:
             used += need[i] + 3
     kept.sort()
     left_out = [result["columns"][i] for i in range(len(headers)) if i not in kept]
+    # --metric names metrics only: for parameters left out, a wider terminal is the way (a trial)
+    hint = ("name the metrics to show with --metric" if any(not c.startswith("params.") for c in left_out)
+            else "widen the terminal (or set COLUMNS)")
     caption = (f"{len(left_out)} column(s) left out for the console's width ({width}): "
-               f"{', '.join(left_out)}; all are in the Parquet file below, or name some with --metric"
-               if left_out else None)
+               f"{', '.join(left_out)}; all are in the Parquet file below, or {hint}" if left_out else None)
     table = Table(*[Column(headers[i], overflow="fold", no_wrap=i < 3,  # run, name, status (a metric may be named "name")
                            min_width=need[i]) for i in kept], title=title, caption=caption)
     for row in cells:

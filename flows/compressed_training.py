@@ -169,10 +169,13 @@ class CompressedTrainingParameters(BaseModel):
                              f"{len(data.y_train)} training examples over {self.world_size} ranks give {per_rank} "
                              f"per rank, less than one batch of {self.batch_size}")
         steps = min(per_rank // self.batch_size, self.max_steps_per_epoch or per_rank)  # as rank_batches cuts them
+        total = f"the run has {self.epochs * steps} steps ({self.epochs} epoch(s) of {steps}), numbered from 0"
         late = [step for step in self.nan_steps if step >= self.epochs * steps]
         if late:
-            raise InputError("nan_steps", self.nan_steps, f"global step {late[0]} is never reached: the run has "
-                             f"{self.epochs * steps} steps ({self.epochs} epoch(s) of {steps}), numbered from 0")
+            raise InputError("nan_steps", self.nan_steps, f"global step {late[0]} is never reached: {total}")
+        if self.crash_rank_at_step is not None and self.crash_rank_at_step >= self.epochs * steps:
+            # the drill never fired and the run "passed" it (a trial)
+            raise InputError("crash_rank_at_step", self.crash_rank_at_step, f"is never reached: {total}")
         settings = get_settings()
         if self.model == "resnet" and not settings.dask_scheduler_address and resolve_device(settings.device) == "cpu":
             self.check_rank_memory(model)

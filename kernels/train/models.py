@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from paperline.kernels.errors import InputError
+from paperline.kernels.errors import InputError, check_int
 
 MODELS = ("resnet", "lstm")
 
@@ -30,28 +30,34 @@ MAX_DEPTH = 100
 TRAINING_BYTES_PER_PARAMETER = 12
 
 
+SIZE_OPTIONS = {"resnet": {"width": 16, "blocks": 1}, "lstm": {"hidden": 64, "layers": 1}}
+OTHER_OPTIONS = {"resnet": ("norm",), "lstm": ()}
+
+
 def _int(options: dict[str, Any], key: str, default: int) -> int:
+    """Option ``key`` as an integer >= 1: a Python or NumPy integer, or a string of one (not a bool
+    or a float: JSON's ``true`` and ``2.5`` became width 1 and 2, a trial)."""
     value = options.pop(key, default)
+    if isinstance(value, str):
+        try:
+            value = int(value)
+        except ValueError:
+            pass
     try:
-        return int(value)
-    except (TypeError, ValueError, OverflowError):  # "abc", None, inf
-        raise InputError("model_options", {key: value}, f"{key} must be an integer") from None
+        return check_int(key, value, 1)
+    except InputError as exc:
+        raise InputError("model_options", {key: value}, f"{key} {exc.problem}") from None
 
 
 def _sizes(name: str, options: dict[str, Any]) -> dict[str, int]:
     """The size options of ``name`` (defaults filled in) as ints; ``options`` keeps the rest."""
-    if name == "resnet":
-        sizes = {"width": _int(options, "width", 16), "blocks": _int(options, "blocks", 1)}
-        if options:
-            raise InputError("model_options", sorted(options), "unknown for resnet; known: width, blocks, norm")
-    elif name == "lstm":
-        sizes = {"hidden": _int(options, "hidden", 64), "layers": _int(options, "layers", 1)}
-        if options:
-            raise InputError("model_options", sorted(options), "unknown for lstm; known: hidden, layers")
-    else:
+    if name not in SIZE_OPTIONS:
         raise InputError("model", name, f"unknown model; known: {', '.join(MODELS)}")
-    if min(sizes.values()) < 1:
-        raise InputError("model_options", sizes, "must be >= 1")
+    sizes = {key: _int(options, key, default) for key, default in SIZE_OPTIONS[name].items()}
+    if options:
+        known = ", ".join([*SIZE_OPTIONS[name], *OTHER_OPTIONS[name]])
+        raise InputError("model_options", sorted(options),
+                         f"{', '.join(map(str, sorted(options)))} unknown for {name}; known: {known}")
     return sizes
 
 
@@ -75,7 +81,8 @@ def parameter_count(name: str, n_classes: int = 10, **options: Any) -> int:
     Raises:
         InputError: unknown name or option, or a non-positive size.
     """
-    options.pop("norm", None)
+    if name == "resnet":
+        options.pop("norm", None)
     return _count(name, _sizes(name, options), n_classes)
 
 
@@ -88,7 +95,8 @@ def check_model_size(name: str, n_classes: int = 10, **options: Any) -> int:
             training memory, or the depth; or what :func:`parameter_count` raises.
     """
     given = dict(options)
-    given.pop("norm", None)
+    if name == "resnet":
+        given.pop("norm", None)
     sizes = _sizes(name, given)
     count = _count(name, sizes, n_classes)
     if count > MAX_PARAMETERS:
@@ -128,7 +136,7 @@ def make_model(name: str, n_classes: int = 10, **options: Any) -> Any:
     import torch  # noqa: PLC0415
     from torch import nn  # noqa: PLC0415
 
-    norm_name = options.pop("norm", "batch")
+    norm_name = options.pop("norm", "batch") if name == "resnet" else "batch"  # an LSTM's is refused below
     if norm_name not in ("batch", "group"):
         raise InputError("model_options", {"norm": norm_name}, "norm must be 'batch' or 'group'")
 

@@ -595,6 +595,7 @@ def test_compare_table_never_folds_a_value_and_says_which_columns_it_left_out():
     assert all(len(line) <= 80 for line in text.splitlines()), text
     assert text.count("0.0469") >= 2 and text.count("0.0489") >= 2, text  # whole values, every row
     assert "column(s) left out for the console's width (80): " in " ".join(text.split()), text
+    assert "or name the metrics to show with --metric" in " ".join(text.split()), text  # metrics among them
     # a named metric takes the room before the parameters: at 80 columns gemm's throughput was left
     # out for params.output, a path different in every run (a trial)
     long_param = [[*row[:3], f"/home/someone/results/run-{i}/result-of-a-long-name.npy", 51.5] for i, row in enumerate(rows)]
@@ -604,6 +605,7 @@ def test_compare_table_never_folds_a_value_and_says_which_columns_it_left_out():
     console.print(_runs_table("gemm", named, 80))
     narrow = " ".join(console.export_text().split())
     assert "51.5" in narrow and "left out for the console's width (80): params.output;" in narrow, narrow
+    assert "or widen the terminal (or set COLUMNS)" in narrow and "--metric" not in narrow, narrow
     for width in (140, 200):  # wide enough: nothing left out
         console = Console(width=width, record=True)
         console.print(_runs_table("tensor-factorization", result, width))

@@ -234,7 +234,12 @@ def test_a_resumed_isgd_run_watches_the_same_losses_as_an_uninterrupted_one(tmp_
 
 
 @pytest.mark.parametrize("kw, message", [
-    ({"model_options": {"width": 0}}, "model_options={'width': 0}: resnet: must be >= 1"),
+    ({"model_options": {"width": 0}}, "model_options={'width': 0}: resnet: width must be >= 1"),
+    ({"model_options": {"width": True}}, "model_options={'width': True}: resnet: width must be an integer"),
+    ({"model_options": {"blocks": 2.5}}, "model_options={'blocks': 2.5}: resnet: blocks must be an integer"),
+    ({"model_options": {"bogus": 1}},
+     "model_options={'bogus': 1}: resnet: bogus unknown for resnet; known: width, blocks, norm"),
+    ({"model": "lstm", "model_options": {"norm": "group"}}, "norm unknown for lstm; known: hidden, layers"),
     ({"model": "lstm", "model_options": {"width": 8}}, "unknown for lstm; known: hidden, layers"),
     ({"fft_theta": 0.0}, "fft_theta=0.0: must be in (0, 1]"),
     ({"fft_bits": 40}, "fft_bits=40"),
@@ -267,6 +272,7 @@ def test_a_resumed_isgd_run_watches_the_same_losses_as_an_uninterrupted_one(tmp_
     ({"nan_steps": [3, 186]}, "nan_steps=[3, 186]: global step 186 is never reached: the run has 186 steps "
                               "(3 epoch(s) of 62)"),
     ({"nan_steps": [5], "max_steps_per_epoch": 2, "epochs": 2}, "global step 5 is never reached: the run has 4 steps"),
+    ({"crash_rank_at_step": 186}, "crash_rank_at_step=186: is never reached: the run has 186 steps (3 epoch(s) of 62)"),
 ])
 def test_flow_parameters_are_refused_naming_the_flow_parameter(kw, message):
     from paperline.flows.compressed_training import CompressedTrainingParameters
@@ -276,7 +282,7 @@ def test_flow_parameters_are_refused_naming_the_flow_parameter(kw, message):
     assert message in str(err.value)
     CompressedTrainingParameters(model="lstm").validate_inputs()  # the defaults fit every model
     # powersgd not run, its rank left at the default: not refused for a model too small for it
-    CompressedTrainingParameters(model_options={"width": 1}, nan_steps=[0, 185]).validate_inputs()
+    CompressedTrainingParameters(model_options={"width": 1}, nan_steps=[0, 185], crash_rank_at_step=185).validate_inputs()
 
 
 def test_model_sizes_are_counted_without_building_and_validation_is_fast():
