@@ -351,8 +351,11 @@ def _notes(r: dict[str, Any]) -> list[str]:
         notes.append(f"{r['name']}: skipped {len(r['skipped_steps'])} step(s) with NaN/inf loss or gradients "
                      f"(global steps {r['skipped_steps'][:10]})")
     if r["failures"]:
-        notes.append(f"{r['name']}: resumed after {len(r['failures'])} failure(s), from epochs "
-                     f"{r['resumed_from'][1:]}: {r['failures'][0][:200]}")
+        # "from epochs [0]" read as a list of something (a trial): each restart's starting point
+        starts = ", ".join("the start (no checkpoint yet)" if e is None else f"the checkpoints of epoch {e}"
+                           for e in r["resumed_from"][1:])
+        notes.append(f"{r['name']}: restarted {len(r['failures'])} time(s) after a failure, from {starts}; "
+                     f"{r['failures'][0][:200]}")
     start = r["resumed_from"][0]
     if start is not None and r.get("drill_missed") is None:  # a re-run after an interruption said nothing
         notes.append(f"{r['name']}: resumed from the checkpoints of epoch {start} left by an earlier run of this "

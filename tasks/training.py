@@ -166,7 +166,11 @@ def train_ranks(cfg: dict[str, Any], world_size: int, store: ObjectStore, prefix
             f.cancel()
         if isinstance(error, InputError):
             raise error
-        failures.append(f"attempt {attempt}: {type(error).__name__}: {error}"[:500])
+        # with the drill armed, the first error seen is often a survivor's (gloo's "Connection reset
+        # by peer"), which read as a real fault (a trial)
+        drill = (f", with the crash drill armed (rank {world_size - 1} exits at global step {crash_rank_at_step})"
+                 if attempt == 0 and crash_rank_at_step is not None else "")
+        failures.append(f"attempt {attempt}{drill}: {type(error).__name__}: {error}"[:500])
         print(f"{label}: a rank failed ({failures[-1]}); restarting all {world_size} ranks from the last checkpoint")
     raise RankFailed(f"{label}: ranks failed {max_restarts + 1} times: " + " | ".join(failures))
 

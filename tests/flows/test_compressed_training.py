@@ -90,6 +90,10 @@ def test_a_killed_rank_resumes_from_the_checkpoints_to_the_same_accuracy(trained
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     (run,) = json.loads((out / "b.json").read_text())["runs"]
     assert run["restarts"] == 1 and run["resumed_from"] == [None, 0] and run["failures"]
+    # the failure is told as the drill's (the first error seen is often a survivor's gloo error)
+    assert run["failures"][0].startswith("attempt 0, with the crash drill armed (rank 1 exits at global step 15): ")
+    assert "none: restarted 1 time(s) after a failure, from the checkpoints of epoch 0; attempt 0, with the crash drill" \
+        in " ".join(proc.stdout.split()), proc.stdout[-3000:]
     clean = next(r for r in summary["runs"] if r["name"] == "none")
     assert abs(run["final_test_accuracy_pct"] - clean["final_test_accuracy_pct"]) <= 1.0
     # the same configuration as the first run's `none`: compared with it (bytes per step are equal)

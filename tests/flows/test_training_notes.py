@@ -23,7 +23,11 @@ def test_a_run_resumed_from_an_earlier_runs_checkpoints_says_so():
 def test_restarts_skipped_steps_and_a_missed_drill_are_named():
     lines = _notes(_result(skipped_steps=[4, 9], failures=["attempt 0: RuntimeError: rank 1 died"], resumed_from=[None, 1]))
     assert lines == ["topk: skipped 2 step(s) with NaN/inf loss or gradients (global steps [4, 9])",
-                     "topk: resumed after 1 failure(s), from epochs [1]: attempt 0: RuntimeError: rank 1 died"]
+                     "topk: restarted 1 time(s) after a failure, from the checkpoints of epoch 1; attempt 0: "
+                     "RuntimeError: rank 1 died"]
+    (restarts,) = _notes(_result(failures=["attempt 0: OSError", "attempt 1: OSError"], resumed_from=[None, None, 0]))
+    assert restarts == ("topk: restarted 2 time(s) after a failure, from the start (no checkpoint yet), the checkpoints "
+                        "of epoch 0; attempt 0: OSError")
     (drill,) = _notes(_result(resumed_from=[2], drill_missed=5))
     assert drill.startswith("topk: the crash drill did not run (crash_rank_at_step=5 was not reached: training "
                             "resumed from the checkpoints of epoch 2)")
