@@ -569,10 +569,18 @@ def _quiet_logs() -> None:
     for handler in logging.getLogger().handlers:  # the same function objects: added once
         handler.addFilter(not_in_summary)
         handler.addFilter(_short_event_failures)
+        handler.addFilter(_no_unfinished_finish)
         if not _state["debug"]:
             handler.addFilter(_strip_traceback)
     for handler in logging.getLogger("prefect._internal").handlers:  # its own (the events worker's records)
         handler.addFilter(_short_event_failures)
+
+
+def _no_unfinished_finish(record: Any) -> bool:
+    """Drop Prefect's ``Finished in state Running()`` (an ERROR record its task engine logs when an
+    interrupt ends a task mid-run, as Ctrl-C does): the run's own "interrupted: ..." line says it,
+    and a task "finished" while running read as a fault (a trial). Everything else passes."""
+    return not (record.name.startswith("prefect") and record.getMessage() == "Finished in state Running()")
 
 
 def _short_event_failures(record: Any) -> bool:

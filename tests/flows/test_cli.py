@@ -786,6 +786,21 @@ def test_an_event_prefect_could_not_send_is_one_short_line():
     assert _short_event_failures(other) and "LogsWorker" in other.getMessage()
 
 
+def test_a_task_ended_mid_run_by_an_interrupt_is_not_reported_as_finished():
+    import logging
+
+    from paperline.flows.cli import _no_unfinished_finish
+
+    def record(name: str, message: str) -> logging.LogRecord:
+        return logging.LogRecord(name, logging.ERROR, __file__, 1, message, None, None)
+
+    assert not _no_unfinished_finish(record("prefect.task_runs", "Finished in state Running()"))
+    for kept in (record("prefect.task_runs", "Finished in state Failed('Task run encountered an exception')"),
+                 record("prefect.task_runs", "Finished in state Crashed()"),
+                 record("paperline", "Finished in state Running()")):
+        assert _no_unfinished_finish(kept)
+
+
 def test_a_401_is_said_as_a_refused_login_with_what_to_do(capsys):
     """`paperline serve` on a stack whose login was made anew died with `PrefectHTTPStatusError:
     Client error '401 Unauthorized' ...`, a worker's runs with MLflow's 40-line 401 (a trial)."""
