@@ -574,6 +574,7 @@ def _quiet_logs() -> None:
             handler.addFilter(_strip_traceback)
     for handler in logging.getLogger("prefect._internal").handlers:  # its own (the events worker's records)
         handler.addFilter(_short_event_failures)
+    logging.getLogger("distributed.nanny").addFilter(_no_kill_notice)
 
 
 def _no_unfinished_finish(record: Any) -> bool:
@@ -581,6 +582,13 @@ def _no_unfinished_finish(record: Any) -> bool:
     interrupt ends a task mid-run, as Ctrl-C does): the run's own "interrupted: ..." line says it,
     and a task "finished" while running read as a fault (a trial). Everything else passes."""
     return not (record.name.startswith("prefect") and record.getMessage() == "Finished in state Running()")
+
+
+def _no_kill_notice(record: Any) -> bool:
+    """Drop Dask's ``Worker process still alive after 4.0 seconds, killing``: a worker busy in a
+    task (a training rank in a collective) when the run's cluster closes, as after Ctrl-C, is
+    killed; the line, several on an interrupt, told the user nothing to do (a trial)."""
+    return not str(record.msg).startswith("Worker process still alive after")
 
 
 def _short_event_failures(record: Any) -> bool:

@@ -786,7 +786,8 @@ def test_an_event_prefect_could_not_send_is_one_short_line():
     assert _short_event_failures(other) and "LogsWorker" in other.getMessage()
 
 
-def test_a_task_ended_mid_run_by_an_interrupt_is_not_reported_as_finished():
+def test_what_an_interrupt_ends_is_not_reported_as_a_fault():
+    """Prefect's "Finished in state Running()" and Dask's "still alive ..., killing" lines after Ctrl-C."""
     import logging
 
     from paperline.flows.cli import _no_unfinished_finish
@@ -795,6 +796,10 @@ def test_a_task_ended_mid_run_by_an_interrupt_is_not_reported_as_finished():
         return logging.LogRecord(name, logging.ERROR, __file__, 1, message, None, None)
 
     assert not _no_unfinished_finish(record("prefect.task_runs", "Finished in state Running()"))
+    from paperline.flows.cli import _no_kill_notice
+
+    assert not _no_kill_notice(record("distributed.nanny", "Worker process still alive after 4.0 seconds, killing"))
+    assert _no_kill_notice(record("distributed.nanny", "Restarting worker"))
     for kept in (record("prefect.task_runs", "Finished in state Failed('Task run encountered an exception')"),
                  record("prefect.task_runs", "Finished in state Crashed()"),
                  record("paperline", "Finished in state Running()")):
