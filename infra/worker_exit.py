@@ -48,11 +48,35 @@ class ClosingCommErrorFilter(logging.Filter):
         self.worker = worker
 
     def filter(self, record: logging.LogRecord) -> bool:
-        from distributed.core import Status  # noqa: PLC0415 - loaded in any worker already
-
         exc = record.exc_info[1] if record.exc_info else None
-        closing = getattr(self.worker, "status", None) in (Status.closing, Status.closed)
-        return not (closing and isinstance(exc, OSError))
+        return not (_closing(self.worker) and isinstance(exc, OSError))
+
+
+def _closing(worker: Any) -> bool:
+    from distributed.core import Status  # noqa: PLC0415 - loaded in any worker already
+
+    return getattr(worker, "status", None) in (Status.closing, Status.closed)
+
+
+class CancelledOnCloseFilter(logging.Filter):
+    """Drops ``distributed.worker.state_machine``'s "Async instruction for <Task ...> ended with
+    CancelledError" while ``worker`` is closing or closed: the tasks a closing worker was running
+    are cancelled (training ranks, when Ctrl-C closed the run's cluster), which Dask logs as a
+    warning with the asyncio task's repr, one long line per task, after the run's own
+    "interrupted: ..." line (a trial). Other records pass.
+
+    Args:
+        worker: a ``distributed.Worker`` (anything with a ``status`` attribute).
+    """
+
+    def __init__(self, worker: Any) -> None:
+        super().__init__()
+        self.worker = worker
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        message = str(record.msg)
+        cancelled = message.startswith("Async instruction for") and message.endswith("ended with CancelledError")
+        return not (cancelled and _closing(self.worker))
 
 
 class TaskFailureOneLine(logging.Filter):
@@ -85,7 +109,8 @@ def _ignore_interrupt(signum: int, frame: Any) -> None:
 
 def dask_setup(worker: Any) -> None:
     """Dask preload hook: arm the exit handler (before any task registers its own), install
-    :class:`ClosingCommErrorFilter` on :data:`QUIET_ON_CLOSE_LOGGERS` and :class:`TaskFailureOneLine`,
+    :class:`ClosingCommErrorFilter` on :data:`QUIET_ON_CLOSE_LOGGERS`, :class:`TaskFailureOneLine` and
+    :class:`CancelledOnCloseFilter`,
     and leave SIGINT and SIGHUP to the process that owns the cluster.
 
     A terminal's Ctrl-C reaches every process of its process group, local worker processes
@@ -114,6 +139,7 @@ def dask_setup(worker: Any) -> None:
     for name in QUIET_ON_CLOSE_LOGGERS:
         logging.getLogger(name).addFilter(ClosingCommErrorFilter(worker))
     logging.getLogger("distributed.worker").addFilter(TaskFailureOneLine())
+    logging.getLogger("distributed.worker.state_machine").addFilter(CancelledOnCloseFilter(worker))
 
 
 def dask_teardown(worker: Any) -> None:

@@ -211,6 +211,29 @@ def test_a_heartbeat_failing_while_the_worker_runs_is_still_logged():
     assert quiet.filter(record(None))
 
 
+def test_tasks_cancelled_by_a_closing_worker_are_not_logged_one_long_line_each():
+    import logging
+
+    from distributed.core import Status
+
+    from paperline.infra.worker_exit import CancelledOnCloseFilter
+
+    class FakeWorker:  # only .status is read
+        status = Status.running
+
+    def record(message: str) -> logging.LogRecord:
+        return logging.LogRecord("distributed.worker.state_machine", logging.WARNING, __file__, 1, message, (), None)
+
+    cancelled = ("Async instruction for <Task cancelled name=\"execute('rank-0-fft-0-1')\" coro=<Worker.execute() "
+                 "done, defined at worker_state_machine.py:3606>> ended with CancelledError")
+    worker = FakeWorker()
+    quiet = CancelledOnCloseFilter(worker)
+    assert quiet.filter(record(cancelled))  # running: kept (Dask says it should not happen then)
+    worker.status = Status.closing
+    assert not quiet.filter(record(cancelled))
+    assert quiet.filter(record("Unhandled exception in async instruction for <Task ...>"))
+
+
 def test_starting_a_local_cluster_leaves_this_process_single_threaded_blas_free():
     """Dask's nanny writes OMP/MKL/OPENBLAS_NUM_THREADS=1 into the starting process's environment
     (a native library loaded after that ran on one core: the GEMM flow's SciPy peer did).
