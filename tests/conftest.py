@@ -48,9 +48,15 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     items.sort(key=rank)
 
 
+@pytest.hookimpl(trylast=True)  # after pytest's faulthandler plugin: see install_fatal_signal_stacks
 def pytest_configure(config: pytest.Config) -> None:
     """In a pytest-xdist worker, torch and BLAS run on one thread: two workers on two cores each
-    using both oversubscribe them (a botorch test took 3.5x as long). Subprocesses are unaffected."""
+    using both oversubscribe them (a botorch test took 3.5x as long). Subprocesses are unaffected.
+    Every test process prints its threads' native stacks if it dies of a fatal signal
+    (:func:`install_fatal_signal_stacks`), to the stderr that pytest does not capture."""
+    capture = config.pluginmanager.getplugin("capturemanager")
+    with capture.global_and_fixture_disabled() if capture is not None else contextlib.nullcontext():
+        install_fatal_signal_stacks(os.dup(2))  # (kept open for the session)
     if os.environ.get("PYTEST_XDIST_WORKER"):
         import threadpoolctl
         import torch
@@ -62,27 +68,138 @@ def pytest_configure(config: pytest.Config) -> None:
 HARD_TIMEOUT_GRACE_S = float(os.environ.get("PAPERLINE_TEST_HARD_TIMEOUT_GRACE_S", "120"))
 
 
+# Run as `python -c NATIVE_STACKS PID`: every thread's native stack of process PID (gdb attached,
+# when gdb is installed and may attach) on stdout, the interpreter's own frames (ceval and friends)
+# left out, the native libraries' kept. A separate process, so that a dying process can start it.
+NATIVE_STACKS = """
+import re, shutil, subprocess, sys
+gdb = shutil.which("gdb")
+if gdb is None:
+    print("(gdb not installed: no native stacks)")
+    sys.exit()
+try:
+    done = subprocess.run([gdb, "-p", sys.argv[1], "-batch", "-nx", "-ex", "thread apply all bt 25"],
+                          capture_output=True, text=True, timeout=90)
+except (OSError, subprocess.SubprocessError) as e:
+    print(f"(gdb failed: {e})")
+    sys.exit()
+interpreter = re.compile(r" at \\S*\\b(Python|Objects|Include|Modules|Parser)/")
+lines = [line[:200] for line in done.stdout.splitlines()
+         if line.startswith("Thread ") or (line.startswith("#") and not interpreter.search(line))]
+print("\\n".join(lines) if lines else f"(gdb printed no stacks: {done.stderr[-500:]})", flush=True)
+"""
+
+
 def _native_stacks() -> None:
-    """Every thread's native stack (gdb attached to this process, when gdb is installed and may
-    attach) to stderr: where in C or C++ a stuck test waits, which Python's dump does not show."""
-    import shutil
+    """Every thread's native stack of this process to stderr: where in C or C++ a stuck test
+    waits, which Python's dump does not show."""
     import sys
 
-    gdb = shutil.which("gdb")
-    if gdb is None:
-        sys.stderr.write("(gdb not installed: no native stacks)\n")
-        return
-    try:
-        done = subprocess.run([gdb, "-p", str(os.getpid()), "-batch", "-nx", "-ex", "thread apply all bt 25"],
-                              capture_output=True, text=True, timeout=90)
-        # the interpreter's own frames (ceval and friends) left out: the native libraries' remain
-        interpreter = (" at Python/", " at Objects/", " at ./Include/", " at Modules/", " at Parser/")
-        lines = [line[:200] for line in done.stdout.splitlines()
-                 if line.startswith("Thread ") or (line.startswith("#") and not any(i in line for i in interpreter))]
-        sys.stderr.write("\n".join(lines) + "\n" if lines else f"(gdb printed no stacks: {done.stderr[-500:]})\n")
-    except (OSError, subprocess.SubprocessError) as e:
-        sys.stderr.write(f"(gdb failed: {e})\n")
     sys.stderr.flush()
+    subprocess.run([sys.executable, "-c", NATIVE_STACKS, str(os.getpid())], stdout=sys.stderr.fileno(), check=False)
+    sys.stderr.flush()
+
+
+# A fatal signal's handler (SIGABRT from C++'s std::terminate, SIGSEGV, ...), installed before
+# faulthandler's Python dump runs: it starts `python -c NATIVE_STACKS PID` (vfork and exec only: no
+# lock of the dying process is taken), waits for it, then hands the signal to the handler that was
+# there before (pytest's faulthandler: Python's stacks, then the default action).
+FATAL_SIGNAL_SHIM = r"""
+#define _GNU_SOURCE
+#include <errno.h>
+#include <signal.h>
+#include <string.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+extern char **environ;
+static char *child_argv[5];
+static struct sigaction previous[65];
+static volatile sig_atomic_t busy;
+static int out_fd = 2;
+static pid_t installed_in;  /* a forked child inherits the handler: it does not attach gdb to its parent */
+static const int fatal[] = {SIGABRT, SIGSEGV, SIGBUS, SIGFPE, SIGILL};
+
+static void on_fatal(int sig, siginfo_t *info, void *context) {
+    (void)info; (void)context;
+    if (!busy && getpid() == installed_in) {
+        busy = 1;
+        static const char said[] = "\n[tests/conftest.py] fatal signal in this test process: every thread's "
+                                   "native stack (gdb), then Python's (faulthandler)\n";
+        (void)!write(out_fd, said, sizeof said - 1);
+        pid_t child = vfork();
+        if (child == 0) {
+            dup2(out_fd, 1);
+            dup2(out_fd, 2);
+            execve(child_argv[0], child_argv, environ);
+            _exit(127);
+        }
+        if (child > 0) {
+            int status;
+            while (waitpid(child, &status, 0) < 0 && errno == EINTR) {}
+        }
+    }
+    sigaction(sig, &previous[sig], NULL);  /* delivered when this handler returns (or re-raised by abort) */
+    raise(sig);
+}
+
+/* python: the interpreter; script: NATIVE_STACKS; pid: this process's id, as text; fd: where to write. */
+int paperline_install(const char *python, const char *script, const char *pid, int fd) {
+    out_fd = fd;
+    installed_in = getpid();
+    child_argv[0] = strdup(python);
+    child_argv[1] = strdup("-c");
+    child_argv[2] = strdup(script);
+    child_argv[3] = strdup(pid);
+    child_argv[4] = NULL;
+    struct sigaction action;
+    memset(&action, 0, sizeof action);
+    action.sa_sigaction = on_fatal;
+    action.sa_flags = SA_SIGINFO | SA_ONSTACK;
+    sigemptyset(&action.sa_mask);
+    for (unsigned i = 0; i < sizeof fatal / sizeof fatal[0]; i++)
+        if (sigaction(fatal[i], &action, &previous[fatal[i]]) != 0) return -1;
+    return 0;
+}
+"""
+
+
+def install_fatal_signal_stacks(stderr_fd: int = 2) -> bool:
+    """Make a fatal signal in this process (a C++ abort in a native thread, a segfault) print every
+    thread's native stack before faulthandler prints Python's: an xdist worker died once of
+    `terminate called after throwing an instance of 'std::system_error' what(): Resource deadlock
+    avoided` (2026-12-04) with no native stack, so where it came from stayed unknown. The shim is
+    built once per host with the C compiler (skipped, returning False, without one or without gdb).
+
+    Args:
+        stderr_fd: Where the stacks go: a descriptor that stays open (not one pytest captures).
+    """
+    import ctypes
+    import hashlib
+    import shutil
+    import sys
+    import tempfile
+
+    cc = shutil.which("cc") or shutil.which("gcc")
+    if cc is None or shutil.which("gdb") is None:
+        return False
+    # (after pytest's faulthandler plugin enabled faulthandler: enabling it again would put back the
+    # handler it found, removing this one; this one hands the signal on to it)
+    digest = hashlib.sha256(FATAL_SIGNAL_SHIM.encode()).hexdigest()[:16]
+    lib = Path(tempfile.gettempdir()) / f"paperline-fatal-stacks-{os.getuid()}-{digest}.so"
+    if not lib.exists():
+        with tempfile.TemporaryDirectory() as tmp:
+            (Path(tmp) / "shim.c").write_text(FATAL_SIGNAL_SHIM)
+            built = subprocess.run([cc, "-shared", "-fPIC", "-O1", "-o", str(Path(tmp) / "shim.so"),
+                                    str(Path(tmp) / "shim.c")], capture_output=True, text=True, check=False)
+            if built.returncode != 0:
+                sys.stderr.write(f"(fatal-signal stacks off: {cc} failed: {built.stderr[-300:]})\n")
+                return False
+            os.replace(Path(tmp) / "shim.so", lib)  # atomic: two workers may build it at once
+    shim = ctypes.CDLL(str(lib))
+    shim.paperline_install.argtypes = [ctypes.c_char_p] * 3 + [ctypes.c_int]
+    return shim.paperline_install(sys.executable.encode(), NATIVE_STACKS.encode(), str(os.getpid()).encode(),
+                                  stderr_fd) == 0
 
 
 @pytest.hookimpl(hookwrapper=True)

@@ -1,11 +1,14 @@
-"""The test harness's own guard (tests/conftest.py): a test stuck where pytest-timeout cannot stop it
-ends its process with every thread's stack printed, rather than hanging the run."""
+"""The test harness's own guards (tests/conftest.py): a test stuck where pytest-timeout cannot stop it
+ends its process with every thread's stack printed, rather than hanging the run; a test process
+dying of a fatal signal prints its threads' native stacks as well as Python's."""
 
 import os
 import shutil
 import subprocess
 import sys
 from pathlib import Path
+
+import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -34,3 +37,31 @@ def test_a_test_past_its_timeout_that_sigalrm_cannot_stop_ends_the_process_with_
     assert "in test_stuck" in done.stderr  # the stuck test's own frame is in the dump
     if shutil.which("gdb"):  # and the native stacks, the main thread's sleeping in the kernel
         assert "Thread 1 " in done.stderr and "sleep" in done.stderr, done.stderr[-3000:]
+
+
+ABORTS = '''
+import ctypes, threading, time
+
+def test_aborts_in_a_native_thread():
+    # as C++'s std::terminate does in a library's own thread
+    threading.Thread(target=ctypes.CDLL(None).abort, name="crasher").start()
+    time.sleep(30)
+'''
+
+
+def test_a_fatal_signal_prints_the_native_stacks_then_pythons(tmp_path):
+    if not (shutil.which("gdb") and (shutil.which("cc") or shutil.which("gcc"))):
+        pytest.skip("needs gdb and a C compiler (.ci/run installs gdb)")
+    shutil.copy(ROOT / "tests" / "conftest.py", tmp_path / "conftest.py")
+    (tmp_path / "test_aborts.py").write_text(ABORTS)
+    env = {k: v for k, v in os.environ.items() if k != "PYTEST_XDIST_WORKER"}
+    done = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "--rootdir", str(tmp_path),
+                           "-c", os.devnull, str(tmp_path / "test_aborts.py")],
+                          cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120)
+    assert done.returncode == -6, done.stdout + done.stderr  # SIGABRT: the default action still ends it
+    err = done.stderr
+    assert "fatal signal in this test process" in err, err[-3000:]
+    native, python = err.index("__GI_abort"), err.index("Fatal Python error: Aborted")
+    assert native < python  # gdb's stacks first (the aborting thread's abort frame), then faulthandler's
+    assert "in test_aborts_in_a_native_thread" in err[python:]
+    assert "Thread 1 " in err[:python]  # every thread, not only the one that aborted
