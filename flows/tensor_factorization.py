@@ -30,7 +30,7 @@ from paperline.infra.tracking import Tracker
 from paperline.kernels.errors import InputError as KernelInputError
 from paperline.kernels.tensor.baselines import MAX_DENSE_CELLS
 from paperline.kernels.tensor.coo import make_split
-from paperline.kernels.tensor.datasets import dataset_info, dataset_names, read_coo_parquet
+from paperline.kernels.tensor.datasets import dataset_info, dataset_names, index_layout_hint, read_coo_parquet
 from paperline.kernels.tensor.p2t2f import default_split_mode, working_set_bytes
 from paperline.tasks.tensor import fit_p2t2f, fit_tensorly_cp, load_tensor, render_report, split_tensor, user_scope
 
@@ -151,14 +151,20 @@ class TensorFactorizationParameters(BaseModel):
         a readable COO tensor, cannot make the requested splits, or does not fit these parameters.
         Raises InputError naming ``data``."""
         tensor = read_coo_parquet(source, argument="data", name=self.data)
+        layout = index_layout_hint(tensor)  # years as 't', or ids as indices (a trial): say what to renumber
         for kind in self.splits:
             try:
                 make_split(tensor, kind, seed=self.seed)
             except KernelInputError as exc:
                 # a way on, besides the split's internal value (horizon=1): a trial
-                hint = "; --set splits=random fits it without the temporal split" if kind == "temporal" else ""
+                hint = layout or ("; --set splits=random fits it without the temporal split" if kind == "temporal" else "")
                 raise InputError("data", self.data, f"cannot make the {kind} split: {exc}{hint}") from None
-        self.check_shape("data", tensor.shape)
+        try:
+            self.check_shape("data", tensor.shape)
+        except InputError as exc:
+            if not layout:
+                raise
+            raise InputError(exc.argument, exc.value, exc.problem + layout) from None
 
     def check_shape(self, name: str, shape: tuple[int, ...]) -> None:
         """Refuse, up front, a tensor these parameters cannot fit. Raises InputError."""

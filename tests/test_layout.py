@@ -56,3 +56,20 @@ def test_prefect_yaml_schedules_and_parameters_are_serves():
         assert [(s["cron"], s["timezone"]) for s in dep["schedules"]] == [(p.cron, "UTC")], name
         assert (dep.get("parameters") or {}) == p.deployment_params("paperline-data"), name
         assert dep["concurrency_limit"] == 1
+
+
+def test_readme_names_each_flows_own_parameter_model():
+    """The README's `nas(CampaignParameters(...))` failed as written (the flow takes NasParameters,
+    which adds `live`): every `flow(Model(...))` it shows is the flow's own parameter type."""
+    import importlib
+    import re
+    import typing
+
+    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    calls = re.findall(r"`(\w+)\((\w+Parameters)\(\.\.\.\)\)`", readme)
+    assert {flow for flow, _ in calls} >= {"gemm", "nas"}, calls
+    for flow_name, model_name in calls:
+        module = importlib.import_module(f"paperline.flows.{flow_name}")
+        flow = getattr(module, flow_name)
+        hint = typing.get_type_hints(flow.fn)["params"]
+        assert getattr(module, model_name) in typing.get_args(hint), (flow_name, model_name, hint)

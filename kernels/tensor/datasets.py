@@ -171,8 +171,8 @@ def read_coo_parquet(source: str | Path | bytes, *, argument: str = "data", name
             default its path, or ``<N bytes>``.
 
     Raises:
-        InputError: unreadable or non-Parquet file (or a directory), missing ``t``/``value``
-            columns, negative, missing or non-integer indices, indices beyond int64 (a uint64
+        InputError: unreadable or non-Parquet file (or a directory), a column name used twice,
+            missing ``t``/``value`` columns, negative, missing or non-integer indices, indices beyond int64 (a uint64
             column above 2**63 - 1: named with its column and largest value, not wrapped to a
             negative number), a non-numeric or missing value, a coordinate listed twice, fewer
             than 3 modes, NaN/inf values, no rows. The message names ``argument`` and the file.
@@ -186,6 +186,11 @@ def read_coo_parquet(source: str | Path | bytes, *, argument: str = "data", name
     if not isinstance(source, bytes) and Path(source).is_dir():
         raise InputError(argument, shown, "is a directory, not a Parquet file")
     try:
+        names = pq.read_schema(io.BytesIO(source) if isinstance(source, bytes) else source).names
+        twice = sorted({n for n in names if names.count(n) > 1})
+        if twice:  # pyarrow's own error was several lines of its internals, as "not a readable Parquet file"
+            raise InputError(argument, shown, f"column(s) {', '.join(map(repr, twice))} appear more than once "
+                                              f"(columns: {names}); each index column and 'value' once")
         table = pq.read_table(io.BytesIO(source) if isinstance(source, bytes) else source)
     except (pa.ArrowException, OSError) as exc:
         head = source[:6] if isinstance(source, bytes) else _head(source, 6)
@@ -239,6 +244,25 @@ def read_coo_parquet(source: str | Path | bytes, *, argument: str = "data", name
         return COOTensor(coords_arr, values, shape, tuple(index_cols))
     except InputError as exc:  # name the file too
         raise InputError(argument, shown, str(exc)) from None
+
+
+def index_layout_hint(tensor: COOTensor) -> str:
+    """What to renumber when a tensor's indices are not positions from 0 (its shape is ``max + 1``
+    per mode): ``t`` starting at a year, or a mode of few distinct values spread over a huge range
+    (ids). ``""`` when neither; else ``"; ..."`` to append to a message."""
+    hints = []
+    names = tensor.mode_names or tuple(f"mode {m}" for m in range(tensor.ndim))
+    for m, name in enumerate(names):
+        col = tensor.coords[:, m]
+        lo, size = int(col.min()), int(tensor.shape[m])
+        distinct = len(np.unique(col))
+        if name == COO_TIME_COLUMN and lo > 0:
+            hints.append(f"'t' starts at {lo}, so {lo} empty time steps come first: indices are positions 0, 1, ...; "
+                         f"subtract {lo}")
+        elif size > 1000 and size > 10 * distinct:
+            hints.append(f"{name!r} has {distinct} distinct values up to {size - 1}: indices are positions in the "
+                         f"shape; renumber them 0..{distinct - 1} (e.g. pandas.factorize)")
+    return "; " + "; ".join(hints) if hints else ""
 
 
 def _check_unique(coords: np.ndarray, values: np.ndarray, argument: str, shown: str, names: list[str]) -> None:

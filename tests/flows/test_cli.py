@@ -154,6 +154,17 @@ def test_bad_user_data(parquet):
         (parquet("huge.parquet", pa.table({"i": [19_000_000] + list(range(59)), "j": [3000] + [7] * 59,
                                            "t": list(range(60)), "value": [1.0] * 60})),
          ["rank=6", "the factors of 'data'", "GiB (limit 4.00 GiB); at most rank 3 fits"]),
+        # a column named twice was "not a readable Parquet file" with pyarrow's internals (a trial)
+        (parquet("dupcols.parquet", pa.Table.from_arrays([pa.array([0, 1]), pa.array([0, 1]), pa.array([0, 1]),
+                                                          pa.array([1.0, 2.0])], names=["i", "i", "t", "value"])),
+         ["dupcols.parquet", "column(s) 'i' appear more than once (columns: ['i', 'i', 't', 'value'])"]),
+        # years as 't', ids as indices: the errors say what to renumber (a trial)
+        (parquet("years.parquet", pa.table({"i": [k % 5 for k in range(600)], "j": [k // 5 % 4 for k in range(600)],
+                                            "t": [1995 + k // 20 for k in range(600)], "value": [1.0] * 600})),
+         ["cannot make the temporal split", "'t' starts at 1995, so 1995 empty time steps come first", "subtract 1995"]),
+        (parquet("ids.parquet", pa.table({"i": [k % 10 * 10**12 for k in range(300)], "j": [k // 10 % 5 for k in range(300)],
+                                          "t": [k // 50 for k in range(300)], "value": [1.0] * 300})),
+         ["even at rank 1", "'i' has 10 distinct values up to 9000000000000", "renumber them 0..9"]),
         # a mode too long for any rank is the data's fault (it was blamed on rank)
         (parquet("giant.parquet", pa.table({"i": [200_000_000] + list(range(59)), "j": [30] + [7] * 59,
                                             "t": list(range(60)), "value": [1.0] * 60})),
