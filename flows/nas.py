@@ -11,6 +11,7 @@ task cache.
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import hashlib
 import json
@@ -263,6 +264,8 @@ def _run_one(cp: CampaignParameters, campaign: Campaign, name: str, store: Objec
         campaign = saved
         parent_id = state.get("mlflow_parent_run_id")
         print(f"{name}: resuming from {checkpoint_uri} after {campaign.n_done} evaluations")
+        for note in resume_notes(name, campaign, cp):
+            print(note)
     if parent_id and tracker.run_exists(parent_id):
         tracker.set_tags(parent_id, tags)  # this flow run's id first: a RUNNING run of a crashed one is ended
         tracker.reopen_run(parent_id)
@@ -344,6 +347,34 @@ def _result(future: Any, deadline: float, timeout_s: float) -> dict[str, Any]:
         return {"values": None, "error": f"task failed: {type(exc).__name__}: {exc}", "seconds": 0.0}
 
 
+def failure_lines(c: Campaign, kinds: int = 3) -> list[str]:
+    """The failed evaluations' errors, counted by kind, most frequent first (the summary said how
+    many failed, not why: the reason was only in each child run's ``paperline.error`` tag)."""
+    counts = collections.Counter(e.error for e in c.evaluations if not e.ok).most_common()
+    lines = [f"failed: {n} x {error if len(error) <= 160 else error[:159] + '…'}" for error, n in counts[:kinds]]
+    if len(counts) > kinds:
+        rest = counts[kinds:]
+        lines.append(f"failed: {sum(n for _, n in rest)} more, of {len(rest)} other kind(s) (each child run's "
+                     "paperline.error tag says)")
+    return lines
+
+
+def resume_notes(name: str, campaign: Campaign, cp: CampaignParameters) -> list[str]:
+    """What a resumed campaign will not do: run its timed-out evaluations again (a trial raised
+    ``evaluation_timeout_s`` after every evaluation timed out, and the re-run re-reported the
+    same failed campaign), or anything at all when it is complete."""
+    notes = []
+    timed_out = sum(1 for e in campaign.evaluations if not e.ok and "timed out" in (e.error or "").lower())
+    if timed_out:
+        notes.append(f"{name}: {timed_out} of its {campaign.n_done} evaluations timed out earlier; they are not run "
+                     f"again (resume=false starts the campaign over, with evaluation_timeout_s="
+                     f"{cp.evaluation_timeout_s:g})")
+    if campaign.done:
+        notes.append(f"{name}: complete ({campaign.n_done}/{campaign.budget} evaluations): nothing is left to "
+                     "evaluate; a larger budget continues it, resume=false starts it over")
+    return notes
+
+
 def _score_text(c: Campaign) -> str:
     if not any(e.ok for e in c.evaluations):
         return "no successful evaluation yet"
@@ -411,6 +442,7 @@ def _summary(results: list[dict[str, Any]], run_url: str, flow_run_id: str, trac
                      # shown to 6 significant digits ([87.2360000024414, 1.6847006000000002]: a trial)
                      + (f" (reference point [{', '.join(f'{v:.6g}' for v in c.ref_point_user)}])"
                         if c.ref_point_user else ""))
+        lines += [f"  {line}" for line in failure_lines(c)]
         lines.append(f"  MLflow parent run: {tracker.run_url(r['parent_run_id'])}; checkpoint: {r['checkpoint']}")
         lines += [f"  {line}" for line in r["versus"].lines()]
         trace = c.score_trace()

@@ -123,7 +123,10 @@ def pareto_plot(values: np.ndarray, front: np.ndarray, names: list[str], title: 
             ax.plot(front[order, i], front[order, j], "o-", color="tab:red", ms=5, lw=1, label="Pareto front")
         ax.set_xlabel(names[i])
         ax.set_ylabel(names[j])
-        ax.legend(fontsize=7)
+        if values.size or front.size:
+            ax.legend(fontsize=7)
+        else:  # every evaluation failed: an empty legend warned on the terminal (a trial)
+            ax.text(0.5, 0.5, "no successful evaluation", ha="center", va="center", transform=ax.transAxes)
     fig.suptitle(title, fontsize=9)
     fig.tight_layout()
     fig.savefig(path, dpi=90)

@@ -205,7 +205,18 @@ def test_evaluations_past_the_time_limit_are_recorded_as_failed(cli_env, tmp_pat
                "--set", "evaluation_timeout_s=0.2", "--set", f"campaign=timeout-{os.getpid()}", summary=summary)
     camp = json.loads(summary.read_text())["campaigns"][0]
     assert (camp["evaluations"], camp["failed"]) == (2, 2)
-    assert "no successful evaluation yet" in proc.stdout + proc.stderr
+    out = " ".join((proc.stdout + proc.stderr).split())
+    assert "no successful evaluation yet" in out
+    assert "failed: 2 x timed out: not done 0.2 s after its batch started" in out  # why, not only how many
+    # the limit raised: the re-run resumes the complete campaign, and says what it will not do (a
+    # trial read the same failed summary as the new limit not working)
+    proc = cli(cli_env, "run", "nas", "--preset", "default", "--set", "problem=live-mnist", "--set", "live=null",
+               "--set", "optimizer=random", "--set", "budget=2", "--set", "q=2", "--set", "n_init=2",
+               "--set", "evaluation_timeout_s=600", "--set", f"campaign=timeout-{os.getpid()}", summary=summary)
+    out = " ".join((proc.stdout + proc.stderr).split())
+    assert f"timeout-{os.getpid()}: 2 of its 2 evaluations timed out earlier; they are not run again (resume=false " \
+           "starts the campaign over, with evaluation_timeout_s=600)" in out, out[-2000:]
+    assert "complete (2/2 evaluations): nothing is left to evaluate" in out
 
 
 def test_a_changed_optimizer_default_names_a_new_campaign(monkeypatch):
