@@ -94,6 +94,8 @@ def _friendly(fn: Callable[..., Any]) -> Callable[..., Any]:
                 known, msg = True, refused
             from rich.markup import escape  # noqa: PLC0415 - messages may hold [brackets] (paths, C++ sources)
 
+            if not getattr(sys.stderr, "at_line_start", True):  # Prefect's "--- Error logging to API ---"
+                sys.stderr.write("\n")  # text ends without one: the error was glued onto it (a trial)
             err_console.print(f"[bold red]error:[/] {escape(msg)}", highlight=False, soft_wrap=True)
             if not known:
                 err_console.print("(run with --debug for the traceback)", style="dim")
@@ -1116,8 +1118,29 @@ def compare(experiment: str = typer.Argument(..., metavar="EXPERIMENT", help="ML
         console.print(f"logged as MLflow run {result['comparison_run_id']}", highlight=False)
 
 
+class LineEndTracker:
+    """A text stream that forwards everything to ``inner`` and remembers whether the last text
+    written ended a line (``at_line_start``), so that the CLI's last line starts on a line of its
+    own after a library's ``sys.stderr.write`` without a newline (Prefect's log worker writes its
+    error so when the server has gone)."""
+
+    def __init__(self, inner: Any):
+        self._inner = inner
+        self.at_line_start = True
+
+    def write(self, text: str) -> int:
+        if text:
+            self.at_line_start = text.endswith("\n")
+        return self._inner.write(text)
+
+    def __getattr__(self, name: str) -> Any:  # flush, fileno, isatty, encoding, ...
+        return getattr(self._inner, name)
+
+
 def main() -> None:
     """Console-script entry point: runs the command, then exits through :func:`_exit`."""
+    if sys.stderr is not None and not isinstance(sys.stderr, LineEndTracker):
+        sys.stderr = LineEndTracker(sys.stderr)
     try:
         app()
         code: Any = 0

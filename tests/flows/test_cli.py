@@ -1,6 +1,7 @@
 """CLI behaviour on bad input: one clear line naming the argument and value, non-zero exit,
 no traceback; nothing here needs the stack (input is checked before anything starts)."""
 
+import sys
 from pathlib import Path
 
 import pyarrow as pa
@@ -883,3 +884,29 @@ def test_a_failed_verification_is_one_line_like_other_refusals(capsys):
     err = " ".join(capsys.readouterr().err.split())
     assert "error: Freivalds' check failed: residual 1" in err, err
     assert "--debug" not in err and "VerificationError" not in err, err
+
+
+def test_the_error_line_starts_a_line_after_a_library_wrote_half_of_one(monkeypatch):
+    """Prefect's log worker writes "--- Error logging to API ---" then its error with no newline
+    when the server has gone: the CLI's `error: ...` line was glued onto it ("All connection
+    attempts failederror: prefect is not available ...", a trial), so `grep '^error:'` missed it."""
+    import io
+
+    import typer
+
+    from paperline.flows.cli import LineEndTracker, _friendly
+    from paperline.infra.errors import ServiceError
+
+    out = io.StringIO()
+    monkeypatch.setattr(sys, "stderr", LineEndTracker(out))
+
+    @_friendly
+    def fails() -> None:
+        sys.stderr.write("--- Error logging to API ---\nAll connection attempts failed")
+        raise ServiceError("prefect", "the server stopped answering during the run")
+
+    with pytest.raises(typer.Exit):
+        fails()
+    lines = out.getvalue().splitlines()
+    assert lines[1] == "All connection attempts failed" and lines[2].startswith("error: prefect"), lines
+    assert LineEndTracker(io.StringIO()).at_line_start and sys.stderr.isatty() is False  # forwarded
