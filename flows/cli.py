@@ -784,10 +784,7 @@ def serve() -> None:
     import os
 
     from prefect import serve as prefect_serve
-    from prefect.deployments.runner import EntrypointType
-    from prefect.schedules import Cron
 
-    from paperline.flows.pipelines import get_pipeline, pipeline_names
     from paperline.infra.cluster import require_scheduler
     from paperline.infra.errors import redact_url
     from paperline.infra.flow_runs import watch_flow_runs
@@ -796,16 +793,9 @@ def serve() -> None:
     require_scheduler(_settings())  # the runs served here use it
     info = _ensure_stack()
     with _serve_lock(_settings().state_dir):  # one serve per stack, for as long as this one serves
-        deployments = []
-        for name in pipeline_names():
-            spec = get_pipeline(name)
-            deployments.append(spec.flow.to_deployment(  # "<flow>/local": apart from prefect.yaml's work-pool ones
-                name="local", description=spec.description or None, tags=["paperline", name],
-                schedules=[Cron(spec.cron, timezone="UTC")] if spec.cron else None,
-                parameters=spec.deployment_params(info.data_bucket), concurrency_limit=1,
-                entrypoint_type=EntrypointType.MODULE_PATH))
-        listed = [f"{d.flow_name}/{d.name} ({d.schedules[0].schedule.cron if d.schedules else 'no schedule'})"
-                  for d in deployments]
+        deployments = local_deployments(info.data_bucket, paused_schedules(served_names()))
+        listed = [f"{d.flow_name}/{d.name} ({d.schedules[0].schedule.cron if d.schedules else 'no schedule'}"
+                  f"{'' if not d.schedules or d.schedules[0].active else ', schedule paused'})" for d in deployments]
         console.print(f"serving {len(deployments)} deployments: " + ", ".join(listed), highlight=False,
                       soft_wrap=True)  # not folded inside a cron expression in a log file (a trial)
         # (the environment first: PREFECT_API_URL alone, as this said before, got a 401 once the
@@ -821,6 +811,51 @@ def serve() -> None:
                 prefect_serve(*deployments, print_starting_message=False)
             finally:
                 _pause_served(names)
+
+
+def served_names() -> list[str]:
+    """``<flow>/local`` of every pipeline: the deployments `paperline serve` serves."""
+    from paperline.flows.pipelines import get_pipeline, pipeline_names
+
+    return [f"{get_pipeline(name).flow.name}/local" for name in pipeline_names()]
+
+
+def local_deployments(data_bucket: str, paused: set[str]) -> list[Any]:
+    """The ``<flow>/local`` deployment of every pipeline, as `paperline serve` serves them: its
+    schedule (UTC cron, slug ``<pipeline>-schedule``) inactive where ``paused`` names it."""
+    from prefect.deployments.runner import EntrypointType
+    from prefect.schedules import Cron
+
+    from paperline.flows.pipelines import get_pipeline, pipeline_names
+
+    deployments = []
+    for name in pipeline_names():
+        spec = get_pipeline(name)
+        schedule = Cron(spec.cron, timezone="UTC", slug=f"{name}-schedule",
+                        active=f"{spec.flow.name}/local" not in paused) if spec.cron else None
+        deployments.append(spec.flow.to_deployment(  # "<flow>/local": apart from prefect.yaml's work-pool ones
+            name="local", description=spec.description or None, tags=["paperline", name],
+            schedules=[schedule] if schedule else None, parameters=spec.deployment_params(data_bucket),
+            concurrency_limit=1, entrypoint_type=EntrypointType.MODULE_PATH))
+    return deployments
+
+
+def paused_schedules(names: list[str]) -> set[str]:
+    """The deployments among ``names`` (``"flow/deployment"``) with a schedule someone paused (the
+    Prefect UI's toggle, ``prefect deployment schedule pause``): serving them again keeps it
+    paused. Each serve replaces its deployments' schedules, and a schedule paused in the UI came
+    back active after a restart of serve (a trial). Stopping serve pauses the deployments, not
+    their schedules, so a paused schedule is someone's choice."""
+    from prefect.client.orchestration import get_client
+    from prefect.exceptions import ObjectNotFound
+
+    paused = set()
+    with get_client(sync_client=True) as client:
+        for name in names:
+            with contextlib.suppress(ObjectNotFound):
+                if any(not s.active for s in client.read_deployment_by_name(name).schedules):
+                    paused.add(name)
+    return paused
 
 
 def _pause_served(names: list[str]) -> None:

@@ -240,7 +240,9 @@ def deployment_report(deployments: list[dict[str, object]], workers: dict[str, l
     Args:
         deployments: One dict per deployment: ``name`` (``"flow/deployment"``), ``work_pool``
             (None for served ones), ``polled_s_ago`` (seconds since a process last asked for its
-            runs; None: never), ``paused`` (its schedules are paused).
+            runs; None: never), ``paused`` (the deployment is paused: a stopped serve pauses its
+            own), ``schedule_paused`` (one of its schedules was paused, in the UI or with
+            ``prefect deployment schedule pause``).
         workers: Work pool -> its workers, each ``{"name", "heartbeat_s_ago"}`` (None: never).
         late: Deployment name -> how many of its Scheduled runs are past their start time by
             more than :data:`LATE_AFTER_S`.
@@ -283,9 +285,14 @@ def deployment_report(deployments: list[dict[str, object]], workers: dict[str, l
             start = f"`paperline worker --pool {kind}`" if kind else "a worker of the pool"
             lines.append(f"work pool {pool}: {len(names)} deployment(s), no worker online: their runs wait "
                          f"Scheduled until {start} runs{late_note(names)}")
+    # (a stopped serve pauses its deployments, which `prefect deployment schedule ls` does not show:
+    # "paused schedules" named them, and a trial found every schedule active)
     paused = sorted(str(d["name"]) for d in deployments if d.get("paused"))
     if paused:
-        lines.append(f"paused schedules: {', '.join(paused)}")
+        lines.append(f"paused deployments: {', '.join(paused)}")
+    schedules = sorted(str(d["name"]) for d in deployments if d.get("schedule_paused"))
+    if schedules:
+        lines.append(f"paused schedules (kept so by `paperline serve`): {', '.join(schedules)}")
     if not deployments:
         lines.append(f"deployments: `paperline serve` (pid {serve_pid}) is starting" if serve_pid is not None else
                      "deployments: none (`paperline serve`, or `prefect deploy --all` with `paperline worker`: "
@@ -343,7 +350,8 @@ def deployment_status(api_url: str, login: str | None, state_dir: os.PathLike[st
             found = client.read_deployments(limit=200)
             by_id = {d.id: f"{flows.get(d.flow_id, '?')}/{d.name}" for d in found}
             deployments = [{"name": by_id[d.id], "work_pool": d.work_pool_name, "polled_s_ago": ago(d.last_polled),
-                            "paused": d.paused} for d in found]
+                            "paused": d.paused, "schedule_paused": any(not s.active for s in d.schedules)}
+                           for d in found]
             workers: dict[str, list[dict[str, object]]] = {}
             for pool in {d.work_pool_name for d in found if d.work_pool_name}:
                 with contextlib.suppress(ObjectNotFound):  # a pool deleted under its deployments: none online

@@ -195,6 +195,31 @@ def test_prefect_and_mlflow_uis_show_the_deployments_and_the_runs(served, wait_f
         assert (shots / name).stat().st_size > 10_000
 
 
+def test_a_schedule_paused_in_the_ui_stays_paused_when_serve_serves_again(served):
+    """Each `paperline serve` replaces its deployments' schedules: one paused in the Prefect UI
+    came back active (and made runs) after serve was restarted (a trial). The schedule as the
+    UI's toggle pauses it, then the deployments as a restarted serve applies them."""
+    from prefect.client.orchestration import get_client
+
+    from paperline.flows.cli import local_deployments, paused_schedules, served_names
+
+    info, proc, log = served
+    with get_client(sync_client=True) as client:
+        before = _deployment(client, "gemm/local", proc, log)
+        assert [s.slug for s in before.schedules] == ["gemm-schedule"] and before.schedules[0].active
+        client.update_deployment_schedule(before.id, before.schedules[0].id, active=False)  # the UI's toggle
+        try:
+            assert paused_schedules(served_names()) == {"gemm/local"}
+            again = {f"{d.flow_name}/{d.name}": d for d in local_deployments(info.data_bucket, {"gemm/local"})}
+            assert not again["gemm/local"].schedules[0].active and again["nas/local"].schedules[0].active
+            again["gemm/local"].apply()  # as the restarted serve registers it
+            after = client.read_deployment_by_name("gemm/local")
+            assert [(s.slug, s.active) for s in after.schedules] == [("gemm-schedule", False)]
+        finally:
+            after = client.read_deployment_by_name("gemm/local")
+            client.update_deployment_schedule(after.id, after.schedules[0].id, active=True)
+
+
 def test_a_second_serve_on_the_same_stack_is_refused(served, cli_env):
     """Two `paperline serve` on one stack served the same deployments, and stopping the second
     paused the first one's schedules (a fresh-user trial)."""

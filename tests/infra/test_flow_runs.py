@@ -191,7 +191,9 @@ def test_deployment_report_says_who_executes_the_runs_and_what_waits():
     assert lines[0] == ("deployments: 4 without a work pool (a/local, b/local, c/local, ...), not served now: their "
                         "runs wait Scheduled until `paperline serve` runs; 1 scheduled run(s) past their start time "
                         "wait for it"), lines
-    assert lines[1] == "paused schedules: a/local, b/local, c/local, d/local"
+    assert lines[1] == "paused deployments: a/local, b/local, c/local, d/local"
+    stopped[1]["schedule_paused"] = True  # paused in the UI: said apart from the deployments serve paused
+    assert deployment_report(stopped, {}, {})[2] == "paused schedules (kept so by `paperline serve`): b/local"
     assert deployment_report([_served("a/local", polled=91.0)], {}, {})[0].startswith("deployments: 1 without a work pool")
     pooled = [{"name": "gemm/gemm", "work_pool": "paperline-cpu", "polled_s_ago": None, "paused": False},
               {"name": "x/y", "work_pool": "other", "polled_s_ago": None, "paused": False}]
