@@ -572,6 +572,7 @@ def _quiet_logs() -> None:
         handler.addFilter(not_in_summary)
         handler.addFilter(_short_event_failures)
         handler.addFilter(_no_unfinished_finish)
+        handler.addFilter(_queued_not_aborted)
         if not _state["debug"]:
             handler.addFilter(_strip_traceback)
     for handler in logging.getLogger("prefect._internal").handlers:  # its own (the events worker's records)
@@ -584,6 +585,18 @@ def _no_unfinished_finish(record: Any) -> bool:
     interrupt ends a task mid-run, as Ctrl-C does): the run's own "interrupted: ..." line says it,
     and a task "finished" while running read as a fault (a trial). Everything else passes."""
     return not (record.name.startswith("prefect") and record.getMessage() == "Finished in state Running()")
+
+
+def _queued_not_aborted(record: Any) -> bool:
+    """Say what Prefect's runner means by ``Aborted submission of flow run '<id>': Server returned a
+    non-pending state 'SCHEDULED'``: the run waits for its deployment's one concurrency slot, and
+    starts when the run before it ends (a trial read the line as a failure; the run ran)."""
+    if str(record.msg).startswith("Aborted submission of flow run '%s': Server returned a non-pending") and \
+            isinstance(record.args, tuple) and len(record.args) == 2 and record.args[1] == "SCHEDULED":
+        record.msg = ("flow run '%s' waits Scheduled for its deployment's concurrency slot (one run at a time): it "
+                      "starts when the run before it ends")
+        record.args = record.args[:1]
+    return True
 
 
 def _no_kill_notice(record: Any) -> bool:

@@ -818,6 +818,27 @@ def test_what_an_interrupt_ends_is_not_reported_as_a_fault():
         assert _no_unfinished_finish(kept)
 
 
+def test_a_run_queued_for_its_deployments_slot_is_said_to_wait_not_to_be_aborted():
+    """serve's log said "Aborted submission of flow run '...': Server returned a non-pending state
+    'SCHEDULED'" for a run waiting behind its deployment's one concurrency slot (a trial read it as
+    a failure; the run ran later). Other aborts keep Prefect's words."""
+    import logging
+
+    from paperline.flows.cli import _queued_not_aborted
+
+    def record(args: tuple) -> logging.LogRecord:
+        return logging.LogRecord("prefect.runner.state_proposer", logging.INFO, __file__, 1,
+                                 "Aborted submission of flow run '%s': Server returned a non-pending state %r", args,
+                                 None)
+
+    queued = record(("71795212", "SCHEDULED"))
+    assert _queued_not_aborted(queued)
+    assert queued.getMessage() == ("flow run '71795212' waits Scheduled for its deployment's concurrency slot (one run "
+                                   "at a time): it starts when the run before it ends")
+    cancelled = record(("71795212", "CANCELLED"))
+    assert _queued_not_aborted(cancelled) and cancelled.getMessage().startswith("Aborted submission")
+
+
 def test_a_401_is_said_as_a_refused_login_with_what_to_do(capsys):
     """`paperline serve` on a stack whose login was made anew died with `PrefectHTTPStatusError:
     Client error '401 Unauthorized' ...`, a worker's runs with MLflow's 40-line 401 (a trial)."""
