@@ -15,6 +15,8 @@ from typing import Any
 
 from paperline.infra.errors import InputError
 from paperline.infra.regression import HEADLINES_TAG
+
+DATA_TAG = "paperline.data_sha256"  # a user-data tensor-factorization run's content
 from paperline.infra.tracking import Tracker
 
 
@@ -192,22 +194,32 @@ def compare_runs(tracker: Tracker, experiment: str, metrics: list[str], filter_s
                 note = f"the last {shown} run(s) have no {metrics[0]} (listed newest first, after the ranked ones)"
         elif others:  # e.g. nas: single-objective campaigns have final_best, not final_hypervolume
             # the metric each left-out run is ranked by (its first headline), newest run's first
-            theirs = list(dict.fromkeys(h[0][0] for h in map(_headline_list, others) if h))
+            # (only a metric a left-out run has: an all-failed campaign's headline is final_hypervolume too,
+            # and the hint named the very metric it lacked: a trial)
+            theirs = list(dict.fromkeys(h[0][0] for r in others for h in [_headline_list(r)]
+                                        if h and h[0][0] in r.data.metrics))
             shows = "them" if len(theirs) == 1 else "the newest kind"
             hint = f"they rank by {', '.join(theirs)}: --metric {theirs[0]} shows {shows}" if theirs \
-                else "--metric names what to show"
+                else "none has a headline metric (e.g. every evaluation failed): --all-runs lists them too"
             note = (f"{len(others)}{'+' if len(found) == max(top, HEADLINE_SAMPLE) else ''} run(s) without "
                     f"{metrics[0]} left out ({hint})")
     else:
         runs = search(order, top)
     if not runs:
         raise _no_runs(client, exp.experiment_id, experiment, user_filter, " and ".join(clauses) if keyed else "")
-    problems = sorted({r.data.params["problem"] for r in runs if "problem" in r.data.params})
+    valued = [r for r in runs if metrics and metrics[0] in r.data.metrics]  # (a run without it is not ranked)
+    problems = sorted({r.data.params["problem"] for r in valued if "problem" in r.data.params})
     if metrics and order[0] != "attributes.start_time DESC" and len(problems) > 1:
         # nas: hypervolumes of live-mnist (5.7e9) and NAS-Bench-201 (5.6) ranked as one list (a trial)
         mixed = (f"ranked across {len(problems)} problems ({', '.join(problems[:4])}"
                  f"{', ...' if len(problems) > 4 else ''}), whose {metrics[0]} values do not compare: "
                  f"--filter \"params.problem = '{problems[0]}'\" ranks one")
+        note = f"{note}; {mixed}" if note else mixed
+    contents = list(dict.fromkeys(r.data.tags[DATA_TAG] for r in valued if DATA_TAG in r.data.tags))
+    if metrics and order[0] != "attributes.start_time DESC" and len(contents) > 1:
+        # a user's tensor file edited between runs: its old and new contents ranked as one (a trial)
+        mixed = (f"ranked across {len(contents)} contents of the data (tag {DATA_TAG}): --filter "
+                 f"\"tags.`{DATA_TAG}` = '{contents[0]}'\" ranks one content's runs")
         note = f"{note}; {mixed}" if note else mixed
     if len(runs) == top and len(search(["attributes.start_time DESC"], top + 1)) > top:  # "10 run(s)" of 12 (a trial)
         more = f"more runs than the {top} shown match: --top N shows more"

@@ -246,18 +246,51 @@ def test_runs_of_different_problems_ranked_together_get_a_note(stack_cli, stack,
 
     _, info = stack
     tracker = Tracker(info.mlflow_tracking_uri)
-    for name, problem, value in (("bench", "nasbench201-cifar10", 5.6), ("live", "live-mnist", 5.7e9)):
+    for name, problem, value in (("bench", "nasbench201-cifar10", 5.6), ("live", "live-mnist", 5.7e9),
+                                 ("all-failed", "dtlz2", None)):
         run_id = tracker.start_run("compare-problems", run_name=name, params={"problem": problem}, tags={
             "paperline.params_key": name, "paperline.headlines": json.dumps([["final_hypervolume", True]])})
-        tracker.log_metrics(run_id, {"final_hypervolume": value})
+        tracker.log_metrics(run_id, {"final_hypervolume": value} if value else {"evaluations": 4})
         tracker.end_run(run_id)
     res = stack_cli("compare", "compare-problems", "--out", str(tmp_path))
     out = " ".join(res.output.split())
     assert res.exit_code == 0, res.output
     assert "ranked across 2 problems (live-mnist, nasbench201-cifar10), whose final_hypervolume values do not " \
            "compare: --filter \"params.problem = 'live-mnist'\" ranks one" in out, res.output
+    # a campaign whose every evaluation failed has no hypervolume: the hint named final_hypervolume for it (a trial)
+    assert "1 run(s) without final_hypervolume left out (none has a headline metric (e.g. every evaluation " \
+           "failed): --all-runs lists them too)" in out, res.output
+    # ... and with --metric it is listed without a value, not counted as a problem ranked
+    res = stack_cli("compare", "compare-problems", "--metric", "final_hypervolume", "--out", str(tmp_path))
+    assert res.exit_code == 0 and "ranked across 2 problems" in " ".join(res.output.split()), res.output
     res = stack_cli("compare", "compare-problems", "--filter", "params.problem = 'live-mnist'", "--out", str(tmp_path))
     assert res.exit_code == 0 and "ranked across" not in res.output, res.output
+
+
+def test_runs_on_different_contents_of_a_data_file_ranked_together_get_a_note(stack_cli, stack, tmp_path):
+    """A user's tensor file edited between runs: its old and new contents (test RMSE 0.079 and
+    0.363) were ranked as one list (a trial). The note names the tag that tells them apart."""
+    import json
+
+    from paperline.infra.tracking import Tracker
+
+    _, info = stack
+    tracker = Tracker(info.mlflow_tracking_uri)
+    for name, content, value in (("old", "aaa111", 0.079), ("new", "bbb222", 0.363), ("new-again", "bbb222", 0.36)):
+        run_id = tracker.start_run("compare-contents", run_name=name, params={"datasets": ""}, tags={
+            "paperline.params_key": name, "paperline.data_sha256": content,
+            "paperline.headlines": json.dumps([["user-mine.random.p2t2f.test_rmse", False]])})
+        tracker.log_metrics(run_id, {"user-mine.random.p2t2f.test_rmse": value})
+        tracker.end_run(run_id)
+    res = stack_cli("compare", "compare-contents", "--out", str(tmp_path))
+    out = " ".join(res.output.split())
+    assert res.exit_code == 0, res.output
+    assert "ranked across 2 contents of the data (tag paperline.data_sha256): --filter " \
+           "\"tags.`paperline.data_sha256` = 'aaa111'\" ranks one content's runs" in out, res.output
+    res = stack_cli("compare", "compare-contents", "--filter", "tags.`paperline.data_sha256` = 'bbb222'",
+                    "--out", str(tmp_path))
+    assert res.exit_code == 0 and "ranked across" not in res.output, res.output
+    assert len(pq.read_table(tmp_path / "compare-contents-runs.parquet").to_pydict()["run_id"]) == 2
 
 
 def test_a_metric_logged_once_per_run_is_plotted_as_bars(tmp_path):
