@@ -17,13 +17,13 @@ import tempfile
 from pathlib import Path
 from typing import Any, Literal
 
-from prefect import flow
 from prefect.runtime import flow_run
 from pydantic import BaseModel, ConfigDict, Field
 
 from paperline.infra.cluster import configure_local_workers, default_task_runner, planned_worker_count
 from paperline.infra.device import resolve_device
 from paperline.infra.errors import InputError
+from paperline.infra.pipeline_flow import pipeline_flow
 from paperline.infra.regression import Headline, check_latest
 from paperline.infra.settings import get_settings
 from paperline.infra.stack import require_stack
@@ -239,7 +239,7 @@ def _config_id(cfg: TrainConfig, world_size: int, device: str, version: str) -> 
     return hashlib.sha256(blob.encode()).hexdigest()[:16]
 
 
-@flow(name="compressed-training", log_prints=True, task_runner=default_task_runner())
+@pipeline_flow(name="compressed-training", log_prints=True, task_runner=default_task_runner())
 def compressed_training(params: CompressedTrainingParameters | None = None) -> dict[str, Any]:
     """Train with each compressor on ``world_size`` ranks and compare them in MLflow.
 

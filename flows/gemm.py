@@ -19,7 +19,6 @@ from pathlib import Path
 from typing import Any, Literal
 
 import numpy as np
-from prefect import flow
 from prefect.runtime import flow_run
 from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator
 
@@ -31,6 +30,7 @@ from paperline.infra.cluster import (
     planned_worker_memory,
 )
 from paperline.infra.errors import InputError
+from paperline.infra.pipeline_flow import pipeline_flow
 from paperline.infra.regression import Headline, check_latest
 from paperline.infra.settings import get_settings
 from paperline.infra.stack import require_stack
@@ -312,7 +312,7 @@ PRESETS: dict[str, dict[str, Any]] = {
 }
 
 
-@flow(name="gemm", log_prints=True, task_runner=default_task_runner())
+@pipeline_flow(name="gemm", log_prints=True, task_runner=default_task_runner())
 def gemm(params: GemmParameters | None = None) -> dict[str, Any]:
     """Run one tiled level-3 BLAS routine on the cluster, verify it and track it in MLflow.
 

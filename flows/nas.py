@@ -21,7 +21,6 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from prefect import flow
 from prefect.runtime import flow_run
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -29,6 +28,7 @@ from paperline.infra.cluster import configure_local_workers, default_task_runner
 from paperline.infra.device import resolve_device
 from paperline.infra.errors import InputError
 from paperline.infra.locks import Held, held_by_this_process
+from paperline.infra.pipeline_flow import pipeline_flow
 from paperline.infra.regression import Headline, check_latest
 from paperline.infra.settings import get_settings
 from paperline.infra.stack import require_stack
@@ -162,7 +162,7 @@ PRESETS: dict[str, dict[str, Any]] = {
 }
 
 
-@flow(name="nas", log_prints=True, task_runner=default_task_runner())
+@pipeline_flow(name="nas", log_prints=True, task_runner=default_task_runner())
 def nas(params: NasParameters | None = None) -> dict[str, Any]:
     """Run the campaign(s): batches evaluated in parallel on the workers, checkpointed to S3 after
     every batch, one MLflow parent run per campaign with one child run per evaluation.

@@ -15,13 +15,13 @@ from pathlib import Path
 from typing import Any, Literal
 
 import numpy as np
-from prefect import flow
 from prefect.runtime import flow_run
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from paperline.infra.cluster import configure_local_workers, default_task_runner
 from paperline.infra.device import array_device
 from paperline.infra.errors import InputError
+from paperline.infra.pipeline_flow import pipeline_flow
 from paperline.infra.regression import Headline, check_latest
 from paperline.infra.settings import get_settings
 from paperline.infra.stack import require_stack
@@ -246,7 +246,7 @@ def check_s3_data(store: ObjectStore, uri: str) -> dict[str, Any]:
     return head
 
 
-@flow(name="tensor-factorization", log_prints=True, task_runner=default_task_runner())
+@pipeline_flow(name="tensor-factorization", log_prints=True, task_runner=default_task_runner())
 def tensor_factorization(params: TensorFactorizationParameters | None = None) -> dict[str, Any]:
     """Run P²T²F and the TensorLy baseline on every (dataset, split) and track it in MLflow.
 

@@ -20,13 +20,13 @@ import time
 from pathlib import Path
 from typing import Any, Literal
 
-from prefect import flow
 from prefect.runtime import flow_run
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from paperline.infra.cluster import configure_local_workers, default_task_runner
 from paperline.infra.device import resolve_device
 from paperline.infra.errors import InputError
+from paperline.infra.pipeline_flow import pipeline_flow
 from paperline.infra.regression import Headline, check_latest
 from paperline.infra.settings import get_settings
 from paperline.infra.stack import require_stack
@@ -310,7 +310,7 @@ def list_sources(source: str, store: ObjectStore) -> list[str]:
     return [str(p) for p in list_local(source)]
 
 
-@flow(name="video-curation", log_prints=True, task_runner=default_task_runner())
+@pipeline_flow(name="video-curation", log_prints=True, task_runner=default_task_runner())
 def video_curation(params: VideoCurationParameters | None = None) -> dict[str, Any]:
     """Curate videos into WebDataset shards and a Parquet index in S3, tracked in MLflow.
 
