@@ -196,7 +196,11 @@ def install_fatal_signal_stacks(stderr_fd: int = 2) -> bool:
                 sys.stderr.write(f"(fatal-signal stacks off: {cc} failed: {built.stderr[-300:]})\n")
                 return False
             os.replace(Path(tmp) / "shim.so", lib)  # atomic: two workers may build it at once
-    shim = ctypes.CDLL(str(lib))
+    try:
+        shim = ctypes.CDLL(str(lib))
+    except OSError as exc:  # e.g. a temp directory mounted noexec: the run goes on without native stacks
+        sys.stderr.write(f"(fatal-signal stacks off: {exc})\n")
+        return False
     shim.paperline_install.argtypes = [ctypes.c_char_p] * 3 + [ctypes.c_int]
     return shim.paperline_install(sys.executable.encode(), NATIVE_STACKS.encode(), str(os.getpid()).encode(),
                                   stderr_fd) == 0
