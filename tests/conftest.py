@@ -169,7 +169,8 @@ def install_fatal_signal_stacks(stderr_fd: int = 2) -> bool:
     thread's native stack before faulthandler prints Python's: an xdist worker died once of
     `terminate called after throwing an instance of 'std::system_error' what(): Resource deadlock
     avoided` (2026-12-04) with no native stack, so where it came from stayed unknown. The shim is
-    built once per host with the C compiler (skipped, returning False, without one or without gdb).
+    built once per host with the C compiler, in a directory of this user's alone under the temp
+    directory (skipped, returning False, without a compiler or gdb).
 
     Args:
         stderr_fd: Where the stacks go: a descriptor that stays open (not one pytest captures).
@@ -185,10 +186,20 @@ def install_fatal_signal_stacks(stderr_fd: int = 2) -> bool:
         return False
     # (after pytest's faulthandler plugin enabled faulthandler: enabling it again would put back the
     # handler it found, removing this one; this one hands the signal on to it)
+    import stat
+
+    # a library loaded into this process: from a directory of this user's alone, never a file that
+    # another local user could have planted under a predictable name in the shared temp directory
+    home = Path(tempfile.gettempdir()) / f"paperline-test-shims-{os.getuid()}"
+    home.mkdir(mode=0o700, exist_ok=True)
+    st = home.lstat()
+    if not stat.S_ISDIR(st.st_mode) or st.st_uid != os.getuid() or st.st_mode & 0o077:
+        sys.stderr.write(f"(fatal-signal stacks off: {home} is not a directory of this user's alone)\n")
+        return False
     digest = hashlib.sha256(FATAL_SIGNAL_SHIM.encode()).hexdigest()[:16]
-    lib = Path(tempfile.gettempdir()) / f"paperline-fatal-stacks-{os.getuid()}-{digest}.so"
+    lib = home / f"fatal-stacks-{digest}.so"
     if not lib.exists():
-        with tempfile.TemporaryDirectory() as tmp:
+        with tempfile.TemporaryDirectory(dir=home) as tmp:
             (Path(tmp) / "shim.c").write_text(FATAL_SIGNAL_SHIM)
             built = subprocess.run([cc, "-shared", "-fPIC", "-O1", "-o", str(Path(tmp) / "shim.so"),
                                     str(Path(tmp) / "shim.c")], capture_output=True, text=True, check=False)
