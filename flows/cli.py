@@ -21,6 +21,7 @@ from rich.table import Table
 from typer.core import TyperArgument, TyperCommand, TyperGroup, TyperOption
 
 from paperline.infra.errors import PaperlineError
+from paperline.infra.worker_exit import short_event_failure
 from paperline.kernels.errors import InputError as KernelInputError
 
 def _plain_types(params: list[Any]) -> list[Any]:
@@ -606,13 +607,7 @@ def _no_kill_notice(record: Any) -> bool:
     return not str(record.msg).startswith("Worker process still alive after")
 
 
-def _short_event_failures(record: Any) -> bool:
-    """One short line for each event Prefect's events worker could not send: with the server gone
-    each such record printed the whole event (2,000 characters; a trial)."""
-    args = record.args if isinstance(record.args, tuple) else ()
-    if "failed to process item" in str(record.msg) and any(type(a).__name__ == "Event" for a in args):
-        record.msg, record.args = "Prefect's events worker could not send an event to the server", ()
-    return True
+_short_event_failures = short_event_failure  # (the workers' records get it from their preload too)
 
 
 def _strip_traceback(record: Any) -> bool:

@@ -19,7 +19,8 @@ its RPC pool), and a heartbeat to the scheduler in flight at that moment fails w
 by a user as a crash, so :class:`ClosingCommErrorFilter` drops such records: only while the worker
 is closing, and only those carrying an ``OSError`` (comm errors are ``OSError``). The same
 failure while the worker runs is still logged in full. A failed task's record is cut to one line
-(:class:`TaskFailureOneLine`).
+(:class:`TaskFailureOneLine`), and so is a task's record of a server that went away
+(:class:`ServerGoneOneLine`).
 """
 
 from __future__ import annotations
@@ -94,6 +95,61 @@ class TaskFailureOneLine(logging.Filter):
         return True
 
 
+# the exceptions that say a server is not there (S3 through boto, Prefect through httpx, raw sockets)
+UNREACHABLE = ("EndpointConnectionError", "ConnectError", "ConnectTimeout", "ConnectionRefusedError",
+               "NewConnectionError", "ConnectionResetError")
+# where a task's records come from in a worker (the task-run logger, which Prefect's transactions use)
+SERVER_GONE_LOGGERS = ("prefect.task_runs", "prefect.transactions")
+
+
+class ServerGoneOneLine(logging.Filter):
+    """Cuts a record whose exception says a server is unreachable to one line: its message and the
+    exception's own. With the stack stopped under a run (`paperline down`), every task finishing in
+    a worker logged Prefect's "An error was encountered while committing transaction" with botocore's
+    three chained tracebacks (40 lines each; a trial's nas run printed 327 lines before its
+    one-line error). Other exceptions keep their tracebacks."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        exc = record.exc_info[1] if record.exc_info else None
+        seen: set[int] = set()
+        cause = None
+        while exc is not None and id(exc) not in seen:
+            seen.add(id(exc))
+            if type(exc).__name__ in UNREACHABLE:
+                cause = exc
+                break
+            exc = exc.__cause__ or exc.__context__
+        if cause is not None:
+            top = record.exc_info[1]
+            record.msg = f"{record.getMessage()}: {type(top).__name__}: {top}"
+            record.args, record.exc_info, record.exc_text = (), None, None
+        return True
+
+
+_SAID: set[str] = set()  # the once-per-process lines of short_event_failure already let through
+
+
+def short_event_failure(record: logging.LogRecord) -> bool:
+    """One short line, once per process, for the events Prefect's events worker could not send,
+    and for its client's "Unable to connect to 'ws://...'": with the server gone each failed event
+    printed the whole event (2,000 characters; a trial), and the pair came every few seconds from
+    the flow's process and each worker until the run gave up (a minute). Installed by `paperline
+    run` and by each worker (:func:`dask_setup`)."""
+    args = record.args if isinstance(record.args, tuple) else ()
+    if "failed to process item" in str(record.msg) and any(type(a).__name__ == "Event" for a in args):
+        kind = "event"
+        record.msg, record.args = "Prefect's events worker could not send an event to the server (later ones in " \
+                                  "this process are not shown)", ()
+    elif record.name == "prefect.events.clients" and str(record.msg).startswith("Unable to connect to"):
+        kind = "connect"
+    else:
+        return True
+    if kind in _SAID:
+        return False
+    _SAID.add(kind)
+    return True
+
+
 def _exit_after_clean_close() -> None:
     if not _CLOSED_CLEANLY["value"]:
         return
@@ -109,8 +165,8 @@ def _ignore_interrupt(signum: int, frame: Any) -> None:
 
 def dask_setup(worker: Any) -> None:
     """Dask preload hook: arm the exit handler (before any task registers its own), install
-    :class:`ClosingCommErrorFilter` on :data:`QUIET_ON_CLOSE_LOGGERS`, :class:`TaskFailureOneLine` and
-    :class:`CancelledOnCloseFilter`,
+    :class:`ClosingCommErrorFilter` on :data:`QUIET_ON_CLOSE_LOGGERS`, :class:`TaskFailureOneLine`,
+    :class:`ServerGoneOneLine` on :data:`SERVER_GONE_LOGGERS` and :class:`CancelledOnCloseFilter`,
     and leave SIGINT and SIGHUP to the process that owns the cluster.
 
     A terminal's Ctrl-C reaches every process of its process group, local worker processes
@@ -139,6 +195,10 @@ def dask_setup(worker: Any) -> None:
     for name in QUIET_ON_CLOSE_LOGGERS:
         logging.getLogger(name).addFilter(ClosingCommErrorFilter(worker))
     logging.getLogger("distributed.worker").addFilter(TaskFailureOneLine())
+    for name in SERVER_GONE_LOGGERS:
+        logging.getLogger(name).addFilter(ServerGoneOneLine())
+    for name in ("prefect._internal.concurrency", "prefect.events.clients"):
+        logging.getLogger(name).addFilter(short_event_failure)
     logging.getLogger("distributed.worker.state_machine").addFilter(CancelledOnCloseFilter(worker))
 
 

@@ -781,18 +781,31 @@ def test_up_interrupted_while_starting_says_what_it_left(monkeypatch):
     assert "interrupted: the servers this `up` had started are stopped again" in " ".join(result.output.split())
 
 
-def test_an_event_prefect_could_not_send_is_one_short_line():
+def test_an_event_prefect_could_not_send_is_one_short_line_once(monkeypatch):
     import logging
 
     from prefect.events import Event
 
     from paperline.flows.cli import _short_event_failures
+    from paperline.infra import worker_exit
 
+    monkeypatch.setattr(worker_exit, "_SAID", set())  # this process's first ones
     event = Event(event="prefect.task-run.Completed", resource={"prefect.resource.id": "x" * 3000})
-    record = logging.LogRecord("prefect._internal.concurrency", logging.ERROR, __file__, 1,
-                               "Service %r failed to process item %r", ("EventsWorker", event), None)
+
+    def failed() -> logging.LogRecord:
+        return logging.LogRecord("prefect._internal.concurrency", logging.ERROR, __file__, 1,
+                                 "Service %r failed to process item %r", ("EventsWorker", event), None)
+
+    def unreachable() -> logging.LogRecord:
+        return logging.LogRecord("prefect.events.clients", logging.WARNING, __file__, 1,
+                                 "Unable to connect to %r. Please check your network settings", ("ws://x/in",), None)
+
+    record = failed()
     assert _short_event_failures(record) and record.getMessage() == \
-        "Prefect's events worker could not send an event to the server"
+        "Prefect's events worker could not send an event to the server (later ones in this process are not shown)"
+    assert _short_event_failures(unreachable())
+    # the next ones came every few seconds from every process until the run gave up: not shown
+    assert not _short_event_failures(failed()) and not _short_event_failures(unreachable())
     other = logging.LogRecord("prefect", logging.ERROR, __file__, 1, "Service %r failed to process item %r",
                               ("LogsWorker", {"x": 1}), None)
     assert _short_event_failures(other) and "LogsWorker" in other.getMessage()

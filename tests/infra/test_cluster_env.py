@@ -280,6 +280,43 @@ def test_a_failed_task_is_one_line_on_the_workers_terminal():
     assert TaskFailureOneLine().filter(other) and other.getMessage() == "something else x"
 
 
+def test_a_tasks_record_of_a_server_gone_is_one_line_on_the_workers_terminal():
+    """With the stack stopped under a run, each task finishing in a worker logged Prefect's "An error
+    was encountered while committing transaction" with botocore's three chained tracebacks (a
+    trial's nas run printed 327 lines). Now one line with the error; other errors keep theirs."""
+    import io
+    import logging
+
+    from botocore.exceptions import EndpointConnectionError
+
+    from paperline.infra.worker_exit import ServerGoneOneLine
+
+    logger = logging.getLogger("paperline-test.task_runs")
+    out = io.StringIO()
+    handler = logging.StreamHandler(out)
+    logger.addHandler(handler)
+    logger.addFilter(ServerGoneOneLine())
+    logger.propagate = False
+    try:
+        try:
+            try:
+                raise ConnectionRefusedError(111, "Connection refused")
+            except ConnectionRefusedError as exc:
+                raise EndpointConnectionError(endpoint_url="http://127.0.0.1:8333/paperline-results/5cbc") from exc
+        except EndpointConnectionError:
+            logger.exception("An error was encountered while committing transaction %r", "5cbc")
+        gone = out.getvalue()
+        assert gone == ("An error was encountered while committing transaction '5cbc': EndpointConnectionError: Could "
+                        "not connect to the endpoint URL: \"http://127.0.0.1:8333/paperline-results/5cbc\"\n"), gone
+        try:
+            raise ValueError("a real bug")
+        except ValueError:
+            logger.exception("An error was encountered while committing transaction %r", "6dd")
+        assert "Traceback (most recent call last)" in out.getvalue()[len(gone):]
+    finally:
+        logger.removeHandler(handler)
+
+
 def test_a_dead_scheduler_address_is_one_clear_error_before_any_run(settings_factory, free_port, tmp_path):
     """`PAPERLINE_DASK_SCHEDULER_ADDRESS` pointing nowhere failed inside the run after 65 s (Dask's
     connect timeouts); `paperline run` and `serve` now check it first."""
