@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import atexit
 import logging
+import math
 import os
 import sys
 from typing import Any
@@ -126,27 +127,32 @@ class ServerGoneOneLine(logging.Filter):
         return True
 
 
-_SAID: set[str] = set()  # the once-per-process lines of short_event_failure already let through
+_SAID: dict[str, float] = {}  # short_event_failure's kinds of line: when each was last let through
+QUIET_REPEATS_S = 600.0  # a kind said less than this long ago is not said again
 
 
 def short_event_failure(record: logging.LogRecord) -> bool:
-    """One short line, once per process, for the events Prefect's events worker could not send,
-    and for its client's "Unable to connect to 'ws://...'": with the server gone each failed event
-    printed the whole event (2,000 characters; a trial), and the pair came every few seconds from
-    the flow's process and each worker until the run gave up (a minute). Installed by `paperline
-    run` and by each worker (:func:`dask_setup`)."""
+    """One short line, at most every :data:`QUIET_REPEATS_S` seconds per process, for the events
+    Prefect's events worker could not send, and for its client's "Unable to connect to
+    'ws://...'": with the server gone each failed event printed the whole event (2,000 characters;
+    a trial), and the pair came every few seconds from the flow's process and each worker until
+    the run gave up (a minute). Installed by `paperline run` and `serve` and by each worker
+    (:func:`dask_setup`)."""
     args = record.args if isinstance(record.args, tuple) else ()
     if "failed to process item" in str(record.msg) and any(type(a).__name__ == "Event" for a in args):
         kind = "event"
-        record.msg, record.args = "Prefect's events worker could not send an event to the server (later ones in " \
-                                  "this process are not shown)", ()
+        record.msg, record.args = "Prefect's events worker could not send an event to the server (the next ones " \
+                                  f"for {QUIET_REPEATS_S / 60:g} minutes are not shown)", ()
     elif record.name == "prefect.events.clients" and str(record.msg).startswith("Unable to connect to"):
         kind = "connect"
     else:
         return True
-    if kind in _SAID:
+    import time  # noqa: PLC0415
+
+    now = time.monotonic()
+    if now - _SAID.get(kind, -math.inf) < QUIET_REPEATS_S:
         return False
-    _SAID.add(kind)
+    _SAID[kind] = now
     return True
 
 

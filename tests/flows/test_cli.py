@@ -789,7 +789,7 @@ def test_an_event_prefect_could_not_send_is_one_short_line_once(monkeypatch):
     from paperline.flows.cli import _short_event_failures
     from paperline.infra import worker_exit
 
-    monkeypatch.setattr(worker_exit, "_SAID", set())  # this process's first ones
+    monkeypatch.setattr(worker_exit, "_SAID", {})  # this process's first ones
     event = Event(event="prefect.task-run.Completed", resource={"prefect.resource.id": "x" * 3000})
 
     def failed() -> logging.LogRecord:
@@ -802,10 +802,12 @@ def test_an_event_prefect_could_not_send_is_one_short_line_once(monkeypatch):
 
     record = failed()
     assert _short_event_failures(record) and record.getMessage() == \
-        "Prefect's events worker could not send an event to the server (later ones in this process are not shown)"
+        "Prefect's events worker could not send an event to the server (the next ones for 10 minutes are not shown)"
     assert _short_event_failures(unreachable())
     # the next ones came every few seconds from every process until the run gave up: not shown
     assert not _short_event_failures(failed()) and not _short_event_failures(unreachable())
+    monkeypatch.setattr(worker_exit, "QUIET_REPEATS_S", 0.0)  # (as 10 minutes later: a serve's next outage)
+    assert _short_event_failures(failed()) and _short_event_failures(unreachable())
     other = logging.LogRecord("prefect", logging.ERROR, __file__, 1, "Service %r failed to process item %r",
                               ("LogsWorker", {"x": 1}), None)
     assert _short_event_failures(other) and "LogsWorker" in other.getMessage()
