@@ -1167,11 +1167,17 @@ class LineEndTracker:
     own after a library's ``sys.stderr.write`` without a newline (Prefect's log worker writes its
     error so when the server has gone)."""
 
+    API_LOG_ERROR = "--- Error logging to API ---\n"  # Prefect's APILogWorker; its error text follows, unended
+
     def __init__(self, inner: Any):
         self._inner = inner
         self.at_line_start = True
+        self._api_log_error = False
 
     def write(self, text: str) -> int:
+        if self._api_log_error and text and not text.endswith("\n"):
+            text += "\n"  # else the next log line was glued onto it ("...attempts failed14:52:07.120 | WARNING")
+        self._api_log_error = text == self.API_LOG_ERROR
         if text:
             self.at_line_start = text.endswith("\n")
         return self._inner.write(text)

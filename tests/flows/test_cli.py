@@ -945,4 +945,9 @@ def test_the_error_line_starts_a_line_after_a_library_wrote_half_of_one(monkeypa
         fails()
     lines = out.getvalue().splitlines()
     assert lines[1] == "All connection attempts failed" and lines[2].startswith("error: prefect"), lines
+    # (and Prefect's error text after its "--- Error logging to API ---" line is ended, so that the
+    # next log record, written past this stream by a log handler, starts a line too)
+    sys.stderr.write("--- Error logging to API ---\n")
+    sys.stderr.write("All connection attempts failed")
+    assert out.getvalue().endswith("--- Error logging to API ---\nAll connection attempts failed\n")
     assert LineEndTracker(io.StringIO()).at_line_start and sys.stderr.isatty() is False  # forwarded
