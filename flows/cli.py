@@ -556,6 +556,16 @@ def _early_cluster(wanted: bool = True) -> Iterator[Any]:
             early[0].close()
 
 
+def _say_no_workers(workers: int | None, settings: Any) -> None:
+    """Warn when the configured Dask scheduler has no worker: the run's tasks wait for one,
+    silently (a trial's tensor and nas runs printed nothing for minutes). Not refused: an
+    adaptive cluster starts its workers when tasks come."""
+    if workers == 0:
+        err_console.print(f"[yellow]the Dask scheduler at {settings.dask_scheduler_address} has no workers now: the "
+                          "run's tasks wait until one joins (`dask worker ADDRESS`, or your cluster's scaling)[/]",
+                          soft_wrap=True, highlight=False)
+
+
 def _quiet_logs() -> None:
     """Keep the terminal to the result table: Dask's chatter at WARNING, the comparison with the
     best earlier run once (in the printed summary, not also as its log record), and (unless
@@ -648,7 +658,7 @@ def _run_one(spec, params, summary_json: Path | None, early=None) -> dict[str, A
         params.validate_inputs()
     _quiet_logs()
     settings = _settings()
-    require_scheduler(settings)  # before starting anything
+    _say_no_workers(require_scheduler(settings), settings)  # before starting anything
     info = _ensure_stack()
     if hasattr(params, "validate_on_stack"):  # checks that need the stack's services (nas: its checkpoints)
         from paperline.infra.storage import ObjectStore
@@ -798,7 +808,7 @@ def serve() -> None:
     from paperline.infra.flow_runs import watch_flow_runs
 
     _quiet_logs()
-    require_scheduler(_settings())  # the runs served here use it
+    _say_no_workers(require_scheduler(_settings()), _settings())  # the runs served here use it
     info = _ensure_stack()
     with _serve_lock(_settings().state_dir):  # one serve per stack, for as long as this one serves
         deployments = local_deployments(info.data_bucket, paused_schedules(served_names()))

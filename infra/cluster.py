@@ -328,16 +328,24 @@ def describe_cluster(settings: Settings) -> str:
     return f"local CPU cluster ({n} single-threaded worker processes, 127.0.0.1)"
 
 
-def require_scheduler(settings: Settings, timeout_s: float = 5.0) -> None:
-    """Check that the configured Dask scheduler (``dask_scheduler_address``) accepts a TCP
-    connection; a no-op for a local cluster or a scheme other than ``tcp://``/``tls://``.
+def require_scheduler(settings: Settings, timeout_s: float = 5.0) -> int | None:
+    """Connect to the configured Dask scheduler (``dask_scheduler_address``) as the run's client
+    will (Dask's own comms, with the TLS settings of Dask's config) and count its workers; a no-op
+    for a local cluster.
 
     Without it a dead address failed inside the run after Dask's two 30 s connect timeouts
-    (65 s, with a flow run and an MLflow run already made).
+    (65 s, with a flow run and an MLflow run already made); a ``tls://`` address to a plain
+    scheduler, or an ``http://`` one, passed a bare socket check and failed in the run with Dask's
+    ``TypeError``/``ValueError`` naming no setting (a trial).
+
+    Returns:
+        The scheduler's worker count now (0: tasks wait until a worker joins), or None for a
+        local cluster.
 
     Raises:
-        ServiceError: naming the scheduler's address and what the connection attempt said.
+        ServiceError: naming the scheduler's address, what the connection said, and the setting.
     """
+    import asyncio  # noqa: PLC0415
     import socket  # noqa: PLC0415
     from urllib.parse import urlsplit  # noqa: PLC0415
 
@@ -345,14 +353,26 @@ def require_scheduler(settings: Settings, timeout_s: float = 5.0) -> None:
 
     address = settings.dask_scheduler_address
     if not address:
-        return
+        return None
+
+    async def workers() -> int:
+        from distributed import Client  # noqa: PLC0415
+
+        async with Client(address, asynchronous=True, timeout=timeout_s, set_as_default=False) as client:
+            return len(await client.scheduler.ncores())  # {worker address: threads}, asked now
+
     parts = urlsplit(address if "://" in address else f"tcp://{address}")
-    if parts.scheme not in ("tcp", "tls"):
-        return
+    if parts.scheme in ("tcp", "tls"):  # a refused port at once (Dask's connect retries it until its timeout)
+        try:
+            with socket.create_connection((parts.hostname or "127.0.0.1", parts.port or 8786), timeout=timeout_s):
+                pass
+        except (OSError, ValueError) as exc:
+            raise ServiceError("dask scheduler", f"cannot connect ({exc}); check PAPERLINE_DASK_SCHEDULER_ADDRESS",
+                               url=address) from None
     try:
-        port = parts.port or 8786
-        with socket.create_connection((parts.hostname or "127.0.0.1", port), timeout=timeout_s):
-            pass
-    except (OSError, ValueError) as exc:
-        raise ServiceError("dask scheduler", f"cannot connect ({exc}); check PAPERLINE_DASK_SCHEDULER_ADDRESS",
-                           url=address) from None
+        return asyncio.run(asyncio.wait_for(workers(), timeout_s + 5))
+    except Exception as exc:  # noqa: BLE001 - OSError, TimeoutError, TLS TypeError, unknown scheme ValueError, ...
+        why = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+        raise ServiceError("dask scheduler", f"cannot connect ({type(exc).__name__}: {why}); check "
+                                             "PAPERLINE_DASK_SCHEDULER_ADDRESS (tcp://host:port, or tls:// with Dask's "
+                                             "TLS settings)", url=address) from None

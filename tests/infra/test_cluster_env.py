@@ -331,14 +331,48 @@ def test_a_dead_scheduler_address_is_one_clear_error_before_any_run(settings_fac
     with pytest.raises(ServiceError, match=rf"^dask scheduler is not available at {dead}: cannot connect"):
         require_scheduler(settings_factory(tmp_path, dask_scheduler_address=dead))
     assert time.monotonic() - started < 5
-    with socket.socket() as listening:
-        listening.bind(("127.0.0.1", 0))
-        listening.listen()
-        port = listening.getsockname()[1]
-        require_scheduler(settings_factory(tmp_path, dask_scheduler_address=f"tcp://127.0.0.1:{port}"))
-        require_scheduler(settings_factory(tmp_path, dask_scheduler_address=f"127.0.0.1:{port}"))  # no scheme
-    require_scheduler(settings_factory(tmp_path))  # a local cluster: nothing to check
-    require_scheduler(settings_factory(tmp_path, dask_scheduler_address="ucx://10.0.0.1:8786"))  # not checked
+    assert require_scheduler(settings_factory(tmp_path)) is None  # a local cluster: nothing to check
+
+
+def test_a_scheduler_address_is_checked_with_daks_own_comms_and_its_workers_counted(settings_factory, tmp_path):
+    """A `tls://` address to a plain scheduler, or an `http://` one (its dashboard), passed the bare
+    socket check and failed in the run with Dask's TypeError/ValueError naming no setting; a
+    scheduler without workers let tensor and nas runs wait silently (a trial)."""
+    import asyncio
+
+    from distributed import Scheduler, Worker
+
+    from paperline.infra.cluster import require_scheduler
+    from paperline.infra.errors import ServiceError
+
+    def check(address):
+        return require_scheduler(settings_factory(tmp_path, dask_scheduler_address=address))
+
+    async def scheduler_then(body):
+        async with Scheduler(host="127.0.0.1", port=0, dashboard_address=":0") as s:
+            return await asyncio.to_thread(body, s)
+
+    def probes(s):
+        port = s.address.rsplit(":", 1)[1]
+        counts = [check(s.address), check(f"127.0.0.1:{port}")]  # (no scheme: tcp)
+        for bad, says in ((f"tls://127.0.0.1:{port}", "TypeError: TLS expects a `ssl_context`"),
+                          (f"http://127.0.0.1:{port}", "ValueError: unknown address scheme 'http'")):
+            with pytest.raises(ServiceError, match="check PAPERLINE_DASK_SCHEDULER_ADDRESS") as refused:
+                check(bad)
+            assert says in str(refused.value), refused.value
+        return counts
+
+    assert asyncio.run(scheduler_then(probes)) == [0, 0]
+
+    async def one_worker(s):
+        async with Worker(s.address, nthreads=1):
+            return await asyncio.to_thread(check, s.address)
+
+    async def with_worker():
+        async with Scheduler(host="127.0.0.1", port=0, dashboard_address=":0") as s:
+            return await one_worker(s)
+
+    assert asyncio.run(with_worker()) == 1
 
 
 def test_the_local_cluster_takes_only_its_own_clients():
