@@ -811,6 +811,7 @@ def serve() -> None:
     _say_no_workers(require_scheduler(_settings()), _settings())  # the runs served here use it
     info = _ensure_stack()
     with _serve_lock(_settings().state_dir):  # one serve per stack, for as long as this one serves
+        served_elsewhere(served_names())  # ... and per Prefect server, which other state dirs may share
         deployments = local_deployments(info.data_bucket, paused_schedules(served_names()))
         listed = [f"{d.flow_name}/{d.name} ({d.schedules[0].schedule.cron if d.schedules else 'no schedule'}"
                   f"{'' if not d.schedules or d.schedules[0].active else ', schedule paused'})" for d in deployments]
@@ -856,6 +857,45 @@ def local_deployments(data_bucket: str, paused: set[str]) -> list[Any]:
             schedules=[schedule] if schedule else None, parameters=spec.deployment_params(data_bucket),
             concurrency_limit=1, entrypoint_type=EntrypointType.MODULE_PATH))
     return deployments
+
+
+SERVE_POLLED_WITHIN_S = 30.0  # three of a serve's 10-s polls (Prefect's PREFECT_RUNNER_POLL_FREQUENCY)
+
+
+def served_elsewhere(names: list[str]) -> None:
+    """Refuse to serve deployments that another process serves now on this Prefect server: one of
+    ``names`` unpaused and polled within :data:`SERVE_POLLED_WITHIN_S` (a serve polls every 10 s,
+    so a killed one blocks a new one for at most that long). The
+    serve lock is per state directory; a client configured against a shared Prefect server (or
+    another host's serve) served the same deployments, and stopping it paused them all under the
+    first serve (a trial). A serve that stopped paused them; one killed outright stops polling.
+
+    Raises:
+        PaperlineError: naming the deployments, how long ago they were polled, and the way on.
+    """
+    import datetime
+
+    from prefect.client.orchestration import get_client
+    from prefect.exceptions import ObjectNotFound
+    from prefect.settings import PREFECT_API_URL
+
+    from paperline.infra.errors import redact_url
+
+    now = datetime.datetime.now(datetime.timezone.utc)
+    busy = []
+    with get_client(sync_client=True) as client:
+        for name in names:
+            with contextlib.suppress(ObjectNotFound):
+                d = client.read_deployment_by_name(name)
+                ago = (now - d.last_polled).total_seconds() if d.last_polled else None
+                if not d.paused and ago is not None and ago <= SERVE_POLLED_WITHIN_S:
+                    busy.append((name, ago))
+    if busy:
+        shown = ", ".join(f"{name} (polled {ago:.0f} s ago)" for name, ago in busy[:3])
+        raise PaperlineError(f"another process serves {len(busy)} of these deployments on the Prefect server at "
+                             f"{redact_url(str(PREFECT_API_URL.value()))} now: {shown}; one `paperline serve` per Prefect "
+                             "server (two pause each other's deployments when one stops): stop it first, or wait "
+                             f"{SERVE_POLLED_WITHIN_S:.0f} s if it was killed")
 
 
 def paused_schedules(names: list[str]) -> set[str]:

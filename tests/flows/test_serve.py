@@ -232,6 +232,26 @@ def test_a_second_serve_on_the_same_stack_is_refused(served, cli_env):
     assert proc.poll() is None  # the first one serves on
 
 
+def test_a_serve_of_another_state_dir_on_the_same_prefect_server_is_refused(served):
+    """The serve lock is per state directory: a client configured against a shared Prefect server
+    served the same deployments, and stopping it paused them all under the first serve (a trial).
+    Deployments unpaused and polled in the last 90 s are another process's: refused, named."""
+    from prefect.client.orchestration import get_client
+
+    from paperline.flows.cli import served_elsewhere, served_names
+    from paperline.infra.errors import PaperlineError
+
+    _, proc, log = served
+    with get_client(sync_client=True) as client:
+        deadline = time.time() + 60
+        while not _deployment(client, "gemm/local", proc, log).last_polled and time.time() < deadline:
+            time.sleep(1)
+    with pytest.raises(PaperlineError, match=r"another process serves 5 of these deployments on the Prefect server at "
+                                             r".*compressed-training/local \(polled \d+ s ago\)"):
+        served_elsewhere(served_names())
+    served_elsewhere(["nosuch/local"])  # nothing served: passes
+
+
 def test_status_names_the_serving_process(served, cli_env):
     """`paperline status` did not say whether anything served the deployments (a fresh-user trial)."""
     from prefect.client.orchestration import get_client
