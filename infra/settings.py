@@ -200,8 +200,12 @@ def unknown_variables(environ: dict[str, str] | None = None, env_file: str | os.
         if name.upper() in known or name.upper() in OTHER_VARIABLES:
             continue
         # compared without the prefix, which every name shares (FOO came out close to HOST)
-        close = difflib.get_close_matches(name.upper().removeprefix("PAPERLINE_"),
-                                          sorted(k.removeprefix("PAPERLINE_") for k in known), n=1, cutoff=0.6)
+        typed = name.upper().removeprefix("PAPERLINE_")
+        candidates = sorted(k.removeprefix("PAPERLINE_") for k in known)
+        if any(word in typed for word in ("URI", "URL", "ENDPOINT", "ADDRESS")):  # an endpoint is meant:
+            # PAPERLINE_MLFLOW_URI came out closest to MLFLOW_PORT, not MLFLOW_TRACKING_URI (a trial)
+            candidates = [k for k in candidates if any(w in k for w in ("URI", "URL", "ENDPOINT", "ADDRESS"))]
+        close = difflib.get_close_matches(typed, candidates, n=1, cutoff=0.5)
         hint = f"; did you mean PAPERLINE_{close[0]}?" if close else f"; the settings: README \"Pointing paperline at real infrastructure\""
         lines.append(f"{name} (in the {where}) is not a paperline setting and is ignored{hint}")
     return lines

@@ -110,6 +110,10 @@ def test_unknown_paperline_variables_are_named_with_the_closest_setting(tmp_path
         f"PAPERLINE_STATEDIR (in the {env_file} file) is not a paperline setting and is ignored; did you mean "
         "PAPERLINE_STATE_DIR?"]
     assert unknown_variables({"PAPERLINE_HOST": "x"}, tmp_path / "missing.env") == []
+    # an endpoint meant: named after an endpoint setting (MLFLOW_URI came out as MLFLOW_PORT, a trial)
+    for typo, meant in (("MLFLOW_URI", "MLFLOW_TRACKING_URI"), ("MLFLOW_URL", "MLFLOW_TRACKING_URI"),
+                        ("PREFECT_URL", "PREFECT_API_URL"), ("MLFLOW_PROT", "MLFLOW_PORT")):
+        assert unknown_variables({f"PAPERLINE_{typo}": "x"}, None)[0].endswith(f"did you mean PAPERLINE_{meant}?")
 
 
 def test_the_cli_warns_about_an_unknown_variable_once(tmp_path):
