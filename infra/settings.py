@@ -172,6 +172,10 @@ class Settings(BaseSettings):
         return not (self.s3_endpoint_url and self.prefect_api_url and self.mlflow_tracking_uri)
 
 
+# the logins of configured servers, read by their own clients from the environment (not from .env)
+CLIENT_LOGIN_VARIABLES = frozenset({"PREFECT_API_AUTH_STRING", "PREFECT_API_KEY", "MLFLOW_TRACKING_TOKEN",
+                                    "MLFLOW_TRACKING_USERNAME", "MLFLOW_TRACKING_PASSWORD"})
+
 # PAPERLINE_* variables that are not settings: read where they act (infra/errors.py, the tests)
 OTHER_VARIABLES = frozenset({"PAPERLINE_DEBUG", "PAPERLINE_TEST_POSTGRES_URL", "PAPERLINE_REQUIRE_POSTGRES",
                              "PAPERLINE_REQUIRE_BROWSER", "PAPERLINE_CHROMIUM", "PAPERLINE_TEST_ARTIFACTS"})
@@ -190,12 +194,18 @@ def unknown_variables(environ: dict[str, str] | None = None, env_file: str | os.
     from dotenv import dotenv_values  # noqa: PLC0415 - pydantic-settings' own .env reader
 
     known = {f"PAPERLINE_{name.upper()}" for name in Settings.model_fields}
-    found = {k: "environment" for k in (os.environ if environ is None else environ) if k.upper().startswith("PAPERLINE_")}
+    environ = os.environ if environ is None else environ
+    found = {k: "environment" for k in environ if k.upper().startswith("PAPERLINE_")}
+    lines = []
     if env_file is not None and Path(env_file).is_file():
         for key in dotenv_values(env_file):
             if key.upper().startswith("PAPERLINE_"):
                 found.setdefault(key, f"{env_file} file")
-    lines = []
+            elif key in CLIENT_LOGIN_VARIABLES and key not in environ:
+                # the servers' own clients read these from the environment alone: in .env they were
+                # skipped, and the 401 said to set what the user had set (a trial)
+                lines.append(f"{key} (in the {env_file} file) is not read from there: Prefect's and MLflow's clients "
+                             f"take it from the environment alone; export it")
     for name, where in sorted(found.items()):
         if name.upper() in known or name.upper() in OTHER_VARIABLES:
             continue

@@ -110,6 +110,11 @@ def test_unknown_paperline_variables_are_named_with_the_closest_setting(tmp_path
         f"PAPERLINE_STATEDIR (in the {env_file} file) is not a paperline setting and is ignored; did you mean "
         "PAPERLINE_STATE_DIR?"]
     assert unknown_variables({"PAPERLINE_HOST": "x"}, tmp_path / "missing.env") == []
+    # a configured server's login in .env: not read from there (its client reads the environment), said so
+    env_file.write_text("PREFECT_API_AUTH_STRING=u:p\nMLFLOW_TRACKING_PASSWORD=pw\n")
+    assert unknown_variables({"MLFLOW_TRACKING_PASSWORD": "pw"}, env_file) == [
+        f"PREFECT_API_AUTH_STRING (in the {env_file} file) is not read from there: Prefect's and MLflow's clients take "
+        "it from the environment alone; export it"]
     # an endpoint meant: named after an endpoint setting (MLFLOW_URI came out as MLFLOW_PORT, a trial)
     for typo, meant in (("MLFLOW_URI", "MLFLOW_TRACKING_URI"), ("MLFLOW_URL", "MLFLOW_TRACKING_URI"),
                         ("PREFECT_URL", "PREFECT_API_URL"), ("MLFLOW_PROT", "MLFLOW_PORT")):
