@@ -187,7 +187,9 @@ def unknown_variables(environ: dict[str, str] | None = None, env_file: str | os.
 
     Such a name is ignored, silently until this: ``PAPERLINE_S3_ENDPOINT=...`` (for
     ``PAPERLINE_S3_ENDPOINT_URL``) made `up` start a local SeaweedFS, and the data went there
-    instead of to the intended endpoint (a fresh-user trial).
+    instead of to the intended endpoint (a fresh-user trial). Also one line per server login
+    (:data:`CLIENT_LOGIN_VARIABLES`) found in ``.env`` but not in the environment: its client
+    never reads it from there.
     """
     import difflib  # noqa: PLC0415
 
