@@ -230,7 +230,10 @@ def down() -> None:
 def status() -> None:
     """Show each service with its URL and health; exit 1 when one is not healthy (so that
     `paperline status || paperline up` works in scripts)."""
-    from paperline.infra.cluster import describe_cluster
+    from rich.markup import escape
+
+    from paperline.infra.cluster import describe_cluster, require_scheduler
+    from paperline.infra.errors import ServiceError
     from paperline.infra.flow_runs import deployment_status
     from paperline.infra.stack import load_stack_info, stack_status, state_problem
 
@@ -240,7 +243,14 @@ def status() -> None:
     for s in services:
         if s.detail and s.healthy:
             console.print(f"{s.name}: {s.detail}", highlight=False, soft_wrap=True)
-    console.print(f"Dask: {describe_cluster(settings)}")
+    dask_down = None
+    try:  # a configured scheduler is connected to, as `run` does (a dead address was reported as fine: a trial)
+        workers = require_scheduler(settings)
+    except ServiceError as exc:
+        workers, dask_down = None, str(exc)
+    shown = f" ({workers} worker(s) now)" if workers is not None else ""
+    console.print(f"Dask: {describe_cluster(settings)}{shown}" if dask_down is None else
+                  f"[red]Dask: {escape(dask_down)}[/]", highlight=False, soft_wrap=True)
     prefect = next((s for s in services if s.name == "prefect"), None)
     info = load_stack_info(settings) if prefect is not None and prefect.healthy else None
     if info is not None:  # who executes the deployments' runs: nothing said so, and runs waited Scheduled
@@ -252,7 +262,7 @@ def status() -> None:
         console.print(f"[yellow]{problem}[/]", highlight=False, soft_wrap=True)
     for line in _down_lines(services, unrecorded=bool(problem)):
         console.print(line, highlight=False, soft_wrap=True)
-    if problem or any(not s.healthy for s in services):
+    if problem or dask_down or any(not s.healthy for s in services):
         raise typer.Exit(1)
 
 

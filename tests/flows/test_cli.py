@@ -486,9 +486,16 @@ def test_env_without_a_running_stack_is_one_line(tmp_path):
     assert "export" not in result.output
 
 
-def test_status_exits_1_when_a_service_is_down(tmp_path):
+def test_status_exits_1_when_a_service_is_down(tmp_path, free_port):
     result = run_cli("status", env={"PAPERLINE_STATE_DIR": str(tmp_path / "state")})
     assert result.exit_code == 1 and "not running: s3, prefect, mlflow" in result.output, result.output
+    # a configured Dask scheduler that nothing answers at is down too (it said "existing Dask
+    # scheduler at ..." and nothing else: a trial)
+    dead = f"tcp://127.0.0.1:{free_port()}"
+    result = run_cli("status", env={"PAPERLINE_STATE_DIR": str(tmp_path / "state"),
+                                    "PAPERLINE_DASK_SCHEDULER_ADDRESS": dead})
+    assert result.exit_code == 1 and f"Dask: dask scheduler is not available at {dead}: cannot connect" in \
+        " ".join(result.output.split()), result.output
 
 
 def test_the_pipelines_modules_load_without_mlflow():
