@@ -237,6 +237,17 @@ def test_a_metric_maximized_by_some_runs_and_minimized_by_others_is_not_ranked(s
                                                                                                ids["levy-a"]]
 
 
+def _finished_run(tracker, experiment, name, params, tags, headlines, metrics):
+    """A FINISHED run as a pipeline logs it: its parameter key (its name) and headline metrics."""
+    import json
+
+    run_id = tracker.start_run(experiment, run_name=name, params=params, tags={
+        **tags, "paperline.params_key": name, "paperline.headlines": json.dumps(headlines)})
+    tracker.log_metrics(run_id, metrics)
+    tracker.end_run(run_id)
+    return run_id
+
+
 def test_runs_of_different_problems_ranked_together_get_a_note(stack_cli, stack, tmp_path):
     """nas hypervolumes of live-mnist (5.7e9) and NAS-Bench-201 (5.6) were ranked as one list
     without a word (a trial): ranked still, with a note naming a filter for one problem."""
@@ -248,10 +259,8 @@ def test_runs_of_different_problems_ranked_together_get_a_note(stack_cli, stack,
     tracker = Tracker(info.mlflow_tracking_uri)
     for name, problem, value in (("bench", "nasbench201-cifar10", 5.6), ("live", "live-mnist", 5.7e9),
                                  ("all-failed", "dtlz2", None)):
-        run_id = tracker.start_run("compare-problems", run_name=name, params={"problem": problem}, tags={
-            "paperline.params_key": name, "paperline.headlines": json.dumps([["final_hypervolume", True]])})
-        tracker.log_metrics(run_id, {"final_hypervolume": value} if value else {"evaluations": 4})
-        tracker.end_run(run_id)
+        _finished_run(tracker, "compare-problems", name, {"problem": problem}, {},
+                      [["final_hypervolume", True]], {"final_hypervolume": value} if value else {"evaluations": 4})
     res = stack_cli("compare", "compare-problems", "--out", str(tmp_path))
     out = " ".join(res.output.split())
     assert res.exit_code == 0, res.output
@@ -277,11 +286,8 @@ def test_runs_on_different_contents_of_a_data_file_ranked_together_get_a_note(st
     _, info = stack
     tracker = Tracker(info.mlflow_tracking_uri)
     for name, content, value in (("old", "aaa111", 0.079), ("new", "bbb222", 0.363), ("new-again", "bbb222", 0.36)):
-        run_id = tracker.start_run("compare-contents", run_name=name, params={"datasets": ""}, tags={
-            "paperline.params_key": name, "paperline.data_sha256": content,
-            "paperline.headlines": json.dumps([["user-mine.random.p2t2f.test_rmse", False]])})
-        tracker.log_metrics(run_id, {"user-mine.random.p2t2f.test_rmse": value})
-        tracker.end_run(run_id)
+        _finished_run(tracker, "compare-contents", name, {"datasets": ""}, {"paperline.data_sha256": content},
+                      [["user-mine.random.p2t2f.test_rmse", False]], {"user-mine.random.p2t2f.test_rmse": value})
     res = stack_cli("compare", "compare-contents", "--out", str(tmp_path))
     out = " ".join(res.output.split())
     assert res.exit_code == 0, res.output
