@@ -1247,7 +1247,16 @@ class LineEndTracker:
 
 
 def main() -> None:
-    """Console-script entry point: runs the command, then exits through :func:`_exit`."""
+    """Console-script entry point: runs the command, then exits through :func:`_exit`.
+    ``kill -USR1 <pid>`` prints every thread's Python stack to stderr (a command that seems stuck)."""
+    import faulthandler
+    import signal
+
+    if sys.stderr is not None and hasattr(signal, "SIGUSR1"):
+        try:
+            faulthandler.register(signal.SIGUSR1, file=sys.stderr, all_threads=True)
+        except (ValueError, OSError, AttributeError):  # a stderr without a file descriptor
+            pass
     if sys.stderr is not None and not isinstance(sys.stderr, LineEndTracker):
         sys.stderr = LineEndTracker(sys.stderr)
     try:

@@ -24,7 +24,21 @@ def _run(cli_env, *sets, summary=None):
         args += ["--set", s]
     if summary is not None:
         args += ["--summary-json", str(summary)]
-    return subprocess.run(args, env=cli_env, capture_output=True, text=True, timeout=600)
+    # under pytest-timeout's 600 s: a stuck run is asked for its stacks (SIGUSR1: the CLI's
+    # faulthandler) and they are shown (a CI run's cached re-run hung once, 2026-12-04, unexplained)
+    proc = subprocess.Popen(args, env=cli_env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        out, err = proc.communicate(timeout=480)
+    except subprocess.TimeoutExpired:
+        import signal
+
+        proc.send_signal(signal.SIGUSR1)
+        time.sleep(3)
+        proc.kill()
+        out, err = proc.communicate()
+        pytest.fail(f"`paperline run video-curation` still running after 480 s; its stacks (SIGUSR1) and output:\n"
+                    f"{err[-20000:]}\n{out[-3000:]}")
+    return subprocess.CompletedProcess(args, proc.returncode, out, err)
 
 
 @pytest.fixture(scope="module")
