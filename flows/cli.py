@@ -821,8 +821,9 @@ def serve() -> None:
     _say_no_workers(require_scheduler(_settings()), _settings())  # the runs served here use it
     info = _ensure_stack()
     with _serve_lock(_settings().state_dir):  # one serve per stack, for as long as this one serves
-        served_elsewhere(served_names())  # ... and per Prefect server, which other state dirs may share
-        deployments = local_deployments(info.data_bucket, paused_schedules(served_names()))
+        names = served_names()
+        served_elsewhere(names)  # ... and per Prefect server, which other state dirs may share
+        deployments = local_deployments(info.data_bucket, paused_schedules(names))
         listed = [f"{d.flow_name}/{d.name} ({d.schedules[0].schedule.cron if d.schedules else 'no schedule'}"
                   f"{'' if not d.schedules or d.schedules[0].active else ', schedule paused'})" for d in deployments]
         console.print(f"serving {len(deployments)} deployments: " + ", ".join(listed), highlight=False,
@@ -834,7 +835,6 @@ def serve() -> None:
                       "gemm/local --params '{\"params\": {\"m\": 512}}'`; Ctrl-C stops serving",
                       soft_wrap=True, highlight=False, markup=False)
         # on stopping, a run it was executing, or had claimed and not started, is marked Crashed
-        names = [f"{d.flow_name}/{d.name}" for d in deployments]
         with watch_flow_runs("paperline serve", report=_say, deployments=names), _sigterm_as_ctrl_c():
             try:
                 prefect_serve(*deployments, print_starting_message=False)

@@ -251,8 +251,6 @@ def _finished_run(tracker, experiment, name, params, tags, headlines, metrics):
 def test_runs_of_different_problems_ranked_together_get_a_note(stack_cli, stack, tmp_path):
     """nas hypervolumes of live-mnist (5.7e9) and NAS-Bench-201 (5.6) were ranked as one list
     without a word (a trial): ranked still, with a note naming a filter for one problem."""
-    import json
-
     from paperline.infra.tracking import Tracker
 
     _, info = stack
@@ -279,8 +277,6 @@ def test_runs_of_different_problems_ranked_together_get_a_note(stack_cli, stack,
 def test_runs_on_different_contents_of_a_data_file_ranked_together_get_a_note(stack_cli, stack, tmp_path):
     """A user's tensor file edited between runs: its old and new contents (test RMSE 0.079 and
     0.363) were ranked as one list (a trial). The note names the tag that tells them apart."""
-    import json
-
     from paperline.infra.tracking import Tracker
 
     _, info = stack
