@@ -8,6 +8,7 @@ import os
 import signal
 import socket
 import subprocess
+import sys
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -416,6 +417,43 @@ def low_rank_tensor():
     tensor with random-walk time factors plus N(0, noise^2) noise; ``.noise`` is the noise std."""
     _low_rank_tensor.noise = NOISE
     return _low_rank_tensor
+
+
+# --- one `paperline` command in a subprocess --------------------------------------------------------
+
+CLI = [sys.executable, "-m", "paperline.flows.cli"]
+
+
+def _run_cli(env: dict[str, str], *args: str, timeout: float = 480, check: bool = False,
+             cwd: os.PathLike[str] | str | None = None, command: list[str] = CLI) -> subprocess.CompletedProcess:
+    """``paperline ARGS`` in a subprocess with ``env``, output captured as text. One still
+    running after ``timeout`` s (under pytest-timeout's 600) is asked for every thread's stack
+    (SIGUSR1: the CLI's faulthandler) and the test fails showing them with its output: a CI run's
+    cached video re-run hung once past 600 s with nothing to read (2026-12-04, unexplained).
+    ``check``: a non-zero exit fails the test, showing the output's tails. ``command``: what
+    runs in place of ``paperline`` (the harness's own test)."""
+    shown = " ".join(["paperline" if command is CLI else command[-1], *args])
+    proc = subprocess.Popen([*command, *args], env=env, cwd=cwd, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True)
+    try:
+        out, err = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        proc.send_signal(signal.SIGUSR1)
+        time.sleep(3)
+        proc.kill()
+        out, err = proc.communicate()
+        pytest.fail(f"`{shown}` still running after {timeout:.0f} s; its stacks (SIGUSR1) "
+                    f"and output:\n{err[-20000:]}\n{out[-3000:]}")
+    if check and proc.returncode != 0:
+        pytest.fail(f"`{shown}` exited {proc.returncode}:\n{out[-3000:]}\n{err[-3000:]}")
+    return subprocess.CompletedProcess([*command, *args], proc.returncode, out, err)
+
+
+@pytest.fixture(scope="session")
+def run_cli() -> Callable[..., subprocess.CompletedProcess]:
+    """``run_cli(env, *args, timeout=480, check=False)``: ``paperline ARGS`` in a subprocess; a
+    stuck one fails the test with its stacks."""
+    return _run_cli
 
 
 # --- long-running CLI processes (serve, worker) ---------------------------------------------------

@@ -65,3 +65,23 @@ def test_a_fatal_signal_prints_the_native_stacks_then_pythons(tmp_path):
     assert native < python  # gdb's stacks first (the aborting thread's abort frame), then faulthandler's
     assert "in test_aborts_in_a_native_thread" in err[python:]
     assert "Thread 1 " in err[:python]  # every thread, not only the one that aborted
+
+
+def test_a_stuck_command_fails_its_test_with_the_stacks_it_prints_on_sigusr1(run_cli, tmp_path):
+    """``run_cli`` (what the stack tests run `paperline` with) asks a command still running at its
+    timeout for its stacks and fails the test with them; a failed command with ``check`` shows its
+    output."""
+    stuck = ("import faulthandler, signal, sys, time\n"
+             "faulthandler.register(signal.SIGUSR1, file=sys.stderr, all_threads=True)\n"
+             "def waiting_for_something():\n    time.sleep(60)\n"
+             "print('started', flush=True)\nwaiting_for_something()\n")
+    (tmp_path / "stuck.py").write_text(stuck)
+    with pytest.raises(pytest.fail.Exception) as failed:
+        run_cli(dict(os.environ), "--flag", timeout=3, command=[sys.executable, str(tmp_path / "stuck.py")])
+    text = str(failed.value)
+    assert f"`{tmp_path / 'stuck.py'} --flag` still running after 3 s; its stacks (SIGUSR1)" in text, text
+    assert "in waiting_for_something" in text and "started" in text, text
+    (tmp_path / "fails.py").write_text("import sys; print('what went wrong', file=sys.stderr); sys.exit(3)\n")
+    with pytest.raises(pytest.fail.Exception, match="(?s)fails.py` exited 3:.*what went wrong"):
+        run_cli(dict(os.environ), command=[sys.executable, str(tmp_path / "fails.py")], check=True)
+    assert run_cli(dict(os.environ), command=[sys.executable, str(tmp_path / "fails.py")]).returncode == 3

@@ -19,14 +19,11 @@ ARGS = ["run", "gemm", "--preset", "demo", "--set", "m=300", "--set", "n=200", "
 
 
 @pytest.fixture(scope="module")
-def gemm_run(stack, tmp_path_factory, cli_env):
+def gemm_run(stack, tmp_path_factory, run_cli, cli_env):
     _, info = stack
     out = tmp_path_factory.mktemp("gemm")
-    env = cli_env
     summary = out / "summary.json"
-    proc = subprocess.run([sys.executable, "-m", "paperline.flows.cli", *ARGS, "--summary-json", str(summary)],
-                          env=env, capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    proc = run_cli(cli_env, *ARGS, "--summary-json", str(summary), check=True)
     return info, proc, json.loads(summary.read_text())
 
 
@@ -149,7 +146,7 @@ def test_a_flow_on_another_prefect_server_is_refused(stack):
         check("http://127.0.0.1:1/api")
 
 
-def test_s3_inputs_are_checked_before_the_flow_run(stack, cli_env):
+def test_s3_inputs_are_checked_before_the_flow_run(stack, run_cli, cli_env):
     """A missing output bucket or S3 operand is named before a flow run exists: it used to fail in
     the flow (a Failed flow run, Prefect's error log line, then the same error again)."""
     _, info = stack
@@ -157,9 +154,7 @@ def test_s3_inputs_are_checked_before_the_flow_run(stack, cli_env):
                            "error: output='s3://no-such-bucket-9/x.npy': no such bucket 'no-such-bucket-9'"),
                           ([f"b=s3://{info.data_bucket}/nothing/here.npy"],
                            f"error: b='s3://{info.data_bucket}/nothing/here.npy': no such object in S3")):
-        proc = subprocess.run([sys.executable, "-m", "paperline.flows.cli", "run", "gemm", "--preset", "demo",
-                               *[a for s in sets for a in ("--set", s)]], env=cli_env, capture_output=True, text=True,
-                              timeout=300)
+        proc = run_cli(cli_env, "run", "gemm", "--preset", "demo", *[a for s in sets for a in ("--set", s)])
         out = " ".join((proc.stdout + proc.stderr).split())
         assert proc.returncode == 1 and message in out, out
         assert "flow run" not in out.lower() and out.count(message) == 1, out

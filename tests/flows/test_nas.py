@@ -26,18 +26,17 @@ OPTIONS = ["--set", f"optimizer_options={json.dumps(FAST)}"]
 MAIN = ["--set", "budget=20", "--set", "campaign=test-demo", *OPTIONS]
 
 
-def cli(env, *args, summary=None, timeout=600):
-    cmd = [sys.executable, "-m", "paperline.flows.cli", *args] + (["--summary-json", str(summary)] if summary else [])
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    return proc
+def cli(run_cli, env, *args, summary=None):
+    """``paperline ARGS`` (it must succeed); a stuck one fails with its stacks."""
+    return run_cli(env, *args, *(["--summary-json", str(summary)] if summary else []), check=True)
 
 
 @pytest.fixture(scope="module")
-def nas_run(stack, tmp_path_factory, cli_env):
+def nas_run(stack, tmp_path_factory, run_cli, cli_env):
     _, info = stack
     summary = tmp_path_factory.mktemp("nas") / "summary.json"
-    proc = cli(cli_env, "run", "nas", "--preset", "demo", *MAIN, "--set", f"live={json.dumps(LIVE)}", summary=summary)
+    proc = cli(run_cli, cli_env, "run", "nas", "--preset", "demo", *MAIN, "--set", f"live={json.dumps(LIVE)}",
+               summary=summary)
     return info, proc, json.loads(summary.read_text())
 
 
@@ -106,15 +105,14 @@ def test_checkpoint_in_s3_holds_the_whole_campaign(nas_run):
     assert state["mlflow_parent_run_id"] == summary["campaigns"][0]["mlflow_parent_run_id"]
 
 
-def test_a_checkpoint_of_another_campaign_is_refused_before_the_flow_run(nas_run, cli_env):
+def test_a_checkpoint_of_another_campaign_is_refused_before_the_flow_run(nas_run, run_cli, cli_env):
     """The named campaign's checkpoint holds q=5: asking it to resume with q=3 fails with one line
     before a flow run is created (it used to start one and mark it failed)."""
     from paperline.flows.pipelines import build_parameters, get_pipeline
     from paperline.infra.errors import InputError
     from paperline.infra.storage import ObjectStore
 
-    proc = subprocess.run([sys.executable, "-m", "paperline.flows.cli", "run", "nas", "--preset", "demo", *MAIN,
-                           "--set", "q=3"], env=cli_env, capture_output=True, text=True, timeout=300)
+    proc = run_cli(cli_env, "run", "nas", "--preset", "demo", *MAIN, "--set", "q=3")
     err = " ".join(proc.stderr.split())
     assert proc.returncode == 1 and "error: campaign='test-demo': a checkpoint of this name holds a campaign with " \
         "other q; pick another name, or set resume=false to start over under this one (replacing that campaign's " \
@@ -149,7 +147,7 @@ def test_a_checkpoint_of_another_campaign_is_refused_before_the_flow_run(nas_run
     params.validate_on_stack(info, store)  # the way out it names is taken
 
 
-def test_a_killed_campaign_resumes_to_the_uninterrupted_result(stack, cli_env, tmp_path, nas_run):
+def test_a_killed_campaign_resumes_to_the_uninterrupted_result(stack, run_cli, cli_env, tmp_path, nas_run):
     """Killed after its initial design, the campaign resumes from its S3 checkpoint to the result of
     the uninterrupted one: the in-process reference and the demo campaign (nas_run: the same
     parameters under another name), which its MLflow run is compared with."""
@@ -177,7 +175,7 @@ def test_a_killed_campaign_resumes_to_the_uninterrupted_result(stack, cli_env, t
     proc.wait()
     assert 10 <= done < 20
     summary = tmp_path / "summary.json"
-    resumed = cli(cli_env, *args, summary=summary)
+    resumed = cli(run_cli, cli_env, *args, summary=summary)
     assert "resuming" in resumed.stdout + resumed.stderr
     out = " ".join(resumed.stdout.split())
     assert "no regression against the best of 1 earlier run(s) with these parameters" in out, out
@@ -188,21 +186,21 @@ def test_a_killed_campaign_resumes_to_the_uninterrupted_result(stack, cli_env, t
     assert json.loads(summary.read_text())["campaigns"][0]["hypervolume"] == pytest.approx(ref.score_trace()[-1])
 
 
-def test_a_bad_parameter_fails_before_anything_runs(cli_env):
+def test_a_bad_parameter_fails_before_anything_runs(run_cli, cli_env):
     """Through a `paperline` process: exit status 1, one line on stderr (the other refusals, in
     process and without a stack: tests/flows/test_cli.py)."""
-    proc = subprocess.run([sys.executable, "-m", "paperline.flows.cli", "run", "nas", "--preset", "demo", "--set",
-                           "optimizer=annealing"], env=cli_env, capture_output=True, text=True, timeout=300)
+    proc = run_cli(cli_env, "run", "nas", "--preset", "demo", "--set", "optimizer=annealing")
     assert proc.returncode == 1 and "Traceback" not in proc.stderr
     err = " ".join(proc.stderr.split())
     assert err.startswith("error: optimizer='annealing': unknown optimizer; known: alphax, bo,"), err
 
 
-def test_evaluations_past_the_time_limit_are_recorded_as_failed(cli_env, tmp_path):
+def test_evaluations_past_the_time_limit_are_recorded_as_failed(run_cli, cli_env, tmp_path):
     summary = tmp_path / "summary.json"
-    proc = cli(cli_env, "run", "nas", "--preset", "default", "--set", "problem=live-mnist", "--set", "live=null",
-               "--set", "optimizer=random", "--set", "budget=2", "--set", "q=2", "--set", "n_init=2",
-               "--set", "evaluation_timeout_s=0.2", "--set", f"campaign=timeout-{os.getpid()}", summary=summary)
+    sets = ("problem=live-mnist", "live=null", "optimizer=random", "budget=2", "q=2", "n_init=2",
+            f"campaign=timeout-{os.getpid()}")
+    args = ["run", "nas", "--preset", "default", *[a for s in sets for a in ("--set", s)]]
+    proc = cli(run_cli, cli_env, *args, "--set", "evaluation_timeout_s=0.2", summary=summary)
     camp = json.loads(summary.read_text())["campaigns"][0]
     assert (camp["evaluations"], camp["failed"]) == (2, 2)
     out = " ".join((proc.stdout + proc.stderr).split())
@@ -210,9 +208,7 @@ def test_evaluations_past_the_time_limit_are_recorded_as_failed(cli_env, tmp_pat
     assert "failed: 2 x timed out: not done 0.2 s after its batch started" in out  # why, not only how many
     # the limit raised: the re-run resumes the complete campaign, and says what it will not do (a
     # trial read the same failed summary as the new limit not working)
-    proc = cli(cli_env, "run", "nas", "--preset", "default", "--set", "problem=live-mnist", "--set", "live=null",
-               "--set", "optimizer=random", "--set", "budget=2", "--set", "q=2", "--set", "n_init=2",
-               "--set", "evaluation_timeout_s=600", "--set", f"campaign=timeout-{os.getpid()}", summary=summary)
+    proc = cli(run_cli, cli_env, *args, "--set", "evaluation_timeout_s=600", summary=summary)
     out = " ".join((proc.stdout + proc.stderr).split())
     assert f"timeout-{os.getpid()}: 2 of its 2 evaluations timed out earlier; they are not run again (resume=false " \
            "starts the campaign over, with evaluation_timeout_s=600)" in out, out[-2000:]

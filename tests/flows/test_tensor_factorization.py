@@ -7,8 +7,6 @@ and MLflow, and the artifacts are objects in the SeaweedFS bucket.
 
 import dataclasses
 import json
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -20,17 +18,13 @@ ARGS = ["run", "tensor-factorization", "--set", "datasets=produc", "--set", "n_e
 
 
 @pytest.fixture(scope="module")
-def two_runs(stack, tmp_path_factory, cli_env):
+def two_runs(stack, tmp_path_factory, run_cli, cli_env):
     _, info = stack
     out = tmp_path_factory.mktemp("runs")
-    env = cli_env
-    cli = [sys.executable, "-m", "paperline.flows.cli"]
     runs = []
     for n in (1, 2):
         summary = out / f"summary{n}.json"
-        proc = subprocess.run(cli + ARGS + ["--summary-json", str(summary)], env=env, capture_output=True,
-                              text=True, timeout=600)
-        assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+        proc = run_cli(cli_env, *ARGS, "--summary-json", str(summary), check=True)
         runs.append((proc, json.loads(summary.read_text())))
     return info, runs
 
@@ -119,20 +113,18 @@ def test_mlflow_run_has_params_metrics_and_artifacts_in_s3(two_runs):
         assert store.exists(uri)
 
 
-def test_missing_s3_data_is_one_clear_line(stack, cli_env):
+def test_missing_s3_data_is_one_clear_line(stack, run_cli, cli_env):
     settings, info = stack
     env = {**cli_env, "PAPERLINE_N_WORKERS": "1"}
     uri = f"s3://{info.data_bucket}/nope/missing.parquet"
-    proc = subprocess.run([sys.executable, "-m", "paperline.flows.cli", "run", "tensor-factorization",
-                           "--set", f"data={uri}"], env=env, capture_output=True, text=True, timeout=300)
+    proc = run_cli(env, "run", "tensor-factorization", "--set", f"data={uri}")
     out = proc.stdout + proc.stderr
     assert proc.returncode == 1
     assert "Traceback" not in out
     assert f"error: data='{uri}': no such object in S3" in " ".join(out.split())
     assert "flow run" not in out.lower()  # refused before a flow run (and an MLflow run) was made
     uri = "s3://no-such-bucket-here/x.parquet"
-    proc = subprocess.run([sys.executable, "-m", "paperline.flows.cli", "run", "tensor-factorization",
-                           "--set", f"data={uri}"], env=env, capture_output=True, text=True, timeout=300)
+    proc = run_cli(env, "run", "tensor-factorization", "--set", f"data={uri}")
     assert proc.returncode == 1
     assert f"error: data='{uri}': no such bucket 'no-such-bucket-here'" in " ".join((proc.stdout + proc.stderr).split())
     # a damaged object is refused before the flow run too, by its URI, as a local file is (it
@@ -189,7 +181,7 @@ def test_a_user_file_is_scoped_by_its_name():
     assert user_scope("s3://bucket/in/.parquet") == "user-_parquet"  # a dot file's stem is its name
 
 
-def test_a_run_on_user_data_records_what_it_fitted(stack, cli_env, tmp_path):
+def test_a_run_on_user_data_records_what_it_fitted(stack, run_cli, cli_env, tmp_path):
     """A tensor of the user's own (here produc, written as COO Parquet rows) is fitted under the
     file's scope (`user-mine`), and MLflow's `datasets` parameter is empty: it used to hold the bundled default
     list, which that run never touched."""
@@ -201,11 +193,10 @@ def test_a_run_on_user_data_records_what_it_fitted(stack, cli_env, tmp_path):
     write_coo_parquet(load_dataset("produc"), path)
     (tmp_path / "first.parquet").write_bytes(path.read_bytes())
     summary = tmp_path / "summary.json"
-    args = [sys.executable, "-m", "paperline.flows.cli", "run", "tensor-factorization", "--set", f"data={path}",
+    args = ["run", "tensor-factorization", "--set", f"data={path}",
             "--set", "n_epochs=2", "--set", "baseline_iterations=3", "--set", "rank=3", "--set", "splits=random",
             "--summary-json", str(summary)]
-    proc = subprocess.run(args, env=cli_env, capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    proc = run_cli(cli_env, *args, check=True)
     run = Tracker(info.mlflow_tracking_uri).client.get_run(json.loads(summary.read_text())["mlflow_run_id"])
     assert run.data.params["datasets"] == "[]" and run.data.params["data"] == str(path)
     assert "user-mine.random.p2t2f.test_rmse" in run.data.metrics
@@ -218,8 +209,7 @@ def test_a_run_on_user_data_records_what_it_fitted(stack, cli_env, tmp_path):
     produc = load_dataset("produc")
     write_coo_parquet(dataclasses.replace(produc, values=produc.values * 2.0), path)
     for want in ("first finished run with these parameters", "against the best of 1 earlier run(s)"):
-        proc = subprocess.run(args, env=cli_env, capture_output=True, text=True, timeout=600)
-        assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+        proc = run_cli(cli_env, *args, check=True)
         assert want in " ".join(proc.stdout.split()), proc.stdout[-3000:]
     # an S3 object replaced under the same key is read again (it was served from the task cache
     # with the old content's results: a trial), and its run is compared with the runs of its
@@ -231,9 +221,7 @@ def test_a_run_on_user_data_records_what_it_fitted(stack, cli_env, tmp_path):
     rmse = []
     for content, earlier in ((path.read_bytes(), 2), ((tmp_path / "first.parquet").read_bytes(), 1)):
         store.put_bytes_to(content, uri)
-        proc = subprocess.run([*args[:6], f"data={uri}", *args[7:]], env=cli_env, capture_output=True, text=True,
-                              timeout=600)
-        assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+        proc = run_cli(cli_env, *args[:3], f"data={uri}", *args[4:], check=True)
         assert f"against the best of {earlier} earlier run(s)" in " ".join(proc.stdout.split()), proc.stdout[-3000:]
         rmse.append(json.loads(summary.read_text())["rows"][0]["test_rmse"])
     assert rmse[0] != rmse[1]

@@ -8,7 +8,6 @@ import inspect
 import io
 import json
 import shutil
-import subprocess
 import sys
 import tarfile
 import time
@@ -18,27 +17,13 @@ import pytest
 pytestmark = pytest.mark.stack
 
 
-def _run(cli_env, *sets, summary=None):
-    args = [sys.executable, "-m", "paperline.flows.cli", "run", "video-curation", "--preset", "demo"]
+def _run(run_cli, cli_env, *sets, summary=None):
+    args = ["run", "video-curation", "--preset", "demo"]
     for s in sets:
         args += ["--set", s]
     if summary is not None:
         args += ["--summary-json", str(summary)]
-    # under pytest-timeout's 600 s: a stuck run is asked for its stacks (SIGUSR1: the CLI's
-    # faulthandler) and they are shown (a CI run's cached re-run hung once, 2026-12-04, unexplained)
-    proc = subprocess.Popen(args, env=cli_env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    try:
-        out, err = proc.communicate(timeout=480)
-    except subprocess.TimeoutExpired:
-        import signal
-
-        proc.send_signal(signal.SIGUSR1)
-        time.sleep(3)
-        proc.kill()
-        out, err = proc.communicate()
-        pytest.fail(f"`paperline run video-curation` still running after 480 s; its stacks (SIGUSR1) and output:\n"
-                    f"{err[-20000:]}\n{out[-3000:]}")
-    return subprocess.CompletedProcess(args, proc.returncode, out, err)
+    return run_cli(cli_env, *args)  # a stuck run fails with its stacks (a CI re-run hung once)
 
 
 @pytest.fixture(scope="module")
@@ -55,12 +40,12 @@ def source_dir(tmp_path_factory, bad_videos):
 
 
 @pytest.fixture(scope="module")
-def curated(stack, cli_env, source_dir, tmp_path_factory):
+def curated(stack, run_cli, cli_env, source_dir, tmp_path_factory):
     _, info = stack
     out = tmp_path_factory.mktemp("vc")
     dataset = f"test-{int(time.time())}"
     sets = [f"source={source_dir}", f"dataset={dataset}", "shard_target_mb=0.15", "min_clip_s=1.0"]
-    proc = _run(cli_env, *sets, summary=out / "s1.json")
+    proc = _run(run_cli, cli_env, *sets, summary=out / "s1.json")
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     return info, proc, json.loads((out / "s1.json").read_text()), sets, out
 
@@ -131,9 +116,9 @@ def test_mlflow_run_has_the_index_and_the_contact_sheet(curated):
     assert run.data.tags["prefect.flow_run_id"] == summary["prefect_flow_run_id"]
 
 
-def test_rerun_gives_the_same_shards_and_rewrites_nothing(curated, cli_env):
+def test_rerun_gives_the_same_shards_and_rewrites_nothing(curated, run_cli, cli_env):
     info, _, first, sets, out = curated
-    proc = _run(cli_env, *sets, summary=out / "s2.json")
+    proc = _run(run_cli, cli_env, *sets, summary=out / "s2.json")
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     second = json.loads((out / "s2.json").read_text())
     assert second["shards"] == first["shards"] and second["counts"] == first["counts"]
@@ -145,7 +130,8 @@ def test_rerun_gives_the_same_shards_and_rewrites_nothing(curated, cli_env):
     assert versus["metrics"]["per_worker_video_s_per_s"]["ratio"] == pytest.approx(1.0)
 
 
-def test_a_dataset_of_other_inputs_is_refused_before_any_video_is_processed(curated, cli_env, source_dir, tmp_path):
+def test_a_dataset_of_other_inputs_is_refused_before_any_video_is_processed(curated, run_cli, cli_env, source_dir,
+                                                                            tmp_path):
     """Curating other sources (or settings) into a committed dataset's name used to process every
     video and fail only at the upload; now it fails before the flow run, naming the dataset."""
     _, _, first, sets, _ = curated
@@ -154,7 +140,7 @@ def test_a_dataset_of_other_inputs_is_refused_before_any_video_is_processed(cura
     shutil.copy(source_dir / "carphone.mp4", fewer / "carphone.mp4")
     dataset = next(s for s in sets if s.startswith("dataset=")).partition("=")[2]
     for change in ([f"source={fewer}"], ["min_motion=0.01"]):
-        proc = _run(cli_env, *[s for s in sets if not s.startswith(change[0].partition("=")[0])], *change)
+        proc = _run(run_cli, cli_env, *[s for s in sets if not s.startswith(change[0].partition("=")[0])], *change)
         out = " ".join((proc.stdout + proc.stderr).split())
         assert proc.returncode != 0 and f"error: dataset='{dataset}': {first['output']} already holds a committed " \
             "dataset curated from other sources or settings" in out, out
@@ -162,7 +148,7 @@ def test_a_dataset_of_other_inputs_is_refused_before_any_video_is_processed(cura
         assert "flow run" not in out.lower() and "Traceback" not in out
 
 
-def test_a_run_that_keeps_no_clip_commits_nothing_and_names_the_filters(stack, cli_env, source_dir, tmp_path):
+def test_a_run_that_keeps_no_clip_commits_nothing_and_names_the_filters(stack, run_cli, cli_env, source_dir, tmp_path):
     """Every clip filtered out used to commit an empty dataset, which then held the name for good."""
     from paperline.infra.storage import ObjectStore
 
@@ -171,7 +157,7 @@ def test_a_run_that_keeps_no_clip_commits_nothing_and_names_the_filters(stack, c
     one.mkdir()
     shutil.copy(source_dir / "carphone.mp4", one / "carphone.mp4")
     dataset = f"test-none-kept-{int(time.time())}"
-    proc = _run(cli_env, f"source={one}", f"dataset={dataset}", "min_clip_s=1.0", "min_sharpness=1e9")
+    proc = _run(run_cli, cli_env, f"source={one}", f"dataset={dataset}", "min_clip_s=1.0", "min_sharpness=1e9")
     out = " ".join((proc.stdout + proc.stderr).split())
     assert proc.returncode != 0 and "error: filters={'min_sharpness': 1000000000.0}: all 1 clip(s) were filtered " \
         "out: blurry 1 (min_sharpness=1000000000.0); nothing was committed" in out, out
@@ -244,10 +230,10 @@ def test_a_failure_mid_upload_leaves_no_visible_dataset_and_the_rerun_completes(
         write_dataset(store, output, other, {}, read_clip, {}, {})
 
 
-def test_every_input_rejected_fails_and_says_why(cli_env, bad_videos, tmp_path):
+def test_every_input_rejected_fails_and_says_why(run_cli, cli_env, bad_videos, tmp_path):
     for name in ("zero_byte", "text"):
         shutil.copy(bad_videos[name], tmp_path / bad_videos[name].name)
-    proc = _run(cli_env, f"source={tmp_path}", "dataset=all-bad")
+    proc = _run(run_cli, cli_env, f"source={tmp_path}", "dataset=all-bad")
     assert proc.returncode != 0
     err = " ".join((proc.stdout + proc.stderr).split())
     assert "every input was rejected (2)" in err and "empty.mp4: empty_file" in err and "notes.mp4: not_a_video" in err
