@@ -10,9 +10,9 @@ Frames are timed by their presentation timestamps, so a variable-frame-rate sour
 them) gives clips whose times are the source's and whose output frames (constant rate) follow
 the source's clock: a source frame is repeated or dropped to fill the output ticks inside its
 display interval, as FFmpeg's ``fps`` filter does. Clip lengths (``min_clip_s``, ``max_clip_s``)
-are measured on that clock too (to within half an average frame); the splitters' own windows
-(``stride_s``, TransNetV2's context) count frames at the stream's average rate. A stream
-with a display matrix (a phone's portrait video) is turned upright first, by the FFmpeg filters
+are measured on that clock too (to within half an average frame), as are the ``stride``
+splitter's windows (``stride_s``); TransNetV2's context counts frames (its model's input). A
+stream with a display matrix (a phone's portrait video) is turned upright first, by the FFmpeg filters
 ``ffmpeg`` itself would insert (:attr:`VideoInfo.display_filters`).
 """
 
@@ -475,6 +475,8 @@ def extract_clips(info: VideoInfo, cfg: ClipConfig, filt: FilterConfig | None = 
                 pending.append((big, small, st, t))
                 if cfg.splitter == "content":
                     detector.push(small, hist=st.hist)
+                elif cfg.splitter == "stride":  # windows of the video's clock (a VFR video's too)
+                    detector.push(small, t=t)
                 else:
                     detector.push(small)
                 if feature_source is not None:

@@ -340,20 +340,43 @@ class ContentDetector(ShotDetector):
 class StrideDetector(ShotDetector):
     """Fixed-stride splitting: a shot ends every ``stride_s`` seconds (no analysis).
 
+    Given frame times (``push(frame, t=...)``, what clip extraction passes), a shot ends before
+    the first frame that starts ``stride_s`` or more after the shot's first (within half an
+    average frame), so a variable-frame-rate video's windows are ``stride_s`` of its clock; a
+    frame's flag is then decided when the next frame arrives. Without times, every
+    ``round(stride_s * fps)`` frames.
+
     Args:
-        fps: Frame rate.
+        fps: Frame rate (frames per second; the average rate of a variable-rate video).
         stride_s: Window length in seconds.
+
+    Raises:
+        InputError: ``stride_s`` is not positive.
     """
 
     def __init__(self, fps: float, stride_s: float = 5.0):
         super().__init__(fps)
         if not stride_s > 0:
             raise InputError("stride_s", stride_s, "must be positive")
+        self.stride_s = float(stride_s)
         self.stride = max(1, round(stride_s * self.fps))
+        self._next_s: float | None = None  # where the next window starts (times given)
 
-    def push(self, frame: np.ndarray) -> None:
+    def push(self, frame: np.ndarray, t: float | None = None) -> None:
+        """Add one frame; ``t`` is its presentation time in seconds (any origin, increasing)."""
         self.n_pushed += 1
-        self.flags.append(self.n_pushed % self.stride == 0)
+        if t is None:
+            self.flags.append(self.n_pushed % self.stride == 0)
+            return
+        t, half = float(t), 0.5 / self.fps
+        if self._next_s is None:  # the first frame: the first window starts here
+            self._next_s = t + self.stride_s
+            return
+        ends = t >= self._next_s - half  # this frame starts a new window: the one before ends one
+        self.flags.append(ends)
+        if ends:
+            self._next_s = t + self.stride_s
 
     def finish(self) -> None:
-        pass
+        if len(self.flags) < self.n_pushed:  # the last frame, waiting for a next one: the video's end
+            self.flags.append(False)

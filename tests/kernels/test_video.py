@@ -384,21 +384,45 @@ def test_a_variable_frame_rate_video_keeps_its_clock(tmp_path):
     ticks = [2 * i for i in range(50)] + [100 + 4 * i for i in range(25)]  # 1/50 s
     info = probe(_write_vfr(tmp_path / "vfr.mp4", ticks))
     assert info.frames == 75 and abs(info.fps - 75 / 3.88) < 0.01  # average rate: 19.33
-    cfg = ClipConfig(splitter="stride", splitter_options={"stride_s": 2}, min_clip_s=1.0, fps=25, height=48, crf=10)
+    # stride windows are times too (they were counted in frames at 19.33 fps: 0-38, 39-74): the
+    # second starts with frame 56, the first at 2.5 s within half an average frame (2.48 s)
+    cfg = ClipConfig(splitter="stride", splitter_options={"stride_s": 2.5}, min_clip_s=1.0, fps=25, height=48,
+                     crf=10)
     r = extract_clips(info, cfg, FilterConfig(min_sharpness=0, min_height=0))
-    assert [c.start_frame for c in r.clips] == [0, 39]  # stride windows are counted in frames at 19.33 fps
+    assert [(c.start_frame, c.end_frame) for c in r.clips] == [(0, 56), (56, 75)]
     shown = []
     for c in r.clips:
         with av.open(io.BytesIO(c.mp4)) as f:
             shown.append([round((x.to_ndarray(format="rgb24")[2:14].mean() - 15) / 3) for x in f.decode(video=0)])
         assert c.frames == len(shown[-1])
     first, second = r.clips
-    assert (first.start_s, second.start_s) == (0.0, 39 * 0.04)  # frame 39 is shown at 1.56 s (index: 2.02 s)
+    assert (first.start_s, second.start_s) == (0.0, 2.48)
     # a shot's last frame is shown until the next frame's time; the video's last for one average frame
-    assert first.end_s == pytest.approx(1.56) and second.end_s == pytest.approx(3.92 + 1 / info.fps)
-    assert shown[0] == list(range(39))
-    want = [39, 40] + [k for k in range(41, 50)] + [50 + j // 2 for j in range(50)]
-    assert shown[1] == want[:len(shown[1])] and len(shown[1]) == second.frames == 61
+    assert first.end_s == pytest.approx(2.48) and second.end_s == pytest.approx(3.92 + 1 / info.fps)
+    assert shown[0] == list(range(50)) + [50 + j // 2 for j in range(12)]  # frame 55 twice: until 2.48 s
+    assert shown[1] == [56 + j // 2 for j in range(38)]
+
+
+def test_stride_windows_follow_frame_times():
+    """Given frame times a shot ends before the first frame starting stride_s after the shot's
+    first (within half an average frame), across a rate change and a gap; without, every
+    round(stride_s * fps) frames."""
+    from paperline.kernels.video.detect import make_detector
+
+    frame = np.zeros((27, 48, 3), np.uint8)
+    times = [i / 25 for i in range(25)] + [1 + i / 5 for i in range(10)] + [5.5, 6.2, 6.48, 6.6]  # a 2.7-s gap
+    d = make_detector("stride", fps=25, stride_s=1.0)  # (tolerance: half of 1/25 s)
+    for t in times:
+        d.push(frame, t=t)
+    assert d.ready == len(times) - 1  # the last frame waits for the next one
+    d.finish()
+    # windows [0, 1), [1, 2), [2, 2.8], then from 5.5 after the gap: 6.48 is 1 s on within 0.02
+    assert [i for i, f in enumerate(d.flags) if f] == [24, 29, 34, 36]
+    plain = make_detector("stride", fps=10, stride_s=1.0)
+    for _ in times:
+        plain.push(frame)
+    assert [i for i, f in enumerate(plain.flags) if f] == [9, 19, 29, 39][:len(times) // 10]
+
 
 def test_autorotate_filters_follow_ffmpeg():
     from paperline.kernels.video.probe import autorotate_filters, display_rotation
