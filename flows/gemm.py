@@ -13,6 +13,7 @@ interrupted run wrote its full result, at a default S3 key nobody was told: a tr
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import tempfile
 from pathlib import Path
@@ -272,7 +273,11 @@ class GemmParameters(BaseModel):
         require_writable_dir("output", out, path.parent)  # the result is staged beside it, then renamed
         for name in ("a", "b", "c"):
             spec = getattr(self, name)
-            if spec and spec != "random" and not spec.startswith("s3://") and Path(spec).expanduser().resolve() == path:
+            if not spec or spec == "random" or spec.startswith("s3://"):
+                continue
+            operand = Path(spec).expanduser().resolve()
+            # by path, or by file (a hard link to an operand was refused only inside the run: a trial)
+            if operand == path or (path.exists() and operand.exists() and os.path.samefile(operand, path)):
                 raise InputError("output", out, f"is operand {name}: writing it would destroy the input")
 
     def check_size(self, problem: Any) -> None:

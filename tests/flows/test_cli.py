@@ -1,6 +1,7 @@
 """CLI behaviour on bad input: one clear line naming the argument and value, non-zero exit,
 no traceback; nothing here needs the stack (input is checked before anything starts)."""
 
+import os
 import sys
 from pathlib import Path
 
@@ -280,6 +281,11 @@ def test_bad_gemm_input_is_refused_before_anything_starts(npy, tmp_path):
     nan[3, 4] = np.nan
     zero_diag = np.eye(40)
     zero_diag[7, 7] = 0.0
+
+    def hard_link(target, name):
+        os.link(target, tmp_path / name)
+        return tmp_path / name
+
     cases = [
         (["tile=0"], ["tile=0", "greater than 0"]),
         (["routine=foo"], ["routine='foo'"]),
@@ -316,6 +322,9 @@ def test_bad_gemm_input_is_refused_before_anything_starts(npy, tmp_path):
         ([f"output={tmp_path}"], ["output=", "is a directory"]),
         ([f"output={tmp_path / 'c.txt'}"], ["output=", "name the file *.npy"]),
         ([f"a={a}", f"output={a}", "m=40", "k=30"], ["output=", "is operand a"]),
+        # a hard link to an operand too (it was refused only inside the run, leaving a failed MLflow run: a trial)
+        ([f"a={a}", f"output={hard_link(a, 'a_link.npy')}", "m=40", "k=30"],
+         [f"output='{tmp_path / 'a_link.npy'}': is operand a: writing it would destroy the input"]),
         (["output=s3://paperline-data/"], ["output=", "name an object"]),
         (["b=s3://paperline-data/"], ["b=", "name an object"]),  # not "s3 is not available"
         (["output=s3://Bad_Bucket!/x.npy"], ["output=", "not a valid S3 bucket name"]),
