@@ -85,8 +85,10 @@ class TensorFactorizationParameters(BaseModel):
     def _absolute_path(cls, v: str | None) -> str | None:
         """A local file by its absolute path, so that a run given ``mine.parquet`` and one given
         ``/home/me/mine.parquet`` have the same parameters (and compare with each other)."""
-        if v is None or not v:
+        if v is None:
             return v
+        if not v.strip():  # was "no such file" (gemm's and video's say this: a trial)
+            raise ValueError("must not be empty: give a Parquet file's path or s3:// URI, or leave it out")
         if v.startswith("s3://"):  # a prefix was read as a 0-byte "not a Parquet file" (a trial)
             if v.endswith("/") or not split_uri(v)[1]:
                 raise ValueError("an S3 prefix (a folder); give the Parquet object's URI (s3://bucket/key.parquet)")

@@ -9,6 +9,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -193,11 +194,15 @@ def read_coo_parquet(source: str | Path | bytes, *, argument: str = "data", name
                                               f"(columns: {names}); each index column and 'value' once")
         table = pq.read_table(io.BytesIO(source) if isinstance(source, bytes) else source)
     except (pa.ArrowException, OSError) as exc:
-        head = source[:6] if isinstance(source, bytes) else _head(source, 6)
-        if head == b"\x93NUMPY":  # a dense array: say what is taken instead of Parquet's magic-bytes message
-            raise InputError(argument, shown, "a NumPy .npy file; this takes a Parquet table of the observed "
-                                              "entries (one int64 index column per mode, time 't' the last mode, and "
-                                              "'value'): README, 'Your own tensor'") from None
+        head = source[:512] if isinstance(source, bytes) else _head(source, 512)
+        taken = ("this takes a Parquet table of the observed entries (one int64 index column per mode, time 't' the "
+                 "last mode, and 'value'): README, 'Your own tensor'")
+        if head.startswith(b"\x93NUMPY"):  # a dense array: say what is taken instead of Parquet's magic-bytes message
+            raise InputError(argument, shown, f"a NumPy .npy file; {taken}") from None
+        kind = _text_kind(head)
+        if kind:  # a CSV, the likeliest mistake, got "Parquet magic bytes not found ... corrupted?" (a trial)
+            raise InputError(argument, shown, f"{kind}; {taken}; convert a CSV with pandas: "
+                                              f"pandas.read_csv(path).to_parquet('data.parquet', index=False)") from None
         raise InputError(argument, shown, f"not a readable Parquet file ({exc})") from None
     cols = table.column_names
     if COO_VALUE_COLUMN not in cols or COO_TIME_COLUMN not in cols:
@@ -211,9 +216,7 @@ def read_coo_parquet(source: str | Path | bytes, *, argument: str = "data", name
     for c in index_cols:
         col = table.column(c)
         if not pa.types.is_integer(col.type):
-            raise InputError(f"{argument}[{c!r}]", str(col.type), f"index columns must be integers; every column "
-                                                                  f"but 'value' is a mode index ('t' the last): drop "
-                                                                  f"other columns (in {shown})")
+            raise InputError(f"{argument}[{c!r}]", str(col.type), f"{_non_integer_index(col, c)} (in {shown})")
         if col.null_count:
             raise InputError(f"{argument}[{c!r}]", f"{col.null_count} null", f"index columns must have no missing "
                                                                           f"entries (in {shown})")
@@ -232,8 +235,11 @@ def read_coo_parquet(source: str | Path | bytes, *, argument: str = "data", name
         raise InputError(argument, shown, "empty tensor: the file has no rows")
     coords_arr = np.stack(coords, axis=1)
     value_col = table.column(COO_VALUE_COLUMN)
+    if pa.types.is_decimal(value_col.type):  # numbers too (a database export's NUMERIC): read as float64
+        value_col = value_col.cast(pa.float64())
     if not (pa.types.is_floating(value_col.type) or pa.types.is_integer(value_col.type)):
-        raise InputError(f"{argument}['value']", str(value_col.type), f"the value column must be numeric (in {shown})")
+        raise InputError(f"{argument}['value']", str(value_col.type), f"the value column must hold numbers (integer, "
+                                                                      f"float or decimal) (in {shown})")
     if value_col.null_count:
         raise InputError(f"{argument}['value']", f"{value_col.null_count} null", f"observed values must be present: "
                                                                               f"leave missing entries out (in {shown})")
@@ -242,7 +248,10 @@ def read_coo_parquet(source: str | Path | bytes, *, argument: str = "data", name
     shape = tuple(int(s) + 1 for s in coords_arr.max(axis=0))  # + 1 as Python ints: 2**63 - 1 + 1 wraps in int64
     try:
         return COOTensor(coords_arr, values, shape, tuple(index_cols))
-    except InputError as exc:  # name the file too
+    except InputError as exc:  # name the column and the file ("data='f': values='1 NaN ...'" nested two: a trial)
+        column = {"values": COO_VALUE_COLUMN, "coords": None}.get(exc.argument)
+        if column:
+            raise InputError(f"{argument}[{column!r}]", exc.value, f"{exc.problem} (in {shown})") from None
         raise InputError(argument, shown, str(exc)) from None
 
 
@@ -302,3 +311,46 @@ def _head(path: str | Path, n: int) -> bytes:
             return f.read(n)
     except OSError:
         return b""
+
+
+def _text_kind(head: bytes) -> str:
+    """What a file that is not Parquet looks like from its first bytes, when that is a likely
+    mistake: ``"a gzip file (a compressed CSV?)"``, ``"a text file (CSV?)"``; else ``""``."""
+    if head.startswith(b"\x1f\x8b"):
+        return "a gzip file (a compressed CSV?)"
+    if head.startswith(b"PK\x03\x04"):
+        return "a zip file (a spreadsheet or a compressed CSV?)"
+    text = head.removeprefix(b"\xef\xbb\xbf")
+    try:
+        decoded = text.decode("utf-8")
+    except UnicodeDecodeError as exc:  # a multi-byte character cut at the end of the head is still text
+        if exc.start < len(text) - 3:
+            return ""
+        decoded = text[:exc.start].decode("utf-8")
+    if decoded and all(ch.isprintable() or ch in "\r\n\t" for ch in decoded):
+        return "a text file (CSV?)"
+    return ""
+
+
+def _non_integer_index(col: Any, name: str) -> str:
+    """Why a non-integer column (a ``pyarrow.ChunkedArray``) is no index column, and the way on."""
+    import pyarrow as pa
+    import pyarrow.compute as pc
+
+    every = "every column but 'value' is a mode index ('t' the last)"
+    if pa.types.is_floating(col.type):
+        present = pc.drop_null(col).to_numpy(zero_copy_only=False)
+        finite = present[np.isfinite(present)]
+        missing = len(col) - finite.size  # nulls (pandas writes NaN so), NaN, inf
+        if finite.size and np.all(finite == np.round(finite)):  # pandas makes integers float after a merge or NaN
+            first = f"drop its {missing} row(s) without a number, then " if missing else ""
+            return (f"index columns must be integers; {name!r} holds whole numbers stored as {col.type}: {first}cast "
+                    f"it to int64 (pandas: df[{name!r}] = df[{name!r}].astype('int64'))")
+        return f"index columns must be integers; {name!r} holds fractional numbers ({every})"
+    if pa.types.is_temporal(col.type):
+        return (f"index columns must be integers; {name!r} holds {col.type} values: number its steps 0, 1, ... "
+                f"(e.g. pandas.factorize of the sorted times, or (t - t.min()) // step)")
+    if pa.types.is_string(col.type) or pa.types.is_large_string(col.type) or pa.types.is_dictionary(col.type):
+        return (f"index columns must be integers; {name!r} holds labels: number them 0, 1, ... (pandas.factorize), "
+                f"or drop the column if it is not a mode ({every})")
+    return f"index columns must be integers; {every}: drop other columns"

@@ -124,17 +124,20 @@ def test_a_preset_given_twice_is_refused(tmp_path):
 
 def test_bad_user_data(parquet):
     cases = [
-        (parquet("junk.parquet", raw=b"not parquet at all"), ["junk.parquet", "not a readable Parquet file"]),
+        (parquet("junk.parquet", raw=b"\x00not parquet at all"), ["junk.parquet", "not a readable Parquet file"]),
+        (parquet("mine.csv", raw=b"i,j,t,value\n0,0,0,1.5\n"), ["mine.csv': a text file (CSV?); this takes a Parquet "
+                                                                 "table", "pandas.read_csv(path).to_parquet("]),
         (parquet("dense.npy", raw=b"\x93NUMPY\x01\x00" + b" " * 100), ["dense.npy", "a NumPy .npy file; this takes a "
                                                                           "Parquet table of the observed entries"]),
         (parquet("nan.parquet", pa.table({"i": [0, 1], "j": [0, 1], "t": [0, 1], "value": [1.0, float("nan")]})),
-         ["values=", "1 NaN", "must be finite"]),
+         ["data['value']='1 NaN and 0 inf of 2': observed values must be finite"]),
         (parquet("inf.parquet", pa.table({"i": [0, 1], "j": [0, 1], "t": [0, 1], "value": [1.0, float("inf")]})),
-         ["values=", "1 inf"]),
+         ["data['value']='0 NaN and 1 inf of 2'"]),
         (parquet("empty.parquet", pa.table({"i": pa.array([], pa.int64()), "j": pa.array([], pa.int64()),
                                             "t": pa.array([], pa.int64()), "value": pa.array([], pa.float64())})),
          ["empty tensor"]),
         ("/no/such/file.parquet", ["data='/no/such/file.parquet'", "no such file"]),
+        ("", ["data=''", "must not be empty"]),
         # a null index read as a huge negative number ("must be >= 0"); a repeated coordinate was
         # accepted silently; a stray column was called an index column without saying why
         (parquet("null.parquet", pa.table({"i": pa.array([0, None]), "j": [0, 1], "t": [0, 1], "value": [1.0, 2.0]})),
@@ -142,7 +145,8 @@ def test_bad_user_data(parquet):
         (parquet("dup.parquet", pa.table({"i": [0, 1, 1], "j": [0, 1, 1], "t": [0, 1, 1], "value": [1.0, 2.0, 5.0]})),
          ["1 coordinate(s) appear more than once (first: i=1, j=1, t=1, values 2 and 5)"]),
         (parquet("note.parquet", pa.table({"i": [0, 1], "j": [0, 1], "t": [0, 1], "value": [1.0, 2.0],
-                                           "note": ["a", "b"]})), ["data['note']='string'", "drop other columns"]),
+                                           "note": ["a", "b"]})),
+         ["data['note']='string'", "'note' holds labels", "or drop the column if it is not a mode"]),
         (str(Path(parquet("x.parquet", raw=b"")).parent), ["is a directory"]),
         (parquet("tiny.parquet", pa.table({"i": [0, 1, 2], "j": [0, 1, 0], "t": [0, 1, 2], "value": [1.0, 2.0, 3.0]})),
          ["tiny.parquet", "cannot make the random split", "too few observed entries"]),

@@ -59,12 +59,14 @@ def test_parquet_round_trip(tmp_path):
 
 def test_bad_parquet_files_get_clear_errors(tmp_path):
     junk = tmp_path / "junk.parquet"
-    junk.write_bytes(b"definitely not parquet")
+    junk.write_bytes(b"\x00\x01definitely not parquet")  # (text is named as text: below)
     with pytest.raises(InputError, match="^data=.*junk.parquet.*not a readable Parquet file"):
         read_coo_parquet(junk)
     nan = tmp_path / "nan.parquet"
     pq.write_table(pa.table({"i": [0, 1], "j": [0, 1], "t": [0, 1], "value": [1.0, float("nan")]}), nan)
-    with pytest.raises(InputError, match="^data=.*nan.parquet.*values=.*1 NaN.*must be finite"):
+    # the column and the file, one name=value (it was "data='...nan.parquet': values='1 NaN ...'": a trial)
+    with pytest.raises(InputError, match=r"^data\['value'\]='1 NaN and 0 inf of 2': observed values must be finite "
+                                         r"\(leave missing entries out instead\) \(in .*nan\.parquet\)$"):
         read_coo_parquet(nan)
     empty = tmp_path / "empty.parquet"
     pq.write_table(pa.table({"i": pa.array([], pa.int64()), "j": pa.array([], pa.int64()),
@@ -92,15 +94,59 @@ def test_the_time_column_is_found_by_name_and_is_the_last_mode(tmp_path):
 
 
 def test_bad_column_types_name_the_column_and_the_file(tmp_path):
-    floats = tmp_path / "floats.parquet"
-    pq.write_table(pa.table({"i": [0.0, 1.0], "j": [0, 1], "t": [0, 1], "value": [1.0, 2.0]}), floats)
-    with pytest.raises(InputError, match=r"^data\['i'\]='double'.*integers; every column but 'value' is a mode "
-                                         r"index.*\(in .*floats.parquet\)"):
-        read_coo_parquet(floats)
-    text = tmp_path / "text.parquet"
-    pq.write_table(pa.table({"i": [0, 1], "j": [0, 1], "t": [0, 1], "value": ["a", "b"]}), text)
-    with pytest.raises(InputError, match=r"^data\['value'\]=.*numeric \(in .*text.parquet\)"):
-        read_coo_parquet(text)
+    """Each with the way on for its type: a float index of whole numbers (what pandas makes of
+    integers after a merge or a NaN) was told to "drop other columns" (a trial)."""
+    import datetime
+
+    def refused(name, index_i, pattern, value=(1.0, 2.0)):
+        pq.write_table(pa.table({"i": index_i, "j": [0, 1], "t": [0, 1], "value": list(value)}), tmp_path / name)
+        with pytest.raises(InputError, match=pattern + rf" \(in .*{name}\)$"):
+            read_coo_parquet(tmp_path / name)
+
+    refused("whole.parquet", [0.0, 1.0], r"^data\['i'\]='double': index columns must be integers; 'i' holds whole "
+                                         r"numbers stored as double: cast it to int64 \(pandas: df\['i'\] = "
+                                         r"df\['i'\]\.astype\('int64'\)\)")
+    refused("gaps.parquet", [0.0, None], r"^data\['i'\]='double': .*'i' holds whole numbers stored as double: drop "
+                                         r"its 1 row\(s\) without a number, then cast it to int64 \(pandas: .*\)")
+    refused("fraction.parquet", [0.5, 1.0], r"^data\['i'\]='double': index columns must be integers; 'i' holds "
+                                            r"fractional numbers \(every column but 'value' is a mode index \('t' the last\)\)")
+    refused("labels.parquet", ["a", "b"], r"^data\['i'\]='string': index columns must be integers; 'i' holds "
+                                          r"labels: number them 0, 1, \.\.\. \(pandas\.factorize\), or drop the column .*")
+    refused("times.parquet", [datetime.date(2020, 1, 1), datetime.date(2020, 1, 2)],
+            r"^data\['i'\]='date32\[day\]': .*'i' holds date32\[day\] values: number its steps 0, 1, \.\.\. .*")
+    refused("text.parquet", [0, 1], r"^data\['value'\]='string': the value column must hold numbers \(integer, float "
+                                    r"or decimal\)", value=("a", "b"))
+    # a decimal value column (a database's NUMERIC) is numbers: read as float64
+    import decimal
+
+    pq.write_table(pa.table({"i": [0, 1], "j": [0, 1], "t": [0, 1],
+                             "value": pa.array([decimal.Decimal("1.25"), decimal.Decimal("-2.5")],
+                                               pa.decimal128(12, 6))}), tmp_path / "decimal.parquet")
+    np.testing.assert_array_equal(read_coo_parquet(tmp_path / "decimal.parquet").values, [1.25, -2.5])
+
+
+def test_a_csv_or_other_non_parquet_file_is_named_for_what_it_is(tmp_path):
+    """A CSV (the likeliest mistake) got Parquet's "magic bytes not found ... corrupted?" (a trial)."""
+    import gzip
+
+    csv = "i,j,t,value\n0,0,0,1.5\n1,1,1,2.5\n"
+    files = {"a.csv": csv.encode(), "bom.csv": b"\xef\xbb\xbf" + csv.replace("\n", "\r\n").encode(),
+             "a.csv.gz": gzip.compress(csv.encode()), "a.npy": b"\x93NUMPY\x01\x00v\x00{'descr': '<f8'}",
+             "junk.bin": bytes(range(256)), "long.csv": ("\u00e9" * 400).encode()}
+    for name, content in files.items():
+        (tmp_path / name).write_bytes(content)
+    taken = r"this takes a Parquet table of the observed entries .*README, 'Your own tensor'"
+    csv_hint = taken + r"; convert a CSV with pandas: pandas\.read_csv\(path\)\.to_parquet\('data\.parquet', index=False\)$"
+    for name, pattern in (("a.csv", r"a text file \(CSV\?\); " + csv_hint),
+                          ("bom.csv", r"a text file \(CSV\?\); " + csv_hint),
+                          ("long.csv", r"a text file \(CSV\?\); " + csv_hint),  # a character cut at 512 bytes
+                          ("a.csv.gz", r"a gzip file \(a compressed CSV\?\); " + csv_hint),
+                          ("a.npy", r"a NumPy \.npy file; " + taken + "$"),
+                          ("junk.bin", r"not a readable Parquet file \(")):
+        with pytest.raises(InputError, match=rf"^data='{tmp_path / name}': {pattern}"):
+            read_coo_parquet(tmp_path / name)
+    with pytest.raises(InputError, match=r"^data='<\d+ bytes>': a text file \(CSV\?\)"):  # bytes (from S3) too
+        read_coo_parquet(csv.encode())
 
 
 def test_loaded_tensors_are_read_only(tmp_path):
