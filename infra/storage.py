@@ -102,7 +102,10 @@ def require_writable_dir(argument: str, value: object, directory: Path) -> None:
         with tempfile.NamedTemporaryFile(dir=directory, prefix=".paperline-probe-"):
             pass
     except OSError as exc:
-        raise InputError(argument, value, f"cannot write in {directory}: {exc.strerror or exc}") from None
+        # the system's reason in brackets: "cannot write in /proc: No such file or directory" read as
+        # /proc missing (a trial)
+        raise InputError(argument, value, f"cannot create a file in {directory} (the system says: "
+                                          f"{exc.strerror or exc})") from None
 
 
 def _sha256_file(path: Path) -> tuple[str, int]:
