@@ -241,7 +241,7 @@ def status() -> None:
     services = stack_status(settings)
     _print_services(services)
     for s in services:
-        if s.detail and s.healthy:
+        if s.detail and (s.healthy or not s.managed):  # (a configured endpoint's: a local server left running)
             console.print(f"{s.name}: {s.detail}", highlight=False, soft_wrap=True)
     dask_down = None
     try:  # a configured scheduler is connected to, as `run` does (a dead address was reported as fine: a trial)

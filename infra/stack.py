@@ -1444,8 +1444,11 @@ def running_flow_runs(info: StackInfo) -> list[str]:
 # Public API
 
 
+EXTERNAL_SETTINGS = {"s3": "s3_endpoint_url", "prefect": "prefect_api_url", "mlflow": "mlflow_tracking_uri"}
+
+
 def _external_urls(settings: Settings) -> dict[str, str | None]:
-    return {"s3": settings.s3_endpoint_url, "prefect": settings.prefect_api_url, "mlflow": settings.mlflow_tracking_uri}
+    return {name: getattr(settings, field) for name, field in EXTERNAL_SETTINGS.items()}
 
 
 def _prefect_urls(api_or_root: str) -> tuple[str, str]:
@@ -1820,6 +1823,11 @@ def stack_status(settings: Settings) -> list[Service]:
             problem = check(name, url)
             out.append(Service(name, shown, managed=False, healthy=problem is None,
                                problem=None if problem is None else redact_text(problem)))
+            rec = recs.get(name)
+            if rec and _live_process(rec) is not None:  # started before the setting was (fixed): unlisted, it ran on
+                out[-1].detail = (f"the local {name} server of this state directory still runs (pid {rec['pid']}, "
+                                  f"{rec['url']}), unused while PAPERLINE_{EXTERNAL_SETTINGS[name].upper()} is set: "
+                                  "`paperline down` stops it")
             continue
         rec = recs.get(name)
         if rec and _live_process(rec) is not None:

@@ -570,6 +570,13 @@ def test_a_configured_endpoint_that_fails_says_why_and_names_the_setting(stack, 
     # status says it too, and does not send the user to `paperline up` (which starts nothing for it)
     (mlflow,) = [s for s in stack_status(settings.model_copy(update={"mlflow_tracking_uri": dead})) if s.name == "mlflow"]
     assert not mlflow.healthy and not mlflow.managed and "PAPERLINE_MLFLOW_TRACKING_URI" in mlflow.problem
+    # and that the local server it replaces still runs (a typo'd setting had started it; fixed, it
+    # was no longer listed)
+    mlflow_pid = next(s.pid for s in stack_status(settings) if s.name == "mlflow")
+    assert mlflow.detail == (f"the local mlflow server of this state directory still runs (pid {mlflow_pid}, "
+                             f"{info.mlflow_tracking_uri}), unused while PAPERLINE_MLFLOW_TRACKING_URI is set: "
+                             "`paperline down` stops it")
+    assert [s.detail for s in stack_status(settings) if s.name == "mlflow"] == [None]  # (local: no such line)
 
 
 def test_a_password_in_the_tracking_uri_is_never_printed(stack, monkeypatch):
