@@ -1200,6 +1200,7 @@ def _start_mlflow(
             # MLflow's basic-auth app: every request but /health needs the login (the UI asks
             # the browser for it); its admin user is made with it in a user store of its own
             "MLFLOW_AUTH_CONFIG_PATH": str(_mlflow_auth_config(home, login)),
+            "MLFLOW_DISABLE_TELEMETRY": "true",  # no usage data sent off the machine (paperline/__init__.py)
             "MLFLOW_AUTH_ADMIN_USERNAME": user,
             "MLFLOW_AUTH_ADMIN_PASSWORD": password,
             "MLFLOW_FLASK_SERVER_SECRET_KEY": secrets.token_hex(32),  # signs its forms' CSRF tokens

@@ -6,6 +6,8 @@ import hashlib
 import os
 import pickle
 import signal
+import subprocess
+import sys
 import uuid
 
 import pytest
@@ -577,6 +579,28 @@ def test_a_configured_endpoint_that_fails_says_why_and_names_the_setting(stack, 
                              f"{info.mlflow_tracking_uri}), unused while PAPERLINE_MLFLOW_TRACKING_URI is set: "
                              "`paperline down` stops it")
     assert [s.detail for s in stack_status(settings) if s.name == "mlflow"] == [None]  # (local: no such line)
+
+
+def test_mlflow_telemetry_is_off_in_paperline_and_its_mlflow_server(stack):
+    """MLflow's telemetry was on (only DO_NOT_TRACK=true turns it off, not the 1 set for
+    Prefect): usage data sent off the machine, and its background thread's removal of an
+    environment variable failed a concurrent MLflow request, and so a flow run, with KeyError
+    '_MLFLOW_TELEMETRY_SESSION_ID'. A process importing paperline (here with no CI or pytest
+    variable, which turn it off too) and the local MLflow server run with it off."""
+    import psutil
+
+    ci = {"PYTEST_CURRENT_TEST", "GITHUB_ACTIONS", "CI", "CIRCLECI", "GITLAB_CI", "JENKINS_URL", "TRAVIS", "TF_BUILD",
+          "BITBUCKET_BUILD_NUMBER", "CODEBUILD_BUILD_ARN", "BUILDKITE", "TEAMCITY_VERSION", "CLOUD_RUN_EXECUTION",
+          "RUNBOT_HOST_URL", "RUNBOT_BUILD_NAME", "RUNBOT_WORKER_ID", "MLFLOW_DISABLE_TELEMETRY", "DO_NOT_TRACK"}
+    env = {k: v for k, v in os.environ.items() if k not in ci}
+    code = ("import paperline, mlflow\n"
+            "from mlflow.telemetry.client import get_telemetry_client\n"
+            "from mlflow.telemetry.utils import is_telemetry_disabled\n"
+            "print(is_telemetry_disabled(), get_telemetry_client())\n")
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+    assert out.stdout.split() == ["True", "None"], out.stdout + out.stderr
+    (mlflow,) = [s for s in stack_status(stack[0]) if s.name == "mlflow"]
+    assert psutil.Process(mlflow.pid).environ().get("MLFLOW_DISABLE_TELEMETRY") == "true"
 
 
 def test_a_password_in_the_tracking_uri_is_never_printed(stack, monkeypatch):
