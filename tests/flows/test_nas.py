@@ -105,7 +105,8 @@ def test_checkpoint_in_s3_holds_the_whole_campaign(nas_run):
     assert state["mlflow_parent_run_id"] == summary["campaigns"][0]["mlflow_parent_run_id"]
 
 
-def test_a_checkpoint_of_another_campaign_is_refused_before_the_flow_run(nas_run, run_cli, cli_env):
+def test_a_checkpoint_of_another_campaign_is_refused_before_the_flow_run(nas_run, run_cli, cli_env, stack,
+                                                                         monkeypatch, request):
     """The named campaign's checkpoint holds q=5: asking it to resume with q=3 fails with one line
     before a flow run is created (it used to start one and mark it failed)."""
     from paperline.flows.pipelines import build_parameters, get_pipeline
@@ -118,8 +119,14 @@ def test_a_checkpoint_of_another_campaign_is_refused_before_the_flow_run(nas_run
         "other q; pick another name, or set resume=false to start over under this one (replacing that campaign's " \
         "checkpoint)" in err, err
     assert "flow run" not in (proc.stdout + proc.stderr).lower() and "Traceback" not in proc.stderr
-    # the same check, in this process (what `paperline run` calls before the flow run)
+    # the same check, in this process (what `paperline run` calls before the flow run), whose
+    # campaign locks are taken in the stack's state directory (they were in the user's ~/.paperline)
+    from paperline.infra.settings import get_settings
+
     info = nas_run[0]
+    monkeypatch.setenv("PAPERLINE_STATE_DIR", str(stack[0].state_dir))
+    get_settings.cache_clear()
+    request.addfinalizer(get_settings.cache_clear)  # later tests read their own environment's
 
     def refusal(*sets: str) -> str:
         params = build_parameters(get_pipeline("nas"), "demo", list(sets))
@@ -145,6 +152,7 @@ def test_a_checkpoint_of_another_campaign_is_refused_before_the_flow_run(nas_run
     params = build_parameters(get_pipeline("nas"), "demo", ["campaign=test-damaged", "resume=false"])
     params.validate_inputs()
     params.validate_on_stack(info, store)  # the way out it names is taken
+    assert (stack[0].state_dir / "locks" / "nas-test-damaged.lock").exists()  # (not ~/.paperline's)
 
 
 def test_a_killed_campaign_resumes_to_the_uninterrupted_result(stack, run_cli, cli_env, tmp_path, nas_run):
