@@ -118,6 +118,9 @@ def check_model_size(name: str, n_classes: int = 10, **options: Any) -> int:
     return count
 
 
+GROUPS = 4  # GroupNorm's groups in a ``norm="group"`` ResNet (fewer in a layer of fewer channels)
+
+
 def make_model(name: str, n_classes: int = 10, **options: Any) -> Any:
     """Build a model.
 
@@ -130,7 +133,8 @@ def make_model(name: str, n_classes: int = 10, **options: Any) -> Any:
     pixels); the last hidden state feeds a linear head.
 
     Raises:
-        InputError: unknown name or option, a non-positive size, or a model of more than
+        InputError: unknown name or option, a non-positive size, a ``norm="group"`` width whose
+            channels :data:`GROUPS` does not divide, or a model of more than
             :data:`MAX_PARAMETERS` parameters (:func:`check_model_size`, before anything is built).
     """
     import torch  # noqa: PLC0415
@@ -141,7 +145,7 @@ def make_model(name: str, n_classes: int = 10, **options: Any) -> Any:
         raise InputError("model_options", {"norm": norm_name}, "norm must be 'batch' or 'group'")
 
     def norm(c: int) -> nn.Module:
-        return nn.BatchNorm2d(c) if norm_name == "batch" else nn.GroupNorm(min(4, c), c)
+        return nn.BatchNorm2d(c) if norm_name == "batch" else nn.GroupNorm(min(GROUPS, c), c)
 
     class BasicBlock(nn.Module):
         def __init__(self, cin: int, cout: int, stride: int = 1):
@@ -169,6 +173,11 @@ def make_model(name: str, n_classes: int = 10, **options: Any) -> Any:
     sizes = _sizes(name, options)
     if name == "resnet":
         width, blocks = sizes["width"], sizes["blocks"]
+        if norm_name == "group" and width not in (1, 2) and width % 4:  # (torch: "num_channels (6) must be ...")
+            raise InputError("model_options", {"norm": "group", "width": width},
+                             f"GroupNorm's {GROUPS} groups must divide every layer's channels (width and 2 x width: "
+                             f"{width} and {2 * width}): give a width of 1, 2 or a multiple of 4 (norm='batch' "
+                             "takes any)")
         layers: list[nn.Module] = [nn.Conv2d(1, width, 3, 1, 1, bias=False), norm(width), nn.ReLU()]
         layers += [BasicBlock(width, width) for _ in range(blocks)]
         layers += [BasicBlock(width, 2 * width, 2)] + [BasicBlock(2 * width, 2 * width) for _ in range(blocks - 1)]

@@ -240,6 +240,10 @@ def test_a_resumed_isgd_run_watches_the_same_losses_as_an_uninterrupted_one(tmp_
     ({"model_options": {"bogus": 1}},
      "model_options={'bogus': 1}: resnet: bogus unknown for resnet; known: width, blocks, norm"),
     ({"model": "lstm", "model_options": {"norm": "group"}}, "norm unknown for lstm; known: hidden, layers"),
+    # which widths GroupNorm takes (it was torch's "num_channels (6) must be divisible by num_groups (4)": a trial)
+    ({"model_options": {"norm": "group", "width": 3}}, "model_options={'norm': 'group', 'width': 3}: resnet: "
+     "GroupNorm's 4 groups must divide every layer's channels (width and 2 x width: 3 and 6): give a width of 1, 2 "
+     "or a multiple of 4 (norm='batch' takes any)"),
     ({"model": "lstm", "model_options": {"width": 8}}, "unknown for lstm; known: hidden, layers"),
     ({"fft_theta": 0.0}, "fft_theta=0.0: must be in (0, 1]"),
     ({"fft_bits": 40}, "fft_bits=40"),
