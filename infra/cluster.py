@@ -358,8 +358,13 @@ def require_scheduler(settings: Settings, timeout_s: float = 5.0) -> int | None:
     async def workers() -> int:
         from distributed import Client  # noqa: PLC0415
 
-        async with Client(address, asynchronous=True, timeout=timeout_s, set_as_default=False) as client:
+        client = Client(address, asynchronous=True, timeout=timeout_s, set_as_default=False)
+        try:
+            await client  # connects
             return len(await client.scheduler.ncores())  # {worker address: threads}, asked now
+        finally:  # also when connecting failed: collected unclosed, it printed "coroutine ... never awaited"
+            with contextlib.suppress(Exception):
+                await client.close()
 
     parts = urlsplit(address if "://" in address else f"tcp://{address}")
     if parts.scheme in ("tcp", "tls"):  # a refused port at once (Dask's connect retries it until its timeout)

@@ -339,6 +339,8 @@ def test_a_scheduler_address_is_checked_with_daks_own_comms_and_its_workers_coun
     socket check and failed in the run with Dask's TypeError/ValueError naming no setting; a
     scheduler without workers let tensor and nas runs wait silently (a trial)."""
     import asyncio
+    import gc
+    import warnings
 
     from distributed import Scheduler, Worker
 
@@ -357,9 +359,15 @@ def test_a_scheduler_address_is_checked_with_daks_own_comms_and_its_workers_coun
         counts = [check(s.address), check(f"127.0.0.1:{port}")]  # (no scheme: tcp)
         for bad, says in ((f"tls://127.0.0.1:{port}", "TypeError: TLS expects a `ssl_context`"),
                           (f"http://127.0.0.1:{port}", "ValueError: unknown address scheme 'http'")):
-            with pytest.raises(ServiceError, match="check PAPERLINE_DASK_SCHEDULER_ADDRESS") as refused:
-                check(bad)
+            with warnings.catch_warnings(record=True) as caught:
+                warnings.simplefilter("always")
+                with pytest.raises(ServiceError, match="check PAPERLINE_DASK_SCHEDULER_ADDRESS") as refused:
+                    check(bad)
+                gc.collect()
             assert says in str(refused.value), refused.value
+            # the client that failed to connect is closed (collected, it printed "RuntimeWarning:
+            # coroutine 'wait_for' was never awaited" under the refusal)
+            assert not [str(w.message) for w in caught if "never awaited" in str(w.message)]
         return counts
 
     assert asyncio.run(scheduler_then(probes)) == [0, 0]
