@@ -57,14 +57,35 @@ def load_fused_kernel() -> Any | None:
     one machine in a day, each one stalling a NAS campaign). Unless ``TORCH_EXTENSIONS_DIR`` is
     set, each env builds into its own :func:`fused_kernel_dir` (set here, before BoTorch loads
     the kernel; child processes inherit it).
+
+    torch's builder (even of a kernel already built) holds a lock file, ``logei_fused_ext/lock``,
+    that records no owner and that it waits on, without a time limit, for as long as it exists: a
+    process killed while building or loading (Ctrl-C in ``make install``, a killed NAS worker)
+    left it behind, and every later load then hung at 0% CPU. Paperline's loaders take turns
+    under ``paperline-build.lock`` (an ``fcntl`` lock, released by the kernel when its holder
+    dies), so the holder knows that a torch lock in the env's own directory is a dead builder's,
+    and deletes it. In a ``TORCH_EXTENSIONS_DIR`` of the user's, shared with other programs, the
+    lock may be a live build of theirs: it is left alone and named in a warning.
     """
-    os.environ.setdefault("TORCH_EXTENSIONS_DIR", str(fused_kernel_dir()))
+    directory = Path(os.environ.setdefault("TORCH_EXTENSIONS_DIR", str(fused_kernel_dir())))
     from botorch.acquisition.multi_objective import logei  # noqa: PLC0415
 
     loader = getattr(logei, "_try_load_fused_kernel", None)  # BoTorch's own lazy loader (0.18; private)
     if loader is None:  # another BoTorch: its acquisitions load what they load, in the directory set above
         return None
-    loader()
+    if getattr(logei, "_load_attempted", False):  # loaded (or found unbuildable) in this process
+        return getattr(logei, "_C", None)
+    from paperline.infra.locks import held_by_this_process  # noqa: PLC0415
+
+    torch_lock = directory / "logei_fused_ext" / "lock"
+    with held_by_this_process(directory / "paperline-build.lock", wait=True):
+        if torch_lock.exists():
+            if directory == fused_kernel_dir():
+                torch_lock.unlink(missing_ok=True)  # no paperline loader runs: a dead builder's
+            else:
+                warnings.warn(f"torch's build lock {torch_lock} exists, so loading BoTorch's fused kernel waits "
+                              "until it is gone; if no build of it is running, delete that file", stacklevel=2)
+        loader()
     return getattr(logei, "_C", None)
 
 

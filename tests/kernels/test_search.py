@@ -423,6 +423,53 @@ def test_the_fused_qlogehvi_kernel_is_built_in_this_envs_own_directory(monkeypat
     assert fused_kernel_dir() != here and fused_kernel_dir().parent == here.parent
 
 
+def test_a_dead_builders_torch_lock_does_not_hang_the_fused_kernels_load(tmp_path):
+    """torch's JIT builder waits, without a time limit, while its lock file exists, and a process
+    killed while building or loading the kernel (Ctrl-C in ``make install``) left it behind:
+    the next ``make install`` sat 18 minutes at 0% CPU. In the env's own build directory the
+    lock is a dead builder's (paperline's loaders take turns) and is deleted; in a directory of
+    the user's it is named in a warning and left alone."""
+    import shutil
+    import signal
+    import subprocess
+    import sys
+    import threading
+
+    from paperline.kernels.search.botorch_opt import fused_kernel_dir
+
+    built = fused_kernel_dir() / "logei_fused_ext"
+    if not (built / "logei_fused_ext.so").exists():
+        pytest.skip("make install did not build BoTorch's fused kernel here (no C++ compiler)")
+    env = {k: v for k, v in os.environ.items() if k != "TORCH_EXTENSIONS_DIR"}
+    env["XDG_CACHE_HOME"] = str(tmp_path / "cache")
+    own = tmp_path / "cache" / fused_kernel_dir().relative_to(fused_kernel_dir().parents[1])
+    shutil.copytree(built, own / "logei_fused_ext")  # the built kernel (mtimes kept: ninja has nothing to do)
+    (own / "logei_fused_ext" / "lock").touch()  # what a killed build leaves
+    code = ("import json; from paperline.kernels.search.botorch_opt import load_fused_kernel as k; "
+            "m = k(); print(json.dumps(m and m.__file__))")
+    proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert json.loads(proc.stdout.splitlines()[-1]).startswith(str(own)), proc.stderr[-2000:]
+    assert not (own / "logei_fused_ext" / "lock").exists()
+
+    theirs = tmp_path / "theirs"
+    shutil.copytree(built, theirs / "logei_fused_ext")
+    (theirs / "logei_fused_ext" / "lock").touch()  # perhaps another program's build, running
+    with subprocess.Popen([sys.executable, "-c", code], env=env | {"TORCH_EXTENSIONS_DIR": str(theirs)},
+                          stderr=subprocess.PIPE, text=True, start_new_session=True) as waiting:
+        deadline = threading.Timer(120, os.killpg, (waiting.pid, signal.SIGKILL))  # (no warning: EOF)
+        deadline.start()
+        try:
+            line = ""
+            while "build lock" not in line and waiting.poll() is None:
+                line = waiting.stderr.readline()
+        finally:
+            deadline.cancel()
+            os.killpg(waiting.pid, signal.SIGKILL)
+    assert f"torch's build lock {theirs / 'logei_fused_ext' / 'lock'} exists" in line
+    assert (theirs / "logei_fused_ext" / "lock").exists()
+
+
 @pytest.fixture(scope="module")
 def two_objective_ehvi():
     """(space, candidate pool, a factory of qLogEHVI acquisitions) on a GP fitted to 30 points of a
