@@ -31,7 +31,10 @@ def input_error_from(exc: Any, argument: Callable[[tuple[Any, ...]], str]) -> In
     value = err.get("input")
     if isinstance(value, str):  # a URL's password is not shown
         value = redact_text(value)
-    return InputError(argument(tuple(err["loc"])), value, err["msg"].removeprefix("Value error, "))
+    problem = err["msg"].removeprefix("Value error, ")
+    if err.get("type") == "dict_type":  # "abc" or [1] for a JSON object: say what one looks like
+        problem += ': give a JSON object, e.g. {"name": value}'
+    return InputError(argument(tuple(err["loc"])), value, problem)
 
 
 def redact_url(url: str) -> str:

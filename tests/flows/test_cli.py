@@ -477,6 +477,10 @@ def test_bad_compressed_training_parameters_are_refused_before_anything_starts(t
         ([*small, "compressors=powersgd", "powersgd_rank=8"],
          ["powersgd_rank=8: compresses no gradient of the model (each would be sent dense: ratio 1); the largest "
           "that compresses any is 7"]),
+        # a JSON value that is not an object was "Input should be a valid dictionary" alone (a trial)
+        ([*small[:2], "model_options=abc"], ["model_options='abc': Input should be a valid dictionary: give a "
+                                             'JSON object, e.g. {"name": value}']),
+        ([*small[:2], "model_options=[1]"], ["model_options=[1]: Input should be a valid dictionary: give a JSON"]),
     ]  # and a checkpoint bucket that does not exist, on the stack: tests/flows/test_compressed_training.py
     assert_refused_before_anything_starts("compressed-training", cases, tmp_path, preset="demo",
                                           env={"PAPERLINE_N_WORKERS": "2"})
