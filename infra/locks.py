@@ -28,13 +28,11 @@ class Held(Exception):
 
 
 @contextlib.contextmanager
-def held_by_this_process(path: Path, *, wait: bool = False) -> Iterator[None]:
+def held_by_this_process(path: Path) -> Iterator[None]:
     """Hold the lock file ``path`` (created with its folder if missing) for the ``with`` block.
 
-    With ``wait``, first wait (without a time limit) until no other process holds it.
-
     Raises:
-        Held: another process holds it (only without ``wait``).
+        Held: another process holds it (never waits).
         OSError: the file cannot be created or opened.
     """
     import fcntl  # noqa: PLC0415 - POSIX
@@ -42,7 +40,7 @@ def held_by_this_process(path: Path, *, wait: bool = False) -> Iterator[None]:
     path.parent.mkdir(parents=True, exist_ok=True)
     with open(path, "a+") as f:  # (closing the file releases the lock)
         try:
-            fcntl.flock(f, fcntl.LOCK_EX if wait else fcntl.LOCK_EX | fcntl.LOCK_NB)
+            fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
             f.seek(0)
             raise Held(path, f.read().strip() or "?") from None

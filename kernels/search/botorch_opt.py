@@ -75,10 +75,17 @@ def load_fused_kernel() -> Any | None:
         return None
     if getattr(logei, "_load_attempted", False):  # loaded (or found unbuildable) in this process
         return getattr(logei, "_C", None)
-    from paperline.infra.locks import held_by_this_process  # noqa: PLC0415
+    import fcntl  # noqa: PLC0415 - POSIX
 
     torch_lock = directory / "logei_fused_ext" / "lock"
-    with held_by_this_process(directory / "paperline-build.lock", wait=True):
+    try:
+        directory.mkdir(parents=True, exist_ok=True)
+        turn = open(directory / "paperline-build.lock", "a")  # noqa: SIM115 - closing it (or dying) unlocks
+    except OSError:  # a directory torch cannot build in either: BoTorch warns and uses its PyTorch path
+        loader()
+        return getattr(logei, "_C", None)
+    with turn:
+        fcntl.flock(turn, fcntl.LOCK_EX)  # waits while another paperline process loads or builds
         if torch_lock.exists():
             if directory == fused_kernel_dir():
                 torch_lock.unlink(missing_ok=True)  # no paperline loader runs: a dead builder's

@@ -469,6 +469,12 @@ def test_a_dead_builders_torch_lock_does_not_hang_the_fused_kernels_load(tmp_pat
     assert f"torch's build lock {theirs / 'logei_fused_ext' / 'lock'} exists" in line
     assert (theirs / "logei_fused_ext" / "lock").exists()
 
+    # a directory nothing can be built in: BoTorch's PyTorch path, as without a compiler
+    proc = subprocess.run([sys.executable, "-c", code], env=env | {"TORCH_EXTENSIONS_DIR": "/proc/nowhere"},
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0 and json.loads(proc.stdout.splitlines()[-1]) is None, proc.stderr[-2000:]
+    assert "Failed to compile fused qLogEHVI C++ extension" in proc.stderr
+
 
 @pytest.fixture(scope="module")
 def two_objective_ehvi():
