@@ -60,8 +60,8 @@ def load_fused_kernel() -> Any | None:
 
     torch's builder (even of a kernel already built) holds a lock file, ``logei_fused_ext/lock``,
     that records no owner and that it waits on, without a time limit, for as long as it exists: a
-    process killed while building or loading (Ctrl-C in ``make install``, a killed NAS worker)
-    left it behind, and every later load then hung at 0% CPU. Paperline's loaders take turns
+    process killed while building or loading (SIGTERM or SIGKILL: a killed ``make install`` or NAS
+    worker; Ctrl-C lets torch remove it) left it behind, and every later load then hung at 0% CPU. Paperline's loaders take turns
     under ``paperline-build.lock`` (an ``fcntl`` lock, released by the kernel when its holder
     dies), so the holder knows that a torch lock in the env's own directory is a dead builder's,
     and deletes it. In a ``TORCH_EXTENSIONS_DIR`` of the user's, shared with other programs, the

@@ -425,7 +425,7 @@ def test_the_fused_qlogehvi_kernel_is_built_in_this_envs_own_directory(monkeypat
 
 def test_a_dead_builders_torch_lock_does_not_hang_the_fused_kernels_load(tmp_path):
     """torch's JIT builder waits, without a time limit, while its lock file exists, and a process
-    killed while building or loading the kernel (Ctrl-C in ``make install``) left it behind:
+    killed while building or loading the kernel (a killed ``make install``) left it behind:
     the next ``make install`` sat 18 minutes at 0% CPU. In the env's own build directory the
     lock is a dead builder's (paperline's loaders take turns) and is deleted; in a directory of
     the user's it is named in a warning and left alone."""
