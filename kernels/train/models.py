@@ -173,7 +173,8 @@ def make_model(name: str, n_classes: int = 10, **options: Any) -> Any:
     sizes = _sizes(name, options)
     if name == "resnet":
         width, blocks = sizes["width"], sizes["blocks"]
-        if norm_name == "group" and width not in (1, 2) and width % 4:  # (torch: "num_channels (6) must be ...")
+        if norm_name == "group" and any(c % min(GROUPS, c) for c in (width, 2 * width)):  # (torch: "num_channels (6)
+            # must be divisible by num_groups (4)"; norm() gives a layer of fewer channels one group per channel)
             raise InputError("model_options", {"norm": "group", "width": width},
                              f"GroupNorm's {GROUPS} groups must divide every layer's channels (width and 2 x width: "
                              f"{width} and {2 * width}): give a width of 1, 2 or a multiple of 4 (norm='batch' "
