@@ -42,6 +42,8 @@ def test_second_stack_on_taken_ports_stops_completely(settings_factory, tmp_path
         assert urlparse(info.prefect_api_url).port not in (None, settings.prefect_port)
         assert urlparse(info.mlflow_tracking_uri).port == settings.mlflow_port
         # the ports asked for were replaced with nothing said (a trial): said on lasting lines
+        # (beside, maybe, a wait for the other xdist worker's stack starting at the same moment)
+        moved = [m for m in moved if not m.startswith("waiting for another paperline stack on this machine")]
         assert moved == [f"s3: port {settings.s3_port} (PAPERLINE_S3_PORT) is taken by another process, so it is on "
                          f"{urlparse(info.s3_endpoint_url).port}",
                          f"prefect: port {settings.prefect_port} (PAPERLINE_PREFECT_PORT) is taken by another "
