@@ -335,15 +335,63 @@ def _pick_port(
     return port
 
 
+def _boot_ticks(pid: int) -> int | None:
+    """When process ``pid`` started, in clock ticks since boot (``starttime`` of
+    ``/proc/<pid>/stat``); None where there is no such file (not Linux) or no such process.
+
+    This, not the wall-clock start time, identifies a recorded server: on Linux psutil's
+    ``create_time`` is this count plus the boot time, which the kernel derives from the wall
+    clock, so a step of the clock (NTP, a virtual machine's time sync, a resume from suspend)
+    moves every process's ``create_time`` with it. A shift of 26 s made `status` call all three
+    live servers dead ("its server process (N) died, but process(es) N ... still run") and the
+    next `up` stop and restart them under the runs using them (a test run, 2026-12-05).
+    """
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            stat = f.read()
+        return int(stat.rsplit(b")", 1)[1].split()[19])  # field 22; fields from 3 follow the ")"
+    except (OSError, ValueError, IndexError):
+        return None
+
+
+def _start_stamp(pid: int, create_time: float) -> dict[str, Any]:
+    """What a record keeps to know process ``pid`` again (:func:`_same_start`): its wall-clock
+    ``create_time`` (shown, and compared where nothing better exists) and, on Linux, its
+    ``start_ticks`` since boot, which no change of the clock moves."""
+    ticks = _boot_ticks(pid)
+    return {"create_time": create_time, **({} if ticks is None else {"start_ticks": ticks})}
+
+
+def _same_start(pid: int, create_time: float, rec: dict[str, Any]) -> bool:
+    """Whether the process ``pid`` now running (``create_time`` from psutil) is the one ``rec``
+    recorded rather than a later process given the same PID: the same ``start_ticks`` since boot
+    where both are known (a record of this version, on Linux), else start times within 0.5 s."""
+    ticks = rec.get("start_ticks")
+    now = _boot_ticks(pid) if isinstance(ticks, int) else None
+    if now is not None:
+        return now == ticks
+    return abs(create_time - float(rec.get("create_time", -1))) <= 0.5
+
+
+def _started_since(pid: int, create_time: float, rec: dict[str, Any]) -> bool:
+    """Whether process ``pid`` started no earlier than the process ``rec`` recorded (the same
+    clocks as :func:`_same_start`)."""
+    ticks = rec.get("start_ticks")
+    now = _boot_ticks(pid) if isinstance(ticks, int) else None
+    if now is not None:
+        return now >= ticks
+    return create_time >= float(rec.get("create_time", -1)) - 0.5
+
+
 def _live_process(rec: dict[str, Any] | None) -> Any:
-    """The recorded process if it still runs (same PID *and* start time), else None."""
+    """The recorded process if it still runs (same PID *and* start, :func:`_same_start`), else None."""
     import psutil  # noqa: PLC0415
 
     if not rec or not rec.get("pid"):
         return None
     try:
         proc = psutil.Process(int(rec["pid"]))
-        if abs(proc.create_time() - float(rec.get("create_time", -1))) > 0.5:
+        if not _same_start(proc.pid, proc.create_time(), rec):
             return None  # the PID was recycled
         if proc.status() == psutil.STATUS_ZOMBIE:
             return None
@@ -365,13 +413,13 @@ def _orphans(rec: dict[str, Any] | None) -> list[Any]:
 
     if not rec or not rec.get("pid") or _live_process(rec) is not None:
         return []
-    sid, since = int(rec["pid"]), float(rec.get("create_time", -1))
-    if since < 0:
+    sid = int(rec["pid"])
+    if float(rec.get("create_time", -1)) < 0:
         return []
     found = []
     for proc in psutil.process_iter(["create_time", "status"]):
         with contextlib.suppress(OSError, psutil.Error):
-            if (os.getsid(proc.pid) == sid and proc.info["create_time"] >= since - 0.5
+            if (os.getsid(proc.pid) == sid and _started_since(proc.pid, proc.info["create_time"], rec)
                     and proc.info["status"] != psutil.STATUS_ZOMBIE):  # the unreaped server itself
                 found.append(proc)
     return found
@@ -457,7 +505,7 @@ def _unrecorded_servers(settings: Settings, recs: dict[str, dict[str, Any]]) -> 
                 continue
             name = _server_name(info["cmdline"] or [])
             if name is not None:
-                found.append({"name": name, "pid": proc.pid, "create_time": info["create_time"]})
+                found.append({"name": name, "pid": proc.pid, **_start_stamp(proc.pid, info["create_time"])})
     return found
 
 
@@ -503,8 +551,8 @@ def _record(proc: subprocess.Popen[bytes], url: str, log_path: Path, **extra: An
     try:
         create_time = psutil.Process(proc.pid).create_time()
     except psutil.Error:
-        create_time = -1.0
-    return {"pid": proc.pid, "create_time": create_time, "url": url, "log_path": str(log_path), **extra}
+        return {"pid": proc.pid, "create_time": -1.0, "url": url, "log_path": str(log_path), **extra}
+    return {"pid": proc.pid, **_start_stamp(proc.pid, create_time), "url": url, "log_path": str(log_path), **extra}
 
 
 def _clean_env(drop_prefixes: tuple[str, ...]) -> dict[str, str]:

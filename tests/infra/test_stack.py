@@ -251,6 +251,52 @@ def test_ensure_stack_is_idempotent(stack):
     assert info.s3_access_key_id not in (settings.state_dir / "stack.json").read_text()
 
 
+def test_a_step_of_the_wall_clock_leaves_the_running_stack_alone(stack):
+    """On Linux a process's wall-clock start time is derived from the boot time, which moves with
+    every step of the clock: 26 s into a test run, `status` called all three live servers dead
+    ("its server process (N) died, but process(es) N ... still run") and the next `up` restarted
+    them under the runs using them. Here every recorded start time is 26 s off, as after such a
+    step; the servers are known by their start since boot."""
+    import json
+
+    settings, info = stack
+    path = settings.state_dir / "stack.json"
+    saved = path.read_text()
+    state = json.loads(saved)
+    assert all(isinstance(rec["start_ticks"], int) for rec in state["services"].values()), state
+    for rec in state["services"].values():
+        rec["create_time"] += 26.0
+    path.write_text(json.dumps(state))
+    try:
+        assert [(s.name, s.healthy, s.problem) for s in stack_status(settings)] == [
+            (name, True, None) for name in ("s3", "prefect", "mlflow")]
+        again = ensure_stack(settings)
+        assert again.started == () and [s.pid for s in again.services] == [s.pid for s in info.services]
+    finally:
+        path.write_text(saved)
+
+
+def test_a_recycled_pid_is_not_taken_for_the_recorded_server(tmp_path):
+    """The other side of the same check: a process that has the recorded PID and even the recorded
+    wall-clock start, but started at another tick since boot, is not the server."""
+    import psutil
+
+    from paperline.infra.stack import _live_process, _orphans, _record
+
+    proc = subprocess.Popen(["sleep", "60"], start_new_session=True)
+    try:
+        rec = _record(proc, "http://127.0.0.1:1", tmp_path / "log")
+        assert rec["create_time"] == psutil.Process(proc.pid).create_time() and rec["start_ticks"] > 0
+        assert _live_process(rec) is not None and _orphans(rec) == []
+        assert _live_process({**rec, "create_time": rec["create_time"] - 26.0}) is not None  # the clock moved
+        assert _live_process({**rec, "start_ticks": rec["start_ticks"] - 1}) is None  # another process
+        old = {k: v for k, v in rec.items() if k != "start_ticks"}  # recorded by an earlier version
+        assert _live_process(old) is not None and _live_process({**old, "create_time": 0.0}) is None
+    finally:
+        proc.kill()
+        proc.wait()
+
+
 def test_up_on_a_running_stack_says_it_started_nothing(stack_cli, stack):
     res = stack_cli("up")
     assert res.exit_code == 0, res.output
