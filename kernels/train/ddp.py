@@ -290,6 +290,31 @@ def rendezvous_store(init_method: str, rank: int, world_size: int, timeout_s: fl
         raise
 
 
+# Default process groups process_group() has left, with when (time.monotonic()): kept referenced
+# until they are RETIRE_S old, when the next process_group() starts (or the process exits).
+_RETIRED: list[tuple[float, Any]] = []
+RETIRE_S = 5.0
+
+
+def _retire(group: Any) -> None:
+    """Keep ``group`` (a default process group just destroyed) from being freed for
+    :data:`RETIRE_S` seconds, and free those retired longer ago.
+
+    ``destroy_process_group`` unlists the group, but DDP's reducer (in a reference cycle, freed by
+    a later pass of Python's cyclic GC) and the comm hook's state still hold it. Freed (by that
+    pass) while one of gloo's worker threads was still releasing the last collective, which holds
+    Python objects and so waits for the GIL, ``~ProcessGroupGloo`` joined that thread with the GIL
+    held: the process hung forever; or the pass ran on that very worker thread, and the join of
+    itself aborted the process (``std::system_error: Resource deadlock avoided``). Both happened
+    in test runs (a pytest worker lost, 2026-12-04 and -05) and in a loop of in-process trainings.
+    Held here, the group is freed only seconds after its last collective, when its threads are
+    idle."""
+    now = time.monotonic()
+    _RETIRED[:] = [(t, g) for t, g in _RETIRED if now - t < RETIRE_S]
+    if group is not None:
+        _RETIRED.append((now, group))
+
+
 @contextlib.contextmanager
 def process_group(backend: str, init_method: str, rank: int, world_size: int, *, timeout_s: float = 300.0,
                   device_id: Any = None) -> Iterator[None]:
@@ -305,6 +330,9 @@ def process_group(backend: str, init_method: str, rank: int, world_size: int, *,
     the variable once per process, when it first initializes: a process that ran NCCL before
     keeps its earlier interface.) For another ``host`` (ranks on several hosts), the backend's
     defaults and the caller's variables stand.
+
+    The group left is kept referenced for a few seconds (:func:`_retire`): freed while gloo's
+    threads finished its last collective, it hung or aborted the process.
 
     Args:
         backend: ``gloo`` or ``nccl``.
@@ -332,7 +360,9 @@ def process_group(backend: str, init_method: str, rank: int, world_size: int, *,
         try:
             yield
         finally:
+            group = dist.group.WORLD
             dist.destroy_process_group()
+            _retire(group)
     finally:
         for k, v in saved.items():
             if v is None:
