@@ -642,7 +642,7 @@ def _drive(problem: Problem, ctx: RunContext, runtime: Any) -> RunResult:
     runtime.start(ctx)
     if hasattr(runtime, "attach_output"):
         runtime.attach_output(output, t)
-    start = time.time()
+    start = time.perf_counter()  # a duration: the wall clock may be stepped meanwhile
     try:
         while sched.done < len(tasks):
             progressed = False
@@ -664,7 +664,7 @@ def _drive(problem: Problem, ctx: RunContext, runtime: Any) -> RunResult:
         runtime.cancel()
         raise
     finally:
-        seconds = time.time() - start
+        seconds = time.perf_counter() - start
         try:
             runtime.finish(ctx)
         except Exception:  # noqa: BLE001 - releasing caches is best effort
