@@ -355,43 +355,35 @@ def _boot_ticks(pid: int) -> int | None:
 
 
 def _start_stamp(pid: int, create_time: float) -> dict[str, Any]:
-    """What a record keeps to know process ``pid`` again (:func:`_same_start`): its wall-clock
+    """What a record keeps to know process ``pid`` again (:func:`_start_delta`): its wall-clock
     ``create_time`` (shown, and compared where nothing better exists) and, on Linux, its
     ``start_ticks`` since boot, which no change of the clock moves."""
     ticks = _boot_ticks(pid)
     return {"create_time": create_time, **({} if ticks is None else {"start_ticks": ticks})}
 
 
-def _same_start(pid: int, create_time: float, rec: dict[str, Any]) -> bool:
-    """Whether the process ``pid`` now running (``create_time`` from psutil) is the one ``rec``
-    recorded rather than a later process given the same PID: the same ``start_ticks`` since boot
-    where both are known (a record of this version, on Linux), else start times within 0.5 s."""
+def _start_delta(pid: int, create_time: float, rec: dict[str, Any]) -> tuple[float, float]:
+    """How much later the process ``pid`` now running (``create_time`` from psutil) started than
+    the one ``rec`` recorded, and the tolerance of that comparison: in ``start_ticks`` since boot
+    where both are known (a record of this version, on Linux; exact), else in wall-clock seconds
+    (0.5 s). 0 within the tolerance: the recorded process, not a later one given the same PID."""
     ticks = rec.get("start_ticks")
     now = _boot_ticks(pid) if isinstance(ticks, int) else None
     if now is not None:
-        return now == ticks
-    return abs(create_time - float(rec.get("create_time", -1))) <= 0.5
-
-
-def _started_since(pid: int, create_time: float, rec: dict[str, Any]) -> bool:
-    """Whether process ``pid`` started no earlier than the process ``rec`` recorded (the same
-    clocks as :func:`_same_start`)."""
-    ticks = rec.get("start_ticks")
-    now = _boot_ticks(pid) if isinstance(ticks, int) else None
-    if now is not None:
-        return now >= ticks
-    return create_time >= float(rec.get("create_time", -1)) - 0.5
+        return float(now - ticks), 0.0
+    return create_time - float(rec.get("create_time", -1)), 0.5
 
 
 def _live_process(rec: dict[str, Any] | None) -> Any:
-    """The recorded process if it still runs (same PID *and* start, :func:`_same_start`), else None."""
+    """The recorded process if it still runs (same PID *and* start, :func:`_start_delta`), else None."""
     import psutil  # noqa: PLC0415
 
     if not rec or not rec.get("pid"):
         return None
     try:
         proc = psutil.Process(int(rec["pid"]))
-        if not _same_start(proc.pid, proc.create_time(), rec):
+        delta, tolerance = _start_delta(proc.pid, proc.create_time(), rec)
+        if abs(delta) > tolerance:
             return None  # the PID was recycled
         if proc.status() == psutil.STATUS_ZOMBIE:
             return None
@@ -419,8 +411,10 @@ def _orphans(rec: dict[str, Any] | None) -> list[Any]:
     found = []
     for proc in psutil.process_iter(["create_time", "status"]):
         with contextlib.suppress(OSError, psutil.Error):
-            if (os.getsid(proc.pid) == sid and _started_since(proc.pid, proc.info["create_time"], rec)
-                    and proc.info["status"] != psutil.STATUS_ZOMBIE):  # the unreaped server itself
+            if os.getsid(proc.pid) != sid or proc.info["status"] == psutil.STATUS_ZOMBIE:  # (the unreaped server)
+                continue
+            delta, tolerance = _start_delta(proc.pid, proc.info["create_time"], rec)
+            if delta >= -tolerance:  # started with or after the server
                 found.append(proc)
     return found
 

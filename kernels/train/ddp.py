@@ -291,7 +291,7 @@ def rendezvous_store(init_method: str, rank: int, world_size: int, timeout_s: fl
 
 
 # Default process groups process_group() has left, with when (time.monotonic()): kept referenced
-# until they are RETIRE_S old, when the next process_group() starts (or the process exits).
+# until the first time a group is left RETIRE_S or more after them (or the process exits).
 _RETIRED: list[tuple[float, Any]] = []
 RETIRE_S = 5.0
 
@@ -306,7 +306,8 @@ def _retire(group: Any) -> None:
     Python objects and so waits for the GIL, ``~ProcessGroupGloo`` joined that thread with the GIL
     held: the process hung forever; or the pass ran on that very worker thread, and the join of
     itself aborted the process (``std::system_error: Resource deadlock avoided``). Both happened
-    in test runs (a pytest worker lost, 2026-12-04 and -05) and in a loop of in-process trainings.
+    in a loop of in-process trainings, the abort in a full test run (2026-12-05; very likely
+    also the CI run of 2026-12-04 that hung at 97%).
     Held here, the group is freed only seconds after its last collective, when its threads are
     idle."""
     now = time.monotonic()
