@@ -37,7 +37,16 @@ from paperline.kernels.video.clips import ClipConfig, FilterConfig, nvenc_usable
 from paperline.kernels.video.dedup import deduplicate
 from paperline.kernels.video.shards import MANIFEST, plan_shards
 from paperline.kernels.video.sources import VIDEO_EXTENSIONS, demo_videos, list_local
-from paperline.tasks.video import contact_sheet, curate_video, read_back, unstaged, video_stats, write_shards
+from paperline.tasks.video import (
+    SourceChangedError,
+    contact_sheet,
+    curate_video,
+    read_back,
+    source_fingerprints,
+    unstaged,
+    video_stats,
+    write_shards,
+)
 
 EXPERIMENT = "video-curation"
 # Default cosine thresholds of semantic dedup per embedder. HSV histograms: the demo's duplicates at
@@ -167,8 +176,11 @@ class VideoCurationParameters(BaseModel):
         if src != "demo" and not src.startswith("s3://"):
             if "://" in src:
                 raise InputError("source", src, "unsupported scheme: give 'demo', a local path or an s3:// prefix")
-            if not Path(src).expanduser().exists():
-                raise InputError("source", src, "no such file or directory")
+            if not Path(src).expanduser().exists():  # (a link loop was "no such file or directory": a trial)
+                from paperline.kernels.video.probe import missing_detail  # noqa: PLC0415
+
+                path = Path(src).expanduser()
+                raise InputError("source", src, missing_detail(path) if path.is_symlink() else "no such file or directory")
         if src != "demo" and self.output is None and self.dataset == "demo":  # it took the demo's name for good
             raise InputError("dataset", self.dataset, f"the demo videos' dataset; curating source={src} needs a "
                                                       "name of its own (--set dataset=NAME)")
@@ -364,12 +376,15 @@ def video_curation(params: VideoCurationParameters | None = None) -> dict[str, A
 
 def _result(future: Any, source: str) -> dict[str, Any]:
     """A video's result; a task that failed even after its retry (a lost worker, a crash in a
-    decoder) is recorded as rejected with reason ``task_failed`` and the run goes on. Bad
-    configuration is raised."""
+    decoder) is recorded as rejected with reason ``task_failed``, one whose source was rewritten
+    while it ran with ``changed_during_run``, and the run goes on. Bad configuration is raised."""
     try:
         return future.result()
     except KernelInputError:
         raise
+    except SourceChangedError as exc:
+        return {"source": source, "info": None, "rows": [], "stats": video_stats(None),
+                "rejected": {"source": source, "reason": "changed_during_run", "detail": str(exc)}}
     except Exception as exc:  # noqa: BLE001
         detail = f"{type(exc).__name__}: {exc}"[:300]
         return {"source": source, "info": None, "rows": [], "stats": video_stats(None),
@@ -388,13 +403,16 @@ def _curate(params: VideoCurationParameters, cfg: ClipConfig, filt: FilterConfig
     t0 = time.perf_counter()
     clip_cfg = dataclasses.asdict(cfg)
     filter_cfg = dataclasses.asdict(filt)
-    futures = [curate_video.submit(s, clip_cfg, filter_cfg, store, staging, _label(s)) for s in sources]
+    versions = source_fingerprints(sources, store)  # what each task curates (or fails: SourceChangedError)
+    futures = [curate_video.submit(s, clip_cfg, filter_cfg, store, staging, _label(s), v)
+               for s, v in zip(sources, versions)]
     results = [_result(f, s) for f, s in zip(futures, sources)]
     # cached results whose staged clips were deleted since: curate those videos again (one HEAD per
     # kept clip, so not for a committed output, whose shards are never rebuilt from staged clips)
     recurated = [] if store.exists(f"{output}/{MANIFEST}") else unstaged(store, results)
     again = curate_video.with_options(refresh_cache=True)
-    futures = [again.submit(sources[i], clip_cfg, filter_cfg, store, staging, _label(sources[i])) for i in recurated]
+    futures = [again.submit(sources[i], clip_cfg, filter_cfg, store, staging, _label(sources[i]), versions[i])
+               for i in recurated]
     for i, f in zip(recurated, futures):
         results[i] = _result(f, sources[i])
     rejected = [r["rejected"] for r in results if r["rejected"] is not None]

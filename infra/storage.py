@@ -33,6 +33,10 @@ class ObjectNotFoundError(PaperlineError, FileNotFoundError):
     """The S3 object (or committed output) does not exist."""
 
 
+class ObjectChangedError(PaperlineError):
+    """The S3 object is no longer the version asked for (its ETag changed: it was overwritten)."""
+
+
 class NotCommittedError(ObjectNotFoundError):
     """A multi-object output has no manifest: it was never committed, or its writer failed."""
 
@@ -471,29 +475,47 @@ class ObjectStore:
         self._call(f"upload {uri}", self.client.upload_file, str(path), bucket, key)
         return uri
 
-    def get_file(self, uri: str, path: str | os.PathLike[str]) -> Path:
+    def get_file(self, uri: str, path: str | os.PathLike[str], *, etag: str | None = None) -> Path:
         """Download an object to a local file (written atomically: temporary file, then rename).
+
+        Args:
+            uri: ``s3://bucket/key``.
+            path: The local file to write.
+            etag: When given, only that version of the object is read (one GET with ``If-Match``,
+                so the file is that version's bytes even if the object is overwritten meanwhile);
+                otherwise boto3's parallel ranged download.
 
         Returns:
             The local path.
 
         Raises:
             ObjectNotFoundError: No such object.
+            ObjectChangedError: ``etag`` is given and the object's ETag is another.
             ServiceError: S3 is unreachable or rejects the credentials.
         """
+        import shutil  # noqa: PLC0415
+
         from botocore.exceptions import ClientError  # noqa: PLC0415
 
         bucket, key = split_uri(uri)
         path = Path(path)
         path.parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".part")
+        # (a prefix taken from the name overran the file system's 255 bytes for a long object name: a trial)
+        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".download-", suffix=".part")
         os.close(fd)
         try:
-            self._call(f"download {uri}", self.client.download_file, bucket, key, tmp)
+            if etag is None:
+                self._call(f"download {uri}", self.client.download_file, bucket, key, tmp)
+            else:
+                resp = self._call(f"download {uri}", self.client.get_object, Bucket=bucket, Key=key, IfMatch=etag)
+                with resp["Body"] as body, open(tmp, "wb") as f:
+                    shutil.copyfileobj(body, f, 1 << 20)
             os.replace(tmp, path)
         except ClientError as exc:
             if self._is_not_found(exc):
                 raise ObjectNotFoundError(f"{uri}: no such object") from exc
+            if exc.response.get("Error", {}).get("Code") in {"PreconditionFailed", "412"}:
+                raise ObjectChangedError(f"{uri}: the object was overwritten (its ETag is no longer {etag})") from exc
             raise
         finally:
             if os.path.exists(tmp):

@@ -5,6 +5,11 @@ A video's cache key is its content (SHA-256 of a local file, or the S3 ETag and 
 filter settings, the staging prefix and the sources of the video kernels, plus the task's source:
 re-running the flow on the same inputs with the same code decodes nothing again. Kept clips are staged in S3 content-addressed
 (``{staging}/{sha256}.mp4``) as soon as each is encoded, so a task result holds only metadata.
+
+The flow takes each source's :func:`source_fingerprint` when it lists the sources, and the task
+curates that version or fails with :class:`SourceChangedError`: a file rewritten while its task ran
+was decoded half-written, and the "truncated" verdict was cached under the intact file's key, so
+the restored file stayed rejected on every later run (a trial).
 """
 
 from __future__ import annotations
@@ -12,70 +17,155 @@ from __future__ import annotations
 import hashlib
 import io
 import json
+import os
+import stat
 import tempfile
+import uuid
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
 from prefect import task
 from prefect.cache_policies import TASK_SOURCE, CacheKeyFnPolicy
 
-from paperline.infra.storage import ObjectStore, split_uri
-from paperline.kernels.video.clips import Clip, ClipConfig, FilterConfig, extract_clips
+from paperline.infra.errors import PaperlineError
+from paperline.infra.storage import ObjectChangedError, ObjectNotFoundError, ObjectStore, split_uri
+from paperline.kernels.errors import InputError
+from paperline.kernels.video.clips import Clip, ClipConfig, FilterConfig, extract_clips, key_stem
 from paperline.kernels.video.probe import Rejected, file_sha256, probe
 from paperline.kernels.video.shards import ShardPlan, iter_samples, write_dataset
-from paperline.tasks.retry import HOUR, retry_unless_bad_input
+from paperline.tasks.retry import HOUR, retry_unless, retry_unless_bad_input
 from paperline.tasks.versions import sources_sha256
+
+
+class SourceChangedError(PaperlineError):
+    """A source video was rewritten, replaced or removed while its task curated it: what was decoded
+    is not the version the run listed, so nothing of it is kept (and no result is cached)."""
+
+
+def source_fingerprint(source: str, store: ObjectStore) -> str:
+    """The version of ``source`` a run curates: for a local file its inode, size, and modification
+    and change times in ns (a write changes them; the content is hashed for the cache key); for an
+    S3 object its ETag and size (``"absent"`` when there is none).
+
+    Raises:
+        ServiceError: S3 is unreachable or rejects the credentials.
+    """
+    if source.startswith("s3://"):
+        head = store.head(source)
+        return "absent" if head is None else f"{head.get('ETag')}:{head.get('ContentLength')}"
+    return _file_fingerprint(source)
+
+
+def _file_fingerprint(source: str) -> str:
+    try:
+        st = os.stat(source)
+    except OSError as exc:  # missing, a link loop, ...: the probe records why
+        return f"unreadable:{type(exc).__name__}"
+    if not stat.S_ISREG(st.st_mode):  # a FIFO named like a video: never opened (it blocked a run: a trial)
+        return "not-a-regular-file"
+    return f"file:{st.st_ino}:{st.st_size}:{st.st_mtime_ns}:{st.st_ctime_ns}"
+
+
+def source_fingerprints(sources: list[str], store: ObjectStore, threads: int = 8) -> list[str]:
+    """:func:`source_fingerprint` of each source (S3 HEADs in parallel)."""
+    if not any(s.startswith("s3://") for s in sources):
+        return [source_fingerprint(s, store) for s in sources]
+    with ThreadPoolExecutor(threads) as pool:
+        return list(pool.map(lambda s: source_fingerprint(s, store), sources))
+
+
+def _changed(source: str, now: str) -> SourceChangedError:
+    what = "removed" if now in ("absent", "unreadable:FileNotFoundError") else "rewritten or replaced"
+    return SourceChangedError(f"{source}: {what} while it was being curated (the run listed another version): "
+                              "nothing of it is kept; run again to curate it as it is now")
 
 
 def _video_key(_ctx: Any, p: dict[str, Any]) -> str:
     src = p["source"]
-    if src.startswith("s3://"):
-        head = p["store"].head(src) or {}
-        ident = f"{head.get('ETag')}:{head.get('ContentLength')}"
-    elif not Path(src).is_file():  # opening a FIFO named like a video blocked the run for good (a trial);
-        ident = "not-a-regular-file"  # probe() rejects it, without opening it
+    listed = p.get("fingerprint")
+    if src.startswith("s3://"):  # the task reads exactly this version (If-Match) or fails
+        ident = listed or source_fingerprint(src, p["store"])
     else:
-        try:
-            ident = file_sha256(src)
-        except OSError as exc:
-            ident = f"unreadable:{type(exc).__name__}"
+        before = _file_fingerprint(src)
+        ident = before
+        if before.startswith("file:"):
+            try:
+                ident = file_sha256(src)
+            except OSError as exc:
+                ident = f"unreadable:{type(exc).__name__}"
+            if _file_fingerprint(src) != before or (listed is not None and listed != before):
+                ident = f"changed:{uuid.uuid4().hex}"  # the task fails (SourceChangedError): no result is kept
     blob = json.dumps([src, ident, p["clip_cfg"], p["filter_cfg"], p["staging"], sources_sha256("paperline.kernels.video")], sort_keys=True,
                       default=str)
     return hashlib.sha256(blob.encode()).hexdigest()
 
 
+def _local_name(source: str) -> str:
+    """A file name for an S3 object's download: its own name, unless that is near the file
+    system's 255-byte limit (an S3 key's last part may have up to 1024), then :func:`key_stem`
+    of it, which gives the clips the same keys."""
+    name = Path(split_uri(source)[1]).name
+    return name if len(name.encode()) <= 200 else key_stem(name) + Path(name).suffix[:16]
+
+
 @task(name="video-curate", cache_policy=TASK_SOURCE + CacheKeyFnPolicy(cache_key_fn=_video_key), persist_result=True,
-      retries=1, retry_condition_fn=retry_unless_bad_input, task_run_name="curate-{label}", timeout_seconds=6 * HOUR)
+      retries=1, retry_condition_fn=retry_unless(InputError, SourceChangedError), task_run_name="curate-{label}",
+      timeout_seconds=6 * HOUR)
 def curate_video(source: str, clip_cfg: dict[str, Any], filter_cfg: dict[str, Any], store: ObjectStore,
-                 staging: str, label: str) -> dict[str, Any]:
+                 staging: str, label: str, fingerprint: str | None = None) -> dict[str, Any]:
     """Probe, split, transcode, filter and embed one video; stage its kept clips in S3.
+
+    Args:
+        fingerprint: The version to curate (:func:`source_fingerprint`, taken when the run listed
+            its sources); None: the version there now.
 
     Returns:
         ``{"source", "info", "rejected", "rows", "stats"}``: ``rows`` are the clips' index fields plus
         ``embedding``, ``thumbnail_jpeg`` and ``staged_uri``; ``rejected`` is the reason row or None
         (``no_clips`` for a video that decodes but has no shot of ``min_clip_s``).
         Bad files are recorded, never raised.
+
+    Raises:
+        SourceChangedError: the source is not (or no longer) the ``fingerprint`` version.
     """
-    cfg = ClipConfig(**clip_cfg)
-    filt = FilterConfig(**filter_cfg)
+    expected = fingerprint if fingerprint is not None else source_fingerprint(source, store)
     with tempfile.TemporaryDirectory() as tmp:
         local = source
         if source.startswith("s3://"):
-            local = str(Path(tmp) / Path(split_uri(source)[1]).name)
-            store.get_file(source, local)
-        info = probe(local)
-        if isinstance(info, Rejected):  # (details name the S3 object, not its download's temp file)
-            rej = Rejected(source, info.reason, info.detail.replace(local, source))
-            return {"source": source, "info": None, "rejected": rej.as_dict(), "rows": [], "stats": video_stats(None)}
-        bucket, prefix = split_uri(staging)
-        staged: dict[str, str] = {}
+            local = str(Path(tmp) / _local_name(source))
+            if expected == "absent":
+                raise _changed(source, "absent")
+            try:
+                store.get_file(source, local, etag=expected.rpartition(":")[0])
+            except (ObjectChangedError, ObjectNotFoundError):
+                raise _changed(source, source_fingerprint(source, store)) from None
+        elif (now := source_fingerprint(source, store)) != expected:
+            raise _changed(source, now)
+        out = _curate(source, local, clip_cfg, filter_cfg, store, staging)
+        # a local file written to while it was decoded: its verdict (e.g. "truncated") is not the file's
+        if local == source and (now := source_fingerprint(source, store)) != expected:
+            raise _changed(source, now)
+    return out
 
-        def upload(clip: Clip) -> None:
-            if clip.mp4 is not None:
-                staged[clip.key] = store.put_bytes(clip.mp4, bucket=bucket, prefix=prefix, suffix=".mp4").uri
-                clip.mp4 = None  # uploaded: free the bytes
 
-        result = extract_clips(info, cfg, filt, on_clip=upload)
+def _curate(source: str, local: str, clip_cfg: dict[str, Any], filter_cfg: dict[str, Any], store: ObjectStore,
+            staging: str) -> dict[str, Any]:
+    cfg = ClipConfig(**clip_cfg)
+    filt = FilterConfig(**filter_cfg)
+    info = probe(local)
+    if isinstance(info, Rejected):  # (details name the S3 object, not its download's temp file)
+        rej = Rejected(source, info.reason, info.detail.replace(local, source))
+        return {"source": source, "info": None, "rejected": rej.as_dict(), "rows": [], "stats": video_stats(None)}
+    bucket, prefix = split_uri(staging)
+    staged: dict[str, str] = {}
+
+    def upload(clip: Clip) -> None:
+        if clip.mp4 is not None:
+            staged[clip.key] = store.put_bytes(clip.mp4, bucket=bucket, prefix=prefix, suffix=".mp4").uri
+            clip.mp4 = None  # uploaded: free the bytes
+
+    result = extract_clips(info, cfg, filt, on_clip=upload)
     info_d = dict(info.as_dict(), source=source)
     if result.rejected is not None:
         rej = Rejected(source, result.rejected.reason, result.rejected.detail.replace(local, source))

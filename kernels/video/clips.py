@@ -269,14 +269,19 @@ class _Autorotate:
         return self.graph.pull()
 
 
-def source_id(info: VideoInfo) -> str:
-    """A key-safe id of a source: its file stem (``[A-Za-z0-9_-]`` only) and 10 hex digits of its
-    SHA-256 (WebDataset keys end at the first dot)."""
+def key_stem(source: str) -> str:
+    """The key-safe part of a source's file stem that clip keys start with: ``[A-Za-z0-9_-]`` only
+    (each run of other characters becomes one ``_``), at most 48 characters, ``"video"`` if empty."""
     import re  # noqa: PLC0415
     from pathlib import PurePosixPath  # noqa: PLC0415
 
-    stem = re.sub(r"[^A-Za-z0-9_-]+", "_", PurePosixPath(info.source.replace("\\", "/")).stem)[:48] or "video"
-    return f"{stem}-{info.sha256[:10]}"
+    return re.sub(r"[^A-Za-z0-9_-]+", "_", PurePosixPath(source.replace("\\", "/")).stem)[:48] or "video"
+
+
+def source_id(info: VideoInfo) -> str:
+    """A key-safe id of a source: :func:`key_stem` of its path and 10 hex digits of its SHA-256
+    (WebDataset keys end at the first dot)."""
+    return f"{key_stem(info.source)}-{info.sha256[:10]}"
 
 
 @dataclass(frozen=True)

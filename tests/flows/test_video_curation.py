@@ -7,6 +7,7 @@ import hashlib
 import inspect
 import io
 import json
+import pickle
 import shutil
 import sys
 import tarfile
@@ -281,6 +282,120 @@ def test_an_s3_prefix_is_a_source(stack, source_dir):
     assert unstaged(store, [bad, out]) == []
     store.delete(row["staged_uri"])
     assert unstaged(store, [bad, out, bad]) == [1]
+
+
+def _curate_fn(source, store, info, **kw):
+    import dataclasses
+
+    from paperline.kernels.video.clips import ClipConfig, FilterConfig
+    from paperline.tasks.video import curate_video
+
+    return curate_video.fn(source, dataclasses.asdict(ClipConfig(min_clip_s=1.0)), dataclasses.asdict(FilterConfig()),
+                           store, f"s3://{info.data_bucket}/test-staging", "t", **kw)
+
+
+def test_a_source_rewritten_while_its_task_runs_is_not_curated_and_not_cached(stack, source_dir, tmp_path,
+                                                                           monkeypatch):
+    """A video overwritten during a run was decoded half-written, and its "truncated" verdict was
+    cached under the intact file's key: restored, the file stayed rejected on every later run (a
+    trial). The task curates the version the run listed, or fails (no result, so nothing cached)."""
+    import os
+
+    from paperline.infra.storage import ObjectStore
+    from paperline.tasks import video as video_tasks
+    from paperline.tasks.video import SourceChangedError, _video_key, source_fingerprint
+
+    _, info = stack
+    store = ObjectStore.from_stack(info)
+    src = tmp_path / "v.mp4"
+    shutil.copy(source_dir / "carphone.mp4", src)
+    listed = source_fingerprint(str(src), store)
+    params = {"source": str(src), "clip_cfg": {}, "filter_cfg": {}, "staging": "s", "store": store}
+    intact_key = _video_key(None, {**params, "fingerprint": listed})
+    assert _video_key(None, {**params, "fingerprint": listed}) == intact_key  # (a key, not a nonce)
+
+    # rewritten between the listing and the task: refused, and its key is none a result is kept under
+    shutil.copy(source_dir / "bikes.mp4", src)
+    with pytest.raises(SourceChangedError, match=f"{src}: rewritten or replaced while it was being curated"):
+        _curate_fn(str(src), store, info, fingerprint=listed)
+    assert _video_key(None, {**params, "fingerprint": listed}) not in (intact_key, _video_key(None, {**params, "fingerprint": listed}))
+
+    # rewritten while it is decoded (after the task's first check): refused after decoding
+    shutil.copy(source_dir / "carphone.mp4", src)
+    listed = source_fingerprint(str(src), store)
+    real = video_tasks._curate
+
+    def curate_then_rewrite(*args, **kwargs):
+        out = real(*args, **kwargs)
+        with open(src, "r+b") as f:  # in place, as `cp` over it does
+            f.truncate(os.path.getsize(src) // 2)
+        return out
+
+    monkeypatch.setattr(video_tasks, "_curate", curate_then_rewrite)
+    with pytest.raises(SourceChangedError, match="rewritten or replaced"):
+        _curate_fn(str(src), store, info, fingerprint=listed)
+    monkeypatch.setattr(video_tasks, "_curate", real)
+    os.unlink(src)
+    with pytest.raises(SourceChangedError, match=f"{src}: removed while"):
+        _curate_fn(str(src), store, info, fingerprint=listed)
+
+    # the same file, unchanged: curated (and the fingerprint defaults to the version there now)
+    shutil.copy(source_dir / "carphone.mp4", src)
+    out = _curate_fn(str(src), store, info, fingerprint=source_fingerprint(str(src), store))
+    assert out["rejected"] is None and out["rows"]
+    assert _curate_fn(str(src), store, info)["rows"][0]["key"] == out["rows"][0]["key"]
+
+
+def test_an_s3_source_overwritten_after_the_listing_is_not_curated(stack, source_dir):
+    """An S3 source is read at the version (ETag) the run listed, in one GET with If-Match."""
+    from paperline.infra.storage import ObjectStore
+    from paperline.tasks.video import SourceChangedError, source_fingerprint
+
+    _, info = stack
+    store = ObjectStore.from_stack(info)
+    uri = f"s3://{info.data_bucket}/test-changed-{int(time.time() * 1000)}/v.mp4"
+    store.upload_file_to(source_dir / "carphone.mp4", uri)
+    listed = source_fingerprint(uri, store)
+    store.upload_file_to(source_dir / "bikes.mp4", uri)
+    with pytest.raises(SourceChangedError, match=f"{uri}: rewritten or replaced while it was being curated"):
+        _curate_fn(uri, store, info, fingerprint=listed)
+    now = source_fingerprint(uri, store)
+    assert _curate_fn(uri, store, info, fingerprint=now)["rejected"] is None
+    store.delete(uri)
+    with pytest.raises(SourceChangedError, match=f"{uri}: removed while"):
+        _curate_fn(uri, store, info, fingerprint=now)
+
+
+def test_an_s3_source_with_a_long_name_is_curated_with_the_keys_of_a_local_one(stack, source_dir, tmp_path):
+    """An object named with 240 characters failed in its download ("File name too long": the
+    temporary file's name added to it) where the same local file worked (a trial)."""
+    from paperline.infra.storage import ObjectStore
+
+    _, info = stack
+    store = ObjectStore.from_stack(info)
+    name = "L" * 40 + "é" * 100 + ".mp4"  # 244 bytes: a file system's limit is 255
+    local = tmp_path / name
+    shutil.copy(source_dir / "carphone.mp4", local)
+    uri = f"s3://{info.data_bucket}/test-long-{int(time.time() * 1000)}/{name}"
+    store.upload_file_to(local, uri)
+    from_s3, from_disk = _curate_fn(uri, store, info), _curate_fn(str(local), store, info)
+    assert from_s3["rejected"] is None and from_s3["info"]["source"] == uri
+    assert [r["key"] for r in from_s3["rows"]] == [r["key"] for r in from_disk["rows"]]
+    assert from_s3["rows"][0]["key"].startswith("L" * 40 + "_-")
+
+
+def test_a_task_that_failed_on_a_changed_source_is_recorded_as_such():
+    from paperline.flows.video_curation import _result
+    from paperline.tasks.video import SourceChangedError
+
+    class Failed:  # what a Prefect future of a failed task does
+        def result(self):
+            raise SourceChangedError("/v.mp4: rewritten or replaced while it was being curated (...)")
+
+    out = _result(Failed(), "/v.mp4")
+    assert out["rejected"] == {"source": "/v.mp4", "reason": "changed_during_run",
+                               "detail": "/v.mp4: rewritten or replaced while it was being curated (...)"}
+    assert out["rows"] == [] and pickle.loads(pickle.dumps(SourceChangedError("x"))).args == ("x",)
 
 
 def test_the_same_videos_in_another_directory_are_the_same_inputs():

@@ -14,7 +14,7 @@ import pytest
 
 from paperline.infra.errors import InputError, ServiceError
 from paperline.infra.stack import ensure_stack, load_stack_info, stack_status
-from paperline.infra.storage import NotCommittedError, ObjectNotFoundError, ObjectStore
+from paperline.infra.storage import NotCommittedError, ObjectChangedError, ObjectNotFoundError, ObjectStore
 from paperline.infra.tracking import Tracker
 
 pytestmark = pytest.mark.stack
@@ -39,6 +39,12 @@ def test_s3_round_trip_is_content_addressed(stack, tmp_path):
     fref = store.put_file(src, bucket=info.data_bucket, prefix="tests/files")
     assert fref.uri.endswith(".dat") and fref.size_bytes == 3 * len(data)
     assert store.get_file(fref.uri, tmp_path / "out" / "copy.dat").read_bytes() == data * 3
+    # at a version: that version's bytes, or ObjectChangedError and no file (nor temporary file) left
+    etag = store.head(fref.uri)["ETag"]
+    assert store.get_file(fref.uri, tmp_path / "v" / "copy.dat", etag=etag).read_bytes() == data * 3
+    with pytest.raises(ObjectChangedError, match=f"{fref.uri}: the object was overwritten"):
+        store.get_file(fref.uri, tmp_path / "w" / "copy.dat", etag='"0123456789abcdef0123456789abcdef"')
+    assert list((tmp_path / "w").iterdir()) == []
 
     with pytest.raises(ObjectNotFoundError):
         store.get_bytes(f"s3://{info.data_bucket}/tests/rt/missing")
