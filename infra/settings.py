@@ -19,6 +19,7 @@ from pydantic_settings import BaseSettings, SettingsConfigDict
 
 _BUCKET_NAME = re.compile(r"[a-z0-9][a-z0-9.-]{1,61}[a-z0-9]")
 _IP_LIKE = re.compile(r"\d+\.\d+\.\d+\.\d+")
+_MAX_S3_PORT = 65535 - 10000  # SeaweedFS puts each server's gRPC port 10000 above it (infra/stack.py)
 
 
 class Settings(BaseSettings):
@@ -119,6 +120,17 @@ class Settings(BaseSettings):
                                  "servers bind to; 127.0.0.1 unless you mean to expose them)") from None
         return v
 
+    @field_validator("s3_port", "prefect_port", "mlflow_port")
+    @classmethod
+    def _port(cls, v: int, info: Any) -> int:
+        # -1 and 70000 were taken, then said to be "taken by another process" (a trial)
+        if info.field_name == "s3_port" and not 1 <= v <= _MAX_S3_PORT:
+            raise ValueError(f"not a port SeaweedFS can use: 1-{_MAX_S3_PORT} (it also takes the port 10000 "
+                             "above for its gRPC)")
+        if not 1 <= v <= 65535:
+            raise ValueError("not a TCP port: 1-65535")
+        return v
+
     @field_validator("results_bucket", "artifacts_bucket", "data_bucket")
     @classmethod
     def _bucket_name(cls, v: str) -> str:
@@ -138,7 +150,9 @@ class Settings(BaseSettings):
         try:
             parts = urlsplit(v)
             parts.port  # noqa: B018 - raises on a port that is not a number
-        except ValueError:
+        except ValueError as exc:
+            if "out of range" in str(exc):  # (it was told the URL's form, not what was wrong with it: a trial)
+                raise ValueError("its port is out of range: 1-65535") from None
             parts = None
         if parts is None or parts.scheme not in ("http", "https") or not parts.hostname:
             # a password with a raw '/' or '#' ended the host early: its halves were printed in

@@ -1,6 +1,7 @@
 from __future__ import annotations
 
 import os
+import re
 from pathlib import Path
 
 import pytest
@@ -67,6 +68,31 @@ def test_bucket_names_follow_s3s_rules(monkeypatch, tmp_path, name, ok):
             assert get_settings().data_bucket == name
         else:
             with pytest.raises(InputError, match=f"^PAPERLINE_DATA_BUCKET='{name}': not a valid S3 bucket name"):
+                get_settings()
+    finally:
+        get_settings.cache_clear()
+
+
+@pytest.mark.parametrize("name, value, error", [
+    ("PAPERLINE_PREFECT_PORT", "-1", "not a TCP port: 1-65535"), ("PAPERLINE_MLFLOW_PORT", "0", "not a TCP port"),
+    ("PAPERLINE_MLFLOW_PORT", "65536", "not a TCP port"), ("PAPERLINE_MLFLOW_PORT", "65535", None),
+    ("PAPERLINE_S3_PORT", "70000", "not a port SeaweedFS can use: 1-55535 (it also takes the port 10000 above"),
+    ("PAPERLINE_S3_PORT", "55536", "not a port SeaweedFS can use"), ("PAPERLINE_S3_PORT", "55535", None),
+    ("PAPERLINE_MLFLOW_TRACKING_URI", "http://127.0.0.1:99999", "its port is out of range: 1-65535")])
+def test_ports_out_of_range_are_refused_naming_the_range(monkeypatch, tmp_path, name, value, error):
+    """-1 and 70000 were taken, and `up` said the port "is taken by another process"; a URL's port
+    99999 was refused with the URL's expected form alone (a trial)."""
+    from paperline.infra.errors import InputError
+    from paperline.infra.settings import get_settings
+
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv(name, value)
+    get_settings.cache_clear()
+    try:
+        if error is None:
+            assert getattr(get_settings(), name.removeprefix("PAPERLINE_").lower()) == int(value)
+        else:
+            with pytest.raises(InputError, match=re.escape(f"{name}='{value}': {error}")):
                 get_settings()
     finally:
         get_settings.cache_clear()
