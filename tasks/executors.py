@@ -52,11 +52,20 @@ def wait_for_cluster(client: Any, timeout_s: float = 120.0) -> None:
 
     A flow's ``LocalCluster``/``LocalCUDACluster`` may still be starting workers when the first
     task runs; work placed then would use only the workers up so far. A client of an external
-    scheduler (no cluster object) is not waited on.
+    scheduler (no cluster object) waits, without a time limit, until it has one worker, as its
+    tasks would (``paperline run`` warned that it has none): the GEMM flow failed at once with
+    "the Dask cluster has no workers", and was retried to fail again (a trial).
+
+    Raises:
+        TimeoutError: a local cluster's workers did not all start within ``timeout_s`` seconds.
     """
     spec = getattr(getattr(client, "cluster", None), "worker_spec", None)
     if spec:
         client.wait_for_workers(len(spec), timeout=timeout_s)
+    elif not client.scheduler_info(n_workers=-1)["workers"]:
+        print(f"waiting for a worker to join the Dask scheduler at {client.scheduler.address} "
+              "(`dask worker ADDRESS`, or your cluster's scaling)")
+        client.wait_for_workers(1)
 
 
 def flow_dask_client() -> Any | None:

@@ -38,3 +38,25 @@ def test_dask_executor_matches_serial_exactly(client, low_rank_tensor):
 def test_cluster_executor_uses_the_default_client(client):
     with cluster_executor() as ex:
         assert isinstance(ex, DaskExecutor) and ex.client is client
+
+
+def test_a_scheduler_without_workers_is_waited_on_until_one_joins(capsys):
+    """An external scheduler with no worker yet: the GEMM flow failed at once ("the Dask cluster
+    has no workers", then its retry the same) although `paperline run` had said its tasks would
+    wait for one (a trial). The run waits, as its tasks would, and goes on when a worker joins."""
+    import threading
+
+
+    from paperline.kernels.blas.runtime import DaskRuntime
+    from paperline.tasks.executors import wait_for_cluster
+
+    with LocalCluster(n_workers=0, processes=False, dashboard_address=":0") as cluster, \
+            Client(cluster.scheduler_address) as c:  # by address: an external scheduler, no cluster object
+        done = threading.Event()
+        waiter = threading.Thread(target=lambda: (wait_for_cluster(c), done.set()), daemon=True)
+        waiter.start()
+        assert not done.wait(1.5)  # still waiting: no worker
+        assert f"waiting for a worker to join the Dask scheduler at {cluster.scheduler_address}" in capsys.readouterr().out
+        cluster.scale(1)
+        assert done.wait(60)
+        assert len(DaskRuntime(c).workers()) == 1
