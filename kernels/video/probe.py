@@ -169,7 +169,7 @@ def probe(path: str | Path, *, min_frames: int = 2) -> VideoInfo | Rejected:
     except PermissionError as exc:  # a directory on the path that this user may not search
         return _unreadable(src, exc, "a directory on its path")
     if not found:
-        return Rejected(src, "missing", _missing_detail(p))
+        return Rejected(src, "missing", missing_detail(p))
     if not p.is_file():  # a FIFO would block the decoder's open until a writer came
         return Rejected(src, "decode_error", "not a regular file (a FIFO, socket or device)")
     size = p.stat().st_size
@@ -235,7 +235,7 @@ def _unreadable(src: str, exc: OSError, what: str) -> Rejected:
                                        f"make {what} readable to it")
 
 
-def _missing_detail(p: Path) -> str:
+def missing_detail(p: Path) -> str:
     """Why a listed path does not exist: a broken or looping symbolic link, or nothing there."""
     import errno  # noqa: PLC0415
     import os  # noqa: PLC0415

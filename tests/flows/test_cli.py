@@ -416,6 +416,8 @@ def test_bad_video_settings_are_refused_before_anything_starts(tmp_path):
     video reported broken) before failing."""
     notes = tmp_path / "notes.txt"
     notes.write_text("not a video")
+    (tmp_path / "loop1.mp4").symlink_to("loop2.mp4")
+    (tmp_path / "loop2.mp4").symlink_to("loop1.mp4")
     cases = [
         (["preset=bogus"], ["preset='bogus'", "not a libx264 preset"]),
         (["splitter=content", 'splitter_options={"bogus": 1}'], ["content takes no option 'bogus'", "min_score"]),
@@ -423,6 +425,7 @@ def test_bad_video_settings_are_refused_before_anything_starts(tmp_path):
         (["splitter=stride", 'splitter_options={"stride_s": 0}'], ["stride_s=0", "must be positive"]),
         (["min_clip_s=5", "max_clip_s=3"], ["max_clip_s=3.0", "must be >= min_clip_s"]),
         ([f"source={tmp_path / 'nope'}"], ["source=", "no such file or directory"]),
+        ([f"source={tmp_path / 'loop1.mp4'}"], ["source=", f"a symbolic link loop ({tmp_path / 'loop1.mp4'} -> loop2.mp4)"]),
         (["source=http://example.com/x.mp4"], ["source=", "unsupported scheme"]),
         # it curated into the demo's dataset name, and every later demo failed on the taken name
         ([f"source={tmp_path}"], ["dataset='demo': the demo videos' dataset; curating source=",
