@@ -35,20 +35,53 @@ class SearchSpace:
 
     @classmethod
     def box(cls, lower: Any, upper: Any, names: list[str] | None = None) -> SearchSpace:
-        """A continuous box. Raises InputError when a bound is not finite or lower >= upper."""
-        lo = np.asarray(lower, dtype=np.float64).ravel()
-        hi = np.asarray(upper, dtype=np.float64).ravel()
+        """A continuous box.
+
+        Args:
+            lower, upper: ``d`` finite bounds each, ``lower < upper``.
+            names: ``d`` distinct variable names (default ``x0 .. x{d-1}``).
+
+        Raises:
+            InputError: a bound that is not a finite number, lower >= upper, bounds of different
+                lengths, or names that are not ``d`` distinct strings.
+        """
+        try:
+            lo = np.asarray(lower, dtype=np.float64).ravel()
+            hi = np.asarray(upper, dtype=np.float64).ravel()
+        except (TypeError, ValueError):
+            raise InputError("bounds", (lower, upper), "need numbers (lower and upper, one per variable)") from None
         if lo.shape != hi.shape or lo.size == 0:
             raise InputError("bounds", (lo.shape, hi.shape), "lower and upper need the same non-empty length")
         if not (np.isfinite(lo).all() and np.isfinite(hi).all()) or np.any(lo >= hi):
             raise InputError("bounds", (lo.tolist(), hi.tolist()), "need finite bounds with lower < upper")
-        return cls("box", tuple(names or [f"x{i}" for i in range(lo.size)]), lo, hi)
+        if names is None:
+            return cls("box", tuple(f"x{i}" for i in range(lo.size)), lo, hi)
+        # a names list of another length set dim to its length: optimizers then refused the
+        # points they had proposed (a trial)
+        if isinstance(names, str) or len(names) != lo.size:
+            raise InputError("names", names, f"need one name per bound ({lo.size})")
+        _check_names(list(names))
+        return cls("box", tuple(names), lo, hi)
 
     @classmethod
     def categorical(cls, choices: dict[str, list[str]]) -> SearchSpace:
-        """A product of categorical variables ``{name: [option, ...]}`` (each with >= 2 options)."""
-        if not choices or any(len(c) < 2 for c in choices.values()):
-            raise InputError("choices", choices, "need at least one variable, each with >= 2 options")
+        """A product of categorical variables ``{name: [option, ...]}``.
+
+        Raises:
+            InputError: not a non-empty dict, a variable with fewer than 2 options, options given
+                as a string, or options that are the same once written as strings.
+        """
+        if not isinstance(choices, dict) or not choices:
+            raise InputError("choices", choices, "need a dict {name: [option, ...]} with at least one variable")
+        _check_names(list(choices))
+        for name, options in choices.items():
+            if isinstance(options, str | bytes) or not hasattr(options, "__len__"):
+                raise InputError(f"choices[{name!r}]", options, "need a list of options")
+            labels = [str(o) for o in options]
+            if len(labels) < 2:
+                raise InputError(f"choices[{name!r}]", options, "need at least 2 options")
+            if len(set(labels)) != len(labels):
+                raise InputError(f"choices[{name!r}]", options, "options must differ (as strings)")
         opts = tuple(tuple(str(o) for o in c) for c in choices.values())
         return cls("categorical", tuple(choices), np.zeros(len(opts)),
                    np.array([len(c) - 1 for c in opts], dtype=np.float64), opts)
@@ -165,3 +198,8 @@ class SearchSpace:
 def point_key(x: np.ndarray) -> tuple[float, ...]:
     """A hashable key of one point (to tell repeated candidates apart)."""
     return tuple(float(v) for v in np.asarray(x, dtype=np.float64).ravel())
+
+
+def _check_names(names: list[Any]) -> None:
+    if not all(isinstance(n, str) and n for n in names) or len(set(names)) != len(names):
+        raise InputError("names", names, "need distinct non-empty strings")

@@ -366,6 +366,22 @@ def test_all_points_lists_a_categorical_space_once_and_refuses_a_box():
         SearchSpace.box([0.0], [1.0]).all_points()
 
 
+@pytest.mark.parametrize("make, match", [
+    # names of another length set dim to theirs: optimizers refused the points they proposed (a trial)
+    (lambda: SearchSpace.box([0, 0, 0], [1, 1, 1], names=["a"]), r"^names=\['a'\]: need one name per bound \(3\)"),
+    (lambda: SearchSpace.box([0], [1], names=["a", "b", "c"]), r"need one name per bound \(1\)"),
+    (lambda: SearchSpace.box([0, 0], [1, 1], names=["a", "a"]), "need distinct non-empty strings"),
+    (lambda: SearchSpace.box(["a"], ["b"]), r"^bounds=.*need numbers"),  # was a bare ValueError
+    (lambda: SearchSpace.categorical({"x": ["a", "a"]}), r"^choices\['x'\]=\['a', 'a'\]: options must differ"),
+    (lambda: SearchSpace.categorical({"x": [1, "1"]}), "options must differ"),  # the same once str()
+    (lambda: SearchSpace.categorical({"x": "ab"}), "need a list of options"),  # was options 'a' and 'b'
+    (lambda: SearchSpace.categorical([["a", "b"]]), r"need a dict \{name"),  # was AttributeError
+    (lambda: SearchSpace.categorical({"x": ["a"]}), "need at least 2 options")])
+def test_a_space_with_inconsistent_names_or_options_is_refused(make, match):
+    with pytest.raises(InputError, match=match):
+        make()
+
+
 def test_lamoo_scores_the_unseen_points_of_its_region():
     """On a small categorical space LaMOO's candidates are the unseen points inside the selected
     region (the paper maximizes qEHVI over the region), and the whole unseen rest if it has none."""
