@@ -200,6 +200,10 @@ def _scalar(argument: str, value: Any) -> float:
         v = float(value)
     except (TypeError, ValueError):
         raise InputError(argument, value, "expected a real number") from None
+    except OverflowError:  # an int beyond float64 (10**400): was a bare OverflowError (a trial)
+        shown = str(value)
+        raise InputError(argument, shown if len(shown) <= 40 else f"{shown[:12]}...({len(shown)} digits)",
+                         "must be finite (it is beyond float64)") from None
     if not math.isfinite(v):
         raise InputError(argument, value, "must be finite")
     return v
@@ -259,7 +263,8 @@ def make_problem(routine: str, a: Any, b: Any = None, c: Any = None, *, alpha: A
     B = None if routine == "syrk" else as_source(b, "b")
     C = None if c is None else as_source(c, "c")
     for name, s in (("b", B), ("c", C)):
-        if s is not None and s.dtype != A.dtype:
+        # (byte order aside: a big-endian float64 beside a native one was "mixed dtypes": a trial)
+        if s is not None and s.dtype.newbyteorder("=") != A.dtype.newbyteorder("="):
             differs = f"differs from a ({A.dtype}); mixed dtypes are not supported"
             if _where(s) is not None:  # the file or URI is the value seen, its dtype leads the reason
                 raise InputError(name, _where(s), f"dtype {s.dtype} {differs}")

@@ -339,6 +339,19 @@ def test_mixed_dtypes_are_refused():
         api.gemm(1.0, rand((M, K), np.float32, 1), rand((K, N), np.float32, 2), 1.0, rand((M, N), np.float64, 3),
                  tile=TILE)
     assert_input_error(e, "c", "float64")
+    # byte order is not a dtype: a big-endian float64 beside a native one was refused (a trial)
+    a, b, c = rand((7, 5), np.float64, 1), rand((5, 3), np.float64, 2), rand((7, 3), np.float64, 3)
+    want = sblas.dgemm(1.5, a, b, 0.5, c)
+    for ops in ((a.astype(">f8"), b, c), (a, b.astype(">f8"), c.astype(">f8"))):
+        np.testing.assert_allclose(np.asarray(api.gemm(1.5, *ops[:2], 0.5, ops[2], tile=2)), want, rtol=1e-12)
+
+
+def test_a_scalar_beyond_float64_is_refused_naming_it():
+    a, b = rand((5, 4), np.float64, 1), rand((4, 3), np.float64, 2)
+    with pytest.raises(InputError, match=r"^alpha='100000000000...\(401 digits\)': must be finite \(it is beyond float64\)"):
+        api.gemm(10**400, a, b)  # was a bare OverflowError
+    with pytest.raises(InputError, match="^beta=.*must be finite"):
+        api.gemm(1.0, a, b, -(10**400))
 
 
 def test_shape_and_dtype_errors_name_the_operands_file(tmp_path):
