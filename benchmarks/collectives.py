@@ -31,14 +31,28 @@ import socket
 import sys
 import time
 
+from _args import at_least, positive  # benchmarks/_args.py
+
 KINDS = ("allreduce", "broadcast", "reduce")
 
 
 def parse_bytes(text: str) -> int:
+    """A message size such as ``64M`` or ``4096``: a positive multiple of 4 bytes (float32 elements).
+
+    Raises:
+        argparse.ArgumentTypeError: anything else (``0`` and ``3`` ran a 4-byte message: a trial).
+    """
     units = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
+    raw = text
     text = text.strip().upper().removesuffix("B").removesuffix("I")
     unit = text[-1] if text and text[-1] in units else ""
-    return int(float(text[: len(text) - len(unit)]) * units[unit])
+    try:
+        nbytes = int(float(text[: len(text) - len(unit)]) * units[unit])
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{raw!r} is not a size (e.g. 4096, 64K, 256M)") from None
+    if nbytes < 4 or nbytes % 4:
+        raise argparse.ArgumentTypeError(f"{raw!r}: a message is a positive multiple of 4 bytes (float32)")
+    return nbytes
 
 
 def human(nbytes: int) -> str:
@@ -69,7 +83,7 @@ def worker(rank: int, world: int, port: int, args: argparse.Namespace, out_path:
     # rank 0's store listens on 127.0.0.1 only, and so does gloo (torch's tcp:// rendezvous would
     # listen on every interface)
     with process_group(args.backend, f"tcp://127.0.0.1:{port}", rank, world, timeout_s=1800):
-        chunk = None if args.chunk_bytes is None else parse_bytes(args.chunk_bytes)
+        chunk = args.chunk_bytes
         impls = {
             "allreduce": {"lp": lambda x: lp_allreduce(x, chunk_bytes=chunk), "backend": dist.all_reduce},
             "broadcast": {"lp": lambda x: lp_broadcast(x, 0, chunk_bytes=chunk),
@@ -124,22 +138,25 @@ def print_row(row: dict, flush: bool = False) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--world-sizes", type=int, nargs="+", default=[2, 4])
+    parser.add_argument("--world-sizes", type=at_least(2), nargs="+", default=[2, 4])
     parser.add_argument("--kinds", nargs="+", choices=KINDS, default=list(KINDS))
-    parser.add_argument("--min-bytes", default="1K")
-    parser.add_argument("--max-bytes", default="64M", help="largest message (256M for the issue's full range)")
-    parser.add_argument("--sizes", nargs="+", default=None, help="explicit sizes, e.g. 64M 256M (overrides min/max)")
-    parser.add_argument("--chunk-bytes", default=None, help="LP chunk (default: the cost model's, lp_chunk_bytes)")
+    parser.add_argument("--min-bytes", type=parse_bytes, default="1K")
+    parser.add_argument("--max-bytes", type=parse_bytes, default="64M", help="largest message (256M for the issue's full range)")
+    parser.add_argument("--sizes", type=parse_bytes, nargs="+", default=None, help="explicit sizes, e.g. 64M 256M (overrides min/max)")
+    parser.add_argument("--chunk-bytes", type=parse_bytes, default=None,
+                        help="LP chunk (default: the cost model's, lp_chunk_bytes)")
     parser.add_argument("--backend", choices=("gloo", "nccl"), default="gloo")
     parser.add_argument("--target-s", type=float, default=0.2, help="timed seconds per repeat (sets iters)")
-    parser.add_argument("--max-iters", type=int, default=200)
-    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--max-iters", type=positive, default=200)
+    parser.add_argument("--repeats", type=positive, default=5)
     parser.add_argument("--json", default=None, help="write all rows here")
     args = parser.parse_args(argv)
-    if args.sizes:
-        args.sizes = [parse_bytes(s) for s in args.sizes]
-    else:
-        lo, hi, sizes = parse_bytes(args.min_bytes), parse_bytes(args.max_bytes), []
+    if args.target_s <= 0:
+        parser.error(f"--target-s {args.target_s}: must be positive")
+    if not args.sizes:
+        if args.min_bytes > args.max_bytes:
+            parser.error(f"--min-bytes {human(args.min_bytes)} is above --max-bytes {human(args.max_bytes)}")
+        lo, hi, sizes = args.min_bytes, args.max_bytes, []
         while lo <= hi:
             sizes.append(lo)
             lo *= 4

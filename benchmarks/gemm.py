@@ -39,6 +39,7 @@ import tempfile
 import time
 
 import numpy as np
+from _args import one_line_errors, positive  # benchmarks/_args.py: the scripts' shared argument types
 
 
 def best_of(repeats: int, fn) -> float:
@@ -78,20 +79,10 @@ def dask_matmul(client, a_path: str, b_path: str, tile: int) -> np.ndarray:
     return client.compute(x @ y).result()
 
 
-def _positive(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"{text!r}: at least 1")
-    return value
-
-
 def _sizes(text: str) -> str:
     """Comma-separated matrix sizes, each at least 1 (kept as text: --device cuda swaps the default)."""
     for item in text.split(","):
-        _positive(item.strip())
+        positive(item.strip())
     return text
 
 
@@ -106,15 +97,14 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--sizes", type=_sizes, default="4096,8192", help="comma-separated n (m = n = k)")
     parser.add_argument("--dtypes", type=_dtypes, default="float32,float64")
-    parser.add_argument("--tile", type=_positive, default=None, help="tile edge (default: n/4)")
-    parser.add_argument("--repeats", type=_positive, default=2)
-    parser.add_argument("--workers", type=_positive, default=os.cpu_count() or 1)
+    parser.add_argument("--tile", type=positive, default=None, help="tile edge (default: n/4)")
+    parser.add_argument("--repeats", type=positive, default=2)
+    parser.add_argument("--workers", type=positive, default=os.cpu_count() or 1)
     parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
                         help="cuda: against cupy.matmul on this machine's GPU (sizes default 16384,32768)")
     args = parser.parse_args()
-    from paperline.kernels.errors import InputError
 
-    try:
+    def measure() -> None:
         if args.device == "cuda":
             from paperline.infra.device import array_device
 
@@ -123,9 +113,37 @@ def main() -> None:
                 args.sizes = "16384,32768"
             gpu_main(args)
         else:
+            check_out_of_core_tile(args)
             cpu_main(args)
-    except InputError as exc:  # e.g. a tile too large for the memory budget: one line, as the CLI's
-        parser.exit(2, f"{parser.prog}: error: {exc}\n")
+
+    one_line_errors(parser, measure)  # e.g. a tile too large for the memory budget: one line, as the CLI's
+
+
+def out_of_core_budget(n: int) -> int:
+    """The out-of-core measurement's per-worker budget: a quarter of the float64 operands' bytes."""
+    return 2 * n * n * 8 // 4
+
+
+def check_out_of_core_tile(args: argparse.Namespace) -> None:
+    """Refuse, before anything is measured, a ``--tile`` whose task does not fit the out-of-core
+    budget at the largest size (the run measured every size first, then died there: a trial).
+
+    Raises:
+        InputError: naming ``--tile`` and the largest tile that fits.
+    """
+    import math
+
+    from paperline.kernels.blas.runtime import WORKING_SET_TILES
+    from paperline.kernels.errors import InputError
+
+    n = max(int(s) for s in args.sizes.split(","))
+    tile = min(args.tile or n // 4, n)  # no tile exceeds the matrices
+    fits = math.isqrt(out_of_core_budget(n) // (WORKING_SET_TILES * 8))
+    if tile > fits:
+        raise InputError("--tile", args.tile, f"too large for the out-of-core measurement at n={n}: its budget, a quarter "
+                                              f"of the operands' bytes ({out_of_core_budget(n)} per worker), holds "
+                                              f"{WORKING_SET_TILES} tiles of at most {fits}x{fits} float64; use "
+                                              f"--tile {fits} or less (or a larger size)")
 
 
 def cpu_main(args: argparse.Namespace) -> None:
@@ -181,7 +199,7 @@ def cpu_main(args: argparse.Namespace) -> None:
         n = max(int(s) for s in args.sizes.split(","))
         tile = args.tile or n // 4
         a_path, b_path = write_operands(tmp, n, "float64")
-        operand_bytes = 2 * n * n * 8
+        operand_bytes = 2 * n * n * 8  # out_of_core_budget(n) is a quarter of it
         problem = make_problem("gemm", NpySource(a_path, "a"), NpySource(b_path, "b"), tile=tile)
         stats = {}
 
@@ -189,8 +207,8 @@ def cpu_main(args: argparse.Namespace) -> None:
             stats[label] = run(problem, rt, memory_budget=budget, check_finite=False)
 
         t_in = best_of(args.repeats, lambda: once(2 * operand_bytes, "in"))
-        t_out = best_of(args.repeats, lambda: once(operand_bytes // 4, "out"))
-        print(f"out of core n={n} float64: budget {operand_bytes // 4 / 2**20:.0f} MiB per worker "
+        t_out = best_of(args.repeats, lambda: once(out_of_core_budget(n), "out"))
+        print(f"out of core n={n} float64: budget {out_of_core_budget(n) / 2**20:.0f} MiB per worker "
               f"(operands {operand_bytes / 2**20:.0f} MiB): {2.0 * n**3 / t_out / 1e9:.1f} GFLOP/s, hit rate "
               f"{stats['out'].cache_hit_rate:.2f}; in core {2.0 * n**3 / t_in / 1e9:.1f} GFLOP/s, hit rate "
               f"{stats['in'].cache_hit_rate:.2f}")

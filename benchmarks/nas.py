@@ -40,6 +40,7 @@ import time
 from concurrent.futures import ProcessPoolExecutor, as_completed
 
 import numpy as np
+from _args import at_least, one_line_errors, positive  # benchmarks/_args.py
 
 MULTI = {
     "nasbench201-cifar10": ({"objectives": ["val_accuracy_pct", "model_size_mb"]}, ["lamoo", "qehvi", "nsga2", "random"]),
@@ -143,22 +144,25 @@ def report(problem: str, runs: list[dict], budget: int, n_init: int, multi: bool
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--seeds", type=int, default=5, help="number of seeds")
-    parser.add_argument("--first-seed", type=int, default=0, help="seeds first-seed .. first-seed + seeds - 1")
+    parser.add_argument("--seeds", type=positive, default=5, help="number of seeds")
+    parser.add_argument("--first-seed", type=at_least(0), default=0, help="seeds first-seed .. first-seed + seeds - 1")
     parser.add_argument("--optimizers", default="", help="comma-separated subset of each problem's optimizers")
     parser.add_argument("--save", default="", help="write every campaign's trace to this JSON file")
     parser.add_argument("--load", nargs="+", default=[], help="report over these saved runs; run nothing")
-    parser.add_argument("--budget", type=int, default=100)
-    parser.add_argument("--q", type=int, default=5)
-    parser.add_argument("--n-init", type=int, default=10)
+    parser.add_argument("--budget", type=positive, default=100)
+    parser.add_argument("--q", type=positive, default=5)
+    parser.add_argument("--n-init", type=positive, default=10)
     parser.add_argument("--problems", default=",".join([*MULTI, *SINGLE]))
-    parser.add_argument("--processes", type=int, default=min(2, os.cpu_count() or 1))
+    parser.add_argument("--processes", type=positive, default=min(2, os.cpu_count() or 1))
     parser.add_argument("--quick", action="store_true", help="3 seeds, budget 40")
     parser.add_argument("--options", action="append", default=[], metavar='OPTIMIZER=JSON',
                         help='optimizer options, e.g. lamoo=\'{"kernel": "rbf"}\' (repeatable); reported as '
                              'lamoo[kernel=rbf], ranked against the same peer')
     args = parser.parse_args()
     if args.load:
+        missing = [p for p in args.load if not os.path.isfile(p)]
+        if missing:
+            parser.error(f"--load {' '.join(missing)}: no such file")
         report_saved(args.load)
         return
     if args.quick:
@@ -187,6 +191,20 @@ def main() -> None:
                  for s in range(args.first_seed, args.first_seed + args.seeds)]
     if not jobs:
         parser.error(f"--optimizers {subset} names none of the problems' optimizers")
+    unused = sorted(set(optimizer_options) - {job[2] for job in jobs})
+    if unused:  # silently ignored before
+        parser.error(f"--options for {', '.join(unused)}, which no campaign here runs")
+
+    def check() -> None:
+        """Each problem and optimizer built once, here: bad --q, --n-init or --options failed in a
+        worker process with a traceback (a trial)."""
+        from paperline.kernels.search.campaign import Campaign
+
+        for problem, options, optimizer, _, budget, q, n_init, opts in {(j[0], j[2]): j for j in jobs}.values():
+            Campaign(problem, optimizer, budget=budget, q=q, seed=0, n_init=n_init, problem_options=options,
+                     optimizer_options=opts)
+
+    one_line_errors(parser, check)
     print(f"{len(jobs)} campaigns ({args.seeds} seeds, budget {args.budget}, q {args.q}, n_init {args.n_init}) "
           f"on {args.processes} processes")
     t0 = time.perf_counter()

@@ -17,6 +17,7 @@ import math
 import time
 
 import numpy as np
+from _args import at_least, one_line_errors, positive  # benchmarks/_args.py
 
 
 def time_to(history: list[dict], target: float) -> float:
@@ -29,15 +30,34 @@ def time_to(history: list[dict], target: float) -> float:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--speed-dataset", default="kinetic")
-    parser.add_argument("--datasets", default="kinetic,produc,flights")
-    parser.add_argument("--rank", type=int, default=6)
-    parser.add_argument("--epochs", type=int, default=40)
-    parser.add_argument("--baseline-iterations", type=int, default=100)
-    parser.add_argument("--closing-sweeps", type=int, default=30, help="for the held-out RMSE (the speed "
+    parser.add_argument("--speed-dataset", type=_dataset, default="kinetic")
+    parser.add_argument("--datasets", type=_datasets, default="kinetic,produc,flights")
+    parser.add_argument("--rank", type=positive, default=6)
+    parser.add_argument("--epochs", type=positive, default=40)
+    parser.add_argument("--baseline-iterations", type=positive, default=100)
+    parser.add_argument("--closing-sweeps", type=at_least(0), default=30, help="for the held-out RMSE (the speed "
                         "part times the ADMM rounds alone)")
     args = parser.parse_args()
+    one_line_errors(parser, lambda: measure(args))
 
+
+def _dataset(name: str) -> str:
+    from paperline.kernels.tensor.datasets import dataset_names
+
+    if name not in dataset_names():  # a typo was found after minutes of the speed part (a trial)
+        raise argparse.ArgumentTypeError(f"{name!r}: unknown; known: {', '.join(dataset_names())}")
+    return name
+
+
+def _datasets(text: str) -> list[str]:
+    names = [n.strip() for n in text.split(",") if n.strip()]
+    if not names:
+        raise argparse.ArgumentTypeError(f"{text!r}: no dataset named")
+    return [_dataset(n) for n in names]
+
+
+def measure(args: argparse.Namespace) -> None:
+    """The measurements (module docstring)."""
     from distributed import Client, LocalCluster
 
     from paperline.kernels.tensor.baselines import tensorly_cp
@@ -63,6 +83,7 @@ def main() -> None:
               f"{split.train.nnz} training entries, 2 workers")
         fit(split, 2, 0)  # warm-up: imports and first scatter on the workers
         runs = {p: fit(split, p, 0).history.rows() for p in (1, 2)}  # the ADMM rounds alone
+        tensorly_cp(split.train, rank=args.rank, n_iter_max=1)  # warm-up: TensorLy's import is not its time
         start = time.perf_counter()
         _, tl_hist = tensorly_cp(split.train, rank=args.rank, n_iter_max=args.baseline_iterations,
                                  validation=split.validation)
@@ -84,7 +105,7 @@ def main() -> None:
         print(f"\n== held-out test RMSE (standardized units), P=2, rank {args.rank}, "
               f"{args.closing_sweeps} closing sweeps")
         print(f"{'dataset':9} {'split':9} {'P2T2F':>8} {'TensorLy':>9} {'ratio':>7}")
-        for name in args.datasets.split(","):
+        for name in args.datasets:
             tensor = load_dataset(name)
             for kind in ("random", "temporal"):
                 split = make_split(tensor, kind, seed=0)

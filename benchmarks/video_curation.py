@@ -125,7 +125,16 @@ def main(argv: list[str] | None = None) -> int:
     for name in ("height", "repeats"):
         if getattr(args, name) < 1:
             ap.error(f"--{name} {getattr(args, name)}: at least 1")
+    if not 0 <= args.crf <= 51:  # was the encoder's traceback (a trial)
+        ap.error(f"--crf {args.crf}: libx264's CRF is 0..51")
+    from paperline.kernels.errors import InputError
+    from paperline.kernels.video.clips import check_x264_preset
     from paperline.kernels.video.detect import DETECTORS
+
+    try:
+        check_x264_preset(args.preset)  # was PyAV's "avcodec_open2(...) returned 22" traceback (a trial)
+    except InputError as exc:
+        ap.error(f"--preset {args.preset!r}: {exc.problem}")
 
     splitters = [s.strip() for s in args.splitters.split(",") if s.strip()]
     unknown = [s for s in splitters if s not in DETECTORS]

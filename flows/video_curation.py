@@ -33,7 +33,7 @@ from paperline.infra.stack import require_stack
 from paperline.infra.storage import ObjectStore, s3_location_problem, split_uri
 from paperline.infra.tracking import Tracker
 from paperline.kernels.errors import InputError as KernelInputError
-from paperline.kernels.video.clips import ClipConfig, FilterConfig, nvenc_usable
+from paperline.kernels.video.clips import ClipConfig, FilterConfig, check_x264_preset, nvenc_usable
 from paperline.kernels.video.dedup import deduplicate
 from paperline.kernels.video.shards import MANIFEST, plan_shards
 from paperline.kernels.video.sources import VIDEO_EXTENSIONS, demo_videos, list_local
@@ -279,21 +279,6 @@ def check_dataset_free(store: ObjectStore, output: str, key: str, argument: str,
         raise InputError(argument, value, f"{output} already holds a committed dataset curated from other sources "
                                           f"or settings; a committed dataset is never rewritten: choose another "
                                           f"{'output prefix' if argument == 'output' else 'dataset name (--set dataset=NAME)'}")
-
-
-X264_PRESETS = ("ultrafast", "superfast", "veryfast", "faster", "fast", "medium", "slow", "slower", "veryslow",
-                "placebo")
-
-
-def check_x264_preset(preset: str) -> None:
-    """Refuse a preset libx264 does not know (x264's ``x264_preset_names``; a bad preset made every
-    video fail to encode, reported as broken sources, and the run "succeeded" with no clips).
-
-    Raises:
-        InputError: naming ``preset`` and libx264's presets.
-    """
-    if preset not in X264_PRESETS:
-        raise InputError("preset", preset, f"not a libx264 preset; known: {', '.join(X264_PRESETS)}")
 
 
 PRESETS: dict[str, dict[str, Any]] = {

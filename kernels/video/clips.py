@@ -269,6 +269,21 @@ class _Autorotate:
         return self.graph.pull()
 
 
+X264_PRESETS = ("ultrafast", "superfast", "veryfast", "faster", "fast", "medium", "slow", "slower", "veryslow",
+                "placebo")
+
+
+def check_x264_preset(preset: str) -> None:
+    """Refuse a preset libx264 does not know (x264's ``x264_preset_names``; a bad preset made every
+    video fail to encode, reported as broken sources, and the run "succeeded" with no clips).
+
+    Raises:
+        InputError: naming ``preset`` and libx264's presets.
+    """
+    if preset not in X264_PRESETS:
+        raise InputError("preset", preset, f"not a libx264 preset; known: {', '.join(X264_PRESETS)}")
+
+
 def key_stem(source: str) -> str:
     """The key-safe part of a source's file stem that clip keys start with: ``[A-Za-z0-9_-]`` only
     (each run of other characters becomes one ``_``), at most 48 characters, ``"video"`` if empty."""

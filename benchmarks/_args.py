@@ -1,0 +1,41 @@
+"""Argument types shared by the benchmark scripts: a bad argument is argparse's one line (exit
+status 2) before anything is measured, not a traceback minutes later (fresh-user trials)."""
+
+from __future__ import annotations
+
+import argparse
+from collections.abc import Callable
+from typing import Any
+
+
+def positive(text: str) -> int:
+    """A whole number >= 1."""
+    return at_least(1)(text)
+
+
+def at_least(low: int) -> Callable[[str], int]:
+    """The type of a whole number >= ``low``."""
+
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
+        if value < low:
+            raise argparse.ArgumentTypeError(f"{text!r}: at least {low}")
+        return value
+
+    parse.__name__ = f"at_least_{low}"
+    return parse
+
+
+def one_line_errors(parser: argparse.ArgumentParser, fn: Callable[[], Any]) -> Any:
+    """Run ``fn``; paperline's own errors (bad input found later, e.g. by a kernel) end it with
+    the parser's one line and exit status 2 instead of a traceback."""
+    from paperline.infra.errors import PaperlineError
+    from paperline.kernels.errors import InputError
+
+    try:
+        return fn()
+    except (InputError, PaperlineError) as exc:
+        parser.exit(2, f"{parser.prog}: error: {exc}\n")
