@@ -179,7 +179,8 @@ class Optimizer(abc.ABC):
         return x
 
     def tell(self, x: np.ndarray, y: np.ndarray) -> None:
-        """Record one evaluated batch: ``x`` (``n x d``) and ``y`` (``n x m``, maximization, NaN = failed).
+        """Record one evaluated batch: ``x`` (``n x d``) and ``y`` (``n x m``, maximization, NaN = failed;
+        with one objective also ``n`` values).
 
         A row with a NaN is a failed evaluation (recorded, never fitted). Nothing is recorded when
         the batch is refused.
@@ -190,12 +191,14 @@ class Optimizer(abc.ABC):
         """
         x = self.space.validate(x, "x")
         try:
-            y = np.atleast_2d(np.asarray(y, dtype=np.float64))
+            given = np.asarray(y, dtype=np.float64)
         except (TypeError, ValueError):
             shown = y.tolist() if isinstance(y, np.ndarray) else y  # an array's repr spans lines
             raise InputError("y", shown, f"expected {x.shape[0]} x {self.n_objectives} numbers") from None
-        if y.shape != (x.shape[0], self.n_objectives):
-            raise InputError("y", y.shape, f"expected {x.shape[0]} x {self.n_objectives} values")
+        # one objective: a 1-d y is one value per point (it was taken as one row, and refused)
+        y = given[:, None] if given.ndim == 1 and self.n_objectives == 1 else np.atleast_2d(given)
+        if y.shape != (x.shape[0], self.n_objectives):  # (the shape given, not its 2-d view: a trial)
+            raise InputError("y", given.shape, f"expected {x.shape[0]} x {self.n_objectives} values")
         rows = np.flatnonzero(np.isinf(y).any(axis=1))
         if rows.size:  # checked before anything is recorded: a refused batch leaves the history as it was
             raise InputError("y", y[rows].tolist(), f"infinite objective values (row{'s' * (rows.size > 1)} "

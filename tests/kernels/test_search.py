@@ -382,6 +382,15 @@ def test_a_space_with_inconsistent_names_or_options_is_refused(make, match):
         make()
 
 
+def test_a_batch_of_values_of_the_wrong_shape_is_named_with_the_shape_given():
+    opt = make_optimizer("random", SearchSpace.box([0.0, 0.0], [1.0, 1.0]), 1, seed=0, n_init=2)
+    x = opt.ask(2)
+    with pytest.raises(InputError, match=r"^y=\(3,\): expected 2 x 1 values"):  # was y=(1, 3)
+        opt.tell(x, np.zeros(3))
+    opt.tell(x, np.array([1.0, 2.0]))  # one objective: one value per point, taken as the column (was refused)
+    np.testing.assert_array_equal(opt.state_dict()["batches"][-1]["y"], [[1.0], [2.0]])
+
+
 def test_lamoo_scores_the_unseen_points_of_its_region():
     """On a small categorical space LaMOO's candidates are the unseen points inside the selected
     region (the paper maximizes qEHVI over the region), and the whole unseen rest if it has none."""
