@@ -302,7 +302,30 @@ def _no_runs(client: Any, experiment_id: str, experiment: str, user_filter: str,
         return InputError("--filter", user_filter, f"no pipeline runs of experiment {experiment!r} match, but {more}")
     if not user_filter:
         return InputError("experiment", experiment, f"the experiment has no runs{_not_run_yet(experiment)}")
-    return InputError("--filter", user_filter, f"no runs in experiment {experiment!r} match")
+    return InputError("--filter", user_filter, f"no runs in experiment {experiment!r} match"
+                                               f"{_unknown_keys(client, experiment_id, user_filter)}")
+
+
+def _unknown_keys(client: Any, experiment_id: str, user_filter: str) -> str:
+    """``: no run of it has params.x (its params: a, b)`` for the keys the filter names that none of
+    the experiment's last 200 runs has (a misspelt name matched nothing, said as an empty match:
+    a trial), else empty."""
+    import re  # noqa: PLC0415
+
+    named = re.findall(r"\b(params|metrics|tags)\.(?:`([^`]+)`|\"([^\"]+)\"|([\w.-]+))", user_filter)
+    if not named:
+        return ""
+    runs = client.search_runs([experiment_id], max_results=200)
+    have = {kind: set().union(*(getattr(r.data, kind).keys() for r in runs)) if runs else set()
+            for kind in ("params", "metrics", "tags")}
+    unknown = [(kind, next(n for n in names if n)) for kind, *names in named]
+    unknown = [(kind, name) for kind, name in unknown if name not in have[kind]]
+    if not unknown:
+        return ""
+    kinds = sorted({kind for kind, _ in unknown})
+    known = "; ".join(f"its {kind}: {', '.join(sorted(k for k in have[kind] if not k.startswith('mlflow.'))) or 'none'}"
+                      for kind in kinds)
+    return f": no run of it has {', '.join(f'{k}.{n}' for k, n in unknown)} ({known})"
 
 
 def _write_parquet(runs: list[Any], params: list[str], path: Path) -> None:

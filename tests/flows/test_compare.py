@@ -364,6 +364,13 @@ def test_no_runs_errors_say_why(stack_cli, stack, tmp_path, monkeypatch):
     res = stack_cli("compare", "compare-failed", "--filter", "params.seed = '7'", "--out", str(tmp_path))
     text = " ".join(res.output.split())
     assert res.exit_code != 0 and "no runs in experiment 'compare-failed' match" in text and "--all-runs" not in text
+    assert "no run of it has" not in text  # seed is a parameter: a true empty match
+    # a misspelt name matched nothing, said as an empty match (a trial): the name is said unknown
+    res = stack_cli("compare", "compare-failed", "--filter", "params.sed = '1' and metrics.`wall s` > 0",
+                    "--out", str(tmp_path))
+    text = " ".join(res.output.split())
+    assert res.exit_code != 0 and "match: no run of it has params.sed, metrics.wall s (its metrics: wall_s; its " \
+        "params: seed)" in text, text
 
     tracker.client.create_experiment("compare-empty")
     res = stack_cli("compare", "compare-empty", "--out", str(tmp_path))
