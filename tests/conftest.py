@@ -274,6 +274,21 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+def _free_s3_port() -> int:
+    """A free port SeaweedFS can use: at most 55535, with its gRPC port (10000 above) free too
+    (the OS hands out ports up to 60999; a higher one is refused as PAPERLINE_S3_PORT)."""
+    for _ in range(1000):
+        port = _free_port()
+        if port + 10000 <= 65535:
+            with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+                try:
+                    s.bind(("127.0.0.1", port + 10000))
+                except OSError:
+                    continue
+            return port
+    raise RuntimeError("no free port for SeaweedFS below 55536")
+
+
 @pytest.fixture(scope="session")
 def free_port() -> Callable[[], int]:
     """A function returning a currently free TCP port on 127.0.0.1."""
@@ -292,7 +307,7 @@ def isolated_settings(state_dir: os.PathLike[str] | str, **overrides: object) ->
         "prefect_api_url": None,
         "mlflow_tracking_uri": None,
         "dask_scheduler_address": None,
-        "s3_port": _free_port(),
+        "s3_port": _free_s3_port(),
         "prefect_port": _free_port(),
         "mlflow_port": _free_port(),
         "startup_timeout_s": 120.0,
