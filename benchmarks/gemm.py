@@ -152,7 +152,7 @@ def cpu_main(args: argparse.Namespace) -> None:
     from distributed import Client, LocalCluster
     from threadpoolctl import threadpool_info
 
-    from paperline.infra.cluster import configure_local_workers
+    from paperline.infra.cluster import WORKER_PRELOAD, configure_local_workers
     from paperline.kernels.blas import NpySource, make_problem
     from paperline.kernels.blas.runtime import DaskRuntime, run
 
@@ -163,7 +163,7 @@ def cpu_main(args: argparse.Namespace) -> None:
     rows = []
     with tempfile.TemporaryDirectory(prefix="paperline-bench-gemm-") as tmp, \
             LocalCluster(n_workers=args.workers, threads_per_worker=1, processes=True, host="127.0.0.1",
-                         dashboard_address=None) as cluster, Client(cluster) as client:
+                         dashboard_address=None, preload=list(WORKER_PRELOAD)) as cluster, Client(cluster) as client:
         rt = DaskRuntime(client)
         print(f"cluster: {len(rt.workers())} single-threaded workers")
         for n in [int(s) for s in args.sizes.split(",")]:

@@ -65,12 +65,13 @@ def measure(args: argparse.Namespace) -> None:
     from paperline.kernels.tensor.datasets import load_dataset
     from paperline.kernels.tensor.p2t2f import p2t2f
     from paperline.kernels.tensor.pttf import rmse
-    from paperline.infra.cluster import configure_local_workers
+    from paperline.infra.cluster import WORKER_PRELOAD, configure_local_workers
     from paperline.tasks.executors import DaskExecutor
 
-    configure_local_workers()  # the same worker environment as the flows' clusters
+    configure_local_workers()  # the same worker environment as the flows' clusters, and preload:
+    # without it a worker's heartbeat cut by the cluster's close printed a traceback (a trial)
     with LocalCluster(n_workers=2, threads_per_worker=1, processes=True, host="127.0.0.1",
-                      dashboard_address=None) as cluster, Client(cluster) as client:
+                      dashboard_address=None, preload=list(WORKER_PRELOAD)) as cluster, Client(cluster) as client:
         executor = DaskExecutor(client)
 
         def fit(split, n_parts, closing_sweeps=args.closing_sweeps):
