@@ -368,12 +368,11 @@ def _result(future: Any, source: str) -> dict[str, Any]:
     except KernelInputError:
         raise
     except SourceChangedError as exc:
-        return {"source": source, "info": None, "rows": [], "stats": video_stats(None),
-                "rejected": {"source": source, "reason": "changed_during_run", "detail": str(exc)}}
+        reason, detail = "changed_during_run", str(exc)
     except Exception as exc:  # noqa: BLE001
-        detail = f"{type(exc).__name__}: {exc}"[:300]
-        return {"source": source, "info": None, "rows": [], "stats": video_stats(None),
-                "rejected": {"source": source, "reason": "task_failed", "detail": detail}}
+        reason, detail = "task_failed", f"{type(exc).__name__}: {exc}"[:300]
+    return {"source": source, "info": None, "rows": [], "stats": video_stats(None),
+            "rejected": {"source": source, "reason": reason, "detail": detail}}
 
 
 def _label(source: str) -> str:

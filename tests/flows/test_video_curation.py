@@ -397,6 +397,13 @@ def test_a_task_that_failed_on_a_changed_source_is_recorded_as_such():
                                "detail": "/v.mp4: rewritten or replaced while it was being curated (...)"}
     assert out["rows"] == [] and pickle.loads(pickle.dumps(SourceChangedError("x"))).args == ("x",)
 
+    class Lost:
+        def result(self):
+            raise RuntimeError("worker lost")
+
+    assert _result(Lost(), "/v.mp4")["rejected"] == {"source": "/v.mp4", "reason": "task_failed",
+                                                     "detail": "RuntimeError: worker lost"}
+
 
 def test_the_same_videos_in_another_directory_are_the_same_inputs():
     """The demo videos of another clone (another install path) sharing ~/.paperline must not be
