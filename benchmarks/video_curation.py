@@ -18,7 +18,9 @@ one encoder thread):
   (``-vf scale=-2:H -c:v libx264 -crf 23 -preset veryfast -threads 1 -an``), as a second peer.
 
 Printed: seconds, throughput in video-seconds per wall-second, and ``cost vs bare`` = pipeline
-seconds / PyAV bare-transcode seconds (the issue's target: at most 1.25). Best of ``--repeats``.
+seconds / PyAV bare-transcode seconds (the issue's target: at most 1.25). Best of ``--repeats``
+rounds, the runs alternating within each round; ``per round`` gives the range of the ratio
+within a round (one run against the bare transcode just before it).
 """
 
 from __future__ import annotations
@@ -31,7 +33,10 @@ import sys
 import tempfile
 import time
 from fractions import Fraction
+from collections.abc import Callable
+from functools import partial
 from pathlib import Path
+from typing import Any
 
 
 def bare_transcode_pyav(path: Path, height: int, crf: int, preset: str) -> int:
@@ -104,13 +109,19 @@ def pipeline(videos: list[Path], splitter: str, height: int, crf: int, preset: s
     return {"clips": clips, "kept": len(kept), "bytes": size}
 
 
-def best_of(fn, repeats: int):
-    best, out = float("inf"), None
-    for _ in range(repeats):
-        t = time.perf_counter()
-        out = fn()
-        best = min(best, time.perf_counter() - t)
-    return best, out
+def interleaved(runs: dict[str, tuple[Callable[[], Any], int]], rounds: int) -> dict[str, list[tuple[float, Any]]]:
+    """Time each run once per round, the runs alternating within a round (run ``name`` in the first
+    ``reps`` rounds only): a host whose speed drifts over the minutes slows every row of a round
+    alike, where back-to-back repeats of one row then the next put the drift into the ratio (best
+    of 3 sequential repeats moved between 1.17x and 1.41x on one idle host; alternating, 1.16-1.29)."""
+    times: dict[str, list[tuple[float, Any]]] = {name: [] for name in runs}
+    for r in range(rounds):
+        for name, (fn, reps) in runs.items():
+            if r < reps:
+                t = time.perf_counter()
+                out = fn()
+                times[name].append((time.perf_counter() - t, out))
+    return times
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -151,24 +162,35 @@ def main(argv: list[str] | None = None) -> int:
     videos = demo_videos()
     video_s = sum(probe(v).duration_s for v in videos)
     print(f"{len(videos)} demo videos, {video_s:.1f} s of video; output height {args.height}, libx264 CRF {args.crf} "
-          f"{args.preset}, 1 thread; best of {args.repeats}", flush=True)
+          f"{args.preset}, 1 thread; best of {args.repeats} rounds, the runs alternating", flush=True)
+    bare = "bare transcode (PyAV)"
+    runs: dict[str, tuple[Callable[[], Any], int]] = {
+        bare: (lambda: {"bytes": sum(bare_transcode_pyav(v, args.height, args.crf, args.preset) for v in videos)},
+               args.repeats),
+        "bare transcode (ffmpeg CLI)": (
+            lambda: {"bytes": sum(bare_transcode_ffmpeg(v, args.height, args.crf, args.preset) for v in videos)},
+            args.repeats),
+    }
+    for splitter in splitters:  # TransNetV2's CPU inference: two minutes a run, once
+        runs[f"pipeline/{splitter}"] = (partial(pipeline, videos, splitter, args.height, args.crf, args.preset),
+                                        args.repeats if splitter != "transnetv2" else 1)
+    times = interleaved(runs, args.repeats)
     rows = []
-    bare_s, bare_bytes = best_of(lambda: sum(bare_transcode_pyav(v, args.height, args.crf, args.preset) for v in videos),
-                                 args.repeats)
-    rows.append({"name": "bare transcode (PyAV)", "seconds": bare_s, "bytes": bare_bytes})
-    ff_s, ff_bytes = best_of(lambda: sum(bare_transcode_ffmpeg(v, args.height, args.crf, args.preset) for v in videos),
-                             args.repeats)
-    rows.append({"name": "bare transcode (ffmpeg CLI)", "seconds": ff_s, "bytes": ff_bytes})
-    for splitter in splitters:
-        reps = args.repeats if splitter != "transnetv2" else 1
-        s, out = best_of(lambda: pipeline(videos, splitter, args.height, args.crf, args.preset), reps)
-        rows.append({"name": f"pipeline/{splitter}", "seconds": s, **out})
+    for name, measured in times.items():
+        seconds, out = min(measured, key=lambda m: m[0])
+        row = {"name": name, "seconds": seconds, **out}
+        if name != bare and len(measured) > 1:  # this run against the bare transcode of the same round
+            row["round_ratios"] = [s / b for (s, _), (b, _) in zip(measured, times[bare])]
+        rows.append(row)
+    bare_s = rows[0]["seconds"]
     print(f"{'run':32s} {'seconds':>8s} {'video-s/s':>10s} {'cost vs bare':>13s}  notes")
     for r in rows:
         r["throughput_video_s_per_s"] = video_s / r["seconds"]
         r["cost_vs_bare"] = r["seconds"] / bare_s
         notes = f"{r['clips']} clips, {r['kept']} in shards, {r['bytes'] / 1e6:.2f} MB" if "clips" in r else \
             f"{r['bytes'] / 1e6:.2f} MB"
+        if "round_ratios" in r:
+            notes += f"; per round {min(r['round_ratios']):.2f}-{max(r['round_ratios']):.2f}"
         print(f"{r['name']:32s} {r['seconds']:8.2f} {r['throughput_video_s_per_s']:10.1f} {r['cost_vs_bare']:13.2f}  "
               f"{notes}", flush=True)
     if args.json:

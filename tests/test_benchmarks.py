@@ -53,6 +53,22 @@ def test_video_benchmark_bad_arguments(args, message):
     assert refuse("video_curation.py", *args) == f"video_curation.py: error: {message}"
 
 
+def test_video_benchmark_alternates_its_runs_within_each_round(monkeypatch):
+    """Back-to-back repeats of one row then the next put a host's drift into the printed ratio
+    (1.17x-1.41x on one idle host): each round runs every row once, and a row limited to fewer
+    rounds (TransNetV2's two minutes) drops out after them."""
+    monkeypatch.syspath_prepend(str(ROOT / "benchmarks"))
+    from video_curation import interleaved
+
+    order = []
+    runs = {name: (lambda name=name: order.append(name) or name.upper(), reps)
+            for name, reps in [("bare", 3), ("pipeline", 3), ("transnetv2", 1)]}
+    times = interleaved(runs, 3)
+    assert order == ["bare", "pipeline", "transnetv2", "bare", "pipeline", "bare", "pipeline"]
+    assert [len(times[n]) for n in runs] == [3, 3, 1]
+    assert all(out == name.upper() and seconds >= 0 for name in runs for seconds, out in times[name])
+
+
 @pytest.mark.parametrize("script", sorted(p.name for p in (ROOT / "benchmarks").glob("[!_]*.py")))
 def test_each_benchmarks_help_says_how_long_it_runs_and_how_to_narrow_it(script):
     """`compressed_training.py --help` stopped mid-sentence (its docstring's first line only) and

@@ -230,7 +230,7 @@ class _Clock:
         if frame.pts is None or frame.time_base is None:
             t = after
         else:
-            at = Fraction(frame.pts) * Fraction(frame.time_base)
+            at = frame.pts * frame.time_base  # int x Fraction: exact
             if self.origin is None:
                 self.origin = at - after
             t = at - self.origin
@@ -339,6 +339,7 @@ class _ClipEncoder:
         self.waiting: list[tuple[Any, Fraction]] = []  # (frame, end of its interval) until the encoder opens
         self.min_frames = min_frames
         self.src_rate, self.out_rate = src_rate, out_rate
+        self.tick = 1 / out_rate  # seconds between output frames
         self.out_n = 0
         self.thumb_at = thumb_at
         self.thumb: Any = None
@@ -372,9 +373,9 @@ class _ClipEncoder:
         if self.container is None:
             self.waiting.append((big, until))
             return
-        while Fraction(self.out_n) / self.out_rate < until:
+        while self.out_n * self.tick < until:
             big.pts = self.out_n
-            big.time_base = 1 / self.out_rate
+            big.time_base = self.tick
             for packet in self.stream.encode(big):
                 self.container.mux(packet)
             self.out_n += 1
