@@ -303,7 +303,7 @@ def make_problem(routine: str, a: Any, b: Any = None, c: Any = None, *, alpha: A
     if min(m, n, k) < 1:
         raise InputError("shape", (m, n, k), "empty problem: every dimension must be at least 1")
     problem = Problem(routine, A, B, C, alpha, beta, ta, tb, sd, lower, unit, int(tile), (int(m), int(n)), int(k),
-                      A.dtype, flops)
+                      A.dtype.newbyteorder("="), flops)  # native order, as scipy's result
     if routine == "trsm" and not unit and A.kind in ("memory", "file"):
         check_trsm_diagonal(A)
     return problem

@@ -343,7 +343,9 @@ def test_mixed_dtypes_are_refused():
     a, b, c = rand((7, 5), np.float64, 1), rand((5, 3), np.float64, 2), rand((7, 3), np.float64, 3)
     want = sblas.dgemm(1.5, a, b, 0.5, c)
     for ops in ((a.astype(">f8"), b, c), (a, b.astype(">f8"), c.astype(">f8"))):
-        np.testing.assert_allclose(np.asarray(api.gemm(1.5, *ops[:2], 0.5, ops[2], tile=2)), want, rtol=1e-12)
+        got = api.gemm(1.5, *ops[:2], 0.5, ops[2], tile=2)
+        np.testing.assert_allclose(got, want, rtol=1e-12)
+        assert got.dtype == np.float64 and got.dtype.isnative  # as scipy's (a big-endian a gave a big-endian result)
 
 
 def test_a_scalar_beyond_float64_is_refused_naming_it():
