@@ -36,11 +36,12 @@ from _args import at_least, positive  # benchmarks/_args.py
 KINDS = ("allreduce", "broadcast", "reduce")
 
 
-def parse_bytes(text: str) -> int:
+def parse_bytes(text: str, what: str = "a message") -> int:
     """A message size such as ``64M`` or ``4096``: a positive multiple of 4 bytes (float32 elements).
 
     Raises:
-        argparse.ArgumentTypeError: anything else (``0`` and ``3`` ran a 4-byte message: a trial).
+        argparse.ArgumentTypeError: anything else (``0`` and ``3`` ran a 4-byte message: a trial),
+        saying what the size is of (``what``).
     """
     units = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
     raw = text
@@ -51,8 +52,13 @@ def parse_bytes(text: str) -> int:
     except ValueError:
         raise argparse.ArgumentTypeError(f"{raw!r} is not a size (e.g. 4096, 64K, 256M)") from None
     if nbytes < 4 or nbytes % 4:
-        raise argparse.ArgumentTypeError(f"{raw!r}: a message is a positive multiple of 4 bytes (float32)")
+        raise argparse.ArgumentTypeError(f"{raw!r}: {what} is a positive multiple of 4 bytes (float32)")
     return nbytes
+
+
+def parse_chunk_bytes(text: str) -> int:
+    """An LP chunk size, as :func:`parse_bytes` (its error said "a message": a trial)."""
+    return parse_bytes(text, "a chunk")
 
 
 def human(nbytes: int) -> str:
@@ -143,7 +149,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--min-bytes", type=parse_bytes, default="1K")
     parser.add_argument("--max-bytes", type=parse_bytes, default="64M", help="largest message (256M for the issue's full range)")
     parser.add_argument("--sizes", type=parse_bytes, nargs="+", default=None, help="explicit sizes, e.g. 64M 256M (overrides min/max)")
-    parser.add_argument("--chunk-bytes", type=parse_bytes, default=None,
+    parser.add_argument("--chunk-bytes", type=parse_chunk_bytes, default=None,
                         help="LP chunk (default: the cost model's, lp_chunk_bytes)")
     parser.add_argument("--backend", choices=("gloo", "nccl"), default="gloo")
     parser.add_argument("--target-s", type=float, default=0.2, help="timed seconds per repeat (sets iters)")
@@ -174,6 +180,10 @@ def main(argv: list[str] | None = None) -> int:
     import torch.multiprocessing as mp
 
     print(f"LP collectives vs {args.backend}, float32, GB/s = 1e9 bytes/s; lp/backend = backend time / LP time")
+    cores = os.cpu_count() or 1
+    if args.backend == "gloo" and max(args.world_sizes) > cores:  # (64 ranks on 2 cores ran 2 minutes unsaid: a trial)
+        print(f"note: P up to {max(args.world_sizes)} ranks, one process each, share {cores} core(s): those times "
+              "include the ranks' time-sharing")
     print(HEADER)
     all_rows = []
     start = time.perf_counter()

@@ -44,8 +44,20 @@ import time
 from pathlib import Path
 
 import torch
+from _args import one_line_errors, positive
 
 HERE = Path(__file__).resolve()
+
+
+def percent(text: str) -> float:
+    """A percentage in (0, 100]."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+    if not 0 < value <= 100:
+        raise argparse.ArgumentTypeError(f"{text!r}: a test accuracy in percent, in (0, 100]")
+    return value
 
 
 def _rank(rank: int, port: int, cfg_json: str, out: str) -> None:
@@ -79,20 +91,23 @@ def train(cfg: dict) -> dict:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--epochs", type=int, default=4)
+    ap.add_argument("--epochs", type=positive, default=4)
     ap.add_argument("--compressors", default="none,fft,topk,powersgd,fp16")
     ap.add_argument("--fft-theta", type=float, default=0.2)
     ap.add_argument("--fft-bits", type=int, default=8)
     ap.add_argument("--no-collectives", action="store_true")
     ap.add_argument("--no-isgd", action="store_true")
     ap.add_argument("--no-memory", action="store_true")
-    ap.add_argument("--target-accuracy", type=float, default=90.0, help="for time-to-accuracy (percent)")
+    ap.add_argument("--target-accuracy", type=percent, default=90.0, help="for time-to-accuracy (percent)")
     ap.add_argument("--large", action="store_true", help="also 256 MiB messages (about 3 GiB of memory at P=4)")
     ap.add_argument("--json", type=Path)
     ap.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
                     help="cuda: only the memory report, on the GPU (NCCL ranks need a GPU each)")
     args = ap.parse_args(argv)
     if args.device == "cuda":
+        from paperline.infra.device import resolve_device
+
+        one_line_errors(ap, lambda: resolve_device("cuda"))  # was torch's AssertionError traceback (a trial)
         report = memory_report("cuda")
         if args.json:
             args.json.write_text(json.dumps([{"name": "memory", "result": report}], indent=1))
@@ -103,6 +118,7 @@ def main(argv: list[str] | None = None) -> int:
     options = {"fft": {"theta": args.fft_theta, "bits": args.fft_bits, "error_feedback": True},
                "topk": {"fraction": 0.01}, "powersgd": {"matrix_approximation_rank": 2}}
     names = [c.strip() for c in args.compressors.split(",") if c.strip()]
+    check_configurations(ap, args, names, base, options)
     print(f"2 ranks (gloo, 1 thread each), ResNet-style CNN width 16 on MNIST-5k, {args.epochs} epochs, "
           f"batch 32 per rank; fft θ={args.fft_theta}, {args.fft_bits} bits, error feedback", flush=True)
     rows = []
@@ -148,6 +164,33 @@ def main(argv: list[str] | None = None) -> int:
     if args.json:
         args.json.write_text(json.dumps(rows, indent=1))
     return 0
+
+
+# The flag behind each argument TrainConfig.validate names (its InputError's argument).
+FLAGS = {"epochs": "--epochs", "name": "--compressors", "theta": "--fft-theta", "bits": "--fft-bits"}
+
+
+def check_configurations(ap: argparse.ArgumentParser, args: argparse.Namespace, names: list[str], base: dict,
+                         options: dict) -> None:
+    """Refuse bad arguments with the parser's one line before any rank starts: ``--epochs 0``,
+    ``--fft-theta 2`` or ``--compressors zip`` started two ranks whose tracebacks buried the
+    reason, ``--compressors ''`` ran the full default list and ``fft,fft`` trained fft twice (a
+    trial). The fft options are checked even when fft is not listed (an option given is meant)."""
+    from paperline.kernels.errors import InputError
+    from paperline.kernels.train.ddp import TrainConfig
+
+    if not names:
+        ap.error(f"--compressors {args.compressors!r}: no compressor named")
+    twice = sorted({n for n in names if names.count(n) > 1})
+    if twice:
+        ap.error(f"--compressors {args.compressors!r}: {', '.join(twice)} listed twice")
+    model = None
+    for name in dict.fromkeys([*names, "fft"]):
+        try:
+            model = TrainConfig(**base, compressor=name, compressor_options=options.get(name, {})).validate(model)
+        except InputError as exc:
+            flag = FLAGS.get(exc.argument, f"--{exc.argument.replace('_', '-')}")
+            ap.error(f"{flag} {exc.value!r}: {exc.problem}")
 
 
 def memory_report(device: str = "cpu") -> dict:
@@ -222,16 +265,22 @@ def memory_report(device: str = "cpu") -> dict:
     return out
 
 
+def _ratio(x: float) -> str:
+    """One decimal, or two where one would read 1.0 for another value (0.97 showed as 1.0)."""
+    text = f"{x:.1f}"
+    return f"{x:.2f}" if text == "1.0" and x != 1.0 else text
+
+
 def _print_row(row: dict, rows: list[dict]) -> None:
     last = row["result"]["epochs"][-1]
     base = next((x for x in rows if x["name"] == "none"), None)
     fewer = (base["result"]["epochs"][-1]["bytes_sent_per_step"] / last["bytes_sent_per_step"]
-             if base and last["bytes_sent_per_step"] else float("nan"))
+             if base and last["bytes_sent_per_step"] else None)  # no `none` run: "-", as the flow (was nan)
     codec = (last["compress_s"] + last["decompress_s"]) / last["step_s"]
     if len(rows) == 1:
         print(f"{'compressor':28s} {'test acc %':>10s} {'bytes/step':>11s} {'fewer bytes':>11s} {'codec % step':>12s} "
               f"{'wall s':>7s}", flush=True)
-    print(f"{row['name']:28s} {last['test_accuracy_pct']:10.1f} {last['bytes_sent_per_step']:11,.0f} {fewer:11.1f} "
+    print(f"{row['name']:28s} {last['test_accuracy_pct']:10.1f} {last['bytes_sent_per_step']:11,.0f} {'-' if fewer is None else _ratio(fewer):>11s} "
           f"{100 * codec:12.1f} {last['wall_s']:7.1f}", flush=True)
 
 

@@ -741,12 +741,32 @@ def _fmt(x: Any) -> str:
     return f"{x:.3e}" if x != 0 and abs(x) < 1e-3 else f"{x:.4f}"
 
 
+HEADER_LINE = 12  # a header line, broken after '_', need not be narrower than this
+
+
 def _headers(columns: list[str], rows: list[list[str]], width: int) -> list[str]:
     """Column headers for a table of ``rows`` on a console ``width`` characters wide: as they are
     where the table fits, else broken after each ``.`` (``params.``/``routine``), where rich would
-    fold a dotted metric or parameter name mid-word (it breaks lines only at spaces)."""
+    fold a dotted metric or parameter name mid-word (it breaks lines only at spaces), and a line
+    wider than the column's values (and :data:`HEADER_LINE`) after a ``_`` (a named metric,
+    ``bytes_sent_per_step``, was left out at 80 columns for its header's width: a trial)."""
     natural = sum(max([len(c), *(len(r[i]) for r in rows)]) + 3 for i, c in enumerate(columns)) + 1
-    return columns if natural <= width else [c.replace(".", ".\n") for c in columns]
+    if natural <= width:
+        return columns
+    out = []
+    for i, c in enumerate(columns):
+        room = max([HEADER_LINE, *(len(r[i]) for r in rows if i < len(r))])
+        lines = []
+        for part in c.replace(".", ".\n").split("\n"):
+            line = ""
+            for word in re.findall(r"[^_]+_?|_", part):  # words with their '_'
+                if line and len(line) + len(word) > room:
+                    lines.append(line)
+                    line = ""
+                line += word
+            lines.append(line)
+        out.append("\n".join(lines))
+    return out
 
 
 def _integral_columns(rows: list[list[Any]]) -> set[int]:
@@ -1128,10 +1148,11 @@ def _supervise(cmd: list[str], *, env: dict[str, str], cwd: str, grace_s: float 
 MIN_NAME_WIDTH = 12  # a run name shortened (with "…") in compare's table for the ranking metric's room
 
 
-def _runs_table(experiment: str, result: dict[str, Any], width: int) -> Table:
+def _runs_table(experiment: str, result: dict[str, Any], width: int, named: bool = False) -> Table:
     """``compare``'s table of runs for a console ``width`` characters wide: the run id, name and
     status are never folded (``3045c8e│d``, ``FINISHE│D`` with many columns: a trial); the
-    parameter and metric columns give way instead."""
+    parameter and metric columns give way instead. ``named``: the metrics were named with
+    ``--metric`` (the caption does not then suggest naming them)."""
     from rich.table import Column
 
     title = f"{experiment}: {len(result['rows'])} run(s) ({result['selection']})"
@@ -1149,10 +1170,12 @@ def _runs_table(experiment: str, result: dict[str, Any], width: int) -> Table:
     metrics = set(result.get("metrics") or [])
     order = [*range(3), *[i for i in range(3, len(need)) if result["columns"][i] in metrics],
              *[i for i in range(3, len(need)) if result["columns"][i] not in metrics]]
-    ranked = next((i for i in order[3:] if result["columns"][i] in metrics), None)
-    excess = 1 + sum(need[i] + 3 for i in range(3)) + (need[ranked] + 3 if ranked is not None else 0) - width
-    if excess > 0 and need[1] > MIN_NAME_WIDTH:  # the metric runs are sorted by, before whole run names:
-        need[1] = max(MIN_NAME_WIDTH, need[1] - excess)  # at 80 columns nas's long names left it out (a trial)
+    # the metrics (the one runs are sorted by first), before whole run names: at 80 columns nas's
+    # long names left the ranking metric out, and compressed-training's the second --metric (trials)
+    shown = [i for i in order[3:] if result["columns"][i] in metrics]
+    excess = 1 + sum(need[i] + 3 for i in range(3)) + sum(need[i] + 3 for i in shown) - width
+    if excess > 0 and need[1] > MIN_NAME_WIDTH:
+        need[1] = max(MIN_NAME_WIDTH, need[1] - excess)
         for row in cells:
             if len(row[1]) > need[1]:  # the middle goes: names differ by their ends (a campaign's digest)
                 head = (need[1] - 1) // 2
@@ -1164,8 +1187,10 @@ def _runs_table(experiment: str, result: dict[str, Any], width: int) -> Table:
             used += need[i] + 3
     kept.sort()
     left_out = [result["columns"][i] for i in range(len(headers)) if i not in kept]
-    # --metric names metrics only: for parameters left out, a wider terminal is the way (a trial)
-    hint = ("name the metrics to show with --metric" if any(not c.startswith("params.") for c in left_out)
+    # --metric names metrics only: for parameters left out, or metrics already named, a wider
+    # terminal is the way (it was suggested for a metric named with --metric: a trial)
+    hint = ("name the metrics to show with --metric" if not named and any(not c.startswith("params.")
+                                                                         for c in left_out)
             else "widen the terminal (or set COLUMNS)")
     caption = (f"{len(left_out)} column(s) left out for the console's width ({width}): "
                f"{', '.join(left_out)}; all are in the Parquet file below, or {hint}" if left_out else None)
@@ -1212,7 +1237,7 @@ def compare(experiment: str = typer.Argument(..., metavar="EXPERIMENT", help="ML
     result = compare_runs(Tracker(info.mlflow_tracking_uri), experiment, list(metric), filter_string, top, out, log,
                           ascending, all_runs)
     width = Console().width  # the terminal's (COLUMNS), not the 140 the module's console keeps for URLs
-    console.print(_runs_table(experiment, result, width), width=width)
+    console.print(_runs_table(experiment, result, width, named=bool(metric)), width=width)
     if result["note"]:
         console.print(result["note"], highlight=False)
     plot = result["plot"] or "none (these runs share no metric: name some with --metric)"

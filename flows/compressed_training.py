@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 import tempfile
 from pathlib import Path
 from typing import Any, Literal
@@ -337,6 +338,7 @@ def _log_compressor(tracker: Tracker, parent: str, name: str, cfg: TrainConfig, 
     tracker.end_run(child, "FINISHED")
     return {"name": name, "mlflow_run_id": child, "epochs": epochs, **final, "skipped_steps": r0["skipped_steps"],
             "resumed_from": result["resumed_from"], "failures": result["failures"], "versus": versus.as_dict(),
+            "n_classes": r0.get("n_classes"),
             "versus_lines": versus.lines(name),
             # the drill's rank exits at a global step of the first attempt: from complete checkpoints there is none
             "drill_missed": params.crash_rank_at_step if params.crash_rank_at_step is not None and not result["failures"]
@@ -357,16 +359,39 @@ def _notes(r: dict[str, Any]) -> list[str]:
         notes.append(f"{r['name']}: restarted {len(r['failures'])} time(s) after a failure, from {starts}; "
                      f"{r['failures'][0][:200]}")
     start = r["resumed_from"][0]
-    if start is not None and r.get("drill_missed") is None:  # a re-run after an interruption said nothing
+    epochs = r.get("epochs") or []
+    if start is not None and r.get("drill_missed") is None and epochs and start == epochs[-1]["epoch"]:
+        # a finished run's checkpoints, resumed: "(interrupted)" and "trained on" said a re-run of a
+        # finished configuration (its crash drill, not part of the key, dropped) trained (a trial)
+        notes.append(f"{r['name']}: an earlier run of this configuration left the checkpoints of every epoch (the "
+                     f"last is epoch {start}), so nothing was trained: these are its results; set another "
+                     "checkpoint_prefix or seed to train from scratch")
+    elif start is not None and r.get("drill_missed") is None:  # a re-run after an interruption said nothing
         notes.append(f"{r['name']}: resumed from the checkpoints of epoch {start} left by an earlier run of this "
                      "configuration (interrupted), and trained on as an uninterrupted run would have (on a CPU "
                      "to the same result: model, optimizer, compressor memory and step count, ISGD's chart and "
                      "DDP's buckets are restored); set another checkpoint_prefix or seed to train from scratch")
+    classes = r.get("n_classes")
+    if classes and epochs and "final_test_accuracy_pct" in r:
+        # lr=5 finished at 10% with a loss of 5.5, below the 100x that fails a run as diverged (a trial)
+        uniform = math.log(classes)
+        accuracy, loss = r["final_test_accuracy_pct"], r["final_train_loss"]
+        if accuracy <= 100 / classes + 1 and not loss < uniform:
+            notes.append(f"{r['name']}: learned nothing: test accuracy {accuracy:.1f}% is chance for {classes} "
+                         f"classes, and the last epoch's mean training loss {loss:.3g} is no better than a uniform "
+                         f"guess's {uniform:.2f}; the learning rate (lr) may be too large, or the run too short")
     if r.get("drill_missed") is not None:
         notes.append(f"{r['name']}: the crash drill did not run (crash_rank_at_step={r['drill_missed']} was not "
                      f"reached{f': training resumed from the checkpoints of epoch {start}' if start is not None else ''}"
                      "); set another checkpoint_prefix or seed to train from scratch")
     return notes
+
+
+def _ratio(x: float) -> str:
+    """A ratio to one decimal, or two where one would read 1.0 for another value (fft at θ=1 and
+    32 bits sent 3% more than none, and the table said 1.0: a trial)."""
+    text = f"{x:.1f}"
+    return f"{x:.2f}" if text == "1.0" and x != 1.0 else text
 
 
 def _summary(runs: list[dict[str, Any]], parent: str, tracker: Tracker, run_url: str, flow_run_id: str,
@@ -376,7 +401,7 @@ def _summary(runs: list[dict[str, Any]], parent: str, tracker: Tracker, run_url:
     for r in runs:
         fewer = base["bytes_sent_per_step"] / r["bytes_sent_per_step"] if base and r["bytes_sent_per_step"] else None
         rows.append([r["name"], f"{r['final_test_accuracy_pct']:.1f}", f"{r['bytes_sent_per_step']:,.0f}",
-                     f"{r['compression_ratio']:.1f}", f"{fewer:.1f}x" if fewer else "-",
+                     _ratio(r["compression_ratio"]), f"{_ratio(fewer)}x" if fewer else "-",
                      f"{100 * r['codec_fraction_of_step']:.1f}%", f"{r['wall_s']:.1f}",
                      str(len(r["skipped_steps"])), str(int(r["restarts"]))])
         lines += _notes(r)

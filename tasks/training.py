@@ -102,7 +102,10 @@ class RankFailed(RuntimeError):
     """A rank (or its worker) died or failed; every rank is restarted from the last checkpoint."""
 
 
-ONE_RANK_PER_WORKER = "one rank runs per worker (a local cluster has PAPERLINE_N_WORKERS workers, default one per core)"
+# (said the local cluster's setting alone, also for a scheduler of the user's own: a trial)
+ONE_RANK_PER_WORKER = ("one rank runs per worker: lower world_size, or give the cluster more workers "
+                       "(PAPERLINE_N_WORKERS for the local cluster, default one per core; more `dask worker` "
+                       "processes for a scheduler of your own)")
 
 
 @task(name="compressed-train", cache_policy=(INPUTS - "store" - "max_restarts" - "timeout_s") + TASK_SOURCE,

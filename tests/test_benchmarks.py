@@ -36,12 +36,13 @@ def test_gemm_benchmark_bad_arguments(args, message):
     assert refuse("gemm.py", *args) == f"gemm.py: error: {message}"
 
 
-def test_gemm_benchmark_on_cuda_without_a_gpu_says_so():
+@pytest.mark.parametrize("script", ["gemm.py", "compressed_training.py"])
+def test_a_benchmark_on_cuda_without_a_gpu_says_so(script):
     from paperline.infra.device import gpu_usable
 
     if gpu_usable():
         pytest.skip("a GPU is usable here: --device cuda would run the benchmark")
-    assert refuse("gemm.py", "--device", "cuda").startswith("gemm.py: error: device='cuda': no usable CUDA device")
+    assert refuse(script, "--device", "cuda").startswith(f"{script}: error: device='cuda': no usable CUDA device")
 
 
 @pytest.mark.parametrize(("args", "message"), [
@@ -100,6 +101,16 @@ def test_each_benchmarks_help_says_how_long_it_runs_and_how_to_narrow_it(script)
     ("collectives.py", ["--repeats", "0"], "argument --repeats: '0': at least 1"),
     ("collectives.py", ["--sizes", "3"], "argument --sizes: '3': a message is a positive multiple of 4 bytes (float32)"),
     ("collectives.py", ["--world-sizes", "1"], "argument --world-sizes: '1': at least 2"),
+    ("collectives.py", ["--chunk-bytes", "0"], "argument --chunk-bytes: '0': a chunk is a positive multiple of 4 bytes"),
+    # each of these started two ranks whose tracebacks buried the reason, or ran silently (a trial)
+    ("compressed_training.py", ["--epochs", "0"], "argument --epochs: '0': at least 1"),
+    ("compressed_training.py", ["--fft-theta", "2"], "--fft-theta 2.0: must be in (0, 1]"),
+    ("compressed_training.py", ["--fft-bits", "64"], "--fft-bits 64: must be in [1, 32]"),
+    ("compressed_training.py", ["--compressors", "zip"], "--compressors 'zip': unknown compressor; known: fft, fp16"),
+    ("compressed_training.py", ["--compressors", ""], "--compressors '': no compressor named"),
+    ("compressed_training.py", ["--compressors", "fft,fft"], "--compressors 'fft,fft': fft listed twice"),
+    ("compressed_training.py", ["--target-accuracy", "150"],
+     "argument --target-accuracy: '150': a test accuracy in percent, in (0, 100]"),
 ])
 def test_benchmarks_refuse_bad_arguments_before_measuring(script, args, message):
     assert refuse(script, *args).startswith(f"{script}: error: {message}")

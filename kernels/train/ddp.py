@@ -661,7 +661,7 @@ def _train_in_group(rank: int, world_size: int, cfg: TrainConfig, data: Any, dev
         sweep = allreduce_sweep(collectives_sizes, device=dev)
     dist.barrier()
     return {"rank": rank, "world_size": world_size, "epochs": epochs, "skipped_steps": skipped,
-            "params_count": sum(p.numel() for p in params),
+            "params_count": sum(p.numel() for p in params), "n_classes": data.n_classes,
             "dense_bytes_per_step": sum(p.numel() * p.element_size() for p in params),
             "config": cfg.as_dict(), "collectives": sweep,
             "restored_memory_buckets": restored}

@@ -667,11 +667,42 @@ def test_compare_table_shortens_long_run_names_for_the_ranking_metric():
     console.print(_runs_table("nas", result, 80))
     text = console.export_text()
     assert all(len(line) <= 80 for line in text.splitlines()), text
-    assert "final_hypervolume" in text and "5659579209" in text and "5659579210" in text, text
+    assert "hypervolume" in text and "5659579209" in text and "5659579210" in text, text
     assert "params.budget" not in text.split("left out")[0], text  # the parameter gives way, not the metric
     names = [line.split("│")[2].strip() for line in text.splitlines() if "3045c8e" in line]
     assert len(names) == 2 and all("…" in n and n.startswith("nasbench201-") for n in names), names
     assert names[0].endswith("aab3f-0") and names[1].endswith("aab3f-1"), names  # still told apart
+
+
+def test_compare_table_makes_room_for_every_named_metric_before_whole_names():
+    """`compare compressed-training --metric final_test_accuracy_pct --metric bytes_sent_per_step`
+    at 80 columns left the second named metric out for whole run names, and the caption told to
+    name the metrics to show with --metric, as they were (a trial)."""
+    from rich.console import Console
+
+    from paperline.flows.cli import _runs_table
+
+    metrics = ["final_test_accuracy_pct", "bytes_sent_per_step"]
+    rows = [[f"3045c8e{i}", f"fft@powersgd-bytes-{i}", "FINISHED", 92.5 + i, 5269.0 * (i + 1), "fft", "0.2"]
+            for i in range(2)]
+    result = {"columns": ["run", "name", "status", *metrics, "params.compressor", "params.theta"], "rows": rows,
+              "selection": "all runs", "metrics": metrics}
+    console = Console(width=80, record=True)
+    console.print(_runs_table("compressed-training", result, 80, named=True))
+    text = console.export_text()
+    flat = " ".join(text.split())
+    assert all(len(line) <= 80 for line in text.splitlines()), text
+    table = text.split("left out")[0]  # headers broken after '_' where the table would not fit
+    assert "bytes_sent_" in table and "per_step" in table and "10538" in table and "93.5" in table, text
+    assert "fft@powersgd-bytes-1" in table, text  # whole names where both metrics fit beside them
+    assert "left out for the console's width (80): params.compressor, params.theta;" in flat, text
+    assert "widen the terminal (or set COLUMNS)" in flat and "--metric" not in flat, text
+    # too narrow for both named metrics: the one left out is named, and no --metric advice either
+    console = Console(width=60, record=True)
+    console.print(_runs_table("compressed-training", result, 60, named=True))
+    narrow = " ".join(console.export_text().split())
+    assert "left out for the console's width (60): bytes_sent_per_step" in narrow, narrow
+    assert "--metric" not in narrow, narrow
 
 
 def test_env_with_a_failing_configured_endpoint_says_why(tmp_path, free_port):

@@ -1,6 +1,6 @@
 """The compressed-training summary's lines about how each compressor's training went."""
 
-from paperline.flows.compressed_training import _notes
+from paperline.flows.compressed_training import _notes, _ratio
 
 
 def _result(**changes):
@@ -31,3 +31,40 @@ def test_restarts_skipped_steps_and_a_missed_drill_are_named():
     (drill,) = _notes(_result(resumed_from=[2], drill_missed=5))
     assert drill.startswith("topk: the crash drill did not run (crash_rank_at_step=5 was not reached: training "
                             "resumed from the checkpoints of epoch 2)")
+
+
+def _epochs(n, accuracy=92.0, loss=0.3):
+    return [{"epoch": e, "test_accuracy_pct": accuracy, "train_loss": loss} for e in range(n)]
+
+
+def test_a_run_resumed_from_a_finished_runs_checkpoints_says_nothing_was_trained():
+    """Re-run without its crash drill (not part of the checkpoints' key), a finished configuration
+    said it resumed the checkpoints of its last epoch "(interrupted)" and "trained on" (a trial)."""
+    (line,) = _notes(_result(resumed_from=[1], epochs=_epochs(2)))
+    assert line == ("topk: an earlier run of this configuration left the checkpoints of every epoch (the last is "
+                    "epoch 1), so nothing was trained: these are its results; set another checkpoint_prefix or "
+                    "seed to train from scratch")
+    (line,) = _notes(_result(resumed_from=[0], epochs=_epochs(2)))  # one epoch left: trained on
+    assert "(interrupted), and trained on as an uninterrupted run would have" in line
+
+
+def test_a_run_that_learned_nothing_says_so():
+    """lr=5 finished at chance accuracy (10.0%) with a mean training loss of 5.46, below the 100x a
+    uniform guess's that fails a run as diverged, and nothing said so (a trial)."""
+    def run(accuracy, loss, classes=10):
+        return _result(epochs=_epochs(2), n_classes=classes, final_test_accuracy_pct=accuracy, final_train_loss=loss)
+
+    (line,) = _notes(run(10.0, 5.46))
+    assert line == ("topk: learned nothing: test accuracy 10.0% is chance for 10 classes, and the last epoch's mean "
+                    "training loss 5.46 is no better than a uniform guess's 2.30; the learning rate (lr) may be too "
+                    "large, or the run too short")
+    assert _notes(run(10.9, float("nan")))  # a NaN loss is no better
+    assert _notes(run(10.0, 2.2)) == []  # learning (below ln 10), still at chance after few steps
+    assert _notes(run(11.5, 3.0)) == [] and _notes(run(92.5, 0.3)) == []  # above chance
+    assert _notes(run(26.5, 1.5, classes=4)) == [] and _notes(run(25.0, 1.5, classes=4))  # chance is 1/C
+
+
+def test_a_ratio_near_one_shows_which_side_of_one_it_is():
+    """fft at θ=1 and 32 bits sent 81,259 bytes to none's 78,824, and the table said 1.0 / 1.0x."""
+    assert [_ratio(x) for x in (78824 / 81259, 1.0, 1.04, 0.5, 15.0, 14.96)] == ["0.97", "1.0", "1.04", "0.5", "15.0",
+                                                                                  "15.0"]
