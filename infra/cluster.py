@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, Any
 
 from paperline.infra.device import resolve_device
 from paperline.infra.settings import Settings
+from paperline.infra.worker_exit import STOP_SIGNALS
 
 if TYPE_CHECKING:
     from prefect_dask import DaskTaskRunner
@@ -69,12 +70,11 @@ def quiet_dask_logs() -> None:
         logging.getLogger(name).setLevel(logging.WARNING)
 
 
-STOP_SIGNALS = ("SIGINT", "SIGHUP")  # a terminal's Ctrl-C, and its closing
 
 
 @contextlib.contextmanager
 def stop_signals_blocked() -> Iterator[None]:
-    """Block SIGINT and SIGHUP in the calling thread while a local cluster starts.
+    """Block :data:`STOP_SIGNALS` in the calling thread while a local cluster starts.
 
     A terminal sends them to every process of its process group, worker processes included: a
     Ctrl-C in the seconds a worker was still importing or registering printed two tracebacks per

@@ -165,6 +165,11 @@ def _exit_after_clean_close() -> None:
     os._exit(0)
 
 
+# A terminal's Ctrl-C, its closing, and a stop sent to the whole process group (`timeout`, a
+# supervisor): the process that owns a local cluster stops it; its workers leave them to it.
+STOP_SIGNALS = ("SIGINT", "SIGHUP", "SIGTERM")
+
+
 def _ignore_interrupt(signum: int, frame: Any) -> None:
     """SIGINT handler of a worker process: nothing (see :func:`dask_setup`)."""
 
@@ -173,15 +178,16 @@ def dask_setup(worker: Any) -> None:
     """Dask preload hook: arm the exit handler (before any task registers its own), install
     :class:`ClosingCommErrorFilter` on :data:`QUIET_ON_CLOSE_LOGGERS`, :class:`TaskFailureOneLine`,
     :class:`ServerGoneOneLine` on :data:`SERVER_GONE_LOGGERS` and :class:`CancelledOnCloseFilter`,
-    and leave SIGINT and SIGHUP to the process that owns the cluster.
+    and leave :data:`STOP_SIGNALS` to the process that owns the cluster.
 
     A terminal's Ctrl-C reaches every process of its process group, local worker processes
     included: each printed a ``KeyboardInterrupt`` traceback (two per worker, on top of the run's
     own one-line report) while the flow process was already closing the cluster (fresh-user trial).
     A worker process under a nanny is stopped by it, or when the nanny's process is gone (its stop
     queue closes), so there SIGINT is caught and dropped: a Python handler, not ``SIG_IGN``, so the
-    processes a task starts get the default again when they exec. So is SIGHUP, which a closed
-    terminal sends to the same process group (`paperline run` stops on it as on Ctrl-C).
+    processes a task starts get the default again when they exec. So are SIGHUP, which a closed
+    terminal sends to the same process group, and SIGTERM sent to the group (`paperline run`
+    stops on both as on Ctrl-C). The nanny stops its worker with SIGKILL when asking fails.
     """
     import signal  # noqa: PLC0415
     import threading  # noqa: PLC0415
@@ -189,15 +195,17 @@ def dask_setup(worker: Any) -> None:
     atexit.register(_exit_after_clean_close)
     # only under a nanny (a `dask worker --no-nanny` process is the user's to interrupt), and only
     # from the main thread (the one place signal handlers can be set)
+    # (a closed terminal's SIGHUP killed workers mid-task, and the nanny restarted them with
+    # tracebacks; SIGTERM to the process group, from `timeout` or a supervisor, likewise, with
+    # "Restarting worker" beside the run's "interrupted: ...": trials)
+    stops = [getattr(signal, name) for name in STOP_SIGNALS if hasattr(signal, name)]
     if getattr(worker, "nanny", None) and threading.current_thread() is threading.main_thread():
-        signal.signal(signal.SIGINT, _ignore_interrupt)
-        if hasattr(signal, "SIGHUP"):  # a closed terminal's SIGHUP killed workers mid-task: the nanny
-            signal.signal(signal.SIGHUP, _ignore_interrupt)  # restarted them, with tracebacks (a trial)
+        for sig in stops:
+            signal.signal(sig, _ignore_interrupt)
     if threading.current_thread() is threading.main_thread() and hasattr(signal, "pthread_sigmask"):
         # spawned with them blocked (infra.cluster.stop_signals_blocked), so that a Ctrl-C while
         # the worker was still starting did not end it with tracebacks: delivered from here on
-        signal.pthread_sigmask(signal.SIG_UNBLOCK, {getattr(signal, n) for n in ("SIGINT", "SIGHUP")
-                                                    if hasattr(signal, n)})
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, set(stops))
     for name in QUIET_ON_CLOSE_LOGGERS:
         logging.getLogger(name).addFilter(ClosingCommErrorFilter(worker))
     logging.getLogger("distributed.worker").addFilter(TaskFailureOneLine())
