@@ -668,7 +668,10 @@ def _run_one(spec, params, summary_json: Path | None, early=None) -> dict[str, A
         params.validate_inputs()
     _quiet_logs()
     settings = _settings()
-    _say_no_workers(require_scheduler(settings), settings)  # before starting anything
+    workers = require_scheduler(settings)  # a configured scheduler's workers now (None: a local cluster)
+    _say_no_workers(workers, settings)  # before starting anything
+    if hasattr(params, "validate_workers"):  # compressed-training's ranks (was refused in the run, after
+        params.validate_workers(workers)  # its flow and MLflow runs were made: a trial)
     info = _ensure_stack()
     if hasattr(params, "validate_on_stack"):  # checks that need the stack's services (nas: its checkpoints)
         from paperline.infra.storage import ObjectStore

@@ -159,10 +159,7 @@ class CompressedTrainingParameters(BaseModel):
                                  exc.problem) from None
             except (TypeError, ValueError) as exc:  # e.g. GroupNorm's channels not divisible by its groups
                 raise InputError("model_options", self.model_options, f"{self.model}: {exc}") from None
-        workers = planned_worker_count(get_settings())  # before any cluster starts (else checked on it)
-        if workers is not None and self.world_size > workers:
-            raise InputError("world_size", self.world_size, f"larger than the number of Dask workers ({workers}); "
-                             + ONE_RANK_PER_WORKER)
+        self.validate_workers(planned_worker_count(get_settings()))  # before any cluster starts
         data = load_dataset(self.dataset, n_train=self.n_train, seed=self.seed)
         per_rank = len(data.y_train) // self.world_size
         if per_rank < self.batch_size:
@@ -180,6 +177,15 @@ class CompressedTrainingParameters(BaseModel):
         settings = get_settings()
         if self.model == "resnet" and not settings.dask_scheduler_address and resolve_device(settings.device) == "cpu":
             self.check_rank_memory(model)
+
+    def validate_workers(self, workers: int | None) -> None:
+        """``world_size`` against the Dask workers known before the run: the local cluster's
+        planned count, or (from the CLI) a configured scheduler's count now; None or 0 (not known
+        yet, or a scheduler whose workers join later) is checked by the ranks' task on the
+        cluster. Raises InputError naming ``world_size``."""
+        if workers and self.world_size > workers:
+            raise InputError("world_size", self.world_size, f"larger than the number of Dask workers ({workers}); "
+                             + ONE_RANK_PER_WORKER)
 
     def check_rank_memory(self, model: Any, available: int | None = None) -> None:
         """Refuse a run whose ranks, all on this machine (a local CPU cluster), would need more

@@ -489,6 +489,20 @@ def test_bad_compressed_training_parameters_are_refused_before_anything_starts(t
                                           env={"PAPERLINE_N_WORKERS": "2"})
 
 
+def test_more_ranks_than_a_configured_schedulers_workers_are_refused_before_anything_starts(tmp_path):
+    """On a scheduler of the user's own with 2 workers, world_size=3 was refused inside the run,
+    after its flow run had been created and failed (a trial): the CLI counts the workers first."""
+    from distributed import LocalCluster
+
+    small = ["epochs=1", "max_steps_per_epoch=2", "n_train=2000"]
+    with LocalCluster(n_workers=1, threads_per_worker=1, processes=False, dashboard_address=None, protocol="tcp",
+                      host="127.0.0.1") as cluster:
+        assert_refused_before_anything_starts(
+            "compressed-training", [([*small, "world_size=2"], ["world_size=2", "larger than the number of Dask "
+                                                                "workers (1)", "more `dask worker` processes"])],
+            tmp_path, preset="demo", env={"PAPERLINE_DASK_SCHEDULER_ADDRESS": cluster.scheduler_address})
+
+
 def test_a_summary_path_that_cannot_be_written_is_refused_before_the_run(tmp_path):
     """A directory failed with IsADirectoryError after the whole run (and its MLflow run)."""
     env = {"PAPERLINE_STATE_DIR": str(tmp_path / "state")}
