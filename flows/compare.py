@@ -235,6 +235,10 @@ def compare_runs(tracker: Tracker, experiment: str, metrics: list[str], filter_s
                                             f"{f' and {len(names) - 40} more' if len(names) > 40 else ''}")
     params = sorted({k for r in runs for k in r.data.params})
     varying = [k for k in params if len({r.data.params.get(k) for r in runs}) > 1]
+    # a parameter equal to every run's name (compressed training's compressor runs are named after
+    # it) repeats the name column and took the room of a --metric at 80 columns (a trial): the
+    # Parquet file keeps it
+    varying = [k for k in varying if any(r.data.params.get(k) != r.info.run_name for r in runs)]
     if len(varying) > MAX_PARAM_COLUMNS:  # e.g. --all-runs of compressed training: parent and child runs
         # differ in ~15; the table shows those with the most distinct values, the Parquet file all
         # where a run wrote (gemm's default output is per run: the most varied, and the least telling)

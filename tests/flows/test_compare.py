@@ -408,6 +408,22 @@ def test_runs_without_the_headline_metric_are_listed_not_refused(stack_cli, stac
     assert pq.read_table(tmp_path / "compare-unranked-runs.parquet").to_pydict()["run_id"] == [failed]
 
 
+def test_a_parameter_that_repeats_the_run_names_is_no_column(stack, tmp_path):
+    """compressed training's child runs are named after their compressor: params.compressor
+    repeated the name column, and took a --metric's room at 80 columns (a trial)."""
+    from paperline.flows.compare import compare_runs
+    from paperline.infra.tracking import Tracker
+
+    tracker = Tracker(stack[1].mlflow_tracking_uri)
+    for name, theta in (("none", 1.0), ("fft", 0.2)):
+        run_id = tracker.start_run("compare-named", run_name=name, params={"compressor": name, "theta": theta})
+        tracker.log_metrics(run_id, {"accuracy": 90.0 + theta})
+        tracker.end_run(run_id)
+    result = compare_runs(tracker, "compare-named", ["accuracy"], out_dir=tmp_path)
+    assert "params.compressor" not in result["columns"] and "params.theta" in result["columns"], result["columns"]
+    assert "params.compressor" in pq.read_table(tmp_path / "compare-named-runs.parquet").column_names
+
+
 def test_a_metric_named_twice_is_one_column(stack, experiment, tmp_path):
     from paperline.flows.compare import compare_runs
 
