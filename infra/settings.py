@@ -178,6 +178,10 @@ class Settings(BaseSettings):
     def _sql_store(cls, v: SecretStr | None) -> SecretStr | None:
         if v is not None and not v.get_secret_value().startswith(("postgresql", "sqlite:", "mysql")):
             raise ValueError("expected an SQLAlchemy database URI (postgresql://..., sqlite:///..., mysql://...)")
+        driver = v.get_secret_value().split("://", 1)[0].partition("+")[2] if v is not None else ""
+        if driver.startswith(("async", "aio")):  # MLflow's server hung ~2 minutes on MissingGreenlet (a trial)
+            raise ValueError(f"MLflow's store needs a synchronous driver, not +{driver} (Prefect's): "
+                             "e.g. postgresql://user:password@host:5432/mlflow")
         return v
 
     @property

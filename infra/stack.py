@@ -28,6 +28,7 @@ import fcntl
 import hashlib
 import json
 import os
+import re
 import secrets
 import shutil
 import signal
@@ -41,7 +42,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
-from urllib.parse import urlsplit
+from urllib.parse import urlsplit, urlunsplit
 
 from paperline.infra.errors import PaperlineError, ServiceError, redact_text, redact_url
 from paperline.infra.settings import Settings, get_settings
@@ -736,6 +737,45 @@ def _listens(pid: int, port: int | None) -> bool:
     return not inspected and root.is_running()
 
 
+def _database_problem(url: str, timeout_s: int = 5) -> str | None:
+    """Why the PostgreSQL database at ``url`` cannot be connected to now: ``URL (password left
+    out): the server's reason`` on one line, or None (it can, or ``url`` is not a PostgreSQL URL
+    without query options, which this does not try: SQLite, MySQL, asyncpg's ``?ssl=``)."""
+    from urllib.parse import unquote  # noqa: PLC0415
+
+    parts = urlsplit(url)
+    if parts.scheme.partition("+")[0] not in ("postgresql", "postgres") or parts.query:
+        return None
+    import psycopg  # noqa: PLC0415 - a dependency (MLflow's store driver)
+
+    try:
+        with psycopg.connect(urlunsplit(("postgresql", parts.netloc, parts.path, "", "")), connect_timeout=timeout_s):
+            return None
+    except psycopg.Error as exc:
+        reason = " ".join(str(exc).split())
+        for secret in {parts.password or "", unquote(parts.password or "")} - {""}:
+            reason = reason.replace(secret, "***")
+        return f"{redact_url(url)}: {reason or type(exc).__name__}"
+
+
+_LOG_REASON = re.compile(r"^(?:[\w.]+\.)?\w*(?:Error|Exception|Exit)\b[^\n]*:\s*\S.*$", re.MULTILINE)
+
+
+def _log_reason(log: str, tail_bytes: int = 65536) -> str:
+    """The last exception line of a server's log (``asyncpg.exceptions.InvalidPasswordError:
+    password authentication failed for user "x"``), for the one-line error of a server that
+    exited while starting; "" when there is none."""
+    try:
+        with open(log, "rb") as f:
+            f.seek(0, os.SEEK_END)
+            f.seek(max(0, f.tell() - tail_bytes))
+            text = f.read().decode("utf-8", "replace")
+    except OSError:
+        return ""
+    found = _LOG_REASON.findall(text)
+    return redact_text(" ".join(found[-1].split()))[:300] if found else ""
+
+
 def _wait_healthy(
     pending: dict[str, tuple[subprocess.Popen[bytes], Callable[[], bool], str, str]], timeout_s: float
 ) -> None:
@@ -756,7 +796,9 @@ def _wait_healthy(
             if check() and _listens(proc.pid, urlsplit(url).port):
                 del pending[name]
             elif proc.poll() is not None:
-                raise ServiceError(name, f"server exited with code {proc.returncode} during start-up", url=url, log=log)
+                reason = _log_reason(log)  # (the code alone said nothing of a wrong database password: a trial)
+                raise ServiceError(name, f"server exited with code {proc.returncode} during start-up"
+                                   + (f": {reason}" if reason else ""), url=url, log=log)
         if not pending:
             return
         if time.monotonic() > deadline:
@@ -1677,6 +1719,15 @@ def ensure_stack(settings: Settings, *, progress: Progress | None = None, notice
                 if problem:
                     raise ServiceError("prefect", problem, url=api)
             last = {name: _last_port(settings, name) for name in ("prefect", "mlflow")}
+            databases = {"prefect": (settings.prefect_database_url, "PAPERLINE_PREFECT_DATABASE_URL"),
+                         "mlflow": (settings.mlflow_backend_store_uri, "PAPERLINE_MLFLOW_BACKEND_STORE_URI")}
+            for name, (url_setting, variable) in databases.items():
+                # before the server: its exit said only "exited with code 3" (a wrong password, a
+                # missing database, PostgreSQL stopped), MLflow's after 2 minutes of retries (a trial)
+                problem = None if name in recs or external[name] or url_setting is None else \
+                    _database_problem(url_setting.get_secret_value())
+                if problem:
+                    raise ServiceError(name, f"its database cannot be used ({variable}={problem})")
             if "prefect" not in recs and not external["prefect"]:
                 claim_ports()
                 proc, rec = _start_prefect(settings, None, taken, login)  # type: ignore[arg-type]

@@ -221,6 +221,48 @@ def test_failed_start_leaves_nothing_running(settings_factory, tmp_path):
     assert stop_stack(settings) == []
 
 
+def test_an_unreachable_database_is_named_before_its_server_starts(settings_factory, tmp_path, free_port):
+    """A wrong password, a missing database or PostgreSQL stopped said only "server exited with
+    code 3 during start-up" (MLflow's after two minutes of retries; a trial): the database is
+    tried first, its reason given without the password, and what had started (S3) is stopped."""
+    from paperline.infra.errors import ServiceError
+
+    port = free_port()
+    settings = settings_factory(tmp_path / "state", prefect_database_url=f"postgresql://bob:s3cr%2Ft@127.0.0.1:{port}/p")
+    t0 = time.monotonic()
+    with pytest.raises(ServiceError) as exc:
+        ensure_stack(settings)
+    text = str(exc.value)
+    assert text.startswith(f"prefect is not available: its database cannot be used (PAPERLINE_PREFECT_DATABASE_URL="
+                           f"postgresql+asyncpg://127.0.0.1:{port}/p: connection failed:"), text
+    assert "Connection refused" in text and "s3cr" not in text, text
+    assert time.monotonic() - t0 < 60  # not the servers' start-up timeout
+    leftovers = [p for p in psutil.process_iter(["cmdline"])
+                 if str(settings.state_dir) in " ".join(p.info["cmdline"] or []) and not _gone(p.pid)]
+    assert leftovers == [] and stop_stack(settings) == []
+
+
+def test_a_server_that_exits_while_starting_says_its_logs_last_error(tmp_path):
+    """The exit code alone said nothing of why (a wrong database password: a trial)."""
+    import subprocess
+    import sys
+
+    from paperline.infra.errors import ServiceError
+    from paperline.infra.stack import _wait_healthy
+
+    log = tmp_path / "prefect.log"
+    log.write_text('Traceback (most recent call last):\n  File "x", line 1\n'
+                   'asyncpg.exceptions.InvalidPasswordError: password authentication failed for user "t37user"\n\n'
+                   "ERROR:    Application startup failed. Exiting.\n")
+    proc = subprocess.Popen([sys.executable, "-c", "raise SystemExit(3)"])
+    proc.wait()
+    with pytest.raises(ServiceError) as exc:
+        _wait_healthy({"prefect": (proc, lambda: False, "http://127.0.0.1:1", str(log))}, 5)
+    assert str(exc.value) == ("prefect is not available at http://127.0.0.1:1: server exited with code 3 during "
+                              "start-up: asyncpg.exceptions.InvalidPasswordError: password authentication failed "
+                              f'for user "t37user" (log: {log})')
+
+
 def test_servers_a_damaged_stack_json_lost_are_stopped_by_down(settings_factory, tmp_path):
     """A damaged stack.json left the stack running unknown: `down` said "nothing to stop" and the
     next `up` started a second SeaweedFS on the same data, which died on its filer's lock (a trial).

@@ -120,3 +120,25 @@ def test_the_database_password_is_not_written_or_shown(pg_stack):
             assert password not in path.read_text(errors="replace"), path
     for p in psutil.process_iter(["cmdline"]):
         assert password not in " ".join(p.info["cmdline"] or []), p.info["cmdline"]
+
+
+def test_a_wrong_password_or_a_missing_database_is_named_before_any_server_starts(settings_factory, tmp_path):
+    """Both said only "prefect ... server exited with code 3 during start-up", MLflow's after two
+    minutes of retries (a trial): PostgreSQL's own reason now, without the password."""
+    from urllib.parse import urlsplit, urlunsplit
+
+    from paperline.infra.errors import ServiceError
+    from paperline.infra.stack import ensure_stack
+
+    parts = urlsplit(_admin_url())
+    wrong = urlunsplit(parts._replace(netloc=f"{parts.username}:not-the-Pw-{secrets.token_hex(2)}@{parts.hostname}:"
+                                             f"{parts.port or 5432}"))
+    missing = urlunsplit(parts._replace(path=f"/paperline_test_nosuch_{secrets.token_hex(4)}"))
+    for field, url, reason in (("prefect_database_url", wrong, f'password authentication failed for user "{parts.username}"'),
+                               ("mlflow_backend_store_uri", missing, "does not exist")):
+        settings = settings_factory(tmp_path / field, **{field: url})
+        with pytest.raises(ServiceError) as exc:
+            ensure_stack(settings)
+        text = str(exc.value)
+        assert "its database cannot be used" in text and reason in text, text
+        assert "not-the-Pw" not in text and (parts.password or "") not in text, text
