@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 
@@ -27,6 +28,17 @@ def at_least(low: int) -> Callable[[str], int]:
 
     parse.__name__ = f"at_least_{low}"
     return parse
+
+
+def output_file(text: str) -> Path:
+    """A file the results are written to after the measurements: a directory, or a path whose
+    directory does not exist, was found only after minutes of measuring (a trial)."""
+    path = Path(text)
+    if path.is_dir():
+        raise argparse.ArgumentTypeError(f"{text!r} is a directory; name a file")
+    if not path.parent.is_dir():
+        raise argparse.ArgumentTypeError(f"{text!r}: no directory {str(path.parent)!r}")
+    return path
 
 
 def one_line_errors(parser: argparse.ArgumentParser, fn: Callable[[], Any]) -> Any:

@@ -31,7 +31,7 @@ import socket
 import sys
 import time
 
-from _args import at_least, positive  # benchmarks/_args.py
+from _args import at_least, output_file, positive  # benchmarks/_args.py
 
 KINDS = ("allreduce", "broadcast", "reduce")
 
@@ -155,7 +155,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--target-s", type=float, default=0.2, help="timed seconds per repeat (sets iters)")
     parser.add_argument("--max-iters", type=positive, default=200)
     parser.add_argument("--repeats", type=positive, default=5)
-    parser.add_argument("--json", default=None, help="write all rows here")
+    parser.add_argument("--json", type=output_file, default=None, help="write all rows here")
     args = parser.parse_args(argv)
     if args.target_s <= 0:
         parser.error(f"--target-s {args.target_s}: must be positive")

@@ -44,7 +44,7 @@ import time
 from pathlib import Path
 
 import torch
-from _args import one_line_errors, positive
+from _args import one_line_errors, output_file, positive
 
 HERE = Path(__file__).resolve()
 
@@ -100,7 +100,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--no-memory", action="store_true")
     ap.add_argument("--target-accuracy", type=percent, default=90.0, help="for time-to-accuracy (percent)")
     ap.add_argument("--large", action="store_true", help="also 256 MiB messages (about 3 GiB of memory at P=4)")
-    ap.add_argument("--json", type=Path)
+    ap.add_argument("--json", type=output_file)
     ap.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
                     help="cuda: only the memory report, on the GPU (NCCL ranks need a GPU each)")
     args = ap.parse_args(argv)

@@ -40,7 +40,7 @@ import time
 from concurrent.futures import ProcessPoolExecutor, as_completed
 
 import numpy as np
-from _args import at_least, one_line_errors, positive  # benchmarks/_args.py
+from _args import at_least, one_line_errors, output_file, positive  # benchmarks/_args.py
 
 MULTI = {
     "nasbench201-cifar10": ({"objectives": ["val_accuracy_pct", "model_size_mb"]}, ["lamoo", "qehvi", "nsga2", "random"]),
@@ -147,7 +147,7 @@ def main() -> None:
     parser.add_argument("--seeds", type=positive, default=5, help="number of seeds")
     parser.add_argument("--first-seed", type=at_least(0), default=0, help="seeds first-seed .. first-seed + seeds - 1")
     parser.add_argument("--optimizers", default="", help="comma-separated subset of each problem's optimizers")
-    parser.add_argument("--save", default="", help="write every campaign's trace to this JSON file")
+    parser.add_argument("--save", type=output_file, default=None, help="write every campaign's trace to this JSON file")
     parser.add_argument("--load", nargs="+", default=[], help="report over these saved runs; run nothing")
     parser.add_argument("--budget", type=positive, default=100)
     parser.add_argument("--q", type=positive, default=5)

@@ -32,11 +32,13 @@ import subprocess
 import sys
 import tempfile
 import time
-from fractions import Fraction
 from collections.abc import Callable
+from fractions import Fraction
 from functools import partial
 from pathlib import Path
 from typing import Any
+
+from _args import output_file  # benchmarks/_args.py
 
 
 def bare_transcode_pyav(path: Path, height: int, crf: int, preset: str) -> int:
@@ -131,7 +133,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--crf", type=int, default=23)
     ap.add_argument("--preset", default="veryfast")
     ap.add_argument("--repeats", type=int, default=2)
-    ap.add_argument("--json", type=Path)
+    ap.add_argument("--json", type=output_file)
     args = ap.parse_args(argv)
     for name in ("height", "repeats"):
         if getattr(args, name) < 1:

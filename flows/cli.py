@@ -751,8 +751,9 @@ def _headers(columns: list[str], rows: list[list[str]], width: int) -> list[str]
     """Column headers for a table of ``rows`` on a console ``width`` characters wide: as they are
     where the table fits, else broken after each ``.`` (``params.``/``routine``), where rich would
     fold a dotted metric or parameter name mid-word (it breaks lines only at spaces), and a line
-    wider than the column's values (and :data:`HEADER_LINE`) after a ``_`` (a named metric,
-    ``bytes_sent_per_step``, was left out at 80 columns for its header's width: a trial)."""
+    wider than the column's values (and :data:`HEADER_LINE`) after a ``_`` or a space (a named
+    metric, ``bytes_sent_per_step``, and ``regression vs best earlier`` were left out at 80
+    columns for their headers' width: trials)."""
     natural = sum(max([len(c), *(len(r[i]) for r in rows)]) + 3 for i, c in enumerate(columns)) + 1
     if natural <= width:
         return columns
@@ -762,12 +763,12 @@ def _headers(columns: list[str], rows: list[list[str]], width: int) -> list[str]
         lines = []
         for part in c.replace(".", ".\n").split("\n"):
             line = ""
-            for word in re.findall(r"[^_]+_?|_", part):  # words with their '_'
-                if line and len(line) + len(word) > room:
-                    lines.append(line)
+            for word in re.findall(r"[^_ ]+[_ ]?|[_ ]", part):  # words with their '_' or space
+                if line and len(line) + len(word.rstrip(" ")) > room:
+                    lines.append(line.rstrip(" "))
                     line = ""
                 line += word
-            lines.append(line)
+            lines.append(line.rstrip(" "))
         out.append("\n".join(lines))
     return out
 

@@ -102,6 +102,12 @@ def test_each_benchmarks_help_says_how_long_it_runs_and_how_to_narrow_it(script)
     ("collectives.py", ["--sizes", "3"], "argument --sizes: '3': a message is a positive multiple of 4 bytes (float32)"),
     ("collectives.py", ["--world-sizes", "1"], "argument --world-sizes: '1': at least 2"),
     ("collectives.py", ["--chunk-bytes", "0"], "argument --chunk-bytes: '0': a chunk is a positive multiple of 4 bytes"),
+    # found only when the results were written, after the measurements (a trial)
+    ("compressed_training.py", ["--json", "/"], "argument --json: '/' is a directory; name a file"),
+    ("video_curation.py", ["--json", "/nonexistent-dir/x.json"], "argument --json: '/nonexistent-dir/x.json': no "
+                                                               "directory '/nonexistent-dir'"),
+    ("collectives.py", ["--json", "/nonexistent-dir/x.json"], "argument --json: '/nonexistent-dir/x.json': no directory"),
+    ("nas.py", ["--save", "/"], "argument --save: '/' is a directory; name a file"),
     # each of these started two ranks whose tracebacks buried the reason, or ran silently (a trial)
     ("compressed_training.py", ["--epochs", "0"], "argument --epochs: '0': at least 1"),
     ("compressed_training.py", ["--fft-theta", "2"], "--fft-theta 2.0: must be in (0, 1]"),
