@@ -744,7 +744,7 @@ def _fmt(x: Any) -> str:
     return f"{x:.3e}" if x != 0 and abs(x) < 1e-3 else f"{x:.4f}"
 
 
-HEADER_LINE = 12  # a header line, broken after '_', need not be narrower than this
+HEADER_LINE = 12  # a header line, broken after '_' or a space, need not be narrower than this
 
 
 def _headers(columns: list[str], rows: list[list[str]], width: int) -> list[str]:

@@ -366,17 +366,18 @@ def _notes(r: dict[str, Any]) -> list[str]:
                      f"{r['failures'][0][:200]}")
     start = r["resumed_from"][0]
     epochs = r.get("epochs") or []
-    if start is not None and r.get("drill_missed") is None and epochs and start == epochs[-1]["epoch"]:
-        # a finished run's checkpoints, resumed: "(interrupted)" and "trained on" said a re-run of a
-        # finished configuration (its crash drill, not part of the key, dropped) trained (a trial)
-        notes.append(f"{r['name']}: an earlier run of this configuration left the checkpoints of every epoch (the "
-                     f"last is epoch {start}), so nothing was trained: these are its results; set another "
-                     "checkpoint_prefix or seed to train from scratch")
-    elif start is not None and r.get("drill_missed") is None:  # a re-run after an interruption said nothing
-        notes.append(f"{r['name']}: resumed from the checkpoints of epoch {start} left by an earlier run of this "
-                     "configuration (interrupted), and trained on as an uninterrupted run would have (on a CPU "
-                     "to the same result: model, optimizer, compressor memory and step count, ISGD's chart and "
-                     "DDP's buckets are restored); set another checkpoint_prefix or seed to train from scratch")
+    if start is not None and r.get("drill_missed") is None:  # a re-run after an interruption said nothing
+        if epochs and start == epochs[-1]["epoch"]:
+            # a finished run's checkpoints: "(interrupted)" and "trained on" said a re-run of a finished
+            # configuration (its crash drill, not part of the key, dropped) trained (a trial)
+            notes.append(f"{r['name']}: an earlier run of this configuration left the checkpoints of every epoch "
+                         f"(the last is epoch {start}), so nothing was trained: these are its results; set another "
+                         "checkpoint_prefix or seed to train from scratch")
+        else:
+            notes.append(f"{r['name']}: resumed from the checkpoints of epoch {start} left by an earlier run of this "
+                         "configuration (interrupted), and trained on as an uninterrupted run would have (on a CPU "
+                         "to the same result: model, optimizer, compressor memory and step count, ISGD's chart and "
+                         "DDP's buckets are restored); set another checkpoint_prefix or seed to train from scratch")
     classes = r.get("n_classes")
     if classes and epochs and "final_test_accuracy_pct" in r:
         # lr=5 finished at 10% with a loss of 5.5, below the 100x that fails a run as diverged (a trial)

@@ -171,7 +171,7 @@ STOP_SIGNALS = ("SIGINT", "SIGHUP", "SIGTERM")
 
 
 def _ignore_interrupt(signum: int, frame: Any) -> None:
-    """SIGINT handler of a worker process: nothing (see :func:`dask_setup`)."""
+    """Handler of :data:`STOP_SIGNALS` in a worker process under a nanny: nothing (see :func:`dask_setup`)."""
 
 
 def dask_setup(worker: Any) -> None:
