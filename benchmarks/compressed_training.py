@@ -43,7 +43,6 @@ import tempfile
 import time
 from pathlib import Path
 
-import torch
 from _args import one_line_errors, output_file, positive
 
 HERE = Path(__file__).resolve()
@@ -198,6 +197,8 @@ def memory_report(device: str = "cpu") -> dict:
     policy (batch 32 on CPU, 256 on CUDA), step time, and the deepest model (blocks per stage) under
     the budget that ``none`` needs at 2 blocks; on CUDA also each step's allocator peak and the
     deepest model whose step peaks under ``none``'s at 2 blocks."""
+    import torch
+
     from paperline.kernels.train.models import make_model
     from paperline.kernels.train.recompute import apply_recomputation, deepest_trainable, peak_activation_bytes
 
@@ -265,13 +266,9 @@ def memory_report(device: str = "cpu") -> dict:
     return out
 
 
-def _ratio(x: float) -> str:
-    """One decimal, or two where one would read 1.0 for another value (0.97 showed as 1.0)."""
-    text = f"{x:.1f}"
-    return f"{x:.2f}" if text == "1.0" and x != 1.0 else text
-
-
 def _print_row(row: dict, rows: list[dict]) -> None:
+    from paperline.kernels.train import format_ratio
+
     last = row["result"]["epochs"][-1]
     base = next((x for x in rows if x["name"] == "none"), None)
     fewer = (base["result"]["epochs"][-1]["bytes_sent_per_step"] / last["bytes_sent_per_step"]
@@ -280,12 +277,14 @@ def _print_row(row: dict, rows: list[dict]) -> None:
     if len(rows) == 1:
         print(f"{'compressor':28s} {'test acc %':>10s} {'bytes/step':>11s} {'fewer bytes':>11s} {'codec % step':>12s} "
               f"{'wall s':>7s}", flush=True)
-    print(f"{row['name']:28s} {last['test_accuracy_pct']:10.1f} {last['bytes_sent_per_step']:11,.0f} {'-' if fewer is None else _ratio(fewer):>11s} "
+    print(f"{row['name']:28s} {last['test_accuracy_pct']:10.1f} {last['bytes_sent_per_step']:11,.0f} {'-' if fewer is None else format_ratio(fewer):>11s} "
           f"{100 * codec:12.1f} {last['wall_s']:7.1f}", flush=True)
 
 
 if __name__ == "__main__":
     if len(sys.argv) > 1 and sys.argv[1] == "--rank":
+        import torch
+
         torch.set_num_threads(1)
         _rank(int(sys.argv[2]), int(sys.argv[3]), sys.argv[4], sys.argv[5])
         sys.exit(0)

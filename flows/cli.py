@@ -1040,7 +1040,7 @@ def worker(pool: str = typer.Option("cpu", "--pool", metavar="POOL", help="cpu o
 
     import paperline
     from paperline.infra.errors import InputError, redact_url
-    from paperline.infra.flow_runs import watch_flow_runs
+    from paperline.infra.flow_runs import local_worker_name, watch_flow_runs
     from paperline.infra.stack import WORK_POOLS
 
     if pool not in WORK_POOLS:
@@ -1061,8 +1061,11 @@ def worker(pool: str = typer.Option("cpu", "--pool", metavar="POOL", help="cpu o
     console.print(f"worker for work pool {WORK_POOLS[pool]} on {redact_url(info.prefect_api_url)} (runs from {workdir}); "
                   "Ctrl-C stops it", soft_wrap=True, highlight=False)
     with watch_flow_runs("paperline worker", report=_say):  # a run it was executing is marked Crashed on stopping
+        # named after this process, for `status` to tell a worker that exited from one online (it
+        # showed a worker killed seconds before online until its heartbeat aged out: a trial)
         code, stopped = _supervise([sys.executable, "-m", "prefect", "worker", "start", "--pool", WORK_POOLS[pool],
-                                    "--type", "process"], env=env, cwd=workdir, what="the Prefect worker")
+                                    "--type", "process", "--name", local_worker_name(os.getpid())],
+                                   env=env, cwd=workdir, what="the Prefect worker")
     if code == 0 or stopped:
         return
     _worker_failed(code, info.prefect_api_url, env.get("PREFECT_API_AUTH_STRING"))

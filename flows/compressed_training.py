@@ -29,6 +29,7 @@ from paperline.infra.regression import Headline, check_latest
 from paperline.infra.settings import get_settings
 from paperline.infra.stack import require_stack
 from paperline.infra.tracking import Tracker
+from paperline.kernels.train import format_ratio
 from paperline.kernels.train.data import load_dataset
 from paperline.kernels.train.ddp import TrainConfig
 from paperline.tasks.training import (
@@ -394,13 +395,6 @@ def _notes(r: dict[str, Any]) -> list[str]:
     return notes
 
 
-def _ratio(x: float) -> str:
-    """A ratio to one decimal, or two where one would read 1.0 for another value (fft at θ=1 and
-    32 bits sent 3% more than none, and the table said 1.0: a trial)."""
-    text = f"{x:.1f}"
-    return f"{x:.2f}" if text == "1.0" and x != 1.0 else text
-
-
 def _summary(runs: list[dict[str, Any]], parent: str, tracker: Tracker, run_url: str, flow_run_id: str,
              bandwidth_plotted: bool = True) -> dict[str, Any]:
     base = next((r for r in runs if r["name"] == "none"), None)
@@ -408,7 +402,7 @@ def _summary(runs: list[dict[str, Any]], parent: str, tracker: Tracker, run_url:
     for r in runs:
         fewer = base["bytes_sent_per_step"] / r["bytes_sent_per_step"] if base and r["bytes_sent_per_step"] else None
         rows.append([r["name"], f"{r['final_test_accuracy_pct']:.1f}", f"{r['bytes_sent_per_step']:,.0f}",
-                     _ratio(r["compression_ratio"]), f"{_ratio(fewer)}x" if fewer else "-",
+                     format_ratio(r["compression_ratio"]), f"{format_ratio(fewer)}x" if fewer else "-",
                      f"{100 * r['codec_fraction_of_step']:.1f}%", f"{r['wall_s']:.1f}",
                      str(len(r["skipped_steps"])), str(int(r["restarts"]))])
         lines += _notes(r)

@@ -243,7 +243,8 @@ def deployment_report(deployments: list[dict[str, object]], workers: dict[str, l
             runs; None: never), ``paused`` (the deployment is paused: a stopped serve pauses its
             own), ``schedule_paused`` (one of its schedules was paused, in the UI or with
             ``prefect deployment schedule pause``).
-        workers: Work pool -> its workers, each ``{"name", "heartbeat_s_ago"}`` (None: never).
+        workers: Work pool -> its workers, each ``{"name", "heartbeat_s_ago"}`` (None: never), and
+            ``"exited": True`` for a `paperline worker` of this machine whose process is gone.
         late: Deployment name -> how many of its Scheduled runs are past their start time by
             more than :data:`LATE_AFTER_S`.
         serve_pid: The PID holding this state directory's `paperline serve` lock, if any.
@@ -275,7 +276,7 @@ def deployment_report(deployments: list[dict[str, object]], workers: dict[str, l
     pools = sorted({str(d["work_pool"]) for d in deployments if d.get("work_pool")})
     for pool in pools:
         names = [str(d["name"]) for d in deployments if d.get("work_pool") == pool]
-        online = [w for w in workers.get(pool, []) if fresh(w.get("heartbeat_s_ago"))]
+        online = [w for w in workers.get(pool, []) if fresh(w.get("heartbeat_s_ago")) and not w.get("exited")]
         if online:
             shown = ", ".join(f"{w['name']} (heartbeat {w['heartbeat_s_ago']:.0f} s ago)" for w in online[:3])
             lines.append(f"work pool {pool}: {len(names)} deployment(s), {len(online)} worker(s) online: "
@@ -321,6 +322,33 @@ def serve_lock_holder(state_dir: os.PathLike[str] | str) -> int | None:
     return None
 
 
+def local_worker_name(pid: int) -> str:
+    """The Prefect worker name `paperline worker` (process ``pid``) starts its worker under:
+    ``paperline-<host>-<pid>``."""
+    import socket  # noqa: PLC0415
+
+    return f"paperline-{socket.gethostname()}-{pid}"
+
+
+def _local_worker_exited(name: str) -> bool:
+    """Whether ``name`` is a :func:`local_worker_name` of this machine whose `paperline worker`
+    process is gone (its last heartbeat counts as online for 90 s more)."""
+    import socket  # noqa: PLC0415
+
+    import psutil  # noqa: PLC0415
+
+    prefix = f"paperline-{socket.gethostname()}-"
+    if not name.startswith(prefix) or not name[len(prefix):].isdigit():
+        return False
+    try:
+        cmdline = psutil.Process(int(name[len(prefix):])).cmdline()
+    except (psutil.NoSuchProcess, psutil.ZombieProcess):
+        return True
+    except psutil.Error:
+        return False
+    return not ("worker" in cmdline and any("paperline" in part for part in cmdline))  # a PID used again
+
+
 def deployment_status(api_url: str, login: str | None, state_dir: os.PathLike[str] | str) -> list[str]:
     """:func:`deployment_report` for the Prefect server at ``api_url``, sending ``login`` (None:
     the environment's, as it is). Server errors give one line saying so; nothing raised."""
@@ -355,7 +383,8 @@ def deployment_status(api_url: str, login: str | None, state_dir: os.PathLike[st
             workers: dict[str, list[dict[str, object]]] = {}
             for pool in {d.work_pool_name for d in found if d.work_pool_name}:
                 with contextlib.suppress(ObjectNotFound):  # a pool deleted under its deployments: none online
-                    workers[pool] = [{"name": w.name, "heartbeat_s_ago": ago(w.last_heartbeat_time)}
+                    workers[pool] = [{"name": w.name, "heartbeat_s_ago": ago(w.last_heartbeat_time),
+                                      "exited": _local_worker_exited(w.name)}
                                      for w in client.read_workers_for_work_pool(pool)]
             waiting = client.read_flow_runs(flow_run_filter=FlowRunFilter(
                 state=FlowRunFilterState(type=FlowRunFilterStateType(any_=[StateType.SCHEDULED])),

@@ -758,6 +758,50 @@ def _database_problem(url: str, timeout_s: int = 5) -> str | None:
         return f"{redact_url(url)}: {reason or type(exc).__name__}"
 
 
+DATABASE_VARIABLES = {"prefect": "PAPERLINE_PREFECT_DATABASE_URL", "mlflow": "PAPERLINE_MLFLOW_BACKEND_STORE_URI"}
+
+
+def _database_url(settings: Settings, name: str) -> str:
+    """The database URL (password and all) a local ``"prefect"`` or ``"mlflow"`` server of this
+    state directory is started with: the setting, or SQLite in the state directory."""
+    configured = settings.prefect_database_url if name == "prefect" else settings.mlflow_backend_store_uri
+    if configured is not None:
+        return configured.get_secret_value()
+    path = settings.state_dir / name / f"{name}.db"
+    return f"sqlite+aiosqlite:///{path}" if name == "prefect" else f"sqlite:///{path}"
+
+
+def database_label(url: str) -> str:
+    """A database URL as shown and recorded: no password, no driver (``postgresql://alice@db:5432/
+    prefect``, ``sqlite:////home/alice/.paperline/mlflow/mlflow.db``), so that Prefect's and
+    MLflow's spellings of one database compare equal."""
+    scheme, sep, rest = redact_url(url).partition("://")
+    return f"{scheme.partition('+')[0]}{sep}{rest}"
+
+
+def _note_database(settings: Settings, name: str, tell: Progress) -> str:
+    """Record which database the local ``name`` server is about to start on (``<state dir>/<name>/
+    database``) and return its :func:`database_label`; when an earlier start of this state
+    directory used another, say so (``tell``): after ``paperline down``, an ``up`` without the
+    PostgreSQL variables started on SQLite and the earlier runs seemed gone (a trial)."""
+    label = database_label(_database_url(settings, name))
+    path = settings.state_dir / name / "database"
+    try:
+        earlier = path.read_text().strip()
+    except OSError:
+        earlier = ""
+    if earlier and earlier != label:
+        variable = DATABASE_VARIABLES[name]
+        how = (f"set {variable} to that database again (on every `paperline up` and run) to see them"
+               if not earlier.startswith("sqlite") else f"unset {variable} to see them")
+        tell(f"{name}: starting on the database {label}; this state directory's {name} server used {earlier} "
+             f"before, whose runs it does not show: {how}")
+    if earlier != label:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        _write_atomic(path, label + "\n")
+    return label
+
+
 _LOG_REASON = re.compile(r"^(?:[\w.]+\.)?\w*(?:Error|Exception|Exit)\b[^\n]*:\s*\S.*$", re.MULTILINE)
 
 
@@ -1230,8 +1274,7 @@ def _start_prefect(
             "PREFECT_SERVER_API_AUTH_STRING": login,
             "PREFECT_API_AUTH_STRING": login,
             "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
-            "PREFECT_SERVER_DATABASE_CONNECTION_URL": settings.prefect_database_url.get_secret_value()
-            if settings.prefect_database_url else f"sqlite+aiosqlite:///{home / 'prefect.db'}",
+            "PREFECT_SERVER_DATABASE_CONNECTION_URL": _database_url(settings, "prefect"),
             "PREFECT_SERVER_UI_API_URL": f"{url}/api",
             "PREFECT_SERVER_UI_SHOW_PROMOTIONAL_CONTENT": "false",
             # the UI's own origins only: with Prefect's default (*) a web page open in the user's
@@ -1290,8 +1333,7 @@ def _start_mlflow(
             "MLFLOW_FLASK_SERVER_SECRET_KEY": secrets.token_hex(32),  # signs its forms' CSRF tokens
             "MLFLOW_SERVER_ENABLE_JOB_EXECUTION": "false",
             # the store URI may hold a password: the environment, not the command line (`ps`)
-            "MLFLOW_BACKEND_STORE_URI": settings.mlflow_backend_store_uri.get_secret_value()
-            if settings.mlflow_backend_store_uri else f"sqlite:///{home / 'mlflow.db'}",
+            "MLFLOW_BACKEND_STORE_URI": _database_url(settings, "mlflow"),
             "AWS_DEFAULT_REGION": settings.s3_region,
             "AWS_REGION": settings.s3_region,
         }
@@ -1719,18 +1761,22 @@ def ensure_stack(settings: Settings, *, progress: Progress | None = None, notice
                 if problem:
                     raise ServiceError("prefect", problem, url=api)
             last = {name: _last_port(settings, name) for name in ("prefect", "mlflow")}
-            databases = {"prefect": (settings.prefect_database_url, "PAPERLINE_PREFECT_DATABASE_URL"),
-                         "mlflow": (settings.mlflow_backend_store_uri, "PAPERLINE_MLFLOW_BACKEND_STORE_URI")}
-            for name, (url_setting, variable) in databases.items():
+            for name in ("prefect", "mlflow"):
                 # before the server: its exit said only "exited with code 3" (a wrong password, a
-                # missing database, PostgreSQL stopped), MLflow's after 2 minutes of retries (a trial)
-                problem = None if name in recs or external[name] or url_setting is None else \
-                    _database_problem(url_setting.get_secret_value())
+                # missing database, PostgreSQL stopped), MLflow's after 2 minutes of retries; and
+                # under a running server, whose health check passed while each run failed with a
+                # bare 500 (a trial)
+                url = None if external[name] else _database_url(settings, name)
+                if url is None or (name in recs and recs[name].get("database") != database_label(url)):
+                    continue  # (a server started on another database: its own, which `status` shows)
+                problem = _database_problem(url)
                 if problem:
-                    raise ServiceError(name, f"its database cannot be used ({variable}={problem})")
+                    raise ServiceError(name, f"its database cannot be used ({DATABASE_VARIABLES[name]}={problem})")
             if "prefect" not in recs and not external["prefect"]:
                 claim_ports()
+                database = _note_database(settings, "prefect", tell)
                 proc, rec = _start_prefect(settings, None, taken, login)  # type: ignore[arg-type]
+                rec["database"] = database
                 say(f"prefect: starting server at {rec['url']} (log: {rec['log_path']})")
                 recs["prefect"] = rec
                 started.append("prefect")
@@ -1741,7 +1787,9 @@ def ensure_stack(settings: Settings, *, progress: Progress | None = None, notice
                     raise ServiceError("mlflow", problem, url=external["mlflow"])
             if "mlflow" not in recs and not external["mlflow"]:
                 claim_ports()
+                database = _note_database(settings, "mlflow", tell)
                 proc, rec = _start_mlflow(settings, None, taken, s3_obj_url, key, secret, mlflow_login)  # type: ignore[arg-type]
+                rec["database"] = database
                 say(f"mlflow: starting server at {rec['url']} (log: {rec['log_path']})")
                 recs["mlflow"] = rec
                 started.append("mlflow")
@@ -1928,8 +1976,14 @@ def stack_status(settings: Settings) -> list[Service]:
             healthy = check(name, rec["url"]) is None
             # up, but its clients' login is not the server's: they get 401s (`status` said healthy)
             problem = login_problem(settings, name, rec["url"]) if healthy and name in LOGIN_FILES else None
+            database = rec.get("database")
+            if healthy and problem is None and database and database == database_label(_database_url(settings, name)):
+                # PostgreSQL stopped under the running server: its health check still passed (a trial)
+                reason = _database_problem(_database_url(settings, name))
+                problem = f"its database cannot be used ({DATABASE_VARIABLES[name]}={reason})" if reason else None
             out.append(Service(name, rec["url"], True, pid=rec["pid"], log_path=rec["log_path"],
-                               healthy=healthy and problem is None, problem=problem))
+                               healthy=healthy and problem is None, problem=problem,
+                               detail=f"runs stored in {database}" if database else None))
             if name == "s3" and healthy:
                 _volumes_problem(out[-1], settings, rec)
         else:

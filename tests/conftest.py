@@ -576,12 +576,14 @@ def wait_for_flow_run():
 @pytest.fixture(scope="session")
 def cli_env(stack) -> dict[str, str]:
     """The environment of a `paperline` subprocess on the session stack: this process's variables
-    without any PAPERLINE_* of the user's, the stack's state directory, 2 Dask workers."""
+    without any PAPERLINE_* of the user's, the stack's state directory, one Dask worker (each
+    worker process costs ~4 s of CPU to start, on two cores the suite's bottleneck: a test that
+    needs two says so, ``{**cli_env, "PAPERLINE_N_WORKERS": "2"}``)."""
     settings, _ = stack
     # not this process's heartbeat setting either: the subprocess's own activate() sets it
     env = {k: v for k, v in os.environ.items()
            if not k.startswith("PAPERLINE_") and k != "PREFECT_FLOWS_HEARTBEAT_FREQUENCY"}
-    env.update(PAPERLINE_STATE_DIR=str(settings.state_dir), PAPERLINE_N_WORKERS="2", PYTHONUNBUFFERED="1",
+    env.update(PAPERLINE_STATE_DIR=str(settings.state_dir), PAPERLINE_N_WORKERS="1", PYTHONUNBUFFERED="1",
                PAPERLINE_CRASH_AFTER_S=str(settings.crash_after_s))
     return env
 

@@ -22,7 +22,9 @@ def _run(cli_env, *sets, summary=None, timeout=600):
         args += ["--set", s]
     if summary is not None:
         args += ["--summary-json", str(summary)]
-    return subprocess.run(args, env=cli_env, capture_output=True, text=True, timeout=timeout)
+    workers = "1" if "world_size=1" in sets else "2"  # the demo's two ranks: one rank per worker
+    return subprocess.run(args, env={**cli_env, "PAPERLINE_N_WORKERS": workers}, capture_output=True, text=True,
+                          timeout=timeout)
 
 
 @pytest.fixture(scope="module")

@@ -23,7 +23,8 @@ def gemm_run(stack, tmp_path_factory, run_cli, cli_env):
     _, info = stack
     out = tmp_path_factory.mktemp("gemm")
     summary = out / "summary.json"
-    proc = run_cli(cli_env, *ARGS, "--summary-json", str(summary), check=True)
+    # two workers: the scaling rows (1 and 2 workers) and each worker's busy fraction
+    proc = run_cli({**cli_env, "PAPERLINE_N_WORKERS": "2"}, *ARGS, "--summary-json", str(summary), check=True)
     return info, proc, json.loads(summary.read_text())
 
 

@@ -1,6 +1,7 @@
 """The compressed-training summary's lines about how each compressor's training went."""
 
-from paperline.flows.compressed_training import _notes, _ratio
+from paperline.flows.compressed_training import _notes
+from paperline.kernels.train import format_ratio
 
 
 def _result(**changes):
@@ -66,5 +67,5 @@ def test_a_run_that_learned_nothing_says_so():
 
 def test_a_ratio_near_one_shows_which_side_of_one_it_is():
     """fft at θ=1 and 32 bits sent 81,259 bytes to none's 78,824, and the table said 1.0 / 1.0x."""
-    assert [_ratio(x) for x in (78824 / 81259, 1.0, 1.04, 0.5, 15.0, 14.96)] == ["0.97", "1.0", "1.04", "0.5", "15.0",
-                                                                                  "15.0"]
+    got = [format_ratio(x) for x in (78824 / 81259, 1.0, 1.04, 0.5, 15.0, 14.96)]
+    assert got == ["0.97", "1.0", "1.04", "0.5", "15.0", "15.0"]

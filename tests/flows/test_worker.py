@@ -87,9 +87,12 @@ def test_status_says_the_pool_has_a_worker_online(deployed, cli_env):
                "`paperline worker --pool cpu` runs" in out, out
         time.sleep(5)
     assert "work pool paperline-cpu: 5 deployment(s), 1 worker(s) online: " in out, out
+    from paperline.infra.flow_runs import local_worker_name
+
+    assert f"online: {local_worker_name(deployed[1].pid)} (heartbeat " in out, out  # named after its process
 
 
-def test_sigterm_stops_the_worker_and_crashes_its_run_at_once(deployed, running_flow_run):
+def test_sigterm_stops_the_worker_and_crashes_its_run_at_once(deployed, running_flow_run, stack):
     """`kill` (SIGTERM) of `paperline worker`, as a supervisor stops it, left its `prefect worker`
     child running under PID 1, taking runs (a fresh-user trial); it is passed on now. The run it
     was executing stayed Running until the heartbeat automation crashed it, 90 s later, blaming a
@@ -117,3 +120,11 @@ def test_sigterm_stops_the_worker_and_crashes_its_run_at_once(deployed, running_
     assert f"({run.id}) marked Crashed" in log.read_text()
     # Prefect's worker logs the stop it was passed as "Received SIGINT": ours says what came
     assert "paperline: SIGTERM received: stopping the Prefect worker (passed on as SIGINT" in log.read_text()
+    # and `status` no longer counts it online (it did for 90 s, on its last heartbeat: a trial)
+    from paperline.infra.flow_runs import deployment_status, local_worker_name
+
+    info, _, _ = deployed
+    lines = deployment_status(info.prefect_api_url, info.prefect_login, stack[0].state_dir)
+    assert [line for line in lines if line.startswith("work pool paperline-cpu: 5 deployment(s), no worker online")], lines
+    with get_client(sync_client=True) as client:
+        assert local_worker_name(worker.pid) in [w.name for w in client.read_workers_for_work_pool("paperline-cpu")]

@@ -204,6 +204,29 @@ def test_deployment_report_says_who_executes_the_runs_and_what_waits():
         "runs; 3 scheduled run(s) past their start time wait for it",
         "work pool paperline-cpu: 1 deployment(s), 1 worker(s) online: w1 (heartbeat 12 s ago)"]
     assert deployment_report(pooled[:1], {}, {})[0].endswith("until `paperline worker --pool cpu` runs")
+    # a `paperline worker` of this machine that exited: not online, whatever its last heartbeat
+    workers["paperline-cpu"][0]["exited"] = True
+    assert deployment_report(pooled[:1], workers, {})[0].startswith("work pool paperline-cpu: 1 deployment(s), no worker")
+
+
+def test_a_local_worker_is_known_exited_by_its_process():
+    """`status` showed a `paperline worker` killed seconds before as online (a trial): its Prefect
+    worker is named after its process, which is looked for on this machine."""
+    from paperline.infra.flow_runs import _local_worker_exited, local_worker_name
+
+    this = local_worker_name(os.getpid())  # pytest: alive, but not a `paperline worker`
+    assert this.startswith("paperline-") and this.endswith(f"-{os.getpid()}")
+    assert _local_worker_exited(this)  # (a PID used again by another program)
+    fake = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)", "paperline", "worker"])
+    try:
+        assert not _local_worker_exited(local_worker_name(fake.pid))
+    finally:
+        fake.kill()
+        fake.wait()
+    assert _local_worker_exited(local_worker_name(fake.pid))
+    # another machine's worker, or one named by its user: left to its heartbeat
+    assert not _local_worker_exited(f"paperline-another-host-{os.getpid()}")
+    assert not _local_worker_exited("ProcessWorker 1b2c") and not _local_worker_exited(this + "x")
 
 
 def test_serve_lock_holder_names_the_pid_only_while_the_lock_is_held(tmp_path):

@@ -39,9 +39,13 @@ def pg_stack(tmp_path_factory, settings_factory):
     settings = settings_factory(tmp_path_factory.mktemp("pgstack"),
                                 prefect_database_url=f"{base}/{dbs['prefect']}",
                                 mlflow_backend_store_uri=f"{base}/{dbs['mlflow']}")
+    # as if this state directory's Prefect had run on SQLite before (see the status test)
+    (settings.state_dir / "prefect").mkdir(parents=True, exist_ok=True)
+    (settings.state_dir / "prefect" / "database").write_text("sqlite:///earlier/prefect.db\n")
+    notices: list[str] = []
     try:
-        info = ensure_stack(settings)
-        yield settings, info, base, dbs
+        info = ensure_stack(settings, notice=notices.append)
+        yield settings, info, base, dbs, notices
     finally:
         stop_stack(settings)
         for db in dbs.values():
@@ -78,7 +82,7 @@ def _rows(url: str, sql: str, *args):
 def test_flow_runs_and_mlflow_runs_are_stored_in_postgresql(pg_stack, monkeypatch):
     from paperline.infra.tracking import Tracker
 
-    settings, info, base, dbs = pg_stack
+    settings, info, base, dbs, _ = pg_stack
     code = ("from prefect import flow\n"
             "@flow(name='pg-check')\n"
             "def check():\n    return 42\n"
@@ -112,7 +116,7 @@ def test_flow_runs_and_mlflow_runs_are_stored_in_postgresql(pg_stack, monkeypatc
 def test_the_database_password_is_not_written_or_shown(pg_stack):
     import psutil
 
-    settings, info, base, _ = pg_stack
+    settings, info, base, _, _ = pg_stack
     password = base.split("://", 1)[1].split("@", 1)[0].split(":", 1)[1]
     assert password and password not in repr(settings)
     for path in settings.state_dir.rglob("*"):
@@ -142,3 +146,34 @@ def test_a_wrong_password_or_a_missing_database_is_named_before_any_server_start
         text = str(exc.value)
         assert "its database cannot be used" in text and reason in text, text
         assert "not-the-Pw" not in text and (parts.password or "") not in text, text
+
+
+def test_status_names_the_database_and_a_dropped_one_is_refused_by_name(pg_stack):
+    """PostgreSQL's database gone under the running stack: `status` said healthy and every run
+    failed with Prefect's bare 500 (a trial). Runs last in this module: it drops a database."""
+    import psycopg
+
+    from paperline.infra.errors import ServiceError
+    from paperline.infra.stack import ensure_stack, stack_status
+
+    settings, info, base, dbs, notices = pg_stack
+    user_at = base.split("://", 1)[1].split(":", 1)[0] + "@" + base.rsplit("@", 1)[1]
+    # the earlier SQLite runs are not lost silently (an `up` on the other database seemed to lose them: a trial)
+    assert [n for n in notices if n.startswith("prefect: starting on the database")] == [
+        f"prefect: starting on the database postgresql://{user_at}/{dbs['prefect']}; this state directory's prefect "
+        "server used sqlite:///earlier/prefect.db before, whose runs it does not show: unset "
+        "PAPERLINE_PREFECT_DATABASE_URL to see them"], notices
+    assert not [n for n in notices if n.startswith("mlflow: starting on")]
+    status = {s.name: s for s in stack_status(settings)}
+    assert all(s.healthy for s in status.values()), status
+    assert status["prefect"].detail == f"runs stored in postgresql://{user_at}/{dbs['prefect']}"
+    assert status["mlflow"].detail == f"runs stored in postgresql://{user_at}/{dbs['mlflow']}"
+
+    with psycopg.connect(_admin_url(), autocommit=True) as conn:
+        _drop_database(conn, dbs["mlflow"])
+    mlflow = {s.name: s for s in stack_status(settings)}["mlflow"]
+    assert not mlflow.healthy and mlflow.problem.startswith(
+        f"its database cannot be used (PAPERLINE_MLFLOW_BACKEND_STORE_URI=postgresql://{user_at}/{dbs['mlflow']}: "), mlflow
+    assert "does not exist" in mlflow.problem
+    with pytest.raises(ServiceError, match="mlflow.*its database cannot be used.*does not exist"):
+        ensure_stack(settings)

@@ -356,7 +356,29 @@ def test_status_shows_three_healthy_loopback_services(stack):
     # 500 (a trial), so `status` shows how many are in use
     used, _, most = services[0].detail.partition(" volumes in use")[0].partition(" of ")
     assert 0 <= int(used) <= int(most) and int(most) > 0, services[0].detail
-    assert all(s.detail is None for s in services[1:])
+    # and where Prefect's and MLflow's runs are (an `up` on SQLite after PostgreSQL seemed to lose them: a trial)
+    assert [s.detail for s in services[1:]] == [f"runs stored in sqlite:///{settings.state_dir / name / name}.db"
+                                               for name in ("prefect", "mlflow")]
+
+
+def test_a_state_directory_started_on_another_database_says_where_its_runs_are(settings_factory, tmp_path):
+    """The other direction is tested end to end on PostgreSQL (tests/infra/test_postgres.py)."""
+    from paperline.infra.stack import _note_database
+
+    said: list[str] = []
+    sqlite = settings_factory(tmp_path / "state")
+    label = _note_database(sqlite, "mlflow", said.append)
+    assert label == f"sqlite:///{tmp_path / 'state' / 'mlflow' / 'mlflow.db'}" and said == []
+    assert _note_database(sqlite, "mlflow", said.append) == label and said == []
+    pg = settings_factory(tmp_path / "state", mlflow_backend_store_uri="postgresql+psycopg://alice:s3cret@db:5432/ml")
+    assert _note_database(pg, "mlflow", said.append) == "postgresql://alice@db:5432/ml"
+    said.clear()
+    assert _note_database(sqlite, "mlflow", said.append) == label
+    assert said == [f"mlflow: starting on the database {label}; this state directory's mlflow server used "
+                    "postgresql://alice@db:5432/ml before, whose runs it does not show: set "
+                    "PAPERLINE_MLFLOW_BACKEND_STORE_URI to that database again (on every `paperline up` and run) "
+                    "to see them"]
+    assert "s3cret" not in (tmp_path / "state" / "mlflow" / "database").read_text()
 
 
 def test_status_calls_a_seaweedfs_without_free_volumes_unhealthy():
@@ -630,7 +652,9 @@ def test_a_configured_endpoint_that_fails_says_why_and_names_the_setting(stack, 
     assert mlflow.detail == (f"the local mlflow server of this state directory still runs (pid {mlflow_pid}, "
                              f"{info.mlflow_tracking_uri}), unused while PAPERLINE_MLFLOW_TRACKING_URI is set: "
                              "`paperline down` stops it")
-    assert [s.detail for s in stack_status(settings) if s.name == "mlflow"] == [None]  # (local: no such line)
+    # (used, the local server's line is where its runs are)
+    assert [s.detail for s in stack_status(settings) if s.name == "mlflow"] == [
+        f"runs stored in sqlite:///{settings.state_dir / 'mlflow' / 'mlflow.db'}"]
 
 
 def test_mlflow_telemetry_is_off_in_paperline_and_its_mlflow_server(stack):
