@@ -519,8 +519,15 @@ def _stop_record(rec: dict[str, Any], timeout_s: float = _STOP_TIMEOUT_S) -> boo
     return _stop_records([rec], timeout_s)[0]
 
 
+LOG_KEPT_BYTES = 10 * 2**20  # a server's log past this size is moved to <name>.log.1 as it starts
+
+
 def _spawn(cmd: list[str], env: dict[str, str], log_path: Path, cwd: Path) -> subprocess.Popen[bytes]:
     log_path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+    # MLflow's log has a line per request, appended across restarts: it grew without bound (a trial)
+    with contextlib.suppress(OSError):
+        if log_path.stat().st_size > LOG_KEPT_BYTES:
+            os.replace(log_path, log_path.with_name(log_path.name + ".1"))
     # its owner's alone, as what the server writes (an existing log of an earlier version tightened)
     fd = os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
     with contextlib.suppress(PermissionError):
@@ -551,7 +558,10 @@ def _record(proc: subprocess.Popen[bytes], url: str, log_path: Path, **extra: An
 
 
 def _clean_env(drop_prefixes: tuple[str, ...]) -> dict[str, str]:
-    return {k: v for k, v in os.environ.items() if not k.startswith(drop_prefixes)}
+    """This process's environment for a local server, without the variables named by
+    ``drop_prefixes`` and without paperline's settings: no server reads them, and they may hold
+    passwords (every server had both database URLs in its environment: a trial)."""
+    return {k: v for k, v in os.environ.items() if not k.startswith((*drop_prefixes, "PAPERLINE_"))}
 
 
 # --------------------------------------------------------------------------------------------------
@@ -665,6 +675,9 @@ _LOGIN_VARS = {"prefect": "PREFECT_API_AUTH_STRING or PREFECT_API_KEY",
 _AUTHORIZED_PATHS = {"prefect": "/admin/version", "mlflow": "/api/2.0/mlflow/experiments/search?max_results=1"}
 
 
+# An authorized request that reads the local server's database (Prefect's CSRF token is stored there)
+_DATABASE_PATHS = {"prefect": "/csrf-token?client=paperline-status", "mlflow": _AUTHORIZED_PATHS["mlflow"]}
+
 _URL_SETTINGS = {"prefect": "PAPERLINE_PREFECT_API_URL", "mlflow": "PAPERLINE_MLFLOW_TRACKING_URI"}
 
 
@@ -755,7 +768,7 @@ def _database_problem(url: str, timeout_s: int = 5) -> str | None:
         reason = " ".join(str(exc).split())
         for secret in {parts.password or "", unquote(parts.password or "")} - {""}:
             reason = reason.replace(secret, "***")
-        return f"{redact_url(url)}: {reason or type(exc).__name__}"
+        return f"{database_label(url)}: {reason or type(exc).__name__}"
 
 
 DATABASE_VARIABLES = {"prefect": "PAPERLINE_PREFECT_DATABASE_URL", "mlflow": "PAPERLINE_MLFLOW_BACKEND_STORE_URI"}
@@ -772,11 +785,24 @@ def _database_url(settings: Settings, name: str) -> str:
 
 
 def database_label(url: str) -> str:
-    """A database URL as shown and recorded: no password, no driver (``postgresql://alice@db:5432/
-    prefect``, ``sqlite:////home/alice/.paperline/mlflow/mlflow.db``), so that Prefect's and
-    MLflow's spellings of one database compare equal."""
-    scheme, sep, rest = redact_url(url).partition("://")
-    return f"{scheme.partition('+')[0]}{sep}{rest}"
+    """A database URL as shown and recorded: no user or password, no driver, no options
+    (``postgresql://db:5432/prefect``, ``sqlite:////home/alice/.paperline/mlflow/mlflow.db``), so
+    that Prefect's and MLflow's spellings of one database compare equal, and errors (which leave
+    a user name out: it may be a token) show the same text."""
+    parts = urlsplit(url)
+    return f"{parts.scheme.partition('+')[0]}://{parts.netloc.rpartition('@')[2]}{parts.path}"
+
+
+def _other_database(name: str, running: str, wanted: str, settings: Settings) -> str:
+    """What to say of a running local ``name`` server whose database (``running``) is not the one
+    this process's settings name (``wanted``): `up` and `run` reused it silently, and runs went
+    to SQLite with the PostgreSQL variables set (a trial)."""
+    variable = DATABASE_VARIABLES[name]
+    named = f"{variable} names {wanted}" if getattr(settings, "prefect_database_url" if name == "prefect" else
+                                                    "mlflow_backend_store_uri") is not None \
+        else f"{variable} is unset ({wanted})"
+    return (f"{named}, but the running {name} server stores its runs in {running}: runs go there until "
+            "`paperline down` and an `up` with these settings")
 
 
 def _note_database(settings: Settings, name: str, tell: Progress) -> str:
@@ -980,6 +1006,24 @@ def login_refused(service: str, url: str, login: str | None) -> bool:
     except Exception:  # noqa: BLE001 - a hiccup here is no login problem
         return False
     return code in (401, 403)
+
+
+def _store_problem(service: str, url: str, login: str | None) -> str | None:
+    """Why the running local ``service`` (``"prefect"``, ``"mlflow"``) cannot serve requests that
+    read its database, when it answers one with HTTP 5xx (its health check passed with its
+    PostgreSQL database gone, and every run failed: a trial); None otherwise."""
+    import httpx  # noqa: PLC0415
+
+    base = (_prefect_urls(url)[0] if service == "prefect" else url).rstrip("/")
+    auth = tuple(login.split(":", 1)) if login and ":" in login else None
+    try:
+        code = httpx.get(base + _DATABASE_PATHS[service], timeout=10.0, auth=auth).status_code  # type: ignore[arg-type]
+    except Exception:  # noqa: BLE001 - its health check has answered: a hiccup here is no store problem
+        return None
+    if code < 500:
+        return None
+    return (f"it answers requests that read its database with HTTP {code} (its health check passes): the "
+            "database may be unreachable; its log says why")
 
 
 def _login_digest(login: str | None) -> str | None:
@@ -1767,7 +1811,10 @@ def ensure_stack(settings: Settings, *, progress: Progress | None = None, notice
                 # under a running server, whose health check passed while each run failed with a
                 # bare 500 (a trial)
                 url = None if external[name] else _database_url(settings, name)
-                if url is None or (name in recs and recs[name].get("database") != database_label(url)):
+                running = recs[name].get("database") if url is not None and name in recs else None
+                if running and running != database_label(url):  # type: ignore[arg-type]
+                    tell(f"{name}: {_other_database(name, running, database_label(url), settings)}")  # type: ignore[arg-type]
+                if url is None or (name in recs and running != database_label(url)):
                     continue  # (a server started on another database: its own, which `status` shows)
                 problem = _database_problem(url)
                 if problem:
@@ -1977,13 +2024,18 @@ def stack_status(settings: Settings) -> list[Service]:
             # up, but its clients' login is not the server's: they get 401s (`status` said healthy)
             problem = login_problem(settings, name, rec["url"]) if healthy and name in LOGIN_FILES else None
             database = rec.get("database")
-            if healthy and problem is None and database and database == database_label(_database_url(settings, name)):
+            wanted = database_label(_database_url(settings, name)) if name in DATABASE_VARIABLES else None
+            if healthy and problem is None and database and database == wanted:
                 # PostgreSQL stopped under the running server: its health check still passed (a trial)
                 reason = _database_problem(_database_url(settings, name))
                 problem = f"its database cannot be used ({DATABASE_VARIABLES[name]}={reason})" if reason else None
+            if healthy and problem is None and name in LOGIN_FILES:  # (without the URL: from another shell)
+                problem = _store_problem(name, rec["url"], _read_login(settings, name)[0])
+            detail = f"runs stored in {database}" if database else None
+            if database and wanted and wanted != database:
+                detail = f"{detail}; {_other_database(name, database, wanted, settings)}"
             out.append(Service(name, rec["url"], True, pid=rec["pid"], log_path=rec["log_path"],
-                               healthy=healthy and problem is None, problem=problem,
-                               detail=f"runs stored in {database}" if database else None))
+                               healthy=healthy and problem is None, problem=problem, detail=detail))
             if name == "s3" and healthy:
                 _volumes_problem(out[-1], settings, rec)
         else:

@@ -157,7 +157,7 @@ def test_status_names_the_database_and_a_dropped_one_is_refused_by_name(pg_stack
     from paperline.infra.stack import ensure_stack, stack_status
 
     settings, info, base, dbs, notices = pg_stack
-    user_at = base.split("://", 1)[1].split(":", 1)[0] + "@" + base.rsplit("@", 1)[1]
+    user_at = base.rsplit("@", 1)[1]  # host:port: no user in the label (errors leave it out: it may be a token)
     # the earlier SQLite runs are not lost silently (an `up` on the other database seemed to lose them: a trial)
     assert [n for n in notices if n.startswith("prefect: starting on the database")] == [
         f"prefect: starting on the database postgresql://{user_at}/{dbs['prefect']}; this state directory's prefect "
@@ -175,5 +175,10 @@ def test_status_names_the_database_and_a_dropped_one_is_refused_by_name(pg_stack
     assert not mlflow.healthy and mlflow.problem.startswith(
         f"its database cannot be used (PAPERLINE_MLFLOW_BACKEND_STORE_URI=postgresql://{user_at}/{dbs['mlflow']}: "), mlflow
     assert "does not exist" in mlflow.problem
+    # from a shell without the variable (the URL unknown): the server's own 5xx tells it (a trial)
+    plain = settings.model_copy(update={"prefect_database_url": None, "mlflow_backend_store_uri": None})
+    mlflow = {s.name: s for s in stack_status(plain)}["mlflow"]
+    assert not mlflow.healthy and mlflow.problem.startswith("it answers requests that read its database with HTTP 5"), \
+        mlflow
     with pytest.raises(ServiceError, match="mlflow.*its database cannot be used.*does not exist"):
         ensure_stack(settings)

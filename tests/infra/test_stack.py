@@ -371,14 +371,31 @@ def test_a_state_directory_started_on_another_database_says_where_its_runs_are(s
     assert label == f"sqlite:///{tmp_path / 'state' / 'mlflow' / 'mlflow.db'}" and said == []
     assert _note_database(sqlite, "mlflow", said.append) == label and said == []
     pg = settings_factory(tmp_path / "state", mlflow_backend_store_uri="postgresql+psycopg://alice:s3cret@db:5432/ml")
-    assert _note_database(pg, "mlflow", said.append) == "postgresql://alice@db:5432/ml"
+    assert _note_database(pg, "mlflow", said.append) == "postgresql://db:5432/ml"  # no user (errors leave it out)
     said.clear()
     assert _note_database(sqlite, "mlflow", said.append) == label
     assert said == [f"mlflow: starting on the database {label}; this state directory's mlflow server used "
-                    "postgresql://alice@db:5432/ml before, whose runs it does not show: set "
+                    "postgresql://db:5432/ml before, whose runs it does not show: set "
                     "PAPERLINE_MLFLOW_BACKEND_STORE_URI to that database again (on every `paperline up` and run) "
                     "to see them"]
     assert "s3cret" not in (tmp_path / "state" / "mlflow" / "database").read_text()
+
+
+def test_a_running_server_on_another_database_than_the_settings_name_is_said(stack):
+    """With the PostgreSQL variables set, `up` and `run` reused a stack running on SQLite without a
+    word, and the runs went to SQLite (a trial)."""
+    from pydantic import SecretStr
+
+    settings, _ = stack
+    pg = settings.model_copy(update={"mlflow_backend_store_uri": SecretStr("postgresql://u:pw@127.0.0.1:9/elsewhere")})
+    sqlite = f"sqlite:///{settings.state_dir / 'mlflow' / 'mlflow.db'}"
+    said = (f"PAPERLINE_MLFLOW_BACKEND_STORE_URI names postgresql://127.0.0.1:9/elsewhere, but the running mlflow "
+            f"server stores its runs in {sqlite}: runs go there until `paperline down` and an `up` with these settings")
+    notices: list[str] = []
+    assert ensure_stack(pg, notice=notices.append).started == ()
+    assert notices == [f"mlflow: {said}"]
+    mlflow = {s.name: s for s in stack_status(pg)}["mlflow"]
+    assert mlflow.healthy and mlflow.detail == f"runs stored in {sqlite}; {said}"
 
 
 def test_status_calls_a_seaweedfs_without_free_volumes_unhealthy():
@@ -985,3 +1002,21 @@ def test_a_state_directory_that_cannot_be_made_says_which_setting_to_change():
     with pytest.raises(PaperlineError, match=r"^state directory /proc/.*: cannot write there \(.*\); set "
                                              "PAPERLINE_STATE_DIR to a writable directory$"):
         _private_state_dir(Settings(state_dir=Path("/proc/self/paperline-state")))
+
+
+def test_a_servers_log_past_its_size_is_moved_aside_as_it_starts(tmp_path):
+    """The servers' logs were appended across restarts without bound (MLflow's has a line per
+    request: a trial)."""
+    import sys
+
+    from paperline.infra.stack import LOG_KEPT_BYTES, _spawn
+
+    log = tmp_path / "logs" / "mlflow.log"
+    log.parent.mkdir()
+    with open(log, "wb") as f:
+        f.truncate(LOG_KEPT_BYTES + 1)
+    _spawn([sys.executable, "-c", "print('second start')"], {}, log, tmp_path).wait(timeout=60)
+    assert (tmp_path / "logs" / "mlflow.log.1").stat().st_size == LOG_KEPT_BYTES + 1
+    assert log.read_text().endswith("second start\n") and log.stat().st_size < 1000
+    _spawn([sys.executable, "-c", "print('third start')"], {}, log, tmp_path).wait(timeout=60)
+    assert "second start" in log.read_text() and (tmp_path / "logs" / "mlflow.log.1").stat().st_size == LOG_KEPT_BYTES + 1
