@@ -207,12 +207,13 @@ def up() -> None:
 @_friendly
 def down() -> None:
     """Stop the local servers this state directory started (by PID)."""
-    from paperline.infra.flow_runs import serve_lock_holder
+    from paperline.infra.flow_runs import local_worker_pids, serve_lock_holder
     from paperline.infra.stack import running_local_stack, running_flow_runs, stop_stack
 
     settings = _settings()
     info = running_local_stack(settings)
     running = running_flow_runs(info) if info is not None else []
+    workers = local_worker_pids(info.prefect_api_url, info.prefect_login) if info is not None else []
     if running:  # stopped under a run, the run failed minutes later with a bare ConnectError (a trial)
         console.print(f"[yellow]stopping the stack under {len(running)} Running flow run(s): {', '.join(running)}; "
                       "each fails when it next reports to Prefect, and the next `paperline up` marks it Crashed[/]",
@@ -223,6 +224,9 @@ def down() -> None:
     if serving is not None and stopped:  # it went on silently (one websocket warning in its log: a trial)
         console.print(f"`paperline serve` (pid {serving}) keeps running without its stack: it serves again after the "
                       "next `paperline up` (Ctrl-C it to stop serving)", soft_wrap=True, highlight=False)
+    for pid in workers if stopped else []:  # it went on silently too (a trial)
+        console.print(f"`paperline worker` (pid {pid}) keeps running without its stack: it takes runs again after the "
+                      f"next `paperline up` (Ctrl-C or `kill {pid}` stops it)", soft_wrap=True, highlight=False)
 
 
 @app.command(cls=_Command)
@@ -1086,6 +1090,29 @@ def _worker_failed(code: int, api_url: str, login: str | None) -> None:
     raise PaperlineError(f"the Prefect worker exited with status {code} (its output above says why)")
 
 
+def _stop_with_parent(parent: int) -> Callable[[], None] | None:
+    """A ``preexec_fn`` that has Linux send the child SIGINT, its stop signal, when ``parent``
+    (the process starting it) dies: a `paperline worker` killed with SIGKILL left its `prefect
+    worker` taking runs, unseen by `status` and untouched by `down` (a trial). None elsewhere."""
+    import ctypes
+    import ctypes.util
+    import signal
+
+    if not sys.platform.startswith("linux"):
+        return None
+    try:
+        prctl = ctypes.CDLL(ctypes.util.find_library("c") or None, use_errno=True).prctl
+    except (OSError, AttributeError):
+        return None
+
+    def arm() -> None:  # in the child, between fork and exec
+        prctl(1, int(signal.SIGINT), 0, 0, 0)  # PR_SET_PDEATHSIG
+        if os.getppid() != parent:  # it died before that took effect
+            os.kill(os.getpid(), signal.SIGINT)
+
+    return arm
+
+
 def _supervise(cmd: list[str], *, env: dict[str, str], cwd: str, grace_s: float = 60.0,
                what: str = "the child process") -> tuple[int, bool]:
     """Run ``cmd`` until it exits; SIGTERM or SIGHUP to this process stop it the way Ctrl-C does.
@@ -1112,7 +1139,8 @@ def _supervise(cmd: list[str], *, env: dict[str, str], cwd: str, grace_s: float 
     if ignored:
         signal.signal(signal.SIGINT, signal.default_int_handler)  # what the child starts with after exec
     try:
-        proc = subprocess.Popen(cmd, env=env, cwd=cwd, start_new_session=ignored)
+        proc = subprocess.Popen(cmd, env=env, cwd=cwd, start_new_session=ignored,
+                                preexec_fn=_stop_with_parent(os.getpid()))
     finally:
         if ignored:
             signal.signal(signal.SIGINT, signal.SIG_IGN)

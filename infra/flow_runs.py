@@ -330,23 +330,50 @@ def local_worker_name(pid: int) -> str:
     return f"paperline-{socket.gethostname()}-{pid}"
 
 
+def _local_worker_pid(name: str) -> int | None:
+    """The PID in ``name`` when it is a :func:`local_worker_name` of this machine; else None."""
+    import socket  # noqa: PLC0415
+
+    prefix = f"paperline-{socket.gethostname()}-"
+    pid = name[len(prefix):] if name.startswith(prefix) else ""
+    return int(pid) if pid.isdigit() else None
+
+
 def _local_worker_exited(name: str) -> bool:
     """Whether ``name`` is a :func:`local_worker_name` of this machine whose `paperline worker`
     process is gone (its last heartbeat counts as online for 90 s more)."""
-    import socket  # noqa: PLC0415
-
     import psutil  # noqa: PLC0415
 
-    prefix = f"paperline-{socket.gethostname()}-"
-    if not name.startswith(prefix) or not name[len(prefix):].isdigit():
+    pid = _local_worker_pid(name)
+    if pid is None:
         return False
     try:
-        cmdline = psutil.Process(int(name[len(prefix):])).cmdline()
+        cmdline = psutil.Process(pid).cmdline()
     except (psutil.NoSuchProcess, psutil.ZombieProcess):
         return True
     except psutil.Error:
         return False
     return not ("worker" in cmdline and any("paperline" in part for part in cmdline))  # a PID used again
+
+
+def local_worker_pids(api_url: str, login: str | None) -> list[int]:
+    """The PIDs of this machine's `paperline worker` processes that run for the Prefect server at
+    ``api_url`` (their Prefect workers, named by :func:`local_worker_name`, in paperline's work
+    pools), for ``paperline down`` to name what keeps running without its stack (it said nothing,
+    and the worker went on silently: a trial). Empty when the server does not answer."""
+    from prefect.client.orchestration import get_client  # noqa: PLC0415
+    from prefect.settings import PREFECT_API_AUTH_STRING, PREFECT_API_URL, temporary_settings  # noqa: PLC0415
+
+    from paperline.infra.stack import WORK_POOLS  # noqa: PLC0415
+
+    overrides = {PREFECT_API_URL: api_url, **({PREFECT_API_AUTH_STRING: login} if login is not None else {})}
+    names: set[str] = set()
+    with contextlib.suppress(Exception), temporary_settings(overrides), get_client(sync_client=True) as client:
+        for pool in WORK_POOLS.values():
+            with contextlib.suppress(Exception):  # (a pool deleted by its user)
+                names.update(w.name for w in client.read_workers_for_work_pool(pool))
+    return sorted(_local_worker_pid(name) for name in names  # type: ignore[misc]
+                  if _local_worker_pid(name) is not None and not _local_worker_exited(name))
 
 
 def deployment_status(api_url: str, login: str | None, state_dir: os.PathLike[str] | str) -> list[str]:

@@ -982,6 +982,44 @@ def test_a_worker_that_exits_unasked_says_why_and_fails(stack):
         _worker_failed(1, info.prefect_api_url, info.prefect_login)
 
 
+def test_a_supervised_child_stops_when_its_supervisor_is_killed(tmp_path):
+    """`paperline worker` killed with SIGKILL left its `prefect worker` running and taking runs,
+    while `status` said no worker was online and `down` left it (a trial)."""
+    import contextlib
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    import psutil
+
+    pid_file = tmp_path / "child.pid"
+    child = f"import os, pathlib, time; pathlib.Path({str(pid_file)!r}).write_text(f'{{os.getpid()}}\\n'); time.sleep(120)"
+    code = ("import os, sys\nfrom paperline.flows.cli import _supervise\n"
+            f"_supervise([sys.executable, '-c', {child!r}], env=dict(os.environ), cwd='.')")
+    # started as a script's `&` starts it: SIGINT ignored, so that its child has a session of its own
+    supervisor = subprocess.Popen([sys.executable, "-c", code],
+                                  preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_IGN))
+    try:
+        deadline = time.monotonic() + 60
+        while not pid_file.exists() or not pid_file.read_text().endswith("\n"):
+            assert supervisor.poll() is None and time.monotonic() < deadline, supervisor.returncode
+            time.sleep(0.1)
+        pid = int(pid_file.read_text())
+        assert psutil.Process(pid).ppid() == supervisor.pid
+        supervisor.kill()
+        supervisor.wait()
+        _, alive = psutil.wait_procs([psutil.Process(pid)], timeout=20)
+        assert not alive, "the supervised child outlived its supervisor's SIGKILL"
+    finally:
+        if supervisor.poll() is None:
+            supervisor.kill()
+            supervisor.wait()
+        if pid_file.exists() and pid_file.read_text().strip():
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(int(pid_file.read_text()), signal.SIGKILL)
+
+
 def test_a_failed_verification_is_one_line_like_other_refusals(capsys):
     """It printed "error: VerificationError: Freivalds' check failed ..." and "(run with --debug for
     the traceback)", unlike the input errors' one line (a trial)."""

@@ -87,9 +87,11 @@ def test_status_says_the_pool_has_a_worker_online(deployed, cli_env):
                "`paperline worker --pool cpu` runs" in out, out
         time.sleep(5)
     assert "work pool paperline-cpu: 5 deployment(s), 1 worker(s) online: " in out, out
-    from paperline.infra.flow_runs import local_worker_name
+    from paperline.infra.flow_runs import local_worker_name, local_worker_pids
 
     assert f"online: {local_worker_name(deployed[1].pid)} (heartbeat " in out, out  # named after its process
+    info = deployed[0]
+    assert local_worker_pids(info.prefect_api_url, info.prefect_login) == [deployed[1].pid]  # what `down` names
 
 
 def test_sigterm_stops_the_worker_and_crashes_its_run_at_once(deployed, running_flow_run, stack):

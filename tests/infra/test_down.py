@@ -131,15 +131,36 @@ def test_second_stack_on_taken_ports_stops_completely(settings_factory, tmp_path
         urls = {s.name: s.url for s in info.services}
         import fcntl
 
-        with open(settings.state_dir / "serve.pid", "a+") as serve:  # as a `paperline serve` holds it
-            serve.write("4242\n")
-            serve.flush()
-            fcntl.flock(serve, fcntl.LOCK_EX)
-            code, out = cli("down")
-        # `down` said nothing of the serve attached to the stack, which went on silently (a trial)
+        import subprocess
+        import sys
+
+        from prefect.client.orchestration import get_client
+        from prefect.settings import PREFECT_API_AUTH_STRING, PREFECT_API_URL, temporary_settings
+
+        from paperline.infra.flow_runs import local_worker_name
+
+        # as a `paperline worker` of this stack runs: its process, its Prefect worker's heartbeat
+        worker = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(300)", "paperline", "worker"])
+        try:
+            while "worker" not in psutil.Process(worker.pid).cmdline():  # (before its exec: the forked pytest)
+                time.sleep(0.01)
+            with temporary_settings({PREFECT_API_URL: info.prefect_api_url, PREFECT_API_AUTH_STRING: info.prefect_login}), \
+                    get_client(sync_client=True) as client:
+                client.send_worker_heartbeat("paperline-cpu", local_worker_name(worker.pid))
+            with open(settings.state_dir / "serve.pid", "a+") as serve:  # as a `paperline serve` holds it
+                serve.write("4242\n")
+                serve.flush()
+                fcntl.flock(serve, fcntl.LOCK_EX)
+                code, out = cli("down")
+        finally:
+            worker.kill()
+            worker.wait()
+        # `down` said nothing of the serve or worker attached to the stack, which went on silently (trials)
         assert code == 0 and "stopped: s3, prefect, mlflow" in out, out
         assert "`paperline serve` (pid 4242) keeps running without its stack: it serves again after the next " \
                "`paperline up`" in out, out
+        assert f"`paperline worker` (pid {worker.pid}) keeps running without its stack: it takes runs again after " \
+               "the next `paperline up`" in out, out
         last = urlparse(info.prefect_api_url).port
         held = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
         held.bind(("127.0.0.1", last))

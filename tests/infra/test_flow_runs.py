@@ -217,8 +217,14 @@ def test_a_local_worker_is_known_exited_by_its_process():
     this = local_worker_name(os.getpid())  # pytest: alive, but not a `paperline worker`
     assert this.startswith("paperline-") and this.endswith(f"-{os.getpid()}")
     assert _local_worker_exited(this)  # (a PID used again by another program)
+    import time
+
+    import psutil
+
     fake = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)", "paperline", "worker"])
     try:
+        while "worker" not in psutil.Process(fake.pid).cmdline():  # (still the forked pytest, before its exec)
+            time.sleep(0.01)
         assert not _local_worker_exited(local_worker_name(fake.pid))
     finally:
         fake.kill()
