@@ -44,7 +44,7 @@ class Settings(BaseSettings):
         startup_timeout_s: Seconds to wait for each local server's health check.
         crash_after_s: Seconds without a heartbeat after which a Running flow run of
             ``paperline serve``/``worker`` is marked Crashed (its process died). At least two
-            heartbeats (60 s), so that one late heartbeat never crashes a live run.
+            heartbeats (60 s), so that one late heartbeat never crashes a live run; at most a week.
         prefect_database_url: Database of the local Prefect server, e.g.
             ``postgresql+asyncpg://user:password@127.0.0.1:5432/prefect`` (``postgresql://`` is
             taken to mean asyncpg). Unset: SQLite in ``state_dir``. Never logged.
@@ -53,7 +53,9 @@ class Settings(BaseSettings):
             Passed to the server in its environment, never on its command line; never logged.
     """
 
-    model_config = SettingsConfigDict(env_prefix="PAPERLINE_", env_file=".env", extra="ignore")
+    # an empty variable (a .env template's `PAPERLINE_N_WORKERS=`) is unset, as it was already for
+    # the state directory and the endpoints (a trial: the others were refused as not an integer)
+    model_config = SettingsConfigDict(env_prefix="PAPERLINE_", env_file=".env", extra="ignore", env_ignore_empty=True)
 
     state_dir: Path = Field(default_factory=lambda: Path.home() / ".paperline")
     host: str = "127.0.0.1"
@@ -77,7 +79,7 @@ class Settings(BaseSettings):
     prefect_port: int = 4200
     mlflow_port: int = 5000
     startup_timeout_s: float = Field(default=120.0, gt=0)
-    crash_after_s: float = Field(default=90.0, ge=60.0)
+    crash_after_s: float = Field(default=90.0, ge=60.0, le=7 * 86400.0)  # (1e15 failed in Prefect's automation)
 
     prefect_database_url: SecretStr | None = None
     mlflow_backend_store_uri: SecretStr | None = None

@@ -49,6 +49,9 @@ def test_bad_values_rejected(monkeypatch, tmp_path):
     monkeypatch.setenv("PAPERLINE_CRASH_AFTER_S", "45")  # under two heartbeats: live runs would crash
     with pytest.raises(ValidationError, match="crash_after_s"):
         Settings()
+    monkeypatch.setenv("PAPERLINE_CRASH_AFTER_S", "1e15")  # `up` failed in Prefect, blaming the server (a trial)
+    with pytest.raises(ValidationError, match="(?s)crash_after_s.*less than or equal to 604800"):
+        Settings()
 
 
 @pytest.mark.parametrize("name, ok", [("paperline-data", True), ("a.b-c", True), ("Bad_Bucket", False),
@@ -99,7 +102,7 @@ def test_ports_out_of_range_are_refused_naming_the_range(monkeypatch, tmp_path, 
 
 
 @pytest.mark.parametrize("host, ok", [("127.0.0.1", True), ("::1", True), ("localhost", True), ("0.0.0.0", True),
-                                      ("not-a-host.invalid", False), ("", False), ("127.0.0.1:80", False)])
+                                      ("not-a-host.invalid", False), ("", True), ("127.0.0.1:80", False)])
 def test_host_is_an_address_or_a_resolvable_name(monkeypatch, tmp_path, host, ok):
     """A bad PAPERLINE_HOST failed `up` with "gaierror: [Errno -2] Name or service not known",
     not naming the setting (a trial)."""
@@ -110,8 +113,8 @@ def test_host_is_an_address_or_a_resolvable_name(monkeypatch, tmp_path, host, ok
     monkeypatch.setenv("PAPERLINE_HOST", host)
     get_settings.cache_clear()
     try:
-        if ok:
-            assert get_settings().host == host
+        if ok:  # (empty: unset, as every setting's empty variable is)
+            assert get_settings().host == (host or "127.0.0.1")
         else:
             with pytest.raises(InputError, match=f"^PAPERLINE_HOST='{host}': not an IP address or a host name"):
                 get_settings()
@@ -216,3 +219,20 @@ def test_the_ports_lock_waits_then_goes_on_and_ignores_a_planted_file(tmp_path, 
     with _ports_lock(5.0, said.append):
         pass
     assert said == [] and not (tmp_path / "elsewhere").exists()
+
+
+def test_an_empty_variable_is_an_unset_setting(monkeypatch, tmp_path):
+    """A `.env` template's blank `PAPERLINE_N_WORKERS=` was refused as not an integer, while a
+    blank state directory or endpoint meant unset (a trial)."""
+    from paperline.infra.settings import get_settings
+
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / ".env").write_text("PAPERLINE_N_WORKERS=\nPAPERLINE_PREFECT_PORT=\n")
+    for name in ("PAPERLINE_DEVICE", "PAPERLINE_CRASH_AFTER_S", "PAPERLINE_S3_ENDPOINT_URL"):
+        monkeypatch.setenv(name, "")
+    get_settings.cache_clear()
+    try:
+        s = get_settings()
+        assert (s.n_workers, s.prefect_port, s.device, s.crash_after_s, s.s3_endpoint_url) == (None, 4200, "auto", 90.0, None)
+    finally:
+        get_settings.cache_clear()
