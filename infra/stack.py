@@ -1815,10 +1815,16 @@ def ensure_stack(settings: Settings, *, progress: Progress | None = None, notice
                 if running and running != database_label(url):  # type: ignore[arg-type]
                     tell(f"{name}: {_other_database(name, running, database_label(url), settings)}")  # type: ignore[arg-type]
                 if url is None or (name in recs and running != database_label(url)):
-                    continue  # (a server started on another database: its own, which `status` shows)
-                problem = _database_problem(url)
+                    problem = None  # (a server started on another database: its own, which `status` shows)
+                else:
+                    problem = _database_problem(url)
                 if problem:
                     raise ServiceError(name, f"its database cannot be used ({DATABASE_VARIABLES[name]}={problem})")
+                if name in recs and not external[name]:  # a running server that cannot reach its database
+                    # (a run sat 31 s in MLflow's retries of 503s, then failed without naming it: a trial)
+                    problem = _store_problem(name, recs[name]["url"], login if name == "prefect" else mlflow_login)
+                    if problem:
+                        raise ServiceError(name, problem, url=recs[name]["url"], log=recs[name]["log_path"])
             if "prefect" not in recs and not external["prefect"]:
                 claim_ports()
                 database = _note_database(settings, "prefect", tell)
