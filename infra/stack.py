@@ -1016,12 +1016,15 @@ def _store_problem(service: str, url: str, login: str | None) -> str | None:
 
     base = (_prefect_urls(url)[0] if service == "prefect" else url).rstrip("/")
     auth = tuple(login.split(":", 1)) if login and ":" in login else None
-    try:
-        code = httpx.get(base + _DATABASE_PATHS[service], timeout=10.0, auth=auth).status_code  # type: ignore[arg-type]
-    except Exception:  # noqa: BLE001 - its health check has answered: a hiccup here is no store problem
-        return None
-    if code < 500:
-        return None
+    for attempt in range(2):  # (twice, a second apart: SQLite busy with another run's write is no lost database)
+        try:
+            code = httpx.get(base + _DATABASE_PATHS[service], timeout=10.0, auth=auth).status_code  # type: ignore[arg-type]
+        except Exception:  # noqa: BLE001 - its health check has answered: a hiccup here is no store problem
+            return None
+        if code < 500:
+            return None
+        if attempt == 0:
+            time.sleep(1.0)
     return (f"it answers requests that read its database with HTTP {code} (its health check passes): the "
             "database may be unreachable; its log says why")
 
