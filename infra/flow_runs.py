@@ -342,11 +342,14 @@ def _local_worker_pid(name: str) -> int | None:
 def _local_worker_exited(name: str) -> bool:
     """Whether ``name`` is a :func:`local_worker_name` of this machine whose `paperline worker`
     process is gone (its last heartbeat counts as online for 90 s more)."""
+    pid = _local_worker_pid(name)
+    return pid is not None and _worker_pid_gone(pid)
+
+
+def _worker_pid_gone(pid: int) -> bool:
+    """Whether no `paperline worker` process runs as ``pid`` (gone, or the PID used again)."""
     import psutil  # noqa: PLC0415
 
-    pid = _local_worker_pid(name)
-    if pid is None:
-        return False
     try:
         cmdline = psutil.Process(pid).cmdline()
     except (psutil.NoSuchProcess, psutil.ZombieProcess):
@@ -372,8 +375,7 @@ def local_worker_pids(api_url: str, login: str | None) -> list[int]:
         for pool in WORK_POOLS.values():
             with contextlib.suppress(Exception):  # (a pool deleted by its user)
                 names.update(w.name for w in client.read_workers_for_work_pool(pool))
-    return sorted(_local_worker_pid(name) for name in names  # type: ignore[misc]
-                  if _local_worker_pid(name) is not None and not _local_worker_exited(name))
+    return sorted(pid for pid in map(_local_worker_pid, names) if pid is not None and not _worker_pid_gone(pid))
 
 
 def deployment_status(api_url: str, login: str | None, state_dir: os.PathLike[str] | str) -> list[str]:

@@ -44,6 +44,8 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit, urlunsplit
 
+from pydantic import SecretStr
+
 from paperline.infra.errors import PaperlineError, ServiceError, redact_text, redact_url
 from paperline.infra.settings import Settings, get_settings
 
@@ -774,10 +776,15 @@ def _database_problem(url: str, timeout_s: int = 5) -> str | None:
 DATABASE_VARIABLES = {"prefect": "PAPERLINE_PREFECT_DATABASE_URL", "mlflow": "PAPERLINE_MLFLOW_BACKEND_STORE_URI"}
 
 
+def _database_setting(settings: Settings, name: str) -> SecretStr | None:
+    """The ``"prefect"`` or ``"mlflow"`` database setting (:data:`DATABASE_VARIABLES`); None: unset."""
+    return settings.prefect_database_url if name == "prefect" else settings.mlflow_backend_store_uri
+
+
 def _database_url(settings: Settings, name: str) -> str:
     """The database URL (password and all) a local ``"prefect"`` or ``"mlflow"`` server of this
     state directory is started with: the setting, or SQLite in the state directory."""
-    configured = settings.prefect_database_url if name == "prefect" else settings.mlflow_backend_store_uri
+    configured = _database_setting(settings, name)
     if configured is not None:
         return configured.get_secret_value()
     path = settings.state_dir / name / f"{name}.db"
@@ -798,22 +805,20 @@ def _other_database(name: str, running: str, wanted: str, settings: Settings) ->
     this process's settings name (``wanted``): `up` and `run` reused it silently, and runs went
     to SQLite with the PostgreSQL variables set (a trial)."""
     variable = DATABASE_VARIABLES[name]
-    named = f"{variable} names {wanted}" if getattr(settings, "prefect_database_url" if name == "prefect" else
-                                                    "mlflow_backend_store_uri") is not None \
-        else f"{variable} is unset ({wanted})"
+    named = (f"{variable} names {wanted}" if _database_setting(settings, name) is not None
+             else f"{variable} is unset ({wanted})")
     return (f"{named}, but the running {name} server stores its runs in {running}: runs go there until "
             "`paperline down` and an `up` with these settings")
 
 
 def _note_database(settings: Settings, name: str, tell: Progress) -> str:
-    """Record which database the local ``name`` server is about to start on (``<state dir>/<name>/
-    database``) and return its :func:`database_label`; when an earlier start of this state
-    directory used another, say so (``tell``): after ``paperline down``, an ``up`` without the
-    PostgreSQL variables started on SQLite and the earlier runs seemed gone (a trial)."""
+    """The :func:`database_label` of the database the local ``name`` server is about to start on;
+    when the last start of this state directory's server used another (:func:`_record_database`),
+    say so (``tell``): after ``paperline down``, an ``up`` without the PostgreSQL variables started
+    on SQLite and the earlier runs seemed gone (a trial)."""
     label = database_label(_database_url(settings, name))
-    path = settings.state_dir / name / "database"
     try:
-        earlier = path.read_text().strip()
+        earlier = (settings.state_dir / name / "database").read_text().strip()
     except OSError:
         earlier = ""
     if earlier and earlier != label:
@@ -822,10 +827,19 @@ def _note_database(settings: Settings, name: str, tell: Progress) -> str:
                if not earlier.startswith("sqlite") else f"unset {variable} to see them")
         tell(f"{name}: starting on the database {label}; this state directory's {name} server used {earlier} "
              f"before, whose runs it does not show: {how}")
-    if earlier != label:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        _write_atomic(path, label + "\n")
     return label
+
+
+def _record_database(settings: Settings, name: str, label: str) -> None:
+    """Record the database (``label``) the local ``name`` server started on, once it is healthy, in
+    ``<state dir>/<name>/database`` (a server that failed to start recorded its database, and the
+    next start on the old one said it "used" that one before)."""
+    path = settings.state_dir / name / "database"
+    with contextlib.suppress(OSError):
+        if path.read_text().strip() == label:
+            return
+    path.parent.mkdir(parents=True, exist_ok=True)
+    _write_atomic(path, label + "\n")
 
 
 _LOG_REASON = re.compile(r"^(?:[\w.]+\.)?\w*(?:Error|Exception|Exit)\b[^\n]*:\s*\S.*$", re.MULTILINE)
@@ -993,35 +1007,34 @@ def login_problem(settings: Settings, service: str, url: str | None = None) -> s
             "started with): `paperline up` restarts it with this one")
 
 
+def _authorized_get(service: str, url: str, login: str | None, path: str, timeout_s: float) -> int | None:
+    """The HTTP status of a GET of ``path`` on the running ``service`` (``"prefect"``,
+    ``"mlflow"``) at ``url`` (Prefect's root or API URL, MLflow's tracking URI), sending ``login``
+    (``user:password``; None: none) as basic auth; None when it does not answer."""
+    import httpx  # noqa: PLC0415
+
+    base = (_prefect_urls(url)[0] if service == "prefect" else url).rstrip("/")
+    user, sep, password = (login or "").partition(":")
+    try:
+        return httpx.get(base + path, timeout=timeout_s, auth=(user, password) if sep else None).status_code
+    except Exception:  # noqa: BLE001 - a hiccup is the caller's "no answer"
+        return None
+
+
 def login_refused(service: str, url: str, login: str | None) -> bool:
     """Whether the running ``service`` (``"prefect"``, ``"mlflow"``) at ``url`` (Prefect's root or
     API URL, MLflow's tracking URI) refuses ``login`` (``user:password``; None: none sent) on a
     request that needs one (HTTP 401 or 403). False when it takes it, or does not answer."""
-    import httpx  # noqa: PLC0415
-
-    base = (_prefect_urls(url)[0] if service == "prefect" else url).rstrip("/")
-    auth = tuple(login.split(":", 1)) if login and ":" in login else None
-    try:
-        code = httpx.get(base + _AUTHORIZED_PATHS[service], timeout=5.0, auth=auth).status_code  # type: ignore[arg-type]
-    except Exception:  # noqa: BLE001 - a hiccup here is no login problem
-        return False
-    return code in (401, 403)
+    return _authorized_get(service, url, login, _AUTHORIZED_PATHS[service], 5.0) in (401, 403)
 
 
 def _store_problem(service: str, url: str, login: str | None) -> str | None:
     """Why the running local ``service`` (``"prefect"``, ``"mlflow"``) cannot serve requests that
     read its database, when it answers one with HTTP 5xx (its health check passed with its
     PostgreSQL database gone, and every run failed: a trial); None otherwise."""
-    import httpx  # noqa: PLC0415
-
-    base = (_prefect_urls(url)[0] if service == "prefect" else url).rstrip("/")
-    auth = tuple(login.split(":", 1)) if login and ":" in login else None
     for attempt in range(2):  # (twice, a second apart: SQLite busy with another run's write is no lost database)
-        try:
-            code = httpx.get(base + _DATABASE_PATHS[service], timeout=10.0, auth=auth).status_code  # type: ignore[arg-type]
-        except Exception:  # noqa: BLE001 - its health check has answered: a hiccup here is no store problem
-            return None
-        if code < 500:
+        code = _authorized_get(service, url, login, _DATABASE_PATHS[service], 10.0)
+        if code is None or code < 500:  # (its health check has answered: no answer here is no store problem)
             return None
         if attempt == 0:
             time.sleep(1.0)
@@ -1808,26 +1821,26 @@ def ensure_stack(settings: Settings, *, progress: Progress | None = None, notice
                 if problem:
                     raise ServiceError("prefect", problem, url=api)
             last = {name: _last_port(settings, name) for name in ("prefect", "mlflow")}
-            for name in ("prefect", "mlflow"):
+            for name in (n for n in ("prefect", "mlflow") if not external[n]):
                 # before the server: its exit said only "exited with code 3" (a wrong password, a
                 # missing database, PostgreSQL stopped), MLflow's after 2 minutes of retries; and
                 # under a running server, whose health check passed while each run failed with a
                 # bare 500 (a trial)
-                url = None if external[name] else _database_url(settings, name)
-                running = recs[name].get("database") if url is not None and name in recs else None
-                if running and running != database_label(url):  # type: ignore[arg-type]
-                    tell(f"{name}: {_other_database(name, running, database_label(url), settings)}")  # type: ignore[arg-type]
-                if url is None or (name in recs and running != database_label(url)):
-                    problem = None  # (a server started on another database: its own, which `status` shows)
-                else:
-                    problem = _database_problem(url)
+                url = _database_url(settings, name)
+                wanted = database_label(url)
+                rec = recs.get(name)
+                running = rec.get("database") if rec is not None else None
+                if running and running != wanted:
+                    tell(f"{name}: {_other_database(name, running, wanted, settings)}")
+                # (a server started on another database uses its own, which `status` shows)
+                problem = _database_problem(url) if rec is None or running == wanted else None
                 if problem:
                     raise ServiceError(name, f"its database cannot be used ({DATABASE_VARIABLES[name]}={problem})")
-                if name in recs and not external[name]:  # a running server that cannot reach its database
+                if rec is not None:  # a running server that cannot reach its database
                     # (a run sat 31 s in MLflow's retries of 503s, then failed without naming it: a trial)
-                    problem = _store_problem(name, recs[name]["url"], login if name == "prefect" else mlflow_login)
+                    problem = _store_problem(name, rec["url"], login if name == "prefect" else mlflow_login)
                     if problem:
-                        raise ServiceError(name, problem, url=recs[name]["url"], log=recs[name]["log_path"])
+                        raise ServiceError(name, problem, url=rec["url"], log=rec["log_path"])
             if "prefect" not in recs and not external["prefect"]:
                 claim_ports()
                 database = _note_database(settings, "prefect", tell)
@@ -1861,6 +1874,8 @@ def ensure_stack(settings: Settings, *, progress: Progress | None = None, notice
             if pending:
                 save()
                 _wait_healthy(pending, settings.startup_timeout_s)
+                for name in pending:
+                    _record_database(settings, name, recs[name]["database"])
 
             urls = {
                 "s3": s3_obj_url,
@@ -2033,10 +2048,11 @@ def stack_status(settings: Settings) -> list[Service]:
             # up, but its clients' login is not the server's: they get 401s (`status` said healthy)
             problem = login_problem(settings, name, rec["url"]) if healthy and name in LOGIN_FILES else None
             database = rec.get("database")
-            wanted = database_label(_database_url(settings, name)) if name in DATABASE_VARIABLES else None
+            url = _database_url(settings, name) if name in DATABASE_VARIABLES else None
+            wanted = database_label(url) if url is not None else None
             if healthy and problem is None and database and database == wanted:
                 # PostgreSQL stopped under the running server: its health check still passed (a trial)
-                reason = _database_problem(_database_url(settings, name))
+                reason = _database_problem(url)  # type: ignore[arg-type]
                 problem = f"its database cannot be used ({DATABASE_VARIABLES[name]}={reason})" if reason else None
             if healthy and problem is None and name in LOGIN_FILES:  # (without the URL: from another shell)
                 problem = _store_problem(name, rec["url"], _read_login(settings, name)[0])

@@ -363,16 +363,22 @@ def test_status_shows_three_healthy_loopback_services(stack):
 
 def test_a_state_directory_started_on_another_database_says_where_its_runs_are(settings_factory, tmp_path):
     """The other direction is tested end to end on PostgreSQL (tests/infra/test_postgres.py)."""
-    from paperline.infra.stack import _note_database
+    from paperline.infra.stack import _note_database, _record_database
 
     said: list[str] = []
     sqlite = settings_factory(tmp_path / "state")
     label = _note_database(sqlite, "mlflow", said.append)
     assert label == f"sqlite:///{tmp_path / 'state' / 'mlflow' / 'mlflow.db'}" and said == []
+    _record_database(sqlite, "mlflow", label)  # (what ensure_stack does once the server is healthy)
     assert _note_database(sqlite, "mlflow", said.append) == label and said == []
     pg = settings_factory(tmp_path / "state", mlflow_backend_store_uri="postgresql+psycopg://alice:s3cret@db:5432/ml")
-    assert _note_database(pg, "mlflow", said.append) == "postgresql://db:5432/ml"  # no user (errors leave it out)
-    said.clear()
+    pg_label = _note_database(pg, "mlflow", said.append)
+    assert pg_label == "postgresql://db:5432/ml"  # no user (errors leave it out)
+    assert said == [f"mlflow: starting on the database {pg_label}; this state directory's mlflow server used "
+                    f"{label} before, whose runs it does not show: unset PAPERLINE_MLFLOW_BACKEND_STORE_URI to see them"]
+    said.clear()  # a server that then failed to start is not recorded: the next start on SQLite is no news
+    assert _note_database(sqlite, "mlflow", said.append) == label and said == []
+    _record_database(pg, "mlflow", pg_label)
     assert _note_database(sqlite, "mlflow", said.append) == label
     assert said == [f"mlflow: starting on the database {label}; this state directory's mlflow server used "
                     "postgresql://db:5432/ml before, whose runs it does not show: set "
