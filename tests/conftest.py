@@ -473,18 +473,43 @@ def run_cli() -> Callable[..., subprocess.CompletedProcess]:
 
 # --- long-running CLI processes (serve, worker) ---------------------------------------------------
 
+def _terminal_signals() -> None:
+    """A ``preexec_fn``: the stop signals (SIGINT, SIGHUP, SIGTERM) at their defaults, as a
+    command typed in a terminal starts. The test runner's may differ, and a child inherits what
+    it ignores: under ``nohup make test`` (SIGHUP ignored) the tests that stop a command by SIGHUP
+    or Ctrl-C failed, the command going on."""
+    for sig in (signal.SIGINT, signal.SIGHUP, signal.SIGTERM):
+        signal.signal(sig, signal.SIG_DFL)
+
+
+def _script_job_signals() -> None:
+    """A ``preexec_fn``: the signals a shell script's ``cmd &`` starts ``cmd`` with (SIGINT
+    ignored, the others at their defaults)."""
+    _terminal_signals()
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+
+
+@pytest.fixture(scope="session")
+def terminal_signals() -> Callable[[], None]:
+    """:func:`_terminal_signals`, for ``subprocess.Popen(..., preexec_fn=terminal_signals)``."""
+    return _terminal_signals
+
+
+@pytest.fixture(scope="session")
+def script_job_signals() -> Callable[[], None]:
+    """:func:`_script_job_signals`, for ``subprocess.Popen(..., preexec_fn=script_job_signals)``."""
+    return _script_job_signals
+
+
 @contextlib.contextmanager
 def _background(cmd: list[str], env: dict[str, str], log: os.PathLike[str], *,
                 as_script_job: bool = False) -> Iterator[subprocess.Popen]:
-    """Run ``cmd`` in its own process group with output to ``log``; Ctrl-C it (then kill) on exit.
-    ``as_script_job``: with SIGINT ignored, as a shell script's ``cmd &`` starts it; SIGTERM then
-    stops it."""
-    def ignore_sigint() -> None:
-        signal.signal(signal.SIGINT, signal.SIG_IGN)
-
+    """Run ``cmd`` in its own process group with output to ``log``, with the signals of a command
+    typed in a terminal; Ctrl-C it (then kill) on exit. ``as_script_job``: with SIGINT ignored,
+    as a shell script's ``cmd &`` starts it; SIGTERM then stops it."""
     with open(log, "w") as out:
         proc = subprocess.Popen(cmd, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True,
-                                preexec_fn=ignore_sigint if as_script_job else None)
+                                preexec_fn=_script_job_signals if as_script_job else _terminal_signals)
     try:
         yield proc
     finally:

@@ -826,7 +826,7 @@ def test_exit_hooks_that_hang_are_cut_short():
     assert time.monotonic() - start < 15
 
 
-def test_a_second_ctrl_c_while_the_exit_hooks_wait_exits_at_once():
+def test_a_second_ctrl_c_while_the_exit_hooks_wait_exits_at_once(terminal_signals):
     """A second Ctrl-C while `paperline run` waited on Prefect's exit drains printed a
     KeyboardInterrupt traceback and went on waiting (a trial)."""
     import signal
@@ -836,7 +836,8 @@ def test_a_second_ctrl_c_while_the_exit_hooks_wait_exits_at_once():
 
     code = ("import threading, time; threading._register_atexit(time.sleep, 120); from paperline.flows import cli; "
             "cli.EXIT_HOOKS_S = 90.0; print('done', flush=True); cli._exit(0)")
-    proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            preexec_fn=terminal_signals)
     assert proc.stdout.readline() == "done\n"
     time.sleep(1.0)  # waiting in _exit now
     start = time.monotonic()
@@ -982,7 +983,7 @@ def test_a_worker_that_exits_unasked_says_why_and_fails(stack):
         _worker_failed(1, info.prefect_api_url, info.prefect_login)
 
 
-def test_a_supervised_child_stops_when_its_supervisor_is_killed(tmp_path):
+def test_a_supervised_child_stops_when_its_supervisor_is_killed(tmp_path, script_job_signals):
     """`paperline worker` killed with SIGKILL left its `prefect worker` running and taking runs,
     while `status` said no worker was online and `down` left it (a trial)."""
     import contextlib
@@ -998,8 +999,7 @@ def test_a_supervised_child_stops_when_its_supervisor_is_killed(tmp_path):
     code = ("import os, sys\nfrom paperline.flows.cli import _supervise\n"
             f"_supervise([sys.executable, '-c', {child!r}], env=dict(os.environ), cwd='.')")
     # started as a script's `&` starts it: SIGINT ignored, so that its child has a session of its own
-    supervisor = subprocess.Popen([sys.executable, "-c", code],
-                                  preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_IGN))
+    supervisor = subprocess.Popen([sys.executable, "-c", code], preexec_fn=script_job_signals)
     try:
         deadline = time.monotonic() + 60
         while not pid_file.exists() or not pid_file.read_text().endswith("\n"):

@@ -163,7 +163,8 @@ def test_s3_inputs_are_checked_before_the_flow_run(stack, run_cli, cli_env):
 
 @pytest.mark.parametrize("signame, when", [("SIGINT", "multiply"), ("SIGHUP", "multiply"), ("SIGTERM", "multiply"),
                                            ("SIGINT", "start")])
-def test_ctrl_c_says_what_running_the_command_again_does(stack, cli_env, long_gemm, tmp_path, signame, when):
+def test_ctrl_c_says_what_running_the_command_again_does(stack, cli_env, long_gemm, tmp_path, signame, when,
+                                                         terminal_signals):
     """Ctrl-C on `paperline run` left only Prefect's "Crash detected!" line (a trial): it now says
     what the same command does next, and exits 130 without a traceback. A closed terminal (SIGHUP)
     killed it at once, its runs left Running: it stops the same way, as does SIGTERM (`kill`). A
@@ -176,10 +177,10 @@ def test_ctrl_c_says_what_running_the_command_again_does(stack, cli_env, long_ge
 
     sets, cluster_up = long_gemm
     log = tmp_path / "run.log"
-    with open(log, "w") as out:  # SIGINT at its default, as in a terminal (the test runner's may differ)
+    with open(log, "w") as out:
         proc = subprocess.Popen([sys.executable, "-m", "paperline.flows.cli", "run", "gemm", *sets], env=cli_env,
                                 stdout=out, stderr=subprocess.STDOUT, start_new_session=True,
-                                preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
+                                preexec_fn=terminal_signals)
     deadline = time.time() + 180
     if when == "start":  # as soon as a worker process is starting (importing, registering)
         while not _spawned_workers(proc.pid):
