@@ -262,6 +262,7 @@ def deployment_report(deployments: list[dict[str, object]], workers: dict[str, l
         return f"; {n} scheduled run(s) past their start time wait for it" if n else ""
 
     lines: list[str] = []
+    explained: set[str] = set()  # paused deployments a line has already said are
     served = [d for d in deployments if not d.get("work_pool")]
     if served:
         names = [str(d["name"]) for d in served]
@@ -269,6 +270,14 @@ def deployment_report(deployments: list[dict[str, object]], workers: dict[str, l
         if serve_pid is not None or any(fresh(d.get("polled_s_ago")) and not d.get("paused") for d in served):
             who = f"`paperline serve` (pid {serve_pid})" if serve_pid is not None else "a serving process"
             lines.append(f"deployments: {len(served)} served by {who}{late_note(names)}")
+        elif all(d.get("paused") for d in served):
+            # (said as two lines, "their runs wait Scheduled" then "paused deployments", they read as a
+            # contradiction: a paused deployment schedules no runs; an upgrade trial)
+            lines.append(f"deployments: {len(served)} without a work pool ({', '.join(sorted(names)[:3])}"
+                         f"{', ...' if len(names) > 3 else ''}), not served now and paused (as a stopping "
+                         "`paperline serve` leaves them): their schedules make no runs, and a run triggered now "
+                         f"waits Scheduled until `paperline serve` runs, which unpauses them{late_note(names)}")
+            explained.update(names)
         else:
             lines.append(f"deployments: {len(served)} without a work pool ({', '.join(sorted(names)[:3])}"
                          f"{', ...' if len(names) > 3 else ''}), not served now: their runs wait Scheduled until "
@@ -288,7 +297,7 @@ def deployment_report(deployments: list[dict[str, object]], workers: dict[str, l
                          f"Scheduled until {start} runs{late_note(names)}")
     # (a stopped serve pauses its deployments, which `prefect deployment schedule ls` does not show:
     # "paused schedules" named them, and a trial found every schedule active)
-    paused = sorted(str(d["name"]) for d in deployments if d.get("paused"))
+    paused = sorted(str(d["name"]) for d in deployments if d.get("paused") and d["name"] not in explained)
     if paused:
         lines.append(f"paused deployments: {', '.join(paused)}")
     schedules = sorted(str(d["name"]) for d in deployments if d.get("schedule_paused"))

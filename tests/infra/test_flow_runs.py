@@ -188,12 +188,16 @@ def test_deployment_report_says_who_executes_the_runs_and_what_waits():
     # a stopped serve pauses its deployments: a poll seconds old no longer means served
     stopped = [_served(f"{f}/local", polled=5.0, paused=True) for f in ("a", "b", "c", "d")]
     lines = deployment_report(stopped, {}, {"c/local": 1})
-    assert lines[0] == ("deployments: 4 without a work pool (a/local, b/local, c/local, ...), not served now: their "
-                        "runs wait Scheduled until `paperline serve` runs; 1 scheduled run(s) past their start time "
-                        "wait for it"), lines
-    assert lines[1] == "paused deployments: a/local, b/local, c/local, d/local"
+    assert lines == ["deployments: 4 without a work pool (a/local, b/local, c/local, ...), not served now and paused "
+                     "(as a stopping `paperline serve` leaves them): their schedules make no runs, and a run triggered "
+                     "now waits Scheduled until `paperline serve` runs, which unpauses them; 1 scheduled run(s) past "
+                     "their start time wait for it"], lines  # (no second line saying "paused" again)
     stopped[1]["schedule_paused"] = True  # paused in the UI: said apart from the deployments serve paused
-    assert deployment_report(stopped, {}, {})[2] == "paused schedules (kept so by `paperline serve`): b/local"
+    assert deployment_report(stopped, {}, {})[1] == "paused schedules (kept so by `paperline serve`): b/local"
+    stopped[0].update(paused=False, polled_s_ago=None)  # one unpaused by hand: the others are named
+    assert deployment_report(stopped, {}, {})[:2] == [
+        "deployments: 4 without a work pool (a/local, b/local, c/local, ...), not served now: their runs wait "
+        "Scheduled until `paperline serve` runs", "paused deployments: b/local, c/local, d/local"]
     assert deployment_report([_served("a/local", polled=91.0)], {}, {})[0].startswith("deployments: 1 without a work pool")
     pooled = [{"name": "gemm/gemm", "work_pool": "paperline-cpu", "polled_s_ago": None, "paused": False},
               {"name": "x/y", "work_pool": "other", "polled_s_ago": None, "paused": False}]
