@@ -464,12 +464,15 @@ def _curate(params: VideoCurationParameters, cfg: ClipConfig, filt: FilterConfig
              f"splitter {cfg.splitter}, "
              f"encoder {cfg.encoder}, embedder {cfg.resolved_embedder()}",
              f"dataset: {output}/manifest.json ({len(sizes)} shard(s), {sum(sizes) / 1e6:.2f} MB; "
-             f"{len(manifest['uploaded'])} uploaded, {len(manifest['skipped'])} already there)",
+             + ("committed by an earlier run: nothing written)" if manifest.get("committed_earlier") else
+                f"{len(manifest['uploaded'])} uploaded, {len(manifest['skipped'])} already there)"),
              f"read back for {params.world_size} rank(s): {check['samples_per_rank'][0]} samples per rank"]
     lines += [f"rejected {Path(r['source']).name}: {r['reason']} ({r['detail']})" for r in rejected]
-    if manifest.get("kept_committed"):  # the same clips and shards, other scores (a newer paperline, other videos' bytes)
-        lines.append(f"kept the committed {', '.join(manifest['kept_committed'])} of {output} (a committed dataset is "
-                     "never rewritten); this run's differ(s): see its MLflow run")
+    mismatch = _committed_mismatch(manifest, len(selected))
+    if mismatch:
+        name = "`--set dataset=NAME`" if params.output is None else "another `output`"
+        lines.append(f"the committed dataset at {output} is kept as it is (a committed dataset is never rewritten), "
+                     f"but {mismatch}; this run's index is in its MLflow run, and {name} writes a new dataset")
     if recurated:
         lines.append(f"curated again (their cached clips were gone from {staging}/): "
                      + ", ".join(Path(sources[i]).name for i in recurated))
@@ -522,6 +525,19 @@ INDEX_COLUMNS = ["key", "source", "source_sha256", "start_s", "end_s", "duration
                  "frames", "fps", "width", "height", "source_width", "source_height", "source_rotation", "motion",
                  "sharpness", "black_fraction", "content_sha256", "phash", "filter_reasons", "kept", "dedup_cluster",
                  "duplicate_of", "dedup_reason", "selected", "shard", "member", "mp4_sha256", "mp4_size_bytes"]
+
+
+def _committed_mismatch(manifest: dict[str, Any], n_clips: int) -> str:
+    """How this run's output differs from a dataset committed earlier with the same clips (keys):
+    "" when it does not, or for a dataset written now. The sources and settings are the same (others
+    are refused before the run), so other clip bytes come from another paperline, PyAV or FFmpeg."""
+    differ, kept = manifest.get("clips_differ"), manifest.get("kept_committed", [])
+    parts = [f"{len(differ)} of its {n_clips} clip(s) encode to other bytes now (the same sources and settings: "
+             "another paperline, PyAV or FFmpeg version encoded them)"] if differ else []
+    if kept:
+        parts.append(f"this run's {' and '.join(kept)} differ{'s' if len(kept) == 1 else ''}"
+                     + (" (and its clips may: the dataset's manifest has no clip digests)" if differ is None else ""))
+    return "; ".join(parts)
 
 
 def _index_parquet(rows: list[dict[str, Any]]) -> bytes:

@@ -1173,9 +1173,14 @@ def _s3_open(rec: dict[str, Any] | None, tell: Progress) -> bool:
     certificates on its own ports (:func:`_seaweed_security`): it is restarted, saying so."""
     if _live_process(rec) is None or rec.get("tls"):  # type: ignore[union-attr]
         return False
-    tell(f"s3: restarting SeaweedFS (pid {rec['pid']}): an earlier paperline started it with its master's "  # type: ignore[index]
-         "and gRPC ports open to every local user; runs writing to it now fail")
+    tell(f"s3: restarting SeaweedFS (pid {rec['pid']}), {S3_OPEN}; a run writing to S3 while "  # type: ignore[index]
+         "it restarts (seconds) fails: run it again")
     return True
+
+
+# (the restart's reason said "runs writing to it now fail", read as the state after it, and `status`
+# had said nothing of the coming restart: an upgrade trial)
+S3_OPEN = "started by an earlier paperline with its master's and gRPC ports open to every local user"
 
 
 def _seaweed_security(tls_dir: Path, host: str) -> str:
@@ -2063,6 +2068,8 @@ def stack_status(settings: Settings) -> list[Service]:
                                healthy=healthy and problem is None, problem=problem, detail=detail))
             if name == "s3" and healthy:
                 _volumes_problem(out[-1], settings, rec)
+                if not rec.get("tls"):
+                    out[-1].detail = f"{S3_OPEN}: the next `paperline up` or run restarts it with them closed"
         else:
             # Not running: no URL to show (the default port may belong to someone else's stack).
             log = str(settings.state_dir / "logs" / f"{name}.log")

@@ -147,11 +147,14 @@ def write_dataset(store: Any, output: str, plans: list[ShardPlan], rows: dict[st
         meta: JSON-serialisable run facts stored in the manifest.
 
     Returns:
-        The manifest (a dict), with ``uploaded`` (shard names written now), ``skipped`` (already
-        present) and ``kept_committed`` added (not stored): when ``output`` already holds this very
-        dataset nothing is written, and ``kept_committed`` names the ``extra`` objects whose bytes
-        differ from the committed ones (kept: a committed dataset is never rewritten), so the
-        caller can say so.
+        The manifest (a dict; each shard lists its members' SHA-256 in ``member_sha256``, in the
+        order of ``keys``), with these added (not stored): ``uploaded`` (shard names written
+        now), ``skipped`` (already present), ``committed_earlier`` (True when ``output`` already
+        held this very plan: then nothing is written, a committed dataset is never rewritten),
+        ``kept_committed`` (the ``extra`` objects whose bytes differ from the committed ones) and
+        ``clips_differ`` (the keys whose clip bytes differ from the committed ones; None when the
+        committed manifest records no member digests, as before 2026-12-05), so the caller can
+        say what was kept.
 
     Raises:
         InputError: the prefix already holds a committed dataset with other shards, or a clip's
@@ -165,8 +168,14 @@ def write_dataset(store: Any, output: str, plans: list[ShardPlan], rows: dict[st
         if [{"name": s["name"], "keys": s["keys"]} for s in old["shards"]] == planned:
             committed = old.get("objects", {})
             kept = sorted(n for n, data in extra.items()
-                               if committed.get(n, {}).get("sha256") != hashlib.sha256(data).hexdigest())
-            return dict(old, uploaded=[], skipped=[s["name"] for s in old["shards"]], kept_committed=kept)
+                          if committed.get(n, {}).get("sha256") != hashlib.sha256(data).hexdigest())
+            # (the same clips, encoded to other bytes by a newer paperline, were "already there" and
+            # this run's index described clips the dataset does not hold, unsaid: an upgrade trial)
+            digests = {k: d for s in old["shards"] for k, d in zip(s["keys"], s.get("member_sha256") or [])}
+            differ = (sorted(k for p in plans for k in p.keys if digests[k] != rows[k]["mp4_sha256"])
+                      if len(digests) == sum(len(p.keys) for p in plans) else None)
+            return dict(old, uploaded=[], skipped=[s["name"] for s in old["shards"]], committed_earlier=True,
+                        kept_committed=kept, clips_differ=differ)
         raise InputError("output", output, f"already holds a committed dataset with other shards{_what_differs(old, plans)}; "
                                            "a committed dataset is never rewritten: choose another dataset name (or "
                                            "output prefix)")
@@ -189,7 +198,7 @@ def write_dataset(store: Any, output: str, plans: list[ShardPlan], rows: dict[st
             store.put_bytes_to(tar, uri)
             uploaded.append(plan.name)
         shards.append({"name": plan.name, "uri": uri, "sha256": sha, "size_bytes": len(tar), "keys": list(plan.keys),
-                       "n_samples": len(plan.keys)})
+                       "member_sha256": [rows[k]["mp4_sha256"] for k in plan.keys], "n_samples": len(plan.keys)})
     # shards of an earlier, uncommitted write to this prefix (interrupted, with other inputs or
     # settings) that this plan does not name: a later commit left them beside its own, outside
     # the manifest, where a glob of shard-*.tar read them (a trial)
@@ -207,7 +216,7 @@ def write_dataset(store: Any, output: str, plans: list[ShardPlan], rows: dict[st
                 "n_samples": sum(s["n_samples"] for s in shards), "meta": meta}
     json.dumps(manifest)  # fail before committing
     store.put_bytes_to(json.dumps(manifest, sort_keys=True, indent=1).encode(), manifest_uri)
-    return dict(manifest, uploaded=uploaded, skipped=skipped, kept_committed=[])
+    return dict(manifest, uploaded=uploaded, skipped=skipped, committed_earlier=False, kept_committed=[], clips_differ=[])
 
 
 def _what_differs(old: dict[str, Any], plans: list[ShardPlan]) -> str:

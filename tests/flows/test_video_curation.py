@@ -220,7 +220,19 @@ def test_a_failure_mid_upload_leaves_no_visible_dataset_and_the_rerun_completes(
     # committed: the same plan again writes nothing and says which of its objects it kept as they were
     again = write_dataset(store, output, plans, rows, read_clip, {"index.parquet": b"other scores"}, {})
     assert again["uploaded"] == [] and again["kept_committed"] == ["index.parquet"]
+    assert again["committed_earlier"] and again["clips_differ"] == []
     assert not store.exists(f"{output}/index.parquet")  # (the first commit wrote no extra objects)
+    # the same clips encoded to other bytes (a newer paperline): named, and nothing written (an upgrade trial)
+    first = sorted(rows)[0]
+    recoded = {k: dict(r, mp4_sha256="0" * 64) if k == first else r for k, r in rows.items()}
+    manifest_bytes = store.get_bytes(f"{output}/manifest.json")
+    assert write_dataset(store, output, plans, recoded, read_clip, {}, {})["clips_differ"] == [first]
+    assert store.get_bytes(f"{output}/manifest.json") == manifest_bytes
+    old = json.loads(manifest_bytes)  # a manifest of before the member digests: not known
+    for shard in old["shards"]:
+        del shard["member_sha256"]
+    store.put_bytes_to(json.dumps(old).encode(), f"{output}/manifest.json")
+    assert write_dataset(store, output, plans, recoded, read_clip, {}, {})["clips_differ"] is None
     # other clips: refused, naming the videos (a source changed in place was only "other shards": a trial)
     from paperline.kernels.errors import InputError
     from paperline.kernels.video.shards import ShardPlan
@@ -467,3 +479,22 @@ def test_an_output_in_a_bucket_that_does_not_exist_is_refused_before_the_flow_ru
     with pytest.raises(InputError, match=r"^output='s3://no-such-bucket-7/curated': no such bucket 'no-such-bucket-7'"):
         params.validate_on_stack(info, store)
     assert not store.bucket_exists("no-such-bucket-7")
+
+
+def test_a_committed_dataset_that_this_run_does_not_match_is_said_how():
+    """After an upgrade the same clips encoded to other bytes, and the run said only "0 uploaded, 2
+    already there" and "kept the committed index.parquet" (an upgrade trial)."""
+    from paperline.flows.video_curation import _committed_mismatch
+
+    written = {"committed_earlier": False, "kept_committed": [], "clips_differ": []}
+    assert _committed_mismatch(written, 28) == ""
+    same = {"committed_earlier": True, "kept_committed": [], "clips_differ": []}
+    assert _committed_mismatch(same, 28) == ""
+    recoded = {"committed_earlier": True, "kept_committed": ["index.parquet"], "clips_differ": ["a-1-0"] * 20}
+    assert _committed_mismatch(recoded, 28) == (
+        "20 of its 28 clip(s) encode to other bytes now (the same sources and settings: another paperline, PyAV or "
+        "FFmpeg version encoded them); this run's index.parquet differs")
+    unknown = {"committed_earlier": True, "kept_committed": ["index.parquet", "rejected.parquet"], "clips_differ": None}
+    assert _committed_mismatch(unknown, 28) == (
+        "this run's index.parquet and rejected.parquet differ (and its clips may: the dataset's manifest has no clip "
+        "digests)")

@@ -106,13 +106,18 @@ def test_second_stack_on_taken_ports_stops_completely(settings_factory, tmp_path
         del state["services"]["prefect"]["login"]
         del state["services"]["s3"]["tls"]
         (settings.state_dir / "stack.json").write_text(json.dumps(state))
+        s3 = stack_status(settings)[0]  # `status` says what the next `up` does (it said nothing: an upgrade trial)
+        assert s3.healthy and s3.detail == ("started by an earlier paperline with its master's and gRPC ports open to "
+                                            "every local user: the next `paperline up` or run restarts it with them "
+                                            "closed"), s3
         notices: list[str] = []
         s3_pid = info.service("s3").pid
         prefect_login = info.prefect_login
         info = ensure_stack(settings, notice=notices.append)
         assert info.started == ("s3", "prefect", "mlflow")
         assert (info.prefect_login, info.mlflow_login) == (prefect_login, "paperline:another-password-of-the-users")
-        assert [n for n in notices if n.startswith(f"s3: restarting SeaweedFS (pid {s3_pid}): an earlier paperline")]
+        assert [n for n in notices if n.startswith(f"s3: restarting SeaweedFS (pid {s3_pid}), started by an earlier "
+                                                   "paperline") and n.endswith("fails: run it again")], notices
         assert httpx.get(f"{info.prefect_api_url}/admin/version").status_code == 401
         # said on lines that stay (a trial: only the spinner said it, and `serve` died of bare 401s)
         for name in ("prefect", "mlflow"):
