@@ -488,12 +488,22 @@ def _said_if_interrupted() -> Iterator[None]:
     """A Ctrl-C before the flow run started (the cluster starting, the stack checked) ended the
     command with exit status 130 and not a word (a trial); :func:`_run_one` says what the same
     command does next once the run has started."""
+    from paperline.infra import interrupts
+
     try:
         yield
     except KeyboardInterrupt:
         if not _state.get("interrupt_said"):
             _say("interrupted before the flow run started: nothing ran (the same command starts it)")
         raise
+    except Exception as exc:
+        if not interrupts.interrupts_received():
+            raise
+        # a library turned the Ctrl-C into its own error (pydantic's "PydanticSerializationError:
+        # Error calling function `_ser_model`: KeyboardInterrupt", exit 1: a stress test)
+        if not _state.get("interrupt_said"):
+            _say("interrupted before the flow run started: nothing ran (the same command starts it)")
+        raise KeyboardInterrupt from exc
 
 
 def _named(pipeline: str | None, command: str) -> str:
@@ -565,6 +575,9 @@ def _early_cluster(wanted: bool = True) -> Iterator[Any]:
             early = BackgroundCluster(settings), (info.prefect_api_url, info.mlflow_tracking_uri)
     try:
         yield early
+    except KeyboardInterrupt:
+        interrupts.release_leaked_import_lock()  # else the cluster's start, joined below, could wait for good
+        raise
     finally:
         if early is not None:
             early[0].close()
@@ -666,6 +679,7 @@ def _run_one(spec, params, summary_json: Path | None, early=None) -> dict[str, A
             stack's URLs are still those its workers inherited (else the flow starts its own);
             the caller closes it too, in case the run never started.
     """
+    from paperline.infra import interrupts
     from paperline.infra.cluster import describe_cluster, require_scheduler, task_runner
 
     if hasattr(params, "validate_inputs"):
@@ -689,6 +703,7 @@ def _run_one(spec, params, summary_json: Path | None, early=None) -> dict[str, A
         else:  # the stack came back on other ports: its workers would talk to the old ones
             early[0].close()
     flow = spec.flow.with_options(task_runner=task_runner(settings, started=started))
+    interrupts.raise_if_interrupted()  # a Ctrl-C that a library swallowed while this started (a CI run)
     try:
         with console.status(f"running {spec.name} (progress in the Prefect UI)..."):
             summary = flow(params)
@@ -697,6 +712,10 @@ def _run_one(spec, params, summary_json: Path | None, early=None) -> dict[str, A
         _state["interrupt_said"] = True
         raise
     except Exception as exc:
+        if interrupts.interrupts_received():  # the error a Ctrl-C was turned into (see raise_if_interrupted)
+            _say(f"interrupted: {_again(spec.name, params)}")
+            _state["interrupt_said"] = True
+            raise KeyboardInterrupt from exc
         gone = _prefect_gone(exc, info)
         if gone is None:
             raise

@@ -22,6 +22,7 @@ import threading
 from typing import Any
 
 RETRY_S = 0.05  # when an interrupt swallowed as "unraisable" is delivered again
+_RECEIVED = {"count": 0}  # stop signals the main thread's handler has turned into KeyboardInterrupt
 
 
 def _redeliver(unraisable: Any, previous: Any) -> None:
@@ -31,13 +32,45 @@ def _redeliver(unraisable: Any, previous: Any) -> None:
     previous(unraisable)
 
 
+def _counted_interrupt(signum: int, frame: Any) -> None:
+    """The handler :func:`install` puts in place of Python's for SIGINT (and
+    :func:`hangup_as_interrupt` for SIGHUP and SIGTERM): count it, then raise KeyboardInterrupt
+    as Python's does."""
+    _RECEIVED["count"] += 1
+    signal.default_int_handler(signum, frame)
+
+
+def interrupts_received() -> int:
+    """How many stop signals (SIGINT, and SIGHUP and SIGTERM where :func:`hangup_as_interrupt`
+    took them) this process has turned into KeyboardInterrupt since :func:`install`."""
+    return _RECEIVED["count"]
+
+
+def raise_if_interrupted() -> None:
+    """Raise KeyboardInterrupt if a stop signal arrived since the last :func:`install`: for a
+    command that handles none (`paperline run`), reaching this means its KeyboardInterrupt was lost.
+
+    A Ctrl-C landing while the main thread ran a descriptor's ``__set_name__`` (a class being
+    created, e.g. pydantic models as Prefect's modules are imported) is re-raised by Python as a
+    ``RuntimeError``, and Prefect logs and drops any exception of its plugin start-up, which
+    imports many: the run went on to the end (exit 0, a CI run; the error's traceback was printed).
+    """
+    if _RECEIVED["count"]:
+        raise KeyboardInterrupt
+
+
 def install() -> bool:
-    """Deliver again each KeyboardInterrupt that Python could only report as unraisable.
-    Idempotent.
+    """Deliver again each KeyboardInterrupt that Python could only report as unraisable, and count
+    the SIGINTs turned into one (:func:`raise_if_interrupted`), where SIGINT has Python's handler
+    (not ignored) and this is the main thread. Idempotent.
 
     Returns:
         Whether it was installed now (False: already in place).
     """
+    _RECEIVED["count"] = 0  # (a command calls this as it starts: in-process tests run several)
+    if threading.current_thread() is threading.main_thread() \
+            and signal.getsignal(signal.SIGINT) is signal.default_int_handler:
+        signal.signal(signal.SIGINT, _counted_interrupt)
     hook = sys.unraisablehook
     if getattr(hook, "_paperline_redeliver", False):
         return False
@@ -77,5 +110,29 @@ def hangup_as_interrupt() -> bool:
         resource_tracker.ensure_running()
     finally:
         for sig in stops:
-            signal.signal(sig, signal.default_int_handler)
+            signal.signal(sig, _counted_interrupt)
     return True
+
+
+def release_leaked_import_lock() -> int:
+    """Release the global import lock if this thread holds it outside any import, and return how
+    many levels were released (0: it held none).
+
+    CPython takes that lock in importlib's module-lock bookkeeping, a weakref callback among them,
+    before the ``try`` that releases it: a Ctrl-C landing right there leaves it held (the callback's
+    error is unraisable; :func:`install` delivers the interrupt again). Every other thread's next
+    import then waits for good: a `paperline run` interrupted as it started hung, its main thread
+    waiting for the local cluster's start, whose event loop waited on an import (a stress test of
+    early Ctrl-Cs). Call it only where this thread is inside no import statement (a command's
+    clean-up after KeyboardInterrupt).
+    """
+    import _imp  # noqa: PLC0415
+
+    released = 0
+    while True:
+        try:
+            _imp.release_lock()
+        except RuntimeError:  # "not holding the import lock": none (left) held by this thread
+            return released
+        released += 1
+
