@@ -490,20 +490,26 @@ def _said_if_interrupted() -> Iterator[None]:
     command does next once the run has started."""
     from paperline.infra import interrupts
 
+    _state["interrupt_said"] = False  # (a command of its own: in-process tests run several)
     try:
-        yield
+        try:
+            yield
+        except Exception as exc:
+            if not interrupts.interrupts_received():
+                raise
+            # a library turned the Ctrl-C into its own error (pydantic's "PydanticSerializationError:
+            # Error calling function `_ser_model`: KeyboardInterrupt", exit 1: a stress test)
+            raise KeyboardInterrupt from exc
     except KeyboardInterrupt:
-        if not _state.get("interrupt_said"):
-            _say("interrupted before the flow run started: nothing ran (the same command starts it)")
+        _say_interrupted("interrupted before the flow run started: nothing ran (the same command starts it)")
         raise
-    except Exception as exc:
-        if not interrupts.interrupts_received():
-            raise
-        # a library turned the Ctrl-C into its own error (pydantic's "PydanticSerializationError:
-        # Error calling function `_ser_model`: KeyboardInterrupt", exit 1: a stress test)
-        if not _state.get("interrupt_said"):
-            _say("interrupted before the flow run started: nothing ran (the same command starts it)")
-        raise KeyboardInterrupt from exc
+
+
+def _say_interrupted(line: str) -> None:
+    """Say ``line`` of a Ctrl-C once (the innermost handler that knows most says it)."""
+    if not _state.get("interrupt_said"):
+        _say(line)
+        _state["interrupt_said"] = True
 
 
 def _named(pipeline: str | None, command: str) -> str:
@@ -705,17 +711,17 @@ def _run_one(spec, params, summary_json: Path | None, early=None) -> dict[str, A
     flow = spec.flow.with_options(task_runner=task_runner(settings, started=started))
     interrupts.raise_if_interrupted()  # a Ctrl-C that a library swallowed while this started (a CI run)
     try:
-        with console.status(f"running {spec.name} (progress in the Prefect UI)..."):
-            summary = flow(params)
+        try:
+            with console.status(f"running {spec.name} (progress in the Prefect UI)..."):
+                summary = flow(params)
+        except Exception as exc:
+            if interrupts.interrupts_received():  # the error a Ctrl-C was turned into (see raise_if_interrupted)
+                raise KeyboardInterrupt from exc
+            raise
     except KeyboardInterrupt:  # Prefect's "Crash detected!" line alone said nothing of what a re-run does
-        _say(f"interrupted: {_again(spec.name, params)}")
-        _state["interrupt_said"] = True
+        _say_interrupted(f"interrupted: {_again(spec.name, params)}")
         raise
     except Exception as exc:
-        if interrupts.interrupts_received():  # the error a Ctrl-C was turned into (see raise_if_interrupted)
-            _say(f"interrupted: {_again(spec.name, params)}")
-            _state["interrupt_said"] = True
-            raise KeyboardInterrupt from exc
         gone = _prefect_gone(exc, info)
         if gone is None:
             raise

@@ -835,9 +835,6 @@ def _record_database(settings: Settings, name: str, label: str) -> None:
     ``<state dir>/<name>/database`` (a server that failed to start recorded its database, and the
     next start on the old one said it "used" that one before)."""
     path = settings.state_dir / name / "database"
-    with contextlib.suppress(OSError):
-        if path.read_text().strip() == label:
-            return
     path.parent.mkdir(parents=True, exist_ok=True)
     _write_atomic(path, label + "\n")
 
@@ -1149,7 +1146,7 @@ def _volumes_problem(service: Service, settings: Settings, rec: dict[str, Any]) 
     """Add the local SeaweedFS's volume count to ``service`` (``detail``), or, with none free, make
     it unhealthy saying why and what to do (:func:`seaweed_volumes`, :func:`volumes_report`)."""
     master = rec.get("ports", {}).get("master")
-    counts = seaweed_volumes(settings.state_dir / "s3", settings.host, master) if master and rec.get("tls") else None
+    counts = seaweed_volumes(settings.state_dir / "s3", settings.host, master) if master else None
     if counts is not None:
         service.detail, problem = volumes_report(*counts)
         if problem:
@@ -2066,10 +2063,10 @@ def stack_status(settings: Settings) -> list[Service]:
                 detail = f"{detail}; {_other_database(name, database, wanted, settings)}"
             out.append(Service(name, rec["url"], True, pid=rec["pid"], log_path=rec["log_path"],
                                healthy=healthy and problem is None, problem=problem, detail=detail))
-            if name == "s3" and healthy:
+            if name == "s3" and healthy and not rec.get("tls"):
+                out[-1].detail = f"{S3_OPEN}: the next `paperline up` or run restarts it with them closed"
+            elif name == "s3" and healthy:
                 _volumes_problem(out[-1], settings, rec)
-                if not rec.get("tls"):
-                    out[-1].detail = f"{S3_OPEN}: the next `paperline up` or run restarts it with them closed"
         else:
             # Not running: no URL to show (the default port may belong to someone else's stack).
             log = str(settings.state_dir / "logs" / f"{name}.log")

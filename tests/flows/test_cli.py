@@ -1068,3 +1068,32 @@ def test_the_error_line_starts_a_line_after_a_library_wrote_half_of_one(monkeypa
     sys.stderr.write("All connection attempts failed")
     assert out.getvalue().endswith("--- Error logging to API ---\nAll connection attempts failed\n")
     assert LineEndTracker(io.StringIO()).at_line_start and sys.stderr.isatty() is False  # forwarded
+
+
+@pytest.mark.parametrize("interrupted", [True, False])
+def test_an_error_a_ctrl_c_became_before_the_flow_run_ends_the_run_as_the_interrupt(interrupted, monkeypatch, capsys):
+    """pydantic turned an early Ctrl-C into "PydanticSerializationError: Error calling function
+    `_ser_model`: KeyboardInterrupt" and the run ended "error: ..." with exit 1 (a stress test of
+    early Ctrl-Cs); an error with no Ctrl-C behind it stays the error."""
+    import signal
+    import time
+
+    from paperline.flows import cli
+    from paperline.infra import interrupts
+
+    monkeypatch.setattr(sys, "unraisablehook", sys.unraisablehook)  # (restored: install() wraps it)
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)  # as in a terminal
+    try:
+        interrupts.install()
+        with pytest.raises(KeyboardInterrupt if interrupted else ValueError), cli._said_if_interrupted():
+            try:
+                if interrupted:
+                    os.kill(os.getpid(), signal.SIGINT)
+                    time.sleep(2)
+            except KeyboardInterrupt as exc:  # a library wrapping it, as pydantic's serializer does
+                raise ValueError("Error calling function `_ser_model`: KeyboardInterrupt") from exc
+            raise ValueError("a plain error")
+    finally:
+        signal.signal(signal.SIGINT, previous)
+    said = "interrupted before the flow run started: nothing ran" in capsys.readouterr().out
+    assert said == interrupted
