@@ -51,8 +51,11 @@ def configure_local_workers() -> None:
 # Imported by every local worker as it starts (Dask's worker ``preload``), while the flow process
 # is still setting up its run, instead of on the worker's first task: Prefect's task engine and
 # paperline's task package (which installs the task log filter); and the hooks that let a worker
-# closed on request skip the interpreter's teardown (infra/worker_exit.py).
-WORKER_PRELOAD = ["prefect.task_engine", "paperline.tasks", "paperline.infra.worker_exit"]
+# closed on request skip the interpreter's teardown (infra/worker_exit.py). The first, imported
+# first and set up first, keeps the cyclic collector off through the others' imports and then
+# freezes what they loaded (infra/worker_heap.py).
+WORKER_PRELOAD = ["paperline.infra.worker_heap", "prefect.task_engine", "paperline.tasks",
+                  "paperline.infra.worker_exit"]
 
 
 DASK_LOGGERS = ("distributed", "distributed.scheduler", "distributed.core", "distributed.nanny",

@@ -42,7 +42,10 @@ def test_local_workers_preload_the_task_engine_before_any_task():
     with LocalCluster(**kwargs) as c, Client(c) as client:
         client.wait_for_workers(1)
         loaded = client.run(lambda: [m in __import__("sys").modules for m in ("prefect.task_engine", "paperline.tasks")])
+        # the preloads' imports frozen (infra/worker_heap.py), and the collector on again for the tasks
+        heap = client.run(lambda: (__import__("gc").isenabled(), __import__("gc").get_freeze_count() > 100_000))
     assert list(loaded.values()) == [[True, True]]
+    assert list(heap.values()) == [(True, True)]
 
 
 def test_configured_before_distributed_is_imported_stays_configured():
