@@ -44,3 +44,29 @@ def test_s3_bucket_secrets_still_rendered_and_hidden() -> None:
     assert revealed["credentials"]["aws_secret_access_key"] == "very-secret"
     masked = bucket.model_dump(mode="json")
     assert "very-secret" not in str(masked)
+
+
+def test_settings_serialization_is_prefects_and_follows_a_changed_context() -> None:
+    """The cached ``SettingsContext.serialize`` gives Prefect's dict, a copy each time (changing
+    one never reaches the next), and a new context (``temporary_settings``) its own values."""
+    from prefect.context import SettingsContext
+    from prefect.settings import PREFECT_API_URL, temporary_settings
+
+    prefect_patches.install()
+    assert SettingsContext.serialize is prefect_patches.cached_settings_serialize
+    original = prefect_patches._INSTALLED["original_settings_serialize"]
+    with temporary_settings({PREFECT_API_URL: "http://127.0.0.1:1111/api"}):
+        ctx = SettingsContext.get()
+        for secrets in (True, False):
+            assert ctx.serialize(include_secrets=secrets) == original(ctx, include_secrets=secrets)
+        first = ctx.serialize()
+        assert first["settings"]["api"]["url"] == "http://127.0.0.1:1111/api"
+        first["settings"]["api"]["url"] = "changed"
+        assert ctx.serialize()["settings"]["api"]["url"] == "http://127.0.0.1:1111/api"
+        with temporary_settings({PREFECT_API_URL: "http://127.0.0.1:2222/api"}):
+            assert SettingsContext.get().serialize()["settings"]["api"]["url"] == "http://127.0.0.1:2222/api"
+        assert ctx.serialize()["settings"]["api"]["url"] == "http://127.0.0.1:1111/api"
+    for _ in range(3 * prefect_patches.SETTINGS_CACHE_SIZE):  # the cache stays bounded
+        with temporary_settings({PREFECT_API_URL: "http://127.0.0.1:3333/api"}):
+            SettingsContext.get().serialize()
+    assert len(prefect_patches._SETTINGS_CACHE) <= prefect_patches.SETTINGS_CACHE_SIZE
