@@ -817,9 +817,17 @@ def _note_database(settings: Settings, name: str, tell: Progress) -> str:
     say so (``tell``): after ``paperline down``, an ``up`` without the PostgreSQL variables started
     on SQLite and the earlier runs seemed gone (a trial)."""
     label = database_label(_database_url(settings, name))
+    path = settings.state_dir / name / "database"
     try:
-        earlier = (settings.state_dir / name / "database").read_text().strip()
-    except OSError:
+        earlier = path.read_text().strip()
+    except FileNotFoundError:
+        earlier = ""
+    except (OSError, UnicodeDecodeError) as exc:  # bytes that are no text stopped `up` (a trial)
+        earlier = f"<{type(exc).__name__}>"
+    if earlier and not re.match(r"^[a-z][a-z0-9+.-]*://\S+$", earlier):  # garbage was said as a database (a trial)
+        held = earlier if earlier.startswith("<") else _short_text(earlier)
+        tell(f"{name}: {path} does not hold a database URL ({held}): ignored, and written anew once the server "
+             "has started")
         earlier = ""
     if earlier and earlier != label:
         variable = DATABASE_VARIABLES[name]
@@ -828,6 +836,12 @@ def _note_database(settings: Settings, name: str, tell: Progress) -> str:
         tell(f"{name}: starting on the database {label}; this state directory's {name} server used {earlier} "
              f"before, whose runs it does not show: {how}")
     return label
+
+
+def _short_text(text: str, width: int = 40) -> str:
+    """``text`` on one line, cut to ``width`` characters (what a damaged file held, in a message)."""
+    one = " ".join(text.split())
+    return repr(one if len(one) <= width else one[:width - 1] + "…")
 
 
 def _record_database(settings: Settings, name: str, label: str) -> None:
@@ -916,8 +930,16 @@ def _local_s3_credentials(settings: Settings) -> tuple[str, str]:
     if not path.exists():
         creds = {"access_key_id": "pl" + secrets.token_hex(9), "secret_access_key": secrets.token_hex(24)}
         _write_atomic(path, json.dumps(creds) + "\n", mode=0o600)
-    creds = json.loads(path.read_text())
-    return creds["access_key_id"], creds["secret_access_key"]
+    try:
+        creds = json.loads(path.read_text())
+        key, secret = creds["access_key_id"], creds["secret_access_key"]
+        if not (isinstance(key, str) and isinstance(secret, str) and key and secret):
+            raise ValueError("access_key_id and secret_access_key must be non-empty strings")
+    except (OSError, ValueError, KeyError, TypeError) as exc:  # every command said "JSONDecodeError: ..." (a trial)
+        raise ServiceError("s3", f"the S3 key pair file {path} is unreadable ({type(exc).__name__}: {exc}); delete it "
+                                 "and run `paperline up`: a new pair is made and the servers restart on it (the "
+                                 "objects stay)") from None
+    return key, secret
 
 
 def _s3_credentials(settings: Settings) -> tuple[str | None, str | None]:
@@ -979,7 +1001,7 @@ def _local_login(settings: Settings, service: str, *, create: bool = False) -> s
     if login is not None or not create:
         return login
     if not problem.endswith(_REMADE):  # a file the user damaged or edited is not overwritten
-        raise PaperlineError(f"{problem}; delete it to make a new one")
+        raise PaperlineError(f"{service}: {problem}; delete it to make a new one")  # ("its" named no one: a trial)
     login = f"{LOCAL_USER}:{secrets.token_urlsafe(24)}"
     _write_atomic(settings.state_dir / LOGIN_FILES[service], login + "\n", mode=0o600)
     return login
@@ -1044,6 +1066,12 @@ def _login_digest(login: str | None) -> str | None:
     return hashlib.sha256(login.encode()).hexdigest()[:16] if login else None
 
 
+def _s3_key_digest(key: str | None, secret: str | None) -> str | None:
+    """What ``stack.json`` records of the S3 key pair a local MLflow server proxies artifacts
+    with (to notice a new one): a short SHA-256 of both halves; None without a key."""
+    return _login_digest(f"{key}:{secret}") if key else None
+
+
 @contextlib.contextmanager
 def _prefect_login(login: str | None) -> Iterator[None]:
     """Prefect's client in this block sends ``login`` (None: the environment's, as it is)."""
@@ -1056,15 +1084,33 @@ def _prefect_login(login: str | None) -> Iterator[None]:
         yield
 
 
+def _read_ports(path: Path) -> tuple[dict[str, int], str | None]:
+    """The ports a ports file (``ports.json``, ``s3/ports.json``) records, and what is wrong with
+    it: None when it is whole or absent (a first start). A damaged one counts as empty, and the
+    problem says so: the servers then came up on other ports with nothing said (a trial)."""
+    try:
+        raw = json.loads(path.read_text())
+        if not isinstance(raw, dict):
+            raise ValueError(f"expected a JSON object, not {type(raw).__name__}")
+        return {str(k): int(v) for k, v in raw.items()}, None
+    except FileNotFoundError:
+        return {}, None
+    except (OSError, ValueError, TypeError) as exc:
+        return {}, (f"{path} is unreadable ({type(exc).__name__}: {exc}): the ports of the stack's last start are "
+                    "unknown, so its servers may come up on other ports (links printed before point at the old "
+                    "ones); it is written anew as they start")
+
+
+def _s3_last_ports(settings: Settings) -> dict[str, int]:
+    """SeaweedFS's ports of its last start (``s3/ports.json``: s3, master, volume, filer, admin)."""
+    return _read_ports(settings.state_dir / "s3" / "ports.json")[0]
+
+
 def _start_s3(settings: Settings, taken: set[int], key: str, secret: str) -> tuple[subprocess.Popen[bytes], dict[str, Any]]:
     host = settings.host
     # SeaweedFS keeps per-port state (its master's directory is named after the port): prefer the
     # ports of the last start, kept in s3/ports.json (stack.json is deleted by `down`).
-    ports_file = settings.state_dir / "s3" / "ports.json"
-    try:
-        old = {k: int(v) for k, v in json.loads(ports_file.read_text()).items()}
-    except (OSError, ValueError, AttributeError):
-        old = {}
+    old = _s3_last_ports(settings)
     ports = {
         "s3": _pick_port(host, _preferred_ports(settings, "s3", old.get("s3")), taken, with_grpc=True),
         "master": _pick_port(host, old.get("master"), taken, with_grpc=True),
@@ -1074,7 +1120,7 @@ def _start_s3(settings: Settings, taken: set[int], key: str, secret: str) -> tup
     }
     s3_dir = settings.state_dir / "s3"
     (s3_dir / "data").mkdir(parents=True, exist_ok=True)
-    _write_atomic(ports_file, json.dumps(ports) + "\n")
+    _write_atomic(settings.state_dir / "s3" / "ports.json", json.dumps(ports) + "\n")
     identities = {
         "identities": [
             {
@@ -1277,10 +1323,7 @@ def _last_port(settings: Settings, name: str) -> int | None:
     """The port ``name`` (prefect, mlflow) had at its last start: kept in ``state_dir/ports.json``
     across `paperline down`, so that a stack whose preferred port is taken (another stack has it)
     comes back on the same URLs, which printed links and MLflow's flow-run tags hold."""
-    try:
-        return int(json.loads((settings.state_dir / LAST_PORTS_FILE).read_text())[name])
-    except (OSError, ValueError, KeyError, TypeError):
-        return None
+    return _read_ports(settings.state_dir / LAST_PORTS_FILE)[0].get(name)
 
 
 def _preferred_ports(settings: Settings, name: str, last: int | None) -> tuple[int | None, int | None]:
@@ -1296,24 +1339,31 @@ def _preferred_ports(settings: Settings, name: str, last: int | None) -> tuple[i
     return (configured, last) if field in settings.model_fields_set else (last, configured)
 
 
-def _configured_port_taken(settings: Settings, name: str, port: int, tell: Progress) -> None:
+def _say_port_moved(settings: Settings, name: str, port: int, tell: Progress, last: int | None) -> None:
     """Say so, on a lasting line, when service ``name`` started on ``port`` because the port its
-    setting names (``PAPERLINE_<NAME>_PORT``) was taken. A port asked for was replaced by a random
-    one with nothing said, and what pointed at it reached another stack (a trial)."""
+    setting names (``PAPERLINE_<NAME>_PORT``) was taken, or, on a stack's first start (``last``,
+    the port of its last start, None), the default port the README names. A port asked for was
+    replaced by a random one with nothing said, and what pointed at it reached another stack; a
+    first stack on a machine whose 4200 was taken came up on 35487 with a word only in its URL
+    table (trials); and when the port of its last start is taken (MLflow moved off 5000 silently:
+    a trial), links to it no longer reach the stack. A port newly set in the settings is no news."""
     field = f"{name}_port"
     asked = getattr(settings, field)
-    if field in settings.model_fields_set and port != asked:
+    if last and port != last and not _port_free(settings.host, last):
+        tell(f"{name}: its last port {last} is taken by another process, so it is on {port} now: links to the "
+             "old port (e.g. earlier runs' MLflow links) no longer reach this stack")
+    elif port == asked:
+        return
+    elif field in settings.model_fields_set:
         tell(f"{name}: port {asked} (PAPERLINE_{field.upper()}) is taken by another process, so it is on {port}")
+    elif last is None:
+        tell(f"{name}: port {asked} (the default; PAPERLINE_{field.upper()} sets another) is taken by another "
+             f"process, so it is on {port}")
 
 
 def _remember_port(settings: Settings, name: str, port: int) -> None:
     path = settings.state_dir / LAST_PORTS_FILE
-    try:
-        ports = json.loads(path.read_text())
-        if not isinstance(ports, dict):
-            ports = {}
-    except (OSError, ValueError):
-        ports = {}
+    ports = _read_ports(path)[0]
     ports[name] = port
     _write_atomic(path, json.dumps(ports) + "\n")
 
@@ -1426,7 +1476,8 @@ def _start_mlflow(
     ]
     log = settings.state_dir / "logs" / "mlflow.log"
     proc = _spawn(cmd, env, log, home)
-    return proc, _record(proc, url, log, port=port, s3_url=s3_url, login=_login_digest(login))
+    return proc, _record(proc, url, log, port=port, s3_url=s3_url, s3_key=_s3_key_digest(key, secret),
+                         login=_login_digest(login))
 
 
 def _mlflow_auth_config(home: Path, login: str) -> Path:
@@ -1771,9 +1822,13 @@ def ensure_stack(settings: Settings, *, progress: Progress | None = None, notice
                 recs.pop("s3", None)
             if not external["s3"] and "s3" not in recs:
                 claim_ports()
+                s3_ports, problem = _read_ports(settings.state_dir / "s3" / "ports.json")
+                if problem:
+                    tell(f"s3: {problem}")
+                s3_last = s3_ports.get("s3")
                 proc, rec = _start_s3(settings, taken, key, secret)  # type: ignore[arg-type]
                 say(f"s3: starting SeaweedFS at {rec['url']} (log: {rec['log_path']})")
-                _configured_port_taken(settings, "s3", rec["port"], tell)
+                _say_port_moved(settings, "s3", rec["port"], tell, s3_last)
                 recs["s3"] = rec
                 started.append("s3")
                 save()
@@ -1796,8 +1851,18 @@ def ensure_stack(settings: Settings, *, progress: Progress | None = None, notice
                      f"{settings.state_dir / LOGIN_FILES[name]}, which is not the one it was started with: restart "
                      "any `paperline serve` or `paperline worker` running on the stack, and log in to its UI again")
             reuse_prefect = reuse("prefect", lambda r: _prefect_healthy(r["api_url"]), stale=new_login["prefect"])
-            # MLflow proxies artifacts to S3: a server started against another S3 endpoint is restarted.
-            stale = recs.get("mlflow", {}).get("s3_url") != s3_obj_url or new_login["mlflow"]
+            # MLflow proxies artifacts to S3: a server started against another S3 endpoint, or with
+            # another key pair, is restarted (deleted s3/credentials.json made a new pair and SeaweedFS
+            # restarted on it; MLflow kept the old one, every run failed on its artifacts while `status`
+            # said healthy: a trial). A record from before the key was recorded is taken as it is.
+            recorded_key = recs.get("mlflow", {}).get("s3_key")
+            new_s3_key = (not external["mlflow"] and _live_process(recs.get("mlflow")) is not None
+                          and recorded_key is not None and recorded_key != _s3_key_digest(key, secret))
+            if new_s3_key:
+                tell(f"mlflow: restarting its server (pid {recs['mlflow']['pid']}) for the S3 key pair it stores "
+                     "artifacts with, which is not the one it was started with (s3/credentials.json, or "
+                     "PAPERLINE_S3_ACCESS_KEY_ID / PAPERLINE_S3_SECRET_ACCESS_KEY, changed)")
+            stale = recs.get("mlflow", {}).get("s3_url") != s3_obj_url or new_login["mlflow"] or new_s3_key
             reuse_mlflow = reuse("mlflow", lambda r: _mlflow_healthy(r["url"]), stale=stale)
             for name, kept in (("prefect", reuse_prefect), ("mlflow", reuse_mlflow)):
                 if kept:
@@ -1823,6 +1888,9 @@ def ensure_stack(settings: Settings, *, progress: Progress | None = None, notice
                 if problem:
                     raise ServiceError("prefect", problem, url=api)
             last = {name: _last_port(settings, name) for name in ("prefect", "mlflow")}
+            problem = _read_ports(settings.state_dir / LAST_PORTS_FILE)[1]
+            if problem and any(n not in recs and not external[n] for n in ("prefect", "mlflow")):
+                tell(problem)  # (only when a server is to start: a reused one keeps its port)
             for name in (n for n in ("prefect", "mlflow") if not external[n]):
                 # before the server: its exit said only "exited with code 3" (a wrong password, a
                 # missing database, PostgreSQL stopped), MLflow's after 2 minutes of retries; and
@@ -1866,13 +1934,7 @@ def ensure_stack(settings: Settings, *, progress: Progress | None = None, notice
                 started.append("mlflow")
                 pending["mlflow"] = (proc, lambda r=rec: _mlflow_healthy(r["url"]), rec["url"], rec["log_path"])
             for name in pending:
-                if last[name] and recs[name]["port"] != last[name] and not _port_free(settings.host, last[name]):
-                    # MLflow moved off 5000 silently (a trial); a port newly set in settings is no news
-                    tell(f"{name}: its last port {last[name]} is taken by another process, so it is on "
-                         f"{recs[name]['port']} now: links to the old port (e.g. earlier runs' MLflow links) "
-                         "no longer reach this stack")
-                else:
-                    _configured_port_taken(settings, name, recs[name]["port"], tell)
+                _say_port_moved(settings, name, recs[name]["port"], tell, last[name])
             if pending:
                 save()
                 _wait_healthy(pending, settings.startup_timeout_s)

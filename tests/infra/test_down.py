@@ -110,6 +110,9 @@ def test_second_stack_on_taken_ports_stops_completely(settings_factory, tmp_path
         assert s3.healthy and s3.detail == ("started by an earlier paperline with its master's and gRPC ports open to "
                                             "every local user: the next `paperline up` or run restarts it with them "
                                             "closed"), s3
+        # ... and a new S3 key pair (its file deleted): MLflow kept the old one, and every artifact
+        # it stored failed while `status` said healthy (a trial)
+        (settings.state_dir / "s3" / "credentials.json").unlink()
         notices: list[str] = []
         s3_pid = info.service("s3").pid
         prefect_login = info.prefect_login
@@ -123,6 +126,12 @@ def test_second_stack_on_taken_ports_stops_completely(settings_factory, tmp_path
         for name in ("prefect", "mlflow"):
             assert [n for n in notices if n.startswith(f"{name}: restarting its server") and "restart any "
                     "`paperline serve` or `paperline worker`" in n], notices
+        assert [n for n in notices if n.startswith("mlflow: restarting its server") and "for the S3 key pair it "
+                "stores artifacts with, which is not the one it was started with" in n], notices
+        user, _, password = info.mlflow_login.partition(":")
+        stored = httpx.put(f"{info.mlflow_tracking_uri}/api/2.0/mlflow-artifacts/artifacts/checks/key.txt",
+                           content=b"stored with the new key pair", auth=(user, password), timeout=60)
+        assert stored.status_code == 200, stored.text[-2000:]
         assert all(s.healthy for s in stack_status(settings))
         logins = info.prefect_login, info.mlflow_login
         assert httpx.get(f"{info.mlflow_tracking_uri}/api/2.0/mlflow/experiments/search").status_code == 401
@@ -159,7 +168,7 @@ def test_second_stack_on_taken_ports_stops_completely(settings_factory, tmp_path
             worker.kill()
             worker.wait()
         # `down` said nothing of the serve or worker attached to the stack, which went on silently (trials)
-        assert code == 0 and "stopped: s3, prefect, mlflow" in out, out
+        assert code == 0 and f"stopped the stack in {settings.state_dir}: s3, prefect, mlflow" in out, out
         assert "`paperline serve` (pid 4242) keeps running without its stack: it serves again after the next " \
                "`paperline up`" in out, out
         assert f"`paperline worker` (pid {worker.pid}) keeps running without its stack: it takes runs again after " \
@@ -354,3 +363,85 @@ def test_two_stacks_started_at_once_on_the_same_preferred_ports_both_start(setti
                 p.wait()
         for s in (one, two):
             stop_stack(s)
+
+
+def test_a_moved_port_is_said_for_a_default_a_setting_and_a_last_port(tmp_path, free_port, monkeypatch):
+    """A stack's first start on a machine whose default port was taken came up elsewhere with a
+    word only in its URL table (a trial); a port set in the settings and the port of the stack's
+    last start, when taken, are said too; a port that was simply free is no news."""
+    from paperline.infra.settings import Settings
+    from paperline.infra.stack import _say_port_moved
+
+    for name in ("S3", "PREFECT", "MLFLOW"):
+        monkeypatch.delenv(f"PAPERLINE_{name}_PORT", raising=False)
+    said: list[str] = []
+    held = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    held.bind(("127.0.0.1", 0))
+    held.listen(1)
+    taken = held.getsockname()[1]
+    try:
+        defaults = Settings(state_dir=tmp_path, host="127.0.0.1")  # prefect_port not set: its default
+        _say_port_moved(defaults, "prefect", 41001, said.append, None)
+        assert said == [f"prefect: port {defaults.prefect_port} (the default; PAPERLINE_PREFECT_PORT sets another) "
+                        "is taken by another process, so it is on 41001"]
+        said.clear()
+        _say_port_moved(defaults, "prefect", defaults.prefect_port, said.append, None)  # got its default
+        _say_port_moved(defaults, "prefect", 41001, said.append, free_port())  # a free last port: moved by a setting
+        assert said == []
+        _say_port_moved(defaults, "mlflow", 41002, said.append, taken)
+        assert said == [f"mlflow: its last port {taken} is taken by another process, so it is on 41002 now: links "
+                        "to the old port (e.g. earlier runs' MLflow links) no longer reach this stack"]
+        said.clear()
+        asked = Settings(state_dir=tmp_path, host="127.0.0.1", s3_port=taken)
+        _say_port_moved(asked, "s3", 41003, said.append, None)
+        assert said == [f"s3: port {taken} (PAPERLINE_S3_PORT) is taken by another process, so it is on 41003"]
+    finally:
+        held.close()
+
+
+@pytest.mark.parametrize("text, fragment", [('{"prefect": "abc", "mlflow', "JSONDecodeError"),
+                                            ('{"prefect": "abc"}', "ValueError"),
+                                            ('[4200]', "expected a JSON object, not list")])
+def test_a_damaged_ports_file_is_said_and_counts_as_empty(tmp_path, text, fragment):
+    """A damaged ports.json was dropped silently and the stack came back on other ports, every
+    link printed before pointing at the old ones (a trial)."""
+    from paperline.infra.stack import _read_ports
+
+    path = tmp_path / "ports.json"
+    assert _read_ports(path) == ({}, None)  # a first start: nothing to say
+    path.write_text('{"prefect": 4201, "mlflow": "5001"}')
+    assert _read_ports(path) == ({"prefect": 4201, "mlflow": 5001}, None)
+    path.write_text(text)
+    ports, problem = _read_ports(path)
+    assert ports == {} and problem.startswith(f"{path} is unreadable (") and fragment in problem, problem
+    assert "its servers may come up on other ports" in problem
+
+
+def test_a_damaged_key_pair_file_or_database_record_is_named(tmp_path, settings_factory):
+    """An empty s3/credentials.json stopped every command with "JSONDecodeError: Expecting value",
+    and bytes that are no text in prefect/database stopped `up` with a UnicodeDecodeError; garbage
+    there was said to be the database the server "used before" (trials)."""
+    from paperline.infra.errors import ServiceError
+    from paperline.infra.stack import _local_s3_credentials, _note_database
+
+    settings = settings_factory(tmp_path / "state")
+    key, secret = _local_s3_credentials(settings)  # made once
+    assert _local_s3_credentials(settings) == (key, secret)
+    creds = settings.state_dir / "s3" / "credentials.json"
+    for text in ("", '{"access_key_id": "k"}', '{"access_key_id": "", "secret_access_key": "s"}'):
+        creds.write_text(text)
+        with pytest.raises(ServiceError, match=rf"the S3 key pair file {re.escape(str(creds))} is unreadable \(\w+"):
+            _local_s3_credentials(settings)
+    said: list[str] = []
+    record = settings.state_dir / "prefect" / "database"
+    record.parent.mkdir(parents=True, exist_ok=True)
+    for content in (b"\xff\xfe", b"garbage"):
+        record.write_bytes(content)
+        assert _note_database(settings, "prefect", said.append).startswith("sqlite://")
+    assert said == [f"prefect: {record} does not hold a database URL (<UnicodeDecodeError>): ignored, and written "
+                    "anew once the server has started",
+                    f"prefect: {record} does not hold a database URL ('garbage'): ignored, and written anew once "
+                    "the server has started"], said
+    record.write_text("postgresql://db:5432/prefect\n")  # a whole record of another database: said as before
+    _note_database(settings, "prefect", said.append)
+    assert "used postgresql://db:5432/prefect before" in said[-1], said

@@ -210,7 +210,8 @@ def test_a_login_file_is_made_once_and_an_edited_one_is_refused(settings_factory
     assert _local_login(settings, "prefect", create=True) not in (None, login)
     for bad in ("s3cret-without-user\n", ":s3cret\n", "alice:\n", "alice:s3cret\nmore\n"):
         path.write_text(bad)
-        with pytest.raises(PaperlineError, match="holds no login .*; delete it to make a new one") as err:
+        with pytest.raises(PaperlineError, match="^prefect: its login file .* holds no login .*; delete it to make a "
+                                                 "new one") as err:
             _local_login(settings, "prefect", create=True)
         assert str(path) in str(err.value) and "s3cret" not in str(err.value)
         assert login_problem(settings, "prefect").endswith("holds no login (`user:password` on one line): "
