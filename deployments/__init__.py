@@ -1,6 +1,44 @@
-"""Deployment presets per flow (parameters, schedules, work pools); see ``prefect.yaml``.
+"""The deployments of paperline's pipelines.
 
-The serve entry point and schedules arrive with the deployments issue; until then
-``prefect.yaml`` lists one deployment per flow and ``tests/test_layout.py`` checks that every
-entrypoint in it loads as a Prefect flow.
+Two sets, with the same parameters and schedules (``flows/pipelines.py``: each pipeline's
+``cron`` and ``deployment_params``; ``tests/test_layout.py`` checks they agree):
+
+- ``<flow>/local``, one per pipeline, built here by :func:`local_deployments` and served by
+  ``paperline serve`` from its own process (no work pool; one machine);
+- ``<flow>/<flow>``, one per pipeline in ``prefect.yaml``, for ``prefect deploy --all`` against
+  the stack, executed by ``paperline worker --pool cpu|gpu`` (work pools ``paperline-cpu`` and
+  ``paperline-gpu``, made by ``paperline up``).
 """
+
+from __future__ import annotations
+
+from typing import Any
+
+
+def local_deployments(data_bucket: str, paused: set[str]) -> list[Any]:
+    """The ``<flow>/local`` deployment of every pipeline, as `paperline serve` serves them.
+
+    Args:
+        data_bucket: the stack's data bucket, for the parameters that name S3 locations.
+        paused: ``"<flow>/local"`` names whose schedule (UTC cron, slug ``<pipeline>-schedule``)
+            is made inactive (as a stopped serve left them).
+
+    Returns:
+        One Prefect ``RunnerDeployment`` per pipeline, in name order: the flow run by module path,
+        one run at a time (``concurrency_limit=1``), tagged ``paperline`` and the pipeline's name.
+    """
+    from prefect.deployments.runner import EntrypointType
+    from prefect.schedules import Cron
+
+    from paperline.flows.pipelines import get_pipeline, pipeline_names
+
+    deployments = []
+    for name in pipeline_names():
+        spec = get_pipeline(name)
+        schedule = Cron(spec.cron, timezone="UTC", slug=f"{name}-schedule",
+                        active=f"{spec.flow.name}/local" not in paused) if spec.cron else None
+        deployments.append(spec.flow.to_deployment(  # "<flow>/local": apart from prefect.yaml's work-pool ones
+            name="local", description=spec.description or None, tags=["paperline", name],
+            schedules=[schedule] if schedule else None, parameters=spec.deployment_params(data_bucket),
+            concurrency_limit=1, entrypoint_type=EntrypointType.MODULE_PATH))
+    return deployments

@@ -216,10 +216,14 @@ def down() -> None:
     workers = local_worker_pids(info.prefect_api_url, info.prefect_login) if info is not None else []
     if running:  # stopped under a run, the run failed minutes later with a bare ConnectError (a trial)
         console.print(f"[yellow]stopping the stack under {len(running)} Running flow run(s): {', '.join(running)}; "
-                      "each fails when it next reports to Prefect, and the next `paperline up` marks it Crashed[/]",
+                      "each fails when it next reports to Prefect unless the stack is back by then (`paperline "
+                      "up`: a run that reconnects goes on), and one that failed is marked Crashed by the next `up`[/]",
                       soft_wrap=True)
     stopped = stop_stack(settings)
-    console.print(f"stopped: {', '.join(stopped)}" if stopped else "nothing to stop")
+    # which stack: a `down` in a shell without the PAPERLINE_STATE_DIR of the stack meant stopped
+    # another one (the default directory's), and "stopped: s3, prefect, mlflow" read as this one's (a trial)
+    console.print(f"stopped the stack in {settings.state_dir}: {', '.join(stopped)}" if stopped
+                  else f"nothing to stop in {settings.state_dir}", soft_wrap=True, highlight=False)
     serving = serve_lock_holder(settings.state_dir)
     if serving is not None and stopped:  # it went on silently (one websocket warning in its log: a trial)
         console.print(f"`paperline serve` (pid {serving}) keeps running without its stack: it serves again after the "
@@ -756,12 +760,16 @@ def _prefect_gone(exc: BaseException, info: Any) -> Exception | None:
     """The error for a Prefect server that stopped answering during a run (killed, or `paperline
     down` run meanwhile): after Prefect's client had retried for minutes the run ended in
     ``ConnectError: [Errno 111] Connection refused``, naming neither the server nor what to do (a
-    trial). None when ``exc`` is not a connection error to ``info``'s Prefect server."""
+    trial); so did Prefect's client, checking the server's version as a run started, with
+    ``RuntimeError: Failed to reach API at ...`` (raised from the connection error: `down` run as a
+    run started, a trial). None when ``exc`` is not a connection error to ``info``'s Prefect server."""
     import httpx
 
     from paperline.infra.errors import ServiceError
     from paperline.infra.stack import same_endpoint
 
+    if isinstance(exc, RuntimeError) and str(exc).startswith("Failed to reach API at "):
+        exc = exc.__cause__ or exc
     if not isinstance(exc, httpx.TransportError):
         return None
     with contextlib.suppress(RuntimeError):  # an error without its request
@@ -881,6 +889,7 @@ def serve() -> None:
 
     from prefect import serve as prefect_serve
 
+    from paperline.deployments import local_deployments
     from paperline.infra.cluster import require_scheduler
     from paperline.infra.errors import redact_url
     from paperline.infra.flow_runs import watch_flow_runs
@@ -899,13 +908,22 @@ def serve() -> None:
         # (the environment first: PREFECT_API_URL alone, as this said before, got a 401 once the
         # local Prefect required its login, a trial)
         console.print(f"trigger them from {redact_url(info.prefect_ui_url.rstrip('/'))}/deployments or, in a shell, "
-                      "with `eval \"$(paperline env)\"` (the stack's URLs and logins) then `prefect deployment run "
-                      "gemm/local --params '{\"params\": {\"m\": 512}}'`; Ctrl-C stops serving",
-                      soft_wrap=True, highlight=False, markup=False)
+                      f"with `eval \"$({_on_path('paperline')} env)\"` (the stack's URLs and logins) then "
+                      f"`{_on_path('prefect')} deployment run gemm/local --params '{{\"params\": {{\"m\": 512}}}}'`; "
+                      "Ctrl-C stops serving", soft_wrap=True, highlight=False, markup=False)
         # on stopping, a run it was executing, or had claimed and not started, is marked Crashed
         with watch_flow_runs("paperline serve", report=_say, deployments=names), _sigterm_as_ctrl_c():
             try:
-                prefect_serve(*deployments, print_starting_message=False)
+                try:
+                    prefect_serve(*deployments, print_starting_message=False)
+                except Exception as exc:
+                    # Prefect's runner raises only as it stops, when its goodbye to the server fails:
+                    # a serve stopped after `paperline down` ended "error: ConnectError: All connection
+                    # attempts failed", exit 1 (a trial); what was left undone is said below
+                    if _prefect_gone(exc, info) is None:
+                        raise
+                    _say(f"stopped serving; its Prefect server at {redact_url(info.prefect_ui_url)} is not answering "
+                         f"({type(exc).__name__}: {exc}): `paperline status` shows what is down")
             finally:
                 _pause_served(names)
 
@@ -917,24 +935,18 @@ def served_names() -> list[str]:
     return [f"{get_pipeline(name).flow.name}/local" for name in pipeline_names()]
 
 
-def local_deployments(data_bucket: str, paused: set[str]) -> list[Any]:
-    """The ``<flow>/local`` deployment of every pipeline, as `paperline serve` serves them: its
-    schedule (UTC cron, slug ``<pipeline>-schedule``) inactive where ``paused`` names it."""
-    from prefect.deployments.runner import EntrypointType
-    from prefect.schedules import Cron
+def _on_path(command: str) -> str:
+    """``command`` as a shell finds it: its bare name when ``PATH`` leads to this environment's
+    own, else its path in this environment (``.venv/bin/...``: the README's commands, which a
+    shell without the venv activated does not find by name; a trial). A command this environment
+    lacks stays bare."""
+    import shutil
 
-    from paperline.flows.pipelines import get_pipeline, pipeline_names
-
-    deployments = []
-    for name in pipeline_names():
-        spec = get_pipeline(name)
-        schedule = Cron(spec.cron, timezone="UTC", slug=f"{name}-schedule",
-                        active=f"{spec.flow.name}/local" not in paused) if spec.cron else None
-        deployments.append(spec.flow.to_deployment(  # "<flow>/local": apart from prefect.yaml's work-pool ones
-            name="local", description=spec.description or None, tags=["paperline", name],
-            schedules=[schedule] if schedule else None, parameters=spec.deployment_params(data_bucket),
-            concurrency_limit=1, entrypoint_type=EntrypointType.MODULE_PATH))
-    return deployments
+    here = Path(sys.executable).parent / command
+    if not here.exists():
+        return command
+    found = shutil.which(command)
+    return command if found and Path(found).resolve() == here.resolve() else str(here)
 
 
 SERVE_POLLED_WITHIN_S = 30.0  # three of a serve's 10-s polls (Prefect's PREFECT_RUNNER_POLL_FREQUENCY)
@@ -1065,8 +1077,8 @@ def _serve_lock(state_dir: Path) -> Any:
         other = f.read().strip() or "?"
         f.close()
         raise PaperlineError(f"another `paperline serve` (pid {other}) already serves this stack's deployments "
-                             f"(state directory {state_dir}); stop it first (Ctrl-C): two would pause each other's "
-                             "schedules when one stops") from None
+                             f"(state directory {state_dir}); stop it first (Ctrl-C in its terminal, or "
+                             f"`kill {other}`): two would pause each other's schedules when one stops") from None
     f.seek(0)
     f.truncate()
     f.write(f"{os.getpid()}\n")

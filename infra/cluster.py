@@ -328,7 +328,7 @@ def describe_cluster(settings: Settings) -> str:
         n = f"{settings.n_workers} workers" if settings.n_workers else "one worker per GPU"
         return f"local CUDA cluster (dask_cuda.LocalCUDACluster, {n}, 127.0.0.1)"
     n = settings.n_workers or os.cpu_count() or 1
-    return f"local CPU cluster ({n} single-threaded worker processes, 127.0.0.1)"
+    return f"local CPU cluster ({n} single-threaded worker process{'es' if n != 1 else ''}, 127.0.0.1)"
 
 
 def require_scheduler(settings: Settings, timeout_s: float = 5.0) -> int | None:

@@ -796,6 +796,12 @@ def test_a_prefect_server_gone_during_a_run_is_named():
     elsewhere = httpx.ConnectError("refused", request=httpx.Request("GET", "http://127.0.0.1:5000/health"))
     assert _prefect_gone(elsewhere, info) is None
     assert _prefect_gone(ValueError("x"), info) is None
+    # `down` as a run started: Prefect's version check raised "RuntimeError: Failed to reach API at ..." (a trial)
+    try:
+        raise RuntimeError("Failed to reach API at http://127.0.0.1:4200/api/") from refused
+    except RuntimeError as exc:
+        assert "the server stopped answering during the run (ConnectError" in str(_prefect_gone(exc, info))
+    assert _prefect_gone(RuntimeError("Failed to reach API at http://127.0.0.1:4200/api/"), info) is None
 
 
 def test_exit_hooks_that_hang_are_cut_short():
@@ -1097,3 +1103,44 @@ def test_an_error_a_ctrl_c_became_before_the_flow_run_ends_the_run_as_the_interr
         signal.signal(signal.SIGINT, previous)
     said = "interrupted before the flow run started: nothing ran" in capsys.readouterr().out
     assert said == interrupted
+
+
+def test_a_printed_command_is_one_the_shell_finds(monkeypatch, tmp_path):
+    """`serve` printed `paperline env` and `prefect deployment run ...` to a user whose shell finds
+    neither (the README runs .venv/bin/paperline; a trial): the venv's path unless PATH leads there."""
+    from paperline.flows.cli import _on_path
+
+    venv_bin = Path(sys.executable).parent
+    monkeypatch.setenv("PATH", str(tmp_path))
+    assert _on_path("prefect") == str(venv_bin / "prefect")
+    monkeypatch.setenv("PATH", f"{venv_bin}{os.pathsep}{tmp_path}")
+    assert _on_path("prefect") == "prefect"
+    assert _on_path("no-such-command-here") == "no-such-command-here"
+
+
+def test_serve_stopped_after_its_prefect_server_went_away_says_so_and_exits_0(stack, stack_cli, monkeypatch):
+    """A serve stopped after `paperline down`: Prefect's runner, failing its goodbye to the gone
+    server as it stopped, raised, and serve ended "error: ConnectError: All connection attempts
+    failed", exit 1 (a trial). Any other error from the runner is still an error."""
+    import httpx
+    import prefect
+
+    _, info = stack
+    gone = httpx.ConnectError("All connection attempts failed",
+                              request=httpx.Request("POST", f"{info.prefect_api_url}/deployments/x/pause_deployment"))
+    monkeypatch.setattr("paperline.flows.cli.served_elsewhere", lambda names: None)  # a module's serve may have polled
+
+    def runner_raising(error):
+        def serve(*deployments, **kwargs):
+            assert len(deployments) == 5
+            raise error
+        return serve
+
+    monkeypatch.setattr(prefect, "serve", runner_raising(gone))
+    result = stack_cli("serve")
+    text = " ".join(result.output.split())
+    assert result.exit_code == 0, text
+    assert (f"stopped serving; its Prefect server at {info.prefect_ui_url} is not answering (ConnectError: All "
+            "connection attempts failed): `paperline status` shows what is down") in text
+    monkeypatch.setattr(prefect, "serve", runner_raising(ValueError("a runner fault")))
+    assert_one_line_error(stack_cli("serve"), "ValueError: a runner fault")

@@ -72,8 +72,12 @@ def test_the_readme_command_line_triggers_a_run(served, cli_env, wait_for_flow_r
     params = '{"params": {"m": 64, "n": 48, "k": 40, "tile": 32, "scaling": false}}'
     script = f"eval \"$({py} -m paperline.flows.cli env)\" && {py} -m prefect deployment run gemm/local --params '{params}'"
     # what `serve` prints says the same (it said PREFECT_API_URL=... alone, a 401 with the login: a trial)
-    assert "in a shell, with `eval \"$(paperline env)\"` (the stack's URLs and logins) then `prefect deployment run " \
-        "gemm/local" in " ".join(log.read_text().split())
+    # ... with commands the serve's shell finds (the venv's paths unless its PATH leads there: a trial)
+    from paperline.flows.cli import _on_path
+
+    said = " ".join(log.read_text().split())
+    assert f"in a shell, with `eval \"$({_on_path('paperline')} env)\"` (the stack's URLs and logins) then " \
+        f"`{_on_path('prefect')} deployment run gemm/local" in said, said[-3000:]
     with get_client(sync_client=True) as client:
         _deployment(client, "gemm/local", proc, log)
     out = subprocess.run(["bash", "-c", script], env=env, capture_output=True, text=True, timeout=180)
@@ -201,7 +205,8 @@ def test_a_schedule_paused_in_the_ui_stays_paused_when_serve_serves_again(served
     UI's toggle pauses it, then the deployments as a restarted serve applies them."""
     from prefect.client.orchestration import get_client
 
-    from paperline.flows.cli import local_deployments, paused_schedules, served_names
+    from paperline.deployments import local_deployments
+    from paperline.flows.cli import paused_schedules, served_names
 
     info, proc, log = served
     with get_client(sync_client=True) as client:
