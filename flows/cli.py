@@ -260,7 +260,10 @@ def status() -> None:
     console.print(f"Dask: {describe_cluster(settings)}{shown}" if dask_down is None else
                   f"[red]Dask: {escape(dask_down)}[/]", highlight=False, soft_wrap=True)
     prefect = next((s for s in services if s.name == "prefect"), None)
-    info = load_stack_info(settings) if prefect is not None and prefect.healthy else None
+    try:
+        info = load_stack_info(settings) if prefect is not None and prefect.healthy else None
+    except ServiceError:  # (a damaged S3 key pair file: its row says so, and the lines below)
+        info = None
     if info is not None:  # who executes the deployments' runs: nothing said so, and runs waited Scheduled
         for line in deployment_status(info.prefect_api_url, info.prefect_login, settings.state_dir):
             console.print(line, highlight=False, soft_wrap=True)

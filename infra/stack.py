@@ -930,16 +930,24 @@ def _local_s3_credentials(settings: Settings) -> tuple[str, str]:
     if not path.exists():
         creds = {"access_key_id": "pl" + secrets.token_hex(9), "secret_access_key": secrets.token_hex(24)}
         _write_atomic(path, json.dumps(creds) + "\n", mode=0o600)
+    pair, problem = _read_key_pair(path)
+    if pair is None:  # every command said "JSONDecodeError: ..." (a trial)
+        raise ServiceError("s3", problem or f"{path} holds no key pair")
+    return pair
+
+
+def _read_key_pair(path: Path) -> tuple[tuple[str, str] | None, str | None]:
+    """``((key, secret), None)`` from the local S3 key pair file, or ``(None, why not)``: the file
+    is unreadable or damaged (``why`` names it and the fix, never its content)."""
     try:
         creds = json.loads(path.read_text())
         key, secret = creds["access_key_id"], creds["secret_access_key"]
         if not (isinstance(key, str) and isinstance(secret, str) and key and secret):
             raise ValueError("access_key_id and secret_access_key must be non-empty strings")
-    except (OSError, ValueError, KeyError, TypeError) as exc:  # every command said "JSONDecodeError: ..." (a trial)
-        raise ServiceError("s3", f"the S3 key pair file {path} is unreadable ({type(exc).__name__}: {exc}); delete it "
-                                 "and run `paperline up`: a new pair is made and the servers restart on it (the "
-                                 "objects stay)") from None
-    return key, secret
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        return None, (f"the S3 key pair file {path} is unreadable ({type(exc).__name__}: {exc}); delete it and run "
+                      "`paperline up`: a new pair is made and the servers restart on it (the objects stay)")
+    return (key, secret), None
 
 
 def _s3_credentials(settings: Settings) -> tuple[str | None, str | None]:
@@ -2073,6 +2081,7 @@ def stack_status(settings: Settings) -> list[Service]:
         recs = {}
     key: str | None
     secret: str | None
+    key_problem = None  # a damaged key pair file: said in the s3 row (`status` ended in one error line)
     try:
         if external["s3"]:
             key, secret = _s3_credentials(settings)
@@ -2081,7 +2090,8 @@ def stack_status(settings: Settings) -> list[Service]:
             if settings.s3_access_key_id and settings.s3_secret_access_key:
                 key, secret = settings.s3_access_key_id, settings.s3_secret_access_key.get_secret_value()
             elif cred_path.exists():
-                key, secret = _local_s3_credentials(settings)
+                pair, key_problem = _read_key_pair(cred_path)
+                key, secret = pair or (None, None)
             else:
                 key = secret = None
     except (OSError, ValueError, KeyError):
@@ -2111,6 +2121,8 @@ def stack_status(settings: Settings) -> list[Service]:
             healthy = check(name, rec["url"]) is None
             # up, but its clients' login is not the server's: they get 401s (`status` said healthy)
             problem = login_problem(settings, name, rec["url"]) if healthy and name in LOGIN_FILES else None
+            if name == "s3" and key_problem:
+                healthy, problem = False, key_problem
             database = rec.get("database")
             url = _database_url(settings, name) if name in DATABASE_VARIABLES else None
             wanted = database_label(url) if url is not None else None

@@ -112,7 +112,11 @@ def test_second_stack_on_taken_ports_stops_completely(settings_factory, tmp_path
                                             "closed"), s3
         # ... and a new S3 key pair (its file deleted): MLflow kept the old one, and every artifact
         # it stored failed while `status` said healthy (a trial)
-        (settings.state_dir / "s3" / "credentials.json").unlink()
+        creds = settings.state_dir / "s3" / "credentials.json"
+        creds.write_text("{")  # damaged first: `status` says so in the s3 row (it ended in one error line)
+        s3 = stack_status(settings)[0]
+        assert not s3.healthy and s3.problem.startswith(f"the S3 key pair file {creds} is unreadable"), s3
+        creds.unlink()
         notices: list[str] = []
         s3_pid = info.service("s3").pid
         prefect_login = info.prefect_login
@@ -432,6 +436,10 @@ def test_a_damaged_key_pair_file_or_database_record_is_named(tmp_path, settings_
         creds.write_text(text)
         with pytest.raises(ServiceError, match=rf"the S3 key pair file {re.escape(str(creds))} is unreadable \(\w+"):
             _local_s3_credentials(settings)
+    from paperline.infra.stack import stack_status
+
+    (s3,) = [s for s in stack_status(settings) if s.name == "s3"]  # `status` says it in the s3 row
+    assert not s3.healthy and s3.url == "(not running)"  # (nothing runs here: the row of a stopped server)
     said: list[str] = []
     record = settings.state_dir / "prefect" / "database"
     record.parent.mkdir(parents=True, exist_ok=True)
