@@ -367,6 +367,32 @@ def orphan_sweeper() -> Callable[[Path], list[Path]]:
     return stop_orphaned_stacks
 
 
+@pytest.fixture(scope="session", autouse=True)
+def default_state_dir(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
+    """``PAPERLINE_STATE_DIR`` for the session: a directory of its own, never the user's
+    ~/.paperline. A test that ran the CLI in this process without pointing it at the session
+    stack started a stack in ~/.paperline (CI, 2026-12-05), whose login then went to the session
+    stack's MLflow from this process (401s in later tests) and whose servers outlived the run. A
+    stack started here is stopped at the end, and the session fails, naming the directory."""
+    from paperline.infra.settings import get_settings
+    from paperline.infra.stack import stop_stack
+
+    path = tmp_path_factory.mktemp("default-state")
+    before = os.environ.get("PAPERLINE_STATE_DIR")
+    os.environ["PAPERLINE_STATE_DIR"] = str(path)
+    get_settings.cache_clear()
+    yield path
+    if before is None:
+        os.environ.pop("PAPERLINE_STATE_DIR", None)
+    else:
+        os.environ["PAPERLINE_STATE_DIR"] = before
+    get_settings.cache_clear()
+    if (path / "stack.json").exists():
+        stopped = stop_stack(isolated_settings(path))
+        pytest.fail(f"a test started a stack in the default state directory {path} (stopped: {stopped}): point it "
+                    "at the session stack (the stack_cli or cli_env fixtures) or a tmp_path of its own")
+
+
 @pytest.fixture(scope="session")
 def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Settings, object]]:
     """A real local stack (SeaweedFS, Prefect, MLflow) for the whole test session, in a temporary

@@ -56,7 +56,9 @@ def test_a_console_script_run_freezes_start_up_and_collects_during_the_flow(stac
 
     from paperline.flows import cli
     from paperline.infra import heap
+    from paperline.infra.settings import get_settings
 
+    settings, _ = stack
     seen: dict[str, bool] = {}
 
     def freeze() -> None:
@@ -68,6 +70,10 @@ def test_a_console_script_run_freezes_start_up_and_collects_during_the_flow(stac
         return {"table": {"columns": ["x"], "title": "probe", "rows": [[1]]}, "lines": [],
                 "prefect_flow_run_url": "-", "mlflow_run_url": "-"}
 
+    # the session stack's, not the default state directory's (that started a stack in ~/.paperline,
+    # whose login the next tests of this process then sent to the session stack's MLflow: 401s)
+    monkeypatch.setenv("PAPERLINE_STATE_DIR", str(settings.state_dir))
+    get_settings.cache_clear()
     monkeypatch.setattr(gc, "freeze", freeze)
     monkeypatch.setitem(heap._STATE, "frozen", False)
     monkeypatch.setitem(cli._state, "own_process", True)
@@ -77,9 +83,11 @@ def test_a_console_script_run_freezes_start_up_and_collects_during_the_flow(stac
     try:
         with cli._startup_gc_paused():
             assert not gc.isenabled()
-            cli._run_one(spec, {}, None)
+            summary = cli._run_one(spec, {}, None)
     finally:
         gc.enable()
+        get_settings.cache_clear()
+    assert summary["table"]["title"] == "probe"
     assert seen == {"collector_on_at_freeze": False, "collector_on_in_flow": True}
     assert heap.frozen()
     with cli._startup_gc_paused():  # once frozen, a second run in the same process (demo) is not paused
