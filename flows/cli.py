@@ -22,6 +22,7 @@ from typer.core import TyperArgument, TyperCommand, TyperGroup, TyperOption
 
 from paperline.infra.errors import PaperlineError
 from paperline.infra.worker_exit import short_event_failure
+from paperline.kernels.errors import ClusterLost
 from paperline.kernels.errors import InputError as KernelInputError
 
 def _plain_types(params: list[Any]) -> list[Any]:
@@ -88,7 +89,7 @@ def _friendly(fn: Callable[..., Any]) -> Callable[..., Any]:
         except Exception as exc:  # noqa: BLE001 - the CLI's one place to turn errors into a line
             if _state["debug"]:
                 raise
-            known = isinstance(exc, (PaperlineError, KernelInputError))
+            known = isinstance(exc, (PaperlineError, KernelInputError, ClusterLost))
             msg = str(exc) if known else f"{type(exc).__name__}: {exc}"
             refused = None if known else _unauthorized(exc)
             if refused:  # a bare 401 said nothing of why (a trial: the stack's login made anew under `serve`)

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import contextlib
 import math
 import numbers
+import weakref
 
 
 class InputError(ValueError):
@@ -81,3 +83,31 @@ def check_number(argument: str, value: object, *, low: float | None = None, high
     if high is not None and (number > high or (high_open and number == high)):
         raise InputError(argument, value, wanted)
     return number
+
+
+_SCHEDULER_ADDRESS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # client -> its scheduler's address
+
+
+class ClusterLost(ConnectionError):
+    """The Dask scheduler a run's client was connected to went away (killed, its machine lost):
+    Dask then reports no workers at all, and a run failed with ``KeyError: 'workers'`` (a trial)."""
+
+
+def scheduler_workers(client: object) -> list[str]:
+    """The addresses of the workers ``client``'s Dask scheduler knows now, sorted.
+
+    Raises:
+        ClusterLost: the client has lost its scheduler (``scheduler_info`` without ``workers``),
+            naming the scheduler's address.
+    """
+    info = client.scheduler_info(n_workers=-1)  # type: ignore[attr-defined]
+    if "address" in info:
+        with contextlib.suppress(TypeError):  # (a client that takes no weak reference: its address unknown later)
+            _SCHEDULER_ADDRESS[client] = info["address"]  # (a client that lost it knows it no more)
+    if "workers" not in info:
+        address = (getattr(getattr(client, "scheduler", None), "address", None)
+                   or _SCHEDULER_ADDRESS.get(client, "(unknown)"))
+        raise ClusterLost(f"the Dask scheduler at {address} went away during the run (the run's client lost it: "
+                          f"{getattr(client, 'status', '?')}); `paperline status` checks the configured one, and "
+                          "the same command runs again once it is back")
+    return sorted(info["workers"])

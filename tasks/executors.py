@@ -6,6 +6,7 @@ from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from typing import Any
 
+from paperline.kernels.errors import scheduler_workers
 from paperline.kernels.tensor.p2t2f import SerialExecutor
 
 
@@ -23,7 +24,7 @@ class DaskExecutor:
     def __init__(self, client: Any):
         self.client = client
         wait_for_cluster(client)
-        self.workers = sorted(client.scheduler_info(n_workers=-1)["workers"])
+        self.workers = scheduler_workers(client)
         if not self.workers:
             from paperline.infra.errors import ServiceError
 
@@ -62,7 +63,7 @@ def wait_for_cluster(client: Any, timeout_s: float = 120.0) -> None:
     spec = getattr(getattr(client, "cluster", None), "worker_spec", None)
     if spec:
         client.wait_for_workers(len(spec), timeout=timeout_s)
-    elif not client.scheduler_info(n_workers=-1)["workers"]:
+    elif not scheduler_workers(client):
         print(f"waiting for a worker to join the Dask scheduler at {client.scheduler.address} "
               "(`dask worker ADDRESS`, or your cluster's scaling)")
         client.wait_for_workers(1)

@@ -18,7 +18,7 @@ from prefect import task
 from prefect.cache_policies import INPUTS, TASK_SOURCE
 
 from paperline.infra.storage import ObjectStore
-from paperline.kernels.errors import InputError
+from paperline.kernels.errors import InputError, scheduler_workers
 from paperline.kernels.train.ddp import TrainConfig, train_rank
 from paperline.tasks.retry import HOUR
 from paperline.tasks.versions import sources_sha256
@@ -106,6 +106,39 @@ class RankFailed(RuntimeError):
 ONE_RANK_PER_WORKER = ("one rank runs per worker: lower world_size, or give the cluster more workers "
                        "(PAPERLINE_N_WORKERS for the local cluster, default one per core; more `dask worker` "
                        "processes for a scheduler of your own)")
+WORKER_RETURN_S = 60.0  # how long a restart waits for the workers a failure took (a nanny restarts one in ~1 s)
+
+
+def rank_workers(client: Any, world_size: int, label: str, *, restart: bool,
+                 wait_s: float = WORKER_RETURN_S) -> list[str]:
+    """The addresses of the ``world_size`` Dask workers the ranks run on (one each, the first by
+    address).
+
+    On a restart after a failure, too few workers means the failure took one: the restart waits up
+    to ``wait_s`` seconds for it to come back (a killed worker's nanny starts a new one within a
+    second; the restart checked at once, refused itself as "world_size=2: larger than the number of
+    Dask workers (1)", bad input, and the run failed: a trial).
+
+    Raises:
+        InputError: on the first attempt, more ranks than workers.
+        RankFailed: on a restart, still too few workers after ``wait_s`` seconds.
+    """
+    workers = scheduler_workers(client)
+    if world_size <= len(workers):
+        return workers[:world_size]
+    if not restart:
+        raise InputError("world_size", world_size, f"larger than the number of Dask workers ({len(workers)}); "
+                                                   + ONE_RANK_PER_WORKER)
+    print(f"{label}: {len(workers)} of the {world_size} Dask workers the ranks need are left after the failure; "
+          f"waiting up to {wait_s:.0f} s for the lost one(s) to come back")
+    try:
+        client.wait_for_workers(world_size, timeout=wait_s)
+    except TimeoutError:
+        now = len(scheduler_workers(client))
+        raise RankFailed(f"{label}: a rank's Dask worker was lost and did not come back within {wait_s:.0f} s "
+                         f"({now} of the {world_size} workers the ranks need): start another worker and run the "
+                         "same command again, which resumes from the last checkpoint") from None
+    return scheduler_workers(client)[:world_size]
 
 
 @task(name="compressed-train", cache_policy=(INPUTS - "store" - "max_restarts" - "timeout_s") + TASK_SOURCE,
@@ -146,11 +179,7 @@ def train_ranks(cfg: dict[str, Any], world_size: int, store: ObjectStore, prefix
     resumed: list[int | None] = []
     for attempt in range(max_restarts + 1):
         wait_for_cluster(client)
-        workers = sorted(client.scheduler_info(n_workers=-1)["workers"])
-        if world_size > len(workers):
-            raise InputError("world_size", world_size, f"larger than the number of Dask workers ({len(workers)}); "
-                                                       + ONE_RANK_PER_WORKER)
-        chosen = workers[:world_size]
+        chosen = rank_workers(client, world_size, label, restart=attempt > 0)
         host, port = client.submit(_free_port, workers=[chosen[0]], allow_other_workers=False, pure=False).result()
         resume_epoch = latest_common_epoch(store, prefix, world_size)
         resumed.append(resume_epoch)

@@ -30,7 +30,7 @@ from paperline.kernels.blas.namespace import copy_parallel
 from paperline.kernels.blas.plan import Problem, TileTask, check_plan_size, plan_tasks
 from paperline.kernels.blas.sources import ArraySource, NpySource, TileSource
 from paperline.kernels.blas.worker import RunContext, TileKey, execute, peer_tile, release_run
-from paperline.kernels.errors import InputError
+from paperline.kernels.errors import InputError, scheduler_workers
 
 PEER_FETCH_TIMEOUT_S = 10.0  # a peer fetch taking longer falls back to the tile's source
 WORKING_SET_TILES = 6  # two panels' tiles being multiplied, two prefetched, the accumulator, C0
@@ -310,7 +310,7 @@ class DaskRuntime:
 
     def __init__(self, client: Any, workers: list[str] | None = None, depth: int = 2, device: str = "cpu"):
         self.client, self.depth, self.device = client, depth, device
-        known = sorted(client.scheduler_info(n_workers=-1)["workers"])
+        known = scheduler_workers(client)
         if not known:
             raise RuntimeError("the Dask cluster has no workers")
         self._workers = sorted(workers) if workers else known
@@ -369,7 +369,7 @@ class DaskRuntime:
         return result
 
     def _alive(self) -> set[str]:
-        return set(self.client.scheduler_info(n_workers=-1)["workers"])
+        return set(scheduler_workers(self.client))
 
     def _check_workers(self) -> None:
         lost = sorted(set(self._workers) - self._alive())
