@@ -411,3 +411,37 @@ def test_the_local_cluster_takes_only_its_own_clients():
         for address, security in ((plain, None), (cluster.scheduler_address, Security.temporary())):
             with pytest.raises(Exception):  # noqa: B017 - CommClosedError, OSError, ssl.SSLError: any refusal
                 asyncio.run(connect(address, security))
+
+
+def test_a_nanny_with_paperlines_preload_starts_its_worker_without_malloc_trim(tmp_path):
+    """Workers of one's own cluster: `DASK_DISTRIBUTED__NANNY__PRE_SPAWN_ENVIRON` is merged into
+    Dask's defaults, so MALLOC_TRIM_THRESHOLD_ stayed (an external-cluster trial: a fit twice as
+    slow); the nanny preload removes it, the variable's thread settings stay."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    code = ("import asyncio, json, os\n"
+            "from distributed import Client, Nanny, Scheduler\n"
+            "async def main():\n"
+            "    async with Scheduler(host='127.0.0.1', port=0, dashboard_address=None) as s, "
+            "Nanny(s.address, nthreads=1, preload_nanny=PRELOAD), "
+            "Client(s.address, asynchronous=True) as c:\n"
+            "        env = await c.run(lambda: {k: os.environ.get(k) for k in ('MALLOC_TRIM_THRESHOLD_', 'OMP_NUM_THREADS')})\n"
+            "        print(json.dumps(list(env.values())[0]))\n"
+            "asyncio.run(main())\n")
+    from paperline.infra.cluster import DROPPED_WORKER_ENV
+
+    # (a shell's environment: this process's held MALLOC_TRIM_THRESHOLD_ after earlier tests of the module)
+    env = {k: v for k, v in os.environ.items() if k not in DROPPED_WORKER_ENV}
+    env["DASK_DISTRIBUTED__NANNY__PRE_SPAWN_ENVIRON"] = '{"OMP_NUM_THREADS": 1}'
+    seen = {}
+    for preload in ([], ["paperline.infra.nanny_env"]):
+        out = subprocess.run([sys.executable, "-c", code.replace("PRELOAD", repr(preload))], env=env, cwd=tmp_path,
+                             capture_output=True, text=True, timeout=180)
+        assert out.returncode == 0, out.stderr[-3000:]
+        seen[bool(preload)] = json.loads(out.stdout.strip().splitlines()[-1])
+    # the check can fail: Dask's default is there without the preload
+    assert seen[False] == {"MALLOC_TRIM_THRESHOLD_": "65536", "OMP_NUM_THREADS": "1"}, seen
+    assert seen[True] == {"MALLOC_TRIM_THRESHOLD_": None, "OMP_NUM_THREADS": "1"}, seen
