@@ -346,7 +346,8 @@ def require_scheduler(settings: Settings, timeout_s: float = 5.0) -> int | None:
         local cluster.
 
     Raises:
-        ServiceError: naming the scheduler's address, what the connection said, and the setting.
+        ServiceError: naming the scheduler's address, what the connection said, and the setting;
+            or naming the workers that cannot import paperline.
     """
     import asyncio  # noqa: PLC0415
     import socket  # noqa: PLC0415
@@ -358,13 +359,19 @@ def require_scheduler(settings: Settings, timeout_s: float = 5.0) -> int | None:
     if not address:
         return None
 
+    missing: list[str] = []
+
     async def workers() -> int:
         from distributed import Client  # noqa: PLC0415
 
         client = Client(address, asynchronous=True, timeout=timeout_s, set_as_default=False)
         try:
             await client  # connects
-            return len(await client.scheduler.ncores())  # {worker address: threads}, asked now
+            n = len(await client.scheduler.ncores())  # {worker address: threads}, asked now
+            if n:  # workers that cannot import paperline failed each run's first task (a trial)
+                seen = await client.run(_imports_paperline, on_error="return")
+                missing.extend(w for w, ok in sorted(seen.items()) if ok is not True)
+            return n
         finally:  # also when connecting failed: collected unclosed, it printed "coroutine ... never awaited"
             with contextlib.suppress(Exception):
                 await client.close()
@@ -378,9 +385,21 @@ def require_scheduler(settings: Settings, timeout_s: float = 5.0) -> int | None:
             raise ServiceError("dask scheduler", f"cannot connect ({exc}); check PAPERLINE_DASK_SCHEDULER_ADDRESS",
                                url=address) from None
     try:
-        return asyncio.run(asyncio.wait_for(workers(), timeout_s + 5))
+        count = asyncio.run(asyncio.wait_for(workers(), timeout_s + 5))
     except Exception as exc:  # noqa: BLE001 - OSError, TimeoutError, TLS TypeError, unknown scheme ValueError, ...
         why = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
         raise ServiceError("dask scheduler", f"cannot connect ({type(exc).__name__}: {why}); check "
                                              "PAPERLINE_DASK_SCHEDULER_ADDRESS (tcp://host:port, or tls:// with Dask's "
                                              "TLS settings)", url=address) from None
+    if missing:  # a run failed with "ModuleNotFoundError" or "Error during deserialization of the task graph"
+        shown = ", ".join(missing[:3]) + (f" and {len(missing) - 3} more" if len(missing) > 3 else "")
+        raise ServiceError("dask scheduler", f"{len(missing)} of its {count} worker(s) cannot import paperline "
+                                             f"({shown}): install paperline in the workers' environment (the same "
+                                             "constraints.txt), or start them from this one", url=address)
+    return count
+
+
+def _imports_paperline() -> bool:
+    """Run on each worker of a configured scheduler (``Client.run``): sent by reference, so a
+    worker without paperline fails to load it, and ``on_error="return"`` hands that error back."""
+    return True

@@ -445,3 +445,58 @@ def test_a_nanny_with_paperlines_preload_starts_its_worker_without_malloc_trim(t
     # the check can fail: Dask's default is there without the preload
     assert seen[False] == {"MALLOC_TRIM_THRESHOLD_": "65536", "OMP_NUM_THREADS": "1"}, seen
     assert seen[True] == {"MALLOC_TRIM_THRESHOLD_": None, "OMP_NUM_THREADS": "1"}, seen
+
+
+def test_workers_that_cannot_import_paperline_are_named_before_the_run(settings_factory, tmp_path, free_port):
+    """Workers started from an environment without paperline: `status` said healthy, and each run
+    failed at its first task with "ModuleNotFoundError" or "Error during deserialization of the
+    task graph ... the Scheduler and Client have different environments" (a trial)."""
+    import contextlib
+    import os
+    import subprocess
+    import sys
+    import time
+
+    from distributed import Client
+
+    from paperline.infra.cluster import require_scheduler
+    from paperline.infra.errors import ServiceError
+
+    blocked = tmp_path / "without-paperline"
+    blocked.mkdir()
+    (blocked / "sitecustomize.py").write_text(  # this interpreter, as if paperline were not installed
+        "import sys\n"
+        "class _NoPaperline:\n"
+        "    def find_spec(self, name, path=None, target=None):\n"
+        "        if name == 'paperline' or name.startswith('paperline.'):\n"
+        "            raise ModuleNotFoundError(f'No module named {name!r}', name=name)\n"
+        "sys.meta_path.insert(0, _NoPaperline())\n")
+    port = free_port()
+    address = f"tcp://127.0.0.1:{port}"
+    env = {**os.environ, "PYTHONPATH": str(blocked)}
+    scheduler = subprocess.Popen([sys.executable, "-m", "distributed.cli.dask_scheduler", "--host", "127.0.0.1",
+                                  "--port", str(port), "--dashboard-address", ":0"],
+                                 env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    worker = subprocess.Popen([sys.executable, "-m", "distributed.cli.dask_worker", address, "--nthreads", "1",
+                               "--no-nanny", "--no-dashboard"], env=env, stdout=subprocess.DEVNULL,
+                              stderr=subprocess.DEVNULL)
+    try:
+        deadline = time.monotonic() + 120
+        while True:
+            with contextlib.suppress(OSError, TimeoutError):
+                with Client(address, timeout=5) as client:
+                    if client.scheduler_info(n_workers=-1).get("workers"):
+                        break
+            assert time.monotonic() < deadline and worker.poll() is None and scheduler.poll() is None
+            time.sleep(0.5)
+        with pytest.raises(ServiceError, match=rf"^dask scheduler is not available at {address}: 1 of its 1 "
+                                               r"worker\(s\) cannot import paperline \(tcp://127\.0\.0\.1:\d+\): "
+                                               r"install paperline in the workers' environment"):
+            require_scheduler(settings_factory(tmp_path, dask_scheduler_address=address))
+    finally:
+        for proc in (worker, scheduler):
+            proc.terminate()
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                proc.wait(30)
+            if proc.poll() is None:
+                proc.kill()
