@@ -894,7 +894,7 @@ def serve() -> None:
     from prefect import serve as prefect_serve
 
     from paperline.deployments import local_deployments
-    from paperline.infra.cluster import require_scheduler
+    from paperline.infra.cluster import describe_cluster, require_scheduler
     from paperline.infra.errors import redact_url
     from paperline.infra.flow_runs import watch_flow_runs
 
@@ -909,6 +909,9 @@ def serve() -> None:
                   f"{'' if not d.schedules or d.schedules[0].active else ', schedule paused'})" for d in deployments]
         console.print(f"serving {len(deployments)} deployments: " + ", ".join(listed), highlight=False,
                       soft_wrap=True)  # not folded inside a cron expression in a log file (a trial)
+        # where their runs compute (`run` said so, `serve` did not: a trial)
+        console.print(f"their runs execute here, each on {describe_cluster(_settings())}", highlight=False,
+                      soft_wrap=True)
         # (the environment first: PREFECT_API_URL alone, as this said before, got a 401 once the
         # local Prefect required its login, a trial)
         console.print(f"trigger them from {redact_url(info.prefect_ui_url.rstrip('/'))}/deployments or, in a shell, "

@@ -382,13 +382,18 @@ def require_scheduler(settings: Settings, timeout_s: float = 5.0) -> int | None:
             with socket.create_connection((parts.hostname or "127.0.0.1", parts.port or 8786), timeout=timeout_s):
                 pass
         except (OSError, ValueError) as exc:
-            raise ServiceError("dask scheduler", f"cannot connect ({exc}); check PAPERLINE_DASK_SCHEDULER_ADDRESS",
+            raise ServiceError("dask scheduler", f"cannot connect ({exc}); check PAPERLINE_DASK_SCHEDULER_ADDRESS "
+                                                 "(start the scheduler, or unset it for a local cluster)",
                                url=address) from None
     try:
         count = asyncio.run(asyncio.wait_for(workers(), timeout_s + 5))
     except Exception as exc:  # noqa: BLE001 - OSError, TimeoutError, TLS TypeError, unknown scheme ValueError, ...
         why = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
-        raise ServiceError("dask scheduler", f"cannot connect ({type(exc).__name__}: {why}); check "
+        # the port took the connection but did not answer as a scheduler: the dashboard's port gave
+        # "TimeoutError: TimeoutError", an HTTP proxy "MemoryError: Unable to allocate 3.07 EiB" (a trial)
+        other = ("; something accepts connections there but did not answer as a Dask scheduler (the dashboard's "
+                 "port, or another server?)" if isinstance(exc, (TimeoutError, MemoryError)) else "")
+        raise ServiceError("dask scheduler", f"cannot connect ({type(exc).__name__}: {why}){other}; check "
                                              "PAPERLINE_DASK_SCHEDULER_ADDRESS (tcp://host:port, or tls:// with Dask's "
                                              "TLS settings)", url=address) from None
     if missing:  # a run failed with "ModuleNotFoundError" or "Error during deserialization of the task graph"

@@ -1142,5 +1142,6 @@ def test_serve_stopped_after_its_prefect_server_went_away_says_so_and_exits_0(st
     assert result.exit_code == 0, text
     assert (f"stopped serving; its Prefect server at {info.prefect_ui_url} is not answering (ConnectError: All "
             "connection attempts failed): `paperline status` shows what is down") in text
+    assert "their runs execute here, each on local CPU cluster (" in text  # (where, as `run` says)
     monkeypatch.setattr(prefect, "serve", runner_raising(ValueError("a runner fault")))
     assert_one_line_error(stack_cli("serve"), "ValueError: a runner fault")

@@ -500,3 +500,24 @@ def test_workers_that_cannot_import_paperline_are_named_before_the_run(settings_
                 proc.wait(30)
             if proc.poll() is None:
                 proc.kill()
+
+
+def test_an_address_that_is_no_scheduler_is_said_to_be_one(settings_factory, tmp_path):
+    """The dashboard's port as the scheduler address said only "cannot connect (TimeoutError:
+    TimeoutError)" (a trial): a port that takes the connection and does not answer as a scheduler
+    is said to be something else."""
+    import socket
+
+    from paperline.infra.cluster import require_scheduler
+    from paperline.infra.errors import ServiceError
+
+    silent = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    silent.bind(("127.0.0.1", 0))
+    silent.listen(8)
+    try:
+        address = f"tcp://127.0.0.1:{silent.getsockname()[1]}"
+        with pytest.raises(ServiceError, match="something accepts connections there but did not answer as a Dask "
+                                               r"scheduler \(the dashboard's port, or another server\?\)"):
+            require_scheduler(settings_factory(tmp_path, dask_scheduler_address=address), timeout_s=1.0)
+    finally:
+        silent.close()
