@@ -268,7 +268,24 @@ def pytest_xdist_node_collection_finished(node: object, ids: list[str]) -> None:
                     "pytest 9.1.1): reinstall with `make install`, or run serially with PYTEST_ARGS='-n 0'", returncode=4)
 
 
+FREE_PORTS = (20000, 32768)  # below Linux's ephemeral range (32768-60999 here)
+
+
 def _free_port() -> int:
+    """A port free now, drawn at random below the ephemeral range: a port the OS hands out for
+    bind(0) is one it also hands out for outgoing connections, and a test that used its ports
+    minutes later found one taken ("Address already in use" in a CI run with stacks busy beside
+    it, 2026-12-05). Falls back to an OS-chosen port."""
+    import random
+
+    for _ in range(200):
+        port = random.randrange(*FREE_PORTS)
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
