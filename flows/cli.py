@@ -493,7 +493,7 @@ def run(pipeline: Optional[str] = typer.Argument(None, metavar="PIPELINE", help=
 
 def _startup_gc_paused() -> contextlib.AbstractContextManager[Any]:
     """The cyclic collector off while a run starts, until :func:`_run_one` freezes the start-up
-    heap (``infra/heap.py``: 1.9 s of a cached 14-s run was collections walking it); in the
+    heap (``infra/heap.py``: 1.0 s of a cached run's CPU was collections walking it); in the
     console script's own process only, and before its first freeze."""
     from paperline.infra import heap
 
