@@ -75,9 +75,6 @@ def test_a_console_script_run_freezes_start_up_and_collects_during_the_flow(stac
     monkeypatch.setenv("PAPERLINE_STATE_DIR", str(settings.state_dir))
     get_settings.cache_clear()
     monkeypatch.setattr(gc, "freeze", freeze)
-    # (the console's log filters, put on the root handlers, stayed for this process's later tests:
-    # test_regression's captured records went missing)
-    monkeypatch.setattr(cli, "_quiet_logs", lambda: None)
     monkeypatch.setitem(heap._STATE, "frozen", False)
     monkeypatch.setitem(cli._state, "own_process", True)
     monkeypatch.setattr("paperline.infra.cluster.task_runner", lambda settings, started=None: ThreadPoolTaskRunner())
