@@ -1,4 +1,6 @@
-"""The error kernels raise on bad input (kernels import nothing from the rest of paperline)."""
+"""The errors kernels raise: on bad input (:class:`InputError`, with the checks that raise it), and
+when the Dask scheduler a kernel drives went away (:class:`ClusterLost`, from
+:func:`scheduler_workers`). Kernels import nothing from the rest of paperline."""
 
 from __future__ import annotations
 
