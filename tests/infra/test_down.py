@@ -382,7 +382,7 @@ def test_a_moved_port_is_said_for_a_default_a_setting_and_a_last_port(tmp_path, 
         monkeypatch.delenv(f"PAPERLINE_{name}_PORT", raising=False)
     said: list[str] = []
     held = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-    held.bind(("127.0.0.1", 0))
+    held.bind(("127.0.0.1", free_port()))  # (below 55536: also a port PAPERLINE_S3_PORT takes)
     held.listen(1)
     taken = held.getsockname()[1]
     try:
