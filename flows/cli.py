@@ -625,13 +625,17 @@ def _quiet_logs() -> None:
     import logging
 
     from prefect.logging.configuration import setup_logging
+    from prefect.logging.handlers import PrefectConsoleHandler
 
     from paperline.infra.cluster import quiet_dask_logs
     from paperline.infra.regression import not_in_summary
 
     setup_logging()  # idempotent; Prefect's console handler sits on the root logger
     quiet_dask_logs()  # after Prefect's setup: it lists `distributed` among its extra loggers, at INFO
-    for handler in logging.getLogger().handlers:  # the same function objects: added once
+    # Prefect's console handlers only, not every handler on the root: in a process that hosts other
+    # code, pytest's capture handlers (kept for the session) dropped a later test's records (CI)
+    consoles = [h for h in logging.getLogger().handlers if isinstance(h, PrefectConsoleHandler)]
+    for handler in consoles:  # the same function objects: added once
         handler.addFilter(not_in_summary)
         handler.addFilter(_short_event_failures)
         handler.addFilter(_no_unfinished_finish)

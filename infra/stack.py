@@ -818,17 +818,18 @@ def _note_database(settings: Settings, name: str, tell: Progress) -> str:
     on SQLite and the earlier runs seemed gone (a trial)."""
     label = database_label(_database_url(settings, name))
     path = settings.state_dir / name / "database"
+    damaged = None  # what to show of a record that is no database URL
     try:
         earlier = path.read_text().strip()
     except FileNotFoundError:
         earlier = ""
     except (OSError, UnicodeDecodeError) as exc:  # bytes that are no text stopped `up` (a trial)
-        earlier = f"<{type(exc).__name__}>"
+        earlier, damaged = "", f"<{type(exc).__name__}>"
     if earlier and not re.match(r"^[a-z][a-z0-9+.-]*://\S+$", earlier):  # garbage was said as a database (a trial)
-        held = earlier if earlier.startswith("<") else _short_text(earlier)
-        tell(f"{name}: {path} does not hold a database URL ({held}): ignored, and written anew once the server "
+        earlier, damaged = "", _short_text(earlier)
+    if damaged:
+        tell(f"{name}: {path} does not hold a database URL ({damaged}): ignored, and written anew once the server "
              "has started")
-        earlier = ""
     if earlier and earlier != label:
         variable = DATABASE_VARIABLES[name]
         how = (f"set {variable} to that database again (on every `paperline up` and run) to see them"
@@ -932,7 +933,7 @@ def _local_s3_credentials(settings: Settings) -> tuple[str, str]:
         _write_atomic(path, json.dumps(creds) + "\n", mode=0o600)
     pair, problem = _read_key_pair(path)
     if pair is None:  # every command said "JSONDecodeError: ..." (a trial)
-        raise ServiceError("s3", problem or f"{path} holds no key pair")
+        raise ServiceError("s3", str(problem))
     return pair
 
 
@@ -1109,16 +1110,14 @@ def _read_ports(path: Path) -> tuple[dict[str, int], str | None]:
                     "ones); it is written anew as they start")
 
 
-def _s3_last_ports(settings: Settings) -> dict[str, int]:
-    """SeaweedFS's ports of its last start (``s3/ports.json``: s3, master, volume, filer, admin)."""
-    return _read_ports(settings.state_dir / "s3" / "ports.json")[0]
+S3_PORTS_FILE = Path("s3") / "ports.json"  # under state_dir: SeaweedFS's ports of its last start
 
 
-def _start_s3(settings: Settings, taken: set[int], key: str, secret: str) -> tuple[subprocess.Popen[bytes], dict[str, Any]]:
+def _start_s3(settings: Settings, taken: set[int], key: str, secret: str,
+              old: dict[str, int]) -> tuple[subprocess.Popen[bytes], dict[str, Any]]:
     host = settings.host
     # SeaweedFS keeps per-port state (its master's directory is named after the port): prefer the
-    # ports of the last start, kept in s3/ports.json (stack.json is deleted by `down`).
-    old = _s3_last_ports(settings)
+    # ports of the last start (``old``: S3_PORTS_FILE, kept across `down`, which deletes stack.json).
     ports = {
         "s3": _pick_port(host, _preferred_ports(settings, "s3", old.get("s3")), taken, with_grpc=True),
         "master": _pick_port(host, old.get("master"), taken, with_grpc=True),
@@ -1128,7 +1127,7 @@ def _start_s3(settings: Settings, taken: set[int], key: str, secret: str) -> tup
     }
     s3_dir = settings.state_dir / "s3"
     (s3_dir / "data").mkdir(parents=True, exist_ok=True)
-    _write_atomic(settings.state_dir / "s3" / "ports.json", json.dumps(ports) + "\n")
+    _write_atomic(settings.state_dir / S3_PORTS_FILE, json.dumps(ports) + "\n")
     identities = {
         "identities": [
             {
@@ -1830,13 +1829,12 @@ def ensure_stack(settings: Settings, *, progress: Progress | None = None, notice
                 recs.pop("s3", None)
             if not external["s3"] and "s3" not in recs:
                 claim_ports()
-                s3_ports, problem = _read_ports(settings.state_dir / "s3" / "ports.json")
+                s3_ports, problem = _read_ports(settings.state_dir / S3_PORTS_FILE)
                 if problem:
                     tell(f"s3: {problem}")
-                s3_last = s3_ports.get("s3")
-                proc, rec = _start_s3(settings, taken, key, secret)  # type: ignore[arg-type]
+                proc, rec = _start_s3(settings, taken, key, secret, s3_ports)  # type: ignore[arg-type]
                 say(f"s3: starting SeaweedFS at {rec['url']} (log: {rec['log_path']})")
-                _say_port_moved(settings, "s3", rec["port"], tell, s3_last)
+                _say_port_moved(settings, "s3", rec["port"], tell, s3_ports.get("s3"))
                 recs["s3"] = rec
                 started.append("s3")
                 save()
@@ -1895,8 +1893,8 @@ def ensure_stack(settings: Settings, *, progress: Progress | None = None, notice
                 problem = _service_problem("prefect", api, configured=True)
                 if problem:
                     raise ServiceError("prefect", problem, url=api)
-            last = {name: _last_port(settings, name) for name in ("prefect", "mlflow")}
-            problem = _read_ports(settings.state_dir / LAST_PORTS_FILE)[1]
+            last_ports, problem = _read_ports(settings.state_dir / LAST_PORTS_FILE)
+            last = {name: last_ports.get(name) for name in ("prefect", "mlflow")}
             if problem and any(n not in recs and not external[n] for n in ("prefect", "mlflow")):
                 tell(problem)  # (only when a server is to start: a reused one keeps its port)
             for name in (n for n in ("prefect", "mlflow") if not external[n]):

@@ -384,25 +384,6 @@ def orphan_sweeper() -> Callable[[Path], list[Path]]:
     return stop_orphaned_stacks
 
 
-@pytest.fixture(autouse=True)
-def console_log_filters_stay_in_their_test(request: pytest.FixtureRequest) -> Iterator[None]:
-    """`paperline run`/`serve` called in this process (typer's CliRunner) put the console's log
-    filters (``flows/cli.py``'s ``_quiet_logs``) on the root logger's handlers, pytest's capture
-    handlers among them, which pytest keeps for the session: a later test's records marked for the
-    summary went missing from its ``caplog`` (test_regression failed in CI). They are taken off
-    again after each test."""
-    import logging
-
-    yield
-    plugin = request.config.pluginmanager.get_plugin("logging-plugin")
-    handlers = {*logging.getLogger().handlers,
-                *(h for h in (getattr(plugin, n, None) for n in ("caplog_handler", "report_handler")) if h is not None)}
-    for handler in handlers:
-        for f in list(handler.filters):
-            if getattr(f, "__module__", "").startswith("paperline."):
-                handler.removeFilter(f)
-
-
 @pytest.fixture(scope="session", autouse=True)
 def default_state_dir(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
     """``PAPERLINE_STATE_DIR`` for the session: a directory of its own, never the user's

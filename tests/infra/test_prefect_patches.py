@@ -61,6 +61,7 @@ def test_settings_serialization_is_prefects_and_follows_a_changed_context() -> N
             assert ctx.serialize(include_secrets=secrets) == original(ctx, include_secrets=secrets)
         first = ctx.serialize()
         assert first["settings"]["api"]["url"] == "http://127.0.0.1:1111/api"
+        assert prefect_patches._SETTINGS_CACHE[(id(ctx), True)][0] is ctx  # kept: the next call is a copy of it
         first["settings"]["api"]["url"] = "changed"
         assert ctx.serialize()["settings"]["api"]["url"] == "http://127.0.0.1:1111/api"
         with temporary_settings({PREFECT_API_URL: "http://127.0.0.1:2222/api"}):
