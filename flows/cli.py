@@ -441,15 +441,21 @@ def params(pipeline: Optional[str] = typer.Argument(None, metavar="PIPELINE", he
                                                       help="Show this preset's values (default: demo).")) -> None:
     """List a pipeline's parameters (what `run --set key=value` takes): type, the preset's value,
     description; and the pipeline's own option tables (nas: each optimizer's options)."""
+    from paperline.flows.pipelines import get_pipeline
+
+    _print_parameters(get_pipeline(_named(pipeline, "params")), _one_preset(preset))
+
+
+def _print_parameters(spec: Any, preset: str) -> None:
+    """The table of ``spec``'s parameters with ``preset``'s values, and the pipeline's own option
+    tables (``params``, and ``run PIPELINE --help``)."""
     import importlib
 
-    from paperline.flows.pipelines import build_parameters, get_pipeline
+    from paperline.flows.pipelines import build_parameters
 
-    spec = get_pipeline(_named(pipeline, "params"))
-    preset = _one_preset(preset)
     values = build_parameters(spec, preset, []).model_dump()
     table = Table("parameter", "type", f"--preset {preset}", "description",
-                  title=f"{pipeline}: parameters (presets: {', '.join(sorted(spec.presets))})")
+                  title=f"{spec.name}: parameters (presets: {', '.join(sorted(spec.presets))})")
     for name, field in spec.parameters.model_fields.items():
         ann = field.annotation
         kind = ann.__name__ if isinstance(ann, type) else re.sub(r"[\w.]+\.(\w+)", r"\1", str(ann))
@@ -464,7 +470,50 @@ def params(pipeline: Optional[str] = typer.Argument(None, metavar="PIPELINE", he
         console.print(more)
 
 
-@app.command(cls=_Command)
+class _RunCommand(_Command):
+    """``run``'s help: given a pipeline (``paperline run gemm --help``), also that pipeline's
+    parameters, as ``paperline params`` lists them (the help was the same for every pipeline, and
+    a user asks it of the pipeline at hand: a trial)."""
+
+    VALUED = ("--preset", "--set", "--summary-json")  # the options that take a value
+
+    def parse_args(self, ctx: Any, args: list[str]) -> list[str]:
+        # --help is eager: it prints before the arguments are bound, so they are read here
+        words, presets, i = [], [], 0
+        while i < len(args):
+            arg = args[i]
+            if arg in self.VALUED:
+                if arg == "--preset" and i + 1 < len(args):
+                    presets.append(args[i + 1])
+                i += 2
+                continue
+            if arg.startswith("--preset="):
+                presets.append(arg.split("=", 1)[1])
+            elif arg == "--":
+                words.extend(args[i + 1:])
+                break
+            elif not arg.startswith("-"):
+                words.append(arg)
+            i += 1
+        ctx.meta["paperline.run.pipeline"] = words[0] if words else None
+        ctx.meta["paperline.run.preset"] = presets[-1] if presets else "demo"
+        return super().parse_args(ctx, args)
+
+    def format_help(self, ctx: Any, formatter: Any) -> None:
+        super().format_help(ctx, formatter)
+        name = ctx.meta.get("paperline.run.pipeline")
+        if name is None:
+            return
+        from paperline.flows.pipelines import get_pipeline
+
+        try:
+            _print_parameters(get_pipeline(name), ctx.meta["paperline.run.preset"])
+        except (PaperlineError, KernelInputError) as exc:  # an unknown pipeline or preset
+            err_console.print(f"error: {exc}", markup=False, highlight=False)
+            ctx.exit(2)
+
+
+@app.command(cls=_RunCommand)
 @_friendly
 def run(pipeline: Optional[str] = typer.Argument(None, metavar="PIPELINE", help=PIPELINE_HELP),
         preset: Optional[list[str]] = typer.Option(None, "--preset", metavar="NAME",
@@ -478,7 +527,7 @@ def run(pipeline: Optional[str] = typer.Argument(None, metavar="PIPELINE", help=
         ) -> None:
     """Run a pipeline on the stack (started if needed) and print its results and URLs.
 
-    `paperline params PIPELINE` lists the parameters --set takes."""
+    `paperline run PIPELINE --help` (or `paperline params PIPELINE`) lists the parameters --set takes."""
     from paperline.flows.pipelines import build_parameters, get_pipeline, pipeline_names
 
     pipeline = _named(pipeline, "run")

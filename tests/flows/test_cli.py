@@ -235,6 +235,19 @@ def test_params_lists_a_pipelines_parameters_and_the_optimizers_options():
     assert_one_line_error(run_cli("params", "nas", "--preset", "x"), "--preset='x'", "unknown preset")
 
 
+def test_run_help_of_a_pipeline_lists_its_parameters():
+    """`paperline run nas --help` showed the generic help, the same for every pipeline: it now
+    adds the pipeline's parameters (the preset given, else demo) and option tables, as `params`."""
+    text = " ".join(run_cli("run", "nas", "--help").output.split())
+    assert "Usage: " in text and "│ optimizer " in text and "│ enumerate_max │ 50000 │" in text
+    full = run_cli("run", "--set", "m=5", "gemm", "--preset", "full", "--help")  # options before the name
+    assert full.exit_code == 0 and "--preset full" in full.output and "8192" in full.output
+    assert "│ tile " not in run_cli("run", "--help").output  # no pipeline named: the help alone
+    for args, said in ((("nope",), "pipeline='nope': unknown pipeline"), (("nas", "--preset", "x"), "--preset='x'")):
+        result = run_cli("run", *args, "--help")
+        assert result.exit_code == 2 and said in result.output and "Traceback" not in result.output, result.output
+
+
 def test_help_names_what_each_argument_and_option_takes():
     """Typer's default help showed `{pipeline}` and `<list[str]>` for --set."""
     text = " ".join(run_cli("run", "--help").output.split())
