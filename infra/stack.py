@@ -2095,6 +2095,14 @@ def stack_status(settings: Settings) -> list[Service]:
     except (OSError, ValueError, KeyError):
         key = secret = None
 
+    scanned: list[dict[str, dict[str, Any]]] = []
+
+    def unrecorded() -> dict[str, dict[str, Any]]:
+        """This state directory's servers that stack.json does not record, by service (scanned once, when asked)."""
+        if not scanned:
+            scanned.append({r["name"]: r for r in _unrecorded_servers(settings, recs)})
+        return scanned[0]
+
     def check(name: str, url: str) -> str | None:
         if name == "s3":
             return _s3_problem(url, key, secret, settings.s3_region, settings.results_bucket)
@@ -2139,6 +2147,12 @@ def stack_status(settings: Settings) -> list[Service]:
                 out[-1].detail = f"{S3_OPEN}: the next `paperline up` or run restarts it with them closed"
             elif name == "s3" and healthy:
                 _volumes_problem(out[-1], settings, rec)
+        elif name in unrecorded():  # stack.json damaged or deleted: shown "(not running)", they ran on (a trial)
+            found = unrecorded()[name]
+            out.append(Service(name, "(unrecorded)", True, pid=found["pid"],
+                               log_path=str(settings.state_dir / "logs" / f"{name}.log"), healthy=False,
+                               problem=f"its server runs (pid {found['pid']}) but stack.json does not record it: "
+                                       "`paperline down` stops it (`paperline up` then starts the stack again)"))
         else:
             # Not running: no URL to show (the default port may belong to someone else's stack).
             log = str(settings.state_dir / "logs" / f"{name}.log")

@@ -304,7 +304,7 @@ def test_servers_a_damaged_stack_json_lost_are_stopped_by_down(settings_factory,
     next `up` started a second SeaweedFS on the same data, which died on its filer's lock (a trial).
     `down` finds this state directory's servers by their processes; nothing else is touched."""
 
-    from paperline.infra.stack import _spawn, _unrecorded_servers, state_problem
+    from paperline.infra.stack import _spawn, _unrecorded_servers, stack_status, state_problem
 
     settings = settings_factory(tmp_path / "state")
     (settings.state_dir / "s3").mkdir(parents=True)
@@ -326,6 +326,11 @@ def test_servers_a_damaged_stack_json_lost_are_stopped_by_down(settings_factory,
         (settings.state_dir / "stack.json").write_text('{"services": {"s3": {"pid": 1')  # cut short
         assert "unreadable stack state" in state_problem(settings)
         assert [(r["name"], r["pid"]) for r in _unrecorded_servers(settings, {})] == [("s3", weed.pid)]
+        # `status` showed it "(not running)" while it ran on
+        shown = {s.name: s for s in stack_status(settings)}
+        assert (shown["s3"].url, shown["s3"].pid, shown["s3"].healthy) == ("(unrecorded)", weed.pid, False)
+        assert f"runs (pid {weed.pid}) but stack.json does not record it" in shown["s3"].problem
+        assert shown["prefect"].url == "(not running)" and shown["prefect"].pid is None
         assert stop_stack(settings) == [f"s3 (pid {weed.pid}, not in stack.json)"]
         assert weed.wait(10) is not None
         assert other_dir.poll() is None and not_a_server.poll() is None
