@@ -781,6 +781,8 @@ def _run_one(spec, params, summary_json: Path | None, early=None) -> dict[str, A
         else:  # the stack came back on other ports: its workers would talk to the old ones
             early[0].close()
     flow = spec.flow.with_options(task_runner=task_runner(settings, started=started))
+    done: dict[str, Any] = {}  # the flow's return value, kept in case Prefect cannot take its end
+    flow.fn = _keeping_result(flow.fn, done)
     if _state.get("own_process"):
         import mlflow.tracking  # noqa: F401, PLC0415 - every run tracks: imported before the freeze, not walked after it
 
@@ -798,22 +800,42 @@ def _run_one(spec, params, summary_json: Path | None, early=None) -> dict[str, A
         _say_interrupted(f"interrupted: {_again(spec.name, params)}")
         raise
     except Exception as exc:
-        gone = _prefect_gone(exc, info)
+        gone = _prefect_gone(exc, info, finished="summary" in done)
         if gone is None:
             raise
         _state["prefect_gone"] = True  # Prefect's exit hooks would retry sending logs and events to it
+        if "summary" in done:  # the work was done and tracked: its results were not printed (a trial)
+            _report(spec, params, done["summary"], summary_json)
         raise gone from exc
+    _report(spec, params, summary, summary_json)
+    return summary
+
+
+def _keeping_result(fn: Callable[..., Any], done: dict[str, Any]) -> Callable[..., Any]:
+    """``fn`` (a flow's function) that also puts what it returns in ``done["summary"]``: a Prefect
+    server gone as the run finished failed the run's final state report, and its results, in
+    MLflow and S3 by then, were not printed (a trial)."""
+    @functools.wraps(fn)
+    def kept(*args: Any, **kwargs: Any) -> Any:
+        done["summary"] = fn(*args, **kwargs)
+        return done["summary"]
+
+    return kept
+
+
+def _report(spec: Any, params: Any, summary: dict[str, Any], summary_json: Path | None) -> None:
+    """Print a run's summary and write ``--summary-json``."""
     _print_summary(spec.name, summary)
     if summary_json is not None:
         summary_json.parent.mkdir(parents=True, exist_ok=True)
         # the parameters first: the run's summary alone does not say what it was run with
-        record = {"parameters": params.model_dump(mode="json"), **summary}
+        record = {"parameters": params.model_dump(mode="json") if hasattr(params, "model_dump") else params,
+                  **summary}
         summary_json.write_text(json.dumps(record, indent=2, default=str))
         console.print(f"summary: {summary_json}")
-    return summary
 
 
-def _prefect_gone(exc: BaseException, info: Any) -> Exception | None:
+def _prefect_gone(exc: BaseException, info: Any, finished: bool = False) -> Exception | None:
     """The error for a Prefect server that stopped answering during a run (killed, or `paperline
     down` run meanwhile): after Prefect's client had retried for minutes the run ended in
     ``ConnectError: [Errno 111] Connection refused``, naming neither the server nor what to do (a
@@ -832,6 +854,12 @@ def _prefect_gone(exc: BaseException, info: Any) -> Exception | None:
     with contextlib.suppress(RuntimeError):  # an error without its request
         if not same_endpoint(str(exc.request.url), info.prefect_api_url):
             return None
+    if finished:  # (``finished``: the flow's function had returned, its results printed above)
+        return ServiceError("prefect", f"the server stopped answering as the run finished ({type(exc).__name__}: "
+                                       f"{exc}): its work is done (the results above, in MLflow and S3), but its end "
+                                       "is not recorded in Prefect; `paperline status` shows what is down and "
+                                       "`paperline up` restarts it (the run, left Running, is then marked Crashed "
+                                       "once its heartbeats are missed)", url=info.prefect_ui_url)
     return ServiceError("prefect", f"the server stopped answering during the run ({type(exc).__name__}: {exc}), so "
                                    "the run's end is not recorded there; `paperline status` shows what is down and "
                                    "`paperline up` restarts it (the run, left Running, is then marked Crashed once "

@@ -1,0 +1,59 @@
+"""`paperline run`'s own process on the session stack (``flows/cli.py``'s ``_run_one``): what it
+prints when the Prefect server is lost as the run finishes."""
+
+import json
+
+import pytest
+
+
+@pytest.mark.stack
+def test_a_run_whose_prefect_server_goes_as_it_finishes_prints_its_results(stack, monkeypatch, capsys, tmp_path):
+    """A Prefect server killed after a run's work was done (its MLflow run FINISHED, its result in
+    S3) ended the command `error: prefect ...` with no results printed (a trial): the flow's return
+    value is kept past Prefect's failed final state report, printed and written to --summary-json,
+    and the error says the work is done. The server's loss is the final report failing to connect."""
+    import types
+
+    import httpx
+    from prefect import flow
+    from prefect.client.orchestration import SyncPrefectClient
+    from prefect.task_runners import ThreadPoolTaskRunner
+
+    from paperline.flows import cli
+    from paperline.infra.errors import ServiceError
+    from paperline.infra.settings import get_settings
+
+    settings, info = stack
+    body_done: list[bool] = []
+
+    @flow(name="prefect-gone-probe")
+    def probe(params: dict) -> dict:
+        body_done.append(True)
+        return {"table": {"columns": ["x"], "title": "probe", "rows": [[41]]}, "lines": ["probe line"],
+                "prefect_flow_run_url": "-", "mlflow_run_url": "-"}
+
+    real_set_state = SyncPrefectClient.set_flow_run_state
+
+    def set_state(self, flow_run_id, state, *args, **kwargs):
+        if body_done:  # the server gone once the body returned: the final report cannot connect
+            raise httpx.ConnectError("[Errno 111] Connection refused", request=httpx.Request(
+                "POST", f"{info.prefect_api_url}/flow_runs/{flow_run_id}/set_state"))
+        return real_set_state(self, flow_run_id, state, *args, **kwargs)
+
+    monkeypatch.setattr(SyncPrefectClient, "set_flow_run_state", set_state)
+    monkeypatch.setenv("PAPERLINE_STATE_DIR", str(settings.state_dir))
+    monkeypatch.setattr("paperline.infra.cluster.task_runner", lambda settings, started=None: ThreadPoolTaskRunner())
+    monkeypatch.setitem(cli._state, "prefect_gone", False)
+    get_settings.cache_clear()
+    out = tmp_path / "summary.json"
+    try:
+        with pytest.raises(ServiceError) as raised:
+            cli._run_one(types.SimpleNamespace(name="prefect-gone-probe", flow=probe), {}, out)
+    finally:
+        get_settings.cache_clear()
+    assert body_done and cli._state["prefect_gone"]
+    assert "stopped answering as the run finished (ConnectError" in str(raised.value)
+    assert "its work is done (the results above, in MLflow and S3)" in str(raised.value)
+    printed = capsys.readouterr().out
+    assert "probe line" in printed and "41" in printed, printed
+    assert json.loads(out.read_text())["table"]["rows"] == [[41]]
