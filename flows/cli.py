@@ -807,8 +807,53 @@ def _run_one(spec, params, summary_json: Path | None, early=None) -> dict[str, A
         if "summary" in done:  # the work was done and tracked: its results were not printed (a trial)
             _report(spec, params, done["summary"], summary_json)
         raise gone from exc
+    if done.get("flow_run_id") and isinstance(summary, dict):
+        retried = retried_tasks(done["flow_run_id"])
+        if retried:  # the results are the retries': after a lost worker nothing said a task had failed (a trial)
+            summary = {**summary, "lines": [*summary.get("lines", []), *retried]}
     _report(spec, params, summary, summary_json)
     return summary
+
+
+def retried_tasks(flow_run_id: str) -> list[str]:
+    """One line per task run of the flow run ``flow_run_id`` that ran more than once (Prefect
+    retried it after a failure: a lost worker, an S3 hiccup), naming the failure from its log; []
+    when none did or the Prefect server cannot say (the run itself is done)."""
+    import time
+    import uuid
+
+    from prefect.client.orchestration import get_client
+    from prefect.settings import get_current_settings
+    from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterId, LogFilter, LogFilterTaskRunId
+
+    lines: list[str] = []
+    try:
+        with get_client(sync_client=True) as client:
+            runs, page = [], 200
+            only = FlowRunFilter(id=FlowRunFilterId(any_=[uuid.UUID(str(flow_run_id))]))
+            while True:  # (a nas campaign's flow run has hundreds of task runs)
+                got = client.read_task_runs(flow_run_filter=only, limit=page, offset=len(runs))
+                runs += got
+                if len(got) < page:
+                    break
+            retried = sorted((r for r in runs if (r.run_count or 0) > 1), key=lambda r: r.name)
+            # the failure is in the task's log, sent in batches by the process that ran it: waited for
+            wait_until = time.monotonic() + get_current_settings().logging.to_api.batch_interval + 3.0
+            for run in retried:
+                while True:
+                    logs = client.read_logs(log_filter=LogFilter(task_run_id=LogFilterTaskRunId(any_=[run.id])))
+                    why = [m.message.split(" - Retry ")[0].removeprefix("Task run failed with ") for m in logs
+                           if m.message.startswith("Task run failed with ")]
+                    if why or time.monotonic() > wait_until:
+                        break
+                    time.sleep(0.5)
+                ended = "the results above are its last run's" if run.state_name == "Completed" \
+                    else f"it ended {run.state_name}"
+                lines.append(f"retried: {run.name} ran {run.run_count} times"
+                             + (f" (it failed with {'; then '.join(why)})" if why else "") + f": {ended}")
+    except Exception:  # noqa: BLE001 - only a report on a finished run: its results stand without it
+        return lines
+    return lines
 
 
 def _keeping_result(fn: Callable[..., Any], done: dict[str, Any]) -> Callable[..., Any]:
@@ -817,6 +862,9 @@ def _keeping_result(fn: Callable[..., Any], done: dict[str, Any]) -> Callable[..
     MLflow and S3 by then, were not printed (a trial)."""
     @functools.wraps(fn)
     def kept(*args: Any, **kwargs: Any) -> Any:
+        from prefect.runtime import flow_run  # noqa: PLC0415
+
+        done["flow_run_id"] = flow_run.get_id()
         done["summary"] = fn(*args, **kwargs)
         return done["summary"]
 

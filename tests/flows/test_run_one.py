@@ -57,3 +57,50 @@ def test_a_run_whose_prefect_server_goes_as_it_finishes_prints_its_results(stack
     printed = capsys.readouterr().out
     assert "probe line" in printed and "41" in printed, printed
     assert json.loads(out.read_text())["table"]["rows"] == [[41]]
+
+
+@pytest.mark.stack
+def test_a_task_retried_after_a_failure_is_said_with_the_failure(stack, monkeypatch, capsys):
+    """After a lost worker a retried task's results were printed as any others, nothing saying a
+    task had failed (a trial): each task run that ran more than once gets a line naming the
+    failure from its log (waited for: logs are sent in batches); a run without retries gets none."""
+    import types
+
+    from prefect import flow, task
+    from prefect.task_runners import ThreadPoolTaskRunner
+
+    from paperline.flows import cli
+    from paperline.infra.settings import get_settings
+
+    settings, _ = stack
+    attempts: list[int] = []
+
+    @task(name="flaky-probe", retries=2, persist_result=False)
+    def flaky(fail: bool) -> int:
+        attempts.append(1)
+        if fail and len(attempts) == 1:
+            raise ConnectionError("worker tcp://127.0.0.1:1 lost")
+        return 41
+
+    @flow(name="retry-probe")
+    def probe(params: dict) -> dict:
+        value = flaky.submit(params["fail"]).result()
+        return {"table": {"columns": ["x"], "title": "probe", "rows": [[value]]}, "lines": [],
+                "prefect_flow_run_url": "-", "mlflow_run_url": "-"}
+
+    monkeypatch.setenv("PAPERLINE_STATE_DIR", str(settings.state_dir))
+    monkeypatch.setattr("paperline.infra.cluster.task_runner", lambda settings, started=None: ThreadPoolTaskRunner())
+    get_settings.cache_clear()
+    spec = types.SimpleNamespace(name="retry-probe", flow=probe)
+    try:
+        summary = cli._run_one(spec, {"fail": True}, None)
+        assert len(attempts) == 2
+        line = "retried: flaky-probe"
+        said = [x for x in summary["lines"] if x.startswith(line)]
+        assert len(said) == 1 and "ran 2 times (it failed with exception: ConnectionError('worker tcp://127.0.0.1:1 " \
+            "lost')): the results above are its last run's" in said[0], said
+        assert line in capsys.readouterr().out
+        attempts.clear()
+        assert not [x for x in cli._run_one(spec, {"fail": False}, None)["lines"] if x.startswith("retried")]
+    finally:
+        get_settings.cache_clear()
