@@ -860,6 +860,9 @@ def _keeping_result(fn: Callable[..., Any], done: dict[str, Any]) -> Callable[..
     """``fn`` (a flow's function) that also puts what it returns in ``done["summary"]``: a Prefect
     server gone as the run finished failed the run's final state report, and its results, in
     MLflow and S3 by then, were not printed (a trial)."""
+    import inspect
+    import typing
+
     @functools.wraps(fn)
     def kept(*args: Any, **kwargs: Any) -> Any:
         from prefect.runtime import flow_run  # noqa: PLC0415
@@ -868,6 +871,11 @@ def _keeping_result(fn: Callable[..., Any], done: dict[str, Any]) -> Callable[..
         done["summary"] = fn(*args, **kwargs)
         return done["summary"]
 
+    # the flow's annotations are text (``from __future__ import annotations``), read in its module:
+    # Prefect's parameter validation read them in this one ("GemmParameters" not defined)
+    with contextlib.suppress(NameError, TypeError):
+        kept.__signature__ = inspect.signature(fn, eval_str=True)  # type: ignore[attr-defined]
+        kept.__annotations__ = typing.get_type_hints(fn)
     return kept
 
 
