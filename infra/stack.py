@@ -28,6 +28,7 @@ import fcntl
 import hashlib
 import json
 import os
+import random
 import re
 import secrets
 import shutil
@@ -303,10 +304,28 @@ def _ports_lock(wait_s: float, tell: Progress) -> Iterator[None]:
             fcntl.flock(f, fcntl.LOCK_UN)
 
 
+DRAWN_PORTS = (10000, 20000)  # where a server's port is drawn when its preferred ones are taken
+
+
+def _drawn_ports(with_grpc: bool) -> tuple[int, int]:
+    """The range (``[low, high)``) :func:`_pick_port` draws from: :data:`DRAWN_PORTS`, cut below
+    Linux's ephemeral range (``ip_local_port_range``), gRPC ports (10000 above) included. A port
+    the OS hands out for ``bind(0)`` is one it also hands out to outgoing connections, and a server
+    binds its port seconds after the pick (MLflow's imports): another process's connection could
+    take it meanwhile (a second stack's MLflow exited at start-up in a CI run)."""
+    try:
+        ephemeral = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        ephemeral = 32768  # Linux's default; BSDs and macOS start theirs at 49152
+    top = ephemeral - (_GRPC_OFFSET if with_grpc else 0)
+    return DRAWN_PORTS[0], max(DRAWN_PORTS[0], min(DRAWN_PORTS[1], top))
+
+
 def _pick_port(
     host: str, preferred: int | None | tuple[int | None, ...], taken: set[int], *, with_grpc: bool = False
 ) -> int:
-    """A free port: the first free one of ``preferred``, else one the OS hands out.
+    """A free port: the first free one of ``preferred``, else one drawn at random from
+    :func:`_drawn_ports` (below the ephemeral range), else one the OS hands out.
 
     With ``with_grpc``, ``port + 10000`` must be free as well (SeaweedFS's grpc port).
     """
@@ -321,7 +340,10 @@ def _pick_port(
 
     wanted = [p for p in (preferred if isinstance(preferred, tuple) else (preferred,)) if p]
     port = next((p for p in wanted if ok(p)), 0)
-    if not port:
+    low, high = _drawn_ports(with_grpc)
+    if not port and high - low > 100:
+        port = next((p for p in (random.randrange(low, high) for _ in range(500)) if ok(p)), 0)
+    if not port:  # (no room below the ephemeral range)
         family = socket.AF_INET6 if ":" in host else socket.AF_INET
         for _ in range(500):
             with socket.socket(family, socket.SOCK_STREAM) as s:

@@ -268,7 +268,9 @@ def pytest_xdist_node_collection_finished(node: object, ids: list[str]) -> None:
                     "pytest 9.1.1): reinstall with `make install`, or run serially with PYTEST_ARGS='-n 0'", returncode=4)
 
 
-FREE_PORTS = (20000, 32768)  # below Linux's ephemeral range (32768-60999 here)
+# below Linux's ephemeral range (32768-60999 here), above where a stack draws its servers' ports
+# (10000-19999, their SeaweedFS gRPC ports 10000 above: infra/stack.py's DRAWN_PORTS)
+FREE_PORTS = (30000, 32768)
 
 
 def _free_port() -> int:

@@ -195,6 +195,24 @@ def test_a_stack_prefers_its_last_ports_to_the_defaults_and_a_set_port_to_both(m
     assert _pick_port("127.0.0.1", _preferred_ports(default, "s3", free), set()) == free
 
 
+def test_a_server_port_not_preferred_is_drawn_below_the_ephemeral_range():
+    """A port the OS hands out for bind(0) it also hands to outgoing connections, and a server binds
+    its port seconds after the pick: a second stack's MLflow, on such a port, exited at start-up
+    in a CI run. Ports are drawn below the ephemeral range, SeaweedFS's gRPC ports too."""
+    from pathlib import Path
+
+    from paperline.infra.stack import _GRPC_OFFSET, DRAWN_PORTS, _pick_port
+
+    ephemeral = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    taken: set[int] = set()
+    for _ in range(20):
+        port = _pick_port("127.0.0.1", None, taken)
+        assert DRAWN_PORTS[0] <= port < min(DRAWN_PORTS[1], ephemeral)
+        s3 = _pick_port("127.0.0.1", None, taken, with_grpc=True)
+        assert DRAWN_PORTS[0] <= s3 and s3 + _GRPC_OFFSET < ephemeral
+    assert len(taken) == 60  # each pick a new port, gRPC ports counted taken too
+
+
 def test_the_ports_lock_waits_then_goes_on_and_ignores_a_planted_file(tmp_path, monkeypatch):
     """Two stacks starting at once are serialized by a per-user lock file in the temp directory;
     a holder that never lets go costs at most the wait, and a file another user could plant (a
