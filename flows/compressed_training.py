@@ -71,7 +71,8 @@ class CompressedTrainingParameters(BaseModel):
     batch_size: int = Field(32, ge=1, description="Examples per rank per step.")
     lr: float = Field(0.05, gt=0, description="SGD learning rate.")
     momentum: float = Field(0.9, ge=0, lt=1, description="SGD momentum.")
-    seed: int = Field(0, ge=0, description="Model initialisation and data order (the same for every compressor).")
+    seed: int = Field(0, ge=0, lt=2**63, description="Model initialisation and data order (the same for every "
+                                                       "compressor); torch takes seeds below 2**64.")
     isgd: bool = Field(False, description="Inconsistent SGD: extra conservative steps on batches whose global loss "
                                           "is above the moving mean + 3 sigma (the same batches on every rank).")
     isgd_stop: int = Field(3, ge=0, description="ISGD: most extra steps on a flagged batch.")

@@ -26,7 +26,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from paperline.infra.cluster import configure_local_workers, default_task_runner
 from paperline.infra.device import resolve_device
-from paperline.infra.errors import InputError
+from paperline.infra.errors import InputError, PaperlineError
 from paperline.infra.locks import Held, held_by_this_process
 from paperline.infra.pipeline_flow import pipeline_flow
 from paperline.infra.regression import Headline, check_latest
@@ -59,7 +59,8 @@ class CampaignParameters(BaseModel):
     budget: int = Field(60, ge=1, description="Number of evaluations.")
     q: int = Field(5, ge=1, description="Batch size: candidates evaluated in parallel per step.")
     n_init: int = Field(10, ge=1, description="Initial Sobol design (the same for every optimizer).")
-    seed: int = Field(0, ge=0, description="Seeds the design, the optimizer and the evaluations.")
+    # torch.manual_seed takes seeds below 2**64, and some optimizers add their batch count
+    seed: int = Field(0, ge=0, lt=2**63, description="Seeds the design, the optimizer and the evaluations.")
     ref_point: list[float] | None = Field(None, description="Hypervolume reference point in the objectives' "
                                                             "units (default: the problem's).")
     optimizer_options: dict[str, Any] = Field(default_factory=dict,
@@ -174,6 +175,7 @@ def nas(params: NasParameters | None = None) -> dict[str, Any]:
     Raises:
         InputError: bad parameters (unknown optimizer or problem, budget < n_init, q < 1, a
         reference point no point dominates, ...). ServiceError: the stack is not up.
+        CampaignFailed: every evaluation of a campaign failed (the campaigns after it do not run).
     """
     params = params or NasParameters()
     configure_local_workers()
@@ -299,6 +301,10 @@ def _run_one(cp: CampaignParameters, campaign: Campaign, name: str, store: Objec
             log_evaluations(tracker, EXPERIMENT, parent_id, campaign, new, tags)
             print(f"{name}: {campaign.n_done}/{campaign.budget} evaluations, {_score_text(campaign)}")
         _log_report(tracker, parent_id, campaign, name)
+        if not any(e.ok for e in campaign.evaluations):  # exit 0 with nothing learned read as success (a trial)
+            raise CampaignFailed(f"campaign {name!r}: all {campaign.n_done} of its evaluations failed, so it found "
+                                 f"nothing ({'; '.join(failure_lines(campaign))}); its checkpoint keeps them: "
+                                 "resume=false starts it over")
         identity = {**cp.model_dump(exclude={"live", "campaign", "resume", "evaluation_timeout_s"}),
                     "problem_options": campaign.problem.options}
         # a re-run continues the campaign's own run: there may be nothing earlier to compare with
@@ -311,6 +317,11 @@ def _run_one(cp: CampaignParameters, campaign: Campaign, name: str, store: Objec
         raise
     return {"name": name, "campaign": campaign, "parent_run_id": parent_id, "checkpoint": checkpoint_uri,
             "versus": versus}
+
+
+class CampaignFailed(PaperlineError):
+    """A campaign whose evaluations all failed: the run fails (its MLflow parent run FAILED),
+    naming the failures; the checkpoint keeps them."""
 
 
 def _headlines(c: Campaign) -> list[Headline]:

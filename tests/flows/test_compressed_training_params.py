@@ -25,6 +25,8 @@ from paperline.infra.settings import get_settings
     (["powersgd_rank=100000"], ["powersgd_rank=100000: compresses no gradient of the model",
                                 "the largest that compresses any is 14"]),
     (["nan_steps=[-1]"], ["nan_steps=[-1]: global step -1 is negative"]),
+    # torch.manual_seed refuses 2**64 and more: the ranks failed three times on the workers, never naming the seed
+    ([f"seed={2**70}"], [f"seed={2**70}: Input should be less than {2**63}"]),
     (["nan_steps=[3,248]"], ["nan_steps=[3, 248]: global step 248 is never reached: the run has 248 steps "
                              "(4 epoch(s) of 62)"]),
 ])

@@ -203,21 +203,30 @@ def test_a_bad_parameter_fails_before_anything_runs(run_cli, cli_env):
     assert err.startswith("error: optimizer='annealing': unknown optimizer; known: alphax, bo,"), err
 
 
-def test_evaluations_past_the_time_limit_are_recorded_as_failed(run_cli, cli_env, tmp_path):
+def test_evaluations_past_the_time_limit_are_recorded_as_failed(run_cli, cli_env, tmp_path, stack):
     summary = tmp_path / "summary.json"
     sets = ("problem=live-mnist", "live=null", "optimizer=random", "budget=2", "q=2", "n_init=2",
             f"campaign=timeout-{os.getpid()}")
     args = ["run", "nas", "--preset", "default", *[a for s in sets for a in ("--set", s)]]
-    proc = cli(run_cli, cli_env, *args, "--set", "evaluation_timeout_s=0.2", summary=summary)
-    camp = json.loads(summary.read_text())["campaigns"][0]
-    assert (camp["evaluations"], camp["failed"]) == (2, 2)
+    proc = run_cli(cli_env, *args, "--set", "evaluation_timeout_s=0.2", "--summary-json", str(summary))
     out = " ".join((proc.stdout + proc.stderr).split())
+    # every evaluation failed: the run fails (it exited 0 with nothing learned, read as success: a
+    # trial), saying why, and writes no summary; the MLflow parent run is FAILED
+    assert proc.returncode == 1 and not summary.exists(), out[-2000:]
     assert "no successful evaluation yet" in out
-    assert "failed: 2 x timed out: not done 0.2 s after its batch started" in out  # why, not only how many
+    from paperline.infra.tracking import Tracker
+
+    client = Tracker(stack[1].mlflow_tracking_uri).client
+    parent = client.search_runs([client.get_experiment_by_name("nas").experiment_id],
+                                filter_string=f"tags.mlflow.runName = 'timeout-{os.getpid()}'")
+    assert [r.info.status for r in parent] == ["FAILED"], parent
+    assert f"error: campaign 'timeout-{os.getpid()}': all 2 of its evaluations failed, so it found nothing (failed: " \
+           "2 x timed out: not done 0.2 s after its batch started); its checkpoint keeps them" in out, out[-2000:]
     # the limit raised: the re-run resumes the complete campaign, and says what it will not do (a
     # trial read the same failed summary as the new limit not working)
-    proc = cli(run_cli, cli_env, *args, "--set", "evaluation_timeout_s=600", summary=summary)
+    proc = run_cli(cli_env, *args, "--set", "evaluation_timeout_s=600")
     out = " ".join((proc.stdout + proc.stderr).split())
+    assert proc.returncode == 1, out[-2000:]
     assert f"timeout-{os.getpid()}: 2 of its 2 evaluations timed out earlier; they are not run again (resume=false " \
            "starts the campaign over, with evaluation_timeout_s=600)" in out, out[-2000:]
     assert "complete (2/2 evaluations): nothing is left to evaluate" in out
@@ -289,3 +298,15 @@ def test_a_campaign_is_run_by_one_process_at_a_time(tmp_path):
         with pytest.raises(InputError, match=rf"process {os.getpid()}\)"):  # and held by this one
             with campaign_lock("c1", Path(tmp_path)):
                 pass
+
+
+def test_a_seed_torch_cannot_take_is_refused_as_bad_input():
+    """A seed of 2**64 passed validation and every evaluation failed on the workers ("Overflow
+    when unpacking long long"), the campaign exiting 0 (a trial)."""
+    from pydantic import ValidationError
+
+    from paperline.flows.nas import NasParameters
+
+    with pytest.raises(ValidationError, match="less than 9223372036854775808"):
+        NasParameters(seed=2**64)
+    assert NasParameters(seed=2**63 - 1).seed == 2**63 - 1
