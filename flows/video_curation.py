@@ -223,7 +223,8 @@ class VideoCurationParameters(BaseModel):
         if staging.startswith(f"{output}/"):  # s3://b/video-curation itself became a dataset (a trial)
             raise InputError(argument, value, f"holds {staging}/ (the curate tasks' staged clips) and every dataset "
                                               "named by `dataset`; choose a prefix of its own")
-        check_dataset_free(store, output, self.inputs_key(cfg, list_sources(self.source, store)), argument, value)
+        check_dataset_free(store, output, self.inputs_key(cfg, list_sources(self.source, store, staging)), argument,
+                           value)
 
     def filter_config(self) -> FilterConfig:
         return FilterConfig(min_motion=self.min_motion, min_sharpness=self.min_sharpness,
@@ -287,22 +288,34 @@ PRESETS: dict[str, dict[str, Any]] = {
 }
 
 
-def list_sources(source: str, store: ObjectStore) -> list[str]:
+def list_sources(source: str, store: ObjectStore, staging: str | None = None) -> list[str]:
     """The inputs named by ``source``: the demo videos, a local file/directory, or the videos under an
-    S3 prefix. Raises InputError when there is nothing to curate."""
+    S3 prefix, less the clips the curate tasks staged under ``staging`` (:func:`staging_prefix`).
+
+    Raises:
+        InputError: nothing to curate, or ``source`` inside ``staging`` (the bucket's root took the
+            staged clips of earlier runs in as inputs, and each run staged more: a trial).
+    """
     if source == "demo":
         return [str(p) for p in demo_videos()]
     if source.startswith("s3://"):
         store.require_bucket("source", source)
+        inside = staging is not None and (source.rstrip("/") == staging or source.startswith(f"{staging}/"))
+        if inside:
+            raise InputError("source", source, f"inside {staging}/, where the curate tasks stage the clips they "
+                                               "cut (content-addressed, shared by every dataset): not inputs")
         key = split_uri(source)[1]
         if Path(key).suffix.lower() in VIDEO_EXTENSIONS and store.exists(source):
             return [source]  # one video
         # a folder: s3://b/inc also listed s3://b/inc-extra/ and s3://b/incoming/ (a trial)
         folder = source if not key or source.endswith("/") else f"{source}/"
         found = [u for u in store.list(folder) if Path(u).suffix.lower() in VIDEO_EXTENSIONS]
+        staged = [u for u in found if staging is not None and u.startswith(f"{staging}/")]
+        found = [u for u in found if u not in set(staged)]
         if not found:
+            also = f" (the {len(staged)} under {staging}/ are staged clips, not inputs)" if staged else ""
             raise InputError("source", source, f"no objects ending in {', '.join(VIDEO_EXTENSIONS)} under "
-                                               f"{folder} (an object, or a folder of objects)")
+                                               f"{folder} (an object, or a folder of objects){also}")
         return found
     return [str(p) for p in list_local(source)]
 
@@ -332,7 +345,7 @@ def video_curation(params: VideoCurationParameters | None = None) -> dict[str, A
     filt = params.filter_config()
     output, argument, value = params.destination(info.data_bucket)
     staging = staging_prefix(info.data_bucket)
-    sources = list_sources(params.source, store)
+    sources = list_sources(params.source, store, staging)
     inputs_key = params.inputs_key(cfg, sources)
     check_dataset_free(store, output, inputs_key, argument, value)  # before hours of processing, not at upload
     tracker = Tracker(info.mlflow_tracking_uri)

@@ -275,6 +275,17 @@ def test_an_s3_prefix_is_a_source(stack, source_dir):
     assert list_sources(f"{prefix}/a/carphone.mp4", store) == [f"{prefix}/a/carphone.mp4"]
     with pytest.raises(InputError, match=f"no objects ending in .* under {prefix}/a/car/ "):
         list_sources(f"{prefix}/a/car", store)
+    # the curate tasks' staged clips are no inputs: a bucket-root source took them in, and each
+    # such run staged more (a trial); a source inside the staging prefix is refused
+    staging = f"{prefix}/video-curation/staging"
+    store.upload_file_to(source_dir / "carphone.mp4", f"{staging}/0123abcd.mp4")
+    assert list_sources(prefix + "/", store, staging) == [f"{prefix}/a/carphone.mp4"]
+    assert f"{staging}/0123abcd.mp4" in list_sources(prefix + "/", store)  # (without the staging prefix named)
+    for inside in (staging, f"{staging}/", f"{staging}/0123abcd.mp4"):
+        with pytest.raises(InputError, match=f"inside {staging}/, where the curate tasks stage"):
+            list_sources(inside, store, staging)
+    with pytest.raises(InputError, match=r"\(the 1 under .*/video-curation/staging/ are staged clips, not inputs\)"):
+        list_sources(f"{prefix}/video-curation/", store, staging)
     out = curate_video.fn(f"{prefix}/a/carphone.mp4", dataclasses.asdict(ClipConfig(min_clip_s=1.0)),
                           dataclasses.asdict(FilterConfig()), store, f"s3://{info.data_bucket}/test-staging", "carphone")
     assert out["rejected"] is None and out["info"]["source"] == f"{prefix}/a/carphone.mp4"
