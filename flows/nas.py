@@ -15,6 +15,7 @@ import collections
 import contextlib
 import hashlib
 import json
+import re
 import tempfile
 import time
 from collections.abc import Iterator
@@ -22,7 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from prefect.runtime import flow_run
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from paperline.infra.cluster import configure_local_workers, default_task_runner
 from paperline.infra.device import resolve_device
@@ -65,11 +66,21 @@ class CampaignParameters(BaseModel):
                                                             "units (default: the problem's).")
     optimizer_options: dict[str, Any] = Field(default_factory=dict,
                                               description='Optimizer hyperparameters, e.g. {"sampler": "nsga2"}.')
-    campaign: str | None = Field(None, min_length=1, max_length=120, pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]*$",
+    campaign: str | None = Field(None, min_length=1, max_length=120,
                                  description="Campaign name: letters, digits, '.', '_', '-' (default: derived from "
                                              "the parameters above, budget excluded, and the optimizer's defaults); "
                                              "a checkpoint of that name is resumed.")
     resume: bool = Field(True, description="Resume the campaign's checkpoint when there is one.")
+
+    @field_validator("campaign")
+    @classmethod
+    def _campaign(cls, v: str | None) -> str | None:
+        # a pattern was said as the bare regex "String should match pattern '^[A-Za-z0-9][A-Za-z0-9._-]*$'" (a trial)
+        if v is not None and not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9._-]*", v):
+            bad = sorted(set(re.sub(r"[A-Za-z0-9._-]", "", v)))
+            why = f"characters {''.join(bad)!r} are not allowed" if bad else "it must start with a letter or a digit"
+            raise ValueError(f"{why}: a campaign name is letters, digits, '.', '_' and '-'")
+        return v
     evaluation_timeout_s: float = Field(3600.0, gt=0, description="A batch's evaluations not done this many "
                                                                  "seconds after it started are recorded as failed.")
 

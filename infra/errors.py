@@ -34,6 +34,8 @@ def input_error_from(exc: Any, argument: Callable[[tuple[Any, ...]], str]) -> In
     problem = err["msg"].removeprefix("Value error, ")
     if err.get("type") == "dict_type":  # "abc" or [1] for a JSON object: say what one looks like
         problem += ': give a JSON object, e.g. {"name": value}'
+    elif err.get("type") == "model_type":  # it named the model's class ("... instance of CampaignParameters": a trial)
+        problem = 'Input should be a JSON object of its fields, e.g. {"name": value}'
     return InputError(argument(tuple(err["loc"])), value, problem)
 
 

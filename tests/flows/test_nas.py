@@ -310,3 +310,26 @@ def test_a_seed_torch_cannot_take_is_refused_as_bad_input():
     with pytest.raises(ValidationError, match="less than 9223372036854775808"):
         NasParameters(seed=2**64)
     assert NasParameters(seed=2**63 - 1).seed == 2**63 - 1
+
+
+@pytest.mark.parametrize("sets, said", [
+    (["campaign=my run"], "campaign='my run': characters ' ' are not allowed: a campaign name is letters, digits"),
+    (["campaign=_x"], "campaign='_x': it must start with a letter or a digit"),
+    # it named the parameter model's class ("... instance of CampaignParameters")
+    (["live=live-mnist"], "live='live-mnist': Input should be a JSON object of its fields, e.g. {\"name\": value}"),
+])
+def test_a_bad_campaign_name_or_live_value_is_said_in_words(sets, said, tmp_path):
+    from typer.testing import CliRunner
+
+    from paperline.flows.cli import app
+    from paperline.infra.settings import get_settings
+
+    get_settings.cache_clear()
+    try:
+        result = CliRunner().invoke(app, ["run", "nas", *[a for s in sets for a in ("--set", s)]],
+                                    env={"PAPERLINE_STATE_DIR": str(tmp_path / "state")})
+    finally:
+        get_settings.cache_clear()
+    text = " ".join(result.output.split())
+    assert result.exit_code == 1 and said in text and "pattern" not in text and "Parameters" not in text, text
+    assert not (tmp_path / "state").exists()
