@@ -877,12 +877,15 @@ def _record_database(settings: Settings, name: str, label: str) -> None:
 
 
 _LOG_REASON = re.compile(r"^(?:[\w.]+\.)?\w*(?:Error|Exception|Exit)\b[^\n]*:\s*\S.*$", re.MULTILINE)
+# SeaweedFS's (glog) fatal line: "F1205 18:36:25.751096 mini.go:1328 Check Meta Folder (...) Writable: Not writable!"
+_GLOG_FATAL = re.compile(r"^F\d{4} \d\d:\d\d:\d\d\.\d+ +(?:\d+ +)?[\w.-]+:\d+\]? (\S.*)$", re.MULTILINE)
 
 
 def _log_reason(log: str, tail_bytes: int = 65536) -> str:
     """The last exception line of a server's log (``asyncpg.exceptions.InvalidPasswordError:
-    password authentication failed for user "x"``), for the one-line error of a server that
-    exited while starting; "" when there is none."""
+    password authentication failed for user "x"``) or SeaweedFS's last fatal line (a read-only
+    data directory: the error said only "exited with code 255", a trial), for the one-line error
+    of a server that exited while starting; "" when there is none."""
     try:
         with open(log, "rb") as f:
             f.seek(0, os.SEEK_END)
@@ -890,8 +893,9 @@ def _log_reason(log: str, tail_bytes: int = 65536) -> str:
             text = f.read().decode("utf-8", "replace")
     except OSError:
         return ""
-    found = _LOG_REASON.findall(text)
-    return redact_text(" ".join(found[-1].split()))[:300] if found else ""
+    found = [(m.end(), m.group(0)) for m in _LOG_REASON.finditer(text)]
+    found += [(m.end(), m.group(1)) for m in _GLOG_FATAL.finditer(text)]
+    return redact_text(" ".join(max(found)[1].split()))[:300] if found else ""
 
 
 def _wait_healthy(

@@ -297,6 +297,12 @@ def test_a_server_that_exits_while_starting_says_its_logs_last_error(tmp_path):
     assert str(exc.value) == ("prefect is not available at http://127.0.0.1:1: server exited with code 3 during "
                               "start-up: asyncpg.exceptions.InvalidPasswordError: password authentication failed "
                               f'for user "t37user" (log: {log})')
+    # SeaweedFS's fatal line (glog), as a read-only data directory makes it (code 255 alone: a trial)
+    log.write_text('I1205 18:36:25.751086 file_util.go:29 Folder /x/s3/data Permission: -r-xr-xr-x\n'
+                   'F1205 18:36:25.751096 mini.go:1328 Check Meta Folder (-dir="/x/s3/data") Writable: Not writable!\n')
+    with pytest.raises(ServiceError) as exc:
+        _wait_healthy({"s3": (proc, lambda: False, "http://127.0.0.1:1", str(log))}, 5)
+    assert 'code 3 during start-up: Check Meta Folder (-dir="/x/s3/data") Writable: Not writable! (log:' in str(exc.value)
 
 
 def test_servers_a_damaged_stack_json_lost_are_stopped_by_down(settings_factory, tmp_path):
