@@ -891,6 +891,19 @@ def _report(spec: Any, params: Any, summary: dict[str, Any], summary_json: Path 
         console.print(f"summary: {summary_json}")
 
 
+def _others_down() -> str:
+    """``"; also down: s3, mlflow"`` for the stack's other services that are not healthy now, ""
+    when none is (or their state cannot be read): with the whole stack killed under a run, the
+    error named Prefect alone (a trial)."""
+    from paperline.infra.stack import stack_status
+
+    try:
+        down = [s.name for s in stack_status(_settings()) if s.name != "prefect" and not s.healthy]
+    except Exception:  # noqa: BLE001 - a detail of an error already being reported
+        return ""
+    return f"; also down: {', '.join(down)}" if down else ""
+
+
 def _prefect_gone(exc: BaseException, info: Any, finished: bool = False) -> Exception | None:
     """The error for a Prefect server that stopped answering during a run (killed, or `paperline
     down` run meanwhile): after Prefect's client had retried for minutes the run ended in
@@ -910,16 +923,17 @@ def _prefect_gone(exc: BaseException, info: Any, finished: bool = False) -> Exce
     with contextlib.suppress(RuntimeError):  # an error without its request
         if not same_endpoint(str(exc.request.url), info.prefect_api_url):
             return None
+    also = _others_down()
     if finished:  # (``finished``: the flow's function had returned, its results printed above)
         return ServiceError("prefect", f"the server stopped answering as the run finished ({type(exc).__name__}: "
                                        f"{exc}): its work is done (the results above, in MLflow and S3), but its end "
-                                       "is not recorded in Prefect; `paperline status` shows what is down and "
+                                       f"is not recorded in Prefect{also}; `paperline status` shows what is down and "
                                        "`paperline up` restarts it (the run, left Running, is then marked Crashed "
                                        "once its heartbeats are missed)", url=info.prefect_ui_url)
     return ServiceError("prefect", f"the server stopped answering during the run ({type(exc).__name__}: {exc}), so "
-                                   "the run's end is not recorded there; `paperline status` shows what is down and "
-                                   "`paperline up` restarts it (the run, left Running, is then marked Crashed once "
-                                   "its heartbeats are missed)", url=info.prefect_ui_url)
+                                   f"the run's end is not recorded there{also}; `paperline status` shows what is down "
+                                   "and `paperline up` restarts it (the run, left Running, is then marked Crashed "
+                                   "once its heartbeats are missed)", url=info.prefect_ui_url)
 
 
 def _short(text: str, width: int = 36) -> str:

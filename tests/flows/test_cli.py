@@ -806,6 +806,9 @@ def test_a_prefect_server_gone_during_a_run_is_named():
     assert str(error).startswith("prefect is not available at http://127.0.0.1:4200: the server stopped answering "
                                  "during the run (ConnectError: [Errno 111] Connection refused)")
     assert "`paperline up` restarts it" in str(error)
+    # the other services down too are named (the whole stack killed under a run: the error named
+    # Prefect alone, a trial); this process's state directory has no stack running
+    assert "is not recorded there; also down: s3, mlflow; `paperline status`" in str(error)
     elsewhere = httpx.ConnectError("refused", request=httpx.Request("GET", "http://127.0.0.1:5000/health"))
     assert _prefect_gone(elsewhere, info) is None
     assert _prefect_gone(ValueError("x"), info) is None

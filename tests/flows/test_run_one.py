@@ -54,6 +54,7 @@ def test_a_run_whose_prefect_server_goes_as_it_finishes_prints_its_results(stack
     assert body_done and cli._state["prefect_gone"]
     assert "stopped answering as the run finished (ConnectError" in str(raised.value)
     assert "its work is done (the results above, in MLflow and S3)" in str(raised.value)
+    assert "also down" not in str(raised.value)  # the session stack's S3 and MLflow are up
     printed = capsys.readouterr().out
     assert "probe line" in printed and "41" in printed, printed
     assert json.loads(out.read_text())["table"]["rows"] == [[41]]
