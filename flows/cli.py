@@ -220,11 +220,16 @@ def down() -> None:
                       "each fails when it next reports to Prefect unless the stack is back by then (`paperline "
                       "up`: a run that reconnects goes on), and one that failed is marked Crashed by the next `up`[/]",
                       soft_wrap=True)
-    stopped = stop_stack(settings)
+    dead: list[str] = []
+    stopped = stop_stack(settings, dead)
     # which stack: a `down` in a shell without the PAPERLINE_STATE_DIR of the stack meant stopped
     # another one (the default directory's), and "stopped: s3, prefect, mlflow" read as this one's (a trial)
     console.print(f"stopped the stack in {settings.state_dir}: {', '.join(stopped)}" if stopped
                   else f"nothing to stop in {settings.state_dir}", soft_wrap=True, highlight=False)
+    if dead:  # a killed server was passed over in silence (a trial)
+        console.print(f"{', '.join(dead)}: had already stopped without `paperline down` (killed or crashed: the end "
+                      f"of {', '.join(str(settings.state_dir / 'logs' / f'{n}.log') for n in dead)} may say why)",
+                      soft_wrap=True, highlight=False)
     serving = serve_lock_holder(settings.state_dir)
     if serving is not None and stopped:  # it went on silently (one websocket warning in its log: a trial)
         console.print(f"`paperline serve` (pid {serving}) keeps running without its stack: it serves again after the "

@@ -1798,6 +1798,10 @@ def ensure_stack(settings: Settings, *, progress: Progress | None = None, notice
                 if not external[name] and _orphans(rec):  # they hold its port: the new one takes it again
                     say(f"{name}: recorded server (pid {rec['pid']}) died; stopping what it left running")
                     _stop_record(rec)
+                elif not external[name] and isinstance(rec, dict) and rec.get("pid"):  # `up` said only "started" (a trial)
+                    tell(f"{name}: its server (pid {rec['pid']}) had stopped without `paperline down` (killed, "
+                         f"crashed or the machine restarted; the end of {rec.get('log_path') or 'its log'} may say "
+                         "why): starting it again")
                 return False
             if stale:
                 say(f"{name}: recorded server (pid {rec['pid']}) is out of date; restarting it")
@@ -2038,7 +2042,7 @@ def _drain_prefect_clients(timeout_s: float = 10.0) -> None:
             continue
 
 
-def stop_stack(settings: Settings) -> list[str]:
+def stop_stack(settings: Settings, dead: list[str] | None = None) -> list[str]:
     """Stop the local servers recorded in ``stack.json`` (``paperline down``) and delete the file.
 
     Each recorded process is checked (PID and start time) before being signalled, so a recycled PID is
@@ -2049,6 +2053,8 @@ def stop_stack(settings: Settings) -> list[str]:
 
     Args:
         settings: Uses ``state_dir``.
+        dead: Filled, when given, with the names of recorded servers that had already stopped
+            (killed or crashed: `down` said nothing of them, a trial).
 
     Returns:
         Names of the services that were running and have been stopped.
@@ -2068,6 +2074,8 @@ def stop_stack(settings: Settings) -> list[str]:
         for name, was_running in zip(names, _stop_records([recs[n] for n in names]), strict=True):
             if was_running:
                 stopped.append(name)
+            elif dead is not None:
+                dead.append(name)
         unrecorded = _unrecorded_servers(settings, recs)
         for rec, was_running in zip(unrecorded, _stop_records(unrecorded), strict=True):
             if was_running:

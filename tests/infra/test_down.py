@@ -70,6 +70,15 @@ def test_second_stack_on_taken_ports_stops_completely(settings_factory, tmp_path
         assert info.service("mlflow").pid != mlflow.pid and info.service("mlflow").url == mlflow.url
         assert [c.pid for c in children if not _gone(c.pid)] == []
         assert [s.healthy for s in stack_status(settings)] == [True, True, True]
+        # a server killed (no child left): `up` said only "started the local stack" (a trial)
+        weed = psutil.Process(info.service("s3").pid)
+        weed.kill()
+        weed.wait(timeout=10)
+        notes: list[str] = []
+        info = ensure_stack(settings, notice=notes.append)
+        assert info.started == ("s3",)
+        assert [n for n in notes if n.startswith(f"s3: its server (pid {weed.pid}) had stopped without `paperline "
+                                                 "down` (killed, crashed or the machine restarted")], notes
 
         # a damaged or changed login file: `status` and `env` say which file and what to do, not "healthy"
         from typer.testing import CliRunner
@@ -207,11 +216,13 @@ def test_second_stack_on_taken_ports_stops_completely(settings_factory, tmp_path
         weed.kill()  # and removes the sockets a killed SeaweedFS left
         weed.wait(timeout=10)
     finally:
-        stopped = stop_stack(settings)
+        dead: list[str] = []
+        stopped = stop_stack(settings, dead)
         for s in blockers:
             s.close()
 
     assert sorted(stopped) == ["mlflow", "prefect"]  # (SeaweedFS, killed, left no process to stop)
+    assert dead == ["s3"]  # said by `down` (it was passed over in silence: a trial)
     assert [pid for pid in pids if not _gone(pid)] == []
     assert not (settings.state_dir / "stack.json").exists()
     assert [p for p in sockets if os.path.exists(p)] == []
