@@ -546,6 +546,24 @@ def _stop_record(rec: dict[str, Any], timeout_s: float = _STOP_TIMEOUT_S) -> boo
 LOG_KEPT_BYTES = 10 * 2**20  # a server's log past this size is moved to <name>.log.1 as it starts
 
 
+def _trim_running_logs(settings: Settings) -> None:
+    """Servers' logs past :data:`LOG_KEPT_BYTES` copied to ``<name>.log.1`` and emptied in place,
+    while their servers run: :func:`_spawn` moved a log aside only as its server started, so a
+    stack left running for months grew its logs without bound (SeaweedFS's ~1.5 MB a day idle: a
+    trial). The servers write with ``O_APPEND``, so they go on at the emptied file's end; lines
+    written between the copy and the emptying are lost (``logrotate``'s ``copytruncate``)."""
+    for name in SERVICE_NAMES:
+        log = settings.state_dir / "logs" / f"{name}.log"
+        with contextlib.suppress(OSError):
+            if log.stat().st_size > LOG_KEPT_BYTES:
+                kept = log.with_name(log.name + ".1")
+                tmp = log.with_name(f".{log.name}.1.tmp")
+                shutil.copyfile(log, tmp)
+                os.chmod(tmp, 0o600)
+                os.replace(tmp, kept)
+                os.truncate(log, 0)
+
+
 def _spawn(cmd: list[str], env: dict[str, str], log_path: Path, cwd: Path) -> subprocess.Popen[bytes]:
     log_path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
     # MLflow's log has a line per request, appended across restarts: it grew without bound (a trial)
@@ -1781,6 +1799,7 @@ def ensure_stack(settings: Settings, *, progress: Progress | None = None, notice
     with _locked(settings):
         state = _read_state(settings)
         recs: dict[str, dict[str, Any]] = state["services"]
+        _trim_running_logs(settings)
         # (only when a local server must start: the scan reads every process, ~30 ms for 90 of them)
         to_start = any(not external[n] and _live_process(recs.get(n)) is None for n in SERVICE_NAMES)
         unrecorded = _unrecorded_servers(settings, recs) if to_start else []

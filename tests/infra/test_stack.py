@@ -8,6 +8,7 @@ import pickle
 import signal
 import subprocess
 import sys
+import time
 import uuid
 
 import pytest
@@ -1027,3 +1028,36 @@ def test_a_servers_log_past_its_size_is_moved_aside_as_it_starts(tmp_path):
     assert log.read_text().endswith("second start\n") and log.stat().st_size < 1000
     _spawn([sys.executable, "-c", "print('third start')"], {}, log, tmp_path).wait(timeout=60)
     assert "second start" in log.read_text() and (tmp_path / "logs" / "mlflow.log.1").stat().st_size == LOG_KEPT_BYTES + 1
+
+
+def test_a_running_servers_log_past_its_size_is_emptied_in_place(tmp_path):
+    """A log was moved aside only as its server started: a stack left running for months grew its
+    logs without bound (a trial). A running server's log past the size is copied to ``.log.1``
+    and emptied in place; the server, writing with O_APPEND, goes on at the new end."""
+    import sys
+
+    from paperline.infra.settings import Settings
+    from paperline.infra.stack import LOG_KEPT_BYTES, _spawn, _trim_running_logs
+
+    settings = Settings(state_dir=tmp_path)
+    log = tmp_path / "logs" / "s3.log"
+    flag = tmp_path / "trimmed"
+    writer = ("import os, sys, time\nsys.stdout.write('x' * %d + '\\n'); sys.stdout.flush()\n"
+              "while not os.path.exists(%r): time.sleep(0.05)\nprint('after the trim', flush=True)\n"
+              ) % (LOG_KEPT_BYTES + 10, str(flag))
+    proc = _spawn([sys.executable, "-c", writer], {}, log, tmp_path)
+    try:
+        for _ in range(200):
+            if log.stat().st_size > LOG_KEPT_BYTES:
+                break
+            time.sleep(0.05)
+        small = tmp_path / "logs" / "prefect.log"
+        small.write_text("small\n")
+        _trim_running_logs(settings)
+        kept = tmp_path / "logs" / "s3.log.1"
+        assert kept.stat().st_size > LOG_KEPT_BYTES and kept.stat().st_mode & 0o777 == 0o600
+        assert log.stat().st_size == 0 and small.read_text() == "small\n"  # (under the size: left)
+    finally:
+        flag.touch()  # it writes once more
+        proc.wait(timeout=60)
+    assert log.read_text() == "after the trim\n"  # at the emptied file's start, not past a hole
