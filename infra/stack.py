@@ -190,9 +190,11 @@ def _write_atomic(path: Path, text: str, mode: int = 0o600) -> None:  # its file
             os.fsync(f.fileno())
         os.chmod(tmp, mode)
         os.replace(tmp, path)
-    except BaseException:
+    except BaseException as exc:
         with contextlib.suppress(FileNotFoundError):
             os.unlink(tmp)
+        if isinstance(exc, OSError) and exc.filename is None:  # a full disk said no path (a trial)
+            raise OSError(exc.errno, exc.strerror, str(path)) from exc
         raise
 
 

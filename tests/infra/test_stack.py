@@ -1061,3 +1061,22 @@ def test_a_running_servers_log_past_its_size_is_emptied_in_place(tmp_path):
         flag.touch()  # it writes once more
         proc.wait(timeout=60)
     assert log.read_text() == "after the trim\n"  # at the emptied file's start, not past a hole
+
+
+def test_a_state_file_not_written_names_its_path_and_leaves_the_old_one(tmp_path, monkeypatch):
+    """A full disk as stack.json was written said a bare "OSError: [Errno 28] No space left on
+    device" (a trial); the error names the file, and the old file stays whole."""
+    import errno
+
+    from paperline.infra.stack import _write_atomic
+
+    path = tmp_path / "stack.json"
+    path.write_text('{"old": true}\n')
+
+    def full(fd: int) -> None:
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    monkeypatch.setattr(os, "fsync", full)
+    with pytest.raises(OSError, match=f"No space left on device: '{path}'"):
+        _write_atomic(path, '{"new": true}\n')
+    assert path.read_text() == '{"old": true}\n' and sorted(p.name for p in tmp_path.iterdir()) == ["stack.json"]
