@@ -1260,8 +1260,8 @@ def volumes_report(free: int, most: int) -> tuple[str, str | None]:
     if free > 0:
         return detail, None
     return detail, (f"SeaweedFS has no free volume left (all {most} in use): writing a new object fails with 500. "
-                    "Free disk space, then `paperline down` and `paperline up` (it counts volumes from the free "
-                    "space when it starts)")
+                    "Free disk space (at least 1 GiB: it makes one 1 GiB volume per free GiB when it starts), then "
+                    "`paperline down` and `paperline up`")
 
 
 def _s3_open(rec: dict[str, Any] | None, tell: Progress) -> bool:

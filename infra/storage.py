@@ -15,6 +15,7 @@ import hashlib
 import json
 import os
 import re
+import shutil
 import tempfile
 import threading
 from dataclasses import dataclass
@@ -124,6 +125,14 @@ def _join(prefix: str, name: str) -> str:
     return f"{prefix}/{name}" if prefix else name
 
 
+def _free_bytes(path: Path) -> int | None:
+    """Free bytes on the file system holding ``path`` (None where it cannot be read)."""
+    try:
+        return shutil.disk_usage(path).free
+    except OSError:
+        return None
+
+
 class ObjectStore:
     """A client of one S3 endpoint.
 
@@ -214,28 +223,48 @@ class ObjectStore:
             NoCredentialsError,
         )
 
+        from boto3.exceptions import S3UploadFailedError  # noqa: PLC0415
+
         try:
             return fn(*args, **kwargs)
         except ClientError as exc:
             code = exc.response.get("Error", {}).get("Code", "")
             if code in {"SignatureDoesNotMatch", "InvalidAccessKeyId", "AccessDenied", "InvalidToken"}:
                 raise ServiceError("s3", f"{what}: credentials rejected ({code})", url=self.endpoint_url) from exc
-            status = exc.response.get("ResponseMetadata", {}).get("HTTPStatusCode") or 0
-            if status >= 500:  # "InternalError ... please try again" blamed nothing (a trial: a full disk)
-                message = exc.response.get("Error", {}).get("Message", "")
-                # (or no free volumes: SeaweedFS sized its count of 1 GiB volumes from the disk's
-                # free space at its start, and its log said "no free volumes left": measured)
-                disk = ("; a full disk stops SeaweedFS's writes, as does running out of volumes (it makes as many "
-                        "1 GiB volumes as the disk had free space when it started: free some, then `paperline "
-                        "down` and `up`; check `df -h` of the state directory and its log)"
-                        if self.log_path else "")
-                raise ServiceError("s3", f"{what}: the server failed (HTTP {status}, {code}: {message}){disk}",
-                                   url=self.endpoint_url, log=self.log_path) from exc
+            failed = self._server_failed(what, exc)
+            if failed is not None:
+                raise failed from exc
+            raise
+        except S3UploadFailedError as exc:  # boto3's upload_file wraps the ClientError: it went by unexplained (a trial)
+            cause = exc.__cause__ or exc.__context__
+            failed = self._server_failed(what, cause) if isinstance(cause, ClientError) else None
+            if failed is not None:
+                raise failed from exc
             raise
         except NoCredentialsError as exc:
             raise ServiceError("s3", f"{what}: no S3 credentials configured", url=self.endpoint_url) from exc
         except BotoCoreError as exc:  # connection refused, timeouts, ...
             raise self._service_error(exc, what) from exc
+
+    def _server_failed(self, what: str, exc: Any) -> ServiceError | None:
+        """The error for an S3 server's HTTP 5xx (``exc``, a botocore ``ClientError``), naming what
+        stops a local SeaweedFS's writes; None for any other status."""
+        status = exc.response.get("ResponseMetadata", {}).get("HTTPStatusCode") or 0
+        if status < 500:
+            return None
+        code = exc.response.get("Error", {}).get("Code", "")
+        message = exc.response.get("Error", {}).get("Message", "")  # "InternalError ... please try again" (a trial)
+        # (or no free volumes: SeaweedFS sized its count of 1 GiB volumes from the disk's free space
+        # at its start, and its log said "no free volumes left": measured)
+        disk = ""
+        if self.log_path:
+            free = _free_bytes(Path(self.log_path).parent.parent)
+            now = f" ({free / 2**20:.0f} MiB free now)" if free is not None else ""
+            disk = (f"; a full disk{now} stops SeaweedFS's writes, as does running out of volumes (it makes one "
+                    "1 GiB volume per GiB the disk had free when it started: free at least 1 GiB, then `paperline "
+                    "down` and `up`; `df -h` of the state directory and its log say more)")
+        return ServiceError("s3", f"{what}: the server failed (HTTP {status}, {code}: {message}){disk}",
+                            url=self.endpoint_url, log=self.log_path)
 
     @staticmethod
     def _is_not_found(exc: Exception) -> bool:
