@@ -694,6 +694,7 @@ def _quiet_logs() -> None:
         handler.addFilter(_short_event_failures)
         handler.addFilter(_no_unfinished_finish)
         handler.addFilter(_queued_not_aborted)
+        handler.addFilter(_no_gather_exit)
         if not _state["debug"]:
             handler.addFilter(_strip_traceback)
     for handler in logging.getLogger("prefect._internal").handlers:  # its own (the events worker's records)
@@ -718,6 +719,16 @@ def _queued_not_aborted(record: Any) -> bool:
                       "starts when the run before it ends")
         record.args = record.args[:1]
     return True
+
+
+def _no_gather_exit(record: Any) -> bool:
+    """Drop asyncio's ``Task exception was never retrieved ... Client._gather.<locals>.wait() ...
+    exception=AllExit()``: Dask's client ends its gather's waiters so when a run's gather is
+    cancelled (Ctrl-C), and two such ERROR records came before the "interrupted" line (a trial)."""
+    if record.name != "asyncio":
+        return True
+    text = record.getMessage()
+    return not ("Task exception was never retrieved" in text and "exception=AllExit()" in text)
 
 
 def _no_kill_notice(record: Any) -> bool:

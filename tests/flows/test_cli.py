@@ -929,6 +929,13 @@ def test_what_an_interrupt_ends_is_not_reported_as_a_fault():
 
     assert not _no_kill_notice(record("distributed.nanny", "Worker process still alive after 4.0 seconds, killing"))
     assert _no_kill_notice(record("distributed.nanny", "Restarting worker"))
+    from paperline.flows.cli import _no_gather_exit
+
+    gather = ("Task exception was never retrieved\nfuture: <Task finished name='Task-681' coro=<Client._gather."
+              "<locals>.wait() done, defined at .../distributed/client.py:2367> exception=AllExit()>")
+    assert not _no_gather_exit(record("asyncio", gather))
+    assert _no_gather_exit(record("asyncio", gather.replace("AllExit()", "ValueError('x')")))
+    assert _no_gather_exit(record("paperline", gather))
     for kept in (record("prefect.task_runs", "Finished in state Failed('Task run encountered an exception')"),
                  record("prefect.task_runs", "Finished in state Crashed()"),
                  record("paperline", "Finished in state Running()")):
