@@ -824,14 +824,14 @@ def _run_one(spec, params, summary_json: Path | None, early=None) -> dict[str, A
             _report(spec, params, done["summary"], summary_json)
         raise gone from exc
     if done.get("flow_run_id") and isinstance(summary, dict):
-        retried = retried_tasks(done["flow_run_id"])
+        retried = _retried_tasks(done["flow_run_id"])
         if retried:  # the results are the retries': after a lost worker nothing said a task had failed (a trial)
             summary = {**summary, "lines": [*summary.get("lines", []), *retried]}
     _report(spec, params, summary, summary_json)
     return summary
 
 
-def retried_tasks(flow_run_id: str) -> list[str]:
+def _retried_tasks(flow_run_id: str) -> list[str]:
     """One line per task run of the flow run ``flow_run_id`` that ran more than once (Prefect
     retried it after a failure: a lost worker, an S3 hiccup), naming the failure from its log; []
     when none did or the Prefect server cannot say (the run itself is done)."""
@@ -839,8 +839,8 @@ def retried_tasks(flow_run_id: str) -> list[str]:
     import uuid
 
     from prefect.client.orchestration import get_client
-    from prefect.settings import get_current_settings
     from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterId, LogFilter, LogFilterTaskRunId
+    from prefect.settings import get_current_settings
 
     lines: list[str] = []
     try:
