@@ -2215,6 +2215,9 @@ def stack_status(settings: Settings) -> list[Service]:
             problem = (f"its server process ({rec['pid']}) died, but process(es) {', '.join(str(p.pid) for p in left)} "  # type: ignore[index]
                        f"it started still run (and may answer on {rec['url']}): `paperline up` stops them and starts "  # type: ignore[index]
                        "it again") if left else None
+            if problem is None and isinstance(rec, dict) and rec.get("pid"):  # said as if stopped by `down` (a trial)
+                problem = (f"its server (pid {rec['pid']}) stopped without `paperline down` (killed, crashed or the "
+                           f"machine restarted; the end of {log} may say why): `paperline up` starts it again")
             out.append(Service(name, "(not running)", True, log_path=log, healthy=False, problem=problem))
     return out
 

@@ -74,6 +74,9 @@ def test_second_stack_on_taken_ports_stops_completely(settings_factory, tmp_path
         weed = psutil.Process(info.service("s3").pid)
         weed.kill()
         weed.wait(timeout=10)
+        s3 = stack_status(settings)[0]  # (said as "not running" alone, as if `down` had stopped it)
+        assert not s3.healthy and s3.problem.startswith(f"its server (pid {weed.pid}) stopped without `paperline "
+                                                        "down` (killed, crashed or the machine restarted"), s3
         notes: list[str] = []
         info = ensure_stack(settings, notice=notes.append)
         assert info.started == ("s3",)
