@@ -355,9 +355,10 @@ def gemm(params: GemmParameters | None = None) -> dict[str, Any]:
             kp = stage_random_operands(kp, str(Path(settings.state_dir) / "gemm" / "operands"))
         scaling = scaling_sweep(kp, store, budget, device) if params.scaling else []
         peer = single_process_peer(kp, store) if params.peer else None
+        replaced = store.exists(output) if output.startswith("s3://") else Path(output).exists()
         main = tiled_multiply(kp, store, output, budget, device)
         tracker.set_tags(run_id, {"problem": main["problem"], "operand_shapes": json.dumps(main["shapes"])})
-        summary = _log_run(tracker, run_id, main, scaling, peer)
+        summary = _log_run(tracker, run_id, main, scaling, peer, replaced)
         versus = check_latest(tracker, run_id, {k: v for k, v in mlflow_params.items() if k != "output"}, HEADLINES)
         summary["lines"] += versus.lines()
         summary["versus_best_earlier"] = versus.as_dict()
@@ -373,7 +374,7 @@ def gemm(params: GemmParameters | None = None) -> dict[str, Any]:
 
 
 def _log_run(tracker: Tracker, run_id: str, main: dict[str, Any], scaling: list[dict[str, Any]],
-             peer: dict[str, Any] | None) -> dict[str, Any]:
+             peer: dict[str, Any] | None, replaced: bool = False) -> dict[str, Any]:
     c = main["counters"]
     metrics = {  # names: see README "MLflow names" (units in the name)
         "throughput_gflop_per_s": main["gflops"], "wall_s": main["seconds"],
@@ -408,7 +409,8 @@ def _log_run(tracker: Tracker, run_id: str, main: dict[str, Any], scaling: list[
              f"{main['verification_tolerance']:.3g}",
              f"cache hit rate {main['cache_hit_rate']:.2f}; bytes from sources {c.get('bytes_source', 0)}, "
              f"from peers {c.get('bytes_peer', 0)}, from S3 {c.get('bytes_s3', 0)}",
-             f"output: {main['output']}"]
+             # an existing file or object is replaced, as documented: it went unsaid (a trial)
+             f"output: {main['output']}" + (" (it replaced the file or object that was there)" if replaced else "")]
     if peer:
         lines.append(f"peer BLAS: {peer['blas']}")
     return {"gflops": main["gflops"], "ratio_to_peer": metrics.get("ratio_to_peer"), "metrics": metrics,

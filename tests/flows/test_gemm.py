@@ -34,6 +34,7 @@ def test_run_verifies_and_prints_gflops_with_the_ratio_to_numpy(gemm_run):
     assert "verified (Freivalds)" in out and "numpy.matmul" in out and "GFLOP/s" in out
     assert summary["gflops"] > 0 and summary["ratio_to_peer"] > 0
     assert summary["verification_residual"] < 1e-12
+    assert f"output: {summary['output']}" in summary["lines"]  # a new object: no word of a replaced one
     assert [r[0] for r in summary["table"]["rows"]][-2:] == ["paperline on 1 worker(s)", "paperline on 2 worker(s)"]
     # the comparison with the best earlier run: printed once, in the summary (its log record
     # goes to the Prefect UI, not also to this terminal)
@@ -77,13 +78,15 @@ from paperline.infra.errors import PaperlineError
 from paperline.infra.stack import connect
 
 if __name__ == "__main__":  # the local Dask cluster's workers import this script again
-    params = GemmParameters(m=90, n=70, k=50, tile=32, scaling=False, peer=False)
+    params = GemmParameters(m=90, n=70, k=50, tile=32, scaling=False, peer=False, output="out.npy")
     try:
         gemm(params)
     except PaperlineError as exc:
         print("REFUSED:", exc)
     connect(start=False)
-    print("URL:", gemm(params)["prefect_flow_run_url"])
+    summary = gemm(params)
+    print("URL:", summary["prefect_flow_run_url"])
+    print("OUTPUT:", next(line for line in summary["lines"] if line.startswith("output:")))
 """
 
 
@@ -96,6 +99,7 @@ def test_a_flow_called_from_python_runs_on_the_stack_after_connect(stack, cli_en
 
     _, info = stack
     (tmp_path / "use.py").write_text(SCRIPT)
+    np.save(tmp_path / "out.npy", np.zeros(3))  # an earlier file: replaced, as documented, and now said so
     env = {k: v for k, v in cli_env.items() if not k.startswith(("PREFECT_", "MLFLOW_"))}
     proc = subprocess.run([sys.executable, "use.py"], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
@@ -106,6 +110,8 @@ def test_a_flow_called_from_python_runs_on_the_stack_after_connect(stack, cli_en
     # traceback before, a trial)
     assert "temporary server" not in proc.stderr.lower() and "Traceback" not in proc.stderr, proc.stderr[-3000:]
     url = next(line for line in proc.stdout.splitlines() if line.startswith("URL:")).split()[1]
+    assert f"OUTPUT: output: {tmp_path / 'out.npy'} (it replaced the file or object that was there)" in proc.stdout
+    assert np.load(tmp_path / "out.npy").shape == (90, 70)
     assert url.startswith(f"{info.prefect_ui_url}/runs/flow-run/")
     with get_client(sync_client=True) as client:
         assert client.read_flow_run(url.rsplit("/", 1)[1]).state.name == "Completed"
