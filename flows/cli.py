@@ -831,6 +831,9 @@ def _run_one(spec, params, summary_json: Path | None, early=None) -> dict[str, A
     return summary
 
 
+RETRIED_SHOWN = 5  # the most lines of retried task runs under a run's results
+
+
 def _retried_tasks(flow_run_id: str) -> list[str]:
     """One line per task run of the flow run ``flow_run_id`` that ran more than once (Prefect
     retried it after a failure: a lost worker, an S3 hiccup), naming the failure from its log; []
@@ -853,6 +856,8 @@ def _retried_tasks(flow_run_id: str) -> list[str]:
                 if len(got) < page:
                     break
             retried = sorted((r for r in runs if (r.run_count or 0) > 1), key=lambda r: r.name)
+            more = len(retried) - (RETRIED_SHOWN - 1) if len(retried) > RETRIED_SHOWN else 0
+            retried = retried[:len(retried) - more]  # (a lost worker under a nas campaign: dozens)
             # the failure is in the task's log, sent in batches by the process that ran it: waited for
             wait_until = time.monotonic() + get_current_settings().logging.to_api.batch_interval + 3.0
             for run in retried:
@@ -867,6 +872,8 @@ def _retried_tasks(flow_run_id: str) -> list[str]:
                     else f"it ended {run.state_name}"
                 lines.append(f"retried: {run.name} ran {run.run_count} times"
                              + (f" (it failed with {'; then '.join(why)})" if why else "") + f": {ended}")
+            if more:
+                lines.append(f"retried: {more} more task runs (the Prefect flow run's page lists them)")
     except Exception:  # noqa: BLE001 - only a report on a finished run: its results stand without it
         return lines
     return lines

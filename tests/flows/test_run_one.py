@@ -74,19 +74,19 @@ def test_a_task_retried_after_a_failure_is_said_with_the_failure(stack, monkeypa
     from paperline.infra.settings import get_settings
 
     settings, _ = stack
-    attempts: list[int] = []
+    attempts: dict[int, int] = {}
 
     @task(name="flaky-probe", retries=2, persist_result=False)
-    def flaky(fail: bool) -> int:
-        attempts.append(1)
-        if fail and len(attempts) == 1:
+    def flaky(i: int, fail: bool) -> int:
+        attempts[i] = attempts.get(i, 0) + 1
+        if fail and attempts[i] == 1:
             raise ConnectionError("worker tcp://127.0.0.1:1 lost")
         return 41
 
     @flow(name="retry-probe")
     def probe(params: dict) -> dict:
-        value = flaky.submit(params["fail"]).result()
-        return {"table": {"columns": ["x"], "title": "probe", "rows": [[value]]}, "lines": [],
+        values = [f.result() for f in [flaky.submit(i, params["fail"]) for i in range(params["tasks"])]]
+        return {"table": {"columns": ["x"], "title": "probe", "rows": [[values[0]]]}, "lines": [],
                 "prefect_flow_run_url": "-", "mlflow_run_url": "-"}
 
     monkeypatch.setenv("PAPERLINE_STATE_DIR", str(settings.state_dir))
@@ -94,14 +94,20 @@ def test_a_task_retried_after_a_failure_is_said_with_the_failure(stack, monkeypa
     get_settings.cache_clear()
     spec = types.SimpleNamespace(name="retry-probe", flow=probe)
     try:
-        summary = cli._run_one(spec, {"fail": True}, None)
-        assert len(attempts) == 2
+        summary = cli._run_one(spec, {"fail": True, "tasks": 1}, None)
+        assert attempts == {0: 2}
         line = "retried: flaky-probe"
         said = [x for x in summary["lines"] if x.startswith(line)]
         assert len(said) == 1 and "ran 2 times (it failed with exception: ConnectionError('worker tcp://127.0.0.1:1 " \
             "lost')): the results above are its last run's" in said[0], said
         assert line in capsys.readouterr().out
         attempts.clear()
-        assert not [x for x in cli._run_one(spec, {"fail": False}, None)["lines"] if x.startswith("retried")]
+        assert not [x for x in cli._run_one(spec, {"fail": False, "tasks": 1}, None)["lines"] if x.startswith("retried")]
+        # many retried (a lost worker under a nas campaign): a few named, the rest counted
+        attempts.clear()
+        many = cli.RETRIED_SHOWN + 2
+        lines = [x for x in cli._run_one(spec, {"fail": True, "tasks": many}, None)["lines"] if x.startswith("retried")]
+        assert len(lines) == cli.RETRIED_SHOWN and all(x.startswith(line) for x in lines[:-1]), lines
+        assert lines[-1] == f"retried: {many - cli.RETRIED_SHOWN + 1} more task runs (the Prefect flow run's page lists them)"
     finally:
         get_settings.cache_clear()
