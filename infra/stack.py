@@ -1682,8 +1682,9 @@ def crash_silent_runs(api_url: str, within_s: float) -> list[str]:
     whose heartbeats stopped while the server itself was down (killed, or ``paperline down``
     during the run) was never marked: the server drops a trigger's window that expired while it
     was down, and the run stayed Running after the next ``paperline up`` (a trial: 20 minutes
-    later). :func:`ensure_stack` calls this when it (re)starts the Prefect server. Runs that never
-    sent a heartbeat are left alone (the server cannot tell whether they are alive).
+    later). :func:`ensure_stack` calls this when it (re)starts the Prefect server. A run that never
+    sent a heartbeat counts from when its first was due (:data:`FLOW_HEARTBEAT_S` after its start):
+    one whose server was killed in its first seconds stayed Running for good (a trial).
 
     Returns:
         ``"name (id)"`` of each run marked. Server errors are left to the automation: nothing raised.
@@ -1711,11 +1712,18 @@ def crash_silent_runs(api_url: str, within_s: float) -> list[str]:
                 event=EventNameFilter(name=["prefect.flow-run.heartbeat"]),
                 resource=EventResourceFilter(id=[f"prefect.flow-run.{run.id}"]),
                 occurred=EventOccurredFilter(since=since, until=now)), limit=1)  # newest first
-            if not page.events or (now - page.events[0].occurred).total_seconds() <= within_s:
+            if page.events:
+                last = page.events[0].occurred
+            elif run.start_time is not None:  # none sent: the first is due FLOW_HEARTBEAT_S after the start
+                last = run.start_time + datetime.timedelta(seconds=FLOW_HEARTBEAT_S)
+            else:
                 continue
-            last = page.events[0].occurred.strftime("%Y-%m-%d %H:%M:%S UTC")
-            state = Crashed(message=f"No heartbeat since {last}: the process running this flow run died, or lost "
-                                    "its Prefect server (found when `paperline up` restarted it).")
+            if (now - last).total_seconds() <= within_s:
+                continue
+            seen = (f"No heartbeat since {last:%Y-%m-%d %H:%M:%S UTC}" if page.events else
+                    f"No heartbeat since it started at {run.start_time:%Y-%m-%d %H:%M:%S UTC}")
+            state = Crashed(message=f"{seen}: the process running this flow run died, or lost its Prefect server "
+                                    "(found when `paperline up` restarted it).")
             if client.set_flow_run_state(run.id, state).status == SetStateStatus.ACCEPT:  # not forced
                 marked.append(f"{run.name} ({run.id})")
     return marked

@@ -138,11 +138,12 @@ def _mlflow_runs(tracker, flow_run_id) -> list:
                                       filter_string=f"tags.`prefect.flow_run_id` = '{flow_run_id}'")
 
 
-def test_a_run_whose_heartbeats_stopped_while_the_server_was_down_is_crashed_at_up(stack):
+def test_a_run_whose_heartbeats_stopped_while_the_server_was_down_is_crashed_at_up(stack, monkeypatch):
     """A run whose Prefect server was killed (or stopped by `paperline down`) under it stayed
     Running after the next `paperline up`, for good: the server drops a heartbeat window that
     expired while it was down (a trial). `up` restarting the server marks such runs Crashed; a run
-    that heartbeats still, or never did, is left alone; `down` names the Running runs first."""
+    that heartbeats still, or whose first heartbeat is not due yet, is left alone (one whose first is
+    long due is crashed); `down` names the Running runs first."""
     import datetime
     import uuid
 
@@ -178,7 +179,14 @@ def test_a_run_whose_heartbeats_stopped_while_the_server_was_down_is_crashed_at_
             assert f"{silent.name} ({silent.id})" in crashed and str(quiet.id) not in " ".join(crashed)
             state = client.read_flow_run(silent.id).state
             assert state.name == "Crashed" and "No heartbeat since" in state.message
-            assert client.read_flow_run(quiet.id).state.name == "Running"
+            assert client.read_flow_run(quiet.id).state.name == "Running"  # its first heartbeat is not due yet
+            # never a heartbeat, its first long due (its server killed in its first seconds): it stayed
+            # Running for good (a trial). (The server stamps a run's start itself: the first heartbeat
+            # is made due at once instead.)
+            monkeypatch.setattr("paperline.infra.stack.FLOW_HEARTBEAT_S", 0)
+            assert f"{quiet.name} ({quiet.id})" in crash_silent_runs(info.prefect_api_url, within_s=1)
+            state = client.read_flow_run(quiet.id).state
+            assert state.name == "Crashed" and state.message.startswith("No heartbeat since it started at "), state
         finally:
             for run in (silent, quiet):
                 client.set_flow_run_state(run.id, Cancelled(), force=True)
