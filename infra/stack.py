@@ -553,17 +553,24 @@ def _trim_running_logs(settings: Settings) -> None:
     while their servers run: :func:`_spawn` moved a log aside only as its server started, so a
     stack left running for months grew its logs without bound (SeaweedFS's ~1.5 MB a day idle: a
     trial). The servers write with ``O_APPEND``, so they go on at the emptied file's end; lines
-    written between the copy and the emptying are lost (``logrotate``'s ``copytruncate``)."""
+    written between the copy and the emptying are lost (``logrotate``'s ``copytruncate``). A log
+    the disk has no room to copy is left whole, and a copy that fails is removed."""
     for name in SERVICE_NAMES:
         log = settings.state_dir / "logs" / f"{name}.log"
-        with contextlib.suppress(OSError):
-            if log.stat().st_size > LOG_KEPT_BYTES:
-                kept = log.with_name(log.name + ".1")
-                tmp = log.with_name(f".{log.name}.1.tmp")
-                shutil.copyfile(log, tmp)
-                os.chmod(tmp, 0o600)
-                os.replace(tmp, kept)
-                os.truncate(log, 0)
+        tmp = log.with_name(f".{log.name}.1.tmp")
+        try:
+            size = log.stat().st_size
+            # no room for the copy: left as it is (a half copy filled a small disk, every later
+            # command trying again: a trial)
+            if size <= LOG_KEPT_BYTES or shutil.disk_usage(log.parent).free < size + LOG_KEPT_BYTES:
+                continue
+            shutil.copyfile(log, tmp)
+            os.chmod(tmp, 0o600)
+            os.replace(tmp, log.with_name(log.name + ".1"))
+            os.truncate(log, 0)
+        except OSError:
+            with contextlib.suppress(OSError):
+                tmp.unlink()
 
 
 def _spawn(cmd: list[str], env: dict[str, str], log_path: Path, cwd: Path) -> subprocess.Popen[bytes]:

@@ -1036,7 +1036,7 @@ def test_a_servers_log_past_its_size_is_moved_aside_as_it_starts(tmp_path):
     assert "second start" in log.read_text() and (tmp_path / "logs" / "mlflow.log.1").stat().st_size == LOG_KEPT_BYTES + 1
 
 
-def test_a_running_servers_log_past_its_size_is_emptied_in_place(tmp_path):
+def test_a_running_servers_log_past_its_size_is_emptied_in_place(tmp_path, monkeypatch):
     """A log was moved aside only as its server started: a stack left running for months grew its
     logs without bound (a trial). A running server's log past the size is copied to ``.log.1``
     and emptied in place; the server, writing with O_APPEND, goes on at the new end."""
@@ -1067,6 +1067,28 @@ def test_a_running_servers_log_past_its_size_is_emptied_in_place(tmp_path):
         flag.touch()  # it writes once more
         proc.wait(timeout=60)
     assert log.read_text() == "after the trim\n"  # at the emptied file's start, not past a hole
+    # a disk without room for the copy: the log is left whole; a copy that fails leaves no half
+    # file (one filled a small disk, and every later command tried again: a trial)
+    import shutil
+
+    big = tmp_path / "logs" / "mlflow.log"
+    with open(big, "wb") as f:
+        f.truncate(LOG_KEPT_BYTES + 1)
+    real = shutil.disk_usage
+    monkeypatch.setattr(shutil, "disk_usage", lambda p: real(p)._replace(free=LOG_KEPT_BYTES))
+    _trim_running_logs(settings)
+    assert big.stat().st_size == LOG_KEPT_BYTES + 1 and not (tmp_path / "logs" / "mlflow.log.1").exists()
+    monkeypatch.setattr(shutil, "disk_usage", real)
+
+    def full(src, dst):
+        with open(dst, "wb") as f:
+            f.write(b"x" * 100)
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(shutil, "copyfile", full)
+    _trim_running_logs(settings)
+    assert big.stat().st_size == LOG_KEPT_BYTES + 1
+    assert sorted(p.name for p in (tmp_path / "logs").iterdir()) == ["mlflow.log", "prefect.log", "s3.log", "s3.log.1"]
 
 
 def test_a_state_file_not_written_names_its_path_and_leaves_the_old_one(tmp_path, monkeypatch):
