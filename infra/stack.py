@@ -176,7 +176,14 @@ def _read_state(settings: Settings) -> dict[str, Any]:
     except (OSError, ValueError) as exc:
         raise PaperlineError(f"{path}: unreadable stack state ({exc}); `paperline down` stops the servers it "
                              "recorded (found by their processes) and deletes it") from exc
-    state.setdefault("services", {})
+    # JSON of another shape ([] or a pid "abc") failed every command with an AttributeError (a trial)
+    services = state.setdefault("services", {}) if isinstance(state, dict) else None
+    wrong = ("not an object" if services is None else "its services are not an object" if not isinstance(services, dict)
+             else next((f"its {name} record holds no process id" for name, rec in services.items()
+                        if not isinstance(rec, dict) or type(rec.get("pid")) is not int), None))
+    if wrong:
+        raise PaperlineError(f"{path}: unreadable stack state ({wrong}); `paperline down` stops the servers it "
+                             "recorded (found by their processes) and deletes it")
     return state
 
 

@@ -480,3 +480,20 @@ def test_a_damaged_key_pair_file_or_database_record_is_named(tmp_path, settings_
     record.write_text("postgresql://db:5432/prefect\n")  # a whole record of another database: said as before
     _note_database(settings, "prefect", said.append)
     assert "used postgresql://db:5432/prefect before" in said[-1], said
+
+
+@pytest.mark.parametrize("text, said", [("[]", "not an object"), ("null", "not an object"),
+                                        ('{"services": []}', "its services are not an object"),
+                                        ('{"services": {"s3": {"pid": "abc"}}}', "its s3 record holds no process id")])
+def test_a_stack_json_of_another_shape_is_damaged_not_a_crash(settings_factory, tmp_path, text, said):
+    """JSON of another shape failed `status`, `up` and `down` alike with an AttributeError or a
+    ValueError, leaving no way out (a trial): it is a damaged state file, which `down` clears."""
+    from paperline.infra.stack import stack_status, state_problem
+
+    settings = settings_factory(tmp_path / "state")
+    settings.state_dir.mkdir(parents=True)
+    (settings.state_dir / "stack.json").write_text(text)
+    problem = state_problem(settings)
+    assert problem and f"unreadable stack state ({said}); `paperline down` stops" in problem, problem
+    assert [s.url for s in stack_status(settings)] == ["(not running)"] * 3
+    assert stop_stack(settings) == [] and state_problem(settings) is None
