@@ -863,15 +863,15 @@ def _retried_tasks(flow_run_id: str) -> list[str]:
             for run in retried:
                 while True:
                     logs = client.read_logs(log_filter=LogFilter(task_run_id=LogFilterTaskRunId(any_=[run.id])))
-                    why = [m.message.split(" - Retry ")[0].removeprefix("Task run failed with ") for m in logs
-                           if m.message.startswith("Task run failed with ")]
+                    why = [m.message.split(" - Retry ")[0].removeprefix("Task run failed with ")
+                           .removeprefix("exception: ") for m in logs if m.message.startswith("Task run failed with ")]
                     if why or time.monotonic() > wait_until:
                         break
                     time.sleep(0.5)
                 ended = "the results above are its last run's" if run.state_name == "Completed" \
                     else f"it ended {run.state_name}"
                 lines.append(f"retried: {run.name} ran {run.run_count} times"
-                             + (f" (it failed with {'; then '.join(why)})" if why else "") + f": {ended}")
+                             + (f" (a run before failed: {'; then '.join(why)})" if why else "") + f": {ended}")
             if more:
                 lines.append(f"retried: {more} more task runs (the Prefect flow run's page lists them)")
     except Exception:  # noqa: BLE001 - only a report on a finished run: its results stand without it
@@ -948,9 +948,11 @@ def _prefect_gone(exc: BaseException, info: Any, finished: bool = False) -> Exce
             return None
     also = _others_down()
     if finished:  # (``finished``: the flow's function had returned, its results printed above)
-        return ServiceError("prefect", f"the server stopped answering as the run finished ({type(exc).__name__}: "
-                                       f"{exc}): its work is done (the results above, in MLflow and S3), but its end "
-                                       f"is not recorded in Prefect{also}; `paperline status` shows what is down and "
+        # (not "as the run finished": it may have gone earlier, the tasks going on without it: a trial)
+        return ServiceError("prefect", f"the server stopped answering before the run's end was recorded "
+                                       f"({type(exc).__name__}: {exc}): its work is done (the results above, in "
+                                       f"MLflow and S3), but Prefect shows it unfinished{also}; `paperline status` "
+                                       "shows what is down and "
                                        "`paperline up` restarts it (the run, left Running, is then marked Crashed "
                                        "once its heartbeats are missed)", url=info.prefect_ui_url)
     return ServiceError("prefect", f"the server stopped answering during the run ({type(exc).__name__}: {exc}), so "

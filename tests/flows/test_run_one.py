@@ -52,7 +52,7 @@ def test_a_run_whose_prefect_server_goes_as_it_finishes_prints_its_results(stack
     finally:
         get_settings.cache_clear()
     assert body_done and cli._state["prefect_gone"]
-    assert "stopped answering as the run finished (ConnectError" in str(raised.value)
+    assert "stopped answering before the run's end was recorded (ConnectError" in str(raised.value)
     assert "its work is done (the results above, in MLflow and S3)" in str(raised.value)
     assert "also down" not in str(raised.value)  # the session stack's S3 and MLflow are up
     printed = capsys.readouterr().out
@@ -98,7 +98,7 @@ def test_a_task_retried_after_a_failure_is_said_with_the_failure(stack, monkeypa
         assert attempts == {0: 2}
         line = "retried: flaky-probe"
         said = [x for x in summary["lines"] if x.startswith(line)]
-        assert len(said) == 1 and "ran 2 times (it failed with exception: ConnectionError('worker tcp://127.0.0.1:1 " \
+        assert len(said) == 1 and "ran 2 times (a run before failed: ConnectionError('worker tcp://127.0.0.1:1 " \
             "lost')): the results above are its last run's" in said[0], said
         assert line in capsys.readouterr().out
         attempts.clear()
