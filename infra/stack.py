@@ -1422,10 +1422,22 @@ def _say_port_moved(settings: Settings, name: str, port: int, tell: Progress, la
     elif port == asked:
         return
     elif field in settings.model_fields_set:
-        tell(f"{name}: port {asked} (PAPERLINE_{field.upper()}) is taken by another process, so it is on {port}")
+        tell(f"{name}: port {asked} (PAPERLINE_{field.upper()}) {_why_taken(settings, name, asked)}, so it is on {port}")
     elif last is None:
-        tell(f"{name}: port {asked} (the default; PAPERLINE_{field.upper()} sets another) is taken by another "
-             f"process, so it is on {port}")
+        tell(f"{name}: port {asked} (the default; PAPERLINE_{field.upper()} sets another) "
+             f"{_why_taken(settings, name, asked)}, so it is on {port}")
+
+
+def _why_taken(settings: Settings, name: str, port: int) -> str:
+    """Why ``port`` could not be ``name``'s: "is taken by another process" was said of a free port
+    whose SeaweedFS gRPC port (10000 above) was taken, and of one this stack's other server was
+    also asked to take (a trial)."""
+    if name == "s3" and _port_free(settings.host, port) and not _port_free(settings.host, port + _GRPC_OFFSET):
+        return f"is free, but SeaweedFS's gRPC port {port + _GRPC_OFFSET} (10000 above it) is taken"
+    others = [n for n in SERVICE_NAMES if n != name and getattr(settings, f"{n}_port") == port]
+    if others:
+        return f"is also asked of this stack's {others[0]} server (PAPERLINE_{others[0].upper()}_PORT)"
+    return "is taken by another process"
 
 
 def _remember_port(settings: Settings, name: str, port: int) -> None:

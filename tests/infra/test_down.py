@@ -401,7 +401,7 @@ def test_a_moved_port_is_said_for_a_default_a_setting_and_a_last_port(tmp_path, 
     word only in its URL table (a trial); a port set in the settings and the port of the stack's
     last start, when taken, are said too; a port that was simply free is no news."""
     from paperline.infra.settings import Settings
-    from paperline.infra.stack import _say_port_moved
+    from paperline.infra.stack import _port_free, _say_port_moved
 
     for name in ("S3", "PREFECT", "MLFLOW"):
         monkeypatch.delenv(f"PAPERLINE_{name}_PORT", raising=False)
@@ -426,6 +426,24 @@ def test_a_moved_port_is_said_for_a_default_a_setting_and_a_last_port(tmp_path, 
         asked = Settings(state_dir=tmp_path, host="127.0.0.1", s3_port=taken)
         _say_port_moved(asked, "s3", 41003, said.append, None)
         assert said == [f"s3: port {taken} (PAPERLINE_S3_PORT) is taken by another process, so it is on 41003"]
+        # not "taken by another process" when the port was free but its gRPC port was not, or when
+        # the stack's other server was asked for it too (a trial)
+        said.clear()
+        grpc = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        free = next(p for p in iter(free_port, None) if p + 10000 <= 65535 and _port_free("127.0.0.1", p + 10000))
+        grpc.bind(("127.0.0.1", free + 10000))
+        grpc.listen(1)
+        try:
+            _say_port_moved(Settings(state_dir=tmp_path, host="127.0.0.1", s3_port=free), "s3", 41005, said.append, None)
+        finally:
+            grpc.close()
+        assert said == [f"s3: port {free} (PAPERLINE_S3_PORT) is free, but SeaweedFS's gRPC port {free + 10000} (10000 "
+                        "above it) is taken, so it is on 41005"], said
+        said.clear()
+        both = Settings(state_dir=tmp_path, host="127.0.0.1", prefect_port=free, mlflow_port=free)
+        _say_port_moved(both, "mlflow", 41006, said.append, None)
+        assert said == [f"mlflow: port {free} (PAPERLINE_MLFLOW_PORT) is also asked of this stack's prefect server "
+                        "(PAPERLINE_PREFECT_PORT), so it is on 41006"], said
     finally:
         held.close()
 
