@@ -501,7 +501,8 @@ class _RunCommand(_Command):
                 words.append(arg)
             i += 1
         ctx.meta["paperline.run.pipeline"] = words[0] if words else None
-        ctx.meta["paperline.run.preset"] = presets[-1] if presets else "demo"
+        ctx.meta["paperline.run.extra"] = words[1:]
+        ctx.meta["paperline.run.presets"] = presets
         return super().parse_args(ctx, args)
 
     def format_help(self, ctx: Any, formatter: Any) -> None:
@@ -511,8 +512,10 @@ class _RunCommand(_Command):
             return
         from paperline.flows.pipelines import get_pipeline
 
-        try:
-            _print_parameters(get_pipeline(name), ctx.meta["paperline.run.preset"])
+        try:  # what `run` itself refuses is refused here too (two presets, a second pipeline)
+            if ctx.meta["paperline.run.extra"]:
+                raise PaperlineError(f"one pipeline at a time: {name!r} and {', '.join(map(repr, ctx.meta['paperline.run.extra']))} given")
+            _print_parameters(get_pipeline(name), _one_preset(ctx.meta["paperline.run.presets"]))
         except (PaperlineError, KernelInputError) as exc:  # an unknown pipeline or preset
             err_console.print(f"error: {exc}", markup=False, highlight=False)
             ctx.exit(2)

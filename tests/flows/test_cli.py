@@ -243,7 +243,9 @@ def test_run_help_of_a_pipeline_lists_its_parameters():
     full = run_cli("run", "--set", "m=5", "gemm", "--preset", "full", "--help")  # options before the name
     assert full.exit_code == 0 and "--preset full" in full.output and "8192" in full.output
     assert "│ tile " not in run_cli("run", "--help").output  # no pipeline named: the help alone
-    for args, said in ((("nope",), "pipeline='nope': unknown pipeline"), (("nas", "--preset", "x"), "--preset='x'")):
+    for args, said in ((("nope",), "pipeline='nope': unknown pipeline"), (("nas", "--preset", "x"), "--preset='x'"),
+                       (("gemm", "--preset", "demo", "--preset", "full"), "--preset='full': given twice"),
+                       (("gemm", "nas"), "one pipeline at a time: 'gemm' and 'nas' given")):
         result = run_cli("run", *args, "--help")
         assert result.exit_code == 2 and said in result.output and "Traceback" not in result.output, result.output
 
