@@ -1710,7 +1710,8 @@ def crash_silent_runs(api_url: str, within_s: float) -> list[str]:
     was down, and the run stayed Running after the next ``paperline up`` (a trial: 20 minutes
     later). :func:`ensure_stack` calls this when it (re)starts the Prefect server. A run that never
     sent a heartbeat counts from when its first was due (:data:`FLOW_HEARTBEAT_S` after its start):
-    one whose server was killed in its first seconds stayed Running for good (a trial).
+    one whose server was killed in its first seconds stayed Running for good (a trial); a
+    deployment's run without one is left alone (a worker of the user's may send none).
 
     Returns:
         ``"name (id)"`` of each run marked. Server errors are left to the automation: nothing raised.
@@ -1740,7 +1741,9 @@ def crash_silent_runs(api_url: str, within_s: float) -> list[str]:
                 occurred=EventOccurredFilter(since=since, until=now)), limit=1)  # newest first
             if page.events:
                 last = page.events[0].occurred
-            elif run.start_time is not None:  # none sent: the first is due FLOW_HEARTBEAT_S after the start
+            elif run.start_time is not None and run.deployment_id is None:
+                # none sent: the first was due FLOW_HEARTBEAT_S after the start (a run of `paperline run` or
+                # a connect()ed script, which heartbeat; a deployment's worker may be one that does not)
                 last = run.start_time + datetime.timedelta(seconds=FLOW_HEARTBEAT_S)
             else:
                 continue

@@ -166,6 +166,9 @@ def test_a_run_whose_heartbeats_stopped_while_the_server_was_down_is_crashed_at_
 
     with get_client(sync_client=True) as client:
         silent, quiet = (client.create_flow_run(probe, state=Running()) for _ in range(2))  # quiet: no heartbeat
+        flow_id = client.create_flow(probe)
+        deployment = client.create_deployment(flow_id=flow_id, name=f"heartbeat-probe-{uuid.uuid4().hex[:8]}")
+        deployed = client.create_flow_run_from_deployment(deployment, state=Running())
         client._client.post("/events", json=[heartbeat(silent.id)]).raise_for_status()
         deadline = time.time() + 60
         while not _heartbeats(client, silent.id):  # the server persists events asynchronously
@@ -184,12 +187,16 @@ def test_a_run_whose_heartbeats_stopped_while_the_server_was_down_is_crashed_at_
             # Running for good (a trial). (The server stamps a run's start itself: the first heartbeat
             # is made due at once instead.)
             monkeypatch.setattr("paperline.infra.stack.FLOW_HEARTBEAT_S", 0)
-            assert f"{quiet.name} ({quiet.id})" in crash_silent_runs(info.prefect_api_url, within_s=1)
+            crashed = crash_silent_runs(info.prefect_api_url, within_s=1)
+            assert f"{quiet.name} ({quiet.id})" in crashed
+            # a deployment's run without heartbeats is left alone: a worker of the user's may send none
+            assert client.read_flow_run(deployed.id).state.name == "Running", crashed
             state = client.read_flow_run(quiet.id).state
             assert state.name == "Crashed" and state.message.startswith("No heartbeat since it started at "), state
         finally:
-            for run in (silent, quiet):
+            for run in (silent, quiet, deployed):
                 client.set_flow_run_state(run.id, Cancelled(), force=True)
+            client.delete_deployment(deployment)
 
 
 def test_a_stopped_run_ends_killed_and_a_failed_one_says_why(stack):
