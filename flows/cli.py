@@ -1167,7 +1167,8 @@ def served_elsewhere(names: list[str]) -> None:
                 if not d.paused and ago is not None and ago <= SERVE_POLLED_WITHIN_S:
                     busy.append((name, ago))
     if busy:
-        shown = ", ".join(f"{name} (polled {ago:.0f} s ago)" for name, ago in busy[:3])
+        # (a poll after `now` was taken showed "polled -0 s ago": a CI failure)
+        shown = ", ".join(f"{name} (polled {max(0.0, ago):.0f} s ago)" for name, ago in busy[:3])
         raise PaperlineError(f"another process serves {len(busy)} of these deployments on the Prefect server at "
                              f"{redact_url(str(PREFECT_API_URL.value()))} now: {shown}; one `paperline serve` per Prefect "
                              "server (two pause each other's deployments when one stops): stop it first, or wait "
