@@ -538,13 +538,20 @@ def test_dead_endpoints_raise_service_errors(free_port):
         Tracker(f"http://127.0.0.1:{port}").start_run("x", run_name="y")
 
 
-def test_an_s3_server_failing_is_named_with_its_log(tmp_path):
+def test_an_s3_server_failing_is_named_with_its_log(tmp_path, monkeypatch):
     """A SeaweedFS whose disk filled answered PutObject with HTTP 500 "InternalError ... please try
     again": the run ended with a bare ClientError naming neither S3's log nor the disk (a trial)."""
     import http.server
     import threading
 
+    from botocore.retries.standard import ExponentialBackoff
+
+    # boto3 still retries each call (4 attempts), without its backoff sleeps: 24 s -> 1 s
+    monkeypatch.setattr(ExponentialBackoff, "delay_amount", lambda self, context: 0.0)
+
     class Failing(http.server.BaseHTTPRequestHandler):
+        protocol_version = "HTTP/1.1"  # answers boto3's "Expect: 100-continue" at once (it waited 1 s a request)
+
         def _fail(self) -> None:
             self.rfile.read(int(self.headers.get("Content-Length") or 0))
             body = (b"<?xml version='1.0' encoding='UTF-8'?><Error><Code>InternalError</Code><Message>We "
