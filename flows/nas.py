@@ -15,7 +15,6 @@ import collections
 import contextlib
 import hashlib
 import json
-import re
 import tempfile
 import time
 from collections.abc import Iterator
@@ -27,7 +26,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from paperline.infra.cluster import configure_local_workers, default_task_runner
 from paperline.infra.device import resolve_device
-from paperline.infra.errors import InputError, PaperlineError
+from paperline.infra.errors import InputError, PaperlineError, name_problem
 from paperline.infra.locks import Held, held_by_this_process
 from paperline.infra.pipeline_flow import pipeline_flow
 from paperline.infra.regression import Headline, check_latest
@@ -75,11 +74,8 @@ class CampaignParameters(BaseModel):
     @field_validator("campaign")
     @classmethod
     def _campaign(cls, v: str | None) -> str | None:
-        # a pattern was said as the bare regex "String should match pattern '^[A-Za-z0-9][A-Za-z0-9._-]*$'" (a trial)
-        if v is not None and not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9._-]*", v):
-            bad = sorted(set(re.sub(r"[A-Za-z0-9._-]", "", v)))
-            why = f"characters {''.join(bad)!r} are not allowed" if bad else "it must start with a letter or a digit"
-            raise ValueError(f"{why}: a campaign name is letters, digits, '.', '_' and '-'")
+        if v is not None and (problem := name_problem(v, "campaign")):
+            raise ValueError(problem)
         return v
     evaluation_timeout_s: float = Field(3600.0, gt=0, description="A batch's evaluations not done this many "
                                                                  "seconds after it started are recorded as failed.")

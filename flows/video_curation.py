@@ -14,7 +14,6 @@ from __future__ import annotations
 import hashlib
 import io
 import json
-import re
 import tempfile
 import time
 from pathlib import Path
@@ -25,7 +24,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from paperline.infra.cluster import configure_local_workers, default_task_runner
 from paperline.infra.device import resolve_device
-from paperline.infra.errors import InputError
+from paperline.infra.errors import InputError, name_problem
 from paperline.infra.pipeline_flow import pipeline_flow
 from paperline.infra.regression import Headline, check_latest
 from paperline.infra.settings import get_settings
@@ -124,14 +123,9 @@ class VideoCurationParameters(BaseModel):
     @field_validator("dataset")
     @classmethod
     def _dataset(cls, v: str) -> str:
-        # the regex it was said "String should match pattern '^[A-Za-z0-9]([A-Za-z0-9_.-]|\\{date\\}){0,63}$'"
-        # and refused a name of {date} alone (a trial)
+        if problem := name_problem(v, "dataset", placeholder="{date}"):
+            raise ValueError(f"{problem}, with {{date}} for the run's UTC date (e.g. daily-{{date}})")
         resolved = v.replace("{date}", "2000-01-01")
-        if not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9_.-]*", resolved):
-            bad = sorted(set(re.sub(r"[A-Za-z0-9_.-]", "", v.replace("{date}", ""))))
-            why = f"characters {''.join(bad)!r} are not allowed" if bad else "it must start with a letter, a digit or {date}"
-            raise ValueError(f"{why}: a dataset name is letters, digits, '_', '.' and '-', with {{date}} for the "
-                             "run's UTC date (e.g. daily-{date})")
         if resolved == STAGING:  # the curate tasks' staged clips live there: deleting one deleted the other
             raise ValueError(f"'{STAGING}' is where the curate tasks stage clips (s3://<data bucket>/video-curation/"
                              f"{STAGING}/); choose another name")

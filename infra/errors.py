@@ -39,6 +39,21 @@ def input_error_from(exc: Any, argument: Callable[[tuple[Any, ...]], str]) -> In
     return InputError(argument(tuple(err["loc"])), value, problem)
 
 
+def name_problem(name: str, kind: str, placeholder: str = "") -> str | None:
+    """Why ``name`` cannot name a ``kind`` (a campaign, a dataset: it becomes part of S3 keys, MLflow
+    run names and file names), in words, or None when it can: letters, digits, ``.``, ``_`` and
+    ``-``, starting with a letter or a digit. ``placeholder`` (e.g. ``{date}``) is allowed
+    anywhere as a whole and is not checked. A bare regex was said to users before (trials)."""
+    rest = name.replace(placeholder, "") if placeholder else name
+    starts = name.startswith(placeholder) if placeholder else False
+    if re.fullmatch(r"[A-Za-z0-9._-]*", rest) and (starts or re.match(r"[A-Za-z0-9]", name)) and name:
+        return None
+    bad = sorted(set(re.sub(r"[A-Za-z0-9._-]", "", rest)))
+    first = f"a letter, a digit or {placeholder}" if placeholder else "a letter or a digit"
+    why = f"characters {''.join(bad)!r} are not allowed" if bad else f"it must start with {first}"
+    return f"{why}: a {kind} name is letters, digits, '.', '_' and '-'"
+
+
 def redact_url(url: str) -> str:
     """``url`` without the password of its user info (``http://alice@host:5000``; a user part
     alone, which may be a token, left out too), for anything shown or logged: a tracking URI may
