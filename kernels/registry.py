@@ -26,6 +26,11 @@ class Registry(Generic[T]):
         self._items: dict[str, T] = {}
 
     def register(self, name: str) -> Callable[[T], T]:
+        """A decorator that registers its object under ``name`` and returns it unchanged.
+
+        Raises:
+            ValueError: (when the decorator is applied) ``name`` is already registered.
+        """
         def deco(obj: T) -> T:
             if name in self._items:
                 raise ValueError(f"{self.kind} {name!r} is already registered")
@@ -48,4 +53,5 @@ class Registry(Generic[T]):
         return iter(sorted(self._items))
 
     def names(self) -> list[str]:
+        """The registered names, sorted."""
         return sorted(self._items)

@@ -19,6 +19,11 @@ class DaskExecutor:
 
     Args:
         client: a ``distributed.Client`` (inside a Prefect task: ``prefect_dask.get_dask_client()``).
+
+    Raises:
+        ServiceError: the cluster has no workers (after :func:`wait_for_cluster`).
+        TimeoutError: a local cluster's workers did not all start in time (:func:`wait_for_cluster`).
+        ClusterLost: the client lost its scheduler.
     """
 
     def __init__(self, client: Any):
@@ -32,6 +37,7 @@ class DaskExecutor:
         self._assigned: dict[str, str] = {}
 
     def place(self, items: Sequence[Any]) -> list[Any]:
+        """Scatter item ``p`` to worker ``p mod W``; returns its future (the handle)."""
         handles = []
         for p, item in enumerate(items):
             worker = self.workers[p % len(self.workers)]
@@ -41,6 +47,8 @@ class DaskExecutor:
         return handles
 
     def map(self, fn: Callable[..., Any], handles: Sequence[Any], args: Sequence[tuple]) -> list[Any]:
+        """``fn(handle_i, *args_i)`` on the worker holding ``handle_i`` (only there), gathered in order;
+        the first task's exception is raised here."""
         futures = [
             self.client.submit(fn, h, *a, workers=[self._assigned[h.key]], allow_other_workers=False, pure=False)
             for h, a in zip(handles, args)

@@ -84,6 +84,8 @@ class S3NpySource:
         self.key = f"s3:{uri}:{head.get('ETag', '')}"
 
     def read(self, rows: slice, cols: slice) -> np.ndarray:
+        """``M[rows, cols]``, a new C-ordered array of :attr:`dtype` (native byte order), read by a
+        ranged GET of the whole row (column, for Fortran order) band, cached per process."""
         nrows, ncols = self.shape
         if self.fortran_order:
             c0, c1, _ = cols.indices(ncols)

@@ -33,6 +33,7 @@ def kernel_version() -> str:
 
 
 def checkpoint_uri(prefix: str, rank: int, epoch: int) -> str:
+    """The object URI of ``rank``'s checkpoint after ``epoch``: ``<prefix>/rank-<rank>/epoch-<epoch:04d>.pt``."""
     return f"{prefix}/rank-{rank}/epoch-{epoch:04d}.pt"
 
 
@@ -167,8 +168,10 @@ def train_ranks(cfg: dict[str, Any], world_size: int, store: ObjectStore, prefix
         "failures": [messages]}``.
 
     Raises:
-        InputError: more ranks than workers, or bad configuration. RankFailed: still failing after
-        ``max_restarts`` restarts.
+        InputError: no Dask cluster (the flow runs without a ``DaskTaskRunner``), more ranks than
+            workers, or bad configuration.
+        RankFailed: still failing after ``max_restarts`` restarts, or a lost worker did not come
+            back within :data:`WORKER_RETURN_S` seconds.
     """
     from paperline.tasks.executors import flow_dask_client, wait_for_cluster  # noqa: PLC0415
 

@@ -202,6 +202,10 @@ def unstaged(store: ObjectStore, results: list[dict[str, Any]], threads: int = 8
 
 
 def video_stats(result: Any) -> dict[str, Any]:
+    """A video's decode counts for the flow's report: ``frames_decoded``, ``video_s`` (seconds of
+    video), ``shots``, ``short_dropped`` and ``seconds`` (wall seconds of its clip extraction), all zero when
+    ``result`` (a :class:`~paperline.kernels.video.clips.VideoResult`) is None.
+    """
     if result is None:
         return {"frames_decoded": 0, "video_s": 0.0, "shots": 0, "short_dropped": 0, "seconds": 0.0}
     return {"frames_decoded": result.frames_decoded, "video_s": result.video_s, "shots": result.shots,

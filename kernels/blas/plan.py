@@ -63,6 +63,7 @@ class TileRef:
 
     @property
     def stored(self) -> tuple[str, int, int]:
+        """``(operand, i, j)``: the stored tile read (the cache key part), before mask/transpose."""
         return (self.operand, self.i, self.j)
 
 
@@ -135,9 +136,11 @@ class Problem:
     extra: dict[str, Any] = field(default_factory=dict)
 
     def operands(self) -> dict[str, TileSource]:
+        """The operands given, by name (``"a"``, ``"b"``, ``"c"``); those that are None are left out."""
         return {k: v for k, v in (("a", self.a), ("b", self.b), ("c", self.c)) if v is not None}
 
     def describe(self) -> str:
+        """One line for logs, e.g. ``GEMM 4096x4096 (k=4096) float64 tile=1024 trans_a=N trans_b=N``."""
         flags = {"gemm": f"trans_a={'T' if self.trans_a else 'N'} trans_b={'T' if self.trans_b else 'N'}",
                  "symm": f"side={self.side} uplo={'L' if self.lower else 'U'}",
                  "syrk": f"trans={'T' if self.trans_a else 'N'} uplo={'L' if self.lower else 'U'}",
@@ -151,6 +154,12 @@ class Problem:
 
 
 def parse_flag(argument: str, value: Any, choices: dict[Any, Any]) -> Any:
+    """The meaning of a BLAS flag in ``choices`` (e.g. :data:`TRANS`): a letter, case-insensitive,
+    or its integer code (a bool counts as 0/1).
+
+    Raises:
+        InputError: ``value`` is not a key of ``choices``; the message lists the letters.
+    """
     key = value.upper() if isinstance(value, str) else value
     if isinstance(key, bool):
         key = int(key)
@@ -352,6 +361,7 @@ def check_trsm_diagonal(a: TileSource, band: int = 256) -> None:
 
 
 def n_tiles(size: int, tile: int) -> int:
+    """Tiles of side ``tile`` along ``size`` elements, ``ceil(size / tile)`` (the last may be smaller)."""
     return -(-size // tile)
 
 

@@ -53,6 +53,13 @@ class OutputSource:
         return {**self.__dict__, "_map": None}
 
     def read(self, rows: slice, cols: slice) -> np.ndarray:
+        """The result's ``rows`` x ``cols`` block from the staged ``.npy`` file (memory-mapped), a
+        C-ordered copy of the result's dtype.
+
+        Raises:
+            RuntimeError: no file yet (``path`` None): the tile was never computed or shipped, a
+                planning bug rather than bad input.
+        """
         if self.path is None:
             raise RuntimeError("output tile requested before it was computed or shipped")
         if self._map is None:
@@ -95,6 +102,7 @@ class RunResult:
 
     @property
     def cache_hit_rate(self) -> float:
+        """Tile cache hits over lookups (hits + misses), in [0, 1]; 0.0 when nothing was looked up."""
         total = self.counters.get("hits", 0) + self.counters.get("misses", 0)
         return self.counters.get("hits", 0) / total if total else 0.0
 
@@ -160,6 +168,10 @@ class LocalityScheduler:
         return out
 
     def complete(self, result: dict[str, Any]) -> None:
+        """Absorb a finished task's result (:func:`~paperline.kernels.blas.worker.execute`'s dict):
+        update the tile directory with the tiles its worker ``added``/``evicted`` and make ready the
+        tasks that waited only on it (TRSM's dependencies).
+        """
         w = result["worker"]
         for key in result["added"]:
             self.directory[tuple(key)].add(w)
@@ -210,9 +222,11 @@ class LocalRuntime:
         self._tile = 0
 
     def workers(self) -> list[str]:
+        """The one worker's name, ``["local"]``."""
         return ["local"]
 
     def start(self, ctx: RunContext) -> None:
+        """Begin a run (forgets tasks left in flight by an earlier one)."""
         self._inflight.clear()
 
     def attach_output(self, output: np.ndarray | None, tile: int) -> None:
@@ -224,6 +238,12 @@ class LocalRuntime:
         copy_parallel(self._output[i * t:i * t + host.shape[0], j * t:j * t + host.shape[1]], host)
 
     def submit(self, worker: str, ctx: RunContext, task: TileTask, peers: dict) -> Any:
+        """Run ``task`` here: its result dict when synchronous, else None (queued for
+        :meth:`wait_any`, its output tile's copy back to the host still in flight).
+
+        Raises:
+            InputError: the task met bad input (e.g. a NaN tile with ``check_finite``).
+        """
         sink = None if self.synchronous or self._output is None else self._sink
         res = execute(ctx, task, peers, peer_fetch=None, worker=worker, sink=sink)
         if self.synchronous:
@@ -232,6 +252,11 @@ class LocalRuntime:
         return None
 
     def wait_any(self) -> dict[str, Any]:
+        """The oldest queued task's result, once its output tile's copy has landed.
+
+        Raises:
+            RuntimeError: nothing in flight (the plan deadlocked: a planning bug, not bad input).
+        """
         if not self._inflight:
             raise RuntimeError("tile plan deadlocked: no task ready")  # a planning bug, never bad input
         res = self._inflight.popleft()
@@ -241,6 +266,7 @@ class LocalRuntime:
         return res
 
     def cancel(self) -> None:
+        """Drop the queued tasks after their copies finish (their buffers are then released)."""
         while self._inflight:  # let queued copies finish before the buffers are released
             pending = self._inflight.popleft().get("pending")
             if pending is not None:
@@ -250,6 +276,7 @@ class LocalRuntime:
                     pass
 
     def finish(self, ctx: RunContext) -> None:
+        """Release the run's worker state (its tile cache)."""
         release_run(ctx.run_id)
 
 
@@ -304,6 +331,10 @@ class DaskRuntime:
         workers: worker addresses to use (default: all).
         depth: tasks in flight per worker.
         device: ``"cpu"`` or ``"cuda"`` (each dask-cuda worker owns one GPU).
+
+    Raises:
+        RuntimeError: the cluster has no workers (at construction).
+        ClusterLost: the client lost its scheduler.
     """
 
     synchronous = False
@@ -320,9 +351,16 @@ class DaskRuntime:
     liveness_s = 2.0  # how often a waiting driver checks that the run's workers are still there
 
     def workers(self) -> list[str]:
+        """The addresses of the workers the run uses."""
         return list(self._workers)
 
     def start(self, ctx: RunContext) -> None:
+        """Begin a run: check the workers are alive and install the peer-fetch handler on them.
+
+        Raises:
+            RuntimeError: this runtime is already driving a run, or one of its workers left the
+                cluster.
+        """
         from distributed import as_completed  # noqa: PLC0415
 
         with self._lock:
@@ -337,6 +375,8 @@ class DaskRuntime:
             raise
 
     def submit(self, worker: str, ctx: RunContext, task: TileTask, peers: dict) -> Any:
+        """Queue ``task`` on ``worker`` (only there); returns None, the result comes from
+        :meth:`wait_any`."""
         fut = self.client.submit(_execute_on_dask_worker, ctx, task, peers, workers=[worker],
                                  allow_other_workers=False, pure=False, key=f"paperline-tile-{ctx.run_id}-{task.index}")
         self._ac.add(fut)
@@ -378,12 +418,14 @@ class DaskRuntime:
                                "restarted); tile tasks are bound to their worker, so the run is abandoned")
 
     def cancel(self) -> None:
+        """Cancel the run's queued and running tasks."""
         if self._ac is not None:
             futures = list(self._ac.futures)
             self._ac.clear()
             self.client.cancel(futures)
 
     def finish(self, ctx: RunContext) -> None:
+        """End the run: release its state (tile caches) on the workers still alive."""
         self._ac = None
         alive = self._alive()
         present = [w for w in self._workers if w in alive]  # a call to a lost worker never returns

@@ -194,6 +194,11 @@ class RandomSource:
         stream: distinguishes the operands of one problem (0 for A, 1 for B, 2 for C).
         diagonal_shift: added to every diagonal entry.
         block: the generation block edge (entries).
+        argument: the operand's name for error messages.
+
+    Raises:
+        InputError: ``shape`` not two sizes >= 1 (named ``argument``), or ``dtype`` not
+            float32/float64.
     """
 
     kind = "generated"
@@ -220,6 +225,7 @@ class RandomSource:
         return out
 
     def read(self, rows: slice, cols: slice) -> np.ndarray:
+        """``M[rows, cols]`` (step-1 slices), a new C-ordered array of :attr:`dtype`."""
         r0, r1, _ = rows.indices(self.shape[0])
         c0, c1, _ = cols.indices(self.shape[1])
         out = np.empty((r1 - r0, c1 - c0), self.dtype)

@@ -60,9 +60,11 @@ class RunContext:
     prefetch: bool = True
 
     def key(self, ref: TileRef) -> TileKey:
+        """The cache/directory key of the stored tile ``ref`` reads: ``(source key, i, j)``."""
         return (self.sources[ref.operand].key, ref.i, ref.j)
 
     def tile_bytes(self, ref: TileRef) -> int:
+        """Bytes of the stored tile ``ref`` reads (edge tiles are smaller), in its source's dtype."""
         src = self.sources[ref.operand]
         rows = min(self.tile, src.shape[0] - ref.i * self.tile)
         cols = min(self.tile, src.shape[1] - ref.j * self.tile)
@@ -85,6 +87,7 @@ class TileCache:
         self.added: list[TileKey] = []
 
     def get(self, key: TileKey) -> Any | None:
+        """The cached tile (now most recently used), or None."""
         with self._lock:
             if key in self._items:
                 self._items.move_to_end(key)
@@ -92,10 +95,14 @@ class TileCache:
             return None
 
     def peek(self, key: TileKey) -> Any | None:
+        """The cached tile, or None, without touching its LRU position."""
         with self._lock:
             return self._items.get(key)
 
     def put(self, key: TileKey, tile: Any) -> None:
+        """Cache ``tile`` (a NumPy or CuPy array), evicting least recently used tiles until its
+        ``nbytes`` fit the capacity (bytes). A tile larger than the whole capacity is not kept.
+        """
         nbytes = int(tile.nbytes)
         with self._lock:
             if key in self._items:
@@ -125,6 +132,8 @@ class TileCache:
 
 @dataclass
 class Counters:
+    """Per-worker transfer and cache counters of one run (bytes, or counts); summed into ``RunResult.counters``."""
+
     hits: int = 0
     misses: int = 0
     bytes_source: int = 0  # read from the operand's source (host memory, file, generator)
@@ -134,6 +143,7 @@ class Counters:
     peer_misses: int = 0  # the peer no longer held it
 
     def as_dict(self) -> dict[str, int]:
+        """The counters by name."""
         return dict(self.__dict__)
 
 
@@ -145,6 +155,7 @@ class OutputFile:
 
     Raises:
         OSError: the file cannot be opened or a write comes up short (a full disk).
+        ValueError: the file is not a C-ordered 2-D ``.npy`` file (at construction).
     """
 
     def __init__(self, path: str):
@@ -175,6 +186,7 @@ class OutputFile:
             view, offset = view[written:], offset + written
 
     def close(self) -> None:
+        """Close the file (idempotent)."""
         if self.fd >= 0:
             os.close(self.fd)
             self.fd = -1
@@ -182,6 +194,8 @@ class OutputFile:
 
 @dataclass
 class WorkerState:
+    """One run's state in one worker process: its tile cache, prefetch threads, counters, output file."""
+
     ctx: RunContext
     ns: Namespace
     cache: TileCache
@@ -195,6 +209,7 @@ class WorkerState:
     drain: ThreadPoolExecutor | None = None  # GPU: output tiles' device-to-host copies (see execute's sink)
 
     def close(self) -> None:
+        """Stop the prefetch threads and wait for queued device-to-host copies."""
         self.prefetcher.shutdown(wait=False)
         if self.drain is not None:
             self.drain.shutdown(wait=True)  # a queued copy still reads a pooled buffer

@@ -331,6 +331,10 @@ def time_collective(fn: Callable[[], Any], *, iters: int = 10, warmup: int = 2, 
 
     Returns:
         Seconds per call.
+
+    Raises:
+        InputError: ``iters``, ``warmup`` or ``repeats`` not an int (bools refused) or below its
+            minimum.
     """
     import torch
     import torch.distributed as dist

@@ -14,8 +14,8 @@ name       what each rank sends per bucket                                    co
 none       the bucket, divided by the world size (dense mean)                 allreduce
 fp16       the bucket in float16 (torch's ``fp16_compress_hook``)             allreduce
 fft        top-θ rfft coefficients, range-quantized to ``bits`` [Wang2018]_   allgather
-topk       top-k entries with error feedback, values + int32 indices [Lin]_   allgather
-powersgd   rank-r factors P, Q (torch's ``powerSGD_hook``) [Vogels2019]_     allreduce
+topk       top-k entries, error feedback, values + int32 indices [Lin2018]_   allgather
+powersgd   rank-r factors P, Q (torch's ``powerSGD_hook``) [Vogels2019]_      allreduce
 =========  =================================================================  ===========
 
 The FFT compressor (see [Wang2018]_, Sec. 3; the steps are labelled F1-F6 in :func:`fft_compress`):
@@ -244,6 +244,10 @@ def pack_bits(codes: "torch.Tensor", bits: int) -> "torch.Tensor":
 
     Returns:
         ``ceil(N * bits / 8)`` uint8 tensor on ``codes.device``.
+
+    Raises:
+        InputError: ``bits`` not an integer in 1-32, or ``codes`` not an integer torch.Tensor
+            (floating or complex refused).
     """
     import torch
 
@@ -280,7 +284,11 @@ def unpack_bits(stream: "torch.Tensor", bits: int, count: int) -> "torch.Tensor"
         count: number of codes ``N`` to read.
 
     Returns:
-        ``N`` int64 tensor of codes in ``[0, 2^bits)``.
+        ``N`` int64 tensor of codes in ``[0, 2^bits)``, on ``stream.device``.
+
+    Raises:
+        InputError: ``bits`` not an integer in 1-32, ``count`` not an integer >= 0, or
+            ``stream`` shorter than ``ceil(count * bits / 8)`` bytes.
     """
     import torch
 
@@ -434,6 +442,10 @@ class FFTLayout:
         bits: bits per quantized real value, 1 to 32 (32: raw floats, no quantization).
         value_itemsize: bytes of a raw float when ``bits == 32`` (4 for float32 compute, 8 for
             float64).
+
+    Raises:
+        InputError: ``n`` < 1, θ outside (0, 1], ``bits`` outside 1-32, or ``value_itemsize`` not
+            4 or 8.
     """
 
     n: int
@@ -467,6 +479,7 @@ class FFTLayout:
 
     @property
     def quantized(self) -> bool:
+        """Whether the kept reals are range-quantized (F3): ``bits < 32``."""
         return self.bits < 32
 
     @property
@@ -483,16 +496,20 @@ class FFTLayout:
 
     @property
     def header_nbytes(self) -> int:
+        """Bytes of the ``lo, hi`` float64 header: 16 when quantized, else 0."""
         return HEADER_NBYTES if self.quantized else 0
 
     @property
     def index_nbytes(self) -> int:
+        """Bytes of the kept-frequency index (:attr:`index_encoding`), rounded up to whole bytes."""
         if self.index_encoding == "bitmap":
             return (self.m + 7) // 8
         return (self.k * self.index_bits + 7) // 8
 
     @property
     def value_nbytes(self) -> int:
+        """Bytes of the ``2k`` kept reals: ``ceil(2k * bits / 8)`` quantized, else
+        ``2k * value_itemsize``."""
         if self.quantized:
             return (2 * self.k * self.bits + 7) // 8
         return 2 * self.k * self.value_itemsize
@@ -787,6 +804,10 @@ class TopKLayout:
 
     Attributes:
         n: bucket length; fraction: kept fraction in (0, 1]; value_itemsize: 4 (float32) or 8.
+
+    Raises:
+        InputError: ``n`` outside ``[1, 2^31 - 1]`` (int32 indices), ``fraction`` outside (0, 1],
+            or ``value_itemsize`` not 4 or 8.
     """
 
     n: int
@@ -806,6 +827,7 @@ class TopKLayout:
 
     @property
     def nbytes(self) -> int:
+        """Message bytes, ``k * (value_itemsize + 4)``."""
         return self.k * (self.value_itemsize + 4)
 
 
@@ -978,12 +1000,14 @@ class CompressorState:
 
     @property
     def group(self) -> Any:
+        """The process group used: :attr:`process_group`, or ``dist.group.WORLD`` when None."""
         import torch.distributed as dist
 
         return self.process_group if self.process_group is not None else dist.group.WORLD
 
     @property
     def world_size(self) -> int:
+        """Ranks in :attr:`group` (needs an initialized process group)."""
         import torch.distributed as dist
 
         return dist.get_world_size(self.group)
@@ -1194,7 +1218,8 @@ class FFTState(_ResidualMixin, CompressorState):
         nonfinite_buckets: buckets whose gradients had NaN/inf.
 
     Raises:
-        InputError: θ outside (0, 1], bits outside 1-32, a bad start_iter.
+        InputError: θ outside (0, 1], bits outside 1-32, a non-bool ``error_feedback``, a bad
+            start_iter (< 0, or < 2 with error feedback).
     """
 
     name = "fft"
@@ -1286,7 +1311,8 @@ class TopKState(_ResidualMixin, CompressorState):
         start_iter: dense steps first; default 2 with error feedback (minimum 2), else 0.
 
     Raises:
-        InputError: fraction outside (0, 1], a bad start_iter.
+        InputError: fraction outside (0, 1], a non-bool ``error_feedback``, a bad start_iter (< 0,
+            or < 2 with error feedback).
     """
 
     name = "topk"
@@ -1362,7 +1388,10 @@ class PowerSGDCompressorState(CompressorState):
             before the step; torch's hook alone would carry the NaN into every later step).
 
     Raises:
-        InputError: a rank < 1, ``start_powerSGD_iter`` < 2 with error feedback or warm start, ...
+        InputError: ``matrix_approximation_rank`` < 1, ``start_powerSGD_iter`` < 2 with error
+            feedback or warm start (< 0 without), a negative ``random_seed``, a non-bool
+            ``use_error_feedback``/``warm_start``/``batch_tensors_with_same_shape``, or
+            ``min_compression_rate``/``orthogonalization_epsilon`` not a finite number >= 0.
     """
 
     name = "powersgd"
@@ -1438,6 +1467,8 @@ class PowerSGDCompressorState(CompressorState):
     _MEMORY = ("error_dict", "p_memory_dict", "q_memory_dict")
 
     def memory_state(self) -> dict[str, Any]:
+        """``PowerSGDState``'s ``error_dict``, ``p_memory_dict`` and ``q_memory_dict`` (CPU tensors
+        by bucket index) and ``rng_state``, its Q-initialization RNG as plain values."""
         memory: dict[str, Any] = {name: {int(k): v.detach().cpu().clone()
                                          for k, v in getattr(self.powersgd, name).items()} for name in self._MEMORY}
         # the RNG that draws Q's initialization (every step without warm_start): plain values only,

@@ -95,6 +95,7 @@ class ActionTree:
 
     @property
     def depth(self) -> int:
+        """Number of decisions of a full architecture (the tree's depth)."""
         return len(self.n_options)
 
     def subtree_size(self, depth: int) -> int:
@@ -102,6 +103,7 @@ class ActionTree:
         return int(np.prod(self.n_options[depth:], dtype=np.int64))
 
     def node(self, prefix: Prefix) -> Node | None:
+        """The node of ``prefix`` (a tuple of option indices), or None when no evaluated architecture starts with it."""
         return self.nodes.get(prefix)
 
 

@@ -52,9 +52,11 @@ class Optimizer(abc.ABC):
             number is >= 0, and > 0 when it is in ``positive``; subclasses check the rest.
 
     Raises:
-        InputError: bad ``n_init``, ``seed`` or ``n_objectives``, a ``ref_point`` that is not
-        ``m`` finite numbers, a multi-objective optimizer on one objective or vice versa, an unknown
-        option, an option of the wrong type or out of range (naming the option).
+        InputError: bad ``n_init`` (an integer in ``[1, MAX_BATCH]``), ``seed`` (an integer >= 0)
+        or ``n_objectives`` (>= 1), a ``ref_point`` that is not ``m`` finite numbers (or none for
+        a multi-objective optimizer), a multi-objective optimizer on one objective or vice versa, a
+        space kind the optimizer does not support, an unknown option, an option of the wrong type
+        or out of range (naming the option).
     """
 
     name: ClassVar[str] = ""
@@ -124,6 +126,7 @@ class Optimizer(abc.ABC):
         return np.random.default_rng([self.seed, self.n_batches, salt])
 
     def torch_seed(self, salt: int = 0) -> int:
+        """A torch seed in ``[0, 2^31 - 1)`` for the next batch, from (seed, batch index, salt) as :meth:`rng`."""
         return int(np.random.default_rng([self.seed, self.n_batches, salt, 7]).integers(0, 2**31 - 1))
 
     def is_new(self, x: np.ndarray) -> np.ndarray:
@@ -262,6 +265,7 @@ def make_optimizer(name: str, space: SearchSpace, n_objectives: int = 1, **kwarg
 
 
 def optimizer_names() -> list[str]:
+    """The registered optimizers' names (the built-in ones registered first)."""
     _register_builtin()
     return OPTIMIZERS.names()
 
@@ -403,7 +407,12 @@ def check_int(value: Any, argument: str, *, low: int) -> int:
 
 
 def check_count(value: Any, argument: str, what: str) -> int:
-    """``value`` as an int in ``[1, MAX_BATCH]`` (``what`` it counts, for the message)."""
+    """``value`` as an int in ``[1, MAX_BATCH]`` (``what`` it counts, for the message).
+
+    Raises:
+        InputError: naming ``argument``, when ``value`` is not an integer (bools refused) or is
+            outside ``[1, MAX_BATCH]``.
+    """
     if isinstance(value, int | np.integer) and not isinstance(value, bool) and value < 1:
         raise InputError(argument, value, f"must be at least 1 ({what})")
     value = check_int(value, argument, low=1)

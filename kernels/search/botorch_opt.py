@@ -138,7 +138,10 @@ def acquisition(kind: str, model: Any, features: np.ndarray, y: np.ndarray, *, s
     """A BoTorch acquisition function: ``ei`` (qLogEI), ``ehvi`` (qLogEHVI) or ``nehvi`` (qLogNEHVI).
 
     ``features``/``y`` are the training data (``n x f``, ``n x m``); ``ref_point`` (``m``) is for
-    the hypervolume kinds. MC samplers are quasi-random with ``seed``.
+    the hypervolume kinds, in the maximization convention. MC samplers are quasi-random with ``seed``.
+
+    Raises:
+        InputError: an unknown ``kind``.
     """
     import torch
     from botorch.acquisition.logei import qLogExpectedImprovement
@@ -308,6 +311,10 @@ class TuRBO(Optimizer):
     from each batch's values, so it is rebuilt exactly when a saved campaign is replayed. When
     the side length falls below ``length_min`` it restarts at ``length_init`` (around the best
     point seen, keeping the data: a simplification of the paper's fresh restart).
+
+    Raises:
+        InputError: as :class:`~.base.Optimizer`, or unless ``0 < length_min < length_init <=
+            length_max`` (named ``length_init``).
     """
 
     name = "turbo"

@@ -42,6 +42,7 @@ class Evaluation:
 
     @property
     def ok(self) -> bool:
+        """True when the evaluation succeeded (no ``error``)."""
         return self.error is None
 
 
@@ -88,9 +89,10 @@ class Campaign:
         optimizer_options: hyperparameters of the optimizer.
 
     Raises:
-        InputError: unknown optimizer or problem, ``q < 1``, ``budget < n_init`` or above the distinct
-        points of a finite (categorical) space, a reference point
-        that no point dominates, bad options.
+        InputError: unknown optimizer or problem, ``q < 1`` or ``q > budget``, ``budget < n_init`` or
+        above the distinct points of a finite (categorical) space, a reference point that no point
+        dominates (or any reference point for a single-objective problem), bad options (an
+        optimizer option's error is named ``optimizer_options.<name>``).
     """
 
     def __init__(self, problem: Problem | str, optimizer: str, *, budget: int, q: int = 1, seed: int = 0,
@@ -137,10 +139,12 @@ class Campaign:
     # -- steps ------------------------------------------------------------------------------------
     @property
     def n_done(self) -> int:
+        """Evaluations told so far (failed ones included)."""
         return len(self.evaluations)
 
     @property
     def done(self) -> bool:
+        """True once ``budget`` evaluations have been told."""
         return self.n_done >= self.budget
 
     def ask(self) -> np.ndarray:
@@ -151,7 +155,19 @@ class Campaign:
         return x
 
     def tell(self, x: np.ndarray, results: list[dict[str, Any]]) -> list[Evaluation]:
-        """Record one evaluated batch (results from :func:`evaluate_point`, in the order of ``x``)."""
+        """Record one evaluated batch (results from :func:`evaluate_point`, in the order of ``x``).
+
+        Args:
+            x: the ``k x d`` batch :meth:`ask` returned.
+            results: ``k`` dicts of :func:`evaluate_point` (values in the problem's units).
+
+        Returns:
+            The ``k`` new :class:`Evaluation` records.
+
+        Raises:
+            InputError: ``len(results) != k``, or the optimizer refuses the batch (points outside
+                the space, infinite values).
+        """
         if len(results) != x.shape[0]:
             raise InputError("results", len(results), f"expected {x.shape[0]} results")
         y = np.full((x.shape[0], self.problem.n_objectives), np.nan)

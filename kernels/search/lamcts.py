@@ -55,7 +55,13 @@ def kmeans_split(kernel: str, seed: int) -> pt.Splitter:
 
 
 class PartitionOptimizer(Optimizer):
-    """Shared learn-select-sample loop of the partition-based optimizers (LaNAS, LA-MCTS, LaMOO)."""
+    """Shared learn-select-sample loop of the partition-based optimizers (LaNAS, LA-MCTS, LaMOO;
+    Alg. 1 of [Wang2020lamcts]_). Arguments as :class:`~.base.Optimizer`'s.
+
+    Raises:
+        InputError: as :class:`~.base.Optimizer`, or a ``kernel`` other than rbf/poly/linear, or an
+            unknown ``sampler``.
+    """
 
     defaults: dict[str, Any] = {"cp": 0.5, "leaf_size": 20, "kernel": "rbf", "n_candidates": 2000}
     positive = frozenset({"n_candidates", "turbo_length"})
@@ -80,12 +86,25 @@ class PartitionOptimizer(Optimizer):
 
     # subclass hooks
     def splitter(self) -> pt.Splitter:
+        """The node splitter (:data:`~.partition.Splitter`) of step 1; subclasses must override.
+
+        Raises:
+            NotImplementedError: in this base class.
+        """
         raise NotImplementedError
 
     def node_value(self, y: np.ndarray) -> Any:
+        """A node's value for selection from its samples' objectives ``y`` (``n x m``, maximization
+        convention); subclasses must override.
+
+        Raises:
+            NotImplementedError: in this base class.
+        """
         raise NotImplementedError
 
     def ucb(self) -> Any:
+        """The selection score ``(child, parent) -> float`` of step 2: LA-MCTS's UCB with ``cp``
+        (:func:`~.partition.uct_bonus`)."""
         return pt.uct_bonus(float(self.options["cp"]))
 
     def learn(self) -> pt.PartitionNode:
@@ -154,14 +173,19 @@ class LAMCTS(PartitionOptimizer):
                    "turbo_length": "sampler turbo: the trust region's side around the leaf's best point (unit box)"}
 
     def splitter(self) -> pt.Splitter:
+        """k-means (k = 2) on ``(x, f)`` labels good/bad, an SVM of ``kernel`` learns the boundary."""
         return kmeans_split(self.options["kernel"], self.seed)
 
     def node_value(self, y: np.ndarray) -> float:
+        """Mean of the node's ``f`` (``y``: ``n x 1``), standardized over all successful samples."""
         _, all_y = self.data()
         mu, sd = all_y[:, 0].mean(), all_y[:, 0].std() or 1.0
         return float(((y[:, 0] - mu) / sd).mean())
 
     def sample_region(self, path, x_leaf, y_leaf, k, rng):
+        """Step 3 with ``sampler``: ``bo`` (qLogEI over in-region candidates), ``turbo``
+        (continuous spaces: Thompson sampling in a trust region around the leaf's best point), or
+        ``random`` (also used for a leaf of fewer than 2 samples). At most ``k x d`` float64."""
         sampler = self.options["sampler"]
         if sampler == "random" or x_leaf.shape[0] < 2:
             return super().sample_region(path, x_leaf, y_leaf, k, rng)

@@ -104,12 +104,15 @@ class LaMOO(PartitionOptimizer):
         super().__init__(space, n_objectives, **kwargs)
 
     def splitter(self) -> pt.Splitter:
+        """Sec. 4.1: good/bad halves by dominance number, the boundary an SVM of ``kernel``."""
         return dominance_split(self.options["kernel"])
 
     def node_value(self, y: np.ndarray) -> float:
+        """The hypervolume of the node's objectives ``y`` (``n x m``, maximization) from :attr:`ref_point`."""
         return hypervolume(y, self.ref_point)
 
     def ucb(self):
+        """Sec. 4.2's selection score ``HV + Cp HV sqrt(2 ln n_p / n)`` (``inf`` for an unvisited child)."""
         cp = float(self.options["cp"])
 
         def ucb(child: pt.PartitionNode, parent: pt.PartitionNode) -> float:

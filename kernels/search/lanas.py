@@ -25,10 +25,18 @@ class LinearBoundary:
         self.threshold = float(values.mean())
 
     def predict(self, features: np.ndarray) -> np.ndarray:
+        """``n x f`` features -> ``n`` int64 labels, 1 on the good side (predicted value >= the node mean)."""
         return (self.model.predict(features) >= self.threshold).astype(np.int64)
 
 
 def linear_split(features: np.ndarray, values: np.ndarray, rng: np.random.Generator):
+    """LaNAS's splitter ([Wang2021lanas]_ Sec. 3.1): a ridge regressor of the first objective on
+    ``features`` (``n x f``), thresholded at the node's mean value.
+
+    Returns:
+        ``(labels, boundary)``: ``n`` int64 labels (1: good side) and the :class:`LinearBoundary`;
+        None when every value is the same (nothing to split). ``rng`` is unused.
+    """
     f = values[:, 0]
     if np.ptp(f) == 0:
         return None
@@ -52,14 +60,19 @@ class LaNAS(PartitionOptimizer):
     positive = frozenset({"n_candidates"})
 
     def splitter(self) -> pt.Splitter:
+        """:func:`linear_split`."""
         return linear_split
 
     def node_value(self, y: np.ndarray) -> float:
+        """Mean of the node's first objective, standardized over all successful samples (``y``: ``n x 1``)."""
         _, all_y = self.data()
         mu, sd = all_y[:, 0].mean(), all_y[:, 0].std() or 1.0
         return float(((y[:, 0] - mu) / sd).mean())
 
     def sample_region(self, path, x_leaf, y_leaf, k, rng):
+        """Sec. 3.3: ``k`` uniform samples of the space kept when inside the region (up to 20 draws of
+        ``n_candidates``; unseen points only on a categorical space), else the base class's sampler.
+        """
         # Sec. 3.3: uniform samples of the whole space, kept when inside the region
         n = int(self.options["n_candidates"])
         for _ in range(20):

@@ -102,6 +102,7 @@ class Arch:
 
     @property
     def channels(self) -> tuple[int, ...]:
+        """Output channels of each stage, ``width * 2**s`` for ``s`` in ``0..stages-1``."""
         return tuple(self.width * 2**s for s in range(self.stages))
 
     def __str__(self) -> str:

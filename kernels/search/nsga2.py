@@ -82,6 +82,9 @@ class NSGA2(Optimizer):
     """NSGA-II (pymoo operators); any number of objectives (``m = 1`` is a plain GA).
 
     Options: ``pop_size`` (parent population, default 20).
+
+    Raises:
+        InputError: as :class:`~.base.Optimizer`, or ``pop_size`` < 2.
     """
 
     name = "nsga2"

@@ -21,6 +21,9 @@ def dominance_numbers(y: np.ndarray) -> np.ndarray:
     ``y_j`` dominates ``y_i`` when ``y_j >= y_i`` in every objective and ``>`` in at least one.
     Dominance number 0 marks the Pareto front. See [Zhao2022lamoo]_, Sec. 3.1 (the "dominance
     number" that labels samples before the split).
+
+    Raises:
+        InputError: ``y`` is not 2-D (``n x m``).
     """
     y = np.asarray(y, dtype=np.float64)
     if y.ndim != 2:

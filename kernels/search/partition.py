@@ -52,13 +52,16 @@ class PartitionNode:
 
     @property
     def n(self) -> int:
+        """Number of samples in the region."""
         return int(self.idx.size)
 
     @property
     def is_leaf(self) -> bool:
+        """True when the node was not split."""
         return self.good is None
 
     def children(self) -> list[PartitionNode]:
+        """``[good, bad]``, or ``[]`` at a leaf."""
         return [] if self.is_leaf else [self.good, self.bad]  # type: ignore[list-item]
 
     def to_dict(self, ucb: Callable[[PartitionNode, PartitionNode | None], float] | None = None,
@@ -136,6 +139,8 @@ def select_paths(root: PartitionNode, q: int,
 
 
 def leaf_of(path: list[tuple[PartitionNode, int]], root: PartitionNode) -> PartitionNode:
+    """The node ``path`` (from :func:`select_paths`) ends in: the last step's chosen child
+    (``root`` for an empty path)."""
     if not path:
         return root
     node, side = path[-1]
@@ -198,6 +203,7 @@ def walk(node: PartitionNode) -> Iterator[PartitionNode]:
 
 
 def leaves(root: PartitionNode) -> list[PartitionNode]:
+    """The leaves under ``root``, depth first, good side first."""
     return [n for n in walk(root) if n.is_leaf]
 
 
@@ -210,10 +216,12 @@ class SVMBoundary:
         self.model = SVC(kernel=kernel, gamma="scale")
 
     def fit(self, features: np.ndarray, labels: np.ndarray) -> SVMBoundary:
+        """Fit to ``features`` (``n x f``) and ``labels`` (``n`` int {0, 1}); returns ``self``."""
         self.model.fit(features, labels)
         return self
 
     def predict(self, features: np.ndarray) -> np.ndarray:
+        """``n x f`` features -> ``n`` int labels, 1 for the good side."""
         return self.model.predict(features)
 
 

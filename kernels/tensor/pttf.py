@@ -51,10 +51,12 @@ class CPFactors:
 
     @property
     def rank(self) -> int:
+        """``R``, the CP rank (columns of each factor)."""
         return int(self.factors[0].shape[1])
 
     @property
     def shape(self) -> tuple[int, ...]:
+        """``(I_1, ..., I_N)``, the tensor shape the factors model."""
         return tuple(int(f.shape[0]) for f in self.factors)
 
     def predict(self, coords: np.ndarray) -> np.ndarray:
@@ -62,6 +64,7 @@ class CPFactors:
         return predict(self.factors, coords)
 
     def copy(self) -> "CPFactors":
+        """A deep copy (each factor copied, on its own device)."""
         return CPFactors([f.copy() for f in self.factors])
 
     def to_host(self) -> list[np.ndarray]:
@@ -85,6 +88,7 @@ class FitHistory:
     wall_seconds: list[float] = field(default_factory=list)
 
     def append(self, **row: float) -> None:
+        """Append one epoch's values, by field name (e.g. ``epoch=3, objective=0.5``)."""
         for k, v in row.items():
             getattr(self, k).append(v)
 

@@ -43,6 +43,7 @@ class ImageDataset:
 
     @property
     def n_classes(self) -> int:
+        """Number of classes, the largest label in either split + 1 (10 for both datasets)."""
         return int(max(self.y_train.max(), self.y_test.max())) + 1
 
 

@@ -71,6 +71,12 @@ class TrainConfig:
         isgd_stop: Most extra steps on a flagged batch.
         isgd_epsilon: Weight of the conservative term.
         isgd_lr: Step size of the subproblem (None: ``lr``).
+
+    Raises:
+        InputError: at construction, ``epochs``, ``batch_size`` or ``max_steps_per_epoch`` < 1, ``lr``
+            not > 0 (NaN included), ``isgd_window`` < 2, ``isgd_stop`` < 0, ``isgd_epsilon`` not >= 0,
+            ``isgd_lr`` not > 0, or a negative step in ``nan_steps``. Names and options (model,
+            dataset, compressor) are checked by :meth:`validate`.
     """
 
     model: str = "resnet"
@@ -149,6 +155,7 @@ class TrainConfig:
         return model
 
     def as_dict(self) -> dict[str, Any]:
+        """The fields as a plain dict (``nan_steps`` as a list): ``TrainConfig(**d)`` rebuilds it."""
         d = asdict(self)
         d["nan_steps"] = list(self.nan_steps)
         return d

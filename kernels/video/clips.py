@@ -59,6 +59,13 @@ class ClipConfig:
         encoder_threads: libx264 threads per clip (the flow's parallelism is one video per worker
             core). x264's bytes are not repeatable run to run (seen with PyAV 18 / x264 core 165,
             at equal quality, even with one thread), so a dataset's identity is its clip keys.
+
+    Raises:
+        InputError: at construction, ``min_clip_s`` not > 0, ``max_clip_s < min_clip_s``,
+            ``height`` < 16, ``fps`` outside (0, 240] or under 2 frames per ``min_clip_s``, ``crf``
+            outside 0-51, an unknown ``encoder`` or ``embedder``, or ``encoder_threads`` or
+            ``sharpness_every`` < 1. The splitter and its options are checked when the detector is
+            made.
     """
 
     splitter: str = "content"
@@ -99,6 +106,8 @@ class ClipConfig:
             raise InputError("sharpness_every", self.sharpness_every, "must be >= 1")
 
     def resolved_embedder(self) -> str:
+        """The embedder used: ``embedder``, or for ``auto`` ``transnetv2`` when TransNetV2 splits,
+        else ``hsv-histogram``."""
         if self.embedder != "auto":
             return self.embedder
         return "transnetv2" if self.splitter == "transnetv2" else "hsv-histogram"
@@ -205,6 +214,7 @@ class VideoResult:
 
     @property
     def video_s(self) -> float:
+        """Seconds of video decoded, ``frames_decoded / fps`` (0.0 when the rate is unknown)."""
         return self.frames_decoded / self.info.fps if self.info.fps else 0.0
 
 

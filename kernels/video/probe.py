@@ -57,6 +57,7 @@ class VideoInfo:
     display_filters: str = ""
 
     def as_dict(self) -> dict[str, Any]:
+        """The fields as a JSON-able dict."""
         return asdict(self)
 
 
@@ -80,6 +81,7 @@ class Rejected:
     detail: str
 
     def as_dict(self) -> dict[str, Any]:
+        """``{"source", "reason", "detail"}``."""
         return asdict(self)
 
 
