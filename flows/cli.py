@@ -565,13 +565,14 @@ def _said_if_interrupted() -> Iterator[None]:
     command with exit status 130 and not a word (a trial); :func:`_run_one` says what the same
     command does next once the run has started."""
     from paperline.infra import interrupts
+    from paperline.infra.watch import ServersDied
 
     _state["interrupt_said"] = False  # (a command of its own: in-process tests run several)
     try:
         try:
             yield
         except Exception as exc:
-            if not interrupts.interrupts_received():
+            if not interrupts.interrupts_received() or isinstance(exc, ServersDied):  # (the watch's own interrupt)
                 raise
             # a library turned the Ctrl-C into its own error (pydantic's "PydanticSerializationError:
             # Error calling function `_ser_model`: KeyboardInterrupt", exit 1: a stress test)
@@ -807,18 +808,25 @@ def _run_one(spec, params, summary_json: Path | None, early=None) -> dict[str, A
 
         heap.freeze_startup()  # what start-up loaded stays: later collections need not walk it
     interrupts.raise_if_interrupted()  # a Ctrl-C that a library swallowed while this started (a CI run)
+    watch = _server_watch(settings)
     try:
         try:
-            with console.status(f"running {spec.name} (progress in the Prefect UI)..."):
+            with watch, console.status(f"running {spec.name} (progress in the Prefect UI)..."):
                 summary = flow(params)
         except Exception as exc:
             if interrupts.interrupts_received():  # the error a Ctrl-C was turned into (see raise_if_interrupted)
                 raise KeyboardInterrupt from exc
             raise
     except KeyboardInterrupt:  # Prefect's "Crash detected!" line alone said nothing of what a re-run does
+        if watch.dead:  # the interrupt was the watch's
+            raise _servers_died(watch.dead, spec.name, params) from None
+        if dead := watch.gone_now():  # a Ctrl-C as servers died: a re-run needs them back first
+            _say_interrupted(f"interrupted: {_servers_died(dead, spec.name, params)}")
         _say_interrupted(f"interrupted: {_again(spec.name, params)}")
         raise
     except Exception as exc:
+        if dead := watch.gone_now():  # it failed on its own before the watch's grace ran out
+            raise _servers_died(dead, spec.name, params) from exc
         gone = _prefect_gone(exc, info, finished="summary" in done)
         if gone is None:
             raise
@@ -832,6 +840,49 @@ def _run_one(spec, params, summary_json: Path | None, early=None) -> dict[str, A
             summary = {**summary, "lines": [*summary.get("lines", []), *retried]}
     _report(spec, params, summary, summary_json)
     return summary
+
+
+def _server_watch(settings: Any) -> Any:
+    """A :class:`~paperline.infra.watch.ServerWatch` on the stack's recorded servers for one run
+    in this (main) thread: when one has died (not stopped by `paperline down`) and is not back
+    within its grace, the run is stopped by an interrupt to this thread, which `_run_one` turns
+    into :func:`_servers_died`'s error. A run in another thread, or where SIGINT is not Python's
+    to raise, is not watched (the interrupt could only land elsewhere)."""
+    import signal
+    import threading
+
+    from paperline.infra.watch import ServerWatch
+
+    def result_writes_checked() -> None:
+        from paperline.infra import prefect_patches
+
+        with contextlib.suppress(Exception):  # (only how fast the run's end fails)
+            prefect_patches.install_result_write_check()  # Prefect's result write to a dead S3: ~7 s
+
+    def stop_run(dead: dict[str, Any]) -> None:
+        signal.pthread_kill(main.ident, signal.SIGINT)
+
+    main = threading.main_thread()
+    raises = signal.getsignal(signal.SIGINT) not in (signal.SIG_IGN, signal.SIG_DFL, None)
+    return ServerWatch(settings, stop_run, active=threading.current_thread() is main and raises,
+                       on_gone=result_writes_checked)
+
+
+def _servers_died(dead: dict[str, Any], pipeline: str, params: Any) -> Exception:
+    """The error for a run whose stack servers ``dead`` (``{service: record}``) died under it
+    (and, Prefect's among them, the exit skips Prefect's drains to it: they waited 15 s)."""
+    from paperline.infra.watch import ServersDied
+
+    if "prefect" in dead:
+        _state["prefect_gone"] = True
+
+    names = ", ".join(f"{name} (pid {rec.get('pid')})" for name, rec in dead.items())
+    logs = ", ".join(str(rec["log_path"]) for rec in dead.values() if rec.get("log_path"))
+    return ServersDied(
+        f"the stack's {'server' if len(dead) == 1 else 'servers'} {names} died during the run, not stopped by "
+        f"`paperline down` (killed, crashed or out of memory{f': the end of {logs} may say' if logs else ''}); "
+        f"the run was stopped and its end may not be recorded; `paperline up` starts "
+        f"{'it' if len(dead) == 1 else 'them'} again, then {_again(pipeline, params)}")
 
 
 RETRIED_SHOWN = 5  # the most lines of retried task runs under a run's results

@@ -28,6 +28,13 @@ environment and files. :func:`cached_settings_context_init` keeps the ``Settings
 dict under that dict, the process's environment, its working directory and those files' sizes
 and modification times (any change builds anew), and hands a deep copy (0.35 ms) to each new
 context.
+
+A run whose stack servers died (``infra/watch.py``) is stopped; Prefect's clients then retried
+the dead servers as the run ended: the final flow-run state ~20 s (``_send_with_retry``'s
+backoff), the result write to S3 ~7 s (a trial). :func:`install` also makes them try once while
+:func:`paperline.infra.watch.down_reason` says the server is gone: the sync and async HTTP
+clients' ``_send_with_retry`` send the request once, and (:func:`install_result_write_check`)
+the ``S3Bucket`` block's write fails at once.
 """
 
 from __future__ import annotations
@@ -147,11 +154,58 @@ def cached_settings_context_init(self: Any, **data: Any) -> None:
     return None
 
 
+def once_when_down(original: Any) -> Any:
+    """Prefect's sync ``_send_with_retry``, sending once while the Prefect server is known gone."""
+
+    @functools.wraps(original)
+    def send_with_retry(self: Any, request: Any, send: Any, send_args: Any, send_kwargs: Any, *args: Any,
+                        **kwargs: Any) -> Any:
+        from paperline.infra.watch import down_reason  # noqa: PLC0415
+
+        if down_reason("prefect") is not None:
+            return send(request, *send_args, **send_kwargs)
+        return original(self, request, send, send_args, send_kwargs, *args, **kwargs)
+
+    return send_with_retry
+
+
+def once_when_down_async(original: Any) -> Any:
+    """Prefect's async ``_send_with_retry``, sending once while the Prefect server is known gone."""
+
+    @functools.wraps(original)
+    async def send_with_retry(self: Any, request: Any, send: Any, send_args: Any, send_kwargs: Any, *args: Any,
+                              **kwargs: Any) -> Any:
+        from paperline.infra.watch import down_reason  # noqa: PLC0415
+
+        if down_reason("prefect") is not None:
+            return await send(request, *send_args, **send_kwargs)
+        return await original(self, request, send, send_args, send_kwargs, *args, **kwargs)
+
+    return send_with_retry
+
+
+def failing_when_down(original: Any) -> Any:
+    """``S3Bucket._write_sync`` (Prefect's result writes), failing at once while S3 is known gone."""
+
+    @functools.wraps(original)
+    def write(self: Any, key: str, data: bytes) -> None:
+        from paperline.infra.watch import down_reason  # noqa: PLC0415
+
+        if (why := down_reason("s3")) is not None:
+            from paperline.infra.errors import ServiceError  # noqa: PLC0415
+
+            raise ServiceError("s3", f"write s3://{self.bucket_name}/{key}: {why}")
+        return original(self, key, data)
+
+    return write
+
+
 def install() -> None:
     """Route ``prefect.blocks.core.Block._field_has_secrets`` through :func:`field_has_secrets`,
     ``prefect.context.SettingsContext.serialize`` through :func:`cached_settings_serialize` and its
-    ``__init__`` through :func:`cached_settings_context_init` (idempotent; a Prefect without the
-    first two methods keeps its own)."""
+    ``__init__`` through :func:`cached_settings_context_init`, and Prefect's HTTP clients' retries
+    through :func:`once_when_down` and :func:`once_when_down_async` (idempotent; a Prefect without
+    the first two methods keeps its own)."""
     if _INSTALLED["done"]:
         return
     from prefect.blocks.core import Block  # noqa: PLC0415 - kernels and light imports never load Prefect
@@ -167,4 +221,21 @@ def install() -> None:
         SettingsContext.serialize = cached_settings_serialize  # type: ignore[method-assign]
     _INSTALLED["original_settings_context_init"] = SettingsContext.__init__
     SettingsContext.__init__ = cached_settings_context_init  # type: ignore[method-assign]
+    from prefect.client.base import PrefectHttpxAsyncClient, PrefectHttpxSyncClient  # noqa: PLC0415
+
+    PrefectHttpxSyncClient._send_with_retry = once_when_down(PrefectHttpxSyncClient._send_with_retry)  # type: ignore[method-assign]
+    PrefectHttpxAsyncClient._send_with_retry = once_when_down_async(  # type: ignore[method-assign]
+        PrefectHttpxAsyncClient._send_with_retry)
     _INSTALLED["done"] = True
+
+
+def install_result_write_check() -> None:
+    """Route ``prefect_aws.S3Bucket._write_sync`` through :func:`failing_when_down` (idempotent).
+    Called when a run's watch finds a server gone rather than by :func:`install`: importing
+    ``prefect_aws`` costs 0.4 s, and a run has loaded it (its result storage) by then."""
+    from prefect_aws import S3Bucket  # noqa: PLC0415
+
+    if not getattr(S3Bucket._write_sync, "_paperline_checked", False):
+        checked = failing_when_down(S3Bucket._write_sync)
+        checked._paperline_checked = True  # type: ignore[attr-defined]
+        S3Bucket._write_sync = checked  # type: ignore[method-assign]

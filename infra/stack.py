@@ -426,6 +426,21 @@ def _live_process(rec: dict[str, Any] | None) -> Any:
         return None
 
 
+def dead_servers(settings: Settings) -> dict[str, dict[str, Any]]:
+    """The local servers ``stack.json`` records whose processes are gone (killed, crashed, the OOM
+    killer), by service name in :data:`SERVICE_NAMES` order: their records (``pid``, ``log``).
+
+    Servers stopped by `paperline down` are not among them (it deletes the file), nor configured
+    external endpoints (never recorded). An unreadable or damaged file gives ``{}``. Reads the
+    file without its lock (it is replaced atomically) and checks each PID with its start time.
+    """
+    try:
+        recs = _read_state(settings).get("services", {})
+    except PaperlineError:
+        return {}
+    return {n: recs[n] for n in SERVICE_NAMES if recs.get(n) and _live_process(recs[n]) is None}
+
+
 def _orphans(rec: dict[str, Any] | None) -> list[Any]:
     """The processes left in a recorded server's session after the server itself died: MLflow's
     ``uvicorn`` child kept its port and answered health checks after its parent was killed, so

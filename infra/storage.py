@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from paperline.infra.errors import InputError, PaperlineError, ServiceError
+from paperline.infra.watch import down_reason
 
 if TYPE_CHECKING:
     from paperline.infra.stack import StackInfo
@@ -216,7 +217,11 @@ class ObjectStore:
         return ServiceError("s3", f"{what}: {exc}; {STATUS_HINT}", url=self.endpoint_url, log=self.log_path)
 
     def _call(self, what: str, fn: Any, *args: Any, **kwargs: Any) -> Any:
-        """Call a boto3 method, turning connection and credential failures into ServiceError."""
+        """Call a boto3 method, turning connection and credential failures into ServiceError (at
+        once, without a request, where this process's run watch found the local server dead:
+        :func:`paperline.infra.watch.down_reason`)."""
+        if (why := down_reason("s3")) is not None:
+            raise ServiceError("s3", f"{what}: {why}", url=self.endpoint_url, log=self.log_path)
         from botocore.exceptions import (  # noqa: PLC0415
             BotoCoreError,
             ClientError,

@@ -19,6 +19,7 @@ import time
 from typing import Any
 
 from paperline.infra.errors import ServiceError, redact_text, redact_url
+from paperline.infra.watch import down_reason
 
 _FALLBACK_LIMITS = {"MAX_METRICS_PER_BATCH": 1000, "MAX_PARAMS_TAGS_PER_BATCH": 100,  # mlflow 3.17's values
                     "MAX_PARAM_VAL_LENGTH": 6000, "MAX_TAG_VAL_LENGTH": 8000}
@@ -101,8 +102,12 @@ class Tracker:
         """The ``mlflow.tracking.MlflowClient`` (created on first use after a quick health check).
 
         Raises:
-            ServiceError: The tracking server does not answer ``GET /health``.
+            ServiceError: The tracking server does not answer ``GET /health``, or this process's
+                run watch found the local server dead (:func:`paperline.infra.watch.down_reason`:
+                at once, where MLflow's retries held a stopped run ~30 s a call).
         """
+        if (why := down_reason("mlflow")) is not None:
+            raise ServiceError("mlflow", why, url=self.tracking_uri)
         if self._client is None:
             with self._lock:
                 if self._client is None:

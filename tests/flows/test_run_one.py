@@ -111,3 +111,60 @@ def test_a_task_retried_after_a_failure_is_said_with_the_failure(stack, monkeypa
         assert lines[-1] == f"retried: {many - cli.RETRIED_SHOWN + 1} more task runs (the Prefect flow run's page lists them)"
     finally:
         get_settings.cache_clear()
+
+
+@pytest.mark.stack
+def test_a_run_whose_server_dies_is_stopped_with_the_server_named(stack, monkeypatch, settings_factory, tmp_path):
+    """A stack's servers killed under a run: it went on failing call by call for 76 s, each client
+    retrying its dead server (a trial). The run's watch stops it once a recorded server has been
+    gone for its grace, and the error names the server, its log and what to do. Here the watched
+    "server" is a process recorded in a stack.json of its own (the session stack stays up)."""
+    import subprocess
+    import sys
+    import threading
+    import time
+    import types
+
+    from prefect import flow
+    from prefect.task_runners import ThreadPoolTaskRunner
+
+    from paperline.flows import cli
+    from paperline.infra import watch
+    from paperline.infra.settings import get_settings
+    from paperline.infra.stack import _record, _write_state
+
+    settings, _ = stack
+    watched = settings_factory(tmp_path / "watched")
+    watched.state_dir.mkdir(parents=True)
+    server = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"])
+    log = tmp_path / "mlflow.log"
+    _write_state(watched, {"version": 1, "services": {"mlflow": _record(server, "http://127.0.0.1:1", log)}})
+    real = watch.ServerWatch
+    monkeypatch.setattr(watch, "ServerWatch", lambda _settings, on_dead, active, on_gone: real(
+        watched, on_dead, grace_s=1.0, poll_s=0.2, active=active, on_gone=on_gone))
+
+    @flow(name="server-dies-probe")
+    def probe(params: dict) -> dict:
+        threading.Timer(1.0, lambda: (server.kill(), server.wait())).start()
+        for _ in range(600):  # a minute's work, unless stopped
+            time.sleep(0.1)
+        return {"table": {"columns": ["x"], "title": "probe", "rows": [[1]]}, "lines": []}
+
+    monkeypatch.setenv("PAPERLINE_STATE_DIR", str(settings.state_dir))
+    monkeypatch.setattr("paperline.infra.cluster.task_runner", lambda settings, started=None: ThreadPoolTaskRunner())
+    monkeypatch.setitem(cli._state, "prefect_gone", False)
+    get_settings.cache_clear()
+    started = time.monotonic()
+    try:
+        with pytest.raises(watch.ServersDied) as raised:
+            cli._run_one(types.SimpleNamespace(name="gemm", flow=probe), {}, None)
+    finally:
+        get_settings.cache_clear()
+        server.kill()
+    assert time.monotonic() - started < 30
+    text = str(raised.value)
+    assert f"the stack's server mlflow (pid {server.pid}) died during the run, not stopped by `paperline down` " \
+           f"(killed, crashed or out of memory: the end of {log} may say)" in text, text
+    assert text.endswith("`paperline up` starts it again, then the same command runs the multiply again (staged "
+                         "random operands are reused)"), text
+    assert watch.down_reason("mlflow") is None and not cli._state["prefect_gone"]  # prefect stayed up

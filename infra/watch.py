@@ -1,0 +1,125 @@
+"""A run's watch on the local stack's server processes.
+
+With the stack's servers killed under a `paperline run` (``kill -9``, a crash, the OOM killer),
+the run went on failing call by call: each client retried its dead server (MLflow ~30 s a call,
+boto3 and Prefect seconds each), and the command ended 76 s later with ~20 lines of retry
+warnings; a Ctrl-C meanwhile took 71 s to exit (trials). A process that is gone is a fact, not a
+network hiccup: :class:`ServerWatch` checks the recorded servers' processes (PID and start time)
+once a second and, when one has been gone for :data:`GRACE_S` without being restarted (`paperline
+up` records the new process), stops the run. Clients of this process then fail at once on that
+service (:func:`down_reason`), instead of retrying it.
+
+Servers stopped by `paperline down` are not "dead": `down` deletes ``stack.json``; such a run
+meets them down (or, after an `up` on the same ports, back) as before.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+from paperline.infra.errors import PaperlineError
+
+if TYPE_CHECKING:
+    from paperline.infra.settings import Settings
+
+GRACE_S = 10.0  # how long a recorded server may be gone (an `up` restarting it) before the run is stopped
+POLL_S = 1.0  # seconds between checks of the recorded processes
+
+_DOWN: dict[str, str] = {}  # service -> why, while a watch in this process has found its server dead
+
+
+class ServersDied(PaperlineError):
+    """A run was stopped because servers of its stack died under it (:class:`ServerWatch`)."""
+
+
+def down_reason(service: str) -> str | None:
+    """Why ``service`` (``"s3"``, ``"prefect"``, ``"mlflow"``) is known to be down in this
+    process (its recorded server died under a run a :class:`ServerWatch` watches), else None.
+    Clients check it to fail at once rather than retry a server that is gone."""
+    return _DOWN.get(service)
+
+
+class ServerWatch:
+    """Watch the servers ``stack.json`` records while a run goes on (a context manager).
+
+    A background thread reads the recorded servers every ``poll_s`` seconds
+    (:func:`paperline.infra.stack.dead_servers`) and marks those gone as down for this process
+    (:func:`down_reason`; unmarked when `paperline up` has recorded a new process). When any has
+    been gone for ``grace_s`` seconds (the same PID throughout), it keeps them in :attr:`dead` and
+    calls ``on_dead(dead)`` once, from the thread; then it stops watching. Leaving the context
+    unmarks what it marked.
+
+    Args:
+        settings: Uses ``state_dir``.
+        on_dead: Called with ``{service: record}`` (record keys ``pid``, ``log_path``, ``url``).
+        grace_s: Seconds a server may be gone before ``on_dead`` is called.
+        poll_s: Seconds between checks.
+        active: False: a watch that watches nothing (its thread is not started).
+        on_gone: Called (from the thread) each time servers are found gone after none was.
+    """
+
+    def __init__(self, settings: Settings, on_dead: Callable[[dict[str, dict[str, Any]]], None],
+                 grace_s: float = GRACE_S, poll_s: float = POLL_S, active: bool = True,
+                 on_gone: Callable[[], None] | None = None):
+        self.settings = settings
+        self.on_dead = on_dead
+        self.grace_s = grace_s
+        self.poll_s = poll_s
+        self.active = active
+        self.on_gone = on_gone
+        self.dead: dict[str, dict[str, Any]] = {}
+        self._stop = threading.Event()
+        self._marked: set[str] = set()  # the services this watch marked down (:func:`down_reason`)
+        self._thread: threading.Thread | None = None
+
+    def gone_now(self) -> dict[str, dict[str, Any]]:
+        """The recorded servers gone at this moment (grace or not): what a run that failed on
+        its own before the grace ran out can name as the cause."""
+        from paperline.infra.stack import dead_servers  # noqa: PLC0415
+
+        try:
+            return dead_servers(self.settings)
+        except Exception:  # noqa: BLE001 - only a detail of an error being reported
+            return {}
+
+    def _watch(self) -> None:
+        from paperline.infra.stack import dead_servers  # noqa: PLC0415
+
+        since: dict[tuple[str, int], float] = {}  # (service, pid) -> when first seen gone
+        while not self._stop.wait(self.poll_s):
+            try:
+                gone = dead_servers(self.settings)
+            except Exception:  # noqa: BLE001 - a watch that cannot read the state leaves the run alone
+                continue
+            now = time.monotonic()
+            since = {key: since.get(key, now) for key in ((n, int(r["pid"])) for n, r in gone.items())}
+            # clients fail at once from now on (a Ctrl-C meanwhile exited after their retries: 71 s);
+            # a server `paperline up` restarted is recorded anew and not gone
+            for name in [n for n in self._marked if n not in gone]:
+                _DOWN.pop(name, None)
+            for name, rec in gone.items():
+                _DOWN[name] = f"its server (pid {rec['pid']}) died during the run"
+            if gone and not self._marked and self.on_gone is not None:
+                self.on_gone()
+            self._marked = set(gone)
+            if since and now - min(since.values()) >= self.grace_s:
+                self.dead = gone
+                self.on_dead(gone)
+                return
+
+    def __enter__(self) -> ServerWatch:
+        if not self.active:
+            return self
+        self._thread = threading.Thread(target=self._watch, name="paperline-server-watch", daemon=True)
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout=self.poll_s + 5.0)
+        for name in self._marked:
+            _DOWN.pop(name, None)

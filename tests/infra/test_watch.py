@@ -1,0 +1,166 @@
+"""A run's watch on its stack's server processes (``infra/watch.py``) and the clients that fail at
+once on a server it found gone. The "servers" here are real processes (``sleep``) recorded in a
+``stack.json`` as `paperline up` records its servers, then killed."""
+
+import http.server
+import subprocess
+import sys
+import threading
+import time
+
+import pytest
+
+from paperline.infra import watch
+from paperline.infra.errors import ServiceError
+from paperline.infra.stack import _record, _write_state, dead_servers
+
+
+@pytest.fixture
+def recorded(settings_factory, tmp_path):
+    """``(settings, start)``: ``start(name)`` runs a process recorded as the stack's server ``name``."""
+    settings = settings_factory(tmp_path / "state")
+    settings.state_dir.mkdir(parents=True)
+    procs: list[subprocess.Popen] = []
+    services: dict[str, dict] = {}
+
+    def start(name: str) -> subprocess.Popen:
+        proc = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"])
+        procs.append(proc)
+        services[name] = _record(proc, "http://127.0.0.1:1", tmp_path / f"{name}.log")
+        _write_state(settings, {"version": 1, "services": services})
+        return proc
+
+    yield settings, start
+    for proc in procs:
+        proc.kill()
+        proc.wait()
+
+
+def _kill(proc: subprocess.Popen) -> None:
+    proc.kill()
+    proc.wait()  # reaped: gone, not a zombie
+
+
+def test_dead_servers_are_the_recorded_processes_that_are_gone(recorded):
+    settings, start = recorded
+    s3, mlflow = start("s3"), start("mlflow")
+    assert dead_servers(settings) == {}
+    _kill(mlflow)
+    dead = dead_servers(settings)
+    assert list(dead) == ["mlflow"] and dead["mlflow"]["pid"] == mlflow.pid
+    (settings.state_dir / "stack.json").unlink()  # `paperline down` deletes it: nothing is "dead"
+    assert dead_servers(settings) == {}
+    del s3
+
+
+def test_a_server_gone_for_the_grace_stops_the_run_once_and_clients_fail_at_once(recorded):
+    settings, start = recorded
+    start("s3")
+    mlflow = start("mlflow")
+    called: list[dict] = []
+    first: list[bool] = []
+    with watch.ServerWatch(settings, called.append, grace_s=1.0, poll_s=0.1, on_gone=lambda: first.append(True)) as w:
+        time.sleep(0.5)
+        assert not called and watch.down_reason("mlflow") is None
+        _kill(mlflow)
+        deadline = time.monotonic() + 10
+        while not called and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert len(called) == 1 and list(called[0]) == ["mlflow"] and w.dead == called[0]
+        assert watch.down_reason("mlflow") == f"its server (pid {mlflow.pid}) died during the run"
+        assert watch.down_reason("s3") is None
+        # a client of the dead server fails without a request (MLflow's retries held a run ~30 s a call)
+        from paperline.infra.tracking import Tracker
+
+        with pytest.raises(ServiceError, match=r"mlflow is not available at http://127.0.0.1:1: its server \(pid \d+\) died"):
+            Tracker("http://127.0.0.1:1").end_run("0" * 32, "KILLED")
+        time.sleep(0.3)
+        assert len(called) == 1 and first == [True]  # once
+    assert watch.down_reason("mlflow") is None  # unmarked as the run's watch ends
+
+
+def test_a_server_restarted_within_the_grace_does_not_stop_the_run(recorded):
+    """`paperline up` during the grace records a new process: the run goes on against it."""
+    settings, start = recorded
+    prefect = start("prefect")
+    called: list[dict] = []
+    with watch.ServerWatch(settings, called.append, grace_s=1.5, poll_s=0.1):
+        _kill(prefect)
+        deadline = time.monotonic() + 5
+        while watch.down_reason("prefect") is None and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert watch.down_reason("prefect") is not None  # failing fast while it is gone
+        start("prefect")  # (as `paperline up` records the server it restarted)
+        time.sleep(2.5)
+        assert not called and watch.down_reason("prefect") is None
+
+
+def test_an_inactive_watch_watches_nothing(recorded):
+    settings, start = recorded
+    _kill(start("s3"))
+    called: list[dict] = []
+    with watch.ServerWatch(settings, called.append, grace_s=0.1, poll_s=0.05, active=False) as w:
+        time.sleep(0.5)
+    assert not called and watch.down_reason("s3") is None
+    assert list(w.gone_now()) == ["s3"]  # what an error can still name
+
+
+def test_an_object_store_fails_at_once_on_a_server_found_gone(monkeypatch, tmp_path):
+    from paperline.infra.storage import ObjectStore
+
+    monkeypatch.setitem(watch._DOWN, "s3", "its server (pid 7) died during the run")
+    store = ObjectStore("http://127.0.0.1:1", "k", "s", log_path=str(tmp_path / "s3.log"))
+    with pytest.raises(ServiceError, match=r"s3 is not available at http://127.0.0.1:1: put s3://b/k: its server "
+                                           r"\(pid 7\) died during the run.*s3.log"):
+        store.put_bytes_to(b"x", "s3://b/k")
+
+
+def test_prefects_result_write_fails_at_once_on_s3_found_gone(monkeypatch):
+    from prefect_aws import S3Bucket
+
+    from paperline.infra import prefect_patches
+
+    prefect_patches.install_result_write_check()
+    prefect_patches.install_result_write_check()  # idempotent: wrapped once
+    assert not getattr(S3Bucket._write_sync.__wrapped__, "_paperline_checked", False)
+    monkeypatch.setitem(watch._DOWN, "s3", "its server (pid 7) died during the run")
+    with pytest.raises(ServiceError, match=r"write s3://results/k1: its server \(pid 7\) died"):
+        S3Bucket(bucket_name="results").write_path("k1", b"x")
+
+
+def test_prefects_client_sends_once_to_a_server_found_gone(monkeypatch):
+    """Prefect's client retried the dead server's final state report ~20 s (a trial)."""
+    from prefect.client.orchestration import get_client
+    from prefect.settings import PREFECT_API_URL, PREFECT_CLIENT_MAX_RETRIES, temporary_settings
+
+    from paperline.infra import prefect_patches
+
+    prefect_patches.install()
+    seen: list[str] = []
+
+    class Unavailable(http.server.BaseHTTPRequestHandler):
+        def do_GET(self) -> None:  # noqa: N802
+            seen.append(self.path)
+            self.send_response(503)
+            self.send_header("Content-Length", "0")
+            self.end_headers()
+
+        def log_message(self, *args) -> None:
+            pass
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Unavailable)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        api = f"http://127.0.0.1:{server.server_address[1]}/api"
+        with temporary_settings({PREFECT_API_URL: api, PREFECT_CLIENT_MAX_RETRIES: 1}):
+            with get_client(sync_client=True) as client:
+                with pytest.raises(Exception, match="503"):
+                    client.hello()
+                assert len(seen) == 2  # Prefect's own: one retry (of one allowed here)
+                seen.clear()
+                monkeypatch.setitem(watch._DOWN, "prefect", "its server (pid 7) died during the run")
+                with pytest.raises(Exception, match="503"):
+                    client.hello()
+                assert len(seen) == 1
+    finally:
+        server.shutdown()
