@@ -197,16 +197,22 @@ class RandomSource:
         argument: the operand's name for error messages.
 
     Raises:
-        InputError: ``shape`` not two sizes >= 1 (named ``argument``), or ``dtype`` not
-            float32/float64.
+        InputError: ``shape`` not two whole numbers >= 1 (named ``argument``), ``block`` not a
+            whole number >= 1, or ``dtype`` not float32/float64.
     """
 
     kind = "generated"
 
     def __init__(self, shape: tuple[int, int], dtype: Any = np.float64, seed: int = 0, stream: int = 0,
                  diagonal_shift: float = 0.0, block: int = 256, argument: str = "a"):
-        if len(shape) != 2 or min(shape) < 1:
-            raise InputError(argument, shape, "expected (rows, cols) with both at least 1")
+        try:  # (a shape of another type raised TypeError)
+            ok = len(shape) == 2 and all(int(x) == x >= 1 for x in shape)
+        except (TypeError, ValueError):
+            ok = False
+        if not ok:
+            raise InputError(argument, shape, "expected (rows, cols) with both whole numbers at least 1")
+        if not isinstance(block, (int, np.integer)) or isinstance(block, bool) or block < 1:
+            raise InputError("block", block, "expected a whole number of entries >= 1")  # 0 divided by zero
         self.shape = (int(shape[0]), int(shape[1]))
         self.dtype = np.dtype(dtype)
         if self.dtype not in FLOAT_DTYPES:

@@ -141,7 +141,7 @@ def acquisition(kind: str, model: Any, features: np.ndarray, y: np.ndarray, *, s
     the hypervolume kinds, in the maximization convention. MC samplers are quasi-random with ``seed``.
 
     Raises:
-        InputError: an unknown ``kind``.
+        InputError: an unknown ``kind``, or a hypervolume kind without ``ref_point`` of ``m`` values.
     """
     import torch
     from botorch.acquisition.logei import qLogExpectedImprovement
@@ -158,15 +158,17 @@ def acquisition(kind: str, model: Any, features: np.ndarray, y: np.ndarray, *, s
         load_fused_kernel()  # into this env's own build directory, before the constructor loads it
     if kind == "ei":
         return qLogExpectedImprovement(model, best_f=y_t.max(), sampler=sampler)
+    if kind not in ("ehvi", "nehvi"):
+        raise InputError("acquisition", kind, "known: ei, ehvi, nehvi")
+    if ref_point is None or np.asarray(ref_point).shape != (y_t.shape[-1],):  # None gave a NaN point, silently
+        raise InputError("ref_point", ref_point, f"{kind} needs one reference value per objective ({y_t.shape[-1]})")
     ref = torch.from_numpy(np.asarray(ref_point, dtype=np.float64))
     if kind == "ehvi":
         partitioning = FastNondominatedPartitioning(ref_point=ref, Y=y_t)
         return qLogExpectedHypervolumeImprovement(model, ref_point=ref, partitioning=partitioning, sampler=sampler)
-    if kind == "nehvi":
-        x_t = torch.from_numpy(np.ascontiguousarray(features, dtype=np.float64))
-        return qLogNoisyExpectedHypervolumeImprovement(model, ref_point=ref, X_baseline=x_t, sampler=sampler,
-                                                       prune_baseline=True)
-    raise InputError("acquisition", kind, "known: ei, ehvi, nehvi")
+    x_t = torch.from_numpy(np.ascontiguousarray(features, dtype=np.float64))  # nehvi
+    return qLogNoisyExpectedHypervolumeImprovement(model, ref_point=ref, X_baseline=x_t, sampler=sampler,
+                                                   prune_baseline=True)
 
 
 def select_discrete(acqf: Any, space: SearchSpace, pool: np.ndarray, q: int, *, shortlist: int = 0) -> np.ndarray:

@@ -15,6 +15,7 @@ Analysis frames are RGB ``uint8`` arrays of shape ``(27, 48, 3)`` (TransNetV2's 
 
 from __future__ import annotations
 
+import inspect
 import threading
 from abc import ABC, abstractmethod
 from collections.abc import Callable
@@ -77,10 +78,15 @@ def make_detector(name: str, fps: float, **options: Any) -> ShotDetector:
     """
     if name not in DETECTORS:
         raise InputError("splitter", name, f"unknown splitter; known: {', '.join(DETECTORS.names())}")
+    cls = DETECTORS[name]
     try:
-        return DETECTORS[name](fps, **options)
-    except TypeError as exc:
+        inspect.signature(cls).bind(fps, **options)
+    except TypeError as exc:  # an option the detector does not take
         raise InputError("splitter_options", options, f"{name}: {exc}") from None
+    try:
+        return cls(fps, **options)
+    except TypeError as exc:  # a value of another type ("8" for a number) met a check: said as the option's
+        raise InputError("splitter_options", options, f"{name}: a value of the wrong type ({exc})") from None
 
 
 class ShotSegmenter:
@@ -292,7 +298,7 @@ class ContentDetector(ShotDetector):
 
     Raises:
         InputError: ``fps`` not > 0, ``min_score`` outside (0, 1], or ``window`` or
-            ``min_shot_frames`` < 1 (both reported under ``window``).
+            ``min_shot_frames`` < 1 (each named).
     """
 
     feature_dim = 256
@@ -302,8 +308,10 @@ class ContentDetector(ShotDetector):
         super().__init__(fps)
         if not 0 < min_score <= 1:
             raise InputError("min_score", min_score, "must be in (0, 1]")
-        if window < 1 or min_shot_frames < 1:
-            raise InputError("window", window, "window and min_shot_frames must be >= 1")
+        if window < 1:
+            raise InputError("window", window, "must be >= 1")
+        if min_shot_frames < 1:
+            raise InputError("min_shot_frames", min_shot_frames, "must be >= 1")
         self.min_score, self.ratio, self.window = float(min_score), float(ratio), int(window)
         self.min_shot_frames = int(min_shot_frames)
         self._hists: list[np.ndarray] = []

@@ -811,3 +811,15 @@ def test_huge_problems_are_refused_before_planning_or_allocating(tmp_path):
     from paperline.kernels.blas.plan import check_plan_size
 
     check_plan_size(problem)
+
+
+@pytest.mark.parametrize(("kwargs", "said"), [
+    ({"shape": (0, 3)}, r"a=\(0, 3\): expected \(rows, cols\) with both whole numbers at least 1"),
+    ({"shape": "3x3"}, r"a='3x3': expected \(rows, cols\)"),  # was a TypeError
+    ({"shape": (2.5, 3)}, r"a=\(2.5, 3\): expected \(rows, cols\)"),
+    ({"shape": (3, 3), "block": 0}, r"block=0: expected a whole number of entries >= 1"),  # was ZeroDivisionError on read
+    ({"shape": (3, 3), "block": True}, r"block=True"),
+])
+def test_a_random_source_refuses_a_bad_shape_or_block(kwargs, said):
+    with pytest.raises(InputError, match=said):
+        RandomSource(**kwargs)

@@ -725,3 +725,20 @@ def test_campaign_from_state_names_what_is_wrong_with_a_malformed_checkpoint(cam
         Campaign.from_state(state, budget=4)
     with pytest.raises(InputError, match=r"^budget=0: must be an integer >= 1"):  # fell back to the saved budget
         Campaign.from_state(state, budget=0)
+
+
+def test_a_hypervolume_acquisition_without_a_reference_point_is_refused():
+    """qLogEHVI built with ref_point=None got a NaN reference point and went on (a review)."""
+    from paperline.kernels.search.botorch_opt import acquisition, fit_gp
+
+    space = SearchSpace.box([0.0, 0.0], [1.0, 1.0])
+    x = space.sample(np.random.default_rng(3), 8)
+    y = np.stack([-x[:, 0], -x[:, 1]], axis=1)
+    model = fit_gp(space.features(x), y)
+    for kind in ("ehvi", "nehvi"):
+        with pytest.raises(InputError, match=rf"ref_point=None: {kind} needs one reference value per objective \(2\)"):
+            acquisition(kind, model, space.features(x), y, seed=1)
+        with pytest.raises(InputError, match="ref_point"):
+            acquisition(kind, model, space.features(x), y, seed=1, ref_point=np.array([0.0]))
+    with pytest.raises(InputError, match="acquisition='ucb': known: ei, ehvi, nehvi"):
+        acquisition("ucb", model, space.features(x), y, seed=1)

@@ -52,6 +52,14 @@ def test_stride_detector_and_unknown_splitter():
         make_detector("scenedetect", 25.0)
     with pytest.raises(InputError, match="splitter_options"):
         make_detector("content", 25.0, thresold=0.3)
+    # each bad value is named as itself (min_shot_frames was reported as window's value)
+    with pytest.raises(InputError, match=r"min_shot_frames=0: must be >= 1"):
+        make_detector("content", 25.0, min_shot_frames=0)
+    with pytest.raises(InputError, match=r"window=0: must be >= 1"):
+        make_detector("content", 25.0, window=0)
+    # a value of another type meeting a check is said as a wrong type, not as an unknown option
+    with pytest.raises(InputError, match=r"splitter_options=.*content: a value of the wrong type"):
+        make_detector("content", 25.0, window="4")
 
 
 def test_demo_videos_ship_in_packages_and_the_transnetv2_tests_package_does_not_shadow_ours():
