@@ -48,6 +48,7 @@ References:
 from __future__ import annotations
 
 import math
+import numbers
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -123,10 +124,10 @@ def bandwidth(seconds: float, nbytes: int, world_size: int, kind: str) -> Bandwi
         InputError: on a non-positive or non-finite time, a negative size, ``world_size < 1`` or an
             unknown kind.
     """
-    if isinstance(seconds, bool) or not isinstance(seconds, (int, float)) or not math.isfinite(seconds) \
+    if isinstance(seconds, bool) or not isinstance(seconds, numbers.Real) or not math.isfinite(seconds) \
             or seconds <= 0:
         raise InputError("seconds", seconds, "must be a finite time > 0 in seconds")
-    if isinstance(nbytes, bool) or not isinstance(nbytes, int) or nbytes < 0:
+    if not _is_int(nbytes) or nbytes < 0:
         raise InputError("nbytes", nbytes, "must be an int >= 0 (bytes)")
     _check_world_size(world_size)
     if kind not in _BUSBW_FACTORS:
@@ -158,13 +159,13 @@ def lp_chunk_bytes(nbytes: int, world_size: int, kind: str = "allreduce", *, alp
         InputError: on a negative size, ``world_size < 1``, an unknown kind or non-positive model
             constants.
     """
-    if isinstance(nbytes, bool) or not isinstance(nbytes, int) or nbytes < 0:
+    if not _is_int(nbytes) or nbytes < 0:
         raise InputError("nbytes", nbytes, "must be an int >= 0 (bytes)")
     _check_world_size(world_size)
     if kind not in _FILL_STEPS:
         raise InputError("kind", kind, f"must be one of {sorted(_FILL_STEPS)}")
     for name, value in (("alpha_s", alpha_s), ("bytes_per_s", bytes_per_s)):
-        if not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0:
+        if isinstance(value, bool) or not isinstance(value, numbers.Real) or not math.isfinite(value) or value <= 0:
             raise InputError(name, value, "must be a finite number > 0")
     fill = max(1, _FILL_STEPS[kind](world_size))
     best = math.sqrt(alpha_s * nbytes * bytes_per_s / fill)
@@ -340,7 +341,7 @@ def time_collective(fn: Callable[[], Any], *, iters: int = 10, warmup: int = 2, 
     import torch.distributed as dist
 
     for name, value, low in (("iters", iters, 1), ("warmup", warmup, 0), ("repeats", repeats, 1)):
-        if isinstance(value, bool) or not isinstance(value, int) or value < low:
+        if not _is_int(value) or value < low:
             raise InputError(name, value, f"must be an int >= {low}")
     cuda = torch.cuda.is_available() and dist.get_backend(group) == "nccl"
     device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
@@ -410,8 +411,13 @@ def allreduce_sweep(sizes_bytes: list[int], *, device: Any = "cpu", target_s: fl
 # --------------------------------------------------------------------------------------------- internals
 
 
+def _is_int(value: Any) -> bool:
+    """An integer (Python's or NumPy's), not a bool."""
+    return isinstance(value, numbers.Integral) and not isinstance(value, bool)
+
+
 def _check_world_size(world_size: int) -> None:
-    if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
+    if not _is_int(world_size) or world_size < 1:
         raise InputError("world_size", world_size, "must be an int >= 1")
 
 
@@ -426,10 +432,9 @@ def _check_call(tensor: Any, chunk_bytes: int | None) -> tuple[Any, int | None]:
     if not tensor.is_contiguous():
         raise InputError("tensor", f"shape {tuple(tensor.shape)} stride {tensor.stride()}",
                          "must be contiguous (call .contiguous() and copy the result back)")
-    if chunk_bytes is not None and (isinstance(chunk_bytes, bool) or not isinstance(chunk_bytes, int)
-                                    or chunk_bytes <= 0):
+    if chunk_bytes is not None and (not _is_int(chunk_bytes) or chunk_bytes <= 0):
         raise InputError("chunk_bytes", chunk_bytes, "must be an int > 0 (bytes) or None")
-    return tensor.detach().view(-1), chunk_bytes
+    return tensor.detach().view(-1), None if chunk_bytes is None else int(chunk_bytes)
 
 
 def _combiner(op: Any) -> Callable[[Any, Any], None]:
@@ -501,10 +506,10 @@ def _context(group: Any, root: int | None, root_name: str, flat: Any, chunk_byte
     size = dist.get_world_size(pg)
     group_root = 0
     if root is not None:
-        if isinstance(root, bool) or not isinstance(root, int):
+        if not _is_int(root):
             raise InputError(root_name, root, "must be an int (a global rank)")
         try:
-            group_root = dist.get_group_rank(pg, root)
+            group_root = dist.get_group_rank(pg, int(root))
         except (ValueError, RuntimeError) as exc:
             raise InputError(root_name, root, f"is not a rank of the group ({exc})") from None
         if group_root is None or not 0 <= group_root < size:

@@ -38,6 +38,7 @@ from __future__ import annotations
 import contextlib
 import io
 import math
+import numbers
 import os
 import time
 from collections.abc import Callable, Iterator
@@ -46,6 +47,15 @@ from datetime import timedelta
 from typing import Any
 
 from paperline.kernels.errors import InputError, as_float
+
+
+_NUMBER_FIELDS = (  # TrainConfig's numeric fields: (name, kind, None allowed)
+    ("n_train", numbers.Integral, True), ("epochs", numbers.Integral, False),
+    ("batch_size", numbers.Integral, False), ("lr", numbers.Real, False), ("momentum", numbers.Real, False),
+    ("weight_decay", numbers.Real, False), ("seed", numbers.Integral, False),
+    ("max_steps_per_epoch", numbers.Integral, True), ("isgd_window", numbers.Integral, True),
+    ("isgd_stop", numbers.Integral, False), ("isgd_epsilon", numbers.Real, False), ("isgd_lr", numbers.Real, True),
+)
 
 
 @dataclass(frozen=True)
@@ -101,6 +111,13 @@ class TrainConfig:
     isgd_lr: float | None = None
 
     def __post_init__(self) -> None:
+        # another type ("2" for epochs) failed a comparison below with a bare TypeError (a review)
+        for name, kind, optional in _NUMBER_FIELDS:
+            value = getattr(self, name)
+            if (value is None and optional) or (isinstance(value, kind) and not isinstance(value, bool)):
+                continue
+            raise InputError(name, value, f"must be {'an integer' if kind is numbers.Integral else 'a number'}"
+                                          + (" or None" if optional else ""))
         if self.epochs < 1:
             raise InputError("epochs", self.epochs, "must be >= 1")
         if self.batch_size < 1:

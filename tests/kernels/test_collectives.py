@@ -380,7 +380,7 @@ def test_bandwidth_follows_nccl_tests():
 @pytest.mark.parametrize("args, argument", [
     ((0.0, 10, 2, "allreduce"), "seconds"), ((float("nan"), 10, 2, "allreduce"), "seconds"),
     ((1.0, -1, 2, "allreduce"), "nbytes"), ((1.0, 10, 0, "allreduce"), "world_size"),
-    ((1.0, 10, 2, "gather"), "kind"),
+    ((1.0, 10, 2, "gather"), "kind"), ((1.0, True, 2, "allreduce"), "nbytes"), ((True, 10, 2, "allreduce"), "seconds"),
 ])
 def test_bandwidth_bad_input(args, argument):
     from paperline.kernels.comm.collectives import bandwidth
@@ -406,6 +406,17 @@ def test_chunk_bytes_minimises_the_cost_model():
     assert lp_chunk_bytes(100, 4) == 100  # never above the message: one chunk
     assert lp_chunk_bytes(1 << 40, 2, "broadcast") == 16 << 20  # clipped
     assert lp_chunk_bytes(0, 2) == 1
+    # NumPy's integers are integers (a message size from an array's nbytes), bools are not numbers here
+    import numpy as np
+
+    from paperline.kernels.comm.collectives import bandwidth
+    from paperline.kernels.errors import InputError
+
+    assert lp_chunk_bytes(np.int64(100), np.int32(4)) == 100
+    assert bandwidth(np.float64(2.0), np.int64(8), np.int64(8), "allreduce") == (4.0, 7.0)  # 2(P-1)/P
+    for bad in ({"alpha_s": True}, {"bytes_per_s": False}):
+        with pytest.raises(InputError, match=next(iter(bad))):
+            lp_chunk_bytes(100, 4, **bad)
 
 
 def test_checks_before_any_communication():

@@ -310,3 +310,16 @@ def test_model_sizes_are_counted_without_building_and_validation_is_fast():
     CompressedTrainingParameters(compressors=["none", "fft", "topk", "powersgd", "fp16"],
                                  model_options={"width": 16, "blocks": 100}).validate_inputs()
     assert time.perf_counter() - t0 < 10
+
+
+@pytest.mark.parametrize(("kwargs", "said"), [
+    ({"epochs": "2"}, "epochs='2': must be an integer"),  # was a TypeError from the comparison
+    ({"epochs": 2.0}, "epochs=2.0: must be an integer"),
+    ({"lr": "0.1"}, "lr='0.1': must be a number"),
+    ({"isgd_lr": True}, "isgd_lr=True: must be a number or None"),
+    ({"epochs": 0}, "epochs=0: must be >= 1"),
+])
+def test_a_training_configuration_of_another_type_is_named(kwargs, said):
+    with pytest.raises(InputError, match=said.replace("(", r"\(")):
+        TrainConfig(**kwargs)
+    TrainConfig(epochs=np.int64(2), lr=1, n_train=np.int32(100))  # NumPy's and Python's numbers are fine
