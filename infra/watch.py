@@ -72,6 +72,7 @@ class ServerWatch:
         self.on_gone = on_gone
         self.dead: dict[str, dict[str, Any]] = {}
         self._stop = threading.Event()
+        self._lock = threading.Lock()
         self._marked: set[str] = set()  # the services this watch marked down (:func:`down_reason`)
         self._thread: threading.Thread | None = None
 
@@ -106,8 +107,11 @@ class ServerWatch:
                 self.on_gone()
             self._marked = set(gone)
             if since and now - min(since.values()) >= self.grace_s:
-                self.dead = gone
-                self.on_dead(gone)
+                with self._lock:  # never after the watched block ended: its interrupt would land past it
+                    if self._stop.is_set():
+                        return
+                    self.dead = gone
+                    self.on_dead(gone)
                 return
 
     def __enter__(self) -> ServerWatch:
@@ -118,7 +122,8 @@ class ServerWatch:
         return self
 
     def __exit__(self, *exc: object) -> None:
-        self._stop.set()
+        with self._lock:
+            self._stop.set()
         if self._thread is not None:
             self._thread.join(timeout=self.poll_s + 5.0)
         for name in self._marked:
