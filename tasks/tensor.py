@@ -22,7 +22,7 @@ from prefect.cache_policies import INPUTS, TASK_SOURCE
 
 from paperline.infra.storage import ObjectStore
 from paperline.kernels.tensor.coo import COOTensor, Split, make_split
-from paperline.kernels.tensor.datasets import load_dataset, read_coo_parquet, write_coo_parquet
+from paperline.kernels.tensor.datasets import index_layout_hint, load_dataset, read_coo_parquet, write_coo_parquet
 from paperline.kernels.tensor.p2t2f import p2t2f
 from paperline.kernels.tensor.pttf import FitResult, rmse
 from paperline.tasks.retry import HOUR, retry_unless_bad_input
@@ -65,7 +65,9 @@ def load_tensor(store: ObjectStore, bucket: str, dataset: str | None = None, dat
             changed file or a replaced object is read again).
 
     Returns:
-        ``{"name", "uri", "sha256", "shape", "nnz", "mode_names"}``.
+        ``{"name", "uri", "sha256", "shape", "nnz", "mode_names", "layout_hint"}``; ``layout_hint``
+        is :func:`~paperline.kernels.tensor.datasets.index_layout_hint` of a user's tensor (``""``
+        for a bundled one, or none to say; absent from results cached before it was added).
 
     Raises:
         InputError: unknown dataset, unreadable Parquet, NaN/inf values, empty tensor.
@@ -77,7 +79,8 @@ def load_tensor(store: ObjectStore, bucket: str, dataset: str | None = None, dat
         tensor, name = read_coo_parquet(raw, argument="data", name=str(data_uri)), user_scope(data_uri)
     ref = store.put_bytes(tensor_to_parquet(tensor), bucket=bucket, prefix="tensors", suffix=".parquet")
     return {"name": name, "uri": ref.uri, "sha256": ref.sha256, "shape": list(tensor.shape),
-            "nnz": tensor.nnz, "mode_names": list(tensor.mode_names or [])}
+            "nnz": tensor.nnz, "mode_names": list(tensor.mode_names or []),
+            "layout_hint": "" if dataset is not None else index_layout_hint(tensor).removeprefix("; ")}
 
 
 @task(name="split-tensor", cache_policy=CACHED, persist_result=True, retries=1,

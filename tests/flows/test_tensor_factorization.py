@@ -224,3 +224,15 @@ def test_a_run_on_user_data_records_what_it_fitted(stack, run_cli, cli_env, tmp_
         assert "against the best of 1 earlier run(s)" in " ".join(proc.stdout.split()), proc.stdout[-3000:]
         rmse.append(json.loads(summary.read_text())["rows"][0]["test_rmse"])
     assert rmse[0] != rmse[1]
+    # years as 't' pass the random split: the run says the empty leading steps were fitted (nothing did: a trial)
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    years = tmp_path / "years.parquet"
+    pq.write_table(pa.table({"i": [k % 5 for k in range(600)], "j": [k // 5 % 4 for k in range(600)],
+                             "t": [1995 + k // 20 for k in range(600)], "value": [float(k % 7) for k in range(600)]}),
+                   years)
+    proc = run_cli(cli_env, *args[:3], f"data={years}", *args[4:], check=True)
+    assert "warning: user-years: 't' starts at 1995, so 1995 empty time steps come first: indices are positions " \
+           "0, 1, ...; subtract 1995: the fit above counted those empty indices" in " ".join(proc.stdout.split()), \
+        proc.stdout[-3000:]
