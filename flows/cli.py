@@ -661,6 +661,10 @@ def _early_cluster(wanted: bool = True) -> Iterator[Any]:
     except KeyboardInterrupt:
         interrupts.release_leaked_import_lock()  # else the cluster's start, joined below, could wait for good
         raise
+    except PaperlineError:  # ServersDied: the run watch's interrupt can land where a Ctrl-C can
+        if interrupts.interrupts_received():
+            interrupts.release_leaked_import_lock()
+        raise
     finally:
         if early is not None:
             early[0].close()
@@ -808,7 +812,7 @@ def _run_one(spec, params, summary_json: Path | None, early=None) -> dict[str, A
 
         heap.freeze_startup()  # what start-up loaded stays: later collections need not walk it
     interrupts.raise_if_interrupted()  # a Ctrl-C that a library swallowed while this started (a CI run)
-    watch = _server_watch(settings)
+    watch = _server_watch(settings, info)
     try:
         try:
             with watch, console.status(f"running {spec.name} (progress in the Prefect UI)..."):
@@ -819,14 +823,16 @@ def _run_one(spec, params, summary_json: Path | None, early=None) -> dict[str, A
             raise
     except KeyboardInterrupt:  # Prefect's "Crash detected!" line alone said nothing of what a re-run does
         if watch.dead:  # the interrupt was the watch's
-            raise _servers_died(watch.dead, spec.name, params) from None
+            raise _servers_died(watch.dead, spec, params, done, summary_json, "the run was stopped") from None
         if dead := watch.gone_now():  # a Ctrl-C as servers died: a re-run needs them back first
-            _say_interrupted(f"interrupted: {_servers_died(dead, spec.name, params)}")
+            _say_interrupted(f"interrupted: {_servers_died(dead, spec, params, {}, None, 'the run was stopped')}")
         _say_interrupted(f"interrupted: {_again(spec.name, params)}")
         raise
     except Exception as exc:
         if dead := watch.gone_now():  # it failed on its own before the watch's grace ran out
-            raise _servers_died(dead, spec.name, params) from exc
+            first = (str(exc).splitlines() or [""])[0]
+            raise _servers_died(dead, spec, params, done, summary_json,
+                                f"the run failed ({type(exc).__name__}: {first[:200]})") from exc
         gone = _prefect_gone(exc, info, finished="summary" in done)
         if gone is None:
             raise
@@ -842,12 +848,13 @@ def _run_one(spec, params, summary_json: Path | None, early=None) -> dict[str, A
     return summary
 
 
-def _server_watch(settings: Any) -> Any:
-    """A :class:`~paperline.infra.watch.ServerWatch` on the stack's recorded servers for one run
-    in this (main) thread: when one has died (not stopped by `paperline down`) and is not back
-    within its grace, the run is stopped by an interrupt to this thread, which `_run_one` turns
-    into :func:`_servers_died`'s error. A run in another thread, or where SIGINT is not Python's
-    to raise, is not watched (the interrupt could only land elsewhere)."""
+def _server_watch(settings: Any, info: Any) -> Any:
+    """A :class:`~paperline.infra.watch.ServerWatch` on the stack's managed servers (``info``)
+    for one run: clients fail at once on a server that has died (not stopped by `paperline
+    down`), and if it is not back within the grace the run is stopped by an interrupt to the main
+    thread, which `_run_one` turns into :func:`_servers_died`'s error. Where SIGINT is not
+    Python's to raise (ignored: `paperline run ... &` from a script), or the run is not on the
+    main thread, nothing is interrupted: the run fails on its own, at once."""
     import signal
     import threading
 
@@ -860,29 +867,39 @@ def _server_watch(settings: Any) -> Any:
             prefect_patches.install_result_write_check()  # Prefect's result write to a dead S3: ~7 s
 
     def stop_run(dead: dict[str, Any]) -> None:
-        signal.pthread_kill(main.ident, signal.SIGINT)
+        if interrupts_run:
+            signal.pthread_kill(main.ident, signal.SIGINT)
 
     main = threading.main_thread()
     raises = signal.getsignal(signal.SIGINT) not in (signal.SIG_IGN, signal.SIG_DFL, None)
-    return ServerWatch(settings, stop_run, active=threading.current_thread() is main and raises,
+    interrupts_run = threading.current_thread() is main and raises
+    return ServerWatch(settings, stop_run, services=tuple(s.name for s in info.services if s.managed),
                        on_gone=result_writes_checked)
 
 
-def _servers_died(dead: dict[str, Any], pipeline: str, params: Any) -> Exception:
-    """The error for a run whose stack servers ``dead`` (``{service: record}``) died under it
-    (and, Prefect's among them, the exit skips Prefect's drains to it: they waited 15 s)."""
+def _servers_died(dead: dict[str, Any], spec: Any, params: Any, done: dict[str, Any], summary_json: Path | None,
+                  outcome: str) -> Exception:
+    """The error for a run whose stack servers ``dead`` (``{service: record}``) died under it,
+    ``outcome`` saying what became of it; a run whose work was done (``done["summary"]``: Prefect
+    gone as it finished) has its results printed and ``summary_json`` written first, as
+    :func:`_run_one` does for Prefect gone alone. Prefect's among them, the exit skips Prefect's
+    drains to it (they waited 15 s)."""
     from paperline.infra.watch import ServersDied
 
     if "prefect" in dead:
         _state["prefect_gone"] = True
-
+    if "summary" in done:  # the results were not printed (a trial, with Prefect alone gone)
+        _report(spec, params, done["summary"], summary_json)
+        outcome = "its work is done (the results above), but what the dead servers were to record last may be missing"
+    else:
+        outcome += " and its end may not be recorded"
     names = ", ".join(f"{name} (pid {rec.get('pid')})" for name, rec in dead.items())
     logs = ", ".join(str(rec["log_path"]) for rec in dead.values() if rec.get("log_path"))
     return ServersDied(
         f"the stack's {'server' if len(dead) == 1 else 'servers'} {names} died during the run, not stopped by "
         f"`paperline down` (killed, crashed or out of memory{f': the end of {logs} may say' if logs else ''}); "
-        f"the run was stopped and its end may not be recorded; `paperline up` starts "
-        f"{'it' if len(dead) == 1 else 'them'} again, then {_again(pipeline, params)}")
+        f"{outcome}; `paperline up` starts {'it' if len(dead) == 1 else 'them'} again, then "
+        f"{_again(spec.name, params)}")
 
 
 RETRIED_SHOWN = 5  # the most lines of retried task runs under a run's results

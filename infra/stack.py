@@ -426,19 +426,53 @@ def _live_process(rec: dict[str, Any] | None) -> Any:
         return None
 
 
-def dead_servers(settings: Settings) -> dict[str, dict[str, Any]]:
-    """The local servers ``stack.json`` records whose processes are gone (killed, crashed, the OOM
-    killer), by service name in :data:`SERVICE_NAMES` order: their records (``pid``, ``log``).
+def dead_servers(settings: Settings, services: tuple[str, ...] = SERVICE_NAMES) -> dict[str, dict[str, Any]]:
+    """The local servers among ``services`` that ``stack.json`` records and whose processes are
+    gone (killed, crashed, the OOM killer), by service name in :data:`SERVICE_NAMES` order: their
+    records (``pid``, ``url``, ``log_path``).
 
-    Servers stopped by `paperline down` are not among them (it deletes the file), nor configured
-    external endpoints (never recorded). An unreadable or damaged file gives ``{}``. Reads the
-    file without its lock (it is replaced atomically) and checks each PID with its start time.
+    Not among them: servers stopped by `paperline down` (it deletes the file; while an `up` or
+    `down` holds the state directory's lock nothing is, :func:`stack_lock_busy`), a record whose
+    URL still accepts connections (MLflow's uvicorn child serving on after its recorded parent was
+    killed), and services left out of ``services`` (pass the stack's managed ones: a configured
+    endpoint can shadow a stale local record). An unreadable or damaged file gives ``{}``. Reads
+    the file without its lock (it is replaced atomically).
     """
+    if stack_lock_busy(settings):
+        return {}
     try:
         recs = _read_state(settings).get("services", {})
     except PaperlineError:
         return {}
-    return {n: recs[n] for n in SERVICE_NAMES if recs.get(n) and _live_process(recs[n]) is None}
+    return {n: recs[n] for n in SERVICE_NAMES if n in services and recs.get(n)
+            and _live_process(recs[n]) is None and not _accepts_connections(str(recs[n].get("url", "")))}
+
+
+def stack_lock_busy(settings: Settings) -> bool:
+    """Whether another process holds the state directory's ``.stack.lock`` now (an `up` or `down`
+    starting or stopping servers: their records are about to change). Takes the lock shared for
+    an instant; False when there is no lock file."""
+    try:
+        with open(settings.state_dir / ".stack.lock", "rb") as f:
+            try:
+                fcntl.flock(f, fcntl.LOCK_SH | fcntl.LOCK_NB)
+            except BlockingIOError:
+                return True
+            fcntl.flock(f, fcntl.LOCK_UN)
+    except OSError:
+        return False
+    return False
+
+
+def _accepts_connections(url: str, timeout_s: float = 1.0) -> bool:
+    """Whether something accepts a TCP connection at ``url``'s host and port."""
+    try:
+        parts = urlsplit(url)
+        port = parts.port or (443 if parts.scheme == "https" else 80)
+        with socket.create_connection((parts.hostname or "127.0.0.1", port), timeout=timeout_s):
+            return True
+    except (OSError, ValueError):
+        return False
 
 
 def _orphans(rec: dict[str, Any] | None) -> list[Any]:

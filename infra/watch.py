@@ -47,14 +47,17 @@ class ServerWatch:
 
     A background thread reads the recorded servers every ``poll_s`` seconds
     (:func:`paperline.infra.stack.dead_servers`) and marks those gone as down for this process
-    (:func:`down_reason`; unmarked when `paperline up` has recorded a new process). When any has
-    been gone for ``grace_s`` seconds (the same PID throughout), it keeps them in :attr:`dead` and
-    calls ``on_dead(dead)`` once, from the thread; then it stops watching. Leaving the context
-    unmarks what it marked.
+    (:func:`down_reason`; unmarked when `paperline up` has recorded a new process, and nothing is
+    marked while an `up` or `down` holds the stack's lock). When any has been gone for ``grace_s``
+    seconds (the same PID throughout), it keeps them in :attr:`dead` and calls ``on_dead(dead)``
+    once, from the thread; then it stops watching. Entering the context clears marks an earlier
+    watch left; leaving it unmarks what it marked.
 
     Args:
         settings: Uses ``state_dir``.
         on_dead: Called with ``{service: record}`` (record keys ``pid``, ``log_path``, ``url``).
+        services: The services to watch: the stack's managed ones (a configured endpoint can
+            shadow a stale local record of the same service).
         grace_s: Seconds a server may be gone before ``on_dead`` is called.
         poll_s: Seconds between checks.
         active: False: a watch that watches nothing (its thread is not started).
@@ -62,29 +65,45 @@ class ServerWatch:
     """
 
     def __init__(self, settings: Settings, on_dead: Callable[[dict[str, dict[str, Any]]], None],
-                 grace_s: float = GRACE_S, poll_s: float = POLL_S, active: bool = True,
-                 on_gone: Callable[[], None] | None = None):
+                 services: tuple[str, ...] = ("s3", "prefect", "mlflow"), grace_s: float = GRACE_S,
+                 poll_s: float = POLL_S, active: bool = True, on_gone: Callable[[], None] | None = None):
         self.settings = settings
         self.on_dead = on_dead
+        self.services = tuple(services)
         self.grace_s = grace_s
         self.poll_s = poll_s
         self.active = active
         self.on_gone = on_gone
         self.dead: dict[str, dict[str, Any]] = {}
         self._stop = threading.Event()
-        self._lock = threading.Lock()
+        self._lock = threading.Lock()  # marking and on_dead, against the exit
         self._marked: set[str] = set()  # the services this watch marked down (:func:`down_reason`)
         self._thread: threading.Thread | None = None
 
     def gone_now(self) -> dict[str, dict[str, Any]]:
-        """The recorded servers gone at this moment (grace or not): what a run that failed on
-        its own before the grace ran out can name as the cause."""
+        """The watched servers gone at this moment (grace or not): what a run that failed on its
+        own before the grace ran out can name as the cause."""
         from paperline.infra.stack import dead_servers  # noqa: PLC0415
 
         try:
-            return dead_servers(self.settings)
+            return dead_servers(self.settings, self.services)
         except Exception:  # noqa: BLE001 - only a detail of an error being reported
             return {}
+
+    def _mark(self, gone: dict[str, dict[str, Any]]) -> bool:
+        """Mark ``gone`` down and unmark the rest; False once the watch has ended."""
+        with self._lock:
+            if self._stop.is_set():
+                return False
+            for name in self._marked - set(gone):
+                _DOWN.pop(name, None)
+            for name, rec in gone.items():
+                _DOWN[name] = f"its server (pid {rec['pid']}) died during the run"
+            first = bool(gone) and not self._marked
+            self._marked = set(gone)
+        if first and self.on_gone is not None:
+            self.on_gone()
+        return True
 
     def _watch(self) -> None:
         from paperline.infra.stack import dead_servers  # noqa: PLC0415
@@ -92,20 +111,14 @@ class ServerWatch:
         since: dict[tuple[str, int], float] = {}  # (service, pid) -> when first seen gone
         while not self._stop.wait(self.poll_s):
             try:
-                gone = dead_servers(self.settings)
+                gone = dead_servers(self.settings, self.services)
             except Exception:  # noqa: BLE001 - a watch that cannot read the state leaves the run alone
                 continue
             now = time.monotonic()
             since = {key: since.get(key, now) for key in ((n, int(r["pid"])) for n, r in gone.items())}
-            # clients fail at once from now on (a Ctrl-C meanwhile exited after their retries: 71 s);
-            # a server `paperline up` restarted is recorded anew and not gone
-            for name in [n for n in self._marked if n not in gone]:
-                _DOWN.pop(name, None)
-            for name, rec in gone.items():
-                _DOWN[name] = f"its server (pid {rec['pid']}) died during the run"
-            if gone and not self._marked and self.on_gone is not None:
-                self.on_gone()
-            self._marked = set(gone)
+            # clients fail at once from now on (a Ctrl-C meanwhile exited after their retries: 71 s)
+            if not self._mark(gone):
+                return
             if since and now - min(since.values()) >= self.grace_s:
                 with self._lock:  # never after the watched block ended: its interrupt would land past it
                     if self._stop.is_set():
@@ -115,6 +128,8 @@ class ServerWatch:
                 return
 
     def __enter__(self) -> ServerWatch:
+        for name in self.services:  # an earlier watch's marks (its exit interrupted): not this run's
+            _DOWN.pop(name, None)
         if not self.active:
             return self
         self._thread = threading.Thread(target=self._watch, name="paperline-server-watch", daemon=True)
@@ -122,9 +137,12 @@ class ServerWatch:
         return self
 
     def __exit__(self, *exc: object) -> None:
-        with self._lock:
+        try:
+            with self._lock:
+                self._stop.set()
+            if self._thread is not None:
+                self._thread.join(timeout=self.poll_s + 5.0)
+        finally:  # (the watch's own interrupt can land in here)
             self._stop.set()
-        if self._thread is not None:
-            self._thread.join(timeout=self.poll_s + 5.0)
-        for name in self._marked:
-            _DOWN.pop(name, None)
+            for name in self._marked:
+                _DOWN.pop(name, None)

@@ -140,8 +140,8 @@ def test_a_run_whose_server_dies_is_stopped_with_the_server_named(stack, monkeyp
     log = tmp_path / "mlflow.log"
     _write_state(watched, {"version": 1, "services": {"mlflow": _record(server, "http://127.0.0.1:1", log)}})
     real = watch.ServerWatch
-    monkeypatch.setattr(watch, "ServerWatch", lambda _settings, on_dead, active, on_gone: real(
-        watched, on_dead, grace_s=1.0, poll_s=0.2, active=active, on_gone=on_gone))
+    monkeypatch.setattr(watch, "ServerWatch", lambda _settings, on_dead, services, on_gone: real(
+        watched, on_dead, services=services, grace_s=1.0, poll_s=0.2, on_gone=on_gone))
 
     @flow(name="server-dies-probe")
     def probe(params: dict) -> dict:
@@ -164,7 +164,27 @@ def test_a_run_whose_server_dies_is_stopped_with_the_server_named(stack, monkeyp
     assert time.monotonic() - started < 30
     text = str(raised.value)
     assert f"the stack's server mlflow (pid {server.pid}) died during the run, not stopped by `paperline down` " \
-           f"(killed, crashed or out of memory: the end of {log} may say)" in text, text
+           f"(killed, crashed or out of memory: the end of {log} may say); the run was stopped and its end may " \
+           "not be recorded;" in text, text
     assert text.endswith("`paperline up` starts it again, then the same command runs the multiply again (staged "
                          "random operands are reused)"), text
     assert watch.down_reason("mlflow") is None and not cli._state["prefect_gone"]  # prefect stayed up
+
+
+def test_a_run_whose_work_was_done_as_servers_died_prints_its_results(capsys, tmp_path, monkeypatch):
+    """Prefect dying as a run finished: its results were printed (_keeping_result); the run watch's
+    error must not lose them (a review of the watch)."""
+    import types
+
+    from paperline.flows import cli
+
+    monkeypatch.setitem(cli._state, "prefect_gone", False)
+    out = tmp_path / "summary.json"
+    done = {"summary": {"table": {"columns": ["x"], "title": "probe", "rows": [[42]]}, "lines": ["probe line"],
+                        "prefect_flow_run_url": "-", "mlflow_run_url": "-"}}
+    err = cli._servers_died({"prefect": {"pid": 7}}, types.SimpleNamespace(name="nas"), {}, done, out, "the run failed")
+    printed = capsys.readouterr().out
+    assert "probe line" in printed and "42" in printed and json.loads(out.read_text())["table"]["rows"] == [[42]]
+    assert str(err).startswith("the stack's server prefect (pid 7) died during the run, not stopped by `paperline "
+                               "down` (killed, crashed or out of memory); its work is done (the results above)")
+    assert cli._state["prefect_gone"]  # the exit does not wait on Prefect's drains

@@ -95,6 +95,47 @@ def test_a_server_restarted_within_the_grace_does_not_stop_the_run(recorded):
         assert not called and watch.down_reason("prefect") is None
 
 
+def test_what_is_not_a_death(recorded, tmp_path):
+    """Not dead: a service left out of the watched ones (a configured endpoint shadowing a stale
+    local record), a record whose URL still accepts connections (MLflow's uvicorn child serving on
+    after its recorded parent was killed), and anything while an `up` or `down` holds the stack's
+    lock (`down` stops the servers, then deletes stack.json: seconds in between)."""
+    import fcntl
+    import socket
+
+    from paperline.infra.stack import _read_state, stack_lock_busy
+
+    settings, start = recorded
+    _kill(start("mlflow"))
+    _kill(start("s3"))
+    assert list(dead_servers(settings)) == ["s3", "mlflow"]
+    assert list(dead_servers(settings, ("s3", "prefect"))) == ["s3"]
+    listener = socket.create_server(("127.0.0.1", 0))
+    state = _read_state(settings)
+    state["services"]["mlflow"]["url"] = f"http://127.0.0.1:{listener.getsockname()[1]}"
+    _write_state(settings, state)
+    try:
+        assert list(dead_servers(settings)) == ["s3"]
+    finally:
+        listener.close()
+    assert list(dead_servers(settings)) == ["s3", "mlflow"]
+    with open(settings.state_dir / ".stack.lock", "a+") as held:  # (as `up` and `down` take it)
+        fcntl.flock(held, fcntl.LOCK_EX)
+        assert stack_lock_busy(settings) and dead_servers(settings) == {}
+        called: list[dict] = []
+        with watch.ServerWatch(settings, called.append, grace_s=0.3, poll_s=0.1):
+            time.sleep(1.0)
+            assert not called and watch.down_reason("s3") is None
+    assert not stack_lock_busy(settings)
+
+
+def test_marks_an_earlier_watch_left_are_cleared_by_the_next(recorded, monkeypatch):
+    settings, _ = recorded
+    monkeypatch.setitem(watch._DOWN, "mlflow", "its server (pid 7) died during the run")  # (an exit interrupted)
+    with watch.ServerWatch(settings, lambda dead: None, poll_s=0.1):
+        assert watch.down_reason("mlflow") is None
+
+
 def test_an_inactive_watch_watches_nothing(recorded):
     settings, start = recorded
     _kill(start("s3"))
