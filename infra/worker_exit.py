@@ -133,20 +133,19 @@ QUIET_REPEATS_S = 600.0  # a kind said less than this long ago is not said again
 
 def short_event_failure(record: logging.LogRecord) -> bool:
     """One short line, at most every :data:`QUIET_REPEATS_S` seconds per process, for the events
-    Prefect's events worker could not send, and for its client's "Unable to connect to
-    'ws://...'": with the server gone each failed event printed the whole event (2,000 characters;
+    Prefect's events worker could not send or its client's "Unable to connect to 'ws://...'"
+    (whichever comes first: one outage brought both): with the server gone each failed event printed the whole event (2,000 characters;
     a trial), and the pair came every few seconds from the flow's process and each worker until
     the run gave up (a minute). Installed by `paperline run` and `serve` and by each worker
     (:func:`dask_setup`)."""
     args = record.args if isinstance(record.args, tuple) else ()
+    # one kind for the pair: both came for one outage, the two lines saying the same (a trial)
     if "failed to process item" in str(record.msg) and any(type(a).__name__ == "Event" for a in args):
-        kind = "event"
         record.msg, record.args = "Prefect's events worker could not send an event to the server (the next ones " \
                                   f"for {QUIET_REPEATS_S / 60:g} minutes are not shown)", ()
-    elif record.name == "prefect.events.clients" and str(record.msg).startswith("Unable to connect to"):
-        kind = "connect"
-    else:
+    elif not (record.name == "prefect.events.clients" and str(record.msg).startswith("Unable to connect to")):
         return True
+    kind = "events"
     import time  # noqa: PLC0415
 
     now = time.monotonic()
