@@ -130,7 +130,7 @@ class ServerWatch:
     def __enter__(self) -> ServerWatch:
         for name in self.services:  # an earlier watch's marks (its exit interrupted): not this run's
             _DOWN.pop(name, None)
-        if not self.active:
+        if not self.active or not self.services:  # (every endpoint configured: nothing of ours to watch)
             return self
         self._thread = threading.Thread(target=self._watch, name="paperline-server-watch", daemon=True)
         self._thread.start()
