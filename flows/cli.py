@@ -217,8 +217,9 @@ def down() -> None:
     workers = local_worker_pids(info.prefect_api_url, info.prefect_login) if info is not None else []
     if running:  # stopped under a run, the run failed minutes later with a bare ConnectError (a trial)
         console.print(f"[yellow]stopping the stack under {len(running)} Running flow run(s): {', '.join(running)}; "
-                      "each fails when it next reports to Prefect unless the stack is back by then (`paperline "
-                      "up`: a run that reconnects goes on), and one that failed is marked Crashed by the next `up`[/]",
+                      "a `paperline run` among them stops about 10 s after its servers are down unless `paperline "
+                      "up` brings them back by then; another (a deployment's, a script's) fails when it next reports "
+                      "to Prefect; one that failed is marked Crashed by the next `up`[/]",
                       soft_wrap=True)
     dead: list[str] = []
     stopped = stop_stack(settings, dead)
@@ -703,11 +704,24 @@ def _quiet_logs() -> None:
         handler.addFilter(_no_unfinished_finish)
         handler.addFilter(_queued_not_aborted)
         handler.addFilter(_no_gather_exit)
+        handler.addFilter(_no_crash_line_for_the_watch)
         if not _state["debug"]:
             handler.addFilter(_strip_traceback)
     for handler in logging.getLogger("prefect._internal").handlers:  # its own (the events worker's records)
         handler.addFilter(_short_event_failures)
     logging.getLogger("distributed.nanny").addFilter(_no_kill_notice)
+
+
+def _no_crash_line_for_the_watch(record: Any) -> bool:
+    """Drop Prefect's ``Crash detected! Execution was aborted by an interrupt signal.`` and its
+    ``Finished in state Crashed('Execution was aborted by an interrupt signal.')`` once the run
+    watch has stopped the run (its interrupt): nobody pressed Ctrl-C, and the run's own error says
+    which servers went (a trial read the line as a wrong claim)."""
+    if not (_state.get("watch_stopped") and record.name.startswith("prefect")):
+        return True
+    text = record.getMessage()
+    return not (text.startswith("Crash detected! Execution was aborted by an interrupt signal")
+                or text.startswith("Finished in state Crashed('Execution was aborted by an interrupt signal"))
 
 
 def _no_unfinished_finish(record: Any) -> bool:
@@ -813,6 +827,7 @@ def _run_one(spec, params, summary_json: Path | None, early=None) -> dict[str, A
         heap.freeze_startup()  # what start-up loaded stays: later collections need not walk it
     interrupts.raise_if_interrupted()  # a Ctrl-C that a library swallowed while this started (a CI run)
     watch = _server_watch(settings, info)
+    _state["watch_stopped"] = False  # (in-process tests run several)
     try:
         try:
             with watch, console.status(f"running {spec.name} (progress in the Prefect UI)..."):
@@ -831,8 +846,9 @@ def _run_one(spec, params, summary_json: Path | None, early=None) -> dict[str, A
     except Exception as exc:
         if dead := watch.gone_now():  # it failed on its own before the watch's grace ran out
             first = (str(exc).splitlines() or [""])[0]
-            raise _servers_died(dead, spec, params, done, summary_json,
-                                f"the run failed ({type(exc).__name__}: {first[:200]})") from exc
+            said = "died during the run" in first or "was stopped during the run" in first  # (the watch's own words)
+            raise _servers_died(dead, spec, params, done, summary_json, "the run failed" + (
+                "" if said else f" ({type(exc).__name__}: {first[:200]})")) from exc
         gone = _prefect_gone(exc, info, finished="summary" in done)
         if gone is None:
             raise
@@ -868,6 +884,7 @@ def _server_watch(settings: Any, info: Any) -> Any:
 
     def stop_run(dead: dict[str, Any]) -> None:
         if interrupts_run:
+            _state["watch_stopped"] = True
             signal.pthread_kill(main.ident, signal.SIGINT)
 
     main = threading.main_thread()
@@ -893,13 +910,20 @@ def _servers_died(dead: dict[str, Any], spec: Any, params: Any, done: dict[str, 
         outcome = "its work is done (the results above), but what the dead servers were to record last may be missing"
     else:
         outcome += " and its end may not be recorded"
-    names = ", ".join(f"{name} (pid {rec.get('pid')})" for name, rec in dead.items())
-    logs = ", ".join(str(rec["log_path"]) for rec in dead.values() if rec.get("log_path"))
-    return ServersDied(
-        f"the stack's {'server' if len(dead) == 1 else 'servers'} {names} died during the run, not stopped by "
-        f"`paperline down` (killed, crashed or out of memory{f': the end of {logs} may say' if logs else ''}); "
-        f"{outcome}; `paperline up` starts {'it' if len(dead) == 1 else 'them'} again, then "
-        f"{_again(spec.name, params)}")
+    said = []
+    died = {n: r for n, r in dead.items() if not r.get("stopped")}
+    stopped = [n for n in dead if n not in died]
+    if died:
+        names = ", ".join(f"{name} (pid {rec.get('pid')})" for name, rec in died.items())
+        logs = ", ".join(str(rec["log_path"]) for rec in died.values() if rec.get("log_path"))
+        said.append(f"the stack's {'server' if len(died) == 1 else 'servers'} {names} died during the run, not "
+                    f"stopped by `paperline down` (killed, crashed or out of memory"
+                    f"{f': the end of {logs} may say' if logs else ''})")
+    if stopped:  # `down` under a run: it ended 84 s later on retries (a trial)
+        said.append(f"{'and ' if died else 'the stack '}({', '.join(stopped)}) was stopped by `paperline down` "
+                    "during the run")
+    return ServersDied(f"{' '.join(said)}; {outcome}; `paperline up` starts {'it' if len(dead) == 1 else 'them'} "
+                       f"again, then {_again(spec.name, params)}")
 
 
 RETRIED_SHOWN = 5  # the most lines of retried task runs under a run's results

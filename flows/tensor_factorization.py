@@ -160,7 +160,11 @@ class TensorFactorizationParameters(BaseModel):
             except KernelInputError as exc:
                 # a way on, besides the split's internal value (horizon=1): a trial
                 hint = layout or ("; --set splits=random fits it without the temporal split" if kind == "temporal" else "")
-                raise InputError("data", self.data, f"cannot make the {kind} split: {exc}{hint}") from None
+                detail = str(exc)
+                if getattr(exc, "argument", None) == "horizon":  # not a parameter one can set (a trial)
+                    detail = (f"{exc.problem} (its held-out sets are the last {exc.value} time steps each, a tenth "
+                              f"of the {tensor.shape[-1]} of 't')")
+                raise InputError("data", self.data, f"cannot make the {kind} split: {detail}{hint}") from None
         try:
             self.check_shape("data", tensor.shape)
         except InputError as exc:

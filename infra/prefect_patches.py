@@ -34,7 +34,9 @@ the dead servers as the run ended: the final flow-run state ~20 s (``_send_with_
 backoff), the result write to S3 ~7 s (a trial). :func:`install` also makes them try once while
 :func:`paperline.infra.watch.down_reason` says the server is gone: the sync and async HTTP
 clients' ``_send_with_retry`` send the request once, and (:func:`install_result_write_check`)
-the ``S3Bucket`` block's write fails at once.
+the ``S3Bucket`` block's write fails at once. A log batch the server did not take is said in one
+line of its own (:func:`one_line_log_batch_failure`; Prefect's ``--- Error logging to API ---``
+had no line end and glued the next line onto it).
 """
 
 from __future__ import annotations
@@ -200,12 +202,51 @@ def failing_when_down(original: Any) -> Any:
     return write
 
 
+LOG_BATCH_QUIET_S = 600.0  # a failed log batch is said at most this often per process
+_LOG_BATCH_SAID = {"at": -float("inf")}
+
+
+def one_line_log_batch_failure(original: Any) -> Any:
+    """``APILogWorker._handle_batch`` saying a batch its server did not take in one line of its own,
+    at most every :data:`LOG_BATCH_QUIET_S` seconds per process, and nothing while the run's watch
+    knows the server is gone (the run's error says so). Prefect wrote ``--- Error logging to API
+    ---`` and the error without a line end, so the next line (a results table's title) was glued
+    onto it, from the flow's process and every worker (trials)."""
+
+    @functools.wraps(original)
+    async def handle_batch(self: Any, items: list[bytes]) -> None:
+        import logging  # noqa: PLC0415
+        import sys  # noqa: PLC0415
+        import time  # noqa: PLC0415
+
+        from paperline.infra.watch import down_reason  # noqa: PLC0415
+
+        real_raise = logging.raiseExceptions
+        failed: list[BaseException] = []
+        try:
+            await self._client.request("POST", "/logs/", content=b"[" + b",".join(items) + b"]",
+                                       headers={"Content-Type": "application/json"})
+        except Exception as exc:  # noqa: BLE001 - as Prefect's own: a log batch lost is not the run's failure
+            failed.append(exc)
+        if not failed or not real_raise or down_reason("prefect") is not None:
+            return
+        now = time.monotonic()
+        if now - _LOG_BATCH_SAID["at"] >= LOG_BATCH_QUIET_S and sys.stderr:
+            _LOG_BATCH_SAID["at"] = now
+            sys.stderr.write(f"paperline: the Prefect server did not take a batch of {len(items)} log line(s) "
+                             f"({type(failed[0]).__name__}: {failed[0]}); they are missing from its UI (the next "
+                             f"failures for {LOG_BATCH_QUIET_S / 60:g} minutes are not shown)\n")
+
+    return handle_batch
+
+
 def install() -> None:
     """Route ``prefect.blocks.core.Block._field_has_secrets`` through :func:`field_has_secrets`,
     ``prefect.context.SettingsContext.serialize`` through :func:`cached_settings_serialize` and its
-    ``__init__`` through :func:`cached_settings_context_init`, and Prefect's HTTP clients' retries
-    through :func:`once_when_down` and :func:`once_when_down_async` (idempotent; a Prefect without
-    the first two methods keeps its own)."""
+    ``__init__`` through :func:`cached_settings_context_init`, Prefect's HTTP clients' retries
+    through :func:`once_when_down` and :func:`once_when_down_async`, and its log worker's batches
+    through :func:`one_line_log_batch_failure` (idempotent; a Prefect without the first two methods
+    keeps its own)."""
     if _INSTALLED["done"]:
         return
     from prefect.blocks.core import Block  # noqa: PLC0415 - kernels and light imports never load Prefect
@@ -226,6 +267,9 @@ def install() -> None:
     PrefectHttpxSyncClient._send_with_retry = once_when_down(PrefectHttpxSyncClient._send_with_retry)  # type: ignore[method-assign]
     PrefectHttpxAsyncClient._send_with_retry = once_when_down_async(  # type: ignore[method-assign]
         PrefectHttpxAsyncClient._send_with_retry)
+    from prefect.logging.handlers import APILogWorker  # noqa: PLC0415
+
+    APILogWorker._handle_batch = one_line_log_batch_failure(APILogWorker._handle_batch)  # type: ignore[method-assign]
     _INSTALLED["done"] = True
 
 

@@ -426,17 +426,22 @@ def _live_process(rec: dict[str, Any] | None) -> Any:
         return None
 
 
-def dead_servers(settings: Settings, services: tuple[str, ...] = SERVICE_NAMES) -> dict[str, dict[str, Any]]:
+def dead_servers(settings: Settings, services: tuple[str, ...] = SERVICE_NAMES,
+                 earlier: dict[str, dict[str, Any]] | None = None) -> dict[str, dict[str, Any]]:
     """The local servers among ``services`` that ``stack.json`` records and whose processes are
     gone (killed, crashed, the OOM killer), by service name in :data:`SERVICE_NAMES` order: their
     records (``pid``, ``url``, ``log_path``).
 
-    Not among them: servers stopped by `paperline down` (it deletes the file; while an `up` or
-    `down` holds the state directory's lock nothing is, :func:`stack_lock_busy`), a record whose
-    URL still accepts connections (MLflow's uvicorn child serving on after its recorded parent was
-    killed), and services left out of ``services`` (pass the stack's managed ones: a configured
-    endpoint can shadow a stale local record). An unreadable or damaged file gives ``{}``. Reads
-    the file without its lock (it is replaced atomically).
+    With ``earlier`` (the records read when a run started), a server that ``stack.json`` no longer
+    records (`paperline down` stopped it and deleted the file) and whose earlier process is gone
+    is among them too, its record (the earlier one) marked ``"stopped": True``.
+
+    Not among them: anything while an `up` or `down` holds the state directory's lock
+    (:func:`stack_lock_busy`: records are about to change), a record whose URL still accepts
+    connections (MLflow's uvicorn child serving on after its recorded parent was killed), and
+    services left out of ``services`` (pass the stack's managed ones: a configured endpoint can
+    shadow a stale local record). An unreadable or damaged file gives ``{}``. Reads the file
+    without its lock (it is replaced atomically).
     """
     if stack_lock_busy(settings):
         return {}
@@ -444,8 +449,20 @@ def dead_servers(settings: Settings, services: tuple[str, ...] = SERVICE_NAMES) 
         recs = _read_state(settings).get("services", {})
     except PaperlineError:
         return {}
-    return {n: recs[n] for n in SERVICE_NAMES if n in services and recs.get(n)
-            and _live_process(recs[n]) is None and not _accepts_connections(str(recs[n].get("url", "")))}
+    gone: dict[str, dict[str, Any]] = {}
+    for name in SERVICE_NAMES:
+        rec = recs.get(name) or ((earlier or {}).get(name) and {**earlier[name], "stopped": True})  # type: ignore[index]
+        if name in services and rec and _live_process(rec) is None and not _accepts_connections(str(rec.get("url", ""))):
+            gone[name] = rec
+    return gone
+
+
+def recorded_servers(settings: Settings) -> dict[str, dict[str, Any]]:
+    """The server records ``stack.json`` holds now (``{}`` when it is missing or damaged)."""
+    try:
+        return {n: r for n, r in _read_state(settings).get("services", {}).items() if r}
+    except PaperlineError:
+        return {}
 
 
 def stack_lock_busy(settings: Settings) -> bool:

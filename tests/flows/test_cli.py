@@ -167,7 +167,9 @@ def test_bad_user_data(parquet):
         # years as 't', ids as indices: the errors say what to renumber (a trial)
         (parquet("years.parquet", pa.table({"i": [k % 5 for k in range(600)], "j": [k // 5 % 4 for k in range(600)],
                                             "t": [1995 + k // 20 for k in range(600)], "value": [1.0] * 600})),
-         ["cannot make the temporal split", "'t' starts at 1995, so 1995 empty time steps come first", "subtract 1995"]),
+         ["cannot make the temporal split: the train slices hold no observed entries (its held-out sets are the "
+          "last 202 time steps each, a tenth of the 2025 of 't')", "'t' starts at 1995, so 1995 empty time steps come "
+          "first", "subtract 1995"]),
         (parquet("ids.parquet", pa.table({"i": [k % 10 * 10**12 for k in range(300)], "j": [k // 10 % 5 for k in range(300)],
                                           "t": [k // 50 for k in range(300)], "value": [1.0] * 300})),
          ["even at rank 1", "'i' has 10 distinct values up to 9000000000000", "renumber them 0..9"]),

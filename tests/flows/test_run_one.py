@@ -188,3 +188,39 @@ def test_a_run_whose_work_was_done_as_servers_died_prints_its_results(capsys, tm
     assert str(err).startswith("the stack's server prefect (pid 7) died during the run, not stopped by `paperline "
                                "down` (killed, crashed or out of memory); its work is done (the results above)")
     assert cli._state["prefect_gone"]  # the exit does not wait on Prefect's drains
+
+
+def test_servers_stopped_by_down_and_died_are_said_apart(monkeypatch):
+    import types
+
+    from paperline.flows import cli
+
+    monkeypatch.setitem(cli._state, "prefect_gone", False)
+    spec = types.SimpleNamespace(name="gemm")
+    err = cli._servers_died({"s3": {"pid": 5, "stopped": True}, "prefect": {"pid": 6, "stopped": True}}, spec, {}, {},
+                            None, "the run was stopped")
+    assert str(err).startswith("the stack (s3, prefect) was stopped by `paperline down` during the run; the run was "
+                               "stopped and its end may not be recorded; `paperline up` starts them again, then the "
+                               "same command runs the multiply again"), str(err)
+    err = cli._servers_died({"s3": {"pid": 5, "log_path": "/l/s3.log"}, "mlflow": {"pid": 7, "stopped": True}}, spec,
+                            {}, {}, None, "the run failed (X: y)")
+    assert str(err).startswith("the stack's server s3 (pid 5) died during the run, not stopped by `paperline down` "
+                               "(killed, crashed or out of memory: the end of /l/s3.log may say) and (mlflow) was "
+                               "stopped by `paperline down` during the run; the run failed (X: y)"), str(err)
+
+
+def test_prefects_interrupt_lines_are_dropped_only_when_the_watch_stopped_the_run(monkeypatch):
+    import logging
+
+    from paperline.flows import cli
+
+    def record(msg: str) -> logging.LogRecord:
+        return logging.LogRecord("prefect.flow_runs", logging.ERROR, __file__, 1, msg, (), None)
+
+    crash = "Crash detected! Execution was aborted by an interrupt signal."
+    finished = "Finished in state Crashed('Execution was aborted by an interrupt signal.')"
+    monkeypatch.setitem(cli._state, "watch_stopped", False)  # a user's Ctrl-C: Prefect's lines stay
+    assert cli._no_crash_line_for_the_watch(record(crash)) and cli._no_crash_line_for_the_watch(record(finished))
+    monkeypatch.setitem(cli._state, "watch_stopped", True)
+    assert not cli._no_crash_line_for_the_watch(record(crash)) and not cli._no_crash_line_for_the_watch(record(finished))
+    assert cli._no_crash_line_for_the_watch(record("Finished in state Failed('x')"))

@@ -129,6 +129,26 @@ def test_what_is_not_a_death(recorded, tmp_path):
     assert not stack_lock_busy(settings)
 
 
+def test_servers_paperline_down_stopped_under_a_run_are_gone_too(recorded):
+    """`down` under a run deletes stack.json: the run went on failing on retries for 84 s (a
+    trial). The servers recorded when the watch began, gone and no longer recorded, count as
+    gone, said as stopped; an `up` recording new ones ends that."""
+    settings, start = recorded
+    prefect = start("prefect")
+    called: list[dict] = []
+    with watch.ServerWatch(settings, called.append, grace_s=1.0, poll_s=0.1):
+        _kill(prefect)
+        (settings.state_dir / "stack.json").unlink()  # (as `down` does after stopping them)
+        deadline = time.monotonic() + 10
+        while not called and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert called and called[0]["prefect"]["stopped"] and called[0]["prefect"]["pid"] == prefect.pid
+        assert watch.down_reason("prefect") == f"its server (pid {prefect.pid}) was stopped during the run " \
+                                               "(`paperline down`)"
+    start("prefect")  # `up`: recorded anew, not gone
+    assert dead_servers(settings, earlier={"prefect": {"pid": prefect.pid, "url": "http://127.0.0.1:1"}}) == {}
+
+
 def test_marks_an_earlier_watch_left_are_cleared_by_the_next(recorded, monkeypatch):
     settings, _ = recorded
     monkeypatch.setitem(watch._DOWN, "mlflow", "its server (pid 7) died during the run")  # (an exit interrupted)
@@ -205,3 +225,35 @@ def test_prefects_client_sends_once_to_a_server_found_gone(monkeypatch):
                 assert len(seen) == 1
     finally:
         server.shutdown()
+
+
+def test_a_log_batch_prefect_did_not_take_is_one_line_of_its_own(monkeypatch, capsys, free_port):
+    """Prefect wrote "--- Error logging to API ---" and the error without a line end (the next
+    line, a results table's title, was glued onto it) from every process, for every batch."""
+    import asyncio
+    import types
+
+    from prefect.client.orchestration import get_client
+    from prefect.logging.handlers import APILogWorker
+    from prefect.settings import PREFECT_API_URL, PREFECT_CLIENT_MAX_RETRIES, temporary_settings
+
+    from paperline.infra import prefect_patches
+
+    prefect_patches.install()
+    monkeypatch.setitem(prefect_patches._LOG_BATCH_SAID, "at", -float("inf"))
+
+    async def send_batches(n: int) -> None:
+        async with get_client() as client:
+            for _ in range(n):
+                await APILogWorker._handle_batch(types.SimpleNamespace(_client=client), [b'{"message": "x"}'])
+
+    with temporary_settings({PREFECT_API_URL: f"http://127.0.0.1:{free_port()}/api", PREFECT_CLIENT_MAX_RETRIES: 0}):
+        asyncio.run(send_batches(3))
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1 and err.startswith("paperline: the Prefect server did not take a batch of 1 log "
+                                                        "line(s) (ConnectError: "), err
+        assert "Error logging to API" not in err and err.endswith("(the next failures for 10 minutes are not shown)\n")
+        monkeypatch.setitem(prefect_patches._LOG_BATCH_SAID, "at", -float("inf"))
+        monkeypatch.setitem(watch._DOWN, "prefect", "its server (pid 7) died during the run")
+        asyncio.run(send_batches(1))
+        assert capsys.readouterr().err == ""  # the run's own error says it
