@@ -6,8 +6,8 @@ boto3 and Prefect seconds each), and the command ended 76 s later with ~20 lines
 warnings; a Ctrl-C meanwhile took 71 s to exit (trials). A process that is gone is a fact, not a
 network hiccup: :class:`ServerWatch` checks the recorded servers' processes (PID and start time)
 once a second and, when one has been gone for :data:`GRACE_S` without being restarted (`paperline
-up` records the new process), stops the run. Clients of this process then fail at once on that
-service (:func:`down_reason`), instead of retrying it.
+up` records the new process), stops the run. From the first check that finds it gone, clients
+of this process fail at once on that service (:func:`down_reason`) instead of retrying it.
 
 Servers stopped by `paperline down` under a run (it deletes ``stack.json``) count as gone the same
 way, said as stopped: such a run took 84 s to end, on retries (a trial). An `up` within the grace
