@@ -1767,6 +1767,32 @@ def _running_flow_runs(client: Any) -> list[Any]:
     return client.read_flow_runs(flow_run_filter=running, limit=200)
 
 
+def _last_heartbeat(client: Any, run: Any, now: Any) -> tuple[Any, bool]:
+    """``(when, sent)``: the newest heartbeat event of flow run ``run`` (``sent`` True), or, none
+    sent, when its first was due (:data:`FLOW_HEARTBEAT_S` after its start, for a run of
+    `paperline run` or a connect()ed script, which heartbeat; ``sent`` False), or ``(None,
+    False)`` for a deployment's run without one (a worker of the user's may send none)."""
+    import datetime  # noqa: PLC0415
+
+    from prefect.events.filters import (  # noqa: PLC0415
+        EventFilter,
+        EventNameFilter,
+        EventOccurredFilter,
+        EventResourceFilter,
+    )
+
+    since = run.start_time or run.created or now - datetime.timedelta(days=7)
+    page = client.read_events(filter=EventFilter(
+        event=EventNameFilter(name=["prefect.flow-run.heartbeat"]),
+        resource=EventResourceFilter(id=[f"prefect.flow-run.{run.id}"]),
+        occurred=EventOccurredFilter(since=since, until=now)), limit=1)  # newest first
+    if page.events:
+        return page.events[0].occurred, True
+    if run.start_time is not None and run.deployment_id is None:
+        return run.start_time + datetime.timedelta(seconds=FLOW_HEARTBEAT_S), False
+    return None, False
+
+
 def crash_silent_runs(api_url: str, within_s: float) -> list[str]:
     """Mark Crashed each Running flow run whose last heartbeat is more than ``within_s`` seconds old.
 
@@ -1786,12 +1812,6 @@ def crash_silent_runs(api_url: str, within_s: float) -> list[str]:
 
     from prefect.client.orchestration import get_client  # noqa: PLC0415
     from prefect.client.schemas.responses import SetStateStatus  # noqa: PLC0415
-    from prefect.events.filters import (  # noqa: PLC0415
-        EventFilter,
-        EventNameFilter,
-        EventOccurredFilter,
-        EventResourceFilter,
-    )
     from prefect.settings import PREFECT_API_URL, temporary_settings  # noqa: PLC0415
     from prefect.states import Crashed  # noqa: PLC0415
 
@@ -1800,22 +1820,10 @@ def crash_silent_runs(api_url: str, within_s: float) -> list[str]:
     with contextlib.suppress(Exception), temporary_settings({PREFECT_API_URL: api_url}), \
             get_client(sync_client=True) as client:
         for run in _running_flow_runs(client):
-            since = run.start_time or run.created or now - datetime.timedelta(days=7)
-            page = client.read_events(filter=EventFilter(
-                event=EventNameFilter(name=["prefect.flow-run.heartbeat"]),
-                resource=EventResourceFilter(id=[f"prefect.flow-run.{run.id}"]),
-                occurred=EventOccurredFilter(since=since, until=now)), limit=1)  # newest first
-            if page.events:
-                last = page.events[0].occurred
-            elif run.start_time is not None and run.deployment_id is None:
-                # none sent: the first was due FLOW_HEARTBEAT_S after the start (a run of `paperline run` or
-                # a connect()ed script, which heartbeat; a deployment's worker may be one that does not)
-                last = run.start_time + datetime.timedelta(seconds=FLOW_HEARTBEAT_S)
-            else:
+            last, sent = _last_heartbeat(client, run, now)
+            if last is None or (now - last).total_seconds() <= within_s:
                 continue
-            if (now - last).total_seconds() <= within_s:
-                continue
-            seen = (f"No heartbeat since {last:%Y-%m-%d %H:%M:%S UTC}" if page.events else
+            seen = (f"No heartbeat since {last:%Y-%m-%d %H:%M:%S UTC}" if sent else
                     f"No heartbeat since it started at {run.start_time:%Y-%m-%d %H:%M:%S UTC}")
             state = Crashed(message=f"{seen}: the process running this flow run died, or lost its Prefect server "
                                     "(found when `paperline up` restarted it).")
@@ -1824,16 +1832,27 @@ def crash_silent_runs(api_url: str, within_s: float) -> list[str]:
     return marked
 
 
-def running_flow_runs(info: StackInfo) -> list[str]:
+def running_flow_runs(info: StackInfo, silent_after_s: float = 3 * FLOW_HEARTBEAT_S) -> list[str]:
     """``"name (id)"`` of the flow runs the stack's Prefect server has Running, for ``paperline
-    down`` to name what stopping the stack interrupts; empty when the server does not answer."""
+    down`` to name what stopping the stack interrupts; empty when the server does not answer. A
+    run with no heartbeat for more than ``silent_after_s`` seconds is said so (``"name (id; no
+    heartbeat for 95 s: its process is likely gone)"``): runs interrupted while the server was
+    down stay Running there, and `down` listed them among what it interrupts (a trial)."""
+    import datetime  # noqa: PLC0415
+
     from prefect.client.orchestration import get_client  # noqa: PLC0415
     from prefect.settings import PREFECT_API_URL, temporary_settings  # noqa: PLC0415
 
+    said: list[str] = []
     with contextlib.suppress(Exception), temporary_settings({PREFECT_API_URL: info.prefect_api_url}), \
             _prefect_login(info.prefect_login), get_client(sync_client=True) as client:
-        return [f"{run.name} ({run.id})" for run in _running_flow_runs(client)]
-    return []
+        now = datetime.datetime.now(datetime.timezone.utc)
+        for run in _running_flow_runs(client):
+            last, _ = _last_heartbeat(client, run, now)
+            silent = (now - last).total_seconds() if last is not None else 0.0
+            said.append(f"{run.name} ({run.id}; no heartbeat for {silent:.0f} s: its process is likely gone)"
+                        if silent > silent_after_s else f"{run.name} ({run.id})")
+    return said
 
 
 # --------------------------------------------------------------------------------------------------

@@ -178,6 +178,10 @@ def test_a_run_whose_heartbeats_stopped_while_the_server_was_down_is_crashed_at_
             assert f"{silent.name} ({silent.id})" in running_flow_runs(info)
             assert f"{silent.name} ({silent.id})" not in crash_silent_runs(info.prefect_api_url, within_s=600)  # recent
             time.sleep(1.5)
+            # `down` says a run whose heartbeats stopped is likely gone (runs Ctrl-C'ed while the server was
+            # down were listed among what it interrupts: a trial)
+            assert any(x.startswith(f"{silent.name} ({silent.id}; no heartbeat for ") and
+                       x.endswith(" s: its process is likely gone)") for x in running_flow_runs(info, silent_after_s=1))
             crashed = crash_silent_runs(info.prefect_api_url, within_s=1)  # (and any run of this worker's left dead)
             assert f"{silent.name} ({silent.id})" in crashed and str(quiet.id) not in " ".join(crashed)
             state = client.read_flow_run(silent.id).state
