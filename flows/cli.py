@@ -846,7 +846,7 @@ def _run_one(spec, params, summary_json: Path | None, early=None) -> dict[str, A
     except Exception as exc:
         if dead := watch.gone_now():  # it failed on its own before the watch's grace ran out
             first = (str(exc).splitlines() or [""])[0]
-            said = "died during the run" in first or "was stopped during the run" in first  # (the watch's own words)
+            said = getattr(exc, "service", None) in dead  # a dead server's own error: the line names it already
             raise _servers_died(dead, spec, params, done, summary_json, "the run failed" + (
                 "" if said else f" ({type(exc).__name__}: {first[:200]})")) from exc
         gone = _prefect_gone(exc, info, finished="summary" in done)

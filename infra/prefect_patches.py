@@ -221,21 +221,17 @@ def one_line_log_batch_failure(original: Any) -> Any:
 
         from paperline.infra.watch import down_reason  # noqa: PLC0415
 
-        real_raise = logging.raiseExceptions
-        failed: list[BaseException] = []
         try:
             await self._client.request("POST", "/logs/", content=b"[" + b",".join(items) + b"]",
                                        headers={"Content-Type": "application/json"})
         except Exception as exc:  # noqa: BLE001 - as Prefect's own: a log batch lost is not the run's failure
-            failed.append(exc)
-        if not failed or not real_raise or down_reason("prefect") is not None:
-            return
-        now = time.monotonic()
-        if now - _LOG_BATCH_SAID["at"] >= LOG_BATCH_QUIET_S and sys.stderr:
-            _LOG_BATCH_SAID["at"] = now
-            sys.stderr.write(f"paperline: the Prefect server did not take a batch of {len(items)} log line(s) "
-                             f"({type(failed[0]).__name__}: {failed[0]}); they are missing from its UI (the next "
-                             f"failures for {LOG_BATCH_QUIET_S / 60:g} minutes are not shown)\n")
+            now = time.monotonic()
+            if logging.raiseExceptions and sys.stderr and down_reason("prefect") is None \
+                    and now - _LOG_BATCH_SAID["at"] >= LOG_BATCH_QUIET_S:
+                _LOG_BATCH_SAID["at"] = now
+                sys.stderr.write(f"paperline: the Prefect server did not take a batch of {len(items)} log line(s) "
+                                 f"({type(exc).__name__}: {exc}); they are missing from its UI (the next failures "
+                                 f"for {LOG_BATCH_QUIET_S / 60:g} minutes are not shown)\n")
 
     return handle_batch
 

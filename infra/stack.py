@@ -437,8 +437,8 @@ def dead_servers(settings: Settings, services: tuple[str, ...] = SERVICE_NAMES,
     is among them too, its record (the earlier one) marked ``"stopped": True``.
 
     Not among them: anything while an `up` or `down` holds the state directory's lock
-    (:func:`stack_lock_busy`: records are about to change), a record whose URL still accepts
-    connections (MLflow's uvicorn child serving on after its recorded parent was killed), and
+    (:func:`stack_lock_busy`: records are about to change), a record whose URL's port something
+    still listens on (MLflow's uvicorn child serving on after its recorded parent was killed), and
     services left out of ``services`` (pass the stack's managed ones: a configured endpoint can
     shadow a stale local record). An unreadable or damaged file gives ``{}``. Reads the file
     without its lock (it is replaced atomically).
@@ -452,7 +452,7 @@ def dead_servers(settings: Settings, services: tuple[str, ...] = SERVICE_NAMES,
     gone: dict[str, dict[str, Any]] = {}
     for name in SERVICE_NAMES:
         rec = recs.get(name) or ((earlier or {}).get(name) and {**earlier[name], "stopped": True})  # type: ignore[index]
-        if name in services and rec and _live_process(rec) is None and not _accepts_connections(str(rec.get("url", ""))):
+        if name in services and rec and _live_process(rec) is None and not _port_taken(str(rec.get("url", ""))):
             gone[name] = rec
     return gone
 
@@ -481,14 +481,12 @@ def stack_lock_busy(settings: Settings) -> bool:
     return False
 
 
-def _accepts_connections(url: str, timeout_s: float = 1.0) -> bool:
-    """Whether something accepts a TCP connection at ``url``'s host and port."""
+def _port_taken(url: str) -> bool:
+    """Whether something listens on ``url``'s port (:func:`_port_free` on its host)."""
+    parts = urlsplit(url)
     try:
-        parts = urlsplit(url)
-        port = parts.port or (443 if parts.scheme == "https" else 80)
-        with socket.create_connection((parts.hostname or "127.0.0.1", port), timeout=timeout_s):
-            return True
-    except (OSError, ValueError):
+        return not _port_free(parts.hostname or "127.0.0.1", parts.port or (443 if parts.scheme == "https" else 80))
+    except ValueError:  # a port that is not a number
         return False
 
 

@@ -43,14 +43,14 @@ def _kill(proc: subprocess.Popen) -> None:
 
 def test_dead_servers_are_the_recorded_processes_that_are_gone(recorded):
     settings, start = recorded
-    s3, mlflow = start("s3"), start("mlflow")
+    start("s3")
+    mlflow = start("mlflow")
     assert dead_servers(settings) == {}
     _kill(mlflow)
     dead = dead_servers(settings)
     assert list(dead) == ["mlflow"] and dead["mlflow"]["pid"] == mlflow.pid
     (settings.state_dir / "stack.json").unlink()  # `paperline down` deletes it: nothing is "dead"
     assert dead_servers(settings) == {}
-    del s3
 
 
 def test_a_server_gone_for_the_grace_stops_the_run_once_and_clients_fail_at_once(recorded):
