@@ -704,6 +704,7 @@ def _quiet_logs() -> None:
         handler.addFilter(_no_unfinished_finish)
         handler.addFilter(_queued_not_aborted)
         handler.addFilter(_no_gather_exit)
+        handler.addFilter(_no_shutdown_connect_error)
         handler.addFilter(_no_crash_line_for_the_watch)
         if not _state["debug"]:
             handler.addFilter(_strip_traceback)
@@ -751,6 +752,18 @@ def _no_gather_exit(record: Any) -> bool:
         return True
     text = record.getMessage()
     return not ("Task exception was never retrieved" in text and "exception=AllExit()" in text)
+
+
+def _no_shutdown_connect_error(record: Any) -> bool:
+    """Drop asyncio's ``unhandled exception during asyncio.run() shutdown`` for Prefect's runner
+    ending on a connection error: `paperline serve` stopped while its Prefect server is away (the
+    runner's last call, pausing its deployments, fails), and the lines after it say what could not
+    be done (a trial: an ERROR and a traceback before them)."""
+    if record.name != "asyncio" or not record.getMessage().startswith("unhandled exception during asyncio.run"):
+        return True
+    import httpx  # noqa: PLC0415
+
+    return not (record.exc_info and isinstance(record.exc_info[1], httpx.TransportError))
 
 
 def _no_kill_notice(record: Any) -> bool:
@@ -874,13 +887,7 @@ def _server_watch(settings: Any, info: Any) -> Any:
     import signal
     import threading
 
-    from paperline.infra.watch import ServerWatch
-
-    def result_writes_checked() -> None:
-        from paperline.infra import prefect_patches
-
-        with contextlib.suppress(Exception):  # (only how fast the run's end fails)
-            prefect_patches.install_result_write_check()  # Prefect's result write to a dead S3: ~7 s
+    from paperline.infra.watch import ServerWatch, check_result_writes
 
     def stop_run(dead: dict[str, Any]) -> None:
         if interrupts_run:
@@ -891,7 +898,7 @@ def _server_watch(settings: Any, info: Any) -> Any:
     raises = signal.getsignal(signal.SIGINT) not in (signal.SIG_IGN, signal.SIG_DFL, None)
     interrupts_run = threading.current_thread() is main and raises
     return ServerWatch(settings, stop_run, services=tuple(s.name for s in info.services if s.managed),
-                       on_gone=result_writes_checked)
+                       on_gone=check_result_writes)
 
 
 def _servers_died(dead: dict[str, Any], spec: Any, params: Any, done: dict[str, Any], summary_json: Path | None,
@@ -978,10 +985,8 @@ def _keeping_result(fn: Callable[..., Any], done: dict[str, Any]) -> Callable[..
     """``fn`` (a flow's function) that also puts what it returns in ``done["summary"]``: a Prefect
     server gone as the run finished failed the run's final state report, and its results, in
     MLflow and S3 by then, were not printed (a trial)."""
-    import inspect
-    import typing
+    from paperline.infra.pipeline_flow import wrapped_like
 
-    @functools.wraps(fn)
     def kept(*args: Any, **kwargs: Any) -> Any:
         from prefect.runtime import flow_run  # noqa: PLC0415
 
@@ -989,12 +994,7 @@ def _keeping_result(fn: Callable[..., Any], done: dict[str, Any]) -> Callable[..
         done["summary"] = fn(*args, **kwargs)
         return done["summary"]
 
-    # the flow's annotations are text (``from __future__ import annotations``), read in its module:
-    # Prefect's parameter validation read them in this one ("GemmParameters" not defined)
-    with contextlib.suppress(NameError, TypeError):
-        kept.__signature__ = inspect.signature(fn, eval_str=True)  # type: ignore[attr-defined]
-        kept.__annotations__ = typing.get_type_hints(fn)
-    return kept
+    return wrapped_like(fn, kept)
 
 
 def _report(spec: Any, params: Any, summary: dict[str, Any], summary_json: Path | None) -> None:
@@ -1168,6 +1168,7 @@ def serve() -> None:
     from paperline.infra.cluster import describe_cluster, require_scheduler
     from paperline.infra.errors import redact_url
     from paperline.infra.flow_runs import watch_flow_runs
+    from paperline.infra.watch import marking_watch
 
     _quiet_logs()
     _say_no_workers(require_scheduler(_settings()), _settings())  # the runs served here use it
@@ -1190,7 +1191,10 @@ def serve() -> None:
                       f"`{_on_path('prefect')} deployment run gemm/local --params '{{\"params\": {{\"m\": 512}}}}'`; "
                       "Ctrl-C stops serving", soft_wrap=True, highlight=False, markup=False)
         # on stopping, a run it was executing, or had claimed and not started, is marked Crashed
-        with watch_flow_runs("paperline serve", report=_say, deployments=names), _sigterm_as_ctrl_c():
+        # (the watch outermost: the stop's own calls to a Prefect server that is gone fail at once)
+        with marking_watch(_settings(), during="while serving"), \
+                watch_flow_runs("paperline serve", report=_say, deployments=names), _sigterm_as_ctrl_c(), \
+                _serving_through_outages(info.prefect_ui_url):
             try:
                 try:
                     prefect_serve(*deployments, print_starting_message=False)
@@ -1204,6 +1208,73 @@ def serve() -> None:
                          f"({type(exc).__name__}: {exc}): `paperline status` shows what is down")
             finally:
                 _pause_served(names)
+
+
+@contextlib.contextmanager
+def _serving_through_outages(prefect_url: str) -> Iterator[None]:
+    """`paperline serve` polls on while its Prefect server is away, saying so once, and once more
+    when it answers again. Prefect's runner stopped serving after three failed polls in a row:
+    ~90 s after its server was killed or stopped (`paperline down`, which says the serve goes on
+    after the next `up`), with a page of tracebacks (a trial). The serve's own watch (a
+    :class:`~paperline.infra.watch.ServerWatch`) makes each poll of a server that is gone fail at
+    once rather than on Prefect's retries; the runs executing meanwhile fail on their own."""
+    import time
+
+    import httpx
+    from prefect._internal.observers import FlowRunCancellingObserver, FlowRunSuspendingObserver
+    from prefect.runner._scheduled_run_poller import ScheduledRunPoller
+
+    from paperline.infra.errors import redact_url
+
+    original = ScheduledRunPoller._get_and_submit_flow_runs
+    away: dict[str, float] = {}
+
+    async def polled(self: Any, *args: Any, **kwargs: Any) -> None:
+        try:
+            await original(self, *args, **kwargs)
+        except httpx.TransportError as exc:  # (Prefect's own loop counts these; a 5xx it logs and retries)
+            if not away:
+                away["since"] = time.monotonic()
+                _say(f"the Prefect server at {redact_url(prefect_url)} is not answering ({_why_down('prefect', exc)}); "
+                     "serving waits for it (runs executing here fail meanwhile) and goes on when it is back "
+                     "(`paperline status` shows what is down; Ctrl-C stops serving)")
+            return
+        if away:
+            _say(f"the Prefect server at {redact_url(prefect_url)} answers again after "
+                 f"{time.monotonic() - away.pop('since'):.0f} s: serving goes on")
+
+    def quiet_while_away(check: Any) -> Any:
+        # the runner's cancellation and suspension observers poll the same way, and stopped for good
+        # ("Execution will continue, but flow run cancellation will fail"): a served run could not be
+        # cancelled from the UI after an outage. While the server is away they find nothing to do.
+        @functools.wraps(check)
+        async def checked(self: Any, *args: Any, **kwargs: Any) -> None:
+            with contextlib.suppress(httpx.TransportError):
+                await check(self, *args, **kwargs)
+
+        return checked
+
+    patched = [(ScheduledRunPoller, "_get_and_submit_flow_runs", polled),
+               (FlowRunCancellingObserver, "_check_for_cancelled_flow_runs",
+                quiet_while_away(FlowRunCancellingObserver._check_for_cancelled_flow_runs)),
+               (FlowRunSuspendingObserver, "_check_for_suspended_flow_runs",
+                quiet_while_away(FlowRunSuspendingObserver._check_for_suspended_flow_runs))]
+    originals = [(cls, name, getattr(cls, name)) for cls, name, _ in patched]
+    for cls, name, fn in patched:
+        setattr(cls, name, fn)
+    try:
+        yield
+    finally:
+        for cls, name, fn in originals:
+            setattr(cls, name, fn)
+
+
+def _why_down(service: str, exc: BaseException) -> str:
+    """Why ``service`` failed: what this process's server watch knows (the server died, or `paperline
+    down` stopped it), else the error ``exc`` itself."""
+    from paperline.infra.watch import down_reason
+
+    return down_reason(service) or f"{type(exc).__name__}: {exc}"
 
 
 def served_names() -> list[str]:

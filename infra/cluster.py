@@ -53,9 +53,10 @@ def configure_local_workers() -> None:
 # paperline's task package (which installs the task log filter); and the hooks that let a worker
 # closed on request skip the interpreter's teardown (infra/worker_exit.py). The first, imported
 # first and set up first, keeps the cyclic collector off through the others' imports and then
-# freezes what they loaded (infra/worker_heap.py).
+# freezes what they loaded (infra/worker_heap.py). The last watches the stack's servers, so that
+# tasks fail at once on a dead one (infra/worker_watch.py).
 WORKER_PRELOAD = ["paperline.infra.worker_heap", "prefect.task_engine", "paperline.tasks",
-                  "paperline.infra.worker_exit"]
+                  "paperline.infra.worker_exit", "paperline.infra.worker_watch"]
 
 
 DASK_LOGGERS = ("distributed", "distributed.scheduler", "distributed.core", "distributed.nanny",

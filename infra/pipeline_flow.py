@@ -6,10 +6,15 @@ here, plus its failed telemetry call), and the flow was refused only once it ran
 :func:`paperline.infra.stack.connect` after a page of Prefect's logs (a trial). The check here
 runs before Prefect does anything. A flow called inside another flow run, or a deployment's run
 (Prefect's runner sets the URL), is unaffected.
+
+Each run of the flow's function is watched (:func:`paperline.infra.watch.flow_run_watch`): a
+deployment's run whose stack servers die fails at once on the dead server instead of retrying it.
 """
 
 from __future__ import annotations
 
+import contextlib
+import functools
 from collections.abc import Callable
 from typing import Any
 
@@ -21,10 +26,17 @@ from paperline.infra.errors import PaperlineError
 class PipelineFlow(Flow):
     """A Prefect :class:`~prefect.Flow` whose call is refused while ``PREFECT_API_URL`` is unset.
 
+    Its ``fn`` runs under :func:`paperline.infra.watch.flow_run_watch` (Prefect's engine calls
+    ``fn``, in `paperline run`, a deployment's run and a script alike; ``with_options`` copies it).
+
     Raises:
         PaperlineError: when called with no Prefect API URL set (env, profile or
             :func:`paperline.infra.stack.connect`) outside a flow run, naming ``connect()``.
     """
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)  # (Prefect's version hash and source come from the function itself)
+        self.fn = _watched(self.fn)
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         from prefect.context import FlowRunContext  # noqa: PLC0415
@@ -45,3 +57,34 @@ def pipeline_flow(**options: Any) -> Callable[[Callable[..., Any]], PipelineFlow
         return PipelineFlow(fn=fn, **options)
 
     return decorate
+
+
+def _watched(fn: Callable[..., Any]) -> Callable[..., Any]:
+    """``fn`` run under :func:`paperline.infra.watch.flow_run_watch`."""
+    if getattr(fn, "_paperline_watched", False):
+        return fn
+
+    def run(*args: Any, **kwargs: Any) -> Any:
+        from paperline.infra.watch import flow_run_watch  # noqa: PLC0415
+
+        with flow_run_watch():
+            return fn(*args, **kwargs)
+
+    run._paperline_watched = True  # type: ignore[attr-defined]
+    return wrapped_like(fn, run)
+
+
+def wrapped_like(fn: Callable[..., Any], wrapper: Callable[..., Any]) -> Callable[..., Any]:
+    """``wrapper`` (which calls ``fn``, a flow's function) dressed as ``fn`` for Prefect: name,
+    docstring, ``__wrapped__`` and the signature and annotations evaluated in ``fn``'s module.
+    The flows' annotations are text (``from __future__ import annotations``), and Prefect's
+    parameter validation read them in the wrapper's module: a deployment's run failed with
+    "`NasModel` is not fully defined" (a trial; `paperline run`'s ``GemmParameters`` likewise)."""
+    import inspect  # noqa: PLC0415
+    import typing  # noqa: PLC0415
+
+    functools.update_wrapper(wrapper, fn)
+    with contextlib.suppress(NameError, TypeError):
+        wrapper.__signature__ = inspect.signature(fn, eval_str=True)  # type: ignore[attr-defined]
+        wrapper.__annotations__ = typing.get_type_hints(fn)
+    return wrapper

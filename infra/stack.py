@@ -1864,6 +1864,13 @@ def _external_urls(settings: Settings) -> dict[str, str | None]:
     return {name: getattr(settings, field) for name, field in EXTERNAL_SETTINGS.items()}
 
 
+def managed_services(settings: Settings) -> tuple[str, ...]:
+    """The services (:data:`SERVICE_NAMES` order) whose servers this state directory's local stack
+    runs: those without a configured endpoint (``PAPERLINE_S3_ENDPOINT_URL``, ...)."""
+    external = _external_urls(settings)
+    return tuple(name for name in SERVICE_NAMES if not external[name])
+
+
 def _prefect_urls(api_or_root: str) -> tuple[str, str]:
     """(api_url, ui_url) from either the API URL (``.../api``) or the server root."""
     u = api_or_root.rstrip("/")

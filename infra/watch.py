@@ -12,13 +12,22 @@ of this process fail at once on that service (:func:`down_reason`) instead of re
 Servers stopped by `paperline down` under a run (it deletes ``stack.json``) count as gone the same
 way, said as stopped: such a run took 84 s to end, on retries (a trial). An `up` within the grace
 (records anew; nothing counts while `up` or `down` holds the stack's lock) lets the run go on.
+
+A pipeline flow run outside `paperline run` (a deployment's run under `paperline serve` or a
+Prefect worker, a script's call after ``connect()``) gets :func:`flow_run_watch`, and each local
+Dask worker process a watch of its own (:mod:`paperline.infra.worker_watch`): the same marks,
+without the stop, so they fail at once on a dead server instead of retrying it (a served nas run
+went on ~100 s after its stack was killed, its tasks on the workers retrying S3 commits).
 """
 
 from __future__ import annotations
 
+import contextlib
+import math
+import os
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Any
 
 from paperline.infra.errors import PaperlineError
@@ -30,6 +39,7 @@ GRACE_S = 10.0  # how long a recorded server may be gone (an `up` restarting it)
 POLL_S = 1.0  # seconds between checks of the recorded processes
 
 _DOWN: dict[str, str] = {}  # service -> why, while a watch in this process has found its server dead
+_ACTIVE: list[ServerWatch] = []  # the watches watching in this process now
 
 
 class ServersDied(PaperlineError):
@@ -64,11 +74,13 @@ class ServerWatch:
         poll_s: Seconds between checks.
         active: False: a watch that watches nothing (its thread is not started).
         on_gone: Called (from the thread) each time servers are found gone after none was.
+        during: When, in the marks' words (``"during the run"``, ``"while serving"``).
     """
 
     def __init__(self, settings: Settings, on_dead: Callable[[dict[str, dict[str, Any]]], None],
                  services: tuple[str, ...] = ("s3", "prefect", "mlflow"), grace_s: float = GRACE_S,
-                 poll_s: float = POLL_S, active: bool = True, on_gone: Callable[[], None] | None = None):
+                 poll_s: float = POLL_S, active: bool = True, on_gone: Callable[[], None] | None = None,
+                 during: str = "during the run"):
         self.settings = settings
         self.on_dead = on_dead
         self.services = tuple(services)
@@ -76,6 +88,7 @@ class ServerWatch:
         self.poll_s = poll_s
         self.active = active
         self.on_gone = on_gone
+        self.during = during
         self.dead: dict[str, dict[str, Any]] = {}
         self._stop = threading.Event()
         self._lock = threading.Lock()  # marking and on_dead, against the exit
@@ -101,8 +114,9 @@ class ServerWatch:
             for name in self._marked - set(gone):
                 _DOWN.pop(name, None)
             for name, rec in gone.items():
-                _DOWN[name] = (f"its server (pid {rec['pid']}) was stopped during the run (`paperline down`)"
-                               if rec.get("stopped") else f"its server (pid {rec['pid']}) died during the run")
+                _DOWN[name] = (f"its server (pid {rec['pid']}) was stopped {self.during} (`paperline down`)"
+                               if rec.get("stopped") else f"its server (pid {rec['pid']}) died {self.during}"
+                               ) + "; `paperline up` starts it again"
             first = bool(gone) and not self._marked
             self._marked = set(gone)
         if first and self.on_gone is not None:
@@ -141,6 +155,7 @@ class ServerWatch:
         self._earlier = recorded_servers(self.settings)  # `down` deletes stack.json: then these say what ran
         self._thread = threading.Thread(target=self._watch, name="paperline-server-watch", daemon=True)
         self._thread.start()
+        _ACTIVE.append(self)
         return self
 
     def __exit__(self, *exc: object) -> None:
@@ -153,3 +168,55 @@ class ServerWatch:
             self._stop.set()
             for name in self._marked:
                 _DOWN.pop(name, None)
+            with contextlib.suppress(ValueError):
+                _ACTIVE.remove(self)
+
+
+def marking_watch(settings: Settings | None = None, during: str = "during the run") -> ServerWatch:
+    """A :class:`ServerWatch` on the local stack's managed services
+    (:func:`paperline.infra.stack.managed_services`) that marks the dead ones down for this
+    process, and unmarks them when `paperline up` records new servers, but never stops anything:
+    this process fails at once at its next call to a dead server, and goes on computing until then.
+
+    Args:
+        settings: Uses ``state_dir`` and the configured endpoints; default
+            :func:`paperline.infra.settings.get_settings`.
+        during: When, in the marks' words (:class:`ServerWatch`).
+    """
+    from paperline.infra.settings import get_settings  # noqa: PLC0415
+    from paperline.infra.stack import managed_services  # noqa: PLC0415
+
+    settings = settings or get_settings()
+    return ServerWatch(settings, lambda dead: None, services=managed_services(settings), grace_s=math.inf,
+                       on_gone=check_result_writes, during=during)
+
+
+@contextlib.contextmanager
+def flow_run_watch(settings: Settings | None = None) -> Iterator[None]:
+    """A :func:`marking_watch` while a pipeline flow runs, unless a watch in this process already
+    watches (`paperline run`'s, which also stops the run; a Dask worker's, from its preload
+    :mod:`paperline.infra.worker_watch`). In a process started for one deployment run
+    (``PREFECT__FLOW_RUN_ID`` set by Prefect's runner or worker) the watch runs on to the
+    process's end."""
+    if _ACTIVE:
+        yield
+        return
+    if os.environ.get("PREFECT__FLOW_RUN_ID"):
+        # a process that Prefect's runner or worker started for this one run: watched to its end, as
+        # the engine's last calls (the result's write, the final state) come after the function
+        # returns, and retried a dead server ~8 s (a trial)
+        with contextlib.suppress(Exception):  # (a watch that cannot start leaves the run alone)
+            marking_watch(settings).__enter__()
+        yield
+        return
+    with marking_watch(settings):
+        yield
+
+
+def check_result_writes() -> None:
+    """Prefect's result writes to S3 fail at once while it is marked down (a write to a dead S3
+    took ~7 s of retries): installed on the first server found gone."""
+    from paperline.infra import prefect_patches  # noqa: PLC0415
+
+    with contextlib.suppress(Exception):  # (only how fast the run's end fails)
+        prefect_patches.install_result_write_check()

@@ -1173,3 +1173,104 @@ def test_serve_stopped_after_its_prefect_server_went_away_says_so_and_exits_0(st
     assert "their runs execute here, each on local CPU cluster (" in text  # (where, as `run` says)
     monkeypatch.setattr(prefect, "serve", runner_raising(ValueError("a runner fault")))
     assert_one_line_error(stack_cli("serve"), "ValueError: a runner fault")
+
+
+def test_serve_polls_on_while_its_prefect_server_is_away_and_says_so_once_each_way(monkeypatch):
+    """Prefect's runner stopped serving after three failed polls (~90 s after its server went),
+    with a page of tracebacks, though `paperline down` says a serve goes on after the next `up` (a
+    trial): a failed poll is said once, the return once, and nothing is raised into Prefect's loop;
+    the runner's cancellation observer (dead for good after an outage) finds nothing meanwhile."""
+    import asyncio
+
+    import httpx
+    from prefect._internal.observers import FlowRunCancellingObserver
+    from prefect.runner._scheduled_run_poller import ScheduledRunPoller
+
+    from paperline.flows import cli
+
+    outcomes = [httpx.ConnectError("All connection attempts failed"), httpx.ConnectError("refused"), None, None]
+
+    async def poll(self, *args, **kwargs):
+        if (outcome := outcomes.pop(0)) is not None:
+            raise outcome
+
+    async def check(self):
+        raise httpx.ConnectError("refused")
+
+    monkeypatch.setattr(ScheduledRunPoller, "_get_and_submit_flow_runs", poll)
+    monkeypatch.setattr(FlowRunCancellingObserver, "_check_for_cancelled_flow_runs", check)
+    said: list[str] = []
+    monkeypatch.setattr(cli, "_say", said.append)
+    with cli._serving_through_outages("http://127.0.0.1:4200"):
+        for _ in range(4):
+            asyncio.run(ScheduledRunPoller._get_and_submit_flow_runs(None))
+        asyncio.run(FlowRunCancellingObserver._check_for_cancelled_flow_runs(None))
+    assert len(said) == 2, said
+    assert said[0].startswith("the Prefect server at http://127.0.0.1:4200 is not answering (ConnectError: All "
+                              "connection attempts failed); serving waits for it")
+    assert said[1].startswith("the Prefect server at http://127.0.0.1:4200 answers again after 0 s: serving goes on")
+    assert ScheduledRunPoller._get_and_submit_flow_runs is poll  # (Prefect's own again once serve stops)
+    with pytest.raises(httpx.ConnectError):
+        asyncio.run(FlowRunCancellingObserver._check_for_cancelled_flow_runs(None))
+
+
+def test_a_serve_stopped_while_its_prefect_server_is_away_has_no_asyncio_traceback():
+    """Prefect's runner ends on its last call (pausing its deployments) when its server is gone:
+    asyncio's "unhandled exception during asyncio.run() shutdown" ERROR is dropped for that."""
+    import logging
+
+    import httpx
+
+    from paperline.flows.cli import _no_shutdown_connect_error
+
+    def record(exc: BaseException, name: str = "asyncio") -> logging.LogRecord:
+        return logging.LogRecord(name, logging.ERROR, __file__, 1, "unhandled exception during asyncio.run() "
+                                 "shutdown\ntask: <Task finished name='Task-63' coro=<Runner.start() done>>", None,
+                                 (type(exc), exc, None))
+
+    assert not _no_shutdown_connect_error(record(httpx.ConnectError("All connection attempts failed")))
+    assert _no_shutdown_connect_error(record(ValueError("a fault")))
+    assert _no_shutdown_connect_error(record(httpx.ConnectError("x"), name="prefect.runner"))
+
+
+def test_every_pipeline_flow_reads_its_parameters_in_its_own_module():
+    """Each pipeline flow's function runs under the server watch (``infra/pipeline_flow.py``); the
+    wrapper made Prefect read the flow's text annotations in the wrong module, and every deployment
+    run failed with "`NasModel` is not fully defined" (seen while building it). Prefect's version
+    hash is still the pipeline's own file's."""
+    from prefect.utilities.hashing import file_hash
+
+    from paperline.flows.pipelines import get_pipeline, pipeline_names
+
+    for name in pipeline_names():
+        flow = get_pipeline(name).flow
+        params = flow.validate_parameters({"params": {}})["params"]
+        assert type(params).__name__.endswith("Parameters") and type(params).__module__ == flow.fn.__module__
+        assert flow.with_options(name="x").validate_parameters({"params": {}})["params"] == params
+        assert flow.version == file_hash(sys.modules[flow.fn.__module__].__file__)
+        assert flow.fn._paperline_watched and flow.fn.__wrapped__.__name__ == flow.fn.__name__
+
+
+def test_a_pipeline_flows_function_runs_under_a_server_watch(monkeypatch, tmp_path):
+    """What the engine calls (``flow.fn``: `paperline run`, a deployment's run, a script) is
+    watched, once, and the watch ends with it outside a process started for one run."""
+    from paperline.infra import watch
+    from paperline.infra.pipeline_flow import pipeline_flow
+
+    seen: list[int] = []
+
+    @pipeline_flow(name="watched")
+    def watched(x: int = 1) -> int:
+        seen.append(len(watch._ACTIVE))
+        return x + 1
+
+    monkeypatch.delenv("PREFECT__FLOW_RUN_ID", raising=False)
+    monkeypatch.setenv("PAPERLINE_STATE_DIR", str(tmp_path / "state"))
+    for name in ("PAPERLINE_S3_ENDPOINT_URL", "PAPERLINE_PREFECT_API_URL", "PAPERLINE_MLFLOW_TRACKING_URI"):
+        monkeypatch.delenv(name, raising=False)
+    get_settings.cache_clear()
+    try:
+        assert watched.fn(2) == 3 and seen == [1] and watch._ACTIVE == []
+        assert watched.with_options(name="again").fn(x=4) == 5 and seen == [1, 1]
+    finally:
+        get_settings.cache_clear()

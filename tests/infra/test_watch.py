@@ -67,7 +67,8 @@ def test_a_server_gone_for_the_grace_stops_the_run_once_and_clients_fail_at_once
         while not called and time.monotonic() < deadline:
             time.sleep(0.05)
         assert len(called) == 1 and list(called[0]) == ["mlflow"] and w.dead == called[0]
-        assert watch.down_reason("mlflow") == f"its server (pid {mlflow.pid}) died during the run"
+        assert watch.down_reason("mlflow") == f"its server (pid {mlflow.pid}) died during the run; `paperline up` " \
+                                              "starts it again"
         assert watch.down_reason("s3") is None
         # a client of the dead server fails without a request (MLflow's retries held a run ~30 s a call)
         from paperline.infra.tracking import Tracker
@@ -144,14 +145,14 @@ def test_servers_paperline_down_stopped_under_a_run_are_gone_too(recorded):
             time.sleep(0.05)
         assert called and called[0]["prefect"]["stopped"] and called[0]["prefect"]["pid"] == prefect.pid
         assert watch.down_reason("prefect") == f"its server (pid {prefect.pid}) was stopped during the run " \
-                                               "(`paperline down`)"
+                                               "(`paperline down`); `paperline up` starts it again"
     start("prefect")  # `up`: recorded anew, not gone
     assert dead_servers(settings, earlier={"prefect": {"pid": prefect.pid, "url": "http://127.0.0.1:1"}}) == {}
 
 
 def test_marks_an_earlier_watch_left_are_cleared_by_the_next(recorded, monkeypatch):
     settings, _ = recorded
-    monkeypatch.setitem(watch._DOWN, "mlflow", "its server (pid 7) died during the run")  # (an exit interrupted)
+    monkeypatch.setitem(watch._DOWN, "mlflow", "its server (pid 7) died during the run; `paperline up` starts it again")  # (an exit interrupted)
     with watch.ServerWatch(settings, lambda dead: None, poll_s=0.1):
         assert watch.down_reason("mlflow") is None
 
@@ -169,7 +170,7 @@ def test_an_inactive_watch_watches_nothing(recorded):
 def test_an_object_store_fails_at_once_on_a_server_found_gone(monkeypatch, tmp_path):
     from paperline.infra.storage import ObjectStore
 
-    monkeypatch.setitem(watch._DOWN, "s3", "its server (pid 7) died during the run")
+    monkeypatch.setitem(watch._DOWN, "s3", "its server (pid 7) died during the run; `paperline up` starts it again")
     store = ObjectStore("http://127.0.0.1:1", "k", "s", log_path=str(tmp_path / "s3.log"))
     with pytest.raises(ServiceError, match=r"s3 is not available at http://127.0.0.1:1: put s3://b/k: its server "
                                            r"\(pid 7\) died during the run.*s3.log"):
@@ -184,7 +185,7 @@ def test_prefects_result_write_fails_at_once_on_s3_found_gone(monkeypatch):
     prefect_patches.install_result_write_check()
     prefect_patches.install_result_write_check()  # idempotent: wrapped once
     assert not getattr(S3Bucket._write_sync.__wrapped__, "_paperline_checked", False)
-    monkeypatch.setitem(watch._DOWN, "s3", "its server (pid 7) died during the run")
+    monkeypatch.setitem(watch._DOWN, "s3", "its server (pid 7) died during the run; `paperline up` starts it again")
     with pytest.raises(ServiceError, match=r"write s3://results/k1: its server \(pid 7\) died"):
         S3Bucket(bucket_name="results").write_path("k1", b"x")
 
@@ -219,7 +220,7 @@ def test_prefects_client_sends_once_to_a_server_found_gone(monkeypatch):
                     client.hello()
                 assert len(seen) == 2  # Prefect's own: one retry (of one allowed here)
                 seen.clear()
-                monkeypatch.setitem(watch._DOWN, "prefect", "its server (pid 7) died during the run")
+                monkeypatch.setitem(watch._DOWN, "prefect", "its server (pid 7) died during the run; `paperline up` starts it again")
                 with pytest.raises(Exception, match="503"):
                     client.hello()
                 assert len(seen) == 1
@@ -254,6 +255,93 @@ def test_a_log_batch_prefect_did_not_take_is_one_line_of_its_own(monkeypatch, ca
                                                         "line(s) (ConnectError: "), err
         assert "Error logging to API" not in err and err.endswith("(the next failures for 10 minutes are not shown)\n")
         monkeypatch.setitem(prefect_patches._LOG_BATCH_SAID, "at", -float("inf"))
-        monkeypatch.setitem(watch._DOWN, "prefect", "its server (pid 7) died during the run")
+        monkeypatch.setitem(watch._DOWN, "prefect", "its server (pid 7) died during the run; `paperline up` starts it again")
         asyncio.run(send_batches(1))
         assert capsys.readouterr().err == ""  # the run's own error says it
+
+
+def _wait_for(condition, timeout_s: float = 10.0) -> bool:
+    deadline = time.monotonic() + timeout_s
+    while not condition() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    return condition()
+
+
+def test_a_flow_run_outside_paperline_run_fails_at_once_on_a_dead_server_until_up_records_a_new_one(
+        recorded, monkeypatch):
+    """A deployment's run under `paperline serve` retried its dead servers ~100 s (a trial):
+    ``flow_run_watch`` marks them, stops nothing, and a nested call adds no second watch."""
+    settings, start = recorded
+    monkeypatch.delenv("PREFECT__FLOW_RUN_ID", raising=False)
+    start("s3")
+    mlflow = start("mlflow")
+    with watch.flow_run_watch(settings):
+        assert len(watch._ACTIVE) == 1
+        with watch.flow_run_watch(settings):  # (a `paperline run` watch, or a worker's, already watches)
+            assert len(watch._ACTIVE) == 1
+        _kill(mlflow)
+        assert _wait_for(lambda: watch.down_reason("mlflow") is not None)
+        assert watch.down_reason("mlflow") == f"its server (pid {mlflow.pid}) died during the run; `paperline up` " \
+                                              "starts it again"
+        assert watch.down_reason("s3") is None
+        start("mlflow")  # `paperline up` records a new server: calls go through again
+        assert _wait_for(lambda: watch.down_reason("mlflow") is None)
+    assert watch._ACTIVE == []
+
+
+def test_a_process_started_for_one_deployment_run_is_watched_to_its_end(recorded, monkeypatch):
+    """Prefect's engine writes the run's result and final state after the flow's function
+    returned: in a process started for the run (``PREFECT__FLOW_RUN_ID``) the watch goes on."""
+    settings, start = recorded
+    prefect = start("prefect")
+    monkeypatch.setenv("PREFECT__FLOW_RUN_ID", "0b6b4d0c-0000-0000-0000-000000000000")
+    with watch.flow_run_watch(settings):
+        pass
+    try:
+        assert len(watch._ACTIVE) == 1
+        _kill(prefect)
+        assert _wait_for(lambda: watch.down_reason("prefect") is not None)
+    finally:
+        for w in list(watch._ACTIVE):
+            w.__exit__(None, None, None)
+    assert watch._ACTIVE == [] and watch.down_reason("prefect") is None
+
+
+def test_only_the_managed_servers_are_watched(settings_factory, tmp_path):
+    """A configured endpoint is not the local stack's: a stale local record of it is not watched."""
+    settings = settings_factory(tmp_path / "state", s3_endpoint_url="http://127.0.0.1:9",
+                                s3_access_key_id="k", s3_secret_access_key="s")
+    assert watch.marking_watch(settings).services == ("prefect", "mlflow")
+    assert watch.marking_watch(settings_factory(tmp_path / "s2"), during="while serving").services == \
+        ("s3", "prefect", "mlflow")
+
+
+def test_a_local_dask_worker_marks_a_dead_server_for_its_tasks(recorded, monkeypatch):
+    """Tasks on the workers retried a dead S3 ~10 s a result commit (a trial): each local worker
+    watches from its preload (``infra/worker_watch.py``)."""
+    from distributed import Client, LocalCluster
+
+    from paperline.infra.cluster import _local_cpu_kwargs
+    from paperline.infra.settings import Settings
+
+    settings, start = recorded
+    s3 = start("s3")
+    monkeypatch.setenv("PAPERLINE_STATE_DIR", str(settings.state_dir))  # (the workers read their settings)
+    for name in ("PAPERLINE_S3_ENDPOINT_URL", "PAPERLINE_PREFECT_API_URL", "PAPERLINE_MLFLOW_TRACKING_URI"):
+        monkeypatch.delenv(name, raising=False)
+
+    def reason_within(seconds: float) -> str | None:
+        from paperline.infra.watch import down_reason
+
+        deadline = time.monotonic() + seconds
+        while down_reason("s3") is None and time.monotonic() < deadline:
+            time.sleep(0.05)
+        return down_reason("s3")
+
+    kwargs = {**_local_cpu_kwargs(Settings(n_workers=1)), "dashboard_address": None}
+    with LocalCluster(**kwargs) as cluster, Client(cluster) as client:
+        client.wait_for_workers(1)
+        assert client.submit(reason_within, 0.5, pure=False).result() is None
+        _kill(s3)
+        assert client.submit(reason_within, 10.0, pure=False).result() == \
+            f"its server (pid {s3.pid}) died during the run; `paperline up` starts it again"
