@@ -1214,6 +1214,39 @@ def test_serve_polls_on_while_its_prefect_server_is_away_and_says_so_once_each_w
         asyncio.run(FlowRunCancellingObserver._check_for_cancelled_flow_runs(None))
 
 
+def test_prefects_service_loop_ends_after_three_failed_polls_but_not_under_serve(monkeypatch):
+    """What the patch above is for, on Prefect's own loop (``critical_service_loop``, which its
+    runner polls with): three connection errors in a row end it; under serve it polls on."""
+    import asyncio
+
+    import httpx
+    from prefect.runner._scheduled_run_poller import ScheduledRunPoller
+    from prefect.utilities.services import critical_service_loop
+
+    from paperline.flows import cli
+
+    polls: list[int] = []
+
+    async def refused(self, *args, **kwargs):
+        polls.append(1)
+        raise httpx.ConnectError("All connection attempts failed")
+
+    async def loop(seconds: float) -> bool:
+        """Whether the loop was still polling after ``seconds``."""
+        task = asyncio.ensure_future(critical_service_loop(
+            workload=lambda: ScheduledRunPoller._get_and_submit_flow_runs(None), interval=0.01,
+            printer=lambda *a: None))
+        done, _ = await asyncio.wait([task], timeout=seconds)
+        task.cancel()
+        return not done
+
+    monkeypatch.setattr(ScheduledRunPoller, "_get_and_submit_flow_runs", refused)
+    monkeypatch.setattr(cli, "_say", lambda line: None)
+    assert asyncio.run(loop(2.0)) is False and len(polls) == 3
+    with cli._serving_through_outages("http://127.0.0.1:4200"):
+        assert asyncio.run(loop(0.5)) is True and len(polls) > 10
+
+
 def test_a_serve_stopped_while_its_prefect_server_is_away_has_no_asyncio_traceback():
     """Prefect's runner ends on its last call (pausing its deployments) when its server is gone:
     asyncio's "unhandled exception during asyncio.run() shutdown" ERROR is dropped for that."""
