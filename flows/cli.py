@@ -972,6 +972,7 @@ def _retried_tasks(flow_run_id: str) -> list[str]:
                     time.sleep(0.5)
                 ended = "the results above are its last run's" if run.state_name == "Completed" \
                     else f"it ended {run.state_name}"
+                why = [_with_dask_words(w) for w in why]
                 lines.append(f"retried: {run.name} ran {run.run_count} times"
                              + (f" (a run before failed: {'; then '.join(why)})" if why else "") + f": {ended}")
             if more:
@@ -979,6 +980,23 @@ def _retried_tasks(flow_run_id: str) -> list[str]:
     except Exception:  # noqa: BLE001 - only a report on a finished run: its results stand without it
         return lines
     return lines
+
+
+# Dask's errors for a task whose worker went away, which say nothing of it themselves
+# (``FutureCancelledError()`` alone, after a lost worker: a trial)
+DASK_FAILURE_WORDS = {
+    "FutureCancelledError": "Dask cancelled it, as it does when the worker running it is lost or restarted",
+    "KilledWorker": "the workers running it died each time (Dask's limit on that)",
+    "CommClosedError": "the connection to the Dask worker running it closed",
+}
+
+
+def _with_dask_words(failure: str) -> str:
+    """``failure`` (a task's error, as Prefect logged it), said in words where it is one of
+    :data:`DASK_FAILURE_WORDS`."""
+    name = failure.split("(", 1)[0].split(":", 1)[0].strip().rsplit(".", 1)[-1]
+    words = DASK_FAILURE_WORDS.get(name)
+    return f"{failure}: {words}" if words else failure
 
 
 def _keeping_result(fn: Callable[..., Any], done: dict[str, Any]) -> Callable[..., Any]:

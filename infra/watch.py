@@ -198,19 +198,21 @@ def flow_run_watch(settings: Settings | None = None) -> Iterator[None]:
     :mod:`paperline.infra.worker_watch`). In a process started for one deployment run
     (``PREFECT__FLOW_RUN_ID`` set by Prefect's runner or worker) the watch runs on to the
     process's end."""
-    if _ACTIVE:
+    watch = None
+    if not _ACTIVE:
+        with contextlib.suppress(Exception):  # (settings it cannot read: the run reports them itself)
+            watch = marking_watch(settings)
+    if watch is None:
         yield
-        return
-    if os.environ.get("PREFECT__FLOW_RUN_ID"):
+    elif os.environ.get("PREFECT__FLOW_RUN_ID"):
         # a process that Prefect's runner or worker started for this one run: watched to its end, as
         # the engine's last calls (the result's write, the final state) come after the function
         # returns, and retried a dead server ~8 s (a trial)
-        with contextlib.suppress(Exception):  # (a watch that cannot start leaves the run alone)
-            marking_watch(settings).__enter__()
+        watch.__enter__()
         yield
-        return
-    with marking_watch(settings):
-        yield
+    else:
+        with watch:
+            yield
 
 
 def check_result_writes() -> None:

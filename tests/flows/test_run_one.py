@@ -224,3 +224,17 @@ def test_prefects_interrupt_lines_are_dropped_only_when_the_watch_stopped_the_ru
     monkeypatch.setitem(cli._state, "watch_stopped", True)
     assert not cli._no_crash_line_for_the_watch(record(crash)) and not cli._no_crash_line_for_the_watch(record(finished))
     assert cli._no_crash_line_for_the_watch(record("Finished in state Failed('x')"))
+
+
+def test_a_retry_after_a_lost_dask_worker_says_so_in_words():
+    """A tensor-factorization retry after a lost worker read "a run before failed:
+    FutureCancelledError()", nothing said of the worker (a trial)."""
+    assert cli._with_dask_words("FutureCancelledError()") == (
+        "FutureCancelledError(): Dask cancelled it, as it does when the worker running it is lost or restarted")
+    assert cli._with_dask_words("distributed.client.FutureCancelledError('fit-1 cancelled for reason: "
+                                "unknown.')").endswith(": Dask cancelled it, as it does when the worker running "
+                                                       "it is lost or restarted")
+    assert cli._with_dask_words("KilledWorker('fit-1', <WorkerState 'tcp://127.0.0.1:1'>, 3)").endswith(
+        ": the workers running it died each time (Dask's limit on that)")
+    assert cli._with_dask_words("ValueError('bad rank')") == "ValueError('bad rank')"
+    assert cli._with_dask_words("") == ""
