@@ -705,6 +705,7 @@ def _quiet_logs() -> None:
         handler.addFilter(_queued_not_aborted)
         handler.addFilter(_no_gather_exit)
         handler.addFilter(_no_shutdown_connect_error)
+        handler.addFilter(_stop_not_keyboard)
         handler.addFilter(_no_crash_line_for_the_watch)
         if not _state["debug"]:
             handler.addFilter(_strip_traceback)
@@ -764,6 +765,15 @@ def _no_shutdown_connect_error(record: Any) -> bool:
     import httpx  # noqa: PLC0415
 
     return not (record.exc_info and isinstance(record.exc_info[1], httpx.TransportError))
+
+
+def _stop_not_keyboard(record: Any) -> bool:
+    """Say Prefect's ``Received KeyboardInterrupt, shutting down...`` (a serve stopping) as a stop:
+    `paperline serve` stops on SIGTERM as on Ctrl-C, and a supervisor's ``kill`` read as a key
+    pressed (a trial)."""
+    if record.name == "prefect.flows" and record.getMessage() == "Received KeyboardInterrupt, shutting down...":
+        record.msg, record.args = "Stopping (Ctrl-C or SIGTERM): shutting down...", ()
+    return True
 
 
 def _no_kill_notice(record: Any) -> bool:

@@ -1247,9 +1247,10 @@ def test_prefects_service_loop_ends_after_three_failed_polls_but_not_under_serve
         assert asyncio.run(loop(0.5)) is True and len(polls) > 10
 
 
-def test_a_serve_stopped_while_its_prefect_server_is_away_has_no_asyncio_traceback():
+def test_a_serves_stop_is_said_as_a_stop_without_an_asyncio_traceback():
     """Prefect's runner ends on its last call (pausing its deployments) when its server is gone:
-    asyncio's "unhandled exception during asyncio.run() shutdown" ERROR is dropped for that."""
+    asyncio's "unhandled exception during asyncio.run() shutdown" ERROR is dropped for that; and a
+    SIGTERM is not said as a KeyboardInterrupt."""
     import logging
 
     import httpx
@@ -1261,6 +1262,14 @@ def test_a_serve_stopped_while_its_prefect_server_is_away_has_no_asyncio_traceba
                                  "shutdown\ntask: <Task finished name='Task-63' coro=<Runner.start() done>>", None,
                                  (type(exc), exc, None))
 
+    from paperline.flows.cli import _stop_not_keyboard
+
+    stop = logging.LogRecord("prefect.flows", logging.INFO, __file__, 1, "Received %s, shutting down...",
+                             ("KeyboardInterrupt",), None)
+    assert _stop_not_keyboard(stop) and stop.getMessage() == "Stopping (Ctrl-C or SIGTERM): shutting down..."
+    other = logging.LogRecord("prefect.flows", logging.INFO, __file__, 1, "Received SystemExit, shutting down...",
+                              (), None)
+    assert _stop_not_keyboard(other) and other.getMessage() == "Received SystemExit, shutting down..."
     assert not _no_shutdown_connect_error(record(httpx.ConnectError("All connection attempts failed")))
     assert _no_shutdown_connect_error(record(ValueError("a fault")))
     assert _no_shutdown_connect_error(record(httpx.ConnectError("x"), name="prefect.runner"))
