@@ -218,8 +218,8 @@ def down() -> None:
     if running:  # stopped under a run, the run failed minutes later with a bare ConnectError (a trial)
         console.print(f"[yellow]stopping the stack under {len(running)} Running flow run(s): {', '.join(running)}; "
                       "a `paperline run` among them stops about 10 s after its servers are down unless `paperline "
-                      "up` brings them back by then; another (a deployment's, a script's) fails when it next reports "
-                      "to Prefect; one that failed is marked Crashed by the next `up`[/]",
+                      "up` brings them back by then; another (a deployment's, a script's) fails at its next call to "
+                      "a stopped server; one that failed is marked Crashed by the next `up`[/]",
                       soft_wrap=True)
     dead: list[str] = []
     stopped = stop_stack(settings, dead)

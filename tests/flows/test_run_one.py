@@ -229,6 +229,8 @@ def test_prefects_interrupt_lines_are_dropped_only_when_the_watch_stopped_the_ru
 def test_a_retry_after_a_lost_dask_worker_says_so_in_words():
     """A tensor-factorization retry after a lost worker read "a run before failed:
     FutureCancelledError()", nothing said of the worker (a trial)."""
+    from paperline.flows import cli
+
     assert cli._with_dask_words("FutureCancelledError()") == (
         "FutureCancelledError(): Dask cancelled it, as it does when the worker running it is lost or restarted")
     assert cli._with_dask_words("distributed.client.FutureCancelledError('fit-1 cancelled for reason: "
