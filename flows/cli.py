@@ -1497,12 +1497,70 @@ def worker(pool: str = typer.Option("cpu", "--pool", metavar="POOL", help="cpu o
     with watch_flow_runs("paperline worker", report=_say):  # a run it was executing is marked Crashed on stopping
         # named after this process, for `status` to tell a worker that exited from one online (it
         # showed a worker killed seconds before online until its heartbeat aged out: a trial)
-        code, stopped = _supervise([sys.executable, "-m", "prefect", "worker", "start", "--pool", WORK_POOLS[pool],
-                                    "--type", "process", "--name", local_worker_name(os.getpid())],
-                                   env=env, cwd=workdir, what="the Prefect worker")
-    if code == 0 or stopped:
-        return
-    _worker_failed(code, info.prefect_api_url, env.get("PREFECT_API_AUTH_STRING"))
+        code = _worker_through_outages([sys.executable, "-m", "prefect", "worker", "start", "--pool", WORK_POOLS[pool],
+                                        "--type", "process", "--name", local_worker_name(os.getpid())],
+                                       env=env, cwd=workdir, api_url=info.prefect_api_url)
+    if code is not None:
+        _worker_failed(code, info.prefect_api_url, env.get("PREFECT_API_AUTH_STRING"))
+
+
+def _worker_through_outages(cmd: list[str], *, env: dict[str, str], cwd: str, api_url: str) -> int | None:
+    """Run the Prefect worker ``cmd`` (:func:`_supervise`), starting it again each time it exits
+    unasked while its Prefect server at ``api_url`` is not answering, once the server answers
+    (:func:`_after_outage`).
+
+    Returns:
+        None when it was stopped or ended cleanly; else the exit status of a worker that failed
+        with its server answering.
+    """
+    while True:
+        code, stopped = _supervise(cmd, env=env, cwd=cwd, what="the Prefect worker")
+        if code == 0 or stopped:
+            return None
+        again = _after_outage(api_url)
+        if again is None:  # stopped while waiting
+            return None
+        if not again:
+            return code
+
+
+WORKER_WAIT_POLL_S = 5.0  # how often `paperline worker` checks for its Prefect server while waiting for it
+
+
+def _after_outage(api_url: str) -> bool | None:
+    """After the Prefect worker exited unasked: if its Prefect server at ``api_url`` is not
+    answering, say so once, wait for it to answer and return True (start the worker again); False
+    when it answers (the exit was something else); None when stopped while waiting (Ctrl-C,
+    SIGTERM, SIGHUP). Prefect's worker gives up after about 7 minutes of failed polls (its
+    backoff) and exited, ending `paperline worker` with "exited with status 1" though `paperline
+    down` says it takes runs again after the next `up`."""
+    import signal
+    import time
+
+    from paperline.infra.errors import redact_url
+    from paperline.infra.stack import prefect_problem
+
+    problem = prefect_problem(api_url)
+    if problem is None:
+        return False
+    _say(f"the Prefect worker stopped: its Prefect server at {redact_url(api_url)} is not answering ({problem}); "
+         "it starts again when the server answers (`paperline up`; Ctrl-C stops waiting)")
+
+    def stop(signum: int, _frame: object) -> None:
+        raise KeyboardInterrupt
+
+    previous = {sig: signal.signal(sig, stop) for sig in (signal.SIGTERM, signal.SIGHUP)}
+    since = time.monotonic()
+    try:
+        while prefect_problem(api_url) is not None:
+            time.sleep(WORKER_WAIT_POLL_S)
+    except KeyboardInterrupt:
+        return None
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+    _say(f"the Prefect server answers again after {time.monotonic() - since:.0f} s: starting the Prefect worker again")
+    return True
 
 
 def _worker_failed(code: int, api_url: str, login: str | None) -> None:

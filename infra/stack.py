@@ -840,6 +840,12 @@ def _prefect_healthy(api_url: str) -> bool:
     return _service_problem("prefect", api_url) is None
 
 
+def prefect_problem(api_url: str) -> str | None:
+    """Why the Prefect API at ``api_url`` (``.../api``) does not answer its health check (``GET
+    /health``: the error or status), or None when it does."""
+    return _service_problem("prefect", api_url)
+
+
 def _mlflow_healthy(uri: str) -> bool:
     return _service_problem("mlflow", uri) is None
 

@@ -1316,3 +1316,50 @@ def test_a_pipeline_flows_function_runs_under_a_server_watch(monkeypatch, tmp_pa
         assert watched.with_options(name="again").fn(x=4) == 5 and seen == [1, 1]
     finally:
         get_settings.cache_clear()
+
+
+def test_paperline_worker_starts_its_prefect_worker_again_after_an_outage(monkeypatch):
+    """Prefect's worker gives up after ~7 minutes of failed polls (its backoff), and `paperline
+    worker` ended "exited with status 1" though `down` says it takes runs again after the next
+    `up`: an exit while its server does not answer waits for the server, then starts it again."""
+    import itertools
+    import os
+    import signal
+    import threading
+
+    from paperline.flows import cli
+
+    said: list[str] = []
+    monkeypatch.setattr(cli, "_say", said.append)
+    problems = iter(["GET /health failed: ConnectError: refused"] * 3 + [None])
+    monkeypatch.setattr("paperline.infra.stack.prefect_problem", lambda url: next(problems))
+    exits = iter([(1, False), (0, True)])
+    started: list[list[str]] = []
+
+    def supervise(cmd, **kwargs):
+        started.append(cmd)
+        return next(exits)
+
+    monkeypatch.setattr(cli, "_supervise", supervise)
+    monkeypatch.setattr(cli, "WORKER_WAIT_POLL_S", 0.01)
+    assert cli._worker_through_outages(["prefect", "worker"], env={}, cwd=".", api_url="http://127.0.0.1:1/api") is None
+    assert len(started) == 2
+    assert said[0] == ("the Prefect worker stopped: its Prefect server at http://127.0.0.1:1/api is not answering (GET "
+                       "/health failed: ConnectError: refused); it starts again when the server answers (`paperline "
+                       "up`; Ctrl-C stops waiting)")
+    assert said[1].startswith("the Prefect server answers again after 0 s: starting the Prefect worker again")
+
+    # a failure with the server answering is the worker's own: its status is returned, not retried
+    monkeypatch.setattr("paperline.infra.stack.prefect_problem", lambda url: None)
+    exits = iter([(1, False)])
+    said.clear()
+    assert cli._worker_through_outages(["prefect", "worker"], env={}, cwd=".", api_url="http://127.0.0.1:1/api") == 1
+    assert said == []
+
+    # SIGTERM while waiting stops `paperline worker` (its handler restored after)
+    monkeypatch.setattr("paperline.infra.stack.prefect_problem", lambda url: "GET /health failed")
+    exits = itertools.repeat((1, False))
+    before = signal.getsignal(signal.SIGTERM)
+    threading.Timer(0.3, os.kill, (os.getpid(), signal.SIGTERM)).start()
+    assert cli._worker_through_outages(["prefect", "worker"], env={}, cwd=".", api_url="http://127.0.0.1:1/api") is None
+    assert signal.getsignal(signal.SIGTERM) is before
