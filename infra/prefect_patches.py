@@ -41,11 +41,13 @@ had no line end and glued the next line onto it).
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import functools
 import json
 import os
 import threading
+from collections.abc import Iterator
 from datetime import timedelta
 from pathlib import Path, PurePath
 from typing import Any
@@ -164,8 +166,9 @@ def once_when_down(original: Any) -> Any:
                         **kwargs: Any) -> Any:
         from paperline.infra.watch import down_reason  # noqa: PLC0415
 
-        if down_reason("prefect") is not None:
-            return send(request, *send_args, **send_kwargs)
+        if (why := down_reason("prefect")) is not None:
+            with _saying_why(why):
+                return send(request, *send_args, **send_kwargs)
         return original(self, request, send, send_args, send_kwargs, *args, **kwargs)
 
     return send_with_retry
@@ -179,11 +182,26 @@ def once_when_down_async(original: Any) -> Any:
                               **kwargs: Any) -> Any:
         from paperline.infra.watch import down_reason  # noqa: PLC0415
 
-        if down_reason("prefect") is not None:
-            return await send(request, *send_args, **send_kwargs)
+        if (why := down_reason("prefect")) is not None:
+            with _saying_why(why):
+                return await send(request, *send_args, **send_kwargs)
         return await original(self, request, send, send_args, send_kwargs, *args, **kwargs)
 
     return send_with_retry
+
+
+@contextlib.contextmanager
+def _saying_why(why: str) -> Iterator[None]:
+    """A connection error inside says why the Prefect server is gone (``why``, from the server
+    watch): a served run whose Prefect server was killed ended on a bare "ConnectError('[Errno
+    111] Connection refused')" (a trial). The error keeps its type (Prefect's callers catch it)."""
+    import httpx  # noqa: PLC0415
+
+    try:
+        yield
+    except httpx.TransportError as exc:
+        exc.args = (f"{exc.args[0] if exc.args else exc} (prefect: {why})", *exc.args[1:])
+        raise
 
 
 def failing_when_down(original: Any) -> Any:

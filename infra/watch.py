@@ -124,11 +124,14 @@ class ServerWatch:
         return True
 
     def _watch(self) -> None:
-        from paperline.infra.stack import dead_servers  # noqa: PLC0415
+        from paperline.infra.stack import dead_servers, recorded_servers  # noqa: PLC0415
 
         since: dict[tuple[str, int], float] = {}  # (service, pid) -> when first seen gone
         while not self._stop.wait(self.poll_s):
             try:
+                # the latest records: a serve watching across a kill, an `up` and then a `down` named
+                # the server killed first as the one `down` stopped (a trial)
+                self._earlier = recorded_servers(self.settings) or self._earlier
                 gone = dead_servers(self.settings, self.services, self._earlier)
             except Exception:  # noqa: BLE001 - a watch that cannot read the state leaves the run alone
                 continue

@@ -3,6 +3,7 @@ once on a server it found gone. The "servers" here are real processes (``sleep``
 ``stack.json`` as `paperline up` records its servers, then killed."""
 
 import http.server
+import math
 import subprocess
 import sys
 import threading
@@ -150,6 +151,22 @@ def test_servers_paperline_down_stopped_under_a_run_are_gone_too(recorded):
     assert dead_servers(settings, earlier={"prefect": {"pid": prefect.pid, "url": "http://127.0.0.1:1"}}) == {}
 
 
+def test_a_server_down_stops_after_an_up_is_named_by_its_own_pid(recorded):
+    """A serve watching across a kill, an `up` and a `down` named the server killed first, not the
+    one `down` stopped (a trial): the watch goes by the latest records."""
+    settings, start = recorded
+    first = start("prefect")
+    with watch.ServerWatch(settings, lambda dead: None, grace_s=math.inf, poll_s=0.05):
+        _kill(first)
+        assert _wait_for(lambda: watch.down_reason("prefect") is not None)
+        second = start("prefect")  # `up`
+        assert _wait_for(lambda: watch.down_reason("prefect") is None)
+        _kill(second)
+        (settings.state_dir / "stack.json").unlink()  # `down`
+        assert _wait_for(lambda: watch.down_reason("prefect") is not None)
+        assert watch.down_reason("prefect").startswith(f"its server (pid {second.pid}) was stopped during the run")
+
+
 def test_marks_an_earlier_watch_left_are_cleared_by_the_next(recorded, monkeypatch):
     settings, _ = recorded
     monkeypatch.setitem(watch._DOWN, "mlflow", "its server (pid 7) died during the run; `paperline up` starts it again")  # (an exit interrupted)
@@ -226,6 +243,24 @@ def test_prefects_client_sends_once_to_a_server_found_gone(monkeypatch):
                 assert len(seen) == 1
     finally:
         server.shutdown()
+        server.server_close()  # (its port refuses connections from here on)
+    # a connection error says why (a served run ended on a bare "ConnectError('[Errno 111] ...')": a trial)
+    import asyncio
+
+    import httpx
+
+    with temporary_settings({PREFECT_API_URL: api}):
+        with get_client(sync_client=True) as client, pytest.raises(httpx.ConnectError) as refused:
+            client.hello()
+        assert str(refused.value).endswith(" (prefect: its server (pid 7) died during the run; `paperline up` "
+                                           "starts it again)"), refused.value
+
+        async def hello() -> None:
+            async with get_client() as aclient:
+                await aclient.hello()
+
+        with pytest.raises(httpx.ConnectError, match=r"\(prefect: its server \(pid 7\) died during the run"):
+            asyncio.run(hello())
 
 
 def test_a_log_batch_prefect_did_not_take_is_one_line_of_its_own(monkeypatch, capsys, free_port):
