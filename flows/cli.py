@@ -1219,10 +1219,17 @@ def serve() -> None:
                       f"`{_on_path('prefect')} deployment run gemm/local --params '{{\"params\": {{\"m\": 512}}}}'`; "
                       "Ctrl-C stops serving", soft_wrap=True, highlight=False, markup=False)
         # on stopping, a run it was executing, or had claimed and not started, is marked Crashed
-        # (the watch outermost: the stop's own calls to a Prefect server that is gone fail at once)
-        with marking_watch(_settings(), during="while serving"), \
-                watch_flow_runs("paperline serve", report=_say, deployments=names), _sigterm_as_ctrl_c(), \
-                _serving_through_outages(info.prefect_ui_url):
+        seen: dict[str, int] = {}  # the runs executed here lately (watch_flow_runs fills it in)
+
+        def lost_in_outage(began: Any) -> None:
+            _crash_runs_lost_in_outage(seen, names, began)
+
+        # (the watch outermost: the stop's own calls to a Prefect server that is gone fail at once;
+        # it sees an outage of the local Prefect server however short, the polls a longer one of any)
+        with marking_watch(_settings(), during="while serving",
+                           on_back=lambda back: "prefect" in back and lost_in_outage(back["prefect"])), \
+                watch_flow_runs("paperline serve", report=_say, deployments=names) as seen, _sigterm_as_ctrl_c(), \
+                _serving_through_outages(info.prefect_ui_url, lost_in_outage):
             try:
                 try:
                     prefect_serve(*deployments, print_starting_message=False)
@@ -1239,13 +1246,19 @@ def serve() -> None:
 
 
 @contextlib.contextmanager
-def _serving_through_outages(prefect_url: str) -> Iterator[None]:
+def _serving_through_outages(prefect_url: str, on_back: Callable[[Any], None] | None = None) -> Iterator[None]:
     """`paperline serve` polls on while its Prefect server is away, saying so once, and once more
     when it answers again. Prefect's runner stopped serving after three failed polls in a row:
     ~90 s after its server was killed or stopped (`paperline down`, which says the serve goes on
     after the next `up`), with a page of tracebacks (a trial). The serve's own watch (a
     :class:`~paperline.infra.watch.ServerWatch`) makes each poll of a server that is gone fail at
-    once rather than on Prefect's retries; the runs executing meanwhile fail on their own."""
+    once rather than on Prefect's retries; the runs executing meanwhile fail on their own.
+
+    Args:
+        prefect_url: The server, for the lines.
+        on_back: Called (in a thread) with the time (UTC) the outage was first seen, once the
+            server answers again: :func:`_crash_runs_lost_in_outage`.
+    """
     import time
 
     import httpx
@@ -1254,8 +1267,12 @@ def _serving_through_outages(prefect_url: str) -> Iterator[None]:
 
     from paperline.infra.errors import redact_url
 
+    import datetime
+
+    import anyio
+
     original = ScheduledRunPoller._get_and_submit_flow_runs
-    away: dict[str, float] = {}
+    away: dict[str, Any] = {}
 
     async def polled(self: Any, *args: Any, **kwargs: Any) -> None:
         try:
@@ -1263,6 +1280,7 @@ def _serving_through_outages(prefect_url: str) -> Iterator[None]:
         except httpx.TransportError as exc:  # (Prefect's own loop counts these; a 5xx it logs and retries)
             if not away:
                 away["since"] = time.monotonic()
+                away["began"] = datetime.datetime.now(datetime.timezone.utc)
                 _say(f"the Prefect server at {redact_url(prefect_url)} is not answering ({_why_down('prefect', exc)}); "
                      "serving waits for it (runs executing here fail meanwhile) and goes on when it is back "
                      "(`paperline status` shows what is down; Ctrl-C stops serving)")
@@ -1270,6 +1288,9 @@ def _serving_through_outages(prefect_url: str) -> Iterator[None]:
         if away:
             _say(f"the Prefect server at {redact_url(prefect_url)} answers again after "
                  f"{time.monotonic() - away.pop('since'):.0f} s: serving goes on")
+            began = away.pop("began")
+            if on_back is not None:
+                await anyio.to_thread.run_sync(on_back, began)
 
     def quiet_while_away(check: Any) -> Any:
         # the runner's cancellation and suspension observers poll the same way, and stopped for good
@@ -1295,6 +1316,22 @@ def _serving_through_outages(prefect_url: str) -> Iterator[None]:
     finally:
         for cls, name, fn in originals:
             setattr(cls, name, fn)
+
+
+def _crash_runs_lost_in_outage(seen: dict[str, int], deployments: list[str], began: Any) -> None:
+    """Once serve's Prefect server answers again: mark Crashed the runs the outage lost, which
+    nothing else would. A run whose process ended meanwhile (its end unrecorded; Pending ones
+    held their deployment's only concurrency slot, so its next run waited for good: a trial), and
+    a run claimed (Pending) before the outage (``began``) whose process is not there."""
+    from paperline.infra.flow_runs import crash_lost_runs, crash_unstarted_runs, flow_run_processes
+
+    executing = set(flow_run_processes(os.getpid()))
+    ended = {run_id: pid for run_id, pid in dict(seen).items() if run_id not in executing}  # (its thread adds)
+    why = "its process ended while the Prefect server was away"
+    crash_lost_runs(ended, "paperline serve", wait_s=0.0, report=_say, why=why)
+    crash_unstarted_runs(deployments, "paperline serve", executing=executing | set(ended), report=_say,
+                         why="it was claimed before the Prefect server went away, and no process of it runs now",
+                         before=began)
 
 
 def _why_down(service: str, exc: BaseException) -> str:

@@ -14,6 +14,7 @@ each run it had claimed (Pending) and not yet started, which nothing else would 
 from __future__ import annotations
 
 import contextlib
+import datetime
 import os
 import threading
 from typing import Callable, Iterator
@@ -58,7 +59,8 @@ def _pid_alive(pid: int) -> bool:
 
 
 def crash_lost_runs(seen: dict[str, int], who: str, *, wait_s: float = 10.0,
-                    report: Callable[[str], None] | None = None) -> tuple[list[str], list[str]]:
+                    report: Callable[[str], None] | None = None,
+                    why: str | None = None) -> tuple[list[str], list[str]]:
     """Mark Crashed each run of ``seen`` (flow-run id -> engine PID) whose process has ended
     (waiting up to ``wait_s`` seconds for it) while the Prefect server (``PREFECT_API_URL``) still
     has it Pending or Running; a run still executing is left to report its own end.
@@ -67,6 +69,8 @@ def crash_lost_runs(seen: dict[str, int], who: str, *, wait_s: float = 10.0,
         seen: From :func:`flow_run_processes`.
         who: The stopped command, for the state message (e.g. ``paperline serve``).
         report: Called with one line per run it acted on (the terminal).
+        why: How the processes ended, for the state message and the lines, instead of ``who``
+            stopping (``"its process ended while the Prefect server was away"``).
 
     Returns:
         (ids marked Crashed, ids still executing). Server errors are reported, not raised: this
@@ -75,6 +79,7 @@ def crash_lost_runs(seen: dict[str, int], who: str, *, wait_s: float = 10.0,
     import time  # noqa: PLC0415
 
     from prefect.client.orchestration import get_client  # noqa: PLC0415
+    from prefect.client.schemas.objects import StateType  # noqa: PLC0415
     from prefect.client.schemas.responses import SetStateStatus  # noqa: PLC0415
     from prefect.states import Crashed  # noqa: PLC0415
 
@@ -85,7 +90,7 @@ def crash_lost_runs(seen: dict[str, int], who: str, *, wait_s: float = 10.0,
         time.sleep(0.2)
         alive = {run_id for run_id in alive if _pid_alive(seen[run_id])}
     crashed: list[str] = []
-    for run_id in sorted(alive):
+    for run_id in sorted(alive) if why is None else ():  # (an outage's check: only the ended ones count)
         say(f"flow run {run_id} is still executing (pid {seen[run_id]}); it reports its own end")
     lost = [run_id for run_id in seen if run_id not in alive]
     if not lost:
@@ -94,25 +99,29 @@ def crash_lost_runs(seen: dict[str, int], who: str, *, wait_s: float = 10.0,
         with get_client(sync_client=True) as client:
             for run_id in lost:
                 run = client.read_flow_run(run_id)
-                if run.state is None or run.state.name not in ("Pending", "Running"):
+                # by type: the runner's claim is Pending named "Submitting" (passed over by name: a trial)
+                if run.state is None or run.state.type not in (StateType.PENDING, StateType.RUNNING):
                     continue
                 message = (f"`{who}` was stopped while this run was executing; its process (pid {seen[run_id]}) "
-                           "ended with it.")
+                           "ended with it." if why is None else
+                           f"{why[0].upper()}{why[1:]} (pid {seen[run_id]}, `{who}`); its end was not recorded.")
                 # not forced: a run that reported its own end meanwhile keeps it
                 result = client.set_flow_run_state(run_id, Crashed(message=message))
                 if result.status == SetStateStatus.ACCEPT:
                     crashed.append(run_id)
-                    say(f"flow run {run.name!r} ({run_id}) marked Crashed: {who} stopped while it was executing")
+                    say(f"flow run {run.name!r} ({run_id}) marked Crashed: "
+                        + (f"{who} stopped while it was executing" if why is None else why))
     except Exception as exc:  # noqa: BLE001 - the process is exiting; the zombie automation is the backstop
         # (it said "the interrupted flow runs" of a run that had ended minutes before: a trial)
         say(f"could not check whether the {len(lost)} flow run(s) it executed lately ended "
             f"({type(exc).__name__}: {(str(exc).splitlines() or [''])[0]}); one left Running is marked Crashed by the server's "
-            "automation once its heartbeats stop")
+            "automation, once the server is up, when its heartbeats have stopped")
     return crashed, sorted(alive)
 
 
 def crash_unstarted_runs(deployments: list[str], who: str, *, executing: set[str] = frozenset(),
-                         report: Callable[[str], None] | None = None) -> list[str]:
+                         report: Callable[[str], None] | None = None, why: str | None = None,
+                         before: datetime.datetime | None = None) -> list[str]:
     """Mark Crashed each Pending run of ``deployments`` (``"flow/deployment"`` names) that no
     process executes: what a stopped `paperline serve` had claimed (Pending) but not yet started.
     Nothing else serves those deployments (one serve per stack), so such a run stayed Pending,
@@ -123,6 +132,10 @@ def crash_unstarted_runs(deployments: list[str], who: str, *, executing: set[str
         who: The stopped command, for the state message.
         executing: Ids of runs whose process is still there (left alone: they report their end).
         report: Called with one line per run marked.
+        why: What became of the claimed runs, for the state message and the lines, instead of
+            ``who`` stopping.
+        before: Only runs Pending since before this time (timezone-aware): one claimed since is
+            about to start.
 
     Returns:
         The ids marked Crashed. Server errors are reported, not raised (this runs while exiting).
@@ -155,13 +168,16 @@ def crash_unstarted_runs(deployments: list[str], who: str, *, executing: set[str
                 flow_run_filter=FlowRunFilter(state=FlowRunFilterState(type=FlowRunFilterStateType(
                     any_=[StateType.PENDING]))))
             for run in runs:
-                if str(run.id) in executing:
+                if str(run.id) in executing or (before is not None and run.state is not None
+                                                and run.state.timestamp >= before):
                     continue
-                message = f"`{who}` was stopped after claiming this run, before its process started; run it again."
+                message = (f"`{who}` was stopped after claiming this run, before its process started; run it again."
+                           if why is None else f"{why[0].upper()}{why[1:]} (`{who}`); run it again.")
                 result = client.set_flow_run_state(run.id, Crashed(message=message))  # not forced, as above
                 if result.status == SetStateStatus.ACCEPT:
                     crashed.append(str(run.id))
-                    say(f"flow run {run.name!r} ({run.id}) marked Crashed: {who} stopped before it started")
+                    say(f"flow run {run.name!r} ({run.id}) marked Crashed: "
+                        + (f"{who} stopped before it started" if why is None else why))
     except Exception as exc:  # noqa: BLE001 - the process is exiting
         say(f"could not check for claimed flow runs that never started ({type(exc).__name__}: {exc}); "
             "cancel a run left Pending from the Prefect UI")
@@ -390,8 +406,6 @@ def local_worker_pids(api_url: str, login: str | None) -> list[int]:
 def deployment_status(api_url: str, login: str | None, state_dir: os.PathLike[str] | str) -> list[str]:
     """:func:`deployment_report` for the Prefect server at ``api_url``, sending ``login`` (None:
     the environment's, as it is). Server errors give one line saying so; nothing raised."""
-    import datetime  # noqa: PLC0415
-
     from prefect.client.orchestration import get_client  # noqa: PLC0415
     from prefect.client.schemas.filters import (  # noqa: PLC0415
         FlowRunFilter,

@@ -23,6 +23,7 @@ went on ~100 s after its stack was killed, its tasks on the workers retrying S3 
 from __future__ import annotations
 
 import contextlib
+import datetime
 import math
 import os
 import threading
@@ -75,12 +76,15 @@ class ServerWatch:
         active: False: a watch that watches nothing (its thread is not started).
         on_gone: Called (from the thread) each time servers are found gone after none was.
         during: When, in the marks' words (``"during the run"``, ``"while serving"``).
+        on_back: Called (from the thread) with ``{service: when it was first found gone (UTC)}``
+            for servers found gone that an `up` has since restarted, however short the outage.
     """
 
     def __init__(self, settings: Settings, on_dead: Callable[[dict[str, dict[str, Any]]], None],
                  services: tuple[str, ...] = ("s3", "prefect", "mlflow"), grace_s: float = GRACE_S,
                  poll_s: float = POLL_S, active: bool = True, on_gone: Callable[[], None] | None = None,
-                 during: str = "during the run"):
+                 during: str = "during the run",
+                 on_back: Callable[[dict[str, datetime.datetime]], None] | None = None):
         self.settings = settings
         self.on_dead = on_dead
         self.services = tuple(services)
@@ -89,6 +93,8 @@ class ServerWatch:
         self.active = active
         self.on_gone = on_gone
         self.during = during
+        self.on_back = on_back
+        self._gone_since: dict[str, datetime.datetime] = {}  # service -> when first found gone (for on_back)
         self.dead: dict[str, dict[str, Any]] = {}
         self._stop = threading.Event()
         self._lock = threading.Lock()  # marking and on_dead, against the exit
@@ -105,6 +111,15 @@ class ServerWatch:
             return dead_servers(self.settings, self.services, self._earlier)
         except Exception:  # noqa: BLE001 - only a detail of an error being reported
             return {}
+
+    def _back(self, gone: dict[str, dict[str, Any]]) -> None:
+        """Call ``on_back`` for the services found gone before and recorded with a live server
+        now (an `up` restarted them; the marks were cleared while it held the stack's lock)."""
+        now = datetime.datetime.now(datetime.timezone.utc)
+        back = {name: began for name, began in self._gone_since.items() if name not in gone}
+        self._gone_since = {name: self._gone_since.get(name, now) for name in gone}
+        if back:
+            self.on_back(back)  # type: ignore[misc]
 
     def _mark(self, gone: dict[str, dict[str, Any]]) -> bool:
         """Mark ``gone`` down and unmark the rest; False once the watch has ended."""
@@ -124,7 +139,7 @@ class ServerWatch:
         return True
 
     def _watch(self) -> None:
-        from paperline.infra.stack import dead_servers, recorded_servers  # noqa: PLC0415
+        from paperline.infra.stack import dead_servers, recorded_servers, stack_lock_busy  # noqa: PLC0415
 
         since: dict[tuple[str, int], float] = {}  # (service, pid) -> when first seen gone
         while not self._stop.wait(self.poll_s):
@@ -133,6 +148,8 @@ class ServerWatch:
                 # the server killed first as the one `down` stopped (a trial)
                 self._earlier = recorded_servers(self.settings) or self._earlier
                 gone = dead_servers(self.settings, self.services, self._earlier)
+                if self.on_back is not None and not stack_lock_busy(self.settings):
+                    self._back(gone)
             except Exception:  # noqa: BLE001 - a watch that cannot read the state leaves the run alone
                 continue
             now = time.monotonic()
@@ -175,7 +192,8 @@ class ServerWatch:
                 _ACTIVE.remove(self)
 
 
-def marking_watch(settings: Settings | None = None, during: str = "during the run") -> ServerWatch:
+def marking_watch(settings: Settings | None = None, during: str = "during the run",
+                  on_back: Callable[[dict[str, datetime.datetime]], None] | None = None) -> ServerWatch:
     """A :class:`ServerWatch` on the local stack's managed services
     (:func:`paperline.infra.stack.managed_services`) that marks the dead ones down for this
     process, and unmarks them when `paperline up` records new servers, but never stops anything:
@@ -185,13 +203,14 @@ def marking_watch(settings: Settings | None = None, during: str = "during the ru
         settings: Uses ``state_dir`` and the configured endpoints; default
             :func:`paperline.infra.settings.get_settings`.
         during: When, in the marks' words (:class:`ServerWatch`).
+        on_back: As :class:`ServerWatch`'s.
     """
     from paperline.infra.settings import get_settings  # noqa: PLC0415
     from paperline.infra.stack import managed_services  # noqa: PLC0415
 
     settings = settings or get_settings()
     return ServerWatch(settings, lambda dead: None, services=managed_services(settings), grace_s=math.inf,
-                       on_gone=check_result_writes, during=during)
+                       on_gone=check_result_writes, during=during, on_back=on_back)
 
 
 @contextlib.contextmanager

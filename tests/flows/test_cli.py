@@ -1181,6 +1181,7 @@ def test_serve_polls_on_while_its_prefect_server_is_away_and_says_so_once_each_w
     trial): a failed poll is said once, the return once, and nothing is raised into Prefect's loop;
     the runner's cancellation observer (dead for good after an outage) finds nothing meanwhile."""
     import asyncio
+    import datetime
 
     import httpx
     from prefect._internal.observers import FlowRunCancellingObserver
@@ -1201,10 +1202,13 @@ def test_serve_polls_on_while_its_prefect_server_is_away_and_says_so_once_each_w
     monkeypatch.setattr(FlowRunCancellingObserver, "_check_for_cancelled_flow_runs", check)
     said: list[str] = []
     monkeypatch.setattr(cli, "_say", said.append)
-    with cli._serving_through_outages("http://127.0.0.1:4200"):
+    back: list = []  # the lost runs' check, once the server is back, given when the outage began
+    before = datetime.datetime.now(datetime.timezone.utc)
+    with cli._serving_through_outages("http://127.0.0.1:4200", back.append):
         for _ in range(4):
             asyncio.run(ScheduledRunPoller._get_and_submit_flow_runs(None))
         asyncio.run(FlowRunCancellingObserver._check_for_cancelled_flow_runs(None))
+    assert len(back) == 1 and before <= back[0] <= datetime.datetime.now(datetime.timezone.utc)
     assert len(said) == 2, said
     assert said[0].startswith("the Prefect server at http://127.0.0.1:4200 is not answering (ConnectError: All "
                               "connection attempts failed); serving waits for it")
@@ -1363,3 +1367,25 @@ def test_paperline_worker_starts_its_prefect_worker_again_after_an_outage(monkey
     threading.Timer(0.3, os.kill, (os.getpid(), signal.SIGTERM)).start()
     assert cli._worker_through_outages(["prefect", "worker"], env={}, cwd=".", api_url="http://127.0.0.1:1/api") is None
     assert signal.getsignal(signal.SIGTERM) is before
+
+
+def test_the_runs_an_outage_lost_are_those_not_executing(monkeypatch):
+    """Once serve's Prefect server is back: runs whose process ended meanwhile go to
+    crash_lost_runs, and the claimed ones with no process (excluding those) to crash_unstarted_runs,
+    only if claimed before the outage began (a run stuck "Submitting" held its deployment's slot)."""
+    import datetime
+
+    from paperline.flows import cli
+    from paperline.infra import flow_runs
+
+    calls: dict[str, tuple] = {}
+    monkeypatch.setattr(flow_runs, "flow_run_processes", lambda pid: {"running": 11})
+    monkeypatch.setattr(flow_runs, "crash_lost_runs", lambda seen, who, **kw: calls.update(lost=(seen, who, kw)))
+    monkeypatch.setattr(flow_runs, "crash_unstarted_runs", lambda names, who, **kw: calls.update(unstarted=(names, kw)))
+    began = datetime.datetime(2026, 12, 5, tzinfo=datetime.timezone.utc)
+    cli._crash_runs_lost_in_outage({"running": 11, "ended": 12}, ["gemm/local"], began)
+    seen, who, kw = calls["lost"]
+    assert seen == {"ended": 12} and who == "paperline serve" and kw["wait_s"] == 0.0
+    assert kw["why"] == "its process ended while the Prefect server was away"
+    names, kw = calls["unstarted"]
+    assert names == ["gemm/local"] and kw["executing"] == {"running", "ended"} and kw["before"] is began

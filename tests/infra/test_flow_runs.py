@@ -2,6 +2,7 @@
 stopped (infra/flow_runs.py), and the one-line log records of expected errors (infra/errors.py).
 The end-to-end stops are in tests/flows/test_worker.py and test_serve.py."""
 
+import datetime
 import logging
 import os
 import subprocess
@@ -110,14 +111,14 @@ def test_crash_lost_runs_says_what_it_could_not_check(free_port):
         assert crash_lost_runs({str(uuid.uuid4()): proc.pid}, "paperline worker", report=lines.append) == ([], [])
     assert len(lines) == 1 and lines[0].startswith("could not check whether the 1 flow run(s) it executed lately "
                                                    "ended (ConnectError: "), lines
-    assert lines[0].endswith("one left Running is marked Crashed by the server's automation once its heartbeats "
-                             "stop"), lines
+    assert lines[0].endswith("one left Running is marked Crashed by the server's automation, once the server is "
+                             "up, when its heartbeats have stopped"), lines
 
 
 @pytest.mark.stack
 def test_crash_lost_runs_crashes_only_unfinished_runs_whose_process_ended(stack):
     from prefect.client.orchestration import get_client
-    from prefect.states import Completed, Running
+    from prefect.states import Completed, Pending, Running
 
     dead = subprocess.Popen([sys.executable, "-c", "pass"])
     dead.wait()
@@ -134,6 +135,17 @@ def test_crash_lost_runs_crashes_only_unfinished_runs_whose_process_ended(stack)
             assert state.message.startswith("`paperline worker` was stopped while this run was executing")
             assert client.read_flow_run(done.id).state.name == "Completed"
             assert client.read_flow_run(going.id).state.name == "Running"
+            # after an outage of the Prefect server (`paperline serve`): said as what happened
+            outage: list[str] = []
+            pending = _flow_run(client, Pending(name="Submitting"))  # (the runner's claim)
+            seen = {str(pending.id): dead.pid, str(going.id): alive.pid}
+            why = "its process ended while the Prefect server was away"
+            assert crash_lost_runs(seen, "paperline serve", wait_s=0.0, report=outage.append, why=why) == \
+                ([str(pending.id)], [str(going.id)])
+            assert client.read_flow_run(pending.id).state.message == \
+                f"Its process ended while the Prefect server was away (pid {dead.pid}, `paperline serve`); its end " \
+                "was not recorded."
+            assert outage == [f"flow run {pending.name!r} ({pending.id}) marked Crashed: {why}"]  # (none "still executing")
     finally:
         _stop(alive)
     assert any("marked Crashed" in line and str(lost.id) in line for line in lines), lines
@@ -168,7 +180,18 @@ def test_crash_unstarted_runs_crashes_the_claimed_runs_of_the_served_deployments
             "`paperline serve` was stopped after claiming this run, before its process started")
         assert [client.read_flow_run(r.id).state.name for r in (starting, scheduled, elsewhere)] == \
             ["Pending", "Scheduled", "Pending"]
-    assert len(lines) == 1 and str(claimed.id) in lines[0], lines
+        assert len(lines) == 1 and str(claimed.id) in lines[0], lines
+        # once serve's Prefect server is back after an outage: a run claimed since is about to start
+        began = client.read_flow_run(starting.id).state.timestamp + datetime.timedelta(milliseconds=1)
+        since = client.create_flow_run_from_deployment(served, state=Pending())
+        lines.clear()
+        why = "it was claimed before the Prefect server went away, and no process of it runs now"
+        assert crash_unstarted_runs(["paperline-test-unstarted-probe/served"], "paperline serve", report=lines.append,
+                                    why=why, before=began) == [str(starting.id)]
+        assert client.read_flow_run(starting.id).state.message == f"{why[0].upper()}{why[1:]} (`paperline serve`); " \
+                                                                 "run it again."
+        assert client.read_flow_run(since.id).state.name == "Pending"
+        assert lines == [f"flow run {starting.name!r} ({starting.id}) marked Crashed: {why}"]
 
 
 def _served(name, polled=None, paused=False):

@@ -380,3 +380,22 @@ def test_a_local_dask_worker_marks_a_dead_server_for_its_tasks(recorded, monkeyp
         _kill(s3)
         assert client.submit(reason_within, 10.0, pure=False).result() == \
             f"its server (pid {s3.pid}) died during the run; `paperline up` starts it again"
+
+
+def test_a_server_an_up_restarted_is_said_back_however_short_its_outage(recorded):
+    """A serve's claimed run was lost when Prefect was killed and `up` restarted it within a poll
+    of serve's (a trial): the watch calls ``on_back`` with when the server was first found gone."""
+    import datetime
+
+    settings, start = recorded
+    first = start("prefect")
+    back: list[dict] = []
+    with watch.ServerWatch(settings, lambda dead: None, grace_s=math.inf, poll_s=0.05, on_back=back.append):
+        before = datetime.datetime.now(datetime.timezone.utc)
+        _kill(first)
+        assert _wait_for(lambda: watch.down_reason("prefect") is not None)
+        assert back == []
+        start("prefect")  # `up`
+        assert _wait_for(lambda: back)
+        time.sleep(0.3)
+    assert len(back) == 1 and list(back[0]) == ["prefect"] and before <= back[0]["prefect"]
