@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import os
 from collections.abc import Callable
 from typing import Any
 
@@ -68,25 +67,11 @@ def _watched(fn: Callable[..., Any]) -> Callable[..., Any]:
     def run(*args: Any, **kwargs: Any) -> Any:
         from paperline.infra.watch import flow_run_watch  # noqa: PLC0415
 
-        if os.environ.get("PREFECT__FLOW_RUN_ID"):  # a process Prefect's runner or worker started for this run
-            _freeze_startup()
         with flow_run_watch():
             return fn(*args, **kwargs)
 
     run._paperline_watched = True  # type: ignore[attr-defined]
     return wrapped_like(fn, run)
-
-
-def _freeze_startup() -> None:
-    """Freeze the heap of a process started for one deployment run (``infra/heap.py``), as
-    `paperline run` does: what the engine and the flow's imports (MLflow's client among them)
-    loaded lives as long as the process, and full collections walked it over and over."""
-    from paperline.infra import heap  # noqa: PLC0415
-
-    if not heap.frozen():
-        import mlflow.tracking  # noqa: F401, PLC0415 - every run tracks: loaded before the freeze
-
-        heap.freeze_startup()
 
 
 def wrapped_like(fn: Callable[..., Any], wrapper: Callable[..., Any]) -> Callable[..., Any]:
