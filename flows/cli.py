@@ -1222,7 +1222,11 @@ def serve() -> None:
         seen: dict[str, int] = {}  # the runs executed here lately (watch_flow_runs fills it in)
 
         def lost_in_outage(began: Any) -> None:
-            _crash_runs_lost_in_outage(seen, names, began)
+            try:
+                _crash_runs_lost_in_outage(seen, names, began)
+            except Exception as exc:  # noqa: BLE001 - from the watch's thread or Prefect's poll: say it, serve on
+                _say(f"could not check for flow runs the Prefect server's outage lost ({type(exc).__name__}: "
+                     f"{exc}); cancel a run left Pending or Running from the Prefect UI")
 
         # (the watch outermost: the stop's own calls to a Prefect server that is gone fail at once;
         # it sees an outage of the local Prefect server however short, the polls a longer one of any)
@@ -1250,64 +1254,74 @@ def _serving_through_outages(prefect_url: str, on_back: Callable[[Any], None] | 
     """`paperline serve` polls on while its Prefect server is away, saying so once, and once more
     when it answers again. Prefect's runner stopped serving after three failed polls in a row:
     ~90 s after its server was killed or stopped (`paperline down`, which says the serve goes on
-    after the next `up`), with a page of tracebacks (a trial). The serve's own watch (a
-    :class:`~paperline.infra.watch.ServerWatch`) makes each poll of a server that is gone fail at
-    once rather than on Prefect's retries; the runs executing meanwhile fail on their own.
+    after the next `up`), with a page of tracebacks (a trial). A poll fails on a connection error
+    or a 5xx (a server starting, a proxy); the outage is said at the second failure in a row, or at
+    the first when the serve's watch knows the server is gone (its polls then fail at once rather
+    than on Prefect's retries). The runs executing meanwhile fail on their own.
 
     Args:
         prefect_url: The server, for the lines.
         on_back: Called (in a thread) with the time (UTC) the outage was first seen, once the
-            server answers again: :func:`_crash_runs_lost_in_outage`.
+            server answers again after one that was said: :func:`_crash_runs_lost_in_outage`.
     """
+    import datetime
     import time
 
+    import anyio
     import httpx
-    from prefect._internal.observers import FlowRunCancellingObserver, FlowRunSuspendingObserver
+    from prefect._internal.observers import FlowRunCancellingObserver
     from prefect.runner._scheduled_run_poller import ScheduledRunPoller
 
     from paperline.infra.errors import redact_url
-
-    import datetime
-
-    import anyio
+    from paperline.infra.watch import down_reason
 
     original = ScheduledRunPoller._get_and_submit_flow_runs
-    away: dict[str, Any] = {}
+    away: dict[str, Any] = {}  # since (monotonic), began (UTC), fails (in a row), said
+
+    def outage(exc: BaseException) -> bool:
+        return isinstance(exc, httpx.TransportError) or (
+            isinstance(exc, httpx.HTTPStatusError) and exc.response.status_code >= 500)
 
     async def polled(self: Any, *args: Any, **kwargs: Any) -> None:
         try:
             await original(self, *args, **kwargs)
-        except httpx.TransportError as exc:  # (Prefect's own loop counts these; a 5xx it logs and retries)
+        except Exception as exc:
+            if not outage(exc):
+                raise
             if not away:
-                away["since"] = time.monotonic()
-                away["began"] = datetime.datetime.now(datetime.timezone.utc)
+                away.update(since=time.monotonic(), began=datetime.datetime.now(datetime.timezone.utc), fails=0)
+            away["fails"] += 1
+            if not away.get("said") and (away["fails"] >= 2 or down_reason("prefect") is not None):
+                away["said"] = True
                 _say(f"the Prefect server at {redact_url(prefect_url)} is not answering ({_why_down('prefect', exc)}); "
                      "serving waits for it (runs executing here fail meanwhile) and goes on when it is back "
                      "(`paperline status` shows what is down; Ctrl-C stops serving)")
             return
         if away:
-            _say(f"the Prefect server at {redact_url(prefect_url)} answers again after "
-                 f"{time.monotonic() - away.pop('since'):.0f} s: serving goes on")
-            began = away.pop("began")
-            if on_back is not None:
-                await anyio.to_thread.run_sync(on_back, began)
+            gone = away.copy()
+            away.clear()
+            if gone.get("said"):  # (one failed poll alone: a hiccup, nothing said)
+                _say(f"the Prefect server at {redact_url(prefect_url)} answers again after "
+                     f"{time.monotonic() - gone['since']:.0f} s: serving goes on")
+                if on_back is not None:
+                    await anyio.to_thread.run_sync(on_back, gone["began"])
 
-    def quiet_while_away(check: Any) -> Any:
-        # the runner's cancellation and suspension observers poll the same way, and stopped for good
-        # ("Execution will continue, but flow run cancellation will fail"): a served run could not be
-        # cancelled from the UI after an outage. While the server is away they find nothing to do.
-        @functools.wraps(check)
-        async def checked(self: Any, *args: Any, **kwargs: Any) -> None:
-            with contextlib.suppress(httpx.TransportError):
-                await check(self, *args, **kwargs)
+    original_check = FlowRunCancellingObserver._check_for_cancelled_flow_runs
 
-        return checked
+    @functools.wraps(original_check)
+    async def checked(self: Any, *args: Any, **kwargs: Any) -> None:
+        # the runner's cancellation observer polls the same way while its events stream is down, and
+        # stopped for good ("Execution will continue, but flow run cancellation will fail"): a served
+        # run could not be cancelled from the UI after an outage. While the server is away it finds
+        # nothing to do.
+        try:
+            await original_check(self, *args, **kwargs)
+        except Exception as exc:
+            if not (outage(exc) and (away or down_reason("prefect") is not None)):
+                raise
 
     patched = [(ScheduledRunPoller, "_get_and_submit_flow_runs", polled),
-               (FlowRunCancellingObserver, "_check_for_cancelled_flow_runs",
-                quiet_while_away(FlowRunCancellingObserver._check_for_cancelled_flow_runs)),
-               (FlowRunSuspendingObserver, "_check_for_suspended_flow_runs",
-                quiet_while_away(FlowRunSuspendingObserver._check_for_suspended_flow_runs))]
+               (FlowRunCancellingObserver, "_check_for_cancelled_flow_runs", checked)]
     originals = [(cls, name, getattr(cls, name)) for cls, name, _ in patched]
     for cls, name, fn in patched:
         setattr(cls, name, fn)
@@ -1319,10 +1333,11 @@ def _serving_through_outages(prefect_url: str, on_back: Callable[[Any], None] | 
 
 
 def _crash_runs_lost_in_outage(seen: dict[str, int], deployments: list[str], began: Any) -> None:
-    """Once serve's Prefect server answers again: mark Crashed the runs the outage lost, which
-    nothing else would. A run whose process ended meanwhile (its end unrecorded; Pending ones
-    held their deployment's only concurrency slot, so its next run waited for good: a trial), and
-    a run claimed (Pending) before the outage (``began``) whose process is not there."""
+    """Once serve's Prefect server answers again: mark Crashed the runs the outage lost. A run
+    whose process ended meanwhile (its end unrecorded; a Pending one held its deployment's only
+    concurrency slot, so its next run waited for good: a trial), and a run claimed (Pending)
+    before the outage (``began``) whose process is not there. (A Running run whose process ended
+    more than 5 minutes before, which ``seen`` has forgotten, is left to the heartbeat automation.)"""
     from paperline.infra.flow_runs import crash_lost_runs, crash_unstarted_runs, flow_run_processes
 
     executing = set(flow_run_processes(os.getpid()))
@@ -1568,8 +1583,8 @@ def _after_outage(api_url: str) -> bool | None:
     """After the Prefect worker exited unasked: if its Prefect server at ``api_url`` is not
     answering, say so once, wait for it to answer and return True (start the worker again); False
     when it answers (the exit was something else); None when stopped while waiting (Ctrl-C,
-    SIGTERM, SIGHUP). Prefect's worker gives up after about 7 minutes of failed polls (its
-    backoff) and exited, ending `paperline worker` with "exited with status 1" though `paperline
+    SIGTERM, SIGHUP). Prefect's worker gives up after about 11 minutes of failed polls (its
+    backoff; measured) and exited, ending `paperline worker` with "exited with status 1" though `paperline
     down` says it takes runs again after the next `up`."""
     import signal
     import time

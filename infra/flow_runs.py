@@ -104,7 +104,7 @@ def crash_lost_runs(seen: dict[str, int], who: str, *, wait_s: float = 10.0,
                     continue
                 message = (f"`{who}` was stopped while this run was executing; its process (pid {seen[run_id]}) "
                            "ended with it." if why is None else
-                           f"{why[0].upper()}{why[1:]} (pid {seen[run_id]}, `{who}`); its end was not recorded.")
+                           f"{_capitalized(why)} (pid {seen[run_id]}, `{who}`); its end was not recorded.")
                 # not forced: a run that reported its own end meanwhile keeps it
                 result = client.set_flow_run_state(run_id, Crashed(message=message))
                 if result.status == SetStateStatus.ACCEPT:
@@ -117,6 +117,10 @@ def crash_lost_runs(seen: dict[str, int], who: str, *, wait_s: float = 10.0,
             f"({type(exc).__name__}: {(str(exc).splitlines() or [''])[0]}); one left Running is marked Crashed by the server's "
             "automation, once the server is up, when its heartbeats have stopped")
     return crashed, sorted(alive)
+
+
+def _capitalized(text: str) -> str:
+    return text[:1].upper() + text[1:]
 
 
 def crash_unstarted_runs(deployments: list[str], who: str, *, executing: set[str] = frozenset(),
@@ -172,7 +176,7 @@ def crash_unstarted_runs(deployments: list[str], who: str, *, executing: set[str
                                                 and run.state.timestamp >= before):
                     continue
                 message = (f"`{who}` was stopped after claiming this run, before its process started; run it again."
-                           if why is None else f"{why[0].upper()}{why[1:]} (`{who}`); run it again.")
+                           if why is None else f"{_capitalized(why)} (`{who}`); run it again.")
                 result = client.set_flow_run_state(run.id, Crashed(message=message))  # not forced, as above
                 if result.status == SetStateStatus.ACCEPT:
                     crashed.append(str(run.id))

@@ -1189,10 +1189,15 @@ def test_serve_polls_on_while_its_prefect_server_is_away_and_says_so_once_each_w
 
     from paperline.flows import cli
 
-    outcomes = [httpx.ConnectError("All connection attempts failed"), httpx.ConnectError("refused"), None, None]
+    request = httpx.Request("GET", "http://127.0.0.1:4200/api/x")
+    unavailable = httpx.HTTPStatusError("503", request=request, response=httpx.Response(503, request=request))
+    outcomes = [httpx.ReadTimeout("timed out"), None,  # one failed poll alone: a hiccup, nothing said
+                httpx.ConnectError("All connection attempts failed"), unavailable, "check", None, None]
 
     async def poll(self, *args, **kwargs):
-        if (outcome := outcomes.pop(0)) is not None:
+        if (outcome := outcomes.pop(0)) == "check":  # while the server is away: the observer finds nothing
+            await FlowRunCancellingObserver._check_for_cancelled_flow_runs(None)
+        elif outcome is not None:
             raise outcome
 
     async def check(self):
@@ -1205,17 +1210,24 @@ def test_serve_polls_on_while_its_prefect_server_is_away_and_says_so_once_each_w
     back: list = []  # the lost runs' check, once the server is back, given when the outage began
     before = datetime.datetime.now(datetime.timezone.utc)
     with cli._serving_through_outages("http://127.0.0.1:4200", back.append):
-        for _ in range(4):
+        for _ in range(2):
             asyncio.run(ScheduledRunPoller._get_and_submit_flow_runs(None))
-        asyncio.run(FlowRunCancellingObserver._check_for_cancelled_flow_runs(None))
+        assert said == [] and back == []
+        before = datetime.datetime.now(datetime.timezone.utc)
+        for _ in range(5):
+            asyncio.run(ScheduledRunPoller._get_and_submit_flow_runs(None))
+        with pytest.raises(httpx.ConnectError):  # not away: Prefect's own loop counts it
+            asyncio.run(FlowRunCancellingObserver._check_for_cancelled_flow_runs(None))
+        with pytest.raises(ValueError):  # (not an outage: Prefect's loop sees it)
+            outcomes.append(ValueError("a bug"))
+            asyncio.run(ScheduledRunPoller._get_and_submit_flow_runs(None))
     assert len(back) == 1 and before <= back[0] <= datetime.datetime.now(datetime.timezone.utc)
     assert len(said) == 2, said
-    assert said[0].startswith("the Prefect server at http://127.0.0.1:4200 is not answering (ConnectError: All "
-                              "connection attempts failed); serving waits for it")
+    assert said[0].startswith("the Prefect server at http://127.0.0.1:4200 is not answering (HTTPStatusError: 503); "
+                              "serving waits for it")
     assert said[1].startswith("the Prefect server at http://127.0.0.1:4200 answers again after 0 s: serving goes on")
     assert ScheduledRunPoller._get_and_submit_flow_runs is poll  # (Prefect's own again once serve stops)
-    with pytest.raises(httpx.ConnectError):
-        asyncio.run(FlowRunCancellingObserver._check_for_cancelled_flow_runs(None))
+    assert FlowRunCancellingObserver._check_for_cancelled_flow_runs is check
 
 
 def test_prefects_service_loop_ends_after_three_failed_polls_but_not_under_serve(monkeypatch):
@@ -1329,7 +1341,6 @@ def test_paperline_worker_starts_its_prefect_worker_again_after_an_outage(monkey
     import itertools
     import os
     import signal
-    import threading
 
     from paperline.flows import cli
 
@@ -1361,10 +1372,17 @@ def test_paperline_worker_starts_its_prefect_worker_again_after_an_outage(monkey
     assert said == []
 
     # SIGTERM while waiting stops `paperline worker` (its handler restored after)
-    monkeypatch.setattr("paperline.infra.stack.prefect_problem", lambda url: "GET /health failed")
     exits = itertools.repeat((1, False))
     before = signal.getsignal(signal.SIGTERM)
-    threading.Timer(0.3, os.kill, (os.getpid(), signal.SIGTERM)).start()
+    checks: list[int] = []
+
+    def away_then_sigterm(url):  # the second check is inside the wait, its handler installed
+        checks.append(1)
+        if len(checks) == 2:
+            os.kill(os.getpid(), signal.SIGTERM)
+        return "GET /health failed"
+
+    monkeypatch.setattr("paperline.infra.stack.prefect_problem", away_then_sigterm)
     assert cli._worker_through_outages(["prefect", "worker"], env={}, cwd=".", api_url="http://127.0.0.1:1/api") is None
     assert signal.getsignal(signal.SIGTERM) is before
 
