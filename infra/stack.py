@@ -427,7 +427,8 @@ def _live_process(rec: dict[str, Any] | None) -> Any:
 
 
 def dead_servers(settings: Settings, services: tuple[str, ...] = SERVICE_NAMES,
-                 earlier: dict[str, dict[str, Any]] | None = None) -> dict[str, dict[str, Any]]:
+                 earlier: dict[str, dict[str, Any]] | None = None,
+                 records: dict[str, dict[str, Any]] | None = None) -> dict[str, dict[str, Any]]:
     """The local servers among ``services`` that ``stack.json`` records and whose processes are
     gone (killed, crashed, the OOM killer), by service name in :data:`SERVICE_NAMES` order: their
     records (``pid``, ``url``, ``log_path``).
@@ -441,14 +442,18 @@ def dead_servers(settings: Settings, services: tuple[str, ...] = SERVICE_NAMES,
     still listens on (MLflow's uvicorn child serving on after its recorded parent was killed), and
     services left out of ``services`` (pass the stack's managed ones: a configured endpoint can
     shadow a stale local record). An unreadable or damaged file gives ``{}``. Reads the file
-    without its lock (it is replaced atomically).
+    without its lock (it is replaced atomically), unless given what it holds (``records``, from
+    :func:`recorded_servers`).
     """
     if stack_lock_busy(settings):
         return {}
-    try:
-        recs = _read_state(settings).get("services", {})
-    except PaperlineError:
-        return {}
+    if records is not None:
+        recs = records
+    else:
+        try:
+            recs = _read_state(settings).get("services", {})
+        except PaperlineError:
+            return {}
     gone: dict[str, dict[str, Any]] = {}
     for name in SERVICE_NAMES:
         rec = recs.get(name) or ((earlier or {}).get(name) and {**earlier[name], "stopped": True})  # type: ignore[index]

@@ -146,9 +146,10 @@ class ServerWatch:
             try:
                 # the latest records: a serve watching across a kill, an `up` and then a `down` named
                 # the server killed first as the one `down` stopped (a trial)
-                self._earlier = recorded_servers(self.settings) or self._earlier
+                records = recorded_servers(self.settings)  # (read once a poll)
+                self._earlier = records or self._earlier
                 busy = stack_lock_busy(self.settings)  # (dead_servers gives {} then; a `down` may end in between)
-                gone = dead_servers(self.settings, self.services, self._earlier)
+                gone = dead_servers(self.settings, self.services, self._earlier, records)
                 if self.on_back is not None and not busy and not stack_lock_busy(self.settings):
                     self._back(gone)
             except Exception:  # noqa: BLE001 - a watch that cannot read the state leaves the run alone
