@@ -1232,7 +1232,8 @@ def serve() -> None:
         # it sees an outage of the local Prefect server however short, the polls a longer one of any)
         with marking_watch(_settings(), during="while serving",
                            on_back=lambda back: "prefect" in back and lost_in_outage(back["prefect"])), \
-                watch_flow_runs("paperline serve", report=_say, deployments=names) as seen, _sigterm_as_ctrl_c(), \
+                watch_flow_runs("paperline serve", report=_say, deployments=names,
+                                tracking_uri=info.mlflow_tracking_uri) as seen, _sigterm_as_ctrl_c(), \
                 _serving_through_outages(info.prefect_ui_url, lost_in_outage):
             try:
                 try:
@@ -1546,7 +1547,7 @@ def worker(pool: str = typer.Option("cpu", "--pool", metavar="POOL", help="cpu o
     workdir = os.path.dirname(paperline.__file__)
     console.print(f"worker for work pool {WORK_POOLS[pool]} on {redact_url(info.prefect_api_url)} (runs from {workdir}); "
                   "Ctrl-C stops it", soft_wrap=True, highlight=False)
-    with watch_flow_runs("paperline worker", report=_say):  # a run it was executing is marked Crashed on stopping
+    with watch_flow_runs("paperline worker", report=_say, tracking_uri=info.mlflow_tracking_uri):  # a run it was executing is marked Crashed on stopping
         # named after this process, for `status` to tell a worker that exited from one online (it
         # showed a worker killed seconds before online until its heartbeat aged out: a trial)
         code = _worker_through_outages([sys.executable, "-m", "prefect", "worker", "start", "--pool", WORK_POOLS[pool],

@@ -191,18 +191,23 @@ def crash_unstarted_runs(deployments: list[str], who: str, *, executing: set[str
 @contextlib.contextmanager
 def watch_flow_runs(who: str, *, interval_s: float = 1.0, recent_s: float = 300.0,
                     report: Callable[[str], None] | None = None,
-                    deployments: list[str] | None = None) -> Iterator[dict[str, int]]:
+                    deployments: list[str] | None = None,
+                    tracking_uri: str | None = None) -> Iterator[dict[str, int]]:
     """Record, every ``interval_s`` seconds on a daemon thread, the flow runs this process's
     descendants execute; on leaving (also on KeyboardInterrupt), :func:`crash_lost_runs` those
     seen executing in the last ``recent_s`` seconds: the runs the stop ended (a shutdown, even one
     killed after `paperline worker`'s 60 s grace, takes less), not every run of a long serve,
-    each of which would cost a request. Older ones are forgotten as the thread goes.
+    each of which would cost a request. Older ones are forgotten as the thread goes. With
+    ``tracking_uri``, the MLflow runs a run left RUNNING are ended once its process has ended and
+    its flow run with it (:func:`paperline.infra.tracking.end_runs_of_ended_flow_runs`: on a
+    thread of their own while serving; at once for the runs the stop marked Crashed).
 
     Args:
         who: The command, for the Crashed state's message (``paperline serve``).
         report: Called with one line per run acted on.
         deployments: Deployments that only this process serves (``"flow/deployment"``): their
             runs it claimed but had not started are marked Crashed too (:func:`crash_unstarted_runs`).
+        tracking_uri: The stack's MLflow server, where the runs log.
 
     Yields:
         The runs seen so far (flow-run id -> engine PID), filled in as they are seen.
@@ -213,14 +218,28 @@ def watch_flow_runs(who: str, *, interval_s: float = 1.0, recent_s: float = 300.
     last_seen: dict[str, float] = {}
     stop = threading.Event()
     me = os.getpid()
+    executing: set[str] = set()
+
+    def end_mlflow_runs(run_ids: list[str], **kwargs: object) -> None:
+        from paperline.infra.tracking import end_runs_of_ended_flow_runs  # noqa: PLC0415
+
+        if tracking_uri is not None and run_ids:
+            end_runs_of_ended_flow_runs(run_ids, tracking_uri, report=report, **kwargs)  # type: ignore[arg-type]
 
     def poll() -> None:
         while not stop.is_set():
             with contextlib.suppress(Exception):  # a process table read racing with exits
                 now = time.monotonic()
-                for run_id, pid in flow_run_processes(me).items():
+                current = flow_run_processes(me)
+                for run_id, pid in current.items():
                     seen.setdefault(run_id, pid)
                     last_seen[run_id] = now
+                ended = sorted(executing - set(current))
+                executing.clear()
+                executing.update(current)
+                if ended and tracking_uri is not None:
+                    threading.Thread(target=end_mlflow_runs, args=(ended,), daemon=True,
+                                     name="paperline-mlflow-run-end").start()
                 for run_id in [r for r, t in last_seen.items() if now - t > recent_s]:
                     del last_seen[run_id], seen[run_id]
             stop.wait(interval_s)
@@ -234,11 +253,12 @@ def watch_flow_runs(who: str, *, interval_s: float = 1.0, recent_s: float = 300.
         thread.join(timeout=5)
         now = time.monotonic()
         recent = {r: pid for r, pid in seen.items() if now - last_seen.get(r, now) <= recent_s}
-        _, executing = crash_lost_runs(recent, who, report=report)
+        crashed, still = crash_lost_runs(recent, who, report=report)
         if deployments:
             with contextlib.suppress(Exception):
-                executing = [*executing, *flow_run_processes(me)]  # one started since the last poll
-            crash_unstarted_runs(deployments, who, executing=set(executing), report=report)
+                still = [*still, *flow_run_processes(me)]  # one started since the last poll
+            crash_unstarted_runs(deployments, who, executing=set(still), report=report)
+        end_mlflow_runs(crashed, waits_s=(0.0,))
 
 
 # --------------------------------------------------------------------------------------------------

@@ -16,7 +16,7 @@ import json
 import os
 import threading
 import time
-from typing import Any
+from typing import Any, Callable
 
 from paperline.infra.errors import ServiceError, redact_text, redact_url
 from paperline.infra.watch import down_reason
@@ -320,45 +320,61 @@ class Tracker:
             raise InputError("status", status, "must be FINISHED, FAILED or KILLED")
         self._call("end run", self.client.set_terminated, run_id, status=status)
 
-    def end_orphaned_runs(self, experiment_ids: list[str] | None = None) -> list[str]:
+    def end_orphaned_runs(self, experiment_ids: list[str] | None = None, *,
+                          flow_run_ids: list[str] | None = None) -> list[str]:
         """End the runs that MLflow still shows RUNNING while the Prefect flow run that logged them
         (tag ``prefect.flow_run_id``) has ended: a flow process killed outright (SIGKILL, OOM, a
         lost machine) never ends its MLflow run, and Prefect marks it Crashed later (`paperline
         up`'s heartbeat automation). Crashed or cancelled flow runs end theirs KILLED, failed ones
         FAILED, with tag ``paperline.ended_by``. Called by :meth:`start_run` once per tracker for
         every experiment (a killed nas run was left RUNNING in the MLflow UI until the next nas
-        run) and by ``paperline compare`` for its experiment; best effort: Prefect unreachable, or
-        a flow run it does not know, leaves the run as it is.
+        run), by ``paperline compare`` for its experiment, and by `paperline serve` and `paperline
+        worker` for a run whose process ended (:func:`end_runs_of_ended_flow_runs`); best effort:
+        Prefect unreachable, or a flow run it does not know, leaves the run as it is.
 
         Args:
             experiment_ids: The experiments to sweep; None for every active one.
+            flow_run_ids: Only the runs these Prefect flow runs logged (parents and children).
 
         Returns:
             The run ids ended.
         """
+        return [ended[0] for ended in self._end_orphaned(experiment_ids, flow_run_ids)[0]]
+
+    def _end_orphaned(self, experiment_ids: list[str] | None, flow_run_ids: list[str] | None
+                      ) -> tuple[list[tuple[str, str, str, str]], list[str]]:
+        """:meth:`end_orphaned_runs`: ((run id, flow-run id, status, flow-run state) of each run
+        ended, the runs left RUNNING whose flow run has not ended yet)."""
         import logging  # noqa: PLC0415
         import uuid  # noqa: PLC0415
 
         log = logging.getLogger(__name__)
+        running = "attributes.status = 'RUNNING' and "
+        if flow_run_ids is None:
+            filters = [running + "tags.`prefect.flow_run_id` LIKE '%'"]
+        else:  # (ids from a process environment: only UUIDs get into a filter)
+            filters = [running + f"tags.`prefect.flow_run_id` = '{uuid.UUID(i)}'" for i in flow_run_ids]
         try:
             if experiment_ids is None:
                 experiment_ids = [e.experiment_id for e in self.client.search_experiments()]
-            runs = self.client.search_runs(experiment_ids, filter_string="attributes.status = 'RUNNING' and "
-                                           "tags.`prefect.flow_run_id` LIKE '%'", max_results=200) \
+            runs = [run for f in filters for run in self.client.search_runs(experiment_ids, filter_string=f,
+                                                                             max_results=200)] \
                 if experiment_ids else []
         except Exception as exc:  # noqa: BLE001 - best effort
             log.debug("orphaned-run sweep skipped: %s", exc)
-            return []
+            return [], []
         if not runs:
-            return []
-        ended = []
+            return [], []
+        ended: list[tuple[str, str, str, str]] = []
+        left: list[str] = []
         try:
             from prefect.client.orchestration import get_client  # noqa: PLC0415
 
             with get_client(sync_client=True) as prefect:
                 for run in runs:
+                    flow_run_id = run.data.tags["prefect.flow_run_id"]
                     try:
-                        state = prefect.read_flow_run(uuid.UUID(run.data.tags["prefect.flow_run_id"])).state
+                        state = prefect.read_flow_run(uuid.UUID(flow_run_id)).state
                     except Exception:  # noqa: BLE001 - unknown to this Prefect server: not ours to judge
                         continue
                     kind = state.type.value if state is not None else ""
@@ -366,10 +382,12 @@ class Tracker:
                         status = "FAILED" if kind == "FAILED" else "KILLED"
                         self.set_tags(run.info.run_id, {"paperline.ended_by": f"Prefect flow run {state.name}"})
                         self.end_run(run.info.run_id, status)
-                        ended.append(run.info.run_id)
+                        ended.append((run.info.run_id, flow_run_id, status, state.name))
+                    elif kind in ("PENDING", "RUNNING", ""):
+                        left.append(run.info.run_id)
         except Exception as exc:  # noqa: BLE001 - best effort
             log.debug("orphaned-run sweep stopped: %s", exc)
-        return ended
+        return ended, left
 
     def end_failed(self, run_id: str, exc: BaseException) -> None:
         """End the run of a flow that raised ``exc``, saying why in tag ``paperline.ended_by``: a
@@ -467,3 +485,37 @@ class Tracker:
             exp_id = self._call("get run", self.client.get_run, run_id).info.experiment_id
             self._experiment_of_run[run_id] = exp_id
         return redact_url(f"{self.tracking_uri}/#/experiments/{exp_id}/runs/{run_id}")
+
+
+def end_runs_of_ended_flow_runs(flow_run_ids: list[str], tracking_uri: str, *, waits_s: tuple[float, ...] = (5.0, 55.0),
+                                report: Callable[[str], None] | None = None) -> list[str]:
+    """End the MLflow runs that the Prefect flow runs ``flow_run_ids``, whose processes have ended,
+    left RUNNING (:meth:`Tracker.end_orphaned_runs`): a served run killed outright (SIGKILL, OOM)
+    is marked Crashed by Prefect's runner at once, but its MLflow runs showed RUNNING in the MLflow
+    UI until the next run of any pipeline started. Tries after each wait of ``waits_s`` (seconds)
+    while some of those runs are left with their flow run not yet ended (the runner or worker
+    reports the exit within a second or two; the heartbeat automation within ~90 s). Best effort:
+    nothing is raised (it runs on a watch's thread).
+
+    Returns:
+        The MLflow run ids ended.
+    """
+    import time  # noqa: PLC0415
+
+    tracker = Tracker(tracking_uri)
+    ended: list[tuple[str, str, str, str]] = []
+    for wait in waits_s:
+        time.sleep(wait)
+        try:
+            now_ended, left = tracker._end_orphaned(None, list(flow_run_ids))
+        except Exception:  # noqa: BLE001 - best effort (MLflow or Prefect away): the next run's sweep ends them
+            break
+        ended += now_ended
+        if not left:
+            break
+    if report is not None:
+        for flow_run_id in dict.fromkeys(e[1] for e in ended):
+            mine = [e for e in ended if e[1] == flow_run_id]
+            report(f"flow run {flow_run_id} ended {mine[0][3]} with its process: {len(mine)} MLflow run(s) it left "
+                   f"RUNNING marked {mine[0][2]}")
+    return [e[0] for e in ended]

@@ -87,6 +87,50 @@ def test_watch_records_runs_while_it_serves_and_reports_the_lost_ones(monkeypatc
     assert given == {} and seen == {}
 
 
+def test_watch_ends_the_mlflow_runs_of_a_run_whose_process_ended(monkeypatch):
+    """With a tracking URI, a run's process that ends while serving has its MLflow runs looked at
+    on a thread of their own (its flow run may be marked Crashed a moment later); the runs the stop
+    marked Crashed are looked at once, before the watch is left."""
+    import threading
+    import time
+
+    import paperline.infra.flow_runs as fr
+    import paperline.infra.tracking as tracking
+
+    calls: list[tuple[list[str], str, dict]] = []
+    called = threading.Event()
+
+    def fake_end(run_ids, uri, **kwargs):
+        calls.append((list(run_ids), uri, kwargs))
+        called.set()
+        return []
+
+    monkeypatch.setattr(tracking, "end_runs_of_ended_flow_runs", fake_end)
+    stopped_run = str(uuid.uuid4())
+    monkeypatch.setattr(fr, "crash_lost_runs", lambda seen, who, report=None: ([stopped_run], []))
+    run_id = str(uuid.uuid4())
+    with watch_flow_runs("paperline serve", interval_s=0.1, tracking_uri="http://127.0.0.1:1") as seen:
+        proc, _ = _engine(run_id)
+        deadline = time.time() + 30
+        while run_id not in seen and time.time() < deadline:
+            time.sleep(0.05)
+        assert not called.is_set()  # executing: nothing to end
+        _stop(proc)
+        assert called.wait(30)
+        assert calls == [([run_id], "http://127.0.0.1:1", {"report": None})]
+    assert calls[1:] == [([stopped_run], "http://127.0.0.1:1", {"report": None, "waits_s": (0.0,)})]
+    # without a tracking URI (a test, a client with no MLflow) nothing is looked at
+    calls.clear()
+    with watch_flow_runs("paperline serve", interval_s=0.1) as seen:
+        proc, _ = _engine(run_id)
+        deadline = time.time() + 30
+        while run_id not in seen and time.time() < deadline:
+            time.sleep(0.05)
+        _stop(proc)
+        time.sleep(0.5)
+    assert calls == []
+
+
 def _flow_run(client, state):
     from prefect import flow
 
@@ -113,6 +157,45 @@ def test_crash_lost_runs_says_what_it_could_not_check(free_port):
                                                    "ended (ConnectError: "), lines
     assert lines[0].endswith("one left Running is marked Crashed by the server's automation, once the server is "
                              "up, when its heartbeats have stopped"), lines
+
+
+@pytest.mark.stack
+def test_the_mlflow_runs_an_ended_flow_run_left_running_are_ended(stack):
+    """What serve and worker do once a run's process has ended: its MLflow runs (parent and
+    child) still RUNNING end KILLED when its flow run crashed, FAILED when it failed; a flow run
+    still Running keeps its runs RUNNING (tried again after the next wait), and runs of other
+    flow runs are not touched."""
+    from prefect.client.orchestration import get_client
+    from prefect.states import Crashed, Failed, Running
+
+    from paperline.infra.tracking import Tracker, end_runs_of_ended_flow_runs
+
+    tracker = Tracker(stack[1].mlflow_tracking_uri)
+    experiment = f"flow-runs-test-{uuid.uuid4().hex[:8]}"
+    with get_client(sync_client=True) as client:
+        crashed, failed, running, other = (_flow_run(client, s) for s in (Crashed(), Failed(), Running(), Crashed()))
+    mlflow_runs = {}
+    for name, flow_run in (("crashed", crashed), ("failed", failed), ("running", running), ("other", other)):
+        tags = {"prefect.flow_run_id": str(flow_run.id)}
+        parent = tracker.start_run(experiment, run_name=name, tags=tags)
+        mlflow_runs[name] = (parent, tracker.start_run(experiment, run_name=f"{name}-child", tags=tags,
+                                                       parent_run_id=parent))
+    lines: list[str] = []
+    ids = [str(crashed.id), str(failed.id), str(running.id)]
+    ended = end_runs_of_ended_flow_runs(ids, stack[1].mlflow_tracking_uri, waits_s=(0.0, 0.1), report=lines.append)
+    assert sorted(ended) == sorted([*mlflow_runs["crashed"], *mlflow_runs["failed"]])
+    status = {name: [tracker.get_run(r).info.status for r in runs] for name, runs in mlflow_runs.items()}
+    assert status == {"crashed": ["KILLED"] * 2, "failed": ["FAILED"] * 2, "running": ["RUNNING"] * 2,
+                      "other": ["RUNNING"] * 2}
+    assert tracker.get_run(mlflow_runs["crashed"][0]).data.tags["paperline.ended_by"] == "Prefect flow run Crashed"
+    assert lines == [f"flow run {crashed.id} ended Crashed with its process: 2 MLflow run(s) it left RUNNING marked "
+                     "KILLED", f"flow run {failed.id} ended Failed with its process: 2 MLflow run(s) it left RUNNING "
+                     "marked FAILED"], lines
+    # nothing left to end: no line
+    assert end_runs_of_ended_flow_runs([str(crashed.id)], stack[1].mlflow_tracking_uri, waits_s=(0.0,),
+                                       report=lines.append) == [] and len(lines) == 2
+    # MLflow away: nothing raised (it runs on a watch's thread)
+    assert end_runs_of_ended_flow_runs([str(running.id)], "http://127.0.0.1:9", waits_s=(0.0,)) == []
 
 
 @pytest.mark.stack
