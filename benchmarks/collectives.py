@@ -62,6 +62,8 @@ def parse_chunk_bytes(text: str) -> int:
 
 
 def human(nbytes: int) -> str:
+    """``nbytes`` as ``1G``, ``64M`` or ``4K`` when a whole number of that unit, else the
+    plain number."""
     for unit, size in (("G", 1 << 30), ("M", 1 << 20), ("K", 1 << 10)):
         if nbytes >= size and nbytes % size == 0:
             return f"{nbytes // size}{unit}"
@@ -69,12 +71,16 @@ def human(nbytes: int) -> str:
 
 
 def free_port() -> int:
+    """A TCP port free on 127.0.0.1 now (bound, then released), for the ranks'
+    rendezvous."""
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
 
 
 def worker(rank: int, world: int, port: int, args: argparse.Namespace, out_path: str) -> None:
+    """One rank (``mp.spawn``): per size and kind, check LP against the backend once, then
+    time both; rank 0 prints each row and writes all rows to ``out_path`` (JSON)."""
     import torch
     import torch.distributed as dist
 
@@ -135,6 +141,8 @@ HEADER = (f"{'P':>2} {'kind':<9} {'size':>6} | {'backend ms':>10} {'algbw':>7} {
 
 
 def print_row(row: dict, flush: bool = False) -> None:
+    """Print one row under :data:`HEADER`: ms, algbw and busbw (GB/s) of both, the
+    speedup and the check."""
     b, lp = row["backend"], row["lp"]
     print(f"{row['world_size']:>2} {row['kind']:<9} {human(row['bytes']):>6} | "
           f"{b['seconds'] * 1e3:>10.3f} {b['algbw_bytes_per_s'] / 1e9:>7.3f} {b['busbw_bytes_per_s'] / 1e9:>7.3f} | "
@@ -143,6 +151,8 @@ def print_row(row: dict, flush: bool = False) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """Run the sweep for each world size and print the table; returns 0 when every check
+    passed, 1 when one failed, 2 when ``--backend nccl`` lacks a GPU per rank."""
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--world-sizes", type=at_least(2), nargs="+", default=[2, 4])
     parser.add_argument("--kinds", nargs="+", choices=KINDS, default=list(KINDS))

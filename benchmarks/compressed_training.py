@@ -89,6 +89,8 @@ def train(cfg: dict) -> dict:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """Run the comparisons of the module docstring (``--device cuda``: the memory report
+    only); returns 0 (bad arguments exit through the parser)."""
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--epochs", type=positive, default=4)
     ap.add_argument("--compressors", default="none,fft,topk,powersgd,fp16")

@@ -43,6 +43,7 @@ from _args import one_line_errors, positive  # benchmarks/_args.py: the scripts'
 
 
 def best_of(repeats: int, fn) -> float:
+    """The fastest of ``repeats`` calls of ``fn``, in wall seconds."""
     times = []
     for _ in range(repeats):
         start = time.perf_counter()
@@ -52,6 +53,8 @@ def best_of(repeats: int, fn) -> float:
 
 
 def write_operands(tmp: str, n: int, dtype: str) -> tuple[str, str]:
+    """Write seeded random ``n x n`` operands A and B of ``dtype`` as ``.npy`` files in
+    ``tmp``; returns their paths."""
     from paperline.kernels.blas.sources import RandomSource, read_all
 
     paths = []
@@ -63,6 +66,8 @@ def write_operands(tmp: str, n: int, dtype: str) -> tuple[str, str]:
 
 
 def dask_matmul(client, a_path: str, b_path: str, tile: int) -> np.ndarray:
+    """The dask.array peer: ``A @ B`` in ``tile``-edge blocks read from the ``.npy``
+    files (memory-mapped), computed on ``client``; returns the result as a NumPy array."""
     import dask.array as da
 
     def block(path: str, shape: tuple[int, int], dtype: np.dtype, chunks: int) -> da.Array:
@@ -94,6 +99,8 @@ def _dtypes(text: str) -> str:
 
 
 def main() -> None:
+    """Parse the arguments and run the CPU or (``--device cuda``) GPU measurements; an
+    error prints as one line."""
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--sizes", type=_sizes, default="4096,8192", help="comma-separated n (m = n = k)")
     parser.add_argument("--dtypes", type=_dtypes, default="float32,float64")

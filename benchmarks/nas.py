@@ -79,20 +79,28 @@ def label(optimizer: str, options: dict) -> str:
 
 
 def base(name: str) -> str:
+    """An optimizer's name without its options label (``lamoo[kernel=rbf]`` ->
+    ``lamoo``)."""
     return name.partition("[")[0]
 
 
 def samples_to(trace: list[float], target: float, budget: int) -> tuple[float, bool]:
+    """``(samples until the trace first reaches target, True)``, or ``(budget, False)``
+    when it never does."""
     hit = np.flatnonzero(np.asarray(trace) >= target)
     return (float(hit[0] + 1), True) if hit.size else (float(budget), False)
 
 
 def mean_finite(values: list[float]) -> float:
+    """The mean of the finite values (nan when there are none)."""
     finite = [v for v in values if math.isfinite(v)]
     return float(np.mean(finite)) if finite else math.nan
 
 
 def report(problem: str, runs: list[dict], budget: int, n_init: int, multi: bool) -> None:
+    """Print one problem's table: per optimizer, samples to the target (mean ± sd and
+    median), seeds reaching it, ratio to the peer, final hypervolume or best value,
+    s/suggestion."""
     if not runs:
         print(f"\n== {problem}: no campaign finished")
         return
@@ -143,6 +151,8 @@ def report(problem: str, runs: list[dict], budget: int, n_init: int, multi: bool
 
 
 def main() -> None:
+    """Parse the arguments, run the campaigns (or, with ``--load``, read saved ones) and
+    print each problem's report."""
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--seeds", type=positive, default=5, help="number of seeds")
     parser.add_argument("--first-seed", type=at_least(0), default=0, help="seeds first-seed .. first-seed + seeds - 1")

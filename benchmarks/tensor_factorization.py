@@ -29,6 +29,7 @@ def time_to(history: list[dict], target: float) -> float:
 
 
 def main() -> None:
+    """Parse the arguments and run :func:`measure`; an error prints as one line."""
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--speed-dataset", type=_dataset, default="kinetic")
     parser.add_argument("--datasets", type=_datasets, default="kinetic,produc,flights")

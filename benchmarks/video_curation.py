@@ -70,6 +70,8 @@ def bare_transcode_pyav(path: Path, height: int, crf: int, preset: str) -> int:
 
 
 def bare_transcode_ffmpeg(path: Path, height: int, crf: int, preset: str) -> int:
+    """The same transcode with imageio-ffmpeg's ffmpeg CLI (height capped at the source's,
+    made even); returns output bytes."""
     import imageio_ffmpeg
 
     from paperline.kernels.video.probe import probe
@@ -85,6 +87,8 @@ def bare_transcode_ffmpeg(path: Path, height: int, crf: int, preset: str) -> int
 
 
 def pipeline(videos: list[Path], splitter: str, height: int, crf: int, preset: str) -> dict:
+    """One flow task's work on each of ``videos``, then de-duplication and the shards in
+    memory; returns counts of clips and kept clips, and the shards' bytes."""
     from paperline.kernels.video.clips import ClipConfig, extract_clips
     from paperline.kernels.video.dedup import deduplicate
     from paperline.kernels.video.probe import probe
@@ -127,6 +131,8 @@ def interleaved(runs: dict[str, tuple[Callable[[], Any], int]], rounds: int) -> 
 
 
 def main(argv: list[str] | None = None) -> int:
+    """Time the runs (alternating per round) and print the rows (``--json``: write them
+    too); returns 0."""
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--splitters", default="content,transnetv2")
     ap.add_argument("--height", type=int, default=360)

@@ -1836,6 +1836,9 @@ class LineEndTracker:
         self._api_log_error = False
 
     def write(self, text: str) -> int:
+        """Write ``text`` to ``inner`` and record whether it ends a line (empty text leaves
+        that as it was). Text written right after Prefect's :attr:`API_LOG_ERROR` header gets the
+        newline it lacks. Returns what ``inner.write`` returns (characters written)."""
         if self._api_log_error and text and not text.endswith("\n"):
             text += "\n"  # else the next log line was glued onto it ("...attempts failed14:52:07.120 | WARNING")
         self._api_log_error = text == self.API_LOG_ERROR

@@ -96,11 +96,22 @@ class CompressedTrainingParameters(BaseModel):
                                                                    "step is skipped, counted and logged).")
 
     def compressor_options(self, name: str) -> dict[str, Any]:
+        """The options of compressor ``name`` as
+        :func:`paperline.kernels.comm.compressors.make_hook` takes them: ``fft``: ``theta``,
+        ``bits``, ``error_feedback``; ``topk``: ``fraction``; ``powersgd``:
+        ``matrix_approximation_rank``; ``{}`` for ``none``, ``fp16`` and any other name."""
         return {"fft": {"theta": self.fft_theta, "bits": self.fft_bits, "error_feedback": self.fft_error_feedback},
                 "topk": {"fraction": self.topk_fraction}, "powersgd": {"matrix_approximation_rank": self.powersgd_rank},
                 }.get(name, {})
 
     def train_config(self, compressor: str) -> TrainConfig:
+        """The :class:`TrainConfig` of the run with ``compressor``: these parameters' model,
+        dataset, SGD, recomputation, drill and ISGD settings, and :meth:`compressor_options`.
+
+        Raises:
+            paperline.kernels.errors.InputError: a value :class:`TrainConfig` refuses at
+                construction.
+        """
         return TrainConfig(model=self.model, model_options=self.model_options, dataset=self.dataset,
                            n_train=self.n_train, epochs=self.epochs, batch_size=self.batch_size, lr=self.lr,
                            momentum=self.momentum, seed=self.seed, compressor=compressor,

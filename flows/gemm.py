@@ -171,6 +171,9 @@ class GemmParameters(BaseModel):
             raise InputError("beta", self.beta, "scales c, which is not given: set c (e.g. c=random) or leave beta 0")
 
     def kernel_params(self) -> dict[str, Any]:
+        """The parameters :func:`paperline.tasks.gemm.build_problem` reads (routine, sizes,
+        dtype, tile, scalars, flags, operands, seed, ``check_finite``), as a dict: every field but
+        ``output``, ``memory_budget``, ``scaling``, ``peer`` and ``stage_random``."""
         return self.model_dump(exclude={"output", "memory_budget", "scaling", "peer", "stage_random"})
 
     def validate_on_stack(self, info: Any, store: ObjectStore) -> None:

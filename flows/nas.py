@@ -81,6 +81,14 @@ class CampaignParameters(BaseModel):
                                                                  "seconds after it started are recorded as failed.")
 
     def problem_kwargs(self) -> dict[str, Any]:
+        """The options handed to the problem: ``problem_options``, plus ``objectives`` when set,
+        plus, for ``live-mnist`` without a ``device`` option, the workers' device (the ``device``
+        setting, resolved).
+
+        Raises:
+            InputError: live-mnist with the ``device`` setting ``cuda`` and no usable CUDA device
+                (:func:`paperline.infra.device.resolve_device`).
+        """
         opts = dict(self.problem_options)
         if self.objectives is not None:
             opts["objectives"] = list(self.objectives)
@@ -131,10 +139,19 @@ class NasParameters(CampaignParameters):
                                                               "live NAS on MNIST-5k (problem live-mnist).")
 
     def campaigns(self) -> list[CampaignParameters]:
+        """The campaigns to run, in order: the first (these parameters less ``live``), then
+        ``live`` when given."""
         main = CampaignParameters(**self.model_dump(exclude={"live"}))
         return [main] + ([self.live] if self.live is not None else [])
 
     def validate_inputs(self) -> None:
+        """Build every campaign (which validates every input) before anything starts, and check
+        that the two campaigns' names differ.
+
+        Raises:
+            InputError: naming the parameter (``live.<name>`` for one of the live campaign's), or
+                ``live`` when the live campaign has the same name as the first.
+        """
         names = []
         for c in self.campaigns():
             try:
@@ -231,6 +248,8 @@ def resumable(cp: CampaignParameters, campaign: Campaign, store: ObjectStore,
 
 
 def campaigns_prefix(data_bucket: str) -> str:
+    """Where the campaigns' checkpoints go: ``s3://<data_bucket>/nas/campaigns`` (then
+    ``<campaign name>/checkpoint.json``)."""
     return f"s3://{data_bucket}/nas/campaigns"
 
 

@@ -102,12 +102,18 @@ class TensorFactorizationParameters(BaseModel):
         return str(Path(v).expanduser().resolve())
 
     def p2t2f_params(self) -> dict[str, Any]:
+        """Keyword arguments of :func:`paperline.kernels.tensor.p2t2f.p2t2f` from these
+        parameters: rank, P (``n_parts``), priors, ADMM schedule, batching, closing sweeps and
+        seed."""
         return dict(rank=self.rank, n_parts=self.n_parts, lam=self.lam, lam_t=self.lam_t, rho=self.rho,
                     rho_growth=self.rho_growth, lr=self.lr, lr_decay=self.lr_decay, n_epochs=self.n_epochs,
                     batch_size=self.batch_size, local_passes=self.local_passes, rho_balance=self.rho_balance,
                     closing_sweeps=self.closing_sweeps, seed=self.seed)
 
     def baseline_params(self) -> dict[str, Any]:
+        """Keyword arguments of the TensorLy baseline
+        (:func:`paperline.kernels.tensor.baselines.tensorly_cp`): ``rank``, ``n_iter_max``
+        (``baseline_iterations``) and ``seed``."""
         return dict(rank=self.rank, n_iter_max=self.baseline_iterations, seed=self.seed)
 
     def validate_inputs(self) -> None:

@@ -141,6 +141,15 @@ class VideoCurationParameters(BaseModel):
         return v.rstrip("/") if v else v
 
     def clip_config(self, device: str) -> ClipConfig:
+        """The :class:`ClipConfig` for ``device`` (``"cpu"`` or ``"cuda"``), with ``auto``
+        resolved: the splitter is TransNetV2 on CUDA, else ``content``; the encoder NVENC on CUDA
+        when usable, else libx264; the preset, when not given, ``veryfast`` (libx264) or ``p4``
+        (NVENC).
+
+        Raises:
+            InputError: ``encoder`` h264_nvenc where NVENC is not usable.
+            paperline.kernels.errors.InputError: a setting :class:`ClipConfig` refuses (named).
+        """
         splitter = self.splitter if self.splitter != "auto" else ("transnetv2" if device == "cuda" else "content")
         encoder = self.encoder if self.encoder != "auto" else ("h264_nvenc" if device == "cuda" and nvenc_usable()
                                                                else "libx264")
@@ -221,6 +230,8 @@ class VideoCurationParameters(BaseModel):
                            value)
 
     def filter_config(self) -> FilterConfig:
+        """The :class:`FilterConfig` of these thresholds (``black_luma`` and ``flat_std`` at
+        its defaults)."""
         return FilterConfig(min_motion=self.min_motion, min_sharpness=self.min_sharpness,
                             max_black_fraction=self.max_black_fraction, min_duration_s=self.min_duration_s,
                             min_height=self.min_height)

@@ -125,6 +125,9 @@ class ExpectedErrorOneLine(logging.Filter):
     """
 
     def filter(self, record: logging.LogRecord) -> bool:
+        """Drop the traceback (``exc_info``, ``exc_text``) of a record whose exception is a
+        :class:`PaperlineError`, the kernels' ``InputError`` or a ``KeyboardInterrupt``; always
+        True (every record is kept)."""
         exc = record.exc_info[1] if record.exc_info else None
         if isinstance(exc, (PaperlineError, KernelInputError, KeyboardInterrupt)):
             record.exc_info = None

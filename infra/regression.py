@@ -86,9 +86,13 @@ class MetricComparison:
 
     @property
     def regression(self) -> bool:
+        """True when the latest is worse than the best by more than ``tolerance``
+        (:attr:`worsening`)."""
         return self.worsening > self.tolerance
 
     def text(self) -> str:
+        """One line, ``<metric> <latest> vs <best>: <verdict>``; the verdict is
+        ``REGRESSION (...)``, ``equal`` (within 0.05%) or ``x.x% better``/``worse``."""
         word = "better" if self.worsening < 0 else "worse"
         if self.regression:
             verdict = f"REGRESSION (more than {100 * self.tolerance:g}% worse)"
@@ -112,10 +116,12 @@ class BestEarlier:
 
     @property
     def regression(self) -> bool:
+        """True when any headline regressed."""
         return any(m.regression for m in self.metrics)
 
     @property
     def regressed(self) -> list[str]:
+        """The names of the headlines that regressed, in headline order."""
         return [m.metric for m in self.metrics if m.regression]
 
     def lines(self, label: str = "") -> list[str]:
@@ -134,6 +140,9 @@ class BestEarlier:
         return [head] + [f"  {m.text()}" for m in changed] + tail
 
     def as_dict(self) -> dict[str, Any]:
+        """JSON-able outcome for a flow's summary (``versus_best_earlier``): the parameter
+        key, earlier runs, best run id, regression flag and regressed metrics, and per metric its
+        latest and best values, ratio and regression flag."""
         return {"params_key": self.key, "earlier_runs": self.earlier_runs, "best_run_id": self.best_run_id,
                 "regression": self.regression, "regressed_metrics": self.regressed,
                 "metrics": {m.metric: {"latest": m.latest, "best": m.best, "ratio": m.ratio,

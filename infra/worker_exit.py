@@ -50,6 +50,8 @@ class ClosingCommErrorFilter(logging.Filter):
         self.worker = worker
 
     def filter(self, record: logging.LogRecord) -> bool:
+        """False (drop) for a record carrying an ``OSError`` while the worker is closing or
+        closed; True otherwise."""
         exc = record.exc_info[1] if record.exc_info else None
         return not (_closing(self.worker) and isinstance(exc, OSError))
 
@@ -76,6 +78,8 @@ class CancelledOnCloseFilter(logging.Filter):
         self.worker = worker
 
     def filter(self, record: logging.LogRecord) -> bool:
+        """False (drop) for an "Async instruction for ... ended with CancelledError" record
+        while the worker is closing or closed; True otherwise."""
         message = str(record.msg)
         cancelled = message.startswith("Async instruction for") and message.endswith("ended with CancelledError")
         return not (cancelled and _closing(self.worker))
@@ -90,6 +94,8 @@ class TaskFailureOneLine(logging.Filter):
     printed one per killed rank)."""
 
     def filter(self, record: logging.LogRecord) -> bool:
+        """Rewrite a "Compute Failed" record (with at least 4 arguments) as
+        ``task <key> failed on this worker: <exception>``; always True."""
         if isinstance(record.msg, str) and record.msg.startswith("Compute Failed") and len(record.args or ()) >= 4:
             key, exception = record.args[0], record.args[3]
             record.msg, record.args = "task %s failed on this worker: %s", (key, exception)
@@ -111,6 +117,9 @@ class ServerGoneOneLine(logging.Filter):
     one-line error). Other exceptions keep their tracebacks."""
 
     def filter(self, record: logging.LogRecord) -> bool:
+        """When the record's exception, or one in its ``__cause__``/``__context__`` chain, is
+        named in :data:`UNREACHABLE`, fold the top exception into the message
+        (``<message>: <Type>: <exception>``) and drop the traceback; always True."""
         exc = record.exc_info[1] if record.exc_info else None
         seen: set[int] = set()
         cause = None

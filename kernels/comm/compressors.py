@@ -996,6 +996,14 @@ class CompressorState:
     # -- the hook signature DDP checks: (state, bucket) without annotations
     @staticmethod
     def hook(state, bucket):  # pragma: no cover - overridden
+        """The DDP communication hook, registered with the state by
+        ``ddp_model.register_comm_hook(state, hook)``: ``state`` a compressor state, ``bucket`` a
+        ``dist.GradBucket``; returns a ``Future[Tensor]`` of the bucket's ``n`` mean gradient over
+        the ranks. Each compressor overrides it.
+
+        Raises:
+            NotImplementedError: in this base class.
+        """
         raise NotImplementedError
 
     @property
@@ -1235,6 +1243,8 @@ class FFTState(_ResidualMixin, CompressorState):
         self._init_memory()
 
     def options(self) -> dict[str, Any]:
+        """The hyperparameters, as :func:`make_hook` takes them: ``theta``, ``bits``,
+        ``error_feedback`` and ``start_iter`` (resolved)."""
         return {"theta": self.theta, "bits": self.bits, "error_feedback": self.error_feedback,
                 "start_iter": self.start_iter}
 
@@ -1327,6 +1337,8 @@ class TopKState(_ResidualMixin, CompressorState):
         self._init_memory()
 
     def options(self) -> dict[str, Any]:
+        """The hyperparameters, as :func:`make_hook` takes them: ``fraction``,
+        ``error_feedback`` and ``start_iter`` (resolved)."""
         return {"fraction": self.fraction, "error_feedback": self.error_feedback, "start_iter": self.start_iter}
 
     def residual(self, bucket_index: int) -> "torch.Tensor | None":
@@ -1436,6 +1448,9 @@ class PowerSGDCompressorState(CompressorState):
                 "use_error_feedback", "warm_start", "orthogonalization_epsilon", "batch_tensors_with_same_shape")
 
     def options(self) -> dict[str, Any]:
+        """The hyperparameters, as :func:`make_hook` takes them: the wrapped
+        ``PowerSGDState``'s (``matrix_approximation_rank``, ``start_powerSGD_iter``, ...) and
+        ``random_seed``."""
         return {**{name: getattr(self.powersgd, name) for name in self._OPTIONS}, "random_seed": self.random_seed}
 
     def check_compresses(self, parameters: Iterable[Any]) -> None:
@@ -1478,6 +1493,15 @@ class PowerSGDCompressorState(CompressorState):
         return memory
 
     def load_memory_state(self, memory: dict[str, Any], device: Any) -> list[int]:
+        """Restore :meth:`memory_state` on ``device`` after a restart (see
+        :meth:`CompressorState.load_memory_state`): ``error_dict``, ``p_memory_dict`` and
+        ``q_memory_dict`` (a missing one becomes empty), and the Q-initialization RNG when
+        ``rng_state`` is there.
+
+        Returns:
+            The bucket indices restored: those of ``error_dict``, or of ``p_memory_dict`` when it
+            is empty (no error feedback).
+        """
         import numpy as np
 
         for name in self._MEMORY:
@@ -1488,6 +1512,9 @@ class PowerSGDCompressorState(CompressorState):
         return sorted(self.powersgd.error_dict or self.powersgd.p_memory_dict)
 
     def restore_step(self, step: int) -> None:
+        """As :meth:`CompressorState.restore_step`, and set torch's own counter
+        ``PowerSGDState.iter`` to ``step``: the warm-up up to ``start_powerSGD_iter`` is not run
+        again."""
         super().restore_step(step)
         self.powersgd.iter = int(step)  # torch's own counter: warm-up until start_powerSGD_iter
 

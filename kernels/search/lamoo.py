@@ -123,6 +123,37 @@ class LaMOO(PartitionOptimizer):
         return ucb
 
     def sample_region(self, path, x_leaf, y_leaf, k, rng):
+        """Step 3 (sampling): up to ``k`` new points inside the region of ``path``, by
+        ``sampler``.
+
+        * ``random``, or a leaf of fewer than 2 samples: :meth:`PartitionOptimizer.sample_region`
+          (a uniform pick from the region's candidates).
+        * ``nsga2``: ``max(4k, 20)`` offspring of the leaf's samples
+          (:func:`.nsga2.offspring`), those inside the region; when fewer than ``k`` are inside,
+          those followed by all the offspring. On a categorical space only unevaluated points. May
+          hold more than ``k`` rows: the caller keeps the first ``q`` distinct new ones.
+        * ``qehvi``: the GP on every successful sample (:meth:`surrogate`) and qLogEHVI from
+          :attr:`ref_point`, the batch chosen greedily (:func:`.botorch_opt.select_discrete`)
+          among the region's unseen points (a categorical space of at most ``enumerate_max``
+          points; ``n_candidates`` of them drawn when there are more; no shortlist), else among
+          ``n_candidates`` region candidates (:func:`.partition.region_candidates`, with
+          ``shortlist``); on a continuous space with ``refine``, then :meth:`polish`.
+
+        Args:
+            path: the selected root-to-leaf ``(node, side)`` pairs
+                (:func:`.partition.select_paths`).
+            x_leaf: ``n x d`` the leaf's evaluated points (space coordinates).
+            y_leaf: ``n x m`` their objectives (maximization).
+            k: points wanted from this region.
+            rng: draws candidates and offspring (torch is seeded by :meth:`torch_seed`).
+
+        Returns:
+            ``r x d`` points of the space; ``r <= k`` except with ``nsga2``, 0 when the region has
+            no new candidate (the caller tops the batch up with random new points).
+
+        Source: [Zhao2022lamoo]_, the sampling step after Sec. 4.2's selection (module docstring,
+        step 3; the candidate pool, greedy batch and L-BFGS-B polish are this module's choices).
+        """
         sampler = self.options["sampler"]
         n = int(self.options["n_candidates"])
         if sampler == "random" or x_leaf.shape[0] < 2:

@@ -29,7 +29,12 @@ GOOD, BAD = 1, 0
 class Boundary(Protocol):
     """A fitted split: ``predict(features: n x f) -> n int`` with 1 for the good side."""
 
-    def predict(self, features: np.ndarray) -> np.ndarray: ...
+    def predict(self, features: np.ndarray) -> np.ndarray:
+        """The side of each of ``n`` points: ``features`` ``n x f`` float64 (the space's
+        model inputs) -> ``n`` int labels, :data:`GOOD` (1) or :data:`BAD` (0). :func:`build_tree`
+        splits a node's samples by it and :func:`in_region` keeps the points on a path's sides.
+        Source: [Wang2020lamcts]_ Sec. 3, [Zhao2022lamoo]_ Sec. 4.1, [Wang2021lanas]_ Sec. 3."""
+        ...
 
 
 # labeler(features of the node's samples, values of those samples, rng) -> (labels n int {0, 1}, boundary) or None

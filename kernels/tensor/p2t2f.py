@@ -166,9 +166,16 @@ class Executor(Protocol):
     order. Implementations must run the calls in parallel to obtain the P²T²F speed-up.
     """
 
-    def place(self, items: Sequence[Any]) -> list[Any]: ...
+    def place(self, items: Sequence[Any]) -> list[Any]:
+        """Put each sub-problem ``items[p]`` (a :class:`SubTensor`) where it will be solved,
+        once; returns one handle per item, in order (the item itself, or e.g. a Dask future pinned
+        to a worker)."""
+        ...
 
-    def map(self, fn: Callable[..., Any], handles: Sequence[Any], args: Sequence[tuple]) -> list[Any]: ...
+    def map(self, fn: Callable[..., Any], handles: Sequence[Any], args: Sequence[tuple]) -> list[Any]:
+        """``fn(handles[i], *args[i])`` for every ``i``, in parallel where the implementation
+        can; returns the results in the order of ``handles``. A call's exception is raised here."""
+        ...
 
 
 class SerialExecutor:

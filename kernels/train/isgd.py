@@ -140,15 +140,20 @@ class LossControlChart:
 
     @property
     def history(self) -> tuple[float, ...]:
+        """The kept losses, oldest first (a tuple copy; at most ``window``)."""
         return tuple(self._losses)
 
     @property
     def mean(self) -> float:
+        """Mean of the kept losses, the chart's centre line ``psi_bar`` (``nan`` when none
+        are kept)."""
         n = len(self._losses)
         return math.fsum(self._losses) / n if n else math.nan
 
     @property
     def std(self) -> float:
+        """Population standard deviation ``sigma`` of the kept losses, divisor ``n``
+        (``nan`` when none are kept)."""
         n = len(self._losses)
         if not n:
             return math.nan
@@ -157,6 +162,13 @@ class LossControlChart:
 
     @property
     def limit(self) -> float:
+        """The upper control limit ``mean + sigmas * std`` of the kept losses (the paper's
+        ``psi_bar + 3 sigma``), in the losses' units; ``+inf`` while fewer than ``min_history`` are
+        kept, so that nothing is flagged.
+
+        Source: [Wang2017]_, the SPC check of under-trained batches (step I2 of the module
+        docstring).
+        """
         if len(self._losses) < self.min_history:
             return math.inf
         return self.mean + self.sigmas * self.std

@@ -181,6 +181,17 @@ class TransNetV2Detector(ShotDetector):
         self._probs: list[float] = []
 
     def push(self, frame: np.ndarray) -> None:
+        """Add one analysis frame, ``uint8 (27, 48, 3)`` RGB. The first frame is also put
+        ``PAD`` (25) times in front of it, as the reference pads. Once
+        ``100 + 50 (batch_windows - 1)`` frames are buffered, ``batch_windows`` 100-frame
+        windows (stride 50) go through the network in one forward pass, and the middle 50
+        frames of each are decided: their flags (probability > ``threshold``), probabilities
+        and 1024-d features are appended (``ready`` grows by 50 per window), and 50 frames per
+        window leave the buffer.
+
+        Source: [Soucek2020]_ (the windows and their middle frames); streaming as [NeMoVideo2025]_
+        Sec. 2.1.
+        """
         if self.n_pushed == 0:
             self._buf.extend([frame] * self.PAD)
         self._buf.append(frame)
@@ -190,6 +201,10 @@ class TransNetV2Detector(ShotDetector):
             self._run(self.batch_windows)
 
     def finish(self) -> None:
+        """No more frames: pad the end with copies of the last frame
+        (``25 + 50 - (n mod 50 or 50)`` of them for ``n`` frames pushed, the reference's padding),
+        run the remaining windows, and drop what was decided past frame ``n``, so that
+        ``ready == n``. Nothing when no frame was pushed. Source: [Soucek2020]_."""
         if self.n_pushed == 0:
             return
         n = self.n_pushed
@@ -330,6 +345,8 @@ class ContentDetector(ShotDetector):
         self._decide(final=False)
 
     def finish(self) -> None:
+        """No more frames: decide the frames still waiting for their lookahead (each local
+        mean over the neighbours there are); the last frame is never a transition."""
         self._decide(final=True)
 
     def _decide(self, final: bool) -> None:
@@ -402,5 +419,7 @@ class StrideDetector(ShotDetector):
             self._next_s = t + self.stride_s
 
     def finish(self) -> None:
+        """No more frames: the last frame, whose flag waits for the next frame when times are
+        given, is decided as no transition (the video's end closes its window)."""
         if len(self.flags) < self.n_pushed:  # the last frame, waiting for a next one: the video's end
             self.flags.append(False)
