@@ -43,7 +43,7 @@ from typing import Any
 import numpy as np
 
 from paperline.kernels.search import partition as pt
-from paperline.kernels.search.base import OPTIMIZERS
+from paperline.kernels.search.base import OPTIMIZERS, _unique_rows
 from paperline.kernels.search.botorch_opt import acquisition, refine_box, seeded_torch, select_discrete
 from paperline.kernels.search.lamcts import PartitionOptimizer
 from paperline.kernels.search.nsga2 import offspring
@@ -130,8 +130,8 @@ class LaMOO(PartitionOptimizer):
           (a uniform pick from the region's candidates).
         * ``nsga2``: ``max(4k, 20)`` offspring of the leaf's samples
           (:func:`.nsga2.offspring`), those inside the region; when fewer than ``k`` are inside,
-          those followed by all the offspring. On a categorical space only unevaluated points. May
-          hold more than ``k`` rows: the caller keeps the first ``q`` distinct new ones.
+          those followed by all the offspring; the first ``k`` distinct ones (on a categorical
+          space only unevaluated points).
         * ``qehvi``: the GP on every successful sample (:meth:`surrogate`) and qLogEHVI from
           :attr:`ref_point`, the batch chosen greedily (:func:`.botorch_opt.select_discrete`)
           among the region's unseen points (a categorical space of at most ``enumerate_max``
@@ -148,8 +148,8 @@ class LaMOO(PartitionOptimizer):
             rng: draws candidates and offspring (torch is seeded by :meth:`torch_seed`).
 
         Returns:
-            ``r x d`` points of the space; ``r <= k`` except with ``nsga2``, 0 when the region has
-            no new candidate (the caller tops the batch up with random new points).
+            ``r x d`` points of the space, ``r <= k``; 0 when the region has no new candidate (the
+            caller tops the batch up with random new points).
 
         Source: [Zhao2022lamoo]_, the sampling step after Sec. 4.2's selection (module docstring,
         step 3; the candidate pool, greedy batch and L-BFGS-B polish are this module's choices).
@@ -162,7 +162,10 @@ class LaMOO(PartitionOptimizer):
             children = offspring(self.space, x_leaf, y_leaf, max(4 * k, 20), rng)
             inside = children[pt.in_region(path, self.space.features(children))]
             pool = np.vstack([inside, children]) if inside.shape[0] < k else inside
-            return pool[self.is_new(pool)] if self.space.is_categorical else pool
+            pool = _unique_rows(pool[self.is_new(pool)] if self.space.is_categorical else pool)
+            # k of them: all were returned, and the batch keeps its first q rows, so the first
+            # region took every place of a batch split over several regions (found writing docs)
+            return pool[:k]
         x, y = self.data()
         model = self.surrogate()
         with seeded_torch(self.torch_seed(len(path))):

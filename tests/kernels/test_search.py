@@ -412,6 +412,35 @@ def test_lamoo_scores_the_unseen_points_of_its_region():
     assert batch.shape == (4, 3) and opt.is_new(batch).all()
 
 
+@pytest.mark.parametrize("categorical", [True, False])
+def test_lamoo_nsga2_sampler_gives_each_region_its_share_of_the_batch(categorical):
+    """With ``sampler: nsga2`` a region asked for k points gives at most k (distinct, new on a
+    categorical space): it gave every offspring inside it (up to 20), and the batch keeps its
+    first q rows, so the first region selected took all of a batch split over several regions."""
+    if categorical:
+        space = SearchSpace.categorical({f"v{i}": ["a", "b", "c", "d"] for i in range(3)})
+    else:
+        space = SearchSpace.box([0.0, 0.0], [1.0, 1.0])
+    opt = make_optimizer("lamoo", space, 2, seed=0, n_init=8, ref_point=[-10.0, -10.0], sampler="nsga2",
+                         cp=100.0)  # (exploring: the picks spread over the leaves)
+    rng = np.random.default_rng(0)
+    x = np.unique(space.sample(rng, 30), axis=0)
+    y = np.stack([x[:, 0] + x[:, 1], 3.0 - x[:, 0] + x[:, -1]], axis=1)
+    opt.tell(x, y)
+    root = opt.learn()
+    paths = pt.select_paths(root, 4, opt.ucb())
+    leaves = {pt.leaf_of(path, root).id: path for path in paths}
+    assert len(leaves) >= 2  # the batch is split over regions
+    for path in leaves.values():
+        leaf = pt.leaf_of(path, root)
+        got = opt.sample_region(path, x[leaf.idx], y[leaf.idx], 2, np.random.default_rng(1))
+        assert 1 <= got.shape[0] <= 2 and np.unique(got, axis=0).shape[0] == got.shape[0]
+        if categorical:
+            assert opt.is_new(got).all()
+    batch = opt.ask(4)
+    assert batch.shape == (4, space.dim) and np.unique(batch, axis=0).shape[0] == 4
+
+
 def test_lamoo_kernel_auto_is_rbf_on_categorical_spaces_and_recorded():
     """``kernel="auto"`` (the default) resolves at construction, RBF on a categorical space and
     polynomial on a continuous one, so a checkpoint records the kernel a campaign used; an explicit
