@@ -35,6 +35,14 @@ def _engine(run_id: str) -> tuple[subprocess.Popen, int]:
     return proc, int(proc.stdout.readline())
 
 
+def _until(condition, timeout_s: float = 30.0) -> None:
+    import time
+
+    deadline = time.time() + timeout_s
+    while not condition() and time.time() < deadline:
+        time.sleep(0.05)
+
+
 def _stop(proc: subprocess.Popen) -> None:
     proc.stdin.close()
     proc.wait(timeout=30)
@@ -59,8 +67,6 @@ def test_flow_run_processes_names_each_runs_topmost_process():
 def test_watch_records_runs_while_it_serves_and_reports_the_lost_ones(monkeypatch):
     """The watch's thread sees a run's process appear; after it has ended, leaving the watch
     hands exactly that run to crash_lost_runs (a server is not needed to see what it was given)."""
-    import time
-
     import paperline.infra.flow_runs as fr
 
     given = {}
@@ -68,22 +74,16 @@ def test_watch_records_runs_while_it_serves_and_reports_the_lost_ones(monkeypatc
     run_id = str(uuid.uuid4())
     with watch_flow_runs("paperline worker", interval_s=0.1) as seen:
         proc, _ = _engine(run_id)
-        deadline = time.time() + 30
-        while run_id not in seen and time.time() < deadline:
-            time.sleep(0.05)
+        _until(lambda: run_id in seen)
         _stop(proc)
     assert given == {run_id: proc.pid}
     # a run that ended longer than recent_s before the stop is not the stop's doing: forgotten
     given.clear()
     with watch_flow_runs("paperline worker", interval_s=0.1, recent_s=0.5) as seen:
         proc, _ = _engine(run_id)
-        deadline = time.time() + 30
-        while run_id not in seen and time.time() < deadline:
-            time.sleep(0.05)
+        _until(lambda: run_id in seen)
         _stop(proc)
-        deadline = time.time() + 30
-        while run_id in seen and time.time() < deadline:
-            time.sleep(0.05)
+        _until(lambda: run_id not in seen)
     assert given == {} and seen == {}
 
 
@@ -111,9 +111,7 @@ def test_watch_ends_the_mlflow_runs_of_a_run_whose_process_ended(monkeypatch):
     run_id = str(uuid.uuid4())
     with watch_flow_runs("paperline serve", interval_s=0.1, tracking_uri="http://127.0.0.1:1") as seen:
         proc, _ = _engine(run_id)
-        deadline = time.time() + 30
-        while run_id not in seen and time.time() < deadline:
-            time.sleep(0.05)
+        _until(lambda: run_id in seen)
         assert not called.is_set()  # executing: nothing to end
         _stop(proc)
         assert called.wait(30)
@@ -123,9 +121,7 @@ def test_watch_ends_the_mlflow_runs_of_a_run_whose_process_ended(monkeypatch):
     calls.clear()
     with watch_flow_runs("paperline serve", interval_s=0.1) as seen:
         proc, _ = _engine(run_id)
-        deadline = time.time() + 30
-        while run_id not in seen and time.time() < deadline:
-            time.sleep(0.05)
+        _until(lambda: run_id in seen)
         _stop(proc)
         time.sleep(0.5)
     assert calls == []
