@@ -456,6 +456,14 @@ def execute(ctx: RunContext, task: TileTask, peers: dict[TileKey, str] | None = 
 
 def _execute(state: WorkerState, ctx: RunContext, task: TileTask, peers: dict[TileKey, str] | None,
              peer_fetch: PeerFetch | None, worker: str, start: float, sink: Sink | None = None) -> dict[str, Any]:
+    # NaN/inf operands (check_finite off) are the verification's to report, not NumPy's warnings
+    # printed per tile product on the terminal (a trial)
+    with np.errstate(invalid="ignore", over="ignore"):
+        return _execute_tile(state, ctx, task, peers, peer_fetch, worker, start, sink)
+
+
+def _execute_tile(state: WorkerState, ctx: RunContext, task: TileTask, peers: dict[TileKey, str] | None,
+                  peer_fetch: PeerFetch | None, worker: str, start: float, sink: Sink | None = None) -> dict[str, Any]:
     ns, xp = state.ns, state.ns.xp
     peers = peers or {}
     before = state.counters.as_dict()
