@@ -233,10 +233,83 @@ def flow_run_watch(settings: Settings | None = None) -> Iterator[None]:
         # the engine's last calls (the result's write, the final state) come after the function
         # returns, and retried a dead server ~8 s (a trial)
         watch.__enter__()
+        quiet_outage_tracebacks()
         yield
     else:
         with watch:
             yield
+
+
+def outage_error(exc: BaseException | None) -> bool:
+    """``exc``, or an exception it was raised from, is a failed connection (``httpx``'s transport
+    errors, ``ConnectionError``, a closed websocket) while a watch in this process knows a server of
+    the stack is gone (:func:`down_reason`): the server's death, already said, not a fault of its own."""
+    if not _DOWN:
+        return False
+    kinds: tuple[type[BaseException], ...] = (ConnectionError,)
+    with contextlib.suppress(ImportError):
+        import httpx  # noqa: PLC0415
+
+        kinds += (httpx.TransportError,)
+    with contextlib.suppress(ImportError):
+        from websockets.exceptions import ConnectionClosed  # noqa: PLC0415
+
+        kinds += (ConnectionClosed,)
+    seen: set[int] = set()
+    while exc is not None and id(exc) not in seen:
+        if isinstance(exc, kinds):
+            return True
+        seen.add(id(exc))
+        exc = exc.__cause__ or exc.__context__
+    return False
+
+
+def _outage_one_line(record: Any) -> bool:
+    """A log record whose exception is an :func:`outage_error` keeps its message and the
+    exception's line, without the traceback."""
+    if record.exc_info and outage_error(exc := record.exc_info[1]):
+        record.exc_info = None
+        record.exc_text = _error_line(exc)
+    return True
+
+
+def _error_line(exc: BaseException) -> str:
+    kind = type(exc)
+    name = kind.__qualname__ if kind.__module__ == "builtins" else f"{kind.__module__}.{kind.__qualname__}"
+    return f"{name}: {exc}"
+
+
+def quiet_outage_tracebacks() -> None:
+    """In a deployment run's own process (started by `paperline serve`'s runner or a Prefect
+    worker, whose output is their terminal's): Prefect's console records, and the uncaught error
+    the process ends on, show a connection error to a server the watch knows is gone as its one
+    line (which names the dead server: :mod:`paperline.infra.prefect_patches`), not its traceback.
+    A served run whose Prefect server was killed printed the same ``ConnectError`` three times
+    with its traceback, about 200 lines (a trial); the CLI's own filters are not in that process.
+    Idempotent; nothing with ``PAPERLINE_DEBUG`` set."""
+    import logging  # noqa: PLC0415
+    import sys  # noqa: PLC0415
+
+    from paperline.infra.errors import DEBUG_ENV  # noqa: PLC0415
+
+    if os.environ.get(DEBUG_ENV):
+        return
+    handlers = [h for name in (None, "prefect", "prefect._internal") for h in logging.getLogger(name).handlers]
+    for handler in handlers:
+        if type(handler).__name__ == "PrefectConsoleHandler" and _outage_one_line not in handler.filters:
+            handler.addFilter(_outage_one_line)
+    previous = sys.excepthook
+    if getattr(previous, "_paperline_outage", False):
+        return
+
+    def hook(kind: type[BaseException], exc: BaseException, tb: Any) -> None:
+        if outage_error(exc):
+            print(_error_line(exc), file=sys.stderr)
+        else:
+            previous(kind, exc, tb)
+
+    hook._paperline_outage = True  # type: ignore[attr-defined]
+    sys.excepthook = hook
 
 
 def check_result_writes() -> None:

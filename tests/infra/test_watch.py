@@ -4,6 +4,7 @@ once on a server it found gone. The "servers" here are real processes (``sleep``
 
 import http.server
 import math
+import os
 import subprocess
 import sys
 import threading
@@ -399,3 +400,65 @@ def test_a_server_an_up_restarted_is_said_back_however_short_its_outage(recorded
         assert _wait_for(lambda: back)
         time.sleep(0.3)
     assert len(back) == 1 and list(back[0]) == ["prefect"] and before <= back[0]["prefect"]
+
+
+_OUTAGE_RUN = r"""
+import logging, sys
+import httpx
+from prefect.logging.configuration import setup_logging
+from paperline.infra import watch
+
+setup_logging()
+watch.quiet_outage_tracebacks()
+watch.quiet_outage_tracebacks()  # idempotent
+log = logging.getLogger("prefect.engine")
+
+def refused():
+    try:
+        raise ConnectionRefusedError(111, "Connection refused")
+    except ConnectionRefusedError as exc:
+        raise httpx.ConnectError("[Errno 111] Connection refused (prefect: its server (pid 7) died)") from exc
+
+for marked in (False, True):
+    if marked:
+        watch._DOWN["prefect"] = "its server (pid 7) died during the run"
+    try:
+        refused()
+    except httpx.ConnectError:
+        log.error("Execution exited with unexpected exception (marked=%s)", marked, exc_info=True)
+    try:
+        raise ValueError("a fault of its own")
+    except ValueError:
+        log.error("a bug (marked=%s)", marked, exc_info=True)
+sys.stdout.flush()
+if sys.argv[1] == "outage":
+    refused()
+raise ValueError("the last error")
+"""
+
+
+@pytest.mark.parametrize("last", ["outage", "other"])
+def test_a_deployment_runs_process_says_an_outage_in_one_line(last):
+    """In a served run's process, Prefect printed a ConnectError to its dead server three times
+    with its traceback (~200 lines, a trial): once the watch knows the server is gone, the records
+    and the error the process ends on are their one line; other errors keep their traceback, and
+    so does a connection error before anything is known to be gone."""
+    out = subprocess.run([sys.executable, "-c", _OUTAGE_RUN, last], capture_output=True, text=True, timeout=120,
+                         env={k: v for k, v in os.environ.items() if k != "PAPERLINE_DEBUG"})
+    text = out.stdout + out.stderr
+    assert out.returncode == 1, text
+    blocks = text.split("| ERROR   | ")[1:]
+    assert [b.splitlines()[0].split(" - ", 1)[1] for b in blocks] == [
+        "Execution exited with unexpected exception (marked=False)", "a bug (marked=False)",
+        "Execution exited with unexpected exception (marked=True)", "a bug (marked=True)"], text
+    tracebacks = ["Traceback (most recent call last)" in b for b in blocks]
+    assert tracebacks[:4] == [True, True, False, True], text
+    refused = "httpx.ConnectError: [Errno 111] Connection refused (prefect: its server (pid 7) died)"
+    # the error's line instead of its traceback (then the next record's time)
+    assert blocks[2].splitlines()[1:-1] == [refused], text
+    end = blocks[-1].split("a bug (marked=True)", 1)[1]
+    if last == "outage":
+        assert "Traceback" not in end.split("ValueError: a fault of its own", 1)[1], end
+        assert end.rstrip().endswith("\n" + refused), end
+    else:
+        assert end.rstrip().endswith("ValueError: the last error") and end.count("Traceback") == 2, end
