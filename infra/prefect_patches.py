@@ -297,3 +297,36 @@ def install_result_write_check() -> None:
         checked = failing_when_down(S3Bucket._write_sync)
         checked._paperline_checked = True  # type: ignore[attr-defined]
         S3Bucket._write_sync = checked  # type: ignore[method-assign]
+
+
+def install_suspension_check_through_outages() -> None:
+    """Route ``FlowRunSuspendingObserver._check_for_suspended_flow_runs`` through
+    :func:`quiet_while_prefect_down` (idempotent). Called in a deployment run's own process
+    (:func:`paperline.infra.watch.quiet_outage_tracebacks`): the observer, which polls while its
+    events stream is down, counted each poll to a dead Prefect server as a failure and stopped
+    for good after three, printing "Failed the last 3 attempts" with two tracebacks and
+    "Suspension polling task failed" (a served run, its Prefect server killed: a trial)."""
+    from prefect._internal.observers import FlowRunSuspendingObserver  # noqa: PLC0415
+
+    check = FlowRunSuspendingObserver._check_for_suspended_flow_runs
+    if not getattr(check, "_paperline_quiet", False):
+        FlowRunSuspendingObserver._check_for_suspended_flow_runs = quiet_while_prefect_down(check)  # type: ignore[method-assign]
+
+
+def quiet_while_prefect_down(original: Any) -> Any:
+    """``original`` (an async poll) finding nothing while this process's watch knows the local
+    Prefect server is gone (``down_reason("prefect")``) and the poll fails to connect; any other
+    error is raised as before."""
+    from paperline.infra.watch import down_reason, outage_error  # noqa: PLC0415
+
+    @functools.wraps(original)
+    async def poll(self: Any, *args: Any, **kwargs: Any) -> Any:
+        try:
+            return await original(self, *args, **kwargs)
+        except Exception as exc:
+            if down_reason("prefect") is None or not outage_error(exc):
+                raise
+            return None
+
+    poll._paperline_quiet = True  # type: ignore[attr-defined]
+    return poll

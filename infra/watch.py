@@ -265,9 +265,11 @@ def outage_error(exc: BaseException | None) -> bool:
 
 
 def _outage_one_line(record: Any) -> bool:
-    """A log record whose exception is an :func:`outage_error` keeps its message and the
-    exception's line, without the traceback."""
-    if record.exc_info and outage_error(exc := record.exc_info[1]):
+    """A log record whose exception is an :func:`outage_error`, or a warning of a closed
+    websocket (Prefect's observers switching to polling as the server goes, before the watch
+    has seen it gone), keeps its message and the exception's line, without the traceback."""
+    if record.exc_info and (outage_error(exc := record.exc_info[1])
+                            or (record.levelno <= 30 and type(exc).__name__.startswith("ConnectionClosed"))):
         record.exc_info = None
         record.exc_text = _error_line(exc)
     return True
@@ -286,12 +288,18 @@ def quiet_outage_tracebacks() -> None:
     line (which names the dead server: :mod:`paperline.infra.prefect_patches`), not its traceback.
     A served run whose Prefect server was killed printed the same ``ConnectError`` three times
     with its traceback, about 200 lines (a trial); the CLI's own filters are not in that process.
-    Idempotent; nothing with ``PAPERLINE_DEBUG`` set."""
+    Its suspension observer polls on through an outage of the local Prefect server
+    (:func:`paperline.infra.prefect_patches.install_suspension_check_through_outages`, also with
+    ``PAPERLINE_DEBUG`` set, which keeps the tracebacks). Idempotent."""
     import logging  # noqa: PLC0415
     import sys  # noqa: PLC0415
 
     from paperline.infra.errors import DEBUG_ENV  # noqa: PLC0415
 
+    with contextlib.suppress(Exception):  # (Prefect's internals moved: its own output stays as it was)
+        from paperline.infra import prefect_patches  # noqa: PLC0415
+
+        prefect_patches.install_suspension_check_through_outages()
     if os.environ.get(DEBUG_ENV):
         return
     handlers = [h for name in (None, "prefect", "prefect._internal") for h in logging.getLogger(name).handlers]

@@ -115,3 +115,42 @@ def test_settings_context_hydration_is_prefects_and_follows_the_environment(monk
         monkeypatch.setenv("PAPERLINE_TEST_VARIABLE", str(n))
         SettingsContext(**data)
     assert len(prefect_patches._HYDRATED) <= prefect_patches.SETTINGS_CACHE_SIZE
+
+
+def test_a_runs_suspension_observer_polls_on_while_its_prefect_server_is_known_gone(monkeypatch) -> None:
+    """Its poll to a dead server failed three times and the observer stopped for good ("Failed
+    the last 3 attempts ... Suspension polling task failed", a trial): while the watch knows the
+    local Prefect server is gone, a failed connection is nothing found; otherwise errors raise."""
+    import asyncio
+
+    import httpx
+    from prefect._internal.observers import FlowRunSuspendingObserver
+
+    from paperline.infra import watch
+
+    calls: list[str] = []
+
+    async def poll(self, error: BaseException | None) -> str:
+        calls.append("polled")
+        if error is not None:
+            raise error
+        return "checked"
+
+    quiet = prefect_patches.quiet_while_prefect_down(poll)
+    refused = httpx.ConnectError("All connection attempts failed")
+    with pytest.raises(httpx.ConnectError):  # nothing known to be gone: Prefect's own handling
+        asyncio.run(quiet(None, refused))
+    monkeypatch.setitem(watch._DOWN, "s3", "its server (pid 7) died during the run")
+    with pytest.raises(httpx.ConnectError):  # another server gone: not this poll's business
+        asyncio.run(quiet(None, refused))
+    monkeypatch.setitem(watch._DOWN, "prefect", "its server (pid 8) died during the run")
+    assert asyncio.run(quiet(None, refused)) is None
+    with pytest.raises(ValueError):
+        asyncio.run(quiet(None, ValueError("a fault of its own")))
+    assert asyncio.run(quiet(None, None)) == "checked" and len(calls) == 5
+    original = FlowRunSuspendingObserver._check_for_suspended_flow_runs
+    monkeypatch.setattr(FlowRunSuspendingObserver, "_check_for_suspended_flow_runs", original)
+    prefect_patches.install_suspension_check_through_outages()
+    prefect_patches.install_suspension_check_through_outages()  # idempotent
+    installed = FlowRunSuspendingObserver._check_for_suspended_flow_runs
+    assert installed is not original and installed.__wrapped__ is original
