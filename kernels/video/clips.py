@@ -459,7 +459,8 @@ def extract_clips(info: VideoInfo, cfg: ClipConfig, filt: FilterConfig | None = 
     Returns:
         :class:`VideoResult`. A video that stops decoding early (truncated, corrupt) is returned
         as ``rejected`` with no clips: reason ``decode_error`` when the decoder failed on its data
-        (corrupt), ``truncated`` when it ended quietly short of the frames the container declares.
+        (corrupt), ``truncated`` when it ended quietly short of the frames the container declares or,
+        where it declares none (Matroska, WebM), well short of the video's declared duration.
 
     Raises:
         InputError: bad configuration (unknown splitter or option).
@@ -566,9 +567,11 @@ def extract_clips(info: VideoInfo, cfg: ClipConfig, filt: FilterConfig | None = 
         to_small, to_big = VideoReformatter(), VideoReformatter()  # reused: one scaler context each
         upright = _Autorotate(info.display_filters, stream.time_base)
         clock = _Clock(src_rate)
+        latest: Fraction | None = None  # the latest decoded frame's time
         try:
             for frame in container.decode(stream):
                 t = clock(frame)
+                latest = t if latest is None or t > latest else latest
                 frame = upright(frame)
                 small = to_small.reformat(frame, width=ANALYSIS_SIZE[0], height=ANALYSIS_SIZE[1],
                                           format="rgb24").to_ndarray()
@@ -588,15 +591,33 @@ def extract_clips(info: VideoInfo, cfg: ClipConfig, filt: FilterConfig | None = 
         if feature_source is not None:
             feature_source.finish()
         declared = info.frames
-        if error is not None or (declared and decoded < declared * 0.98 - 1):
+        # Matroska/WebM declare no frame count (0), only durations: a cut MKV decoded quietly to its
+        # cut and was curated as if whole (a trial). Without a count, the stream is cut when the
+        # decoded frames' time (first frame to the last one's end, one average frame) falls well
+        # short of the duration declared for it. Time, not frames x average rate: a variable-rate
+        # MKV's declared rate is its first frames' (a complete 75-frame file of 2 s at 25 fps then
+        # 2 s at 12.5 fps "expects" 99 frames), and times do not depend on it. Complete files written
+        # by FFmpeg (MKV, WebM, MP4 at 1 to 60 fps, 0.12 to 10 s, variable-rate ones, with a longer
+        # audio track) end within one frame of the video's own declared duration: the slack there is
+        # the frame count's (2 %) plus two frames. Only the container's duration (no duration of the
+        # stream's own) gets 5 % plus 0.5 s: it is the longest track's, and an audio track may run on.
+        span, own = _declared_video_s(container, stream) if not declared else (0.0, False)
+        covered = float(latest + 1 / src_rate) if latest is not None else 0.0
+        short_of_span = bool(span) and covered < (span * 0.98 - 2 / float(src_rate) if own else span * 0.95 - 0.5)
+        if error is not None or (declared and decoded < declared * 0.98 - 1) or short_of_span:
             for enc in (state["ending"], state["enc"]):
                 if enc is not None:
                     enc.abort()
             # the decoder failing on the stream's data is corruption; a stream that ends quietly short
-            # of its declared frames is cut off ("truncated" named a full-length file with corrupt
-            # chunks: a trial)
+            # of its declared frames (or duration) is cut off ("truncated" named a full-length file
+            # with corrupt chunks: a trial)
             why = "decode_error" if error is not None else "truncated"
-            detail = f"decoded {decoded} of {declared or '?'} declared frames" + (f": {error}" if error else "")
+            if declared or not span:
+                detail = f"decoded {decoded} of {declared or '?'} declared frames"
+            else:
+                detail = (f"decoded {decoded} of about {round(span * float(src_rate))} expected frames "
+                          f"({covered:.2f} s of the {span:.2f} s declared, at {float(src_rate):.4g} fps)")
+            detail += f": {error}" if error else ""
             return VideoResult(info, [], Rejected(info.source, why, detail), decoded, 0, 0,
                                time.perf_counter() - t0)
         drain(ready())
@@ -606,6 +627,23 @@ def extract_clips(info: VideoInfo, cfg: ClipConfig, filt: FilterConfig | None = 
             state["shots"] += 1
             close(state["enc"], None)
     return VideoResult(info, clips, None, decoded, state["shots"], state["short"], time.perf_counter() - t0)
+
+
+def _declared_video_s(container: Any, stream: Any) -> tuple[float, bool]:
+    """The duration in seconds a container declares for its video ``stream``, and whether it is the
+    stream's own: the stream's duration (MP4), else its Matroska ``DURATION`` tag
+    (``"00:00:06.000000000"``, written by FFmpeg and mkvmerge), else the container's (``False``:
+    the longest track's, an audio track's when it runs on); ``(0.0, False)`` when none."""
+    if stream.duration and stream.time_base:
+        return float(stream.duration * stream.time_base), True
+    tag = next((v for k, v in (stream.metadata or {}).items() if k.upper().startswith("DURATION")), None)
+    if tag:
+        try:
+            h, m, sec = str(tag).strip().split(":")
+            return int(h) * 3600 + int(m) * 60 + float(sec), True
+        except ValueError:
+            pass  # an unreadable tag: the container's
+    return (float(container.duration) / 1e6, False) if container.duration else (0.0, False)
 
 
 def _finish_clip(enc: _ClipEncoder, info: VideoInfo, sid: str, filt: FilterConfig, imagehash: Any, image: Any,

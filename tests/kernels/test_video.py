@@ -76,13 +76,13 @@ def test_demo_videos_ship_in_packages_and_the_transnetv2_tests_package_does_not_
     assert info.fps == 25.0 and abs(info.duration_s - 5.31) < 0.05
 
 
-def _write_still_video(path, seconds=3.0, fps=25, moving=False):
+def _write_still_video(path, seconds=3.0, fps=25, moving=False, codec="libx264"):
     import av
 
     rng = np.random.default_rng(0)
     base = rng.integers(0, 256, (120, 160, 3), dtype=np.uint8)  # textured (sharp) but still
     with av.open(str(path), "w") as out:
-        s = out.add_stream("libx264", rate=fps)
+        s = out.add_stream(codec, rate=fps)
         s.width, s.height, s.pix_fmt = 160, 120, "yuv420p"
         for i in range(int(seconds * fps)):
             img = np.roll(base, 3 * i, axis=1) if moving else base
@@ -168,6 +168,33 @@ def test_a_truncated_video_that_opens_is_rejected_after_decoding(bad_videos):
     assert isinstance(info, VideoInfo) and info.frames == 50
     r = extract_clips(info, ClipConfig(splitter="stride", min_clip_s=0.2))
     assert r.clips == [] and r.rejected.reason == "truncated" and "25 of 50" in r.rejected.detail
+
+
+@pytest.mark.parametrize("ext, codec", [("mkv", "libx264"), ("webm", "libvpx-vp9")])
+def test_a_truncated_matroska_video_is_rejected_by_its_declared_duration(tmp_path, ext, codec):
+    """Matroska and WebM declare a duration but no frame count: a 6 s MKV cut to 2/3 of its bytes
+    decoded quietly to its cut and was curated as if whole (a trial). The complete file, and a
+    complete variable-rate MKV (whose declared rate, its first frames', overstates its frames by a
+    third), are not rejected."""
+    cfg = ClipConfig(splitter="stride", min_clip_s=0.5, height=120)
+    filt = FilterConfig(min_sharpness=0, min_height=0, min_motion=0)
+    whole = _write_still_video(tmp_path / f"whole.{ext}", seconds=6.0, fps=25, moving=True, codec=codec)
+    info = probe(whole)
+    assert isinstance(info, VideoInfo) and info.frames == 0 and info.duration_s == 6.0  # no count declared
+    r = extract_clips(info, cfg, filt)
+    assert r.rejected is None and r.frames_decoded == 150 and r.clips
+    data = whole.read_bytes()
+    (tmp_path / f"cut.{ext}").write_bytes(data[: len(data) * 2 // 3])
+    info = probe(tmp_path / f"cut.{ext}")
+    assert isinstance(info, VideoInfo) and info.duration_s == 6.0  # it opens, declaring the whole
+    r = extract_clips(info, cfg, filt)
+    assert r.clips == [] and r.rejected is not None and r.rejected.reason == "truncated", r.rejected
+    assert f"decoded {r.frames_decoded} of about 150 expected frames" in r.rejected.detail, r.rejected.detail
+    assert 0 < r.frames_decoded < 120
+    vfr = probe(_write_vfr(tmp_path / "vfr.mkv", [2 * i for i in range(50)] + [100 + 4 * i for i in range(25)]))
+    assert vfr.frames == 0 and vfr.fps == 25  # 2 s at 25 fps, 2 s at 12.5 fps: 75 frames, not 99
+    r = extract_clips(vfr, ClipConfig(splitter="stride", min_clip_s=0.5, height=48), filt)
+    assert r.rejected is None and r.frames_decoded == 75
 
 
 def test_unsupported_extension_and_directory_listing(tmp_path):
