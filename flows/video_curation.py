@@ -35,7 +35,14 @@ from paperline.kernels.errors import InputError as KernelInputError
 from paperline.kernels.video.clips import ClipConfig, FilterConfig, check_x264_preset, nvenc_usable
 from paperline.kernels.video.dedup import deduplicate
 from paperline.kernels.video.shards import MANIFEST, plan_shards
-from paperline.kernels.video.sources import VIDEO_EXTENSIONS, demo_videos, list_local
+from paperline.kernels.video.sources import (
+    VIDEO_EXTENSIONS,
+    bad_name_problem,
+    demo_videos,
+    list_local,
+    reject_bad_names,
+    shown_name,
+)
 from paperline.tasks.video import (
     SourceChangedError,
     contact_sheet,
@@ -118,6 +125,8 @@ class VideoCurationParameters(BaseModel):
             raise ValueError("looks like an S3 prefix: start it with s3:// (e.g. s3://bucket/videos/)")
         if v.strip().startswith("s3://") and (problem := s3_location_problem(v.strip())):
             raise ValueError(problem)
+        if bad_name_problem(v):  # a surrogate broke Prefect's parameters, MLflow and the index (a trial)
+            raise ValueError(f"{shown_name(v.strip())} is not valid UTF-8: rename it to a UTF-8 name")
         return v.strip()
 
     @field_validator("dataset")
@@ -226,8 +235,8 @@ class VideoCurationParameters(BaseModel):
         if staging.startswith(f"{output}/"):  # s3://b/video-curation itself became a dataset (a trial)
             raise InputError(argument, value, f"holds {staging}/ (the curate tasks' staged clips) and every dataset "
                                               "named by `dataset`; choose a prefix of its own")
-        check_dataset_free(store, output, self.inputs_key(cfg, list_sources(self.source, store, staging)), argument,
-                           value)
+        sources = reject_bad_names(list_sources(self.source, store, staging))[0]
+        check_dataset_free(store, output, self.inputs_key(cfg, sources), argument, value)
 
     def filter_config(self) -> FilterConfig:
         """The :class:`FilterConfig` of these thresholds (``black_luma`` and ``flat_std`` at
@@ -296,6 +305,8 @@ PRESETS: dict[str, dict[str, Any]] = {
 def list_sources(source: str, store: ObjectStore, staging: str | None = None) -> list[str]:
     """The inputs named by ``source``: the demo videos, a local file/directory, or the videos under an
     S3 prefix, less the clips the curate tasks staged under ``staging`` (:func:`staging_prefix`).
+    A local file whose name is not valid UTF-8 is listed as it is: :func:`reject_bad_names` takes
+    it out (as rejected) before anything else holds it.
 
     Raises:
         InputError: nothing to curate, or ``source`` inside ``staging`` (the bucket's root took the
@@ -350,7 +361,8 @@ def video_curation(params: VideoCurationParameters | None = None) -> dict[str, A
     filt = params.filter_config()
     output, argument, value = params.destination(info.data_bucket)
     staging = staging_prefix(info.data_bucket)
-    sources = list_sources(params.source, store, staging)
+    # names that are not UTF-8 are rejected here, before any task, parameter or event holds them
+    sources, bad_names = reject_bad_names(list_sources(params.source, store, staging))
     inputs_key = params.inputs_key(cfg, sources)
     check_dataset_free(store, output, inputs_key, argument, value)  # before hours of processing, not at upload
     tracker = Tracker(info.mlflow_tracking_uri)
@@ -358,12 +370,12 @@ def video_curation(params: VideoCurationParameters | None = None) -> dict[str, A
     mlflow_params = {**params.model_dump(), "splitter_used": cfg.splitter, "encoder_used": cfg.encoder,
                      "embedder_used": cfg.resolved_embedder(), "device": device, "output": output,
                      "semantic_threshold_used": params.semantic_threshold or SEMANTIC_THRESHOLDS[cfg.resolved_embedder()],
-                     "inputs": len(sources)}
+                     "inputs": len(sources) + len(bad_names)}
     run_id = tracker.start_run(EXPERIMENT, run_name=flow_run.name or "video-curation",
                                tags={"prefect.flow_run_id": str(flow_run.id), "prefect.flow_run_url": run_url},
                                params=mlflow_params)
     try:
-        summary = _curate(params, cfg, filt, sources, store, tracker, run_id, output, staging, inputs_key)
+        summary = _curate(params, cfg, filt, sources, store, tracker, run_id, output, staging, inputs_key, bad_names)
         identity = {k: v for k, v in mlflow_params.items() if k not in ("dataset", "output")}
         versus = check_latest(tracker, run_id, identity, HEADLINES)
         summary["lines"] += versus.lines()
@@ -399,7 +411,7 @@ def _label(source: str) -> str:
 
 def _curate(params: VideoCurationParameters, cfg: ClipConfig, filt: FilterConfig, sources: list[str],
             store: ObjectStore, tracker: Tracker, run_id: str, output: str, staging: str,
-            inputs_key: str) -> dict[str, Any]:
+            inputs_key: str, bad_names: list[dict[str, str]] | None = None) -> dict[str, Any]:
     import dataclasses  # noqa: PLC0415
 
     t0 = time.perf_counter()
@@ -417,6 +429,9 @@ def _curate(params: VideoCurationParameters, cfg: ClipConfig, filt: FilterConfig
                for i in recurated]
     for i, f in zip(recurated, futures):
         results[i] = _result(f, sources[i])
+    # listed, never curated: names that are not UTF-8 (reject_bad_names)
+    results += [{"source": r["source"], "info": None, "rows": [], "stats": video_stats(None), "rejected": r}
+                for r in bad_names or []]
     rejected = [r["rejected"] for r in results if r["rejected"] is not None]
     rows = [row for r in results for row in r["rows"]]
     if len(rejected) == len(results):
@@ -476,7 +491,7 @@ def _curate(params: VideoCurationParameters, cfg: ClipConfig, filt: FilterConfig
         raise RuntimeError(f"read-back gave unequal samples per rank: {check['samples_per_rank']}")
     table_rows = [[k, str(int(v))] for k, v in counts.items()]
     # the per-worker rate too: a cached re-run's wall-clock rate read as 3x faster (a trial)
-    lines = [f"{len(sources)} input(s), {video_s / 60:.1f} min of video in {wall:.1f} s "
+    lines = [f"{len(results)} input(s), {video_s / 60:.1f} min of video in {wall:.1f} s "
              f"({metrics['throughput_video_s_per_s']:.1f} video-s per s; "
              f"{metrics['per_worker_video_s_per_s']:.1f} per worker-second of curating, which cached tasks keep); "
              f"splitter {cfg.splitter}, "

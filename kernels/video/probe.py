@@ -72,7 +72,8 @@ class Rejected:
             it, or the container is truncated), ``no_video_stream``,
             ``unsupported_codec``, ``too_few_frames``, ``decode_error``, ``truncated``, and
             (from the flow's curate task) ``no_clips``: decoded, but every shot is shorter than
-            ``min_clip_s``.
+            ``min_clip_s``; (from the listing, never probed) ``bad_name``: a name that is not valid
+            UTF-8 (:func:`paperline.kernels.video.sources.reject_bad_names`).
         detail: The decoder's message or the numbers behind the decision.
     """
 

@@ -58,6 +58,43 @@ def demo_videos() -> list[Path]:
     return [d / "bikes.mp4", d / "bigbuckbunny.mp4", d / "carphone_pristine.mp4", transnetv2_test_video()]
 
 
+def shown_name(name: str | Path) -> str:
+    """``name`` printable and valid UTF-8: the bytes of a file name that are not UTF-8 (Python
+    keeps each as a lone surrogate, ``'\\udce9'`` for byte 0xE9) shown as escapes
+    (``lat\\xe9in.mp4``); a valid name is returned as it is."""
+    return str(name).encode("utf-8", "surrogateescape").decode("utf-8", "backslashreplace")
+
+
+def bad_name_problem(path: str | Path) -> str | None:
+    """Why ``path`` cannot be curated by its name, or None when it can: a name (or a directory on
+    its path) that is not valid UTF-8 (e.g. Latin-1 ``lat\\xe9in.mp4`` copied from an old disk)
+    cannot be stored in the index's Parquet strings, Prefect's parameters and events, MLflow or S3
+    keys (the whole run failed after decoding every video with a ``UnicodeEncodeError`` naming no
+    file: a trial)."""
+    text = str(path)
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return (f"the name {shown_name(Path(text).name)} (in {shown_name(Path(text).parent)}) is not valid "
+                "UTF-8 (shown with \\x escapes), so it cannot be stored in the index, S3 keys or MLflow: rename "
+                "it to a UTF-8 name")
+    return None
+
+
+def reject_bad_names(sources: list[str]) -> tuple[list[str], list[dict[str, str]]]:
+    """``sources`` split into the ones to curate and the rejected rows (``{"source", "reason",
+    "detail"}``, reason ``bad_name``, ``source`` shown by :func:`shown_name`) of those whose path
+    is not valid UTF-8 (:func:`bad_name_problem`): they are skipped before any task sees them."""
+    kept, rejected = [], []
+    for s in sources:
+        problem = bad_name_problem(s)
+        if problem is None:
+            kept.append(s)
+        else:
+            rejected.append({"source": shown_name(s), "reason": "bad_name", "detail": problem})
+    return kept, rejected
+
+
 def list_local(source: str | Path) -> list[Path]:
     """The videos to curate under a local path: a file itself, or the files of a directory
     (recursively) whose extension is one of :data:`VIDEO_EXTENSIONS`, sorted.

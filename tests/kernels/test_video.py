@@ -211,6 +211,29 @@ def test_unsupported_extension_and_directory_listing(tmp_path):
         list_local(tmp_path / "empty_dir_" if False else _mk(tmp_path / "empty"))
 
 
+def test_a_video_whose_name_is_not_utf8_is_rejected_when_listed(tmp_path):
+    """A Latin-1 name (byte 0xE9, a lone surrogate in Python) failed the whole run after decoding
+    every video, in the index's Parquet, with a UnicodeEncodeError naming no file (a trial): it is
+    listed, then rejected as ``bad_name`` before any task sees it, shown with escapes."""
+    import os
+
+    from paperline.kernels.video.sources import reject_bad_names
+
+    (tmp_path / "a.mp4").write_bytes(b"x")
+    bad = os.fsdecode(os.fsencode(str(tmp_path)) + b"/lat\xe9in.mp4")
+    with open(bad, "wb") as f:
+        f.write(b"x")
+    listed = [str(p) for p in list_local(tmp_path)]
+    assert len(listed) == 2 and bad in listed
+    kept, rejected = reject_bad_names(listed)
+    assert kept == [str(tmp_path / "a.mp4")]
+    (row,) = rejected
+    assert row["source"] == f"{tmp_path}/lat\\xe9in.mp4" and row["reason"] == "bad_name", row
+    assert "the name lat\\xe9in.mp4 (in " in row["detail"] and "rename it" in row["detail"], row
+    json.dumps(row, ensure_ascii=False).encode("utf-8")  # no surrogate left: Parquet, MLflow and S3 take it
+    assert reject_bad_names([str(tmp_path / "ünïcode.mp4")]) == ([str(tmp_path / "ünïcode.mp4")], [])
+
+
 @pytest.mark.parametrize("locked", ["file", "directory"])
 def test_a_video_this_user_may_not_read_is_unreadable_not_a_video(tmp_path, locked):
     """A chmod-000 video was reported ``not_a_video`` (PyAV's PermissionError is an FFmpegError):
