@@ -377,7 +377,17 @@ def upload(path: Path = typer.Argument(..., metavar="PATH", help="Local file or 
 
     from paperline.infra.errors import InputError
     from paperline.infra.storage import ObjectStore, split_uri
+    from paperline.kernels.video.sources import shown_name
 
+    def utf8(text: str) -> bool:  # a name that is not UTF-8 (Latin-1 bytes) has lone surrogates in Python
+        try:
+            text.encode("utf-8")
+        except UnicodeEncodeError:
+            return False
+        return True
+
+    if not utf8(uri):
+        raise InputError("uri", shown_name(uri), "not valid UTF-8: S3 keys are UTF-8")
     if not path.exists():
         raise InputError("path", str(path), "no such file or directory")
     if not path.is_file() and not path.is_dir():
@@ -395,6 +405,17 @@ def upload(path: Path = typer.Argument(..., metavar="PATH", help="Local file or 
             raise InputError("path", str(path), "a directory with no files" + (" (symbolic links are not followed)"
                                                                                 if links else ""))
         targets = [(f, uri.rstrip("/") + "/" + f.relative_to(path).as_posix()) for f in files]
+        # a name that is not UTF-8 cannot be an S3 key: it failed the whole upload with a
+        # UnicodeEncodeError naming no file (a trial); the others go up, as the curation skips it
+        unnamed = sorted(shown_name(f.relative_to(path).as_posix()) for f, t in targets if not utf8(t))
+        targets = [(f, t) for f, t in targets if utf8(t)]
+        if unnamed:
+            shown = ", ".join(unnamed[:5]) + (f" and {len(unnamed) - 5} more" if len(unnamed) > 5 else "")
+            console.print(f"skipping {len(unnamed)} file(s) whose names are not valid UTF-8 (S3 keys are UTF-8; "
+                          f"rename them to upload them): {shown}", highlight=False, soft_wrap=True)
+            if not targets:
+                raise InputError("path", shown_name(str(path)), "no file with a UTF-8 name to upload (S3 keys are "
+                                                                "UTF-8): rename the files")
         links = sorted(f.relative_to(path).as_posix() for f in walked if f.is_symlink())
         if links:  # said, not skipped silently (a trial)
             shown = ", ".join(links[:5]) + (f" and {len(links) - 5} more" if len(links) > 5 else "")
@@ -402,6 +423,10 @@ def upload(path: Path = typer.Argument(..., metavar="PATH", help="Local file or 
                           soft_wrap=True)
     else:
         targets = [(path, uri.rstrip("/") + "/" + path.name if prefix else uri)]
+        if not utf8(targets[0][1]):
+            raise InputError("path", shown_name(str(path)), "its name is not valid UTF-8, "
+                                                            "so it cannot be an S3 key: rename it, or give the "
+                                                            "whole key in URI")
     for _, target in targets:  # S3's own refusal was a raw S3UploadFailedError (a trial)
         key = split_uri(target)[1]
         if {".", ".."} & set(key.split("/")):
@@ -413,7 +438,7 @@ def upload(path: Path = typer.Argument(..., metavar="PATH", help="Local file or 
     store.require_bucket("uri", uri)
     for source, target in targets:
         store.upload_file_to(source, target)
-        console.print(f"uploaded {source} ({source.stat().st_size:,} bytes) to {target}", highlight=False,
+        console.print(f"uploaded {shown_name(source)} ({source.stat().st_size:,} bytes) to {target}", highlight=False,
                       soft_wrap=True)
 
 

@@ -30,6 +30,24 @@ def test_upload_puts_the_file_at_the_uri_and_refuses_bad_input(stack_cli, stack,
     assert store.get_bytes(f"s3://{info.data_bucket}/incoming/day2/b.mp4") == b"bb"
     assert not store.exists(f"s3://{info.data_bucket}/incoming/link.mp4")
     assert "skipping 1 symbolic link(s) (not followed): link.mp4" in res.output
+    # a name that is not UTF-8 (Latin-1) failed the whole upload with a UnicodeEncodeError naming no file (a trial)
+    import os
+
+    latin = os.fsdecode(os.fsencode(str(videos)) + b"/lat\xe9in.mp4")
+    with open(latin, "wb") as f:
+        f.write(b"ccc")
+    res = stack_cli("upload", str(videos), f"s3://{info.data_bucket}/incoming2/")
+    text = " ".join(res.output.split())
+    assert res.exit_code == 0, res.output
+    assert "skipping 1 file(s) whose names are not valid UTF-8" in text and "lat\\xe9in.mp4" in text, text
+    assert store.get_bytes(f"s3://{info.data_bucket}/incoming2/a.mp4") == b"a"
+    assert [u for u in store.list(f"s3://{info.data_bucket}/incoming2/") if "lat" in u] == []
+    res = stack_cli("upload", latin, f"s3://{info.data_bucket}/one/")  # alone: refused, naming it
+    text = " ".join(res.output.split())
+    assert res.exit_code == 1 and "lat\\\\xe9in.mp4" in text and "not valid UTF-8" in text, text
+    res = stack_cli("upload", latin, f"s3://{info.data_bucket}/one/latin.mp4")  # a key of its own: fine
+    assert res.exit_code == 0 and store.get_bytes(f"s3://{info.data_bucket}/one/latin.mp4") == b"ccc", res.output
+    os.unlink(latin)
     (tmp_path / "empty").mkdir()
     (tmp_path / "links").mkdir()
     (tmp_path / "links" / "a.mp4").symlink_to(path)
