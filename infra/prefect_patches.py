@@ -258,9 +258,10 @@ def install() -> None:
     """Route ``prefect.blocks.core.Block._field_has_secrets`` through :func:`field_has_secrets`,
     ``prefect.context.SettingsContext.serialize`` through :func:`cached_settings_serialize` and its
     ``__init__`` through :func:`cached_settings_context_init`, Prefect's HTTP clients' retries
-    through :func:`once_when_down` and :func:`once_when_down_async`, and its log worker's batches
-    through :func:`one_line_log_batch_failure` (idempotent; a Prefect without the first two methods
-    keeps its own)."""
+    through :func:`once_when_down` and :func:`once_when_down_async`, its log worker's batches
+    through :func:`one_line_log_batch_failure`, and a flow run's suspension observer's polls
+    through :func:`install_suspension_check_through_outages` (idempotent; a Prefect without the
+    first two methods keeps its own)."""
     if _INSTALLED["done"]:
         return
     from prefect.blocks.core import Block  # noqa: PLC0415 - kernels and light imports never load Prefect
@@ -284,6 +285,8 @@ def install() -> None:
     from prefect.logging.handlers import APILogWorker  # noqa: PLC0415
 
     APILogWorker._handle_batch = one_line_log_batch_failure(APILogWorker._handle_batch)  # type: ignore[method-assign]
+    with contextlib.suppress(ImportError, AttributeError):  # (Prefect's internals moved: its own behaviour)
+        install_suspension_check_through_outages()
     _INSTALLED["done"] = True
 
 
@@ -301,11 +304,12 @@ def install_result_write_check() -> None:
 
 def install_suspension_check_through_outages() -> None:
     """Route ``FlowRunSuspendingObserver._check_for_suspended_flow_runs`` through
-    :func:`quiet_while_prefect_down` (idempotent). Called in a deployment run's own process
-    (:func:`paperline.infra.watch.quiet_outage_tracebacks`): the observer, which polls while its
-    events stream is down, counted each poll to a dead Prefect server as a failure and stopped
-    for good after three, printing "Failed the last 3 attempts" with two tracebacks and
-    "Suspension polling task failed" (a served run, its Prefect server killed: a trial)."""
+    :func:`quiet_while_prefect_down` (idempotent; by :func:`install`, as a flow's modules load:
+    the engine enters the observer, taking the method, before the flow's function runs). The
+    observer, which polls while its events stream is down, counted each poll to a dead Prefect
+    server as a failure and stopped for good after three, printing "Failed the last 3 attempts"
+    with two tracebacks and "Suspension polling task failed" (a served run, its Prefect server
+    killed: a trial)."""
     from prefect._internal.observers import FlowRunSuspendingObserver  # noqa: PLC0415
 
     check = FlowRunSuspendingObserver._check_for_suspended_flow_runs

@@ -288,18 +288,14 @@ def quiet_outage_tracebacks() -> None:
     line (which names the dead server: :mod:`paperline.infra.prefect_patches`), not its traceback.
     A served run whose Prefect server was killed printed the same ``ConnectError`` three times
     with its traceback, about 200 lines (a trial); the CLI's own filters are not in that process.
-    Its suspension observer polls on through an outage of the local Prefect server
-    (:func:`paperline.infra.prefect_patches.install_suspension_check_through_outages`, also with
-    ``PAPERLINE_DEBUG`` set, which keeps the tracebacks). Idempotent."""
+    (Its suspension observer polls on through the outage:
+    :func:`paperline.infra.prefect_patches.install_suspension_check_through_outages`.) Idempotent;
+    nothing with ``PAPERLINE_DEBUG`` set."""
     import logging  # noqa: PLC0415
     import sys  # noqa: PLC0415
 
     from paperline.infra.errors import DEBUG_ENV  # noqa: PLC0415
 
-    with contextlib.suppress(Exception):  # (Prefect's internals moved: its own output stays as it was)
-        from paperline.infra import prefect_patches  # noqa: PLC0415
-
-        prefect_patches.install_suspension_check_through_outages()
     if os.environ.get(DEBUG_ENV):
         return
     handlers = [h for name in (None, "prefect", "prefect._internal") for h in logging.getLogger(name).handlers]

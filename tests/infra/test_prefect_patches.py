@@ -148,9 +148,15 @@ def test_a_runs_suspension_observer_polls_on_while_its_prefect_server_is_known_g
     with pytest.raises(ValueError):
         asyncio.run(quiet(None, ValueError("a fault of its own")))
     assert asyncio.run(quiet(None, None)) == "checked" and len(calls) == 5
-    original = FlowRunSuspendingObserver._check_for_suspended_flow_runs
+    # installed as the flows' tasks load (before the engine enters the observer), once
+    import paperline.tasks  # noqa: F401
+
+    installed = FlowRunSuspendingObserver._check_for_suspended_flow_runs
+    assert installed._paperline_quiet
+    original = installed.__wrapped__
+    assert not getattr(original, "_paperline_quiet", False)
     monkeypatch.setattr(FlowRunSuspendingObserver, "_check_for_suspended_flow_runs", original)
     prefect_patches.install_suspension_check_through_outages()
     prefect_patches.install_suspension_check_through_outages()  # idempotent
-    installed = FlowRunSuspendingObserver._check_for_suspended_flow_runs
-    assert installed is not original and installed.__wrapped__ is original
+    again = FlowRunSuspendingObserver._check_for_suspended_flow_runs
+    assert again is not original and again.__wrapped__ is original
