@@ -1552,6 +1552,11 @@ def _start_prefect(
             "PREFECT_SERVER_API_HOST": host,
             "PREFECT_SERVER_API_PORT": str(port),
             "PREFECT_API_URL": f"{url}/api",
+            # deployment concurrency leases on disk (PREFECT_HOME/concurrency_leases), not in the
+            # server's memory: a served run that went on through a restart of its Prefect server
+            # (killed, or `down` and `up`) was terminated at its next lease renewal after it, 410
+            # "Lease not found" ("Terminating execution to prevent over-allocation": a trial)
+            "PREFECT_SERVER_CONCURRENCY_LEASE_STORAGE": "prefect.server.concurrency.lease_storage.filesystem",
         }
     )
     cmd = [sys.executable, "-m", "prefect", "server", "start", "--host", host, "--port", str(port), "--analytics-off"]

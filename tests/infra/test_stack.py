@@ -1115,3 +1115,24 @@ def test_a_state_file_not_written_names_its_path_and_leaves_the_old_one(tmp_path
     with pytest.raises(OSError, match=f"No space left on device: '{path}'"):
         _write_atomic(path, '{"new": true}\n')
     assert path.read_text() == '{"old": true}\n' and sorted(p.name for p in tmp_path.iterdir()) == ["stack.json"]
+
+
+def test_the_prefect_server_keeps_concurrency_leases_on_disk(stack):
+    """A deployment run's concurrency lease lived in the server's memory: a served run that went
+    on through a restart of its Prefect server was terminated at its next renewal ("410 Lease not
+    found ... Terminating execution to prevent over-allocation", a trial). The stack's server
+    keeps them under its PREFECT_HOME, where a restarted server finds them."""
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.actions import GlobalConcurrencyLimitCreate
+
+    name = f"paperline-test-lease-{uuid.uuid4().hex[:8]}"
+    leases = stack[0].state_dir / "prefect" / "concurrency_leases"
+    with get_client(sync_client=True) as client:
+        client.create_global_concurrency_limit(GlobalConcurrencyLimitCreate(name=name, limit=1))
+        try:
+            lease_id = client.increment_concurrency_slots_with_lease([name], 1, "concurrency", 60.0).json()["lease_id"]
+            assert (leases / f"{lease_id}.json").is_file(), sorted(p.name for p in leases.glob("*"))
+            client.release_concurrency_slots_with_lease(uuid.UUID(lease_id))
+            assert not (leases / f"{lease_id}.json").exists()
+        finally:
+            client.delete_global_concurrency_limit_by_name(name)
