@@ -355,8 +355,10 @@ def _non_integer_index(col: Any, name: str) -> str:
         missing = len(col) - finite.size  # nulls (pandas writes NaN so), NaN, inf
         if finite.size and np.all(finite == np.round(finite)):  # pandas makes integers float after a merge or NaN
             first = f"drop its {missing} row(s) without a number, then " if missing else ""
+            # an extra numeric column cast as told became a fourth mode, nothing said (a fresh-user trial)
             return (f"index columns must be integers; {name!r} holds whole numbers stored as {col.type}: {first}cast "
-                    f"it to int64 (pandas: df[{name!r}] = df[{name!r}].astype('int64'))")
+                    f"it to int64 (pandas: df[{name!r}] = df[{name!r}].astype('int64')), or drop the column if it is "
+                    f"not a mode ({every})")
         return f"index columns must be integers; {name!r} holds fractional numbers ({every})"
     if pa.types.is_temporal(col.type):
         return (f"index columns must be integers; {name!r} holds {col.type} values: number its steps 0, 1, ... "

@@ -105,9 +105,17 @@ def test_bad_column_types_name_the_column_and_the_file(tmp_path):
 
     refused("whole.parquet", [0.0, 1.0], r"^data\['i'\]='double': index columns must be integers; 'i' holds whole "
                                          r"numbers stored as double: cast it to int64 \(pandas: df\['i'\] = "
-                                         r"df\['i'\]\.astype\('int64'\)\)")
+                                         r"df\['i'\]\.astype\('int64'\)\), or drop the column if it is not a mode "
+                                         r"\(every column but 'value' is a mode index \('t' the last\)\)")
     refused("gaps.parquet", [0.0, None], r"^data\['i'\]='double': .*'i' holds whole numbers stored as double: drop "
                                          r"its 1 row\(s\) without a number, then cast it to int64 \(pandas: .*\)")
+    # an extra numeric column (not a mode) cast to int64 as told became a fourth mode, nothing said (a fresh-user trial)
+    pq.write_table(pa.table({"i": [0, 1], "j": [0, 1], "t": [0, 1], "extra": [1.0, 1.0], "value": [1.0, 2.0]}),
+                   tmp_path / "extra.parquet")
+    with pytest.raises(InputError, match=r"^data\['extra'\]='double': .*'extra' holds whole numbers stored as double: "
+                                         r"cast it to int64 \(pandas: .*\), or drop the column if it is not a mode "
+                                         r"\(every column but 'value' is a mode index \('t' the last\)\) \(in .*extra"):
+        read_coo_parquet(tmp_path / "extra.parquet")
     refused("fraction.parquet", [0.5, 1.0], r"^data\['i'\]='double': index columns must be integers; 'i' holds "
                                             r"fractional numbers \(every column but 'value' is a mode index \('t' the last\)\)")
     refused("labels.parquet", ["a", "b"], r"^data\['i'\]='string': index columns must be integers; 'i' holds "
