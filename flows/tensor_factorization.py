@@ -164,8 +164,12 @@ class TensorFactorizationParameters(BaseModel):
             try:
                 make_split(tensor, kind, seed=self.seed)
             except KernelInputError as exc:
-                # a way on, besides the split's internal value (horizon=1): a trial
-                hint = layout or ("; --set splits=random fits it without the temporal split" if kind == "temporal" else "")
+                # a way on, besides the split's internal value (horizon=1): a trial; years as 't' were
+                # told only to subtract 1995, not that the random split fits them as they are (a trial)
+                hint = layout
+                if kind == "temporal" and _splits(tensor, "random", self.seed):
+                    hint += ("; or " if layout else "; ") + "--set splits=random fits it without the temporal split" + (
+                        " (counting those empty indices)" if layout else "")
                 detail = str(exc)
                 if getattr(exc, "argument", None) == "horizon":  # not a parameter one can set (a trial)
                     detail = (f"{exc.problem} (its held-out sets are the last {exc.value} time steps each, a tenth "
@@ -229,6 +233,15 @@ class TensorFactorizationParameters(BaseModel):
                                           f"of {self.batch_size} entries would take about {format_bytes(need)} per "
                                           f"worker (limit {format_bytes(MAX_WORKING_BYTES)}): set "
                                           + " or ".join(w for w in ways if w))
+
+
+def _splits(tensor: Any, kind: str, seed: int) -> bool:
+    """Whether :func:`~paperline.kernels.tensor.coo.make_split` makes the ``kind`` split of ``tensor``."""
+    try:
+        make_split(tensor, kind, seed=seed)
+    except KernelInputError:
+        return False
+    return True
 
 
 MAX_FACTOR_BYTES = 4 * 2**30

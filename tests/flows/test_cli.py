@@ -169,7 +169,8 @@ def test_bad_user_data(parquet):
                                             "t": [1995 + k // 20 for k in range(600)], "value": [1.0] * 600})),
          ["cannot make the temporal split: the train slices hold no observed entries (its held-out sets are the "
           "last 202 time steps each, a tenth of the 2025 of 't')", "'t' starts at 1995, so 1995 empty time steps come "
-          "first", "subtract 1995"]),
+          "first", "subtract 1995; or --set splits=random fits it without the temporal split (counting those empty "
+          "indices)"]),
         (parquet("ids.parquet", pa.table({"i": [k % 10 * 10**12 for k in range(300)], "j": [k // 10 % 5 for k in range(300)],
                                           "t": [k // 50 for k in range(300)], "value": [1.0] * 300})),
          ["even at rank 1", "'i' has 10 distinct values up to 9000000000000", "renumber them 0..9"]),
@@ -180,6 +181,10 @@ def test_bad_user_data(parquet):
     ]
     for path, fragments in cases:
         assert_one_line_error(run_cli("run", "tensor-factorization", "--set", f"data={path}"), *fragments)
+    # the random split is offered only where it can be made (it was, to a file too small for it)
+    tiny = run_cli("run", "tensor-factorization", "--set", f"data={next(p for p, _ in cases if p.endswith('tiny.parquet'))}", "--set", "splits=temporal,random")
+    assert_one_line_error(tiny, "tiny.parquet", "cannot make the temporal split")
+    assert "splits=random" not in tiny.output
 
 
 def test_data_and_datasets_together_are_refused(parquet):
