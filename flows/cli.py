@@ -725,6 +725,7 @@ def _quiet_logs() -> None:
     consoles = [h for h in logging.getLogger().handlers if isinstance(h, PrefectConsoleHandler)]
     for handler in consoles:  # the same function objects: added once
         handler.addFilter(not_in_summary)
+        handler.addFilter(_not_said_before)
         handler.addFilter(_short_event_failures)
         handler.addFilter(_no_unfinished_finish)
         handler.addFilter(_queued_not_aborted)
@@ -846,8 +847,10 @@ def _run_one(spec, params, summary_json: Path | None, early=None) -> dict[str, A
     from paperline.infra import heap, interrupts
     from paperline.infra.cluster import describe_cluster, require_scheduler, task_runner
 
+    _said_before.clear()  # (in-process tests run several)
     if hasattr(params, "validate_inputs"):
         params.validate_inputs()
+    _say_data_warnings(params)  # before the stack and the cluster start (tens of seconds, or minutes)
     _quiet_logs()
     settings = _settings()
     workers = require_scheduler(settings)  # a configured scheduler's workers now (None: a local cluster)
@@ -859,6 +862,7 @@ def _run_one(spec, params, summary_json: Path | None, early=None) -> dict[str, A
         from paperline.infra.storage import ObjectStore
 
         params.validate_on_stack(info, ObjectStore.from_stack(info))
+        _say_data_warnings(params)  # an s3:// object's, read just now
     console.print(f"[bold]{spec.name}[/] on {describe_cluster(settings)}")
     started = None
     if early is not None:
@@ -910,6 +914,27 @@ def _run_one(spec, params, summary_json: Path | None, early=None) -> dict[str, A
             summary = {**summary, "lines": [*summary.get("lines", []), *retried]}
     _report(spec, params, summary, summary_json)
     return summary
+
+
+_said_before: set[str] = set()  # the warnings printed before the run: its flow's log records of them are left off
+
+
+def _say_data_warnings(params: Any) -> None:
+    """Print the warnings the checks found about a run's data (tensor-factorization's
+    ``data_warnings``: indices that are not positions, a baseline on mostly empty ones) before it
+    starts, each once: they were printed only under the results, after a baseline had run for
+    minutes (a fresh-user trial). The flow logs them too as it loads the data (for deployments);
+    :func:`_not_said_before` keeps those records off this terminal."""
+    for line in getattr(params, "data_warnings", list)():
+        if line not in _said_before:
+            _said_before.add(line)
+            console.print(line, style="yellow", soft_wrap=True, highlight=False, markup=False)
+
+
+def _not_said_before(record: Any) -> bool:
+    """A logging filter: False for a record whose message the run printed before it started
+    (:func:`_say_data_warnings`)."""
+    return not (_said_before and record.getMessage() in _said_before)
 
 
 def _server_watch(settings: Any, info: Any) -> Any:

@@ -15,8 +15,9 @@ from pathlib import Path
 from typing import Any, Literal
 
 import numpy as np
+from prefect.logging import get_run_logger
 from prefect.runtime import flow_run
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, field_validator, model_validator
 
 from paperline.infra.cluster import configure_local_workers, default_task_runner
 from paperline.infra.device import array_device
@@ -30,7 +31,8 @@ from paperline.infra.tracking import Tracker
 from paperline.kernels.errors import InputError as KernelInputError
 from paperline.kernels.tensor.baselines import MAX_DENSE_CELLS
 from paperline.kernels.tensor.coo import make_split
-from paperline.kernels.tensor.datasets import dataset_info, dataset_names, index_layout_hint, read_coo_parquet
+from paperline.kernels.tensor.datasets import (dataset_info, dataset_names, index_layout_hint, occupied_shape,
+                                               read_coo_parquet)
 from paperline.kernels.tensor.p2t2f import default_split_mode, working_set_bytes
 from paperline.tasks.tensor import fit_p2t2f, fit_tensorly_cp, load_tensor, render_report, split_tensor, user_scope
 
@@ -70,6 +72,8 @@ class TensorFactorizationParameters(BaseModel):
     baseline: bool = Field(True, description="Also fit the TensorLy CP baseline (needs the dense tensor).")
     baseline_iterations: int = Field(100, gt=0, description="ALS iterations of the TensorLy baseline.")
     seed: int = Field(0, ge=0, description="Seed of the splits, the initial factors and the shuffles.")
+
+    _data_warnings: list[str] = PrivateAttr(default_factory=list)  # check_data's, for data_warnings()
 
     @model_validator(mode="before")
     @classmethod
@@ -154,10 +158,19 @@ class TensorFactorizationParameters(BaseModel):
             check_s3_data(store, self.data)
             self.check_data(store.get_bytes(self.data))
 
+    def data_warnings(self) -> list[str]:
+        """The warnings about the data file that the last :meth:`check_data` (called by
+        :meth:`validate_inputs` for a local file, :meth:`validate_on_stack` for an ``s3://``
+        object) found: its :func:`data_warning` line, if any (``[]`` before any check, and for
+        the bundled datasets). `paperline run` prints them before the run starts."""
+        return list(self._data_warnings)
+
     def check_data(self, source: Path | bytes) -> None:
         """Refuse a data file (its path, or the bytes of the ``s3://`` object ``data``) that is not
         a readable COO tensor, cannot make the requested splits, or does not fit these parameters.
-        Raises InputError naming ``data``."""
+        A file it accepts may still warrant a warning (indices that are not positions 0, 1, ...):
+        :meth:`data_warnings` holds it. Raises InputError naming ``data``."""
+        self._data_warnings = []
         tensor = read_coo_parquet(source, argument="data", name=self.data)
         layout = index_layout_hint(tensor)  # years as 't', or ids as indices (a trial): say what to renumber
         for kind in self.splits:
@@ -181,6 +194,8 @@ class TensorFactorizationParameters(BaseModel):
             if not layout:
                 raise
             raise InputError(exc.argument, exc.value, exc.problem + layout) from None
+        line = data_warning(user_scope(str(self.data)), layout, tensor.shape, occupied_shape(tensor), self)
+        self._data_warnings = [line] if line else []
 
     def check_shape(self, name: str, shape: tuple[int, ...]) -> None:
         """Refuse, up front, a tensor these parameters cannot fit. Raises InputError."""
@@ -235,6 +250,44 @@ class TensorFactorizationParameters(BaseModel):
                                           + " or ".join(w for w in ways if w))
 
 
+SLOW_DENSE_CELL_ITERATIONS = 10**9  # dense cells x baseline iterations: about 40 s of TensorLy's ALS at rank 6 here
+MOSTLY_EMPTY = 10  # dense cells per cell of the occupied extent above which the modes are mostly empty indices
+
+
+def data_warning(name: str, layout_hint: str, shape: tuple[int, ...] | list[int], occupied: tuple[int, ...] | list[int],
+                 params: TensorFactorizationParameters) -> str:
+    """The warning a user's tensor gets before it is fitted, or ``""``: what to renumber
+    (``layout_hint``, from :func:`~paperline.kernels.tensor.datasets.index_layout_hint`), and,
+    where ``params`` fit the TensorLy baseline on a dense ``shape`` of mostly empty indices (at
+    least :data:`MOSTLY_EMPTY` times the cells of the ``occupied`` extent, the distinct indices
+    per mode) that is slow to compute (its cells times ``baseline_iterations`` at least
+    :data:`SLOW_DENSE_CELL_ITERATIONS`), that it may take minutes and ``--set baseline=false``.
+
+    Both fits stay as asked (their results compare with other runs of these parameters); only
+    the user is told, before the fits, not under their results (a trial waited 159 s for a
+    baseline whose indices were mostly empty, the warning printed after it).
+
+    Example: ``warning: user-spread: 'i' has 20 distinct values up to 95000: ...; renumber them
+    0..19 (e.g. pandas.factorize): the fits count those empty indices; the TensorLy baseline
+    computes the dense shape (95001, 15, 30), 4.28e+07 cells, in each of its 100 iterations:
+    4.75e+03 times the 9e+03 cells its indices occupy (20 x 15 x 30), so it may take minutes;
+    --set baseline=false fits P²T²F alone, or renumber as above``.
+    """
+    shape, occupied = tuple(int(n) for n in shape), tuple(int(n) for n in occupied)
+    hint = layout_hint.removeprefix("; ")
+    parts = [f"{hint}: the fits count those empty indices"] if hint else []
+    cells = float(np.prod(shape, dtype=np.float64))
+    used = float(np.prod(occupied, dtype=np.float64))
+    if (params.baseline and cells >= MOSTLY_EMPTY * used
+            and cells * params.baseline_iterations >= SLOW_DENSE_CELL_ITERATIONS):
+        renumber = "renumber as above" if hint else "renumber each mode's indices 0, 1, ... (e.g. pandas.factorize)"
+        parts.append(f"the TensorLy baseline computes the dense shape {shape}, {cells:.3g} cells, in each of its "
+                     f"{params.baseline_iterations} iterations: {cells / used:.3g} times the {used:.3g} cells its "
+                     f"indices occupy ({' x '.join(map(str, occupied))}), so it may take minutes; --set "
+                     f"baseline=false fits P²T²F alone, or {renumber}")
+    return f"warning: {name}: " + "; ".join(parts) if parts else ""
+
+
 def _splits(tensor: Any, kind: str, seed: int) -> bool:
     """Whether :func:`~paperline.kernels.tensor.coo.make_split` makes the ``kind`` split of ``tensor``."""
     try:
@@ -275,6 +328,10 @@ def check_s3_data(store: ObjectStore, uri: str) -> dict[str, Any]:
 def tensor_factorization(params: TensorFactorizationParameters | None = None) -> dict[str, Any]:
     """Run P²T²F and the TensorLy baseline on every (dataset, split) and track it in MLflow.
 
+    A user's ``data`` whose indices are not positions 0, 1, ... (or whose baseline would compute
+    mostly empty indices) gets :func:`data_warning` logged as it is loaded, before the fits, and
+    its renumbering hint again under the results (``summary["lines"]``).
+
     Returns:
         A summary: ``rows`` (dataset, split, method, test/validation RMSE, fit seconds), the
         Prefect flow-run id and URL, the MLflow run id and URL, the artifact URIs and
@@ -309,6 +366,11 @@ def tensor_factorization(params: TensorFactorizationParameters | None = None) ->
             tensors = {d: load_tensor.submit(store, bucket, dataset=d) for d in params.datasets}
         for d, t in tensors.items():  # surface a load error itself, and check what S3 data holds
             params.check_shape(d, tuple(t.result()["shape"]))
+            # before the fits, not only under their results: a baseline on mostly empty indices
+            # ran minutes with nothing said (a fresh-user trial)
+            if t.result().get("occupied") and (line := data_warning(d, t.result().get("layout_hint", ""),
+                                                                    t.result()["shape"], t.result()["occupied"], params)):
+                get_run_logger().warning(line)
         # what makes an earlier run comparable: for a user's file its content too, not only its
         # name (a rewritten file was compared with the old content's runs: a fresh-user trial)
         identity = dict(mlflow_params)

@@ -22,7 +22,8 @@ from prefect.cache_policies import INPUTS, TASK_SOURCE
 
 from paperline.infra.storage import ObjectStore
 from paperline.kernels.tensor.coo import COOTensor, Split, make_split
-from paperline.kernels.tensor.datasets import index_layout_hint, load_dataset, read_coo_parquet, write_coo_parquet
+from paperline.kernels.tensor.datasets import (index_layout_hint, load_dataset, occupied_shape, read_coo_parquet,
+                                               write_coo_parquet)
 from paperline.kernels.tensor.p2t2f import p2t2f
 from paperline.kernels.tensor.pttf import FitResult, rmse
 from paperline.tasks.retry import HOUR, retry_unless_bad_input
@@ -65,9 +66,13 @@ def load_tensor(store: ObjectStore, bucket: str, dataset: str | None = None, dat
             changed file or a replaced object is read again).
 
     Returns:
-        ``{"name", "uri", "sha256", "shape", "nnz", "mode_names", "layout_hint"}``; ``layout_hint``
-        is :func:`~paperline.kernels.tensor.datasets.index_layout_hint` of a user's tensor (``""``
-        for a bundled one, or none to say; absent from results cached before it was added).
+        ``{"name", "uri", "sha256", "shape", "nnz", "mode_names", "layout_hint"}``, and for a
+        user's tensor ``"occupied"``; ``layout_hint`` is
+        :func:`~paperline.kernels.tensor.datasets.index_layout_hint` of a user's tensor (``""``
+        for a bundled one, or none to say; absent from results cached before it was added);
+        ``occupied`` its :func:`~paperline.kernels.tensor.datasets.occupied_shape` (the distinct
+        indices per mode; for a bundled dataset it is left out, so that its result, which the
+        splits' cache keys hold, stays as it was).
 
     Raises:
         InputError: unknown dataset, unreadable Parquet, NaN/inf values, empty tensor.
@@ -78,9 +83,12 @@ def load_tensor(store: ObjectStore, bucket: str, dataset: str | None = None, dat
         raw = store.get_bytes(data_uri) if str(data_uri).startswith("s3://") else open(data_uri, "rb").read()
         tensor, name = read_coo_parquet(raw, argument="data", name=str(data_uri)), user_scope(data_uri)
     ref = store.put_bytes(tensor_to_parquet(tensor), bucket=bucket, prefix="tensors", suffix=".parquet")
-    return {"name": name, "uri": ref.uri, "sha256": ref.sha256, "shape": list(tensor.shape),
-            "nnz": tensor.nnz, "mode_names": list(tensor.mode_names or []),
-            "layout_hint": "" if dataset is not None else index_layout_hint(tensor).removeprefix("; ")}
+    out = {"name": name, "uri": ref.uri, "sha256": ref.sha256, "shape": list(tensor.shape),
+           "nnz": tensor.nnz, "mode_names": list(tensor.mode_names or []),
+           "layout_hint": "" if dataset is not None else index_layout_hint(tensor).removeprefix("; ")}
+    if dataset is None:  # what the flow's warning before the fits needs (mostly empty modes: a trial)
+        out["occupied"] = list(occupied_shape(tensor))
+    return out
 
 
 @task(name="split-tensor", cache_policy=CACHED, persist_result=True, retries=1,

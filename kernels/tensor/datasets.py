@@ -285,6 +285,14 @@ def index_layout_hint(tensor: COOTensor) -> str:
     return "; " + "; ".join(hints) if hints else ""
 
 
+def occupied_shape(tensor: COOTensor) -> tuple[int, ...]:
+    """The number of distinct indices per mode: the shape ``tensor`` would have with each mode's
+    indices renumbered 0, 1, ... (its :attr:`~paperline.kernels.tensor.coo.COOTensor.shape` is the
+    largest index + 1 per mode), e.g. ``(20, 15, 30)`` for shape ``(95001, 15, 30)`` whose ``i``
+    holds 20 values 0, 5000, ..., 95000."""
+    return tuple(len(np.unique(tensor.coords[:, m])) for m in range(tensor.ndim))
+
+
 def _check_unique(coords: np.ndarray, values: np.ndarray, argument: str, shown: str, names: list[str]) -> None:
     """Refuse coordinates listed more than once: which of their values is the observation is not
     knowable (summing them, as ``scipy.sparse`` does, would invent one).

@@ -215,6 +215,33 @@ def test_a_down_service_is_named(tmp_path, free_port):
     assert any(name in result.output for name in ("s3", "prefect", "mlflow"))
 
 
+def test_a_warning_about_the_data_is_printed_before_the_run_starts(parquet, tmp_path, free_port):
+    """Indices spread over a large range (20 values of 'i' up to 95000): the renumbering hint,
+    and that the dense baseline computes mostly empty indices, come before anything starts (here
+    the stack, which is down); they came under the results, after a baseline had run for
+    minutes (a fresh-user trial)."""
+    cells = [(i, j, t) for i in range(20) for j in range(15) for t in range(30) if (i + j + t) % 3 == 0]
+    path = parquet("spread.parquet", pa.table({"i": [5000 * i for i, _, _ in cells], "j": [j for _, j, _ in cells],
+                                               "t": [t for _, _, t in cells], "value": [1.0] * len(cells)}))
+    dead = free_port()
+    env = {"PAPERLINE_STATE_DIR": str(tmp_path / "state"), "PAPERLINE_S3_ENDPOINT_URL": f"http://127.0.0.1:{dead}",
+           "PAPERLINE_S3_ACCESS_KEY_ID": "x", "PAPERLINE_S3_SECRET_ACCESS_KEY": "y",
+           "PAPERLINE_PREFECT_API_URL": f"http://127.0.0.1:{dead}/api",
+           "PAPERLINE_MLFLOW_TRACKING_URI": f"http://127.0.0.1:{dead}", "PAPERLINE_STARTUP_TIMEOUT_S": "3"}
+    hint = ("warning: user-spread: 'i' has 20 distinct values up to 95000: indices are positions in the shape; "
+            "renumber them 0..19 (e.g. pandas.factorize): the fits count those empty indices")
+    baseline = ("; the TensorLy baseline computes the dense shape (95001, 15, 30), 4.28e+07 cells, in each of its 100 "
+                "iterations: 4.75e+03 times the 9e+03 cells its indices occupy (20 x 15 x 30), so it may take "
+                "minutes; --set baseline=false fits P²T²F alone, or renumber as above")
+    for sets, said in (([], hint + baseline), (["baseline=false"], hint),
+                       (["baseline_iterations=20"], hint)):  # 20 iterations of 4.28e7 cells: not minutes
+        result = run_cli("run", "tensor-factorization", "--set", f"data={path}",
+                         *[a for s in sets for a in ("--set", s)], env=env)
+        assert_one_line_error(result, "is not available")
+        text = " ".join(result.output.split())
+        assert text.startswith(said + " error:"), (sets, text)  # the whole warning, once, then the stack's error
+
+
 def test_datasets_lists_the_bundled_data():
     result = run_cli("datasets")
     assert result.exit_code == 0

@@ -233,6 +233,20 @@ def test_a_run_on_user_data_records_what_it_fitted(stack, run_cli, cli_env, tmp_
                              "t": [1995 + k // 20 for k in range(600)], "value": [float(k % 7) for k in range(600)]}),
                    years)
     proc = run_cli(cli_env, *args[:3], f"data={years}", *args[4:], check=True)
-    assert "warning: user-years: 't' starts at 1995, so 1995 empty time steps come first: indices are positions " \
-           "0, 1, ...; subtract 1995: the fit above counted those empty indices" in " ".join(proc.stdout.split()), \
-        proc.stdout[-3000:]
+    out = " ".join(proc.stdout.split())
+    hint = "warning: user-years: 't' starts at 1995, so 1995 empty time steps come first: indices are positions 0, 1, ...; subtract 1995"
+    assert f"{hint}: the fit above counted those empty indices" in out, proc.stdout[-3000:]
+    # and before the fits, once: the flow's log record of it is left off the terminal (it came
+    # only under the results, after the fits: a fresh-user trial)
+    early = f"{hint}: the fits count those empty indices"
+    assert out.count(early) == 1 and out.index(early) < out.index("held-out RMSE"), proc.stdout[-3000:]
+    # the flow logs it as it loads the data (a deployment's run has no `paperline run` to print it)
+    import logging
+
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.filters import LogFilter, LogFilterFlowRunId
+
+    with get_client(sync_client=True) as client:
+        logs = client.read_logs(LogFilter(flow_run_id=LogFilterFlowRunId(
+            any_=[json.loads(summary.read_text())["prefect_flow_run_id"]])))
+    assert [log.level for log in logs if log.message == early] == [logging.WARNING], [log.message for log in logs]

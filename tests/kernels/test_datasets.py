@@ -93,6 +93,16 @@ def test_the_time_column_is_found_by_name_and_is_the_last_mode(tmp_path):
     np.testing.assert_array_equal(tensor.coords, [[1, 0, 0], [0, 3, 2]])
 
 
+def test_occupied_shape_counts_the_distinct_indices_of_each_mode():
+    """The shape with each mode renumbered 0, 1, ...: ids spread over a large range (a trial's 'i'
+    of 20 values up to 95000) make a dense shape of mostly empty indices."""
+    from paperline.kernels.tensor.datasets import occupied_shape  # (here: the others need not wait for it)
+
+    coords = np.array([[0, 0, 0], [95000, 2, 0], [5000, 2, 3], [95000, 0, 3]])
+    tensor = COOTensor(coords, np.ones(4), (95001, 3, 4), ("i", "j", "t"))
+    assert occupied_shape(tensor) == (3, 2, 2)
+
+
 def test_bad_column_types_name_the_column_and_the_file(tmp_path):
     """Each with the way on for its type: a float index of whole numbers (what pandas makes of
     integers after a merge or a NaN) was told to "drop other columns" (a trial)."""
