@@ -398,7 +398,9 @@ def upload(path: Path = typer.Argument(..., metavar="PATH", help="Local file or 
     if path.is_dir():
         if not prefix:
             raise InputError("uri", uri, f"{path} is a directory: give a prefix ending in / (its files go under it)")
-        walked = [Path(root, name) for root, _, names in os.walk(path) for name in names]
+        walked = []  # every entry but directories, and the symbolic links to directories (not walked)
+        for root, dirs, names in os.walk(path):
+            walked += [Path(root, name) for name in names] + [Path(root, d) for d in dirs if Path(root, d).is_symlink()]
         files = sorted(f for f in walked if f.is_file() and not f.is_symlink())
         if not files:
             links = any(f.is_symlink() for f in walked)

@@ -24,12 +24,14 @@ def test_upload_puts_the_file_at_the_uri_and_refuses_bad_input(stack_cli, stack,
     (videos / "a.mp4").write_bytes(b"a")
     (videos / "day2" / "b.mp4").write_bytes(b"bb")
     (videos / "link.mp4").symlink_to(path)  # not followed
+    (videos / "loop").symlink_to(videos)  # a directory's link: said too (it was skipped silently: a trial)
     res = stack_cli("upload", str(videos), f"s3://{info.data_bucket}/incoming/")
     assert res.exit_code == 0, res.output
     assert store.get_bytes(f"s3://{info.data_bucket}/incoming/a.mp4") == b"a"
     assert store.get_bytes(f"s3://{info.data_bucket}/incoming/day2/b.mp4") == b"bb"
     assert not store.exists(f"s3://{info.data_bucket}/incoming/link.mp4")
-    assert "skipping 1 symbolic link(s) (not followed): link.mp4" in res.output
+    assert "skipping 2 symbolic link(s) (not followed): link.mp4, loop" in res.output
+    assert [u for u in store.list(f"s3://{info.data_bucket}/incoming/") if "loop" in u] == []
     # a name that is not UTF-8 (Latin-1) failed the whole upload with a UnicodeEncodeError naming no file (a trial)
     import os
 
