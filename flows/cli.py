@@ -389,9 +389,9 @@ def upload(path: Path = typer.Argument(..., metavar="PATH", help="Local file or 
     if not utf8(uri):
         raise InputError("uri", shown_name(uri), "not valid UTF-8: S3 keys are UTF-8")
     if not path.exists():
-        raise InputError("path", str(path), "no such file or directory")
+        raise InputError("path", shown_name(str(path)), "no such file or directory")
     if not path.is_file() and not path.is_dir():
-        raise InputError("path", str(path), "not a file or directory")
+        raise InputError("path", shown_name(str(path)), "not a file or directory")
     if not uri.startswith("s3://") or not split_uri(uri)[0] or "//" in uri[len("s3://"):]:
         raise InputError("uri", uri, "expected s3://bucket/key (or s3://bucket/prefix/ to keep the file's name)")
     prefix = uri.endswith("/") or "/" not in uri[len("s3://"):]
@@ -418,7 +418,7 @@ def upload(path: Path = typer.Argument(..., metavar="PATH", help="Local file or 
             if not targets:
                 raise InputError("path", shown_name(str(path)), "no file with a UTF-8 name to upload (S3 keys are "
                                                                 "UTF-8): rename the files")
-        links = sorted(f.relative_to(path).as_posix() for f in walked if f.is_symlink())
+        links = sorted(shown_name(f.relative_to(path).as_posix()) for f in walked if f.is_symlink())
         if links:  # said, not skipped silently (a trial)
             shown = ", ".join(links[:5]) + (f" and {len(links) - 5} more" if len(links) > 5 else "")
             console.print(f"skipping {len(links)} symbolic link(s) (not followed): {shown}", highlight=False,
@@ -910,6 +910,8 @@ def _run_one(spec, params, summary_json: Path | None, early=None) -> dict[str, A
         if "summary" in done:  # the work was done and tracked: its results were not printed (a trial)
             _report(spec, params, done["summary"], summary_json)
         raise gone from exc
+    finally:
+        _said_before.clear()  # (its filter stays on the console handlers: a later record is not this run's)
     if done.get("flow_run_id") and isinstance(summary, dict):
         retried = _retried_tasks(done["flow_run_id"])
         if retried:  # the results are the retries': after a lost worker nothing said a task had failed (a trial)

@@ -200,7 +200,8 @@ def watch_flow_runs(who: str, *, interval_s: float = 1.0, recent_s: float = 300.
     each of which would cost a request. Older ones are forgotten as the thread goes. With
     ``tracking_uri``, the MLflow runs a run left RUNNING are ended once its process has ended and
     its flow run with it (:func:`paperline.infra.tracking.end_runs_of_ended_flow_runs`: on a
-    thread of their own while serving; at once for the runs the stop marked Crashed).
+    thread of their own while serving; on leaving, at once for the recent runs whose process has
+    ended).
 
     Args:
         who: The command, for the Crashed state's message (``paperline serve``).
@@ -258,7 +259,8 @@ def watch_flow_runs(who: str, *, interval_s: float = 1.0, recent_s: float = 300.
             with contextlib.suppress(Exception):
                 still = [*still, *flow_run_processes(me)]  # one started since the last poll
             crash_unstarted_runs(deployments, who, executing=set(still), report=report)
-        end_mlflow_runs(crashed, waits_s=(0.0,))
+        # (also those Prefect's runner marked ended, whose thread above had not yet looked: it waits)
+        end_mlflow_runs(sorted(set(crashed) | (set(recent) - set(still))), waits_s=(0.0,))
 
 
 # --------------------------------------------------------------------------------------------------

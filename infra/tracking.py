@@ -379,6 +379,11 @@ class Tracker:
                         continue
                     kind = state.type.value if state is not None else ""
                     if kind in ("CRASHED", "CANCELLED", "FAILED"):
+                        # as it is now: a nas campaign resumed meanwhile reopens its run, under its
+                        # new flow run (ended here, it was shown KILLED while it logged: a review)
+                        now = self.client.get_run(run.info.run_id)
+                        if now.info.status != "RUNNING" or now.data.tags.get("prefect.flow_run_id") != flow_run_id:
+                            continue
                         status = "FAILED" if kind == "FAILED" else "KILLED"
                         self.set_tags(run.info.run_id, {"paperline.ended_by": f"Prefect flow run {state.name}"})
                         self.end_run(run.info.run_id, status)

@@ -241,9 +241,11 @@ def flow_run_watch(settings: Settings | None = None) -> Iterator[None]:
 
 
 def outage_error(exc: BaseException | None) -> bool:
-    """``exc``, or an exception it was raised from, is a failed connection (``httpx``'s transport
-    errors, ``ConnectionError``, a closed websocket) while a watch in this process knows a server of
-    the stack is gone (:func:`down_reason`): the server's death, already said, not a fault of its own."""
+    """``exc``, or an exception it was raised from (``raise ... from``: its ``__cause__`` chain;
+    not one being handled as it was raised, which may be a bug in the handling), is a failed
+    connection (``httpx``'s transport errors, ``ConnectionError``, a closed websocket) while a watch
+    in this process knows a server of the stack is gone (:func:`down_reason`): the server's death,
+    already said, not a fault of its own."""
     if not _DOWN:
         return False
     kinds: tuple[type[BaseException], ...] = (ConnectionError,)
@@ -260,7 +262,7 @@ def outage_error(exc: BaseException | None) -> bool:
         if isinstance(exc, kinds):
             return True
         seen.add(id(exc))
-        exc = exc.__cause__ or exc.__context__
+        exc = exc.__cause__
     return False
 
 

@@ -420,7 +420,7 @@ def single_process_peer(params: dict[str, Any], store: ObjectStore | None) -> di
     }
     owner = "numpy" if p.routine == "gemm" else "scipy"  # the library whose BLAS the peer calls
     # (NaN/inf operands with check_finite off: the main run's verification says so; not NumPy's warnings)
-    with threadpool_limits(limits=os.cpu_count() or 1, user_api="blas"), np.errstate(invalid="ignore", over="ignore"):
+    with threadpool_limits(limits=os.cpu_count() or 1, user_api="blas"), np.errstate(invalid="ignore", over="ignore", divide="ignore"):
         start = time.perf_counter()
         calls[p.routine]()
         seconds = time.perf_counter() - start

@@ -458,7 +458,7 @@ def _execute(state: WorkerState, ctx: RunContext, task: TileTask, peers: dict[Ti
              peer_fetch: PeerFetch | None, worker: str, start: float, sink: Sink | None = None) -> dict[str, Any]:
     # NaN/inf operands (check_finite off) are the verification's to report, not NumPy's warnings
     # printed per tile product on the terminal (a trial)
-    with np.errstate(invalid="ignore", over="ignore"):
+    with np.errstate(invalid="ignore", over="ignore", divide="ignore"):
         return _execute_tile(state, ctx, task, peers, peer_fetch, worker, start, sink)
 
 

@@ -602,7 +602,10 @@ def extract_clips(info: VideoInfo, cfg: ClipConfig, filt: FilterConfig | None = 
         # the frame count's (2 %) plus two frames. Only the container's duration (no duration of the
         # stream's own) gets 5 % plus 0.5 s: it is the longest track's, and an audio track may run on.
         span, own = _declared_video_s(container, stream) if not declared else (0.0, False)
-        covered = float(latest + 1 / src_rate) if latest is not None else 0.0
+        # (the clock counts from the first frame; a declared end counts from 0: a complete MKV whose
+        # video starts at 1 s, after its audio, read 4 s of 5 s declared: a review)
+        start = clock.origin if clock.origin is not None and clock.origin > 0 else 0
+        covered = float(start + latest + 1 / src_rate) if latest is not None else 0.0
         short_of_span = bool(span) and covered < (span * 0.98 - 2 / float(src_rate) if own else span * 0.95 - 0.5)
         if error is not None or (declared and decoded < declared * 0.98 - 1) or short_of_span:
             for enc in (state["ending"], state["enc"]):

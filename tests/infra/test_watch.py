@@ -331,8 +331,11 @@ def test_a_process_started_for_one_deployment_run_is_watched_to_its_end(recorded
     settings, start = recorded
     prefect = start("prefect")
     monkeypatch.setenv("PREFECT__FLOW_RUN_ID", "0b6b4d0c-0000-0000-0000-000000000000")
+    quieted = []  # (its excepthook and log filter are the run process's own: not installed in pytest's)
+    monkeypatch.setattr(watch, "quiet_outage_tracebacks", lambda: quieted.append(True))
     with watch.flow_run_watch(settings):
         pass
+    assert quieted == [True]
     try:
         assert len(watch._ACTIVE) == 1
         _kill(prefect)
@@ -400,6 +403,49 @@ def test_a_server_an_up_restarted_is_said_back_however_short_its_outage(recorded
         assert _wait_for(lambda: back)
         time.sleep(0.3)
     assert len(back) == 1 and list(back[0]) == ["prefect"] and before <= back[0]["prefect"]
+
+
+def test_an_outage_error_is_a_failed_connection_or_raised_from_one(monkeypatch):
+    """Not an error raised while one was being handled (a bug in the handling, said in full)."""
+    import httpx
+
+    def raised(fn):
+        try:
+            fn()
+        except Exception as exc:  # noqa: BLE001
+            return exc
+
+    def refused():
+        try:
+            raise ConnectionRefusedError(111, "Connection refused")
+        except ConnectionRefusedError as exc:
+            raise httpx.ConnectError("All connection attempts failed") from exc
+
+    def wrapped():
+        try:
+            refused()
+        except httpx.ConnectError as exc:
+            raise RuntimeError("the call failed") from exc
+
+    def buggy():
+        try:
+            refused()
+        except httpx.ConnectError:
+            return {}["missing"]
+
+    def hidden():
+        try:
+            refused()
+        except httpx.ConnectError:
+            raise ValueError("another thing") from None
+
+    errors = {name: raised(fn) for name, fn in (("refused", refused), ("wrapped", wrapped), ("buggy", buggy),
+                                                 ("hidden", hidden))}
+    assert not any(watch.outage_error(e) for e in errors.values())  # nothing known to be gone
+    monkeypatch.setitem(watch._DOWN, "prefect", "its server (pid 7) died during the run")
+    assert {name: watch.outage_error(e) for name, e in errors.items()} == {
+        "refused": True, "wrapped": True, "buggy": False, "hidden": False}
+    assert watch.outage_error(ConnectionResetError()) and not watch.outage_error(None)
 
 
 _OUTAGE_RUN = r"""

@@ -195,6 +195,11 @@ def test_a_truncated_matroska_video_is_rejected_by_its_declared_duration(tmp_pat
     assert vfr.frames == 0 and vfr.fps == 25  # 2 s at 25 fps, 2 s at 12.5 fps: 75 frames, not 99
     r = extract_clips(vfr, ClipConfig(splitter="stride", min_clip_s=0.5, height=48), filt)
     assert r.rejected is None and r.frames_decoded == 75
+    # a complete one whose video starts at 1 s (after its audio, or a cut by stream copy): its
+    # declared duration is its end, 4.2 s, and 3.2 s of frames are all of it
+    late = probe(_write_vfr(tmp_path / "late.mkv", [50 + 2 * i for i in range(80)]))
+    r = extract_clips(late, ClipConfig(splitter="stride", min_clip_s=0.5, height=48), filt)
+    assert r.rejected is None and r.frames_decoded == 80, r.rejected
 
 
 def test_unsupported_extension_and_directory_listing(tmp_path):
