@@ -1277,7 +1277,7 @@ def serve() -> None:
 
         def lost_in_outage(began: Any) -> None:
             try:
-                _crash_runs_lost_in_outage(seen, names, began)
+                _crash_runs_lost_in_outage(seen, names, began, info.mlflow_tracking_uri)
             except Exception as exc:  # noqa: BLE001 - from the watch's thread or Prefect's poll: say it, serve on
                 _say(f"could not check for flow runs the Prefect server's outage lost ({type(exc).__name__}: "
                      f"{exc}); cancel a run left Pending or Running from the Prefect UI")
@@ -1387,7 +1387,8 @@ def _serving_through_outages(prefect_url: str, on_back: Callable[[Any], None] | 
             setattr(cls, name, fn)
 
 
-def _crash_runs_lost_in_outage(seen: dict[str, int], deployments: list[str], began: Any) -> None:
+def _crash_runs_lost_in_outage(seen: dict[str, int], deployments: list[str], began: Any,
+                               tracking_uri: str | None = None) -> None:
     """Once serve's Prefect server answers again: mark Crashed the runs the outage lost. A run
     whose process ended meanwhile (its end unrecorded; a Pending one held its deployment's only
     concurrency slot, so its next run waited for good: a trial), and a run claimed (Pending)
@@ -1402,6 +1403,16 @@ def _crash_runs_lost_in_outage(seen: dict[str, int], deployments: list[str], beg
     crash_unstarted_runs(deployments, "paperline serve", executing=executing | set(ended), report=_say,
                          why="it was claimed before the Prefect server went away, and no process of it runs now",
                          before=began)
+    if tracking_uri is not None and ended:
+        # their MLflow runs: the watch's look at them, as each process ended, found Prefect away (a
+        # trial's stayed RUNNING until `paperline compare`); `up` may mark a run Crashed a little later
+        import threading
+
+        from paperline.infra.tracking import end_runs_of_ended_flow_runs
+
+        threading.Thread(target=end_runs_of_ended_flow_runs, args=(sorted(ended), tracking_uri),
+                         kwargs={"waits_s": (0.0, 30.0, 60.0), "report": _say}, daemon=True,
+                         name="paperline-mlflow-run-end").start()
 
 
 def _why_down(service: str, exc: BaseException) -> str:

@@ -56,10 +56,11 @@ class CompressedTrainingParameters(BaseModel):
     compressors: list[Literal["none", "fft", "topk", "powersgd", "fp16"]] = Field(
         default_factory=lambda: ["none", "fft"], min_length=1,
         description="Gradient compressors to train with, one run each (DDP comm hooks).")
-    fft_theta: float = Field(0.2, description="fft: fraction of frequency coefficients kept, in (0, 1].")
-    fft_bits: int = Field(8, description="fft: bits per kept value (range quantization), 1-32.")
+    # the bounds in the schema too: a deployment's run is refused as it is created, not once started
+    fft_theta: float = Field(0.2, gt=0, le=1, description="fft: fraction of frequency coefficients kept, in (0, 1].")
+    fft_bits: int = Field(8, ge=1, le=32, description="fft: bits per kept value (range quantization), 1-32.")
     fft_error_feedback: bool = Field(True, description="fft: carry the dropped spectrum to the next step.")
-    topk_fraction: float = Field(0.01, description="topk: fraction of entries sent, in (0, 1].")
+    topk_fraction: float = Field(0.01, gt=0, le=1, description="topk: fraction of entries sent, in (0, 1].")
     powersgd_rank: int = Field(2, ge=1, description="powersgd: rank of the low-rank factors.")
     model: Literal["resnet", "lstm"] = Field("resnet", description="ResNet-style CNN or an LSTM on sequential MNIST.")
     model_options: dict[str, Any] = Field(default_factory=dict, description="resnet: width, blocks; lstm: hidden, layers.")

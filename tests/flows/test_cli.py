@@ -1439,3 +1439,15 @@ def test_the_runs_an_outage_lost_are_those_not_executing(monkeypatch):
     assert kw["why"] == "its process ended while the Prefect server was away"
     names, kw = calls["unstarted"]
     assert names == ["gemm/local"] and kw["executing"] == {"running", "ended"} and kw["before"] is began
+    assert "mlflow" not in calls  # (no tracking URI given)
+    # and the MLflow runs of those that ended, on a thread of their own, tried again while Prefect
+    # may not yet have marked them (a trial's stayed RUNNING until `paperline compare`)
+    import threading
+
+    from paperline.infra import tracking
+
+    ended = threading.Event()
+    monkeypatch.setattr(tracking, "end_runs_of_ended_flow_runs",
+                        lambda ids, uri, **kw: (calls.update(mlflow=(ids, uri, kw["waits_s"])), ended.set()))
+    cli._crash_runs_lost_in_outage({"running": 11, "ended": 12}, ["gemm/local"], began, "http://127.0.0.1:1")
+    assert ended.wait(30) and calls["mlflow"] == (["ended"], "http://127.0.0.1:1", (0.0, 30.0, 60.0))
