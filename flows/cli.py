@@ -21,6 +21,7 @@ from rich.table import Table
 from typer.core import TyperArgument, TyperCommand, TyperGroup, TyperOption
 
 from paperline.infra.errors import PaperlineError
+from paperline.infra.errors import no_unfinished_finish as _no_unfinished_finish  # (also in a run's process)
 from paperline.infra.worker_exit import short_event_failure
 from paperline.kernels.errors import ClusterLost
 from paperline.kernels.errors import InputError as KernelInputError
@@ -752,13 +753,6 @@ def _no_crash_line_for_the_watch(record: Any) -> bool:
     text = record.getMessage()
     return not (text.startswith("Crash detected! Execution was aborted by an interrupt signal")
                 or text.startswith("Finished in state Crashed('Execution was aborted by an interrupt signal"))
-
-
-def _no_unfinished_finish(record: Any) -> bool:
-    """Drop Prefect's ``Finished in state Running()`` (an ERROR record its task engine logs when an
-    interrupt ends a task mid-run, as Ctrl-C does): the run's own "interrupted: ..." line says it,
-    and a task "finished" while running read as a fault (a trial). Everything else passes."""
-    return not (record.name.startswith("prefect") and record.getMessage() == "Finished in state Running()")
 
 
 def _queued_not_aborted(record: Any) -> bool:

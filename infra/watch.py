@@ -290,13 +290,15 @@ def quiet_outage_tracebacks() -> None:
     line (which names the dead server: :mod:`paperline.infra.prefect_patches`), not its traceback.
     A served run whose Prefect server was killed printed the same ``ConnectError`` three times
     with its traceback, about 200 lines (a trial); the CLI's own filters are not in that process.
+    Prefect's ``Finished in state Running()`` of a run cancelled or interrupted is left off too
+    (:func:`paperline.infra.errors.no_unfinished_finish`, as `paperline run` does).
     (Its suspension observer polls on through the outage:
     :func:`paperline.infra.prefect_patches.install_suspension_check_through_outages`.) Idempotent;
     nothing with ``PAPERLINE_DEBUG`` set."""
     import logging  # noqa: PLC0415
     import sys  # noqa: PLC0415
 
-    from paperline.infra.errors import DEBUG_ENV  # noqa: PLC0415
+    from paperline.infra.errors import DEBUG_ENV, no_unfinished_finish  # noqa: PLC0415
 
     if os.environ.get(DEBUG_ENV):
         return
@@ -304,6 +306,7 @@ def quiet_outage_tracebacks() -> None:
     for handler in handlers:
         if type(handler).__name__ == "PrefectConsoleHandler" and _outage_one_line not in handler.filters:
             handler.addFilter(_outage_one_line)
+            handler.addFilter(no_unfinished_finish)  # (a cancelled run's "Finished in state Running()")
     previous = sys.excepthook
     if getattr(previous, "_paperline_outage", False):
         return

@@ -463,6 +463,7 @@ try:  # (the server killed: its observers' websockets close before the watch has
     raise ConnectionClosedError(None, None)
 except ConnectionClosedError:
     logging.getLogger("prefect.FlowRunSuspendingObserver").warning("The websocket failed", exc_info=True)
+logging.getLogger("prefect.flow_runs").error("Finished in state Running()")  # (a cancelled run's: left off)
 
 def refused():
     try:
@@ -500,6 +501,7 @@ def test_a_deployment_runs_process_says_an_outage_in_one_line(last):
     assert out.returncode == 1, text
     warned, *blocks = text.split("| ERROR   | ")
     assert "The websocket failed" in warned and "Traceback" not in warned, text
+    assert "Finished in state Running()" not in text, text
     assert "websockets.exceptions.ConnectionClosedError: " in warned, text
     assert [b.splitlines()[0].split(" - ", 1)[1] for b in blocks] == [
         "Execution exited with unexpected exception (marked=False)", "a bug (marked=False)",
