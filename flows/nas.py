@@ -231,12 +231,16 @@ def resumable(cp: CampaignParameters, campaign: Campaign, store: ObjectStore,
         why = f"no {exc} in it" if isinstance(exc, KeyError) else f"{type(exc).__name__}: {exc}"
         raise InputError("checkpoint", checkpoint_uri, f"not a readable campaign checkpoint ({why}); resume=false "
                                                        "starts the campaign over under this name, replacing it") from exc
-    differ = [k for k, a, b in _identity(saved, campaign) if a != b]
+    differ = {k: (a, b) for k, a, b in _identity(saved, campaign) if a != b}
     if "optimizer" in differ:  # another optimizer's options differ too; saying so adds nothing
-        differ = [k for k in differ if k != "optimizer_options"]
+        differ.pop("optimizer_options", None)
+    if "problem" in differ:  # the default reference point follows the problem (a trial read it as set)
+        differ.pop("ref_point", None)
     if differ:
+        # with the values: "other problem" alone sent a trial looking for what differed
+        shown = ", ".join(f"{k} ({_short(b)} here, {_short(a)} in the checkpoint)" for k, (a, b) in differ.items())
         raise InputError("campaign", cp.campaign_name(campaign), f"a checkpoint of this name holds a campaign with "
-                                                                 f"other {', '.join(differ)}; pick another name, or set "
+                                                                 f"other {shown}; pick another name, or set "
                                                                  f"resume=false to start over under this one "
                                                                  f"(replacing that campaign's checkpoint)")
     if cp.budget < saved.n_done:  # it would end at once, reporting more evaluations than asked for
@@ -356,6 +360,12 @@ def _headlines(c: Campaign) -> list[Headline]:
     if c.problem.n_objectives > 1:
         return [Headline("final_hypervolume", higher_is_better=True, tolerance=0.02)]
     return [Headline("final_best", higher_is_better=c.problem.objectives[0].maximize, tolerance=0.02)]
+
+
+def _short(value: Any, limit: int = 60) -> str:
+    """``value``'s repr, cut to about ``limit`` characters."""
+    text = repr(value)
+    return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
 def _identity(a: Campaign, b: Campaign) -> list[tuple[str, Any, Any]]:

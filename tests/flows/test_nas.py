@@ -116,7 +116,8 @@ def test_a_checkpoint_of_another_campaign_is_refused_before_the_flow_run(nas_run
     proc = run_cli(cli_env, "run", "nas", "--preset", "demo", *MAIN, "--set", "q=3")
     err = " ".join(proc.stderr.split())
     assert proc.returncode == 1 and "error: campaign='test-demo': a checkpoint of this name holds a campaign with " \
-        "other q; pick another name, or set resume=false to start over under this one (replacing that campaign's " \
+        "other q (3 here, 5 in the checkpoint); pick another name, or set resume=false to start over under this one " \
+        "(replacing that campaign's " \
         "checkpoint)" in err, err
     assert "flow run" not in (proc.stdout + proc.stderr).lower() and "Traceback" not in proc.stderr
     # the same check, in this process (what `paperline run` calls before the flow run), whose
@@ -135,7 +136,12 @@ def test_a_checkpoint_of_another_campaign_is_refused_before_the_flow_run(nas_run
             params.validate_on_stack(info, ObjectStore.from_stack(info))
         return str(err.value)
 
-    assert "holds a campaign with other optimizer;" in refusal("budget=20", "campaign=test-demo", "optimizer=qehvi")  # not "optimizer_options"
+    assert "holds a campaign with other optimizer ('qehvi' here, " in refusal(
+        "budget=20", "campaign=test-demo", "optimizer=qehvi")  # not "optimizer_options"
+    # not the reference point the other problem's default brings along (a trial read it as set)
+    other = refusal("budget=20", "campaign=test-demo", "problem=nasbench201-cifar100", OPTIONS[1])
+    assert "other problem ('nasbench201-cifar100' here, 'nasbench201-cifar10' in the checkpoint)" in other, other
+    assert "ref_point" not in other, other
     # a budget below what the campaign has done would end at once, reporting 20 evaluations for 12
     assert refusal("campaign=test-demo", "budget=12", OPTIONS[1]).startswith(
         "budget=12: campaign 'test-demo' has already done 20 evaluations (its checkpoint)")
