@@ -208,13 +208,17 @@ def compare_runs(tracker: Tracker, experiment: str, metrics: list[str], filter_s
     if not runs:
         raise _no_runs(client, exp.experiment_id, experiment, user_filter, " and ".join(clauses) if keyed else "")
     valued = [r for r in runs if metrics and metrics[0] in r.data.metrics]  # (a run without it is not ranked)
-    problems = sorted({r.data.params["problem"] for r in valued if "problem" in r.data.params})
-    if metrics and order[0] != "attributes.start_time DESC" and len(problems) > 1:
-        # nas: hypervolumes of live-mnist (5.7e9) and NAS-Bench-201 (5.6) ranked as one list (a trial)
-        mixed = (f"ranked across {len(problems)} problems ({', '.join(problems[:4])}"
-                 f"{', ...' if len(problems) > 4 else ''}), whose {metrics[0]} values do not compare: "
-                 f"--filter \"params.problem = '{problems[0]}'\" ranks one")
-        note = f"{note}; {mixed}" if note else mixed
+    # nas: hypervolumes of live-mnist (5.7e9) and NAS-Bench-201 (5.6) ranked as one list; compressed
+    # training: accuracies on MNIST and Fashion-MNIST (trials). (video-curation's `dataset` is the
+    # name it writes, not what it reads.)
+    kinds = [("problem", "problems")] + ([("dataset", "datasets")] if experiment == "compressed-training" else [])
+    for param, what in kinds:
+        values = sorted({r.data.params[param] for r in valued if param in r.data.params})
+        if metrics and order[0] != "attributes.start_time DESC" and len(values) > 1:
+            mixed = (f"ranked across {len(values)} {what} ({', '.join(values[:4])}"
+                     f"{', ...' if len(values) > 4 else ''}), whose {metrics[0]} values do not compare: "
+                     f"--filter \"params.{param} = '{values[0]}'\" ranks one")
+            note = f"{note}; {mixed}" if note else mixed
     contents = list(dict.fromkeys(r.data.tags[DATA_TAG] for r in valued if DATA_TAG in r.data.tags))
     if metrics and order[0] != "attributes.start_time DESC" and len(contents) > 1:
         # a user's tensor file edited between runs: its old and new contents ranked as one (a trial)

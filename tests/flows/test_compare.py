@@ -274,6 +274,35 @@ def test_runs_of_different_problems_ranked_together_get_a_note(stack_cli, stack,
     assert res.exit_code == 0 and "ranked across" not in res.output, res.output
 
 
+def test_training_runs_on_different_datasets_ranked_together_get_a_note(stack_cli, stack, tmp_path):
+    """compressed-training accuracies on MNIST-5k (93.6) and Fashion-MNIST (89.0) were ranked as
+    one list without a word (a trial). (video-curation's `dataset` is the name it writes: no note.)"""
+    import uuid
+
+    from paperline.infra.tracking import Tracker
+
+    _, info = stack
+    tracker = Tracker(info.mlflow_tracking_uri)
+    mark = uuid.uuid4().hex[:8]  # (the experiment is the pipeline's: other tests' runs may be in it)
+    for name, dataset, value in (("digits", "mnist-5k", 93.6), ("fashion", "fashion-mnist", 89.0)):
+        _finished_run(tracker, "compressed-training", f"{name}-{mark}", {"dataset": dataset}, {"compare-test": mark},
+                      [["final_test_accuracy_pct", True]], {"final_test_accuracy_pct": value})
+    mine = f"tags.`compare-test` = '{mark}'"
+    res = stack_cli("compare", "compressed-training", "--filter", mine, "--out", str(tmp_path))
+    out = " ".join(res.output.split())
+    assert res.exit_code == 0, res.output
+    assert "ranked across 2 datasets (fashion-mnist, mnist-5k), whose final_test_accuracy_pct values do not " \
+           "compare: --filter \"params.dataset = 'fashion-mnist'\" ranks one" in out, res.output
+    res = stack_cli("compare", "compressed-training", "--filter", f"{mine} and params.dataset = 'mnist-5k'",
+                    "--out", str(tmp_path))
+    assert res.exit_code == 0 and "ranked across" not in res.output, res.output
+    for name, dataset in (("a", "clips-a"), ("b", "clips-b")):  # names it wrote
+        _finished_run(tracker, "compare-video", f"{name}-{mark}", {"dataset": dataset}, {},
+                      [["clips_per_s", True]], {"clips_per_s": 3.0})
+    res = stack_cli("compare", "compare-video", "--out", str(tmp_path))
+    assert res.exit_code == 0 and "ranked across" not in res.output, res.output
+
+
 def test_runs_on_different_contents_of_a_data_file_ranked_together_get_a_note(stack_cli, stack, tmp_path):
     """A user's tensor file edited between runs: its old and new contents (test RMSE 0.079 and
     0.363) were ranked as one list (a trial). The note names the tag that tells them apart."""
