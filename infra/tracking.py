@@ -320,8 +320,7 @@ class Tracker:
             raise InputError("status", status, "must be FINISHED, FAILED or KILLED")
         self._call("end run", self.client.set_terminated, run_id, status=status)
 
-    def end_orphaned_runs(self, experiment_ids: list[str] | None = None, *,
-                          flow_run_ids: list[str] | None = None) -> list[str]:
+    def end_orphaned_runs(self, experiment_ids: list[str] | None = None) -> list[str]:
         """End the runs that MLflow still shows RUNNING while the Prefect flow run that logged them
         (tag ``prefect.flow_run_id``) has ended: a flow process killed outright (SIGKILL, OOM, a
         lost machine) never ends its MLflow run, and Prefect marks it Crashed later (`paperline
@@ -334,17 +333,17 @@ class Tracker:
 
         Args:
             experiment_ids: The experiments to sweep; None for every active one.
-            flow_run_ids: Only the runs these Prefect flow runs logged (parents and children).
 
         Returns:
             The run ids ended.
         """
-        return [ended[0] for ended in self._end_orphaned(experiment_ids, flow_run_ids)[0]]
+        return [ended[0] for ended in self._end_orphaned(experiment_ids, None)[0]]
 
     def _end_orphaned(self, experiment_ids: list[str] | None, flow_run_ids: list[str] | None
                       ) -> tuple[list[tuple[str, str, str, str]], list[str]]:
-        """:meth:`end_orphaned_runs`: ((run id, flow-run id, status, flow-run state) of each run
-        ended, the runs left RUNNING whose flow run has not ended yet)."""
+        """:meth:`end_orphaned_runs`, of the runs ``flow_run_ids`` logged (parents and children;
+        None: every one): ((run id, flow-run id, status, flow-run state) of each run ended, the runs
+        left RUNNING whose flow run has not ended yet)."""
         import logging  # noqa: PLC0415
         import uuid  # noqa: PLC0415
 
