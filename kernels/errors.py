@@ -95,21 +95,36 @@ class ClusterLost(ConnectionError):
     Dask then reports no workers at all, and a run failed with ``KeyError: 'workers'`` (a trial)."""
 
 
-def scheduler_workers(client: object) -> list[str]:
-    """The addresses of the workers ``client``'s Dask scheduler knows now, sorted.
+def scheduler_workers(client: object, timeout_s: float = 30.0) -> list[str]:
+    """The addresses of the workers ``client``'s Dask scheduler knows now, sorted: asked of the
+    scheduler itself.
+
+    Not through ``client.scheduler_info()``: that call refreshes the client's cached identity and
+    returns the cache, which the client's own periodic refresh (every 2 s) overwrites with an
+    identity that lists no workers; the two race, and a live cluster read as one whose workers had
+    all left (a gemm run failed with "worker(s) ... left the Dask cluster" at its start under load;
+    18 of 2,000 reads with the refresh every 5 ms).
+
+    Args:
+        client: a synchronous ``distributed.Client``.
+        timeout_s: Seconds to wait for the scheduler's answer.
 
     Raises:
-        ClusterLost: the client has lost its scheduler (``scheduler_info`` without ``workers``),
-            naming the scheduler's address.
+        ClusterLost: the client has lost its scheduler (closed, or the scheduler refuses the
+            connection or does not answer within ``timeout_s``), naming the scheduler's address.
     """
-    info = client.scheduler_info(n_workers=-1)  # type: ignore[attr-defined]
+    status = getattr(client, "status", "?")
+    rpc = getattr(client, "scheduler", None)
+    info: dict = {}
+    if status in ("running", "connecting") and rpc is not None:
+        with contextlib.suppress(OSError, TimeoutError):  # (comm errors are OSErrors)
+            info = client.sync(rpc.identity, n_workers=-1, callback_timeout=timeout_s)  # type: ignore[attr-defined]
     if "address" in info:
         with contextlib.suppress(TypeError):  # (a client that takes no weak reference: its address unknown later)
             _SCHEDULER_ADDRESS[client] = info["address"]  # (a client that lost it knows it no more)
     if "workers" not in info:
-        address = (getattr(getattr(client, "scheduler", None), "address", None)
-                   or _SCHEDULER_ADDRESS.get(client, "(unknown)"))
+        address = getattr(rpc, "address", None) or _SCHEDULER_ADDRESS.get(client, "(unknown)")
         raise ClusterLost(f"the Dask scheduler at {address} went away during the run (the run's client lost it: "
-                          f"{getattr(client, 'status', '?')}); `paperline status` checks the configured one, and "
+                          f"{status}); `paperline status` checks the configured one, and "
                           "the same command runs again once it is back")
     return sorted(info["workers"])

@@ -49,3 +49,19 @@ def test_a_lost_scheduler_is_named_not_a_key_error():
     finally:
         client.close()
         cluster.close()
+
+
+def test_a_live_cluster_never_reads_as_one_without_workers():
+    """``client.scheduler_info()`` returns the client's cached identity, which its periodic refresh
+    overwrites with one that lists no workers: the two raced, and a gemm run under load failed at
+    its start with "worker(s) ... left the Dask cluster" (a CI run). The refresh every 2 ms here."""
+    import dask
+
+    from paperline.kernels.errors import scheduler_workers
+
+    with dask.config.set({"distributed.client.scheduler-info-interval": "2ms"}), \
+            LocalCluster(n_workers=2, threads_per_worker=1, processes=False, dashboard_address=None) as cluster, \
+            Client(cluster) as client:
+        client.wait_for_workers(2)
+        reads = [len(scheduler_workers(client)) for _ in range(3000)]
+    assert reads.count(2) == len(reads), f"{len(reads) - reads.count(2)} of {len(reads)} reads saw fewer workers"
