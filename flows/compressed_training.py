@@ -306,7 +306,10 @@ def compressed_training(params: CompressedTrainingParameters | None = None) -> d
                                  crash_rank_at_step=params.crash_rank_at_step,
                                  collectives_sizes=sizes if i == 0 and sizes else None, code_version=version)
             sweep = sweep or result["ranks"][0].get("collectives", [])
-            runs.append(_log_compressor(tracker, parent, name, cfg, result, prefix, tags, params, device))
+            trained_by = result.get("flow_run") or {}  # (absent from results cached before it was added)
+            cached_from = trained_by if trained_by.get("id") not in (None, "", str(flow_run.id)) else None
+            runs.append(_log_compressor(tracker, parent, name, cfg, result, prefix, tags, params, device,
+                                        cached_from=cached_from))
         with tempfile.TemporaryDirectory() as tmp:
             for path in comparison_plots([{"name": r["name"], "epochs": r["epochs"]} for r in runs], tmp):
                 tracker.log_artifact(parent, str(path))
@@ -332,11 +335,15 @@ def compressed_training(params: CompressedTrainingParameters | None = None) -> d
 
 
 def _log_compressor(tracker: Tracker, parent: str, name: str, cfg: TrainConfig, result: dict[str, Any], prefix: str,
-                    tags: dict[str, str], params: CompressedTrainingParameters, device: str) -> dict[str, Any]:
+                    tags: dict[str, str], params: CompressedTrainingParameters, device: str,
+                    cached_from: dict[str, str] | None = None) -> dict[str, Any]:
     r0 = result["ranks"][0]
     epochs = r0["epochs"]
+    # a result an earlier flow run trained (served from the task cache) is logged under this run's
+    # parent too, for the comparison, and tagged with the run that trained it
+    cached = {"paperline.cached_from_flow_run_id": cached_from["id"]} if cached_from else {}
     child = tracker.start_run(EXPERIMENT, run_name=name, parent_run_id=parent,
-                              tags={**tags, "paperline.compressor": name, "checkpoints": prefix},
+                              tags={**tags, "paperline.compressor": name, "checkpoints": prefix, **cached},
                               # everything the result depends on (seed, momentum, n_train, ...): `paperline
                               # compare` lists child runs, and two that differ must not look the same
                               params={**cfg.as_dict(), "compressor": name, "world_size": params.world_size,
@@ -358,6 +365,7 @@ def _log_compressor(tracker: Tracker, parent: str, name: str, cfg: TrainConfig, 
     tracker.end_run(child, "FINISHED")
     return {"name": name, "mlflow_run_id": child, "epochs": epochs, **final, "skipped_steps": r0["skipped_steps"],
             "resumed_from": result["resumed_from"], "failures": result["failures"], "versus": versus.as_dict(),
+            "cached_from": cached_from,
             "n_classes": r0.get("n_classes"),
             "versus_lines": versus.lines(name),
             # the drill's rank exits at a global step of the first attempt: from complete checkpoints there is none
@@ -369,10 +377,17 @@ def _notes(r: dict[str, Any]) -> list[str]:
     """The summary's lines about one compressor's training: skipped steps, restarts after
     failures, a resume from an earlier run's checkpoints, a crash drill that did not run."""
     notes: list[str] = []
+    cached = r.get("cached_from")
+    if cached:
+        # a re-run after an interruption printed the first compressor's "no regression ... all 3
+        # metrics equal" as if it had trained again (a trial): it is the earlier run's result
+        notes.append(f"{r['name']}: trained by an earlier flow run of this configuration ({cached.get('name') or '?'}, "
+                     f"{cached['id']}) and served from the task cache: nothing was trained now, and its MLflow run "
+                     "repeats that run's metrics; set another seed or checkpoint_prefix to train again")
     if r["skipped_steps"]:
         notes.append(f"{r['name']}: skipped {len(r['skipped_steps'])} step(s) with NaN/inf loss or gradients "
                      f"(global steps {r['skipped_steps'][:10]})")
-    if r["failures"]:
+    if r["failures"] and not cached:  # (said by the run that trained)
         # "from epochs [0]" read as a list of something (a trial): each restart's starting point
         starts = ", ".join("the start (no checkpoint yet)" if e is None else f"the checkpoints of epoch {e}"
                            for e in r["resumed_from"][1:])
@@ -380,7 +395,7 @@ def _notes(r: dict[str, Any]) -> list[str]:
                      f"{r['failures'][0][:200]}")
     start = r["resumed_from"][0]
     epochs = r.get("epochs") or []
-    if start is not None and r.get("drill_missed") is None:  # a re-run after an interruption said nothing
+    if start is not None and r.get("drill_missed") is None and not cached:  # a re-run after an interruption said nothing
         if epochs and start == epochs[-1]["epoch"]:
             # a finished run's checkpoints: "(interrupted)" and "trained on" said a re-run of a finished
             # configuration (its crash drill, not part of the key, dropped) trained (a trial)

@@ -165,7 +165,8 @@ def train_ranks(cfg: dict[str, Any], world_size: int, store: ObjectStore, prefix
 
     Returns:
         ``{"ranks": [train_rank results], "restarts", "resumed_from": [epoch or None per attempt],
-        "failures": [messages]}``.
+        "failures": [messages], "flow_run": {"id", "name"}}``: the flow run that trained, which a
+        result served from the task cache keeps.
 
     Raises:
         InputError: no Dask cluster (the flow runs without a ``DaskTaskRunner``), more ranks than
@@ -195,8 +196,12 @@ def train_ranks(cfg: dict[str, Any], world_size: int, store: ObjectStore, prefix
                    for r, w in enumerate(chosen)]
         error = _wait_first_error(futures)
         if error is None:
+            from prefect.runtime import flow_run  # noqa: PLC0415
+
+            # the flow run that trained: a later run served this result from the task cache tells
+            # it apart from its own (`flow_run` below is None outside a flow run)
             return {"ranks": [f.result() for f in futures], "restarts": attempt, "resumed_from": resumed,
-                    "failures": failures}
+                    "failures": failures, "flow_run": {"id": str(flow_run.id or ""), "name": flow_run.name or ""}}
         for f in futures:
             f.cancel()
         if isinstance(error, InputError):

@@ -79,6 +79,28 @@ def test_mlflow_has_a_run_per_compressor_with_epoch_metrics_and_the_plots(traine
             assert key in run.data.metrics, key
 
 
+def test_a_rerun_served_from_the_task_cache_says_so(trained, cli_env):
+    """The first run's command again: every compressor's training is served from the task cache, and
+    the summary and each MLflow run name the flow run that trained it (a trial's re-run read "all 3
+    metrics equal" as a second training)."""
+    from paperline.infra.tracking import Tracker
+
+    info, _, summary, prefix, out = trained
+    proc = _run(cli_env, *SMALL, "nan_steps=3", f"checkpoint_prefix={prefix}/a", summary=out / "a2.json")
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    again = json.loads((out / "a2.json").read_text())
+    said = " ".join(proc.stdout.split())
+    client = Tracker(info.mlflow_tracking_uri).client
+    for first, cached in zip(summary["runs"], again["runs"]):
+        assert cached["cached_from"]["id"] == summary["prefect_flow_run_id"] != again["prefect_flow_run_id"]
+        assert f"{cached['name']}: trained by an earlier flow run of this configuration " \
+               f"({cached['cached_from']['name']}, {summary['prefect_flow_run_id']}) and served from the task cache" in said
+        assert cached["final_test_accuracy_pct"] == first["final_test_accuracy_pct"]
+        tags = client.get_run(cached["mlflow_run_id"]).data.tags
+        assert tags["paperline.cached_from_flow_run_id"] == summary["prefect_flow_run_id"]
+        assert "paperline.cached_from_flow_run_id" not in client.get_run(first["mlflow_run_id"]).data.tags
+
+
 def test_a_killed_rank_resumes_from_the_checkpoints_to_the_same_accuracy(trained, cli_env):
     from paperline.infra.storage import ObjectStore
 

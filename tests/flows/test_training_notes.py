@@ -69,3 +69,17 @@ def test_a_ratio_near_one_shows_which_side_of_one_it_is():
     """fft at θ=1 and 32 bits sent 81,259 bytes to none's 78,824, and the table said 1.0 / 1.0x."""
     got = [format_ratio(x) for x in (78824 / 81259, 1.0, 1.04, 0.5, 15.0, 14.96)]
     assert got == ["0.97", "1.0", "1.04", "0.5", "15.0", "15.0"]
+
+
+def test_a_result_served_from_the_task_cache_names_the_run_that_trained_it():
+    """A re-run after an interruption printed the finished compressor's "no regression ... all 3
+    metrics equal" as if it had trained again (a trial). The restarts and resume of the run that
+    trained are its own, said there, not here."""
+    earlier = {"id": "0f3c", "name": "brave-otter"}
+    lines = _notes(_result(cached_from=earlier, skipped_steps=[3], failures=["attempt 0: OSError"],
+                           resumed_from=[None, 0], epochs=_epochs(2)))
+    assert lines == ["topk: trained by an earlier flow run of this configuration (brave-otter, 0f3c) and served from "
+                     "the task cache: nothing was trained now, and its MLflow run repeats that run's metrics; set "
+                     "another seed or checkpoint_prefix to train again",
+                     "topk: skipped 1 step(s) with NaN/inf loss or gradients (global steps [3])"]
+    assert _notes(_result(cached_from=None, resumed_from=[1], epochs=_epochs(3)))[0].startswith("topk: resumed from")
