@@ -36,7 +36,7 @@ from paperline.infra.storage import ObjectStore
 from paperline.infra.tracking import Tracker
 from paperline.kernels.errors import InputError as KernelInputError
 from paperline.kernels.search.campaign import Campaign
-from paperline.kernels.search.problems import problem_names, problem_option_names
+from paperline.kernels.search.problems import make_problem, problem_names, problem_option_names
 from paperline.tasks.nas import evaluate, load_checkpoint, log_evaluations, render_report, save_checkpoint
 
 EXPERIMENT = "nas"
@@ -116,7 +116,31 @@ class CampaignParameters(BaseModel):
                 argument = "objectives"  # the parameter the user set, not where it is passed on
             if argument == "problem_options" and isinstance(value, dict):  # as given: without the
                 value = dict(self.problem_options)  # objectives/device merged in (a trial)
-            raise InputError(argument, value, exc.problem) from None
+            raise InputError(argument, value, exc.problem + self._objective_count_hint(exc)) from None
+
+    def _objective_count_hint(self, exc: KernelInputError) -> str:
+        """The ways on from an optimizer refused for the problem's number of objectives: the
+        optimizers of the other kind for this problem's space, and, where the problem chooses its
+        objectives and the optimizer takes its space, a choice of objectives (a trial's turbo on the
+        demo's two NAS-Bench-201 objectives was told only the count)."""
+        if exc.argument != "optimizer" or "-objective; the problem has" not in exc.problem:
+            return ""
+        from paperline.kernels.search.base import OPTIMIZERS, optimizer_names  # noqa: PLC0415
+
+        try:
+            problem = make_problem(self.problem, **{k: v for k, v in self.problem_options.items() if k != "objectives"})
+        except KernelInputError:
+            return ""  # (its own error comes once the objectives are right)
+        single = "is single-objective" in exc.problem
+        kind = problem.space.kind
+        others = [n for n in optimizer_names() if kind in OPTIMIZERS[n].spaces
+                  and OPTIMIZERS[n].multi_objective in ((True, None) if single else (False, None))]
+        hint = f"; for {'several objectives' if single else 'one objective'} on {self.problem}: {', '.join(others)}"
+        if "objectives" in problem_option_names(self.problem) and kind in OPTIMIZERS[self.optimizer].spaces:
+            names = [o.name for o in problem.objectives]
+            example = json.dumps(names[:1] if single else names[:2])
+            hint += f"; or choose {self.problem}'s objectives (of {', '.join(names)}), e.g. --set 'objectives={example}'"
+        return hint
 
     def campaign_name(self, built: Campaign | None = None) -> str:
         """The campaign's name: ``campaign``, else derived from the parameters (``built``: this
@@ -430,6 +454,21 @@ def _score_text(c: Campaign) -> str:
     return f"best {c.problem.objectives[0].name} {c.best_trace()[-1]:.6g}"  # the objective's own units and sign
 
 
+def _zero_hypervolume_lines(c: Campaign) -> list[str]:
+    """Why a multi-objective campaign with successful evaluations has a hypervolume of 0: none of
+    them is better than the reference point in every objective (a trial's campaign printed
+    "hypervolume 0" and nothing else)."""
+    if c.problem.n_objectives < 2 or not c.ref_point_user or not any(e.ok for e in c.evaluations):
+        return []
+    if c.score_trace()[-1] > 0:
+        return []
+    bounds = ", ".join(f"{o.name} {'above' if sign > 0 else 'below'} {ref:.6g}"
+                       for o, sign, ref in zip(c.problem.objectives, c.problem.signs, c.ref_point_user))
+    return [f"hypervolume 0: no successful evaluation is better than the reference point in every objective "
+            f"({bounds}) yet; more evaluations may get there, or a reference point they reach (--set "
+            "'ref_point=[...]', in the objectives' order and units) measures the front"]
+
+
 def _log_report(tracker: Tracker, run_id: str, campaign: Campaign, name: str) -> None:
     with tempfile.TemporaryDirectory() as tmp:
         for fname, data in render_report(campaign, name).items():
@@ -490,6 +529,7 @@ def _summary(results: list[dict[str, Any]], run_url: str, flow_run_id: str, trac
                      + (f" (reference point [{', '.join(f'{v:.6g}' for v in c.ref_point_user)}])"
                         if c.ref_point_user else ""))
         lines += [f"  {line}" for line in failure_lines(c)]
+        lines += [f"  {line}" for line in _zero_hypervolume_lines(c)]
         lines.append(f"  MLflow parent run: {tracker.run_url(r['parent_run_id'])}; checkpoint: {r['checkpoint']}")
         lines += [f"  {line}" for line in r["versus"].lines()]
         trace = c.score_trace()

@@ -339,3 +339,47 @@ def test_a_bad_campaign_name_or_live_value_is_said_in_words(sets, said, tmp_path
     text = " ".join(result.output.split())
     assert result.exit_code == 1 and said in text and "pattern" not in text and "Parameters" not in text, text
     assert not (tmp_path / "state").exists()
+
+
+def test_a_zero_hypervolume_says_why():
+    """A campaign printed "hypervolume 0" and nothing else (a trial): no evaluation had yet gone past
+    the reference point in every objective."""
+    from paperline.flows.nas import _zero_hypervolume_lines
+    from paperline.kernels.search.campaign import Campaign
+
+    campaign = Campaign("branin-currin", "random", budget=20, q=2, n_init=2, ref_point=[100.0, 10.0])
+    x = campaign.ask()
+    campaign.tell(x, [{"values": [150.0, 5.0], "error": None, "seconds": 0.1},  # (both minimized)
+                      {"values": [50.0, 12.0], "error": None, "seconds": 0.1}])
+    assert campaign.score_trace()[-1] == 0
+    (line,) = _zero_hypervolume_lines(campaign)
+    assert line.startswith("hypervolume 0: no successful evaluation is better than the reference point in every "
+                           "objective (branin below 100, currin below 10)")
+    campaign.tell(campaign.ask(), [{"values": [90.0, 9.0], "error": None, "seconds": 0.1}] * 2)
+    assert campaign.score_trace()[-1] > 0 and _zero_hypervolume_lines(campaign) == []
+
+
+def test_an_optimizer_of_the_wrong_objective_count_is_told_the_ways_on():
+    """turbo on the demo's two NAS-Bench-201 objectives was told only "is single-objective; the
+    problem has 2 objectives" (a trial): the optimizers of the other kind for the problem's space,
+    and, where the problem chooses its objectives and the optimizer takes its space, a choice."""
+    from paperline.flows.nas import CampaignParameters
+    from paperline.kernels.errors import InputError
+
+    def refusal(**kw):
+        with pytest.raises(InputError) as caught:
+            CampaignParameters(**kw).build()
+        return str(caught.value)
+
+    two = ["val_accuracy_pct", "model_size_mb"]
+    said = refusal(optimizer="alphax", problem="nasbench201-cifar10", objectives=two)
+    assert said.startswith("optimizer='alphax': is single-objective; the problem has 2 objectives; for several "
+                           "objectives on nasbench201-cifar10: lamoo, ")
+    assert "turbo" not in said.split(";")[2]  # (a box-space optimizer)
+    assert said.endswith("or choose nasbench201-cifar10's objectives (of val_accuracy_pct, latency_s, model_size_mb), "
+                         "e.g. --set 'objectives=[\"val_accuracy_pct\"]'")
+    # turbo takes no categorical space: one objective would not help it
+    assert "choose" not in refusal(optimizer="turbo", problem="nasbench201-cifar10", objectives=two)
+    said = refusal(optimizer="lamoo", problem="levy")
+    assert said.startswith("optimizer='lamoo': is multi-objective; the problem has one objective; for one objective on "
+                           "levy: ") and "turbo" in said and "choose" not in said
