@@ -304,7 +304,8 @@ def _no_runs(client: Any, experiment_id: str, experiment: str, user_filter: str,
     match the filter; when the default selection left out runs that ``--all-runs`` would list
     (``unkeyed``: the query without it; failed runs carry no ``paperline.params_key``), it says so."""
     if unkeyed and client.search_runs([experiment_id], filter_string=unkeyed, max_results=1):
-        more = "runs the default selection leaves out (e.g. failed runs) do: --all-runs lists them"
+        more = ("runs the default selection leaves out (runs that ended before their results: FAILED, or KILLED by a "
+                "cancel or a crash) do: --all-runs lists them")
         if not user_filter:
             return InputError("experiment", experiment, f"no pipeline runs to compare, but {more}")
         return InputError("--filter", user_filter, f"no pipeline runs of experiment {experiment!r} match, but {more}")

@@ -139,7 +139,8 @@ class CampaignParameters(BaseModel):
         if "objectives" in problem_option_names(self.problem) and kind in OPTIMIZERS[self.optimizer].spaces:
             names = [o.name for o in problem.objectives]
             example = json.dumps(names[:1] if single else names[:2])
-            hint += f"; or choose {self.problem}'s objectives (of {', '.join(names)}), e.g. --set 'objectives={example}'"
+            hint += (f"; or choose {self.problem}'s objectives (of {', '.join(names)}), e.g. --set "
+                     f"'objectives={example}'")
         return hint
 
     def campaign_name(self, built: Campaign | None = None) -> str:

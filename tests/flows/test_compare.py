@@ -383,8 +383,8 @@ def test_no_runs_errors_say_why(stack_cli, stack, tmp_path, monkeypatch):
     res = stack_cli("compare", "compare-failed", "--filter", "attributes.status = 'FAILED'", "--out", str(tmp_path))
     text = " ".join(res.output.split())
     assert res.exit_code != 0 and "--filter=\"attributes.status = 'FAILED'\": no pipeline runs of experiment " \
-        "'compare-failed' match, but runs the default selection leaves out (e.g. failed runs) do: --all-runs " \
-        "lists them" in text, text
+        "'compare-failed' match, but runs the default selection leaves out (runs that ended before their results: " \
+        "FAILED, or KILLED by a cancel or a crash) do: --all-runs lists them" in text, text
     assert "params_key" not in text
     res = stack_cli("compare", "compare-failed", "--all-runs", "--filter", "attributes.status = 'FAILED'",
                     "--out", str(tmp_path))
