@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import re
@@ -144,6 +145,41 @@ def quiet_expected_tracebacks(loggers: tuple[str, ...] = RUN_LOGGERS) -> None:
         logger = logging.getLogger(name)
         if not any(isinstance(f, ExpectedErrorOneLine) for f in logger.filters):
             logger.addFilter(ExpectedErrorOneLine())
+
+
+# The exceptions that say a server is not there, by name (S3 through botocore and urllib3, whose
+# classes a worker need not import to be told): any ``ConnectionError``, ``httpx``'s transport
+# errors and a closed websocket are too (:func:`connection_failure`).
+UNREACHABLE = ("EndpointConnectionError", "ConnectError", "ConnectTimeout", "ConnectionRefusedError",
+               "NewConnectionError", "ConnectionResetError")
+
+
+def connection_failure(exc: BaseException | None) -> BaseException | None:
+    """The failed connection ``exc`` is, or was raised from: the first of ``exc`` and its
+    ``__cause__`` chain (``raise ... from``) that is a ``ConnectionError``, an ``httpx``
+    transport error, a closed websocket or named in :data:`UNREACHABLE`; None when none is.
+
+    Not an exception raised while one was being handled (``__context__`` only): that may be a
+    bug in the handling, whose traceback is wanted. The one test of "a server went away" for the
+    records cut to one line in a run's process (:func:`paperline.infra.watch.outage_error`) and in
+    a worker (:class:`paperline.infra.worker_exit.ServerGoneOneLine`).
+    """
+    kinds: tuple[type[BaseException], ...] = (ConnectionError,)
+    with contextlib.suppress(ImportError):
+        import httpx  # noqa: PLC0415
+
+        kinds += (httpx.TransportError,)
+    with contextlib.suppress(ImportError):
+        from websockets.exceptions import ConnectionClosed  # noqa: PLC0415
+
+        kinds += (ConnectionClosed,)
+    seen: set[int] = set()
+    while exc is not None and id(exc) not in seen:
+        if isinstance(exc, kinds) or type(exc).__name__ in UNREACHABLE:
+            return exc
+        seen.add(id(exc))
+        exc = exc.__cause__
+    return None
 
 
 def no_unfinished_finish(record: Any) -> bool:

@@ -241,29 +241,13 @@ def flow_run_watch(settings: Settings | None = None) -> Iterator[None]:
 
 
 def outage_error(exc: BaseException | None) -> bool:
-    """``exc``, or an exception it was raised from (``raise ... from``: its ``__cause__`` chain;
-    not one being handled as it was raised, which may be a bug in the handling), is a failed
-    connection (``httpx``'s transport errors, ``ConnectionError``, a closed websocket) while a watch
-    in this process knows a server of the stack is gone (:func:`down_reason`): the server's death,
-    already said, not a fault of its own."""
-    if not _DOWN:
-        return False
-    kinds: tuple[type[BaseException], ...] = (ConnectionError,)
-    with contextlib.suppress(ImportError):
-        import httpx  # noqa: PLC0415
+    """``exc`` is a :func:`paperline.infra.errors.connection_failure` (a failed connection, or an
+    error raised *from* one; not one raised while handling one, which may be a bug in the
+    handling) while a watch in this process knows a server of the stack is gone
+    (:func:`down_reason`): the server's death, already said, not a fault of its own."""
+    from paperline.infra.errors import connection_failure  # noqa: PLC0415
 
-        kinds += (httpx.TransportError,)
-    with contextlib.suppress(ImportError):
-        from websockets.exceptions import ConnectionClosed  # noqa: PLC0415
-
-        kinds += (ConnectionClosed,)
-    seen: set[int] = set()
-    while exc is not None and id(exc) not in seen:
-        if isinstance(exc, kinds):
-            return True
-        seen.add(id(exc))
-        exc = exc.__cause__
-    return False
+    return bool(_DOWN) and connection_failure(exc) is not None
 
 
 def _outage_one_line(record: Any) -> bool:

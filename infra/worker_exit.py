@@ -102,9 +102,6 @@ class TaskFailureOneLine(logging.Filter):
         return True
 
 
-# the exceptions that say a server is not there (S3 through boto, Prefect through httpx, raw sockets)
-UNREACHABLE = ("EndpointConnectionError", "ConnectError", "ConnectTimeout", "ConnectionRefusedError",
-               "NewConnectionError", "ConnectionResetError")
 # where a task's records come from in a worker (the task-run logger, which Prefect's transactions use)
 SERVER_GONE_LOGGERS = ("prefect.task_runs", "prefect.transactions")
 
@@ -117,20 +114,13 @@ class ServerGoneOneLine(logging.Filter):
     one-line error). Other exceptions keep their tracebacks."""
 
     def filter(self, record: logging.LogRecord) -> bool:
-        """When the record's exception, or one in its ``__cause__``/``__context__`` chain, is
-        named in :data:`UNREACHABLE`, fold the top exception into the message
+        """When the record's exception is a failed connection or was raised from one
+        (:func:`paperline.infra.errors.connection_failure`), fold it into the message
         (``<message>: <Type>: <exception>``) and drop the traceback; always True."""
-        exc = record.exc_info[1] if record.exc_info else None
-        seen: set[int] = set()
-        cause = None
-        while exc is not None and id(exc) not in seen:
-            seen.add(id(exc))
-            if type(exc).__name__ in UNREACHABLE:
-                cause = exc
-                break
-            exc = exc.__cause__ or exc.__context__
-        if cause is not None:
-            top = record.exc_info[1]
+        from paperline.infra.errors import connection_failure  # noqa: PLC0415
+
+        top = record.exc_info[1] if record.exc_info else None
+        if connection_failure(top) is not None:
             record.msg = f"{record.getMessage()}: {type(top).__name__}: {top}"
             record.args, record.exc_info, record.exc_text = (), None, None
         return True

@@ -316,6 +316,16 @@ def test_a_tasks_record_of_a_server_gone_is_one_line_on_the_workers_terminal():
         except ValueError:
             logger.exception("An error was encountered while committing transaction %r", "6dd")
         assert "Traceback (most recent call last)" in out.getvalue()[len(gone):]
+        seen = len(out.getvalue())
+        try:  # a bug in the handling of a connection error is not the connection error: its traceback stays
+            try:
+                raise EndpointConnectionError(endpoint_url="http://127.0.0.1:8333/x")
+            except EndpointConnectionError:
+                raise KeyError("a bug while handling it")  # noqa: B904
+        except KeyError:
+            logger.exception("An error was encountered while committing transaction %r", "7ee")
+        assert "Traceback (most recent call last)" in out.getvalue()[seen:]
+        assert "KeyError: 'a bug while handling it'" in out.getvalue()[seen:]
     finally:
         logger.removeHandler(handler)
 
