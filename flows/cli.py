@@ -378,14 +378,8 @@ def upload(path: Path = typer.Argument(..., metavar="PATH", help="Local file or 
 
     from paperline.infra.errors import InputError
     from paperline.infra.storage import ObjectStore, split_uri
+    from paperline.kernels.video.sources import is_utf8 as utf8
     from paperline.kernels.video.sources import shown_name
-
-    def utf8(text: str) -> bool:  # a name that is not UTF-8 (Latin-1 bytes) has lone surrogates in Python
-        try:
-            text.encode("utf-8")
-        except UnicodeEncodeError:
-            return False
-        return True
 
     if not utf8(uri):
         raise InputError("uri", shown_name(uri), "not valid UTF-8: S3 keys are UTF-8")

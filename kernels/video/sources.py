@@ -65,6 +65,16 @@ def shown_name(name: str | Path) -> str:
     return str(name).encode("utf-8", "surrogateescape").decode("utf-8", "backslashreplace")
 
 
+def is_utf8(text: str | Path) -> bool:
+    """``text`` is valid UTF-8: a file name that is not (Latin-1 bytes) holds lone surrogates in
+    Python, and S3 keys, Parquet strings, Prefect and MLflow take only UTF-8."""
+    try:
+        str(text).encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
+
+
 def bad_name_problem(path: str | Path) -> str | None:
     """Why ``path`` cannot be curated by its name, or None when it can: a name (or a directory on
     its path) that is not valid UTF-8 (e.g. Latin-1 ``lat\\xe9in.mp4`` copied from an old disk)
@@ -72,9 +82,7 @@ def bad_name_problem(path: str | Path) -> str | None:
     keys (the whole run failed after decoding every video with a ``UnicodeEncodeError`` naming no
     file: a trial)."""
     text = str(path)
-    try:
-        text.encode("utf-8")
-    except UnicodeEncodeError:
+    if not is_utf8(text):
         return (f"the name {shown_name(Path(text).name)} (in {shown_name(Path(text).parent)}) is not valid "
                 "UTF-8 (shown with \\x escapes), so it cannot be stored in the index, S3 keys or MLflow: rename "
                 "it to a UTF-8 name")
