@@ -8,7 +8,15 @@ from paperline.infra.device import gpu_usable
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not gpu_usable(), reason="no usable CUDA device")]
 
-cupy = pytest.importorskip("cupy")
+cupy = None  # CuPy, imported by _import_cupy as the tests run
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _import_cupy():
+    """Imported at collection instead, CuPy's absence was a skip in every CPU-only run, where the
+    gpu mark deselects these tests."""
+    global cupy
+    cupy = pytest.importorskip("cupy")
 
 
 def _split():
