@@ -237,7 +237,7 @@ def check_latest(tracker: Tracker, run_id: str, params: dict[str, Any], headline
     outcome = compare_with_best_earlier(tracker, run_id, params_key(params), headlines)
     if first_run_note is not None:
         outcome.first_run_note = first_run_note
-    logger = _logger()
+    logger = run_logger()
     for line in outcome.lines(label):
         (logger.warning if outcome.regression else logger.info)(line, extra={IN_SUMMARY: True})
     return outcome
@@ -249,7 +249,9 @@ def not_in_summary(record: Any) -> bool:
     return not getattr(record, IN_SUMMARY, False)
 
 
-def _logger() -> Any:
+def run_logger() -> Any:
+    """The Prefect run logger of the flow or task run this code runs in (its records go to the
+    run's log in the Prefect UI), else the ``paperline`` logger."""
     import logging  # noqa: PLC0415
 
     try:

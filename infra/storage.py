@@ -11,6 +11,7 @@ The store works against any S3 endpoint: the local SeaweedFS of ``paperline up``
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
@@ -18,6 +19,8 @@ import re
 import shutil
 import tempfile
 import threading
+import time
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -593,6 +596,115 @@ class ObjectStore:
         """
         bucket, key = split_uri(uri)
         self._call(f"delete {uri}", lambda: self.client.delete_object(Bucket=bucket, Key=key))
+
+    # -- one writer at a time ---------------------------------------------------------------------------
+
+    @contextlib.contextmanager
+    def lease(self, uri: str, owner: str, *, on_wait: Callable[[str], None] | None = None, renew_s: float = 10.0,
+              stale_s: float = 60.0, poll_s: float = 1.0) -> Iterator[Callable[[], None]]:
+        """Hold the object ``uri`` as a lease while the block runs: one holder at a time, across
+        processes and machines, for a write that must not interleave with another (two runs
+        committing one dataset: a trial's two runs both reported success while the second
+        rewrote the first's committed shards).
+
+        Taken by a conditional create (``If-None-Match: *``: SeaweedFS, AWS S3 and MinIO refuse
+        it when the object exists), renewed every ``renew_s`` seconds by a thread (a conditional
+        rewrite, ``If-Match`` of the last ETag), and deleted at the end. A waiter polls every
+        ``poll_s`` seconds; a lease whose ETag has not changed for ``stale_s`` seconds of the
+        waiter's own clock (its holder died without releasing it) is taken over. No clock is
+        compared between machines.
+
+        Args:
+            uri: The lease object, e.g. ``s3://bucket/prefix/.write-lease.json``.
+            owner: Who holds it, in words (stored in the object, shown to waiters).
+            on_wait: Called once with the holder's words when the lease is held by another.
+            renew_s, stale_s, poll_s: Seconds, as above (``stale_s`` > ``renew_s``).
+
+        Yields:
+            A check to call before the write's commit point: it raises when the lease was lost
+            (another holder took it over after this one failed to renew it for ``stale_s``).
+
+        Raises:
+            ServiceError: S3 is unreachable or rejects the credentials.
+            PaperlineError: (from the check) the lease was lost.
+        """
+        from botocore.exceptions import ClientError  # noqa: PLC0415
+
+        import socket  # noqa: PLC0415
+
+        bucket, key = split_uri(uri)
+        base = {"owner": owner, "host": socket.gethostname(), "pid": os.getpid()}
+
+        def refused(exc: ClientError) -> bool:
+            return exc.response.get("Error", {}).get("Code") in ("PreconditionFailed", "412") or \
+                exc.response.get("ResponseMetadata", {}).get("HTTPStatusCode") == 412
+
+        def put(n: int, **condition: str) -> str:
+            body = json.dumps({**base, "renewal": n}).encode()  # (a new ETag per renewal: waiters see it live)
+            return self._call(f"lease {uri}", self.client.put_object, Bucket=bucket, Key=key, Body=body,
+                              **condition)["ETag"]
+
+        seen, seen_at, said = None, 0.0, False
+        while True:
+            try:
+                etag = put(0, IfNoneMatch="*")
+                break
+            except ClientError as exc:
+                if not refused(exc):
+                    raise
+            head = self._head(bucket, key)
+            if head is None:
+                continue  # released in between
+            if head["ETag"] != seen:
+                seen, seen_at = head["ETag"], time.monotonic()
+            elif time.monotonic() - seen_at > stale_s:  # its holder stopped renewing: taken over
+                with contextlib.suppress(ClientError):  # (another waiter may take it first)
+                    self._call(f"lease {uri}", self.client.delete_object, Bucket=bucket, Key=key, IfMatch=seen)
+                continue
+            if not said and on_wait is not None:
+                said = True
+                holder = "another writer"
+                with contextlib.suppress(Exception):
+                    held = json.loads(self.get_bytes(uri))
+                    holder = f"{held['owner']} (pid {held['pid']} on {held['host']})"
+                on_wait(holder)
+            time.sleep(poll_s)
+        state = {"etag": etag, "lost": False}
+        stop, one_at_a_time = threading.Event(), threading.Lock()  # (a renewal is not half-seen by the check)
+
+        def renew() -> None:
+            n = 0
+            while not stop.wait(renew_s):
+                n += 1
+                try:
+                    with one_at_a_time:
+                        state["etag"] = put(n, IfMatch=state["etag"])
+                except ClientError as exc:
+                    if refused(exc):
+                        state["lost"] = True
+                        return
+                except Exception:  # noqa: BLE001 - an S3 hiccup: renewed next time (a waiter waits stale_s)
+                    continue
+
+        def check() -> None:  # (one HEAD: a takeover the renewals have not met yet is seen too)
+            with one_at_a_time:
+                head = self._head(bucket, key)
+            if state["lost"] or head is None or head["ETag"] != state["etag"]:
+                state["lost"] = True
+                raise PaperlineError(f"lost the write lease {uri} (not renewed for {stale_s:g} s, and another "
+                                     "writer took it over): nothing was committed; run again")
+
+        thread = threading.Thread(target=renew, name=f"lease {key}", daemon=True)
+        thread.start()
+        try:
+            yield check
+        finally:
+            stop.set()
+            thread.join()
+            if not state["lost"]:
+                with contextlib.suppress(Exception):  # (gone with the server: taken over after stale_s)
+                    self._call(f"lease {uri}", self.client.delete_object, Bucket=bucket, Key=key,
+                               IfMatch=state["etag"])
 
     # -- write-then-commit ----------------------------------------------------------------------------
 

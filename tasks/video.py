@@ -216,9 +216,32 @@ def video_stats(result: Any) -> dict[str, Any]:
 def write_shards(store: ObjectStore, output: str, plans: list[ShardPlan], rows: dict[str, dict[str, Any]],
                  extra: dict[str, bytes], meta: dict[str, Any]) -> dict[str, Any]:
     """Pack the staged clips into tar shards under ``output`` and commit the manifest (see
-    :func:`paperline.kernels.video.shards.write_dataset`)."""
-    return write_dataset(store, output, plans, rows, lambda r: store.get_bytes(r["staged_uri"], sha256=r["mp4_sha256"]),
-                         extra, meta)
+    :func:`paperline.kernels.video.shards.write_dataset`), holding the dataset's write lease
+    (``<output>/.write-lease.json``, :meth:`~paperline.infra.storage.ObjectStore.lease`): a second
+    run writing the same dataset waits for the first, then finds it committed (the same plan:
+    nothing written; another: refused), instead of rewriting its shards (a trial's two runs both
+    reported success, the second having replaced the first's shards and manifest)."""
+    from paperline.infra.regression import run_logger  # noqa: PLC0415
+
+    output = output.rstrip("/")
+
+    def waiting(holder: str) -> None:
+        run_logger().info("waiting for %s, which is writing %s now", holder, output)
+
+    with store.lease(f"{output}/{WRITE_LEASE}", _lease_owner(), on_wait=waiting) as still_held:
+        return write_dataset(store, output, plans, rows,
+                             lambda r: store.get_bytes(r["staged_uri"], sha256=r["mp4_sha256"]), extra, meta,
+                             before_commit=still_held)
+
+
+WRITE_LEASE = ".write-lease.json"  # beside a dataset's shards while a run writes them
+
+
+def _lease_owner() -> str:
+    """This run in words: its Prefect flow run's name and id, when it has one."""
+    from prefect.runtime import flow_run  # noqa: PLC0415
+
+    return f"flow run {flow_run.name} ({flow_run.id})" if flow_run.id else "a run outside Prefect"
 
 
 @task(name="video-read-back", retries=1, timeout_seconds=6 * HOUR)

@@ -131,7 +131,7 @@ def build_shard(members: list[tuple[str, bytes, dict[str, Any]]]) -> bytes:
 
 def write_dataset(store: Any, output: str, plans: list[ShardPlan], rows: dict[str, dict[str, Any]],
                   read_clip: Callable[[dict[str, Any]], bytes], extra: dict[str, bytes],
-                  meta: dict[str, Any]) -> dict[str, Any]:
+                  meta: dict[str, Any], before_commit: Callable[[], None] | None = None) -> dict[str, Any]:
     """Upload shards, then ``extra`` objects (index, rejected table), then the manifest (last).
 
     Args:
@@ -145,6 +145,11 @@ def write_dataset(store: Any, output: str, plans: list[ShardPlan], rows: dict[st
         read_clip: Returns a kept clip's mp4 bytes.
         extra: Object name -> bytes, written after the shards and before the manifest.
         meta: JSON-serialisable run facts stored in the manifest.
+        before_commit: Called just before the manifest is written; what it raises stops the
+            commit (a write lease's check: :meth:`paperline.infra.storage.ObjectStore.lease`).
+
+    Writers of one ``output`` must not overlap (the caller holds a lease): two interleaved writes
+    overwrite each other's shards.
 
     Returns:
         The manifest (a dict; each shard lists its members' SHA-256 in ``member_sha256``, in the
@@ -215,6 +220,8 @@ def write_dataset(store: Any, output: str, plans: list[ShardPlan], rows: dict[st
     manifest = {"version": 1, "format": "webdataset", "prefix": output, "shards": shards, "objects": objects,
                 "n_samples": sum(s["n_samples"] for s in shards), "meta": meta}
     json.dumps(manifest)  # fail before committing
+    if before_commit is not None:
+        before_commit()
     store.put_bytes_to(json.dumps(manifest, sort_keys=True, indent=1).encode(), manifest_uri)
     return dict(manifest, uploaded=uploaded, skipped=skipped, committed_earlier=False, kept_committed=[], clips_differ=[])
 

@@ -526,3 +526,53 @@ def test_a_committed_dataset_that_this_run_does_not_match_is_said_how():
     assert _committed_mismatch(unknown, 28) == (
         "this run's index.parquet and rejected.parquet differ (and its clips may: the dataset's manifest has no clip "
         "digests)")
+
+
+def test_two_runs_writing_one_dataset_take_turns_and_the_late_one_is_refused(stack):
+    """Two runs given one dataset name at once both reported success: the second rewrote the
+    first's committed shards and manifest, and the first's read-back met a member it no longer
+    held (a trial). The writes take turns on the dataset's lease: the later one then finds the
+    dataset committed, with other shards, and is refused; the first's dataset is intact."""
+    import threading
+
+    from paperline.infra.storage import ObjectStore
+    from paperline.kernels.errors import InputError
+    from paperline.kernels.video.shards import iter_samples, plan_shards, write_dataset
+    from paperline.tasks.video import WRITE_LEASE, write_shards
+
+    _, info = stack
+    store = ObjectStore.from_stack(info)
+    base = f"s3://{info.data_bucket}/tests/race-{os.getpid()}-{time.time_ns()}"
+    clips = {f"v-{i:010x}-000000": f"clip number {i}".encode() * 50 for i in range(6)}
+    rows = {}
+    for key, data in clips.items():
+        store.put_bytes_to(data, f"{base}/staged/{key}.mp4")
+        rows[key] = {"key": key, "mp4_sha256": hashlib.sha256(data).hexdigest(), "mp4_size_bytes": len(data),
+                     "staged_uri": f"{base}/staged/{key}.mp4"}
+    output = f"{base}/dataset"
+    first_plan, second_plan = plan_shards(list(rows.values()), 1500), plan_shards(list(rows.values()), 700)
+    assert [p.keys for p in first_plan] != [p.keys for p in second_plan]
+    bucket, key = f"{output}/{WRITE_LEASE}"[len("s3://"):].split("/", 1)
+    # run A holds the lease (as mid-write) while run B starts its write
+    store.client.put_object(Bucket=bucket, Key=key, Body=b'{"owner": "run A", "pid": 7, "host": "h"}')
+    outcome = {}
+
+    def run_b():
+        try:
+            outcome["b"] = write_shards.fn(store, output, second_plan, rows, {}, {"run": "B"})
+        except InputError as exc:
+            outcome["b"] = exc
+
+    late = threading.Thread(target=run_b)
+    late.start()
+    time.sleep(3)
+    assert "b" not in outcome and not store.list(f"{output}/shard-")  # B waits, and has written nothing
+    # run A commits its dataset, then releases the lease
+    write_dataset(store, output, first_plan, rows, lambda r: store.get_bytes(r["staged_uri"]), {}, {"run": "A"})
+    store.delete(f"{output}/{WRITE_LEASE}")
+    late.join(timeout=120)
+    assert isinstance(outcome["b"], InputError), outcome
+    assert "already holds a committed dataset with other shards" in str(outcome["b"])
+    assert json.loads(store.get_bytes(f"{output}/manifest.json"))["meta"] == {"run": "A"}
+    assert sorted(s["__key__"] for s in iter_samples(store, output)) == sorted(clips)
+    assert not store.exists(f"{output}/{WRITE_LEASE}")  # B released it

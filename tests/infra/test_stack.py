@@ -529,6 +529,51 @@ def test_failed_part_leaves_no_manifest(stack):
         store.read_manifest(prefix)
 
 
+def test_a_write_lease_has_one_holder_at_a_time_and_a_dead_holders_is_taken_over(stack):
+    """Two runs committing one dataset both reported success while the second rewrote the
+    first's shards (a trial): a write holds the dataset's lease object, one holder at a time."""
+    import threading
+    import time
+
+    from paperline.infra.errors import PaperlineError
+
+    _, info = stack
+    store = ObjectStore.from_stack(info)
+    uri = f"s3://{info.data_bucket}/tests/lease/{uuid.uuid4().hex}/.write-lease.json"
+    events, waits = [], []
+
+    def write(name, hold_s):
+        with store.lease(uri, name, on_wait=waits.append, renew_s=0.3, poll_s=0.1) as still_held:
+            events.append((name, "in"))
+            time.sleep(hold_s)  # (renewed meanwhile: the waiter sees a live lease, not a stale one)
+            still_held()
+            events.append((name, "out"))
+
+    first = threading.Thread(target=write, args=("run A", 2.0))
+    first.start()
+    while not events:
+        time.sleep(0.05)
+    write("run B", 0.0)
+    first.join()
+    assert events == [("run A", "in"), ("run A", "out"), ("run B", "in"), ("run B", "out")]
+    assert len(waits) == 1 and waits[0].startswith("run A (pid ")
+    assert not store.exists(uri)  # released
+    # a holder that died without releasing: its lease is taken over once unchanged for stale_s
+    bucket, key = uri[len("s3://"):].split("/", 1)
+    store.client.put_object(Bucket=bucket, Key=key, Body=b'{"owner": "a killed run", "pid": 1, "host": "h"}')
+    started = time.monotonic()
+    with store.lease(uri, "run C", stale_s=1.0, poll_s=0.1, on_wait=waits.append):
+        assert time.monotonic() - started >= 1.0
+    assert waits[-1] == "a killed run (pid 1 on h)"
+    # a holder whose lease was taken over meanwhile is told so before it commits
+    with store.lease(uri, "run D", renew_s=60) as still_held:
+        store.client.delete_object(Bucket=bucket, Key=key)
+        store.client.put_object(Bucket=bucket, Key=key, Body=b'{"owner": "run E"}')
+        with pytest.raises(PaperlineError, match="lost the write lease"):
+            still_held()
+    assert store.get_bytes(uri) == b'{"owner": "run E"}'  # (not released by run D: run E's)
+
+
 def test_dead_endpoints_raise_service_errors(free_port):
     port = free_port()
     store = ObjectStore(f"http://127.0.0.1:{port}", "k", "s", "us-east-1")
