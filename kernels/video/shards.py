@@ -287,19 +287,27 @@ def iter_samples(store: Any, output: str, rank: int = 0, world_size: int = 1, dr
     """Stream a committed dataset's samples for one rank, shard by shard (only the shards holding
     the rank's samples are read, each once, as a stream).
 
+    Shards are read under ``output``, by the names the manifest lists, not at the URIs it
+    recorded when written: a dataset copied to another prefix or bucket reads its own shards (it
+    read the original's, and failed once that was gone: a trial).
+
     Args:
         store: Object store with ``exists``, ``get_bytes`` and ``open_stream(uri)`` (a readable
             file object).
         output: The dataset's ``s3://`` prefix.
         rank, world_size, drop_last: See :func:`rank_indices`.
-        verify: Check each mp4 against the SHA-256 in its metadata.
+        verify: Check each mp4 against the SHA-256 in its metadata, and each shard read against
+            the SHA-256 and size the manifest records for it.
 
     Yields:
         ``{"__key__": key, "mp4": bytes, "json": dict}`` in the rank's order.
 
     Raises:
-        NotCommitted: no manifest. InputError: bad rank/world size, or a member failing its check.
+        NotCommitted: no manifest. InputError: bad rank/world size; a shard that is truncated,
+            not a tar archive, lacks a member the manifest lists, or (``verify``) differs from
+            its recorded digest or size; a member failing its check (each naming the shard).
     """
+    output = output.rstrip("/")
     manifest = read_manifest(store, output)
     flat = [(s, k) for s in manifest["shards"] for k in s["keys"]]
     want = [flat[i] for i in rank_indices(len(flat), rank, world_size, drop_last)]
@@ -307,21 +315,64 @@ def iter_samples(store: Any, output: str, rank: int = 0, world_size: int = 1, dr
     for shard, key in want:
         needed.setdefault(shard["name"], set()).add(key)
     cache: dict[str, dict[str, Any]] = {}
-    by_name = {s["name"]: s for s in manifest["shards"]}
     for shard, key in want:
         if key not in cache:
             cache.clear()  # keep one shard's needed samples in memory at a time
-            s = by_name[shard["name"]]
-            with store.open_stream(s["uri"]) as body, tarfile.open(fileobj=body, mode="r|") as tar:
-                for m in tar:
-                    k, _, ext = m.name.partition(".")
-                    if k not in needed[s["name"]] or not m.isfile():
-                        continue
-                    f = tar.extractfile(m)
-                    data = f.read() if f is not None else b""
-                    cache.setdefault(k, {"__key__": k})[ext] = data
+            cache.update(_read_members(store, f"{output}/{shard['name']}", shard, needed[shard["name"]], verify))
         sample = cache[key]
         meta = json.loads(sample["json"])
         if verify and hashlib.sha256(sample["mp4"]).hexdigest() != meta.get("mp4_sha256"):
             raise InputError("shard", shard["name"], f"member {key}.mp4 does not match its SHA-256")
         yield {"__key__": key, "mp4": sample["mp4"], "json": meta}
+
+
+class _Hashing:
+    """A readable stream's bytes counted and hashed as they are read."""
+
+    def __init__(self, body: Any):
+        self.body, self.sha, self.size = body, hashlib.sha256(), 0
+
+    def read(self, n: int = -1) -> bytes:
+        data = self.body.read(n)
+        self.sha.update(data)
+        self.size += len(data)
+        return data
+
+    def drain(self) -> None:
+        while self.read(1 << 20):
+            pass
+
+
+def _read_members(store: Any, uri: str, shard: dict[str, Any], keys: set[str], verify: bool) -> dict[str, dict]:
+    """The members ``keys`` of one shard, ``{key: {"__key__", "mp4", "json"}}``, read as one
+    stream; a damaged shard is an :class:`InputError` naming it (it was tarfile's bare
+    ``ReadError``, or a ``KeyError`` of a member: a trial)."""
+    name = shard["name"]
+    found: dict[str, dict[str, Any]] = {}
+    try:
+        with store.open_stream(uri) as body:
+            stream = _Hashing(body)
+            with tarfile.open(fileobj=stream, mode="r|") as tar:
+                for m in tar:
+                    k, _, ext = m.name.partition(".")
+                    if k not in keys or not m.isfile():
+                        continue
+                    f = tar.extractfile(m)
+                    found.setdefault(k, {"__key__": k})[ext] = f.read() if f is not None else b""
+            stream.drain()
+    except (tarfile.TarError, EOFError) as exc:
+        raise InputError("shard", name, f"{uri} is truncated or not a tar archive ({exc})") from None
+    recorded = shard.get("size_bytes")
+    if verify and recorded is not None and stream.size < recorded:
+        raise InputError("shard", name, f"{uri} is truncated: {stream.size:,} of the {recorded:,} bytes the manifest "
+                                        "records")
+    for k in sorted(keys):
+        missing = [ext for ext in ("mp4", "json") if ext not in found.get(k, {})]
+        if missing:
+            raise InputError("shard", name, f"{uri} lacks {', '.join(f'{k}.{e}' for e in missing)}, which the "
+                                            "manifest lists in it")
+    if verify and shard.get("sha256") and (stream.sha.hexdigest(), stream.size) != (shard["sha256"], recorded):
+        raise InputError("shard", name, f"{uri} ({stream.size:,} bytes) differs from the manifest's record of it "
+                                        f"({recorded} bytes, SHA-256 {shard['sha256'][:12]}...): changed or damaged "
+                                        "after the commit")
+    return found

@@ -576,3 +576,45 @@ def test_two_runs_writing_one_dataset_take_turns_and_the_late_one_is_refused(sta
     assert json.loads(store.get_bytes(f"{output}/manifest.json"))["meta"] == {"run": "A"}
     assert sorted(s["__key__"] for s in iter_samples(store, output)) == sorted(clips)
     assert not store.exists(f"{output}/{WRITE_LEASE}")  # B released it
+
+
+def test_a_dataset_is_read_where_it_is_and_a_damaged_shard_is_named(stack):
+    """A copied dataset read the original prefix's shards (the manifest's URIs), and a damaged
+    shard was tarfile's bare ReadError or a KeyError of a member (a trial)."""
+    from paperline.infra.storage import ObjectStore
+    from paperline.kernels.errors import InputError
+    from paperline.kernels.video.shards import build_shard, iter_samples, plan_shards, write_dataset
+
+    _, info = stack
+    store = ObjectStore.from_stack(info)
+    base = f"s3://{info.data_bucket}/tests/moved-{os.getpid()}-{time.time_ns()}"
+    clips = {f"v-{i:010x}-000000": f"clip number {i}".encode() * 40 for i in range(4)}
+    rows = {k: {"key": k, "mp4_sha256": hashlib.sha256(b).hexdigest(), "mp4_size_bytes": len(b)}
+            for k, b in clips.items()}
+    write_dataset(store, f"{base}/original", plan_shards(list(rows.values()), 1000), rows,
+                  lambda r: clips[r["key"]], {}, {})
+    for uri in store.list(f"{base}/original/"):  # `aws s3 cp --recursive`, then the original removed
+        store.put_bytes_to(store.get_bytes(uri), f"{base}/copy/{uri[len(base) + len('/original/'):]}")
+        store.delete(uri)
+    copy = f"{base}/copy"
+    assert [s["__key__"] for s in iter_samples(store, copy)] == sorted(clips)
+    shard = f"{copy}/shard-000000.tar"
+    good = store.get_bytes(shard)
+
+    def refusal():
+        with pytest.raises(InputError) as caught:
+            list(iter_samples(store, copy))
+        return str(caught.value)
+
+    store.put_bytes_to(good[: len(good) // 2], shard)
+    said = refusal()
+    assert said.startswith("shard='shard-000000.tar': ") and "truncated" in said, said
+    first = sorted(clips)[0]
+    store.put_bytes_to(build_shard([(k, clips[k], {"key": k}) for k in sorted(clips)[1:2]]), shard)
+    said = refusal()
+    assert said.startswith("shard='shard-000000.tar': ") and f"lacks {first}.mp4, {first}.json" in said, said
+    damaged = bytearray(good)
+    damaged[good.index(clips[first]) + 3] ^= 1  # one bit of the first clip's bytes
+    store.put_bytes_to(bytes(damaged), shard)
+    assert "differs from the manifest's record of it" in refusal()
+    assert [s["__key__"] for s in iter_samples(store, copy, verify=False)][0] == first  # (unchecked: read as is)
