@@ -14,6 +14,7 @@ from __future__ import annotations
 import hashlib
 import io
 import json
+import os
 import tempfile
 import time
 from pathlib import Path
@@ -25,6 +26,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator
 from paperline.infra.cluster import configure_local_workers, default_task_runner
 from paperline.infra.device import resolve_device
 from paperline.infra.errors import InputError, name_problem
+from paperline.infra.flow_runs import FLOW_RUN_ENV
 from paperline.infra.pipeline_flow import pipeline_flow
 from paperline.infra.regression import Headline, check_latest
 from paperline.infra.settings import get_settings
@@ -291,9 +293,13 @@ def check_dataset_free(store: ObjectStore, output: str, key: str, argument: str,
         return
     old = json.loads(store.get_bytes(uri)).get("meta", {}).get("inputs_key")
     if old is not None and old != key:
+        # (a deployment run's user sets the field of a custom run, not --set: a trial re-ran the
+        # nightly deployment after adding videos the same day)
+        how = "the `dataset` field of a custom run in the Prefect UI, e.g. `nightly-{date}-2`" \
+            if os.environ.get(FLOW_RUN_ENV) else "--set dataset=NAME"
         raise InputError(argument, value, f"{output} already holds a committed dataset curated from other sources "
                                           f"or settings; a committed dataset is never rewritten: choose another "
-                                          f"{'output prefix' if argument == 'output' else 'dataset name (--set dataset=NAME)'}")
+                                          f"{'output prefix' if argument == 'output' else f'dataset name ({how})'}")
 
 
 PRESETS: dict[str, dict[str, Any]] = {

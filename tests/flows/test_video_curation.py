@@ -618,3 +618,25 @@ def test_a_dataset_is_read_where_it_is_and_a_damaged_shard_is_named(stack):
     store.put_bytes_to(bytes(damaged), shard)
     assert "differs from the manifest's record of it" in refusal()
     assert [s["__key__"] for s in iter_samples(store, copy, verify=False)][0] == first  # (unchecked: read as is)
+
+
+def test_a_taken_dataset_name_says_how_to_choose_another_where_the_run_was_started(stack, monkeypatch):
+    """The nightly deployment re-run the same day after videos were added was told to `--set
+    dataset=NAME`, which a run from the Prefect UI has no way to (a trial)."""
+    from paperline.flows.video_curation import check_dataset_free
+    from paperline.infra.flow_runs import FLOW_RUN_ENV
+    from paperline.infra.storage import ObjectStore
+    from paperline.kernels.errors import InputError
+
+    _, info = stack
+    store = ObjectStore.from_stack(info)
+    output = f"s3://{info.data_bucket}/tests/taken-{time.time_ns()}"
+    store.put_bytes_to(json.dumps({"meta": {"inputs_key": "yesterday's"}}).encode(), f"{output}/manifest.json")
+    check_dataset_free(store, output, "yesterday's", "dataset", "nightly-2026-12-06")  # the same inputs: free
+    monkeypatch.delenv(FLOW_RUN_ENV, raising=False)
+    with pytest.raises(InputError, match=r"choose another dataset name \(--set dataset=NAME\)$"):
+        check_dataset_free(store, output, "today's", "dataset", "nightly-2026-12-06")
+    monkeypatch.setenv(FLOW_RUN_ENV, "0f3c")  # (a deployment run's process)
+    with pytest.raises(InputError, match=r"choose another dataset name \(the `dataset` field of a custom run in the "
+                                         r"Prefect UI, e\.g\. `nightly-\{date\}-2`\)$"):
+        check_dataset_free(store, output, "today's", "dataset", "nightly-2026-12-06")
