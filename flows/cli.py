@@ -22,6 +22,7 @@ from typer.core import TyperArgument, TyperCommand, TyperGroup, TyperOption
 
 from paperline.infra.errors import PaperlineError
 from paperline.infra.errors import no_unfinished_finish as _no_unfinished_finish  # (also in a run's process)
+from paperline.infra.errors import EXPECTED as EXPECTED_ERROR
 from paperline.infra.worker_exit import short_event_failure
 from paperline.kernels.errors import ClusterLost
 from paperline.kernels.errors import InputError as KernelInputError
@@ -730,11 +731,21 @@ def _quiet_logs() -> None:
         handler.addFilter(_no_shutdown_connect_error)
         handler.addFilter(_stop_not_keyboard)
         handler.addFilter(_no_crash_line_for_the_watch)
+        handler.addFilter(_error_said_once)
         if not _state["debug"]:
             handler.addFilter(_strip_traceback)
     for handler in logging.getLogger("prefect._internal").handlers:  # its own (the events worker's records)
         handler.addFilter(_short_event_failures)
     logging.getLogger("distributed.nanny").addFilter(_no_kill_notice)
+
+
+def _error_said_once(record: Any) -> bool:
+    """Drop Prefect's "Encountered exception during execution: InputError(...)" of an error
+    paperline raised on purpose (marked by :class:`paperline.infra.errors.ExpectedErrorOneLine`):
+    the run's "Finished in state Failed(...)" and this command's ``error:`` line say it (a trial
+    read one refusal three times). The Prefect UI's log keeps it."""
+    return not (getattr(record, EXPECTED_ERROR, False)
+                and record.getMessage().startswith("Encountered exception during execution"))
 
 
 def _no_crash_line_for_the_watch(record: Any) -> bool:

@@ -127,13 +127,22 @@ class ExpectedErrorOneLine(logging.Filter):
 
     def filter(self, record: logging.LogRecord) -> bool:
         """Drop the traceback (``exc_info``, ``exc_text``) of a record whose exception is a
-        :class:`PaperlineError`, the kernels' ``InputError`` or a ``KeyboardInterrupt``; always
-        True (every record is kept)."""
+        :class:`PaperlineError`, the kernels' ``InputError`` or a ``KeyboardInterrupt``, and mark
+        the record (attribute :data:`EXPECTED`, for a console that says the error itself); drop
+        the engine's "Engine execution exited with unexpected exception" of such an error
+        whole (a trial read it beside a refused parameter: the run's own lines said it). True
+        for every other record."""
         exc = record.exc_info[1] if record.exc_info else None
         if isinstance(exc, (PaperlineError, KernelInputError, KeyboardInterrupt)):
+            if record.msg == "Engine execution exited with unexpected exception":
+                return False
             record.exc_info = None
             record.exc_text = None
+            setattr(record, EXPECTED, True)
         return True
+
+
+EXPECTED = "paperline_expected_error"  # set on a record ExpectedErrorOneLine cut to one line
 
 
 def quiet_expected_tracebacks(loggers: tuple[str, ...] = RUN_LOGGERS) -> None:

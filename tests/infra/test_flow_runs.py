@@ -408,6 +408,27 @@ def test_expected_errors_are_logged_without_their_traceback(exc):
     assert repr(exc) in record.getMessage()
 
 
+def test_an_expected_error_is_not_called_unexpected_nor_said_twice_by_the_cli():
+    """A refused run's serve log read "Engine execution exited with unexpected exception"; the
+    CLI printed the error as Prefect's "Encountered exception" line, the Failed state and its
+    own `error:` line (a trial)."""
+    from paperline.flows.cli import _error_said_once
+
+    error = InputError("source", "/v", "every input was rejected (1)")
+    engine = _record(error)
+    engine.msg, engine.args = "Engine execution exited with unexpected exception", ()
+    assert not ExpectedErrorOneLine().filter(engine)  # dropped
+    encountered = _record(error)
+    encountered.msg = "Encountered exception during execution: %r"
+    assert ExpectedErrorOneLine().filter(encountered) and not _error_said_once(encountered)  # kept for the UI
+    bug = _record(RuntimeError("a bug"))
+    bug.msg = "Encountered exception during execution: %r"
+    assert ExpectedErrorOneLine().filter(bug) and _error_said_once(bug)
+    engine_bug = _record(RuntimeError("a bug"))
+    engine_bug.msg, engine_bug.args = "Engine execution exited with unexpected exception", ()
+    assert ExpectedErrorOneLine().filter(engine_bug) and engine_bug.exc_info is not None
+
+
 def test_other_errors_keep_their_traceback():
     record = _record(RuntimeError("a bug"))
     assert ExpectedErrorOneLine().filter(record) and record.exc_info is not None
