@@ -63,7 +63,8 @@ _BUILTIN: dict[str, tuple[str, str, str, str, str, dict[str, Any]]] = {
                             {"params": {"compressors": ["none", "fft", "topk", "powersgd", "fp16"]}}),
     "video-curation": ("paperline.flows.video_curation", "video_curation", "VideoCurationParameters", "0 1 * * *",
                        "The videos under s3://<data bucket>/video-curation/incoming/ to WebDataset shards + "
-                       "Parquet index, a dataset per night (nightly-<date>): split, transcode, filter, dedup.",
+                       "Parquet index, a dataset per night (nightly-<date>) of every video there then: split, "
+                       "transcode, filter, dedup.",
                        {"params": {"source": "s3://{data_bucket}/video-curation/incoming/",
                                    "dataset": "nightly-{date}"}}),
 }
