@@ -1,7 +1,8 @@
 """Freivalds' verification (kernels/blas/verify.py) at the sizes where its tolerance matters: a
 float32 result missing one k-panel of one tile, or one tile never written, is rejected (the
 worst-case bound 2 (k + 2) eps let both pass: a trial), while correct results of every routine
-and dtype pass with a wide margin, all-positive inputs at a large k included.
+and dtype pass with a wide margin, all-positive inputs at a large k included; and the check
+fails over operands holding inf without NumPy's warnings.
 
 The basic cases (correct results pass, one corrupted tile is caught, SYRK's other triangle) are
 in test_blas.py.
@@ -10,13 +11,14 @@ in test_blas.py.
 from __future__ import annotations
 
 import itertools
+import warnings
 import numpy as np
 import pytest
 
 from paperline.kernels.blas.plan import make_problem
 from paperline.kernels.blas.runtime import run
 from paperline.kernels.blas.sources import ArraySource
-from paperline.kernels.blas.verify import freivalds, tolerance
+from paperline.kernels.blas.verify import freivalds, matvec, tolerance
 
 
 def _operands(m, n, k, seed=0):
@@ -104,3 +106,32 @@ def test_correct_results_of_every_routine_pass_with_a_tenfold_margin(dtype, dist
             worst = max(worst, v.residual / v.tolerance)
     assert worst < 0.1, worst
 
+
+
+def test_matvec_over_an_inf_operand_warns_nothing():
+    """An inf in an operand (check_finite off) gives inf - inf = NaN in the products: the check
+    fails without NumPy's RuntimeWarning on the run's output (README: "without NumPy's warnings")."""
+    a = np.random.default_rng(0).standard_normal((300, 200))
+    a[9] = np.where(np.arange(200) % 2, np.inf, -np.inf)  # as a result read back after an inf in A
+    x = np.random.default_rng(1).standard_normal(200)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        y, _ = matvec(ArraySource(a), x, np.abs(x))
+        for trans, mask, symmetric in ((True, "", False), (False, "U", True), (False, "Lu", False)):
+            square = ArraySource(a[:200])
+            matvec(square, x, np.abs(x), trans=trans, mask=mask, symmetric=symmetric)
+    assert not np.isfinite(y).all()
+
+
+@pytest.mark.parametrize("routine", ["gemm", "syr2k"])
+def test_freivalds_over_an_inf_operand_fails_without_warnings(routine):
+    a = np.random.default_rng(0).standard_normal((40, 30))
+    b = np.random.default_rng(1).standard_normal((40, 30) if routine == "syr2k" else (30, 20))
+    a[3, 4] = np.inf
+    problem = make_problem(routine, a, b, tile=16)
+    with np.errstate(all="ignore"):
+        result = run(problem, check_finite=False).output
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        v = freivalds(problem, ArraySource(result, "result"))
+    assert not v.passed
