@@ -160,7 +160,8 @@ class GemmParameters(BaseModel):
     def check_used(self) -> None:
         """Refuse an operand or flag the routine does not read, given other than its default (a
         TRSM with ``c`` and ``beta`` ran as plain TRSM, and MLflow recorded them as if used), and
-        a ``beta`` without ``c`` to scale. Raises InputError."""
+        a ``beta`` without ``c`` to scale, or (GEMM/SYMM) a ``c`` that ``beta = 0`` leaves unread.
+        Raises InputError."""
         uses = ROUTINE_USES[self.routine]
         for name in ("b", "c", "beta", "trans_a", "trans_b", "side", "uplo", "diag"):
             value, default = getattr(self, name), type(self).model_fields[name].default
@@ -169,6 +170,11 @@ class GemmParameters(BaseModel):
                                               f"{', '.join(sorted(uses))}); leave it out")
         if self.beta != 0 and self.c is None:
             raise InputError("beta", self.beta, "scales c, which is not given: set c (e.g. c=random) or leave beta 0")
+        # GEMM/SYMM read C only through beta C: with beta 0 a c was never read, yet counted as
+        # given and recorded in MLflow (a trial). SYRK/SYR2K read C's other triangle regardless.
+        if self.c is not None and self.beta == 0 and self.routine in ("gemm", "symm"):
+            raise InputError("c", self.c, f"{self.routine.upper()} reads c only as beta * c, and beta is 0: "
+                                          "set beta (e.g. beta=1) or leave c out")
 
     def kernel_params(self) -> dict[str, Any]:
         """The parameters :func:`paperline.tasks.gemm.build_problem` reads (routine, sizes,

@@ -363,6 +363,7 @@ def test_bad_gemm_input_is_refused_before_anything_starts(npy, tmp_path):
         (["routine=syrk", f"b={a}"], ["b=", "SYRK does not use it"]),
         (["routine=trmm", "trans_b=T"], ["trans_b='T'", "TRMM does not use it"]),
         (["beta=0.5"], ["beta=0.5", "scales c, which is not given"]),
+        (["c=random"], ["c='random'", "GEMM reads c only as beta * c, and beta is 0"]),  # never read (a trial)
         # sizes the operand files or the routine override are refused, not ignored (a trial's m=1000
         # ran 512 x 512); the preset's own m (full: 8192) does not count as given
         ([f"a={a}", f"b={npy('b20.npy', np.ones((30, 20)))}", "m=1000"],
