@@ -290,7 +290,11 @@ class GemmParameters(BaseModel):
                 raise InputError("output", out, f"is operand {name}: writing it would destroy the input")
 
     def check_size(self, problem: Any) -> None:
-        """Refuse plans too fine to schedule and data that cannot fit on disk. Raises InputError."""
+        """Refuse plans too fine to schedule and data that cannot fit on disk: the staged random
+        operands, the staged result and, for an S3 output on the local stack, its copy in
+        SeaweedFS, summed per filesystem (``st_dev``) against its free space. Raises InputError
+        naming the first need on the filesystem that lacks room (``m`` for staged operands,
+        ``output`` for the result, the default output by its URI pattern)."""
         from dask.utils import format_bytes  # noqa: PLC0415
 
         from paperline.kernels.blas.plan import check_plan_size  # noqa: PLC0415
@@ -298,23 +302,43 @@ class GemmParameters(BaseModel):
         check_plan_size(problem)
         (m, n) = problem.out_shape
         item = problem.dtype.itemsize
-        state_dir = Path(get_settings().state_dir)
+        settings = get_settings()
+        state_dir = Path(settings.state_dir)
         needs: list[tuple[str, object, int, Path, str]] = []  # argument, value, bytes, where, what needs them
         random_bytes = sum(int(np.prod(src.shape)) * item for name, src in problem.operands().items()
                            if getattr(self, name) == "random") if self.stage_random else 0
         if random_bytes:
-            needs.append(("m", self.m, random_bytes, state_dir, "the staged random operands need"))
+            needs.append(("m", self.m, random_bytes, state_dir, "the staged random operands"))
         result = f"the {m}x{n} {problem.dtype} result"
-        if self.output is None or self.output.startswith("s3://"):  # staged under the state dir, then uploaded
-            needs.append(("output", self.output, m * n * item, state_dir, f"{result}, staged for S3, needs"))
+        # the default output is not the user's: name it by where it goes, not as output=None
+        output = self.output if self.output is not None else "s3://<data bucket>/gemm/<flow run id>/result.npy"
+        if output.startswith("s3://"):  # staged under the state dir, then uploaded
+            needs.append(("output", output, m * n * item, state_dir, f"{result}, staged for S3,"))
+            if settings.s3_endpoint_url is None:  # the local SeaweedFS keeps its objects under the state dir too
+                needs.append(("output", output, m * n * item, state_dir / "s3" / "data",
+                              "its copy in the local SeaweedFS"))
         else:
-            needs.append(("output", self.output, m * n * item, Path(self.output).expanduser().resolve().parent,
-                          f"{result} needs"))
-        for argument, value, nbytes, where, what in needs:
+            needs.append(("output", output, m * n * item, Path(output).expanduser().resolve().parent, result))
+        # Summed per filesystem: operands staged and the result staged beside them each fitted the
+        # free space alone while both together filled the disk (a trial).
+        by_disk: dict[int, list[tuple[str, object, int, Path, str]]] = {}
+        for need in needs:
+            by_disk.setdefault(os.stat(nearest_existing(need[3])).st_dev, []).append(need)
+        for group in by_disk.values():
+            argument, value, _, where, _ = group[0]
+            total = sum(need[2] for need in group)
             free = shutil.disk_usage(nearest_existing(where)).free
-            if nbytes > free:
-                raise InputError(argument, value, f"{what} {format_bytes(nbytes)} on disk at {where}, "
-                                                  f"{format_bytes(free)} free; lower the sizes")
+            if total <= free:
+                continue
+            if len(group) == 1:
+                what = f"{group[0][4]} {'need' if group[0][4].endswith('operands') else 'needs'}"
+            else:
+                parts = [f"{need[4].rstrip(',')} ({format_bytes(need[2])})" for need in group]
+                what = f"{', '.join(parts[:-1])} and {parts[-1]} need together"
+            wheres = sorted({str(need[3]) for need in group})
+            at = wheres[0] if len(wheres) == 1 else f"{' and '.join(wheres)} (one filesystem)"
+            raise InputError(argument, value, f"{what} {format_bytes(total)} on disk at {at}, "
+                                              f"{format_bytes(free)} free; lower the sizes")
 
 
 

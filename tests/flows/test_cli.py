@@ -388,9 +388,12 @@ def test_bad_gemm_input_is_refused_before_anything_starts(npy, tmp_path):
         (["output="], ["output=''", "must not be empty"]),  # without pydantic's "Value error, "
         (["m=2048", "n=2048", "k=2048", "tile=1"], ["tile=1", "4,194,304 tile tasks", "raise the tile size"]),
         (["m=500000000", "tile=8192", "memory_budget=3GiB"],
-         ["m=500000000", "the staged random operands need 14.90 TiB on disk at", "free; lower the sizes"]),
+         ["m=500000000", "the staged random operands (14.90 TiB), the 500000000x4096 float64 result, staged for S3 "
+          "(14.90 TiB) and its copy in the local SeaweedFS (14.90 TiB) need together 44.70 TiB on disk at",
+          "free; lower the sizes"]),
         (["m=1000000", "n=1000000", "k=1000", "tile=8192", "memory_budget=3GiB", "stage_random=false"],
-         ["output=None", "the 1000000x1000000 float64 result, staged for S3, needs 7.28 TiB on disk"]),
+         ["output='s3://<data bucket>/gemm/<flow run id>/result.npy'", "the 1000000x1000000 float64 result, "
+          "staged for S3 (7.28 TiB) and its copy in the local SeaweedFS (7.28 TiB) need together 14.55 TiB on disk"]),
         (["memory_budget=1PiB"], ["memory_budget='1PiB'", "more than a worker's memory", "over 2 workers"]),
         (["output=/proc/c.npy"], ["output='/proc/c.npy'", "cannot create a file in /proc (the system says: "]),
     ]

@@ -1,12 +1,18 @@
 """The gemm flow's parameter checks that need no stack (flows/gemm.py, GemmParameters): what the
-routine does not read is refused (c without beta). The CLI's wording of each refusal is in
-test_cli.py."""
+routine does not read is refused (c without beta), and the disk check sums what one filesystem
+must hold. The CLI's wording of each refusal is in test_cli.py."""
 
 from __future__ import annotations
+
+import shutil
+from collections import namedtuple
 
 import pytest
 
 from paperline.infra.errors import InputError
+
+Usage = namedtuple("Usage", "total used free")
+
 
 @pytest.fixture
 def params(monkeypatch, tmp_path):
@@ -19,6 +25,62 @@ def params(monkeypatch, tmp_path):
     getattr(get_settings, "cache_clear", lambda: None)()
     yield GemmParameters
     getattr(get_settings, "cache_clear", lambda: None)()
+
+
+def _free(monkeypatch, free):
+    monkeypatch.setattr(shutil, "disk_usage", lambda p: Usage(10 * free, 9 * free, free))
+
+
+def _problem(p):
+    from paperline.flows.gemm import build_problem  # noqa: PLC0415
+
+    return build_problem(p.kernel_params(), None)
+
+
+def test_staged_operands_and_staged_result_are_summed_against_free_space(params, monkeypatch):
+    """Random a, b staged (34.3 GiB) and the result staged for S3 (17.2 GiB) on one disk with room
+    for either alone: each passed on its own, and the run would have filled the disk (a trial)."""
+    p = params(m=48000, n=48000, k=48000, tile=4096)
+    operands, result = 2 * 48000 * 48000 * 8, 48000 * 48000 * 8
+    _free(monkeypatch, operands + result // 2)
+    with pytest.raises(InputError, match="need together .* on disk at") as e:
+        p.check_size(_problem(p))
+    assert e.value.argument == "m" and "staged random operands (34.33 GiB)" in str(e.value)
+
+
+def test_an_s3_output_counts_its_copy_in_the_local_seaweedfs(params, monkeypatch):
+    # no staged operands: the staged result and its upload into SeaweedFS, both under the state dir
+    p = params(m=48000, n=48000, k=16, tile=4096, stage_random=False)
+    result = 48000 * 48000 * 8
+    _free(monkeypatch, result + result // 2)
+    with pytest.raises(InputError) as e:
+        p.check_size(_problem(p))
+    # the default output is named by where it goes, not as output=None
+    assert str(e.value).startswith("output='s3://<data bucket>/gemm/<flow run id>/result.npy': "), str(e.value)
+    assert "its copy in the local SeaweedFS (17.17 GiB) need together 34.33 GiB" in str(e.value)
+    _free(monkeypatch, 2 * result + 1)
+    p.check_size(_problem(p))
+
+
+def test_a_local_output_on_another_filesystem_is_not_summed_with_the_state_dir(params, monkeypatch, tmp_path):
+    import os  # noqa: PLC0415
+
+    out = tmp_path / "out"
+    out.mkdir()
+    real_stat = os.stat
+
+    class Stat:  # the output's directory on a device of its own
+        def __init__(self, path, *args, **kwargs):
+            self.real = real_stat(path, *args, **kwargs)
+            self.st_dev = self.real.st_dev + (1 if str(path).startswith(str(out)) else 0)
+
+        def __getattr__(self, name):
+            return getattr(self.real, name)
+
+    monkeypatch.setattr(os, "stat", Stat)
+    p = params(m=48000, n=48000, k=48000, tile=4096, output=str(out / "c.npy"))
+    _free(monkeypatch, 2 * 48000 * 48000 * 8 + 1)  # room for the operands, and, elsewhere, the result
+    p.check_size(_problem(p))
 
 
 def test_c_without_beta_is_refused_where_beta_is_its_only_use(params):
