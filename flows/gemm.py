@@ -42,6 +42,7 @@ from paperline.kernels.blas.runtime import check_memory_budget
 from paperline.kernels.errors import InputError as KernelInputError
 from paperline.tasks.gemm import (
     build_problem,
+    check_s3_bands,
     render_gemm_report,
     scaling_sweep,
     single_process_peer,
@@ -210,6 +211,7 @@ class GemmParameters(BaseModel):
         problem = build_problem(self.kernel_params(), store)
         try:
             check_memory_budget(problem, budget)
+            check_s3_bands(problem, budget)  # an S3 operand's reads hold whole row bands
         except KernelInputError as exc:  # name the value as given (1KiB), not in bytes
             raise InputError("memory_budget", self.memory_budget, f"{budget} bytes are {exc.problem}") from None
         self.check_sizes_given(problem)

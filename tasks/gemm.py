@@ -113,6 +113,38 @@ class S3NpySource:
 
 
 BAND_CACHE_BYTES = 256 << 20  # per process, on top of the tile cache
+
+
+def check_s3_bands(problem: Problem, memory_budget: int) -> None:
+    """Refuse S3 operands whose tile reads would hold more than ``memory_budget`` bytes.
+
+    A tile of an S3 operand is read with one ranged GET of its whole row band (``tile`` rows x
+    the full width; columns x the full height in Fortran order) and the band is kept in
+    :data:`BAND_CACHE_BYTES` per process, beside the tile cache. A band larger than the budget
+    made a worker's memory far exceed it (128 x 1,000,000 float32, tile 128, 8 MiB: 1.1 GiB RSS;
+    1024 x 1e7 would read 40 GB bands: a trial), so such a run is refused before it starts.
+
+    Raises:
+        InputError: naming ``memory_budget`` (bytes), the operand, its URI and band size, and
+            what to do (raise the budget, a smaller tile, or a local ``.npy`` copy, read tile by
+            tile through a memory map).
+    """
+    for name, src in problem.operands().items():
+        if not isinstance(src, S3NpySource):
+            continue
+        rows, cols = src.shape
+        edge, width = (min(problem.tile, cols), rows) if src.fortran_order else (min(problem.tile, rows), cols)
+        band = edge * width * src.file_dtype.itemsize
+        if band > memory_budget:
+            order = "columns x its full height (Fortran order)" if src.fortran_order else "rows x its full width"
+            raise InputError("memory_budget", memory_budget,
+                             f"below the {_mib(band)} band of {name}={src.uri} ({rows}x{cols} {src.dtype}): each "
+                             f"tile read fetches {edge} {order}; raise memory_budget above {_mib(band)}, lower "
+                             f"the tile, or copy {name} to a local .npy file (read tile by tile)")
+
+
+def _mib(nbytes: int) -> str:
+    return f"{nbytes / (1 << 20):.1f} MiB"
 _BANDS: OrderedDict[tuple[str, int, int], np.ndarray] = OrderedDict()
 _BANDS_LOCK = threading.Lock()
 

@@ -258,3 +258,37 @@ def test_random_operands_take_the_sizes_the_files_fix(tmp_path, routine, files, 
     assert problem.dtype == np.float32
     for name, shape in shapes.items():
         assert tuple(problem.operands()[name].shape) == shape, (name, problem.describe())
+
+
+class _OneObjectStore:
+    """An object store holding one .npy object in memory: enough for S3NpySource's header and
+    range reads, without the stack."""
+
+    def __init__(self, data: bytes):
+        self.data = data
+
+    def head(self, uri):
+        return {"ContentLength": len(self.data), "ETag": "e"}
+
+    def get_range(self, uri, start, stop):
+        return self.data[start:stop]
+
+
+@pytest.mark.parametrize("fortran", [False, True], ids=["C", "F"])
+def test_s3_operand_bands_above_the_memory_budget_are_refused_up_front(fortran):
+    """A tile read fetches a whole band (tile rows x the full width, or columns x the full height):
+    128 x 100000 float32 at tile 128 is a 48.8 MiB band, which an 8 MiB budget did not bound (a
+    worker reached 1.1 GiB RSS on 128 x 1e6: a trial)."""
+    from paperline.tasks.gemm import check_s3_bands
+
+    wide = np.zeros((128, 100_000), np.float32)
+    a = S3NpySource(_OneObjectStore(_npy(np.asfortranarray(wide.T) if fortran else wide)),
+                    "s3://bucket/wide.npy", "a")
+    b = np.zeros((a.shape[1], 8), np.float32) if not fortran else np.zeros((128, 8), np.float32)
+    problem = make_problem("gemm", a, b, tile=128)
+    with pytest.raises(InputError, match=r"below the 48\.8 MiB band of a=s3://bucket/wide\.npy .* raise "
+                                         r"memory_budget above 48\.8 MiB, lower the tile, or copy a") as e:
+        check_s3_bands(problem, 8 << 20)
+    assert e.value.argument == "memory_budget" and e.value.value == 8 << 20
+    check_s3_bands(problem, 64 << 20)
+    check_s3_bands(make_problem("gemm", a, b, tile=16), 8 << 20)  # 6.1 MiB bands
