@@ -145,6 +145,8 @@ def check_s3_bands(problem: Problem, memory_budget: int) -> None:
 
 def _mib(nbytes: int) -> str:
     return f"{nbytes / (1 << 20):.1f} MiB"
+
+
 _BANDS: OrderedDict[tuple[str, int, int], np.ndarray] = OrderedDict()
 _BANDS_LOCK = threading.Lock()
 
