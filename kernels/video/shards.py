@@ -1,5 +1,6 @@
 """WebDataset shards ([NeMoVideo2025]_ Sec. 2.5) written so that a reader never sees a partial
-dataset, and read back with equal samples per rank.
+dataset, and read back with equal samples per rank, optionally shuffled per epoch and split among
+a rank's DataLoader workers (:class:`ShardDataset`, the one part that needs torch).
 
 Layout under the output prefix ``s3://bucket/prefix``::
 
@@ -282,14 +283,81 @@ def rank_indices(n: int, rank: int, world_size: int, drop_last: bool = False) ->
     return [(rank * per + j) % n for j in range(per)]
 
 
+def read_plan(shards: list[dict[str, Any]], rank: int = 0, world_size: int = 1, drop_last: bool = False, *,
+              shuffle_seed: int | None = None, epoch: int = 0, worker: int = 0,
+              num_workers: int = 1) -> list[tuple[dict[str, Any], list[str]]]:
+    """Which samples one rank's loader worker reads, shard by shard, in one epoch.
+
+    The dataset's samples (manifest order: shards in order, keys in order within each) are, when
+    ``shuffle_seed`` is given, permuted by a generator seeded with ``(shuffle_seed, epoch)`` (NumPy's
+    ``default_rng``: the same order for the same seed, epoch and NumPy version), as
+    ``DistributedSampler(shuffle=True)`` with ``set_epoch``; then each rank takes a contiguous,
+    equal slice (:func:`rank_indices`). The rank's samples are grouped by shard, the shards in the
+    order their first sample comes (so, shuffled, a seeded random order) and each shard's samples
+    in the rank's order, so that a shard is read once however its samples were spread. That
+    grouped list is cut into ``num_workers`` contiguous parts (sizes differing by at most one),
+    one per worker: a worker reads only the shards holding its part, and a shard is split between
+    at most two neighbouring workers.
+
+    Args:
+        shards: The manifest's ``shards`` (dicts with ``name`` and ``keys``).
+        rank, world_size, drop_last: See :func:`rank_indices`.
+        shuffle_seed: None keeps key order; else an int >= 0.
+        epoch: Int >= 0, mixed into the seed (ignored without ``shuffle_seed``).
+        worker: This worker's index in ``[0, num_workers)``
+            (``torch.utils.data.get_worker_info().id``).
+        num_workers: Loader workers sharing the rank's samples, >= 1. With more workers than
+            samples some workers get none.
+
+    Returns:
+        ``[(shard dict, [key, ...]), ...]`` in reading order; over ``worker`` in
+        ``range(num_workers)`` the keys are the rank's samples, each once.
+
+    Raises:
+        InputError: bad ``rank``/``world_size``/``drop_last`` (see :func:`rank_indices`), a
+            ``shuffle_seed`` or ``epoch`` that is not an int >= 0, ``num_workers`` < 1 or not an
+            int, ``worker`` outside ``[0, num_workers)``.
+    """
+    if shuffle_seed is not None:
+        shuffle_seed = check_int("shuffle_seed", shuffle_seed, 0, unit="None for key order")
+    epoch = check_int("epoch", epoch, 0)
+    num_workers = check_int("num_workers", num_workers, 1, unit="loader worker processes")
+    worker = check_int("worker", worker, 0, num_workers - 1)
+    flat = [(i, k) for i, s in enumerate(shards) for k in s["keys"]]
+    picked = rank_indices(len(flat), rank, world_size, drop_last)
+    if shuffle_seed is not None:
+        import numpy as np  # noqa: PLC0415  (only a shuffled read needs it)
+
+        # permuted before the rank split, as DistributedSampler: a rank's slice spans the dataset
+        order = np.random.default_rng([shuffle_seed, epoch]).permutation(len(flat))
+        picked = [int(order[i]) for i in picked]
+    groups: dict[int, list[str]] = {}  # dicts keep insertion order: shards by their first sample
+    for i in picked:
+        shard, key = flat[i]
+        groups.setdefault(shard, []).append(key)
+    grouped = [(shard, key) for shard, keys in groups.items() for key in keys]
+    m = len(grouped)
+    part = grouped[worker * m // num_workers:(worker + 1) * m // num_workers]
+    plan: list[tuple[dict[str, Any], list[str]]] = []
+    for shard, key in part:
+        if not plan or plan[-1][0] is not shards[shard]:
+            plan.append((shards[shard], []))
+        plan[-1][1].append(key)
+    return plan
+
+
 def iter_samples(store: Any, output: str, rank: int = 0, world_size: int = 1, drop_last: bool = False,
-                 verify: bool = True) -> Iterator[dict[str, Any]]:
-    """Stream a committed dataset's samples for one rank, shard by shard (only the shards holding
-    the rank's samples are read, each once, as a stream).
+                 verify: bool = True, *, shuffle_seed: int | None = None, epoch: int = 0, worker: int = 0,
+                 num_workers: int = 1) -> Iterator[dict[str, Any]]:
+    """Stream a committed dataset's samples for one rank (and one of its loader workers), shard by
+    shard: only the shards holding them are read, each at most once, as a stream, and only one
+    shard's needed samples are held in memory at a time.
 
     Shards are read under ``output``, by the names the manifest lists, not at the URIs it
     recorded when written: a dataset copied to another prefix or bucket reads its own shards (it
     read the original's, and failed once that was gone: a trial).
+
+    For training, :class:`ShardDataset` wraps this for ``torch.utils.data.DataLoader``.
 
     Args:
         store: Object store with ``exists``, ``get_bytes`` and ``open_stream(uri)`` (a readable
@@ -298,32 +366,32 @@ def iter_samples(store: Any, output: str, rank: int = 0, world_size: int = 1, dr
         rank, world_size, drop_last: See :func:`rank_indices`.
         verify: Check each mp4 against the SHA-256 in its metadata, and each shard read against
             the SHA-256 and size the manifest records for it.
+        shuffle_seed, epoch, worker, num_workers: Which samples, in which order: see
+            :func:`read_plan`. The defaults give the rank's samples in key order.
 
     Yields:
-        ``{"__key__": key, "mp4": bytes, "json": dict}`` in the rank's order.
+        ``{"__key__": key, "mp4": bytes, "json": dict}`` in :func:`read_plan`'s order.
 
     Raises:
-        NotCommitted: no manifest. InputError: bad rank/world size; a shard that is truncated,
-            not a tar archive, lacks a member the manifest lists, or (``verify``) differs from
-            its recorded digest or size; a member failing its check (each naming the shard).
+        NotCommitted: no manifest. InputError: bad rank, world size, seed, epoch or worker (see
+            :func:`read_plan`); a shard that is truncated, not a tar archive, lacks a member the
+            manifest lists, or (``verify``) differs from its recorded digest or size; a member
+            failing its check (each naming the shard).
     """
     output = output.rstrip("/")
     manifest = read_manifest(store, output)
-    flat = [(s, k) for s in manifest["shards"] for k in s["keys"]]
-    want = [flat[i] for i in rank_indices(len(flat), rank, world_size, drop_last)]
-    needed: dict[str, set[str]] = {}
-    for shard, key in want:
-        needed.setdefault(shard["name"], set()).add(key)
-    cache: dict[str, dict[str, Any]] = {}
-    for shard, key in want:
-        if key not in cache:
-            cache.clear()  # keep one shard's needed samples in memory at a time
-            cache.update(_read_members(store, f"{output}/{shard['name']}", shard, needed[shard["name"]], verify))
-        sample = cache[key]
-        meta = json.loads(sample["json"])
-        if verify and hashlib.sha256(sample["mp4"]).hexdigest() != meta.get("mp4_sha256"):
-            raise InputError("shard", shard["name"], f"member {key}.mp4 does not match its SHA-256")
-        yield {"__key__": key, "mp4": sample["mp4"], "json": meta}
+    plan = read_plan(manifest["shards"], rank, world_size, drop_last, shuffle_seed=shuffle_seed, epoch=epoch,
+                     worker=worker, num_workers=num_workers)
+    for shard, keys in plan:
+        # one shard's needed samples in memory at a time (released as the next shard is read)
+        found = _read_members(store, f"{output}/{shard['name']}", shard, set(keys), verify)
+        for key in keys:
+            sample = found[key]
+            meta = json.loads(sample["json"])
+            if verify and hashlib.sha256(sample["mp4"]).hexdigest() != meta.get("mp4_sha256"):
+                raise InputError("shard", shard["name"], f"member {key}.mp4 does not match its SHA-256")
+            yield {"__key__": key, "mp4": sample["mp4"], "json": meta}
+        del found
 
 
 class _Hashing:
@@ -376,3 +444,94 @@ def _read_members(store: Any, uri: str, shard: dict[str, Any], keys: set[str], v
                                         f"({recorded} bytes, SHA-256 {shard['sha256'][:12]}...): changed or damaged "
                                         "after the commit")
     return found
+
+
+def _shard_dataset_class() -> type:
+    """:class:`ShardDataset`, built on first use: it subclasses ``torch.utils.data.IterableDataset``
+    (the DataLoader tells iterable datasets by that base), and this module imports without torch
+    (the curation flow's workers need none)."""
+    import pickle  # noqa: PLC0415
+
+    import torch.utils.data  # noqa: PLC0415
+
+    class ShardDataset(torch.utils.data.IterableDataset):
+        """One rank's samples of a committed dataset, for ``torch.utils.data.DataLoader``.
+
+        ``DataLoader(ShardDataset(store, output, rank, world_size, shuffle_seed=0),
+        num_workers=W, batch_size=None)`` yields each of the rank's samples exactly once per
+        epoch: the loader's workers share them (``get_worker_info()``), each reading only the
+        shards holding its part, each at most once (:func:`read_plan`). Samples are those of
+        :func:`iter_samples` (``{"__key__": str, "mp4": bytes, "json": dict}``); decode them in a
+        ``collate_fn`` or a wrapping dataset.
+
+        Call :meth:`set_epoch` before each epoch's iteration, as with ``DistributedSampler``:
+        the DataLoader copies the dataset into its workers when an epoch's iteration starts, so
+        with ``persistent_workers=True`` the workers keep the epoch they started with.
+
+        Args:
+            store: An object store as for :func:`iter_samples`, picklable (worker processes
+                receive a copy; :class:`paperline.infra.storage.ObjectStore` is).
+            output: The dataset's ``s3://`` prefix.
+            rank, world_size, drop_last: See :func:`rank_indices` (usually
+                ``torch.distributed.get_rank()`` and ``get_world_size()``).
+            shuffle_seed: None for key order; an int >= 0 for a different order every epoch, the
+                same on every rank (they must agree, as for ``DistributedSampler``).
+            verify: See :func:`iter_samples`.
+
+        Raises:
+            InputError: a ``rank``, ``world_size``, ``shuffle_seed`` or ``drop_last`` of the wrong
+                type or out of range (here; a rank beyond the samples when iterating).
+        """
+
+        def __init__(self, store: Any, output: str, rank: int = 0, world_size: int = 1,
+                     shuffle_seed: int | None = None, drop_last: bool = False, verify: bool = True):
+            super().__init__()
+            world_size = check_int("world_size", world_size, 1)
+            rank = check_int("rank", rank, 0, world_size - 1)
+            if shuffle_seed is not None:
+                shuffle_seed = check_int("shuffle_seed", shuffle_seed, 0, unit="None for key order")
+            if type(drop_last).__name__ not in ("bool", "bool_"):
+                raise InputError("drop_last", drop_last, "must be True or False")
+            self.store, self.output, self.rank, self.world_size = store, output, rank, world_size
+            self.shuffle_seed, self.drop_last, self.verify, self.epoch = shuffle_seed, bool(drop_last), verify, 0
+            self._len: int | None = None
+
+        def set_epoch(self, epoch: int) -> None:
+            """The epoch whose order the next iteration gives (an int >= 0).
+
+            Raises:
+                InputError: ``epoch`` not an int >= 0.
+            """
+            self.epoch = check_int("epoch", epoch, 0)
+
+        def __len__(self) -> int:
+            """The rank's samples per epoch (reads the manifest once)."""
+            if self._len is None:
+                shards = read_manifest(self.store, self.output)["shards"]
+                n = sum(len(s["keys"]) for s in shards)
+                self._len = len(rank_indices(n, self.rank, self.world_size, self.drop_last))
+            return self._len
+
+        def __iter__(self) -> Iterator[dict[str, Any]]:
+            info = torch.utils.data.get_worker_info()
+            store = self.store
+            if info is not None:
+                # a forked worker inherits the parent's S3 client and its open connections, which
+                # two processes must not share: a pickled copy makes its own
+                store = pickle.loads(pickle.dumps(store))
+            return iter_samples(store, self.output, self.rank, self.world_size, self.drop_last, self.verify,
+                                shuffle_seed=self.shuffle_seed, epoch=self.epoch,
+                                worker=info.id if info is not None else 0,
+                                num_workers=info.num_workers if info is not None else 1)
+
+    ShardDataset.__module__, ShardDataset.__qualname__ = __name__, "ShardDataset"  # pickled by name
+    return ShardDataset
+
+
+def __getattr__(name: str) -> Any:
+    # ShardDataset is made on first access (torch imported then); kept as a module attribute so
+    # that pickle finds the very class by name (a DataLoader with the "spawn" start method)
+    if name == "ShardDataset":
+        cls = globals()["ShardDataset"] = _shard_dataset_class()
+        return cls
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

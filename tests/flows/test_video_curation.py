@@ -6,6 +6,7 @@ mid-upload, and a run where every input is rejected."""
 import hashlib
 import inspect
 import io
+import itertools
 import json
 import os
 import pickle
@@ -640,3 +641,56 @@ def test_a_taken_dataset_name_says_how_to_choose_another_where_the_run_was_start
     with pytest.raises(InputError, match=r"choose another dataset name \(the `dataset` field of a custom run in the "
                                          r"Prefect UI, e\.g\. `nightly-\{date\}-2`\)$"):
         check_dataset_free(store, output, "today's", "dataset", "nightly-2026-12-06")
+
+
+def test_a_dataloader_reads_each_sample_of_the_real_store_once_and_each_shard_once_per_worker(stack):
+    """DataLoader(num_workers=2) over iter_samples yielded every sample twice (each worker read
+    everything), and ranks got contiguous runs of key order (a trial)."""
+    import torch.utils.data
+
+    from paperline.infra.storage import ObjectStore
+    from paperline.kernels.video.shards import ShardDataset, iter_samples, plan_shards, write_dataset
+
+    _, info = stack
+    store = ObjectStore.from_stack(info)
+    output = f"s3://{info.data_bucket}/tests/loader-{os.getpid()}-{time.time_ns()}"
+    clips = {f"v{v}-{v:010x}-{c:06d}": f"video {v} clip {c}".encode() * 30 for v in range(4) for c in range(3)}
+    rows = {k: {"key": k, "mp4_sha256": hashlib.sha256(b).hexdigest(), "mp4_size_bytes": len(b)}
+            for k, b in clips.items()}
+    manifest = write_dataset(store, output, plan_shards(list(rows.values()), 1100), rows, lambda r: clips[r["key"]],
+                             {}, {})
+    assert len(manifest["shards"]) >= 4
+
+    class Counting:  # the real store, its shard opens counted
+        def __init__(self, inner):
+            self.inner, self.opened = inner, []
+
+        def __getattr__(self, name):
+            return getattr(self.inner, name)
+
+        def open_stream(self, uri):
+            self.opened.append(uri)
+            return self.inner.open_stream(uri)
+
+    counting = Counting(store)
+    for epoch in range(2):
+        seen = []
+        for rank, worker in itertools.product(range(2), range(3)):
+            counting.opened.clear()
+            got = [s["__key__"] for s in iter_samples(counting, output, rank, 2, shuffle_seed=1, epoch=epoch,
+                                                      worker=worker, num_workers=3)]
+            assert len(counting.opened) == len(set(counting.opened)) <= len(manifest["shards"])
+            seen += got
+        assert sorted(seen) == sorted(clips)
+
+    per_rank = []
+    for rank in range(2):
+        ds = ShardDataset(pickle.loads(pickle.dumps(store)), output, rank=rank, world_size=2, shuffle_seed=0)
+        ds.set_epoch(3)
+        samples = list(torch.utils.data.DataLoader(ds, num_workers=2, batch_size=None))
+        keys = [s["__key__"] for s in samples]
+        assert len(keys) == len(set(keys)) == len(ds) == 6, keys
+        assert all(s["mp4"] == clips[s["__key__"]] for s in samples)
+        per_rank.append(set(keys))
+    assert per_rank[0] | per_rank[1] == set(clips)
+    assert len({k.split("-")[0] for k in per_rank[0]}) > 2  # shuffled across the videos, not two of four
