@@ -8,7 +8,8 @@
    is a duplicate of it.
 
 Within each group the representative is the longest clip (ties: the smaller key), so the result is
-deterministic and independent of input order.
+deterministic and independent of input order. A clip's reason is the stage that dropped it: an
+exact duplicate is ``exact`` whatever the later stages did with its twin.
 """
 
 from __future__ import annotations
@@ -79,11 +80,13 @@ def deduplicate(rows: list[dict[str, Any]], *, phash_max_distance: int = 4, sema
         seed: k-means seed.
 
     Returns:
-        New dicts, sorted by key, each with ``dedup_cluster`` (int, -1 before clustering),
-        ``duplicate_of`` (key or None) and ``dedup_reason`` (``exact``/``near``/``semantic``/None).
+        New dicts, sorted by key, each with ``dedup_cluster`` (int; -1 for a clip dropped before
+        clustering, as an exact or near duplicate), ``duplicate_of`` (key or None) and
+        ``dedup_reason`` (``exact``/``near``/``semantic``/None: the stage that dropped the clip).
         ``duplicate_of`` is always a clip that is kept (its own ``dedup_reason`` None): a clip
-        whose match was itself dropped by a later stage (an exact duplicate of a near duplicate)
-        points to the clip that stands for both, with the loosest reason on the way (``near``).
+        whose match was itself dropped by a later stage (an exact duplicate of a clip that is a
+        semantic duplicate) points to the clip that stands for both, and keeps its own reason
+        (``exact``: its twin, with the same ``content_sha256``, is among the dropped clips).
 
     Raises:
         InputError: thresholds, ``n_clusters`` or ``seed`` out of range or of the wrong type; a row
@@ -162,12 +165,12 @@ def deduplicate(rows: list[dict[str, Any]], *, phash_max_distance: int = 4, sema
                     continue
             members.append(pos)
     # a duplicate_of pointing at a clip a later stage dropped left readers at a clip not in the
-    # dataset (a trial): follow to the kept one (a chain is at most exact -> near -> semantic)
+    # dataset (a trial): follow to the kept one (a chain is at most exact -> near -> semantic).
+    # The reason stays the stage that dropped the clip: taking the loosest on the way called the
+    # clips of two byte-identical videos "semantic" duplicates, with no cluster, once semantic
+    # dedup was on (a trial)
     by_key = {r["key"]: r for r in out}
-    loose = {"exact": 0, "near": 1, "semantic": 2}
     for r in out:
         while r["duplicate_of"] is not None and by_key[r["duplicate_of"]]["duplicate_of"] is not None:
-            via = by_key[r["duplicate_of"]]
-            r["duplicate_of"] = via["duplicate_of"]
-            r["dedup_reason"] = max(r["dedup_reason"], via["dedup_reason"], key=loose.__getitem__)
+            r["duplicate_of"] = by_key[r["duplicate_of"]]["duplicate_of"]
     return out

@@ -526,8 +526,9 @@ def test_dedup_exact_near_and_semantic_keep_the_longest():
     ]
     out = {r["key"]: r for r in deduplicate(rows, phash_max_distance=4, semantic_threshold=0.98, n_clusters=2)}
     assert out["a"]["dedup_reason"] == "near" and out["a"]["duplicate_of"] == "c"  # c is longer
-    # b is a's exact copy, a is gone: b points to the clip kept for both (it pointed to a: a trial)
-    assert out["b"]["dedup_reason"] == "near" and out["b"]["duplicate_of"] == "c"
+    # b is a's exact copy, a is gone: b points to the clip kept for both (it pointed to a: a trial),
+    # and stays an exact duplicate (it was called "near" after a: a trial)
+    assert out["b"]["dedup_reason"] == "exact" and out["b"]["duplicate_of"] == "c"
     assert all(out[r["duplicate_of"]]["dedup_reason"] is None for r in out.values() if r["duplicate_of"])
     assert out["d"]["dedup_reason"] == "semantic" and out["d"]["duplicate_of"] == "c"
     assert out["c"]["dedup_reason"] is None and out["e"]["dedup_reason"] is None
@@ -536,6 +537,38 @@ def test_dedup_exact_near_and_semantic_keep_the_longest():
     assert [r["dedup_reason"] for r in shuffled] == [out[k]["dedup_reason"] for k in "abcde"]
     with pytest.raises(InputError, match="different sizes"):
         deduplicate([_row("x", emb=(1, 0)), _row("y", sha="z", phash=("f" * 16,) * 3, emb=(1, 0, 0))])
+
+
+@pytest.mark.parametrize("phash_max_distance", [4, -1])
+@pytest.mark.parametrize("semantic_threshold", [0.98, 1.5])
+def test_clips_of_two_byte_identical_videos_are_exact_duplicates_whatever_the_other_stages(phash_max_distance,
+                                                                                         semantic_threshold):
+    """Two copies of one file, with semantic dedup on: the copy's clips were "semantic" duplicates
+    of a third video (whose clips the first copy's resemble), with dedup_cluster -1; "exact" only
+    with semantic dedup off (a trial)."""
+    video = "5" * 10  # both copies: the same source SHA-256, so the same clip contents
+    phashes = ["0000000000000000", "00000000ffffffff", "ffffffff00000000"]  # >= 32 bits from any other
+    others = ["ffffffffffffffff", "ffff0000ffff0000", "0000ffff0000ffff"]
+    rows = []
+    for c in range(3):
+        emb = [0.0, 0.0, 0.0]
+        emb[c] = 1.0
+        for stem in ("copy1", "copy2"):
+            rows.append(_row(f"{stem}-{video}-{c:06d}", dur=3.0, sha=f"clip-{c}", phash=(phashes[c],) * 3, emb=emb))
+        rows.append(_row(f"third-{'6' * 10}-{c:06d}", dur=5.0, sha=f"third-{c}", phash=(others[c],) * 3,
+                         emb=[v + 0.01 for v in emb]))  # cosine ~0.9999 to copy c: a semantic duplicate
+    out = {r["key"]: r for r in deduplicate(rows, phash_max_distance=phash_max_distance,
+                                            semantic_threshold=semantic_threshold, n_clusters=3)}
+    semantic_on = semantic_threshold <= 1
+    for c in range(3):
+        first, copy, third = (out[f"copy1-{video}-{c:06d}"], out[f"copy2-{video}-{c:06d}"],
+                              out[f"third-{'6' * 10}-{c:06d}"])
+        assert copy["dedup_reason"] == "exact", copy
+        assert copy["dedup_cluster"] == -1  # dropped before clustering, as its reason says
+        assert third["dedup_reason"] is None
+        assert first["dedup_reason"] == ("semantic" if semantic_on else None)
+        assert copy["duplicate_of"] == (third["key"] if semantic_on else first["key"])  # a kept clip
+    assert all(out[r["duplicate_of"]]["dedup_reason"] is None for r in out.values() if r["duplicate_of"])
 
 
 @pytest.mark.parametrize("change, match", [
