@@ -60,7 +60,8 @@ def read_npy_header(f: Any) -> tuple[tuple[int, ...], bool, np.dtype, int]:
 
 
 def check_matrix_header(argument: str, where: str, shape: tuple[int, ...], dtype: np.dtype) -> tuple[int, int]:
-    """Refuse anything but a non-empty 2-D float32/float64 matrix. Returns the shape as a pair.
+    """Refuse anything but a non-empty 2-D float32/float64 matrix (a negative dimension as an
+    invalid header). Returns the shape as a pair.
 
     Raises:
         InputError: naming ``argument`` and ``where`` (the path or URI).
@@ -69,6 +70,10 @@ def check_matrix_header(argument: str, where: str, shape: tuple[int, ...], dtype
         raise InputError(argument, where, f"expected a 2-D matrix, found shape {tuple(shape)}")
     if np.dtype(dtype).newbyteorder("=") not in FLOAT_DTYPES:
         raise InputError(argument, where, f"expected float32 or float64, found dtype {np.dtype(dtype)}")
+    # NumPy's header parser takes any integers: a negative one is a corrupt or hand-made header,
+    # not an empty matrix (it was reported as one: a trial)
+    if min(shape) < 0:
+        raise InputError(argument, where, f"the header's shape {tuple(shape)} is invalid (a negative dimension)")
     if min(shape) < 1:
         raise InputError(argument, where, f"an empty matrix (shape {tuple(shape)})")
     return int(shape[0]), int(shape[1])

@@ -9,6 +9,7 @@ test_blas_runtime.py.
 from __future__ import annotations
 
 import functools
+import io
 import itertools
 
 import numpy as np
@@ -532,6 +533,17 @@ def test_bad_operand_files_are_refused(tmp_path):
     with pytest.raises(InputError, match="expected float32 or float64, found dtype int64") as e:
         api.gemm(1.0, str(ints), b, tile=TILE)
     assert_input_error(e, "a", str(ints))
+
+
+def test_a_negative_dimension_in_a_npy_header_is_an_invalid_header_not_an_empty_matrix(tmp_path):
+    """NumPy's header parser takes (-3, 5); it was reported as "an empty matrix" (a trial)."""
+    buf = io.BytesIO()
+    np.save(buf, np.zeros((3, 5)))
+    bad = tmp_path / "negative.npy"
+    bad.write_bytes(buf.getvalue().replace(b"(3, 5)", b"(-3, 5)"))
+    with pytest.raises(InputError, match=r"the header's shape \(-3, 5\) is invalid \(a negative dimension\)$") as e:
+        api.gemm(1.0, str(bad), np.ones((5, 2)), tile=TILE)
+    assert_input_error(e, "a", str(bad))
 
 
 def test_bad_in_memory_operands_are_refused():

@@ -292,3 +292,11 @@ def test_s3_operand_bands_above_the_memory_budget_are_refused_up_front(fortran):
     assert e.value.argument == "memory_budget" and e.value.value == 8 << 20
     check_s3_bands(problem, 64 << 20)
     check_s3_bands(make_problem("gemm", a, b, tile=16), 8 << 20)  # 6.1 MiB bands
+
+
+def test_an_s3_header_with_a_negative_dimension_is_an_invalid_header_not_an_empty_matrix():
+    """As for a local file: NumPy's parser takes (-3, 5), reported as "an empty matrix" (a trial)."""
+    body = _npy(np.zeros((3, 5))).replace(b"(3, 5)", b"(-3, 5)")
+    with pytest.raises(InputError, match=r"^b='s3://bucket/neg\.npy': the header's shape \(-3, 5\) is invalid "
+                                         r"\(a negative dimension\)$"):
+        S3NpySource(_OneObjectStore(body), "s3://bucket/neg.npy", "b")
