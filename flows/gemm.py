@@ -38,7 +38,7 @@ from paperline.infra.stack import require_stack
 from paperline.infra.storage import S3_BUCKET_NAME, ObjectStore, nearest_existing, require_writable_dir
 from paperline.infra.tracking import Tracker
 from paperline.kernels.blas.plan import Problem
-from paperline.kernels.blas.runtime import check_memory_budget
+from paperline.kernels.blas.runtime import check_memory_budget, missing_output_directory
 from paperline.kernels.errors import InputError as KernelInputError
 from paperline.tasks.gemm import (
     build_problem,
@@ -279,8 +279,9 @@ class GemmParameters(BaseModel):
             raise InputError("output", out, "is a directory; name a .npy file")
         if path.suffix != ".npy":
             raise InputError("output", out, "the result is written as .npy: name the file *.npy")
-        if not path.parent.is_dir():
-            raise InputError("output", out, "its directory does not exist")
+        missing = missing_output_directory(path)
+        if missing:
+            raise InputError("output", out, missing)
         require_writable_dir("output", out, path.parent)  # the result is staged beside it, then renamed
         for name in ("a", "b", "c"):
             spec = getattr(self, name)

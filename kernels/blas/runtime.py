@@ -465,6 +465,21 @@ def check_result_fits(problem: Problem) -> None:
                                          "file to write it to tile by tile, or lower the sizes")
 
 
+def missing_output_directory(path: Path) -> str | None:
+    """Why ``path``'s directory cannot take the file, or None when it is a directory: the output's
+    error. A regular file where a directory of the path should be is named as such (``afile/x.npy``
+    said "its directory does not exist", and ``afile`` was right there: a trial)."""
+    parent = path.parent
+    if parent.is_dir():
+        return None
+    existing = parent
+    while not existing.exists() and existing != existing.parent:
+        existing = existing.parent
+    if existing.exists() and not existing.is_dir():
+        return f"{existing} is a file, not a directory"
+    return "its directory does not exist"
+
+
 def run(problem: Problem, runtime: LocalRuntime | DaskRuntime | None = None, *, output: str | None = None,
         memory_budget: int = 1 << 30, check_finite: bool = True, peer_fetch: frozenset[str] | None = None,
         prefetch: bool = True, spill_dir: str | None = None) -> RunResult:
@@ -509,8 +524,9 @@ def run(problem: Problem, runtime: LocalRuntime | DaskRuntime | None = None, *, 
         final = str(Path(output).resolve())
         if Path(final).is_dir():
             raise InputError("output", output, "is a directory; name a .npy file")
-        if not Path(final).parent.is_dir():
-            raise InputError("output", output, "its directory does not exist")
+        missing = missing_output_directory(Path(final))
+        if missing:
+            raise InputError("output", output, missing)
         for name, source in problem.operands().items():
             if isinstance(source, NpySource) and Path(source.path).exists() and Path(final).exists() \
                     and os.path.samefile(source.path, final):

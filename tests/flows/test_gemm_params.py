@@ -92,3 +92,16 @@ def test_c_without_beta_is_refused_where_beta_is_its_only_use(params):
     # SYRK/SYR2K return C's other triangle, so they read c with beta 0 too
     params(routine="syrk", c="random").check_used()
     params(routine="syr2k", c="random").check_used()
+
+
+@pytest.mark.parametrize("under", ["x.npy", "sub/x.npy"])
+def test_an_output_under_a_regular_file_says_it_is_a_file(params, tmp_path, under):
+    """``output=afile/x.npy`` said "its directory does not exist", with afile right there (a trial)."""
+    afile = tmp_path / "afile"
+    afile.write_text("")
+    out = str(afile / under)
+    with pytest.raises(InputError) as e:
+        params(output=out).check_output(None)
+    assert str(e.value) == f"output={out!r}: {afile} is a file, not a directory"
+    with pytest.raises(InputError, match="its directory does not exist$"):  # nothing there at all
+        params(output=str(tmp_path / "nowhere" / "x.npy")).check_output(None)

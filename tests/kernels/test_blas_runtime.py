@@ -221,6 +221,11 @@ def test_output_directory_must_exist(tmp_path):
     with pytest.raises(InputError, match="its directory does not exist") as e:
         run(p, output=where)
     assert str(e.value).startswith(f"output={where!r}: ")
+    afile = tmp_path / "afile"  # said "its directory does not exist" too (a trial)
+    afile.write_text("")
+    with pytest.raises(InputError) as e:
+        run(p, output=str(afile / "c.npy"))
+    assert str(e.value) == f"output={str(afile / 'c.npy')!r}: {afile} is a file, not a directory"
 
 
 def test_output_that_is_a_directory_or_an_operand_is_refused_and_the_operand_kept(tmp_path):
