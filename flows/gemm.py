@@ -17,7 +17,7 @@ import os
 import shutil
 import tempfile
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Literal, get_args
 
 import numpy as np
 from prefect.runtime import flow_run
@@ -129,6 +129,23 @@ class GemmParameters(BaseModel):
                                                  "random number generator; false: generate tiles where they are read.")
     scaling: bool = Field(True, description="Also time 1..W workers for the scaling plot.")
     peer: bool = Field(True, description="Also time the single-process NumPy/SciPy peer (operands up to 4 GiB).")
+
+    @field_validator("routine", mode="before")
+    @classmethod
+    def _routine_case(cls, v: Any) -> Any:
+        """Either case: BLAS users type GEMM as often as gemm (routine=GEMM was refused while
+        side=r was refused for the other case: a trial); the value kept, and recorded, is lower case.
+        One that is none of them stays as given, so that its error names the value seen."""
+        return v.lower() if isinstance(v, str) and v.lower() in ROUTINE_USES else v
+
+    @field_validator("trans_a", "trans_b", "side", "uplo", "diag", mode="before")
+    @classmethod
+    def _flag_case(cls, v: Any, info: ValidationInfo) -> Any:
+        """Either case, as the kernels' parse_flag takes them (side=r was refused); kept upper case.
+        A letter that is none of the field's stays as given, so that its error names the value seen."""
+        if isinstance(v, str) and v.upper() in get_args(cls.model_fields[info.field_name].annotation):
+            return v.upper()
+        return v
 
     @field_validator("memory_budget")
     @classmethod

@@ -224,7 +224,7 @@ def make_problem(routine: str, a: Any, b: Any = None, c: Any = None, *, alpha: A
     """Validate one call and describe it as a :class:`Problem`.
 
     Args:
-        routine: ``gemm``, ``symm``, ``syrk``, ``syr2k``, ``trmm`` or ``trsm``.
+        routine: ``gemm``, ``symm``, ``syrk``, ``syr2k``, ``trmm`` or ``trsm`` (either case).
         a, b, c: 2-D float32/float64 arrays (not ``numpy.ma.MaskedArray``), ``.npy`` paths or
             :class:`TileSource` s. ``b`` is required except for SYRK, which takes none; ``c`` is
             optional for GEMM/SYMM/SYRK/SYR2K (zeros when absent, also with a nonzero ``beta``, as
@@ -250,8 +250,10 @@ def make_problem(routine: str, a: Any, b: Any = None, c: Any = None, *, alpha: A
             operands, during the solve otherwise). An error about an operand read from a file or
             S3 names the path or URI as the value seen.
     """
+    shown = routine
+    routine = routine.lower() if isinstance(routine, str) else routine  # GEMM too, as the flags take either case
     if routine not in ROUTINES:
-        raise InputError("routine", routine, f"unknown BLAS routine; known: {', '.join(ROUTINES.names())}")
+        raise InputError("routine", shown, f"unknown BLAS routine; known: {', '.join(ROUTINES.names())}")
     if isinstance(tile, bool) or not isinstance(tile, (int, np.integer)) or tile < 1:
         raise InputError("tile", tile, "the tile size must be a positive integer")
     alpha, beta = _scalar("alpha", alpha), _scalar("beta", beta)

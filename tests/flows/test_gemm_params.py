@@ -105,3 +105,32 @@ def test_an_output_under_a_regular_file_says_it_is_a_file(params, tmp_path, unde
     assert str(e.value) == f"output={out!r}: {afile} is a file, not a directory"
     with pytest.raises(InputError, match="its directory does not exist$"):  # nothing there at all
         params(output=str(tmp_path / "nowhere" / "x.npy")).check_output(None)
+
+
+@pytest.mark.parametrize(("given", "kept"), [
+    ({"routine": "GEMM", "trans_a": "t", "trans_b": "T"}, {"routine": "gemm", "trans_a": "T", "trans_b": "T"}),
+    ({"routine": "Trsm", "side": "r", "uplo": "l", "trans_a": "n", "diag": "u"},
+     {"routine": "trsm", "side": "R", "uplo": "L", "trans_a": "N", "diag": "U"}),
+    ({"routine": "syrk", "uplo": "L", "trans_a": "T"}, {"routine": "syrk", "uplo": "L", "trans_a": "T"}),
+])
+def test_routine_and_flags_take_either_case_and_are_recorded_normalised(params, given, kept):
+    """routine=GEMM was refused (lower case only) while side=r was refused (upper case only): BLAS
+    users type either (a trial). MLflow records the normalised values, so runs compare as one."""
+    from paperline.flows.gemm import logged_params  # noqa: PLC0415
+
+    p = params(m=64, n=48, k=32, tile=16, **given)
+    p.check_used()  # trans_a="n" is the default, not a flag TRSM would be refused for
+    assert {name: getattr(p, name) for name in kept} == kept
+    logged = logged_params(p, _problem(p))
+    assert {name: logged[name] for name in kept} == kept
+    assert _problem(p).routine == kept["routine"]
+
+
+def test_a_flag_in_neither_case_is_still_refused_naming_it(params):
+    from pydantic import ValidationError  # noqa: PLC0415
+
+    for name, value in (("side", "x"), ("trans_b", "c"), ("routine", "GEMV")):
+        with pytest.raises(ValidationError) as e:
+            params(**{name: value})
+        (error,) = e.value.errors()
+        assert error["loc"] == (name,) and error["input"] == value  # the value as given, not normalised

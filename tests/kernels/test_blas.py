@@ -404,6 +404,21 @@ def test_bad_flags_and_scalars_are_refused():
     assert_input_error(e, "routine", "gemv")
 
 
+@pytest.mark.parametrize("routine", ["trsm", "TRSM", "Trsm"])
+def test_routine_and_flags_take_either_case(routine):
+    """BLAS users type GEMM as often as gemm: routine=GEMM was refused by the flow while side=r was
+    refused for the other case (a trial); the Problem keeps them normalised."""
+    a = rand((N, N), np.float64, 1) + N * np.eye(N)
+    b = rand((M, N), np.float64, 2)
+    lower = make_problem(routine.lower(), a, b, side="R", uplo="L", trans_a="T", diag="U", tile=TILE)
+    mixed = make_problem(routine, a, b, side="r", uplo="l", trans_a="t", diag="u", tile=TILE)
+    assert mixed.routine == "trsm" and mixed.describe() == lower.describe()
+    assert (mixed.side, mixed.lower, mixed.trans_a, mixed.unit_diagonal) == ("R", True, True, True)
+    with pytest.raises(InputError) as e:  # an unknown one is named as given
+        make_problem("GEMV", a, b)
+    assert_input_error(e, "routine", "GEMV")
+
+
 @pytest.mark.parametrize("operand, trans_a", [("a", "N"), ("a", "T"), ("b", "N"), ("c", "N")])
 def test_non_finite_operand_names_argument_and_index(operand, trans_a):
     ops = {"a": rand((M, K) if trans_a == "N" else (K, M), np.float64, 1), "b": rand((K, N), np.float64, 2),
