@@ -34,6 +34,7 @@ operands generated on the GPU and copied to host memory once:
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import tempfile
 import time
@@ -63,6 +64,14 @@ def write_operands(tmp: str, n: int, dtype: str) -> tuple[str, str]:
         np.save(path, read_all(RandomSource((n, n), dtype, seed=0, stream=stream)))
         paths.append(path)
     return paths[0], paths[1]
+
+
+def max_rel_error(got: np.ndarray, ref: np.ndarray) -> float:
+    """``max |got - ref| / max |ref|``, holding one n x n temporary (the difference, made absolute in
+    place): ``np.abs(got - ref)`` held two beside the reference."""
+    diff = np.subtract(got, ref)
+    np.abs(diff, out=diff)
+    return float(diff.max() / max(ref.max(), -ref.min()))
 
 
 def dask_matmul(client, a_path: str, b_path: str, tile: int) -> np.ndarray:
@@ -121,6 +130,7 @@ def main() -> None:
             gpu_main(args)
         else:
             check_out_of_core_tile(args)
+            check_fits(args)
             cpu_main(args)
 
     one_line_errors(parser, measure)  # e.g. a tile too large for the memory budget: one line, as the CLI's
@@ -138,8 +148,6 @@ def check_out_of_core_tile(args: argparse.Namespace) -> None:
     Raises:
         InputError: naming ``--tile`` and the largest tile that fits.
     """
-    import math
-
     from paperline.kernels.blas.runtime import WORKING_SET_TILES
     from paperline.kernels.errors import InputError
 
@@ -151,6 +159,73 @@ def check_out_of_core_tile(args: argparse.Namespace) -> None:
                                               f"of the operands' bytes ({out_of_core_budget(n)} per worker), holds "
                                               f"{WORKING_SET_TILES} tiles of at most {fits}x{fits} float64; use "
                                               f"--tile {fits} or less (or a larger size)")
+
+
+def _worker_caches(n: int, itemsize: int, tile: int, workers: int, budget: int) -> int:
+    """Bytes the paperline workers' tile caches can hold at once: each caches the A and B panels
+    of its share of the output tiles, up to ``budget`` and up to the operands' bytes."""
+    tiles = math.ceil(n / tile) ** 2
+    used = min(workers, tiles)
+    share = math.ceil(tiles / used) * 2 * n * tile * itemsize  # a tile task reads n x tile of A and of B
+    return used * min(budget, 2 * n * n * itemsize, share)
+
+
+def memory_and_disk_needs(args: argparse.Namespace) -> list[tuple[int, str, int, int, str]]:
+    """What each measurement needs, in run order: ``(n, dtype, memory bytes, disk bytes, what)``.
+
+    Memory (this process and its workers, at the measurement's peak): 3 n^2 itemsize for
+    numpy.matmul (A, B and the product; later the reference, the gathered result and their
+    difference; dask.array's result here, its chunks on the workers and its partial products),
+    or the reference and the gathered result beside the workers' tile caches (run()'s default
+    budget of 1 GiB each), whichever is larger; the out-of-core step's in-core run caches up to
+    both float64 operands per worker beside its result. Disk (the temporary directory): every
+    size's A and B stay written until the end (2 n^2 itemsize each), plus one result file.
+    """
+    sizes = [int(s) for s in args.sizes.split(",")]
+    needs, written = [], 0
+    for n in sizes:
+        for dtype in args.dtypes.split(","):
+            item = np.dtype(dtype).itemsize
+            tile = max(1, min(args.tile or n // 4, n))
+            memory = max(3 * n * n * item, 2 * n * n * item + _worker_caches(n, item, tile, args.workers, 1 << 30))
+            written += 2 * n * n * item
+            needs.append((n, dtype, memory, written + n * n * item,
+                          "numpy.matmul's A, B and product, then paperline's and dask.array's results"))
+    n = max(sizes)
+    tile = max(1, min(args.tile or n // 4, n))
+    if "float64" not in args.dtypes.split(","):  # its operands are written anew
+        written += 2 * n * n * 8
+    needs.append((n, "float64", n * n * 8 + _worker_caches(n, 8, tile, args.workers, 4 * n * n * 8), written,
+                   "the out-of-core step's in-core run: its result and the workers' caches of both operands"))
+    return needs
+
+
+def check_fits(args: argparse.Namespace) -> None:
+    """Refuse, before the cluster starts, a size whose measurements cannot fit this machine's
+    available memory or the temporary directory's free space (``--sizes 100000`` started the
+    cluster, then died in a traceback: Unable to allocate 74.5 GiB: a trial).
+
+    Raises:
+        InputError: naming ``--sizes``, the size, the dtype and what needs the room.
+    """
+    import shutil
+
+    import psutil
+    from dask.utils import format_bytes
+
+    from paperline.kernels.errors import InputError
+
+    available = psutil.virtual_memory().available
+    tmp = tempfile.gettempdir()
+    free = shutil.disk_usage(tmp).free
+    for n, dtype, memory, disk, what in memory_and_disk_needs(args):
+        if memory > available:
+            raise InputError("--sizes", n, f"n={n} {dtype} needs about {format_bytes(memory)} of memory ({what}), "
+                                           f"{format_bytes(available)} available; lower --sizes")
+        if disk > free:
+            raise InputError("--sizes", n, f"n={n} {dtype} needs {format_bytes(disk)} on disk at {tmp} (the "
+                                           f"operands written so far as .npy files and a result file), "
+                                           f"{format_bytes(free)} free; lower --sizes or set TMPDIR")
 
 
 def cpu_main(args: argparse.Namespace) -> None:
@@ -189,14 +264,19 @@ def cpu_main(args: argparse.Namespace) -> None:
                     run(problem, rt, output=out_path, check_finite=False).commit()
 
                 t_pl = best_of(args.repeats, to_file)
-                err = float(np.abs(np.load(out_path, mmap_mode="r") - ref).max() / np.abs(ref).max())
+                err = max_rel_error(np.load(out_path, mmap_mode="r"), ref)
                 os.unlink(out_path)
                 results = []
-                t_gather = best_of(args.repeats, lambda: results.append(run(problem, rt, check_finite=False)))
-                err = max(err, float(np.abs(results[-1].output - ref).max() / np.abs(ref).max()))
+
+                def gathered(problem=problem, results=results) -> None:
+                    results.clear()  # one result held at a time: check_fits counts one beside the reference
+                    results.append(run(problem, rt, check_finite=False))
+
+                t_gather = best_of(args.repeats, gathered)
+                err = max(err, max_rel_error(results[-1].output, ref))
                 results.clear()
+                del ref  # before dask.array's result arrives beside it
                 t_da = best_of(args.repeats, lambda: dask_matmul(client, a_path, b_path, tile))
-                del ref
                 rows.append((n, dtype, tile, flops, t_np, t_pl, t_da, t_gather, err))
                 print(f"n={n} {dtype} tile={tile}: numpy {flops / t_np / 1e9:.1f} GFLOP/s, paperline "
                       f"{flops / t_pl / 1e9:.1f} (gathered {flops / t_gather / 1e9:.1f}), dask.array "
@@ -211,14 +291,15 @@ def cpu_main(args: argparse.Namespace) -> None:
         stats = {}
 
         def once(budget: int, label: str) -> None:
-            stats[label] = run(problem, rt, memory_budget=budget, check_finite=False)
+            # the hit rate, not the result: one gathered result at a time (check_fits counts one)
+            stats[label] = run(problem, rt, memory_budget=budget, check_finite=False).cache_hit_rate
 
         t_in = best_of(args.repeats, lambda: once(2 * operand_bytes, "in"))
         t_out = best_of(args.repeats, lambda: once(out_of_core_budget(n), "out"))
         print(f"out of core n={n} float64: budget {out_of_core_budget(n) / 2**20:.0f} MiB per worker "
               f"(operands {operand_bytes / 2**20:.0f} MiB): {2.0 * n**3 / t_out / 1e9:.1f} GFLOP/s, hit rate "
-              f"{stats['out'].cache_hit_rate:.2f}; in core {2.0 * n**3 / t_in / 1e9:.1f} GFLOP/s, hit rate "
-              f"{stats['in'].cache_hit_rate:.2f}")
+              f"{stats['out']:.2f}; in core {2.0 * n**3 / t_in / 1e9:.1f} GFLOP/s, hit rate "
+              f"{stats['in']:.2f}")
 
     print("\nratios (> 1: paperline faster)")
     print(f"{'n':>6} {'dtype':>8} {'tile':>6} {'vs numpy.matmul':>16} {'vs dask.array':>14} "

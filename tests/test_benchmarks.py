@@ -36,6 +36,60 @@ def test_gemm_benchmark_bad_arguments(args, message):
     assert refuse("gemm.py", *args) == f"gemm.py: error: {message}"
 
 
+def test_gemm_benchmark_refuses_a_size_that_cannot_fit_before_the_cluster_starts():
+    """`--sizes 100000 --dtypes float64` started the cluster, then ended in a traceback
+    (_ArrayMemoryError: Unable to allocate 74.5 GiB: a trial). 10^6 fits no machine's memory."""
+    proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "gemm.py"), "--sizes", "1000000", "--dtypes",
+                           "float64"], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr[-2000:]
+    assert proc.stdout == ""  # neither NumPy's BLAS line nor "cluster: ..." came before
+    (line,) = proc.stderr.strip().splitlines()
+    assert line.startswith("gemm.py: error: --sizes=1000000: n=1000000 float64 needs about 21.83 TiB of memory "
+                           "(numpy.matmul's A, B and product"), line
+    assert line.endswith(" available; lower --sizes"), line
+
+
+def _gemm_benchmark(monkeypatch):
+    import importlib.util
+
+    monkeypatch.syspath_prepend(str(ROOT / "benchmarks"))  # its `_args`
+    spec = importlib.util.spec_from_file_location("paperline_benchmark_gemm", ROOT / "benchmarks" / "gemm.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_gemm_benchmark_counts_memory_and_disk_as_its_measurements_hold_them(monkeypatch):
+    import argparse
+    import shutil
+    from collections import namedtuple
+
+    import psutil
+
+    from paperline.kernels.errors import InputError
+
+    gemm = _gemm_benchmark(monkeypatch)
+    memory = namedtuple("Memory", "available")
+    usage = namedtuple("Usage", "total used free")
+    args = argparse.Namespace(sizes="100000", dtypes="float64", tile=None, workers=2)
+    monkeypatch.setattr(psutil, "virtual_memory", lambda: memory(64 << 30))
+    monkeypatch.setattr(shutil, "disk_usage", lambda path: usage(1 << 50, 0, 1 << 50))
+    with pytest.raises(InputError) as e:  # the trial's case: 3 n^2 x 8 bytes for numpy.matmul
+        gemm.check_fits(args)
+    assert str(e.value).startswith("--sizes=100000: n=100000 float64 needs about 223.52 GiB of memory "
+                                   "(numpy.matmul's A, B and product"), str(e.value)
+    assert str(e.value).endswith("64.00 GiB available; lower --sizes")
+    # memory enough; the operands of every size stay written until the end, with one result file
+    args = argparse.Namespace(sizes="4096,8192", dtypes="float32,float64", tile=None, workers=2)
+    monkeypatch.setattr(psutil, "virtual_memory", lambda: memory(1 << 50))
+    monkeypatch.setattr(shutil, "disk_usage", lambda path: usage(1 << 50, 0, 2 << 30))
+    with pytest.raises(InputError) as e:
+        gemm.check_fits(args)
+    assert str(e.value).startswith("--sizes=8192: n=8192 float64 needs 2.38 GiB on disk at "), str(e.value)
+    monkeypatch.setattr(shutil, "disk_usage", lambda path: usage(1 << 50, 0, 3 << 30))
+    gemm.check_fits(args)  # the defaults: 3 GiB of memory at most, 2.38 GiB of files
+
+
 @pytest.mark.parametrize("script", ["gemm.py", "compressed_training.py"])
 def test_a_benchmark_on_cuda_without_a_gpu_says_so(script):
     from paperline.infra.device import gpu_usable
