@@ -95,7 +95,7 @@ class ClusterLost(ConnectionError):
     Dask then reports no workers at all, and a run failed with ``KeyError: 'workers'`` (a trial)."""
 
 
-def scheduler_workers(client: object, timeout_s: float = 30.0) -> list[str]:
+def scheduler_workers(client: object) -> list[str]:
     """The addresses of the workers ``client``'s Dask scheduler knows now, sorted: asked of the
     scheduler itself.
 
@@ -107,18 +107,18 @@ def scheduler_workers(client: object, timeout_s: float = 30.0) -> list[str]:
 
     Args:
         client: a synchronous ``distributed.Client``.
-        timeout_s: Seconds to wait for the scheduler's answer.
 
     Raises:
-        ClusterLost: the client has lost its scheduler (closed, or the scheduler refuses the
-            connection or does not answer within ``timeout_s``), naming the scheduler's address.
+        ClusterLost: the client has lost its scheduler (closed, or the connection to it fails:
+            Dask's own connect timeout), naming the scheduler's address. A scheduler that is
+            slow to answer is waited for (a busy one is not a lost one).
     """
     status = getattr(client, "status", "?")
     rpc = getattr(client, "scheduler", None)
     info: dict = {}
     if status in ("running", "connecting") and rpc is not None:
-        with contextlib.suppress(OSError, TimeoutError):  # (comm errors are OSErrors)
-            info = client.sync(rpc.identity, n_workers=-1, callback_timeout=timeout_s)  # type: ignore[attr-defined]
+        with contextlib.suppress(OSError):  # (comm errors are OSErrors)
+            info = client.sync(rpc.identity, n_workers=-1)  # type: ignore[attr-defined]
     if "address" in info:
         with contextlib.suppress(TypeError):  # (a client that takes no weak reference: its address unknown later)
             _SCHEDULER_ADDRESS[client] = info["address"]  # (a client that lost it knows it no more)
