@@ -612,37 +612,54 @@ class ObjectStore:
         rewrite, ``If-Match`` of the last ETag), and deleted at the end. A waiter polls every
         ``poll_s`` seconds; a lease whose ETag has not changed for ``stale_s`` seconds of the
         waiter's own clock (its holder died without releasing it) is taken over. No clock is
-        compared between machines.
+        compared between machines. Each holder writes a token of its own into the object, so a
+        conditional request that botocore retried after its first attempt landed (a lost
+        response) is known for this holder's own, not another's.
 
         Args:
             uri: The lease object, e.g. ``s3://bucket/prefix/.write-lease.json``.
             owner: Who holds it, in words (stored in the object, shown to waiters).
             on_wait: Called once with the holder's words when the lease is held by another.
-            renew_s, stale_s, poll_s: Seconds, as above (``stale_s`` > ``renew_s``).
+            renew_s, stale_s, poll_s: Seconds, as above (``stale_s`` > 2 ``renew_s``).
 
         Yields:
-            A check to call before the write's commit point: it raises when the lease was lost
-            (another holder took it over after this one failed to renew it for ``stale_s``).
+            A check to call before each write the lease guards: it raises when the lease was
+            taken over, or when this holder has not renewed it for ``stale_s - 2 renew_s``
+            seconds (it stops writing before a waiter could take the lease over: a holder cut
+            off from S3, or paused, wrote on over its successor's shards: a review).
 
         Raises:
             ServiceError: S3 is unreachable or rejects the credentials.
-            PaperlineError: (from the check) the lease was lost.
+            PaperlineError: (from the check) the lease was lost, or may be.
         """
+        import socket  # noqa: PLC0415
+        import uuid  # noqa: PLC0415
+
         from botocore.exceptions import ClientError  # noqa: PLC0415
 
-        import socket  # noqa: PLC0415
-
+        if not stale_s > 2 * renew_s > 0:
+            raise InputError("stale_s", stale_s, f"must exceed twice renew_s ({renew_s:g} s), which must be positive")
         bucket, key = split_uri(uri)
-        base = {"owner": owner, "host": socket.gethostname(), "pid": os.getpid()}
+        token = uuid.uuid4().hex
+        base = {"owner": owner, "host": socket.gethostname(), "pid": os.getpid(), "token": token}
 
-        def refused(exc: ClientError) -> bool:
-            return exc.response.get("Error", {}).get("Code") in ("PreconditionFailed", "412") or \
-                exc.response.get("ResponseMetadata", {}).get("HTTPStatusCode") == 412
+        def status(exc: ClientError) -> int:
+            return int(exc.response.get("ResponseMetadata", {}).get("HTTPStatusCode") or 0)
 
         def put(n: int, **condition: str) -> str:
             body = json.dumps({**base, "renewal": n}).encode()  # (a new ETag per renewal: waiters see it live)
             return self._call(f"lease {uri}", self.client.put_object, Bucket=bucket, Key=key, Body=body,
                               **condition)["ETag"]
+
+        def ours() -> str | None:
+            """The lease's ETag when it holds this holder's token (a retried request's first
+            attempt landed), else None."""
+            try:
+                got = self._call(f"lease {uri}", self.client.get_object, Bucket=bucket, Key=key)
+                held = json.loads(got["Body"].read())
+            except (ClientError, ValueError):
+                return None
+            return got["ETag"] if isinstance(held, dict) and held.get("token") == token else None
 
         seen, seen_at, said = None, 0.0, False
         while True:
@@ -650,8 +667,12 @@ class ObjectStore:
                 etag = put(0, IfNoneMatch="*")
                 break
             except ClientError as exc:
-                if not refused(exc):
+                # 412: it exists; 409 (AWS): another conditional write to it is in flight, try again
+                if status(exc) not in (409, 412):
                     raise
+                if status(exc) == 412 and (mine := ours()) is not None:
+                    etag = mine
+                    break
             head = self._head(bucket, key)
             if head is None:
                 continue  # released in between
@@ -669,30 +690,39 @@ class ObjectStore:
                     holder = f"{held['owner']} (pid {held['pid']} on {held['host']})"
                 on_wait(holder)
             time.sleep(poll_s)
-        state = {"etag": etag, "lost": False}
+        state: dict[str, Any] = {"etag": etag, "lost": False, "renewed_at": time.monotonic()}
         stop, one_at_a_time = threading.Event(), threading.Lock()  # (a renewal is not half-seen by the check)
 
         def renew() -> None:
             n = 0
             while not stop.wait(renew_s):
                 n += 1
-                try:
-                    with one_at_a_time:
+                with one_at_a_time:
+                    try:
                         state["etag"] = put(n, IfMatch=state["etag"])
-                except ClientError as exc:
-                    if refused(exc):
-                        state["lost"] = True
-                        return
-                except Exception:  # noqa: BLE001 - an S3 hiccup: renewed next time (a waiter waits stale_s)
-                    continue
+                    except ClientError as exc:
+                        if status(exc) == 412 and (mine := ours()) is None:  # taken over
+                            state["lost"] = True
+                            return
+                        if status(exc) == 412:  # (this renewal's retried first attempt had landed)
+                            state["etag"] = mine
+                        else:
+                            continue  # 409, 5xx: renewed next time
+                    except Exception:  # noqa: BLE001 - an S3 hiccup: renewed next time (a waiter waits stale_s)
+                        continue
+                    state["renewed_at"] = time.monotonic()
 
         def check() -> None:  # (one HEAD: a takeover the renewals have not met yet is seen too)
             with one_at_a_time:
                 head = self._head(bucket, key)
-            if state["lost"] or head is None or head["ETag"] != state["etag"]:
-                state["lost"] = True
-                raise PaperlineError(f"lost the write lease {uri} (not renewed for {stale_s:g} s, and another "
-                                     "writer took it over): nothing was committed; run again")
+                unrenewed = time.monotonic() - state["renewed_at"]
+                if state["lost"] or head is None or head["ETag"] != state["etag"]:
+                    state["lost"] = True
+                    raise PaperlineError(f"lost the write lease {uri} (not renewed for {stale_s:g} s, and another "
+                                         "writer took it over): stopped before writing on; run again")
+                if unrenewed > stale_s - 2 * renew_s:
+                    raise PaperlineError(f"could not renew the write lease {uri} for {unrenewed:.0f} s: stopped "
+                                         f"before another writer may take it over ({stale_s:g} s); run again")
 
         thread = threading.Thread(target=renew, name=f"lease {key}", daemon=True)
         thread.start()

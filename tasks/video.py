@@ -231,7 +231,7 @@ def write_shards(store: ObjectStore, output: str, plans: list[ShardPlan], rows: 
     with store.lease(f"{output}/{WRITE_LEASE}", _lease_owner(), on_wait=waiting) as still_held:
         return write_dataset(store, output, plans, rows,
                              lambda r: store.get_bytes(r["staged_uri"], sha256=r["mp4_sha256"]), extra, meta,
-                             before_commit=still_held)
+                             check_lease=still_held)
 
 
 WRITE_LEASE = ".write-lease.json"  # beside a dataset's shards while a run writes them

@@ -132,7 +132,7 @@ def build_shard(members: list[tuple[str, bytes, dict[str, Any]]]) -> bytes:
 
 def write_dataset(store: Any, output: str, plans: list[ShardPlan], rows: dict[str, dict[str, Any]],
                   read_clip: Callable[[dict[str, Any]], bytes], extra: dict[str, bytes],
-                  meta: dict[str, Any], before_commit: Callable[[], None] | None = None) -> dict[str, Any]:
+                  meta: dict[str, Any], check_lease: Callable[[], None] | None = None) -> dict[str, Any]:
     """Upload shards, then ``extra`` objects (index, rejected table), then the manifest (last).
 
     Args:
@@ -146,8 +146,9 @@ def write_dataset(store: Any, output: str, plans: list[ShardPlan], rows: dict[st
         read_clip: Returns a kept clip's mp4 bytes.
         extra: Object name -> bytes, written after the shards and before the manifest.
         meta: JSON-serialisable run facts stored in the manifest.
-        before_commit: Called just before the manifest is written; what it raises stops the
-            commit (a write lease's check: :meth:`paperline.infra.storage.ObjectStore.lease`).
+        check_lease: Called before each write to ``output`` (every shard, the sweep of stale
+            shards, the extra objects, the manifest); what it raises stops the write there (a
+            write lease's check: :meth:`paperline.infra.storage.ObjectStore.lease`).
 
     Writers of one ``output`` must not overlap (the caller holds a lease): two interleaved writes
     overwrite each other's shards.
@@ -185,6 +186,10 @@ def write_dataset(store: Any, output: str, plans: list[ShardPlan], rows: dict[st
         raise InputError("output", output, f"already holds a committed dataset with other shards{_what_differs(old, plans)}; "
                                            "a committed dataset is never rewritten: choose another dataset name (or "
                                            "output prefix)")
+    def held() -> None:
+        if check_lease is not None:
+            check_lease()
+
     shards, uploaded, skipped = [], [], []
     for plan in plans:
         members = []
@@ -201,6 +206,7 @@ def write_dataset(store: Any, output: str, plans: list[ShardPlan], rows: dict[st
         if head is not None and head.get("Metadata", {}).get("sha256") == sha and int(head["ContentLength"]) == len(tar):
             skipped.append(plan.name)
         else:
+            held()
             store.put_bytes_to(tar, uri)
             uploaded.append(plan.name)
         shards.append({"name": plan.name, "uri": uri, "sha256": sha, "size_bytes": len(tar), "keys": list(plan.keys),
@@ -209,11 +215,13 @@ def write_dataset(store: Any, output: str, plans: list[ShardPlan], rows: dict[st
     # settings) that this plan does not name: a later commit left them beside its own, outside
     # the manifest, where a glob of shard-*.tar read them (a trial)
     names = {p.name for p in plans}
+    held()
     for uri in store.list(f"{output}/shard-"):
         name = uri[len(output) + 1:]  # a dataset nested at output/shard-x/ keeps its own shards
         if name not in names and re.fullmatch(r"shard-\d{6}\.tar", name):
             store.delete(uri)
     objects = {}
+    held()
     for name, data in extra.items():
         uri = f"{output}/{name}"
         store.put_bytes_to(data, uri)
@@ -221,8 +229,7 @@ def write_dataset(store: Any, output: str, plans: list[ShardPlan], rows: dict[st
     manifest = {"version": 1, "format": "webdataset", "prefix": output, "shards": shards, "objects": objects,
                 "n_samples": sum(s["n_samples"] for s in shards), "meta": meta}
     json.dumps(manifest)  # fail before committing
-    if before_commit is not None:
-        before_commit()
+    held()
     store.put_bytes_to(json.dumps(manifest, sort_keys=True, indent=1).encode(), manifest_uri)
     return dict(manifest, uploaded=uploaded, skipped=skipped, committed_earlier=False, kept_committed=[], clips_differ=[])
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import hashlib
+import json
 import os
 import pickle
 import re
@@ -562,16 +563,38 @@ def test_a_write_lease_has_one_holder_at_a_time_and_a_dead_holders_is_taken_over
     bucket, key = uri[len("s3://"):].split("/", 1)
     store.client.put_object(Bucket=bucket, Key=key, Body=b'{"owner": "a killed run", "pid": 1, "host": "h"}')
     started = time.monotonic()
-    with store.lease(uri, "run C", stale_s=1.0, poll_s=0.1, on_wait=waits.append):
+    with store.lease(uri, "run C", renew_s=0.3, stale_s=1.0, poll_s=0.1, on_wait=waits.append):
         assert time.monotonic() - started >= 1.0
     assert waits[-1] == "a killed run (pid 1 on h)"
-    # a holder whose lease was taken over meanwhile is told so before it commits
-    with store.lease(uri, "run D", renew_s=60) as still_held:
+    # a holder whose lease was taken over meanwhile is told so before it writes on
+    with store.lease(uri, "run D", renew_s=5) as still_held:
         store.client.delete_object(Bucket=bucket, Key=key)
         store.client.put_object(Bucket=bucket, Key=key, Body=b'{"owner": "run E"}')
         with pytest.raises(PaperlineError, match="lost the write lease"):
             still_held()
     assert store.get_bytes(uri) == b'{"owner": "run E"}'  # (not released by run D: run E's)
+    store.delete(uri)
+    # a renewal whose response was lost and whose retry then met its own landed write (412) is
+    # this holder's own lease still (a review): the token in the object tells
+    with store.lease(uri, "run F", renew_s=0.3, stale_s=5.0) as still_held:
+        mine = json.loads(store.get_bytes(uri))
+        store.client.put_object(Bucket=bucket, Key=key, Body=json.dumps({**mine, "renewal": 99}).encode())
+        time.sleep(1.0)  # (renewals meet 412, find the token theirs, go on)
+        still_held()
+        assert json.loads(store.get_bytes(uri))["renewal"] != 99
+    assert not store.exists(uri)
+    # a holder cut off from S3 stops writing before a waiter may take its lease over (a review)
+    cut_off = ObjectStore.from_stack(info)
+    with cut_off.lease(uri, "run G", renew_s=0.2, stale_s=1.0) as still_held:
+        def unreachable(**kwargs):
+            raise ConnectionError("injected: no route to S3")
+
+        cut_off.client.put_object = unreachable  # (its renewals fail from here on; HEADs still answer)
+        time.sleep(0.8)
+        with pytest.raises(PaperlineError, match=r"could not renew the write lease .* stopped before another writer "
+                                                 r"may take it over"):
+            still_held()
+    store.delete(uri)
 
 
 def test_dead_endpoints_raise_service_errors(free_port):
