@@ -295,16 +295,17 @@ def read_plan(shards: list[dict[str, Any]], rank: int = 0, world_size: int = 1, 
               num_workers: int = 1) -> list[tuple[dict[str, Any], list[str]]]:
     """Which samples one rank's loader worker reads, shard by shard, in one epoch.
 
-    The dataset's samples (manifest order: shards in order, keys in order within each) are, when
-    ``shuffle_seed`` is given, permuted by a generator seeded with ``(shuffle_seed, epoch)`` (NumPy's
-    ``default_rng``: the same order for the same seed, epoch and NumPy version), as
-    ``DistributedSampler(shuffle=True)`` with ``set_epoch``; then each rank takes a contiguous,
-    equal slice (:func:`rank_indices`). The rank's samples are grouped by shard, the shards in the
-    order their first sample comes (so, shuffled, a seeded random order) and each shard's samples
-    in the rank's order, so that a shard is read once however its samples were spread. That
-    grouped list is cut into ``num_workers`` contiguous parts (sizes differing by at most one),
-    one per worker: a worker reads only the shards holding its part, and a shard is split between
-    at most two neighbouring workers.
+    The dataset's samples are in manifest order (shards in order, keys in order within each),
+    or, when ``shuffle_seed`` is given, in a seeded order of the shards with each shard's samples
+    in a seeded order (a generator seeded with ``(shuffle_seed, epoch)``, NumPy's ``default_rng``:
+    the same on every rank for the same seed, epoch and NumPy version; WebDataset's shard shuffle
+    rather than ``DistributedSampler``'s sample shuffle, which makes every rank read nearly every
+    shard); then each rank takes a contiguous, equal slice (:func:`rank_indices`): whole shards,
+    at most the two at its ends shared with its neighbours, so an epoch streams the dataset about
+    once over all ranks. The rank's samples are grouped by shard (the shards in the order their
+    first sample comes) and cut into ``num_workers`` contiguous parts (sizes differing by at most
+    one), one per worker: a worker reads only the shards holding its part, and a shard is split
+    between at most two neighbouring workers.
 
     Args:
         shards: The manifest's ``shards`` (dicts with ``name`` and ``keys``).
@@ -330,14 +331,20 @@ def read_plan(shards: list[dict[str, Any]], rank: int = 0, world_size: int = 1, 
     epoch = check_int("epoch", epoch, 0)
     num_workers = check_int("num_workers", num_workers, 1, unit="loader worker processes")
     worker = check_int("worker", worker, 0, num_workers - 1)
-    flat = [(i, k) for i, s in enumerate(shards) for k in s["keys"]]
-    picked = rank_indices(len(flat), rank, world_size, drop_last)
-    if shuffle_seed is not None:
+    if shuffle_seed is None:
+        flat = [(i, k) for i, s in enumerate(shards) for k in s["keys"]]
+    else:
         import numpy as np  # noqa: PLC0415  (only a shuffled read needs it)
 
-        # permuted before the rank split, as DistributedSampler: a rank's slice spans the dataset
-        order = np.random.default_rng([shuffle_seed, epoch]).permutation(len(flat))
-        picked = [int(order[i]) for i in picked]
+        # the shards in a seeded order, each one's samples in a seeded order, before the rank
+        # split: a rank's share is a run of whole shards (at most two shared with its neighbours),
+        # so an epoch reads the dataset about once over all ranks. Permuting the samples
+        # themselves (DistributedSampler's way) spread each rank's share over nearly every shard:
+        # every rank streamed about the whole dataset each epoch (a review)
+        rng = np.random.default_rng([shuffle_seed, epoch])
+        flat = [(int(i), k) for i in rng.permutation(len(shards))
+                for k in [shards[int(i)]["keys"][int(j)] for j in rng.permutation(len(shards[int(i)]["keys"]))]]
+    picked = rank_indices(len(flat), rank, world_size, drop_last)
     groups: dict[int, list[str]] = {}  # dicts keep insertion order: shards by their first sample
     for i in picked:
         shard, key = flat[i]

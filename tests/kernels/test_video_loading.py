@@ -188,3 +188,16 @@ def test_a_dataloader_with_workers_yields_each_sample_of_the_rank_once_per_epoch
             orders.append((rank, epoch, keys))
     assert set(orders[0][2]) | set(orders[2][2]) == set(data)
     assert orders[0][2] != orders[1][2]  # epochs differ
+
+
+@pytest.mark.parametrize("world_size", [2, 3, 6])
+def test_a_shuffled_epoch_reads_the_dataset_about_once_over_all_ranks(world_size):
+    """Permuting the samples before the rank split spread each rank's share over nearly every
+    shard: every rank streamed about the whole dataset each epoch (a review). Shuffled shard by
+    shard, a rank's share is a run of whole shards, sharing at most its two end shards."""
+    _, shards, data = _dataset(videos=12)
+    assert len(data) % world_size == 0  # (no padding: every sample once)
+    for epoch in range(3):
+        opened = [s["name"] for rank in range(world_size)
+                  for s, _ in read_plan(shards, rank, world_size, shuffle_seed=4, epoch=epoch)]
+        assert len(opened) <= len(shards) + world_size - 1, (len(opened), len(shards))
