@@ -25,7 +25,7 @@ from paperline.infra.cluster import configure_local_workers, default_task_runner
 from paperline.infra.device import resolve_device
 from paperline.infra.errors import InputError
 from paperline.infra.pipeline_flow import pipeline_flow
-from paperline.infra.regression import Headline, check_latest
+from paperline.infra.regression import CACHED_FROM_TAG, Headline, check_latest
 from paperline.infra.settings import get_settings
 from paperline.infra.stack import require_stack
 from paperline.infra.tracking import Tracker
@@ -341,7 +341,7 @@ def _log_compressor(tracker: Tracker, parent: str, name: str, cfg: TrainConfig, 
     epochs = r0["epochs"]
     # a result an earlier flow run trained (served from the task cache) is logged under this run's
     # parent too, for the comparison, and tagged with the run that trained it
-    cached = {"paperline.cached_from_flow_run_id": cached_from["id"]} if cached_from else {}
+    cached = {CACHED_FROM_TAG: cached_from["id"]} if cached_from else {}
     child = tracker.start_run(EXPERIMENT, run_name=name, parent_run_id=parent,
                               tags={**tags, "paperline.compressor": name, "checkpoints": prefix, **cached},
                               # everything the result depends on (seed, momentum, n_train, ...): `paperline

@@ -30,6 +30,8 @@ from paperline.infra.tracking import Tracker
 
 KEY_TAG = "paperline.params_key"
 HEADLINES_TAG = "paperline.headlines"  # [[metric, higher_is_better], ...]: what `paperline compare` shows first
+# on a run that repeats another's result (served from Prefect's task cache): not an earlier run of its own
+CACHED_FROM_TAG = "paperline.cached_from_flow_run_id"
 # set on the log records of :func:`check_latest`: the flow's summary holds the same lines, so the
 # terminal of `paperline run` (which prints the summary) leaves these records to the Prefect UI
 IN_SUMMARY = "paperline_in_summary"
@@ -165,7 +167,8 @@ def compare_with_best_earlier(tracker: Tracker, run_id: str, key: str, headlines
 
     The run is tagged with ``key`` first, so that later runs find it once it has finished. Runs
     that lack the first headline (e.g. failed before logging it) are not candidates; neither is
-    ``run_id`` itself (a resumed campaign's reopened run).
+    ``run_id`` itself (a resumed campaign's reopened run), nor a run tagged
+    :data:`CACHED_FROM_TAG` (a repeat of another run's cached result).
 
     Args:
         tracker: The MLflow tracker.
@@ -190,7 +193,9 @@ def compare_with_best_earlier(tracker: Tracker, run_id: str, key: str, headlines
     earlier = tracker.search_runs(
         [run.info.experiment_id], filter_string=f"tags.`{KEY_TAG}` = '{key}' and attributes.status = 'FINISHED'",
         order_by=["attributes.end_time DESC"], max_results=MAX_EARLIER)
-    earlier = [r for r in earlier if r.info.run_id != run_id]
+    # (a run repeating a cached result is the run that trained it again: the original is the one
+    # to compare with, and to name as the best)
+    earlier = [r for r in earlier if r.info.run_id != run_id and CACHED_FROM_TAG not in r.data.tags]
     rank = headlines[0]
     candidates = [r for r in earlier if _finite(r.data.metrics, rank.metric) is not None]
     out = BestEarlier(key=key, earlier_runs=len(candidates))

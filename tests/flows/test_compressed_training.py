@@ -96,6 +96,7 @@ def test_a_rerun_served_from_the_task_cache_says_so(trained, cli_env):
         assert f"{cached['name']}: trained by an earlier flow run of this configuration " \
                f"({cached['cached_from']['name']}, {summary['prefect_flow_run_id']}) and served from the task cache" in said
         assert cached["final_test_accuracy_pct"] == first["final_test_accuracy_pct"]
+        assert cached["versus"]["best_run_id"] == first["mlflow_run_id"]  # compared with the run that trained
         tags = client.get_run(cached["mlflow_run_id"]).data.tags
         assert tags["paperline.cached_from_flow_run_id"] == summary["prefect_flow_run_id"]
         assert "paperline.cached_from_flow_run_id" not in client.get_run(first["mlflow_run_id"]).data.tags
