@@ -138,6 +138,13 @@ class GemmParameters(BaseModel):
         One that is none of them stays as given, so that its error names the value seen."""
         return v.lower() if isinstance(v, str) and v.lower() in ROUTINE_USES else v
 
+    @field_validator("dtype", mode="before")
+    @classmethod
+    def _dtype_case(cls, v: Any) -> Any:
+        """Either case too (dtype=FLOAT32 was refused once routine=GEMM was taken: a trial); kept
+        lower case, NumPy's name."""
+        return v.lower() if isinstance(v, str) and v.lower() in ("float32", "float64") else v
+
     @field_validator("trans_a", "trans_b", "side", "uplo", "diag", mode="before")
     @classmethod
     def _flag_case(cls, v: Any, info: ValidationInfo) -> Any:

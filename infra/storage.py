@@ -600,8 +600,9 @@ class ObjectStore:
     # -- one writer at a time ---------------------------------------------------------------------------
 
     @contextlib.contextmanager
-    def lease(self, uri: str, owner: str, *, on_wait: Callable[[str], None] | None = None, renew_s: float = 10.0,
-              stale_s: float = 60.0, poll_s: float = 1.0) -> Iterator[Callable[[], None]]:
+    def lease(self, uri: str, owner: str, *, on_wait: Callable[[str], None] | None = None,
+              on_takeover: Callable[[str], None] | None = None, renew_s: float = 10.0, stale_s: float = 60.0,
+              poll_s: float = 1.0) -> Iterator[Callable[[], None]]:
         """Hold the object ``uri`` as a lease while the block runs: one holder at a time, across
         processes and machines, for a write that must not interleave with another (two runs
         committing one dataset: a trial's two runs both reported success while the second
@@ -611,8 +612,8 @@ class ObjectStore:
         it when the object exists), renewed every ``renew_s`` seconds by a thread (a conditional
         rewrite, ``If-Match`` of the last ETag), and deleted at the end. A waiter polls every
         ``poll_s`` seconds; a lease whose ETag has not changed for ``stale_s`` seconds of the
-        waiter's own clock (its holder died without releasing it) is taken over. No clock is
-        compared between machines. Each holder writes a token of its own into the object, so a
+        waiter's own clock (its holder died without releasing it) is taken over, and at once when
+        its holder's process, on this machine, is gone. No clock is compared between machines. Each holder writes a token of its own into the object, so a
         conditional request that botocore retried after its first attempt landed (a lost
         response) is known for this holder's own, not another's.
 
@@ -620,6 +621,7 @@ class ObjectStore:
             uri: The lease object, e.g. ``s3://bucket/prefix/.write-lease.json``.
             owner: Who holds it, in words (stored in the object, shown to waiters).
             on_wait: Called once with the holder's words when the lease is held by another.
+            on_takeover: Called with the holder's words and why, when its lease is taken over.
             renew_s, stale_s, poll_s: Seconds, as above (``stale_s`` > 2 ``renew_s``).
 
         Yields:
@@ -661,7 +663,24 @@ class ObjectStore:
                 return None
             return got["ETag"] if isinstance(held, dict) and held.get("token") == token else None
 
-        seen, seen_at, said = None, 0.0, False
+        def holder() -> tuple[str, bool]:
+            """The holder in words, and whether its process is known gone (on this machine)."""
+            try:
+                held = json.loads(self.get_bytes(uri))
+                words = f"{held['owner']} (pid {held['pid']} on {held['host']})"
+            except Exception:  # noqa: BLE001 - (released meanwhile, or not ours to read)
+                return "another writer", False
+            gone = False
+            if held.get("host") == socket.gethostname() and isinstance(held.get("pid"), int):
+                try:
+                    os.kill(held["pid"], 0)
+                except ProcessLookupError:
+                    gone = True
+                except OSError:
+                    pass  # (alive, another user's)
+            return words, gone
+
+        seen, seen_at, said, who, gone = None, 0.0, False, "another writer", False
         while True:
             try:
                 etag = put(0, IfNoneMatch="*")
@@ -678,17 +697,20 @@ class ObjectStore:
                 continue  # released in between
             if head["ETag"] != seen:
                 seen, seen_at = head["ETag"], time.monotonic()
-            elif time.monotonic() - seen_at > stale_s:  # its holder stopped renewing: taken over
-                with contextlib.suppress(ClientError):  # (another waiter may take it first)
+                who, gone = holder()
+            unrenewed = time.monotonic() - seen_at
+            if gone or unrenewed > stale_s:  # its holder died, or stopped renewing: taken over
+                try:
                     self._call(f"lease {uri}", self.client.delete_object, Bucket=bucket, Key=key, IfMatch=seen)
+                except ClientError:
+                    continue  # (another waiter took it first)
+                if on_takeover is not None:  # (a waiter saw only "waiting for ...", then success: a trial)
+                    on_takeover(f"{who}: its process is gone" if gone else
+                                f"{who}: not renewed for the {unrenewed:.0f} s since this run first saw it")
                 continue
             if not said and on_wait is not None:
                 said = True
-                holder = "another writer"
-                with contextlib.suppress(Exception):
-                    held = json.loads(self.get_bytes(uri))
-                    holder = f"{held['owner']} (pid {held['pid']} on {held['host']})"
-                on_wait(holder)
+                on_wait(who)
             time.sleep(poll_s)
         state: dict[str, Any] = {"etag": etag, "lost": False, "renewed_at": time.monotonic()}
         stop, one_at_a_time = threading.Event(), threading.Lock()  # (a renewal is not half-seen by the check)

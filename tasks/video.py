@@ -228,7 +228,11 @@ def write_shards(store: ObjectStore, output: str, plans: list[ShardPlan], rows: 
     def waiting(holder: str) -> None:
         run_logger().info("waiting for %s, which is writing %s now", holder, output)
 
-    with store.lease(f"{output}/{WRITE_LEASE}", _lease_owner(), on_wait=waiting) as still_held:
+    def taking_over(why: str) -> None:
+        run_logger().warning("took over the write lease of %s (%s)", output, why)
+
+    with store.lease(f"{output}/{WRITE_LEASE}", _lease_owner(), on_wait=waiting,
+                     on_takeover=taking_over) as still_held:
         return write_dataset(store, output, plans, rows,
                              lambda r: store.get_bytes(r["staged_uri"], sha256=r["mp4_sha256"]), extra, meta,
                              check_lease=still_held)

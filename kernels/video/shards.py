@@ -250,7 +250,7 @@ def _what_differs(old: dict[str, Any], plans: list[ShardPlan]) -> str:
     if gone:
         parts.append(f"its videos not in this run: {', '.join(gone[:5])}{' ...' if len(gone) > 5 else ''}")
     if not parts:
-        return " (the same videos, cut or filtered otherwise)"
+        return " (the same videos, cut, filtered or packed into shards otherwise)"
     return f" ({'; '.join(parts)}: a video whose content changed has a new id)"
 
 
@@ -262,6 +262,10 @@ def read_manifest(store: Any, output: str) -> dict[str, Any]:
     """
     uri = f"{output.rstrip('/')}/{MANIFEST}"
     if not store.exists(uri):
+        bucket = output[len("s3://"):].split("/", 1)[0] if output.startswith("s3://") else None
+        if bucket and hasattr(store, "bucket_exists") and not store.bucket_exists(bucket):
+            # (it read as a write that failed or runs: a trial's typo in the bucket)
+            raise NotCommitted(f"{output}: the bucket {bucket!r} does not exist")
         raise NotCommitted(f"{output}: no {MANIFEST}; the dataset was never committed (a failed or running write)")
     return json.loads(store.get_bytes(uri))
 
@@ -507,7 +511,10 @@ def _shard_dataset_class() -> type:
             if type(drop_last).__name__ not in ("bool", "bool_"):
                 raise InputError("drop_last", drop_last, "must be True or False")
             self.store, self.output, self.rank, self.world_size = store, output, rank, world_size
+            if type(verify).__name__ not in ("bool", "bool_"):  # ("no" was taken as True: a trial)
+                raise InputError("verify", verify, "must be True or False")
             self.shuffle_seed, self.drop_last, self.verify, self.epoch = shuffle_seed, bool(drop_last), verify, 0
+            self._epochs_here: set[int] = set()  # the epochs this copy iterated in a loader worker
             self._len: int | None = None
 
         def set_epoch(self, epoch: int) -> None:
@@ -533,6 +540,16 @@ def _shard_dataset_class() -> type:
                 # a forked worker inherits the parent's S3 client and its open connections, which
                 # two processes must not share: a pickled copy makes its own
                 store = pickle.loads(pickle.dumps(store))
+                if self.shuffle_seed is not None and self.epoch in self._epochs_here and info.id == 0:
+                    # this copy lives on in a persistent worker, which set_epoch never reaches:
+                    # every epoch repeated the first one's order, unsaid (a trial)
+                    # (printed, not warnings.warn: a worker may inherit a parent's catch_warnings)
+                    import sys  # noqa: PLC0415
+
+                    print(f"ShardDataset: epoch {self.epoch} again in a DataLoader worker: with "
+                          "persistent_workers=True set_epoch does not reach the workers, so every epoch has the "
+                          "first one's order; use persistent_workers=False", file=sys.stderr, flush=True)
+                self._epochs_here.add(self.epoch)
             return iter_samples(store, self.output, self.rank, self.world_size, self.drop_last, self.verify,
                                 shuffle_seed=self.shuffle_seed, epoch=self.epoch,
                                 worker=info.id if info is not None else 0,

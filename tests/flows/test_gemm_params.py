@@ -112,6 +112,7 @@ def test_an_output_under_a_regular_file_says_it_is_a_file(params, tmp_path, unde
     ({"routine": "Trsm", "side": "r", "uplo": "l", "trans_a": "n", "diag": "u"},
      {"routine": "trsm", "side": "R", "uplo": "L", "trans_a": "N", "diag": "U"}),
     ({"routine": "syrk", "uplo": "L", "trans_a": "T"}, {"routine": "syrk", "uplo": "L", "trans_a": "T"}),
+    ({"routine": "GEMM", "dtype": "FLOAT32"}, {"routine": "gemm", "dtype": "float32"}),  # (dtype too: a trial)
 ])
 def test_routine_and_flags_take_either_case_and_are_recorded_normalised(params, given, kept):
     """routine=GEMM was refused (lower case only) while side=r was refused (upper case only): BLAS

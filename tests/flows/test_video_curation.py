@@ -694,3 +694,16 @@ def test_a_dataloader_reads_each_sample_of_the_real_store_once_and_each_shard_on
         per_rank.append(set(keys))
     assert per_rank[0] | per_rank[1] == set(clips)
     assert len({k.split("-")[0] for k in per_rank[0]}) > 2  # shuffled across the videos, not two of four
+
+
+def test_a_dataset_in_a_bucket_that_does_not_exist_says_so(stack):
+    """It read "the dataset was never committed (a failed or running write)" (a trial)."""
+    from paperline.infra.storage import ObjectStore
+    from paperline.kernels.video.shards import NotCommitted, iter_samples
+
+    _, info = stack
+    store = ObjectStore.from_stack(info)
+    with pytest.raises(NotCommitted, match=r"^s3://no-such-bucket-7/ds: the bucket 'no-such-bucket-7' does not exist$"):
+        next(iter_samples(store, "s3://no-such-bucket-7/ds"))
+    with pytest.raises(NotCommitted, match="was never committed"):
+        next(iter_samples(store, f"s3://{info.data_bucket}/no-such-dataset-7"))

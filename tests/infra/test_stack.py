@@ -562,10 +562,24 @@ def test_a_write_lease_has_one_holder_at_a_time_and_a_dead_holders_is_taken_over
     # a holder that died without releasing: its lease is taken over once unchanged for stale_s
     bucket, key = uri[len("s3://"):].split("/", 1)
     store.client.put_object(Bucket=bucket, Key=key, Body=b'{"owner": "a killed run", "pid": 1, "host": "h"}')
-    started = time.monotonic()
-    with store.lease(uri, "run C", renew_s=0.3, stale_s=1.0, poll_s=0.1, on_wait=waits.append):
+    started, taken = time.monotonic(), []
+    with store.lease(uri, "run C", renew_s=0.3, stale_s=1.0, poll_s=0.1, on_wait=waits.append,
+                     on_takeover=taken.append):
         assert time.monotonic() - started >= 1.0
     assert waits[-1] == "a killed run (pid 1 on h)"
+    assert len(taken) == 1 and taken[0].startswith("a killed run (pid 1 on h): not renewed for the 1 s since")
+    # on this machine, a holder whose process is gone is taken over at once (a trial waited 60 s
+    # for a writer killed with kill -9 on the same host)
+    import socket
+
+    dead = subprocess.Popen(["true"])
+    dead.wait()
+    store.client.put_object(Bucket=bucket, Key=key, Body=json.dumps(
+        {"owner": "a killed run", "pid": dead.pid, "host": socket.gethostname()}).encode())
+    started = time.monotonic()
+    with store.lease(uri, "run C2", on_takeover=taken.append):
+        assert time.monotonic() - started < 5
+    assert taken[-1].endswith(": its process is gone")
     # a holder whose lease was taken over meanwhile is told so before it writes on
     with store.lease(uri, "run D", renew_s=5) as still_held:
         store.client.delete_object(Bucket=bucket, Key=key)

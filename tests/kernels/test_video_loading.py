@@ -201,3 +201,28 @@ def test_a_shuffled_epoch_reads_the_dataset_about_once_over_all_ranks(world_size
         opened = [s["name"] for rank in range(world_size)
                   for s, _ in read_plan(shards, rank, world_size, shuffle_seed=4, epoch=epoch)]
         assert len(opened) <= len(shards) + world_size - 1, (len(opened), len(shards))
+
+
+def test_persistent_workers_that_set_epoch_cannot_reach_are_warned_of(capfd):
+    """With persistent_workers=True every epoch repeated the first one's order, unsaid (a trial):
+    the worker that meets an epoch it has already given says so."""
+    import torch.utils.data
+
+    from paperline.kernels.video.shards import ShardDataset
+
+    store, _, _ = _dataset()
+    ds = ShardDataset(store, OUTPUT, shuffle_seed=3)
+    loader = torch.utils.data.DataLoader(ds, num_workers=1, batch_size=None, persistent_workers=True)
+    orders = []
+    for epoch in range(2):
+        ds.set_epoch(epoch)
+        orders.append([s["__key__"] for s in loader])
+    assert orders[0] == orders[1]  # (what persistent workers do)
+    assert "with persistent_workers=True set_epoch does not reach the workers" in capfd.readouterr().err
+    ds = ShardDataset(store, OUTPUT, shuffle_seed=3)
+    for epoch in range(2):  # the default: a fresh copy each epoch, nothing to say
+        ds.set_epoch(epoch)
+        list(torch.utils.data.DataLoader(ds, num_workers=1, batch_size=None))
+    assert "persistent_workers" not in capfd.readouterr().err
+    with pytest.raises(InputError, match=r"^verify='no': must be True or False"):
+        ShardDataset(store, OUTPUT, verify="no")
