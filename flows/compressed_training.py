@@ -306,7 +306,7 @@ def compressed_training(params: CompressedTrainingParameters | None = None) -> d
                                  crash_rank_at_step=params.crash_rank_at_step,
                                  collectives_sizes=sizes if i == 0 and sizes else None, code_version=version)
             sweep = sweep or result["ranks"][0].get("collectives", [])
-            trained_by = result.get("flow_run") or {}  # (absent from results cached before it was added)
+            trained_by = result.get("flow_run") or {}  # (always there: older cached results are not reused, TASK_SOURCE)
             cached_from = trained_by if trained_by.get("id") not in (None, "", str(flow_run.id)) else None
             runs.append(_log_compressor(tracker, parent, name, cfg, result, prefix, tags, params, device,
                                         cached_from=cached_from))
