@@ -468,6 +468,8 @@ def _shard_dataset_class() -> type:
     """:class:`ShardDataset`, built on first use: it subclasses ``torch.utils.data.IterableDataset``
     (the DataLoader tells iterable datasets by that base), and this module imports without torch
     (the curation flow's workers need none)."""
+    import multiprocessing  # noqa: PLC0415
+    import multiprocessing.context  # noqa: PLC0415
     import pickle  # noqa: PLC0415
 
     import torch.utils.data  # noqa: PLC0415
@@ -482,9 +484,9 @@ def _shard_dataset_class() -> type:
         :func:`iter_samples` (``{"__key__": str, "mp4": bytes, "json": dict}``); decode them in a
         ``collate_fn`` or a wrapping dataset.
 
-        Call :meth:`set_epoch` before each epoch's iteration, as with ``DistributedSampler``:
-        the DataLoader copies the dataset into its workers when an epoch's iteration starts, so
-        with ``persistent_workers=True`` the workers keep the epoch they started with.
+        Call :meth:`set_epoch` before each epoch's iteration, as with ``DistributedSampler``.
+        The epoch is kept in shared memory, so it reaches loader workers that outlive an epoch
+        (``persistent_workers=True``) as well as those the DataLoader starts each epoch.
 
         Args:
             store: An object store as for :func:`iter_samples`, picklable (worker processes
@@ -513,17 +515,38 @@ def _shard_dataset_class() -> type:
             self.store, self.output, self.rank, self.world_size = store, output, rank, world_size
             if type(verify).__name__ not in ("bool", "bool_"):  # ("no" was taken as True: a trial)
                 raise InputError("verify", verify, "must be True or False")
-            self.shuffle_seed, self.drop_last, self.verify, self.epoch = shuffle_seed, bool(drop_last), verify, 0
-            self._epochs_here: set[int] = set()  # the epochs this copy iterated in a loader worker
+            self.shuffle_seed, self.drop_last, self.verify = shuffle_seed, bool(drop_last), verify
+            # in shared memory: a persistent loader worker's copy of the dataset sees set_epoch
+            # (a plain attribute kept the first epoch's order for every epoch there: a trial)
+            self._epoch = multiprocessing.RawValue("q", 0)
             self._len: int | None = None
 
+        @property
+        def epoch(self) -> int:
+            """The epoch whose order the next iteration gives (:meth:`set_epoch`)."""
+            return int(self._epoch.value)
+
         def set_epoch(self, epoch: int) -> None:
-            """The epoch whose order the next iteration gives (an int >= 0).
+            """The epoch whose order the next iteration gives (an int >= 0), in this process and
+            in every loader worker holding a copy of this dataset.
 
             Raises:
                 InputError: ``epoch`` not an int >= 0.
             """
-            self.epoch = check_int("epoch", epoch, 0)
+            self._epoch.value = check_int("epoch", epoch, 0)
+
+        def __getstate__(self) -> dict[str, Any]:
+            state = self.__dict__.copy()
+            if multiprocessing.context.get_spawning_popen() is None:
+                # pickled other than to start a process (to a Dask worker, to disk): shared
+                # memory cannot travel, the epoch does
+                state["_epoch"] = int(self._epoch.value)
+            return state
+
+        def __setstate__(self, state: dict[str, Any]) -> None:
+            if isinstance(state["_epoch"], int):
+                state["_epoch"] = multiprocessing.RawValue("q", state["_epoch"])
+            self.__dict__.update(state)
 
         def __len__(self) -> int:
             """The rank's samples per epoch (reads the manifest once)."""
@@ -540,16 +563,6 @@ def _shard_dataset_class() -> type:
                 # a forked worker inherits the parent's S3 client and its open connections, which
                 # two processes must not share: a pickled copy makes its own
                 store = pickle.loads(pickle.dumps(store))
-                if self.shuffle_seed is not None and self.epoch in self._epochs_here and info.id == 0:
-                    # this copy lives on in a persistent worker, which set_epoch never reaches:
-                    # every epoch repeated the first one's order, unsaid (a trial)
-                    # (printed, not warnings.warn: a worker may inherit a parent's catch_warnings)
-                    import sys  # noqa: PLC0415
-
-                    print(f"ShardDataset: epoch {self.epoch} again in a DataLoader worker: with "
-                          "persistent_workers=True set_epoch does not reach the workers, so every epoch has the "
-                          "first one's order; use persistent_workers=False", file=sys.stderr, flush=True)
-                self._epochs_here.add(self.epoch)
             return iter_samples(store, self.output, self.rank, self.world_size, self.drop_last, self.verify,
                                 shuffle_seed=self.shuffle_seed, epoch=self.epoch,
                                 worker=info.id if info is not None else 0,
