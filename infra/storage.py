@@ -42,6 +42,10 @@ class ObjectChangedError(PaperlineError):
     """The S3 object is no longer the version asked for (its ETag changed: it was overwritten)."""
 
 
+class ObjectExistsError(PaperlineError, FileExistsError):
+    """A create-only write found the object already there (another writer's)."""
+
+
 class NotCommittedError(ObjectNotFoundError):
     """A multi-object output has no manifest: it was never committed, or its writer failed."""
 
@@ -489,17 +493,48 @@ class ObjectStore:
             raise
         return resp["Body"]
 
-    def put_bytes_to(self, data: bytes, uri: str) -> str:
+    def put_bytes_to(self, data: bytes, uri: str, *, if_absent: bool = False) -> str:
         """Write ``data`` to exactly ``uri`` in one PUT (a reader sees the old object or the new
         one, never a part), e.g. a checkpoint replaced after every step.
 
+        Args:
+            data: The object's bytes.
+            uri: ``s3://bucket/key``.
+            if_absent: Create only (``If-None-Match: *``, which SeaweedFS, AWS S3 and MinIO
+                decide atomically): of two writers creating one object, one wins and the other
+                gets :class:`ObjectExistsError`, e.g. a dataset's commit. A retried PUT whose
+                first attempt landed finds its own bytes there, which count as written.
+
         Raises:
+            ObjectExistsError: ``if_absent`` and the object exists with other bytes.
             ServiceError: S3 is unreachable or rejects the credentials.
         """
+        from botocore.exceptions import ClientError  # noqa: PLC0415
+
         bucket, key = split_uri(uri)
-        self._call(f"put {uri}", self.client.put_object, Bucket=bucket, Key=key, Body=data,
-                   Metadata={"sha256": hashlib.sha256(data).hexdigest()})
-        return uri
+        sha = hashlib.sha256(data).hexdigest()
+        if not if_absent:
+            self._call(f"put {uri}", self.client.put_object, Bucket=bucket, Key=key, Body=data, Metadata={"sha256": sha})
+            return uri
+        for attempt in range(20):
+            try:
+                self._call(f"put {uri}", self.client.put_object, Bucket=bucket, Key=key, Body=data,
+                           Metadata={"sha256": sha}, IfNoneMatch="*")
+                return uri
+            except ClientError as exc:
+                code = exc.response.get("ResponseMetadata", {}).get("HTTPStatusCode")
+                if code == 409:  # (AWS) another conditional write to it is in flight
+                    time.sleep(0.1 * (attempt + 1))
+                    continue
+                if code != 412:
+                    raise
+            head = self._head(bucket, key)
+            if head is None:
+                continue  # deleted in between: try again
+            if head.get("Metadata", {}).get("sha256") == sha and int(head["ContentLength"]) == len(data):
+                return uri  # (this PUT's own first attempt, retried by boto3 after a lost reply)
+            raise ObjectExistsError(f"{uri}: already exists (written by another writer)")
+        raise ObjectExistsError(f"{uri}: other writers kept creating it (409 Conflict 20 times)")
 
     def upload_file_to(self, path: str | os.PathLike[str], uri: str) -> str:
         """Upload a local file to exactly ``uri`` (multipart for large files: the object becomes

@@ -151,7 +151,9 @@ def write_dataset(store: Any, output: str, plans: list[ShardPlan], rows: dict[st
             write lease's check: :meth:`paperline.infra.storage.ObjectStore.lease`).
 
     Writers of one ``output`` must not overlap (the caller holds a lease): two interleaved writes
-    overwrite each other's shards.
+    overwrite each other's shards. The manifest is created only where none is (a create-only
+    PUT), so a commit never replaces another writer's, even one made while this write's lease
+    was lost.
 
     Returns:
         The manifest (a dict; each shard lists its members' SHA-256 in ``member_sha256``, in the
@@ -164,8 +166,9 @@ def write_dataset(store: Any, output: str, plans: list[ShardPlan], rows: dict[st
         say what was kept.
 
     Raises:
-        InputError: the prefix already holds a committed dataset with other shards, or a clip's
-            bytes do not match its SHA-256.
+        InputError: the prefix already holds a committed dataset with other shards, another
+            writer committed other shards there while this one wrote, or a clip's bytes do not
+            match its SHA-256.
     """
     output = output.rstrip("/")
     planned = [{"name": p.name, "keys": list(p.keys)} for p in plans]
@@ -230,7 +233,20 @@ def write_dataset(store: Any, output: str, plans: list[ShardPlan], rows: dict[st
                 "n_samples": sum(s["n_samples"] for s in shards), "meta": meta}
     json.dumps(manifest)  # fail before committing
     held()
-    store.put_bytes_to(json.dumps(manifest, sort_keys=True, indent=1).encode(), manifest_uri)
+    try:
+        # create-only: a commit never replaces another writer's, lease or no lease (one that
+        # lost its lease in a long shard upload is refused here, not the other's dataset rewritten)
+        store.put_bytes_to(json.dumps(manifest, sort_keys=True, indent=1).encode(), manifest_uri, if_absent=True)
+    except FileExistsError:
+        other = json.loads(store.get_bytes(manifest_uri))
+        if [(s["name"], s["keys"], s.get("sha256")) for s in other["shards"]] != \
+                [(s["name"], s["keys"], s["sha256"]) for s in shards]:
+            raise InputError("output", output, "another run committed a dataset here while this one wrote its shards "
+                                               "(the write lease was lost, or not taken); this run committed nothing. "
+                                               "Shards of both runs may be there: read it with verify=True, or "
+                                               "write to another dataset name") from None
+        return dict(other, uploaded=uploaded, skipped=skipped, committed_earlier=True, kept_committed=[],
+                    clips_differ=[])
     return dict(manifest, uploaded=uploaded, skipped=skipped, committed_earlier=False, kept_committed=[], clips_differ=[])
 
 

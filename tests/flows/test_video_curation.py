@@ -196,11 +196,11 @@ def test_a_failure_mid_upload_leaves_no_visible_dataset_and_the_rerun_completes(
         def __getattr__(self, name):
             return getattr(store, name)
 
-        def put_bytes_to(self, data, uri):
+        def put_bytes_to(self, data, uri, **kw):
             self.puts += 1
             if self.puts == 2:
                 raise ConnectionError("injected: connection lost during upload")
-            return store.put_bytes_to(data, uri)
+            return store.put_bytes_to(data, uri, **kw)
 
     plans = plan_shards(list(rows.values()), target_bytes=150_000)
     output = f"{summary['output']}-inject"

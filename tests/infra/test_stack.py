@@ -611,6 +611,40 @@ def test_a_write_lease_has_one_holder_at_a_time_and_a_dead_holders_is_taken_over
     store.delete(uri)
 
 
+def test_a_create_only_put_has_one_winner(stack):
+    """A dataset's commit is create-only: of racing writers one wins, the others are told, and a
+    retried PUT that finds its own bytes counts as written."""
+    import threading
+
+    from paperline.infra.storage import ObjectExistsError
+
+    _, info = stack
+    store = ObjectStore.from_stack(info)
+    uri = f"s3://{info.data_bucket}/tests/create-only/{uuid.uuid4().hex}/manifest.json"
+    results: dict[int, str] = {}
+
+    def create(i):
+        try:
+            store.put_bytes_to(f"writer {i}".encode(), uri, if_absent=True)
+            results[i] = "won"
+        except ObjectExistsError as exc:
+            results[i] = str(exc)
+
+    threads = [threading.Thread(target=create, args=(i,)) for i in range(6)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    winners = [i for i, r in results.items() if r == "won"]
+    assert len(results) == 6 and len(winners) == 1, results
+    assert store.get_bytes(uri) == f"writer {winners[0]}".encode()
+    assert all(r.endswith("already exists (written by another writer)") for r in results.values() if r != "won")
+    store.put_bytes_to(f"writer {winners[0]}".encode(), uri, if_absent=True)  # (its own bytes: written)
+    store.put_bytes_to(b"replaced", uri)  # (an ordinary put still replaces)
+    assert store.get_bytes(uri) == b"replaced"
+    store.delete(uri)
+
+
 def test_dead_endpoints_raise_service_errors(free_port):
     port = free_port()
     store = ObjectStore(f"http://127.0.0.1:{port}", "k", "s", "us-east-1")

@@ -29,7 +29,9 @@ class MemoryStore:
         data = self.objects.get(uri)
         return None if data is None else {"ContentLength": len(data), "Metadata": {}}
 
-    def put_bytes_to(self, data, uri):
+    def put_bytes_to(self, data, uri, *, if_absent=False):
+        if if_absent and self.objects.get(uri, bytes(data)) != bytes(data):
+            raise FileExistsError(uri)
         self.objects[uri] = bytes(data)
 
     def get_bytes(self, uri):
@@ -59,6 +61,33 @@ def _dataset(videos=6, clips=3, target=1000):
     manifest = write_dataset(store, OUTPUT, plan_shards(list(rows.values()), target), rows,
                              lambda r: data[r["key"]], {}, {})
     return store, manifest["shards"], data
+
+
+def test_a_commit_never_replaces_another_writers():
+    """The manifest is created only where none is: a writer that lost its lease during a long
+    shard upload is refused at its commit, and the other run's manifest stays as it was."""
+    data = {f"v{v}-{v:010x}-000000": bytes([v]) * 400 for v in range(4)}
+    rows = {k: {"key": k, "mp4_sha256": hashlib.sha256(b).hexdigest(), "mp4_size_bytes": len(b)}
+            for k, b in data.items()}
+    plans = plan_shards(list(rows.values()), 1000)
+    store = MemoryStore()
+    theirs = b'{"shards": [{"name": "shard-000000.tar", "keys": ["another-run"]}]}'
+
+    def another_run_commits():  # (the lease check before the commit: the other run's commit lands then)
+        if store.list(f"{OUTPUT}/index") and f"{OUTPUT}/manifest.json" not in store.objects:
+            store.objects[f"{OUTPUT}/manifest.json"] = theirs
+
+    with pytest.raises(InputError, match=r"^output=.*another run committed a dataset here while this one wrote"):
+        write_dataset(store, OUTPUT, plans, rows, lambda r: data[r["key"]], {"index.parquet": b"i"}, {},
+                      check_lease=another_run_commits)
+    assert store.objects[f"{OUTPUT}/manifest.json"] == theirs
+    # the same plan committed by the other run (the same shards): taken as committed, not an error
+    store = MemoryStore()
+    done = write_dataset(store, OUTPUT, plans, rows, lambda r: data[r["key"]], {}, {})
+    theirs = store.objects.pop(f"{OUTPUT}/manifest.json").replace(b'"meta": {}', b'"meta": {"run": "B"}')
+    again = write_dataset(store, OUTPUT, plans, rows, lambda r: data[r["key"]], {"index.parquet": b"i"}, {},
+                          check_lease=another_run_commits)
+    assert again["committed_earlier"] and again["meta"] == {"run": "B"} and again["shards"] == done["shards"]
 
 
 COMBOS = [  # (world_size, num_workers, shuffle_seed, epoch)
