@@ -17,7 +17,7 @@ import hashlib
 import json
 import tempfile
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -32,7 +32,7 @@ from paperline.infra.pipeline_flow import pipeline_flow
 from paperline.infra.regression import Headline, check_latest
 from paperline.infra.settings import get_settings
 from paperline.infra.stack import require_stack
-from paperline.infra.storage import ObjectStore
+from paperline.infra.storage import LeaseHeldError, ObjectStore
 from paperline.infra.tracking import Tracker
 from paperline.kernels.errors import InputError as KernelInputError
 from paperline.kernels.search.campaign import Campaign
@@ -193,9 +193,10 @@ class NasParameters(CampaignParameters):
         while the flow holds it), and a checkpoint to resume holds the same campaign."""
         for c in self.campaigns():
             built = c.build()
-            with campaign_lock(c.campaign_name(built), get_settings().state_dir):
+            prefix = campaigns_prefix(info.data_bucket)
+            with campaign_lock(c.campaign_name(built), get_settings().state_dir, store, prefix):
                 pass
-            resumable(c, built, store, f"{campaigns_prefix(info.data_bucket)}/{c.campaign_name(built)}/checkpoint.json")
+            resumable(c, built, store, f"{prefix}/{c.campaign_name(built)}/checkpoint.json")
 
 
 PRESETS: dict[str, dict[str, Any]] = {
@@ -282,38 +283,71 @@ def campaigns_prefix(data_bucket: str) -> str:
     return f"s3://{data_bucket}/nas/campaigns"
 
 
+RUN_LEASE = ".run-lease.json"  # beside a campaign's checkpoint while a run holds the campaign
+
+
 @contextlib.contextmanager
-def campaign_lock(name: str, state_dir: Path) -> Iterator[None]:
-    """Hold campaign ``name`` for this process: a second flow run of the same campaign on this
-    machine is refused (two ran side by side from one checkpoint and logged every evaluation
-    twice in one MLflow run: a trial). A lock on ``<state dir>/locks/nas-<name>.lock`` that the
-    kernel releases when the process ends, however it ends (a ``kill -9``'d run resumes at once;
-    :func:`paperline.infra.locks.held_by_this_process`). Runs on other machines are not seen.
+def campaign_lock(name: str, state_dir: Path, store: ObjectStore | None = None,
+                  prefix: str | None = None) -> Iterator[Callable[[], None]]:
+    """Hold campaign ``name`` for this run: a second flow run of the same campaign is refused,
+    on this machine or (given ``store`` and ``prefix``, the campaigns' S3 prefix) on any machine
+    sharing the S3 (two ran side by side from one checkpoint and logged every evaluation twice in
+    one MLflow run: a trial).
+
+    On this machine: a lock on ``<state dir>/locks/nas-<name>.lock`` that the kernel releases when
+    the process ends, however it ends (a ``kill -9``'d run resumes at once;
+    :func:`paperline.infra.locks.held_by_this_process`). Across machines: the S3 lease
+    ``<prefix>/<name>/.run-lease.json`` (:meth:`paperline.infra.storage.ObjectStore.lease`,
+    not waited for), renewed every 10 s; a holder that died on another machine is taken over
+    once its lease is 60 s unrenewed by the S3 server's clock.
+
+    Yields:
+        A check to call before each checkpoint write: it raises ``PaperlineError`` when the S3
+        lease was lost (a no-op without ``store``).
 
     Raises:
-        InputError: naming ``campaign`` and the process that holds it.
+        InputError: naming ``campaign`` and the run that holds it.
     """
-    try:
-        with held_by_this_process(state_dir / "locks" / f"nas-{name}.lock"):
-            yield
-    except Held as exc:
-        raise InputError("campaign", name, f"is being run now by another flow run on this machine (process "
-                                           f"{exc.holder}): wait for it to end, or stop it (Ctrl-C) and run this "
-                                           "again to resume from its checkpoint") from None
+    with contextlib.ExitStack() as held:
+        try:
+            held.enter_context(held_by_this_process(state_dir / "locks" / f"nas-{name}.lock"))
+        except Held as exc:
+            raise InputError("campaign", name, f"is being run now by another flow run on this machine (process "
+                                               f"{exc.holder}): wait for it to end, or stop it (Ctrl-C) and run this "
+                                               "again to resume from its checkpoint") from None
+        check: Callable[[], None] = lambda: None  # noqa: E731
+        if store is not None and prefix is not None:
+            def taken_over(why: str) -> None:
+                print(f"{name}: took the campaign over from {why}")
+
+            try:
+                check = held.enter_context(store.lease(f"{prefix}/{name}/{RUN_LEASE}", _run_owner(), wait=False,
+                                                       on_takeover=taken_over))
+            except LeaseHeldError as exc:
+                raise InputError("campaign", name, f"is being run now by {exc.holder} (its lease {exc.uri}): wait "
+                                                   "for it to end, or stop it and run this again to resume from its "
+                                                   "checkpoint (a run that died without releasing it is taken over "
+                                                   "once the lease is 60 s old)") from None
+        yield check
+
+
+def _run_owner() -> str:
+    """This run in words: its Prefect flow run's name and id, when it has one."""
+    return f"nas flow run {flow_run.name} ({flow_run.id})" if flow_run.id else "a nas run being checked before it starts"
 
 
 def run_one(cp: CampaignParameters, store: ObjectStore, tracker: Tracker, prefix: str,
             tags: dict[str, str]) -> dict[str, Any]:
     """One campaign to its budget, resuming its checkpoint when there is one; the campaign is held
-    by this process meanwhile (:func:`campaign_lock`)."""
+    by this run meanwhile (:func:`campaign_lock`)."""
     campaign = cp.build()
     name = cp.campaign_name(campaign)
-    with campaign_lock(name, get_settings().state_dir):
-        return _run_one(cp, campaign, name, store, tracker, prefix, tags)
+    with campaign_lock(name, get_settings().state_dir, store, prefix) as still_held:
+        return _run_one(cp, campaign, name, store, tracker, prefix, tags, still_held)
 
 
 def _run_one(cp: CampaignParameters, campaign: Campaign, name: str, store: ObjectStore, tracker: Tracker,
-             prefix: str, tags: dict[str, str]) -> dict[str, Any]:
+             prefix: str, tags: dict[str, str], still_held: Callable[[], None]) -> dict[str, Any]:
     checkpoint_uri = f"{prefix}/{name}/checkpoint.json"
     state, saved = resumable(cp, campaign, store, checkpoint_uri)
     parent_id = None
@@ -352,6 +386,7 @@ def _run_one(cp: CampaignParameters, campaign: Campaign, name: str, store: Objec
             deadline = time.monotonic() + cp.evaluation_timeout_s
             results = [_result(f, deadline, cp.evaluation_timeout_s) for f in futures]
             new = campaign.tell(x, results)
+            still_held()  # (a run that lost the campaign to another does not write over its checkpoint)
             save_checkpoint(store, checkpoint_uri, {"campaign": campaign.state_dict(), "mlflow_parent_run_id": parent_id})
             log_evaluations(tracker, EXPERIMENT, parent_id, campaign, new, tags)
             print(f"{name}: {campaign.n_done}/{campaign.budget} evaluations, {_score_text(campaign)}")

@@ -46,6 +46,18 @@ class ObjectExistsError(PaperlineError, FileExistsError):
     """A create-only write found the object already there (another writer's)."""
 
 
+class LeaseHeldError(PaperlineError):
+    """A lease asked for without waiting is held by a live holder.
+
+    Attributes:
+        holder: The holder in words (owner, pid and host).
+    """
+
+    def __init__(self, uri: str, holder: str):
+        super().__init__(f"{uri} is held by {holder}")
+        self.uri, self.holder = uri, holder
+
+
 class NotCommittedError(ObjectNotFoundError):
     """A multi-object output has no manifest: it was never committed, or its writer failed."""
 
@@ -139,6 +151,19 @@ def _free_bytes(path: Path) -> int | None:
         return shutil.disk_usage(path).free
     except OSError:
         return None
+
+
+def _server_age(head: dict[str, Any]) -> float:
+    """Seconds since the object was last written, by the S3 server's own clock (its reply's
+    ``Date`` header less the object's ``Last-Modified``, both to the second); 0 when the reply
+    lacks either."""
+    from email.utils import parsedate_to_datetime  # noqa: PLC0415
+
+    try:
+        now = parsedate_to_datetime(head["ResponseMetadata"]["HTTPHeaders"]["date"])
+        return max(0.0, (now - head["LastModified"]).total_seconds())
+    except (KeyError, TypeError, ValueError):
+        return 0.0
 
 
 class ObjectStore:
@@ -637,7 +662,7 @@ class ObjectStore:
     @contextlib.contextmanager
     def lease(self, uri: str, owner: str, *, on_wait: Callable[[str], None] | None = None,
               on_takeover: Callable[[str], None] | None = None, renew_s: float = 10.0, stale_s: float = 60.0,
-              poll_s: float = 1.0) -> Iterator[Callable[[], None]]:
+              poll_s: float = 1.0, wait: bool = True) -> Iterator[Callable[[], None]]:
         """Hold the object ``uri`` as a lease while the block runs: one holder at a time, across
         processes and machines, for a write that must not interleave with another (two runs
         committing one dataset: a trial's two runs both reported success while the second
@@ -647,8 +672,10 @@ class ObjectStore:
         it when the object exists), renewed every ``renew_s`` seconds by a thread (a conditional
         rewrite, ``If-Match`` of the last ETag), and deleted at the end. A waiter polls every
         ``poll_s`` seconds; a lease whose ETag has not changed for ``stale_s`` seconds of the
-        waiter's own clock (its holder died without releasing it) is taken over, and at once when
-        its holder's process, on this machine, is gone. No clock is compared between machines. Each holder writes a token of its own into the object, so a
+        waiter's own clock, or last written ``stale_s`` seconds before the S3 server's reply says
+        by the server's own clock (its holder died without releasing it), is taken over, and at
+        once when its holder's process, on this machine, is gone. No clock is compared between
+        machines. Each holder writes a token of its own into the object, so a
         conditional request that botocore retried after its first attempt landed (a lost
         response) is known for this holder's own, not another's.
 
@@ -658,6 +685,8 @@ class ObjectStore:
             on_wait: Called once with the holder's words when the lease is held by another.
             on_takeover: Called with the holder's words and why, when its lease is taken over.
             renew_s, stale_s, poll_s: Seconds, as above (``stale_s`` > 2 ``renew_s``).
+            wait: False refuses at once (:class:`LeaseHeldError`) where a live holder holds the
+                lease, rather than waiting for it (a campaign that must not run twice).
 
         Yields:
             A check to call before each write the lease guards: it raises when the lease was
@@ -666,6 +695,7 @@ class ObjectStore:
             off from S3, or paused, wrote on over its successor's shards: a review).
 
         Raises:
+            LeaseHeldError: ``wait`` is False and a live holder holds the lease.
             ServiceError: S3 is unreachable or rejects the credentials.
             PaperlineError: (from the check) the lease was lost, or may be.
         """
@@ -734,15 +764,21 @@ class ObjectStore:
                 seen, seen_at = head["ETag"], time.monotonic()
                 who, gone = holder()
             unrenewed = time.monotonic() - seen_at
-            if gone or unrenewed > stale_s:  # its holder died, or stopped renewing: taken over
+            age = _server_age(head)  # (a holder dead long before this waiter came need not be waited for)
+            # (age is to the second: a second's grace)
+            if gone or unrenewed > stale_s or age > stale_s + 1:  # its holder died, or stopped renewing: taken over
                 try:
                     self._call(f"lease {uri}", self.client.delete_object, Bucket=bucket, Key=key, IfMatch=seen)
                 except ClientError:
                     continue  # (another waiter took it first)
                 if on_takeover is not None:  # (a waiter saw only "waiting for ...", then success: a trial)
                     on_takeover(f"{who}: its process is gone" if gone else
-                                f"{who}: not renewed for the {unrenewed:.0f} s since this run first saw it")
+                                f"{who}: not renewed for the {unrenewed:.0f} s since this run first saw it"
+                                if unrenewed > stale_s else f"{who}: last renewed {age:.0f} s ago (the S3 server's "
+                                                            "clock)")
                 continue
+            if not wait:
+                raise LeaseHeldError(uri, who)
             if not said and on_wait is not None:
                 said = True
                 on_wait(who)

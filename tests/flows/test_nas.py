@@ -191,6 +191,9 @@ def test_a_killed_campaign_resumes_to_the_uninterrupted_result(stack, run_cli, c
     summary = tmp_path / "summary.json"
     resumed = cli(run_cli, cli_env, *args, summary=summary)
     assert "resuming" in resumed.stdout + resumed.stderr
+    # the killed run's S3 lease on the campaign: its process on this machine is gone, taken over at once
+    assert "test-kill: took the campaign over from nas flow run " in resumed.stdout + resumed.stderr
+    assert ": its process is gone" in resumed.stdout + resumed.stderr
     out = " ".join(resumed.stdout.split())
     assert "no regression against the best of 1 earlier run(s) with these parameters" in out, out
     assert "all 1 metric(s) equal" in out, out  # the final hypervolume, as test-demo's
@@ -304,6 +307,46 @@ def test_a_campaign_is_run_by_one_process_at_a_time(tmp_path):
         with pytest.raises(InputError, match=rf"process {os.getpid()}\)"):  # and held by this one
             with campaign_lock("c1", Path(tmp_path)):
                 pass
+
+
+def test_a_campaign_run_on_another_machine_is_refused_until_its_lease_is_stale(stack, tmp_path):
+    """The local lock does not see a run on another machine sharing the S3: the campaign's S3
+    lease does, refusing at once (not waiting) while its holder renews it; a lease that the S3
+    server's own clock says is older than stale_s is a dead holder's, taken over."""
+    import socket
+    from pathlib import Path
+
+    from paperline.flows.nas import RUN_LEASE, campaign_lock
+    from paperline.infra.errors import InputError
+    from paperline.infra.storage import LeaseHeldError, ObjectStore
+
+    _, info = stack
+    store = ObjectStore.from_stack(info)
+    prefix = f"s3://{info.data_bucket}/tests/nas-lease/{os.getpid()}-{time.time_ns()}"
+    lease = f"{prefix}/c1/{RUN_LEASE}"
+    other = json.dumps({"owner": "nas flow run brave-otter (0f3c)", "pid": 4242, "host": "gpu-node-7"}).encode()
+    store.put_bytes_to(other, lease)
+    with pytest.raises(InputError, match=r"^campaign='c1': is being run now by nas flow run brave-otter \(0f3c\) "
+                                         r"\(pid 4242 on gpu-node-7\) \(its lease s3://.*/c1/\.run-lease\.json\)"):
+        with campaign_lock("c1", Path(tmp_path), store, prefix):
+            pass
+    assert store.get_bytes(lease) == other  # (left as it was)
+    with campaign_lock("c2", Path(tmp_path), store, prefix) as still_held:  # another campaign is free
+        still_held()
+        assert json.loads(store.get_bytes(f"{prefix}/c2/{RUN_LEASE}"))["host"] == socket.gethostname()
+    assert not store.exists(f"{prefix}/c2/{RUN_LEASE}")  # released
+    # a dead holder's lease, by the server's clock older than stale_s (+1 s for the second's rounding)
+    taken = []
+    time.sleep(3.5)
+    with store.lease(lease, "this run", wait=False, renew_s=0.5, stale_s=2.0, on_takeover=taken.append):
+        assert json.loads(store.get_bytes(lease))["owner"] == "this run"
+    assert len(taken) == 1 and taken[0].startswith("nas flow run brave-otter (0f3c) (pid 4242 on gpu-node-7): last "
+                                                   "renewed ") and taken[0].endswith("s ago (the S3 server's clock)")
+    store.put_bytes_to(other, lease)
+    with pytest.raises(LeaseHeldError):  # (fresh again: refused, not waited for)
+        with store.lease(lease, "this run", wait=False, renew_s=0.5, stale_s=2.0):
+            pass
+    store.delete(lease)
 
 
 def test_a_seed_torch_cannot_take_is_refused_as_bad_input():
