@@ -211,18 +211,23 @@ class VideoCurationParameters(BaseModel):
         dataset = self.dataset.replace("{date}", datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d"))
         return f"s3://{data_bucket}/video-curation/{dataset}", "dataset", self.dataset
 
-    def inputs_key(self, cfg: ClipConfig, sources: list[str]) -> str:
-        """A digest of what decides a dataset's shards: the sources' file names and every setting
-        except where the dataset goes and how it is read back (stored in its manifest, checked by
-        :func:`check_dataset_free`). Names, not paths: the demo videos of another clone, or the same
-        files in another directory, are the same inputs (clip keys are by content; a changed file of
-        the same name is caught where the shards are written)."""
+    def inputs(self, cfg: ClipConfig, sources: list[str]) -> dict[str, Any]:
+        """What decides a dataset's shards, as JSON values: the sources' file names
+        (``sources``) and every setting except where the dataset goes and how it is read back
+        (``params``, ``clip_config``, ``embedder``). Names, not paths: the demo videos of another
+        clone, or the same files in another directory, are the same inputs (clip keys are by
+        content; a changed file of the same name is caught where the shards are written). Stored
+        in the manifest's meta with its digest (:meth:`inputs_key`)."""
         import dataclasses  # noqa: PLC0415
 
         blob = {"params": self.model_dump(exclude={"dataset", "output", "world_size", "source"}),
                 "clip_config": dataclasses.asdict(cfg), "embedder": cfg.resolved_embedder(),
                 "sources": sorted(Path(s).name for s in sources)}
-        return hashlib.sha256(json.dumps(blob, sort_keys=True, default=str).encode()).hexdigest()[:16]
+        return json.loads(json.dumps(blob, sort_keys=True, default=str))
+
+    def inputs_key(self, cfg: ClipConfig, sources: list[str]) -> str:
+        """The digest of :meth:`inputs` (16 hex digits), checked by :func:`check_dataset_free`."""
+        return hashlib.sha256(json.dumps(self.inputs(cfg, sources), sort_keys=True).encode()).hexdigest()[:16]
 
     def validate_on_stack(self, info: Any, store: ObjectStore) -> None:
         """Before the flow run is created: there is something to curate, the output is not the
@@ -238,7 +243,7 @@ class VideoCurationParameters(BaseModel):
             raise InputError(argument, value, f"holds {staging}/ (the curate tasks' staged clips) and every dataset "
                                               "named by `dataset`; choose a prefix of its own")
         sources = reject_bad_names(list_sources(self.source, store, staging))[0]
-        check_dataset_free(store, output, self.inputs_key(cfg, sources), argument, value)
+        check_dataset_free(store, output, self.inputs_key(cfg, sources), argument, value, self.inputs(cfg, sources))
 
     def filter_config(self) -> FilterConfig:
         """The :class:`FilterConfig` of these thresholds (``black_luma`` and ``flat_std`` at
@@ -276,11 +281,14 @@ def staging_prefix(data_bucket: str) -> str:
     return f"s3://{data_bucket}/video-curation/{STAGING}"
 
 
-def check_dataset_free(store: ObjectStore, output: str, key: str, argument: str, value: str) -> None:
+def check_dataset_free(store: ObjectStore, output: str, key: str, argument: str, value: str,
+                       inputs: dict[str, Any] | None = None) -> None:
     """Refuse ``output`` when it holds a committed dataset curated from other sources or settings
-    (its manifest's ``meta.inputs_key`` differs from ``key``), before any video is processed; a
-    re-run of the same dataset passes (its shards are found and skipped). A manifest without the
-    key (older runs) is left to :func:`~paperline.kernels.video.shards.write_dataset`'s own check.
+    (its manifest's ``meta.inputs_key`` differs from ``key``), before any video is processed,
+    saying which settings and videos differ (``inputs``, :meth:`VideoCurationParameters.inputs`,
+    against the manifest's ``meta.inputs``, where the dataset was committed with them); a re-run
+    of the same dataset passes (its shards are found and skipped). A manifest without the key
+    (older runs) is left to :func:`~paperline.kernels.video.shards.write_dataset`'s own check.
     A user's ``output`` must name an existing bucket (it was created for them, silently).
 
     Raises:
@@ -291,15 +299,50 @@ def check_dataset_free(store: ObjectStore, output: str, key: str, argument: str,
     uri = f"{output.rstrip('/')}/{MANIFEST}"
     if not store.exists(uri):
         return
-    old = json.loads(store.get_bytes(uri)).get("meta", {}).get("inputs_key")
+    meta = json.loads(store.get_bytes(uri)).get("meta", {})
+    old = meta.get("inputs_key")
     if old is not None and old != key:
         # (a deployment run's user sets the field of a custom run, not --set: a trial re-ran the
         # nightly deployment after adding videos the same day)
         how = "the `dataset` field of a custom run in the Prefect UI, e.g. `nightly-{date}-2`" \
             if os.environ.get(FLOW_RUN_ENV) else "--set dataset=NAME"
+        differ = _inputs_differ(meta.get("inputs"), inputs)
         raise InputError(argument, value, f"{output} already holds a committed dataset curated from other sources "
-                                          f"or settings; a committed dataset is never rewritten: choose another "
+                                          f"or settings{f' ({differ})' if differ else ''}; a committed dataset is "
+                                          f"never rewritten: choose another "
                                           f"{'output prefix' if argument == 'output' else f'dataset name ({how})'}")
+
+
+def _inputs_differ(committed: Any, here: dict[str, Any] | None, shown: int = 5) -> str:
+    """Which settings and source videos differ between a committed dataset's inputs and this
+    run's (both :meth:`VideoCurationParameters.inputs`), in words; "" when either is unknown
+    (a dataset committed before 2026-12-06 stores only their digest: a trial could not tell what
+    differed)."""
+    if not isinstance(committed, dict) or here is None:
+        return ""
+
+    def flat(blob: dict[str, Any]) -> dict[str, Any]:
+        out = dict(blob.get("params", {}))
+        out.update({k: v for k, v in blob.get("clip_config", {}).items() if k not in out})
+        out["embedder"] = blob.get("embedder")
+        return out
+
+    a, b = flat(committed), flat(here)
+    parts = [f"{k}={_short(b.get(k))} here, {_short(a.get(k))} in it" for k in sorted(set(a) | set(b))
+             if a.get(k) != b.get(k)]
+    more = len(parts) - shown
+    parts = parts[:shown] + ([f"{more} more setting(s)"] if more > 0 else [])
+    new = sorted(set(here.get("sources", [])) - set(committed.get("sources", [])))
+    gone = sorted(set(committed.get("sources", [])) - set(here.get("sources", [])))
+    for words, names in (("videos not in it", new), ("its videos not in this run", gone)):
+        if names:
+            parts.append(f"{words}: {', '.join(names[:shown])}{' ...' if len(names) > shown else ''}")
+    return "; ".join(parts)
+
+
+def _short(value: Any, limit: int = 40) -> str:
+    text = json.dumps(value)
+    return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
 PRESETS: dict[str, dict[str, Any]] = {
@@ -370,7 +413,8 @@ def video_curation(params: VideoCurationParameters | None = None) -> dict[str, A
     # names that are not UTF-8 are rejected here, before any task, parameter or event holds them
     sources, bad_names = reject_bad_names(list_sources(params.source, store, staging))
     inputs_key = params.inputs_key(cfg, sources)
-    check_dataset_free(store, output, inputs_key, argument, value)  # before hours of processing, not at upload
+    check_dataset_free(store, output, inputs_key, argument, value,  # before hours of processing, not at upload
+                       params.inputs(cfg, sources))
     tracker = Tracker(info.mlflow_tracking_uri)
     run_url = info.flow_run_url(flow_run.id)
     mlflow_params = {**params.model_dump(), "splitter_used": cfg.splitter, "encoder_used": cfg.encoder,
@@ -470,7 +514,7 @@ def _curate(params: VideoCurationParameters, cfg: ClipConfig, filt: FilterConfig
         _log_artifacts(tracker, run_id, rows, index, rejected_pq, None)
         raise InputError(*_nothing_kept(params, counts))
     meta = {"counts": counts, "clip_config": clip_cfg, "filter_config": filter_cfg,
-            "sources": [r["source"] for r in results], "inputs_key": inputs_key}
+            "sources": [r["source"] for r in results], "inputs_key": inputs_key, "inputs": params.inputs(cfg, sources)}
     slim = {r["key"]: {k: v for k, v in r.items() if k not in ("embedding", "thumbnail_jpeg")} for r in selected}
     manifest = write_shards(store, output, plans, slim, {"index.parquet": index, "rejected.parquet": rejected_pq},
                             meta)

@@ -145,11 +145,12 @@ def test_a_dataset_of_other_inputs_is_refused_before_any_video_is_processed(cura
     fewer.mkdir()
     shutil.copy(source_dir / "carphone.mp4", fewer / "carphone.mp4")
     dataset = next(s for s in sets if s.startswith("dataset=")).partition("=")[2]
-    for change in ([f"source={fewer}"], ["min_motion=0.01"]):
+    for change, differ in (([f"source={fewer}"], " (its videos not in this run: "),
+                           (["min_motion=0.01"], " (min_motion=0.01 here, ")):
         proc = _run(run_cli, cli_env, *[s for s in sets if not s.startswith(change[0].partition("=")[0])], *change)
         out = " ".join((proc.stdout + proc.stderr).split())
         assert proc.returncode != 0 and f"error: dataset='{dataset}': {first['output']} already holds a committed " \
-            "dataset curated from other sources or settings" in out, out
+            f"dataset curated from other sources or settings{differ}" in out, out
         assert out.endswith("choose another dataset name (--set dataset=NAME)"), out
         assert "flow run" not in out.lower() and "Traceback" not in out
 
@@ -457,6 +458,16 @@ def test_the_same_videos_in_another_directory_are_the_same_inputs():
     assert key == p.inputs_key(cfg, ["/elsewhere/carphone.mp4", "/elsewhere/bikes.mp4"])
     assert key != p.inputs_key(cfg, ["/clone-a/data/bikes.mp4"])
     assert key != VideoCurationParameters(min_motion=0.5).inputs_key(cfg, ["/a/bikes.mp4", "/a/carphone.mp4"])
+    # what differs, in words (a refused name said only "other sources or settings": a trial)
+    from paperline.flows.video_curation import _inputs_differ
+
+    committed = p.inputs(cfg, ["/a/bikes.mp4", "/a/carphone.mp4", "/a/old.mp4"])
+    here = VideoCurationParameters(min_motion=0.5, crf=30).inputs(cfg, ["/b/bikes.mp4", "/b/new.mp4",
+                                                                                       "/b/carphone.mp4"])
+    said = _inputs_differ(committed, here)
+    assert said == (f"crf=30 here, {p.crf} in it; min_motion=0.5 here, "
+                    f"{p.min_motion} in it; videos not in it: new.mp4; its videos not in this run: old.mp4"), said
+    assert _inputs_differ(None, here) == "" and _inputs_differ(committed, committed) == ""
 
 
 def test_dataset_names_and_outputs_stay_out_of_the_staging_prefix():
