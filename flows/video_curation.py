@@ -321,15 +321,22 @@ def _inputs_differ(committed: Any, here: dict[str, Any] | None, shown: int = 5) 
     if not isinstance(committed, dict) or here is None:
         return ""
 
-    def flat(blob: dict[str, Any]) -> dict[str, Any]:
-        out = dict(blob.get("params", {}))
-        out.update({k: v for k, v in blob.get("clip_config", {}).items() if k not in out})
-        out["embedder"] = blob.get("embedder")
-        return out
+    def differ(a: dict[str, Any], b: dict[str, Any], skip: set[str] = frozenset(), suffix: str = "") -> list[str]:
+        return [f"{k}{suffix}={_short(b.get(k))} here, {_short(a.get(k))} in it" for k in sorted(set(a) | set(b))
+                if k not in skip and a.get(k) != b.get(k)]
 
-    a, b = flat(committed), flat(here)
-    parts = [f"{k}={_short(b.get(k))} here, {_short(a.get(k))} in it" for k in sorted(set(a) | set(b))
-             if a.get(k) != b.get(k)]
+    old_params, params = committed.get("params", {}), here.get("params", {})
+    parts = differ(old_params, params)
+    # a setting as it ran (the encoder "auto" as libx264 or NVENC, by the machine): where the
+    # parameter itself is the same
+    clip = {k: v for k, v in committed.get("clip_config", {}).items() if k not in params}
+    parts += differ(clip, {k: v for k, v in here.get("clip_config", {}).items() if k not in params})
+    parts += differ(committed.get("clip_config", {}), here.get("clip_config", {}),
+                    skip={k for k in here.get("clip_config", {}) if k not in params or
+                          old_params.get(k) != params.get(k)}, suffix=" (as run)")
+    if old_params.get("embedder") == params.get("embedder"):
+        parts += differ({"embedder": committed.get("embedder")}, {"embedder": here.get("embedder")},
+                        suffix=" (as run)")
     more = len(parts) - shown
     parts = parts[:shown] + ([f"{more} more setting(s)"] if more > 0 else [])
     new = sorted(set(here.get("sources", [])) - set(committed.get("sources", [])))

@@ -468,6 +468,8 @@ def test_the_same_videos_in_another_directory_are_the_same_inputs():
     assert said == (f"crf=30 here, {p.crf} in it; min_motion=0.5 here, "
                     f"{p.min_motion} in it; videos not in it: new.mp4; its videos not in this run: old.mp4"), said
     assert _inputs_differ(None, here) == "" and _inputs_differ(committed, committed) == ""
+    on_gpu = p.inputs(ClipConfig(encoder="h264_nvenc"), ["/a/bikes.mp4", "/a/carphone.mp4", "/a/old.mp4"])
+    assert _inputs_differ(committed, on_gpu) == f'encoder (as run)="h264_nvenc" here, "{ClipConfig().encoder}" in it'
 
 
 def test_dataset_names_and_outputs_stay_out_of_the_staging_prefix():
