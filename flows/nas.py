@@ -32,7 +32,7 @@ from paperline.infra.pipeline_flow import pipeline_flow
 from paperline.infra.regression import Headline, check_latest
 from paperline.infra.settings import get_settings
 from paperline.infra.stack import require_stack
-from paperline.infra.storage import LeaseHeldError, ObjectStore
+from paperline.infra.storage import LeaseHeldError, LeaseLostError, ObjectStore
 from paperline.infra.tracking import Tracker
 from paperline.kernels.errors import InputError as KernelInputError
 from paperline.kernels.search.campaign import Campaign
@@ -193,9 +193,14 @@ class NasParameters(CampaignParameters):
         while the flow holds it), and a checkpoint to resume holds the same campaign."""
         for c in self.campaigns():
             built = c.build()
-            prefix = campaigns_prefix(info.data_bucket)
-            with campaign_lock(c.campaign_name(built), get_settings().state_dir, store, prefix):
+            prefix, name = campaigns_prefix(info.data_bucket), c.campaign_name(built)
+            with campaign_lock(name, get_settings().state_dir):
                 pass
+            # (read only: taking the lease to check took over a stale one, and a run starting
+            # elsewhere meanwhile was refused naming this check: a review)
+            holder = store.lease_holder(f"{prefix}/{name}/{RUN_LEASE}")
+            if holder is not None:
+                raise _held_elsewhere(name, holder, f"{prefix}/{name}/{RUN_LEASE}")
             resumable(c, built, store, f"{prefix}/{c.campaign_name(built)}/checkpoint.json")
 
 
@@ -299,7 +304,7 @@ def campaign_lock(name: str, state_dir: Path, store: ObjectStore | None = None,
     :func:`paperline.infra.locks.held_by_this_process`). Across machines: the S3 lease
     ``<prefix>/<name>/.run-lease.json`` (:meth:`paperline.infra.storage.ObjectStore.lease`,
     not waited for), renewed every 10 s; a holder that died on another machine is taken over
-    once its lease is 60 s unrenewed by the S3 server's clock.
+    about a minute after its last renewal (:meth:`~paperline.infra.storage.ObjectStore.lease`).
 
     Yields:
         A check to call before each checkpoint write: it raises ``PaperlineError`` when the S3
@@ -324,16 +329,25 @@ def campaign_lock(name: str, state_dir: Path, store: ObjectStore | None = None,
                 check = held.enter_context(store.lease(f"{prefix}/{name}/{RUN_LEASE}", _run_owner(), wait=False,
                                                        on_takeover=taken_over))
             except LeaseHeldError as exc:
-                raise InputError("campaign", name, f"is being run now by {exc.holder} (its lease {exc.uri}): wait "
-                                                   "for it to end, or stop it and run this again to resume from its "
-                                                   "checkpoint (a run that died without releasing it is taken over "
-                                                   "once the lease is 60 s old)") from None
+                raise _held_elsewhere(name, exc.holder, exc.uri) from None
         yield check
+
+
+def _held_elsewhere(name: str, holder: str, uri: str) -> InputError:
+    return InputError("campaign", name, f"is being run now by {holder} (its lease {uri}): wait for it to end, or "
+                                        "stop it and run this again to resume from its checkpoint (a run that died "
+                                        "without releasing it is taken over about a minute after its last renewal)")
+
+
+class CampaignTakenOver(PaperlineError):
+    """Another run took this run's campaign over (its S3 lease went unrenewed): this run stops
+    before writing the campaign's checkpoint; the other continues the campaign and its MLflow
+    run."""
 
 
 def _run_owner() -> str:
     """This run in words: its Prefect flow run's name and id, when it has one."""
-    return f"nas flow run {flow_run.name} ({flow_run.id})" if flow_run.id else "a nas run being checked before it starts"
+    return f"nas flow run {flow_run.name} ({flow_run.id})" if flow_run.id else "a nas run outside Prefect"
 
 
 def run_one(cp: CampaignParameters, store: ObjectStore, tracker: Tracker, prefix: str,
@@ -386,7 +400,14 @@ def _run_one(cp: CampaignParameters, campaign: Campaign, name: str, store: Objec
             deadline = time.monotonic() + cp.evaluation_timeout_s
             results = [_result(f, deadline, cp.evaluation_timeout_s) for f in futures]
             new = campaign.tell(x, results)
-            still_held()  # (a run that lost the campaign to another does not write over its checkpoint)
+            try:
+                still_held()  # (a run that lost the campaign to another does not write over its checkpoint)
+            except LeaseLostError as exc:
+                if not exc.taken_over:
+                    raise
+                raise CampaignTakenOver(f"campaign {name!r}: another run took it over while this one evaluated "
+                                        f"(this run's lease went unrenewed): this run stopped before writing the "
+                                        f"checkpoint; the other continues the campaign") from None
             save_checkpoint(store, checkpoint_uri, {"campaign": campaign.state_dict(), "mlflow_parent_run_id": parent_id})
             log_evaluations(tracker, EXPERIMENT, parent_id, campaign, new, tags)
             print(f"{name}: {campaign.n_done}/{campaign.budget} evaluations, {_score_text(campaign)}")
@@ -403,7 +424,8 @@ def _run_one(cp: CampaignParameters, campaign: Campaign, name: str, store: Objec
         versus = check_latest(tracker, parent_id, identity, _headlines(campaign), label=name, first_run_note=note)
         tracker.end_run(parent_id, "FINISHED")
     except BaseException as exc:
-        tracker.end_failed(parent_id, exc)
+        if not isinstance(exc, CampaignTakenOver):  # (its MLflow run is the other run's now: a review)
+            tracker.end_failed(parent_id, exc)
         raise
     return {"name": name, "campaign": campaign, "parent_run_id": parent_id, "checkpoint": checkpoint_uri,
             "versus": versus}

@@ -321,19 +321,25 @@ def _inputs_differ(committed: Any, here: dict[str, Any] | None, shown: int = 5) 
     if not isinstance(committed, dict) or here is None:
         return ""
 
+    absent = object()
+
     def differ(a: dict[str, Any], b: dict[str, Any], skip: set[str] = frozenset(), suffix: str = "") -> list[str]:
-        return [f"{k}{suffix}={_short(b.get(k))} here, {_short(a.get(k))} in it" for k in sorted(set(a) | set(b))
-                if k not in skip and a.get(k) != b.get(k)]
+        def said(v: Any) -> str:  # (a setting another paperline version has not: not "null")
+            return "absent" if v is absent else _short(v)
+
+        return [f"{k}{suffix}={said(b.get(k, absent))} here, {said(a.get(k, absent))} in it"
+                for k in sorted(set(a) | set(b)) if k not in skip and a.get(k, absent) != b.get(k, absent)]
 
     old_params, params = committed.get("params", {}), here.get("params", {})
+    both = set(old_params) | set(params)
     parts = differ(old_params, params)
     # a setting as it ran (the encoder "auto" as libx264 or NVENC, by the machine): where the
     # parameter itself is the same
-    clip = {k: v for k, v in committed.get("clip_config", {}).items() if k not in params}
-    parts += differ(clip, {k: v for k, v in here.get("clip_config", {}).items() if k not in params})
-    parts += differ(committed.get("clip_config", {}), here.get("clip_config", {}),
-                    skip={k for k in here.get("clip_config", {}) if k not in params or
-                          old_params.get(k) != params.get(k)}, suffix=" (as run)")
+    old_clip, clip = committed.get("clip_config", {}), here.get("clip_config", {})
+    parts += differ({k: v for k, v in old_clip.items() if k not in both},
+                    {k: v for k, v in clip.items() if k not in both})
+    parts += differ(old_clip, clip, skip={k for k in set(old_clip) | set(clip)
+                                          if k not in both or old_params.get(k) != params.get(k)}, suffix=" (as run)")
     if old_params.get("embedder") == params.get("embedder"):
         parts += differ({"embedder": committed.get("embedder")}, {"embedder": here.get("embedder")},
                         suffix=" (as run)")
@@ -554,7 +560,9 @@ def _curate(params: VideoCurationParameters, cfg: ClipConfig, filt: FilterConfig
              f"splitter {cfg.splitter}, "
              f"encoder {cfg.encoder}, embedder {cfg.resolved_embedder()}",
              f"dataset: {output}/manifest.json ({len(sizes)} shard(s), {sum(sizes) / 1e6:.2f} MB; "
-             + ("committed by an earlier run: nothing written)" if manifest.get("committed_earlier") else
+             + ("committed by another run while this one wrote the same shards: its commit is kept)"
+                if manifest.get("committed_meanwhile") else
+                "committed by an earlier run: nothing written)" if manifest.get("committed_earlier") else
                 f"{len(manifest['uploaded'])} uploaded, {len(manifest['skipped'])} already there)"),
              f"read back for {params.world_size} rank(s): {check['samples_per_rank'][0]} samples per rank"]
     lines += [f"rejected {Path(r['source']).name}: {r['reason']} ({r['detail']})" for r in rejected]

@@ -58,6 +58,19 @@ class LeaseHeldError(PaperlineError):
         self.uri, self.holder = uri, holder
 
 
+class LeaseLostError(PaperlineError):
+    """A held lease was lost (``taken_over``: another holder has it now) or may be about to be
+    (this holder could not renew it in time).
+
+    Attributes:
+        taken_over: True when another holder took the lease over.
+    """
+
+    def __init__(self, message: str, taken_over: bool):
+        super().__init__(message)
+        self.taken_over = taken_over
+
+
 class NotCommittedError(ObjectNotFoundError):
     """A multi-object output has no manifest: it was never committed, or its writer failed."""
 
@@ -151,6 +164,39 @@ def _free_bytes(path: Path) -> int | None:
         return shutil.disk_usage(path).free
     except OSError:
         return None
+
+
+def _machine() -> tuple[str, str]:
+    """This machine: its host name and its ``/etc/machine-id`` ("" where there is none), so that
+    two machines of one host name are not taken for one (a pid of one unknown on the other would
+    read as a dead holder's)."""
+    import socket  # noqa: PLC0415
+
+    try:
+        machine_id = Path("/etc/machine-id").read_text().strip()
+    except OSError:
+        machine_id = ""
+    return socket.gethostname(), machine_id
+
+
+def _holder_words(held: Any) -> tuple[str, bool]:
+    """A lease object's holder in words, and whether its process is known gone (it ran on this
+    machine and no such process is left)."""
+    try:
+        words = f"{held['owner']} (pid {held['pid']} on {held['host']})"
+    except (KeyError, TypeError):
+        return "another writer", False
+    host, machine_id = _machine()
+    if held.get("host") != host or held.get("machine_id", machine_id) != machine_id or \
+            not isinstance(held.get("pid"), int):
+        return words, False
+    try:
+        os.kill(held["pid"], 0)
+    except ProcessLookupError:
+        return words, True
+    except OSError:
+        pass  # (alive, another user's)
+    return words, False
 
 
 def _server_age(head: dict[str, Any]) -> float:
@@ -527,8 +573,8 @@ class ObjectStore:
             uri: ``s3://bucket/key``.
             if_absent: Create only (``If-None-Match: *``, which SeaweedFS, AWS S3 and MinIO
                 decide atomically): of two writers creating one object, one wins and the other
-                gets :class:`ObjectExistsError`, e.g. a dataset's commit. A retried PUT whose
-                first attempt landed finds its own bytes there, which count as written.
+                gets :class:`ObjectExistsError`, e.g. a dataset's commit. Bytes equal to this
+                call's found there count as written (a retried PUT whose first attempt landed).
 
         Raises:
             ObjectExistsError: ``if_absent`` and the object exists with other bytes.
@@ -548,18 +594,16 @@ class ObjectStore:
                 return uri
             except ClientError as exc:
                 code = exc.response.get("ResponseMetadata", {}).get("HTTPStatusCode")
-                if code == 409:  # (AWS) another conditional write to it is in flight
-                    time.sleep(0.1 * (attempt + 1))
-                    continue
-                if code != 412:
+                if code not in (409, 412):
                     raise
-            head = self._head(bucket, key)
-            if head is None:
-                continue  # deleted in between: try again
-            if head.get("Metadata", {}).get("sha256") == sha and int(head["ContentLength"]) == len(data):
-                return uri  # (this PUT's own first attempt, retried by boto3 after a lost reply)
-            raise ObjectExistsError(f"{uri}: already exists (written by another writer)")
-        raise ObjectExistsError(f"{uri}: other writers kept creating it (409 Conflict 20 times)")
+            # 409 (AWS): another conditional write to it is in flight; 412: it exists
+            head = self._head(bucket, key) if code == 412 else None
+            if head is not None:
+                if head.get("Metadata", {}).get("sha256") == sha and int(head["ContentLength"]) == len(data):
+                    return uri  # (this PUT's own first attempt, retried by boto3 after a lost reply; or the same bytes)
+                raise ObjectExistsError(f"{uri}: already exists (written by another writer)")
+            time.sleep(0.1 * (attempt + 1))  # in flight, or deleted in between: try again
+        raise ObjectExistsError(f"{uri}: other writers kept writing it (20 tries)")
 
     def upload_file_to(self, path: str | os.PathLike[str], uri: str) -> str:
         """Upload a local file to exactly ``uri`` (multipart for large files: the object becomes
@@ -672,10 +716,13 @@ class ObjectStore:
         it when the object exists), renewed every ``renew_s`` seconds by a thread (a conditional
         rewrite, ``If-Match`` of the last ETag), and deleted at the end. A waiter polls every
         ``poll_s`` seconds; a lease whose ETag has not changed for ``stale_s`` seconds of the
-        waiter's own clock, or last written ``stale_s`` seconds before the S3 server's reply says
-        by the server's own clock (its holder died without releasing it), is taken over, and at
-        once when its holder's process, on this machine, is gone. No clock is compared between
-        machines. Each holder writes a token of its own into the object, so a
+        waiter's own clock (its holder died without releasing it) is taken over, and at once when
+        its holder's process, on this machine, is gone. A lease that by the S3 server's own clock
+        (its reply's ``Date`` less the object's ``Last-Modified``) was last written over
+        ``stale_s + 1`` seconds ago is taken over once it stays unchanged for ``renew_s +
+        poll_s`` of the waiter's clock (a holder dead long before need not be waited for
+        ``stale_s``; the confirmation guards against a server clock that jumped). No clock is
+        compared between machines. Each holder writes a token of its own into the object, so a
         conditional request that botocore retried after its first attempt landed (a lost
         response) is known for this holder's own, not another's.
 
@@ -686,7 +733,8 @@ class ObjectStore:
             on_takeover: Called with the holder's words and why, when its lease is taken over.
             renew_s, stale_s, poll_s: Seconds, as above (``stale_s`` > 2 ``renew_s``).
             wait: False refuses at once (:class:`LeaseHeldError`) where a live holder holds the
-                lease, rather than waiting for it (a campaign that must not run twice).
+                lease, rather than waiting for it (a campaign that must not run twice); a lease
+                the server's clock says is stale is still confirmed and taken over.
 
         Yields:
             A check to call before each write the lease guards: it raises when the lease was
@@ -697,9 +745,8 @@ class ObjectStore:
         Raises:
             LeaseHeldError: ``wait`` is False and a live holder holds the lease.
             ServiceError: S3 is unreachable or rejects the credentials.
-            PaperlineError: (from the check) the lease was lost, or may be.
+            LeaseLostError: (from the check) the lease was lost, or may be.
         """
-        import socket  # noqa: PLC0415
         import uuid  # noqa: PLC0415
 
         from botocore.exceptions import ClientError  # noqa: PLC0415
@@ -708,7 +755,8 @@ class ObjectStore:
             raise InputError("stale_s", stale_s, f"must exceed twice renew_s ({renew_s:g} s), which must be positive")
         bucket, key = split_uri(uri)
         token = uuid.uuid4().hex
-        base = {"owner": owner, "host": socket.gethostname(), "pid": os.getpid(), "token": token}
+        host, machine_id = _machine()
+        base = {"owner": owner, "host": host, "machine_id": machine_id, "pid": os.getpid(), "token": token}
 
         def status(exc: ClientError) -> int:
             return int(exc.response.get("ResponseMetadata", {}).get("HTTPStatusCode") or 0)
@@ -731,19 +779,9 @@ class ObjectStore:
         def holder() -> tuple[str, bool]:
             """The holder in words, and whether its process is known gone (on this machine)."""
             try:
-                held = json.loads(self.get_bytes(uri))
-                words = f"{held['owner']} (pid {held['pid']} on {held['host']})"
+                return _holder_words(json.loads(self.get_bytes(uri)))
             except Exception:  # noqa: BLE001 - (released meanwhile, or not ours to read)
                 return "another writer", False
-            gone = False
-            if held.get("host") == socket.gethostname() and isinstance(held.get("pid"), int):
-                try:
-                    os.kill(held["pid"], 0)
-                except ProcessLookupError:
-                    gone = True
-                except OSError:
-                    pass  # (alive, another user's)
-            return words, gone
 
         seen, seen_at, said, who, gone = None, 0.0, False, "another writer", False
         while True:
@@ -764,9 +802,12 @@ class ObjectStore:
                 seen, seen_at = head["ETag"], time.monotonic()
                 who, gone = holder()
             unrenewed = time.monotonic() - seen_at
-            age = _server_age(head)  # (a holder dead long before this waiter came need not be waited for)
-            # (age is to the second: a second's grace)
-            if gone or unrenewed > stale_s or age > stale_s + 1:  # its holder died, or stopped renewing: taken over
+            # a holder dead long before this waiter came need not be waited for stale_s: the S3
+            # server's clock says how old the lease is (to the second: a second's grace), confirmed
+            # by the lease staying unchanged for a renewal's time on this waiter's own clock (a
+            # server clock that jumped, or gateways whose clocks differ, made a live lease look old)
+            aged = _server_age(head) > stale_s + 1 and unrenewed > renew_s + poll_s
+            if gone or unrenewed > stale_s or aged:  # its holder died, or stopped renewing: taken over
                 try:
                     self._call(f"lease {uri}", self.client.delete_object, Bucket=bucket, Key=key, IfMatch=seen)
                 except ClientError:
@@ -774,10 +815,10 @@ class ObjectStore:
                 if on_takeover is not None:  # (a waiter saw only "waiting for ...", then success: a trial)
                     on_takeover(f"{who}: its process is gone" if gone else
                                 f"{who}: not renewed for the {unrenewed:.0f} s since this run first saw it"
-                                if unrenewed > stale_s else f"{who}: last renewed {age:.0f} s ago (the S3 server's "
-                                                            "clock)")
+                                if unrenewed > stale_s else f"{who}: last renewed {_server_age(head):.0f} s ago (the "
+                                                            "S3 server's clock)")
                 continue
-            if not wait:
+            if not wait and _server_age(head) <= stale_s + 1:
                 raise LeaseHeldError(uri, who)
             if not said and on_wait is not None:
                 said = True
@@ -811,11 +852,11 @@ class ObjectStore:
                 unrenewed = time.monotonic() - state["renewed_at"]
                 if state["lost"] or head is None or head["ETag"] != state["etag"]:
                     state["lost"] = True
-                    raise PaperlineError(f"lost the write lease {uri} (not renewed for {stale_s:g} s, and another "
-                                         "writer took it over): stopped before writing on; run again")
+                    raise LeaseLostError(f"lost the write lease {uri} (not renewed for {stale_s:g} s, and another "
+                                         "writer took it over): stopped before writing on; run again", True)
                 if unrenewed > stale_s - 2 * renew_s:
-                    raise PaperlineError(f"could not renew the write lease {uri} for {unrenewed:.0f} s: stopped "
-                                         f"before another writer may take it over ({stale_s:g} s); run again")
+                    raise LeaseLostError(f"could not renew the write lease {uri} for {unrenewed:.0f} s: stopped "
+                                         f"before another writer may take it over ({stale_s:g} s); run again", False)
 
         thread = threading.Thread(target=renew, name=f"lease {key}", daemon=True)
         thread.start()
@@ -828,6 +869,25 @@ class ObjectStore:
                 with contextlib.suppress(Exception):  # (gone with the server: taken over after stale_s)
                     self._call(f"lease {uri}", self.client.delete_object, Bucket=bucket, Key=key,
                                IfMatch=state["etag"])
+
+    def lease_holder(self, uri: str, stale_s: float = 60.0) -> str | None:
+        """Who holds the lease ``uri`` (:meth:`lease`) now, in words, without taking it: None when
+        it is free, its holder's process on this machine is gone, or the S3 server's clock says it
+        was last renewed over ``stale_s + 1`` seconds ago (a check before a run starts; the run
+        takes the lease itself).
+
+        Raises:
+            ServiceError: S3 is unreachable or rejects the credentials.
+        """
+        bucket, key = split_uri(uri)
+        head = self._head(bucket, key)
+        if head is None or _server_age(head) > stale_s + 1:
+            return None
+        try:
+            words, gone = _holder_words(json.loads(self.get_bytes(uri)))
+        except (ObjectNotFoundError, ValueError):
+            return None
+        return None if gone else words
 
     # -- write-then-commit ----------------------------------------------------------------------------
 

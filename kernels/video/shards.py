@@ -152,8 +152,10 @@ def write_dataset(store: Any, output: str, plans: list[ShardPlan], rows: dict[st
 
     Writers of one ``output`` must not overlap (the caller holds a lease): two interleaved writes
     overwrite each other's shards. The manifest is created only where none is (a create-only
-    PUT), so a commit never replaces another writer's, even one made while this write's lease
-    was lost.
+    PUT), so a commit never replaces another writer's manifest (one made after this writer's
+    lease was lost past its last check, or by a writer that took no lease); a shard upload in
+    flight when a lease is lost can still replace a shard of the other's (reading with
+    ``verify`` tells).
 
     Returns:
         The manifest (a dict; each shard lists its members' SHA-256 in ``member_sha256``, in the
@@ -163,7 +165,8 @@ def write_dataset(store: Any, output: str, plans: list[ShardPlan], rows: dict[st
         ``kept_committed`` (the ``extra`` objects whose bytes differ from the committed ones) and
         ``clips_differ`` (the keys whose clip bytes differ from the committed ones; None when the
         committed manifest records no member digests, as before 2026-12-05), so the caller can
-        say what was kept.
+        say what was kept; ``committed_meanwhile`` (True, with ``committed_earlier``) when another
+        writer committed this very plan while this one wrote.
 
     Raises:
         InputError: the prefix already holds a committed dataset with other shards, another
@@ -234,19 +237,31 @@ def write_dataset(store: Any, output: str, plans: list[ShardPlan], rows: dict[st
     json.dumps(manifest)  # fail before committing
     held()
     try:
-        # create-only: a commit never replaces another writer's, lease or no lease (one that
-        # lost its lease in a long shard upload is refused here, not the other's dataset rewritten)
+        # create-only: a commit never replaces another writer's manifest, lease or no lease (a
+        # writer whose lease was lost after its last check, or a caller that took none)
         store.put_bytes_to(json.dumps(manifest, sort_keys=True, indent=1).encode(), manifest_uri, if_absent=True)
     except FileExistsError:
         other = json.loads(store.get_bytes(manifest_uri))
         if [(s["name"], s["keys"], s.get("sha256")) for s in other["shards"]] != \
                 [(s["name"], s["keys"], s["sha256"]) for s in shards]:
             raise InputError("output", output, "another run committed a dataset here while this one wrote its shards "
-                                               "(the write lease was lost, or not taken); this run committed nothing. "
-                                               "Shards of both runs may be there: read it with verify=True, or "
+                                               "(this run's write lease was lost, or not taken); this run committed "
+                                               "nothing. A shard it wrote after the other's commit may have replaced "
+                                               "one of the other's: read the dataset with verify=True to check, or "
                                                "write to another dataset name") from None
+        # the same shards, committed by the other run meanwhile; this run's extra objects were
+        # written after that commit, over the ones it records where they differ
+        committed = other.get("objects", {})
+        replaced = sorted(n for n, o in objects.items() if committed.get(n, {}).get("sha256") != o["sha256"])
+        if replaced:
+            raise InputError("output", output, f"another run committed the same shards here while this one wrote "
+                                               f"them (this run's write lease was lost, or not taken), and this "
+                                               f"run's {', '.join(replaced)} then replaced the ones its manifest "
+                                               "records (their SHA-256 now differs from the manifest's; the shards "
+                                               "are as committed): write to another dataset name for a consistent "
+                                               "dataset") from None
         return dict(other, uploaded=uploaded, skipped=skipped, committed_earlier=True, kept_committed=[],
-                    clips_differ=[])
+                    clips_differ=[], committed_meanwhile=True)
     return dict(manifest, uploaded=uploaded, skipped=skipped, committed_earlier=False, kept_committed=[], clips_differ=[])
 
 
@@ -539,8 +554,13 @@ def _shard_dataset_class() -> type:
 
         @property
         def epoch(self) -> int:
-            """The epoch whose order the next iteration gives (:meth:`set_epoch`)."""
+            """The epoch whose order the next iteration gives (:meth:`set_epoch`; assigning it
+            is the same)."""
             return int(self._epoch.value)
+
+        @epoch.setter
+        def epoch(self, epoch: int) -> None:
+            self.set_epoch(epoch)
 
         def set_epoch(self, epoch: int) -> None:
             """The epoch whose order the next iteration gives (an int >= 0), in this process and
@@ -560,6 +580,8 @@ def _shard_dataset_class() -> type:
             return state
 
         def __setstate__(self, state: dict[str, Any]) -> None:
+            state.pop("_epochs_here", None)  # (a copy pickled before 2026-12-06 kept a plain ``epoch``)
+            state.setdefault("_epoch", state.pop("epoch", 0))
             if isinstance(state["_epoch"], int):
                 state["_epoch"] = multiprocessing.RawValue("q", state["_epoch"])
             self.__dict__.update(state)

@@ -331,14 +331,21 @@ def test_a_campaign_run_on_another_machine_is_refused_until_its_lease_is_stale(s
         with campaign_lock("c1", Path(tmp_path), store, prefix):
             pass
     assert store.get_bytes(lease) == other  # (left as it was)
+    assert store.lease_holder(lease) == "nas flow run brave-otter (0f3c) (pid 4242 on gpu-node-7)"  # (the CLI's check)
+    assert store.lease_holder(f"{prefix}/c2/{RUN_LEASE}") is None
     with campaign_lock("c2", Path(tmp_path), store, prefix) as still_held:  # another campaign is free
         still_held()
         assert json.loads(store.get_bytes(f"{prefix}/c2/{RUN_LEASE}"))["host"] == socket.gethostname()
     assert not store.exists(f"{prefix}/c2/{RUN_LEASE}")  # released
-    # a dead holder's lease, by the server's clock older than stale_s (+1 s for the second's rounding)
+    # a dead holder's lease, by the server's clock older than stale_s (+1 s for the second's
+    # rounding: 4.2 s later the whole-second dates differ by 4 or more), then confirmed unchanged
+    # for renew_s + poll_s on this clock
     taken = []
-    time.sleep(3.5)
-    with store.lease(lease, "this run", wait=False, renew_s=0.5, stale_s=2.0, on_takeover=taken.append):
+    time.sleep(4.2)
+    assert store.lease_holder(lease, stale_s=2.0) is None
+    started = time.monotonic()
+    with store.lease(lease, "this run", wait=False, renew_s=0.5, stale_s=2.0, poll_s=0.2, on_takeover=taken.append):
+        assert time.monotonic() - started >= 0.7
         assert json.loads(store.get_bytes(lease))["owner"] == "this run"
     assert len(taken) == 1 and taken[0].startswith("nas flow run brave-otter (0f3c) (pid 4242 on gpu-node-7): last "
                                                    "renewed ") and taken[0].endswith("s ago (the S3 server's clock)")

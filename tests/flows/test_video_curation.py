@@ -470,6 +470,9 @@ def test_the_same_videos_in_another_directory_are_the_same_inputs():
     assert _inputs_differ(None, here) == "" and _inputs_differ(committed, committed) == ""
     on_gpu = p.inputs(ClipConfig(encoder="h264_nvenc"), ["/a/bikes.mp4", "/a/carphone.mp4", "/a/old.mp4"])
     assert _inputs_differ(committed, on_gpu) == f'encoder (as run)="h264_nvenc" here, "{ClipConfig().encoder}" in it'
+    older = {**committed, "params": {**committed["params"], "legacy_knob": 3}}  # (another paperline's settings)
+    del older["params"]["crf"]
+    assert _inputs_differ(older, committed) == "crf=23 here, absent in it; legacy_knob=absent here, 3 in it"
 
 
 def test_dataset_names_and_outputs_stay_out_of_the_staging_prefix():

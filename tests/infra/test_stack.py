@@ -584,8 +584,9 @@ def test_a_write_lease_has_one_holder_at_a_time_and_a_dead_holders_is_taken_over
     with store.lease(uri, "run D", renew_s=5) as still_held:
         store.client.delete_object(Bucket=bucket, Key=key)
         store.client.put_object(Bucket=bucket, Key=key, Body=b'{"owner": "run E"}')
-        with pytest.raises(PaperlineError, match="lost the write lease"):
+        with pytest.raises(PaperlineError, match="lost the write lease") as lost:
             still_held()
+        assert lost.value.taken_over  # (a nas run leaves the campaign's MLflow run to its new holder)
     assert store.get_bytes(uri) == b'{"owner": "run E"}'  # (not released by run D: run E's)
     store.delete(uri)
     # a renewal whose response was lost and whose retry then met its own landed write (412) is
@@ -606,8 +607,9 @@ def test_a_write_lease_has_one_holder_at_a_time_and_a_dead_holders_is_taken_over
         cut_off.client.put_object = unreachable  # (its renewals fail from here on; HEADs still answer)
         time.sleep(0.8)
         with pytest.raises(PaperlineError, match=r"could not renew the write lease .* stopped before another writer "
-                                                 r"may take it over"):
+                                                 r"may take it over") as lost:
             still_held()
+        assert not lost.value.taken_over
     store.delete(uri)
 
 

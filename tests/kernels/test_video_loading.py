@@ -5,6 +5,7 @@ so with 3 ranks each saw two of six videos)."""
 
 import hashlib
 import io
+import json
 import itertools
 import subprocess
 import sys
@@ -83,11 +84,18 @@ def test_a_commit_never_replaces_another_writers():
     assert store.objects[f"{OUTPUT}/manifest.json"] == theirs
     # the same plan committed by the other run (the same shards): taken as committed, not an error
     store = MemoryStore()
-    done = write_dataset(store, OUTPUT, plans, rows, lambda r: data[r["key"]], {}, {})
+    done = write_dataset(store, OUTPUT, plans, rows, lambda r: data[r["key"]], {"index.parquet": b"i"}, {})
     theirs = store.objects.pop(f"{OUTPUT}/manifest.json").replace(b'"meta": {}', b'"meta": {"run": "B"}')
     again = write_dataset(store, OUTPUT, plans, rows, lambda r: data[r["key"]], {"index.parquet": b"i"}, {},
                           check_lease=another_run_commits)
-    assert again["committed_earlier"] and again["meta"] == {"run": "B"} and again["shards"] == done["shards"]
+    assert again["committed_earlier"] and again["committed_meanwhile"] and again["meta"] == {"run": "B"}
+    assert again["shards"] == done["shards"]
+    # ... but this run's index, written after that commit, replaced the one it records: said
+    store.objects.pop(f"{OUTPUT}/manifest.json")
+    theirs = json.dumps({**json.loads(theirs), "objects": {"index.parquet": {"sha256": "0" * 64}}}).encode()
+    with pytest.raises(InputError, match=r"this run's index\.parquet then replaced the ones its manifest records"):
+        write_dataset(store, OUTPUT, plans, rows, lambda r: data[r["key"]], {"index.parquet": b"i"}, {},
+                      check_lease=another_run_commits)
 
 
 COMBOS = [  # (world_size, num_workers, shuffle_seed, epoch)
@@ -254,7 +262,12 @@ def test_persistent_workers_follow_set_epoch():
     # pickled other than to start a process (a Dask worker, a file): the epoch goes, not the memory
     copy = pickle.loads(pickle.dumps(ds))
     assert copy.epoch == 2
-    ds.set_epoch(7)
+    ds.epoch = 7  # (the attribute it was, still assignable)
     assert copy.epoch == 2 and ds.epoch == 7
+    old = {k: v for k, v in copy.__dict__.items() if k != "_epoch"}  # pickled before 2026-12-06
+    old.update(epoch=4, _epochs_here={4})
+    unpickled = ShardDataset.__new__(ShardDataset)
+    unpickled.__setstate__(old)
+    assert unpickled.epoch == 4 and not hasattr(unpickled, "_epochs_here")
     with pytest.raises(InputError, match=r"^verify='no': must be True or False"):
         ShardDataset(store, OUTPUT, verify="no")
