@@ -24,6 +24,7 @@ from paperline.infra.errors import PaperlineError
 from paperline.infra.errors import no_unfinished_finish as _no_unfinished_finish  # (also in a run's process)
 from paperline.infra.errors import EXPECTED as EXPECTED_ERROR
 from paperline.infra.worker_exit import short_event_failure
+from paperline.infra.summary import fmt as _fmt  # (also in a deployment run's logs: infra/summary.py)
 from paperline.kernels.errors import ClusterLost
 from paperline.kernels.errors import InputError as KernelInputError
 
@@ -1145,13 +1146,6 @@ def _short(text: str, width: int = 36) -> str:
     return "…" + text[-(width - 1):]
 
 
-def _fmt(x: Any) -> str:
-    """Four decimals; a tiny nonzero value (a verification residual of 1e-17) in scientific notation, not 0.0000."""
-    if not isinstance(x, float) or not math.isfinite(x):
-        return str(x)
-    return f"{x:.3e}" if x != 0 and abs(x) < 1e-3 else f"{x:.4f}"
-
-
 HEADER_LINE = 12  # a header line, broken after '_' or a space, need not be narrower than this
 
 
@@ -1194,23 +1188,11 @@ def _integral_columns(rows: list[list[Any]]) -> set[int]:
 
 
 def _print_summary(name: str, summary: dict[str, Any]) -> None:
-    if "table" in summary:
-        spec = summary["table"]
-        table = Table(*spec["columns"], title=spec["title"])
-        for row in spec["rows"]:
-            table.add_row(*[str(v) for v in row])
+    from paperline.infra.summary import summary_table
+
+    table = summary_table(name, summary)
+    if table is not None:
         console.print(table)
-        _print_tail(summary)
-        return
-    rows = summary.get("rows", [])
-    # the bundled datasets are standardized (kernels/tensor/datasets.py); a user's file is not
-    units = "the file's own units" if any(r["dataset"].startswith("user-") for r in rows) else "standardized units"
-    table = Table("dataset", "split", "method", "test RMSE", "validation RMSE", "fit seconds", "epochs",
-                  title=f"{name}: held-out RMSE ({units})")
-    for r in rows:
-        table.add_row(r["dataset"], r["split"], r["method"], _fmt(r["test_rmse"]), _fmt(r["validation_rmse"]),
-                      f"{r['fit_seconds']:.2f}", str(r["epochs"]))
-    console.print(table)
     _print_tail(summary)
 
 

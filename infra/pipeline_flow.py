@@ -68,10 +68,37 @@ def _watched(fn: Callable[..., Any]) -> Callable[..., Any]:
         from paperline.infra.watch import flow_run_watch  # noqa: PLC0415
 
         with flow_run_watch():
-            return fn(*args, **kwargs)
+            result = fn(*args, **kwargs)
+        log_summary(fn.__name__.replace("_", "-"), result)
+        return result
 
     run._paperline_watched = True  # type: ignore[attr-defined]
     return wrapped_like(fn, run)
+
+
+def log_summary(name: str, summary: Any) -> None:
+    """In a deployment's run (its own process, started by `paperline serve` or a Prefect worker),
+    log the flow's summary (:func:`paperline.infra.summary.summary_text`) to the flow run, where
+    the Prefect UI and the serve or worker terminal show it: a deployment run that resumed from
+    checkpoints, or whose results came from the task cache, said so nowhere (a trial). `paperline
+    run` prints the same summary itself, so nothing is logged there."""
+    import os  # noqa: PLC0415
+
+    from paperline.infra.flow_runs import FLOW_RUN_ENV  # noqa: PLC0415
+
+    if not os.environ.get(FLOW_RUN_ENV) or not isinstance(summary, dict):
+        return
+    from prefect.logging import get_run_logger  # noqa: PLC0415
+
+    from paperline.infra.summary import summary_text  # noqa: PLC0415
+
+    try:
+        logger = get_run_logger()
+    except Exception:  # noqa: BLE001 - (no run context: a flow called from a script in that process)
+        return
+    text = summary_text(name, summary)
+    if text:
+        logger.info("%s summary:\n%s", name, text)
 
 
 def wrapped_like(fn: Callable[..., Any], wrapper: Callable[..., Any]) -> Callable[..., Any]:

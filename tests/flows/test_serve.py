@@ -48,6 +48,14 @@ def test_a_run_triggered_through_the_api_completes_and_is_tracked(served, wait_f
         run = client.create_flow_run_from_deployment(deployment.id, parameters={"params": params})
         state = wait_for_flow_run(client, run.id, proc, log)
         assert state.name == "Completed", (state, log.read_text()[-3000:])
+        # the summary `paperline run` prints is in the run's logs (the UI's): a resumed or cached
+        # deployment run said so nowhere (a trial)
+        from prefect.client.schemas.filters import LogFilter, LogFilterFlowRunId
+
+        logs = client.read_logs(LogFilter(flow_run_id=LogFilterFlowRunId(any_=[run.id])))
+        summary = [entry.message for entry in logs if entry.message.startswith("gemm summary:")]
+        assert len(summary) == 1, [entry.message[:200] for entry in logs]
+        assert "verif" in summary[0] and "MLflow run: http://127.0.0.1:" in summary[0], summary[0]
     runs = Tracker(info.mlflow_tracking_uri).client.search_runs(
         [Tracker(info.mlflow_tracking_uri).client.get_experiment_by_name("gemm").experiment_id],
         filter_string=f"tags.`prefect.flow_run_id` = '{run.id}'")

@@ -1,0 +1,61 @@
+"""A flow run's summary as the user reads it: its table, its lines and where to look.
+
+`paperline run` prints it on the terminal; a deployment's run (started by `paperline serve` or a
+Prefect worker) logs it to the flow run, so that a run triggered from the Prefect UI says what
+`paperline run` would have said: a resumed or cached result, a regression, rejected inputs (a
+trial's resumed deployment run said none of it).
+"""
+
+from __future__ import annotations
+
+import io
+import math
+from typing import Any
+
+
+def fmt(x: Any) -> str:
+    """Four decimals; a tiny nonzero value (a verification residual of 1e-17) in scientific
+    notation, not 0.0000; anything but a finite float as ``str``."""
+    if not isinstance(x, float) or not math.isfinite(x):
+        return str(x)
+    return f"{x:.3e}" if x != 0 and abs(x) < 1e-3 else f"{x:.4f}"
+
+
+def summary_table(name: str, summary: dict[str, Any]) -> Any:
+    """The summary's table as a ``rich.table.Table``: its ``table`` spec (title, columns, rows),
+    or, for tensor-factorization, its ``rows`` of held-out RMSEs; None when it has neither."""
+    from rich.table import Table  # noqa: PLC0415
+
+    if "table" in summary:
+        spec = summary["table"]
+        table = Table(*spec["columns"], title=spec["title"])
+        for row in spec["rows"]:
+            table.add_row(*[str(v) for v in row])
+        return table
+    if "rows" not in summary:
+        return None
+    rows = summary["rows"]
+    # the bundled datasets are standardized (kernels/tensor/datasets.py); a user's file is not
+    units = "the file's own units" if any(r["dataset"].startswith("user-") for r in rows) else "standardized units"
+    table = Table("dataset", "split", "method", "test RMSE", "validation RMSE", "fit seconds", "epochs",
+                  title=f"{name}: held-out RMSE ({units})")
+    for r in rows:
+        table.add_row(r["dataset"], r["split"], r["method"], fmt(r["test_rmse"]), fmt(r["validation_rmse"]),
+                      f"{r['fit_seconds']:.2f}", str(r["epochs"]))
+    return table
+
+
+def summary_text(name: str, summary: dict[str, Any], width: int = 120) -> str:
+    """The summary as plain text (no colour): the table, the lines, the MLflow run's URL."""
+    from rich.console import Console  # noqa: PLC0415
+
+    out = io.StringIO()
+    console = Console(file=out, width=width, color_system=None, highlight=False, emoji=False)
+    table = summary_table(name, summary)
+    if table is not None:
+        console.print(table)
+    for line in summary.get("lines", []):
+        console.print(line, soft_wrap=True, markup=False)
+    if summary.get("mlflow_run_url"):
+        console.print(f"MLflow run: {summary['mlflow_run_url']}", soft_wrap=True, markup=False)
+    return out.getvalue().rstrip("\n")
