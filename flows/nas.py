@@ -77,8 +77,9 @@ class CampaignParameters(BaseModel):
         if v is not None and (problem := name_problem(v, "campaign")):
             raise ValueError(problem)
         return v
-    evaluation_timeout_s: float = Field(3600.0, gt=0, description="A batch's evaluations not done this many "
-                                                                 "seconds after it started are recorded as failed.")
+    evaluation_timeout_s: float = Field(3600.0, gt=0, description="An evaluation not done this many seconds "
+                                                                 "after it started on its worker is stopped and "
+                                                                 "recorded as failed (timed out).")
 
     def problem_kwargs(self) -> dict[str, Any]:
         """The options handed to the problem: ``problem_options``, plus ``objectives`` when set,
@@ -388,17 +389,22 @@ def _run_one(cp: CampaignParameters, campaign: Campaign, name: str, store: Objec
         log_evaluations(tracker, EXPERIMENT, parent_id, campaign, campaign.evaluations, tags)  # after a lost run
     # MLflow parameters cannot change, so a campaign resumed with a larger budget says so in a tag
     tracker.set_tags(parent_id, {**tags, "checkpoint": checkpoint_uri, "paperline.budget": cp.budget})
-    # Prefect interrupts an evaluation past its limit on the worker (between Python steps); the
-    # flow's own deadline below also covers one stuck inside a long C call.
-    bounded = evaluate.with_options(timeout_seconds=cp.evaluation_timeout_s)
+    # An evaluation keeps its own time limit from its start on its worker (checked between its
+    # steps: kernels/search/deadline.py). Prefect's task limit, a little later, and the flow's
+    # deadline below are backstops for one stuck in a long C call: Prefect's exception into the
+    # worker's thread was lost in a callback once (a trial), and the flow's deadline counts from
+    # the batch's submission, allowing for evaluations queued behind others.
+    timeout = cp.evaluation_timeout_s
+    bounded = evaluate.with_options(timeout_seconds=timeout + max(10.0, 0.1 * timeout))
     try:
         while not campaign.done:
             x = campaign.ask()
             start = campaign.n_done
             futures = [bounded.submit(campaign.problem.name, campaign.problem.options, [float(v) for v in row],
-                                       campaign.seed, start + i) for i, row in enumerate(x)]
-            deadline = time.monotonic() + cp.evaluation_timeout_s
-            results = [_result(f, deadline, cp.evaluation_timeout_s) for f in futures]
+                                       campaign.seed, start + i, timeout) for i, row in enumerate(x)]
+            allowed = len(futures) * (timeout + max(10.0, 0.1 * timeout))  # (all queued on one worker, at worst)
+            deadline = time.monotonic() + allowed
+            results = [_result(f, deadline, allowed) for f in futures]
             new = campaign.tell(x, results)
             try:
                 still_held()  # (a run that lost the campaign to another does not write over its checkpoint)
@@ -461,17 +467,17 @@ def _identity(a: Campaign, b: Campaign) -> list[tuple[str, Any, Any]]:
             ("ref_point", a.ref_point_user, b.ref_point_user)]
 
 
-def _result(future: Any, deadline: float, timeout_s: float) -> dict[str, Any]:
+def _result(future: Any, deadline: float, allowed_s: float) -> dict[str, Any]:
     """An evaluation's result by ``deadline`` (``time.monotonic``). A task that failed even after
-    its retry, or is not done in time, is recorded as failed and the campaign goes on. (Prefect
-    cannot interrupt a task on a Dask worker thread, so the time limit is kept here.)"""
+    its retry, or is not done in time (stuck in a C call past its own limit and Prefect's), is
+    recorded as failed and the campaign goes on."""
     try:
         return future.result(timeout=max(0.0, deadline - time.monotonic()))
     except KernelInputError:
         raise
     except TimeoutError:
-        return {"values": None, "error": f"timed out: not done {timeout_s:g} s after its batch started",
-                "seconds": timeout_s}
+        return {"values": None, "error": f"timed out: not done {allowed_s:g} s after its batch started (stuck past "
+                                         "its own limit)", "seconds": allowed_s}
     except Exception as exc:  # noqa: BLE001 - a lost worker: recorded, the campaign goes on
         return {"values": None, "error": f"task failed: {type(exc).__name__}: {exc}", "seconds": 0.0}
 

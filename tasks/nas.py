@@ -29,10 +29,13 @@ from paperline.tasks.retry import HOUR, retry_unless_bad_input
 
 @task(name="nas-evaluate", cache_policy=(INPUTS - "index") + TASK_SOURCE, persist_result=True, retries=1,
       retry_condition_fn=retry_unless_bad_input, task_run_name="evaluate-{index}", timeout_seconds=HOUR)
-def evaluate(problem: str, problem_options: dict[str, Any], x: list[float], seed: int, index: int) -> dict[str, Any]:
+def evaluate(problem: str, problem_options: dict[str, Any], x: list[float], seed: int, index: int,
+             timeout_s: float | None = None) -> dict[str, Any]:
     """Evaluate one candidate on the worker (see :func:`evaluate_point`: failures are recorded,
-    not raised). ``index`` only names the task run; it is not part of the cache key."""
-    return evaluate_point(make_problem(problem, **problem_options), x, seed)
+    not raised), stopping past ``timeout_s`` seconds from its start here (recorded as timed out;
+    part of the cache key, so a larger limit evaluates again). ``index`` only names the task
+    run; it is not part of the cache key."""
+    return evaluate_point(make_problem(problem, **problem_options), x, seed, timeout_s=timeout_s)
 
 
 def load_checkpoint(store: ObjectStore, uri: str) -> dict[str, Any] | None:

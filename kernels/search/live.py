@@ -32,6 +32,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from paperline.kernels.errors import InputError, check_int
+from paperline.kernels.search.deadline import check_deadline
 from paperline.kernels.search.problems import PROBLEMS, Objective, Problem
 from paperline.kernels.search.space import SearchSpace
 
@@ -228,17 +229,20 @@ def train_and_measure(arch: Arch, seed: int, *, epochs: int = 1, n_train: int = 
         model.train()
         for _ in range(epochs):
             for idx in torch.randperm(n_train, generator=order).split(BATCH_SIZE):
+                check_deadline()  # (the evaluation's time limit: its batch boundary)
                 idx = idx.to(device)
                 opt.zero_grad(set_to_none=True)
                 torch.nn.functional.cross_entropy(model(xs[idx]), ys[idx]).backward()
                 opt.step()
                 schedule.step()
         model.eval()
+        check_deadline()
         xt = torch.tensor(x_test, device=device)
         with torch.inference_mode():
             pred = torch.cat([model(b).argmax(1) for b in xt.split(500)]).cpu().numpy()
         accuracy_pct = 100.0 * float(np.mean(pred == y_test))
         params = sum(p.numel() for p in model.parameters() if p.requires_grad)
+        check_deadline()
         latency_ms = measure_latency_ms(model, xt[:1])
     finally:
         torch.set_num_threads(previous_threads)

@@ -230,7 +230,7 @@ def test_evaluations_past_the_time_limit_are_recorded_as_failed(run_cli, cli_env
                                 filter_string=f"tags.mlflow.runName = 'timeout-{os.getpid()}'")
     assert [r.info.status for r in parent] == ["FAILED"], parent
     assert f"error: campaign 'timeout-{os.getpid()}': all 2 of its evaluations failed, so it found nothing (failed: " \
-           "2 x timed out: not done 0.2 s after its batch started); its checkpoint keeps them" in out, out[-2000:]
+           "2 x timed out: not done 0.2 s after it started on its worker); its checkpoint keeps them" in out, out[-2000:]
     # the limit raised: the re-run resumes the complete campaign, and says what it will not do (a
     # trial read the same failed summary as the new limit not working)
     proc = run_cli(cli_env, *args, "--set", "evaluation_timeout_s=600")

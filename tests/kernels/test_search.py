@@ -293,6 +293,25 @@ def test_evaluate_point_refuses_a_point_outside_the_space():
         evaluate_point(make_problem("branin-currin"), [2.0, 0.5], 0)
 
 
+def test_an_evaluation_past_its_time_limit_stops_itself_and_is_recorded_as_timed_out():
+    """Prefect's task limit, an exception sent into the worker's thread, was lost in a Dask
+    callback: a timed-out training ran on and the next batch timed out queued behind it (a
+    trial). The evaluation checks its own limit between training batches."""
+    import time
+
+    problem = make_problem("live-mnist", epochs=3)
+    x = problem.space.sobol(1, seed=0)[0]
+    t0 = time.perf_counter()
+    got = evaluate_point(problem, x, 0, timeout_s=0.3)
+    took = time.perf_counter() - t0
+    assert got["values"] is None and got["error"] == "timed out: not done 0.3 s after it started on its worker", got
+    assert took < 3.0, took  # (one training batch past the limit, not the 3 epochs)
+    # without a limit the same point trains to the end (and the limit does not leak into it)
+    cheap = make_problem("live-mnist", epochs=1, n_train=100)
+    assert evaluate_point(cheap, x, 0)["error"] is None
+    assert evaluate_point(cheap, x, 0, timeout_s=600)["error"] is None
+
+
 @pytest.mark.parametrize(("kwargs", "match"), [
     (dict(problem="branin-currin", optimizer="simulated-annealing"), "unknown optimizer"),
     (dict(problem="knapsack", optimizer="random"), "unknown problem"),
