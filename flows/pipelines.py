@@ -187,8 +187,9 @@ def build_parameters(pipeline: Pipeline, preset: str, overrides: list[str]) -> B
         values[key] = value
     try:
         model = pipeline.parameters.model_validate(values)
-    except ValidationError as exc:  # e.g. live[budget]
-        error = input_error_from(exc, lambda loc: str(loc[0]) + "".join(f"[{p}]" for p in loc[1:]))
+    except ValidationError as exc:  # e.g. live.budget, compressors[1] (live.optimizer's checks say it so: a trial)
+        error = input_error_from(exc, lambda loc: str(loc[0]) + "".join(f"[{p}]" if isinstance(p, int) else f".{p}"
+                                                                        for p in loc[1:]))
         raw = given.get(error.argument)
         if raw is not None and repr(error.value) != raw:  # --set m=null said m=None: the value as typed
             error = InputError(error.argument, _AsTyped(raw) if _json_non_text(raw) else raw, error.problem)

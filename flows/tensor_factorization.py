@@ -185,8 +185,9 @@ class TensorFactorizationParameters(BaseModel):
                         " (counting those empty indices)" if layout else "")
                 detail = str(exc)
                 if getattr(exc, "argument", None) == "horizon":  # not a parameter one can set (a trial)
-                    detail = (f"{exc.problem} (its held-out sets are the last {exc.value} time steps each, a tenth "
-                              f"of the {tensor.shape[-1]} of 't')")
+                    n_t = tensor.shape[-1]
+                    detail = (f"{exc.problem} (its validation and test sets are the last {exc.value} time step(s) "
+                              f"each, a tenth of 't''s {n_t} steps; it needs at least {2 * exc.value + 2} steps)")
                 raise InputError("data", self.data, f"cannot make the {kind} split: {detail}{hint}") from None
         try:
             self.check_shape("data", tensor.shape)

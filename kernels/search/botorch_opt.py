@@ -39,9 +39,11 @@ GP_FIT_MAXITER = 100  # L-BFGS-B iterations of the GP hyperparameter fit (BoTorc
 def fused_kernel_dir() -> Path:
     """Where torch builds BoTorch's fused qLogEHVI kernel for this interpreter (virtual env):
     ``$XDG_CACHE_HOME/torch_extensions/paperline-py3X-<sha256 of sys.prefix, 12 hex digits>``
-    (``~/.cache`` when ``XDG_CACHE_HOME`` is unset)."""
+    (``~/.cache`` when ``XDG_CACHE_HOME`` is unset), the prefix with its symbolic links resolved
+    (a clone whose ``.venv`` linked to another's rebuilt the kernel in a NAS campaign, a silent
+    minute and a half: a trial)."""
     cache = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache")
-    tag = hashlib.sha256(sys.prefix.encode()).hexdigest()[:12]
+    tag = hashlib.sha256(os.path.realpath(sys.prefix).encode()).hexdigest()[:12]
     return cache / "torch_extensions" / f"paperline-py{sys.version_info[0]}{sys.version_info[1]}-{tag}"
 
 
@@ -92,6 +94,9 @@ def load_fused_kernel() -> Any | None:
             else:
                 warnings.warn(f"torch's build lock {torch_lock} exists, so loading BoTorch's fused kernel waits "
                               "until it is gone; if no build of it is running, delete that file", stacklevel=2)
+        if not any((directory / "logei_fused_ext").glob("*.so")):  # (a silent pause of 40-100 s: a trial)
+            print(f"building BoTorch's fused qLogEHVI kernel in {directory} (about 40 s, once per environment)",
+                  file=sys.stderr, flush=True)
         loader()
     return getattr(logei, "_C", None)
 

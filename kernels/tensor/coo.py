@@ -357,7 +357,13 @@ def random_split(tensor: COOTensor, *, validation_fraction: float = 0.1, test_fr
     n_val = int(round(validation_fraction * n))
     n_test = int(round(test_fraction * n))
     if min(n_val, n_test, n - n_val - n_test) < 1:
-        raise InputError("tensor.nnz", n, "too few observed entries to split")
+        least = next((m for m in range(n + 1, 10 * n + 10_000)
+                      if min(round(validation_fraction * m), round(test_fraction * m),
+                             m - round(validation_fraction * m) - round(test_fraction * m)) >= 1), None)
+        need = f": {least} at least" if least is not None else ""
+        raise InputError("tensor.nnz", n, f"too few observed entries to split into training, validation and test "
+                                          f"sets ({validation_fraction:g} and {test_fraction:g} of them held "
+                                          f"out{need})")
     perm = np.random.default_rng(seed).permutation(n)
     return Split("random", tensor.subset(np.sort(perm[n_val + n_test:])),
                  tensor.subset(np.sort(perm[:n_val])), tensor.subset(np.sort(perm[n_val:n_val + n_test])))

@@ -149,7 +149,8 @@ def test_bad_user_data(parquet):
          ["data['note']='string'", "'note' holds labels", "or drop the column if it is not a mode"]),
         (str(Path(parquet("x.parquet", raw=b"")).parent), ["is a directory"]),
         (parquet("tiny.parquet", pa.table({"i": [0, 1, 2], "j": [0, 1, 0], "t": [0, 1, 2], "value": [1.0, 2.0, 3.0]})),
-         ["tiny.parquet", "cannot make the random split", "too few observed entries"]),
+         ["tiny.parquet", "cannot make the random split", "too few observed entries to split into training, "
+          "validation and test sets (0.1 and 0.1 of them held out: 6 at least)"]),
         # a tensor too short in time for the temporal split: the error says how to go on (a trial)
         (parquet("short.parquet", pa.table({"i": list(range(40)), "j": [k % 5 for k in range(40)], "t": [0] * 40,
                                             "value": [1.0] * 40})),
@@ -167,8 +168,8 @@ def test_bad_user_data(parquet):
         # years as 't', ids as indices: the errors say what to renumber (a trial)
         (parquet("years.parquet", pa.table({"i": [k % 5 for k in range(600)], "j": [k // 5 % 4 for k in range(600)],
                                             "t": [1995 + k // 20 for k in range(600)], "value": [1.0] * 600})),
-         ["cannot make the temporal split: the train slices hold no observed entries (its held-out sets are the "
-          "last 202 time steps each, a tenth of the 2025 of 't')", "'t' starts at 1995, so 1995 empty time steps come "
+         ["cannot make the temporal split: the train slices hold no observed entries (its validation and test sets "
+          "are the last 202 time step(s) each, a tenth of 't''s 2025 steps; it needs at least 406 steps)", "'t' starts at 1995, so 1995 empty time steps come "
           "first", "subtract 1995; or --set splits=random fits it without the temporal split (counting those empty "
           "indices)"]),
         (parquet("ids.parquet", pa.table({"i": [k % 10 * 10**12 for k in range(300)], "j": [k // 10 % 5 for k in range(300)],

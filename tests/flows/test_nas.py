@@ -373,6 +373,8 @@ def test_a_seed_torch_cannot_take_is_refused_as_bad_input():
     (["campaign=_x"], "campaign='_x': it must start with a letter or a digit"),
     # it named the parameter model's class ("... instance of CampaignParameters")
     (["live=live-mnist"], "live='live-mnist': Input should be a JSON object of its fields, e.g. {\"name\": value}"),
+    # a live field as live.optimizer's checks name one (it was live[budget]: a trial)
+    (['live={"budget": 0}'], "live.budget=0: Input should be greater than or equal to 1"),
 ])
 def test_a_bad_campaign_name_or_live_value_is_said_in_words(sets, said, tmp_path):
     from typer.testing import CliRunner

@@ -474,7 +474,7 @@ def test_lamoo_kernel_auto_is_rbf_on_categorical_spaces_and_recorded():
         make_optimizer("lamoo", box, 2, ref_point=[0.0, 0.0], kernel="sigmoid")
 
 
-def test_the_fused_qlogehvi_kernel_is_built_in_this_envs_own_directory(monkeypatch):
+def test_the_fused_qlogehvi_kernel_is_built_in_this_envs_own_directory(monkeypatch, tmp_path):
     """BoTorch's fused C++ kernel (``make install`` builds it) loads, from a build directory of
     this virtual env's own: with torch's default, shared by every env of the user, each env's
     build replaced the other's and the next NAS campaign waited 40-100 s for a rebuild."""
@@ -492,8 +492,16 @@ def test_the_fused_qlogehvi_kernel_is_built_in_this_envs_own_directory(monkeypat
     assert directory == str(fused_kernel_dir()) and module is not None, proc.stderr[-2000:]
     assert module.startswith(directory + os.sep)
     here = fused_kernel_dir()
-    monkeypatch.setattr(sys, "prefix", sys.prefix + "-another-env")
+    assert "building BoTorch's fused qLogEHVI kernel" not in proc.stderr  # (built by make install: said only when built)
+    prefix = sys.prefix
+    monkeypatch.setattr(sys, "prefix", prefix + "-another-env")
     assert fused_kernel_dir() != here and fused_kernel_dir().parent == here.parent
+    # the same env through a symbolic link (a clone whose .venv links to another's) is the same env
+    # (it rebuilt the kernel in a trial's NAS campaign, a silent minute and a half)
+    link = tmp_path / "linked-venv"
+    link.symlink_to(prefix, target_is_directory=True)
+    monkeypatch.setattr(sys, "prefix", str(link))
+    assert fused_kernel_dir() == here
 
 
 def test_a_dead_builders_torch_lock_does_not_hang_the_fused_kernels_load(tmp_path):
