@@ -1839,7 +1839,8 @@ def compare(experiment: str = typer.Argument(..., metavar="EXPERIMENT", help="ML
                                      help="Directory for the Parquet file and the plot."),
             log: bool = typer.Option(False, "--log", help="Also log the comparison as an MLflow run."),
             all_runs: bool = typer.Option(False, "--all-runs", help="Every run, not only the runs each pipeline "
-                                                                   "compares (nas: campaigns, not evaluations).")
+                                                                   "compares (nas: campaigns, not evaluations; "
+                                                                   "cached copies of earlier runs too).")
             ) -> None:
     """Compare an experiment's MLflow runs: a table, an overlay plot of step-wise metrics and a
     Parquet file of the runs."""

@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from paperline.infra.errors import InputError
-from paperline.infra.regression import HEADLINES_TAG
+from paperline.infra.regression import CACHED_FROM_TAG, HEADLINES_TAG
 
 DATA_TAG = "paperline.data_sha256"  # a user-data tensor-factorization run's content
 from paperline.infra.tracking import Tracker
@@ -22,6 +22,10 @@ from paperline.infra.tracking import Tracker
 
 KEY_FILTER = "tags.`paperline.params_key` LIKE '%'"
 NOT_COMPARISON = "attributes.run_name != 'comparison'"
+# a re-run served from Prefect's task cache logs a run repeating an earlier one's metrics: exact
+# duplicate rows (a trial: 10 rows of compressed training, 3 of them copies); --all-runs lists them
+NOT_CACHED = f"tags.`{CACHED_FROM_TAG}` IS NULL"
+CACHED = f"tags.`{CACHED_FROM_TAG}` IS NOT NULL"
 
 
 HEADLINE_SAMPLE = 100  # newest runs whose headline tags decide the default metrics
@@ -79,6 +83,21 @@ def _locations(values: Any) -> bool:
 MAX_PARAM_COLUMNS = 5  # parameters that differ between the runs, shown as table columns
 
 
+def cached_copies(runs: list[Any]) -> dict[str, str]:
+    """Which of ``runs`` repeat an earlier run's result (tag :data:`CACHED_FROM_TAG`, served from
+    Prefect's task cache), as ``{run_id: "run <id8>"}`` naming the run they copy where it is among
+    ``runs`` (the same name, logged by the flow run in the tag), else ``"flow run <id8>"``."""
+    copies = {}
+    for r in runs:
+        flow_run = r.data.tags.get(CACHED_FROM_TAG)
+        if not flow_run:
+            continue
+        original = next((o for o in runs if o.data.tags.get("prefect.flow_run_id") == flow_run
+                         and o.info.run_name == r.info.run_name and CACHED_FROM_TAG not in o.data.tags), None)
+        copies[r.info.run_id] = f"run {original.info.run_id[:8]}" if original else f"flow run {flow_run[:8]}"
+    return copies
+
+
 def compare_runs(tracker: Tracker, experiment: str, metrics: list[str], filter_string: str = "", top: int = 10,
                  out_dir: Path = Path("paperline-compare"), log: bool = False, ascending: bool = False,
                  all_runs: bool = False) -> dict[str, Any]:
@@ -101,15 +120,18 @@ def compare_runs(tracker: Tracker, experiment: str, metrics: list[str], filter_s
         all_runs: every run of the experiment. By default only the runs a pipeline compares with
             each other (tagged ``paperline.params_key``: the gemm, tensor and video flow runs, each
             nas campaign's parent run, each compressor's run of compressed training, not a nas
-            campaign's per-evaluation child runs); every run when no run carries the tag.
+            campaign's per-evaluation child runs); every run when no run carries the tag. Cached
+            copies (tag :data:`CACHED_FROM_TAG`: a re-run's result served from Prefect's task
+            cache, the earlier run's metrics again) only here, with a ``cached copy of`` column.
 
     Runs of the experiment that MLflow shows RUNNING while Prefect has their flow run Crashed
     (a killed process) are ended first (:meth:`Tracker.end_orphaned_runs`).
 
     Returns:
         ``{"columns", "rows", "parquet", "plot" (None without metrics), "comparison_run_id",
-        "selection", "metrics", "note"}`` (``note``: what the default headline left out, why
-        runs are not ranked, the parameters that differ beyond the :data:`MAX_PARAM_COLUMNS`
+        "selection", "metrics", "note"}`` (``note``: the cached copies left out, what the default
+        headline left out, why runs are not ranked, the parameters that differ beyond the
+        :data:`MAX_PARAM_COLUMNS`
         shown; else empty).
 
     Raises:
@@ -151,13 +173,18 @@ def compare_runs(tracker: Tracker, experiment: str, metrics: list[str], filter_s
     keyed = not all_runs and bool(client.search_runs([exp.experiment_id], filter_string=KEY_FILTER, max_results=1))
     if keyed:
         selection = "pipeline runs; --all-runs for every run"
-    query = " and ".join([*clauses, KEY_FILTER] if keyed else clauses)
+    left_out = ([KEY_FILTER] if keyed else []) + ([] if all_runs else [NOT_CACHED])
+    query = " and ".join([*clauses, *left_out])
 
-    def search(order: list[str], limit: int) -> list[Any]:
+    def search(order: list[str], limit: int, where: str = query) -> list[Any]:
         try:
-            return client.search_runs([exp.experiment_id], filter_string=query, order_by=order, max_results=limit)
+            return client.search_runs([exp.experiment_id], filter_string=where, order_by=order, max_results=limit)
         except MlflowException as exc:
             raise rejected(exc) from None
+
+    # the cached copies the selection leaves out, counted (up to MLflow's page of 1000)
+    copies = 0 if all_runs else len(search([], 1000, " and ".join([*clauses, *([KEY_FILTER] if keyed else []),
+                                                                     CACHED])))
 
     recent = search(["attributes.start_time DESC"], HEADLINE_SAMPLE)
     headline_default = False
@@ -206,7 +233,7 @@ def compare_runs(tracker: Tracker, experiment: str, metrics: list[str], filter_s
     else:
         runs = search(order, top)
     if not runs:
-        raise _no_runs(client, exp.experiment_id, experiment, user_filter, " and ".join(clauses) if keyed else "")
+        raise _no_runs(client, exp.experiment_id, experiment, user_filter, " and ".join(clauses) if left_out else "")
     valued = [r for r in runs if metrics and metrics[0] in r.data.metrics]  # (a run without it is not ranked)
     # nas: hypervolumes of live-mnist (5.7e9) and NAS-Bench-201 (5.6) ranked as one list; compressed
     # training: accuracies on MNIST and Fashion-MNIST (trials). (video-curation's `dataset` is the
@@ -228,6 +255,11 @@ def compare_runs(tracker: Tracker, experiment: str, metrics: list[str], filter_s
     if len(runs) == top and len(search(["attributes.start_time DESC"], top + 1)) > top:  # "10 run(s)" of 12 (a trial)
         more = f"more runs than the {top} shown match: --top N shows more"
         note = f"{note}; {more}" if note else more
+    if copies:
+        cached = (f"{copies}{'+' if copies == 1000 else ''} cached cop{'y' if copies == 1 else 'ies'} left out "
+                  f"(runs repeating an earlier run's result, served from Prefect's task cache: tag "
+                  f"{CACHED_FROM_TAG}): --all-runs shows them")
+        note = f"{cached}; {note}" if note else cached
     if not metrics:
         shared = set.intersection(*(set(r.data.metrics) for r in runs))
         metrics = sorted(shared)[:6]
@@ -255,11 +287,14 @@ def compare_runs(tracker: Tracker, experiment: str, metrics: list[str], filter_s
         note = f"{note}; {more}" if note else more
         varying = [k for k in varying if k in shown]
     flagged = any("paperline.regression" in r.data.tags for r in runs)
-    columns = ["run", "name", "status", *[f"params.{k}" for k in varying], *metrics,
-               *(["regression vs best earlier"] if flagged else [])]
+    originals = cached_copies(runs)  # (--all-runs: else none is listed)
+    columns = ["run", "name", "status", *(["cached copy of"] if originals else []), *[f"params.{k}" for k in varying],
+               *metrics, *(["regression vs best earlier"] if flagged else [])]
     rows = []
     for r in runs:
-        rows.append([r.info.run_id[:8], r.info.run_name, r.info.status, *[r.data.params.get(k, "") for k in varying],
+        rows.append([r.info.run_id[:8], r.info.run_name, r.info.status,
+                     *([originals.get(r.info.run_id, "")] if originals else []),
+                     *[r.data.params.get(k, "") for k in varying],
                      *[r.data.metrics.get(m, math.nan) for m in metrics],
                      *([r.data.tags.get("paperline.regression", "")] if flagged else [])])
     try:
@@ -302,10 +337,15 @@ def _not_run_yet(experiment: str) -> str:
 def _no_runs(client: Any, experiment_id: str, experiment: str, user_filter: str, unkeyed: str) -> InputError:
     """The error for a selection with no run: the experiment has none (no filter given), or none
     match the filter; when the default selection left out runs that ``--all-runs`` would list
-    (``unkeyed``: the query without it; failed runs carry no ``paperline.params_key``), it says so."""
-    if unkeyed and client.search_runs([experiment_id], filter_string=unkeyed, max_results=1):
-        more = ("runs the default selection leaves out (runs that ended before their results: FAILED, or KILLED by a "
-                "cancel or a crash) do: --all-runs lists them")
+    (``unkeyed``: the query without it; failed runs carry no ``paperline.params_key``, cached
+    copies carry :data:`CACHED_FROM_TAG`), it says so."""
+    found = client.search_runs([experiment_id], filter_string=unkeyed, max_results=100) if unkeyed else []
+    if found:
+        kinds = [*(["runs that ended before their results: FAILED, or KILLED by a cancel or a crash"]
+                   if any(CACHED_FROM_TAG not in r.data.tags for r in found) else []),
+                 *(["cached copies of earlier runs' results"] if any(CACHED_FROM_TAG in r.data.tags for r in found)
+                   else [])]
+        more = f"runs the default selection leaves out ({'; '.join(kinds)}) do: --all-runs lists them"
         if not user_filter:
             return InputError("experiment", experiment, f"no pipeline runs to compare, but {more}")
         return InputError("--filter", user_filter, f"no pipeline runs of experiment {experiment!r} match, but {more}")
@@ -348,6 +388,8 @@ def _write_parquet(runs: list[Any], params: list[str], path: Path) -> None:
         "status": [r.info.status for r in runs],
         "start_time": [time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(r.info.start_time / 1000)) for r in runs],
     }
+    if any(CACHED_FROM_TAG in r.data.tags for r in runs):  # (--all-runs: the flow run whose result each repeats)
+        table["cached_from_flow_run_id"] = [r.data.tags.get(CACHED_FROM_TAG) for r in runs]
     for k in params:
         table[f"params.{k}"] = [r.data.params.get(k) for r in runs]
     for k in metric_keys:

@@ -1,0 +1,78 @@
+"""`paperline compare` without the stack: its selection and sorting against an MLflow SQLite store
+(the SQL the local server runs, in this process), the hint for a filter's value of the wrong type,
+and the plot's axes."""
+
+import json
+
+import pytest
+
+HEADLINES = [["final_test_accuracy_pct", True], ["bytes_sent_per_step", False]]
+
+
+class LocalTracker:
+    """What :func:`compare_runs` uses of a :class:`Tracker`, on a SQLite store (no Prefect to ask)."""
+
+    def __init__(self, uri):
+        from mlflow.tracking import MlflowClient
+
+        self.client = MlflowClient(uri)
+
+    def end_orphaned_runs(self, experiment_ids):
+        return []
+
+
+def _run(client, experiment_id, name, flow_run, accuracy, bytes_sent, cached_from=None):
+    """A compressor's run as compressed training logs it: per-epoch series, step = epoch."""
+    tags = {"paperline.params_key": name, "paperline.headlines": json.dumps(HEADLINES), "prefect.flow_run_id": flow_run,
+            **({"paperline.cached_from_flow_run_id": cached_from} if cached_from else {})}
+    run = client.create_run(experiment_id, run_name=name, tags=tags)
+    client.log_param(run.info.run_id, "compressor", name)
+    for epoch in range(2):
+        client.log_metric(run.info.run_id, "train_loss", 1.0 / (epoch + 1), step=epoch)
+        client.log_metric(run.info.run_id, "bytes_sent_per_step", bytes_sent, step=epoch)
+    client.log_metric(run.info.run_id, "final_test_accuracy_pct", accuracy)
+    client.set_terminated(run.info.run_id)
+    return run.info.run_id
+
+
+@pytest.fixture(scope="module")
+def training(tmp_path_factory):
+    """Flow run A trained fft and topk; flow run B's fft came from the task cache (a copy of A's)."""
+    root = tmp_path_factory.mktemp("mlflow")
+    tracker = LocalTracker(f"sqlite:///{root}/mlflow.db")
+    exp = tracker.client.create_experiment("compressed-training", artifact_location=(root / "artifacts").as_uri())
+    ids = {"fft": _run(tracker.client, exp, "fft", "flow-a-0000-1111", 93.0, 100.0),
+           "topk": _run(tracker.client, exp, "topk", "flow-a-0000-1111", 90.0, 50.0)}
+    ids["copy"] = _run(tracker.client, exp, "fft", "flow-b-2222-3333", 93.0, 100.0, cached_from="flow-a-0000-1111")
+    return tracker, ids
+
+
+def test_cached_copies_are_left_out_by_default_and_marked_with_all_runs(training, tmp_path):
+    """A re-run served from the task cache logs the earlier run's metrics again: `compare
+    compressed-training` showed exact duplicate rows (a trial: 3 pairs in 10 rows)."""
+    from paperline.flows.compare import compare_runs
+
+    tracker, ids = training
+    result = compare_runs(tracker, "compressed-training", [], top=10, out_dir=tmp_path)
+    assert [row[0] for row in result["rows"]] == [ids["fft"][:8], ids["topk"][:8]]
+    assert "1 cached copy left out (runs repeating an earlier run's result, served from Prefect's task cache: tag " \
+        "paperline.cached_from_flow_run_id): --all-runs shows them" in result["note"], result["note"]
+    assert "cached copy of" not in result["columns"]
+    # --top 3 --metric bytes_sent_per_step showed the same result twice (the trial)
+    result = compare_runs(tracker, "compressed-training", ["bytes_sent_per_step"], top=3, out_dir=tmp_path)
+    assert [row[0] for row in result["rows"]] == [ids["topk"][:8], ids["fft"][:8]]
+    result = compare_runs(tracker, "compressed-training", [], top=10, out_dir=tmp_path, all_runs=True)
+    marks = {row[0]: row[result["columns"].index("cached copy of")] for row in result["rows"]}
+    assert marks == {ids["fft"][:8]: "", ids["topk"][:8]: "", ids["copy"][:8]: f"run {ids['fft'][:8]}"}
+    assert "cached cop" not in result["note"]
+    import pyarrow.parquet as pq
+
+    table = pq.read_table(result["parquet"]).to_pydict()
+    assert dict(zip(table["run_id"], table["cached_from_flow_run_id"]))[ids["copy"]] == "flow-a-0000-1111"
+    # a filter matching only a copy: the error says what the default selection left out
+    from paperline.infra.errors import InputError
+
+    with pytest.raises(InputError, match="cached copies of earlier runs' results\\) do: --all-runs lists them"):
+        compare_runs(tracker, "compressed-training", [], "tags.`prefect.flow_run_id` = 'flow-b-2222-3333'",
+                     out_dir=tmp_path)
+
