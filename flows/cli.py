@@ -1830,7 +1830,8 @@ def compare(experiment: str = typer.Argument(..., metavar="EXPERIMENT", help="ML
             metric: list[str] = typer.Option([], "--metric", "-m", metavar="METRIC", help="Metric to show and plot (repeatable)."),
             filter_string: str = typer.Option("", "--filter", metavar="EXPR", help="MLflow filter, e.g. \"params.routine = 'gemm'\"."),
             top: int = typer.Option(10, "--top", metavar="N", help="At most this many runs, sorted by the first metric."),
-            ascending: bool = typer.Option(False, "--ascending", help="Sort ascending (losses, times). Default: the metric's "
+            ascending: bool = typer.Option(False, "--ascending", help="Sort ascending, whatever the metric (without "
+                                                                   "--metric too). Default: the metric's "
                                                                    "own direction where its pipeline records one, "
                                                                    "else ascending for times and losses (names "
                                                                    "ending in _s, or with loss, rmse, residual or "

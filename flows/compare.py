@@ -113,8 +113,10 @@ def compare_runs(tracker: Tracker, experiment: str, metrics: list[str], filter_s
             direction too (another one ascending when :func:`lower_is_better` says so by its name); one that some runs maximize and others minimize (nas ``final_best``
             over different problems) is listed newest first, with a note.
         filter_string: an MLflow search filter, e.g. ``"params.routine = 'gemm'"``.
-        top: at most this many runs, sorted by the first metric (descending, or ``ascending`` for
+        top: at most this many runs, sorted by the first metric (descending, or ascending for
             losses and times), else newest first.
+        ascending: sort ascending whatever the metric's direction, a headline's too (a note says
+            where its pipeline ranks it highest first).
         out_dir: where ``<experiment>-runs.parquet`` and ``<experiment>-metrics.png`` are written.
         log: also log both files to a new ``comparison`` run of the experiment.
         all_runs: every run of the experiment. By default only the runs a pipeline compares with
@@ -130,8 +132,8 @@ def compare_runs(tracker: Tracker, experiment: str, metrics: list[str], filter_s
     Returns:
         ``{"columns", "rows", "parquet", "plot" (None without metrics), "comparison_run_id",
         "selection", "metrics", "note"}`` (``note``: the cached copies left out, what the default
-        headline left out, why runs are not ranked, the parameters that differ beyond the
-        :data:`MAX_PARAM_COLUMNS`
+        headline left out, what ``ascending`` reversed, why runs are not ranked, the parameters
+        that differ beyond the :data:`MAX_PARAM_COLUMNS`
         shown; else empty).
 
     Raises:
@@ -189,13 +191,21 @@ def compare_runs(tracker: Tracker, experiment: str, metrics: list[str], filter_s
     recent = search(["attributes.start_time DESC"], HEADLINE_SAMPLE)
     headline_default = False
     note = ""
+    asked = ""  # what --ascending changed
     if not metrics:  # the pipeline's headline metrics, best first in their own direction
         headlines = _common_headlines(recent)
         if headlines:
             metrics = [m for m, _ in headlines][:6]
-            ascending = not headlines[0][1]
+            # --ascending, asked for, sorts ascending here too: it was ignored without --metric,
+            # compressed training's accuracies still best first (a trial)
+            if ascending and headlines[0][1]:
+                asked = f"lowest {metrics[0]} first, as --ascending asks (its pipeline ranks it highest first)"
+            ascending = ascending or not headlines[0][1]
             headline_default = True
-    elif not ascending:  # a named headline metric is ranked in its own direction (wall_s: fastest first)
+    elif ascending:  # as asked, whatever the metric's own direction; said where it is recorded the other way
+        if _directions(recent, metrics[0]) == {True}:
+            asked = f"lowest {metrics[0]} first, as --ascending asks (its pipeline ranks it highest first)"
+    else:  # a named headline metric is ranked in its own direction (wall_s: fastest first)
         directions = _directions(recent, metrics[0])
         if directions == {False} or (not directions and lower_is_better(metrics[0])):
             ascending = True
@@ -213,6 +223,7 @@ def compare_runs(tracker: Tracker, experiment: str, metrics: list[str], filter_s
         if others and not ranked:  # e.g. --filter "attributes.status = 'FAILED'": none got as far as the headline
             runs = search(["attributes.start_time DESC"], top)
             note = f"none of these runs has {metrics[0]}: listed newest first"
+            asked = ""  # (not ranked)
             metrics = []  # the metrics they share, below
         elif others and all_runs:  # every run asked for: those without the headline come last, not left out
             runs = (ranked + others)[:top]
@@ -260,6 +271,8 @@ def compare_runs(tracker: Tracker, experiment: str, metrics: list[str], filter_s
                   f"(runs repeating an earlier run's result, served from Prefect's task cache: tag "
                   f"{CACHED_FROM_TAG}): --all-runs shows them")
         note = f"{cached}; {note}" if note else cached
+    if asked:
+        note = f"{asked}; {note}" if note else asked
     if not metrics:
         shared = set.intersection(*(set(r.data.metrics) for r in runs))
         metrics = sorted(shared)[:6]

@@ -76,3 +76,21 @@ def test_cached_copies_are_left_out_by_default_and_marked_with_all_runs(training
         compare_runs(tracker, "compressed-training", [], "tags.`prefect.flow_run_id` = 'flow-b-2222-3333'",
                      out_dir=tmp_path)
 
+
+def test_ascending_applies_to_the_headline_metrics_too(training, tmp_path):
+    """`compare compressed-training --ascending --top 3` still listed the best accuracy first (a trial)."""
+    from paperline.flows.compare import compare_runs
+
+    tracker, ids = training
+    best_first = compare_runs(tracker, "compressed-training", [], out_dir=tmp_path)
+    assert [row[0] for row in best_first["rows"]] == [ids["fft"][:8], ids["topk"][:8]]
+    assert "--ascending" not in best_first["note"]
+    for metrics in ([], ["final_test_accuracy_pct"]):
+        result = compare_runs(tracker, "compressed-training", metrics, out_dir=tmp_path, ascending=True)
+        assert [row[0] for row in result["rows"]] == [ids["topk"][:8], ids["fft"][:8]], metrics
+        assert result["note"].startswith("lowest final_test_accuracy_pct first, as --ascending asks (its pipeline "
+                                         "ranks it highest first)"), result["note"]
+    # a metric best low is ascending anyway: nothing to say
+    result = compare_runs(tracker, "compressed-training", ["bytes_sent_per_step"], out_dir=tmp_path, ascending=True)
+    assert "--ascending" not in result["note"]
+
