@@ -83,6 +83,31 @@ def _locations(values: Any) -> bool:
 MAX_PARAM_COLUMNS = 5  # parameters that differ between the runs, shown as table columns
 
 
+def filter_hint(said: str, user_filter: str) -> str:
+    """``; <hint>`` after MLflow's rejection ``said`` of ``user_filter`` where a value has the wrong
+    type: parameters and tags are strings in MLflow (``params.epochs = 2`` got only "Expected a
+    quoted string value ...": a trial), metrics numbers; else empty. The hint names the quoted
+    clause for the user to give: the filter is not rewritten (``params.epochs > 2`` quoted
+    compares strings, not numbers)."""
+    import re  # noqa: PLC0415
+
+    if "Expected a quoted string value" in said:
+        clause = re.search(r"\b((?:params|tags)\.(?:`[^`]+`|\"[^\"]+\"|[\w.-]+))\s*(!=|=|<=|>=|<|>|I?LIKE)\s*"
+                           r"([\w.+-]+)", user_filter, re.IGNORECASE)
+        name, op, value = clause.groups() if clause else ("params.epochs", "=", "2")
+        if op in ("<", ">", "<=", ">="):
+            return (f"; parameters and tags are strings in MLflow, compared as strings with =, !=, LIKE or ILIKE "
+                    f"only ({name} = '{value}'); metrics are numbers, compared with < and >")
+        return (f"; parameters and tags are strings in MLflow, compared as strings: quote the value "
+                f"({name} {op} '{value}'); metrics are numbers, unquoted")
+    if "Expected numeric value type for metric" in said:
+        clause = re.search(r"\b(metrics\.(?:`[^`]+`|\"[^\"]+\"|[\w.-]+))\s*(!=|=|<=|>=|<|>)\s*['\"]([^'\"]*)['\"]",
+                           user_filter, re.IGNORECASE)
+        name, op, value = clause.groups() if clause else ("metrics.wall_s", "<", "10")
+        return f"; metrics are numbers: leave the value unquoted ({name} {op} {value}); parameters and tags are quoted"
+    return ""
+
+
 def cached_copies(runs: list[Any]) -> dict[str, str]:
     """Which of ``runs`` repeat an earlier run's result (tag :data:`CACHED_FROM_TAG`, served from
     Prefect's task cache), as ``{run_id: "run <id8>"}`` naming the run they copy where it is among
@@ -138,7 +163,8 @@ def compare_runs(tracker: Tracker, experiment: str, metrics: list[str], filter_s
 
     Raises:
         InputError: unknown experiment (known ones listed; a pipeline's that has not run yet
-            said so), an invalid filter (as given), no runs (an empty experiment named as such;
+            said so), an invalid filter (as given; a value of the wrong type with a hint,
+            :func:`filter_hint`), no runs (an empty experiment named as such;
             runs that only ``all_runs`` would list pointed to), a metric no run has, top < 1, an
             output directory that cannot be made.
     """
@@ -162,7 +188,8 @@ def compare_runs(tracker: Tracker, experiment: str, metrics: list[str], filter_s
     user_filter = filter_string.strip()
 
     def rejected(exc: MlflowException) -> InputError:
-        return InputError("--filter", user_filter, f"MLflow rejected it: {str(exc).splitlines()[0][:300]}")
+        said = str(exc).splitlines()[0][:300]
+        return InputError("--filter", user_filter, f"MLflow rejected it: {said}{filter_hint(said, user_filter)}")
 
     if user_filter:  # alone first: MLflow's message then quotes the user's filter, not the clauses added here
         try:

@@ -94,3 +94,24 @@ def test_ascending_applies_to_the_headline_metrics_too(training, tmp_path):
     result = compare_runs(tracker, "compressed-training", ["bytes_sent_per_step"], out_dir=tmp_path, ascending=True)
     assert "--ascending" not in result["note"]
 
+
+def test_a_parameter_compared_with_a_number_gets_a_hint(training, tmp_path):
+    """`--filter "params.epochs = 2"` failed with MLflow's bare "Expected a quoted string value" (a trial)."""
+    from paperline.flows.compare import compare_runs, filter_hint
+    from paperline.infra.errors import InputError
+
+    tracker, _ = training
+    with pytest.raises(InputError) as raised:
+        compare_runs(tracker, "compressed-training", [], "params.epochs = 2", out_dir=tmp_path)
+    text = str(raised.value)
+    assert "MLflow rejected it: " in text and "Expected a quoted string value" in text, text
+    assert "parameters and tags are strings in MLflow, compared as strings: quote the value (params.epochs = '2'); " \
+        "metrics are numbers, unquoted" in text, text
+    assert "(params.epochs = '2')" in filter_hint("Expected a quoted string value for parameter",
+                                                 "params.seed = '1' and params.epochs = 2")
+    assert "with =, !=, LIKE or ILIKE only (params.epochs = '2')" in \
+        filter_hint("Expected a quoted string value for parameter", "params.epochs > 2")
+    assert "leave the value unquoted (metrics.wall_s < 10)" in \
+        filter_hint("Expected numeric value type for metric. Found '10'", "metrics.wall_s < '10'")
+    assert filter_hint("Invalid clause(s) in filter string", "params.x") == ""
+
