@@ -123,6 +123,22 @@ def cached_copies(runs: list[Any]) -> dict[str, str]:
     return copies
 
 
+# What MLflow's step counts in the step-wise metrics each pipeline logs, by the metric's name
+# (prefix; the first that matches, "" any): the plot's x-axis said "step" for compressed training's
+# per-epoch metrics (a trial). Other experiments: "step".
+STEP_UNITS: dict[str, list[tuple[str, str]]] = {
+    "compressed-training": [("collectives.", "message size (bytes)"), ("", "epoch")],
+    "tensor-factorization": [("", "epoch (ALS sweep or ADMM iteration)")],
+    "gemm": [("scaling.", "workers")],
+    "nas": [("suggest_s", "suggestions made"), ("", "evaluations done")],
+}
+
+
+def step_unit(experiment: str, metric: str) -> str:
+    """The x-axis label of ``metric``'s history in ``experiment`` (:data:`STEP_UNITS`), else ``"step"``."""
+    return next((unit for prefix, unit in STEP_UNITS.get(experiment, []) if metric.startswith(prefix)), "step")
+
+
 def compare_runs(tracker: Tracker, experiment: str, metrics: list[str], filter_string: str = "", top: int = 10,
                  out_dir: Path = Path("paperline-compare"), log: bool = False, ascending: bool = False,
                  all_runs: bool = False) -> dict[str, Any]:
@@ -348,7 +364,7 @@ def compare_runs(tracker: Tracker, experiment: str, metrics: list[str], filter_s
         plot = out_dir / f"{experiment}-metrics.png"
         histories = {(r.info.run_id, m): [(h.step, h.value) for h in client.get_metric_history(r.info.run_id, m)]
                      for r in runs for m in metrics}
-        _overlay_plot(runs, metrics, histories, plot)
+        _overlay_plot(runs, metrics, histories, plot, experiment)
     comparison_run_id = None
     if log:
         comparison_run_id = tracker.start_run(experiment, run_name="comparison",
@@ -437,8 +453,26 @@ def _write_parquet(runs: list[Any], params: list[str], path: Path) -> None:
     pq.write_table(pa.table(table), path)
 
 
-def _overlay_plot(runs: list[Any], metrics: list[str], histories: dict, path: Path) -> dict[str, str]:
-    """One panel per metric: lines over the steps, or, where every run logged the metric once (a
+LINESTYLES = ("-", "--", "-.", ":")
+MARKERS = ("o", "s", "^", "v", "D", "x")
+
+
+def same_as(series: list[tuple[str, list[tuple[int, float]]]]) -> list[str | None]:
+    """For each ``(label, points)`` line, the label of the first earlier line with the same points
+    (drawn over it), else None."""
+    first: dict[tuple, str] = {}
+    same = []
+    for label, points in series:
+        key = tuple(points)
+        same.append(first.get(key))
+        first.setdefault(key, label)
+    return same
+
+
+def _overlay_plot(runs: list[Any], metrics: list[str], histories: dict, path: Path,
+                  experiment: str = "") -> dict[str, str]:
+    """One panel per metric: lines over the steps (labelled by what the pipeline of ``experiment``
+    counts in them, :func:`step_unit`), or, where every run logged the metric once (a
     throughput, a final accuracy), one bar per run in the table's order (a line plot showed a dot
     per run at step 0). Returns each metric's kind of panel, ``"lines"`` or ``"bars"``."""
     from matplotlib.ticker import MaxNLocator
@@ -460,10 +494,13 @@ def _overlay_plot(runs: list[Any], metrics: list[str], histories: dict, path: Pa
             ax.set_xlabel(m)
             continue
         kinds[m] = "lines"
-        for label, points in series:
-            ax.plot([p[0] for p in points], [p[1] for p in points], marker="o" if len(points) < 3 else None,
-                    label=label)
-        ax.set_xlabel("step")
+        # a line identical to an earlier one hid it, its legend entry naming a line not seen (a
+        # trial: cached copies under --all-runs): each run its own dash and marker, and the legend says
+        for i, ((label, points), same) in enumerate(zip(series, same_as(series))):
+            ax.plot([p[0] for p in points], [p[1] for p in points], linestyle=LINESTYLES[i % len(LINESTYLES)],
+                    marker=MARKERS[i % len(MARKERS)], markersize=4, markerfacecolor="none",
+                    label=f"{label} = {same}" if same else label)
+        ax.set_xlabel(step_unit(experiment, m))
         ax.xaxis.set_major_locator(MaxNLocator(integer=True))  # MLflow steps are whole (epochs showed 0.5 ticks)
         ax.legend(fontsize=6)
     fig.tight_layout()

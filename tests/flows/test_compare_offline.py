@@ -115,3 +115,29 @@ def test_a_parameter_compared_with_a_number_gets_a_hint(training, tmp_path):
         filter_hint("Expected numeric value type for metric. Found '10'", "metrics.wall_s < '10'")
     assert filter_hint("Invalid clause(s) in filter string", "params.x") == ""
 
+
+def test_the_plot_says_what_steps_count_and_shows_identical_lines(tmp_path, monkeypatch):
+    """compressed training logs per epoch: the axis read "step" (a trial); a cached copy's line
+    hid the run it repeats, its legend entry naming a line not seen."""
+    from types import SimpleNamespace
+
+    from matplotlib.axes import Axes
+
+    from paperline.flows.compare import _overlay_plot, same_as, step_unit
+
+    assert [step_unit("compressed-training", m) for m in ("train_loss", "collectives.lp_over_backend")] == \
+        ["epoch", "message size (bytes)"]
+    assert [step_unit(e, m) for e, m in (("gemm", "scaling.throughput_gflop_per_s"), ("nas", "hypervolume"),
+                                         ("compare-test", "loss"))] == ["workers", "evaluations done", "step"]
+    assert same_as([("a", [(0, 1.0)]), ("b", [(0, 2.0)]), ("c", [(0, 1.0)])]) == [None, None, "a"]
+    drawn = {"xlabel": [], "labels": []}
+    set_xlabel, plot = Axes.set_xlabel, Axes.plot
+    monkeypatch.setattr(Axes, "set_xlabel", lambda ax, text, *a, **k: (drawn["xlabel"].append(text),
+                                                                        set_xlabel(ax, text, *a, **k))[1])
+    monkeypatch.setattr(Axes, "plot", lambda ax, *a, **k: (drawn["labels"].append((k.get("label"), k.get("linestyle"))),
+                                                           plot(ax, *a, **k))[1])
+    runs = [SimpleNamespace(info=SimpleNamespace(run_id=f"{i}abcdef", run_name="fft")) for i in range(2)]
+    histories = {(r.info.run_id, "train_loss"): [(e, 1.0 / (e + 1)) for e in range(3)] for r in runs}
+    _overlay_plot(runs, ["train_loss"], histories, tmp_path / "plot.png", "compressed-training")
+    assert drawn["xlabel"] == ["epoch"]
+    assert drawn["labels"] == [("fft (0abcde)", "-"), ("fft (1abcde) = fft (0abcde)", "--")]
