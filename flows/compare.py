@@ -75,6 +75,18 @@ def lower_is_better(metric: str) -> bool:
     return name.endswith(("_s", "_seconds")) or any(w in name for w in ("loss", "rmse", "residual", "error"))
 
 
+def _compact(value: str, limit: int = 60) -> str:
+    """A parameter's value for a note: a JSON object as ``key=a+b; key=v`` (nas problem options:
+    ``objectives=val_accuracy_pct+model_size_mb``), cut to about ``limit`` characters."""
+    try:
+        parsed = json.loads(value)
+    except ValueError:
+        parsed = None
+    if isinstance(parsed, dict) and parsed:
+        value = "; ".join(f"{k}={'+'.join(map(str, v)) if isinstance(v, list) else v}" for k, v in parsed.items())
+    return value if len(value) <= limit else value[:limit - 3] + "..."
+
+
 def _locations(values: Any) -> bool:
     """Whether every given value names a storage location (an S3 URI or an absolute path)."""
     return all(isinstance(v, str) and (v.startswith("s3://") or v.startswith("/")) for v in values if v is not None)
@@ -293,10 +305,14 @@ def compare_runs(tracker: Tracker, experiment: str, metrics: list[str], filter_s
     # training: accuracies on MNIST and Fashion-MNIST (trials). (video-curation's `dataset` is the
     # name it writes, not what it reads.)
     kinds = [("problem", "problems")] + ([("dataset", "datasets")] if experiment == "compressed-training" else [])
+    if experiment == "nas":  # a hypervolume is measured in its objectives' space, from its reference point: a
+        # 3-objective campaign's 524 ranked above 2-objective ones' 5.7, unsaid (a trial)
+        kinds += [("problem_options", "problem options or objectives"), ("ref_point_used", "reference points")]
     for param, what in kinds:
         values = sorted({r.data.params[param] for r in valued if param in r.data.params})
         if metrics and order[0] != "attributes.start_time DESC" and len(values) > 1:
-            mixed = (f"ranked across {len(values)} {what} ({', '.join(values[:4])}"
+            shown = [_compact(v) for v in values[:4]]
+            mixed = (f"ranked across {len(values)} {what} ({', '.join(shown)}"
                      f"{', ...' if len(values) > 4 else ''}), whose {metrics[0]} values do not compare: "
                      f"--filter \"params.{param} = '{values[0]}'\" ranks one")
             note = f"{note}; {mixed}" if note else mixed

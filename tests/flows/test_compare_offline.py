@@ -141,3 +141,29 @@ def test_the_plot_says_what_steps_count_and_shows_identical_lines(tmp_path, monk
     _overlay_plot(runs, ["train_loss"], histories, tmp_path / "plot.png", "compressed-training")
     assert drawn["xlabel"] == ["epoch"]
     assert drawn["labels"] == [("fft (0abcde)", "-"), ("fft (1abcde) = fft (0abcde)", "--")]
+
+
+def test_nas_campaigns_of_other_objectives_or_reference_points_ranked_together_get_a_note(tmp_path):
+    """A 3-objective campaign's hypervolume (524, with its own reference point) ranked above
+    2-objective ones' (5.7) without a word (a trial): hypervolumes compare only in one objective
+    space from one reference point."""
+    from paperline.flows.compare import compare_runs
+
+    tracker = LocalTracker(f"sqlite:///{tmp_path}/mlflow.db")
+    exp = tracker.client.create_experiment("nas", artifact_location=(tmp_path / "artifacts").as_uri())
+    two = json.dumps({"objectives": ["val_accuracy_pct", "model_size_mb"]})
+    three = json.dumps({"objectives": ["val_accuracy_pct", "model_size_mb", "latency_s"]})
+    for name, options, ref, value in (("a", two, "None", 5.7), ("b", two, "None", 3.6), ("c", three, "[1, 2, 3]", 524.1)):
+        run = tracker.client.create_run(exp, run_name=name, tags={
+            "paperline.params_key": name, "paperline.headlines": json.dumps([["final_hypervolume", True]])})
+        for key, v in (("problem", "nasbench201-cifar10"), ("problem_options", options), ("ref_point_used", ref)):
+            tracker.client.log_param(run.info.run_id, key, v)
+        tracker.client.log_metric(run.info.run_id, "final_hypervolume", value)
+        tracker.client.set_terminated(run.info.run_id)
+    note = compare_runs(tracker, "nas", [], top=10, out_dir=tmp_path)["note"]
+    assert "ranked across 2 problem options or objectives (objectives=val_accuracy_pct+model_size_mb+latency_s, " \
+        "objectives=val_accuracy_pct+model_size_mb), whose final_hypervolume" in note, note
+    assert "ranked across 2 reference points (None, [1, 2, 3]), whose final_hypervolume values do not compare: " \
+        "--filter \"params.ref_point_used = 'None'\" ranks one" in note, note
+    one = compare_runs(tracker, "nas", [], f"params.problem_options = '{two}'", top=10, out_dir=tmp_path)["note"]
+    assert "ranked across" not in (one or ""), one
