@@ -108,17 +108,21 @@ class CompressedTrainingParameters(BaseModel):
     def train_config(self, compressor: str) -> TrainConfig:
         """The :class:`TrainConfig` of the run with ``compressor``: these parameters' model,
         dataset, SGD, recomputation, drill and ISGD settings, and :meth:`compressor_options`.
+        With ``isgd`` off its settings are left at their defaults: they change nothing, and a run
+        given ``isgd_stop=0`` alone trained again instead of using the task cache, with no earlier
+        run to compare with (a trial).
 
         Raises:
             paperline.kernels.errors.InputError: a value :class:`TrainConfig` refuses at
                 construction.
         """
+        isgd = {"isgd_stop": self.isgd_stop, "isgd_epsilon": self.isgd_epsilon} if self.isgd else {}
         return TrainConfig(model=self.model, model_options=self.model_options, dataset=self.dataset,
                            n_train=self.n_train, epochs=self.epochs, batch_size=self.batch_size, lr=self.lr,
                            momentum=self.momentum, seed=self.seed, compressor=compressor,
                            compressor_options=self.compressor_options(compressor), recompute=self.recompute,
                            max_steps_per_epoch=self.max_steps_per_epoch, nan_steps=tuple(self.nan_steps),
-                           isgd=self.isgd, isgd_stop=self.isgd_stop, isgd_epsilon=self.isgd_epsilon)
+                           isgd=self.isgd, **isgd)
 
     def validate_on_stack(self, info: Any, store: Any) -> None:
         """Before the flow run is created (and in the flow, before its MLflow run): a

@@ -71,3 +71,15 @@ def test_ranks_that_would_not_fit_in_memory_are_refused():
         except InputError as exc:
             need[p.recompute] = float(exc.problem.split("about ")[1].split(" GiB")[0])
     assert need["all"] <= need["none"]
+
+
+def test_isgd_settings_without_isgd_change_nothing_trained():
+    """`--set isgd_stop=0` with ISGD off (the default) trained every compressor again, missing
+    the demo's cached results and its earlier runs to compare with (a trial): the settings of a
+    switched-off ISGD do not reach the training configuration."""
+    from paperline.flows.compressed_training import CompressedTrainingParameters
+
+    plain = CompressedTrainingParameters().train_config("fft")
+    assert CompressedTrainingParameters(isgd_stop=0, isgd_epsilon=0.5).train_config("fft") == plain
+    on = CompressedTrainingParameters(isgd=True, isgd_stop=0).train_config("fft")
+    assert on.isgd and on.isgd_stop == 0 and on != CompressedTrainingParameters(isgd=True).train_config("fft")
