@@ -75,6 +75,21 @@ def lower_is_better(metric: str) -> bool:
     return name.endswith(("_s", "_seconds")) or any(w in name for w in ("loss", "rmse", "residual", "error"))
 
 
+# parameters a run may outgrow: MLflow keeps a parameter's first value for good, so a pipeline
+# records the later one in a tag (a nas campaign extended from 40 to 60 evaluations showed budget 40
+# beside campaigns of 40, read as a fair comparison: a trial)
+LATER_VALUE_TAGS = {"budget": "paperline.budget"}
+
+
+def _param(run: Any, key: str, default: str | None = None) -> str | None:
+    """Run ``run``'s parameter ``key`` as it stands now: the tag of :data:`LATER_VALUE_TAGS` when
+    the run has it, else the parameter (``default`` when it has neither)."""
+    tag = LATER_VALUE_TAGS.get(key)
+    if tag is not None and tag in run.data.tags:
+        return run.data.tags[tag]
+    return run.data.params.get(key, default)
+
+
 def _compact(value: str, limit: int = 60) -> str:
     """A parameter's value for a note: a JSON object as ``key=a+b; key=v`` (nas problem options:
     ``objectives=val_accuracy_pct+model_size_mb``), cut to about ``limit`` characters."""
@@ -342,7 +357,7 @@ def compare_runs(tracker: Tracker, experiment: str, metrics: list[str], filter_s
                                             f"known: {', '.join(names[:40])}"
                                             f"{f' and {len(names) - 40} more' if len(names) > 40 else ''}")
     params = sorted({k for r in runs for k in r.data.params})
-    varying = [k for k in params if len({r.data.params.get(k) for r in runs}) > 1]
+    varying = [k for k in params if len({_param(r, k) for r in runs}) > 1]
     # a parameter equal to every run's name (compressed training's compressor runs are named after
     # it) repeats the name column and took the room of a --metric at 80 columns (a trial): the
     # Parquet file keeps it
@@ -366,7 +381,7 @@ def compare_runs(tracker: Tracker, experiment: str, metrics: list[str], filter_s
     for r in runs:
         rows.append([r.info.run_id[:8], r.info.run_name, r.info.status,
                      *([originals.get(r.info.run_id, "")] if originals else []),
-                     *[r.data.params.get(k, "") for k in varying],
+                     *[_param(r, k, "") for k in varying],
                      *[r.data.metrics.get(m, math.nan) for m in metrics],
                      *([r.data.tags.get("paperline.regression", "")] if flagged else [])])
     try:
@@ -463,7 +478,7 @@ def _write_parquet(runs: list[Any], params: list[str], path: Path) -> None:
     if any(CACHED_FROM_TAG in r.data.tags for r in runs):  # (--all-runs: the flow run whose result each repeats)
         table["cached_from_flow_run_id"] = [r.data.tags.get(CACHED_FROM_TAG) for r in runs]
     for k in params:
-        table[f"params.{k}"] = [r.data.params.get(k) for r in runs]
+        table[f"params.{k}"] = [_param(r, k) for r in runs]
     for k in metric_keys:
         table[f"metrics.{k}"] = [r.data.metrics.get(k) for r in runs]
     pq.write_table(pa.table(table), path)

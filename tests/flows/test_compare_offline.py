@@ -160,7 +160,12 @@ def test_nas_campaigns_of_other_objectives_or_reference_points_ranked_together_g
             tracker.client.log_param(run.info.run_id, key, v)
         tracker.client.log_metric(run.info.run_id, "final_hypervolume", value)
         tracker.client.set_terminated(run.info.run_id)
-    note = compare_runs(tracker, "nas", [], top=10, out_dir=tmp_path)["note"]
+    tracker.client.log_param(run.info.run_id, "budget", "40")  # campaign c, extended to 60 (its tag): shown as 60
+    tracker.client.set_tag(run.info.run_id, "paperline.budget", "60")
+    result = compare_runs(tracker, "nas", [], top=10, out_dir=tmp_path)
+    rows = {row[1]: row[result["columns"].index("params.budget")] for row in result["rows"]}
+    assert rows == {"a": "", "b": "", "c": "60"}, rows
+    note = result["note"]
     assert "ranked across 2 problem options or objectives (objectives=val_accuracy_pct+model_size_mb+latency_s, " \
         "objectives=val_accuracy_pct+model_size_mb), whose final_hypervolume" in note, note
     assert "ranked across 2 reference points (None, [1, 2, 3]), whose final_hypervolume values do not compare: " \
