@@ -90,6 +90,19 @@ def _param(run: Any, key: str, default: str | None = None) -> str | None:
     return run.data.params.get(key, default)
 
 
+def _sql_quoted(value: str) -> str:
+    """``value`` as a string literal of MLflow's search syntax (single quotes)."""
+    return "'" + value.replace("'", "\\'") + "'"
+
+
+def _shell_quoted(text: str) -> str:
+    """``text`` quoted for a POSIX shell: in double quotes where it holds none of ``"$`\\``, as
+    the hints always read, else :func:`shlex.quote`'s way."""
+    import shlex  # noqa: PLC0415
+
+    return f'"{text}"' if not any(c in text for c in '"$`\\') else shlex.quote(text)
+
+
 def _compact(value: str, limit: int = 60) -> str:
     """A parameter's value for a note: a JSON object as ``key=a+b; key=v`` (nas problem options:
     ``objectives=val_accuracy_pct+model_size_mb``), cut to about ``limit`` characters."""
@@ -327,10 +340,13 @@ def compare_runs(tracker: Tracker, experiment: str, metrics: list[str], filter_s
         values = sorted({r.data.params[param] for r in valued if param in r.data.params})
         if metrics and order[0] != "attributes.start_time DESC" and len(values) > 1:
             shown = [_compact(v) for v in values[:4]]
+            # (a JSON value holds double quotes: the filter is quoted for the shell as a whole)
             mixed = (f"ranked across {len(values)} {what} ({', '.join(shown)}"
                      f"{', ...' if len(values) > 4 else ''}), whose {metrics[0]} values do not compare: "
-                     f"--filter \"params.{param} = '{values[0]}'\" ranks one")
+                     f"--filter {_shell_quoted(f'params.{param} = {_sql_quoted(values[0])}')} ranks one")
             note = f"{note}; {mixed}" if note else mixed
+            if param == "problem":  # (other problems have other options: one note says it)
+                break
     contents = list(dict.fromkeys(r.data.tags[DATA_TAG] for r in valued if DATA_TAG in r.data.tags))
     if metrics and order[0] != "attributes.start_time DESC" and len(contents) > 1:
         # a user's tensor file edited between runs: its old and new contents ranked as one (a trial)

@@ -36,6 +36,7 @@ from paperline.infra.storage import LeaseHeldError, LeaseLostError, ObjectStore
 from paperline.infra.tracking import Tracker
 from paperline.kernels.errors import InputError as KernelInputError
 from paperline.kernels.search.campaign import Campaign
+from paperline.kernels.search.deadline import EvaluationTimeout
 from paperline.kernels.search.problems import make_problem, problem_names, problem_option_names
 from paperline.tasks.nas import evaluate, load_checkpoint, log_evaluations, render_report, save_checkpoint
 
@@ -404,7 +405,7 @@ def _run_one(cp: CampaignParameters, campaign: Campaign, name: str, store: Objec
                                        campaign.seed, start + i, timeout) for i, row in enumerate(x)]
             allowed = len(futures) * (timeout + max(10.0, 0.1 * timeout))  # (all queued on one worker, at worst)
             deadline = time.monotonic() + allowed
-            results = [_result(f, deadline, allowed) for f in futures]
+            results = [_result(f, deadline, allowed, timeout) for f in futures]
             new = campaign.tell(x, results)
             try:
                 still_held()  # (a run that lost the campaign to another does not write over its checkpoint)
@@ -467,17 +468,20 @@ def _identity(a: Campaign, b: Campaign) -> list[tuple[str, Any, Any]]:
             ("ref_point", a.ref_point_user, b.ref_point_user)]
 
 
-def _result(future: Any, deadline: float, allowed_s: float) -> dict[str, Any]:
+def _result(future: Any, deadline: float, allowed_s: float, limit_s: float) -> dict[str, Any]:
     """An evaluation's result by ``deadline`` (``time.monotonic``). A task that failed even after
-    its retry, or is not done in time (stuck in a C call past its own limit and Prefect's), is
-    recorded as failed and the campaign goes on."""
+    its retry, that stopped at its own limit ``limit_s`` (:class:`EvaluationTimeout`), or is not
+    done in time (stuck in a C call past its own limit and Prefect's), is recorded as failed
+    (``seconds``: its limit) and the campaign goes on."""
     try:
         return future.result(timeout=max(0.0, deadline - time.monotonic()))
     except KernelInputError:
         raise
+    except EvaluationTimeout as exc:
+        return {"values": None, "error": str(exc), "seconds": limit_s}
     except TimeoutError:
         return {"values": None, "error": f"timed out: not done {allowed_s:g} s after its batch started (stuck past "
-                                         "its own limit)", "seconds": allowed_s}
+                                         "its own limit)", "seconds": limit_s}
     except Exception as exc:  # noqa: BLE001 - a lost worker: recorded, the campaign goes on
         return {"values": None, "error": f"task failed: {type(exc).__name__}: {exc}", "seconds": 0.0}
 

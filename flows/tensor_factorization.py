@@ -186,8 +186,11 @@ class TensorFactorizationParameters(BaseModel):
                 detail = str(exc)
                 if getattr(exc, "argument", None) == "horizon":  # not a parameter one can set (a trial)
                     n_t = tensor.shape[-1]
+                    share = "a tenth of" if n_t >= 20 else "at least 1 of"
+                    need = (f"; it needs at least {2 * exc.value + 2} steps"
+                            if exc.problem.startswith("leaves fewer than 2 training") else "")
                     detail = (f"{exc.problem} (its validation and test sets are the last {exc.value} time step(s) "
-                              f"each, a tenth of 't''s {n_t} steps; it needs at least {2 * exc.value + 2} steps)")
+                              f"each, {share} the {n_t} steps of 't'{need})")
                 raise InputError("data", self.data, f"cannot make the {kind} split: {detail}{hint}") from None
         try:
             self.check_shape("data", tensor.shape)

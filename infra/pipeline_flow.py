@@ -96,7 +96,12 @@ def log_summary(name: str, summary: Any) -> None:
         logger = get_run_logger()
     except Exception:  # noqa: BLE001 - (no run context: a flow called from a script in that process)
         return
-    text = summary_text(name, summary)
+    try:
+        text = summary_text(name, summary)
+    except Exception as exc:  # noqa: BLE001 - the run's work is done and tracked: saying it must not fail it
+        logger.warning("%s summary could not be shown (%s: %s); it is in the flow run's result and MLflow",
+                       name, type(exc).__name__, exc)
+        return
     if text:
         logger.info("%s summary:\n%s", name, text)
 

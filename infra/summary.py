@@ -25,12 +25,15 @@ def summary_table(name: str, summary: dict[str, Any]) -> Any:
     """The summary's table as a ``rich.table.Table``: its ``table`` spec (title, columns, rows),
     or, for tensor-factorization, its ``rows`` of held-out RMSEs; None when it has neither."""
     from rich.table import Table  # noqa: PLC0415
+    from rich.text import Text  # noqa: PLC0415
 
     if "table" in summary:
+        # as text, not rich markup: a cell with "[/x]" (a user's file name) failed to render, and
+        # "[red]ok" printed as "ok" (a review)
         spec = summary["table"]
-        table = Table(*spec["columns"], title=spec["title"])
+        table = Table(*[Text(str(c)) for c in spec["columns"]], title=Text(str(spec["title"])))
         for row in spec["rows"]:
-            table.add_row(*[str(v) for v in row])
+            table.add_row(*[Text(str(v)) for v in row])
         return table
     if "rows" not in summary:
         return None
@@ -40,8 +43,9 @@ def summary_table(name: str, summary: dict[str, Any]) -> Any:
     table = Table("dataset", "split", "method", "test RMSE", "validation RMSE", "fit seconds", "epochs",
                   title=f"{name}: held-out RMSE ({units})")
     for r in rows:
-        table.add_row(r["dataset"], r["split"], r["method"], fmt(r["test_rmse"]), fmt(r["validation_rmse"]),
-                      f"{r['fit_seconds']:.2f}", str(r["epochs"]))
+        table.add_row(Text(str(r["dataset"])), r["split"], r["method"], fmt(r["test_rmse"]),
+                      fmt(r["validation_rmse"]), fmt(r["fit_seconds"]) if not isinstance(r["fit_seconds"], float)
+                      else f"{r['fit_seconds']:.2f}", str(r["epochs"]))
     return table
 
 

@@ -3,7 +3,8 @@ child runs and the campaign report.
 
 An evaluation's cache key is (problem, problem options, point, seed) plus the task's source, so a
 resumed campaign, or a second campaign proposing the same architecture, reuses the result instead
-of training or looking it up again. The checkpoint holds the whole campaign state (JSON, one PUT
+of training or looking it up again (an evaluation that timed out is not cached: it may pass
+another time). The checkpoint holds the whole campaign state (JSON, one PUT
 per batch, so a reader sees the previous or the new checkpoint, never half of one).
 """
 
@@ -21,21 +22,28 @@ from prefect.cache_policies import INPUTS, TASK_SOURCE
 
 from paperline.infra.storage import ObjectStore
 from paperline.infra.tracking import Tracker
+from paperline.kernels.errors import InputError
 from paperline.kernels.search.campaign import Campaign, Evaluation, evaluate_point
+from paperline.kernels.search.deadline import EvaluationTimeout
 from paperline.kernels.search.problems import make_problem
 from paperline.tasks import reporting
-from paperline.tasks.retry import HOUR, retry_unless_bad_input
+from paperline.tasks.retry import HOUR, retry_unless
 
 
-@task(name="nas-evaluate", cache_policy=(INPUTS - "index") + TASK_SOURCE, persist_result=True, retries=1,
-      retry_condition_fn=retry_unless_bad_input, task_run_name="evaluate-{index}", timeout_seconds=HOUR)
+@task(name="nas-evaluate", cache_policy=(INPUTS - "index" - "timeout_s") + TASK_SOURCE, persist_result=True,
+      retries=1, retry_condition_fn=retry_unless(InputError, EvaluationTimeout), task_run_name="evaluate-{index}",
+      timeout_seconds=HOUR)
 def evaluate(problem: str, problem_options: dict[str, Any], x: list[float], seed: int, index: int,
              timeout_s: float | None = None) -> dict[str, Any]:
     """Evaluate one candidate on the worker (see :func:`evaluate_point`: failures are recorded,
-    not raised), stopping past ``timeout_s`` seconds from its start here (recorded as timed out;
-    part of the cache key, so a larger limit evaluates again). ``index`` only names the task
-    run; it is not part of the cache key."""
-    return evaluate_point(make_problem(problem, **problem_options), x, seed, timeout_s=timeout_s)
+    not raised), stopping past ``timeout_s`` seconds from its start here.
+
+    A timeout is raised (:class:`EvaluationTimeout`, not retried), so that no result is cached
+    for it: one busy moment would otherwise be kept for good, reused by a campaign started over
+    or another proposing the point (a review). ``index`` only names the task run and
+    ``timeout_s`` bounds it: neither is part of the cache key (a result is reused whatever the
+    limit it finished within)."""
+    return evaluate_point(make_problem(problem, **problem_options), x, seed, timeout_s=timeout_s, raise_timeout=True)
 
 
 def load_checkpoint(store: ObjectStore, uri: str) -> dict[str, Any] | None:

@@ -20,6 +20,7 @@ import contextlib
 import hashlib
 import math
 import os
+import shutil
 import sys
 import warnings
 from collections.abc import Iterator
@@ -94,7 +95,8 @@ def load_fused_kernel() -> Any | None:
             else:
                 warnings.warn(f"torch's build lock {torch_lock} exists, so loading BoTorch's fused kernel waits "
                               "until it is gone; if no build of it is running, delete that file", stacklevel=2)
-        if not any((directory / "logei_fused_ext").glob("*.so")):  # (a silent pause of 40-100 s: a trial)
+        compiler = shutil.which(os.environ.get("CXX", "c++"))  # (none: BoTorch says it cannot build, at once)
+        if compiler and not any((directory / "logei_fused_ext").glob("*.so")):  # (a silent 40-100 s: a trial)
             print(f"building BoTorch's fused qLogEHVI kernel in {directory} (about 40 s, once per environment)",
                   file=sys.stderr, flush=True)
         loader()

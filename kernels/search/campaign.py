@@ -24,7 +24,7 @@ import numpy as np
 from paperline.kernels.errors import InputError, is_real
 from paperline.kernels.search.base import (OPTIMIZERS, STATE_KEYS, Optimizer, check_count, check_int, check_state,
                                            load_optimizer, make_optimizer)
-from paperline.kernels.search.deadline import _DEADLINE, EvaluationTimeout, check_deadline  # noqa: F401
+from paperline.kernels.search.deadline import EvaluationTimeout, check_deadline, time_limit  # noqa: F401
 from paperline.kernels.search.pareto import hypervolume, pareto_mask
 from paperline.kernels.search.problems import Problem, make_problem
 
@@ -48,7 +48,7 @@ class Evaluation:
 
 
 def evaluate_point(problem: Problem, x: list[float] | np.ndarray, seed: int,
-                   timeout_s: float | None = None) -> dict[str, Any]:
+                   timeout_s: float | None = None, raise_timeout: bool = False) -> dict[str, Any]:
     """Evaluate one point, recording (not raising) what goes wrong.
 
     Args:
@@ -57,6 +57,8 @@ def evaluate_point(problem: Problem, x: list[float] | np.ndarray, seed: int,
         seed: The evaluation's seed.
         timeout_s: Seconds the evaluation may take (None: no limit); an evaluation that checks
             (:func:`check_deadline`) stops past it and is recorded as timed out.
+        raise_timeout: Raise :class:`EvaluationTimeout` instead of recording it (a cached
+            task must not keep a timeout, which one busy moment may cause, as its result).
 
     Returns:
         ``{"values": [m floats] | None, "error": str | None, "seconds": float}``: an evaluation
@@ -64,22 +66,23 @@ def evaluate_point(problem: Problem, x: list[float] | np.ndarray, seed: int,
 
     Raises:
         InputError: ``x`` is not a point of the problem's space (a caller's bug, not a failure).
+        EvaluationTimeout: past ``timeout_s``, with ``raise_timeout``.
     """
     point = problem.space.validate(x)[0]
     t0 = time.perf_counter()
-    token = _DEADLINE.set(None if timeout_s is None else (time.monotonic() + timeout_s, timeout_s))
     try:
-        y = problem.evaluate(point, seed)
+        with time_limit(timeout_s):
+            y = problem.evaluate(point, seed)
     except InputError:
         raise
     except EvaluationTimeout as exc:
+        if raise_timeout:
+            raise
         return {"values": None, "error": str(exc), "seconds": time.perf_counter() - t0}
     except Exception as exc:  # noqa: BLE001 - an evaluation's failure is recorded, the campaign goes on
         last = traceback.extract_tb(exc.__traceback__)[-1] if exc.__traceback__ else None
         where = f" ({last.name}:{last.lineno})" if last else ""
         return {"values": None, "error": f"{type(exc).__name__}: {exc}{where}", "seconds": time.perf_counter() - t0}
-    finally:
-        _DEADLINE.reset(token)
     seconds = time.perf_counter() - t0
     if not np.isfinite(y).all():
         return {"values": None, "error": f"non-finite objective values {y.tolist()}", "seconds": seconds}

@@ -3,8 +3,10 @@
 
 from __future__ import annotations
 
+import contextlib
 import contextvars
 import time
+from collections.abc import Iterator
 
 
 class EvaluationTimeout(Exception):  # noqa: N818 - (a recorded outcome, like the others)
@@ -27,3 +29,14 @@ def check_deadline() -> None:
     deadline = _DEADLINE.get()
     if deadline is not None and time.monotonic() > deadline[0]:
         raise EvaluationTimeout(f"timed out: not done {deadline[1]:g} s after it started on its worker")
+
+
+@contextlib.contextmanager
+def time_limit(timeout_s: float | None) -> Iterator[None]:
+    """The block is an evaluation with ``timeout_s`` seconds from now (None: no limit), which
+    :func:`check_deadline` enforces."""
+    token = _DEADLINE.set(None if timeout_s is None else (time.monotonic() + timeout_s, timeout_s))
+    try:
+        yield
+    finally:
+        _DEADLINE.reset(token)

@@ -154,7 +154,9 @@ def test_bad_user_data(parquet):
         # a tensor too short in time for the temporal split: the error says how to go on (a trial)
         (parquet("short.parquet", pa.table({"i": list(range(40)), "j": [k % 5 for k in range(40)], "t": [0] * 40,
                                             "value": [1.0] * 40})),
-         ["short.parquet", "cannot make the temporal split", "--set splits=random fits it without the temporal split"]),
+         ["short.parquet", "cannot make the temporal split: leaves fewer than 2 training time slices of 1 (its "
+          "validation and test sets are the last 1 time step(s) each, at least 1 of the 1 steps of 't'; it needs at "
+          "least 4 steps)", "--set splits=random fits it without the temporal split"]),
         (parquet("wide.parquet", pa.table({"i": [2_000_000] + list(range(59)), "j": [3000] + [7] * 59,
                                            "t": list(range(60)), "value": [1.0] * 60})),
          ["baseline=True", "needs 'data' dense", "--set baseline=false"]),
@@ -169,7 +171,7 @@ def test_bad_user_data(parquet):
         (parquet("years.parquet", pa.table({"i": [k % 5 for k in range(600)], "j": [k // 5 % 4 for k in range(600)],
                                             "t": [1995 + k // 20 for k in range(600)], "value": [1.0] * 600})),
          ["cannot make the temporal split: the train slices hold no observed entries (its validation and test sets "
-          "are the last 202 time step(s) each, a tenth of 't''s 2025 steps; it needs at least 406 steps)", "'t' starts at 1995, so 1995 empty time steps come "
+          "are the last 202 time step(s) each, a tenth of the 2025 steps of 't')", "'t' starts at 1995, so 1995 empty time steps come "
           "first", "subtract 1995; or --set splits=random fits it without the temporal split (counting those empty "
           "indices)"]),
         (parquet("ids.parquet", pa.table({"i": [k % 10 * 10**12 for k in range(300)], "j": [k // 10 % 5 for k in range(300)],

@@ -170,5 +170,9 @@ def test_nas_campaigns_of_other_objectives_or_reference_points_ranked_together_g
         "objectives=val_accuracy_pct+model_size_mb), whose final_hypervolume" in note, note
     assert "ranked across 2 reference points (None, [1, 2, 3]), whose final_hypervolume values do not compare: " \
         "--filter \"params.ref_point_used = 'None'\" ranks one" in note, note
+    import shlex  # the filter it names, pasted into a shell, is the filter (its JSON holds double quotes)
+
+    hint = note.split("--filter ", 1)[1].split(" ranks one")[0]
+    assert shlex.split(hint) == [f"params.problem_options = '{three}'"], hint
     one = compare_runs(tracker, "nas", [], f"params.problem_options = '{two}'", top=10, out_dir=tmp_path)["note"]
     assert "ranked across" not in (one or ""), one
