@@ -24,14 +24,14 @@ def fmt(x: Any) -> str:
 def summary_table(name: str, summary: dict[str, Any]) -> Any:
     """The summary's table as a ``rich.table.Table``: its ``table`` spec (title, columns, rows),
     or, for tensor-factorization, its ``rows`` of held-out RMSEs; None when it has neither."""
-    from rich.table import Table  # noqa: PLC0415
+    from rich.table import Column, Table  # noqa: PLC0415
     from rich.text import Text  # noqa: PLC0415
 
     if "table" in summary:
         # as text, not rich markup: a cell with "[/x]" (a user's file name) failed to render, and
         # "[red]ok" printed as "ok" (a review)
         spec = summary["table"]
-        table = Table(*[Text(str(c)) for c in spec["columns"]], title=Text(str(spec["title"])))
+        table = Table(*[Column(header=Text(str(c))) for c in spec["columns"]], title=Text(str(spec["title"])))
         for row in spec["rows"]:
             table.add_row(*[Text(str(v)) for v in row])
         return table
