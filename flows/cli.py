@@ -1013,15 +1013,34 @@ def _retried_tasks(flow_run_id: str) -> list[str]:
     from prefect.settings import get_current_settings
 
     lines: list[str] = []
+    # task runs reach the server as events, sent in batches and recorded as they arrive: under
+    # load a run's retried task runs were not there yet when read (CI): the events sent first, then
+    # read until two readings agree
+    with contextlib.suppress(Exception):
+        from prefect.events.worker import EventsWorker
+
+        EventsWorker.drain_all(timeout=10.0)
     try:
         with get_client(sync_client=True) as client:
-            runs, page = [], 200
             only = FlowRunFilter(id=FlowRunFilterId(any_=[uuid.UUID(str(flow_run_id))]))
-            while True:  # (a nas campaign's flow run has hundreds of task runs)
-                got = client.read_task_runs(flow_run_filter=only, limit=page, offset=len(runs))
-                runs += got
-                if len(got) < page:
+
+            def read() -> list[Any]:
+                runs, page = [], 200
+                while True:  # (a nas campaign's flow run has hundreds of task runs)
+                    got = client.read_task_runs(flow_run_filter=only, limit=page, offset=len(runs))
+                    runs += got
+                    if len(got) < page:
+                        return runs
+
+            settled_by = time.monotonic() + get_current_settings().logging.to_api.batch_interval + 3.0
+            runs, seen = read(), None
+            while time.monotonic() < settled_by:
+                now = sorted((str(r.id), r.run_count, r.state_name) for r in runs)
+                if now == seen:
                     break
+                seen = now
+                time.sleep(0.3)
+                runs = read()
             retried = sorted((r for r in runs if (r.run_count or 0) > 1), key=lambda r: r.name)
             more = len(retried) - (RETRIED_SHOWN - 1) if len(retried) > RETRIED_SHOWN else 0
             retried = retried[:len(retried) - more]  # (a lost worker under a nas campaign: dozens)

@@ -52,8 +52,13 @@ def test_a_run_triggered_through_the_api_completes_and_is_tracked(served, wait_f
         # deployment run said so nowhere (a trial)
         from prefect.client.schemas.filters import LogFilter, LogFilterFlowRunId
 
-        logs = client.read_logs(LogFilter(flow_run_id=LogFilterFlowRunId(any_=[run.id])))
-        summary = [entry.message for entry in logs if entry.message.startswith("gemm summary:")]
+        deadline = time.time() + 30  # (logs are sent in batches: the last ones after the run's state)
+        while True:
+            logs = client.read_logs(LogFilter(flow_run_id=LogFilterFlowRunId(any_=[run.id])))
+            summary = [entry.message for entry in logs if entry.message.startswith("gemm summary:")]
+            if summary or time.time() > deadline:
+                break
+            time.sleep(0.5)
         assert len(summary) == 1, [entry.message[:200] for entry in logs]
         assert "verif" in summary[0] and "MLflow run: http://127.0.0.1:" in summary[0], summary[0]
     runs = Tracker(info.mlflow_tracking_uri).client.search_runs(
