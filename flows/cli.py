@@ -1843,11 +1843,19 @@ def _runs_table(experiment: str, result: dict[str, Any], width: int, named: bool
     return table
 
 
+def joined_filters(filters: list[str]) -> str:
+    """``compare``'s ``--filter`` options as one MLflow filter: each must hold (a second
+    ``--filter`` replaced the first, unsaid: a trial). MLflow's filters have ``and``, no ``or``."""
+    return " and ".join(f for f in (f.strip() for f in filters) if f)
+
+
 @app.command(cls=_Command)
 @_friendly
 def compare(experiment: str = typer.Argument(..., metavar="EXPERIMENT", help="MLflow experiment, e.g. gemm or tensor-factorization."),
             metric: list[str] = typer.Option([], "--metric", "-m", metavar="METRIC", help="Metric to show and plot (repeatable)."),
-            filter_string: str = typer.Option("", "--filter", metavar="EXPR", help="MLflow filter, e.g. \"params.routine = 'gemm'\"."),
+            filter_string: list[str] = typer.Option([], "--filter", metavar="EXPR",
+                                                    help="MLflow filter, e.g. \"params.routine = 'gemm'\" "
+                                                         "(repeatable: all must hold)."),
             top: int = typer.Option(10, "--top", metavar="N", help="At most this many runs, sorted by the first metric."),
             ascending: bool = typer.Option(False, "--ascending", help="Sort ascending, whatever the metric (without "
                                                                    "--metric too). Default: the metric's "
@@ -1878,7 +1886,8 @@ def compare(experiment: str = typer.Argument(..., metavar="EXPERIMENT", help="ML
     if problem:  # else MLflow's bare 401 (a trial)
         raise PaperlineError(f"mlflow: {problem}")
     activate(info)  # the local MLflow's login
-    result = compare_runs(Tracker(info.mlflow_tracking_uri), experiment, list(metric), filter_string, top, out, log,
+    result = compare_runs(Tracker(info.mlflow_tracking_uri), experiment, list(metric), joined_filters(filter_string),
+                          top, out, log,
                           ascending, all_runs)
     width = Console().width  # the terminal's (COLUMNS), not the 140 the module's console keeps for URLs
     console.print(_runs_table(experiment, result, width, named=bool(metric)), width=width)

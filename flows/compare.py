@@ -131,15 +131,20 @@ def filter_hint(said: str, user_filter: str) -> str:
     compares strings, not numbers)."""
     import re  # noqa: PLC0415
 
-    if "Expected a quoted string value" in said:
+    if "Expected a quoted string value" in said or "is either not quoted or unidentified quote" in said:
+        # (a bare word, params.compressor = fft, got MLflow's "either not quoted or unidentified
+        # quote types", and typographic quotes the same: a trial)
         clause = re.search(r"\b((?:params|tags)\.(?:`[^`]+`|\"[^\"]+\"|[\w.-]+))\s*(!=|=|<=|>=|<|>|I?LIKE)\s*"
-                           r"([\w.+-]+)", user_filter, re.IGNORECASE)
+                           r"([\w.+-]+|[‘’“”][^‘’“”]*[‘’“”])", user_filter, re.IGNORECASE)
         name, op, value = clause.groups() if clause else ("params.epochs", "=", "2")
+        value = value.strip("‘’“”")
         if op in ("<", ">", "<=", ">="):
             return (f"; parameters and tags are strings in MLflow, compared as strings with =, !=, LIKE or ILIKE "
                     f"only ({name} = '{value}'); metrics are numbers, compared with < and >")
         return (f"; parameters and tags are strings in MLflow, compared as strings: quote the value "
                 f"({name} {op} '{value}'); metrics are numbers, unquoted")
+    if any(q in user_filter for q in "‘’“”"):  # (an editor's curly quotes: "Invalid clause(s)" alone)
+        return "; the filter holds typographic quotes (‘ ’ “ ”): type straight quotes, ' around values"
     if "Expected numeric value type for metric" in said:
         clause = re.search(r"\b(metrics\.(?:`[^`]+`|\"[^\"]+\"|[\w.-]+))\s*(!=|=|<=|>=|<|>)\s*['\"]([^'\"]*)['\"]",
                            user_filter, re.IGNORECASE)

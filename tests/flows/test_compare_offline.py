@@ -176,3 +176,23 @@ def test_nas_campaigns_of_other_objectives_or_reference_points_ranked_together_g
     assert shlex.split(hint) == [f"params.problem_options = '{three}'"], hint
     one = compare_runs(tracker, "nas", [], f"params.problem_options = '{two}'", top=10, out_dir=tmp_path)["note"]
     assert "ranked across" not in (one or ""), one
+
+
+def test_a_bare_word_or_curly_quotes_in_a_filter_get_the_quoting_hint():
+    """`params.compressor = fft` got MLflow's "either not quoted or unidentified quote types", and
+    curly quotes "Invalid clause(s)", with no hint (a trial; the unquoted number had one)."""
+    from paperline.flows.compare import filter_hint
+
+    said = "Parameter value is either not quoted or unidentified quote types used for string value fft"
+    assert "quote the value (params.compressor = 'fft')" in filter_hint(said, "params.compressor = fft")
+    assert "type straight quotes" in filter_hint("Invalid clause(s) in filter string", "params.epochs = ‘2’")
+    assert filter_hint("some other error", "params.x = 'y'") == ""
+
+
+def test_every_filter_given_must_hold():
+    """A second --filter replaced the first, unsaid (a trial): they are joined with ``and``."""
+    from paperline.flows.cli import joined_filters
+
+    assert joined_filters(["params.problem = 'live-mnist'", " params.seed = '0' "]) == \
+        "params.problem = 'live-mnist' and params.seed = '0'"
+    assert joined_filters([]) == "" and joined_filters(["", "params.x = 'y'"]) == "params.x = 'y'"
