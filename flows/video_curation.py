@@ -49,6 +49,7 @@ from paperline.tasks.video import (
     SourceChangedError,
     contact_sheet,
     curate_video,
+    inputs_differ,
     read_back,
     source_fingerprints,
     unstaged,
@@ -306,56 +307,11 @@ def check_dataset_free(store: ObjectStore, output: str, key: str, argument: str,
         # nightly deployment after adding videos the same day)
         how = "the `dataset` field of a custom run in the Prefect UI, e.g. `nightly-{date}-2`" \
             if os.environ.get(FLOW_RUN_ENV) else "--set dataset=NAME"
-        differ = _inputs_differ(meta.get("inputs"), inputs)
+        differ = inputs_differ(meta.get("inputs"), inputs)
         raise InputError(argument, value, f"{output} already holds a committed dataset curated from other sources "
                                           f"or settings{f' ({differ})' if differ else ''}; a committed dataset is "
                                           f"never rewritten: choose another "
                                           f"{'output prefix' if argument == 'output' else f'dataset name ({how})'}")
-
-
-def _inputs_differ(committed: Any, here: dict[str, Any] | None, shown: int = 5) -> str:
-    """Which settings and source videos differ between a committed dataset's inputs and this
-    run's (both :meth:`VideoCurationParameters.inputs`), in words; "" when either is unknown
-    (a dataset committed before 2026-12-06 stores only their digest: a trial could not tell what
-    differed)."""
-    if not isinstance(committed, dict) or here is None:
-        return ""
-
-    absent = object()
-
-    def differ(a: dict[str, Any], b: dict[str, Any], skip: set[str] = frozenset(), suffix: str = "") -> list[str]:
-        def said(v: Any) -> str:  # (a setting another paperline version has not: not "null")
-            return "absent" if v is absent else _short(v)
-
-        return [f"{k}{suffix}={said(b.get(k, absent))} here, {said(a.get(k, absent))} in it"
-                for k in sorted(set(a) | set(b)) if k not in skip and a.get(k, absent) != b.get(k, absent)]
-
-    old_params, params = committed.get("params", {}), here.get("params", {})
-    both = set(old_params) | set(params)
-    parts = differ(old_params, params)
-    # a setting as it ran (the encoder "auto" as libx264 or NVENC, by the machine): where the
-    # parameter itself is the same
-    old_clip, clip = committed.get("clip_config", {}), here.get("clip_config", {})
-    parts += differ({k: v for k, v in old_clip.items() if k not in both},
-                    {k: v for k, v in clip.items() if k not in both})
-    parts += differ(old_clip, clip, skip={k for k in set(old_clip) | set(clip)
-                                          if k not in both or old_params.get(k) != params.get(k)}, suffix=" (as run)")
-    if old_params.get("embedder") == params.get("embedder"):
-        parts += differ({"embedder": committed.get("embedder")}, {"embedder": here.get("embedder")},
-                        suffix=" (as run)")
-    more = len(parts) - shown
-    parts = parts[:shown] + ([f"{more} more setting(s)"] if more > 0 else [])
-    new = sorted(set(here.get("sources", [])) - set(committed.get("sources", [])))
-    gone = sorted(set(committed.get("sources", [])) - set(here.get("sources", [])))
-    for words, names in (("videos not in it", new), ("its videos not in this run", gone)):
-        if names:
-            parts.append(f"{words}: {', '.join(names[:shown])}{' ...' if len(names) > shown else ''}")
-    return "; ".join(parts)
-
-
-def _short(value: Any, limit: int = 40) -> str:
-    text = json.dumps(value)
-    return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
 PRESETS: dict[str, dict[str, Any]] = {

@@ -33,7 +33,7 @@ from paperline.infra.storage import ObjectChangedError, ObjectNotFoundError, Obj
 from paperline.kernels.errors import InputError
 from paperline.kernels.video.clips import Clip, ClipConfig, FilterConfig, extract_clips, key_stem
 from paperline.kernels.video.probe import Rejected, file_sha256, probe
-from paperline.kernels.video.shards import ShardPlan, iter_samples, write_dataset
+from paperline.kernels.video.shards import MANIFEST, ShardPlan, iter_samples, write_dataset
 from paperline.tasks.retry import HOUR, retry_unless, retry_unless_bad_input
 from paperline.tasks.versions import sources_sha256
 
@@ -233,9 +233,66 @@ def write_shards(store: ObjectStore, output: str, plans: list[ShardPlan], rows: 
 
     with store.lease(f"{output}/{WRITE_LEASE}", _lease_owner(), on_wait=waiting,
                      on_takeover=taking_over) as still_held:
+        # a run that waited for the lease finds what the run before it committed: of other
+        # settings whose clips came out the same it said "committed by an earlier run", and of
+        # other filters it blamed a changed video (a trial): its inputs are compared first
+        manifest = f"{output}/{MANIFEST}"
+        if store.exists(manifest):
+            committed = json.loads(store.get_bytes(manifest)).get("meta", {})
+            if committed.get("inputs_key") not in (None, meta.get("inputs_key")):
+                differ = inputs_differ(committed.get("inputs"), meta.get("inputs"))
+                raise InputError("output", output, f"another run committed a dataset here, curated from other "
+                                                   f"sources or settings{f' ({differ})' if differ else ''}, while "
+                                                   "this one curated; a committed dataset is never rewritten: "
+                                                   "choose another dataset name")
         return write_dataset(store, output, plans, rows,
                              lambda r: store.get_bytes(r["staged_uri"], sha256=r["mp4_sha256"]), extra, meta,
                              check_lease=still_held)
+
+
+def inputs_differ(committed: Any, here: dict[str, Any] | None, shown: int = 5) -> str:
+    """Which settings and source videos differ between a committed dataset's inputs and this
+    run's (both :meth:`paperline.flows.video_curation.VideoCurationParameters.inputs`), in words; "" when either is unknown
+    (a dataset committed before 2026-12-06 stores only their digest: a trial could not tell what
+    differed)."""
+    if not isinstance(committed, dict) or here is None:
+        return ""
+
+    absent = object()
+
+    def differ(a: dict[str, Any], b: dict[str, Any], skip: set[str] = frozenset(), suffix: str = "") -> list[str]:
+        def said(v: Any) -> str:  # (a setting another paperline version has not: not "null")
+            return "absent" if v is absent else _short(v)
+
+        return [f"{k}{suffix}={said(b.get(k, absent))} here, {said(a.get(k, absent))} in it"
+                for k in sorted(set(a) | set(b)) if k not in skip and a.get(k, absent) != b.get(k, absent)]
+
+    old_params, params = committed.get("params", {}), here.get("params", {})
+    both = set(old_params) | set(params)
+    parts = differ(old_params, params)
+    # a setting as it ran (the encoder "auto" as libx264 or NVENC, by the machine): where the
+    # parameter itself is the same
+    old_clip, clip = committed.get("clip_config", {}), here.get("clip_config", {})
+    parts += differ({k: v for k, v in old_clip.items() if k not in both},
+                    {k: v for k, v in clip.items() if k not in both})
+    parts += differ(old_clip, clip, skip={k for k in set(old_clip) | set(clip)
+                                          if k not in both or old_params.get(k) != params.get(k)}, suffix=" (as run)")
+    if old_params.get("embedder") == params.get("embedder"):
+        parts += differ({"embedder": committed.get("embedder")}, {"embedder": here.get("embedder")},
+                        suffix=" (as run)")
+    more = len(parts) - shown
+    parts = parts[:shown] + ([f"{more} more setting(s)"] if more > 0 else [])
+    new = sorted(set(here.get("sources", [])) - set(committed.get("sources", [])))
+    gone = sorted(set(committed.get("sources", [])) - set(here.get("sources", [])))
+    for words, names in (("videos not in it", new), ("its videos not in this run", gone)):
+        if names:
+            parts.append(f"{words}: {', '.join(names[:shown])}{' ...' if len(names) > shown else ''}")
+    return "; ".join(parts)
+
+
+def _short(value: Any, limit: int = 40) -> str:
+    text = json.dumps(value)
+    return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
 WRITE_LEASE = ".write-lease.json"  # beside a dataset's shards while a run writes them

@@ -459,7 +459,7 @@ def test_the_same_videos_in_another_directory_are_the_same_inputs():
     assert key != p.inputs_key(cfg, ["/clone-a/data/bikes.mp4"])
     assert key != VideoCurationParameters(min_motion=0.5).inputs_key(cfg, ["/a/bikes.mp4", "/a/carphone.mp4"])
     # what differs, in words (a refused name said only "other sources or settings": a trial)
-    from paperline.flows.video_curation import _inputs_differ
+    from paperline.tasks.video import inputs_differ as _inputs_differ
 
     committed = p.inputs(cfg, ["/a/bikes.mp4", "/a/carphone.mp4", "/a/old.mp4"])
     here = VideoCurationParameters(min_motion=0.5, crf=30).inputs(cfg, ["/b/bikes.mp4", "/b/new.mp4",
@@ -723,3 +723,26 @@ def test_a_dataset_in_a_bucket_that_does_not_exist_says_so(stack):
         next(iter_samples(store, "s3://no-such-bucket-7/ds"))
     with pytest.raises(NotCommitted, match="was never committed"):
         next(iter_samples(store, f"s3://{info.data_bucket}/no-such-dataset-7"))
+
+
+def test_a_run_that_waited_for_the_write_lease_compares_its_inputs_with_the_commit_it_finds(stack):
+    """Two runs of one dataset name at once, the second with min_motion=0.0021: its clips came out
+    the same, and it said "committed by an earlier run: nothing written"; with other filters it
+    blamed "a video whose content changed" (a trial). Under the lease the inputs are compared first."""
+    from paperline.infra.storage import ObjectStore
+    from paperline.kernels.errors import InputError
+    from paperline.kernels.video.shards import ShardPlan
+    from paperline.tasks.video import WRITE_LEASE, write_shards
+
+    _, info = stack
+    store = ObjectStore.from_stack(info)
+    output = f"s3://{info.data_bucket}/tests/raced-{time.time_ns()}"
+    theirs = {"params": {"min_motion": 0.002}, "clip_config": {}, "embedder": "hsv-histogram", "sources": ["a.mp4"]}
+    store.put_bytes_to(json.dumps({"shards": [], "meta": {"inputs_key": "theirs", "inputs": theirs}}).encode(),
+                       f"{output}/manifest.json")
+    mine = {**theirs, "params": {"min_motion": 0.0021}}
+    with pytest.raises(InputError, match=r"another run committed a dataset here, curated from other sources or "
+                                         r"settings \(min_motion=0\.0021 here, 0\.002 in it\), while this one curated"):
+        write_shards.fn(store, output, [ShardPlan("shard-000000.tar", ("k",), 1)], {}, {}, {"inputs_key": "mine",
+                                                                                           "inputs": mine})
+    assert not store.exists(f"{output}/{WRITE_LEASE}") and not store.exists(f"{output}/shard-000000.tar")
