@@ -37,6 +37,12 @@ from paperline.infra.tracking import Tracker
 from paperline.kernels.errors import InputError as KernelInputError
 from paperline.kernels.search.campaign import Campaign
 from paperline.kernels.search.deadline import EvaluationTimeout
+
+try:
+    from prefect.task_engine import TaskRunTimeoutError
+except ImportError:  # pragma: no cover - (another Prefect: its timeouts read as the flow's deadline)
+    class TaskRunTimeoutError(TimeoutError):  # type: ignore[no-redef]
+        """Stand-in where Prefect has no such class."""
 from paperline.kernels.search.problems import make_problem, problem_names, problem_option_names
 from paperline.tasks.nas import evaluate, load_checkpoint, log_evaluations, render_report, save_checkpoint
 
@@ -396,14 +402,17 @@ def _run_one(cp: CampaignParameters, campaign: Campaign, name: str, store: Objec
     # worker's thread was lost in a callback once (a trial), and the flow's deadline counts from
     # the batch's submission, allowing for evaluations queued behind others.
     timeout = cp.evaluation_timeout_s
-    bounded = evaluate.with_options(timeout_seconds=timeout + max(10.0, 0.1 * timeout))
+    # (the grace covers a cold worker's loading, which the evaluation's own limit does not count:
+    # Prefect's 10.5 s stopped a first 0.5-s evaluation still importing torch under load, a trial)
+    grace = max(60.0, 0.1 * timeout)
+    bounded = evaluate.with_options(timeout_seconds=timeout + grace)
     try:
         while not campaign.done:
             x = campaign.ask()
             start = campaign.n_done
             futures = [bounded.submit(campaign.problem.name, campaign.problem.options, [float(v) for v in row],
                                        campaign.seed, start + i, timeout) for i, row in enumerate(x)]
-            allowed = len(futures) * (timeout + max(10.0, 0.1 * timeout))  # (all queued on one worker, at worst)
+            allowed = len(futures) * (timeout + grace)  # (all queued on one worker, at worst)
             deadline = time.monotonic() + allowed
             results = [_result(f, deadline, allowed, timeout) for f in futures]
             new = campaign.tell(x, results)
@@ -479,6 +488,8 @@ def _result(future: Any, deadline: float, allowed_s: float, limit_s: float) -> d
         raise
     except EvaluationTimeout as exc:
         return {"values": None, "error": str(exc), "seconds": limit_s}
+    except TaskRunTimeoutError as exc:  # (Prefect's backstop: read as the flow's own deadline before, a trial)
+        return {"values": None, "error": f"timed out: stopped by Prefect's task limit ({exc})", "seconds": limit_s}
     except TimeoutError:
         return {"values": None, "error": f"timed out: not done {allowed_s:g} s after its batch started (stuck past "
                                          "its own limit)", "seconds": limit_s}

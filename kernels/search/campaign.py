@@ -69,6 +69,8 @@ def evaluate_point(problem: Problem, x: list[float] | np.ndarray, seed: int,
         EvaluationTimeout: past ``timeout_s``, with ``raise_timeout``.
     """
     point = problem.space.validate(x)[0]
+    if timeout_s is not None:
+        problem.prepare()  # (loading once per process is not the evaluation's time: a trial)
     t0 = time.perf_counter()
     try:
         with time_limit(timeout_s):

@@ -290,6 +290,11 @@ def live_mnist(epochs: int = 1, device: str = "cpu", threads: int = 1, n_train: 
 
     # worst values: 0 % accuracy, 10 % over the largest network, a latency bound generous for a CPU core
     ref = np.array([0.0, 1.1 * max_params_count(), 100.0])
+    def prepare() -> None:
+        import torch  # noqa: F401, PLC0415 - (its import is seconds of a cold worker's first evaluation)
+
+        load_mnist5k()
+
     return Problem("live-mnist", SPACE, OBJECTIVES, evaluate, default_ref_point=ref, options=options,
-                   describe_fn=describe)
+                   describe_fn=describe, prepare_fn=prepare)
 

@@ -53,6 +53,8 @@ class Problem:
         attainable_fn: ``() -> n x m`` user-unit values the problem can reach (whole table or a
             dense sample), for checking a reference point.
         options: the constructor options (to rebuild the problem on a worker).
+        prepare_fn: ``() -> None``, what an evaluation needs loaded once per process (data,
+            imports), run before an evaluation's time limit starts (:meth:`prepare`).
     """
 
     name: str
@@ -64,6 +66,14 @@ class Problem:
     attainable_fn: Callable[[], np.ndarray] | None = None
     options: dict[str, Any] = field(default_factory=dict)
     describe_fn: Callable[[np.ndarray], dict[str, Any]] | None = None
+    prepare_fn: Callable[[], None] | None = None
+
+    def prepare(self) -> None:
+        """Load what evaluations need once per process (``prepare_fn``; nothing without one), so
+        that an evaluation's time limit does not count it: the first live-NAS evaluation on each
+        worker timed out loading MNIST and torch while the ones after it finished (a trial)."""
+        if self.prepare_fn is not None:
+            self.prepare_fn()
 
     @property
     def n_objectives(self) -> int:

@@ -321,6 +321,15 @@ def test_an_evaluation_past_its_time_limit_stops_itself_and_is_recorded_as_timed
     with pytest.raises(EvaluationTimeout, match="not done 5 s after"):  # (the task's way: a timeout is not cached)
         evaluate_point(problem, x, 0, timeout_s=5, raise_timeout=True)
     monkeypatch.undo()
+    # what a process loads once (MNIST, torch) is loaded before the limit starts: the first
+    # evaluation on each cold worker timed out loading while the ones queued behind it finished (a trial)
+    import dataclasses
+
+    from paperline.kernels.search.deadline import _DEADLINE
+
+    prepared = []
+    cheap_box = dataclasses.replace(make_problem("branin-currin"), prepare_fn=lambda: prepared.append(_DEADLINE.get()))
+    assert evaluate_point(cheap_box, [0.5, 0.5], 0, timeout_s=5)["error"] is None and prepared == [None]
     # without a limit the same point trains to the end (and the limit does not leak into it)
     cheap = make_problem("live-mnist", epochs=1, n_train=100)
     assert evaluate_point(cheap, x, 0)["error"] is None
