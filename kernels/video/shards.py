@@ -567,9 +567,9 @@ def _shard_dataset_class() -> type:
             in every loader worker holding a copy of this dataset.
 
             Raises:
-                InputError: ``epoch`` not an int >= 0.
+                InputError: ``epoch`` not an int in [0, 2**63 - 1].
             """
-            self._epoch.value = check_int("epoch", epoch, 0)
+            self._epoch.value = check_int("epoch", epoch, 0, 2**63 - 1)  # (a 64-bit shared value: 2**64 read as 0: a trial)
 
         def __getstate__(self) -> dict[str, Any]:
             state = self.__dict__.copy()

@@ -206,6 +206,8 @@ def test_the_module_imports_without_torch_and_the_dataset_refuses_bad_input():
             ShardDataset(MemoryStore(), OUTPUT, *args, **kw)
     with pytest.raises(InputError, match=r"^epoch='1': must be an integer"):
         ShardDataset(MemoryStore(), OUTPUT).set_epoch("1")
+    with pytest.raises(InputError, match=r"^epoch=18446744073709551616: must be in \[0, 9223372036854775807\]"):
+        ShardDataset(MemoryStore(), OUTPUT).set_epoch(2**64)  # (the shared 64-bit value read it as 0: a trial)
 
 
 def test_a_dataloader_with_workers_yields_each_sample_of_the_rank_once_per_epoch():
