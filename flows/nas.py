@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from prefect.runtime import flow_run
+from prefect.task_engine import TaskRunTimeoutError
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from paperline.infra.cluster import configure_local_workers, default_task_runner
@@ -37,12 +38,6 @@ from paperline.infra.tracking import Tracker
 from paperline.kernels.errors import InputError as KernelInputError
 from paperline.kernels.search.campaign import Campaign
 from paperline.kernels.search.deadline import EvaluationTimeout
-
-try:
-    from prefect.task_engine import TaskRunTimeoutError
-except ImportError:  # pragma: no cover - (another Prefect: its timeouts read as the flow's deadline)
-    class TaskRunTimeoutError(TimeoutError):  # type: ignore[no-redef]
-        """Stand-in where Prefect has no such class."""
 from paperline.kernels.search.problems import make_problem, problem_names, problem_option_names
 from paperline.tasks.nas import evaluate, load_checkpoint, log_evaluations, render_report, save_checkpoint
 

@@ -24,7 +24,7 @@ import numpy as np
 from paperline.kernels.errors import InputError, is_real
 from paperline.kernels.search.base import (OPTIMIZERS, STATE_KEYS, Optimizer, check_count, check_int, check_state,
                                            load_optimizer, make_optimizer)
-from paperline.kernels.search.deadline import EvaluationTimeout, check_deadline, time_limit  # noqa: F401
+from paperline.kernels.search.deadline import EvaluationTimeout, time_limit
 from paperline.kernels.search.pareto import hypervolume, pareto_mask
 from paperline.kernels.search.problems import Problem, make_problem
 
@@ -56,7 +56,7 @@ def evaluate_point(problem: Problem, x: list[float] | np.ndarray, seed: int,
         x: A point of its space.
         seed: The evaluation's seed.
         timeout_s: Seconds the evaluation may take (None: no limit); an evaluation that checks
-            (:func:`check_deadline`) stops past it and is recorded as timed out.
+            (:func:`~paperline.kernels.search.deadline.check_deadline`) stops past it and is recorded as timed out.
         raise_timeout: Raise :class:`EvaluationTimeout` instead of recording it (a cached
             task must not keep a timeout, which one busy moment may cause, as its result).
 
