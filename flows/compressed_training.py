@@ -124,6 +124,17 @@ class CompressedTrainingParameters(BaseModel):
                            max_steps_per_epoch=self.max_steps_per_epoch, nan_steps=tuple(self.nan_steps),
                            isgd=self.isgd, **isgd)
 
+    def logged_params(self) -> dict[str, Any]:
+        """The parameters as the flow's (parent) MLflow run logs them: with ``isgd`` off,
+        ``isgd_stop`` and ``isgd_epsilon`` at their defaults, as :meth:`train_config` (and so
+        each compressor's child run) has them. A user's values there changed nothing, and the
+        parent and its children disagreed on what trained (a review)."""
+        logged = self.model_dump()
+        if not self.isgd:
+            fields = type(self).model_fields
+            logged.update({name: fields[name].default for name in ("isgd_stop", "isgd_epsilon")})
+        return logged
+
     def validate_on_stack(self, info: Any, store: Any) -> None:
         """Before the flow run is created (and in the flow, before its MLflow run): a
         ``checkpoint_prefix`` in a bucket that does not exist. Raises InputError."""
@@ -289,7 +300,7 @@ def compressed_training(params: CompressedTrainingParameters | None = None) -> d
     run_url = info.flow_run_url(flow_run.id)
     tags = {"prefect.flow_run_id": str(flow_run.id), "prefect.flow_run_url": run_url}
     parent = tracker.start_run(EXPERIMENT, run_name=flow_run.name or "compressed-training", tags=tags,
-                               params={**params.model_dump(), "device": device})
+                               params={**params.logged_params(), "device": device})
     runs = []
     sizes = []
     size = 1024

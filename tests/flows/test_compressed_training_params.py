@@ -83,3 +83,7 @@ def test_isgd_settings_without_isgd_change_nothing_trained():
     assert CompressedTrainingParameters(isgd_stop=0, isgd_epsilon=0.5).train_config("fft") == plain
     on = CompressedTrainingParameters(isgd=True, isgd_stop=0).train_config("fft")
     assert on.isgd and on.isgd_stop == 0 and on != CompressedTrainingParameters(isgd=True).train_config("fft")
+    # the parent MLflow run logs what its children trained with, not the unused values
+    logged = CompressedTrainingParameters(isgd_stop=0, isgd_epsilon=0.5).logged_params()
+    assert (logged["isgd_stop"], logged["isgd_epsilon"]) == (plain.isgd_stop, plain.isgd_epsilon)
+    assert CompressedTrainingParameters(isgd=True, isgd_stop=0).logged_params()["isgd_stop"] == 0
