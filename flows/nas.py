@@ -318,11 +318,13 @@ def campaign_lock(name: str, state_dir: Path, store: ObjectStore | None = None,
     """
     with contextlib.ExitStack() as held:
         try:
-            held.enter_context(held_by_this_process(state_dir / "locks" / f"nas-{name}.lock"))
+            held.enter_context(held_by_this_process(state_dir / "locks" / f"nas-{name}.lock", _run_owner()))
         except Held as exc:
-            raise InputError("campaign", name, f"is being run now by another flow run on this machine (process "
-                                               f"{exc.holder}): wait for it to end, or stop it (Ctrl-C) and run this "
-                                               "again to resume from its checkpoint") from None
+            # (named as the S3 lease names its holder: the two messages named a process and a flow run)
+            holder = f"process {exc.holder}" if exc.holder.isdigit() or exc.holder == "?" else exc.holder
+            raise InputError("campaign", name, f"is being run now by {holder} on this machine: wait for it to end, "
+                                               "or stop it (Ctrl-C) and run this again to resume from its "
+                                               "checkpoint") from None
         check: Callable[[], None] = lambda: None  # noqa: E731
         if store is not None and prefix is not None:
             def taken_over(why: str) -> None:

@@ -2,8 +2,8 @@
 
 :func:`held_by_this_process` takes an advisory ``fcntl.flock`` on a file, which the kernel releases
 when the holding process ends, however it ends (even ``kill -9``): nothing stale is left to clean
-up, and a crashed holder's work can be resumed at once. The file records the holder's PID for
-messages. POSIX only.
+up, and a crashed holder's work can be resumed at once. The file records the holder (its PID, and
+what it is when the caller says) for messages. POSIX only.
 """
 
 from __future__ import annotations
@@ -19,7 +19,8 @@ class Held(Exception):
 
     Attributes:
         path: The lock file.
-        holder: The holder's PID as it wrote it, or ``"?"``.
+        holder: The holder as it wrote itself (``"<who> (process <pid>)"``, or its PID alone), or
+            ``"?"``.
     """
 
     def __init__(self, path: Path, holder: str):
@@ -28,8 +29,10 @@ class Held(Exception):
 
 
 @contextlib.contextmanager
-def held_by_this_process(path: Path) -> Iterator[None]:
-    """Hold the lock file ``path`` (created with its folder if missing) for the ``with`` block.
+def held_by_this_process(path: Path, who: str | None = None) -> Iterator[None]:
+    """Hold the lock file ``path`` (created with its folder if missing) for the ``with`` block,
+    recording this process as ``"<who> (process <pid>)"`` (``who``: e.g. a flow run, in words),
+    or by its PID alone.
 
     Raises:
         Held: another process holds it (never waits).
@@ -46,6 +49,6 @@ def held_by_this_process(path: Path) -> Iterator[None]:
             raise Held(path, f.read().strip() or "?") from None
         f.seek(0)
         f.truncate()
-        f.write(str(os.getpid()))  # ("a+" appends: at 0 after the truncate)
+        f.write(f"{who} (process {os.getpid()})" if who else str(os.getpid()))  # ("a+": at 0 after the truncate)
         f.flush()
         yield
