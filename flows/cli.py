@@ -715,6 +715,7 @@ def _quiet_logs() -> None:
     from prefect.logging.handlers import PrefectConsoleHandler
 
     from paperline.infra.cluster import quiet_dask_logs
+    from paperline.infra.prefect_worker import queued_not_aborted
     from paperline.infra.regression import not_in_summary
 
     setup_logging()  # idempotent; Prefect's console handler sits on the root logger
@@ -727,7 +728,7 @@ def _quiet_logs() -> None:
         handler.addFilter(_not_said_before)
         handler.addFilter(_short_event_failures)
         handler.addFilter(_no_unfinished_finish)
-        handler.addFilter(_queued_not_aborted)
+        handler.addFilter(queued_not_aborted)  # serve's runner (`paperline worker`'s child has its own)
         handler.addFilter(_no_gather_exit)
         handler.addFilter(_no_shutdown_connect_error)
         handler.addFilter(_stop_not_keyboard)
@@ -759,18 +760,6 @@ def _no_crash_line_for_the_watch(record: Any) -> bool:
     text = record.getMessage()
     return not (text.startswith("Crash detected! Execution was aborted by an interrupt signal")
                 or text.startswith("Finished in state Crashed('Execution was aborted by an interrupt signal"))
-
-
-def _queued_not_aborted(record: Any) -> bool:
-    """Say what Prefect's runner means by ``Aborted submission of flow run '<id>': Server returned a
-    non-pending state 'SCHEDULED'``: the run waits for its deployment's one concurrency slot, and
-    starts when the run before it ends (a trial read the line as a failure; the run ran)."""
-    if str(record.msg).startswith("Aborted submission of flow run '%s': Server returned a non-pending") and \
-            isinstance(record.args, tuple) and len(record.args) == 2 and record.args[1] == "SCHEDULED":
-        record.msg = ("flow run '%s' waits Scheduled for its deployment's concurrency slot (one run at a time): it "
-                      "starts when the run before it ends")
-        record.args = record.args[:1]
-    return True
 
 
 def _no_gather_exit(record: Any) -> bool:
@@ -1616,8 +1605,10 @@ def worker(pool: str = typer.Option("cpu", "--pool", metavar="POOL", help="cpu o
     with watch_flow_runs("paperline worker", report=_say, tracking_uri=info.mlflow_tracking_uri):  # a run it was executing is marked Crashed on stopping
         # named after this process, for `status` to tell a worker that exited from one online (it
         # showed a worker killed seconds before online until its heartbeat aged out: a trial)
-        code = _worker_through_outages([sys.executable, "-m", "prefect", "worker", "start", "--pool", WORK_POOLS[pool],
-                                        "--type", "process", "--name", local_worker_name(os.getpid())],
+        # (Prefect's `prefect worker start`, its log saying a run queued for its slot as waiting)
+        code = _worker_through_outages([sys.executable, "-m", "paperline.infra.prefect_worker", "worker", "start",
+                                        "--pool", WORK_POOLS[pool], "--type", "process",
+                                        "--name", local_worker_name(os.getpid())],
                                        env=env, cwd=workdir, api_url=info.prefect_api_url)
     if code is not None:
         _worker_failed(code, info.prefect_api_url, env.get("PREFECT_API_AUTH_STRING"))

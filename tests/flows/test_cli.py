@@ -989,22 +989,55 @@ def test_what_an_interrupt_ends_is_not_reported_as_a_fault():
 def test_a_run_queued_for_its_deployments_slot_is_said_to_wait_not_to_be_aborted():
     """serve's log said "Aborted submission of flow run '...': Server returned a non-pending state
     'SCHEDULED'" for a run waiting behind its deployment's one concurrency slot (a trial read it as
-    a failure; the run ran later). Other aborts keep Prefect's words."""
+    a failure; the run ran later), and so did `paperline worker`'s Prefect worker, in its own
+    formatted words (a review). Other aborts keep Prefect's words."""
     import logging
 
-    from paperline.flows.cli import _queued_not_aborted
+    from paperline.infra.prefect_worker import queued_not_aborted
 
-    def record(args: tuple) -> logging.LogRecord:
-        return logging.LogRecord("prefect.runner.state_proposer", logging.INFO, __file__, 1,
-                                 "Aborted submission of flow run '%s': Server returned a non-pending state %r", args,
-                                 None)
+    def record(msg: str, args: tuple) -> logging.LogRecord:
+        return logging.LogRecord("prefect.runner.state_proposer", logging.INFO, __file__, 1, msg, args, None)
 
-    queued = record(("71795212", "SCHEDULED"))
-    assert _queued_not_aborted(queued)
-    assert queued.getMessage() == ("flow run '71795212' waits Scheduled for its deployment's concurrency slot (one run "
-                                   "at a time): it starts when the run before it ends")
-    cancelled = record(("71795212", "CANCELLED"))
-    assert _queued_not_aborted(cancelled) and cancelled.getMessage().startswith("Aborted submission")
+    runner = "Aborted submission of flow run '%s': Server returned a non-pending state %r"
+    waits = ("flow run '71795212' waits Scheduled for its deployment's concurrency slot (one run at a time): it "
+             "starts when the run before it ends")
+    for queued in (record(runner, ("71795212", "SCHEDULED")), record(runner % ("71795212", "SCHEDULED"), ())):
+        assert queued_not_aborted(queued)
+        assert queued.getMessage() == waits
+    for other in (record(runner, ("71795212", "CANCELLED")), record(runner % ("71795212", "CANCELLED"), ()),
+                  record("Aborted submission of flow run '%s'. Server sent an abort signal: %s", ("7", "gone"))):
+        assert queued_not_aborted(other) and other.getMessage().startswith("Aborted submission")
+
+
+def test_paperline_workers_prefect_worker_says_a_queued_run_waits(tmp_path):
+    """`paperline worker` runs Prefect's CLI through ``paperline.infra.prefect_worker``: the
+    arguments reach Prefect's own `worker start`, and the worker's flow-run logger (whose records
+    go to the terminal and to the run's log in the UI) carries the rewrite."""
+    import logging
+    import subprocess
+
+    from paperline.infra import prefect_worker
+
+    out = subprocess.run([sys.executable, "-m", "paperline.infra.prefect_worker", "worker", "start", "--help"],
+                         capture_output=True, text=True, timeout=120, cwd=tmp_path)
+    assert out.returncode == 0, out.stderr
+    assert "--pool" in out.stdout and "--type" in out.stdout  # Prefect's `worker start` answered
+    logger = logging.getLogger(prefect_worker.WORKER_LOGGER)
+    try:
+        prefect_worker.install()
+        prefect_worker.install()
+        assert logger.filters.count(prefect_worker.queued_not_aborted) == 1
+        # the logger Prefect's worker gives a flow run's records
+        import uuid
+
+        from prefect.client.schemas.objects import FlowRun
+        from prefect.workers.process import ProcessWorker
+
+        run = FlowRun(flow_id=uuid.uuid4(), name="queued-run")
+        worker_logger = ProcessWorker(work_pool_name="cpu").get_flow_run_logger(run)
+        assert worker_logger.logger is logger
+    finally:
+        logger.removeFilter(prefect_worker.queued_not_aborted)
 
 
 def test_a_401_is_said_as_a_refused_login_with_what_to_do(capsys):

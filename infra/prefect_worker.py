@@ -1,0 +1,60 @@
+"""The Prefect worker process of `paperline worker`: Prefect's own ``prefect worker start``, with
+its log saying a run queued for its deployment's concurrency slot as waiting, not aborted.
+
+Prefect's worker logs ``Aborted submission of flow run '<id>': Server returned a non-pending
+state 'SCHEDULED'`` for a run that waits behind its deployment's one concurrency slot (prefect.yaml
+gives every deployment a limit of one); the run starts when the run before it ends. `paperline
+serve` says so through a filter on its own console (``flows/cli.py``), but the worker is a child
+process (``python -m prefect worker start``) whose terminal kept Prefect's words (a review). Run as
+``python -m paperline.infra.prefect_worker worker start ...``: it puts :func:`queued_not_aborted`
+on the worker's flow-run logger, so that the terminal and the run's log in the Prefect UI both get
+the rewritten line, then hands the arguments to Prefect's CLI.
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+import sys
+
+QUEUED = ("flow run '{}' waits Scheduled for its deployment's concurrency slot (one run at a time): it starts when "
+          "the run before it ends")
+_ABORTED_SCHEDULED = re.compile(r"Aborted submission of flow run '([^']+)': Server returned a non-pending state "
+                                r"'SCHEDULED'")
+WORKER_LOGGER = "prefect.flow_runs.worker"  # the logger of Prefect's BaseWorker.get_flow_run_logger
+
+
+def queued_not_aborted(record: logging.LogRecord) -> bool:
+    """Rewrite Prefect's ``Aborted submission of flow run '<id>': Server returned a non-pending
+    state 'SCHEDULED'`` (the runner's form, ``%s`` arguments, and the worker's, formatted) as
+    :data:`QUEUED`; other aborts (a cancelled run, say) keep Prefect's words. Keeps every record."""
+    if not str(record.msg).startswith("Aborted submission of flow run"):
+        return True
+    try:
+        text = record.getMessage()
+    except (TypeError, ValueError):  # arguments that do not fit the message: Prefect's record as it is
+        return True
+    match = _ABORTED_SCHEDULED.fullmatch(text)
+    if match:
+        record.msg, record.args = QUEUED.format(match.group(1)), ()
+    return True
+
+
+def install() -> None:
+    """Put :func:`queued_not_aborted` on the worker's flow-run logger (once)."""
+    logger = logging.getLogger(WORKER_LOGGER)
+    if queued_not_aborted not in logger.filters:
+        logger.addFilter(queued_not_aborted)
+
+
+def main(argv: list[str]) -> None:
+    """Prefect's CLI with ``argv`` (e.g. ``["worker", "start", "--pool", ...]``), after :func:`install`."""
+    install()
+    from prefect.cli import app  # noqa: PLC0415 (Prefect's CLI: imported for the run, after the filter)
+
+    sys.argv = ["prefect", *argv]
+    app()
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
