@@ -226,7 +226,11 @@ def check_latest(tracker: Tracker, run_id: str, params: dict[str, Any], headline
                  label: str = "", first_run_note: str | None = None) -> BestEarlier:
     """:func:`compare_with_best_earlier` keyed on ``params``, its lines logged to the flow run's
     log (a regression as a warning, so that it stands out in the Prefect UI), each record marked
-    with the attribute :data:`IN_SUMMARY` (the flows put the same lines in their summaries).
+    with the attribute :data:`IN_SUMMARY` (the flows put the same lines in their summaries). In a
+    deployment's run (its own process: :data:`paperline.infra.flow_runs.FLOW_RUN_ENV` set) only a
+    regression is logged here: the flow's summary, which holds these lines, is logged at its end
+    (:func:`paperline.infra.pipeline_flow.log_summary`), and its log said "first finished run with
+    these parameters" twice (a review).
 
     Args:
         tracker: The MLflow tracker.
@@ -242,6 +246,12 @@ def check_latest(tracker: Tracker, run_id: str, params: dict[str, Any], headline
     outcome = compare_with_best_earlier(tracker, run_id, params_key(params), headlines)
     if first_run_note is not None:
         outcome.first_run_note = first_run_note
+    import os  # noqa: PLC0415
+
+    from paperline.infra.flow_runs import FLOW_RUN_ENV  # noqa: PLC0415
+
+    if os.environ.get(FLOW_RUN_ENV) and not outcome.regression:
+        return outcome
     logger = run_logger()
     for line in outcome.lines(label):
         (logger.warning if outcome.regression else logger.info)(line, extra={IN_SUMMARY: True})

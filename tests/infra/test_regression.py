@@ -58,7 +58,7 @@ def test_params_key_ignores_order_and_sees_values():
 
 
 @pytest.mark.stack
-def test_best_earlier_run_of_the_same_key_and_regressions(stack, caplog):
+def test_best_earlier_run_of_the_same_key_and_regressions(stack, caplog, monkeypatch):
     from paperline.infra.tracking import Tracker
 
     _, info = stack
@@ -130,3 +130,17 @@ def test_best_earlier_run_of_the_same_key_and_regressions(stack, caplog):
     noted = check_latest(tracker, lonely, {"n": 3}, HEADLINES, label="c", first_run_note="resumed its own run")
     assert noted.lines() == ["resumed its own run"] and "c: resumed its own run" in caplog.text
     assert "first finished run" not in caplog.text
+
+    # in a deployment's run the summary logged at the flow's end holds these lines: only a
+    # regression is logged as it is found (the log said "first finished run" twice: a review)
+    from paperline.infra.flow_runs import FLOW_RUN_ENV
+
+    monkeypatch.setenv(FLOW_RUN_ENV, "7c1e0c52-0000-4000-8000-000000000000")
+    caplog.clear()
+    alone = run("alone", {"throughput_gflop_per_s": 1.0, "wall_s": 1.0}, k=params_key({"n": 5}))
+    assert check_latest(tracker, alone, {"n": 5}, HEADLINES).lines()[0].startswith("first finished run")
+    assert caplog.text == ""
+    run("fast", {"throughput_gflop_per_s": 100.0, "wall_s": 1.0}, k=params_key({"n": 6}))
+    slow = run("slow", {"throughput_gflop_per_s": 1.0, "wall_s": 1.0}, k=params_key({"n": 6}))
+    assert check_latest(tracker, slow, {"n": 6}, HEADLINES).regression
+    assert "REGRESSION against" in caplog.text
