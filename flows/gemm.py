@@ -42,7 +42,7 @@ from paperline.kernels.blas.runtime import check_memory_budget, missing_output_d
 from paperline.kernels.errors import InputError as KernelInputError
 from paperline.tasks.gemm import (
     build_problem,
-    check_s3_bands,
+    fit_s3_bands,
     render_gemm_report,
     scaling_sweep,
     single_process_peer,
@@ -235,7 +235,7 @@ class GemmParameters(BaseModel):
         problem = build_problem(self.kernel_params(), store)
         try:
             check_memory_budget(problem, budget)
-            check_s3_bands(problem, budget)  # an S3 operand's reads hold whole row bands
+            fit_s3_bands(problem, budget)  # an S3 operand's reads hold whole row bands
         except KernelInputError as exc:  # name the value as given (1KiB), not in bytes
             raise InputError("memory_budget", self.memory_budget, f"{budget} bytes are {exc.problem}") from None
         self.check_sizes_given(problem)

@@ -82,6 +82,7 @@ class S3NpySource:
         if size < need:
             raise InputError(argument, uri, f"truncated: {size} bytes, the header promises {need}")
         self.key = f"s3:{uri}:{head.get('ETag', '')}"
+        self.band_cache_bytes = BAND_CACHE_BYTES  # bound on this process's kept bands (fit_s3_bands lowers it)
 
     def read(self, rows: slice, cols: slice) -> np.ndarray:
         """``M[rows, cols]``, a new C-ordered array of :attr:`dtype` (native byte order), read by a
@@ -107,22 +108,25 @@ class S3NpySource:
         band = np.frombuffer(data, self.file_dtype).reshape(stop - start, width)
         with _BANDS_LOCK:
             _BANDS[key] = band
-            while sum(b.nbytes for b in _BANDS.values()) > BAND_CACHE_BYTES and len(_BANDS) > 1:
+            while sum(b.nbytes for b in _BANDS.values()) > self.band_cache_bytes and len(_BANDS) > 1:
                 _BANDS.popitem(last=False)
         return band
 
 
-BAND_CACHE_BYTES = 256 << 20  # per process, on top of the tile cache
+BAND_CACHE_BYTES = 256 << 20  # per process, on top of the tile cache, at most (fit_s3_bands: the memory budget)
 
 
-def check_s3_bands(problem: Problem, memory_budget: int) -> None:
-    """Refuse S3 operands whose tile reads would hold more than ``memory_budget`` bytes.
+def fit_s3_bands(problem: Problem, memory_budget: int) -> None:
+    """Refuse S3 operands whose tile reads would hold more than ``memory_budget`` bytes, and keep
+    the bands of the others within ``min(memory_budget, BAND_CACHE_BYTES)`` per process.
 
     A tile of an S3 operand is read with one ranged GET of its whole row band (``tile`` rows x
-    the full width; columns x the full height in Fortran order) and the band is kept in
-    :data:`BAND_CACHE_BYTES` per process, beside the tile cache. A band larger than the budget
-    made a worker's memory far exceed it (128 x 1,000,000 float32, tile 128, 8 MiB: 1.1 GiB RSS;
-    1024 x 1e7 would read 40 GB bands: a trial), so such a run is refused before it starts.
+    the full width; columns x the full height in Fortran order) and the band is kept in a
+    per-process cache beside the tile cache, so that the band's other tiles cost no request. A
+    band larger than the budget made a worker's memory far exceed it (128 x 1,000,000 float32,
+    tile 128, 8 MiB: 1.1 GiB RSS; 1024 x 1e7 would read 40 GB bands: a trial), so such a run is
+    refused before it starts; and the cache, 256 MiB whatever the budget, is bounded by the
+    budget too (a worker holds at most twice its budget in operand bytes: tiles and bands).
 
     Raises:
         InputError: naming ``memory_budget`` (bytes), the operand, its URI and band size, and
@@ -141,6 +145,7 @@ def check_s3_bands(problem: Problem, memory_budget: int) -> None:
                              f"below the {_mib(band)} band of {name}={src.uri} ({rows}x{cols} {src.dtype}): each "
                              f"tile read fetches {edge} {order}; raise memory_budget above {_mib(band)}, lower "
                              f"the tile, or copy {name} to a local .npy file (read tile by tile)")
+        src.band_cache_bytes = min(BAND_CACHE_BYTES, memory_budget)
 
 
 def _mib(nbytes: int) -> str:
@@ -368,6 +373,7 @@ def tiled_multiply(params: dict[str, Any], store: ObjectStore | None, output: st
         Either way nothing is visible at ``output``.
     """
     problem = build_problem(params, store)
+    fit_s3_bands(problem, memory_budget)
     to_s3 = output.startswith("s3://")
     with tempfile.TemporaryDirectory(prefix=f"run-{owner_tag()}-", dir=scratch_dir()) as tmp:
         local = os.path.join(tmp, "result.npy") if to_s3 else output
@@ -402,6 +408,7 @@ def scaling_sweep(params: dict[str, Any], store: ObjectStore | None, memory_budg
         ``[{"workers": w, "seconds": s, "gflops": g}, ...]`` (one row on a single-process runtime).
     """
     problem = build_problem(params, store)
+    fit_s3_bands(problem, memory_budget)
     rt = _runtime(device)
     all_workers = rt.workers()
     rows = []

@@ -279,7 +279,7 @@ def test_s3_operand_bands_above_the_memory_budget_are_refused_up_front(fortran):
     """A tile read fetches a whole band (tile rows x the full width, or columns x the full height):
     128 x 100000 float32 at tile 128 is a 48.8 MiB band, which an 8 MiB budget did not bound (a
     worker reached 1.1 GiB RSS on 128 x 1e6: a trial)."""
-    from paperline.tasks.gemm import check_s3_bands
+    from paperline.tasks.gemm import fit_s3_bands
 
     wide = np.zeros((128, 100_000), np.float32)
     a = S3NpySource(_OneObjectStore(_npy(np.asfortranarray(wide.T) if fortran else wide)),
@@ -288,10 +288,23 @@ def test_s3_operand_bands_above_the_memory_budget_are_refused_up_front(fortran):
     problem = make_problem("gemm", a, b, tile=128)
     with pytest.raises(InputError, match=r"below the 48\.8 MiB band of a=s3://bucket/wide\.npy .* raise "
                                          r"memory_budget above 48\.8 MiB, lower the tile, or copy a") as e:
-        check_s3_bands(problem, 8 << 20)
+        fit_s3_bands(problem, 8 << 20)
     assert e.value.argument == "memory_budget" and e.value.value == 8 << 20
-    check_s3_bands(problem, 64 << 20)
-    check_s3_bands(make_problem("gemm", a, b, tile=16), 8 << 20)  # 6.1 MiB bands
+    fit_s3_bands(problem, 64 << 20)
+    fit_s3_bands(make_problem("gemm", a, b, tile=16), 8 << 20)  # 6.1 MiB bands
+    # and the bands kept per process fit the budget too (256 MiB whatever the budget before: a review)
+    from paperline.tasks import gemm as gemm_tasks
+
+    gemm_tasks._BANDS.clear()
+    edge = (slice(0, 16), slice(0, 16))
+    second = (slice(16, 32), slice(0, 16)) if not fortran else (slice(0, 16), slice(16, 32))  # the next band
+    for where in (edge, second):
+        a.read(*where)
+    assert len(gemm_tasks._BANDS) == 1 and a.band_cache_bytes == 8 << 20
+    a.band_cache_bytes = gemm_tasks.BAND_CACHE_BYTES
+    a.read(*edge)
+    assert len(gemm_tasks._BANDS) == 2  # (both 6.1 MiB bands kept under the default bound)
+    gemm_tasks._BANDS.clear()
 
 
 def test_an_s3_header_with_a_negative_dimension_is_an_invalid_header_not_an_empty_matrix():
