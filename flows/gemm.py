@@ -110,8 +110,9 @@ class GemmParameters(BaseModel):
     tile: int = Field(1024, gt=0, description="Tile edge (entries); one task computes one output tile.")
     alpha: float = Field(1.0, description="Scale of the product.")
     beta: float = Field(0.0, description="Scale of C (GEMM, SYMM, SYRK, SYR2K).")
-    trans_a: Literal["N", "T"] = Field("N", description="op(A) (SYRK/SYR2K: their `trans`).")
-    trans_b: Literal["N", "T"] = Field("N", description="op(B) (GEMM).")
+    trans_a: Literal["N", "T"] = Field("N", description="op(A) (SYRK/SYR2K: their `trans`); C, the conjugate "
+                                                        "transpose, is T for these real operands.")
+    trans_b: Literal["N", "T"] = Field("N", description="op(B) (GEMM); C is T.")
     side: Literal["L", "R"] = Field("L", description="SYMM/TRMM/TRSM: A on the left or the right.")
     uplo: Literal["U", "L"] = Field("U", description="Stored triangle of A (SYMM/TRMM/TRSM) or C (SYRK/SYR2K).")
     diag: Literal["N", "U"] = Field("N", description="TRMM/TRSM: U = unit diagonal (not read).")
@@ -149,7 +150,11 @@ class GemmParameters(BaseModel):
     @classmethod
     def _flag_case(cls, v: Any, info: ValidationInfo) -> Any:
         """Either case, as the kernels' parse_flag takes them (side=r was refused); kept upper case.
-        A letter that is none of the field's stays as given, so that its error names the value seen."""
+        A transpose flag ``C`` (conjugate transpose, BLAS's third) is ``T``: the operands are real,
+        as for the kernels and scipy.linalg.blas. A letter that is none of the field's stays as
+        given, so that its error names the value seen."""
+        if info.field_name in ("trans_a", "trans_b") and isinstance(v, str) and v.upper() == "C":
+            return "T"
         if isinstance(v, str) and v.upper() in get_args(cls.model_fields[info.field_name].annotation):
             return v.upper()
         return v

@@ -113,6 +113,8 @@ def test_an_output_under_a_regular_file_says_it_is_a_file(params, tmp_path, unde
      {"routine": "trsm", "side": "R", "uplo": "L", "trans_a": "N", "diag": "U"}),
     ({"routine": "syrk", "uplo": "L", "trans_a": "T"}, {"routine": "syrk", "uplo": "L", "trans_a": "T"}),
     ({"routine": "GEMM", "dtype": "FLOAT32"}, {"routine": "gemm", "dtype": "float32"}),  # (dtype too: a trial)
+    # BLAS's conjugate transpose, as the kernels and scipy.linalg.blas take it for real operands
+    ({"routine": "gemm", "trans_a": "C", "trans_b": "c"}, {"routine": "gemm", "trans_a": "T", "trans_b": "T"}),
 ])
 def test_routine_and_flags_take_either_case_and_are_recorded_normalised(params, given, kept):
     """routine=GEMM was refused (lower case only) while side=r was refused (upper case only): BLAS
@@ -130,7 +132,7 @@ def test_routine_and_flags_take_either_case_and_are_recorded_normalised(params, 
 def test_a_flag_in_neither_case_is_still_refused_naming_it(params):
     from pydantic import ValidationError  # noqa: PLC0415
 
-    for name, value in (("side", "x"), ("trans_b", "c"), ("routine", "GEMV")):
+    for name, value in (("side", "x"), ("trans_b", "h"), ("routine", "GEMV")):
         with pytest.raises(ValidationError) as e:
             params(**{name: value})
         (error,) = e.value.errors()
