@@ -179,12 +179,18 @@ class VideoCurationParameters(BaseModel):
         libx264's preset, a local source that does not exist, and a source other than the demo's
         given without a dataset name of its own (it took ``demo`` for good, and the demo then failed
         on the taken name: a fresh-user trial). Raises InputError naming the parameter."""
-        from paperline.kernels.video.detect import DETECTORS, make_detector  # noqa: PLC0415
+        from paperline.kernels.errors import InputError as KernelInputError  # noqa: PLC0415
+        from paperline.kernels.video.detect import DETECTORS, TransNetV2Detector, make_detector  # noqa: PLC0415
 
         cfg = self.clip_config(resolve_device(get_settings().device))
         check_detector_options(DETECTORS[cfg.splitter], cfg.splitter, cfg.splitter_options)
-        if cfg.splitter != "transnetv2":  # cheap to build: its own range checks (stride_s > 0, ...)
-            make_detector(cfg.splitter, 25.0, **cfg.splitter_options)
+        try:  # the options' ranges (stride_s > 0, threshold in (0, 1), ...)
+            if cfg.splitter == "transnetv2":  # (its weights are not loaded here: a trial's threshold=5 failed
+                TransNetV2Detector.check_options(**cfg.splitter_options)  # every curate task instead)
+            else:  # cheap to build
+                make_detector(cfg.splitter, 25.0, **cfg.splitter_options)
+        except KernelInputError as exc:
+            raise InputError("splitter_options", cfg.splitter_options, f"{cfg.splitter}: {exc}") from None
         if cfg.encoder == "libx264":
             check_x264_preset(cfg.preset)
         src = self.source

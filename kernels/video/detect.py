@@ -167,12 +167,22 @@ class TransNetV2Detector(ShotDetector):
     feature_dim = 1024
     WINDOW, STEP, PAD = 100, 50, 25
 
-    def __init__(self, fps: float, threshold: float = 0.5, device: str = "cpu", batch_windows: int = 2):
-        super().__init__(fps)
+    @staticmethod
+    def check_options(threshold: float = 0.5, batch_windows: int = 2) -> None:
+        """The constructor's range checks alone, without loading the network's weights (for a
+        flow to refuse a bad option before any video is read).
+
+        Raises:
+            InputError: ``threshold`` outside (0, 1), ``batch_windows`` < 1.
+        """
         if not 0 < threshold < 1:
             raise InputError("threshold", threshold, "must be in (0, 1)")
         if batch_windows < 1:
             raise InputError("batch_windows", batch_windows, "must be >= 1")
+
+    def __init__(self, fps: float, threshold: float = 0.5, device: str = "cpu", batch_windows: int = 2):
+        super().__init__(fps)
+        self.check_options(threshold, batch_windows)
         self.threshold = float(threshold)
         self.device = device
         self.batch_windows = int(batch_windows)
