@@ -475,6 +475,22 @@ def test_the_same_videos_in_another_directory_are_the_same_inputs():
     assert _inputs_differ(older, committed) == "crf=23 here, absent in it; legacy_knob=absent here, 3 in it"
 
 
+def test_the_default_and_demo_presets_curate_the_demo_videos_into_one_dataset():
+    """The flow's defaults (64-MB shards) and the demo preset (1 MB) shared the dataset name
+    ``demo``: `--preset default` after the demo was refused as other settings, and in the other
+    order the demo for good (a trial). Left out, the shard size is 1 MB for the demo videos."""
+    from paperline.flows.video_curation import PRESETS, VideoCurationParameters
+    from paperline.kernels.video.clips import ClipConfig
+
+    demo, default = (VideoCurationParameters(**PRESETS[name]) for name in ("demo", "default"))
+    sources = ["/a/bikes.mp4", "/a/carphone.mp4"]
+    assert demo.inputs_key(ClipConfig(), sources) == default.inputs_key(ClipConfig(), sources)
+    assert (demo.shard_target_mb, default.shard_target_mb) == (1.0, 1.0)
+    assert VideoCurationParameters(source="/videos", dataset="mine").shard_target_mb == 64.0
+    assert VideoCurationParameters(source="/videos", dataset="mine", shard_target_mb=8).shard_target_mb == 8.0
+    assert VideoCurationParameters(**PRESETS["demo"], source="/videos", dataset="mine").shard_target_mb == 1.0
+
+
 def test_dataset_names_and_outputs_stay_out_of_the_staging_prefix():
     """``{date}`` alone is a name (the pattern refused it); an output at or under the curate
     tasks' staging prefix is refused before the flow run (checked before the store is used)."""
