@@ -285,18 +285,31 @@ def _what_differs(old: dict[str, Any], plans: list[ShardPlan]) -> str:
     return f" ({'; '.join(parts)}: a video whose content changed has a new id)"
 
 
+def dataset_prefix(output: str) -> str:
+    """A dataset's prefix as the readers take it: without a trailing ``/``, and without a final
+    ``/manifest.json`` (the address `paperline run` prints was refused as "never committed": a
+    trial)."""
+    output = output.rstrip("/")
+    return output[:-len(MANIFEST) - 1] if output.endswith(f"/{MANIFEST}") else output
+
+
 def read_manifest(store: Any, output: str) -> dict[str, Any]:
-    """The committed manifest of a dataset.
+    """The committed manifest of the dataset at ``output`` (its prefix, or its manifest's URI).
 
     Raises:
-        NotCommitted: no manifest (never committed, or its writer failed before the end).
+        NotCommitted: no manifest: no such bucket, nothing under the prefix (no dataset of that
+            name), or objects but no manifest (its writer failed before the end, or runs).
     """
-    uri = f"{output.rstrip('/')}/{MANIFEST}"
+    output = dataset_prefix(output)
+    uri = f"{output}/{MANIFEST}"
     if not store.exists(uri):
         bucket = output[len("s3://"):].split("/", 1)[0] if output.startswith("s3://") else None
         if bucket and hasattr(store, "bucket_exists") and not store.bucket_exists(bucket):
             # (it read as a write that failed or runs: a trial's typo in the bucket)
             raise NotCommitted(f"{output}: the bucket {bucket!r} does not exist")
+        if hasattr(store, "list") and not store.list(f"{output}/"):  # (a misspelt name read as a failed write)
+            raise NotCommitted(f"{output}: no dataset there (nothing under this prefix; a dataset named NAME is at "
+                               f"s3://<data bucket>/video-curation/NAME, as `paperline run video-curation` prints)")
         raise NotCommitted(f"{output}: no {MANIFEST}; the dataset was never committed (a failed or running write)")
     return json.loads(store.get_bytes(uri))
 
@@ -411,7 +424,7 @@ def iter_samples(store: Any, output: str, rank: int = 0, world_size: int = 1, dr
     Args:
         store: Object store with ``exists``, ``get_bytes`` and ``open_stream(uri)`` (a readable
             file object).
-        output: The dataset's ``s3://`` prefix.
+        output: The dataset's ``s3://`` prefix (or its ``manifest.json``'s URI).
         rank, world_size, drop_last: See :func:`rank_indices`.
         verify: Check each mp4 against the SHA-256 in its metadata, and each shard read against
             the SHA-256 and size the manifest records for it.
@@ -427,7 +440,7 @@ def iter_samples(store: Any, output: str, rank: int = 0, world_size: int = 1, dr
             manifest lists, or (``verify``) differs from its recorded digest or size; a member
             failing its check (each naming the shard).
     """
-    output = output.rstrip("/")
+    output = dataset_prefix(output)
     manifest = read_manifest(store, output)
     plan = read_plan(manifest["shards"], rank, world_size, drop_last, shuffle_seed=shuffle_seed, epoch=epoch,
                      worker=worker, num_workers=num_workers)
@@ -522,7 +535,7 @@ def _shard_dataset_class() -> type:
         Args:
             store: An object store as for :func:`iter_samples`, picklable (worker processes
                 receive a copy; :class:`paperline.infra.storage.ObjectStore` is).
-            output: The dataset's ``s3://`` prefix.
+            output: The dataset's ``s3://`` prefix (or its ``manifest.json``'s URI).
             rank, world_size, drop_last: See :func:`rank_indices` (usually
                 ``torch.distributed.get_rank()`` and ``get_world_size()``).
             shuffle_seed: None for key order; an int >= 0 for a different order every epoch, the
@@ -543,7 +556,8 @@ def _shard_dataset_class() -> type:
                 shuffle_seed = check_int("shuffle_seed", shuffle_seed, 0, unit="None for key order")
             if type(drop_last).__name__ not in ("bool", "bool_"):
                 raise InputError("drop_last", drop_last, "must be True or False")
-            self.store, self.output, self.rank, self.world_size = store, output, rank, world_size
+            self.store, self.output = store, dataset_prefix(output)
+            self.rank, self.world_size = rank, world_size
             if type(verify).__name__ not in ("bool", "bool_"):  # ("no" was taken as True: a trial)
                 raise InputError("verify", verify, "must be True or False")
             self.shuffle_seed, self.drop_last, self.verify = shuffle_seed, bool(drop_last), verify

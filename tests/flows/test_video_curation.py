@@ -737,8 +737,20 @@ def test_a_dataset_in_a_bucket_that_does_not_exist_says_so(stack):
     store = ObjectStore.from_stack(info)
     with pytest.raises(NotCommitted, match=r"^s3://no-such-bucket-7/ds: the bucket 'no-such-bucket-7' does not exist$"):
         next(iter_samples(store, "s3://no-such-bucket-7/ds"))
-    with pytest.raises(NotCommitted, match="was never committed"):
+    # a name with nothing under it is not "a failed or running write" (a trial's misspelt name)
+    with pytest.raises(NotCommitted, match=r"no-such-dataset-7: no dataset there \(nothing under this prefix; a "
+                                           r"dataset named NAME is at s3://<data bucket>/video-curation/NAME"):
         next(iter_samples(store, f"s3://{info.data_bucket}/no-such-dataset-7"))
+    prefix = f"s3://{info.data_bucket}/tests/half-written-{time.time_ns()}"
+    store.put_bytes_to(b"a shard", f"{prefix}/shard-000000.tar")
+    with pytest.raises(NotCommitted, match="was never committed"):
+        next(iter_samples(store, prefix))
+    # the address `paperline run` prints, the manifest's, reads the dataset (a trial: "never committed")
+    from paperline.kernels.video.shards import ShardDataset, read_manifest
+
+    store.put_bytes_to(json.dumps({"shards": [], "meta": {}}).encode(), f"{prefix}/manifest.json")
+    assert read_manifest(store, f"{prefix}/manifest.json") == read_manifest(store, f"{prefix}/")
+    assert ShardDataset(store, f"{prefix}/manifest.json").output == prefix
 
 
 def test_a_run_that_waited_for_the_write_lease_compares_its_inputs_with_the_commit_it_finds(stack):
