@@ -373,6 +373,14 @@ def compare_runs(tracker: Tracker, experiment: str, metrics: list[str], filter_s
         metrics = sorted(shared)[:6]
     for m in metrics:
         if not any(m in r.data.metrics for r in runs):
+            others = search(["attributes.start_time DESC"], HEADLINE_SAMPLE, NOT_COMPARISON) if user_filter else []
+            if any(m in r.data.metrics for r in others):
+                # the filter's runs lack it, not the experiment ("no run has it; known: " and an empty
+                # list, for failed runs that logged nothing: a trial)
+                bare = "" if any(r.data.metrics for r in runs) else "; they logged no metric at all (failed or " \
+                                                                     "killed before their first)"
+                raise InputError("--metric", m, f"none of the {len(runs)} run(s) --filter selects has it{bare}; "
+                                                f"other runs of {experiment!r} do: widen or drop --filter")
             names = sorted({k for r in [*runs, *recent] for k in r.data.metrics})  # the shown and the newest runs
             raise InputError("--metric", m, f"no run of {experiment!r} has it (give the bare name, no 'metrics.'); "
                                             f"known: {', '.join(names[:40])}"

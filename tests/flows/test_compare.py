@@ -1,6 +1,7 @@
 """`paperline compare` on an experiment with several runs: the table, the overlay plot, the
 Parquet of runs, the logged comparison, and bad input."""
 
+import time
 
 import pyarrow.parquet as pq
 import pytest
@@ -481,3 +482,24 @@ def test_the_table_takes_a_narrow_terminals_width(stack, experiment, tmp_path):
     finally:
         get_settings.cache_clear()
     assert widths[60] <= 60 < widths[200], widths  # the table needs more room, and gives way
+
+
+def test_a_metric_the_filters_runs_lack_is_said_as_the_filters_doing(stack, tmp_path):
+    """`--filter "attributes.status != 'FINISHED'" --metric wall_s` said "no run of ... has it;
+    known: " and an empty list (a trial): the failed runs had logged nothing, the finished ones
+    had wall_s."""
+    from paperline.flows.compare import compare_runs
+    from paperline.infra.errors import InputError
+    from paperline.infra.tracking import Tracker
+
+    tracker = Tracker(stack[1].mlflow_tracking_uri)
+    name = f"compare-filter-test-{time.time_ns()}"
+    done = tracker.start_run(name, run_name="done")
+    tracker.log_metrics(done, {"wall_s": 3.0})
+    tracker.end_run(done)
+    tracker.end_run(tracker.start_run(name, run_name="failed"), "FAILED")
+    with pytest.raises(InputError, match=r"^--metric='wall_s': none of the 1 run\(s\) --filter selects has it; they "
+                                         r"logged no metric at all .*other runs of 'compare-filter-test-\d+' do"):
+        compare_runs(tracker, name, ["wall_s"], "attributes.status != 'FINISHED'", out_dir=tmp_path, all_runs=True)
+    with pytest.raises(InputError, match=r"^--metric='nope': no run of"):  # the experiment's own lack: as before
+        compare_runs(tracker, name, ["nope"], "attributes.status != 'FINISHED'", out_dir=tmp_path, all_runs=True)
