@@ -154,6 +154,28 @@ def short_event_failure(record: logging.LogRecord) -> bool:
     return True
 
 
+def no_profiler_race(record: logging.LogRecord) -> bool:
+    """Drop tornado's ``Exception in callback <bound method Worker.trigger_profile ...>`` carrying
+    an ``AttributeError`` raised in ``distributed/profile.py``: Dask's worker profiler walks other
+    threads' frames while they change and sometimes finds a code object or builtin where a frame
+    was (dask/distributed#1451, #8163, fixed for some shapes only). Harmless (the next sample goes
+    on), and a trial read the traceback on its terminal as the run failing. Any other callback
+    error is kept."""
+    exc = record.exc_info[1] if record.exc_info else None
+    if not isinstance(exc, AttributeError):
+        return True
+    try:
+        text = record.getMessage()
+    except (TypeError, ValueError):
+        return True
+    if "trigger_profile" not in text:
+        return True
+    tb = exc.__traceback__
+    while tb is not None and tb.tb_next is not None:
+        tb = tb.tb_next
+    return tb is None or not tb.tb_frame.f_code.co_filename.replace("\\", "/").endswith("distributed/profile.py")
+
+
 def _exit_after_clean_close() -> None:
     if not _CLOSED_CLEANLY["value"]:
         return
@@ -212,6 +234,7 @@ def dask_setup(worker: Any) -> None:
     for name in ("prefect._internal.concurrency", "prefect.events.clients"):
         logging.getLogger(name).addFilter(short_event_failure)
     logging.getLogger("distributed.worker.state_machine").addFilter(CancelledOnCloseFilter(worker))
+    logging.getLogger("tornado.application").addFilter(no_profiler_race)
 
 
 def dask_teardown(worker: Any) -> None:

@@ -283,6 +283,36 @@ def test_a_failed_task_is_one_line_on_the_workers_terminal():
     assert TaskFailureOneLine().filter(other) and other.getMessage() == "something else x"
 
 
+def test_the_dask_profilers_frame_race_is_not_a_traceback_on_the_terminal():
+    """tornado logged "Exception in callback <bound method Worker.trigger_profile ...>" with
+    "AttributeError: 'code' object has no attribute 'f_code'" from distributed/profile.py on a
+    trial's terminal (an upstream race, harmless): dropped; other callback errors are kept."""
+    import logging
+    import sys
+
+    from distributed import profile
+
+    from paperline.infra.worker_exit import no_profiler_race
+
+    def record(callback: str, exc_info) -> logging.LogRecord:
+        return logging.LogRecord("tornado.application", logging.ERROR, __file__, 1, "Exception in callback %r",
+                                 (callback,), exc_info)
+
+    try:
+        profile.identifier(compile("1", "x", "eval"))  # a code object where a frame was: the race's error
+    except AttributeError:
+        race = sys.exc_info()
+    try:
+        {}.missing  # noqa: B018 - an AttributeError of another origin
+    except AttributeError:
+        ours = sys.exc_info()
+    profiler = "<bound method Worker.trigger_profile of <Worker 'tcp://127.0.0.1:4'>>"
+    assert not no_profiler_race(record(profiler, race))
+    assert no_profiler_race(record(profiler, ours))
+    assert no_profiler_race(record("<bound method Worker.heartbeat of <Worker>>", race))
+    assert no_profiler_race(record(profiler, None))
+
+
 def test_a_tasks_record_of_a_server_gone_is_one_line_on_the_workers_terminal():
     """With the stack stopped under a run, each task finishing in a worker logged Prefect's "An error
     was encountered while committing transaction" with botocore's three chained tracebacks (a
