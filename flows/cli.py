@@ -754,8 +754,13 @@ def _no_crash_line_for_the_watch(record: Any) -> bool:
     """Drop Prefect's ``Crash detected! Execution was aborted by an interrupt signal.`` and its
     ``Finished in state Crashed('Execution was aborted by an interrupt signal.')`` once the run
     watch has stopped the run (its interrupt): nobody pressed Ctrl-C, and the run's own error says
-    which servers went (a trial read the line as a wrong claim)."""
-    if not (_state.get("watch_stopped") and record.name.startswith("prefect")):
+    which servers went (a trial read the line as a wrong claim). Likewise after a user's Ctrl-C
+    (or SIGTERM, SIGHUP): the command's own ``interrupted: ...`` line says what happened and what
+    the same command does next, and three ERROR lines of Prefect's came before it (a later
+    trial). The Prefect UI's log keeps them."""
+    from paperline.infra.interrupts import interrupts_received
+
+    if not ((_state.get("watch_stopped") or interrupts_received()) and record.name.startswith("prefect")):
         return True
     text = record.getMessage()
     return not (text.startswith("Crash detected! Execution was aborted by an interrupt signal")

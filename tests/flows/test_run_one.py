@@ -209,7 +209,7 @@ def test_servers_stopped_by_down_and_died_are_said_apart(monkeypatch):
                                "stopped by `paperline down` during the run; the run failed (X: y)"), str(err)
 
 
-def test_prefects_interrupt_lines_are_dropped_only_when_the_watch_stopped_the_run(monkeypatch):
+def test_prefects_interrupt_lines_are_dropped_when_the_watch_or_the_user_stopped_the_run(monkeypatch):
     import logging
 
     from paperline.flows import cli
@@ -219,9 +219,17 @@ def test_prefects_interrupt_lines_are_dropped_only_when_the_watch_stopped_the_ru
 
     crash = "Crash detected! Execution was aborted by an interrupt signal."
     finished = "Finished in state Crashed('Execution was aborted by an interrupt signal.')"
-    monkeypatch.setitem(cli._state, "watch_stopped", False)  # a user's Ctrl-C: Prefect's lines stay
+    from paperline.infra import interrupts
+
+    monkeypatch.setitem(cli._state, "watch_stopped", False)
+    monkeypatch.setitem(interrupts._RECEIVED, "count", 0)  # no interrupt at all: Prefect's lines stay
     assert cli._no_crash_line_for_the_watch(record(crash)) and cli._no_crash_line_for_the_watch(record(finished))
     monkeypatch.setitem(cli._state, "watch_stopped", True)
+    assert not cli._no_crash_line_for_the_watch(record(crash)) and not cli._no_crash_line_for_the_watch(record(finished))
+    assert cli._no_crash_line_for_the_watch(record("Finished in state Failed('x')"))
+    # a user's Ctrl-C: the command's "interrupted: ..." line says it (three ERROR lines came first: a trial)
+    monkeypatch.setitem(cli._state, "watch_stopped", False)
+    monkeypatch.setitem(interrupts._RECEIVED, "count", 1)
     assert not cli._no_crash_line_for_the_watch(record(crash)) and not cli._no_crash_line_for_the_watch(record(finished))
     assert cli._no_crash_line_for_the_watch(record("Finished in state Failed('x')"))
 
