@@ -362,6 +362,9 @@ def list_sources(source: str, store: ObjectStore, staging: str | None = None) ->
         key = split_uri(source)[1]
         if Path(key).suffix.lower() in VIDEO_EXTENSIONS and store.exists(source):
             return [source]  # one video
+        if key and not source.endswith("/") and store.exists(source):  # one object, not named like a video
+            raise InputError("source", source, f"not named like a video (one of {', '.join(VIDEO_EXTENSIONS)}); "
+                                               "give a video, or a folder of them")
         # a folder: s3://b/inc also listed s3://b/inc-extra/ and s3://b/incoming/ (a trial)
         folder = source if not key or source.endswith("/") else f"{source}/"
         found = [u for u in store.list(folder) if Path(u).suffix.lower() in VIDEO_EXTENSIONS]
@@ -369,6 +372,8 @@ def list_sources(source: str, store: ObjectStore, staging: str | None = None) ->
         found = [u for u in found if u not in set(staged)]
         if not found:
             also = f" (the {len(staged)} under {staging}/ are staged clips, not inputs)" if staged else ""
+            if Path(key).suffix.lower() in VIDEO_EXTENSIONS and not store.list(folder):  # a video's name
+                raise InputError("source", source, "no such object in S3 (nor a folder of that name)")
             raise InputError("source", source, f"no objects ending in {', '.join(VIDEO_EXTENSIONS)} under "
                                                f"{folder} (an object, or a folder of objects){also}")
         return found

@@ -281,6 +281,11 @@ def test_an_s3_prefix_is_a_source(stack, source_dir):
     assert list_sources(f"{prefix}/a/carphone.mp4", store) == [f"{prefix}/a/carphone.mp4"]
     with pytest.raises(InputError, match=f"no objects ending in .* under {prefix}/a/car/ "):
         list_sources(f"{prefix}/a/car", store)
+    # a missing video, or an object that is no video, is said as such (not "nothing under .../PLAIN.mp4/": a trial)
+    with pytest.raises(InputError, match=r"PLAIN\.mp4': no such object in S3 \(nor a folder of that name\)$"):
+        list_sources(f"{prefix}/a/PLAIN.mp4", store)
+    with pytest.raises(InputError, match=r"readme\.txt': not named like a video \(one of \.mp4"):
+        list_sources(f"{prefix}/readme.txt", store)
     # the curate tasks' staged clips are no inputs: a bucket-root source took them in, and each
     # such run staged more (a trial); a source inside the staging prefix is refused
     staging = f"{prefix}/video-curation/staging"
