@@ -546,7 +546,8 @@ def _curate(params: VideoCurationParameters, cfg: ClipConfig, filt: FilterConfig
                 if manifest.get("committed_meanwhile") else
                 "committed by an earlier run: nothing written)" if manifest.get("committed_earlier") else
                 f"{len(manifest['uploaded'])} uploaded, {len(manifest['skipped'])} already there)"),
-             f"read back for {params.world_size} rank(s): {check['samples_per_rank'][0]} samples per rank"]
+             f"read back for {params.world_size} rank(s): {check['samples_per_rank'][0]} "
+             f"sample{'' if check['samples_per_rank'][0] == 1 else 's'} per rank"]
     lines += [f"rejected {Path(r['source']).name}: {r['reason']} ({r['detail']})" for r in rejected]
     mismatch = _committed_mismatch(manifest, len(selected))
     if mismatch:

@@ -305,17 +305,30 @@ def _lease_owner() -> str:
     return f"flow run {flow_run.name} ({flow_run.id})" if flow_run.id else "a run outside Prefect"
 
 
-@task(name="video-read-back", retries=1, timeout_seconds=6 * HOUR)
+@task(name="video-read-back", retries=1, retry_condition_fn=retry_unless_bad_input, timeout_seconds=6 * HOUR)
 def read_back(store: ObjectStore, output: str, world_size: int) -> dict[str, Any]:
     """Stream the committed dataset for every rank of ``world_size`` and check it: equal samples
-    per rank, every mp4 matching its recorded SHA-256, every key of the manifest seen."""
+    per rank, every mp4 matching its recorded SHA-256, every key of the manifest seen.
+
+    Raises:
+        InputError: a damaged shard (see :func:`~paperline.kernels.video.shards.iter_samples`),
+            saying that running the curation again cannot mend it (a trial re-ran it, failing
+            here each time): a committed dataset is never rewritten.
+    """
     per_rank, seen = [], set()
-    for rank in range(world_size):
-        n = 0
-        for sample in iter_samples(store, output, rank, world_size):
-            seen.add(sample["__key__"])
-            n += 1
-        per_rank.append(n)
+    try:
+        for rank in range(world_size):
+            n = 0
+            for sample in iter_samples(store, output, rank, world_size):
+                seen.add(sample["__key__"])
+                n += 1
+            per_rank.append(n)
+    except InputError as exc:
+        if exc.argument != "shard":
+            raise
+        raise InputError("shard", exc.value, f"{exc.problem} (the dataset at {output} is committed and never "
+                                             "rewritten, so running this curation again fails here too: curate "
+                                             "under a new dataset name)") from None
     return {"samples_per_rank": per_rank, "distinct": len(seen)}
 
 

@@ -503,7 +503,7 @@ def _read_members(store: Any, uri: str, shard: dict[str, Any], keys: set[str], v
                                             "manifest lists in it")
     if verify and shard.get("sha256") and (stream.sha.hexdigest(), stream.size) != (shard["sha256"], recorded):
         raise InputError("shard", name, f"{uri} ({stream.size:,} bytes) differs from the manifest's record of it "
-                                        f"({recorded} bytes, SHA-256 {shard['sha256'][:12]}...): changed or damaged "
+                                        f"({recorded:,} bytes, SHA-256 {shard['sha256'][:12]}...): changed or damaged "
                                         "after the commit")
     return found
 

@@ -655,6 +655,12 @@ def test_a_dataset_is_read_where_it_is_and_a_damaged_shard_is_named(stack):
     damaged[good.index(clips[first]) + 3] ^= 1  # one bit of the first clip's bytes
     store.put_bytes_to(bytes(damaged), shard)
     assert "differs from the manifest's record of it" in refusal()
+    # the flow's read-back says a new run cannot mend it (a trial re-ran it, failing there each time)
+    from paperline.tasks.video import read_back
+
+    with pytest.raises(InputError, match=r"^shard='shard-000000\.tar': .* differs from the manifest's record .* "
+                                         r"running this curation again fails here too: curate under a new dataset"):
+        read_back.fn(store, copy, 1)
     assert [s["__key__"] for s in iter_samples(store, copy, verify=False)][0] == first  # (unchecked: read as is)
 
 
