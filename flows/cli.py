@@ -433,7 +433,15 @@ def upload(path: Path = typer.Argument(..., metavar="PATH", help="Local file or 
                                             "and the console cannot reach such objects)")
         if len(key.encode()) > 1024:
             raise InputError("uri", target[:80] + "...", f"a key of {len(key.encode())} bytes: S3 takes at most 1024")
-    store = ObjectStore.from_stack(_ensure_stack())
+    info = _ensure_stack()
+    from paperline.flows.video_curation import staging_prefix
+
+    staging = staging_prefix(info.data_bucket)  # (runs refuse it as a source or output; upload took it: a trial)
+    if any(t == staging or t.startswith(f"{staging}/") for _, t in targets) or uri.rstrip("/") == staging:
+        raise InputError("uri", uri, f"inside {staging}/, where the video curation's tasks stage the clips they cut "
+                                     "(content-addressed, shared by every dataset): upload videos elsewhere, e.g. "
+                                     f"s3://{info.data_bucket}/incoming/")
+    store = ObjectStore.from_stack(info)
     store.require_bucket("uri", uri)
     for source, target in targets:
         store.upload_file_to(source, target)

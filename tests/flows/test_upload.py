@@ -64,8 +64,12 @@ def test_upload_puts_the_file_at_the_uri_and_refuses_bad_input(stack_cli, stack,
                              # S3's refusals were raw S3UploadFailedError tracebacks' last line (a trial)
                              ([str(path), f"s3://{info.data_bucket}/t/../y.npy"], "uri=", "a key with . or .. segments"),
                              ([str(path), f"s3://{info.data_bucket}/{'k' * 1100}.npy"], "uri=",
-                              "a key of 1104 bytes: S3 takes at most 1024")):
+                              "a key of 1104 bytes: S3 takes at most 1024"),
+                             # the curation's content-addressed clips (runs refuse it; upload took it: a trial)
+                             ([str(videos), f"s3://{info.data_bucket}/video-curation/staging/"], "uri=",
+                              "where the video curation's tasks stage the clips they cut")):
         res = stack_cli("upload", *args)
         text = " ".join(res.output.split())
         assert res.exit_code == 1 and "error:" in text and all(f in text for f in fragments), text
     assert not store.exists(f"s3://{info.data_bucket}/x.npy")
+    assert not store.exists(f"s3://{info.data_bucket}/video-curation/staging/a.mp4")
