@@ -382,8 +382,12 @@ def tiled_multiply(params: dict[str, Any], store: ObjectStore | None, output: st
         try:
             check = freivalds(problem, result.result_source(), seed=params["seed"])
             if not check.passed:
-                hint = ("; the result holds NaN/inf: the operands probably do (run with check_finite=true to "
-                        "find the entry)") if not np.isfinite(check.residual) and not params["check_finite"] else ""
+                hint = ""
+                if not np.isfinite(check.residual) and not params["check_finite"]:
+                    hint = ("; the result holds NaN/inf: the operands probably do (run with check_finite=true to "
+                            "find the entry)")
+                elif not np.isfinite(check.residual):  # finite operands: the values overflowed (a trial)
+                    hint = _overflow_hint(problem, result.result_source())
                 raise VerificationError(f"Freivalds' check failed: residual {check.residual:.3g} > tolerance "
                                         f"{check.tolerance:.3g}; the output was not written{hint}")
             if to_s3:
@@ -400,6 +404,26 @@ def tiled_multiply(params: dict[str, Any], store: ObjectStore | None, output: st
 
 @task(name="scaling-sweep", cache_policy=NO_CACHE, retries=1, retry_condition_fn=retry_unless_bad_input,
       timeout_seconds=12 * HOUR)
+def _overflow_hint(problem: Problem, result: TileSource) -> str:
+    """What a non-finite residual means when the operands were checked finite: the result's
+    first non-finite entry, which the product's magnitude (or, for TRSM, a near-zero diagonal
+    entry of A) pushed past the dtype's range; or, the result finite, the float64 projection's
+    own overflow. The check's bare "residual inf" read as paperline computing wrongly (a trial:
+    operands scaled by 1e200; a TRSM diagonal of 1e-320)."""
+    rows, cols = result.shape
+    band = max(1, (64 << 20) // max(1, cols * result.dtype.itemsize))
+    for r0 in range(0, rows, band):
+        block = result.read(slice(r0, min(rows, r0 + band)), slice(0, cols))
+        bad = ~np.isfinite(block)
+        if bad.any():
+            i, j = np.argwhere(bad)[0]
+            why = " or a near-zero diagonal entry of a made the solve overflow" if problem.routine == "trsm" else ""
+            return (f"; the result holds C[{r0 + i},{j}] = {block[i, j]} from finite operands (check_finite is on): "
+                    f"the values overflowed {result.dtype}'s range (largest {np.finfo(result.dtype).max:.3g}){why}")
+    return ("; the result is finite but projecting the operands overflowed float64 (operand values near "
+            f"{np.finfo(np.float64).max:.3g})")
+
+
 def scaling_sweep(params: dict[str, Any], store: ObjectStore | None, memory_budget: int, device: str
                   ) -> list[dict[str, Any]]:
     """GFLOP/s of the same problem on 1, 2, ... W workers (the output written to a scratch file).

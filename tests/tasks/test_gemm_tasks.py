@@ -104,6 +104,24 @@ def test_a_corrupted_result_fails_verification_and_is_not_written(store, tmp_pat
     assert list(tmp_path.iterdir()) == []
 
 
+def test_a_result_that_overflows_from_finite_operands_is_said_so(store, tmp_path):
+    """Operands scaled by 1e200 (finite, checked) multiply past float64's range: the check's bare
+    "residual inf > tolerance" read as paperline computing wrongly (a trial). It names the entry."""
+    import paperline.tasks.gemm as tg
+    from paperline.flows.gemm import GemmParameters
+
+    s, _ = store
+    np.save(tmp_path / "a.npy", np.full((40, 20), 1e200))
+    np.save(tmp_path / "b.npy", np.full((20, 30), 1e200))
+    params = GemmParameters(a=str(tmp_path / "a.npy"), b=str(tmp_path / "b.npy"), tile=16).kernel_params()
+    out = tmp_path / "c.npy"
+    with pytest.raises(tg.VerificationError, match=r"residual (inf|nan) > tolerance .*; the result holds C\[0,0\] = "
+                                                   r"inf from finite operands \(check_finite is on\): the values "
+                                                   r"overflowed float64's range \(largest 1\.8e\+308\)$"):
+        tg.tiled_multiply.fn(params, s, str(out), 1 << 26, "cpu")
+    assert not out.exists()
+
+
 def test_the_task_writes_a_verified_result_to_a_local_path(store, tmp_path):
     import paperline.tasks.gemm as tg
     from paperline.kernels.blas.sources import read_all
