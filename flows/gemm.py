@@ -472,9 +472,10 @@ def _log_run(tracker: Tracker, run_id: str, main: dict[str, Any], scaling: list[
     lines = [f"{main['problem']}",
              f"verified (Freivalds): residual {main['verification_residual']:.3g} <= tolerance "
              f"{main['verification_tolerance']:.3g}",
-             # S3 reads are part of the sources' bytes: three amounts side by side read as a sum (a trial)
+             # S3's bytes are its GETs' (whole row bands, each kept for the band's other tiles), not
+             # a part of the tiles' bytes (a trial read 8x the operand's size "from S3")
              f"cache hit rate {main['cache_hit_rate']:.2f}; bytes from sources {c.get('bytes_source', 0)} "
-             f"(of which from S3 {c.get('bytes_s3', 0)}), from peers {c.get('bytes_peer', 0)}",
+             f"(S3 GETs fetched {c.get('bytes_s3', 0)}), from peers {c.get('bytes_peer', 0)}",
              # an existing file or object is replaced, as documented: it went unsaid (a trial)
              f"output: {main['output']}" + (" (it replaced the file or object that was there)" if replaced else "")]
     if peer:

@@ -87,22 +87,30 @@ class S3NpySource:
     def read(self, rows: slice, cols: slice) -> np.ndarray:
         """``M[rows, cols]``, a new C-ordered array of :attr:`dtype` (native byte order), read by a
         ranged GET of the whole row (column, for Fortran order) band, cached per process."""
+        return self.read_fetched(rows, cols)[0]
+
+    def read_fetched(self, rows: slice, cols: slice) -> tuple[np.ndarray, int]:
+        """:meth:`read`, and the bytes it fetched from S3: the band's, or 0 when the band was
+        cached (the runtime's ``bytes_s3``: counting the tiles' bytes said 8x the operand's size
+        for an operand read once: a trial)."""
         nrows, ncols = self.shape
         if self.fortran_order:
             c0, c1, _ = cols.indices(ncols)
-            band = self._band(c0, c1, nrows).T
-            return np.ascontiguousarray(band[rows, :], dtype=self.dtype)
+            band, fetched = self._band(c0, c1, nrows)
+            return np.ascontiguousarray(band.T[rows, :], dtype=self.dtype), fetched
         r0, r1, _ = rows.indices(nrows)
-        return np.ascontiguousarray(self._band(r0, r1, ncols)[:, cols], dtype=self.dtype)
+        band, fetched = self._band(r0, r1, ncols)
+        return np.ascontiguousarray(band[:, cols], dtype=self.dtype), fetched
 
-    def _band(self, start: int, stop: int, width: int) -> np.ndarray:
-        """Rows (C order) or columns (Fortran order) ``[start, stop)`` with one ranged GET; the
-        last few bands are kept per process, so the other tiles of a band cost no request."""
+    def _band(self, start: int, stop: int, width: int) -> tuple[np.ndarray, int]:
+        """Rows (C order) or columns (Fortran order) ``[start, stop)`` with one ranged GET, and the
+        bytes fetched; the last few bands are kept per process, so the other tiles of a band cost
+        no request (0 bytes)."""
         key = (self.key, start, stop)
         with _BANDS_LOCK:
             if key in _BANDS:
                 _BANDS.move_to_end(key)
-                return _BANDS[key]
+                return _BANDS[key], 0
         item = self.file_dtype.itemsize
         data = self.store.get_range(self.uri, self.offset + start * width * item, self.offset + stop * width * item)
         band = np.frombuffer(data, self.file_dtype).reshape(stop - start, width)
@@ -110,7 +118,7 @@ class S3NpySource:
             _BANDS[key] = band
             while sum(b.nbytes for b in _BANDS.values()) > self.band_cache_bytes and len(_BANDS) > 1:
                 _BANDS.popitem(last=False)
-        return band
+        return band, len(data)
 
 
 BAND_CACHE_BYTES = 256 << 20  # per process, on top of the tile cache, at most (fit_s3_bands: the memory budget)

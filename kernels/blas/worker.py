@@ -137,7 +137,7 @@ class Counters:
     hits: int = 0
     misses: int = 0
     bytes_source: int = 0  # read from the operand's source (host memory, file, generator)
-    bytes_s3: int = 0  # of which from S3
+    bytes_s3: int = 0  # fetched from S3 by the tile reads (whole bands, some reads served by a kept band)
     bytes_host_to_device: int = 0  # copied host -> device (GPU only)
     bytes_peer: int = 0  # fetched from another worker
     peer_misses: int = 0  # the peer no longer held it
@@ -398,10 +398,15 @@ def load_raw(state: WorkerState, ref: TileRef, peers: dict[TileKey, str], peer_f
     if host is None:
         src = ctx.sources[ref.operand]
         t = ctx.tile
-        host = src.read(slice(ref.i * t, (ref.i + 1) * t), slice(ref.j * t, (ref.j + 1) * t))
+        rows, cols = slice(ref.i * t, (ref.i + 1) * t), slice(ref.j * t, (ref.j + 1) * t)
+        if hasattr(src, "read_fetched"):  # (a source that says what it fetched: S3's band reads)
+            host, fetched = src.read_fetched(rows, cols)
+        else:
+            host = src.read(rows, cols)
+            fetched = host.nbytes
         moved["bytes_source"] = moved.get("bytes_source", 0) + host.nbytes
         if src.kind == "s3":
-            moved["bytes_s3"] = host.nbytes
+            moved["bytes_s3"] = fetched
     if check and ctx.check_finite:
         # a file's path or an S3 URI; None for in-memory and generated operands and the staged output
         check_finite_tile(host, ref, ctx.tile, getattr(ctx.sources[ref.operand], "where", None))

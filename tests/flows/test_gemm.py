@@ -38,7 +38,7 @@ def test_run_verifies_and_prints_gflops_with_the_ratio_to_numpy(gemm_run):
     assert f"output: {summary['output']}" in summary["lines"]  # a new object: no word of a replaced one
     # S3's bytes are part of the sources': "from sources X, from peers Y, from S3 Z" read as three amounts (a trial)
     (moved,) = [line for line in summary["lines"] if "bytes from sources" in line]
-    assert re.search(r"; bytes from sources [1-9]\d* \(of which from S3 0\), from peers \d+$", moved), moved
+    assert re.search(r"; bytes from sources [1-9]\d* \(S3 GETs fetched 0\), from peers \d+$", moved), moved
     assert [r[0] for r in summary["table"]["rows"]][-2:] == ["paperline on 1 worker(s)", "paperline on 2 worker(s)"]
     # the comparison with the best earlier run: printed once, in the summary (its log record
     # goes to the Prefect UI, not also to this terminal)
