@@ -328,6 +328,13 @@ def check_s3_data(store: ObjectStore, uri: str) -> dict[str, Any]:
     return head
 
 
+def _in_default_order(values: list[str], field: str) -> list[str]:
+    """``values`` (a list parameter of :class:`TensorFactorizationParameters`) in the order of the
+    field's default, then the others by name: how runs of the same set are keyed alike."""
+    default = TensorFactorizationParameters.model_fields[field].default_factory()  # type: ignore[misc]
+    return sorted(values, key=lambda v: (default.index(v) if v in default else len(default), v))
+
+
 @pipeline_flow(name="tensor-factorization", log_prints=True, task_runner=default_task_runner())
 def tensor_factorization(params: TensorFactorizationParameters | None = None) -> dict[str, Any]:
     """Run P²T²F and the TensorLy baseline on every (dataset, split) and track it in MLflow.
@@ -378,6 +385,10 @@ def tensor_factorization(params: TensorFactorizationParameters | None = None) ->
         # what makes an earlier run comparable: for a user's file its content too, not only its
         # name (a rewritten file was compared with the old content's runs: a fresh-user trial)
         identity = dict(mlflow_params)
+        # the same datasets and splits in another order fit the same (a trial's reordered --set was
+        # "first finished run with these parameters"): compared in the defaults' order
+        for name in ("datasets", "splits"):
+            identity[name] = _in_default_order(getattr(params, name), name)
         if params.data is not None:
             content = next(iter(tensors.values())).result()["sha256"]
             identity["data_sha256"] = content  # the content, not where it lies: the same file

@@ -268,3 +268,14 @@ def test_a_run_on_user_data_records_what_it_fitted(stack, run_cli, cli_env, tmp_
         logs = client.read_logs(LogFilter(flow_run_id=LogFilterFlowRunId(
             any_=[json.loads(summary.read_text())["prefect_flow_run_id"]])))
     assert [log.level for log in logs if log.message == early] == [logging.WARNING], [log.message for log in logs]
+
+
+def test_the_same_datasets_and_splits_in_another_order_are_compared_alike():
+    """`--set datasets=flights,produc,kinetic --set splits=temporal,random` was served from the
+    cache but said "first finished run with these parameters" (a trial): the comparison key
+    takes the lists in the defaults' order (others after them, by name)."""
+    from paperline.flows.tensor_factorization import _in_default_order
+
+    assert _in_default_order(["flights", "produc", "kinetic"], "datasets") == ["kinetic", "produc", "flights"]
+    assert _in_default_order(["temporal", "random"], "splits") == ["random", "temporal"]
+    assert _in_default_order(["zeta", "flights", "alpha"], "datasets") == ["flights", "alpha", "zeta"]
