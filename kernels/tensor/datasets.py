@@ -210,6 +210,8 @@ def read_coo_parquet(source: str | Path | bytes, *, argument: str = "data", name
                  "last mode, and 'value'): README, 'Your own tensor'")
         if head.startswith(b"\x93NUMPY"):  # a dense array: say what is taken instead of Parquet's magic-bytes message
             raise InputError(argument, shown, f"a NumPy .npy file; {taken}") from None
+        if head.startswith(b"PAR1"):  # Parquet's magic, then nothing readable (it read as "a text file (CSV?)": a trial)
+            raise InputError(argument, shown, f"a damaged or truncated Parquet file ({exc})") from None
         kind = _text_kind(head)
         if kind:  # a CSV, the likeliest mistake, got "Parquet magic bytes not found ... corrupted?" (a trial)
             raise InputError(argument, shown, f"{kind}; {taken}; convert a CSV with pandas: "
