@@ -167,7 +167,11 @@ def build_parameters(pipeline: Pipeline, preset: str, overrides: list[str]) -> B
         if not sep or not key:
             raise InputError("--set", item, "expected key=value")
         if key not in fields:
-            raise InputError("--set", key, f"unknown parameter; known: {', '.join(fields)}")
+            import difflib  # noqa: PLC0415
+
+            close = difflib.get_close_matches(key.lower(), list(fields), n=1)  # (rnak: no guess was made: a trial)
+            guess = f"did you mean {close[0]}? " if close else ""
+            raise InputError("--set", key, f"unknown parameter; {guess}known: {', '.join(fields)}")
         if key in given:  # the last one silently won
             raise InputError("--set", key, f"given twice ({given[key]!r}, then {raw!r}); give it once")
         given[key] = raw

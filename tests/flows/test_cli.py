@@ -69,7 +69,8 @@ def parquet(tmp_path):
     (["rank=-3"], ["rank=-3"]),
     (["datasets=nope"], ["datasets='nope'", "unknown dataset"]),
     (["datasets=flights", "n_parts=106"], ["n_parts=106", "P larger than the number of slices", "'flights' (105)"]),
-    (["bogus=1"], ["--set='bogus'", "unknown parameter"]),
+    (["bogus=1"], ["--set='bogus'", "unknown parameter; known: datasets, "]),  # (no guess for a word unlike any)
+    (["rnak=3"], ["--set='rnak'", "unknown parameter; did you mean rank? known: "]),  # (a trial's typo)
     (["rank"], ["--set='rank'", "expected key=value"]),
     (["seed=-1"], ["seed=-1", "greater than or equal to 0"]),
     (["rank=true"], ["rank='true'", "expected a number, not a boolean"]),  # pydantic would read it as 1
