@@ -410,8 +410,6 @@ def tiled_multiply(params: dict[str, Any], store: ObjectStore | None, output: st
             "shapes": {k: list(v.shape) for k, v in problem.operands().items()}}
 
 
-@task(name="scaling-sweep", cache_policy=NO_CACHE, retries=1, retry_condition_fn=retry_unless_bad_input,
-      timeout_seconds=12 * HOUR)
 def _overflow_hint(problem: Problem, result: TileSource) -> str:
     """What a non-finite residual means when the operands were checked finite: the result's
     first non-finite entry, which the product's magnitude (or, for TRSM, a near-zero diagonal
@@ -432,6 +430,8 @@ def _overflow_hint(problem: Problem, result: TileSource) -> str:
             f"{np.finfo(np.float64).max:.3g})")
 
 
+@task(name="scaling-sweep", cache_policy=NO_CACHE, retries=1, retry_condition_fn=retry_unless_bad_input,
+      timeout_seconds=12 * HOUR)
 def scaling_sweep(params: dict[str, Any], store: ObjectStore | None, memory_budget: int, device: str
                   ) -> list[dict[str, Any]]:
     """GFLOP/s of the same problem on 1, 2, ... W workers (the output written to a scratch file).
