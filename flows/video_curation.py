@@ -201,7 +201,8 @@ class VideoCurationParameters(BaseModel):
         check_detector_options(DETECTORS[cfg.splitter], cfg.splitter, cfg.splitter_options)
         try:  # the options' ranges (stride_s > 0, threshold in (0, 1), ...)
             if cfg.splitter == "transnetv2":  # (its weights are not loaded here: a trial's threshold=5 failed
-                TransNetV2Detector.check_options(**cfg.splitter_options)  # every curate task instead)
+                TransNetV2Detector.check_options(**{k: v for k, v in cfg.splitter_options.items()  # every curate
+                                                    if k in ("threshold", "batch_windows")})  # task instead)
             else:  # cheap to build
                 make_detector(cfg.splitter, 25.0, **cfg.splitter_options)
         except KernelInputError as exc:

@@ -483,8 +483,8 @@ def test_bad_video_settings_are_refused_before_anything_starts(tmp_path):
         (["splitter=stride", 'splitter_options={"stride_s": 0}'], ["splitter_options=", "stride: stride_s=0",
                                                                     "must be positive"]),
         # its network is not built to check (a later trial: every curate task failed on threshold=5)
-        (["splitter=transnetv2", 'splitter_options={"threshold": 5}'], ["splitter_options={'threshold': 5}: "
-                                                                        "transnetv2: threshold=5: must be in (0, 1)"]),
+        (["splitter=transnetv2", 'splitter_options={"threshold": 5, "device": "cpu"}'],
+         ["splitter_options={'threshold': 5, 'device': 'cpu'}: transnetv2: threshold=5: must be in (0, 1)"]),
         (["min_clip_s=5", "max_clip_s=3"], ["max_clip_s=3.0", "must be >= min_clip_s"]),
         ([f"source={tmp_path / 'nope'}"], ["source=", "no such file or directory"]),
         ([f"source={tmp_path / 'loop1.mp4'}"], ["source=", f"a symbolic link loop ({tmp_path / 'loop1.mp4'} -> loop2.mp4)"]),
