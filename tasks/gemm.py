@@ -43,6 +43,9 @@ class VerificationError(PaperlineError, RuntimeError):
     traceback", unlike the input errors: a trial)."""
 
 
+BAND_CACHE_BYTES = 256 << 20  # per process, on top of the tile cache, at most (fit_s3_bands: the memory budget)
+
+
 class S3NpySource:
     """A ``.npy`` object in S3 read tile by tile with ranged GETs (never downloaded whole).
 
@@ -60,6 +63,7 @@ class S3NpySource:
     """
 
     kind = "s3"
+    band_cache_bytes = BAND_CACHE_BYTES  # the bound on this process's kept bands (fit_s3_bands lowers it)
 
     def __init__(self, store: ObjectStore, uri: str, argument: str = "a"):
         self.store, self.uri = store, uri
@@ -82,7 +86,6 @@ class S3NpySource:
         if size < need:
             raise InputError(argument, uri, f"truncated: {size} bytes, the header promises {need}")
         self.key = f"s3:{uri}:{head.get('ETag', '')}"
-        self.band_cache_bytes = BAND_CACHE_BYTES  # bound on this process's kept bands (fit_s3_bands lowers it)
 
     def read(self, rows: slice, cols: slice) -> np.ndarray:
         """``M[rows, cols]``, a new C-ordered array of :attr:`dtype` (native byte order), read by a
@@ -119,9 +122,6 @@ class S3NpySource:
             while sum(b.nbytes for b in _BANDS.values()) > self.band_cache_bytes and len(_BANDS) > 1:
                 _BANDS.popitem(last=False)
         return band, len(data)
-
-
-BAND_CACHE_BYTES = 256 << 20  # per process, on top of the tile cache, at most (fit_s3_bands: the memory budget)
 
 
 def fit_s3_bands(problem: Problem, memory_budget: int) -> None:

@@ -210,7 +210,7 @@ def read_coo_parquet(source: str | Path | bytes, *, argument: str = "data", name
                  "last mode, and 'value'): README, 'Your own tensor'")
         if head.startswith(b"\x93NUMPY"):  # a dense array: say what is taken instead of Parquet's magic-bytes message
             raise InputError(argument, shown, f"a NumPy .npy file; {taken}") from None
-        if head.startswith(b"PAR1"):  # Parquet's magic, then nothing readable (it read as "a text file (CSV?)": a trial)
+        if head.startswith(b"PAR1") and _cut_parquet(source):  # (it read as "a text file (CSV?)": a trial)
             raise InputError(argument, shown, f"a damaged or truncated Parquet file ({exc})") from None
         kind = _text_kind(head)
         if kind:  # a CSV, the likeliest mistake, got "Parquet magic bytes not found ... corrupted?" (a trial)
@@ -324,6 +324,23 @@ def write_coo_parquet(tensor: COOTensor, path: str | Path) -> None:
     cols = {n: tensor.coords[:, m] for m, n in enumerate(names)}
     cols[COO_VALUE_COLUMN] = tensor.values
     pq.write_table(pa.table(cols), path)
+
+
+def _cut_parquet(source: str | Path | bytes) -> bool:
+    """Whether a file that starts with Parquet's magic lacks its end: under 12 bytes (two magics
+    and the footer's length), or not ending in the magic. A whole file pyarrow cannot read (a
+    codec it lacks) is not "cut"."""
+    if isinstance(source, bytes):
+        size, tail = len(source), source[-4:]
+    else:
+        try:
+            with open(source, "rb") as f:
+                size = f.seek(0, 2)
+                f.seek(max(0, size - 4))
+                tail = f.read(4)
+        except OSError:
+            return False
+    return size < 12 or tail != b"PAR1"
 
 
 def _head(path: str | Path, n: int) -> bytes:

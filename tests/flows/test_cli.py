@@ -127,6 +127,10 @@ def test_bad_user_data(parquet):
     cases = [
         (parquet("junk.parquet", raw=b"\x00not parquet at all"), ["junk.parquet", "not a readable Parquet file"]),
         (parquet("cut.parquet", raw=b"PAR1PAR1"), ["cut.parquet': a damaged or truncated Parquet file ("]),
+        (parquet("half.parquet", raw=b"PAR1" + b"\x15\x04" * 40), ["half.parquet': a damaged or truncated Parquet"]),
+        # whole (its two magics and a footer length) but unreadable: pyarrow's own words
+        (parquet("odd.parquet", raw=b"PAR1" + b"\x00" * 8 + b"\x04\x00\x00\x00PAR1"), ["odd.parquet': not a readable "
+                                                                                      "Parquet file ("]),
         (parquet("mine.csv", raw=b"i,j,t,value\n0,0,0,1.5\n"), ["mine.csv': a text file (CSV?); this takes a Parquet "
                                                                  "table", "pandas.read_csv(path).to_parquet("]),
         (parquet("dense.npy", raw=b"\x93NUMPY\x01\x00" + b" " * 100), ["dense.npy", "a NumPy .npy file; this takes a "
