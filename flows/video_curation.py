@@ -363,18 +363,21 @@ def list_sources(source: str, store: ObjectStore, staging: str | None = None) ->
         key = split_uri(source)[1]
         if Path(key).suffix.lower() in VIDEO_EXTENSIONS and store.exists(source):
             return [source]  # one video
-        if key and not source.endswith("/") and store.exists(source):  # one object, not named like a video
-            raise InputError("source", source, f"not named like a video (one of {', '.join(VIDEO_EXTENSIONS)}); "
-                                               "give a video, or a folder of them")
         # a folder: s3://b/inc also listed s3://b/inc-extra/ and s3://b/incoming/ (a trial)
         folder = source if not key or source.endswith("/") else f"{source}/"
-        found = [u for u in store.list(folder) if Path(u).suffix.lower() in VIDEO_EXTENSIONS]
+        listed = store.list(folder)
+        found = [u for u in listed if Path(u).suffix.lower() in VIDEO_EXTENSIONS]
         staged = [u for u in found if staging is not None and u.startswith(f"{staging}/")]
         found = [u for u in found if u not in set(staged)]
         if not found:
             also = f" (the {len(staged)} under {staging}/ are staged clips, not inputs)" if staged else ""
-            if Path(key).suffix.lower() in VIDEO_EXTENSIONS and not store.list(folder):  # a video's name
-                raise InputError("source", source, "no such object in S3 (nor a folder of that name)")
+            if not listed and key and not source.endswith("/"):  # (not "nothing under .../x.mp4/": a trial)
+                if store.exists(source):  # an object, not a folder marker: something else than a video
+                    raise InputError("source", source, f"not named like a video (one of "
+                                                       f"{', '.join(VIDEO_EXTENSIONS)}); give a video, or a folder "
+                                                       "of them")
+                if Path(key).suffix.lower() in VIDEO_EXTENSIONS:
+                    raise InputError("source", source, "no such object in S3 (nor a folder of that name)")
             raise InputError("source", source, f"no objects ending in {', '.join(VIDEO_EXTENSIONS)} under "
                                                f"{folder} (an object, or a folder of objects){also}")
         return found

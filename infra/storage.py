@@ -672,6 +672,17 @@ class ObjectStore:
         bucket, key = split_uri(uri)
         return self._head(bucket, key) is not None
 
+    def any_under(self, uri_prefix: str) -> bool:
+        """Whether any object's key starts with the prefix (one request of one key: :meth:`list`
+        pages through all of them).
+
+        Raises:
+            ServiceError: S3 is unreachable or rejects the credentials.
+        """
+        bucket, prefix = split_uri(uri_prefix)
+        page = self._call(f"list {uri_prefix}", self.client.list_objects_v2, Bucket=bucket, Prefix=prefix, MaxKeys=1)
+        return bool(page.get("Contents"))
+
     def list(self, uri_prefix: str) -> list[str]:
         """URIs of all objects whose key starts with the prefix, sorted.
 

@@ -307,7 +307,9 @@ def read_manifest(store: Any, output: str) -> dict[str, Any]:
         if bucket and hasattr(store, "bucket_exists") and not store.bucket_exists(bucket):
             # (it read as a write that failed or runs: a trial's typo in the bucket)
             raise NotCommitted(f"{output}: the bucket {bucket!r} does not exist")
-        if hasattr(store, "list") and not store.list(f"{output}/"):  # (a misspelt name read as a failed write)
+        empty = (not store.any_under(f"{output}/")) if hasattr(store, "any_under") else \
+            (hasattr(store, "list") and not store.list(f"{output}/"))
+        if empty:  # (a misspelt name read as a failed write: a trial)
             raise NotCommitted(f"{output}: no dataset there (nothing under this prefix; a dataset named NAME is at "
                                f"s3://<data bucket>/video-curation/NAME, as `paperline run video-curation` prints)")
         raise NotCommitted(f"{output}: no {MANIFEST}; the dataset was never committed (a failed or running write)")
