@@ -17,7 +17,7 @@ from typing import Any, Literal
 import numpy as np
 from prefect.logging import get_run_logger
 from prefect.runtime import flow_run
-from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, ValidationInfo, field_validator, model_validator
 
 from paperline.infra.cluster import configure_local_workers, default_task_runner
 from paperline.infra.device import array_device
@@ -83,6 +83,16 @@ class TensorFactorizationParameters(BaseModel):
         if isinstance(values, dict) and values.get("data") is not None and "datasets" not in values:
             return {**values, "datasets": []}
         return values
+
+    @field_validator("datasets", "splits")
+    @classmethod
+    def _in_default_order(cls, values: list[str], info: ValidationInfo) -> list[str]:
+        """The datasets and splits in the order of the field's default, then the others by name:
+        the same set in another order fits the same, and was "first finished run with these
+        parameters" (a trial); taken as given, its fits (and so the first to pay a cold start,
+        and the headlines) came in another order too (a review)."""
+        default = cls.model_fields[info.field_name].default_factory()  # type: ignore[misc]
+        return sorted(values, key=lambda v: (default.index(v) if v in default else len(default), v))
 
     @field_validator("data")
     @classmethod
@@ -328,13 +338,6 @@ def check_s3_data(store: ObjectStore, uri: str) -> dict[str, Any]:
     return head
 
 
-def _in_default_order(values: list[str], field: str) -> list[str]:
-    """``values`` (a list parameter of :class:`TensorFactorizationParameters`) in the order of the
-    field's default, then the others by name: how runs of the same set are keyed alike."""
-    default = TensorFactorizationParameters.model_fields[field].default_factory()  # type: ignore[misc]
-    return sorted(values, key=lambda v: (default.index(v) if v in default else len(default), v))
-
-
 @pipeline_flow(name="tensor-factorization", log_prints=True, task_runner=default_task_runner())
 def tensor_factorization(params: TensorFactorizationParameters | None = None) -> dict[str, Any]:
     """Run P²T²F and the TensorLy baseline on every (dataset, split) and track it in MLflow.
@@ -385,10 +388,6 @@ def tensor_factorization(params: TensorFactorizationParameters | None = None) ->
         # what makes an earlier run comparable: for a user's file its content too, not only its
         # name (a rewritten file was compared with the old content's runs: a fresh-user trial)
         identity = dict(mlflow_params)
-        # the same datasets and splits in another order fit the same (a trial's reordered --set was
-        # "first finished run with these parameters"): compared in the defaults' order
-        for name in ("datasets", "splits"):
-            identity[name] = _in_default_order(getattr(params, name), name)
         if params.data is not None:
             content = next(iter(tensors.values())).result()["sha256"]
             identity["data_sha256"] = content  # the content, not where it lies: the same file

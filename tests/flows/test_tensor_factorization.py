@@ -272,10 +272,14 @@ def test_a_run_on_user_data_records_what_it_fitted(stack, run_cli, cli_env, tmp_
 
 def test_the_same_datasets_and_splits_in_another_order_are_compared_alike():
     """`--set datasets=flights,produc,kinetic --set splits=temporal,random` was served from the
-    cache but said "first finished run with these parameters" (a trial): the comparison key
-    takes the lists in the defaults' order (others after them, by name)."""
-    from paperline.flows.tensor_factorization import _in_default_order
+    cache but said "first finished run with these parameters" (a trial): the lists are kept in
+    the defaults' order (others after them, by name), so the run's key, fits and headlines are
+    those of the same set in any order."""
+    from paperline.flows.tensor_factorization import TensorFactorizationParameters as Params
+    from paperline.infra.regression import params_key
 
-    assert _in_default_order(["flights", "produc", "kinetic"], "datasets") == ["kinetic", "produc", "flights"]
-    assert _in_default_order(["temporal", "random"], "splits") == ["random", "temporal"]
-    assert _in_default_order(["zeta", "flights", "alpha"], "datasets") == ["flights", "alpha", "zeta"]
+    given = Params(datasets=["flights", "produc", "kinetic"], splits=["temporal", "random"])
+    assert (given.datasets, given.splits) == (Params().datasets, Params().splits) == (["kinetic", "produc", "flights"],
+                                                                                        ["random", "temporal"])
+    assert params_key(given.model_dump()) == params_key(Params().model_dump())
+    assert Params(datasets=["produc", "flights"]).datasets == ["produc", "flights"]
