@@ -91,6 +91,8 @@ class TensorFactorizationParameters(BaseModel):
         the same set in another order fits the same, and was "first finished run with these
         parameters" (a trial); taken as given, its fits (and so the first to pay a cold start,
         and the headlines) came in another order too (a review)."""
+        if len(set(values)) < len(values):  # as given: validate_inputs names the one listed twice
+            return values
         default = cls.model_fields[info.field_name].default_factory()  # type: ignore[misc]
         return sorted(values, key=lambda v: (default.index(v) if v in default else len(default), v))
 
