@@ -379,7 +379,8 @@ def compare_runs(tracker: Tracker, experiment: str, metrics: list[str], filter_s
                 # list, for failed runs that logged nothing: a trial)
                 bare = "" if any(r.data.metrics for r in runs) else "; they logged no metric at all (failed or " \
                                                                      "killed before their first)"
-                raise InputError("--metric", m, f"none of the {len(runs)} run(s) --filter selects has it{bare}; "
+                shown = f" (the --top {top} listed)" if len(runs) >= top else ""
+                raise InputError("--metric", m, f"none of the {len(runs)} run(s) --filter selects{shown} has it{bare}; "
                                                 f"other runs of {experiment!r} do: widen or drop --filter")
             names = sorted({k for r in [*runs, *recent] for k in r.data.metrics})  # the shown and the newest runs
             raise InputError("--metric", m, f"no run of {experiment!r} has it (give the bare name, no 'metrics.'); "

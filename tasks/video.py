@@ -328,7 +328,7 @@ def read_back(store: ObjectStore, output: str, world_size: int) -> dict[str, Any
             raise
         raise InputError("shard", exc.value, f"{exc.problem} (the dataset at {output} is committed and never "
                                              "rewritten, so running this curation again fails here too: curate "
-                                             "under a new dataset name)") from None
+                                             "under a new dataset name or output)") from None
     return {"samples_per_rank": per_rank, "distinct": len(seen)}
 
 

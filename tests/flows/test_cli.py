@@ -1019,7 +1019,7 @@ def test_a_run_queued_for_its_deployments_slot_is_said_to_wait_not_to_be_aborted
         assert queued_not_aborted(other) and other.getMessage().startswith("Aborted submission")
 
 
-def test_paperline_workers_prefect_worker_says_a_queued_run_waits(tmp_path):
+def test_paperline_workers_prefect_worker_says_a_queued_run_waits(tmp_path, monkeypatch):
     """`paperline worker` runs Prefect's CLI through ``paperline.infra.prefect_worker``: the
     arguments reach Prefect's own `worker start`, and the worker's flow-run logger (whose records
     go to the terminal and to the run's log in the UI) carries the rewrite."""
@@ -1034,7 +1034,17 @@ def test_paperline_workers_prefect_worker_says_a_queued_run_waits(tmp_path):
     assert "--pool" in out.stdout and "--type" in out.stdout  # Prefect's `worker start` answered
     logger = logging.getLogger(prefect_worker.WORKER_LOGGER)
     try:
-        prefect_worker.install()
+        # main() puts the filter in place before Prefect's CLI runs, and hands it the arguments
+        import prefect.cli
+
+        seen = {}
+
+        def app() -> None:
+            seen["argv"], seen["filtered"] = list(sys.argv), prefect_worker.queued_not_aborted in logger.filters
+        monkeypatch.setattr(prefect.cli, "app", app)
+        monkeypatch.setattr(sys, "argv", list(sys.argv))
+        prefect_worker.main(["worker", "start", "--pool", "paperline-cpu"])
+        assert seen == {"argv": ["prefect", "worker", "start", "--pool", "paperline-cpu"], "filtered": True}
         prefect_worker.install()
         assert logger.filters.count(prefect_worker.queued_not_aborted) == 1
         # the logger Prefect's worker gives a flow run's records
