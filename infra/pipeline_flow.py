@@ -49,6 +49,42 @@ class PipelineFlow(Flow):
                                  "shell: eval \"$(paperline env)\")")
         return super().__call__(*args, **kwargs)
 
+    def validate_parameters(self, parameters: dict[str, Any]) -> dict[str, Any]:
+        """Prefect's validation, after building each parameter whose annotation is a pydantic
+        model (a pipeline's ``params``) from the JSON object a deployment's run receives.
+
+        A value its model's validators refuse (``memory_budget="lots"``, ``a="s3:/x.npy"``) passes
+        Prefect's JSON schema when the run is created, and then failed as it started with
+        Prefect's raw list of pydantic errors, a ``ParameterTypeError`` traceback in the serve or
+        worker log, and a state message that did not name the value (a trial).
+
+        Raises:
+            InputError: naming the field and the value seen, as the CLI's ``--set`` does (one
+                line in the logs: an expected error).
+        """
+        import inspect  # noqa: PLC0415
+        import typing  # noqa: PLC0415
+
+        from pydantic import BaseModel, ValidationError  # noqa: PLC0415
+
+        from paperline.infra.errors import input_error_from  # noqa: PLC0415
+
+        signature = inspect.signature(self.fn)
+        built = dict(parameters)
+        for name, value in parameters.items():
+            if not isinstance(value, dict) or name not in signature.parameters:
+                continue
+            annotation = signature.parameters[name].annotation
+            models = [a for a in (typing.get_args(annotation) or (annotation,))
+                      if isinstance(a, type) and issubclass(a, BaseModel)]
+            if len(models) != 1:
+                continue
+            try:
+                built[name] = models[0].model_validate(value)
+            except ValidationError as exc:
+                raise input_error_from(exc, lambda loc: ".".join(map(str, loc)) or name) from None
+        return super().validate_parameters(built)
+
 
 def pipeline_flow(**options: Any) -> Callable[[Callable[..., Any]], PipelineFlow]:
     """``@pipeline_flow(name=..., ...)``: Prefect's ``@flow(...)`` (same options), making a

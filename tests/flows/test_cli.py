@@ -1401,6 +1401,27 @@ def test_every_pipeline_flow_reads_its_parameters_in_its_own_module():
         assert flow.fn._paperline_watched and flow.fn.__wrapped__.__name__ == flow.fn.__name__
 
 
+def test_a_deployment_runs_parameters_refused_by_their_model_name_the_field_and_value():
+    """Values that pass Prefect's JSON schema but not the model's validators (a deployment run's
+    ``memory_budget: "lots"``) failed as the run started with Prefect's raw pydantic list and a
+    ParameterTypeError traceback in the serve log (a trial): an InputError naming the field and
+    the value, as `--set` says it, for every pipeline."""
+    from paperline.flows.pipelines import get_pipeline
+    from paperline.infra.errors import InputError
+
+    cases = {"gemm": ({"memory_budget": "lots"}, "memory_budget='lots': expected bytes"),
+             "video-curation": ({"dataset": "../evil"}, "dataset='../evil': "),
+             "tensor-factorization": ({"data": "s3://bucket/prefix/"}, "data='s3://bucket/prefix/': an S3 prefix"),
+             "nas": ({"budget": 0}, "budget=0: "),
+             "compressed-training": ({"fft_theta": 2.0}, "fft_theta=2.0: ")}
+    for name, (given, said) in cases.items():
+        flow = get_pipeline(name).flow
+        with pytest.raises(InputError) as caught:
+            flow.validate_parameters({"params": given})
+        assert str(caught.value).startswith(said), (name, str(caught.value))
+    assert get_pipeline("gemm").flow.validate_parameters({"params": {"m": 64}})["params"].m == 64
+
+
 def test_a_pipeline_flows_function_runs_under_a_server_watch(monkeypatch, tmp_path):
     """What the engine calls (``flow.fn``: `paperline run`, a deployment's run, a script) is
     watched, once, and the watch ends with it outside a process started for one run."""
