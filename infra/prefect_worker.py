@@ -14,6 +14,7 @@ the rewritten line, then hands the arguments to Prefect's CLI.
 from __future__ import annotations
 
 import logging
+import os
 import re
 import sys
 
@@ -41,10 +42,35 @@ def queued_not_aborted(record: logging.LogRecord) -> bool:
 
 
 def install() -> None:
-    """Put :func:`queued_not_aborted` on the worker's flow-run logger (once)."""
+    """Put :func:`queued_not_aborted` on the worker's flow-run logger, and on Prefect's console
+    handlers the one-line filters of a stack that went away (once each).
+
+    With the stack stopped under a run (`paperline down`), the worker's terminal took about 220
+    lines: the state proposer's and the cancellation observer's connection tracebacks and the
+    events worker's whole ``Event(...)`` reprs, where `paperline serve` said one line (a trial).
+    Here a record whose exception is a failed connection is cut to its message and the
+    exception's own line (:class:`paperline.infra.worker_exit.ServerGoneOneLine`), and the events
+    worker's failures to one line every ten minutes (:func:`~paperline.infra.worker_exit.short_event_failure`).
+    """
     logger = logging.getLogger(WORKER_LOGGER)
     if queued_not_aborted not in logger.filters:
         logger.addFilter(queued_not_aborted)
+    from prefect.logging.configuration import setup_logging  # noqa: PLC0415
+    from prefect.logging.handlers import PrefectConsoleHandler  # noqa: PLC0415
+
+    from paperline.infra.errors import DEBUG_ENV  # noqa: PLC0415
+    from paperline.infra.worker_exit import ServerGoneOneLine, short_event_failure  # noqa: PLC0415
+
+    setup_logging()  # Prefect's console handlers, kept by its CLI's own (incremental) setup
+    if os.environ.get(DEBUG_ENV):  # `paperline --debug worker`: every traceback kept
+        return
+    for handler in logging.getLogger().handlers:
+        if not isinstance(handler, PrefectConsoleHandler):
+            continue
+        if not any(isinstance(f, ServerGoneOneLine) for f in handler.filters):
+            handler.addFilter(ServerGoneOneLine())
+        if short_event_failure not in handler.filters:
+            handler.addFilter(short_event_failure)
 
 
 def main(argv: list[str]) -> None:

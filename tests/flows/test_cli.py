@@ -1045,6 +1045,14 @@ def test_paperline_workers_prefect_worker_says_a_queued_run_waits(tmp_path, monk
         monkeypatch.setattr(sys, "argv", list(sys.argv))
         prefect_worker.main(["worker", "start", "--pool", "paperline-cpu"])
         assert seen == {"argv": ["prefect", "worker", "start", "--pool", "paperline-cpu"], "filtered": True}
+        # and a stack gone under it is one line per record on its terminal, not ~220 lines (a trial)
+        from prefect.logging.handlers import PrefectConsoleHandler
+
+        from paperline.infra.worker_exit import ServerGoneOneLine, short_event_failure
+
+        consoles = [h for h in logging.getLogger().handlers if isinstance(h, PrefectConsoleHandler)]
+        assert consoles and all(short_event_failure in h.filters and any(isinstance(f, ServerGoneOneLine)
+                                                                          for f in h.filters) for h in consoles)
         prefect_worker.install()
         assert logger.filters.count(prefect_worker.queued_not_aborted) == 1
         # the logger Prefect's worker gives a flow run's records
@@ -1058,6 +1066,15 @@ def test_paperline_workers_prefect_worker_says_a_queued_run_waits(tmp_path, monk
         assert worker_logger.logger is logger
     finally:
         logger.removeFilter(prefect_worker.queued_not_aborted)
+        from prefect.logging.handlers import PrefectConsoleHandler
+
+        from paperline.infra.worker_exit import ServerGoneOneLine, short_event_failure
+
+        for handler in logging.getLogger().handlers:  # (this test's process goes on to other tests)
+            if isinstance(handler, PrefectConsoleHandler):
+                handler.removeFilter(short_event_failure)
+                for f in [f for f in handler.filters if isinstance(f, ServerGoneOneLine)]:
+                    handler.removeFilter(f)
 
 
 def test_a_401_is_said_as_a_refused_login_with_what_to_do(capsys):
