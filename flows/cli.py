@@ -1272,7 +1272,8 @@ def serve() -> None:
         # (the environment first: PREFECT_API_URL alone, as this said before, got a 401 once the
         # local Prefect required its login, a trial)
         console.print(f"trigger them from {redact_url(info.prefect_ui_url.rstrip('/'))}/deployments or, in a shell, "
-                      f"with `eval \"$({_on_path('paperline')} env)\"` (the stack's URLs and logins) then "
+                      f"with `eval \"$({_state_dir_prefix()}{_on_path('paperline')} env)\"` (the stack's URLs and "
+                      "logins) then "
                       f"`{_on_path('prefect')} deployment run gemm/local --params '{{\"params\": {{\"m\": 512}}}}'`; "
                       "Ctrl-C stops serving", soft_wrap=True, highlight=False, markup=False)
         # on stopping, a run it was executing, or had claimed and not started, is marked Crashed
@@ -1431,6 +1432,17 @@ def served_names() -> list[str]:
     from paperline.flows.pipelines import get_pipeline, pipeline_names
 
     return [f"{get_pipeline(name).flow.name}/local" for name in pipeline_names()]
+
+
+def _state_dir_prefix() -> str:
+    """``PAPERLINE_STATE_DIR=<dir> `` when this command's stack is not in the default state
+    directory, else empty: a printed `paperline env` pasted into another shell pointed at the
+    default stack (a trial)."""
+    import os
+    import shlex
+
+    given = os.environ.get("PAPERLINE_STATE_DIR")
+    return f"PAPERLINE_STATE_DIR={shlex.quote(str(_settings().state_dir))} " if given else ""
 
 
 def _on_path(command: str) -> str:

@@ -88,11 +88,14 @@ def test_the_readme_command_line_triggers_a_run(served, cli_env, wait_for_flow_r
     # ... with commands the serve's shell finds (the venv's paths unless its PATH leads there: a trial)
     from paperline.flows.cli import _on_path
 
-    said = " ".join(log.read_text().split())
-    assert f"in a shell, with `eval \"$({_on_path('paperline')} env)\"` (the stack's URLs and logins) then " \
-        f"`{_on_path('prefect')} deployment run gemm/local" in said, said[-3000:]
     with get_client(sync_client=True) as client:
-        _deployment(client, "gemm/local", proc, log)
+        _deployment(client, "gemm/local", proc, log)  # (serving: its lines are printed)
+    said = " ".join(log.read_text().split())
+    # ... and the state directory of a stack not in the default one (pasted elsewhere, the printed
+    # command pointed at the default stack: a trial)
+    state = cli_env["PAPERLINE_STATE_DIR"]
+    assert f"in a shell, with `eval \"$(PAPERLINE_STATE_DIR={state} {_on_path('paperline')} env)\"` (the stack's URLs " \
+        f"and logins) then `{_on_path('prefect')} deployment run gemm/local" in said, said[-3000:]
     out = subprocess.run(["bash", "-c", script], env=env, capture_output=True, text=True, timeout=180)
     assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-2000:]
     run_id = re.search(r"UUID: ([0-9a-f-]{36})", out.stdout).group(1)
