@@ -28,7 +28,7 @@ from paperline.infra.pipeline_flow import pipeline_flow
 from paperline.infra.regression import CACHED_FROM_TAG, Headline, check_latest
 from paperline.infra.settings import get_settings
 from paperline.infra.stack import require_stack
-from paperline.infra.tracking import Tracker
+from paperline.infra.tracking import Tracker, prefect_run_tags
 from paperline.kernels.train import format_ratio
 from paperline.kernels.train.data import load_dataset
 from paperline.kernels.train.ddp import TrainConfig
@@ -298,7 +298,7 @@ def compressed_training(params: CompressedTrainingParameters | None = None) -> d
     device = resolve_device(settings.device)
     tracker = Tracker(info.mlflow_tracking_uri)
     run_url = info.flow_run_url(flow_run.id)
-    tags = {"prefect.flow_run_id": str(flow_run.id), "prefect.flow_run_url": run_url}
+    tags = prefect_run_tags(info)
     parent = tracker.start_run(EXPERIMENT, run_name=flow_run.name or "compressed-training", tags=tags,
                                params={**params.logged_params(), "device": device})
     runs = []

@@ -36,7 +36,7 @@ from paperline.infra.regression import Headline, check_latest
 from paperline.infra.settings import get_settings
 from paperline.infra.stack import require_stack
 from paperline.infra.storage import S3_BUCKET_NAME, ObjectStore, nearest_existing, require_writable_dir
-from paperline.infra.tracking import Tracker
+from paperline.infra.tracking import Tracker, prefect_run_tags
 from paperline.kernels.blas.plan import Problem
 from paperline.kernels.blas.runtime import check_memory_budget, missing_output_directory
 from paperline.kernels.errors import InputError as KernelInputError
@@ -409,8 +409,7 @@ def gemm(params: GemmParameters | None = None) -> dict[str, Any]:
     run_url = info.flow_run_url(flow_run.id)
     mlflow_params = {**logged_params(params, problem), "memory_budget_bytes": budget, "device": device, "output": output}
     run_id = tracker.start_run(EXPERIMENT, run_name=flow_run.name or "gemm",
-                               tags={"prefect.flow_run_id": str(flow_run.id), "prefect.flow_run_url": run_url},
-                               params=mlflow_params)
+                               tags=prefect_run_tags(info), params=mlflow_params)
     main = None
     try:
         # the sizes that run: random operands beside file ones take the files' (tasks.gemm.implied_sizes)

@@ -34,7 +34,7 @@ from paperline.infra.regression import Headline, check_latest
 from paperline.infra.settings import get_settings
 from paperline.infra.stack import require_stack
 from paperline.infra.storage import LeaseHeldError, LeaseLostError, ObjectStore
-from paperline.infra.tracking import Tracker
+from paperline.infra.tracking import Tracker, prefect_run_tags
 from paperline.kernels.errors import InputError as KernelInputError
 from paperline.kernels.search.campaign import Campaign
 from paperline.kernels.search.deadline import EvaluationTimeout
@@ -242,7 +242,7 @@ def nas(params: NasParameters | None = None) -> dict[str, Any]:
     info, store = require_stack(settings)
     tracker = Tracker(info.mlflow_tracking_uri)
     run_url = info.flow_run_url(flow_run.id)
-    tags = {"prefect.flow_run_id": str(flow_run.id), "prefect.flow_run_url": run_url}
+    tags = prefect_run_tags(info)
     results = [run_one(c, store, tracker, campaigns_prefix(info.data_bucket), tags) for c in params.campaigns()]
     return _summary(results, run_url, str(flow_run.id), tracker)
 

@@ -27,7 +27,7 @@ from paperline.infra.regression import Headline, check_latest
 from paperline.infra.settings import get_settings
 from paperline.infra.stack import require_stack
 from paperline.infra.storage import ObjectStore, s3_location_problem, split_uri
-from paperline.infra.tracking import Tracker
+from paperline.infra.tracking import Tracker, prefect_run_tags
 from paperline.kernels.errors import InputError as KernelInputError
 from paperline.kernels.tensor.baselines import MAX_DENSE_CELLS
 from paperline.kernels.tensor.coo import make_split
@@ -367,7 +367,7 @@ def tensor_factorization(params: TensorFactorizationParameters | None = None) ->
     device = array_device(settings.device)
     mlflow_params = {**params.model_dump(), "device": device}
     run_id = tracker.start_run(EXPERIMENT, run_name=flow_run.name or "tensor-factorization",
-                               tags={"prefect.flow_run_id": str(flow_run.id), "prefect.flow_run_url": run_url},
+                               tags=prefect_run_tags(info),
                                params=mlflow_params)
     try:
         if params.data is not None:  # what the load task's cache key holds: the file's version, not only its name

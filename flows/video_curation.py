@@ -32,7 +32,7 @@ from paperline.infra.regression import Headline, check_latest
 from paperline.infra.settings import get_settings
 from paperline.infra.stack import require_stack
 from paperline.infra.storage import ObjectStore, s3_location_problem, split_uri
-from paperline.infra.tracking import Tracker
+from paperline.infra.tracking import Tracker, prefect_run_tags
 from paperline.kernels.errors import InputError as KernelInputError
 from paperline.kernels.video.clips import ClipConfig, FilterConfig, check_x264_preset, nvenc_usable
 from paperline.kernels.video.dedup import deduplicate
@@ -421,7 +421,7 @@ def video_curation(params: VideoCurationParameters | None = None) -> dict[str, A
                      "semantic_threshold_used": params.semantic_threshold or SEMANTIC_THRESHOLDS[cfg.resolved_embedder()],
                      "inputs": len(sources) + len(bad_names)}
     run_id = tracker.start_run(EXPERIMENT, run_name=flow_run.name or "video-curation",
-                               tags={"prefect.flow_run_id": str(flow_run.id), "prefect.flow_run_url": run_url},
+                               tags=prefect_run_tags(info),
                                params=mlflow_params)
     try:
         summary = _curate(params, cfg, filt, sources, store, tracker, run_id, output, staging, inputs_key, bad_names)

@@ -523,3 +523,29 @@ def end_runs_of_ended_flow_runs(flow_run_ids: list[str], tracking_uri: str, *, w
             report(f"flow run {flow_run_id} ended {mine[0][3]} with its process: {len(mine)} MLflow run(s) it left "
                    f"RUNNING marked {mine[0][2]}")
     return [e[0] for e in ended]
+
+
+DEPLOYMENT_TAG = "prefect.deployment"  # "<flow>/<deployment>" of a deployment's run
+
+
+def prefect_run_tags(info: Any) -> dict[str, str]:
+    """The MLflow tags that tie a run to the Prefect flow run this code runs in: its id, its page
+    (``info``: the stack's :class:`~paperline.infra.stack.StackInfo`) and, for a deployment's
+    run, :data:`DEPLOYMENT_TAG` (``gemm/local``): runs of serve's and of a worker's deployment
+    could not be told apart in MLflow (a trial). A deployment that cannot be read leaves the tag
+    out (it is not worth failing a run for)."""
+    from prefect.runtime import deployment, flow_run  # noqa: PLC0415
+
+    from prefect.context import FlowRunContext  # noqa: PLC0415
+
+    tags = {"prefect.flow_run_id": str(flow_run.id), "prefect.flow_run_url": info.flow_run_url(flow_run.id)}
+    context = FlowRunContext.get()
+    if context is not None and context.flow_run is not None and context.flow_run.deployment_id is None:
+        return tags  # (`paperline run`, a script: no deployment, and no call to the server to be told)
+    try:
+        name = deployment.name
+    except Exception:  # noqa: BLE001 - (the server away a moment: the run goes on without it)
+        name = None
+    if name:
+        tags[DEPLOYMENT_TAG] = f"{flow_run.flow_name}/{name}"
+    return tags

@@ -70,6 +70,8 @@ def test_a_worker_executes_a_triggered_run(deployed, wait_for_flow_run):
     runs = tracker.client.search_runs([tracker.client.get_experiment_by_name("gemm").experiment_id],
                                       filter_string=f"tags.`prefect.flow_run_id` = '{run.id}'")
     assert len(runs) == 1 and runs[0].data.params["routine"] == "trmm"
+    # which deployment made it (serve's gemm/local and a worker's gemm/gemm looked alike: a trial)
+    assert runs[0].data.tags["prefect.deployment"] == "gemm/gemm"
 
 
 def test_status_says_the_pool_has_a_worker_online(deployed, cli_env):
