@@ -158,7 +158,7 @@ def test_missing_s3_data_is_one_clear_line(stack, run_cli, cli_env):
     write_coo_parquet(load_dataset("produc"), buf)
     store, uri = ObjectStore.from_stack(info), f"s3://{info.data_bucket}/test-damaged/trunc.parquet"
     store.put_bytes_to(buf.getvalue()[: len(buf.getvalue()) // 2], uri)
-    with pytest.raises(InputError, match=rf"^data='{uri}': not a readable Parquet file"):
+    with pytest.raises(InputError, match=rf"^data='{uri}': a damaged or truncated Parquet file"):
         TensorFactorizationParameters(data=uri).validate_on_stack(info, store)
     store.put_bytes_to(buf.getvalue(), uri)
     with pytest.raises(InputError, match=rf"^n_parts=99: .*data"):  # what the flow checked only after loading
