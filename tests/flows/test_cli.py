@@ -1043,6 +1043,7 @@ def test_paperline_workers_prefect_worker_says_a_queued_run_waits(tmp_path, monk
             seen["argv"], seen["filtered"] = list(sys.argv), prefect_worker.queued_not_aborted in logger.filters
         monkeypatch.setattr(prefect.cli, "app", app)
         monkeypatch.setattr(sys, "argv", list(sys.argv))
+        monkeypatch.delenv("PAPERLINE_DEBUG", raising=False)  # (an in-process `--debug` test sets it for good)
         prefect_worker.main(["worker", "start", "--pool", "paperline-cpu"])
         assert seen == {"argv": ["prefect", "worker", "start", "--pool", "paperline-cpu"], "filtered": True}
         # and a stack gone under it is one line per record on its terminal, not ~220 lines (a trial)
