@@ -434,10 +434,10 @@ def upload(path: Path = typer.Argument(..., metavar="PATH", help="Local file or 
         if len(key.encode()) > 1024:
             raise InputError("uri", target[:80] + "...", f"a key of {len(key.encode())} bytes: S3 takes at most 1024")
     info = _ensure_stack()
-    from paperline.flows.video_curation import staging_prefix
+    from paperline.flows.video_curation import in_staging, staging_prefix
 
     staging = staging_prefix(info.data_bucket)  # (runs refuse it as a source or output; upload took it: a trial)
-    if any(t == staging or t.startswith(f"{staging}/") for _, t in targets) or uri.rstrip("/") == staging:
+    if in_staging(uri, staging) or any(in_staging(t, staging) for _, t in targets):
         raise InputError("uri", uri, f"inside {staging}/, where the video curation's tasks stage the clips they cut "
                                      "(content-addressed, shared by every dataset): upload videos elsewhere, e.g. "
                                      f"s3://{info.data_bucket}/incoming/")
@@ -1435,8 +1435,8 @@ def served_names() -> list[str]:
 
 
 def _state_dir_prefix() -> str:
-    """``PAPERLINE_STATE_DIR=<dir> `` when this command's stack is not in the default state
-    directory, else empty: a printed `paperline env` pasted into another shell pointed at the
+    """``PAPERLINE_STATE_DIR=<dir> `` when this command's state directory was given by that
+    variable, else empty: a printed `paperline env` pasted into another shell pointed at the
     default stack (a trial)."""
     import os
     import shlex

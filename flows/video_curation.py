@@ -259,7 +259,7 @@ class VideoCurationParameters(BaseModel):
         cfg = self.clip_config(resolve_device(get_settings().device))
         output, argument, value = self.destination(info.data_bucket)
         staging = staging_prefix(info.data_bucket)
-        if output == staging or output.startswith(f"{staging}/"):
+        if in_staging(output, staging):
             raise InputError(argument, value, f"inside {staging}/, where the curate tasks stage clips (content-"
                                               "addressed, shared by every dataset); choose another prefix")
         if staging.startswith(f"{output}/"):  # s3://b/video-curation itself became a dataset (a trial)
@@ -302,6 +302,12 @@ STAGING = "staging"
 def staging_prefix(data_bucket: str) -> str:
     """Where the curate tasks stage kept clips (content-addressed, shared by every dataset)."""
     return f"s3://{data_bucket}/video-curation/{STAGING}"
+
+
+def in_staging(uri: str, staging: str) -> bool:
+    """Whether ``uri`` is the staging prefix ``staging`` (:func:`staging_prefix`) or under it:
+    refused as a run's source or output and as an upload's destination."""
+    return uri.rstrip("/") == staging or uri.startswith(f"{staging}/")
 
 
 def check_dataset_free(store: ObjectStore, output: str, key: str, argument: str, value: str,
@@ -356,8 +362,7 @@ def list_sources(source: str, store: ObjectStore, staging: str | None = None) ->
         return [str(p) for p in demo_videos()]
     if source.startswith("s3://"):
         store.require_bucket("source", source)
-        inside = staging is not None and (source.rstrip("/") == staging or source.startswith(f"{staging}/"))
-        if inside:
+        if staging is not None and in_staging(source, staging):
             raise InputError("source", source, f"inside {staging}/, where the curate tasks stage the clips they "
                                                "cut (content-addressed, shared by every dataset): not inputs")
         key = split_uri(source)[1]
@@ -367,7 +372,7 @@ def list_sources(source: str, store: ObjectStore, staging: str | None = None) ->
         folder = source if not key or source.endswith("/") else f"{source}/"
         listed = store.list(folder)
         found = [u for u in listed if Path(u).suffix.lower() in VIDEO_EXTENSIONS]
-        staged = [u for u in found if staging is not None and u.startswith(f"{staging}/")]
+        staged = [u for u in found if staging is not None and in_staging(u, staging)]
         found = [u for u in found if u not in set(staged)]
         if not found:
             also = f" (the {len(staged)} under {staging}/ are staged clips, not inputs)" if staged else ""

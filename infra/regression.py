@@ -22,6 +22,7 @@ from __future__ import annotations
 import hashlib
 import json
 import math
+import os
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -246,8 +247,6 @@ def check_latest(tracker: Tracker, run_id: str, params: dict[str, Any], headline
     outcome = compare_with_best_earlier(tracker, run_id, params_key(params), headlines)
     if first_run_note is not None:
         outcome.first_run_note = first_run_note
-    import os  # noqa: PLC0415
-
     from paperline.infra.flow_runs import FLOW_RUN_ENV  # noqa: PLC0415
 
     if os.environ.get(FLOW_RUN_ENV) and not outcome.regression:

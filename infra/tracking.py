@@ -534,9 +534,8 @@ def prefect_run_tags(info: Any) -> dict[str, str]:
     run, :data:`DEPLOYMENT_TAG` (``gemm/local``): runs of serve's and of a worker's deployment
     could not be told apart in MLflow (a trial). A deployment that cannot be read leaves the tag
     out (it is not worth failing a run for)."""
-    from prefect.runtime import deployment, flow_run  # noqa: PLC0415
-
     from prefect.context import FlowRunContext  # noqa: PLC0415
+    from prefect.runtime import deployment, flow_run  # noqa: PLC0415
 
     tags = {"prefect.flow_run_id": str(flow_run.id), "prefect.flow_run_url": info.flow_run_url(flow_run.id)}
     context = FlowRunContext.get()
