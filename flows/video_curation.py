@@ -41,6 +41,8 @@ from paperline.kernels.video.sources import (
     VIDEO_EXTENSIONS,
     bad_name_problem,
     demo_videos,
+    hidden_note,
+    is_hidden,
     list_local,
     reject_bad_names,
     shown_name,
@@ -350,7 +352,8 @@ PRESETS: dict[str, dict[str, Any]] = {
 
 def list_sources(source: str, store: ObjectStore, staging: str | None = None) -> list[str]:
     """The inputs named by ``source``: the demo videos, a local file/directory, or the videos under an
-    S3 prefix, less the clips the curate tasks staged under ``staging`` (:func:`staging_prefix`).
+    S3 prefix, less the clips the curate tasks staged under ``staging`` (:func:`staging_prefix`)
+    and hidden objects below the folder (:func:`~paperline.kernels.video.sources.is_hidden`).
     A local file whose name is not valid UTF-8 is listed as it is: :func:`reject_bad_names` takes
     it out (as rejected) before anything else holds it.
 
@@ -373,9 +376,11 @@ def list_sources(source: str, store: ObjectStore, staging: str | None = None) ->
         listed = store.list(folder)
         found = [u for u in listed if Path(u).suffix.lower() in VIDEO_EXTENSIONS]
         staged = [u for u in found if staging is not None and in_staging(u, staging)]
-        found = [u for u in found if u not in set(staged)]
+        hidden = [u for u in found if is_hidden(u[len(folder):])]
+        found = [u for u in found if u not in set(staged) | set(hidden)]
         if not found:
             also = f" (the {len(staged)} under {staging}/ are staged clips, not inputs)" if staged else ""
+            also += hidden_note(len(hidden))
             if not listed and key and not source.endswith("/"):  # (not "nothing under .../x.mp4/": a trial)
                 if store.exists(source):  # an object, not a folder marker: something else than a video
                     raise InputError("source", source, f"not named like a video (one of "

@@ -103,9 +103,23 @@ def reject_bad_names(sources: list[str]) -> tuple[list[str], list[dict[str, str]
     return kept, rejected
 
 
+def is_hidden(relative: str | Path) -> bool:
+    """Whether a path below a source folder is hidden: one of its parts starts with ``.`` (macOS's
+    ``._clip.mp4`` AppleDouble files, ``.Trash/``, an editor's or sync tool's temporary copy).
+    A folder's hidden files are not listed as videos (they were curated, or rejected as corrupt,
+    with the real ones: a trial); a hidden file named as the source itself is curated."""
+    return any(part.startswith(".") for part in Path(relative).parts)
+
+
+def hidden_note(n: int) -> str:
+    """`` (N hidden files skipped: a name, or a folder, starting with '.')`` or ``""``."""
+    return f" ({n} hidden {'file' if n == 1 else 'files'} skipped: a name, or a folder, starting with '.')" if n else ""
+
+
 def list_local(source: str | Path) -> list[Path]:
     """The videos to curate under a local path: a file itself, or the files of a directory
-    (recursively) whose extension is one of :data:`VIDEO_EXTENSIONS`, sorted.
+    (recursively) whose extension is one of :data:`VIDEO_EXTENSIONS`, sorted, less hidden ones
+    (:func:`is_hidden`).
 
     A missing path is returned as is (the probe records it as rejected) when it names a file;
     a missing directory is an error.
@@ -118,10 +132,12 @@ def list_local(source: str | Path) -> list[Path]:
     if p.is_dir():
         # a broken link, or a FIFO named like a video, is listed: the probe records why it is rejected
         # (a FIFO was skipped unsaid: a trial)
-        found = sorted(q for q in p.rglob("*")
+        named = sorted(q for q in p.rglob("*")
                        if (q.is_symlink() or (q.exists() and not q.is_dir())) and q.suffix.lower() in VIDEO_EXTENSIONS)
+        found = [q for q in named if not is_hidden(q.relative_to(p))]
         if not found:
-            raise InputError("source", str(source), f"no videos ({', '.join(VIDEO_EXTENSIONS)}) in this directory")
+            raise InputError("source", str(source), f"no videos ({', '.join(VIDEO_EXTENSIONS)}) in this directory"
+                                                    f"{hidden_note(len(named))}")
         return found
     if str(source).endswith("/"):
         raise InputError("source", str(source), "no such directory")

@@ -273,7 +273,11 @@ def test_an_s3_prefix_is_a_source(stack, source_dir):
     prefix = f"s3://{info.data_bucket}/test-incoming-{int(time.time())}"
     store.upload_file_to(source_dir / "carphone.mp4", f"{prefix}/a/carphone.mp4")
     store.put_bytes_to(b"not a video", f"{prefix}/readme.txt")
+    store.put_bytes_to(b"AppleDouble", f"{prefix}/a/._carphone.mp4")  # hidden: not listed (a trial)
     assert list_sources(prefix + "/", store) == [f"{prefix}/a/carphone.mp4"]
+    store.put_bytes_to(b"x", f"{prefix}-hidden/.Trash/old.mp4")
+    with pytest.raises(InputError, match=r"\(1 hidden file skipped: a name, or a folder, starting with '\.'\)$"):
+        list_sources(f"{prefix}-hidden", store)
     # a folder without its slash is the same folder, not a string prefix: s3://b/inc listed
     # s3://b/inc-extra/ too (a trial); an object is itself
     store.upload_file_to(source_dir / "carphone.mp4", f"{prefix}-extra/carphone.mp4")

@@ -216,6 +216,25 @@ def test_unsupported_extension_and_directory_listing(tmp_path):
         list_local(tmp_path / "empty_dir_" if False else _mk(tmp_path / "empty"))
 
 
+def test_a_folders_hidden_files_are_not_listed(tmp_path):
+    """macOS's ``._clip.mp4`` AppleDouble files and a ``.Trash/`` folder were curated (rejected as
+    corrupt) with the real videos (a trial): hidden names below the folder are skipped, and said
+    when nothing else is there; a hidden file named as the source is curated."""
+    (tmp_path / "clip.mp4").write_bytes(b"x")
+    (tmp_path / "._clip.mp4").write_bytes(b"x")
+    _mk(tmp_path / ".Trash")
+    (tmp_path / ".Trash" / "old.mp4").write_bytes(b"x")
+    assert list_local(tmp_path) == [tmp_path / "clip.mp4"]
+    assert list_local(tmp_path / "._clip.mp4") == [tmp_path / "._clip.mp4"]
+    hidden = tmp_path / "videos" / ".cache"  # a hidden folder above the source is not below it
+    hidden.mkdir(parents=True)
+    (hidden / "a.mp4").write_bytes(b"x")
+    assert list_local(hidden) == [hidden / "a.mp4"]
+    with pytest.raises(InputError, match=r"no videos .* in this directory \(1 hidden file skipped: a name, or "
+                                         r"a folder, starting with '\.'\)$"):
+        list_local(tmp_path / "videos")
+
+
 def test_a_video_whose_name_is_not_utf8_is_rejected_when_listed(tmp_path):
     """A Latin-1 name (byte 0xE9, a lone surrogate in Python) failed the whole run after decoding
     every video, in the index's Parquet, with a UnicodeEncodeError naming no file (a trial): it is
