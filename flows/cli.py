@@ -1253,6 +1253,7 @@ def serve() -> None:
     from paperline.infra.cluster import describe_cluster, require_scheduler
     from paperline.infra.errors import redact_url
     from paperline.infra.flow_runs import watch_flow_runs
+    from paperline.infra.prefect_patches import served_runs_in_own_process_group
     from paperline.infra.watch import marking_watch
 
     _quiet_logs()
@@ -1295,7 +1296,8 @@ def serve() -> None:
                 _serving_through_outages(info.prefect_ui_url, lost_in_outage):
             try:
                 try:
-                    prefect_serve(*deployments, print_starting_message=False)
+                    with served_runs_in_own_process_group():
+                        prefect_serve(*deployments, print_starting_message=False)
                 except Exception as exc:
                     # Prefect's runner raises only as it stops, when its goodbye to the server fails:
                     # a serve stopped after `paperline down` ended "error: ConnectError: All connection
@@ -1547,8 +1549,14 @@ def _sigterm_as_ctrl_c() -> Iterator[None]:
     runner's task, so the runner stops as it does on Ctrl-C (a KeyboardInterrupt raised into the
     loop instead stopped it mid-way, its deployments left unpaused: a trial). Where SIGINT is
     ignored (`paperline serve &` in a script) asyncio installs none, and KeyboardInterrupt is raised.
+
+    SIGHUP (its terminal closed) does the same, unless it is ignored (``nohup``): it ended serve
+    at once, and the runs it executes, in sessions of their own
+    (:func:`~paperline.infra.prefect_patches.served_runs_in_own_process_group`), would run on
+    with nothing to stop them.
     """
     import signal
+    import threading
 
     from prefect.runner import Runner
 
@@ -1561,10 +1569,16 @@ def _sigterm_as_ctrl_c() -> Iterator[None]:
 
     original = Runner.handle_sigterm
     Runner.handle_sigterm = as_ctrl_c
+    hangup = None
+    if hasattr(signal, "SIGHUP") and threading.current_thread() is threading.main_thread() and \
+            signal.getsignal(signal.SIGHUP) is not signal.SIG_IGN:
+        hangup = signal.signal(signal.SIGHUP, lambda signum, frame: as_ctrl_c(None, signum, frame))
     try:
         yield
     finally:
         Runner.handle_sigterm = original
+        if hangup is not None:
+            signal.signal(signal.SIGHUP, hangup)
 
 
 def _serve_lock(state_dir: Path) -> Any:

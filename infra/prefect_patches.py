@@ -334,3 +334,31 @@ def quiet_while_prefect_down(original: Any) -> Any:
 
     poll._paperline_quiet = True  # type: ignore[attr-defined]
     return poll
+
+
+@contextlib.contextmanager
+def served_runs_in_own_process_group() -> Iterator[None]:
+    """While inside, Prefect's runner (``prefect.serve``: ``paperline serve``) starts each flow run's
+    ``python -m prefect.engine`` process as the leader of a session of its own, as Prefect's process
+    worker does (``isolate_process_group``), and stops it by its process group.
+
+    Started in serve's process group, a run and its Dask worker processes received the terminal's
+    Ctrl-C with serve: workers still importing printed ~250 lines of ``multiprocessing/spawn.py``
+    KeyboardInterrupt tracebacks (a fresh-user trial). Now Ctrl-C reaches serve alone, which stops
+    the run it executes (SIGTERM to the run's group, as on Prefect's cancel), and the run ends
+    Crashed as before. A Prefect without the starter's option keeps its own behaviour.
+    """
+    import inspect  # noqa: PLC0415
+
+    from prefect.runner import runner  # noqa: PLC0415 - kernels and light imports never load Prefect
+
+    original = getattr(runner, "EngineCommandStarter", None)
+    if original is None or os.name != "posix" or \
+            "isolate_process_group" not in inspect.signature(original.__init__).parameters:
+        yield
+        return
+    runner.EngineCommandStarter = functools.partial(original, isolate_process_group=True)  # type: ignore[misc]
+    try:
+        yield
+    finally:
+        runner.EngineCommandStarter = original  # type: ignore[misc]

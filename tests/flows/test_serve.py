@@ -8,6 +8,7 @@ import subprocess
 import sys
 import time
 
+import psutil
 import pytest
 
 pytestmark = pytest.mark.stack
@@ -305,6 +306,14 @@ def test_ctrl_c_stops_serving_and_crashes_the_run_in_flight_at_once(served, runn
     with get_client(sync_client=True) as client:
         _deployment(client, "gemm/local", proc, log)  # served (when this test runs alone)
         run = running_flow_run(client, "gemm/local", proc, log)
+        # the run's process leads a session of its own, its Dask workers in it: the terminal's
+        # Ctrl-C reached them with serve, and workers still importing printed ~250 lines of
+        # spawn tracebacks (a trial); serve stops the run's group instead
+        engines = [p for p in psutil.Process(proc.pid).children() if "prefect.engine" in " ".join(p.cmdline())]
+        assert engines and all(os.getsid(p.pid) == p.pid != os.getsid(proc.pid) for p in engines), engines
+        family = engines + [c for p in engines for c in p.children(recursive=True)]
+        assert len(family) > len(engines)  # (its workers: spawned, and in its group)
+        assert {os.getpgid(p.pid) for p in family} == {p.pid for p in engines}
         claimed = client.create_flow_run_from_deployment(  # as serve leaves a run it claims at the instant it stops
             _deployment(client, "tensor-factorization/local", proc, log).id, state=Pending())
         os.killpg(proc.pid, signal.SIGINT)  # what a terminal's Ctrl-C sends
@@ -317,6 +326,21 @@ def test_ctrl_c_stops_serving_and_crashes_the_run_in_flight_at_once(served, runn
     assert state.message == "Execution was aborted by an interrupt signal." or \
         state.message.startswith("`paperline serve` was stopped while this run was executing"), state.message
     assert "Traceback" not in text and "KeyboardInterrupt\n" not in text, text[-3000:]
+    assert psutil.wait_procs(family, timeout=30)[1] == []  # stopped with serve, workers too
+
+
+def test_served_runs_start_in_a_session_of_their_own_only_while_serving():
+    """``served_runs_in_own_process_group`` gives the runner's starter Prefect's own
+    ``isolate_process_group`` option (as its process worker does), and takes it back after."""
+    from prefect.runner import runner
+
+    from paperline.infra.prefect_patches import served_runs_in_own_process_group
+
+    original = runner.EngineCommandStarter
+    with served_runs_in_own_process_group():
+        assert runner.EngineCommandStarter(entrypoint="x.py:f")._isolate_process_group is True
+    assert runner.EngineCommandStarter is original
+    assert runner.EngineCommandStarter(entrypoint="x.py:f")._isolate_process_group is False
 
 
 @pytest.mark.parametrize("as_script_job", [False, True], ids=["terminal", "script-job"])
@@ -327,12 +351,14 @@ def test_sigterm_stops_serving_as_ctrl_c_does(stack, background_process, cli_env
     SIGTERM during a run paused one of the five deployments (another trial): the other four kept
     making Scheduled runs that nothing executes. Also with SIGINT ignored, as `paperline serve &`
     in a script starts it (asyncio then installs no Ctrl-C handler to call). Runs after the
-    module's serve is stopped (one serve per stack)."""
+    module's serve is stopped (one serve per stack). From a terminal, SIGHUP (the terminal closed):
+    it ended serve at once, and its runs, in sessions of their own, would have run on."""
     import os
     import signal
 
     from prefect.client.orchestration import get_client
 
+    stop = signal.SIGTERM if as_script_job else signal.SIGHUP
     log = tmp_path / "serve.log"
     names = [f"{name}/local" for name in ("compressed-training", "gemm", "nas", "tensor-factorization",
                                           "video-curation")]
@@ -340,7 +366,7 @@ def test_sigterm_stops_serving_as_ctrl_c_does(stack, background_process, cli_env
                             as_script_job=as_script_job) as proc, get_client(sync_client=True) as client:
         run = running_flow_run(client, "gemm/local", proc, log)
         assert not any(client.read_deployment_by_name(n).paused for n in names)  # serving unpaused them
-        os.kill(proc.pid, signal.SIGTERM)  # `kill PID`, as a supervisor stops it
+        os.kill(proc.pid, stop)  # `kill PID`, as a supervisor stops it; or the terminal closed
         proc.wait(timeout=90)
         state = client.read_flow_run(run.id).state
         paused = {n: client.read_deployment_by_name(n).paused for n in names}
