@@ -13,10 +13,12 @@ the rewritten line, then hands the arguments to Prefect's CLI.
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import re
 import sys
+from typing import Any
 
 QUEUED = ("flow run '{}' waits Scheduled for its deployment's concurrency slot (one run at a time): it starts when "
           "the run before it ends")
@@ -41,6 +43,34 @@ def queued_not_aborted(record: logging.LogRecord) -> bool:
     return True
 
 
+def short_service_report(*args: object, **kwargs: object) -> None:
+    """A ``print`` for Prefect's ``critical_service_loop`` (its ``printer``): a report of a
+    traceback (one of its "Examples of recent errors") is printed as its exception's last line,
+    indented; blank lines are dropped, and others printed as they are.
+
+    Its polls failing for three in a row (the stack stopped under the worker, `paperline down`),
+    the loop printed every distinct error's whole traceback with ``print``, past the logging
+    filters of :func:`install` (a trial)."""
+    text = " ".join(str(a) for a in args)
+    if "Traceback (most recent call last)" in text:
+        lines = [line for line in text.splitlines() if line.strip()]
+        text = "  " + lines[-1].strip()
+    if text.strip():
+        print(text.strip("\n"), **kwargs)  # type: ignore[call-overload]
+
+
+def _short_service_reports(loop: Any) -> Any:
+    """``critical_service_loop`` printing through :func:`short_service_report` unless given a printer."""
+
+    @functools.wraps(loop)
+    async def wrapped(*args: Any, **kwargs: Any) -> Any:
+        kwargs.setdefault("printer", short_service_report)
+        return await loop(*args, **kwargs)
+
+    wrapped._paperline_short = True  # type: ignore[attr-defined]
+    return wrapped
+
+
 def install() -> None:
     """Put :func:`queued_not_aborted` on the worker's flow-run logger, and on Prefect's console
     handlers the one-line filters of a stack that went away (once each).
@@ -49,8 +79,10 @@ def install() -> None:
     lines: the state proposer's and the cancellation observer's connection tracebacks and the
     events worker's whole ``Event(...)`` reprs, where `paperline serve` said one line (a trial).
     Here a record whose exception is a failed connection is cut to its message and the
-    exception's own line (:class:`paperline.infra.worker_exit.ServerGoneOneLine`), and the events
-    worker's failures to one line every ten minutes (:func:`~paperline.infra.worker_exit.short_event_failure`).
+    exception's own line (:class:`paperline.infra.worker_exit.ServerGoneOneLine`), the events
+    worker's failures to one line every ten minutes (:func:`~paperline.infra.worker_exit.short_event_failure`),
+    and the worker's polling loops' reports of failed polls to their exceptions' lines
+    (:func:`short_service_report`).
     """
     logger = logging.getLogger(WORKER_LOGGER)
     if queued_not_aborted not in logger.filters:
@@ -64,6 +96,10 @@ def install() -> None:
     setup_logging()  # Prefect's console handlers, kept by its CLI's own (incremental) setup
     if os.environ.get(DEBUG_ENV):  # `paperline --debug worker`: every traceback kept
         return
+    from prefect.workers import base  # noqa: PLC0415
+
+    if not getattr(base.critical_service_loop, "_paperline_short", False):  # (looked up as the worker starts)
+        base.critical_service_loop = _short_service_reports(base.critical_service_loop)
     for handler in logging.getLogger().handlers:
         if not isinstance(handler, PrefectConsoleHandler):
             continue

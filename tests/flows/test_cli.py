@@ -1019,6 +1019,28 @@ def test_a_run_queued_for_its_deployments_slot_is_said_to_wait_not_to_be_aborted
         assert queued_not_aborted(other) and other.getMessage().startswith("Aborted submission")
 
 
+def test_the_prefect_workers_failed_polls_are_reported_without_tracebacks(capsys):
+    """Prefect's worker loop, its polls failing three times in a row (the stack stopped under it),
+    printed each error's whole traceback with ``print`` (a trial): through
+    :func:`short_service_report` each is its exception's line."""
+    import asyncio
+
+    import httpx
+    from prefect.utilities.services import critical_service_loop
+
+    from paperline.infra.prefect_worker import _short_service_reports
+
+    async def poll() -> None:
+        raise httpx.ConnectError("All connection attempts failed")
+
+    with pytest.raises(RuntimeError, match="Service exceeded error threshold"):
+        asyncio.run(_short_service_reports(critical_service_loop)(workload=poll, interval=0.0, backoff=1))
+    out = capsys.readouterr().out
+    assert out.splitlines() == ["Failed the last 3 attempts. Please check your environment and configuration.",
+                                "Examples of recent errors:",
+                                "  httpx.ConnectError: All connection attempts failed"], out
+
+
 def test_paperline_workers_prefect_worker_says_a_queued_run_waits(tmp_path, monkeypatch):
     """`paperline worker` runs Prefect's CLI through ``paperline.infra.prefect_worker``: the
     arguments reach Prefect's own `worker start`, and the worker's flow-run logger (whose records
@@ -1054,6 +1076,9 @@ def test_paperline_workers_prefect_worker_says_a_queued_run_waits(tmp_path, monk
         consoles = [h for h in logging.getLogger().handlers if isinstance(h, PrefectConsoleHandler)]
         assert consoles and all(short_event_failure in h.filters and any(isinstance(f, ServerGoneOneLine)
                                                                           for f in h.filters) for h in consoles)
+        from prefect.workers import base
+
+        assert base.critical_service_loop._paperline_short
         prefect_worker.install()
         assert logger.filters.count(prefect_worker.queued_not_aborted) == 1
         # the logger Prefect's worker gives a flow run's records
@@ -1066,6 +1091,9 @@ def test_paperline_workers_prefect_worker_says_a_queued_run_waits(tmp_path, monk
         worker_logger = ProcessWorker(work_pool_name="cpu").get_flow_run_logger(run)
         assert worker_logger.logger is logger
     finally:
+        from prefect.workers import base
+
+        base.critical_service_loop = getattr(base.critical_service_loop, "__wrapped__", base.critical_service_loop)
         logger.removeFilter(prefect_worker.queued_not_aborted)
         from prefect.logging.handlers import PrefectConsoleHandler
 
