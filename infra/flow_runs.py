@@ -430,8 +430,9 @@ def local_worker_pids(api_url: str, login: str | None) -> list[int]:
 
 
 def deployment_status(api_url: str, login: str | None, state_dir: os.PathLike[str] | str) -> list[str]:
-    """:func:`deployment_report` for the Prefect server at ``api_url``, sending ``login`` (None:
-    the environment's, as it is). Server errors give one line saying so; nothing raised."""
+    """:func:`deployment_report` and :func:`executing_report` for the Prefect server at ``api_url``,
+    sending ``login`` (None: the environment's, as it is). Server errors give one line saying so;
+    nothing raised."""
     from prefect.client.orchestration import get_client  # noqa: PLC0415
     from prefect.client.schemas.filters import (  # noqa: PLC0415
         FlowRunFilter,
@@ -468,10 +469,54 @@ def deployment_status(api_url: str, login: str | None, state_dir: os.PathLike[st
                 state=FlowRunFilterState(type=FlowRunFilterStateType(any_=[StateType.SCHEDULED])),
                 expected_start_time=FlowRunFilterExpectedStartTime(
                     before_=now - datetime.timedelta(seconds=LATE_AFTER_S))), limit=200)
+            executing = client.read_flow_runs(flow_run_filter=FlowRunFilter(state=FlowRunFilterState(
+                type=FlowRunFilterStateType(any_=[StateType.PENDING, StateType.RUNNING, StateType.CANCELLING]))),
+                limit=200)
     except Exception as exc:  # noqa: BLE001 - httpx/prefect errors: status reports, it does not fail on this
         return [f"deployments: could not read them from Prefect ({type(exc).__name__}: {exc})"]
     late: dict[str, int] = {}
     for run in waiting:
         if run.deployment_id in by_id:
             late[by_id[run.deployment_id]] = late.get(by_id[run.deployment_id], 0) + 1
-    return deployment_report(deployments, workers, late, serve_pid=serve_pid)
+    runs = [{"flow": flows.get(run.flow_id, "?"), "name": run.name, "deployment": by_id.get(run.deployment_id),
+             "state": run.state.name if run.state else "?", "started_s_ago": ago(run.start_time)}
+            for run in executing]
+    return deployment_report(deployments, workers, late, serve_pid=serve_pid) + executing_report(runs)
+
+
+SHOWN_RUNS = 5  # executing flow runs `status` names
+
+
+def executing_report(runs: list[dict[str, object]]) -> list[str]:
+    """The line `paperline status` prints about the flow runs executing now (Pending, Running or
+    Cancelling): `status` said who would execute a deployment's runs, not what ran (a trial).
+
+    Args:
+        runs: One dict per run: ``flow``, ``name`` (Prefect's run name), ``deployment``
+            (``"flow/deployment"``; None for a run that `paperline run` or a script started),
+            ``state`` (its name: ``Running``, ``Pending``, ...), ``started_s_ago`` (None: not started).
+
+    Returns:
+        One line: ``flow runs executing: none``, or their count and up to :data:`SHOWN_RUNS` of
+        them, the longest running first.
+    """
+    if not runs:
+        return ["flow runs executing: none"]
+    ordered = sorted(runs, key=lambda r: -r["started_s_ago"] if isinstance(r["started_s_ago"], (int, float)) else 0)
+
+    def one(r: dict[str, object]) -> str:
+        started = r["started_s_ago"]
+        since = f", for {_duration(started)}" if isinstance(started, (int, float)) else ""
+        return f"{r['flow']} '{r['name']}' ({r['deployment'] or 'no deployment'}, {r['state']}{since})"
+
+    more = f"; and {len(runs) - SHOWN_RUNS} more" if len(runs) > SHOWN_RUNS else ""
+    return [f"flow runs executing: {len(runs)}: " + "; ".join(one(r) for r in ordered[:SHOWN_RUNS]) + more]
+
+
+def _duration(seconds: float) -> str:
+    """``42 s``, ``3 min``, ``2.5 h``."""
+    if seconds < 120:
+        return f"{max(seconds, 0):.0f} s"
+    if seconds < 7200:
+        return f"{seconds / 60:.0f} min"
+    return f"{seconds / 3600:.1f} h"

@@ -288,7 +288,7 @@ def test_status_names_the_serving_process(served, cli_env):
     assert re.search(rf"deployments: \d+ served by `paperline serve` \(pid {proc.pid}\)", out), out
 
 
-def test_ctrl_c_stops_serving_and_crashes_the_run_in_flight_at_once(served, running_flow_run):
+def test_ctrl_c_stops_serving_and_crashes_the_run_in_flight_at_once(stack, served, running_flow_run):
     """Ctrl-C on `paperline serve` during a run left it Running until the heartbeat automation
     crashed it, 75-90 s later, blaming a dead process (a fresh-user trial); now it ends Crashed as
     serve exits, either by its own report of the interrupt or, when its process ended without one,
@@ -302,6 +302,7 @@ def test_ctrl_c_stops_serving_and_crashes_the_run_in_flight_at_once(served, runn
     from prefect.client.orchestration import get_client
     from prefect.states import Pending
 
+    stack_settings, stack_info = stack
     _, proc, log = served
     with get_client(sync_client=True) as client:
         _deployment(client, "gemm/local", proc, log)  # served (when this test runs alone)
@@ -314,6 +315,12 @@ def test_ctrl_c_stops_serving_and_crashes_the_run_in_flight_at_once(served, runn
         family = engines + [c for p in engines for c in p.children(recursive=True)]
         assert len(family) > len(engines)  # (its workers: spawned, and in its group)
         assert {os.getpgid(p.pid) for p in family} == {p.pid for p in engines}
+        # `status` names what executes (it said who would, not what ran: a trial)
+        from paperline.infra.flow_runs import deployment_status
+
+        lines = deployment_status(stack_info.prefect_api_url, stack_info.prefect_login, stack_settings.state_dir)
+        assert [line for line in lines if line.startswith("flow runs executing: ") and
+                f"gemm '{run.name}' (gemm/local, Running, for " in line], lines
         claimed = client.create_flow_run_from_deployment(  # as serve leaves a run it claims at the instant it stops
             _deployment(client, "tensor-factorization/local", proc, log).id, state=Pending())
         os.killpg(proc.pid, signal.SIGINT)  # what a terminal's Ctrl-C sends

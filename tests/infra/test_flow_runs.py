@@ -18,6 +18,7 @@ from paperline.infra.flow_runs import (
     crash_unstarted_runs,
     deployment_report,
     deployment_status,
+    executing_report,
     flow_run_processes,
     serve_lock_holder,
     watch_flow_runs,
@@ -276,6 +277,22 @@ def test_crash_unstarted_runs_crashes_the_claimed_runs_of_the_served_deployments
 
 def _served(name, polled=None, paused=False):
     return {"name": name, "work_pool": None, "polled_s_ago": polled, "paused": paused}
+
+
+def test_status_names_the_flow_runs_executing_longest_first():
+    """`paperline status` said who would execute the runs, not what was running (a trial)."""
+    assert executing_report([]) == ["flow runs executing: none"]
+    runs = [{"flow": "gemm", "name": "copper-prawn", "deployment": "gemm/local", "state": "Running",
+             "started_s_ago": 42.4},
+            {"flow": "nas", "name": "calm-fox", "deployment": None, "state": "Running", "started_s_ago": 3 * 3600},
+            {"flow": "gemm", "name": "odd-owl", "deployment": "gemm/gemm", "state": "Pending", "started_s_ago": None}]
+    assert executing_report(runs) == [
+        "flow runs executing: 3: nas 'calm-fox' (no deployment, Running, for 3.0 h); gemm 'copper-prawn' "
+        "(gemm/local, Running, for 42 s); gemm 'odd-owl' (gemm/gemm, Pending)"]
+    many = [{**runs[0], "name": f"r{i}", "started_s_ago": 60.0 * i} for i in range(8)]
+    (line,) = executing_report(many)
+    assert line.startswith("flow runs executing: 8: gemm 'r7' (gemm/local, Running, for 7 min); gemm 'r6'")
+    assert line.endswith("gemm 'r3' (gemm/local, Running, for 3 min); and 3 more"), line
 
 
 def test_deployment_report_says_who_executes_the_runs_and_what_waits():
