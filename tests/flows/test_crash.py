@@ -94,7 +94,14 @@ def test_a_killed_serve_process_leaves_its_run_crashed(stack, tmp_path, cli_env)
         while not _mlflow_runs(tracker, run.id):
             assert proc.poll() is None and time.time() < deadline, log.read_text()[-3000:]
             time.sleep(1)
-        os.killpg(proc.pid, signal.SIGKILL)  # the serve process and the run's subprocess, no goodbye
+        # the serve process and the run's, no goodbye (the run leads a session of its own, with its
+        # Dask workers: serve killed alone, the run sees it go and ends itself Crashed)
+        import psutil
+
+        runs = [p.pid for p in psutil.Process(proc.pid).children() if "prefect.engine" in " ".join(p.cmdline())]
+        assert runs, log.read_text()[-3000:]
+        for group in (proc.pid, *runs):
+            os.killpg(group, signal.SIGKILL)
         proc.wait()
         with get_client(sync_client=True) as client:
             deadline = time.time() + stack[0].crash_after_s + 90
