@@ -321,7 +321,9 @@ def campaign_lock(name: str, state_dir: Path, store: ObjectStore | None = None,
             held.enter_context(held_by_this_process(state_dir / "locks" / f"nas-{name}.lock", _run_owner()))
         except Held as exc:
             # (named as the S3 lease names its holder: the two messages named a process and a flow run)
-            holder = f"process {exc.holder}" if exc.holder.isdigit() or exc.holder == "?" else exc.holder
+            # (a holder that has not yet written its name, the instant after it took the lock: not "process ?")
+            holder = f"process {exc.holder}" if exc.holder.isdigit() else \
+                "another process (starting: it has not yet written its name)" if exc.holder == "?" else exc.holder
             raise InputError("campaign", name, f"is being run now by {holder} on this machine: wait for it to end, "
                                                "or stop it (Ctrl-C) and run this again to resume from its "
                                                "checkpoint") from None

@@ -309,6 +309,12 @@ def test_a_campaign_is_run_by_one_process_at_a_time(tmp_path):
                                              rf"{os.getpid()}\) on this machine: wait"):
             with campaign_lock("c1", Path(tmp_path)):
                 pass
+        # the instant after a holder took the lock, before it wrote its name (it said "process ?")
+        (Path(tmp_path) / "locks" / "nas-c1.lock").write_text("")
+        with pytest.raises(InputError, match=r"is being run now by another process \(starting: it has not yet "
+                                             r"written its name\) on this machine"):
+            with campaign_lock("c1", Path(tmp_path)):
+                pass
 
 
 def test_a_campaign_run_on_another_machine_is_refused_until_its_lease_is_stale(stack, tmp_path):
