@@ -434,7 +434,7 @@ def upload(path: Path = typer.Argument(..., metavar="PATH", help="Local file or 
         if len(key.encode()) > 1024:
             raise InputError("uri", target[:80] + "...", f"a key of {len(key.encode())} bytes: S3 takes at most 1024")
     info = _ensure_stack()
-    from paperline.flows.video_curation import in_staging, staging_prefix
+    from paperline.kernels.video.sources import in_staging, staging_prefix  # (light: not the flow's ~2 s of imports)
 
     staging = staging_prefix(info.data_bucket)  # (runs refuse it as a source or output; upload took it: a trial)
     if in_staging(uri, staging) or any(in_staging(t, staging) for _, t in targets):

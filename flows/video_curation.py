@@ -38,14 +38,17 @@ from paperline.kernels.video.clips import ClipConfig, FilterConfig, check_x264_p
 from paperline.kernels.video.dedup import deduplicate
 from paperline.kernels.video.shards import MANIFEST, plan_shards
 from paperline.kernels.video.sources import (
+    STAGING,
     VIDEO_EXTENSIONS,
     bad_name_problem,
     demo_videos,
     hidden_note,
+    in_staging,
     is_hidden,
     list_local,
     reject_bad_names,
     shown_name,
+    staging_prefix,
 )
 from paperline.tasks.video import (
     SourceChangedError,
@@ -296,20 +299,6 @@ def check_detector_options(factory: Any, name: str, options: dict[str, Any]) -> 
         numeric = isinstance(default, (int, float)) and not isinstance(default, bool)
         if numeric and (not isinstance(value, (int, float)) or isinstance(value, bool)):
             raise InputError("splitter_options", options, f"{name}: {key} must be a number (default {default!r})")
-
-
-STAGING = "staging"
-
-
-def staging_prefix(data_bucket: str) -> str:
-    """Where the curate tasks stage kept clips (content-addressed, shared by every dataset)."""
-    return f"s3://{data_bucket}/video-curation/{STAGING}"
-
-
-def in_staging(uri: str, staging: str) -> bool:
-    """Whether ``uri`` is the staging prefix ``staging`` (:func:`staging_prefix`) or under it:
-    refused as a run's source or output and as an upload's destination."""
-    return uri.rstrip("/") == staging or uri.startswith(f"{staging}/")
 
 
 def check_dataset_free(store: ObjectStore, output: str, key: str, argument: str, value: str,

@@ -144,3 +144,17 @@ def list_local(source: str | Path) -> list[Path]:
     if p.suffix.lower() not in VIDEO_EXTENSIONS:  # one file, so the run could only fail (after starting a cluster)
         raise InputError("source", str(source), f"not named like a video (one of {', '.join(VIDEO_EXTENSIONS)})")
     return [p]
+
+
+STAGING = "staging"  # the folder under s3://<data bucket>/video-curation/ where curate tasks stage clips
+
+
+def staging_prefix(data_bucket: str) -> str:
+    """Where the curate tasks stage kept clips (content-addressed, shared by every dataset)."""
+    return f"s3://{data_bucket}/video-curation/{STAGING}"
+
+
+def in_staging(uri: str, staging: str) -> bool:
+    """Whether ``uri`` is the staging prefix ``staging`` (:func:`staging_prefix`) or under it:
+    refused as a run's source or output and as an upload's destination."""
+    return uri.rstrip("/") == staging or uri.startswith(f"{staging}/")
