@@ -423,7 +423,7 @@ def compare_runs(tracker: Tracker, experiment: str, metrics: list[str], filter_s
     plot: Path | None = None
     if metrics:  # runs that share no metric (e.g. --all-runs of nas) get the table and the Parquet
         plot = out_dir / f"{experiment}-metrics.png"
-        histories = {(r.info.run_id, m): [(h.step, h.value) for h in client.get_metric_history(r.info.run_id, m)]
+        histories = {(r.info.run_id, m): latest_per_step(client.get_metric_history(r.info.run_id, m))
                      for r in runs for m in metrics}
         _overlay_plot(runs, metrics, histories, plot, experiment)
     comparison_run_id = None
@@ -528,6 +528,16 @@ def same_as(series: list[tuple[str, list[tuple[int, float]]]]) -> list[str | Non
         same.append(first.get(key))
         first.setdefault(key, label)
     return same
+
+
+def latest_per_step(history: list[Any]) -> list[tuple[int, float]]:
+    """``(step, value)`` of an MLflow metric history, one per step: the one logged last. A run
+    that logs a final value again when it goes on (an extended nas campaign's ``final_best`` at
+    step 0, twice) was drawn as a vertical line at step 0 (a trial)."""
+    latest: dict[int, float] = {}
+    for h in sorted(history, key=lambda h: h.timestamp):  # (stable: same-millisecond points keep MLflow's order)
+        latest[h.step] = h.value
+    return sorted(latest.items())
 
 
 def _overlay_plot(runs: list[Any], metrics: list[str], histories: dict, path: Path,

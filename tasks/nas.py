@@ -47,10 +47,18 @@ def evaluate(problem: str, problem_options: dict[str, Any], x: list[float], seed
 
 
 def load_checkpoint(store: ObjectStore, uri: str) -> dict[str, Any] | None:
-    """The campaign checkpoint at ``uri``, or None when there is none."""
+    """The campaign checkpoint at ``uri``, or None when there is none.
+
+    Raises:
+        ValueError: the object is not JSON, or its JSON is not an object (a ``null`` one read as
+            "no checkpoint", and the campaign started over, replacing it: a trial).
+    """
     if not store.exists(uri):
         return None
-    return json.loads(store.get_bytes(uri))
+    state = json.loads(store.get_bytes(uri))
+    if not isinstance(state, dict):
+        raise ValueError(f"its JSON is {type(state).__name__ if state is not None else 'null'}, not an object")
+    return state
 
 
 def save_checkpoint(store: ObjectStore, uri: str, state: dict[str, Any]) -> None:

@@ -170,6 +170,19 @@ def problem_option_names(name: str) -> list[str]:
     return list(inspect.signature(PROBLEMS[name]).parameters)
 
 
+def resolved_problem_options(name: str, options: dict[str, Any]) -> dict[str, Any]:
+    """``options`` with the registered problem ``name``'s defaults filled in (``levy`` with ``{}``
+    is ``{"dim": 20}``): what two campaigns' problems are compared by."""
+    import inspect
+
+    _register_optional()
+    if name not in PROBLEMS:
+        return dict(options)
+    defaults = {p.name: p.default for p in inspect.signature(PROBLEMS[name]).parameters.values()
+                if p.default is not inspect.Parameter.empty}
+    return {**defaults, **options}
+
+
 def problem_names() -> list[str]:
     """The registered problems' names (``live-mnist`` included)."""
     _register_optional()

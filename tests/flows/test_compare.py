@@ -342,6 +342,20 @@ def test_a_metric_logged_once_per_run_is_plotted_as_bars(tmp_path):
     assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
+def test_a_final_value_logged_again_is_one_bar_at_its_latest():
+    """An extended nas campaign logs ``final_best`` at step 0 again: two points at one step drew a
+    vertical line at step 0 (a trial). One point per step, the last logged."""
+    from mlflow.entities import Metric
+
+    from paperline.flows.compare import latest_per_step
+
+    history = [Metric("final_best", 20.597, 1000, 0), Metric("final_best", 3.0, 1500, 5),
+               Metric("final_best", 20.521, 2000, 0)]
+    assert latest_per_step(history) == [(0, 20.521), (5, 3.0)]
+    assert latest_per_step(list(reversed(history))) == [(0, 20.521), (5, 3.0)]  # by time, not MLflow's order
+    assert latest_per_step([]) == []
+
+
 def test_many_differing_parameters_are_capped_in_the_table_not_the_parquet(stack_cli, stack, tmp_path):
     """`compare compressed-training --all-runs` had ~15 parameter columns (parent and child runs
     differ in most): unreadable at 80 columns. The table shows the most varied few and names the

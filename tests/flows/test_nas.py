@@ -150,7 +150,10 @@ def test_a_checkpoint_of_another_campaign_is_refused_before_the_flow_run(nas_run
 
     uri = f"{campaigns_prefix(info.data_bucket)}/test-damaged/checkpoint.json"
     store = ObjectStore.from_stack(info)
-    for content, why in ((b'{"campaign": {"problem": "ack', "JSONDecodeError: "), (b'{"foo": 1}', "no 'campaign' in it")):
+    # (a JSON null read as no checkpoint: the campaign started over, replacing it, a trial)
+    for content, why in ((b'{"campaign": {"problem": "ack', "JSONDecodeError: "), (b'{"foo": 1}', "no 'campaign' in it"),
+                         (b"null", "ValueError: its JSON is null, not an object"),
+                         (b"[]", "ValueError: its JSON is list, not an object")):
         store.put_bytes_to(content, uri)
         assert refusal("campaign=test-damaged").startswith(
             f"checkpoint='{uri}': not a readable campaign checkpoint ({why}"), why
@@ -255,6 +258,22 @@ def test_a_changed_optimizer_default_names_a_new_campaign(monkeypatch):
     monkeypatch.setattr(LaMOO, "defaults", {**LaMOO.defaults, "n_candidates": 1024})
     assert CampaignParameters(**params).campaign_name() != before
     assert CampaignParameters(**params, campaign="mine").campaign_name() == "mine"
+
+
+def test_a_checkpoint_compares_problem_options_with_their_defaults():
+    """levy with ``{}`` and with ``{"dim": 20}`` (its default) are one problem: a checkpoint
+    conflict named them as differing (a trial); another dim still differs."""
+    from paperline.flows.nas import _identity
+    from paperline.kernels.search.campaign import Campaign
+
+    def campaign(**problem_options):
+        return Campaign("levy", "random", budget=4, n_init=2, problem_options=problem_options)
+
+    def differ(a, b):
+        return [k for k, x, y in _identity(a, b) if x != y]
+
+    assert differ(campaign(), campaign(dim=20)) == []
+    assert differ(campaign(), campaign(dim=30)) == ["problem_options/objectives"]
 
 
 def test_a_long_candidate_is_shortened_with_a_marker():
