@@ -184,6 +184,9 @@ def step_unit(experiment: str, metric: str) -> str:
     return next((unit for prefix, unit in STEP_UNITS.get(experiment, []) if metric.startswith(prefix)), "step")
 
 
+MAX_TOP = 50_000  # MLflow's largest max_results for search_runs
+
+
 def compare_runs(tracker: Tracker, experiment: str, metrics: list[str], filter_string: str = "", top: int = 10,
                  out_dir: Path = Path("paperline-compare"), log: bool = False, ascending: bool = False,
                  all_runs: bool = False) -> dict[str, Any]:
@@ -226,13 +229,16 @@ def compare_runs(tracker: Tracker, experiment: str, metrics: list[str], filter_s
         InputError: unknown experiment (known ones listed; a pipeline's that has not run yet
             said so), an invalid filter (as given; a value of the wrong type with a hint,
             :func:`filter_hint`), no runs (an empty experiment named as such;
-            runs that only ``all_runs`` would list pointed to), a metric no run has, top < 1, an
+            runs that only ``all_runs`` would list pointed to), a metric no run has, top < 1 or over
+            :data:`MAX_TOP`, an
             output directory that cannot be made.
     """
     from mlflow.exceptions import MlflowException
 
     if top < 1:
         raise InputError("--top", top, "must be at least 1")
+    if top > MAX_TOP:  # (MLflow's refusal was reported as the --filter's, given or not: a trial)
+        raise InputError("--top", top, f"must be at most {MAX_TOP} (the most runs one MLflow search returns)")
     if not experiment.strip():
         raise InputError("experiment", experiment, "name an MLflow experiment, e.g. gemm")
     if out_dir.exists() and not out_dir.is_dir():
@@ -358,7 +364,7 @@ def compare_runs(tracker: Tracker, experiment: str, metrics: list[str], filter_s
         mixed = (f"ranked across {len(contents)} contents of the data (tag {DATA_TAG}): --filter "
                  f"\"tags.`{DATA_TAG}` = '{contents[0]}'\" ranks one content's runs")
         note = f"{note}; {mixed}" if note else mixed
-    if len(runs) == top and len(search(["attributes.start_time DESC"], top + 1)) > top:  # "10 run(s)" of 12 (a trial)
+    if len(runs) == top and len(search(["attributes.start_time DESC"], min(top + 1, MAX_TOP))) > top:  # "10 run(s)" of 12 (a trial)
         more = f"more runs than the {top} shown match: --top N shows more"
         note = f"{note}; {more}" if note else more
     if copies:

@@ -53,6 +53,7 @@ def test_compare_prints_the_table_and_writes_the_plot_and_parquet(stack_cli, sta
     (["compare-test", "--filter", "params.lr = '0.1"], "--filter=\"params.lr = '0.1\": MLflow rejected it"),
     (["compare-test", "--filter", "params.lr = '7'"], "no runs"),
     (["compare-test", "--top", "0"], "--top=0"),
+    (["compare-test", "--top", "100000"], "--top=100000: must be at most 50000"),  # (blamed --filter='': a trial)
     ([""], "name an MLflow experiment"),
 ])
 def test_compare_bad_input(stack_cli, stack, experiment, tmp_path, args, fragment):
