@@ -765,12 +765,22 @@ def _no_crash_line_for_the_watch(record: Any) -> bool:
     which servers went (a trial read the line as a wrong claim). Likewise after a user's Ctrl-C
     (or SIGTERM, SIGHUP): the command's own ``interrupted: ...`` line says what happened and what
     the same command does next, and three ERROR lines of Prefect's came before it (a later
-    trial). The Prefect UI's log keeps them."""
+    trial). The Prefect UI's log keeps them.
+
+    SIGTERM reaches the run while Prefect's engine has its own handler in place: it logs "aborted
+    by a termination signal" (the only source of that words here) before passing the signal on to
+    `paperline run`'s handler, which counts it only then: those lines are dropped whatever the count
+    (a trial: one red ERROR line on SIGTERM, none on Ctrl-C)."""
     from paperline.infra.interrupts import interrupts_received
 
-    if not ((_state.get("watch_stopped") or interrupts_received()) and record.name.startswith("prefect")):
+    if not record.name.startswith("prefect"):
         return True
     text = record.getMessage()
+    if text.startswith(("Crash detected! Execution was aborted by a termination signal",
+                        "Finished in state Crashed('Execution was aborted by a termination signal")):
+        return False
+    if not (_state.get("watch_stopped") or interrupts_received()):
+        return True
     return not (text.startswith("Crash detected! Execution was aborted by an interrupt signal")
                 or text.startswith("Finished in state Crashed('Execution was aborted by an interrupt signal"))
 
