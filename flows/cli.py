@@ -834,8 +834,8 @@ def _strip_traceback(record: Any) -> bool:
 
 # what the same `paperline run` does after an interrupted one (printed on Ctrl-C)
 AGAIN = {
-    "nas": "the same command resumes the campaign from its last checkpoint (written after each batch; before the "
-           "first batch is done there is none, and it starts the campaign, its finished evaluations cached)",
+    "nas": "the same command resumes the campaign from its last checkpoint (written as it starts and after each "
+           "batch; the evaluations finished since are cached)",
     "compressed-training": "the same command resumes training from the last epoch every rank checkpointed",
     "video-curation": "the same command reuses the videos already curated (cached) and the shards already uploaded",
     "tensor-factorization": "the same command reuses the loads, splits and fits that finished (cached)",

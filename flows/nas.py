@@ -375,7 +375,8 @@ def _run_one(cp: CampaignParameters, campaign: Campaign, name: str, store: Objec
     if state is not None:
         campaign = saved
         parent_id = state.get("mlflow_parent_run_id")
-        print(f"{name}: resuming from {checkpoint_uri} after {campaign.n_done} evaluations")
+        print(f"{name}: resuming from {checkpoint_uri} after {campaign.n_done} evaluations" if campaign.n_done else
+              f"{name}: resuming from {checkpoint_uri}, stopped before its first batch ended (its MLflow run goes on)")
         for note in resume_notes(name, campaign, cp):
             print(note)
     if parent_id and tracker.run_exists(parent_id):
@@ -393,6 +394,9 @@ def _run_one(cp: CampaignParameters, campaign: Campaign, name: str, store: Objec
                                               "problem_options": json.dumps(campaign.problem.options),
                                               "ref_point_used": campaign.ref_point_user})
         log_evaluations(tracker, EXPERIMENT, parent_id, campaign, campaign.evaluations, tags)  # after a lost run
+        # checkpointed at once, with its MLflow run: a run stopped before its first batch left an
+        # empty KILLED parent run, and the re-run started a second one of the same name (a trial)
+        save_checkpoint(store, checkpoint_uri, {"campaign": campaign.state_dict(), "mlflow_parent_run_id": parent_id})
     # MLflow parameters cannot change, so a campaign resumed with a larger budget says so in a tag
     tracker.set_tags(parent_id, {**tags, "checkpoint": checkpoint_uri, "paperline.budget": cp.budget})
     # An evaluation keeps its own time limit from its start on its worker (checked between its

@@ -161,6 +161,17 @@ def test_a_checkpoint_of_another_campaign_is_refused_before_the_flow_run(nas_run
     params = build_parameters(get_pipeline("nas"), "demo", ["campaign=test-damaged", "resume=false"])
     params.validate_inputs()
     params.validate_on_stack(info, store)  # the way out it names is taken
+    # the checkpoint a campaign writes as it starts (no evaluation yet: a run stopped before its
+    # first batch ended left an empty MLflow run, and its re-run a second one) is resumed
+    from paperline.flows.nas import resumable
+    from paperline.tasks.nas import save_checkpoint
+
+    cp = build_parameters(get_pipeline("nas"), "demo", ["campaign=test-fresh"]).campaigns()[0]
+    fresh = cp.build()
+    uri = f"{campaigns_prefix(info.data_bucket)}/test-fresh/checkpoint.json"
+    save_checkpoint(store, uri, {"campaign": fresh.state_dict(), "mlflow_parent_run_id": "abc123"})
+    state, saved = resumable(cp, cp.build(), store, uri)
+    assert state["mlflow_parent_run_id"] == "abc123" and saved.n_done == 0 and saved.budget == cp.budget
     assert (stack[0].state_dir / "locks" / "nas-test-damaged.lock").exists()  # (not ~/.paperline's)
 
 
