@@ -454,6 +454,16 @@ def load_checkpoint(data: bytes, source: str, map_location: Any = "cpu") -> dict
 
     import torch  # noqa: PLC0415
 
+    way_out = ("; delete it and the run resumes from the epoch before, which every rank checkpointed (or set "
+               "another checkpoint_prefix to start over)")
+    if not data:
+        raise InputError("checkpoint", source, f"not a readable torch checkpoint: it is empty (0 bytes){way_out}")
+    # torch.save writes a zip archive (a pickle, 0x80 then the protocol, before torch 1.6): other
+    # bytes were read as a pickle and refused as "tampered with" (random bytes), or failed as a
+    # bare KeyError that the rank retried three times (text: a trial)
+    if not (data.startswith(b"PK\x03\x04") or data[:1] == b"\x80"):
+        raise InputError("checkpoint", source, f"not a torch checkpoint (neither a zip archive, as torch.save "
+                                               f"writes, nor a pickle): it begins {data[:16]!r}{way_out}")
     try:
         ck = torch.load(io.BytesIO(data), map_location=map_location, weights_only=True)
     except pickle.UnpicklingError as exc:
@@ -467,12 +477,14 @@ def load_checkpoint(data: bytes, source: str, map_location: Any = "cpu") -> dict
             "it names objects other than tensors and plain values"
         raise InputError("checkpoint", source,
                          "refused: not loaded, as it holds more than tensors and plain values (tampered with, "
-                         f"or not written by train_rank): {reason}") from None
-    except (RuntimeError, EOFError, ValueError, OSError) as exc:  # not a torch zip file, truncated
-        raise InputError("checkpoint", source, f"not a readable torch checkpoint: {exc}"[:400]) from None
+                         f"or not written by train_rank): {reason}{way_out}") from None
+    except Exception as exc:  # noqa: BLE001 - a damaged archive or pickle: RuntimeError, EOFError, KeyError, ...
+        said = f"{type(exc).__name__}: {exc}" if not isinstance(exc, RuntimeError | EOFError | ValueError | OSError) \
+            else str(exc) or type(exc).__name__
+        raise InputError("checkpoint", source, f"not a readable torch checkpoint: {said}"[:400] + way_out) from None
     if not isinstance(ck, dict) or not {"model", "optimizer", "epoch", "epochs", "skipped_steps"} <= set(ck):
         raise InputError("checkpoint", source, "not a training checkpoint (expected a dict with model, optimizer, "
-                                               "epoch, epochs and skipped_steps)")
+                                               f"epoch, epochs and skipped_steps){way_out}")
     return ck
 
 

@@ -232,10 +232,24 @@ def test_truncated_or_foreign_checkpoints_are_refused_naming_them(cut, match):
     buf = io.BytesIO()
     torch.save({"weights": torch.zeros(2)}, buf)
     data = buf.getvalue() if cut is None else buf.getvalue()[: int(cut * len(buf.getvalue()))]
-    with pytest.raises(InputError, match=f"checkpoint='{SOURCE}': {match}"):
+    way_out = "; delete it and the run resumes from the epoch before, which every rank checkpointed"
+    with pytest.raises(InputError, match=f"checkpoint='{SOURCE}': {match}.*{way_out}"):
         load_checkpoint(data, SOURCE)
-    with pytest.raises(InputError, match=f"checkpoint='{SOURCE}': refused.*Unsupported operand"):
-        load_checkpoint(b"not a checkpoint", SOURCE)  # read as a bare pickle: refused as well
+
+
+@pytest.mark.parametrize("data, said", [
+    (b"hello world\n", r"not a torch checkpoint \(neither a zip archive, as torch.save writes, nor a pickle\): "
+                       r"it begins b'hello world\\n'"),  # (a bare KeyError the rank retried 3 times: a trial)
+    (b"garbage" * 10, r"not a torch checkpoint .*it begins b'garbagegarbagega'"),  # (said "tampered with": a trial)
+    (b"", r"not a readable torch checkpoint: it is empty \(0 bytes\)"),  # (ended "checkpoint: ": a trial)
+    (b"PK\x03\x04" + bytes(40), r"not a readable torch checkpoint: "),  # a damaged zip archive
+    (b"\x80\x02}q\x00X", r"not a readable torch checkpoint: "),  # a cut pickle
+])
+def test_a_checkpoint_that_is_no_torch_file_says_so_and_the_way_out(data, said):
+    with pytest.raises(InputError, match=f"^checkpoint='{SOURCE}': {said}") as err:
+        load_checkpoint(data, SOURCE)
+    assert str(err.value).endswith("(or set another checkpoint_prefix to start over)"), str(err.value)
+    assert "tampered" not in str(err.value)
 
 
 def test_every_compressors_checkpoint_loads_weights_only_and_resumes(tmp_path, free_port, run_ranks):
