@@ -73,7 +73,8 @@ class CompressedTrainingParameters(BaseModel):
     lr: float = Field(0.05, gt=0, description="SGD learning rate.")
     momentum: float = Field(0.9, ge=0, lt=1, description="SGD momentum.")
     seed: int = Field(0, ge=0, lt=2**63, description="Model initialisation and data order (the same for every "
-                                                       "compressor); torch takes seeds below 2**64.")
+                                                       "compressor); below 2**63 (a larger one failed "
+                                                       "torch.manual_seed on the workers).")
     isgd: bool = Field(False, description="Inconsistent SGD: extra conservative steps on batches whose global loss "
                                           "is above the moving mean + 3 sigma (the same batches on every rank).")
     isgd_stop: int = Field(3, ge=0, description="ISGD: most extra steps on a flagged batch.")
