@@ -310,6 +310,7 @@ def compressed_training(params: CompressedTrainingParameters | None = None) -> d
         sizes.append(size)
         size *= 4
     sweep: list[dict[str, Any]] = []
+    sweep_from: dict[str, str] | None = None  # the earlier flow run whose cached result holds the sweep
     version = kernel_version()
     try:
         for i, name in enumerate(params.compressors):
@@ -321,9 +322,11 @@ def compressed_training(params: CompressedTrainingParameters | None = None) -> d
                                  timeout_s=params.timeout_s, max_restarts=params.max_restarts,
                                  crash_rank_at_step=params.crash_rank_at_step,
                                  collectives_sizes=sizes if i == 0 and sizes else None, code_version=version)
-            sweep = sweep or result["ranks"][0].get("collectives", [])
             trained_by = result.get("flow_run") or {}  # (always there: older cached results are not reused, TASK_SOURCE)
             cached_from = trained_by if trained_by.get("id") not in (None, "", str(flow_run.id)) else None
+            if not sweep and result["ranks"][0].get("collectives"):
+                sweep = result["ranks"][0]["collectives"]
+                sweep_from = cached_from
             runs.append(_log_compressor(tracker, parent, name, cfg, result, prefix, tags, params, device,
                                         cached_from=cached_from))
         with tempfile.TemporaryDirectory() as tmp:
@@ -338,15 +341,19 @@ def compressed_training(params: CompressedTrainingParameters | None = None) -> d
     except BaseException as exc:
         tracker.end_failed(parent, exc)
         raise
-    summary = _summary(runs, parent, tracker, run_url, str(flow_run.id), bandwidth_plotted=bool(sweep))
+    summary = _summary(runs, parent, tracker, run_url, str(flow_run.id), bandwidth_plotted=bool(sweep),
+                       isgd=params.isgd)
     if params.world_size == 1:
         summary["lines"].insert(0, "world_size=1: no collective between ranks ran; bytes/step/rank is what the "
                                 "compressor hands to the allreduce, what each rank would send with more ranks"
                                 + ("; collectives: not timed" if params.collectives_max_bytes else ""))
     if sweep:
         summary["collectives"] = sweep
+        # (a cached re-run printed the earlier run's timings as if measured now: a trial)
+        when = f" (timed by flow run {sweep_from.get('name') or sweep_from.get('id')}, whose result the task cache " \
+               "served: not measured now)" if sweep_from else ""
         summary["lines"].insert(0, "Linear Pipelining allreduce / backend allreduce (time ratio, > 1: LP faster): "
-                                + ", ".join(f"{r['bytes'] // 1024} KiB {r['speedup']:.2f}x" for r in sweep))
+                                + ", ".join(f"{r['bytes'] // 1024} KiB {r['speedup']:.2f}x" for r in sweep) + when)
     return summary
 
 
@@ -431,7 +438,9 @@ def _notes(r: dict[str, Any]) -> list[str]:
         if accuracy <= 100 / classes + 1 and not loss < uniform:
             notes.append(f"{r['name']}: learned nothing: test accuracy {accuracy:.1f}% is chance for {classes} "
                          f"classes, and the last epoch's mean training loss {loss:.3g} is no better than a uniform "
-                         f"guess's {uniform:.2f}; the learning rate (lr) may be too large, or the run too short")
+                         f"guess's {uniform:.2f}; the learning rate (lr) may be too large, the run too short"
+                         + ("" if r["name"] in ("none", "fp16") else f", or {r['name']}'s compression too strong "
+                            f"(it sent {format_ratio(r['compression_ratio'])}x fewer bytes than dense)"))
     if r.get("drill_missed") is not None:
         notes.append(f"{r['name']}: the crash drill did not run (crash_rank_at_step={r['drill_missed']} was not "
                      f"reached{f': training resumed from the checkpoints of epoch {start}' if start is not None else ''}"
@@ -440,15 +449,19 @@ def _notes(r: dict[str, Any]) -> list[str]:
 
 
 def _summary(runs: list[dict[str, Any]], parent: str, tracker: Tracker, run_url: str, flow_run_id: str,
-             bandwidth_plotted: bool = True) -> dict[str, Any]:
+             bandwidth_plotted: bool = True, isgd: bool = False) -> dict[str, Any]:
+    """The flow's summary: its table (with ISGD's flagged batches and extra steps over the run when
+    ``isgd``: only MLflow had them, a trial), notes, and links."""
     base = next((r for r in runs if r["name"] == "none"), None)
     rows, lines = [], []
     for r in runs:
         fewer = base["bytes_sent_per_step"] / r["bytes_sent_per_step"] if base and r["bytes_sent_per_step"] else None
         rows.append([r["name"], f"{r['final_test_accuracy_pct']:.1f}", f"{r['bytes_sent_per_step']:,.0f}",
-                     format_ratio(r["compression_ratio"]), f"{format_ratio(fewer)}x" if fewer else "-",
+                     format_ratio(r["compression_ratio"]), bytes_vs_none(fewer),
                      f"{100 * r['codec_fraction_of_step']:.1f}%", f"{r['wall_s']:.1f}",
-                     str(len(r["skipped_steps"])), str(int(r["restarts"]))])
+                     str(len(r["skipped_steps"])), str(int(r["restarts"]))]
+                    + ([f"{sum(int(e['isgd_flagged']) for e in r['epochs'])} / "
+                        f"{sum(int(e['isgd_extra_steps']) for e in r['epochs'])}"] if isgd else []))
         lines += _notes(r)
     for r in runs:
         lines += r["versus_lines"]
@@ -458,5 +471,17 @@ def _summary(runs: list[dict[str, Any]], parent: str, tracker: Tracker, run_url:
     return {"runs": runs, "mlflow_run_id": parent, "mlflow_run_url": tracker.run_url(parent),
             "prefect_flow_run_id": flow_run_id, "prefect_flow_run_url": run_url, "lines": lines,
             "table": {"title": "compressed-training: final epoch per compressor",
-                      "columns": ["compressor", "test acc %", "bytes/step/rank", "compression", "fewer bytes than none",
-                                  "codec % of step", "wall s", "skipped", "restarts"], "rows": rows}}
+                      "columns": ["compressor", "test acc %", "bytes/step/rank", "compression", "bytes vs none",
+                                  "codec % of step", "wall s", "skipped", "restarts"]
+                      + (["isgd flagged / extra steps"] if isgd else []), "rows": rows}}
+
+
+def bytes_vs_none(fewer: float | None) -> str:
+    """A compressor's bytes per step against ``none``'s, from ``fewer`` (none's / its): ``15.0x
+    fewer``, ``1.03x more`` (fft with theta 1 and 32 bits read "0.97x" in a column of "fewer
+    bytes": a trial), ``same``; ``-`` without a ``none`` run."""
+    if not fewer:
+        return "-"
+    if format_ratio(fewer) == format_ratio(1.0):
+        return "same"
+    return f"{format_ratio(fewer)}x fewer" if fewer > 1 else f"{format_ratio(1 / fewer)}x more"

@@ -53,12 +53,17 @@ def test_a_run_that_learned_nothing_says_so():
     """lr=5 finished at chance accuracy (10.0%) with a mean training loss of 5.46, below the 100x a
     uniform guess's that fails a run as diverged, and nothing said so (a trial)."""
     def run(accuracy, loss, classes=10):
-        return _result(epochs=_epochs(2), n_classes=classes, final_test_accuracy_pct=accuracy, final_train_loss=loss)
+        return _result(epochs=_epochs(2), n_classes=classes, final_test_accuracy_pct=accuracy, final_train_loss=loss,
+                       compression_ratio=100.0)
 
     (line,) = _notes(run(10.0, 5.46))
     assert line == ("topk: learned nothing: test accuracy 10.0% is chance for 10 classes, and the last epoch's mean "
                     "training loss 5.46 is no better than a uniform guess's 2.30; the learning rate (lr) may be too "
-                    "large, or the run too short")
+                    "large, the run too short, or topk's compression too strong (it sent 100.0x fewer bytes than "
+                    "dense)")
+    # (fft at theta 1e-6: the note named only lr and the run's length, a trial); none compresses nothing
+    (line,) = _notes({**run(10.0, 5.46), "name": "none"})
+    assert line.endswith("the learning rate (lr) may be too large, the run too short"), line
     assert _notes(run(10.9, float("nan")))  # a NaN loss is no better
     assert _notes(run(10.0, 2.2)) == []  # learning (below ln 10), still at chance after few steps
     assert _notes(run(11.5, 3.0)) == [] and _notes(run(92.5, 0.3)) == []  # above chance
@@ -69,6 +74,29 @@ def test_a_ratio_near_one_shows_which_side_of_one_it_is():
     """fft at θ=1 and 32 bits sent 81,259 bytes to none's 78,824, and the table said 1.0 / 1.0x."""
     got = [format_ratio(x) for x in (78824 / 81259, 1.0, 1.04, 0.5, 15.0, 14.96)]
     assert got == ["0.97", "1.0", "1.04", "0.5", "15.0", "15.0"]
+
+
+def test_the_table_says_fewer_or_more_bytes_than_none_and_isgds_counts_when_on():
+    """fft at theta 1 and 32 bits sends 3% more than none: "0.97x" in a column of "fewer bytes"
+    read as fewer (a trial); ISGD's flagged batches and extra steps were only in MLflow (a trial)."""
+    from types import SimpleNamespace
+
+    from paperline.flows.compressed_training import _summary, bytes_vs_none
+
+    assert [bytes_vs_none(x) for x in (15.0, 78824 / 81259, 1.0, None)] == ["15.0x fewer", "1.03x more", "same", "-"]
+
+    def ran(name, sent, flagged):
+        return {**_result(name=name), "final_test_accuracy_pct": 92.0, "bytes_sent_per_step": sent,
+                "compression_ratio": 78824 / sent, "codec_fraction_of_step": 0.01, "wall_s": 10.0, "restarts": 0.0,
+                "versus_lines": [], "epochs": [{"isgd_flagged": flagged, "isgd_extra_steps": 2 * flagged}] * 2}
+
+    tracker = SimpleNamespace(run_url=lambda run_id: f"http://mlflow/{run_id}")
+    runs = [ran("none", 78824, 1), ran("fft", 81259, 0)]
+    table = _summary(runs, "p", tracker, "http://prefect/x", "x", isgd=True)["table"]
+    assert table["columns"][4] == "bytes vs none" and table["columns"][-1] == "isgd flagged / extra steps"
+    assert [row[4] for row in table["rows"]] == ["same", "1.03x more"]
+    assert [row[-1] for row in table["rows"]] == ["2 / 4", "0 / 0"]
+    assert "isgd flagged / extra steps" not in _summary(runs, "p", tracker, "u", "x")["table"]["columns"]
 
 
 def test_a_result_served_from_the_task_cache_names_the_run_that_trained_it():
