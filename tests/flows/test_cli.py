@@ -256,6 +256,21 @@ def test_datasets_lists_the_bundled_data():
     assert result.exit_code == 0
     for name in ("kinetic", "produc", "flights"):
         assert name in result.output
+    # and the images compressed-training trains on (only tensors and nas problems were listed: a trial)
+    assert "mnist-5k" in result.output and "fashion-mnist" in result.output
+
+
+def test_the_training_datasets_say_whether_fashion_mnist_is_installed(tmp_path):
+    from paperline.kernels.train.data import dataset_rows
+
+    rows = {r["name"]: r for r in dataset_rows(tmp_path)}
+    assert rows["mnist-5k"]["installed"] == "yes"
+    assert rows["fashion-mnist"]["installed"] == (f"no ({'train-images-idx3-ubyte.gz'} is missing): apt-get install "
+                                                  "dataset-fashion-mnist")
+    for name in ("train-images-idx3-ubyte.gz", "train-labels-idx1-ubyte.gz", "t10k-images-idx3-ubyte.gz",
+                 "t10k-labels-idx1-ubyte.gz"):
+        (tmp_path / name).write_bytes(b"")
+    assert {r["name"]: r for r in dataset_rows(tmp_path)}["fashion-mnist"]["installed"] == "yes"
 
 
 def test_params_lists_a_pipelines_parameters_and_the_optimizers_options():
