@@ -760,9 +760,11 @@ def _error_said_once(record: Any) -> bool:
     """Drop Prefect's "Encountered exception during execution: InputError(...)" of an error
     paperline raised on purpose (marked by :class:`paperline.infra.errors.ExpectedErrorOneLine`):
     the run's "Finished in state Failed(...)" and this command's ``error:`` line say it (a trial
-    read one refusal three times). The Prefect UI's log keeps it."""
+    read one refusal three times), nor its task run's "Task run failed with exception: ..." (a
+    diverged training said its error five times: a trial). The Prefect UI's log keeps them."""
     return not (getattr(record, EXPECTED_ERROR, False)
-                and record.getMessage().startswith("Encountered exception during execution"))
+                and record.getMessage().startswith(("Encountered exception during execution",
+                                                    "Task run failed with exception")))
 
 
 def _no_crash_line_for_the_watch(record: Any) -> bool:

@@ -95,11 +95,32 @@ class TaskFailureOneLine(logging.Filter):
 
     def filter(self, record: logging.LogRecord) -> bool:
         """Rewrite a "Compute Failed" record (with at least 4 arguments) as
-        ``task <key> failed on this worker: <exception>``; always True."""
+        ``task <key> failed on this worker: <exception>``, or drop it (False) when the exception
+        is one paperline raises on purpose (an ``InputError``, a :class:`PaperlineError`): its
+        caller says it in one line (a diverged training's two ranks each printed it again: a
+        trial). True for every other record."""
         if isinstance(record.msg, str) and record.msg.startswith("Compute Failed") and len(record.args or ()) >= 4:
-            key, exception = record.args[0], record.args[3]
+            key, exception = record.args[0], record.args[3]  # (the exception's repr: Dask's exception_text)
+            if str(exception).startswith(tuple(f"{name}(" for name in _expected_error_names())):
+                return False
             record.msg, record.args = "task %s failed on this worker: %s", (key, exception)
         return True
+
+
+def _expected_error_names() -> set[str]:
+    """The class names of the errors paperline raises on purpose, as loaded in this process: the
+    kernels' ``InputError``, :class:`PaperlineError` and their subclasses (``TrainingDiverged``)."""
+    from paperline.infra.errors import PaperlineError  # noqa: PLC0415
+    from paperline.kernels.errors import InputError  # noqa: PLC0415
+
+    seen: set[type] = set()  # (by class: paperline.infra.errors has an InputError of its own)
+    todo: list[type] = [InputError, PaperlineError]
+    while todo:
+        cls = todo.pop()
+        if cls not in seen:
+            seen.add(cls)
+            todo.extend(cls.__subclasses__())
+    return {cls.__name__ for cls in seen}
 
 
 # where a task's records come from in a worker (the task-run logger, which Prefect's transactions use)

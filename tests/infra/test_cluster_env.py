@@ -281,6 +281,15 @@ def test_a_failed_task_is_one_line_on_the_workers_terminal():
     assert record.getMessage() == "task rank-1-fft-0 failed on this worker: RuntimeError('peer died')"
     other = logging.LogRecord("distributed.worker", logging.ERROR, __file__, 1, "something else %s", ("x",), None)
     assert TaskFailureOneLine().filter(other) and other.getMessage() == "something else x"
+    # an error raised on purpose is said once by its caller (a diverged training's ranks each
+    # printed it again before the one-line error: a trial)
+    from paperline.kernels.train.ddp import TrainingDiverged  # noqa: F401 - loaded, as in the rank's worker
+
+    for text in ("TrainingDiverged(\"lr=1000000.0: training diverged\")", "InputError('x')"):
+        expected = logging.LogRecord("distributed.worker", logging.ERROR, __file__, 1,
+                                     "Compute Failed\nKey: %s\nState: %s\nTask: %s\nException: %r\nTraceback: %r\n",
+                                     ("rank-0-none-0", "executing", "<Task ...>", text, ""), None)
+        assert not TaskFailureOneLine().filter(expected), text
 
 
 def test_the_dask_profilers_frame_race_is_not_a_traceback_on_the_terminal():

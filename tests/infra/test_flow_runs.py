@@ -441,6 +441,13 @@ def test_an_expected_error_is_not_called_unexpected_nor_said_twice_by_the_cli():
     bug = _record(RuntimeError("a bug"))
     bug.msg = "Encountered exception during execution: %r"
     assert ExpectedErrorOneLine().filter(bug) and _error_said_once(bug)
+    # the task run's own report of it too (a diverged training said its error five times: a trial)
+    failed = _record(error)
+    failed.msg = "Task run failed with exception: %r"
+    assert ExpectedErrorOneLine().filter(failed) and not _error_said_once(failed)
+    failed_bug = _record(RuntimeError("a bug"))
+    failed_bug.msg = "Task run failed with exception: %r"
+    assert ExpectedErrorOneLine().filter(failed_bug) and _error_said_once(failed_bug)
     engine_bug = _record(RuntimeError("a bug"))
     engine_bug.msg, engine_bug.args = "Engine execution exited with unexpected exception", ()
     assert ExpectedErrorOneLine().filter(engine_bug) and engine_bug.exc_info is not None
