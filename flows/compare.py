@@ -121,6 +121,9 @@ def _locations(values: Any) -> bool:
 
 
 MAX_PARAM_COLUMNS = 5  # parameters that differ between the runs, shown as table columns
+# parameters naming what a run ran, shown first among those that differ
+WHAT_RAN = frozenset({"model", "dataset", "datasets", "compressor", "optimizer", "problem", "routine", "dtype", "source",
+                      "splitter", "data"})
 
 
 def filter_hint(said: str, user_filter: str) -> str:
@@ -402,7 +405,9 @@ def compare_runs(tracker: Tracker, experiment: str, metrics: list[str], filter_s
         # differ in ~15; the table shows those with the most distinct values, the Parquet file all
         # where a run wrote (gemm's default output is per run: the most varied, and the least telling)
         # goes last; then the most varied first
-        shown = sorted(varying, key=lambda k: (_locations(r.data.params.get(k) for r in runs),
+        # the parameters that say what was run (model, dataset, ...) before the most varied ones:
+        # compressed training's LSTM rows stood beside ResNet rows without a model column (a trial)
+        shown = sorted(varying, key=lambda k: (_locations(r.data.params.get(k) for r in runs), k not in WHAT_RAN,
                                                -len({r.data.params.get(k) for r in runs})))[:MAX_PARAM_COLUMNS]
         left = [k for k in varying if k not in shown]
         more = (f"{len(left)} more parameter(s) differ between these runs, in the Parquet file: "

@@ -368,18 +368,21 @@ def test_many_differing_parameters_are_capped_in_the_table_not_the_parquet(stack
     tracker = Tracker(info.mlflow_tracking_uri)
     names = [f"p{i}" for i in range(MAX_PARAM_COLUMNS + 2)]
     for run in range(3):  # p0 takes 3 values, the others 2; output 3 (where each run wrote: shown last)
-        params = {**{n: (run if n == "p0" else run % 2) for n in names}, "output": f"s3://b/gemm/run-{run}/result.npy"}
+        params = {**{n: (run if n == "p0" else run % 2) for n in names}, "output": f"s3://b/gemm/run-{run}/result.npy",
+                  "model": ["resnet", "lstm"][run % 2]}
         run_id = tracker.start_run("compare-wide", run_name=f"wide-{run}", params=params)
         tracker.log_metric_steps(run_id, [(0, {"loss": float(run)})])
         tracker.end_run(run_id)
     res = stack_cli("compare", "compare-wide", "--out", str(tmp_path))
     assert res.exit_code == 0, res.output
     text = " ".join(res.output.split())
-    assert "3 more parameter(s) differ between these runs, in the Parquet file: " in text, text
+    assert "4 more parameter(s) differ between these runs, in the Parquet file: " in text, text
     table = pq.read_table(tmp_path / "compare-wide-runs.parquet").to_pydict()
     assert all(f"params.{n}" in table for n in [*names, "output"])
     shown = [c for c in compare_runs(tracker, "compare-wide", [], out_dir=tmp_path)["columns"] if c.startswith("params.")]
     assert len(shown) == MAX_PARAM_COLUMNS and "params.p0" in shown  # the most varied first
+    # after what the runs ran: LSTM rows stood beside ResNet rows without a model column (a trial)
+    assert shown[0] == "params.model", shown
     assert "params.output" not in shown  # (it took the first column: compare gemm, a trial)
 
 
