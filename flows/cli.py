@@ -1882,7 +1882,7 @@ def _runs_table(experiment: str, result: dict[str, Any], width: int, named: bool
     # terminal is the way (it was suggested for a metric named with --metric: a trial)
     hint = ("name the metrics to show with --metric" if not named and any(not c.startswith("params.")
                                                                          for c in left_out)
-            else "widen the terminal (or set COLUMNS)")
+            else "widen the terminal" + ("" if os.environ.get("COLUMNS") else " (or set COLUMNS)"))
     caption = (f"{len(left_out)} column(s) left out for the console's width ({width}): "
                f"{', '.join(left_out)}; all are in the Parquet file below, or {hint}" if left_out else None)
     table = Table(*[Column(headers[i], overflow="fold", no_wrap=i < 3,  # run, name, status (a metric may be named "name")

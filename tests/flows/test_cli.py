@@ -710,9 +710,10 @@ def test_compare_table_never_folds_the_run_name_and_status_columns():
                    for line in lines), "\n".join(lines)
 
 
-def test_compare_table_never_folds_a_value_and_says_which_columns_it_left_out():
+def test_compare_table_never_folds_a_value_and_says_which_columns_it_left_out(monkeypatch):
     """Piped or in an 80-column terminal a test RMSE of 0.0469 showed as "0.0" over "469" (a
     trial): values keep their width, and the columns that do not fit are named instead."""
+    monkeypatch.delenv("COLUMNS", raising=False)  # (the hint depends on it)
     from rich.console import Console
 
     from paperline.flows.cli import _runs_table
@@ -740,6 +741,13 @@ def test_compare_table_never_folds_a_value_and_says_which_columns_it_left_out():
     narrow = " ".join(console.export_text().split())
     assert "51.5" in narrow and "left out for the console's width (80): params.output;" in narrow, narrow
     assert "or widen the terminal (or set COLUMNS)" in narrow and "--metric" not in narrow, narrow
+    monkeypatch.setenv("COLUMNS", "80")  # set already: not suggested again (a trial)
+    console = Console(width=80, record=True)
+    console.print(_runs_table("gemm", named, 80))
+    said = " ".join(console.export_text().split())
+    assert "or widen the terminal;" in said or said.rstrip().endswith("or widen the terminal"), said
+    assert "COLUMNS" not in said, said
+    monkeypatch.delenv("COLUMNS")
     for width in (140, 200):  # wide enough: nothing left out
         console = Console(width=width, record=True)
         console.print(_runs_table("tensor-factorization", result, width))
@@ -769,10 +777,11 @@ def test_compare_table_shortens_long_run_names_for_the_ranking_metric():
     assert names[0].endswith("aab3f-0") and names[1].endswith("aab3f-1"), names  # still told apart
 
 
-def test_compare_table_makes_room_for_every_named_metric_before_whole_names():
+def test_compare_table_makes_room_for_every_named_metric_before_whole_names(monkeypatch):
     """`compare compressed-training --metric final_test_accuracy_pct --metric bytes_sent_per_step`
     at 80 columns left the second named metric out for whole run names, and the caption told to
     name the metrics to show with --metric, as they were (a trial)."""
+    monkeypatch.delenv("COLUMNS", raising=False)  # (the hint depends on it)
     from rich.console import Console
 
     from paperline.flows.cli import _runs_table
