@@ -340,6 +340,13 @@ def compare_runs(tracker: Tracker, experiment: str, metrics: list[str], filter_s
                     f"{metrics[0]} left out ({hint})")
     else:
         runs = search(order, top)
+        lacking = [r for r in runs if metrics and metrics[0] not in r.data.metrics]
+        # as for the default headline: runs without a --metric were listed as nan rows (a trial);
+        # ranked by it, they come after every run that has it, so none of those is lost here
+        if lacking and len(lacking) < len(runs) and not all_runs and not note:
+            more = "+" if len(runs) == top else ""  # (those past --top are not counted)
+            runs = [r for r in runs if metrics[0] in r.data.metrics]
+            note = f"{len(lacking)}{more} run(s) without {metrics[0]} left out (--all-runs lists them too)"
     if not runs:
         raise _no_runs(client, exp.experiment_id, experiment, user_filter, " and ".join(clauses) if left_out else "")
     valued = [r for r in runs if metrics and metrics[0] in r.data.metrics]  # (a run without it is not ranked)

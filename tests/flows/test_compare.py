@@ -200,7 +200,11 @@ def test_default_headlines_are_the_ones_most_runs_share(stack_cli, stack, tmp_pa
     text = " ".join(res.output.split())
     assert "left out" not in text and "the last 1 run(s) have no kinetic.rmse" in text, text
     res = stack_cli("compare", "compare-mixed", "--metric", "user.rmse", "--out", str(tmp_path))
-    assert res.exit_code == 0 and pq.read_table(tmp_path / "compare-mixed-runs.parquet").to_pydict()["run_id"][0] == user
+    assert res.exit_code == 0 and pq.read_table(tmp_path / "compare-mixed-runs.parquet").to_pydict()["run_id"] == [user]
+    # the runs without a named metric are left out and said, as for the headline (nan rows before: a trial)
+    assert "3 run(s) without user.rmse left out (--all-runs lists them too)" in " ".join(res.output.split()), res.output
+    res = stack_cli("compare", "compare-mixed", "--metric", "user.rmse", "--all-runs", "--out", str(tmp_path))
+    assert len(pq.read_table(tmp_path / "compare-mixed-runs.parquet").to_pydict()["run_id"]) == 4, res.output
     # an unknown metric lists what the experiment's runs have, not only the --top ones it read
     res = stack_cli("compare", "compare-mixed", "--metric", "rmse", "--top", "1", "--out", str(tmp_path))
     assert res.exit_code != 0
