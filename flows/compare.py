@@ -486,8 +486,12 @@ def _no_runs(client: Any, experiment_id: str, experiment: str, user_filter: str,
         return InputError("--filter", user_filter, f"no pipeline runs of experiment {experiment!r} match, but {more}")
     if not user_filter:
         return InputError("experiment", experiment, f"the experiment has no runs{_not_run_yet(experiment)}")
-    return InputError("--filter", user_filter, f"no runs in experiment {experiment!r} match"
-                                               f"{_unknown_keys(client, experiment_id, user_filter)}")
+    # (a filter matching only earlier `--log` comparison runs said "no runs match", --all-runs too: a trial)
+    comparisons = client.search_runs([experiment_id], filter_string=f"{user_filter} and attributes.run_name = "
+                                                                    "'comparison'", max_results=1)
+    also = (": only earlier `compare --log` comparison runs do, which compare never lists (the MLflow UI shows "
+            "them)") if comparisons else _unknown_keys(client, experiment_id, user_filter)
+    return InputError("--filter", user_filter, f"no runs in experiment {experiment!r} match{also}")
 
 
 def _unknown_keys(client: Any, experiment_id: str, user_filter: str) -> str:

@@ -44,6 +44,10 @@ def test_compare_prints_the_table_and_writes_the_plot_and_parquet(stack_cli, sta
     assert len(logged) == 1
     names = {a.path for a in tracker.client.list_artifacts(logged[0].info.run_id)}
     assert names == {"compare-test-runs.parquet", "compare-test-metrics.png"}
+    # a filter only the comparison run matches says so (it was a bare "no runs match", --all-runs too: a trial)
+    res = stack_cli("compare", "compare-test", "--filter", "params.top = '2'", "--all-runs", "--out", str(tmp_path))
+    assert res.exit_code == 1 and "match: only earlier `compare --log` comparison runs do, which compare never " \
+        "lists" in " ".join(res.output.split()), res.output
 
 
 @pytest.mark.parametrize("args, fragment", [
