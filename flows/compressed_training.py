@@ -11,10 +11,12 @@ to the parent run; print the comparison.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import math
 import tempfile
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any, Literal
 
@@ -28,6 +30,7 @@ from paperline.infra.pipeline_flow import pipeline_flow
 from paperline.infra.regression import CACHED_FROM_TAG, Headline, check_latest
 from paperline.infra.settings import get_settings
 from paperline.infra.stack import require_stack
+from paperline.infra.storage import LeaseHeldError, ObjectStore
 from paperline.infra.tracking import Tracker, prefect_run_tags
 from paperline.kernels.train import format_ratio
 from paperline.kernels.train.data import load_dataset
@@ -318,10 +321,11 @@ def compressed_training(params: CompressedTrainingParameters | None = None) -> d
             cid = _config_id(cfg, params.world_size, device, version)
             root = (params.checkpoint_prefix or f"s3://{info.data_bucket}/compressed-training/checkpoints").rstrip("/")
             prefix = f"{root}/{cid}"
-            result = train_ranks(cfg.as_dict(), params.world_size, store, prefix, device, name,
-                                 timeout_s=params.timeout_s, max_restarts=params.max_restarts,
-                                 crash_rank_at_step=params.crash_rank_at_step,
-                                 collectives_sizes=sizes if i == 0 and sizes else None, code_version=version)
+            with training_held(store, prefix, name):
+                result = train_ranks(cfg.as_dict(), params.world_size, store, prefix, device, name,
+                                     timeout_s=params.timeout_s, max_restarts=params.max_restarts,
+                                     crash_rank_at_step=params.crash_rank_at_step,
+                                     collectives_sizes=sizes if i == 0 and sizes else None, code_version=version)
             trained_by = result.get("flow_run") or {}  # (always there: older cached results are not reused, TASK_SOURCE)
             cached_from = trained_by if trained_by.get("id") not in (None, "", str(flow_run.id)) else None
             if not sweep and result["ranks"][0].get("collectives"):
@@ -355,6 +359,34 @@ def compressed_training(params: CompressedTrainingParameters | None = None) -> d
         summary["lines"].insert(0, "Linear Pipelining allreduce / backend allreduce (time ratio, > 1: LP faster): "
                                 + ", ".join(f"{r['bytes'] // 1024} KiB {r['speedup']:.2f}x" for r in sweep) + when)
     return summary
+
+
+TRAIN_LEASE = ".train-lease.json"  # beside a configuration's checkpoints while a run trains it
+
+
+@contextlib.contextmanager
+def training_held(store: ObjectStore, prefix: str, compressor: str) -> Iterator[None]:
+    """Hold the configuration whose checkpoints are under ``prefix`` while this run trains it: the
+    S3 lease ``<prefix>/.train-lease.json`` (:meth:`~paperline.infra.storage.ObjectStore.lease`,
+    not waited for), across processes and machines. Two runs of one configuration both trained
+    from scratch into the same checkpoints, racing (a trial). A holder whose process on this
+    machine is gone is taken over at once; one on another machine about a minute after its last
+    renewal.
+
+    Raises:
+        InputError: naming ``compressors`` and the run that holds the configuration.
+    """
+    owner = (f"compressed-training flow run {flow_run.name} ({flow_run.id})" if flow_run.id
+             else "a compressed-training run outside Prefect")
+    with contextlib.ExitStack() as held:
+        try:
+            held.enter_context(store.lease(f"{prefix}/{TRAIN_LEASE}", owner, wait=False))
+        except LeaseHeldError as exc:
+            raise InputError("compressors", compressor, f"this configuration is being trained now by {exc.holder} "
+                                                        f"(its lease {exc.uri}): wait for it to end, then run this "
+                                                        "again to take its result from the task cache (or set "
+                                                        "another seed or checkpoint_prefix)") from None
+        yield
 
 
 def _log_compressor(tracker: Tracker, parent: str, name: str, cfg: TrainConfig, result: dict[str, Any], prefix: str,

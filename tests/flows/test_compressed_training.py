@@ -176,3 +176,24 @@ def test_a_diverged_run_fails_naming_lr_without_restarting_its_ranks(stack, cli_
     assert proc.returncode != 0 and "Traceback" not in proc.stderr, out[-3000:]
     assert "lr=1000000.0: training diverged: the mean training loss of epoch 0 was" in out, out[-3000:]
     assert "restarting all" not in out, out[-3000:]
+
+
+def test_a_configuration_trained_now_by_another_run_is_refused(stack):
+    """Two runs of one configuration both trained from scratch into the same checkpoints (a
+    trial): the second is refused, naming the run that holds it; once released it is free."""
+    from paperline.flows.compressed_training import TRAIN_LEASE, training_held
+    from paperline.infra.errors import InputError
+    from paperline.infra.storage import ObjectStore
+
+    _, info = stack
+    store = ObjectStore.from_stack(info)
+    prefix = f"s3://{info.data_bucket}/test-ct-lease-{int(time.time())}/abc123"
+    with store.lease(f"{prefix}/{TRAIN_LEASE}", "compressed-training flow run brave-otter (0f3c)", wait=False):
+        with pytest.raises(InputError, match=r"^compressors='fft': this configuration is being trained now by "
+                                             r"compressed-training flow run brave-otter \(0f3c\) .*: wait for it to "
+                                             r"end, then run this again to take its result from the task cache"):
+            with training_held(store, prefix, "fft"):
+                pass
+    with training_held(store, prefix, "fft"):  # released: free
+        assert store.exists(f"{prefix}/{TRAIN_LEASE}")
+    assert not store.exists(f"{prefix}/{TRAIN_LEASE}")
