@@ -779,15 +779,15 @@ def _no_crash_line_for_the_watch(record: Any) -> bool:
     SIGTERM reaches the run while Prefect's engine has its own handler in place: it logs "aborted
     by a termination signal" (the only source of that words here) before passing the signal on to
     `paperline run`'s handler, which counts it only then: those lines are dropped whatever the count
-    (a trial: one red ERROR line on SIGTERM, none on Ctrl-C)."""
-    from paperline.infra.interrupts import interrupts_received
+    (a trial: one red ERROR line on SIGTERM, none on Ctrl-C), where that handler is in place."""
+    from paperline.infra.interrupts import interrupts_received, sigterm_is_interrupt
 
     if not record.name.startswith("prefect"):
         return True
     text = record.getMessage()
     if text.startswith(("Crash detected! Execution was aborted by a termination signal",
                         "Finished in state Crashed('Execution was aborted by a termination signal")):
-        return False
+        return not sigterm_is_interrupt()  # (else nothing else would say why the run stopped: a review)
     if not (_state.get("watch_stopped") or interrupts_received()):
         return True
     return not (text.startswith("Crash detected! Execution was aborted by an interrupt signal")
@@ -1882,7 +1882,8 @@ def _runs_table(experiment: str, result: dict[str, Any], width: int, named: bool
     # terminal is the way (it was suggested for a metric named with --metric: a trial)
     hint = ("name the metrics to show with --metric" if not named and any(not c.startswith("params.")
                                                                          for c in left_out)
-            else "widen the terminal" + ("" if os.environ.get("COLUMNS") else " (or set COLUMNS)"))
+            else f"set a larger COLUMNS (now {os.environ['COLUMNS']})" if os.environ.get("COLUMNS")
+            else "widen the terminal (or set COLUMNS)")
     caption = (f"{len(left_out)} column(s) left out for the console's width ({width}): "
                f"{', '.join(left_out)}; all are in the Parquet file below, or {hint}" if left_out else None)
     table = Table(*[Column(headers[i], overflow="fold", no_wrap=i < 3,  # run, name, status (a metric may be named "name")

@@ -121,7 +121,7 @@ def _locations(values: Any) -> bool:
 
 
 MAX_PARAM_COLUMNS = 5  # parameters that differ between the runs, shown as table columns
-# parameters naming what a run ran, shown first among those that differ
+# parameters naming what a run ran, kept first among those that differ (the table's cap)
 WHAT_RAN = frozenset({"model", "dataset", "datasets", "compressor", "optimizer", "problem", "routine", "dtype", "source",
                       "splitter", "data"})
 
@@ -412,7 +412,7 @@ def compare_runs(tracker: Tracker, experiment: str, metrics: list[str], filter_s
         # differ in ~15; the table shows those with the most distinct values, the Parquet file all
         # where a run wrote (gemm's default output is per run: the most varied, and the least telling)
         # goes last; then the most varied first
-        # the parameters that say what was run (model, dataset, ...) before the most varied ones:
+        # the parameters that say what was run (model, dataset, ...) are kept before the most varied ones:
         # compressed training's LSTM rows stood beside ResNet rows without a model column (a trial)
         shown = sorted(varying, key=lambda k: (_locations(r.data.params.get(k) for r in runs), k not in WHAT_RAN,
                                                -len({r.data.params.get(k) for r in runs})))[:MAX_PARAM_COLUMNS]

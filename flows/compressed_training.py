@@ -16,7 +16,7 @@ import hashlib
 import json
 import math
 import tempfile
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any, Literal
 
@@ -321,11 +321,12 @@ def compressed_training(params: CompressedTrainingParameters | None = None) -> d
             cid = _config_id(cfg, params.world_size, device, version)
             root = (params.checkpoint_prefix or f"s3://{info.data_bucket}/compressed-training/checkpoints").rstrip("/")
             prefix = f"{root}/{cid}"
-            with training_held(store, prefix, name):
+            with training_held(store, prefix, name) as still_held:
                 result = train_ranks(cfg.as_dict(), params.world_size, store, prefix, device, name,
                                      timeout_s=params.timeout_s, max_restarts=params.max_restarts,
                                      crash_rank_at_step=params.crash_rank_at_step,
                                      collectives_sizes=sizes if i == 0 and sizes else None, code_version=version)
+                still_held()  # (its lease lost, cut off from S3: another run may have trained into it too)
             trained_by = result.get("flow_run") or {}  # (always there: older cached results are not reused, TASK_SOURCE)
             cached_from = trained_by if trained_by.get("id") not in (None, "", str(flow_run.id)) else None
             if not sweep and result["ranks"][0].get("collectives"):
@@ -365,13 +366,17 @@ TRAIN_LEASE = ".train-lease.json"  # beside a configuration's checkpoints while 
 
 
 @contextlib.contextmanager
-def training_held(store: ObjectStore, prefix: str, compressor: str) -> Iterator[None]:
+def training_held(store: ObjectStore, prefix: str, compressor: str) -> Iterator[Callable[[], None]]:
     """Hold the configuration whose checkpoints are under ``prefix`` while this run trains it: the
     S3 lease ``<prefix>/.train-lease.json`` (:meth:`~paperline.infra.storage.ObjectStore.lease`,
     not waited for), across processes and machines. Two runs of one configuration both trained
     from scratch into the same checkpoints, racing (a trial). A holder whose process on this
     machine is gone is taken over at once; one on another machine about a minute after its last
     renewal.
+
+    Yields:
+        The lease's check (:meth:`~paperline.infra.storage.ObjectStore.lease`): it raises
+        ``LeaseLostError`` when this run lost the lease meanwhile (cut off from S3 past its renewal).
 
     Raises:
         InputError: naming ``compressors`` and the run that holds the configuration.
@@ -380,13 +385,13 @@ def training_held(store: ObjectStore, prefix: str, compressor: str) -> Iterator[
              else "a compressed-training run outside Prefect")
     with contextlib.ExitStack() as held:
         try:
-            held.enter_context(store.lease(f"{prefix}/{TRAIN_LEASE}", owner, wait=False))
+            check = held.enter_context(store.lease(f"{prefix}/{TRAIN_LEASE}", owner, wait=False))
         except LeaseHeldError as exc:
             raise InputError("compressors", compressor, f"this configuration is being trained now by {exc.holder} "
                                                         f"(its lease {exc.uri}): wait for it to end, then run this "
                                                         "again to take its result from the task cache (or set "
                                                         "another seed or checkpoint_prefix)") from None
-        yield
+        yield check
 
 
 def _log_compressor(tracker: Tracker, parent: str, name: str, cfg: TrainConfig, result: dict[str, Any], prefix: str,
@@ -471,8 +476,9 @@ def _notes(r: dict[str, Any]) -> list[str]:
             notes.append(f"{r['name']}: learned nothing: test accuracy {accuracy:.1f}% is chance for {classes} "
                          f"classes, and the last epoch's mean training loss {loss:.3g} is no better than a uniform "
                          f"guess's {uniform:.2f}; the learning rate (lr) may be too large, the run too short"
-                         + ("" if r["name"] in ("none", "fp16") else f", or {r['name']}'s compression too strong "
-                            f"(it sent {format_ratio(r['compression_ratio'])}x fewer bytes than dense)"))
+                         + (f", or {r['name']}'s compression too strong (it sent "
+                            f"{format_ratio(r['compression_ratio'])}x fewer bytes than dense)"
+                            if r["name"] not in ("none", "fp16") and r.get("compression_ratio", 1.0) > 1.0 else ""))
     if r.get("drill_missed") is not None:
         notes.append(f"{r['name']}: the crash drill did not run (crash_rank_at_step={r['drill_missed']} was not "
                      f"reached{f': training resumed from the checkpoints of epoch {start}' if start is not None else ''}"

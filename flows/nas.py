@@ -376,7 +376,7 @@ def _run_one(cp: CampaignParameters, campaign: Campaign, name: str, store: Objec
         campaign = saved
         parent_id = state.get("mlflow_parent_run_id")
         print(f"{name}: resuming from {checkpoint_uri} after {campaign.n_done} evaluations" if campaign.n_done else
-              f"{name}: resuming from {checkpoint_uri}, stopped before its first batch ended (its MLflow run goes on)")
+              f"{name}: resuming from {checkpoint_uri}, written before its first batch ended")
         for note in resume_notes(name, campaign, cp):
             print(note)
     if parent_id and tracker.run_exists(parent_id):

@@ -469,9 +469,7 @@ def deployment_status(api_url: str, login: str | None, state_dir: os.PathLike[st
                 state=FlowRunFilterState(type=FlowRunFilterStateType(any_=[StateType.SCHEDULED])),
                 expected_start_time=FlowRunFilterExpectedStartTime(
                     before_=now - datetime.timedelta(seconds=LATE_AFTER_S))), limit=200)
-            executing = client.read_flow_runs(flow_run_filter=FlowRunFilter(state=FlowRunFilterState(
-                type=FlowRunFilterStateType(any_=[StateType.PENDING, StateType.RUNNING, StateType.CANCELLING]))),
-                limit=200)
+            executing = flow_runs_in_states(client, StateType.PENDING, StateType.RUNNING, StateType.CANCELLING)
     except Exception as exc:  # noqa: BLE001 - httpx/prefect errors: status reports, it does not fail on this
         return [f"deployments: could not read them from Prefect ({type(exc).__name__}: {exc})"]
     late: dict[str, int] = {}
@@ -485,6 +483,16 @@ def deployment_status(api_url: str, login: str | None, state_dir: os.PathLike[st
 
 
 SHOWN_RUNS = 5  # executing flow runs `status` names
+RUNS_READ = 200  # the most flow runs one read returns (the server's page)
+
+
+def flow_runs_in_states(client: Any, *states: Any, limit: int = RUNS_READ) -> list[Any]:
+    """The flow runs the Prefect server (``client``, sync) has in any of ``states`` (``StateType``),
+    at most ``limit``."""
+    from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterState, FlowRunFilterStateType  # noqa: PLC0415
+
+    return client.read_flow_runs(flow_run_filter=FlowRunFilter(
+        state=FlowRunFilterState(type=FlowRunFilterStateType(any_=list(states)))), limit=limit)
 
 
 def executing_report(runs: list[dict[str, object]]) -> list[str]:
@@ -510,7 +518,8 @@ def executing_report(runs: list[dict[str, object]]) -> list[str]:
         return f"{r['flow']} '{r['name']}' ({r['deployment'] or 'no deployment'}, {r['state']}{since})"
 
     more = f"; and {len(runs) - SHOWN_RUNS} more" if len(runs) > SHOWN_RUNS else ""
-    return [f"flow runs executing: {len(runs)}: " + "; ".join(one(r) for r in ordered[:SHOWN_RUNS]) + more]
+    count = f"{len(runs)}+" if len(runs) >= RUNS_READ else str(len(runs))  # (one read's page: there may be more)
+    return [f"flow runs executing: {count}: " + "; ".join(one(r) for r in ordered[:SHOWN_RUNS]) + more]
 
 
 def _duration(seconds: float) -> str:

@@ -23,6 +23,7 @@ from typing import Any
 
 RETRY_S = 0.05  # when an interrupt swallowed as "unraisable" is delivered again
 _RECEIVED = {"count": 0}  # stop signals the main thread's handler has turned into KeyboardInterrupt
+_HANDLED: set[str] = set()  # the signals hangup_as_interrupt gave _counted_interrupt ("SIGHUP", "SIGTERM")
 
 
 def _redeliver(unraisable: Any, previous: Any) -> None:
@@ -111,7 +112,14 @@ def hangup_as_interrupt() -> bool:
     finally:
         for sig in stops:
             signal.signal(sig, _counted_interrupt)
+            _HANDLED.add(signal.Signals(sig).name)
     return True
+
+
+def sigterm_is_interrupt() -> bool:
+    """Whether :func:`hangup_as_interrupt` made SIGTERM stop this process as Ctrl-C does (so its
+    command says ``interrupted: ...``); False where SIGTERM was ignored or handled already."""
+    return "SIGTERM" in _HANDLED
 
 
 def release_leaked_import_lock() -> int:

@@ -53,8 +53,11 @@ def short_service_report(*args: object, **kwargs: object) -> None:
     filters of :func:`install` (a trial)."""
     text = " ".join(str(a) for a in args)
     if "Traceback (most recent call last)" in text:
-        lines = [line for line in text.splitlines() if line.strip()]
-        text = "  " + lines[-1].strip()
+        lines = [line.strip() for line in text.splitlines() if line.strip()]
+        # the exception's own line: the last one naming a type (httpx's HTTPStatusError ends on a
+        # "For more information check: <url>" line of its message, a review)
+        named = [line for line in lines if re.match(r"^[A-Za-z_][\w.]*(Error|Exception|Exit|Interrupt)\b", line)]
+        text = "  " + (named[-1] if named else lines[-1])
     if text.strip():
         print(text.strip("\n"), **kwargs)  # type: ignore[call-overload]
 

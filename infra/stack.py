@@ -1770,15 +1770,11 @@ def ensure_zombie_automation(api_url: str, within_s: float = 3 * FLOW_HEARTBEAT_
 
 def _running_flow_runs(client: Any) -> list[Any]:
     """The flow runs the server has Running (at most 200)."""
-    from prefect.client.schemas.filters import (  # noqa: PLC0415
-        FlowRunFilter,
-        FlowRunFilterState,
-        FlowRunFilterStateType,
-    )
     from prefect.client.schemas.objects import StateType  # noqa: PLC0415
 
-    running = FlowRunFilter(state=FlowRunFilterState(type=FlowRunFilterStateType(any_=[StateType.RUNNING])))
-    return client.read_flow_runs(flow_run_filter=running, limit=200)
+    from paperline.infra.flow_runs import flow_runs_in_states  # noqa: PLC0415
+
+    return flow_runs_in_states(client, StateType.RUNNING)
 
 
 def _last_heartbeat(client: Any, run: Any, now: Any) -> tuple[Any, bool]:

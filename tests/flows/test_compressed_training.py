@@ -194,6 +194,7 @@ def test_a_configuration_trained_now_by_another_run_is_refused(stack):
                                              r"end, then run this again to take its result from the task cache"):
             with training_held(store, prefix, "fft"):
                 pass
-    with training_held(store, prefix, "fft"):  # released: free
+    with training_held(store, prefix, "fft") as still_held:  # released: free
         assert store.exists(f"{prefix}/{TRAIN_LEASE}")
+        still_held()  # (held: no error)
     assert not store.exists(f"{prefix}/{TRAIN_LEASE}")

@@ -235,3 +235,29 @@ def test_a_stopped_run_ends_killed_and_a_failed_one_says_why(stack):
     tracker.end_failed(run_id, ServiceError("mlflow", "not available"))
     assert tracker.client.get_run(run_id).info.status == "RUNNING"
     tracker.end_run(run_id, "KILLED")
+
+
+def test_a_served_run_ends_with_its_serve_killed_outright(stack, background_process, cli_env, running_flow_run,
+                                                           tmp_path):
+    """Each run `paperline serve` executes leads a session of its own (the terminal's Ctrl-C reached
+    its Dask workers: a trial), so a `kill -9` of serve alone no longer takes the run's processes
+    with it: the run still ends, Crashed, its workers with it, nothing left running unwatched."""
+    import psutil
+    from prefect.client.orchestration import get_client
+
+    log = tmp_path / "serve.log"
+    with background_process([sys.executable, "-m", "paperline.flows.cli", "serve"], cli_env, log) as proc, \
+            get_client(sync_client=True) as client:
+        run = running_flow_run(client, "gemm/local", proc, log)
+        engines = [p for p in psutil.Process(proc.pid).children() if "prefect.engine" in " ".join(p.cmdline())]
+        family = engines + [c for p in engines for c in p.children(recursive=True)]
+        assert engines and len(family) > len(engines), log.read_text()[-3000:]
+        proc.kill()  # serve alone: SIGKILL, no goodbye
+        proc.wait()
+        deadline = time.time() + stack[0].crash_after_s + 90
+        state = client.read_flow_run(run.id).state
+        while not state.is_final() and time.time() < deadline:
+            time.sleep(2)
+            state = client.read_flow_run(run.id).state
+    assert state.name == "Crashed", (state, log.read_text()[-3000:])
+    assert psutil.wait_procs(family, timeout=60)[1] == []

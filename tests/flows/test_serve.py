@@ -336,20 +336,6 @@ def test_ctrl_c_stops_serving_and_crashes_the_run_in_flight_at_once(stack, serve
     assert psutil.wait_procs(family, timeout=30)[1] == []  # stopped with serve, workers too
 
 
-def test_served_runs_start_in_a_session_of_their_own_only_while_serving():
-    """``served_runs_in_own_process_group`` gives the runner's starter Prefect's own
-    ``isolate_process_group`` option (as its process worker does), and takes it back after."""
-    from prefect.runner import runner
-
-    from paperline.infra.prefect_patches import served_runs_in_own_process_group
-
-    original = runner.EngineCommandStarter
-    with served_runs_in_own_process_group():
-        assert runner.EngineCommandStarter(entrypoint="x.py:f")._isolate_process_group is True
-    assert runner.EngineCommandStarter is original
-    assert runner.EngineCommandStarter(entrypoint="x.py:f")._isolate_process_group is False
-
-
 @pytest.mark.parametrize("as_script_job", [False, True], ids=["terminal", "script-job"])
 def test_sigterm_stops_serving_as_ctrl_c_does(stack, background_process, cli_env, running_flow_run, tmp_path,
                                               as_script_job):
@@ -359,7 +345,10 @@ def test_sigterm_stops_serving_as_ctrl_c_does(stack, background_process, cli_env
     making Scheduled runs that nothing executes. Also with SIGINT ignored, as `paperline serve &`
     in a script starts it (asyncio then installs no Ctrl-C handler to call). Runs after the
     module's serve is stopped (one serve per stack). From a terminal, SIGHUP (the terminal closed):
-    it ended serve at once, and its runs, in sessions of their own, would have run on."""
+    it ended serve at once, and its runs, in sessions of their own, would have run on. (SIGTERM
+    enters through Prefect's ``Runner.handle_sigterm``, tested as the script job; SIGHUP through
+    serve's own handler; both end in the same ``as_ctrl_c``, whose asyncio branch the terminal
+    variant and the Ctrl-C test take.)"""
     import os
     import signal
 

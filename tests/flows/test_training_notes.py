@@ -64,6 +64,8 @@ def test_a_run_that_learned_nothing_says_so():
     # (fft at theta 1e-6: the note named only lr and the run's length, a trial); none compresses nothing
     (line,) = _notes({**run(10.0, 5.46), "name": "none"})
     assert line.endswith("the learning rate (lr) may be too large, the run too short"), line
+    (line,) = _notes({**run(10.0, 5.46), "compression_ratio": 0.97})  # (fft at theta 1: it sent more, a review)
+    assert line.endswith("the learning rate (lr) may be too large, the run too short"), line
     assert _notes(run(10.9, float("nan")))  # a NaN loss is no better
     assert _notes(run(10.0, 2.2)) == []  # learning (below ln 10), still at chance after few steps
     assert _notes(run(11.5, 3.0)) == [] and _notes(run(92.5, 0.3)) == []  # above chance

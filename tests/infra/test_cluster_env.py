@@ -266,7 +266,7 @@ print(here, there)
     assert out.stdout.split("\n")[-2] == "[None, '3', None] ['1', '3', '1']"
 
 
-def test_a_failed_task_is_one_line_on_the_workers_terminal():
+def test_a_failed_task_is_one_line_on_the_workers_terminal(monkeypatch):
     """The worker's "Compute Failed" record (task repr and traceback in one escaped blob) becomes
     one line: the key and the exception; the caller still gets the traceback."""
     import logging
@@ -285,11 +285,25 @@ def test_a_failed_task_is_one_line_on_the_workers_terminal():
     # printed it again before the one-line error: a trial)
     from paperline.kernels.train.ddp import TrainingDiverged  # noqa: F401 - loaded, as in the rank's worker
 
+    import os
+
+    import paperline
+
+    home = os.path.dirname(os.path.abspath(paperline.__file__))
+    ours = f'  File "{home}/tasks/training.py", line 9, in train\n    raise TrainingDiverged(...)\n'
+    theirs = f'  File "{home}/tasks/y.py", line 1, in f\n  File "/usr/lib/site-packages/lib/api.py", line 5, in g\n'
+
+    def failed(text, traceback):
+        return logging.LogRecord("distributed.worker", logging.ERROR, __file__, 1,
+                                 "Compute Failed\nKey: %s\nState: %s\nTask: %s\nException: %r\nTraceback: %r\n",
+                                 ("rank-0-none-0", "executing", "<Task ...>", text, traceback), None)
+
     for text in ("TrainingDiverged(\"lr=1000000.0: training diverged\")", "InputError('x')"):
-        expected = logging.LogRecord("distributed.worker", logging.ERROR, __file__, 1,
-                                     "Compute Failed\nKey: %s\nState: %s\nTask: %s\nException: %r\nTraceback: %r\n",
-                                     ("rank-0-none-0", "executing", "<Task ...>", text, ""), None)
-        assert not TaskFailureOneLine().filter(expected), text
+        assert not TaskFailureOneLine().filter(failed(text, ours)), text
+    # another library's error of a like name (raised in its code) is kept, and so is all under --debug
+    assert TaskFailureOneLine().filter(failed("ServiceError('down')", theirs))
+    monkeypatch.setenv("PAPERLINE_DEBUG", "1")
+    assert TaskFailureOneLine().filter(failed("InputError('x')", ours))
 
 
 def test_the_dask_profilers_frame_race_is_not_a_traceback_on_the_terminal():

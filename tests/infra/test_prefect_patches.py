@@ -160,3 +160,17 @@ def test_a_runs_suspension_observer_polls_on_while_its_prefect_server_is_known_g
     prefect_patches.install_suspension_check_through_outages()  # idempotent
     again = FlowRunSuspendingObserver._check_for_suspended_flow_runs
     assert again is not original and again.__wrapped__ is original
+
+
+def test_served_runs_start_in_a_session_of_their_own_only_while_serving():
+    """``served_runs_in_own_process_group`` gives the runner's starter Prefect's own
+    ``isolate_process_group`` option (as its process worker does), and takes it back after."""
+    from prefect.runner import runner
+
+    from paperline.infra.prefect_patches import served_runs_in_own_process_group
+
+    original = runner.EngineCommandStarter
+    with served_runs_in_own_process_group():
+        assert runner.EngineCommandStarter(entrypoint="x.py:f")._isolate_process_group is True
+    assert runner.EngineCommandStarter is original
+    assert runner.EngineCommandStarter(entrypoint="x.py:f")._isolate_process_group is False

@@ -237,6 +237,19 @@ def test_truncated_or_foreign_checkpoints_are_refused_naming_them(cut, match):
         load_checkpoint(data, SOURCE)
 
 
+def test_running_out_of_memory_while_loading_is_not_called_a_damaged_checkpoint(monkeypatch):
+    """A sound checkpoint loaded onto a full device is no reason to delete it (a review)."""
+    buf = io.BytesIO()
+    torch.save({"weights": torch.zeros(2)}, buf)
+
+    def full(*args, **kwargs):
+        raise RuntimeError("CUDA out of memory. Tried to allocate 2.00 GiB")
+
+    monkeypatch.setattr(torch, "load", full)
+    with pytest.raises(RuntimeError, match="out of memory"):
+        load_checkpoint(buf.getvalue(), SOURCE)
+
+
 @pytest.mark.parametrize("data, said", [
     (b"hello world\n", r"not a torch checkpoint \(neither a zip archive, as torch.save writes, nor a pickle\): "
                        r"it begins b'hello world\\n'"),  # (a bare KeyError the rank retried 3 times: a trial)
