@@ -93,7 +93,11 @@ def _friendly(fn: Callable[..., Any]) -> Callable[..., Any]:
             if _state["debug"]:
                 raise
             known = isinstance(exc, (PaperlineError, KernelInputError, ClusterLost))
-            msg = str(exc) if known else f"{type(exc).__name__}: {exc}"
+            # (Dask's cancelled futures of a lost worker or scheduler were bare: a trial on a cluster of its own)
+            msg = str(exc) if known else _with_dask_words(f"{type(exc).__name__}: {exc}")
+            if not known and "scheduler-connection-lost" in msg:
+                msg += ("; here the run's client lost the Dask scheduler (stopped, or the network failed): "
+                        "`paperline status` checks it, and the same command runs again once it is back")
             refused = None if known else _unauthorized(exc)
             if refused:  # a bare 401 said nothing of why (a trial: the stack's login made anew under `serve`)
                 known, msg = True, refused

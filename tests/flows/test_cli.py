@@ -1242,6 +1242,30 @@ def test_a_failed_verification_is_one_line_like_other_refusals(capsys):
     assert "--debug" not in err and "VerificationError" not in err, err
 
 
+@pytest.mark.parametrize("reason, said", [
+    ("already forgotten", "Dask cancelled it, as it does when the worker running it is lost or restarted"),
+    ("scheduler-connection-lost", "here the run's client lost the Dask scheduler (stopped, or the network "
+                                  "failed): `paperline status` checks it"),
+])
+def test_a_run_ended_by_a_lost_dask_worker_or_scheduler_says_so_in_words(capsys, reason, said):
+    """On a Dask cluster of a trial's own, killed workers and a stopped scheduler ended runs with a
+    bare "error: FutureCancelledError: ... cancelled for reason: ..." (a trial)."""
+    import typer
+    from distributed.client import FutureCancelledError
+
+    from paperline.flows.cli import _friendly
+
+    @_friendly
+    def fails() -> None:
+        raise FutureCancelledError("split_tensor-1", reason)
+
+    with pytest.raises(typer.Exit):
+        fails()
+    err = " ".join(capsys.readouterr().err.split())
+    assert f"error: FutureCancelledError: split_tensor-1 cancelled for reason: {reason}." in err, err
+    assert said in err, err
+
+
 def test_the_error_line_starts_a_line_after_a_library_wrote_half_of_one(monkeypatch):
     """Prefect's log worker writes "--- Error logging to API ---" then its error with no newline
     when the server has gone: the CLI's `error: ...` line was glued onto it ("All connection
