@@ -1636,7 +1636,7 @@ def _start_mlflow(
     log = settings.state_dir / "logs" / "mlflow.log"
     proc = _spawn(cmd, env, log, home)
     return proc, _record(proc, url, log, port=port, s3_url=s3_url, s3_key=_s3_key_digest(key, secret),
-                         login=_login_digest(login))
+                         login=_login_digest(login), artifacts_bucket=settings.artifacts_bucket)
 
 
 def _mlflow_auth_config(home: Path, login: str) -> Path:
@@ -2058,7 +2058,18 @@ def ensure_stack(settings: Settings, *, progress: Progress | None = None, notice
                 tell(f"mlflow: restarting its server (pid {recs['mlflow']['pid']}) for the S3 key pair it stores "
                      "artifacts with, which is not the one it was started with (s3/credentials.json, or "
                      "PAPERLINE_S3_ACCESS_KEY_ID / PAPERLINE_S3_SECRET_ACCESS_KEY, changed)")
-            stale = recs.get("mlflow", {}).get("s3_url") != s3_obj_url or new_login["mlflow"] or new_s3_key
+            # ... and one storing artifacts in another bucket than PAPERLINE_ARTIFACTS_BUCKET names (the
+            # setting was ignored while it ran, unsaid: a trial); a record from before is taken as it is
+            recorded_bucket = recs.get("mlflow", {}).get("artifacts_bucket")
+            new_bucket = (not external["mlflow"] and _live_process(recs.get("mlflow")) is not None
+                          and recorded_bucket is not None and recorded_bucket != settings.artifacts_bucket)
+            if new_bucket:
+                tell(f"mlflow: restarting its server (pid {recs['mlflow']['pid']}) to store artifacts in "
+                     f"s3://{settings.artifacts_bucket}/mlflow (PAPERLINE_ARTIFACTS_BUCKET), not in "
+                     f"s3://{recorded_bucket}/mlflow, as it was started to: earlier runs' artifacts stay there, and its UI "
+                     "reads every run's from the new bucket")
+            stale = (recs.get("mlflow", {}).get("s3_url") != s3_obj_url or new_login["mlflow"] or new_s3_key
+                     or new_bucket)
             reuse_mlflow = reuse("mlflow", lambda r: _mlflow_healthy(r["url"]), stale=stale)
             for name, kept in (("prefect", reuse_prefect), ("mlflow", reuse_mlflow)):
                 if kept:

@@ -285,6 +285,7 @@ def test_a_failed_task_is_one_line_on_the_workers_terminal(monkeypatch):
     # printed it again before the one-line error: a trial)
     from paperline.kernels.train.ddp import TrainingDiverged  # noqa: F401 - loaded, as in the rank's worker
 
+    monkeypatch.delenv("PAPERLINE_DEBUG", raising=False)  # (an in-process `--debug` test leaves it set)
     import os
 
     import paperline

@@ -132,8 +132,12 @@ def test_second_stack_on_taken_ports_stops_completely(settings_factory, tmp_path
         notices: list[str] = []
         s3_pid = info.service("s3").pid
         prefect_login = info.prefect_login
-        info = ensure_stack(settings, notice=notices.append)
+        # ... with PAPERLINE_ARTIFACTS_BUCKET changed too: ignored, unsaid, while MLflow ran (a trial)
+        moved = settings.model_copy(update={"artifacts_bucket": "test-artifacts-moved"})
+        info = ensure_stack(moved, notice=notices.append)
         assert info.started == ("s3", "prefect", "mlflow")
+        assert [n for n in notices if n.startswith("mlflow: restarting its server") and "to store artifacts in "
+                "s3://test-artifacts-moved/mlflow (PAPERLINE_ARTIFACTS_BUCKET), not in s3://" in n], notices
         assert (info.prefect_login, info.mlflow_login) == (prefect_login, "paperline:another-password-of-the-users")
         assert [n for n in notices if n.startswith(f"s3: restarting SeaweedFS (pid {s3_pid}), started by an earlier "
                                                    "paperline") and n.endswith("fails: run it again")], notices
@@ -144,6 +148,8 @@ def test_second_stack_on_taken_ports_stops_completely(settings_factory, tmp_path
                     "`paperline serve` or `paperline worker`" in n], notices
         assert [n for n in notices if n.startswith("mlflow: restarting its server") and "for the S3 key pair it "
                 "stores artifacts with, which is not the one it was started with" in n], notices
+        info = ensure_stack(settings)  # the settings' bucket again: MLflow alone restarts
+        assert info.started == ("mlflow",), info.started
         user, _, password = info.mlflow_login.partition(":")
         stored = httpx.put(f"{info.mlflow_tracking_uri}/api/2.0/mlflow-artifacts/artifacts/checks/key.txt",
                            content=b"stored with the new key pair", auth=(user, password), timeout=60)
