@@ -753,6 +753,7 @@ def _quiet_logs() -> None:
         handler.addFilter(_stop_not_keyboard)
         handler.addFilter(_no_crash_line_for_the_watch)
         handler.addFilter(_error_said_once)
+        handler.addFilter(_retries_said_once_a_minute)
         if not _state["debug"]:
             handler.addFilter(_strip_traceback)
     for handler in logging.getLogger("prefect._internal").handlers:  # its own (the events worker's records)
@@ -769,6 +770,25 @@ def _error_said_once(record: Any) -> bool:
     return not (getattr(record, EXPECTED_ERROR, False)
                 and record.getMessage().startswith(("Encountered exception during execution",
                                                     "Task run failed with exception")))
+
+
+_RETRY_SAID = {"at": None}  # when one of urllib3's "Retrying" lines was last let through (time.monotonic)
+RETRY_QUIET_S = 60.0
+
+
+def _retries_said_once_a_minute(record: Any) -> bool:
+    """Let one of urllib3's "Retrying (Retry(total=...)) after connection broken by ..." warnings
+    through a minute: a configured MLflow server that died under a run printed about 28 of them
+    before the run's one-line error (a trial on infrastructure of its own)."""
+    import time
+
+    if record.name != "urllib3.connectionpool" or not str(record.msg).startswith("Retrying ("):
+        return True
+    now, last = time.monotonic(), _RETRY_SAID["at"]
+    if last is not None and now - last < RETRY_QUIET_S:
+        return False
+    _RETRY_SAID["at"] = now
+    return True
 
 
 def _no_crash_line_for_the_watch(record: Any) -> bool:

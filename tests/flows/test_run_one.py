@@ -257,3 +257,27 @@ def test_a_retry_after_a_lost_dask_worker_says_so_in_words():
         ": the workers running it died each time (Dask's limit on that)")
     assert cli._with_dask_words("ValueError('bad rank')") == "ValueError('bad rank')"
     assert cli._with_dask_words("") == ""
+
+
+def test_urllib3s_retries_are_said_once_a_minute(monkeypatch):
+    """A configured MLflow that died under a run: about 28 "Retrying (Retry(...)) after connection
+    broken by ..." warnings came before the run's error (a trial); one a minute now."""
+    import logging
+
+    from paperline.flows import cli
+
+    monkeypatch.setitem(cli._RETRY_SAID, "at", None)
+
+    def retrying(path: str) -> logging.LogRecord:
+        return logging.LogRecord("urllib3.connectionpool", logging.WARNING, __file__, 1,
+                                 "Retrying (%r) after connection broken by '%r': %s",
+                                 ("Retry(total=3)", "NewConnectionError()", path), None)
+
+    said = [cli._retries_said_once_a_minute(retrying(p)) for p in ("/api/a", "/api/a", "/api/b")]
+    assert said == [True, False, False]
+    monkeypatch.setitem(cli._RETRY_SAID, "at", cli._RETRY_SAID["at"] - cli.RETRY_QUIET_S)  # a minute on
+    assert cli._retries_said_once_a_minute(retrying("/api/b"))
+    other = logging.LogRecord("urllib3.connectionpool", logging.WARNING, __file__, 1, "Connection pool is full", (),
+                              None)
+    assert cli._retries_said_once_a_minute(other)
+
