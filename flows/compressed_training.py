@@ -26,6 +26,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from paperline.infra.cluster import configure_local_workers, default_task_runner, planned_worker_count
 from paperline.infra.device import resolve_device
 from paperline.infra.errors import InputError
+from paperline.infra.locks import run_owner
 from paperline.infra.pipeline_flow import pipeline_flow
 from paperline.infra.regression import CACHED_FROM_TAG, Headline, check_latest
 from paperline.infra.settings import get_settings
@@ -381,8 +382,7 @@ def training_held(store: ObjectStore, prefix: str, compressor: str) -> Iterator[
     Raises:
         InputError: naming ``compressors`` and the run that holds the configuration.
     """
-    owner = (f"compressed-training flow run {flow_run.name} ({flow_run.id})" if flow_run.id
-             else "a compressed-training run outside Prefect")
+    owner = run_owner("compressed-training")
     with contextlib.ExitStack() as held:
         try:
             check = held.enter_context(store.lease(f"{prefix}/{TRAIN_LEASE}", owner, wait=False))

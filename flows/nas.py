@@ -28,7 +28,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator
 from paperline.infra.cluster import configure_local_workers, default_task_runner
 from paperline.infra.device import resolve_device
 from paperline.infra.errors import InputError, PaperlineError, name_problem
-from paperline.infra.locks import Held, held_by_this_process
+from paperline.infra.locks import Held, held_by_this_process, run_owner
 from paperline.infra.pipeline_flow import pipeline_flow
 from paperline.infra.regression import Headline, check_latest
 from paperline.infra.settings import get_settings
@@ -353,8 +353,8 @@ class CampaignTakenOver(PaperlineError):
 
 
 def _run_owner() -> str:
-    """This run in words: its Prefect flow run's name and id, when it has one."""
-    return f"nas flow run {flow_run.name} ({flow_run.id})" if flow_run.id else "a nas run outside Prefect"
+    """This run in words (:func:`paperline.infra.locks.run_owner`)."""
+    return run_owner("nas")
 
 
 def run_one(cp: CampaignParameters, store: ObjectStore, tracker: Tracker, prefix: str,
@@ -372,6 +372,9 @@ def _run_one(cp: CampaignParameters, campaign: Campaign, name: str, store: Objec
     checkpoint_uri = f"{prefix}/{name}/checkpoint.json"
     state, saved = resumable(cp, campaign, store, checkpoint_uri)
     parent_id = None
+
+    def checkpoint() -> None:  # the whole campaign and its MLflow parent run, in one PUT
+        save_checkpoint(store, checkpoint_uri, {"campaign": campaign.state_dict(), "mlflow_parent_run_id": parent_id})
     if state is not None:
         campaign = saved
         parent_id = state.get("mlflow_parent_run_id")
@@ -396,7 +399,7 @@ def _run_one(cp: CampaignParameters, campaign: Campaign, name: str, store: Objec
         log_evaluations(tracker, EXPERIMENT, parent_id, campaign, campaign.evaluations, tags)  # after a lost run
         # checkpointed at once, with its MLflow run: a run stopped before its first batch left an
         # empty KILLED parent run, and the re-run started a second one of the same name (a trial)
-        save_checkpoint(store, checkpoint_uri, {"campaign": campaign.state_dict(), "mlflow_parent_run_id": parent_id})
+        checkpoint()
     # MLflow parameters cannot change, so a campaign resumed with a larger budget says so in a tag
     tracker.set_tags(parent_id, {**tags, "checkpoint": checkpoint_uri, "paperline.budget": cp.budget})
     # An evaluation keeps its own time limit from its start on its worker (checked between its
@@ -427,7 +430,7 @@ def _run_one(cp: CampaignParameters, campaign: Campaign, name: str, store: Objec
                 raise CampaignTakenOver(f"campaign {name!r}: another run took it over while this one evaluated "
                                         f"(this run's lease went unrenewed): this run stopped before writing the "
                                         f"checkpoint; the other continues the campaign") from None
-            save_checkpoint(store, checkpoint_uri, {"campaign": campaign.state_dict(), "mlflow_parent_run_id": parent_id})
+            checkpoint()
             log_evaluations(tracker, EXPERIMENT, parent_id, campaign, new, tags)
             print(f"{name}: {campaign.n_done}/{campaign.budget} evaluations, {_score_text(campaign)}")
         _log_report(tracker, parent_id, campaign, name)

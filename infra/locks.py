@@ -52,3 +52,11 @@ def held_by_this_process(path: Path, who: str | None = None) -> Iterator[None]:
         f.write(f"{who} (process {os.getpid()})" if who else str(os.getpid()))  # ("a+": at 0 after the truncate)
         f.flush()
         yield
+
+
+def run_owner(pipeline: str) -> str:
+    """This run in words, as a lock or lease names its holder: ``<pipeline> flow run <name> (<id>)``,
+    or ``a <pipeline> run outside Prefect``."""
+    from prefect.runtime import flow_run  # noqa: PLC0415 - this module stays light for its other callers
+
+    return f"{pipeline} flow run {flow_run.name} ({flow_run.id})" if flow_run.id else f"a {pipeline} run outside Prefect"

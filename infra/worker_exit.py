@@ -116,12 +116,11 @@ def _raised_on_purpose(exception: str, traceback: str) -> bool:
     ``PAPERLINE_DEBUG`` set."""
     import re  # noqa: PLC0415
 
+    import paperline  # noqa: PLC0415
     from paperline.infra.errors import DEBUG_ENV  # noqa: PLC0415
 
     if os.environ.get(DEBUG_ENV) or not exception.startswith(tuple(f"{n}(" for n in _expected_error_names())):
         return False
-    import paperline  # noqa: PLC0415
-
     frames = re.findall(r'File "([^"]+)"', traceback)
     home = os.path.dirname(os.path.abspath(paperline.__file__)) + os.sep  # (a checkout's root, or site-packages/paperline)
     return bool(frames) and frames[-1].startswith(home) and "site-packages" not in frames[-1][len(home):]
