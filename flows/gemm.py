@@ -25,10 +25,12 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validat
 
 from paperline.infra.device import array_device
 from paperline.infra.cluster import (
+    WorkerPath,
     configure_local_workers,
     default_task_runner,
     planned_worker_count,
     planned_worker_memory,
+    require_shared_paths,
 )
 from paperline.infra.errors import InputError
 from paperline.infra.pipeline_flow import pipeline_flow
@@ -321,6 +323,30 @@ class GemmParameters(BaseModel):
             if operand == path or (path.exists() and operand.exists() and os.path.samefile(operand, path)):
                 raise InputError("output", out, f"is operand {name}: writing it would destroy the input")
 
+    def worker_paths(self, state_dir: str | Path) -> list[WorkerPath]:
+        """The local paths the Dask workers read or write in this run (for
+        :func:`~paperline.infra.cluster.require_shared_paths`): ``<state dir>/gemm``, where
+        random operands are staged and an S3 output and the scaling sweep's results are written
+        (scratch), unless none of them is; the ``.npy`` operands used; a local output's directory
+        (the result is written beside it, then renamed)."""
+        needs: list[WorkerPath] = []
+        used = used_operands(self.kernel_params())
+        to_s3 = self.output is None or self.output.startswith("s3://")
+        if to_s3 or self.scaling or (self.stage_random and any(getattr(self, n) == "random" for n in used)):
+            needs.append(WorkerPath("PAPERLINE_STATE_DIR", str(state_dir), str(Path(state_dir) / "gemm"), writes=True,
+                                    instead="set PAPERLINE_STATE_DIR to a directory shared with them (gemm stages "
+                                            "random operands and writes scratch results in it)"))
+        for name in used:
+            spec = getattr(self, name)
+            if spec and spec != "random" and not spec.startswith("s3://"):
+                needs.append(WorkerPath(name, spec, str(Path(spec).expanduser().resolve()),
+                                        instead=f"give {name} as an s3:// URI"))
+        if not to_s3:
+            assert self.output is not None
+            needs.append(WorkerPath("output", self.output, str(Path(self.output).expanduser().resolve().parent),
+                                    writes=True, instead="give an s3:// output"))
+        return needs
+
     def check_size(self, problem: Any) -> None:
         """Refuse plans too fine to schedule and data that cannot fit on disk: the staged random
         operands, the staged result and, for an S3 output on the local stack, its copy in
@@ -400,6 +426,7 @@ def gemm(params: GemmParameters | None = None) -> dict[str, Any]:
     settings = get_settings()
     info, store = require_stack(settings)
     problem = params.validate_inputs(store)
+    require_shared_paths(settings, params.worker_paths(settings.state_dir))  # a configured cluster's workers
     budget = parse_bytes(params.memory_budget)
     device = array_device(settings.device)
     output = params.output or f"s3://{info.data_bucket}/gemm/{flow_run.id}/result.npy"

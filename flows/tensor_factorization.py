@@ -19,7 +19,7 @@ from prefect.logging import get_run_logger
 from prefect.runtime import flow_run
 from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, ValidationInfo, field_validator, model_validator
 
-from paperline.infra.cluster import configure_local_workers, default_task_runner
+from paperline.infra.cluster import WorkerPath, configure_local_workers, default_task_runner, require_shared_paths
 from paperline.infra.device import array_device
 from paperline.infra.errors import InputError
 from paperline.infra.pipeline_flow import pipeline_flow
@@ -361,6 +361,8 @@ def tensor_factorization(params: TensorFactorizationParameters | None = None) ->
     params.validate_inputs()
     settings = get_settings()
     info, store = require_stack(settings)
+    if params.data is not None and not params.data.startswith("s3://"):  # the load task reads it on a worker
+        require_shared_paths(settings, [WorkerPath("data", params.data, params.data, instead="give it as an s3:// URI")])
     tracker = Tracker(info.mlflow_tracking_uri)
     bucket = info.data_bucket
     run_url = info.flow_run_url(flow_run.id)

@@ -23,7 +23,7 @@ from typing import Any, Literal
 from prefect.runtime import flow_run
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-from paperline.infra.cluster import configure_local_workers, default_task_runner
+from paperline.infra.cluster import WorkerPath, configure_local_workers, default_task_runner, require_shared_paths
 from paperline.infra.device import resolve_device
 from paperline.infra.errors import InputError, name_problem
 from paperline.infra.flow_runs import FLOW_RUN_ENV
@@ -410,6 +410,10 @@ def video_curation(params: VideoCurationParameters | None = None) -> dict[str, A
     staging = staging_prefix(info.data_bucket)
     # names that are not UTF-8 are rejected here, before any task, parameter or event holds them
     sources, bad_names = reject_bad_names(list_sources(params.source, store, staging))
+    # the curate tasks read local sources on the workers (a configured cluster's may not see them)
+    local = [s for s in sources if not s.startswith("s3://")]
+    require_shared_paths(settings, [WorkerPath("source", params.source, s, instead="upload them (paperline upload "
+                                               "DIR s3://BUCKET/PREFIX/) and give that prefix") for s in local])
     inputs_key = params.inputs_key(cfg, sources)
     check_dataset_free(store, output, inputs_key, argument, value,  # before hours of processing, not at upload
                        params.inputs(cfg, sources))

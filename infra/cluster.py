@@ -9,6 +9,7 @@ single-threaded worker processes, one per core. Local clusters bind loopback onl
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import os
 import signal
 import threading
@@ -362,20 +363,12 @@ def require_scheduler(settings: Settings, timeout_s: float = 5.0) -> int | None:
 
     missing: list[str] = []
 
-    async def workers() -> int:
-        from distributed import Client  # noqa: PLC0415
-
-        client = Client(address, asynchronous=True, timeout=timeout_s, set_as_default=False)
-        try:
-            await client  # connects
-            n = len(await client.scheduler.ncores())  # {worker address: threads}, asked now
-            if n:  # workers that cannot import paperline failed each run's first task (a trial)
-                seen = await client.run(_imports_paperline, on_error="return")
-                missing.extend(w for w, ok in sorted(seen.items()) if ok is not True)
-            return n
-        finally:  # also when connecting failed: collected unclosed, it printed "coroutine ... never awaited"
-            with contextlib.suppress(Exception):
-                await client.close()
+    async def workers(client: Any) -> int:
+        n = len(await client.scheduler.ncores())  # {worker address: threads}, asked now
+        if n:  # workers that cannot import paperline failed each run's first task (a trial)
+            seen = await client.run(_imports_paperline, on_error="return")
+            missing.extend(w for w, ok in sorted(seen.items()) if ok is not True)
+        return n
 
     parts = urlsplit(address if "://" in address else f"tcp://{address}")
     if parts.scheme in ("tcp", "tls"):  # a refused port at once (Dask's connect retries it until its timeout)
@@ -387,7 +380,7 @@ def require_scheduler(settings: Settings, timeout_s: float = 5.0) -> int | None:
                                                  "(start the scheduler, or unset it for a local cluster)",
                                url=address) from None
     try:
-        count = asyncio.run(asyncio.wait_for(workers(), timeout_s + 5))
+        count = asyncio.run(asyncio.wait_for(_with_client(address, timeout_s, workers), timeout_s + 5))
     except Exception as exc:  # noqa: BLE001 - OSError, TimeoutError, TLS TypeError, unknown scheme ValueError, ...
         why = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
         # the port took the connection but did not answer as a scheduler: the dashboard's port gave
@@ -409,3 +402,153 @@ def _imports_paperline() -> bool:
     """Run on each worker of a configured scheduler (``Client.run``): sent by reference, so a
     worker without paperline fails to load it, and ``on_error="return"`` hands that error back."""
     return True
+
+
+async def _with_client(address: str, timeout_s: float, body: Any) -> Any:
+    """``await body(client)`` with an asynchronous Dask client of the scheduler at ``address``,
+    closed after (also when connecting failed: collected unclosed, it printed "coroutine ... never
+    awaited")."""
+    from distributed import Client  # noqa: PLC0415
+
+    client = Client(address, asynchronous=True, timeout=timeout_s, set_as_default=False)
+    try:
+        await client  # connects
+        return await body(client)
+    finally:
+        with contextlib.suppress(Exception):
+            await client.close()
+
+
+@dataclasses.dataclass(frozen=True)
+class WorkerPath:
+    """A local path a run's Dask workers read or write as the flow's process names it.
+
+    Attributes:
+        argument: the parameter or setting that names it (``a``, ``output``, ``PAPERLINE_STATE_DIR``).
+        value: that parameter's value as given.
+        path: the absolute path: a file the workers read, or (``writes``) a directory they write in.
+        writes: True for a directory the workers write in, False for a file they read.
+        instead: what to do other than sharing it (``"give an s3:// URI"``).
+    """
+
+    argument: str
+    value: str
+    path: str
+    writes: bool = False
+    instead: str = ""
+
+
+MTIME_SLACK_NS = 2_000_000_000  # file systems that keep coarser times (FAT's 2 s) show one file's mtime rounded
+
+
+def require_shared_paths(settings: Settings, needs: list[WorkerPath], timeout_s: float = 10.0) -> None:
+    """Check that the workers of a configured Dask scheduler see the local paths a run gives them
+    (a no-op for the local cluster, whose workers share this machine's files).
+
+    Workers read and write local paths as they are named here. On other machines a run failed at
+    its first task (gemm: ``FileNotFoundError: .../gemm/operands/<digest>.npy``) or, worse, read a
+    file of the same name that is not this one (an infra trial). So each file is compared by size
+    and modification time (another file of the same name is refused, naming both sizes), and each
+    directory the workers write in gets a marker file with a random token, written here, that every
+    worker must read back (a directory of the same name on another machine is empty) and may write
+    in; the markers are removed after.
+
+    Args:
+        needs: the paths (:class:`WorkerPath`); files must exist here (the flows check them first).
+
+    Raises:
+        InputError: naming the first need some worker does not see, the workers (up to 3) and what
+            each saw, and what to do instead.
+        ServiceError: the scheduler cannot be reached.
+    """
+    import asyncio  # noqa: PLC0415
+    import concurrent.futures  # noqa: PLC0415
+    from pathlib import Path  # noqa: PLC0415
+
+    from paperline.infra.errors import InputError, ServiceError  # noqa: PLC0415
+
+    address = settings.dask_scheduler_address
+    if not address or not needs:
+        return
+    token = uuid.uuid4().hex
+    markers: list[Path] = []
+    expected: list[tuple[str, str, Any]] = []  # (kind, path, what it must be) per need
+    try:
+        for need in needs:
+            if need.writes:
+                marker = Path(need.path) / f".paperline-shared-{token}"
+                Path(need.path).mkdir(parents=True, exist_ok=True)
+                marker.write_text(token)
+                markers.append(marker)
+                expected.append(("dir", str(marker), token))
+            else:
+                st = os.stat(need.path)
+                expected.append(("file", need.path, (st.st_size, st.st_mtime_ns)))
+
+        async def ask(client: Any) -> tuple[dict[str, Any], dict[str, str]]:
+            seen = await client.run(_sees, expected, on_error="return")
+            info = await client.scheduler.identity(n_workers=-1)  # (the client's own copy lists up to 5)
+            names = {w: str(d.get("name", w)) for w, d in info.get("workers", {}).items()}
+            return seen, names
+
+        try:  # in a thread of its own: a flow's function may run where an event loop is running
+            with concurrent.futures.ThreadPoolExecutor(1) as pool:
+                seen, names = pool.submit(asyncio.run, asyncio.wait_for(_with_client(address, timeout_s, ask),
+                                                                        timeout_s + 30)).result()
+        except Exception as exc:  # noqa: BLE001 - as require_scheduler: any failure to ask is the scheduler's
+            raise ServiceError("dask scheduler", f"cannot ask its workers whether they see this run's local paths "
+                                                 f"({type(exc).__name__}: {str(exc)[:200]}); check "
+                                                 "PAPERLINE_DASK_SCHEDULER_ADDRESS", url=address) from None
+    finally:
+        for marker in markers:
+            marker.unlink(missing_ok=True)
+    problems: dict[int, list[str]] = {}  # need index: "worker (what it saw)"
+    for worker, answer in sorted(seen.items()):
+        name = names.get(worker, worker)
+        shown = worker if name == worker else f"{name} at {worker}"
+        if not isinstance(answer, dict):  # an exception returned: it could not run the check at all
+            for i in range(len(needs)):
+                problems.setdefault(i, []).append(f"{shown} ({type(answer).__name__}: {str(answer)[:120]})")
+            continue
+        for i, why in answer.items():
+            problems.setdefault(int(i), []).append(f"{shown} ({why})")
+    if not problems:
+        return
+    first = min(problems)
+    need, who = needs[first], problems[first]
+    listed = "; ".join(who[:3]) + (f"; and {len(who) - 3} more" if len(who) > 3 else "")
+    verb = "cannot write in" if need.writes else "do not see"
+    others = len(problems) - 1
+    more = f" ({others} more of this run's paths likewise)" if others else ""
+    instead = f", or {need.instead}" if need.instead else ""
+    raise InputError(need.argument, need.value,
+                     f"{len(who)} of the {len(seen)} Dask worker(s) of the scheduler at {address} {verb} "
+                     f"{need.path} ({listed}){more}: workers use local paths as this machine names them; share "
+                     f"it with them at the same path (NFS, a cluster file system){instead}")
+
+
+def _sees(expected: list[tuple[str, str, Any]]) -> dict[int, str]:
+    """Run on each worker (``Client.run``) by :func:`require_shared_paths`: what this worker sees
+    of each expected path, as ``{index: what is wrong}`` (empty: every path as expected)."""
+    wrong: dict[int, str] = {}
+    for i, (kind, path, want) in enumerate(expected):
+        try:
+            if kind == "file":
+                st = os.stat(path)
+                size, mtime_ns = want
+                if st.st_size != size:
+                    wrong[i] = f"another file of that name: {st.st_size} bytes, not {size}"
+                elif abs(st.st_mtime_ns - mtime_ns) > MTIME_SLACK_NS:
+                    wrong[i] = "another file of that name: modified at another time"
+            else:
+                with open(path) as f:
+                    if f.read() != want:
+                        wrong[i] = "another directory of that name"
+                        continue
+                if not os.access(os.path.dirname(path), os.W_OK):
+                    wrong[i] = "not writable there"
+        except FileNotFoundError:
+            wrong[i] = "no such file" if kind == "file" else "another directory of that name, or none"
+        except OSError as exc:
+            wrong[i] = f"{type(exc).__name__}: {exc.strerror or exc}"
+    return wrong

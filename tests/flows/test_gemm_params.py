@@ -137,3 +137,24 @@ def test_a_flag_in_neither_case_is_still_refused_naming_it(params):
             params(**{name: value})
         (error,) = e.value.errors()
         assert error["loc"] == (name,) and error["input"] == value  # the value as given, not normalised
+
+
+def test_the_workers_paths_are_the_state_dir_the_npy_operands_and_a_local_outputs_directory(params, tmp_path):
+    """What require_shared_paths asks a configured cluster's workers to see (infra/cluster.py)."""
+    state = tmp_path / "state"
+    a = tmp_path / "a.npy"
+
+    def needs(**given):
+        return [(w.argument, w.value, w.path, w.writes) for w in params(**given).worker_paths(state)]
+
+    gemm_dir = ("PAPERLINE_STATE_DIR", str(state), str(state / "gemm"), True)
+    assert needs() == [gemm_dir]  # random operands staged, the result staged for S3
+    assert needs(a=str(a), b="s3://bucket/b.npy", c="random", beta=1.0) == [gemm_dir, ("a", str(a), str(a), False)]
+    out = tmp_path / "out" / "c.npy"
+    # nothing under the state dir: operands from files, read where they are, no sweep, a local output
+    assert needs(a=str(a), b=str(a), output=str(out), scaling=False) == [
+        ("a", str(a), str(a), False), ("b", str(a), str(a), False), ("output", str(out), str(out.parent), True)]
+    # random operands generated where they are read (not staged): still nothing there
+    assert needs(stage_random=False, output=str(out), scaling=False) == [("output", str(out), str(out.parent), True)]
+    # SYRK reads no b: a b left at its default is not asked for
+    assert [n[0] for n in needs(routine="syrk", a=str(a), output=str(out), scaling=False)] == ["a", "output"]

@@ -566,6 +566,90 @@ def test_workers_that_cannot_import_paperline_are_named_before_the_run(settings_
                 proc.kill()
 
 
+def _unshare_works() -> bool:
+    import shutil
+    import subprocess
+
+    return bool(shutil.which("unshare")) and subprocess.run(["unshare", "-Urm", "true"], capture_output=True).returncode == 0
+
+
+@pytest.mark.skipif(not _unshare_works(), reason="needs unshare (util-linux) and user namespaces")
+def test_workers_that_do_not_see_a_runs_local_paths_are_named_before_the_run(settings_factory, tmp_path, free_port):
+    """A trial's workers in a mount namespace of their own (as on another machine) failed gemm at
+    its first task with `FileNotFoundError: .../gemm/operands/<digest>.npy`; a worker with another
+    file of the same name would have read it. Here one worker sees `shared/` as an empty tmpfs
+    holding only a different `a.npy`: every local path is named, with that worker and what it saw."""
+    import contextlib
+    import os
+    import subprocess
+    import sys
+    import time
+
+    from paperline.infra.cluster import WorkerPath, require_shared_paths
+    from paperline.infra.errors import InputError
+
+    shared, seen_by_all = tmp_path / "shared", tmp_path / "both.npy"
+    (shared / "out").mkdir(parents=True)
+    (shared / "a.npy").write_bytes(b"x" * 100)
+    (shared / "b.npy").write_bytes(b"y" * 10)
+    seen_by_all.write_bytes(b"z" * 10)
+    port = free_port()
+    address = f"tcp://127.0.0.1:{port}"
+    worker = [sys.executable, "-m", "distributed.cli.dask_worker", address, "--nthreads", "1", "--no-nanny",
+              "--no-dashboard"]
+    quiet = {"stdout": subprocess.DEVNULL, "stderr": subprocess.DEVNULL}
+    procs = [subprocess.Popen([sys.executable, "-m", "distributed.cli.dask_scheduler", "--host", "127.0.0.1",
+                               "--port", str(port), "--dashboard-address", ":0"], **quiet)]
+    procs.append(subprocess.Popen([*worker, "--name", "here"], **quiet))
+    elsewhere = (f"mount -t tmpfs tmpfs '{shared}' && printf xx > '{shared}/a.npy' && "
+                 f"exec {' '.join(worker)} --name elsewhere")
+    procs.append(subprocess.Popen(["unshare", "-Urm", "sh", "-c", elsewhere], **quiet))
+    settings = settings_factory(tmp_path, dask_scheduler_address=address)
+    try:
+        from distributed import Client
+
+        deadline = time.monotonic() + 120
+        while True:
+            with contextlib.suppress(OSError, TimeoutError):
+                with Client(address, timeout=5) as client:
+                    if len(client.scheduler_info(n_workers=-1).get("workers", {})) == 2:
+                        break
+            assert time.monotonic() < deadline and all(p.poll() is None for p in procs)
+            time.sleep(0.5)
+        require_shared_paths(settings, [WorkerPath("a", "both.npy", str(seen_by_all)),
+                                        WorkerPath("PAPERLINE_STATE_DIR", str(tmp_path), str(tmp_path / "gemm"),
+                                                   writes=True)])
+        with pytest.raises(InputError, match=r"^a='shared/a\.npy': 1 of the 2 Dask worker\(s\) of the scheduler at "
+                                             rf"{address} do not see {shared}/a\.npy \(elsewhere at tcp://127\.0\.0\.1:"
+                                             r"\d+ \(another file of that name: 2 bytes, not 100\)\) \(2 more of this "
+                                             r"run's paths likewise\): workers use local paths as this machine names "
+                                             r"them; share it with them at the same path \(NFS, a cluster file system\), "
+                                             r"or give a as an s3:// URI$"):
+            require_shared_paths(settings, [WorkerPath("a", "shared/a.npy", str(shared / "a.npy"),
+                                                       instead="give a as an s3:// URI"),
+                                            WorkerPath("b", "shared/b.npy", str(shared / "b.npy")),
+                                            WorkerPath("output", "shared/out/c.npy", str(shared / "out"), writes=True)])
+        with pytest.raises(InputError, match=r"^b=.* do not see .*/b\.npy \(elsewhere at .* \(no such file\)\) "
+                                             r"\(1 more"):
+            require_shared_paths(settings, [WorkerPath("b", "shared/b.npy", str(shared / "b.npy")),
+                                            WorkerPath("output", "shared/out/c.npy", str(shared / "out"), writes=True)])
+        with pytest.raises(InputError, match=r"^output='shared/out/c\.npy': 1 of the 2 .* cannot write in .*/out "
+                                             r"\(elsewhere at .* \(another directory of that name, or none\)\): "):
+            require_shared_paths(settings, [WorkerPath("output", "shared/out/c.npy", str(shared / "out"), writes=True)])
+        assert not [p.name for p in (shared / "out").iterdir()], "the marker files are removed"
+        assert not [p.name for p in (tmp_path / "gemm").iterdir()]
+        # the local cluster's workers share this machine's files: nothing is asked
+        require_shared_paths(settings_factory(tmp_path), [WorkerPath("b", "x", str(tmp_path / "nowhere.npy"))])
+    finally:
+        for proc in reversed(procs):
+            proc.terminate()
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                proc.wait(30)
+            if proc.poll() is None:
+                proc.kill()
+        os.sync()
+
+
 def test_an_address_that_is_no_scheduler_is_said_to_be_one(settings_factory, tmp_path):
     """The dashboard's port as the scheduler address said only "cannot connect (TimeoutError:
     TimeoutError)" (a trial): a port that takes the connection and does not answer as a scheduler
