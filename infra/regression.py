@@ -158,6 +158,17 @@ def params_key(params: dict[str, Any]) -> str:
     return hashlib.sha256(blob.encode()).hexdigest()[:16]
 
 
+def run_key(params: dict[str, Any]) -> str:
+    """:func:`params_key` of ``params``, with the configured Dask scheduler's address when there
+    is one (``dask_scheduler_address``): a run on a cluster of one's own was compared with the best
+    run on the local cluster, and a 16-worker cluster's runs would flag every local run as a
+    regression (an infra trial). Runs on the local cluster keep the key they always had."""
+    from paperline.infra.settings import get_settings  # noqa: PLC0415
+
+    address = get_settings().dask_scheduler_address
+    return params_key({**params, "dask_scheduler_address": address} if address else params)
+
+
 def _finite(metrics: dict[str, float], name: str) -> float | None:
     v = metrics.get(name)
     return float(v) if v is not None and math.isfinite(v) else None
@@ -225,7 +236,7 @@ def compare_with_best_earlier(tracker: Tracker, run_id: str, key: str, headlines
 
 def check_latest(tracker: Tracker, run_id: str, params: dict[str, Any], headlines: list[Headline],
                  label: str = "", first_run_note: str | None = None) -> BestEarlier:
-    """:func:`compare_with_best_earlier` keyed on ``params``, its lines logged to the flow run's
+    """:func:`compare_with_best_earlier` keyed on ``params`` (and the cluster: :func:`run_key`), its lines logged to the flow run's
     log (a regression as a warning, so that it stands out in the Prefect UI), each record marked
     with the attribute :data:`IN_SUMMARY` (the flows put the same lines in their summaries). In a
     deployment's run (its own process: :data:`paperline.infra.flow_runs.FLOW_RUN_ENV` set) only a
@@ -244,7 +255,7 @@ def check_latest(tracker: Tracker, run_id: str, params: dict[str, Any], headline
     Raises:
         InputError: No headline given. ServiceError: The tracking server is unreachable.
     """
-    outcome = compare_with_best_earlier(tracker, run_id, params_key(params), headlines)
+    outcome = compare_with_best_earlier(tracker, run_id, run_key(params), headlines)
     if first_run_note is not None:
         outcome.first_run_note = first_run_note
     from paperline.infra.flow_runs import FLOW_RUN_ENV  # noqa: PLC0415

@@ -2265,6 +2265,26 @@ def state_problem(settings: Settings) -> str | None:
     return None
 
 
+LOOPBACK_NAMES = ("127.0.0.1", "localhost", "::1")
+
+
+def _same_server(url: str, other: str) -> bool:
+    """Whether two service URLs reach the same server: scheme, port and host (the loopback
+    names as one), paths aside (Prefect's ``/api``)."""
+    from urllib.parse import urlsplit  # noqa: PLC0415
+
+    try:
+        a, b = urlsplit(url), urlsplit(other)
+        ports = (a.port, b.port)
+    except ValueError:  # a port that is no number
+        return False
+
+    def host(h: str | None) -> str:
+        return "127.0.0.1" if (h or "") in LOOPBACK_NAMES else (h or "")
+
+    return a.scheme == b.scheme and ports[0] == ports[1] and host(a.hostname) == host(b.hostname)
+
+
 def stack_status(settings: Settings) -> list[Service]:
     """The three services with their URLs and a fresh health check (``paperline status``).
 
@@ -2322,7 +2342,11 @@ def stack_status(settings: Settings) -> list[Service]:
             out.append(Service(name, shown, managed=False, healthy=problem is None,
                                problem=None if problem is None else redact_text(problem)))
             rec = recs.get(name)
-            if rec and _live_process(rec) is not None:  # started before the setting was (fixed): unlisted, it ran on
+            if rec and _live_process(rec) is not None and _same_server(url, rec["url"]):
+                # the setting names the local server itself (copied from `paperline env`): it was called unused
+                out[-1].detail = (f"the local {name} server of this state directory (pid {rec['pid']}), "
+                                  f"which `paperline up` started: `paperline down` stops it")
+            elif rec and _live_process(rec) is not None:  # started before the setting was (fixed): unlisted, it ran on
                 out[-1].detail = (f"the local {name} server of this state directory still runs (pid {rec['pid']}, "
                                   f"{rec['url']}), unused while PAPERLINE_{EXTERNAL_SETTINGS[name].upper()} is set: "
                                   "`paperline down` stops it")

@@ -58,6 +58,26 @@ def test_params_key_ignores_order_and_sees_values():
 
 
 @pytest.mark.stack
+def test_runs_on_a_configured_cluster_are_keyed_apart_from_the_local_clusters(monkeypatch):
+    """A run on one's own Dask cluster was judged against the best local run of the same
+    parameters (an infra trial); the local cluster's key stays what earlier runs carry."""
+    from paperline.infra.regression import run_key
+    from paperline.infra.settings import get_settings
+
+    monkeypatch.delenv("PAPERLINE_DASK_SCHEDULER_ADDRESS", raising=False)
+    getattr(get_settings, "cache_clear", lambda: None)()
+    local = run_key({"n": 1})
+    assert local == params_key({"n": 1})
+    keys = set()
+    for address in ("tcp://10.0.0.5:8786", "tls://10.0.0.6:8786"):
+        monkeypatch.setenv("PAPERLINE_DASK_SCHEDULER_ADDRESS", address)
+        getattr(get_settings, "cache_clear", lambda: None)()
+        keys.add(run_key({"n": 1}))
+    monkeypatch.delenv("PAPERLINE_DASK_SCHEDULER_ADDRESS")
+    getattr(get_settings, "cache_clear", lambda: None)()
+    assert len(keys) == 2 and local not in keys
+
+
 def test_best_earlier_run_of_the_same_key_and_regressions(stack, caplog, monkeypatch):
     from paperline.infra.tracking import Tracker
 

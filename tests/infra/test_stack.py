@@ -808,6 +808,11 @@ def test_a_configured_endpoint_that_fails_says_why_and_names_the_setting(stack, 
     assert mlflow.detail == (f"the local mlflow server of this state directory still runs (pid {mlflow_pid}, "
                              f"{info.mlflow_tracking_uri}), unused while PAPERLINE_MLFLOW_TRACKING_URI is set: "
                              "`paperline down` stops it")
+    # a setting that names the local server itself (copied from `paperline env`) was called unused
+    same = info.mlflow_tracking_uri.replace("127.0.0.1", "localhost")
+    (mlflow,) = [s for s in stack_status(settings.model_copy(update={"mlflow_tracking_uri": same})) if s.name == "mlflow"]
+    assert mlflow.healthy and mlflow.detail == (f"the local mlflow server of this state directory (pid {mlflow_pid}), "
+                                                "which `paperline up` started: `paperline down` stops it")
     # (used, the local server's line is where its runs are)
     assert [s.detail for s in stack_status(settings) if s.name == "mlflow"] == [
         f"runs stored in sqlite:///{settings.state_dir / 'mlflow' / 'mlflow.db'}"]
