@@ -155,12 +155,16 @@ class Settings(BaseSettings):
         except ValueError as exc:
             if "out of range" in str(exc):  # (it was told the URL's form, not what was wrong with it: a trial)
                 raise ValueError("its port is out of range: 1-65535") from None
+            if "@" not in v and "cast to integer" in str(exc):
+                raise ValueError("its port is not a number: expected http(s)://host[:port][/path]") from None
             parts = None
         if parts is None or parts.scheme not in ("http", "https") or not parts.hostname:
             # a password with a raw '/' or '#' ended the host early: its halves were printed in
-            # "GET /cdef@host/health failed: Invalid port: 'ab'" (a trial)
-            raise ValueError("expected http(s)://[user:password@]host[:port][/path]; a password with '/', '?', "
-                             "'#' or '@' must be percent-encoded (e.g. %2F for '/')")
+            # "GET /cdef@host/health failed: Invalid port: 'ab'" (a trial); the hint only where a
+            # login is (every malformed URL got it: an infra trial)
+            hint = ("; a password with '/', '?', '#' or '@' must be percent-encoded (e.g. %2F for '/')"
+                    if "@" in v else "")
+            raise ValueError(f"expected http(s)://[user:password@]host[:port][/path]{hint}")
         return v
 
     @field_validator("prefect_database_url")
