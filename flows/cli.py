@@ -265,14 +265,16 @@ def status() -> None:
     for s in services:
         if s.detail and (s.healthy or not s.managed):  # (a configured endpoint's: a local server left running)
             console.print(f"{s.name}: {s.detail}", highlight=False, soft_wrap=True)
-    dask_down = None
+    dask_down, notes = None, []
     try:  # a configured scheduler is connected to, as `run` does (a dead address was reported as fine: a trial)
-        workers = require_scheduler(settings)
+        workers = require_scheduler(settings, notes=notes)
     except ServiceError as exc:
         workers, dask_down = None, str(exc)
     shown = f" ({workers} worker(s) now)" if workers is not None else ""
     console.print(f"Dask: {describe_cluster(settings)}{shown}" if dask_down is None else
                   f"[red]Dask: {escape(dask_down)}[/]", highlight=False, soft_wrap=True)
+    for line in notes:  # (not a failure: the runs work, slower)
+        console.print(line, style="yellow", soft_wrap=True, highlight=False, markup=False)
     prefect = next((s for s in services if s.name == "prefect"), None)
     try:
         info = load_stack_info(settings) if prefect is not None and prefect.healthy else None
@@ -901,8 +903,11 @@ def _run_one(spec, params, summary_json: Path | None, early=None) -> dict[str, A
     _say_data_warnings(params)  # before the stack and the cluster start (tens of seconds, or minutes)
     _quiet_logs()
     settings = _settings()
-    workers = require_scheduler(settings)  # a configured scheduler's workers now (None: a local cluster)
+    notes: list[str] = []  # a configured cluster's workers' set-up: BLAS threads, malloc trimming
+    workers = require_scheduler(settings, notes=notes)  # a configured scheduler's workers now (None: a local cluster)
     _say_no_workers(workers, settings)  # before starting anything
+    for line in notes:
+        err_console.print(line, style="yellow", soft_wrap=True, highlight=False, markup=False)
     if hasattr(params, "validate_workers"):  # compressed-training's ranks (was refused in the run, after
         params.validate_workers(workers)  # its flow and MLflow runs were made: a trial)
     info = _ensure_stack()

@@ -333,7 +333,7 @@ def describe_cluster(settings: Settings) -> str:
     return f"local CPU cluster ({n} single-threaded worker process{'es' if n != 1 else ''}, 127.0.0.1)"
 
 
-def require_scheduler(settings: Settings, timeout_s: float = 5.0) -> int | None:
+def require_scheduler(settings: Settings, timeout_s: float = 5.0, notes: list[str] | None = None) -> int | None:
     """Connect to the configured Dask scheduler (``dask_scheduler_address``) as the run's client
     will (Dask's own comms, with the TLS settings of Dask's config) and count its workers; a no-op
     for a local cluster.
@@ -342,6 +342,11 @@ def require_scheduler(settings: Settings, timeout_s: float = 5.0) -> int | None:
     (65 s, with a flow run and an MLflow run already made); a ``tls://`` address to a plain
     scheduler, or an ``http://`` one, passed a bare socket check and failed in the run with Dask's
     ``TypeError``/``ValueError`` naming no setting (a trial).
+
+    Args:
+        notes: when given, what is amiss in the workers' set-up is appended to it, one line each
+            (:func:`worker_setup_notes`: BLAS threads oversubscribing a host's CPUs, Dask's
+            ``MALLOC_TRIM_THRESHOLD_``), for the caller to print; the run is not refused for them.
 
     Returns:
         The scheduler's worker count now (0: tasks wait until a worker joins), or None for a
@@ -368,6 +373,11 @@ def require_scheduler(settings: Settings, timeout_s: float = 5.0) -> int | None:
         if n:  # workers that cannot import paperline failed each run's first task (a trial)
             seen = await client.run(_imports_paperline, on_error="return")
             missing.extend(w for w, ok in sorted(seen.items()) if ok is not True)
+        if n and notes is not None and not missing:
+            setups = await client.run(_worker_setup, on_error="return")
+            threads = await client.scheduler.ncores()
+            notes.extend(worker_setup_notes({w: {**v, "nthreads": threads.get(w, 1)} for w, v in setups.items()
+                                             if isinstance(v, dict)}))
         return n
 
     parts = urlsplit(address if "://" in address else f"tcp://{address}")
@@ -402,6 +412,59 @@ def _imports_paperline() -> bool:
     """Run on each worker of a configured scheduler (``Client.run``): sent by reference, so a
     worker without paperline fails to load it, and ``on_error="return"`` hands that error back."""
     return True
+
+
+def _worker_setup() -> dict[str, Any]:
+    """Run on each worker of a configured scheduler (``Client.run``): its host's usable CPUs, the
+    threads its BLAS uses per call (threadpoolctl; NumPy's BLAS loaded), and whether Dask's
+    ``MALLOC_TRIM_THRESHOLD_`` is in its environment."""
+    import numpy  # noqa: F401, PLC0415 - its BLAS, loaded for threadpoolctl to see
+    from threadpoolctl import threadpool_info  # noqa: PLC0415
+
+    try:
+        cpus = len(os.sched_getaffinity(0))
+    except AttributeError:  # (not Linux)
+        cpus = os.cpu_count() or 1
+    blas = max((int(p.get("num_threads") or 1) for p in threadpool_info() if p.get("user_api") == "blas"), default=1)
+    return {"cpus": cpus, "blas_threads": blas, "malloc_trim": "MALLOC_TRIM_THRESHOLD_" in os.environ}
+
+
+def worker_setup_notes(setups: dict[str, dict[str, Any]]) -> list[str]:
+    """What is amiss in a configured cluster's workers, one line per host, from
+    :func:`_worker_setup`'s answers (with each worker's ``nthreads``) by worker address.
+
+    - BLAS oversubscription: on one host, the workers' threads times their BLAS threads per call
+      exceed its CPUs (``dask worker --no-nanny`` leaves OpenBLAS one thread per core in every
+      task: 2 workers x 1 thread x 16 BLAS threads on 16 CPUs run 32 threads).
+    - ``MALLOC_TRIM_THRESHOLD_`` set (Dask's nanny default): NumPy-heavy tasks ran 2-3x slower
+      (an external-cluster trial: a tensor fit 101.8 s against 52.7 s).
+    """
+    from urllib.parse import urlsplit  # noqa: PLC0415
+
+    hosts: dict[str, list[dict[str, Any]]] = {}
+    for address, setup in setups.items():
+        try:
+            host = urlsplit(address).hostname or address
+        except ValueError:
+            host = address
+        hosts.setdefault(host, []).append(setup)
+    notes = []
+    for host, found in sorted(hosts.items()):
+        cpus = max(f["cpus"] for f in found)
+        running = sum(int(f["nthreads"]) * int(f["blas_threads"]) for f in found)
+        if running > cpus:
+            blas = sorted({int(f["blas_threads"]) for f in found})
+            notes.append(f"Dask workers on {host}: {len(found)} worker(s) with {sum(int(f['nthreads']) for f in found)} "
+                         f"thread(s), each BLAS call using {'/'.join(map(str, blas))} thread(s), run up to {running} "
+                         f"threads on {cpus} CPU(s): start them with one BLAS thread per task (a nanny sets "
+                         "OMP_NUM_THREADS=1; without one, set OMP_NUM_THREADS=1 OPENBLAS_NUM_THREADS=1 "
+                         "MKL_NUM_THREADS=1 in their environment)")
+        trimmed = sum(1 for f in found if f["malloc_trim"])
+        if trimmed:
+            notes.append(f"Dask workers on {host}: {trimmed} of {len(found)} run with Dask's MALLOC_TRIM_THRESHOLD_ "
+                         "(NumPy-heavy tasks ran 2-3x slower with it): start them with --preload-nanny "
+                         "paperline.infra.nanny_env")
+    return notes
 
 
 async def _with_client(address: str, timeout_s: float, body: Any) -> Any:

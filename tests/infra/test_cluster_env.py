@@ -2,6 +2,8 @@
 malloc threshold variable, in particular not the nanny's MALLOC_TRIM_THRESHOLD_."""
 
 import asyncio
+import contextlib
+import os
 
 import dask
 import pytest
@@ -573,18 +575,50 @@ def _unshare_works() -> bool:
     return bool(shutil.which("unshare")) and subprocess.run(["unshare", "-Urm", "true"], capture_output=True).returncode == 0
 
 
-@pytest.mark.skipif(not _unshare_works(), reason="needs unshare (util-linux) and user namespaces")
-def test_workers_that_do_not_see_a_runs_local_paths_are_named_before_the_run(settings_factory, tmp_path, free_port):
-    """A trial's workers in a mount namespace of their own (as on another machine) failed gemm at
-    its first task with `FileNotFoundError: .../gemm/operands/<digest>.npy`; a worker with another
-    file of the same name would have read it. Here one worker sees `shared/` as an empty tmpfs
-    holding only a different `a.npy`: every local path is named, with that worker and what it saw."""
-    import contextlib
-    import os
+@contextlib.contextmanager
+def _scheduler_and_workers(port: int, workers: list[tuple[list[str], dict[str, str]]]):
+    """A Dask scheduler on 127.0.0.1:``port`` and one ``--no-nanny`` worker per ``(prefix, env)``:
+    its command run under ``prefix`` (an ``sh -c`` taking the command as ``$@``, or none), with
+    ``env`` over this environment; yields once every worker has joined."""
     import subprocess
     import sys
     import time
 
+    from distributed import Client
+
+    address = f"tcp://127.0.0.1:{port}"
+    quiet = {"stdout": subprocess.DEVNULL, "stderr": subprocess.DEVNULL}
+    procs = [subprocess.Popen([sys.executable, "-m", "distributed.cli.dask_scheduler", "--host", "127.0.0.1",
+                               "--port", str(port), "--dashboard-address", ":0"], **quiet)]
+    try:
+        for i, (prefix, env) in enumerate(workers):
+            command = [sys.executable, "-m", "distributed.cli.dask_worker", address, "--nthreads", "1",
+                       "--no-nanny", "--no-dashboard", "--name", f"w{i}"]
+            procs.append(subprocess.Popen([*prefix, *command], env={**os.environ, **env}, **quiet))
+        deadline = time.monotonic() + 120
+        while True:
+            with contextlib.suppress(OSError, TimeoutError):
+                with Client(address, timeout=5) as client:
+                    if len(client.scheduler_info(n_workers=-1).get("workers", {})) == len(workers):
+                        break
+            assert time.monotonic() < deadline and all(p.poll() is None for p in procs)
+            time.sleep(0.5)
+        yield address
+    finally:
+        for proc in reversed(procs):
+            proc.terminate()
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                proc.wait(30)
+            if proc.poll() is None:
+                proc.kill()
+
+
+@pytest.mark.skipif(not _unshare_works(), reason="needs unshare (util-linux) and user namespaces")
+def test_workers_that_do_not_see_a_runs_local_paths_are_named_before_the_run(settings_factory, tmp_path, free_port):
+    """A trial's workers in a mount namespace of their own (as on another machine) failed gemm at
+    its first task with `FileNotFoundError: .../gemm/operands/<digest>.npy`; a worker with another
+    file of the same name would have read it. Here worker w1 sees `shared/` as an empty tmpfs
+    holding only a different `a.npy`: every local path is named, with that worker and what it saw."""
     from paperline.infra.cluster import WorkerPath, require_shared_paths
     from paperline.infra.errors import InputError
 
@@ -593,34 +627,15 @@ def test_workers_that_do_not_see_a_runs_local_paths_are_named_before_the_run(set
     (shared / "a.npy").write_bytes(b"x" * 100)
     (shared / "b.npy").write_bytes(b"y" * 10)
     seen_by_all.write_bytes(b"z" * 10)
-    port = free_port()
-    address = f"tcp://127.0.0.1:{port}"
-    worker = [sys.executable, "-m", "distributed.cli.dask_worker", address, "--nthreads", "1", "--no-nanny",
-              "--no-dashboard"]
-    quiet = {"stdout": subprocess.DEVNULL, "stderr": subprocess.DEVNULL}
-    procs = [subprocess.Popen([sys.executable, "-m", "distributed.cli.dask_scheduler", "--host", "127.0.0.1",
-                               "--port", str(port), "--dashboard-address", ":0"], **quiet)]
-    procs.append(subprocess.Popen([*worker, "--name", "here"], **quiet))
-    elsewhere = (f"mount -t tmpfs tmpfs '{shared}' && printf xx > '{shared}/a.npy' && "
-                 f"exec {' '.join(worker)} --name elsewhere")
-    procs.append(subprocess.Popen(["unshare", "-Urm", "sh", "-c", elsewhere], **quiet))
-    settings = settings_factory(tmp_path, dask_scheduler_address=address)
-    try:
-        from distributed import Client
-
-        deadline = time.monotonic() + 120
-        while True:
-            with contextlib.suppress(OSError, TimeoutError):
-                with Client(address, timeout=5) as client:
-                    if len(client.scheduler_info(n_workers=-1).get("workers", {})) == 2:
-                        break
-            assert time.monotonic() < deadline and all(p.poll() is None for p in procs)
-            time.sleep(0.5)
+    elsewhere = ["unshare", "-Urm", "sh", "-c", f"mount -t tmpfs tmpfs '{shared}' && printf xx > '{shared}/a.npy' && "
+                                                'exec "$@"', "sh"]
+    with _scheduler_and_workers(free_port(), [([], {}), (elsewhere, {})]) as address:
+        settings = settings_factory(tmp_path, dask_scheduler_address=address)
         require_shared_paths(settings, [WorkerPath("a", "both.npy", str(seen_by_all)),
                                         WorkerPath("PAPERLINE_STATE_DIR", str(tmp_path), str(tmp_path / "gemm"),
                                                    writes=True)])
         with pytest.raises(InputError, match=r"^a='shared/a\.npy': 1 of the 2 Dask worker\(s\) of the scheduler at "
-                                             rf"{address} do not see {shared}/a\.npy \(elsewhere at tcp://127\.0\.0\.1:"
+                                             rf"{address} do not see {shared}/a\.npy \(w1 at tcp://127\.0\.0\.1:"
                                              r"\d+ \(another file of that name: 2 bytes, not 100\)\) \(2 more of this "
                                              r"run's paths likewise\): workers use local paths as this machine names "
                                              r"them; share it with them at the same path \(NFS, a cluster file system\), "
@@ -629,25 +644,44 @@ def test_workers_that_do_not_see_a_runs_local_paths_are_named_before_the_run(set
                                                        instead="give a as an s3:// URI"),
                                             WorkerPath("b", "shared/b.npy", str(shared / "b.npy")),
                                             WorkerPath("output", "shared/out/c.npy", str(shared / "out"), writes=True)])
-        with pytest.raises(InputError, match=r"^b=.* do not see .*/b\.npy \(elsewhere at .* \(no such file\)\) "
+        with pytest.raises(InputError, match=r"^b=.* do not see .*/b\.npy \(w1 at .* \(no such file\)\) "
                                              r"\(1 more"):
             require_shared_paths(settings, [WorkerPath("b", "shared/b.npy", str(shared / "b.npy")),
                                             WorkerPath("output", "shared/out/c.npy", str(shared / "out"), writes=True)])
         with pytest.raises(InputError, match=r"^output='shared/out/c\.npy': 1 of the 2 .* cannot write in .*/out "
-                                             r"\(elsewhere at .* \(another directory of that name, or none\)\): "):
+                                             r"\(w1 at .* \(another directory of that name, or none\)\): "):
             require_shared_paths(settings, [WorkerPath("output", "shared/out/c.npy", str(shared / "out"), writes=True)])
         assert not [p.name for p in (shared / "out").iterdir()], "the marker files are removed"
         assert not [p.name for p in (tmp_path / "gemm").iterdir()]
         # the local cluster's workers share this machine's files: nothing is asked
         require_shared_paths(settings_factory(tmp_path), [WorkerPath("b", "x", str(tmp_path / "nowhere.npy"))])
-    finally:
-        for proc in reversed(procs):
-            proc.terminate()
-            with contextlib.suppress(subprocess.TimeoutExpired):
-                proc.wait(30)
-            if proc.poll() is None:
-                proc.kill()
-        os.sync()
+
+
+def test_workers_oversubscribing_blas_or_trimming_malloc_are_noted(settings_factory, tmp_path, free_port):
+    """Workers started without a nanny run OpenBLAS with a thread per core in every task, and
+    Dask's nanny sets MALLOC_TRIM_THRESHOLD_ (tensor fits 2-3x slower): neither was checked (an
+    infra trial). Two single-threaded workers with BLAS on every CPU oversubscribe this host."""
+    from paperline.infra.cluster import require_scheduler, worker_setup_notes
+
+    cpus = str(len(os.sched_getaffinity(0)))
+    blas_all = {"OMP_NUM_THREADS": cpus, "OPENBLAS_NUM_THREADS": cpus, "MKL_NUM_THREADS": cpus}
+    with _scheduler_and_workers(free_port(), [([], blas_all), ([], {**blas_all, "MALLOC_TRIM_THRESHOLD_": "65536"})]) \
+            as address:
+        notes: list[str] = []
+        assert require_scheduler(settings_factory(tmp_path, dask_scheduler_address=address), notes=notes) == 2
+    assert notes == [
+        f"Dask workers on 127.0.0.1: 2 worker(s) with 2 thread(s), each BLAS call using {cpus} thread(s), run up to "
+        f"{2 * int(cpus)} threads on {cpus} CPU(s): start them with one BLAS thread per task (a nanny sets "
+        "OMP_NUM_THREADS=1; without one, set OMP_NUM_THREADS=1 OPENBLAS_NUM_THREADS=1 MKL_NUM_THREADS=1 in their "
+        "environment)",
+        "Dask workers on 127.0.0.1: 1 of 2 run with Dask's MALLOC_TRIM_THRESHOLD_ (NumPy-heavy tasks ran 2-3x slower "
+        "with it): start them with --preload-nanny paperline.infra.nanny_env"]
+    # one BLAS thread per task on each host, no trimming: nothing to say; hosts are counted apart
+    fine = {"cpus": 4, "blas_threads": 1, "nthreads": 2, "malloc_trim": False}
+    assert worker_setup_notes({"tcp://10.0.0.1:1": fine, "tcp://10.0.0.1:2": fine,
+                               "tls://10.0.0.2:1": {**fine, "blas_threads": 4, "nthreads": 1}}) == []
+    assert len(worker_setup_notes({"tcp://10.0.0.1:1": fine, "tcp://10.0.0.1:2": fine,
+                                   "tcp://10.0.0.1:3": fine})) == 1  # 6 threads on 4 CPUs
 
 
 def test_an_address_that_is_no_scheduler_is_said_to_be_one(settings_factory, tmp_path):
