@@ -18,6 +18,7 @@ from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
 from paperline.infra.device import resolve_device
+from paperline.infra.errors import PaperlineError, ServiceError, redact_url
 from paperline.infra.settings import Settings
 from paperline.infra.worker_exit import STOP_SIGNALS
 
@@ -354,13 +355,11 @@ def require_scheduler(settings: Settings, timeout_s: float = 5.0, notes: list[st
 
     Raises:
         ServiceError: naming the scheduler's address, what the connection said, and the setting;
-            or naming the workers that cannot import paperline.
+            or (:class:`WorkersError`) naming the workers that cannot import paperline.
     """
     import asyncio  # noqa: PLC0415
     import socket  # noqa: PLC0415
     from urllib.parse import urlsplit  # noqa: PLC0415
-
-    from paperline.infra.errors import ServiceError  # noqa: PLC0415
 
     address = settings.dask_scheduler_address
     if not address:
@@ -372,7 +371,8 @@ def require_scheduler(settings: Settings, timeout_s: float = 5.0, notes: list[st
         n = len(await client.scheduler.ncores())  # {worker address: threads}, asked now
         if n:  # workers that cannot import paperline failed each run's first task (a trial)
             seen = await client.run(_imports_paperline, on_error="return")
-            missing.extend(w for w, ok in sorted(seen.items()) if ok is not True)
+            shown = await _worker_names(client)
+            missing.extend(shown.get(w, w) for w, ok in sorted(seen.items()) if ok is not True)
         if n and notes is not None and not missing:
             setups = await client.run(_worker_setup, on_error="return")
             threads = await client.scheduler.ncores()
@@ -401,11 +401,29 @@ def require_scheduler(settings: Settings, timeout_s: float = 5.0, notes: list[st
                                              "PAPERLINE_DASK_SCHEDULER_ADDRESS (tcp://host:port, or tls:// with Dask's "
                                              "TLS settings)", url=address) from None
     if missing:  # a run failed with "ModuleNotFoundError" or "Error during deserialization of the task graph"
-        shown = ", ".join(missing[:3]) + (f" and {len(missing) - 3} more" if len(missing) > 3 else "")
-        raise ServiceError("dask scheduler", f"{len(missing)} of its {count} worker(s) cannot import paperline "
-                                             f"({shown}): install paperline in the workers' environment (the same "
-                                             "constraints.txt), or start them from this one", url=address)
+        shown = "; ".join(missing[:3]) + (f"; and {len(missing) - 3} more" if len(missing) > 3 else "")
+        # (the scheduler is fine: "dask scheduler is not available" sent users to it, an infra trial)
+        raise WorkersError(f"{len(missing)} of the {count} Dask worker(s) of the scheduler at {redact_url(address)} "
+                           f"cannot import paperline ({shown}): install paperline in the workers' environment (the "
+                           "same constraints.txt), or start them from this one")
     return count
+
+
+class WorkersError(ServiceError):
+    """A configured scheduler's workers cannot run paperline's tasks (the scheduler itself is up):
+    the message is said as given, not as "dask scheduler is not available"."""
+
+    def __init__(self, message: str):
+        self.service = "dask workers"
+        PaperlineError.__init__(self, message)
+
+
+async def _worker_names(client: Any) -> dict[str, str]:
+    """Each worker of ``client``'s scheduler as said in messages: ``name at address``, or its
+    address when it has no name of its own."""
+    info = await client.scheduler.identity(n_workers=-1)  # (the client's own copy lists up to 5)
+    names = {w: str(d.get("name", w)) for w, d in info.get("workers", {}).items()}
+    return {w: w if name == w else f"{name} at {w}" for w, name in names.items()}
 
 
 def _imports_paperline() -> bool:
@@ -528,7 +546,7 @@ def require_shared_paths(settings: Settings, needs: list[WorkerPath], timeout_s:
     import concurrent.futures  # noqa: PLC0415
     from pathlib import Path  # noqa: PLC0415
 
-    from paperline.infra.errors import InputError, ServiceError  # noqa: PLC0415
+    from paperline.infra.errors import InputError  # noqa: PLC0415
 
     address = settings.dask_scheduler_address
     if not address or not needs:
@@ -549,10 +567,7 @@ def require_shared_paths(settings: Settings, needs: list[WorkerPath], timeout_s:
                 expected.append(("file", need.path, (st.st_size, st.st_mtime_ns)))
 
         async def ask(client: Any) -> tuple[dict[str, Any], dict[str, str]]:
-            seen = await client.run(_sees, expected, on_error="return")
-            info = await client.scheduler.identity(n_workers=-1)  # (the client's own copy lists up to 5)
-            names = {w: str(d.get("name", w)) for w, d in info.get("workers", {}).items()}
-            return seen, names
+            return await client.run(_sees, expected, on_error="return"), await _worker_names(client)
 
         try:  # in a thread of its own: a flow's function may run where an event loop is running
             with concurrent.futures.ThreadPoolExecutor(1) as pool:
@@ -567,8 +582,7 @@ def require_shared_paths(settings: Settings, needs: list[WorkerPath], timeout_s:
             marker.unlink(missing_ok=True)
     problems: dict[int, list[str]] = {}  # need index: "worker (what it saw)"
     for worker, answer in sorted(seen.items()):
-        name = names.get(worker, worker)
-        shown = worker if name == worker else f"{name} at {worker}"
+        shown = names.get(worker, worker)
         if not isinstance(answer, dict):  # an exception returned: it could not run the check at all
             for i in range(len(needs)):
                 problems.setdefault(i, []).append(f"{shown} ({type(answer).__name__}: {str(answer)[:120]})")

@@ -555,8 +555,8 @@ def test_workers_that_cannot_import_paperline_are_named_before_the_run(settings_
                         break
             assert time.monotonic() < deadline and worker.poll() is None and scheduler.poll() is None
             time.sleep(0.5)
-        with pytest.raises(ServiceError, match=rf"^dask scheduler is not available at {address}: 1 of its 1 "
-                                               r"worker\(s\) cannot import paperline \(tcp://127\.0\.0\.1:\d+\): "
+        with pytest.raises(ServiceError, match=rf"^1 of the 1 Dask worker\(s\) of the scheduler at {address} "
+                                               r"cannot import paperline \(tcp://127\.0\.0\.1:\d+\): "
                                                r"install paperline in the workers' environment"):
             require_scheduler(settings_factory(tmp_path, dask_scheduler_address=address))
     finally:
@@ -579,7 +579,7 @@ def _unshare_works() -> bool:
 def _scheduler_and_workers(port: int, workers: list[tuple[list[str], dict[str, str]]]):
     """A Dask scheduler on 127.0.0.1:``port`` and one ``--no-nanny`` worker per ``(prefix, env)``:
     its command run under ``prefix`` (an ``sh -c`` taking the command as ``$@``, or none), with
-    ``env`` over this environment; yields once every worker has joined."""
+    ``env`` over this environment (less Dask's malloc variables); yields once every worker has joined."""
     import subprocess
     import sys
     import time
@@ -594,7 +594,8 @@ def _scheduler_and_workers(port: int, workers: list[tuple[list[str], dict[str, s
         for i, (prefix, env) in enumerate(workers):
             command = [sys.executable, "-m", "distributed.cli.dask_worker", address, "--nthreads", "1",
                        "--no-nanny", "--no-dashboard", "--name", f"w{i}"]
-            procs.append(subprocess.Popen([*prefix, *command], env={**os.environ, **env}, **quiet))
+            base = {k: v for k, v in os.environ.items() if k not in DROPPED_WORKER_ENV}  # (earlier tests' LocalClusters
+            procs.append(subprocess.Popen([*prefix, *command], env={**base, **env}, **quiet))  # leave them here)
         deadline = time.monotonic() + 120
         while True:
             with contextlib.suppress(OSError, TimeoutError):
