@@ -119,6 +119,7 @@ def test_a_run_whose_server_dies_is_stopped_with_the_server_named(stack, monkeyp
     retrying its dead server (a trial). The run's watch stops it once a recorded server has been
     gone for its grace, and the error names the server, its log and what to do. Here the watched
     "server" is a process recorded in a stack.json of its own (the session stack stays up)."""
+    import signal
     import subprocess
     import sys
     import threading
@@ -129,7 +130,7 @@ def test_a_run_whose_server_dies_is_stopped_with_the_server_named(stack, monkeyp
     from prefect.task_runners import ThreadPoolTaskRunner
 
     from paperline.flows import cli
-    from paperline.infra import watch
+    from paperline.infra import interrupts, watch
     from paperline.infra.settings import get_settings
     from paperline.infra.stack import _record, _write_state
 
@@ -154,11 +155,19 @@ def test_a_run_whose_server_dies_is_stopped_with_the_server_named(stack, monkeyp
     monkeypatch.setattr("paperline.infra.cluster.task_runner", lambda settings, started=None: ThreadPoolTaskRunner())
     monkeypatch.setitem(cli._state, "prefect_gone", False)
     get_settings.cache_clear()
+    # as `paperline run` starts: SIGINT raising (as in a terminal), and an interrupt that lands in a
+    # finalizer or gc callback delivered again. Without them the watch's interrupt was lost once in
+    # a loaded suite (the probe ran its minute out): its redelivery had been left to whichever
+    # earlier in-process command this xdist worker happened to run.
+    monkeypatch.setattr(sys, "unraisablehook", sys.unraisablehook)  # (restored after)
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    interrupts.install()
     started = time.monotonic()
     try:
         with pytest.raises(watch.ServersDied) as raised:
             cli._run_one(types.SimpleNamespace(name="gemm", flow=probe), {}, None)
     finally:
+        signal.signal(signal.SIGINT, previous)
         get_settings.cache_clear()
         server.kill()
     assert time.monotonic() - started < 30
