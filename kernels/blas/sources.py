@@ -107,7 +107,7 @@ class NpySource:
     """A ``.npy`` file read through a memory map, tile by tile (operands larger than memory).
 
     Args:
-        path: the file.
+        path: the file (``~`` expanded; relative to the current directory).
         argument: the operand's name for error messages.
         spilled: the file holds a caller's in-memory array, written for the Dask workers: a
             non-finite entry is then named by its index alone, not by this file.
@@ -123,7 +123,8 @@ class NpySource:
     kind = "file"
 
     def __init__(self, path: str | os.PathLike[str], argument: str = "a", spilled: bool = False):
-        self.path = str(Path(path).resolve())
+        # ~ expanded, as for the flow's output (a=~/a.npy was "no such file": the CWD's "~" looked for)
+        self.path = str(Path(path).expanduser().resolve())
         self.where = None if spilled else str(path)  # as given, as the errors above name it
         if os.path.isdir(self.path):
             raise InputError(argument, str(path), "is a directory; name a .npy file")

@@ -508,6 +508,15 @@ def test_generated_source_runs_like_an_array():
     assert_matches(got, sblas.dtrsm(ALPHA, a, b, lower=1), np.float64)
 
 
+def test_an_operand_path_under_the_home_directory_is_expanded(tmp_path, monkeypatch):
+    """a=~/a.npy was refused as "no such file" (the current directory's "~" was looked for),
+    though a ~ output was expanded."""
+    monkeypatch.setenv("HOME", str(tmp_path))
+    a, b = rand((M, K), np.float64, 1), rand((K, N), np.float64, 2)
+    np.save(tmp_path / "a.npy", a)
+    assert_matches(api.gemm(1.0, "~/a.npy", b, tile=TILE), sblas.dgemm(1.0, a, b), np.float64)
+
+
 def test_bad_operand_files_are_refused(tmp_path):
     b = rand((K, N), np.float64, 2)
     missing = str(tmp_path / "missing.npy")
