@@ -535,7 +535,8 @@ def require_shared_paths(settings: Settings, needs: list[WorkerPath], timeout_s:
     in; the markers are removed after.
 
     Args:
-        needs: the paths (:class:`WorkerPath`); files must exist here (the flows check them first).
+        needs: the paths (:class:`WorkerPath`); a file missing here is left to the run (which
+            names it, or records a video source as rejected).
 
     Raises:
         InputError: naming the first need some worker does not see, the workers (up to 3) and what
@@ -549,6 +550,8 @@ def require_shared_paths(settings: Settings, needs: list[WorkerPath], timeout_s:
     from paperline.infra.errors import InputError  # noqa: PLC0415
 
     address = settings.dask_scheduler_address
+    # a file missing here (a video source that is a broken link) is the run's to record as rejected
+    needs = [need for need in needs if need.writes or os.path.exists(need.path)]
     if not address or not needs:
         return
     token = uuid.uuid4().hex

@@ -632,7 +632,9 @@ def test_workers_that_do_not_see_a_runs_local_paths_are_named_before_the_run(set
                                                 'exec "$@"', "sh"]
     with _scheduler_and_workers(free_port(), [([], {}), (elsewhere, {})]) as address:
         settings = settings_factory(tmp_path, dask_scheduler_address=address)
+        (tmp_path / "broken.mp4").symlink_to(tmp_path / "gone.mp4")  # missing here too: the run's to reject
         require_shared_paths(settings, [WorkerPath("a", "both.npy", str(seen_by_all)),
+                                        WorkerPath("source", "v", str(tmp_path / "broken.mp4")),
                                         WorkerPath("PAPERLINE_STATE_DIR", str(tmp_path), str(tmp_path / "gemm"),
                                                    writes=True)])
         with pytest.raises(InputError, match=r"^a='shared/a\.npy': 1 of the 2 Dask worker\(s\) of the scheduler at "
