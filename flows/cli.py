@@ -1968,12 +1968,18 @@ def compare(experiment: str = typer.Argument(..., metavar="EXPERIMENT", help="ML
     result = compare_runs(Tracker(info.mlflow_tracking_uri), experiment, list(metric), joined_filters(filter_string),
                           top, out, log,
                           ascending, all_runs)
-    width = Console().width  # the terminal's (COLUMNS), not the 140 the module's console keeps for URLs
-    console.print(_runs_table(experiment, result, width, named=bool(metric)), width=width)
+    _print_comparison(experiment, result, Console().width, named=bool(metric))
+
+
+def _print_comparison(experiment: str, result: dict[str, Any], width: int, named: bool) -> None:
+    """`compare`'s output: the runs' table and its note at the terminal's ``width`` (COLUMNS; the
+    note was wrapped at the 140 columns the module's console keeps for URLs: a trial), then where
+    the Parquet file and the plot are, and the comparison's MLflow run."""
+    console.print(_runs_table(experiment, result, width, named=named), width=width)
     if result["note"]:
-        console.print(result["note"], highlight=False)
+        console.print(result["note"], highlight=False, width=width)
     plot = result["plot"] or "none (these runs share no metric: name some with --metric)"
-    console.print(f"runs: {result['parquet']}\nplot: {plot}", highlight=False)
+    console.print(f"runs: {result['parquet']}\nplot: {plot}", highlight=False, soft_wrap=True)
     if result["comparison_run_id"]:
         console.print(f"logged as MLflow run {result['comparison_run_id']}", highlight=False)
 

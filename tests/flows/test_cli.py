@@ -815,6 +815,28 @@ def test_compare_table_makes_room_for_every_named_metric_before_whole_names(monk
     assert "--metric" not in narrow, narrow
 
 
+def test_compares_note_is_wrapped_at_the_terminals_width(monkeypatch):
+    """The table kept to 80 columns, the note under it ran to the 140 the CLI's console keeps for
+    URLs (a trial); paths stay whole (soft-wrapped)."""
+    from rich.console import Console
+
+    from paperline.flows import cli
+
+    recording = Console(width=140, record=True)
+    monkeypatch.setattr(cli, "console", recording)
+    note = ("left out: 3 run(s) without final_test_accuracy_pct (named with --metric): 0a1b2c3d, 4e5f6a7b, "
+            "8c9d0e1f; 2 comparison run(s) of `paperline compare --log` (--all-runs lists them)")
+    result = {"columns": ["run", "name", "status", "m"], "rows": [["0a1b2c3d", "a", "FINISHED", 1.0]],
+              "selection": "all runs", "metrics": ["m"], "note": note, "plot": "/tmp/" + "p" * 100 + ".png",
+              "parquet": "/tmp/runs.parquet", "comparison_run_id": None}
+    cli._print_comparison("nas", result, 80, named=False)
+    text = recording.export_text()
+    lines = text.splitlines()
+    assert all(len(line) <= 80 for line in lines if not line.startswith("plot:")), text
+    assert " ".join(text.split()).count(note) == 1  # all of it, wrapped
+    assert f"plot: {result['plot']}" in lines, text
+
+
 def test_env_with_a_failing_configured_endpoint_says_why(tmp_path, free_port):
     """`env` said `stack is not available: not running; start it with paperline up` for a configured
     MLflow URI with a bad port: `up` starts nothing for it (a fresh-user trial)."""
