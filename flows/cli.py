@@ -45,9 +45,33 @@ def _plain_types(params: list[Any]) -> list[Any]:
     return params
 
 
+# options users reached for that a command does not have, with what it has instead (click's
+# guess for `compare --sort` was "Possible options: --out": a trial)
+OPTION_HINTS = {
+    "compare": {**dict.fromkeys(("--sort", "--sort-by", "--order-by", "--rank"),
+                                "runs are sorted by the first --metric (--ascending flips it)"),
+                **dict.fromkeys(("--limit", "--last", "--max", "-n"), "--top N shows at most N runs")},
+    "run": dict.fromkeys(("--param", "--params", "-p", "--parameter", "--override", "--option"),
+                         "--set KEY=VALUE sets a parameter (repeatable; `paperline params PIPELINE` lists them)"),
+}
+
+
 class _Command(TyperCommand):
     def get_params(self, ctx: Any) -> list[Any]:
         return _plain_types(super().get_params(ctx))
+
+    def parse_args(self, ctx: Any, args: list[str]) -> list[str]:
+        """Click's parsing, with :data:`OPTION_HINTS`' advice for an option the command lacks."""
+        from typer import _click  # noqa: PLC0415 - typer's own copy of click, whose errors it raises
+
+        try:
+            return super().parse_args(ctx, args)
+        except _click.exceptions.NoSuchOption as exc:
+            hint = OPTION_HINTS.get(self.name or "", {}).get(exc.option_name)
+            if hint:
+                exc.possibilities = None
+                exc.message = f"No such option: {exc.option_name}: {hint}"
+            raise
 
 
 class _Group(TyperGroup):

@@ -815,6 +815,19 @@ def test_compare_table_makes_room_for_every_named_metric_before_whole_names(monk
     assert "--metric" not in narrow, narrow
 
 
+def test_an_option_users_reach_for_names_the_one_there_is():
+    """`compare --sort` got click's guess "Possible options: --out" (a trial); other unknown
+    options keep click's own message."""
+    for args, said in ((["compare", "nas", "--sort", "x"], "--sort: runs are sorted by the first --metric"),
+                       (["compare", "nas", "--limit=3"], "--limit: --top N shows at most N runs"),
+                       (["run", "gemm", "-p", "m=3"], "-p: --set KEY=VALUE sets a parameter")):
+        result = run_cli(*args)
+        flat = " ".join(result.output.replace("│", " ").split())
+        assert result.exit_code == 2 and said in flat and "Possible options" not in flat, (args, result.output)
+    flat = " ".join(run_cli("compare", "nas", "--bogus").output.replace("│", " ").split())
+    assert "No such option: --bogus (Possible options: --log, --out)" in flat, flat
+
+
 def test_compares_note_is_wrapped_at_the_terminals_width(monkeypatch):
     """The table kept to 80 columns, the note under it ran to the 140 the CLI's console keeps for
     URLs (a trial); paths stay whole (soft-wrapped)."""
