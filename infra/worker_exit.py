@@ -39,8 +39,8 @@ _CLOSED_CLEANLY = {"value": False}
 QUIET_ON_CLOSE_LOGGERS = ("distributed.worker",)
 
 
-class ClosingCommErrorFilter(logging.Filter):
-    """Drops records carrying an ``OSError`` logged while ``worker`` is closing or closed.
+class _WhileClosingFilter(logging.Filter):
+    """Drops the records :meth:`drops` names while ``worker`` is closing or closed.
 
     Args:
         worker: a ``distributed.Worker`` (anything with a ``status`` attribute).
@@ -50,11 +50,22 @@ class ClosingCommErrorFilter(logging.Filter):
         super().__init__()
         self.worker = worker
 
+    def drops(self, record: logging.LogRecord) -> bool:
+        """Whether ``record`` is one to drop while the worker closes."""
+        raise NotImplementedError
+
     def filter(self, record: logging.LogRecord) -> bool:
-        """False (drop) for a record carrying an ``OSError`` while the worker is closing or
-        closed; True otherwise."""
-        exc = record.exc_info[1] if record.exc_info else None
-        return not (_closing(self.worker) and isinstance(exc, OSError))
+        """False (drop) for a record :meth:`drops` names while the worker is closing or closed;
+        True otherwise."""
+        return not (self.drops(record) and _closing(self.worker))
+
+
+class ClosingCommErrorFilter(_WhileClosingFilter):
+    """Drops records carrying an ``OSError`` logged while ``worker`` is closing or closed."""
+
+    def drops(self, record: logging.LogRecord) -> bool:
+        """A record carrying an ``OSError``."""
+        return isinstance(record.exc_info[1] if record.exc_info else None, OSError)
 
 
 def _closing(worker: Any) -> bool:
@@ -63,27 +74,17 @@ def _closing(worker: Any) -> bool:
     return getattr(worker, "status", None) in (Status.closing, Status.closed)
 
 
-class CancelledOnCloseFilter(logging.Filter):
+class CancelledOnCloseFilter(_WhileClosingFilter):
     """Drops ``distributed.worker.state_machine``'s "Async instruction for <Task ...> ended with
     CancelledError" while ``worker`` is closing or closed: the tasks a closing worker was running
     are cancelled (training ranks, when Ctrl-C closed the run's cluster), which Dask logs as a
     warning with the asyncio task's repr, one long line per task, after the run's own
-    "interrupted: ..." line (a trial). Other records pass.
+    "interrupted: ..." line (a trial). Other records pass."""
 
-    Args:
-        worker: a ``distributed.Worker`` (anything with a ``status`` attribute).
-    """
-
-    def __init__(self, worker: Any) -> None:
-        super().__init__()
-        self.worker = worker
-
-    def filter(self, record: logging.LogRecord) -> bool:
-        """False (drop) for an "Async instruction for ... ended with CancelledError" record
-        while the worker is closing or closed; True otherwise."""
+    def drops(self, record: logging.LogRecord) -> bool:
+        """An "Async instruction for ... ended with CancelledError" record."""
         message = str(record.msg)
-        cancelled = message.startswith("Async instruction for") and message.endswith("ended with CancelledError")
-        return not (cancelled and _closing(self.worker))
+        return message.startswith("Async instruction for") and message.endswith("ended with CancelledError")
 
 
 class TaskFailureOneLine(logging.Filter):
