@@ -327,7 +327,9 @@ def _down_lines(services, unrecorded: bool = False) -> list[str]:
     lines = [f"not running: {', '.join(local)} (`paperline up` starts the local stack)"] if local and not unrecorded \
         else []
     lines += [f"{s.name}: {s.problem}" for s in services if not s.healthy and s.managed and s.problem]
-    return lines + [f"not reachable: {s.name} at {redact_url(s.url)} (configured endpoint): {s.problem}"
+    # (a 401 is no unreachable server: a trial read "not reachable" for a refused login)
+    return lines + [f"{'refused' if 'not authorized' in (s.problem or '') else 'not reachable'}: {s.name} at "
+                    f"{redact_url(s.url)} (configured endpoint): {s.problem}"
                     for s in services if not s.healthy and not s.managed]
 
 
@@ -744,9 +746,10 @@ def _say_no_workers(workers: int | None, settings: Any) -> None:
     """Warn when the configured Dask scheduler has no worker: the run's tasks wait for one,
     silently (a trial's tensor and nas runs printed nothing for minutes). Not refused: an
     adaptive cluster starts its workers when tasks come."""
-    if workers == 0:
+    if workers == 0:  # (and the run's local paths cannot be checked: a trial's joining worker lacked them)
         err_console.print(f"[yellow]the Dask scheduler at {settings.dask_scheduler_address} has no workers now: the "
-                          "run's tasks wait until one joins (`dask worker ADDRESS`, or your cluster's scaling)[/]",
+                          "run's tasks wait until one joins (`dask worker ADDRESS`, or your cluster's scaling); "
+                          "whether the workers see the run's local paths is not checked[/]",
                           soft_wrap=True, highlight=False)
 
 
@@ -919,7 +922,7 @@ def _run_one(spec, params, summary_json: Path | None, early=None) -> dict[str, A
             the caller closes it too, in case the run never started.
     """
     from paperline.infra import heap, interrupts
-    from paperline.infra.cluster import describe_cluster, require_scheduler, task_runner
+    from paperline.infra.cluster import describe_cluster, require_scheduler, require_shared_paths, task_runner
 
     _said_before.clear()  # (in-process tests run several)
     if hasattr(params, "validate_inputs"):
@@ -932,6 +935,8 @@ def _run_one(spec, params, summary_json: Path | None, early=None) -> dict[str, A
     _say_no_workers(workers, settings)  # before starting anything
     for line in notes:
         err_console.print(line, style="yellow", soft_wrap=True, highlight=False, markup=False)
+    if workers and hasattr(params, "worker_paths"):  # before the stack and the flow run (each refusal in the
+        require_shared_paths(settings, params.worker_paths(settings.state_dir))  # flow was a Failed run: a trial)
     if hasattr(params, "validate_workers"):  # compressed-training's ranks (was refused in the run, after
         params.validate_workers(workers)  # its flow and MLflow runs were made: a trial)
     info = _ensure_stack()

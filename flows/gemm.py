@@ -332,10 +332,14 @@ class GemmParameters(BaseModel):
         needs: list[WorkerPath] = []
         used = used_operands(self.kernel_params())
         to_s3 = self.output is None or self.output.startswith("s3://")
-        if to_s3 or self.scaling or (self.stage_random and any(getattr(self, n) == "random" for n in used)):
+        staged = self.stage_random and any(getattr(self, n) == "random" for n in used)
+        uses = [what for what, why in (("stages the random operands", staged), ("stages the result for S3", to_s3),
+                                       ("writes the scaling sweep's results", self.scaling)) if why]
+        if uses:  # said, with how to need none of it (a trial with .npy operands did not see why it was asked)
             needs.append(WorkerPath("PAPERLINE_STATE_DIR", str(state_dir), str(Path(state_dir) / "gemm"), writes=True,
-                                    instead="set PAPERLINE_STATE_DIR to a directory shared with them (gemm stages "
-                                            "random operands and writes scratch results in it)"))
+                                    instead=f"set PAPERLINE_STATE_DIR to a directory shared with them (this run "
+                                            f"{' and '.join(uses)} there; .npy or s3:// operands, a local output "
+                                            "and scaling=false need nothing there)"))
         for name in used:
             spec = getattr(self, name)
             if spec and spec != "random" and not spec.startswith("s3://"):
@@ -426,7 +430,7 @@ def gemm(params: GemmParameters | None = None) -> dict[str, Any]:
     settings = get_settings()
     info, store = require_stack(settings)
     problem = params.validate_inputs(store)
-    require_shared_paths(settings, params.worker_paths(settings.state_dir))  # a configured cluster's workers
+    require_shared_paths(settings, params.worker_paths(settings.state_dir))  # (also for deployments' runs)
     budget = parse_bytes(params.memory_budget)
     device = array_device(settings.device)
     output = params.output or f"s3://{info.data_bucket}/gemm/{flow_run.id}/result.npy"

@@ -132,6 +132,13 @@ class TensorFactorizationParameters(BaseModel):
         (``baseline_iterations``) and ``seed``."""
         return dict(rank=self.rank, n_iter_max=self.baseline_iterations, seed=self.seed)
 
+    def worker_paths(self, state_dir: str | Path) -> list[WorkerPath]:
+        """A local ``data`` file, which the load task reads on a Dask worker (for
+        :func:`~paperline.infra.cluster.require_shared_paths`); none for bundled or S3 data."""
+        if self.data is None or self.data.startswith("s3://"):
+            return []
+        return [WorkerPath("data", self.data, self.data, instead="give it as an s3:// URI")]
+
     def validate_inputs(self) -> None:
         """Check what can be checked before anything starts: dataset names, a local data file
         (readable, splittable), P against the first mode, and memory bounds (the TensorLy
@@ -361,8 +368,7 @@ def tensor_factorization(params: TensorFactorizationParameters | None = None) ->
     params.validate_inputs()
     settings = get_settings()
     info, store = require_stack(settings)
-    if params.data is not None and not params.data.startswith("s3://"):  # the load task reads it on a worker
-        require_shared_paths(settings, [WorkerPath("data", params.data, params.data, instead="give it as an s3:// URI")])
+    require_shared_paths(settings, params.worker_paths(settings.state_dir))  # (also for deployments' runs)
     tracker = Tracker(info.mlflow_tracking_uri)
     bucket = info.data_bucket
     run_url = info.flow_run_url(flow_run.id)

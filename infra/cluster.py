@@ -14,7 +14,7 @@ import os
 import signal
 import threading
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Any
 
 from paperline.infra.device import resolve_device
@@ -368,17 +368,24 @@ def require_scheduler(settings: Settings, timeout_s: float = 5.0, notes: list[st
     missing: list[str] = []
 
     async def workers(client: Any) -> int:
-        n = len(await client.scheduler.ncores())  # {worker address: threads}, asked now
-        if n:  # workers that cannot import paperline failed each run's first task (a trial)
-            seen = await client.run(_imports_paperline, on_error="return")
-            shown = await _worker_names(client)
-            missing.extend(shown.get(w, w) for w, ok in sorted(seen.items()) if ok is not True)
-        if n and notes is not None and not missing:
-            setups = await client.run(_worker_setup, on_error="return")
-            threads = await client.scheduler.ncores()
-            notes.extend(worker_setup_notes({w: {**v, "nthreads": threads.get(w, 1)} for w, v in setups.items()
-                                             if isinstance(v, dict)}))
-        return n
+        threads = await client.scheduler.ncores()  # {worker address: threads}, asked now
+        if not threads:
+            return 0
+        # one call per worker: one that cannot load paperline fails it (each run's first task failed:
+        # a trial), one that does not answer (stopped, stuck) is named, not taken for a dead scheduler
+        seen = await _run_on_each(client, _worker_setup, timeout_s=timeout_s)
+        shown = await _worker_names(client)
+        missing.extend(shown.get(w, w) for w, v in sorted(seen.items()) if isinstance(v, BaseException))
+        if notes is not None and not missing:
+            setups = {w: {**v, "nthreads": threads.get(w, 1), "name": shown.get(w, w)} for w, v in seen.items()
+                      if isinstance(v, dict)}
+            notes.extend(worker_setup_notes(setups))
+            silent = [shown.get(w, w) for w, v in sorted(seen.items()) if v is NO_ANSWER]
+            if silent:
+                notes.append(f"{len(silent)} of the {len(threads)} Dask worker(s) did not answer within "
+                             f"{timeout_s:g} s ({_listed(silent)}): stopped, stuck or busy; tasks sent to them wait "
+                             "until they answer")
+        return len(threads)
 
     parts = urlsplit(address if "://" in address else f"tcp://{address}")
     if parts.scheme in ("tcp", "tls"):  # a refused port at once (Dask's connect retries it until its timeout)
@@ -390,7 +397,7 @@ def require_scheduler(settings: Settings, timeout_s: float = 5.0, notes: list[st
                                                  "(start the scheduler, or unset it for a local cluster)",
                                url=address) from None
     try:
-        count = asyncio.run(asyncio.wait_for(_with_client(address, timeout_s, workers), timeout_s + 5))
+        count = asyncio.run(asyncio.wait_for(_with_client(address, timeout_s, workers), 2 * timeout_s + 5))
     except Exception as exc:  # noqa: BLE001 - OSError, TimeoutError, TLS TypeError, unknown scheme ValueError, ...
         why = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
         # the port took the connection but did not answer as a scheduler: the dashboard's port gave
@@ -401,7 +408,7 @@ def require_scheduler(settings: Settings, timeout_s: float = 5.0, notes: list[st
                                              "PAPERLINE_DASK_SCHEDULER_ADDRESS (tcp://host:port, or tls:// with Dask's "
                                              "TLS settings)", url=address) from None
     if missing:  # a run failed with "ModuleNotFoundError" or "Error during deserialization of the task graph"
-        shown = "; ".join(missing[:3]) + (f"; and {len(missing) - 3} more" if len(missing) > 3 else "")
+        shown = _listed(missing)
         # (the scheduler is fine: "dask scheduler is not available" sent users to it, an infra trial)
         raise WorkersError(f"{len(missing)} of the {count} Dask worker(s) of the scheduler at {redact_url(address)} "
                            f"cannot import paperline ({shown}): install paperline in the workers' environment (the "
@@ -426,34 +433,62 @@ async def _worker_names(client: Any) -> dict[str, str]:
     return {w: w if name == w else f"{name} at {w}" for w, name in names.items()}
 
 
-def _imports_paperline() -> bool:
-    """Run on each worker of a configured scheduler (``Client.run``): sent by reference, so a
-    worker without paperline fails to load it, and ``on_error="return"`` hands that error back."""
-    return True
+def _listed(names: list[str], most: int = 3) -> str:
+    """Up to ``most`` of ``names``, "; "-separated, and how many more."""
+    return "; ".join(names[:most]) + (f"; and {len(names) - most} more" if len(names) > most else "")
+
+
+NO_ANSWER = object()  # what :func:`_run_on_each` gives for a worker that did not answer in time
+
+
+async def _run_on_each(client: Any, fn: Callable[..., Any], *args: Any, timeout_s: float) -> dict[str, Any]:
+    """``Client.run(fn, *args)`` on every worker, each on its own and within ``timeout_s``: by
+    worker address, its result, the exception it raised or met loading ``fn`` (``on_error=
+    "return"``), or :data:`NO_ANSWER`. One stopped worker timed all of a run's check out, which
+    then said the scheduler was no scheduler (an infra trial)."""
+    import asyncio  # noqa: PLC0415
+
+    addresses = list(await client.scheduler.ncores())
+
+    async def one(worker: str) -> Any:
+        try:
+            got = await asyncio.wait_for(client.run(fn, *args, workers=[worker], on_error="return"), timeout_s)
+        except (asyncio.TimeoutError, OSError):
+            return NO_ANSWER
+        return got.get(worker, NO_ANSWER)
+
+    return dict(zip(addresses, await asyncio.gather(*(one(w) for w in addresses))))
 
 
 def _worker_setup() -> dict[str, Any]:
-    """Run on each worker of a configured scheduler (``Client.run``): its host's usable CPUs, the
-    threads its BLAS uses per call (threadpoolctl; NumPy's BLAS loaded), and whether Dask's
+    """Run on each worker of a configured scheduler (``Client.run``; sent by reference, so a worker
+    without paperline fails to load it): its host's usable CPUs, the threads its BLAS uses per call
+    (threadpoolctl, NumPy's BLAS loaded; 1 if unknown), and whether Dask's
     ``MALLOC_TRIM_THRESHOLD_`` is in its environment."""
-    import numpy  # noqa: F401, PLC0415 - its BLAS, loaded for threadpoolctl to see
-    from threadpoolctl import threadpool_info  # noqa: PLC0415
-
     try:
         cpus = len(os.sched_getaffinity(0))
     except AttributeError:  # (not Linux)
         cpus = os.cpu_count() or 1
-    blas = max((int(p.get("num_threads") or 1) for p in threadpool_info() if p.get("user_api") == "blas"), default=1)
+    try:
+        import numpy  # noqa: F401, PLC0415 - its BLAS, loaded for threadpoolctl to see
+        from threadpoolctl import threadpool_info  # noqa: PLC0415
+
+        blas = max((int(p.get("num_threads") or 1) for p in threadpool_info() if p.get("user_api") == "blas"),
+                   default=1)
+    except Exception:  # noqa: BLE001 - a set-up note is not worth failing the check for
+        blas = 1
     return {"cpus": cpus, "blas_threads": blas, "malloc_trim": "MALLOC_TRIM_THRESHOLD_" in os.environ}
 
 
 def worker_setup_notes(setups: dict[str, dict[str, Any]]) -> list[str]:
-    """What is amiss in a configured cluster's workers, one line per host, from
-    :func:`_worker_setup`'s answers (with each worker's ``nthreads``) by worker address.
+    """What is amiss in a configured cluster's workers, one line per host and problem, from
+    :func:`_worker_setup`'s answers (with each worker's ``nthreads`` and ``name``) by address.
 
-    - BLAS oversubscription: on one host, the workers' threads times their BLAS threads per call
-      exceed its CPUs (``dask worker --no-nanny`` leaves OpenBLAS one thread per core in every
-      task: 2 workers x 1 thread x 16 BLAS threads on 16 CPUs run 32 threads).
+    - BLAS oversubscription: on one host, workers whose BLAS calls use several threads while
+      their tasks' threads times those exceed its CPUs (``dask worker --no-nanny`` leaves OpenBLAS
+      a thread per core in every task: 2 workers x 16 BLAS threads on 16 CPUs run 32).
+    - More task threads than CPUs on a host, each BLAS call single-threaded: tasks share CPUs,
+      and timings (GFLOP/s, the regression check) come out lower than the CPUs allow.
     - ``MALLOC_TRIM_THRESHOLD_`` set (Dask's nanny default): NumPy-heavy tasks ran 2-3x slower
       (an external-cluster trial: a tensor fit 101.8 s against 52.7 s).
     """
@@ -465,23 +500,30 @@ def worker_setup_notes(setups: dict[str, dict[str, Any]]) -> list[str]:
             host = urlsplit(address).hostname or address
         except ValueError:
             host = address
-        hosts.setdefault(host, []).append(setup)
+        hosts.setdefault(host, []).append({"name": address, **setup})
     notes = []
     for host, found in sorted(hosts.items()):
-        cpus = max(f["cpus"] for f in found)
+        cpus = max(int(f["cpus"]) for f in found)
+        threads = sum(int(f["nthreads"]) for f in found)
         running = sum(int(f["nthreads"]) * int(f["blas_threads"]) for f in found)
-        if running > cpus:
-            blas = sorted({int(f["blas_threads"]) for f in found})
-            notes.append(f"Dask workers on {host}: {len(found)} worker(s) with {sum(int(f['nthreads']) for f in found)} "
-                         f"thread(s), each BLAS call using {'/'.join(map(str, blas))} thread(s), run up to {running} "
-                         f"threads on {cpus} CPU(s): start them with one BLAS thread per task (a nanny sets "
+        wide = [f for f in found if int(f["blas_threads"]) > 1]
+        if running > cpus and wide:
+            most = max(int(f["blas_threads"]) for f in wide)
+            notes.append(f"Dask workers on {host}: BLAS calls use up to {most} threads each in {len(wide)} of its "
+                         f"{len(found)} worker(s) ({_listed([str(f['name']) for f in wide])}), {running} threads on "
+                         f"{cpus} CPU(s) in all: start them with one BLAS thread per task (a nanny sets "
                          "OMP_NUM_THREADS=1; without one, set OMP_NUM_THREADS=1 OPENBLAS_NUM_THREADS=1 "
                          "MKL_NUM_THREADS=1 in their environment)")
-        trimmed = sum(1 for f in found if f["malloc_trim"])
+        elif threads > cpus:
+            notes.append(f"Dask workers on {host}: {len(found)} worker(s) run {threads} task threads on {cpus} CPU(s) "
+                         f"({_listed([str(f['name']) for f in found])}): tasks share CPUs, and timings come out lower "
+                         f"than the CPUs allow; start at most {cpus} single-threaded workers there (dask worker "
+                         f"--nworkers {cpus} --nthreads 1)")
+        trimmed = [str(f["name"]) for f in found if f["malloc_trim"]]
         if trimmed:
-            notes.append(f"Dask workers on {host}: {trimmed} of {len(found)} run with Dask's MALLOC_TRIM_THRESHOLD_ "
-                         "(NumPy-heavy tasks ran 2-3x slower with it): start them with --preload-nanny "
-                         "paperline.infra.nanny_env")
+            notes.append(f"Dask workers on {host}: {len(trimmed)} of {len(found)} run with Dask's "
+                         f"MALLOC_TRIM_THRESHOLD_ ({_listed(trimmed)}; NumPy-heavy tasks ran 2-3x slower with it): "
+                         "start them with --preload-nanny paperline.infra.nanny_env")
     return notes
 
 
@@ -500,6 +542,9 @@ async def _with_client(address: str, timeout_s: float, body: Any) -> Any:
             await client.close()
 
 
+SHARE = "share it with them at the same path (NFS, a cluster file system)"
+
+
 @dataclasses.dataclass(frozen=True)
 class WorkerPath:
     """A local path a run's Dask workers read or write as the flow's process names it.
@@ -507,9 +552,10 @@ class WorkerPath:
     Attributes:
         argument: the parameter or setting that names it (``a``, ``output``, ``PAPERLINE_STATE_DIR``).
         value: that parameter's value as given.
-        path: the absolute path: a file the workers read, or (``writes``) a directory they write in.
+        path: the path: a file the workers read, or (``writes``) a directory they write in.
         writes: True for a directory the workers write in, False for a file they read.
         instead: what to do other than sharing it (``"give an s3:// URI"``).
+        how: how to make the workers see it (default :data:`SHARE`).
     """
 
     argument: str
@@ -517,9 +563,25 @@ class WorkerPath:
     path: str
     writes: bool = False
     instead: str = ""
+    how: str = SHARE
 
 
-MTIME_SLACK_NS = 2_000_000_000  # file systems that keep coarser times (FAT's 2 s) show one file's mtime rounded
+SAMPLE_BYTES = 64 << 10  # a file's first and last bytes compared (with its size) by require_shared_paths
+SAMPLED_FILES = 32  # files compared by content; beyond, by size (a video folder of thousands, on every worker)
+
+
+def _sample_digest(path: str) -> str:
+    """SHA-256 of a file's first and last :data:`SAMPLE_BYTES` (the whole of a smaller file)."""
+    import hashlib  # noqa: PLC0415
+
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        digest.update(f.read(SAMPLE_BYTES))
+        size = os.fstat(f.fileno()).st_size
+        if size > SAMPLE_BYTES:
+            f.seek(max(SAMPLE_BYTES, size - SAMPLE_BYTES))
+            digest.update(f.read(SAMPLE_BYTES))
+    return digest.hexdigest()
 
 
 def require_shared_paths(settings: Settings, needs: list[WorkerPath], timeout_s: float = 10.0) -> None:
@@ -528,11 +590,13 @@ def require_shared_paths(settings: Settings, needs: list[WorkerPath], timeout_s:
 
     Workers read and write local paths as they are named here. On other machines a run failed at
     its first task (gemm: ``FileNotFoundError: .../gemm/operands/<digest>.npy``) or, worse, read a
-    file of the same name that is not this one (an infra trial). So each file is compared by size
-    and modification time (another file of the same name is refused, naming both sizes), and each
+    file of the same name that is not this one (an infra trial: a `B.npy` of the same size and
+    time, only Freivalds' check caught it). So each file is compared by size and, for the first
+    :data:`SAMPLED_FILES`, by the digest of its first and last :data:`SAMPLE_BYTES`; and each
     directory the workers write in gets a marker file with a random token, written here, that every
     worker must read back (a directory of the same name on another machine is empty) and may write
-    in; the markers are removed after.
+    in; the markers are removed after. A worker that does not answer within ``timeout_s`` is left
+    out (`run` and `status` name it); one that joins later is not checked.
 
     Args:
         needs: the paths (:class:`WorkerPath`); a file missing here is left to the run (which
@@ -558,6 +622,7 @@ def require_shared_paths(settings: Settings, needs: list[WorkerPath], timeout_s:
     markers: list[Path] = []
     expected: list[tuple[str, str, Any]] = []  # (kind, path, what it must be) per need
     try:
+        sampled = 0
         for need in needs:
             if need.writes:
                 marker = Path(need.path) / f".paperline-shared-{token}"
@@ -566,16 +631,17 @@ def require_shared_paths(settings: Settings, needs: list[WorkerPath], timeout_s:
                 markers.append(marker)
                 expected.append(("dir", str(marker), token))
             else:
-                st = os.stat(need.path)
-                expected.append(("file", need.path, (st.st_size, st.st_mtime_ns)))
+                sampled += 1
+                digest = _sample_digest(need.path) if sampled <= SAMPLED_FILES else None
+                expected.append(("file", need.path, (os.stat(need.path).st_size, digest)))
 
         async def ask(client: Any) -> tuple[dict[str, Any], dict[str, str]]:
-            return await client.run(_sees, expected, on_error="return"), await _worker_names(client)
+            return await _run_on_each(client, _sees, expected, timeout_s=timeout_s), await _worker_names(client)
 
         try:  # in a thread of its own: a flow's function may run where an event loop is running
             with concurrent.futures.ThreadPoolExecutor(1) as pool:
                 seen, names = pool.submit(asyncio.run, asyncio.wait_for(_with_client(address, timeout_s, ask),
-                                                                        timeout_s + 30)).result()
+                                                                        2 * timeout_s + 10)).result()
         except Exception as exc:  # noqa: BLE001 - as require_scheduler: any failure to ask is the scheduler's
             raise ServiceError("dask scheduler", f"cannot ask its workers whether they see this run's local paths "
                                                  f"({type(exc).__name__}: {str(exc)[:200]}); check "
@@ -583,28 +649,33 @@ def require_shared_paths(settings: Settings, needs: list[WorkerPath], timeout_s:
     finally:
         for marker in markers:
             marker.unlink(missing_ok=True)
-    problems: dict[int, list[str]] = {}  # need index: "worker (what it saw)"
-    for worker, answer in sorted(seen.items()):
-        shown = names.get(worker, worker)
+    problems: dict[int, list[tuple[str, str]]] = {}  # need index: [(worker, what it saw)]
+    asked = [w for w, answer in seen.items() if answer is not NO_ANSWER]
+    for worker in sorted(asked):
+        answer, shown = seen[worker], names.get(worker, worker)
         if not isinstance(answer, dict):  # an exception returned: it could not run the check at all
             for i in range(len(needs)):
-                problems.setdefault(i, []).append(f"{shown} ({type(answer).__name__}: {str(answer)[:120]})")
+                problems.setdefault(i, []).append((shown, f"{type(answer).__name__}: {str(answer)[:120]}"))
             continue
         for i, why in answer.items():
-            problems.setdefault(int(i), []).append(f"{shown} ({why})")
+            problems.setdefault(int(i), []).append((shown, why))
     if not problems:
         return
     first = min(problems)
     need, who = needs[first], problems[first]
-    listed = "; ".join(who[:3]) + (f"; and {len(who) - 3} more" if len(who) > 3 else "")
+    listed = _listed([f"{worker} ({why})" for worker, why in who])
     verb = "cannot write in" if need.writes else "do not see"
     others = len(problems) - 1
     more = f" ({others} more of this run's paths likewise)" if others else ""
     instead = f", or {need.instead}" if need.instead else ""
+    how = ("let the workers' user write in it" if all(why == NOT_WRITABLE for _, why in who)
+           else f"workers use local paths as this machine names them; {need.how}")
     raise InputError(need.argument, need.value,
-                     f"{len(who)} of the {len(seen)} Dask worker(s) of the scheduler at {address} {verb} "
-                     f"{need.path} ({listed}){more}: workers use local paths as this machine names them; share "
-                     f"it with them at the same path (NFS, a cluster file system){instead}")
+                     f"{len(who)} of the {len(asked)} Dask worker(s) of the scheduler at {address} {verb} "
+                     f"{need.path} ({listed}){more}: {how}{instead}")
+
+
+NOT_WRITABLE = "not writable there"
 
 
 def _sees(expected: list[tuple[str, str, Any]]) -> dict[int, str]:
@@ -614,19 +685,19 @@ def _sees(expected: list[tuple[str, str, Any]]) -> dict[int, str]:
     for i, (kind, path, want) in enumerate(expected):
         try:
             if kind == "file":
-                st = os.stat(path)
-                size, mtime_ns = want
-                if st.st_size != size:
-                    wrong[i] = f"another file of that name: {st.st_size} bytes, not {size}"
-                elif abs(st.st_mtime_ns - mtime_ns) > MTIME_SLACK_NS:
-                    wrong[i] = "another file of that name: modified at another time"
+                size, digest = want
+                seen = os.stat(path).st_size
+                if seen != size:
+                    wrong[i] = f"another file of that name: {seen} bytes, not {size}"
+                elif digest is not None and _sample_digest(path) != digest:
+                    wrong[i] = "another file of that name: the same size, other contents"
             else:
                 with open(path) as f:
                     if f.read() != want:
                         wrong[i] = "another directory of that name"
                         continue
                 if not os.access(os.path.dirname(path), os.W_OK):
-                    wrong[i] = "not writable there"
+                    wrong[i] = NOT_WRITABLE
         except FileNotFoundError:
             wrong[i] = "no such file" if kind == "file" else "another directory of that name, or none"
         except OSError as exc:

@@ -2346,6 +2346,11 @@ def stack_status(settings: Settings) -> list[Service]:
                 # the setting names the local server itself (copied from `paperline env`): it was called unused
                 out[-1].detail = (f"the local {name} server of this state directory (pid {rec['pid']}), "
                                   f"which `paperline up` started: `paperline down` stops it")
+                if problem and name in LOGIN_FILES and "not authorized" in problem:  # configured, its login is not
+                    out[-1].problem = redact_text(  # given: said as that server's (a trial read only "set ...")
+                        f"{problem}; it is this state directory's local {name} server, which takes the login "
+                        f"`paperline up` made ({settings.state_dir / LOGIN_FILES[name]}): unset "
+                        f"PAPERLINE_{EXTERNAL_SETTINGS[name].upper()} (paperline then uses it with that login)")
             elif rec and _live_process(rec) is not None:  # started before the setting was (fixed): unlisted, it ran on
                 out[-1].detail = (f"the local {name} server of this state directory still runs (pid {rec['pid']}, "
                                   f"{rec['url']}), unused while PAPERLINE_{EXTERNAL_SETTINGS[name].upper()} is set: "

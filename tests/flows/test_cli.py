@@ -815,6 +815,22 @@ def test_compare_table_makes_room_for_every_named_metric_before_whole_names(monk
     assert "--metric" not in narrow, narrow
 
 
+def test_a_configured_endpoint_refusing_the_login_is_not_called_unreachable():
+    """`status` said "not reachable: mlflow at ... (configured endpoint): not authorized (HTTP 401)"
+    (a trial): a server that answers 401 was reached."""
+    from paperline.flows.cli import _down_lines
+    from paperline.infra.stack import Service
+
+    services = [Service("mlflow", "http://127.0.0.1:5000", managed=False, healthy=False,
+                        problem="not authorized (HTTP 401): set MLFLOW_TRACKING_USERNAME"),
+                Service("prefect", "http://127.0.0.1:9/api", managed=False, healthy=False,
+                        problem="GET /api/health failed: ConnectError")]
+    assert _down_lines(services) == [
+        "refused: mlflow at http://127.0.0.1:5000 (configured endpoint): not authorized (HTTP 401): set "
+        "MLFLOW_TRACKING_USERNAME",
+        "not reachable: prefect at http://127.0.0.1:9/api (configured endpoint): GET /api/health failed: ConnectError"]
+
+
 def test_an_option_users_reach_for_names_the_one_there_is():
     """`compare --sort` got click's guess "Possible options: --out" (a trial); other unknown
     options keep click's own message."""

@@ -4,6 +4,8 @@ malloc threshold variable, in particular not the nanny's MALLOC_TRIM_THRESHOLD_.
 import asyncio
 import contextlib
 import os
+import re
+import sys
 
 import dask
 import pytest
@@ -579,7 +581,8 @@ def _unshare_works() -> bool:
 def _scheduler_and_workers(port: int, workers: list[tuple[list[str], dict[str, str]]]):
     """A Dask scheduler on 127.0.0.1:``port`` and one ``--no-nanny`` worker per ``(prefix, env)``:
     its command run under ``prefix`` (an ``sh -c`` taking the command as ``$@``, or none), with
-    ``env`` over this environment (less Dask's malloc variables); yields once every worker has joined."""
+    ``env`` over this environment (less Dask's malloc variables); yields ``(address, worker
+    processes)`` once every worker has joined."""
     import subprocess
     import sys
     import time
@@ -604,7 +607,7 @@ def _scheduler_and_workers(port: int, workers: list[tuple[list[str], dict[str, s
                         break
             assert time.monotonic() < deadline and all(p.poll() is None for p in procs)
             time.sleep(0.5)
-        yield address
+        yield address, procs[1:]
     finally:
         for proc in reversed(procs):
             proc.terminate()
@@ -623,14 +626,20 @@ def test_workers_that_do_not_see_a_runs_local_paths_are_named_before_the_run(set
     from paperline.infra.cluster import WorkerPath, require_shared_paths
     from paperline.infra.errors import InputError
 
-    shared, seen_by_all = tmp_path / "shared", tmp_path / "both.npy"
+    shared, seen_by_all, locked = tmp_path / "shared", tmp_path / "both.npy", tmp_path / "locked"
     (shared / "out").mkdir(parents=True)
+    locked.mkdir()
     (shared / "a.npy").write_bytes(b"x" * 100)
     (shared / "b.npy").write_bytes(b"y" * 10)
+    (shared / "c.npy").write_bytes(b"c" * (3 << 16))
     seen_by_all.write_bytes(b"z" * 10)
-    elsewhere = ["unshare", "-Urm", "sh", "-c", f"mount -t tmpfs tmpfs '{shared}' && printf xx > '{shared}/a.npy' && "
-                                                'exec "$@"', "sh"]
-    with _scheduler_and_workers(free_port(), [([], {}), (elsewhere, {})]) as address:
+    # w1: shared/ an empty tmpfs but for an a.npy of another size and a c.npy of the same size (its
+    # last bytes differ); locked/ read-only
+    elsewhere = ["unshare", "-Urm", "sh", "-c",
+                 f"mount -t tmpfs tmpfs '{shared}' && printf xx > '{shared}/a.npy' && "
+                 f"{sys.executable} -c \"open('{shared}/c.npy', 'wb').write(b'c' * ((3 << 16) - 1) + b'd')\" && "
+                 f"mount --bind '{locked}' '{locked}' && mount -o remount,ro,bind '{locked}' && exec \"$@\"", "sh"]
+    with _scheduler_and_workers(free_port(), [([], {}), (elsewhere, {})]) as (address, _):
         settings = settings_factory(tmp_path, dask_scheduler_address=address)
         (tmp_path / "broken.mp4").symlink_to(tmp_path / "gone.mp4")  # missing here too: the run's to reject
         require_shared_paths(settings, [WorkerPath("a", "both.npy", str(seen_by_all)),
@@ -651,40 +660,85 @@ def test_workers_that_do_not_see_a_runs_local_paths_are_named_before_the_run(set
                                              r"\(1 more"):
             require_shared_paths(settings, [WorkerPath("b", "shared/b.npy", str(shared / "b.npy")),
                                             WorkerPath("output", "shared/out/c.npy", str(shared / "out"), writes=True)])
+        # the same size and (here) time: a trial's other B.npy was caught only by gemm's verification
+        with pytest.raises(InputError, match=r"^c=.* \(another file of that name: the same size, other contents\)"):
+            require_shared_paths(settings, [WorkerPath("c", "shared/c.npy", str(shared / "c.npy"))])
         with pytest.raises(InputError, match=r"^output='shared/out/c\.npy': 1 of the 2 .* cannot write in .*/out "
                                              r"\(w1 at .* \(another directory of that name, or none\)\): "):
             require_shared_paths(settings, [WorkerPath("output", "shared/out/c.npy", str(shared / "out"), writes=True)])
+        with pytest.raises(InputError, match=r"^output=.* cannot write in .*/locked \(w1 at .* \(not writable "
+                                             r"there\)\): let the workers' user write in it$"):  # (not "share it")
+            require_shared_paths(settings, [WorkerPath("output", "locked/c.npy", str(locked), writes=True)])
         assert not [p.name for p in (shared / "out").iterdir()], "the marker files are removed"
         assert not [p.name for p in (tmp_path / "gemm").iterdir()]
+        # `paperline run` asks before the stack and the flow run (a refusal in the flow was a Failed
+        # flow run each: a trial); gemm's staged operands and S3 result need the state directory
+        from typer.testing import CliRunner
+
+        from paperline.flows.cli import app
+        from paperline.infra.settings import get_settings
+
+        get_settings.cache_clear()
+        try:
+            res = CliRunner().invoke(app, ["run", "gemm", "--set", "m=64", "--set", "n=64", "--set", "k=64", "--set",
+                                           "tile=32"], env={"PAPERLINE_STATE_DIR": str(shared),
+                                                            "PAPERLINE_DASK_SCHEDULER_ADDRESS": address})
+        finally:
+            get_settings.cache_clear()
+        said = " ".join(res.output.split())
+        assert res.exit_code == 1 and f"error: PAPERLINE_STATE_DIR='{shared}': 1 of the 2 Dask worker(s)" in said, said
+        assert f"cannot write in {shared}/gemm (w1 at" in said and "this run stages the random operands and stages " \
+               "the result for S3 and writes the scaling sweep's results there" in said, said
+        assert not (shared / "stack.json").exists()  # nothing started
         # the local cluster's workers share this machine's files: nothing is asked
         require_shared_paths(settings_factory(tmp_path), [WorkerPath("b", "x", str(tmp_path / "nowhere.npy"))])
 
 
-def test_workers_oversubscribing_blas_or_trimming_malloc_are_noted(settings_factory, tmp_path, free_port):
+def test_workers_oversubscribing_blas_or_trimming_malloc_or_not_answering_are_noted(settings_factory, tmp_path,
+                                                                                   free_port):
     """Workers started without a nanny run OpenBLAS with a thread per core in every task, and
     Dask's nanny sets MALLOC_TRIM_THRESHOLD_ (tensor fits 2-3x slower): neither was checked (an
-    infra trial). Two single-threaded workers with BLAS on every CPU oversubscribe this host."""
-    from paperline.infra.cluster import require_scheduler, worker_setup_notes
+    infra trial). Two single-threaded workers with BLAS on every CPU oversubscribe this host. A
+    stopped worker timed the whole check out, said as "did not answer as a Dask scheduler" (a
+    trial): it is named, and the others are still checked."""
+    import signal
+
+    from paperline.infra.cluster import WorkerPath, require_scheduler, require_shared_paths, worker_setup_notes
 
     cpus = str(len(os.sched_getaffinity(0)))
     blas_all = {"OMP_NUM_THREADS": cpus, "OPENBLAS_NUM_THREADS": cpus, "MKL_NUM_THREADS": cpus}
-    with _scheduler_and_workers(free_port(), [([], blas_all), ([], {**blas_all, "MALLOC_TRIM_THRESHOLD_": "65536"})]) \
-            as address:
-        notes: list[str] = []
-        assert require_scheduler(settings_factory(tmp_path, dask_scheduler_address=address), notes=notes) == 2
-    assert notes == [
-        f"Dask workers on 127.0.0.1: 2 worker(s) with 2 thread(s), each BLAS call using {cpus} thread(s), run up to "
-        f"{2 * int(cpus)} threads on {cpus} CPU(s): start them with one BLAS thread per task (a nanny sets "
-        "OMP_NUM_THREADS=1; without one, set OMP_NUM_THREADS=1 OPENBLAS_NUM_THREADS=1 MKL_NUM_THREADS=1 in their "
-        "environment)",
-        "Dask workers on 127.0.0.1: 1 of 2 run with Dask's MALLOC_TRIM_THRESHOLD_ (NumPy-heavy tasks ran 2-3x slower "
-        "with it): start them with --preload-nanny paperline.infra.nanny_env"]
+    one = {"OMP_NUM_THREADS": "1", "OPENBLAS_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
+    workers = [([], blas_all), ([], {**blas_all, "MALLOC_TRIM_THRESHOLD_": "65536"}), ([], one)]
+    with _scheduler_and_workers(free_port(), workers) as (address, procs):
+        procs[2].send_signal(signal.SIGSTOP)
+        try:
+            settings = settings_factory(tmp_path, dask_scheduler_address=address)
+            notes: list[str] = []
+            assert require_scheduler(settings, timeout_s=2, notes=notes) == 3
+            (tmp_path / "x.npy").write_bytes(b"x")
+            require_shared_paths(settings, [WorkerPath("a", "x.npy", str(tmp_path / "x.npy"))], timeout_s=2)
+        finally:
+            procs[2].send_signal(signal.SIGCONT)
+    w = r"w{} at tcp://127\.0\.0\.1:\d+"
+    expected = [
+        rf"Dask workers on 127\.0\.0\.1: BLAS calls use up to {cpus} threads each in 2 of its 2 worker\(s\) "
+        rf"\({w.format(0)}; {w.format(1)}\), {2 * int(cpus)} threads on {cpus} CPU\(s\) in all: start them with one "
+        r"BLAS thread per task \(a nanny sets OMP_NUM_THREADS=1; without one, set OMP_NUM_THREADS=1 "
+        r"OPENBLAS_NUM_THREADS=1 MKL_NUM_THREADS=1 in their environment\)",
+        rf"Dask workers on 127\.0\.0\.1: 1 of 2 run with Dask's MALLOC_TRIM_THRESHOLD_ \({w.format(1)}; NumPy-heavy "
+        r"tasks ran 2-3x slower with it\): start them with --preload-nanny paperline\.infra\.nanny_env",
+        rf"1 of the 3 Dask worker\(s\) did not answer within 2 s \({w.format(2)}\): stopped, stuck or busy; tasks "
+        r"sent to them wait until they answer"]
+    assert len(notes) == 3 and all(re.fullmatch(e, n) for e, n in zip(expected, notes)), notes
     # one BLAS thread per task on each host, no trimming: nothing to say; hosts are counted apart
     fine = {"cpus": 4, "blas_threads": 1, "nthreads": 2, "malloc_trim": False}
     assert worker_setup_notes({"tcp://10.0.0.1:1": fine, "tcp://10.0.0.1:2": fine,
                                "tls://10.0.0.2:1": {**fine, "blas_threads": 4, "nthreads": 1}}) == []
-    assert len(worker_setup_notes({"tcp://10.0.0.1:1": fine, "tcp://10.0.0.1:2": fine,
-                                   "tcp://10.0.0.1:3": fine})) == 1  # 6 threads on 4 CPUs
+    # more task threads than CPUs, each single-threaded: said as that, not as BLAS (a trial)
+    assert worker_setup_notes({f"tcp://10.0.0.1:{i}": fine for i in range(3)}) == [
+        "Dask workers on 10.0.0.1: 3 worker(s) run 6 task threads on 4 CPU(s) (tcp://10.0.0.1:0; tcp://10.0.0.1:1; "
+        "tcp://10.0.0.1:2): tasks share CPUs, and timings come out lower than the CPUs allow; start at most 4 "
+        "single-threaded workers there (dask worker --nworkers 4 --nthreads 1)"]
 
 
 def test_an_address_that_is_no_scheduler_is_said_to_be_one(settings_factory, tmp_path):

@@ -813,6 +813,16 @@ def test_a_configured_endpoint_that_fails_says_why_and_names_the_setting(stack, 
     (mlflow,) = [s for s in stack_status(settings.model_copy(update={"mlflow_tracking_uri": same})) if s.name == "mlflow"]
     assert mlflow.healthy and mlflow.detail == (f"the local mlflow server of this state directory (pid {mlflow_pid}), "
                                                 "which `paperline up` started: `paperline down` stops it")
+    # ... and without its login (a shell without `paperline env`'s exports): said as that server's
+    with pytest.MonkeyPatch.context() as mp:
+        for variable in ("MLFLOW_TRACKING_USERNAME", "MLFLOW_TRACKING_PASSWORD", "MLFLOW_TRACKING_TOKEN"):
+            mp.delenv(variable, raising=False)
+        (mlflow,) = [s for s in stack_status(settings.model_copy(update={"mlflow_tracking_uri": same}))
+                     if s.name == "mlflow"]
+    assert not mlflow.healthy and "not authorized (HTTP 401)" in mlflow.problem, mlflow
+    assert mlflow.problem.endswith("it is this state directory's local mlflow server, which takes the login "
+                                   f"`paperline up` made ({settings.state_dir / 'mlflow' / 'auth_string'}): unset "
+                                   "PAPERLINE_MLFLOW_TRACKING_URI (paperline then uses it with that login)"), mlflow
     # (used, the local server's line is where its runs are)
     assert [s.detail for s in stack_status(settings) if s.name == "mlflow"] == [
         f"runs stored in sqlite:///{settings.state_dir / 'mlflow' / 'mlflow.db'}"]
