@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import os
 import signal
 import threading
@@ -380,6 +381,12 @@ def require_scheduler(settings: Settings, timeout_s: float = 5.0, notes: list[st
             setups = {w: {**v, "nthreads": threads.get(w, 1), "name": shown.get(w, w)} for w, v in seen.items()
                       if isinstance(v, dict)}
             notes.extend(worker_setup_notes(setups))
+            other = [f"{shown.get(w, w)}: {v.get('package')}" for w, v in sorted(seen.items())
+                     if isinstance(v, dict) and v.get("code") != code_digest()]
+            if other:
+                notes.append(f"{len(other)} of the {len(threads)} Dask worker(s) run other paperline code than this "
+                             f"process ({_listed(other)}; here: {os.path.dirname(os.path.dirname(__file__))}): "
+                             "install the same paperline there, or results may differ from this checkout's")
             silent = [shown.get(w, w) for w, v in sorted(seen.items()) if v is NO_ANSWER]
             if silent:
                 notes.append(f"{len(silent)} of the {len(threads)} Dask worker(s) did not answer within "
@@ -477,7 +484,30 @@ def _worker_setup() -> dict[str, Any]:
                    default=1)
     except Exception:  # noqa: BLE001 - a set-up note is not worth failing the check for
         blas = 1
-    return {"cpus": cpus, "blas_threads": blas, "malloc_trim": "MALLOC_TRIM_THRESHOLD_" in os.environ}
+    import paperline  # noqa: PLC0415
+
+    return {"cpus": cpus, "blas_threads": blas, "malloc_trim": "MALLOC_TRIM_THRESHOLD_" in os.environ,
+            "code": code_digest(), "package": os.path.dirname(paperline.__file__)}
+
+
+CODE_DIRS = ("flows", "tasks", "kernels", "infra", "deployments")  # what runs on workers (not tests, benchmarks)
+
+
+@functools.cache
+def code_digest() -> str:
+    """SHA-256 (16 hex digits) of paperline's own code in this process: the ``.py`` files of
+    :data:`CODE_DIRS` and the package's ``__init__.py``, by path relative to the package. A worker
+    that imported another checkout passed every check (an infra trial)."""
+    import hashlib  # noqa: PLC0415
+    from pathlib import Path  # noqa: PLC0415
+
+    import paperline  # noqa: PLC0415
+
+    root = Path(paperline.__file__).parent
+    digest = hashlib.sha256()
+    for path in sorted([root / "__init__.py", *(p for d in CODE_DIRS for p in (root / d).rglob("*.py"))]):
+        digest.update(str(path.relative_to(root)).encode() + b"\0" + path.read_bytes() + b"\0")
+    return digest.hexdigest()[:16]
 
 
 def worker_setup_notes(setups: dict[str, dict[str, Any]]) -> list[str]:

@@ -705,31 +705,49 @@ def test_workers_oversubscribing_blas_or_trimming_malloc_or_not_answering_are_no
 
     from paperline.infra.cluster import WorkerPath, require_scheduler, require_shared_paths, worker_setup_notes
 
+    import paperline
+
     cpus = str(len(os.sched_getaffinity(0)))
     blas_all = {"OMP_NUM_THREADS": cpus, "OPENBLAS_NUM_THREADS": cpus, "MKL_NUM_THREADS": cpus}
     one = {"OMP_NUM_THREADS": "1", "OPENBLAS_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
-    workers = [([], blas_all), ([], {**blas_all, "MALLOC_TRIM_THRESHOLD_": "65536"}), ([], one)]
+    # w3 imports another checkout (this one's files linked, deployments/ changed): it passed every
+    # check (a trial)
+    root, other = os.path.dirname(paperline.__file__), tmp_path / "other" / "paperline"
+    other.mkdir(parents=True)
+    for entry in os.listdir(root):
+        if entry not in (".git", ".venv", "deployments"):
+            (other / entry).symlink_to(os.path.join(root, entry))
+    (other / "deployments").mkdir()
+    for name in os.listdir(os.path.join(root, "deployments")):
+        if name.endswith(".py"):
+            text = open(os.path.join(root, "deployments", name)).read()
+            (other / "deployments" / name).write_text(text + ("\n# another checkout\n" if name == "__init__.py" else ""))
+    workers = [([], blas_all), ([], {**blas_all, "MALLOC_TRIM_THRESHOLD_": "65536"}), ([], one),
+               ([], {**one, "PYTHONPATH": str(tmp_path / "other")})]
     with _scheduler_and_workers(free_port(), workers) as (address, procs):
         procs[2].send_signal(signal.SIGSTOP)
         try:
             settings = settings_factory(tmp_path, dask_scheduler_address=address)
             notes: list[str] = []
-            assert require_scheduler(settings, timeout_s=2, notes=notes) == 3
+            assert require_scheduler(settings, timeout_s=2, notes=notes) == 4
             (tmp_path / "x.npy").write_bytes(b"x")
             require_shared_paths(settings, [WorkerPath("a", "x.npy", str(tmp_path / "x.npy"))], timeout_s=2)
         finally:
             procs[2].send_signal(signal.SIGCONT)
     w = r"w{} at tcp://127\.0\.0\.1:\d+"
     expected = [
-        rf"Dask workers on 127\.0\.0\.1: BLAS calls use up to {cpus} threads each in 2 of its 2 worker\(s\) "
-        rf"\({w.format(0)}; {w.format(1)}\), {2 * int(cpus)} threads on {cpus} CPU\(s\) in all: start them with one "
-        r"BLAS thread per task \(a nanny sets OMP_NUM_THREADS=1; without one, set OMP_NUM_THREADS=1 "
+        rf"Dask workers on 127\.0\.0\.1: BLAS calls use up to {cpus} threads each in 2 of its 3 worker\(s\) "
+        rf"\({w.format(0)}; {w.format(1)}\), {2 * int(cpus) + 1} threads on {cpus} CPU\(s\) in all: start them with "
+        r"one BLAS thread per task \(a nanny sets OMP_NUM_THREADS=1; without one, set OMP_NUM_THREADS=1 "
         r"OPENBLAS_NUM_THREADS=1 MKL_NUM_THREADS=1 in their environment\)",
-        rf"Dask workers on 127\.0\.0\.1: 1 of 2 run with Dask's MALLOC_TRIM_THRESHOLD_ \({w.format(1)}; NumPy-heavy "
+        rf"Dask workers on 127\.0\.0\.1: 1 of 3 run with Dask's MALLOC_TRIM_THRESHOLD_ \({w.format(1)}; NumPy-heavy "
         r"tasks ran 2-3x slower with it\): start them with --preload-nanny paperline\.infra\.nanny_env",
-        rf"1 of the 3 Dask worker\(s\) did not answer within 2 s \({w.format(2)}\): stopped, stuck or busy; tasks "
+        rf"1 of the 4 Dask worker\(s\) run other paperline code than this process \({w.format(3)}: "
+        rf"{re.escape(str(other))}; here: {re.escape(root)}\): install the same paperline there, or results may "
+        r"differ from this checkout's",
+        rf"1 of the 4 Dask worker\(s\) did not answer within 2 s \({w.format(2)}\): stopped, stuck or busy; tasks "
         r"sent to them wait until they answer"]
-    assert len(notes) == 3 and all(re.fullmatch(e, n) for e, n in zip(expected, notes)), notes
+    assert len(notes) == 4 and all(re.fullmatch(e, n) for e, n in zip(expected, notes)), notes
     # one BLAS thread per task on each host, no trimming: nothing to say; hosts are counted apart
     fine = {"cpus": 4, "blas_threads": 1, "nthreads": 2, "malloc_trim": False}
     assert worker_setup_notes({"tcp://10.0.0.1:1": fine, "tcp://10.0.0.1:2": fine,
