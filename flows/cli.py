@@ -640,6 +640,7 @@ def _said_if_interrupted() -> Iterator[None]:
     from paperline.infra.watch import ServersDied
 
     _state["interrupt_said"] = False  # (a command of its own: in-process tests run several)
+    _state["reported"] = False
     try:
         try:
             yield
@@ -650,6 +651,8 @@ def _said_if_interrupted() -> Iterator[None]:
             # Error calling function `_ser_model`: KeyboardInterrupt", exit 1: a stress test)
             raise KeyboardInterrupt from exc
     except KeyboardInterrupt:
+        if _state.get("reported"):  # (its Dask cluster closing after the results were printed)
+            _say_interrupted("interrupted as the run's Dask cluster closed: the run is done (the results above)")
         _say_interrupted("interrupted before the flow run started: nothing ran (the same command starts it)")
         raise
 
@@ -975,6 +978,8 @@ def _run_one(spec, params, summary_json: Path | None, early=None) -> dict[str, A
             raise _servers_died(watch.dead, spec, params, done, summary_json, "the run was stopped") from None
         if dead := watch.gone_now():  # a Ctrl-C as servers died: a re-run needs them back first
             _say_interrupted(f"interrupted: {_servers_died(dead, spec, params, {}, None, 'the run was stopped')}")
+        if "summary" in done:  # its work done and tracked, the Ctrl-C came as Prefect ended the flow run
+            _finished_when_interrupted(spec, params, done["summary"], summary_json)
         _say_interrupted(f"interrupted: {_again(spec.name, params)}")
         raise
     except Exception as exc:
@@ -992,12 +997,27 @@ def _run_one(spec, params, summary_json: Path | None, early=None) -> dict[str, A
         raise gone from exc
     finally:
         _said_before.clear()  # (its filter stays on the console handlers: a later record is not this run's)
-    if done.get("flow_run_id") and isinstance(summary, dict):
-        retried = _retried_tasks(done["flow_run_id"])
-        if retried:  # the results are the retries': after a lost worker nothing said a task had failed (a trial)
-            summary = {**summary, "lines": [*summary.get("lines", []), *retried]}
+    try:
+        if done.get("flow_run_id") and isinstance(summary, dict):
+            retried = _retried_tasks(done["flow_run_id"])
+            if retried:  # the results are the retries': after a lost worker nothing said a task had failed (a trial)
+                summary = {**summary, "lines": [*summary.get("lines", []), *retried]}
+    except KeyboardInterrupt:
+        _finished_when_interrupted(spec, params, summary, summary_json)
+        raise
     _report(spec, params, summary, summary_json)
     return summary
+
+
+def _finished_when_interrupted(spec: Any, params: Any, summary: Any, summary_json: Path | None) -> None:
+    """A Ctrl-C that came once the run's work was done and tracked (as Prefect ended its flow run,
+    or as its results were gathered): its results printed, and that said. It said "interrupted
+    before the flow run started: nothing ran", and printed nothing, of a run Completed in Prefect
+    and FINISHED in MLflow (a trial, twice)."""
+    if isinstance(summary, dict):
+        _report(spec, params, summary, summary_json)
+    _say_interrupted("interrupted as the run finished: its work is done and tracked (the results above; the "
+                     "Prefect UI shows how its flow run ended)")
 
 
 _said_before: set[str] = set()  # the warnings printed before the run: its flow's log records of them are left off
@@ -1180,6 +1200,7 @@ def _keeping_result(fn: Callable[..., Any], done: dict[str, Any]) -> Callable[..
 
 def _report(spec: Any, params: Any, summary: dict[str, Any], summary_json: Path | None) -> None:
     """Print a run's summary and write ``--summary-json``."""
+    _state["reported"] = True
     _print_summary(spec.name, summary)
     if summary_json is not None:
         summary_json.parent.mkdir(parents=True, exist_ok=True)

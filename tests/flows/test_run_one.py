@@ -61,6 +61,62 @@ def test_a_run_whose_prefect_server_goes_as_it_finishes_prints_its_results(stack
 
 
 @pytest.mark.stack
+@pytest.mark.parametrize("when", ["prefect-ends-the-run", "results-gathered"])
+def test_a_ctrl_c_as_a_run_finishes_prints_its_results(stack, monkeypatch, capsys, tmp_path, when):
+    """A Ctrl-C within a second of "Finished in state Completed()" said "interrupted before the
+    flow run started: nothing ran" and printed no results, of a run Completed in Prefect and
+    FINISHED in MLflow (a trial, twice). The interrupt lands as Prefect records the run's end, or
+    as its retried tasks are looked up."""
+    import types
+
+    from prefect import flow
+    from prefect.client.orchestration import SyncPrefectClient
+    from prefect.task_runners import ThreadPoolTaskRunner
+
+    from paperline.flows import cli
+    from paperline.infra.settings import get_settings
+
+    settings, _ = stack
+    body_done: list[bool] = []
+
+    @flow(name="ctrl-c-at-the-end-probe")
+    def probe(params: dict) -> dict:
+        body_done.append(True)
+        return {"table": {"columns": ["x"], "title": "probe", "rows": [[43]]}, "lines": ["probe line"],
+                "prefect_flow_run_url": "-", "mlflow_run_url": "-"}
+
+    if when == "prefect-ends-the-run":
+        real_set_state = SyncPrefectClient.set_flow_run_state
+
+        def set_state(self, flow_run_id, state, *args, **kwargs):
+            if body_done and state.is_final():
+                raise KeyboardInterrupt
+            return real_set_state(self, flow_run_id, state, *args, **kwargs)
+
+        monkeypatch.setattr(SyncPrefectClient, "set_flow_run_state", set_state)
+    else:
+        def interrupted(_flow_run_id):
+            raise KeyboardInterrupt
+
+        monkeypatch.setattr(cli, "_retried_tasks", interrupted)
+    monkeypatch.setenv("PAPERLINE_STATE_DIR", str(settings.state_dir))
+    monkeypatch.setattr("paperline.infra.cluster.task_runner", lambda settings, started=None: ThreadPoolTaskRunner())
+    monkeypatch.setitem(cli._state, "interrupt_said", False)
+    out = tmp_path / "summary.json"
+    get_settings.cache_clear()
+    try:
+        with pytest.raises(KeyboardInterrupt), cli._said_if_interrupted():
+            cli._run_one(types.SimpleNamespace(name="gemm", flow=probe), {}, out)
+    finally:
+        get_settings.cache_clear()
+    printed = " ".join(capsys.readouterr().out.split())
+    assert "probe line" in printed and "43" in printed, printed
+    assert "interrupted as the run finished: its work is done and tracked (the results above" in printed, printed
+    assert "nothing ran" not in printed and "runs the multiply again" not in printed, printed
+    assert json.loads(out.read_text())["table"]["rows"] == [[43]]
+
+
+@pytest.mark.stack
 def test_a_task_retried_after_a_failure_is_said_with_the_failure(stack, monkeypatch, capsys):
     """After a lost worker a retried task's results were printed as any others, nothing saying a
     task had failed (a trial): each task run that ran more than once gets a line naming the
