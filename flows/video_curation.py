@@ -587,8 +587,9 @@ def _curate(params: VideoCurationParameters, cfg: ClipConfig, filt: FilterConfig
     mismatch = _committed_mismatch(manifest, len(selected))
     if mismatch:
         name = "`--set dataset=NAME`" if params.output is None else "another `output`"
-        lines.append(f"the committed dataset at {output} is kept as it is (a committed dataset is never rewritten), "
-                     f"but {mismatch}; this run's index is in its MLflow run, and {name} writes a new dataset")
+        lines.append(f"the committed dataset at {output} is kept as it is (a committed dataset is never rewritten; "
+                     f"its own index.parquet describes it), but {mismatch}: this run's index, in its MLflow run, "
+                     f"describes those ({name} writes them as a dataset of their own)")
     if recurated:
         lines.append(f"curated again (their cached clips were gone from {staging}/): "
                      + ", ".join(Path(sources[i]).name for i in recurated))
@@ -646,10 +647,15 @@ INDEX_COLUMNS = ["key", "source", "source_sha256", "start_s", "end_s", "duration
 def _committed_mismatch(manifest: dict[str, Any], n_clips: int) -> str:
     """How this run's output differs from a dataset committed earlier with the same clips (keys):
     "" when it does not, or for a dataset written now. The sources and settings are the same (others
-    are refused before the run), so other clip bytes come from another paperline, PyAV or FFmpeg."""
+    are refused before the run), so other clip bytes are another encoding: x264's are not repeatable
+    (a run curating the same videos at the same time), or another paperline, PyAV or FFmpeg."""
     differ, kept = manifest.get("clips_differ"), manifest.get("kept_committed", [])
-    parts = [f"{len(differ)} of its {n_clips} clip(s) encode to other bytes now (the same sources and settings: "
-             "another paperline, PyAV or FFmpeg version encoded them)"] if differ else []
+    # (x264's bytes are not repeatable: two runs of one dataset at once encoded a clip 29811 and
+    # 29810 bytes, and the task cache then served the loser's to every later run; blaming a version
+    # and advising a new dataset misled: a trial)
+    parts = [f"{len(differ)} of its {n_clips} clip(s) are other encodings of the same clips (x264's bytes differ "
+             "from one encoding to the next: a run curating them at the same time, whose clips the task cache "
+             "now serves, or another paperline, PyAV or FFmpeg version)"] if differ else []
     if kept:
         parts.append(f"this run's {' and '.join(kept)} differ{'s' if len(kept) == 1 else ''}"
                      + (" (and its clips may: the dataset's manifest has no clip digests)" if differ is None else ""))

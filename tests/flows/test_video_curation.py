@@ -562,8 +562,9 @@ def test_a_committed_dataset_that_this_run_does_not_match_is_said_how():
     assert _committed_mismatch(same, 28) == ""
     recoded = {"committed_earlier": True, "kept_committed": ["index.parquet"], "clips_differ": ["a-1-0"] * 20}
     assert _committed_mismatch(recoded, 28) == (
-        "20 of its 28 clip(s) encode to other bytes now (the same sources and settings: another paperline, PyAV or "
-        "FFmpeg version encoded them); this run's index.parquet differs")
+        "20 of its 28 clip(s) are other encodings of the same clips (x264's bytes differ from one encoding to the "
+        "next: a run curating them at the same time, whose clips the task cache now serves, or another paperline, "
+        "PyAV or FFmpeg version); this run's index.parquet differs")
     unknown = {"committed_earlier": True, "kept_committed": ["index.parquet", "rejected.parquet"], "clips_differ": None}
     assert _committed_mismatch(unknown, 28) == (
         "this run's index.parquet and rejected.parquet differ (and its clips may: the dataset's manifest has no clip "
