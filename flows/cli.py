@@ -1093,8 +1093,11 @@ def _servers_died(dead: dict[str, Any], spec: Any, params: Any, done: dict[str, 
     if stopped:  # `down` under a run: it ended 84 s later on retries (a trial)
         said.append(f"{'and ' if died else 'the stack '}({', '.join(stopped)}) was stopped by `paperline down` "
                     "during the run")
+    again = _again(spec.name, params)
+    if "s3" in dead and "cached" in again:  # the task cache is in S3: a trial's nas run said its evaluations
+        again += " (not those that finished with S3 down: they run again)"  # were cached as their commits failed
     return ServersDied(f"{' '.join(said)}; {outcome}; `paperline up` starts {'it' if len(dead) == 1 else 'them'} "
-                       f"again, then {_again(spec.name, params)}")
+                       f"again, then {again}")
 
 
 RETRIED_SHOWN = 5  # the most lines of retried task runs under a run's results

@@ -272,6 +272,11 @@ def test_servers_stopped_by_down_and_died_are_said_apart(monkeypatch):
     assert str(err).startswith("the stack's server s3 (pid 5) died during the run, not stopped by `paperline down` "
                                "(killed, crashed or out of memory: the end of /l/s3.log may say) and (mlflow) was "
                                "stopped by `paperline down` during the run; the run failed (X: y)"), str(err)
+    # the task cache lives in S3: with it down, what finished was not cached (a trial's nas run said it was)
+    nas = types.SimpleNamespace(name="nas")
+    assert str(cli._servers_died({"s3": {"pid": 5, "stopped": True}}, nas, {}, {}, None, "stopped")).endswith(
+        "the evaluations finished since are cached) (not those that finished with S3 down: they run again)")
+    assert "S3 down" not in str(cli._servers_died({"mlflow": {"pid": 7, "stopped": True}}, nas, {}, {}, None, "x"))
 
 
 def test_prefects_interrupt_lines_are_dropped_when_the_watch_or_the_user_stopped_the_run(monkeypatch):
