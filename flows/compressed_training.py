@@ -142,9 +142,25 @@ class CompressedTrainingParameters(BaseModel):
 
     def validate_on_stack(self, info: Any, store: Any) -> None:
         """Before the flow run is created (and in the flow, before its MLflow run): a
-        ``checkpoint_prefix`` in a bucket that does not exist. Raises InputError."""
+        ``checkpoint_prefix`` in a bucket that does not exist, and a configuration another run
+        trains now (its lease read, not taken: :func:`training_held` takes it; refused in the flow
+        it left a Failed flow run and a FAILED MLflow run: a trial). Raises InputError."""
         if self.checkpoint_prefix is not None:
             store.require_bucket("checkpoint_prefix", self.checkpoint_prefix)
+        for name, prefix in self.checkpoint_prefixes(info.data_bucket).items():
+            holder = store.lease_holder(f"{prefix}/{TRAIN_LEASE}")
+            if holder is not None:
+                raise _training_elsewhere(name, holder, f"{prefix}/{TRAIN_LEASE}")
+
+    def checkpoint_prefixes(self, data_bucket: str, device: str | None = None) -> dict[str, str]:
+        """Each compressor's checkpoint prefix: ``<checkpoint_prefix or s3://<data bucket>/
+        compressed-training/checkpoints>/<configuration id>`` (:func:`_config_id`: the settings,
+        world size, device (default: the settings') and the kernels' sources)."""
+        device = device or resolve_device(get_settings().device)
+        root = (self.checkpoint_prefix or f"s3://{data_bucket}/compressed-training/checkpoints").rstrip("/")
+        version = kernel_version()
+        return {name: f"{root}/{_config_id(self.train_config(name), self.world_size, device, version)}"
+                for name in self.compressors}
 
     def validate_inputs(self) -> None:
         """Everything checkable before a rank starts, in well under a second whatever the values:
@@ -316,12 +332,11 @@ def compressed_training(params: CompressedTrainingParameters | None = None) -> d
     sweep: list[dict[str, Any]] = []
     sweep_from: dict[str, str] | None = None  # the earlier flow run whose cached result holds the sweep
     version = kernel_version()
+    prefixes = params.checkpoint_prefixes(info.data_bucket, device)
     try:
         for i, name in enumerate(params.compressors):
             cfg = params.train_config(name)
-            cid = _config_id(cfg, params.world_size, device, version)
-            root = (params.checkpoint_prefix or f"s3://{info.data_bucket}/compressed-training/checkpoints").rstrip("/")
-            prefix = f"{root}/{cid}"
+            prefix = prefixes[name]
             with training_held(store, prefix, name) as still_held:
                 result = train_ranks(cfg.as_dict(), params.world_size, store, prefix, device, name,
                                      timeout_s=params.timeout_s, max_restarts=params.max_restarts,
@@ -387,11 +402,15 @@ def training_held(store: ObjectStore, prefix: str, compressor: str) -> Iterator[
         try:
             check = held.enter_context(store.lease(f"{prefix}/{TRAIN_LEASE}", owner, wait=False))
         except LeaseHeldError as exc:
-            raise InputError("compressors", compressor, f"this configuration is being trained now by {exc.holder} "
-                                                        f"(its lease {exc.uri}): wait for it to end, then run this "
-                                                        "again to take its result from the task cache (or set "
-                                                        "another seed or checkpoint_prefix)") from None
+            raise _training_elsewhere(compressor, exc.holder, exc.uri) from None
         yield check
+
+
+def _training_elsewhere(compressor: str, holder: str, uri: str) -> InputError:
+    return InputError("compressors", compressor, f"this configuration is being trained now by {holder} (its lease "
+                                                 f"{uri}): wait for it to end, then run this again to take its "
+                                                 "result from the task cache (or set another seed or "
+                                                 "checkpoint_prefix)")
 
 
 def _log_compressor(tracker: Tracker, parent: str, name: str, cfg: TrainConfig, result: dict[str, Any], prefix: str,

@@ -325,7 +325,8 @@ def campaign_lock(name: str, state_dir: Path, store: ObjectStore | None = None,
             holder = f"process {exc.holder}" if exc.holder.isdigit() else \
                 "another process (starting: it has not yet written its name)" if exc.holder == "?" else exc.holder
             raise InputError("campaign", name, f"is being run now by {holder} on this machine: wait for it to end, "
-                                               "or stop it (Ctrl-C) and run this again to resume from its "
+                                               "or stop it (Ctrl-C in its terminal; a deployment's run: cancel its "
+                                               "flow run in the Prefect UI) and run this again to resume from its "
                                                "checkpoint") from None
         check: Callable[[], None] = lambda: None  # noqa: E731
         if store is not None and prefix is not None:

@@ -198,3 +198,13 @@ def test_a_configuration_trained_now_by_another_run_is_refused(stack):
         assert store.exists(f"{prefix}/{TRAIN_LEASE}")
         still_held()  # (held: no error)
     assert not store.exists(f"{prefix}/{TRAIN_LEASE}")
+    # refused before the flow run too (in the flow it left a Failed flow run and a FAILED MLflow run: a trial)
+    from paperline.flows.compressed_training import CompressedTrainingParameters
+
+    params = CompressedTrainingParameters(compressors=["none", "fft"], checkpoint_prefix=prefix.rsplit("/", 1)[0])
+    held = params.checkpoint_prefixes(info.data_bucket)["fft"]
+    params.validate_on_stack(info, store)  # free
+    with store.lease(f"{held}/{TRAIN_LEASE}", "compressed-training flow run calm-heron (1a2b)", wait=False):
+        with pytest.raises(InputError, match=r"^compressors='fft': this configuration is being trained now by "
+                                             r"compressed-training flow run calm-heron \(1a2b\)"):
+            params.validate_on_stack(info, store)
