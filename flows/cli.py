@@ -281,7 +281,7 @@ def status() -> None:
     from paperline.infra.cluster import describe_cluster, require_scheduler
     from paperline.infra.errors import ServiceError
     from paperline.infra.flow_runs import deployment_status
-    from paperline.infra.stack import load_stack_info, stack_status, state_problem
+    from paperline.infra.stack import load_stack_info, stack_lock_holder, stack_status, state_problem
 
     settings = _settings()
     services = stack_status(settings)
@@ -311,7 +311,11 @@ def status() -> None:
     problem = state_problem(settings)
     if problem:  # its servers may be running unrecorded: "not running" alone sent users to `up`, which failed
         console.print(f"[yellow]{problem}[/]", highlight=False, soft_wrap=True)
-    for line in _down_lines(services, unrecorded=bool(problem)):
+    busy = stack_lock_holder(settings)
+    if busy is not None:  # during an `up` it said "not running: ... (`paperline up` starts the local stack)" (a trial)
+        console.print(f"another paperline command{busy} is starting, checking or stopping this stack now: the rows "
+                      "above may change as it does", style="yellow", highlight=False, soft_wrap=True, markup=False)
+    for line in _down_lines(services, unrecorded=bool(problem) or busy is not None):
         console.print(line, highlight=False, soft_wrap=True)
     if problem or dask_down or any(not s.healthy for s in services):
         raise typer.Exit(1)

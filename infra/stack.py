@@ -238,9 +238,8 @@ def _locked(settings: Settings) -> Iterator[None]:
             fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:  # `paperline run` sat silent behind a slow (or stopped) `up` (a trial)
             f.seek(0)
-            holder = f.read().strip()
-            print(f"paperline: waiting for another paperline command{f' (pid {holder})' if holder.isdigit() else ''} "
-                  f"that is starting or stopping this stack (it holds {path})", file=sys.stderr, flush=True)
+            print(f"paperline: waiting for another paperline command{_holder_said(f.read())} that is starting, "
+                  f"checking or stopping this stack (it holds {path})", file=sys.stderr, flush=True)
             fcntl.flock(f, fcntl.LOCK_EX)
         try:
             f.seek(0)
@@ -468,6 +467,38 @@ def recorded_servers(settings: Settings) -> dict[str, dict[str, Any]]:
         return {n: r for n, r in _read_state(settings).get("services", {}).items() if r}
     except PaperlineError:
         return {}
+
+
+PAPERLINE_COMMANDS = ("up", "down", "run", "demo", "serve", "worker", "status", "env", "deploy")
+
+
+def _holder_said(pid_text: str) -> str:
+    """`` (pid N: `paperline up`)`` for the PID a stack lock file holds (the command when its
+    process is a paperline command), or "" when it holds none. A `run` checking the stack was said
+    to be "starting or stopping" it (a trial)."""
+    import psutil  # noqa: PLC0415
+
+    pid = pid_text.strip()
+    if not pid.isdigit():
+        return ""
+    try:
+        args = psutil.Process(int(pid)).cmdline()
+    except (psutil.Error, OSError):
+        return f" (pid {pid})"
+    start = next((i for i, a in enumerate(args) if "paperline" in os.path.basename(a)), None)
+    command = next((a for a in args[start + 1:] if a in PAPERLINE_COMMANDS), None) if start is not None else None
+    return f" (pid {pid}: `paperline {command}`)" if command else f" (pid {pid})"
+
+
+def stack_lock_holder(settings: Settings) -> str | None:
+    """Who holds the state directory's ``.stack.lock`` now (:func:`_holder_said`'s words, or ""
+    when unknown), or None when nobody does."""
+    if not stack_lock_busy(settings):
+        return None
+    try:
+        return _holder_said((settings.state_dir / ".stack.lock").read_text())
+    except OSError:
+        return ""
 
 
 def stack_lock_busy(settings: Settings) -> bool:

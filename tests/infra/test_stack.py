@@ -1107,6 +1107,8 @@ def test_a_command_waiting_for_the_stack_lock_says_who_holds_it(tmp_path, capfd)
     import sys
     import threading
 
+    import psutil
+
     from paperline.infra.settings import Settings
     from paperline.infra.stack import _locked
 
@@ -1125,6 +1127,23 @@ def test_a_command_waiting_for_the_stack_lock_says_who_holds_it(tmp_path, capfd)
         waiter.start()
         waiter.join(1.0)
         assert not got  # still waiting
+        # `status` meanwhile says a command holds the stack (it said "not running ... `paperline up` starts
+        # the local stack" during an `up`: a trial)
+        from typer.testing import CliRunner
+
+        from paperline.flows.cli import app
+        from paperline.infra.settings import get_settings
+        from paperline.infra.stack import _holder_said, stack_lock_holder
+
+        assert stack_lock_holder(Settings(state_dir=tmp_path)) == f" (pid {holder.pid})"
+        get_settings.cache_clear()
+        try:
+            shown = CliRunner().invoke(app, ["status"], env={"PAPERLINE_STATE_DIR": str(tmp_path)})
+        finally:
+            get_settings.cache_clear()
+        said = " ".join(shown.output.split())
+        assert f"another paperline command (pid {holder.pid}) is starting, checking or stopping this stack now" in said
+        assert "`paperline up` starts the local stack" not in said, said
         holder.stdin.close()
         waiter.join(30)
         assert got
@@ -1132,8 +1151,21 @@ def test_a_command_waiting_for_the_stack_lock_says_who_holds_it(tmp_path, capfd)
         holder.kill()
         holder.wait()
     err = capfd.readouterr().err
-    assert f"waiting for another paperline command (pid {holder.pid}) that is starting or stopping this stack" in err
+    assert f"waiting for another paperline command (pid {holder.pid}) that is starting, checking or stopping this " \
+           "stack" in err
     assert str(tmp_path / ".stack.lock") in err
+    # a paperline command is named by its subcommand (a `run` checking the stack was taken for an `up`)
+    named = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)", "/venv/bin/paperline", "run", "gemm"])
+    try:
+        deadline = time.time() + 30
+        while "run" not in psutil.Process(named.pid).cmdline():  # (before its exec: the forked pytest)
+            assert time.time() < deadline
+            time.sleep(0.01)
+        assert _holder_said(f"{named.pid}\n") == f" (pid {named.pid}: `paperline run`)"
+    finally:
+        named.kill()
+        named.wait()
+    assert _holder_said("") == ""
 
 
 def test_long_service_messages_are_cut_at_a_word():
