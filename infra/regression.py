@@ -159,14 +159,23 @@ def params_key(params: dict[str, Any]) -> str:
 
 
 def run_key(params: dict[str, Any]) -> str:
-    """:func:`params_key` of ``params``, with the configured Dask scheduler's address when there
-    is one (``dask_scheduler_address``): a run on a cluster of one's own was compared with the best
-    run on the local cluster, and a 16-worker cluster's runs would flag every local run as a
-    regression (an infra trial). Runs on the local cluster keep the key they always had."""
+    """:func:`params_key` of ``params``, with the configured Dask scheduler's host when there is
+    one (``dask_scheduler_address``, its scheme and port aside: a jobqueue scheduler comes up on
+    another port each time): a run on a cluster of one's own was compared with the best run on the
+    local cluster, and a 16-worker cluster's runs would flag every local run as a regression (an
+    infra trial). Runs on the local cluster keep the key they always had."""
+    from urllib.parse import urlsplit  # noqa: PLC0415
+
     from paperline.infra.settings import get_settings  # noqa: PLC0415
 
     address = get_settings().dask_scheduler_address
-    return params_key({**params, "dask_scheduler_address": address} if address else params)
+    if not address:
+        return params_key(params)
+    try:
+        host = urlsplit(address if "://" in address else f"tcp://{address}").hostname or address
+    except ValueError:
+        host = address
+    return params_key({**params, "dask_scheduler_host": host.lower()})
 
 
 def _finite(metrics: dict[str, float], name: str) -> float | None:
