@@ -1207,8 +1207,8 @@ def _keeping_result(fn: Callable[..., Any], done: dict[str, Any]) -> Callable[..
 
 def _report(spec: Any, params: Any, summary: dict[str, Any], summary_json: Path | None) -> None:
     """Print a run's summary and write ``--summary-json``."""
-    _state["reported"] = True
     _print_summary(spec.name, summary)
+    _state["reported"] = True  # (after: a Ctrl-C while printing did not leave "the results above")
     if summary_json is not None:
         summary_json.parent.mkdir(parents=True, exist_ok=True)
         # the parameters first: the run's summary alone does not say what it was run with

@@ -430,7 +430,8 @@ def gemm(params: GemmParameters | None = None) -> dict[str, Any]:
     settings = get_settings()
     info, store = require_stack(settings)
     problem = params.validate_inputs(store)
-    require_shared_paths(settings, params.worker_paths(settings.state_dir))  # (also for deployments' runs)
+    if settings.dask_scheduler_address:  # (also for deployments' runs; `paperline run` asked before the flow run)
+        require_shared_paths(settings, params.worker_paths(settings.state_dir))
     budget = parse_bytes(params.memory_budget)
     device = array_device(settings.device)
     output = params.output or f"s3://{info.data_bucket}/gemm/{flow_run.id}/result.npy"

