@@ -216,6 +216,9 @@ def test_a_run_whose_server_dies_is_stopped_with_the_server_named(stack, monkeyp
     # a loaded suite (the probe ran its minute out): its redelivery had been left to whichever
     # earlier in-process command this xdist worker happened to run.
     monkeypatch.setattr(sys, "unraisablehook", sys.unraisablehook)  # (restored after)
+    # (restored after too: the watch's SIGINT counted here made the next test's _run_one raise
+    # KeyboardInterrupt at raise_if_interrupted, which took its xdist worker down)
+    monkeypatch.setitem(interrupts._RECEIVED, "count", interrupts._RECEIVED["count"])
     previous = signal.signal(signal.SIGINT, signal.default_int_handler)
     interrupts.install()
     started = time.monotonic()
