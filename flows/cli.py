@@ -1168,6 +1168,11 @@ def _retried_tasks(flow_run_id: str) -> list[str]:
             if more:
                 lines.append(f"retried: {more} more task runs (the Prefect flow run's page lists them)")
     except Exception:  # noqa: BLE001 - only a report on a finished run: its results stand without it
+        # ... but a Ctrl-C that a library turned into its own error here is still a Ctrl-C (it was
+        # swallowed: the results printed and the command exited 0, a review)
+        from paperline.infra.interrupts import raise_if_interrupted
+
+        raise_if_interrupted()
         return lines
     return lines
 

@@ -61,12 +61,13 @@ def test_a_run_whose_prefect_server_goes_as_it_finishes_prints_its_results(stack
 
 
 @pytest.mark.stack
-@pytest.mark.parametrize("when", ["prefect-ends-the-run", "results-gathered"])
+@pytest.mark.parametrize("when", ["prefect-ends-the-run", "results-gathered", "turned-into-an-error"])
 def test_a_ctrl_c_as_a_run_finishes_prints_its_results(stack, monkeypatch, capsys, tmp_path, when):
     """A Ctrl-C within a second of "Finished in state Completed()" said "interrupted before the
     flow run started: nothing ran" and printed no results, of a run Completed in Prefect and
     FINISHED in MLflow (a trial, twice). The interrupt lands as Prefect records the run's end, or
-    as its retried tasks are looked up."""
+    as its retried tasks are looked up (or there, turned by a library into its own error: it was
+    swallowed with the lookup's errors, the command exiting 0)."""
     import types
 
     from prefect import flow
@@ -94,11 +95,20 @@ def test_a_ctrl_c_as_a_run_finishes_prints_its_results(stack, monkeypatch, capsy
             return real_set_state(self, flow_run_id, state, *args, **kwargs)
 
         monkeypatch.setattr(SyncPrefectClient, "set_flow_run_state", set_state)
-    else:
+    elif when == "results-gathered":
         def interrupted(_flow_run_id):
             raise KeyboardInterrupt
 
         monkeypatch.setattr(cli, "_retried_tasks", interrupted)
+    else:
+        from paperline.infra import interrupts
+
+        def read_task_runs(self, *args, **kwargs):
+            interrupts._RECEIVED["count"] += 1  # as the SIGINT handler counts it
+            raise RuntimeError("cancelled")  # what a library made of the KeyboardInterrupt
+
+        monkeypatch.setitem(interrupts._RECEIVED, "count", 0)  # restored after (see test_heap's CI lesson)
+        monkeypatch.setattr(SyncPrefectClient, "read_task_runs", read_task_runs)
     monkeypatch.setenv("PAPERLINE_STATE_DIR", str(settings.state_dir))
     monkeypatch.setattr("paperline.infra.cluster.task_runner", lambda settings, started=None: ThreadPoolTaskRunner())
     monkeypatch.setitem(cli._state, "interrupt_said", False)
