@@ -202,14 +202,17 @@ def test_a_user_file_is_scoped_by_its_name():
 def test_a_run_on_user_data_records_what_it_fitted(stack, run_cli, cli_env, tmp_path):
     """A tensor of the user's own (here produc, written as COO Parquet rows) is fitted under the
     file's scope (`user-mine`), and MLflow's `datasets` parameter is empty: it used to hold the bundled default
-    list, which that run never touched."""
+    list, which that run never touched. Then other content at the same path, and an S3 object
+    replaced under its key, are read again and compared with the runs of their content (four
+    runs: the suite's time)."""
     from paperline.infra.tracking import Tracker
     from paperline.kernels.tensor.datasets import load_dataset, write_coo_parquet
 
     _, info = stack
     path = tmp_path / "mine.parquet"
-    write_coo_parquet(load_dataset("produc"), path)
-    (tmp_path / "first.parquet").write_bytes(path.read_bytes())
+    produc = load_dataset("produc")
+    write_coo_parquet(produc, path)
+    first = path.read_bytes()
     summary = tmp_path / "summary.json"
     args = ["run", "tensor-factorization", "--set", f"data={path}",
             "--set", "n_epochs=2", "--set", "baseline_iterations=3", "--set", "rank=3", "--set", "splits=random",
@@ -220,39 +223,21 @@ def test_a_run_on_user_data_records_what_it_fitted(stack, run_cli, cli_env, tmp_
     assert "user-mine.random.p2t2f.test_rmse" in run.data.metrics
     out = " ".join(proc.stdout.split())
     assert "held-out RMSE (the file's own units)" in out and "standardized" not in out, out
-    first = json.loads(summary.read_text())
-    assert first["parameters"]["datasets"] == [], first["parameters"]  # not the bundled default list
-    # the same path with other content is not an earlier run of these parameters (it was compared
-    # with the old content's runs and flagged a REGRESSION: a fresh-user trial)
-    produc = load_dataset("produc")
-    write_coo_parquet(dataclasses.replace(produc, values=produc.values * 2.0), path)
-    proc = run_cli(cli_env, *args, check=True)
-    assert "first finished run with these parameters" in " ".join(proc.stdout.split()), proc.stdout[-3000:]
-    # an S3 object replaced under the same key is read again (it was served from the task cache
-    # with the old content's results: a trial), and its run is compared with the runs of its
-    # content, wherever that lay: the local file's (the path was part of the key: the same file
-    # uploaded was a "first finished run", another trial)
-    from paperline.infra.storage import ObjectStore
-
-    store, uri = ObjectStore.from_stack(info), f"s3://{info.data_bucket}/test-user-data/{tmp_path.name}/mine.parquet"
-    rmse = []
-    for content in (path.read_bytes(), (tmp_path / "first.parquet").read_bytes()):  # one earlier run each
-        store.put_bytes_to(content, uri)
-        proc = run_cli(cli_env, *args[:3], f"data={uri}", *args[4:], check=True)
-        assert "against the best of 1 earlier run(s)" in " ".join(proc.stdout.split()), proc.stdout[-3000:]
-        rmse.append(json.loads(summary.read_text())["rows"][0]["test_rmse"])
-    assert rmse[0] != rmse[1]
-    # years as 't' pass the random split: the run says the empty leading steps were fitted (nothing did: a trial)
+    assert json.loads(summary.read_text())["parameters"]["datasets"] == []  # not the bundled default list
+    # the same path with other content (here years as 't', which pass the random split) is not an
+    # earlier run of these parameters (it was compared with the old content's runs and flagged a
+    # REGRESSION: a fresh-user trial); and the run says the empty leading steps were fitted
+    # (nothing did: a trial)
     import pyarrow as pa
     import pyarrow.parquet as pq
 
-    years = tmp_path / "years.parquet"
     pq.write_table(pa.table({"i": [k % 5 for k in range(600)], "j": [k // 5 % 4 for k in range(600)],
                              "t": [1995 + k // 20 for k in range(600)], "value": [float(k % 7) for k in range(600)]}),
-                   years)
-    proc = run_cli(cli_env, *args[:3], f"data={years}", *args[4:], check=True)
+                   path)
+    proc = run_cli(cli_env, *args, check=True)
     out = " ".join(proc.stdout.split())
-    hint = "warning: user-years: 't' starts at 1995, so 1995 empty time steps come first: indices are positions 0, 1, ...; subtract 1995"
+    assert "first finished run with these parameters" in out, proc.stdout[-3000:]
+    hint = "warning: user-mine: 't' starts at 1995, so 1995 empty time steps come first: indices are positions 0, 1, ...; subtract 1995"
     assert f"{hint}: the fit above counted those empty indices" in out, proc.stdout[-3000:]
     # and before the fits, once: the flow's log record of it is left off the terminal (it came
     # only under the results, after the fits: a fresh-user trial)
@@ -268,6 +253,23 @@ def test_a_run_on_user_data_records_what_it_fitted(stack, run_cli, cli_env, tmp_
         logs = client.read_logs(LogFilter(flow_run_id=LogFilterFlowRunId(
             any_=[json.loads(summary.read_text())["prefect_flow_run_id"]])))
     assert [log.level for log in logs if log.message == early] == [logging.WARNING], [log.message for log in logs]
+    # an S3 object replaced under the same key is read again (it was served from the task cache
+    # with the old content's results: a trial), and its run is compared with the runs of its
+    # content, wherever that lay: the local file's first content (the path was part of the key:
+    # the same file uploaded was a "first finished run", another trial), then content of its own
+    from paperline.infra.storage import ObjectStore
+
+    store, uri = ObjectStore.from_stack(info), f"s3://{info.data_bucket}/test-user-data/{tmp_path.name}/mine.parquet"
+    doubled = tmp_path / "doubled.parquet"
+    write_coo_parquet(dataclasses.replace(produc, values=produc.values * 2.0), doubled)
+    rmse = []
+    for content, said in ((first, "against the best of 1 earlier run(s)"),
+                          (doubled.read_bytes(), "first finished run with these parameters")):
+        store.put_bytes_to(content, uri)
+        proc = run_cli(cli_env, *args[:3], f"data={uri}", *args[4:], check=True)
+        assert said in " ".join(proc.stdout.split()), proc.stdout[-3000:]
+        rmse.append(json.loads(summary.read_text())["rows"][0]["test_rmse"])
+    assert rmse[0] != rmse[1]
 
 
 def test_the_same_datasets_and_splits_in_another_order_are_compared_alike():
