@@ -246,14 +246,16 @@ def down() -> None:
     info = running_local_stack(settings)
     running = running_flow_runs(info) if info is not None else []
     workers = local_worker_pids(info.prefect_api_url, info.prefect_login) if info is not None else []
-    if running:  # stopped under a run, the run failed minutes later with a bare ConnectError (a trial)
-        console.print(f"[yellow]stopping the stack under {len(running)} Running flow run(s): {', '.join(running)}; "
-                      "a `paperline run` among them stops about 10 s after its servers are down unless `paperline "
+    dead: list[str] = []
+    stopped = stop_stack(settings, dead)
+    # said once stopped, by the `down` that stopped it (of two at once, the other said it too and
+    # then "nothing to stop": a trial)
+    if running and stopped:  # stopped under a run, the run failed minutes later with a bare ConnectError (a trial)
+        console.print(f"[yellow]stopped the stack under {len(running)} Running flow run(s): {', '.join(running)}; "
+                      "a `paperline run` among them stops about 10 s after its servers went down unless `paperline "
                       "up` brings them back by then; another (a deployment's, a script's) fails at its next call to "
                       "a stopped server; one that failed is marked Crashed by the next `up`[/]",
                       soft_wrap=True)
-    dead: list[str] = []
-    stopped = stop_stack(settings, dead)
     # which stack: a `down` in a shell without the PAPERLINE_STATE_DIR of the stack meant stopped
     # another one (the default directory's), and "stopped: s3, prefect, mlflow" read as this one's (a trial)
     console.print(f"stopped the stack in {settings.state_dir}: {', '.join(stopped)}" if stopped

@@ -224,6 +224,24 @@ def test_a_down_service_is_named(tmp_path, free_port):
     assert any(name in result.output for name in ("s3", "prefect", "mlflow"))
 
 
+def test_the_down_that_found_nothing_to_stop_says_nothing_of_running_runs(tmp_path, monkeypatch):
+    """Two `paperline down` at once under a running flow run: both warned "stopping the stack under
+    1 Running flow run(s)", and the one that lost the race then said "nothing to stop" (a trial).
+    The warning is said by the `down` that stopped the stack; here the loser's view: the stack was
+    running as it looked, the other `down` stopped it first."""
+    import types
+
+    from paperline.infra import stack
+
+    monkeypatch.setattr(stack, "running_local_stack", lambda settings: types.SimpleNamespace(
+        prefect_api_url="http://127.0.0.1:1/api", prefect_login="paperline:x"))
+    monkeypatch.setattr(stack, "running_flow_runs", lambda info: ["probe-run (Running)"])
+    monkeypatch.setattr("paperline.infra.flow_runs.local_worker_pids", lambda url, login: [])
+    result = run_cli("down", env={"PAPERLINE_STATE_DIR": str(tmp_path)})
+    out = " ".join(result.output.split())
+    assert result.exit_code == 0 and out == f"nothing to stop in {tmp_path}", out
+
+
 def test_a_warning_about_the_data_is_printed_before_the_run_starts(parquet, tmp_path, free_port):
     """Indices spread over a large range (20 values of 'i' up to 95000): the renumbering hint,
     and that the dense baseline computes mostly empty indices, come before anything starts (here
