@@ -1375,12 +1375,14 @@ def _volumes_problem(service: Service, settings: Settings, rec: dict[str, Any]) 
 def volumes_report(free: int, most: int) -> tuple[str, str | None]:
     """What ``paperline status`` says of SeaweedFS's volumes: a line of the count in use, and the
     problem when none is free (else None)."""
-    detail = (f"{most - free} of {most} volumes in use (SeaweedFS made one 1 GiB volume per free GiB of disk at "
-              "its start; each bucket takes more as it grows)")
+    # (the total follows the disk's free space as it is now, not at SeaweedFS's start: a trial saw
+    # 62, 60 then 59 while other programs filled the disk)
+    detail = (f"{most - free} of {most} volumes in use (SeaweedFS allows one 1 GiB volume per GiB of disk free now, "
+              "so the total falls as the disk fills; each bucket takes more as it grows)")
     if free > 0:
         return detail, None
     return detail, (f"SeaweedFS has no free volume left (all {most} in use): writing a new object fails with 500. "
-                    "Free disk space (at least 1 GiB: it makes one 1 GiB volume per free GiB when it starts), then "
+                    "Free disk space (at least 1 GiB: it allows one 1 GiB volume per free GiB), then "
                     "`paperline down` and `paperline up`")
 
 

@@ -872,7 +872,7 @@ def test_a_password_in_the_tracking_uri_is_never_printed(stack, monkeypatch):
         get_settings.cache_clear()
     assert status.exit_code == 0 and exports.exit_code == 0, status.output + exports.output
     assert f"{user}@127.0.0.1" in status.output and password not in status.output + exports.output
-    assert "\ns3: " in status.output and " volumes in use (SeaweedFS made" in status.output, status.output
+    assert "\ns3: " in status.output and " volumes in use (SeaweedFS allows" in status.output, status.output
     assert login.split(":")[1] not in status.output + exports.output
     assert f"export MLFLOW_TRACKING_URI={info.mlflow_tracking_uri}\n" in exports.output
     assert "MLFLOW_TRACKING_PASSWORD" in exports.output  # how to give MLflow's own CLI the credentials
