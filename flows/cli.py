@@ -53,6 +53,8 @@ OPTION_HINTS = {
                 **dict.fromkeys(("--limit", "--last", "--max", "-n"), "--top N shows at most N runs")},
     "run": dict.fromkeys(("--param", "--params", "-p", "--parameter", "--override", "--option"),
                          "--set KEY=VALUE sets a parameter (repeatable; `paperline params PIPELINE` lists them)"),
+    # paperline's own options, given after a command (only "No such option: --debug" before: a trial)
+    "*": {"--debug": "it is paperline's own option: give it before the command (`paperline --debug COMMAND ...`)"},
 }
 
 
@@ -67,7 +69,7 @@ class _Command(TyperCommand):
         try:
             return super().parse_args(ctx, args)
         except _click.exceptions.NoSuchOption as exc:
-            hint = OPTION_HINTS.get(self.name or "", {}).get(exc.option_name)
+            hint = OPTION_HINTS.get(self.name or "", {}).get(exc.option_name) or OPTION_HINTS["*"].get(exc.option_name)
             if hint:
                 exc.possibilities = None
                 exc.message = f"No such option: {exc.option_name}: {hint}"
@@ -1387,8 +1389,9 @@ def serve() -> None:
         console.print(f"trigger them from {redact_url(info.prefect_ui_url.rstrip('/'))}/deployments or, in a shell, "
                       f"with `eval \"$({_state_dir_prefix()}{_on_path('paperline')} env)\"` (the stack's URLs and "
                       "logins) then "
-                      f"`{_on_path('prefect')} deployment run gemm/local --params '{{\"params\": {{\"m\": 512}}}}'`; "
-                      "Ctrl-C stops serving", soft_wrap=True, highlight=False, markup=False)
+                      f"`{_on_path('prefect')} deployment run gemm/local --params "
+                      f"'{{\"params\": {{\"m\": 512, \"n\": 512, \"k\": 512}}}}'`; {_stop_serving_hint()}",
+                      soft_wrap=True, highlight=False, markup=False)
         # on stopping, a run it was executing, or had claimed and not started, is marked Crashed
         seen: dict[str, int] = {}  # the runs executed here lately (watch_flow_runs fills it in)
 
@@ -1468,7 +1471,7 @@ def _serving_through_outages(prefect_url: str, on_back: Callable[[Any], None] | 
                 away["said"] = True
                 _say(f"the Prefect server at {redact_url(prefect_url)} is not answering ({_why_down('prefect', exc)}); "
                      "serving waits for it (runs executing here fail meanwhile) and goes on when it is back "
-                     "(`paperline status` shows what is down; Ctrl-C stops serving)")
+                     f"(`paperline status` shows what is down; {_stop_serving_hint()})")
             return
         if away:
             gone = away.copy()
@@ -1539,6 +1542,18 @@ def _why_down(service: str, exc: BaseException) -> str:
     from paperline.infra.watch import down_reason
 
     return down_reason(service) or f"{type(exc).__name__}: {exc}"
+
+
+def _stop_serving_hint() -> str:
+    """How to stop `paperline serve`: Ctrl-C, unless this process ignores SIGINT (started with
+    ``&`` from a script: it said "Ctrl-C stops serving" and a SIGINT did nothing, a trial), then
+    ``kill PID`` (SIGTERM stops it as Ctrl-C does)."""
+    import signal  # noqa: PLC0415
+
+    if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
+        return (f"`kill {os.getpid()}` stops serving (Ctrl-C does not: this process ignores SIGINT, as a command "
+                "started with `&` from a script does)")
+    return "Ctrl-C stops serving"
 
 
 def served_names() -> list[str]:

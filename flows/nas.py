@@ -35,7 +35,7 @@ from paperline.infra.settings import get_settings
 from paperline.infra.stack import require_stack
 from paperline.infra.storage import LeaseHeldError, LeaseLostError, ObjectStore
 from paperline.infra.tracking import Tracker, prefect_run_tags
-from paperline.kernels.errors import InputError as KernelInputError
+from paperline.kernels.errors import InputError as KernelInputError, unknown_name
 from paperline.kernels.search.campaign import Campaign
 from paperline.kernels.search.deadline import EvaluationTimeout
 from paperline.kernels.search.problems import make_problem, problem_names, problem_option_names, resolved_problem_options
@@ -102,7 +102,7 @@ class CampaignParameters(BaseModel):
     def build(self) -> Campaign:
         """The campaign (validates every input). Raises InputError naming what is wrong."""
         if self.problem not in problem_names():
-            raise InputError("problem", self.problem, f"unknown problem; known: {', '.join(problem_names())}")
+            raise InputError("problem", self.problem, unknown_name("problem", self.problem, problem_names()))
         if self.objectives is not None and "objectives" not in self.problem_options:
             if "objectives" not in problem_option_names(self.problem):
                 takes = [n for n in problem_names() if "objectives" in problem_option_names(n)]

@@ -11,6 +11,7 @@ from typing import Any, Callable
 from pydantic import BaseModel, ValidationError
 
 from paperline.infra.errors import InputError, input_error_from
+from paperline.kernels.errors import unknown_name
 from paperline.kernels.registry import Registry
 
 
@@ -85,7 +86,7 @@ def get_pipeline(name: str) -> Pipeline:
     """The pipeline called ``name`` (importing only its module). Raises InputError listing the known ones."""
     _register_builtin(name)
     if name not in PIPELINES:
-        raise InputError("pipeline", name, f"unknown pipeline; known: {', '.join(pipeline_names())}")
+        raise InputError("pipeline", name, unknown_name("pipeline", name, pipeline_names()))
     return PIPELINES[name]
 
 
@@ -157,7 +158,7 @@ def build_parameters(pipeline: Pipeline, preset: str, overrides: list[str]) -> B
         InputError: unknown preset, malformed override, unknown parameter or invalid value.
     """
     if preset not in pipeline.presets:
-        raise InputError("--preset", preset, f"unknown preset; known: {', '.join(sorted(pipeline.presets))}")
+        raise InputError("--preset", preset, unknown_name("preset", preset, sorted(pipeline.presets)))
     values = dict(pipeline.presets[preset])
     fields = pipeline.parameters.model_fields
     given: dict[str, str] = {}
@@ -166,12 +167,8 @@ def build_parameters(pipeline: Pipeline, preset: str, overrides: list[str]) -> B
         key = key.strip()
         if not sep or not key:
             raise InputError("--set", item, "expected key=value")
-        if key not in fields:
-            import difflib  # noqa: PLC0415
-
-            close = difflib.get_close_matches(key.lower(), list(fields), n=1)  # (rnak: no guess was made: a trial)
-            guess = f"did you mean {close[0]}? " if close else ""
-            raise InputError("--set", key, f"unknown parameter; {guess}known: {', '.join(fields)}")
+        if key not in fields:  # (rnak: no guess was made: a trial)
+            raise InputError("--set", key, unknown_name("parameter", key, list(fields)))
         if key in given:  # the last one silently won
             raise InputError("--set", key, f"given twice ({given[key]!r}, then {raw!r}); give it once")
         given[key] = raw

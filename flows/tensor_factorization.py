@@ -28,7 +28,7 @@ from paperline.infra.settings import get_settings
 from paperline.infra.stack import require_stack
 from paperline.infra.storage import ObjectStore, s3_location_problem, split_uri
 from paperline.infra.tracking import Tracker, prefect_run_tags
-from paperline.kernels.errors import InputError as KernelInputError
+from paperline.kernels.errors import InputError as KernelInputError, unknown_name
 from paperline.kernels.tensor.baselines import MAX_DENSE_CELLS
 from paperline.kernels.tensor.coo import make_split
 from paperline.kernels.tensor.datasets import (dataset_info, dataset_names, index_layout_hint, occupied_shape,
@@ -159,7 +159,7 @@ class TensorFactorizationParameters(BaseModel):
             known = dataset_names()
             for d in self.datasets:
                 if d not in known:
-                    raise InputError("datasets", d, f"unknown dataset; known: {', '.join(known)}")
+                    raise InputError("datasets", d, unknown_name("dataset", d, known))
                 shapes[d] = dataset_info(d).shape
         elif not self.data.startswith("s3://"):
             path = Path(self.data)

@@ -26,6 +26,17 @@ class InputError(ValueError):
         return (type(self), (self.argument, self.value, self.problem))
 
 
+def unknown_name(kind: str, name: object, known: list[str] | tuple[str, ...]) -> str:
+    """The problem text for an unknown ``kind`` (e.g. ``"optimizer"``) named ``name``: "unknown
+    optimizer; did you mean lamoo? known: alphax, bo, ...", the guess where one of ``known`` is
+    close (a typo got only the list: a trial)."""
+    import difflib  # noqa: PLC0415
+
+    close = difflib.get_close_matches(name.lower(), list(known), n=1) if isinstance(name, str) else []
+    guess = f"did you mean {close[0]}? " if close else ""
+    return f"unknown {kind}; {guess}known: {', '.join(known)}"
+
+
 def is_real(value: object) -> bool:
     """A real number: a Python int or float or a NumPy integer or float scalar (``numbers.Real``),
     not a bool."""

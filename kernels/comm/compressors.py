@@ -94,7 +94,7 @@ from dataclasses import dataclass
 from collections.abc import Iterable
 from typing import TYPE_CHECKING, Any, Callable, ClassVar, NamedTuple
 
-from paperline.kernels.errors import InputError, as_float, check_int, is_real
+from paperline.kernels.errors import InputError, as_float, check_int, is_real, unknown_name
 from paperline.kernels.registry import Registry
 
 if TYPE_CHECKING:
@@ -1618,7 +1618,7 @@ def make_hook(name: str, process_group: Any = None, **options: Any) -> tuple[Com
             does not take (the message lists the ones it does), or a bad option value.
     """
     if not isinstance(name, str) or name not in compressors:
-        raise InputError("name", name, f"unknown compressor; known: {', '.join(compressor_names())}")
+        raise InputError("name", name, unknown_name("compressor", name, compressor_names()))
     cls = compressors[name]
     accepted = [p for p in inspect.signature(cls.__init__).parameters if p not in ("self", "process_group")]
     for option, value in options.items():

@@ -26,7 +26,7 @@ from typing import Any, ClassVar
 
 import numpy as np
 
-from paperline.kernels.errors import InputError
+from paperline.kernels.errors import InputError, unknown_name
 from paperline.kernels.errors import check_int as _check_int
 from paperline.kernels.errors import check_number as _check_number
 from paperline.kernels.registry import Registry
@@ -260,7 +260,7 @@ def make_optimizer(name: str, space: SearchSpace, n_objectives: int = 1, **kwarg
     known ones) or bad arguments."""
     _register_builtin()
     if not isinstance(name, str) or name not in OPTIMIZERS:  # an unhashable name is a TypeError in `in`
-        raise InputError("optimizer", name, f"unknown optimizer; known: {', '.join(OPTIMIZERS.names())}")
+        raise InputError("optimizer", name, unknown_name("optimizer", name, OPTIMIZERS.names()))
     return OPTIMIZERS[name](space, n_objectives, **kwargs)
 
 

@@ -25,7 +25,7 @@ from typing import Any
 
 import numpy as np
 
-from paperline.kernels.errors import InputError, check_int
+from paperline.kernels.errors import InputError, check_int, unknown_name
 from paperline.kernels.registry import Registry
 from paperline.kernels.search.pareto import check_reference_point
 from paperline.kernels.search.space import SearchSpace
@@ -143,7 +143,7 @@ def make_problem(name: str, **options: Any) -> Problem:
     """
     _register_optional()
     if name not in PROBLEMS:
-        raise InputError("problem", name, f"unknown problem; known: {', '.join(PROBLEMS.names())}")
+        raise InputError("problem", name, unknown_name("problem", name, PROBLEMS.names()))
     factory = PROBLEMS[name]
     known = problem_option_names(name)
     unknown = sorted(set(options) - set(known))

@@ -13,7 +13,7 @@ from typing import Any
 
 import numpy as np
 
-from paperline.kernels.errors import InputError
+from paperline.kernels.errors import InputError, unknown_name
 from paperline.kernels.registry import Registry
 from paperline.kernels.tensor.coo import COOTensor
 
@@ -160,7 +160,7 @@ def load_dataset(name: str) -> COOTensor:
 
 def _entry(name: str) -> _Entry:
     if name not in DATASETS:
-        raise InputError("dataset", name, f"unknown dataset; known: {', '.join(DATASETS.names())}")
+        raise InputError("dataset", name, unknown_name("dataset", name, DATASETS.names()))
     return DATASETS[name]
 
 

@@ -71,6 +71,7 @@ def parquet(tmp_path):
     (["datasets=flights", "n_parts=106"], ["n_parts=106", "P larger than the number of slices", "'flights' (105)"]),
     (["bogus=1"], ["--set='bogus'", "unknown parameter; known: datasets, "]),  # (no guess for a word unlike any)
     (["rnak=3"], ["--set='rnak'", "unknown parameter; did you mean rank? known: "]),  # (a trial's typo)
+    (["datasets=prodcu"], ["datasets='prodcu'", "unknown dataset; did you mean produc? known: "]),
     (["rank"], ["--set='rank'", "expected key=value"]),
     (["seed=-1"], ["seed=-1", "greater than or equal to 0"]),
     (["rank=true"], ["rank='true'", "expected a number, not a boolean"]),  # pydantic would read it as 1
@@ -854,12 +855,45 @@ def test_an_option_users_reach_for_names_the_one_there_is():
     options keep click's own message."""
     for args, said in ((["compare", "nas", "--sort", "x"], "--sort: runs are sorted by the first --metric"),
                        (["compare", "nas", "--limit=3"], "--limit: --top N shows at most N runs"),
-                       (["run", "gemm", "-p", "m=3"], "-p: --set KEY=VALUE sets a parameter")):
+                       (["run", "gemm", "-p", "m=3"], "-p: --set KEY=VALUE sets a parameter"),
+                       (["run", "gemm", "--debug"], "--debug: it is paperline's own option: give it before the command"),
+                       (["status", "--debug"], "--debug: it is paperline's own option")):
         result = run_cli(*args)
         flat = " ".join(result.output.replace("│", " ").split())
         assert result.exit_code == 2 and said in flat and "Possible options" not in flat, (args, result.output)
     flat = " ".join(run_cli("compare", "nas", "--bogus").output.replace("│", " ").split())
     assert "No such option: --bogus (Possible options: --log, --out)" in flat, flat
+
+
+def test_a_mistyped_name_gets_a_guess():
+    """`--set optimizer=lamoa` got the list of optimizers alone, where `--set rnak=4` got "did you
+    mean rank?" (a trial); names far from every known one get the list as before."""
+    for args, said in ((["run", "nas", "--set", "optimizer=lamoa"], "optimizer='lamoa': unknown optimizer; did you "
+                                                                     "mean lamoo? known: alphax, "),
+                       (["run", "nas", "--set", "problem=brannin-currin"], "unknown problem; did you mean branin-currin?"),
+                       (["run", "gem"], "pipeline='gem': unknown pipeline; did you mean gemm? known: "),
+                       (["run", "gemm", "--preset", "dmeo"], "--preset='dmeo': unknown preset; did you mean demo? known: "),
+                       (["run", "nas", "--set", "optimizer=annealing"], "unknown optimizer; known: alphax, ")):
+        result = run_cli(*args)
+        flat = " ".join(result.output.split())
+        assert result.exit_code == 1 and said in flat, (args, flat)
+
+
+def test_serve_names_kill_when_it_ignores_ctrl_c():
+    """`paperline serve &` from a script ignores SIGINT: it said "Ctrl-C stops serving", and a
+    SIGINT did nothing (a trial); it names `kill PID` then."""
+    import signal
+
+    from paperline.flows.cli import _stop_serving_hint
+
+    before = signal.getsignal(signal.SIGINT)
+    try:
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+        ignored = _stop_serving_hint()
+    finally:
+        signal.signal(signal.SIGINT, before)
+    assert ignored.startswith(f"`kill {os.getpid()}` stops serving (Ctrl-C does not"), ignored
+    assert _stop_serving_hint() == "Ctrl-C stops serving"
 
 
 def test_compares_note_is_wrapped_at_the_terminals_width(monkeypatch):
