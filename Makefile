@@ -13,7 +13,7 @@ $(STAMP): pyproject.toml constraints.txt
 	$(PIP) install -q --upgrade pip
 	@# torch by pip: its CPU wheel lies on this machine's disk (pip's find-links), which uv does not read
 	$(PIP) install -q -c constraints.txt torch==2.13.0 uv
-	@# the rest by uv: the same pins, the same packages, in 11 s against pip's 79 with its cache warm (2026-12-06)
+	@# the rest by uv: the same pins and packages, their bytecode compiled as pip does, in 45 s against pip's 79 (caches warm, 2026-12-06)
 	$(BIN)/uv pip install --python $(BIN)/python -q --compile-bytecode -c constraints.txt -e '.[test]'
 	@# BoTorch's fused qLogEHVI kernel (C++, about 40 s to build), here rather than in the first NAS run
 	$(BIN)/python -c 'from paperline.kernels.search.botorch_opt import load_fused_kernel as k; \

@@ -112,7 +112,7 @@ def load_dataset(name: str, *, n_train: int | None = None, seed: int = 0, fashio
                           arr["train-labels"].astype(np.int64), (arr["t10k-images"].astype(np.float32) / 255.0)[:, None],
                           arr["t10k-labels"].astype(np.int64), f"Debian dataset-fashion-mnist ({fashion_dir})")
     else:
-        raise InputError("dataset", name, unknown_name("dataset", name, list(DATASETS)))
+        raise InputError("dataset", name, unknown_name("dataset", name, DATASETS))
     if n_train is not None:
         if not 10 <= n_train <= len(ds.y_train):
             raise InputError("n_train", n_train, f"must be in 10..{len(ds.y_train)}")
