@@ -22,6 +22,7 @@ import math
 import os
 import shutil
 import sys
+import sysconfig
 import warnings
 from collections.abc import Iterator
 from pathlib import Path
@@ -96,11 +97,56 @@ def load_fused_kernel() -> Any | None:
                 warnings.warn(f"torch's build lock {torch_lock} exists, so loading BoTorch's fused kernel waits "
                               "until it is gone; if no build of it is running, delete that file", stacklevel=2)
         compiler = shutil.which(os.environ.get("CXX", "c++"))  # (none: BoTorch says it cannot build, at once)
-        if compiler and not any((directory / "logei_fused_ext").glob("*.so")):  # (a silent 40-100 s: a trial)
-            print(f"building BoTorch's fused qLogEHVI kernel in {directory} (about 40 s, once per environment)",
-                  file=sys.stderr, flush=True)
-        loader()
+        path = os.environ.get("PATH")
+        os.environ["PATH"] = _path_with_env_ninja(path)
+        try:
+            if compiler and _needs_build(directory / "logei_fused_ext"):  # (a silent 40-100 s: trials)
+                print(f"building BoTorch's fused qLogEHVI kernel in {directory} (about 40 s, once per environment)",
+                      file=sys.stderr, flush=True)
+            loader()
+        finally:
+            if path is None:
+                os.environ.pop("PATH", None)
+            else:
+                os.environ["PATH"] = path
     return getattr(logei, "_C", None)
+
+
+def _path_with_env_ninja(path: str | None) -> str:
+    """``path`` (a ``PATH`` value) with this environment's scripts directory first when the ``ninja``
+    package installed its ninja there, so that torch's builder runs the same ninja whatever the
+    caller's ``PATH``.
+
+    ninja rebuilds a target whose command's hash in its log differs, and ninja 1.11 (Debian's
+    /usr/bin/ninja) and 1.13 (the ``ninja`` package's) hash the same command differently: the
+    kernel ``make install`` built (its ``PATH`` without the env's bin directory) was rebuilt, a
+    silent 35-40 s, by the first NAS run in an activated env, and again in turn by each process
+    started the other way (a trial). With no env ninja, ``path`` as it is (an empty one when unset).
+    """
+    scripts = sysconfig.get_path("scripts")
+    ninja = shutil.which("ninja", path=scripts)
+    if ninja is None:
+        return path or ""
+    return os.pathsep.join([scripts, path]) if path else scripts
+
+
+def _needs_build(build: Path) -> bool:
+    """Whether torch's builder will compile the kernel in ``build`` (its ``logei_fused_ext`` directory):
+    no library built there yet, or ninja (the one ``PATH`` finds) has work to do (a newer BoTorch
+    source, another compiler command). A build that torch's builder decides on by a new
+    ``build.ninja`` (another torch's flags) is built without this being known beforehand."""
+    if not any(build.glob("*.so")):
+        return True
+    ninja = shutil.which("ninja")
+    if ninja is None or not (build / "build.ninja").is_file():
+        return False  # (torch's builder refuses without ninja; BoTorch warns and uses its PyTorch path)
+    import subprocess  # noqa: PLC0415
+
+    try:
+        dry = subprocess.run([ninja, "-n", "-C", str(build)], capture_output=True, text=True, timeout=30)
+    except (OSError, subprocess.TimeoutExpired):
+        return False
+    return dry.returncode == 0 and "no work to do" not in dry.stdout
 
 
 @contextlib.contextmanager

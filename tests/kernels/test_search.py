@@ -507,16 +507,36 @@ def test_the_fused_qlogehvi_kernel_is_built_in_this_envs_own_directory(monkeypat
 
     from paperline.kernels.search.botorch_opt import fused_kernel_dir
 
+    import sysconfig
+
+    from paperline.kernels.search.botorch_opt import _path_with_env_ninja
+
     env = {k: v for k, v in os.environ.items() if k != "TORCH_EXTENSIONS_DIR"}
     code = ("import json, os; from paperline.kernels.search.botorch_opt import load_fused_kernel as k; "
-            "m = k(); print(json.dumps([m and m.__file__, os.environ['TORCH_EXTENSIONS_DIR']]))")
-    proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stderr[-2000:]
-    module, directory = json.loads(proc.stdout.splitlines()[-1])
-    assert directory == str(fused_kernel_dir()) and module is not None, proc.stderr[-2000:]
-    assert module.startswith(directory + os.sep)
+            "m = k(); print(json.dumps([m and m.__file__, os.environ['TORCH_EXTENSIONS_DIR'], os.environ['PATH']]))")
+    # the same kernel whichever ninja the caller's PATH finds first: the env's (an activated env) or
+    # Debian's (`make install`, a script run by the venv's python): ninja 1.11 and 1.13 hash the
+    # compiler command differently, and each rebuilt the other's build, a silent 35-40 s (a trial)
+    scripts = sysconfig.get_path("scripts")
+    outside = os.pathsep.join(p for p in env.get("PATH", "").split(os.pathsep)
+                              if p and os.path.realpath(p) != os.path.realpath(scripts))
+    built = fused_kernel_dir() / "logei_fused_ext" / "logei_fused_ext.so"
+    stamps = []
+    for path in (os.pathsep.join([scripts, outside]), outside or "/usr/bin:/bin"):
+        proc = subprocess.run([sys.executable, "-c", code], env=env | {"PATH": path}, capture_output=True, text=True,
+                              timeout=600)
+        assert proc.returncode == 0, proc.stderr[-2000:]
+        module, directory, inside = json.loads(proc.stdout.splitlines()[-1])
+        assert directory == str(fused_kernel_dir()) and module is not None, proc.stderr[-2000:]
+        assert module.startswith(directory + os.sep)
+        assert inside == path  # (the env's ninja went first for the build only)
+        # built by make install: said only when built
+        assert "building BoTorch's fused qLogEHVI kernel" not in proc.stderr, (path, proc.stderr[-2000:])
+        stamps.append(built.stat().st_mtime_ns)
+    assert stamps[0] == stamps[1]
+    assert _path_with_env_ninja("/usr/bin").split(os.pathsep) == [scripts, "/usr/bin"]
+    assert _path_with_env_ninja(None) == scripts
     here = fused_kernel_dir()
-    assert "building BoTorch's fused qLogEHVI kernel" not in proc.stderr  # (built by make install: said only when built)
     prefix = sys.prefix
     monkeypatch.setattr(sys, "prefix", prefix + "-another-env")
     assert fused_kernel_dir() != here and fused_kernel_dir().parent == here.parent
