@@ -415,7 +415,12 @@ def _run_one(cp: CampaignParameters, campaign: Campaign, name: str, store: Objec
     bounded = evaluate.with_options(timeout_seconds=timeout + grace)
     try:
         while not campaign.done:
-            x = campaign.ask()
+            # a model-based optimizer's batch takes seconds to a minute (LaMOO's first on the demo:
+            # ~10 s on an idle host, 56-70 s under load, silent: a trial)
+            with said_while_slow(lambda s: f"{name}: {campaign.optimizer.name} is choosing the next "
+                                           f"{min(campaign.q, campaign.budget - campaign.n_done)} candidates after "
+                                           f"{campaign.n_done} evaluations ({s:.0f} s so far)"):
+                x = campaign.ask()
             start = campaign.n_done
             futures = [bounded.submit(campaign.problem.name, campaign.problem.options, [float(v) for v in row],
                                        campaign.seed, start + i, timeout) for i, row in enumerate(x)]
@@ -457,6 +462,35 @@ def _run_one(cp: CampaignParameters, campaign: Campaign, name: str, store: Objec
 class CampaignFailed(PaperlineError):
     """A campaign whose evaluations all failed: the run fails (its MLflow parent run FAILED),
     naming the failures; the checkpoint keeps them."""
+
+
+@contextlib.contextmanager
+def said_while_slow(line: Callable[[float], str], first_s: float = 10.0, every_s: float = 30.0,
+                    say: Callable[[str], Any] | None = None) -> Iterator[None]:
+    """``say`` (print) ``line(seconds so far)`` once the block has run ``first_s`` seconds, then every
+    ``every_s`` seconds until it ends; a quick block prints nothing. The printing thread runs in
+    the caller's context, so in a flow run (``log_prints``) the line is the run's log line, in the
+    Prefect UI too."""
+    import contextvars  # noqa: PLC0415
+    import threading  # noqa: PLC0415
+
+    done = threading.Event()
+    started = time.monotonic()
+
+    def tell() -> None:
+        wait = first_s
+        while not done.wait(wait):
+            (say or print)(line(time.monotonic() - started))  # (print looked up now: Prefect's log_prints patches it)
+            wait = every_s
+
+    thread = threading.Thread(target=contextvars.copy_context().run, args=(tell,), name="paperline-slow-notice",
+                              daemon=True)
+    thread.start()
+    try:
+        yield
+    finally:
+        done.set()
+        thread.join()
 
 
 def _headlines(c: Campaign) -> list[Headline]:

@@ -255,6 +255,34 @@ def test_evaluations_past_the_time_limit_are_recorded_as_failed(run_cli, cli_env
     assert "complete (2/2 evaluations): nothing is left to evaluate" in out
 
 
+def test_a_slow_optimizer_batch_is_said_while_it_is_chosen_and_a_quick_one_not(monkeypatch):
+    """LaMOO's first batch of the demo took 10-70 s with nothing printed (a trial)."""
+    import builtins
+    import contextvars
+
+    from paperline.flows.nas import said_while_slow
+
+    run = contextvars.ContextVar("run", default="none")
+    run.set("the flow run's")  # (Prefect's log_prints finds its flow run by context)
+    lines: list[str] = []
+    # printed by the print of the moment: Prefect's log_prints patches it during a flow run (the
+    # builtin bound beforehand printed plain lines, missing from the run's logs)
+    monkeypatch.setattr(builtins, "print", lines.append)
+    with said_while_slow(lambda s: f"{run.get()} line after {s:.2f} s", first_s=0.05, every_s=0.05):
+        deadline = time.monotonic() + 60
+        while len(lines) < 3 and time.monotonic() < deadline:
+            time.sleep(0.01)
+    said = list(lines)
+    time.sleep(0.2)
+    assert lines == said and len(said) >= 3  # none after the block
+    seconds = [float(line.split()[-2]) for line in said]
+    assert all(line.startswith("the flow run's line after") for line in said) and seconds == sorted(seconds)
+    assert seconds[0] >= 0.05
+    with said_while_slow(lambda s: "never", first_s=5, say=lines.append):
+        pass
+    assert lines == said
+
+
 def test_a_changed_optimizer_default_names_a_new_campaign(monkeypatch):
     """The derived campaign name covers the optimizer's resolved options: after a release changes a
     default, the same parameters start a new campaign instead of failing on the old checkpoint
