@@ -115,6 +115,13 @@ def _compact(value: str, limit: int = 60) -> str:
     return value if len(value) <= limit else value[:limit - 3] + "..."
 
 
+def _names_its_own_run(run: Any, key: str) -> bool:
+    """Whether ``run``'s parameter ``key`` holds the run's own Prefect flow run id (a location
+    made per run, e.g. ``s3://.../gemm/<flow run id>/result.npy``)."""
+    flow_run_id = run.data.tags.get("prefect.flow_run_id")
+    return bool(flow_run_id) and flow_run_id in (run.data.params.get(key) or "")
+
+
 def _locations(values: Any) -> bool:
     """Whether every given value names a storage location (an S3 URI or an absolute path)."""
     return all(isinstance(v, str) and (v.startswith("s3://") or v.startswith("/")) for v in values if v is not None)
@@ -408,6 +415,9 @@ def compare_runs(tracker: Tracker, experiment: str, metrics: list[str], filter_s
     # it) repeats the name column and took the room of a --metric at 80 columns (a trial): the
     # Parquet file keeps it
     varying = [k for k in varying if any(r.data.params.get(k) != r.info.run_name for r in runs)]
+    # ... and one that names each run's own place (gemm's default output holds its flow run's id):
+    # different in every run by construction, it took a column of two gemm runs of other sizes (a trial)
+    varying = [k for k in varying if not all(_names_its_own_run(r, k) for r in runs)]
     if len(varying) > MAX_PARAM_COLUMNS:  # e.g. --all-runs of compressed training: parent and child runs
         # differ in ~15; the table shows those with the most distinct values, the Parquet file all
         # where a run wrote (gemm's default output is per run: the most varied, and the least telling)

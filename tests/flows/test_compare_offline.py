@@ -95,6 +95,33 @@ def test_ascending_applies_to_the_headline_metrics_too(training, tmp_path):
     assert "--ascending" not in result["note"]
 
 
+def test_a_location_made_per_run_is_not_a_column(tmp_path):
+    """Two gemm runs of other sizes showed params.output, each run's default location named by
+    its flow run id, as a difference worth a column (a trial); a location given by the user is one."""
+    from paperline.flows.compare import compare_runs
+
+    tracker = LocalTracker(f"sqlite:///{tmp_path}/mlflow.db")
+    exp = tracker.client.create_experiment("gemm", artifact_location=(tmp_path / "artifacts").as_uri())
+    ids = []
+    for n, flow_run, output in ((512, "f1a2-0000", "s3://paperline-data/gemm/f1a2-0000/result.npy"),
+                                (1024, "f3b4-1111", "s3://paperline-data/gemm/f3b4-1111/result.npy"),
+                                (1024, "f5c6-2222", "s3://mine/c.npy")):
+        run = tracker.client.create_run(exp, run_name=f"n{n}", tags={"prefect.flow_run_id": flow_run})
+        tracker.client.log_param(run.info.run_id, "n", n)
+        tracker.client.log_param(run.info.run_id, "output", output)
+        tracker.client.log_metric(run.info.run_id, "throughput_gflop_per_s", n / 10)
+        tracker.client.set_terminated(run.info.run_id)
+        ids.append(run.info.run_id)
+    both = f"attributes.run_id IN ('{ids[0]}', '{ids[1]}')"
+    result = compare_runs(tracker, "gemm", ["throughput_gflop_per_s"], both, out_dir=tmp_path)
+    assert [c for c in result["columns"] if c.startswith("params.")] == ["params.n"], result["columns"]
+    import pyarrow.parquet as pq
+
+    assert sorted(pq.read_table(result["parquet"]).to_pydict()["params.output"])[0].endswith("f1a2-0000/result.npy")
+    result = compare_runs(tracker, "gemm", ["throughput_gflop_per_s"], out_dir=tmp_path)
+    assert [c for c in result["columns"] if c.startswith("params.")] == ["params.n", "params.output"]
+
+
 def test_a_parameter_compared_with_a_number_gets_a_hint(training, tmp_path):
     """`--filter "params.epochs = 2"` failed with MLflow's bare "Expected a quoted string value" (a trial)."""
     from paperline.flows.compare import compare_runs, filter_hint
