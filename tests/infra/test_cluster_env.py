@@ -625,7 +625,8 @@ def _scheduler_and_workers(port: int, workers: list[tuple[list[str], dict[str, s
 
 
 @pytest.mark.skipif(not _unshare_works(), reason="needs unshare (util-linux) and user namespaces")
-def test_workers_that_do_not_see_a_runs_local_paths_are_named_before_the_run(settings_factory, tmp_path, free_port):
+def test_workers_that_do_not_see_a_runs_local_paths_are_named_before_the_run(settings_factory, tmp_path, free_port,
+                                                                             monkeypatch):
     """A trial's workers in a mount namespace of their own (as on another machine) failed gemm at
     its first task with `FileNotFoundError: .../gemm/operands/<digest>.npy`; a worker with another
     file of the same name would have read it. Here worker w1 sees `shared/` as an empty tmpfs
@@ -702,6 +703,36 @@ def test_workers_that_do_not_see_a_runs_local_paths_are_named_before_the_run(set
         assert f"cannot write in {shared}/gemm (w1 at" in said and "this run stages the random operands and stages " \
                "the result for S3 and writes the scaling sweep's results there" in said, said
         assert not (shared / "stack.json").exists()  # nothing started
+
+        # a folder of many videos: at most SHARED_CHECK_FILES files asked of each worker (spread, the
+        # first and last kept), the first SAMPLED_FILES by content; paths that passed are not asked
+        # again within SHARED_CHECK_TTL_S (`run` checks, then its flow)
+        import paperline.infra.cluster as cluster
+
+        asked: list[list] = []
+        real = cluster._run_on_each
+
+        async def counted(client, fn, expected, *, timeout_s):
+            asked.append(expected)
+            return await real(client, fn, expected, timeout_s=timeout_s)
+
+        monkeypatch.setattr(cluster, "_run_on_each", counted)
+        many = tmp_path / "many"
+        many.mkdir()
+        for i in range(300):
+            (many / f"{i:03d}.mp4").write_bytes(b"v" * (i + 1))
+        needs = [WorkerPath("source", "many/", str(many / f"{i:03d}.mp4")) for i in range(300)]
+        require_shared_paths(settings, needs)
+        (files,) = asked
+        assert len(files) == cluster.SHARED_CHECK_FILES == 256
+        assert (files[0][1], files[-1][1]) == (str(many / "000.mp4"), str(many / "299.mp4"))
+        assert [want[1] is not None for _, _, want in files] == [True] * cluster.SAMPLED_FILES + [False] * 224
+        require_shared_paths(settings, needs)
+        assert len(asked) == 1  # remembered
+        for key in cluster._CHECKED:  # ... for two minutes
+            cluster._CHECKED[key] -= cluster.SHARED_CHECK_TTL_S
+        require_shared_paths(settings, needs)
+        assert len(asked) == 2
         # the local cluster's workers share this machine's files: nothing is asked
         require_shared_paths(settings_factory(tmp_path), [WorkerPath("b", "x", str(tmp_path / "nowhere.npy"))])
 
