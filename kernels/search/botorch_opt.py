@@ -98,7 +98,9 @@ def load_fused_kernel() -> Any | None:
                               "until it is gone; if no build of it is running, delete that file", stacklevel=2)
         compiler = shutil.which(os.environ.get("CXX", "c++"))  # (none: BoTorch says it cannot build, at once)
         path = os.environ.get("PATH")
-        os.environ["PATH"] = _path_with_env_ninja(path)
+        with_ninja = _path_with_env_ninja(path)
+        if with_ninja is not None:
+            os.environ["PATH"] = with_ninja
         try:
             if compiler and _needs_build(directory / "logei_fused_ext"):  # (a silent 40-100 s: trials)
                 print(f"building BoTorch's fused qLogEHVI kernel in {directory} (about 40 s, once per environment)",
@@ -112,7 +114,7 @@ def load_fused_kernel() -> Any | None:
     return getattr(logei, "_C", None)
 
 
-def _path_with_env_ninja(path: str | None) -> str:
+def _path_with_env_ninja(path: str | None) -> str | None:
     """``path`` (a ``PATH`` value) with this environment's scripts directory first when the ``ninja``
     package installed its ninja there, so that torch's builder runs the same ninja whatever the
     caller's ``PATH``.
@@ -121,12 +123,12 @@ def _path_with_env_ninja(path: str | None) -> str:
     /usr/bin/ninja) and 1.13 (the ``ninja`` package's) hash the same command differently: the
     kernel ``make install`` built (its ``PATH`` without the env's bin directory) was rebuilt, a
     silent 35-40 s, by the first NAS run in an activated env, and again in turn by each process
-    started the other way (a trial). With no env ninja, ``path`` as it is (an empty one when unset).
+    started the other way (a trial). None (``PATH`` left as it is) without an env ninja.
     """
     scripts = sysconfig.get_path("scripts")
     ninja = shutil.which("ninja", path=scripts)
     if ninja is None:
-        return path or ""
+        return None
     return os.pathsep.join([scripts, path]) if path else scripts
 
 
