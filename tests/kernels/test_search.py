@@ -536,6 +536,9 @@ def test_the_fused_qlogehvi_kernel_is_built_in_this_envs_own_directory(monkeypat
     assert stamps[0] == stamps[1]
     assert _path_with_env_ninja("/usr/bin").split(os.pathsep) == [scripts, "/usr/bin"]
     assert _path_with_env_ninja(None) == scripts
+    monkeypatch.setattr(sysconfig, "get_path", lambda name: str(tmp_path))  # an env without a ninja of its own
+    assert _path_with_env_ninja("/usr/bin") is None  # (PATH left as it is; unset stays unset)
+    monkeypatch.undo()
     here = fused_kernel_dir()
     prefix = sys.prefix
     monkeypatch.setattr(sys, "prefix", prefix + "-another-env")
