@@ -30,6 +30,19 @@ def at_least(low: int) -> Callable[[str], int]:
     return parse
 
 
+def positive_seconds(text: str) -> float:
+    """A finite number of seconds > 0 (``nan`` and ``inf`` ended in the ranks' tracebacks: a trial)."""
+    import math
+
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+    if not (math.isfinite(value) and value > 0):
+        raise argparse.ArgumentTypeError(f"{text!r}: a finite number of seconds > 0")
+    return value
+
+
 def output_file(text: str) -> Path:
     """A file the results are written to after the measurements: a directory, or a path whose
     directory does not exist, was found only after minutes of measuring (a trial)."""
@@ -51,3 +64,18 @@ def one_line_errors(parser: argparse.ArgumentParser, fn: Callable[[], Any]) -> A
         return fn()
     except (InputError, PaperlineError) as exc:
         parser.exit(2, f"{parser.prog}: error: {exc}\n")
+
+
+def require_cuda(parser: argparse.ArgumentParser, check: Callable[[], Any]) -> None:
+    """``--device cuda``'s check: ``check()`` (``paperline.infra.device``'s, raising InputError
+    where no GPU or no CuPy is usable) ends the run with the parser's one line naming ``--device``;
+    the library's own advice (``device=auto``, ``PAPERLINE_DEVICE``) is for the pipelines'
+    parameter, which no benchmark takes (a trial)."""
+    from paperline.kernels.errors import InputError
+
+    try:
+        check()
+    except InputError as exc:
+        why = str(exc.problem).split(";")[0].split(":")[0]  # "no usable CUDA device", "CuPy is not installed"
+        parser.exit(2, f"{parser.prog}: error: --device cuda: {why} (the GPU extra, make install-gpu, on a machine "
+                       "with an NVIDIA driver); leave --device out to measure on the CPU\n")

@@ -31,7 +31,7 @@ import socket
 import sys
 import time
 
-from _args import at_least, output_file, positive  # benchmarks/_args.py
+from _args import at_least, output_file, positive, positive_seconds  # benchmarks/_args.py
 
 KINDS = ("allreduce", "broadcast", "reduce")
 
@@ -162,13 +162,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--chunk-bytes", type=parse_chunk_bytes, default=None,
                         help="LP chunk (default: the cost model's, lp_chunk_bytes)")
     parser.add_argument("--backend", choices=("gloo", "nccl"), default="gloo")
-    parser.add_argument("--target-s", type=float, default=0.2, help="timed seconds per repeat (sets iters)")
+    parser.add_argument("--target-s", type=positive_seconds, default=0.2, help="timed seconds per repeat (sets iters)")
     parser.add_argument("--max-iters", type=positive, default=200)
     parser.add_argument("--repeats", type=positive, default=5)
     parser.add_argument("--json", type=output_file, default=None, help="write all rows here")
     args = parser.parse_args(argv)
-    if args.target_s <= 0:
-        parser.error(f"--target-s {args.target_s}: must be positive")
     if not args.sizes:
         if args.min_bytes > args.max_bytes:
             parser.error(f"--min-bytes {human(args.min_bytes)} is above --max-bytes {human(args.max_bytes)}")

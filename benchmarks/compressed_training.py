@@ -43,7 +43,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from _args import one_line_errors, output_file, positive
+from _args import one_line_errors, output_file, positive, require_cuda
 
 HERE = Path(__file__).resolve()
 
@@ -108,7 +108,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.device == "cuda":
         from paperline.infra.device import resolve_device
 
-        one_line_errors(ap, lambda: resolve_device("cuda"))  # was torch's AssertionError traceback (a trial)
+        require_cuda(ap, lambda: resolve_device("cuda"))  # was torch's AssertionError traceback (a trial)
         report = memory_report("cuda")
         if args.json:
             args.json.write_text(json.dumps([{"name": "memory", "result": report}], indent=1))

@@ -40,7 +40,7 @@ import tempfile
 import time
 
 import numpy as np
-from _args import one_line_errors, positive  # benchmarks/_args.py: the scripts' shared argument types
+from _args import at_least, one_line_errors, positive, require_cuda  # benchmarks/_args.py: the scripts' shared argument types
 
 
 def best_of(repeats: int, fn) -> float:
@@ -93,10 +93,14 @@ def dask_matmul(client, a_path: str, b_path: str, tile: int) -> np.ndarray:
     return client.compute(x @ y).result()
 
 
+MIN_SIZE = 16  # below it the out-of-core measurement's budget holds no tile (`--sizes 3`: a tile of 0, a trial)
+
+
 def _sizes(text: str) -> str:
-    """Comma-separated matrix sizes, each at least 1 (kept as text: --device cuda swaps the default)."""
+    """Comma-separated matrix sizes, each at least :data:`MIN_SIZE` (kept as text: --device cuda
+    swaps the default)."""
     for item in text.split(","):
-        positive(item.strip())
+        at_least(MIN_SIZE)(item.strip())
     return text
 
 
@@ -105,6 +109,12 @@ def _dtypes(text: str) -> str:
     if bad:
         raise argparse.ArgumentTypeError(f"{', '.join(map(repr, bad))}: expected float32 and/or float64")
     return text
+
+
+def tile_for(args: argparse.Namespace, n: int) -> int:
+    """The tile edge at size ``n``: ``--tile``, else n/4; at most n and at least 1 (``--sizes 3``
+    made a tile of 0, refused as a ``tile`` the user never gave: a trial)."""
+    return max(1, min(args.tile or n // 4, n))
 
 
 def main() -> None:
@@ -124,7 +134,7 @@ def main() -> None:
         if args.device == "cuda":
             from paperline.infra.device import array_device
 
-            array_device("cuda")  # InputError without a usable GPU and CuPy
+            require_cuda(parser, lambda: array_device("cuda"))  # without a usable GPU and CuPy
             if args.sizes == parser.get_default("sizes"):
                 args.sizes = "16384,32768"
             gpu_main(args)
@@ -152,7 +162,7 @@ def check_out_of_core_tile(args: argparse.Namespace) -> None:
     from paperline.kernels.errors import InputError
 
     n = max(int(s) for s in args.sizes.split(","))
-    tile = min(args.tile or n // 4, n)  # no tile exceeds the matrices
+    tile = tile_for(args, n)  # no tile exceeds the matrices
     fits = math.isqrt(out_of_core_budget(n) // (WORKING_SET_TILES * 8))
     if tile > fits:
         raise InputError("--tile", args.tile, f"too large for the out-of-core measurement at n={n}: its budget, a quarter "
@@ -186,13 +196,13 @@ def memory_and_disk_needs(args: argparse.Namespace) -> list[tuple[int, str, int,
     for n in sizes:
         for dtype in args.dtypes.split(","):
             item = np.dtype(dtype).itemsize
-            tile = max(1, min(args.tile or n // 4, n))
+            tile = tile_for(args, n)
             memory = max(3 * n * n * item, 2 * n * n * item + _worker_caches(n, item, tile, args.workers, 1 << 30))
             written += 2 * n * n * item
             needs.append((n, dtype, memory, written + n * n * item,
                           "numpy.matmul's A, B and product, then paperline's and dask.array's results"))
     n = max(sizes)
-    tile = max(1, min(args.tile or n // 4, n))
+    tile = tile_for(args, n)
     if "float64" not in args.dtypes.split(","):  # its operands are written anew
         written += 2 * n * n * 8
     needs.append((n, "float64", n * n * 8 + _worker_caches(n, 8, tile, args.workers, 4 * n * n * 8), written,
@@ -250,7 +260,7 @@ def cpu_main(args: argparse.Namespace) -> None:
         print(f"cluster: {len(rt.workers())} single-threaded workers")
         for n in [int(s) for s in args.sizes.split(",")]:
             for dtype in args.dtypes.split(","):
-                tile = args.tile or n // 4
+                tile = tile_for(args, n)
                 a_path, b_path = write_operands(tmp, n, dtype)
                 flops = 2.0 * n ** 3
                 a, b = np.load(a_path), np.load(b_path)
@@ -284,7 +294,7 @@ def cpu_main(args: argparse.Namespace) -> None:
                       f"{t_da / t_pl:.3f} (max rel. error {err:.1e})", flush=True)
         # Out of core: the largest size, float64, budget a quarter of the operands' bytes.
         n = max(int(s) for s in args.sizes.split(","))
-        tile = args.tile or n // 4
+        tile = tile_for(args, n)
         a_path, b_path = write_operands(tmp, n, "float64")
         operand_bytes = 2 * n * n * 8  # out_of_core_budget(n) is a quarter of it
         problem = make_problem("gemm", NpySource(a_path, "a"), NpySource(b_path, "b"), tile=tile)
@@ -331,7 +341,7 @@ def gpu_main(args: argparse.Namespace) -> None:
     rows = []
     for n in sizes:
         for dtype in args.dtypes.split(","):
-            tile = args.tile or n // 4
+            tile = tile_for(args, n)
             flops = 2.0 * n ** 3
             rng = cp.random.default_rng(0)
             a_d, b_d = rng.standard_normal((n, n), dtype=dtype), rng.standard_normal((n, n), dtype=dtype)
@@ -373,7 +383,7 @@ def gpu_main(args: argparse.Namespace) -> None:
     from distributed import Client
 
     n, dtype = min(sizes), args.dtypes.split(",")[0]
-    tile = args.tile or n // 4
+    tile = tile_for(args, n)
     with tempfile.TemporaryDirectory(prefix="paperline-bench-gemm-") as tmp, \
             LocalCUDACluster(threads_per_worker=1, host="127.0.0.1", dashboard_address=None) as cluster, \
             Client(cluster) as client:

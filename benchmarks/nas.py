@@ -154,17 +154,17 @@ def main() -> None:
     """Parse the arguments, run the campaigns (or, with ``--load``, read saved ones) and
     print each problem's report."""
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--seeds", type=positive, default=5, help="number of seeds")
+    parser.add_argument("--seeds", type=positive, default=None, help="number of seeds (default 5; --quick: 3)")
     parser.add_argument("--first-seed", type=at_least(0), default=0, help="seeds first-seed .. first-seed + seeds - 1")
-    parser.add_argument("--optimizers", default="", help="comma-separated subset of each problem's optimizers")
+    parser.add_argument("--optimizers", default=None, help="comma-separated subset of each problem's optimizers")
     parser.add_argument("--save", type=output_file, default=None, help="write every campaign's trace to this JSON file")
     parser.add_argument("--load", nargs="+", default=[], help="report over these saved runs; run nothing")
-    parser.add_argument("--budget", type=positive, default=100)
+    parser.add_argument("--budget", type=positive, default=None, help="evaluations per campaign (default 100; --quick: 40)")
     parser.add_argument("--q", type=positive, default=5)
     parser.add_argument("--n-init", type=positive, default=10)
     parser.add_argument("--problems", default=",".join([*MULTI, *SINGLE]))
     parser.add_argument("--processes", type=positive, default=min(2, os.cpu_count() or 1))
-    parser.add_argument("--quick", action="store_true", help="3 seeds, budget 40")
+    parser.add_argument("--quick", action="store_true", help="3 seeds, budget 40 (unless --seeds or --budget say)")
     parser.add_argument("--options", action="append", default=[], metavar='OPTIMIZER=JSON',
                         help='optimizer options, e.g. lamoo=\'{"kernel": "rbf"}\' (repeatable); reported as '
                              'lamoo[kernel=rbf], ranked against the same peer')
@@ -173,17 +173,20 @@ def main() -> None:
         missing = [p for p in args.load if not os.path.isfile(p)]
         if missing:
             parser.error(f"--load {' '.join(missing)}: no such file")
-        report_saved(args.load)
+        one_line_errors(parser, lambda: report_saved(args.load))
         return
-    if args.quick:
-        args.seeds, args.budget = 3, 40
-    if args.seeds < 1 or args.first_seed < 0 or args.budget < args.n_init:
-        parser.error("need --seeds >= 1, --first-seed >= 0 and --budget >= --n-init")
+    # --quick's values where --seeds or --budget are not given (it overrode them unsaid: a trial)
+    args.seeds = args.seeds or (3 if args.quick else 5)
+    args.budget = args.budget or (40 if args.quick else 100)
+    if args.budget < args.n_init:
+        parser.error(f"--budget {args.budget}: below --n-init {args.n_init} (the initial design is part of the budget)")
     wanted = [p for p in args.problems.split(",") if p]
     unknown = [p for p in wanted if p not in {**MULTI, **SINGLE}]
     if unknown:
         parser.error(f"unknown --problems {unknown}; known: {', '.join([*MULTI, *SINGLE])}")
-    subset = [o for o in args.optimizers.split(",") if o]
+    subset = [o.strip() for o in (args.optimizers or "").split(",") if o.strip()]
+    if args.optimizers is not None and not subset:  # '' ran every optimizer (a trial)
+        parser.error(f"--optimizers {args.optimizers!r} names no optimizer (leave it out for every one)")
     optimizer_options = {}
     for item in args.options:
         name, sep, raw = item.partition("=")
@@ -241,11 +244,24 @@ def main() -> None:
 
 
 def report_saved(paths: list[str]) -> None:
-    """Report over campaigns saved by ``--save`` (same budget, n_init and q), pooled."""
+    """Report over campaigns saved by ``--save`` (same budget, n_init and q), pooled.
+
+    Raises:
+        InputError: a file that is not such a save (not JSON, or without its keys).
+    """
+    from paperline.kernels.errors import InputError
+
     saved = []
     for path in paths:
-        with open(path) as f:
-            saved.append(json.load(f))
+        try:
+            with open(path) as f:
+                save = json.load(f)
+        except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:  # (a traceback: a trial)
+            raise InputError("--load", path, f"not a file --save wrote ({type(exc).__name__}: {exc})") from None
+        lacking = [k for k in ("budget", "n_init", "q", "runs") if not isinstance(save, dict) or k not in save]
+        if lacking or not isinstance(save["runs"], list):
+            raise InputError("--load", path, f"not a file --save wrote (no {', '.join(lacking) or 'list of runs'})")
+        saved.append(save)
     settings = {(s["budget"], s["n_init"], s["q"]) for s in saved}
     if len(settings) != 1:
         raise SystemExit(f"--load: the files were run with different (budget, n_init, q): {sorted(settings)}")

@@ -141,9 +141,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--repeats", type=int, default=2)
     ap.add_argument("--json", type=output_file)
     args = ap.parse_args(argv)
-    for name in ("height", "repeats"):
-        if getattr(args, name) < 1:
-            ap.error(f"--{name} {getattr(args, name)}: at least 1")
+    from paperline.kernels.video.clips import MIN_HEIGHT
+
+    for name, low in (("height", MIN_HEIGHT), ("repeats", 1)):  # (a height below 16: a traceback after measuring, a trial)
+        if getattr(args, name) < low:
+            ap.error(f"--{name} {getattr(args, name)}: at least {low}")
     if not 0 <= args.crf <= 51:  # was the encoder's traceback (a trial)
         ap.error(f"--crf {args.crf}: libx264's CRF is 0..51")
     from paperline.kernels.errors import InputError

@@ -34,6 +34,7 @@ from paperline.kernels.video.detect import ANALYSIS_SIZE, DROPPED, LAST_OF_SHOT,
 from paperline.kernels.video.probe import Rejected, VideoInfo
 
 THUMB_WIDTH = 160
+MIN_HEIGHT = 16  # output height in pixels at the least (ClipConfig.height)
 _EMBEDDERS = ("auto", "transnetv2", "hsv-histogram")
 
 
@@ -87,8 +88,8 @@ class ClipConfig:
             raise InputError("min_clip_s", self.min_clip_s, "must be positive")
         if not self.max_clip_s >= self.min_clip_s:
             raise InputError("max_clip_s", self.max_clip_s, f"must be >= min_clip_s ({self.min_clip_s})")
-        if self.height < 16:
-            raise InputError("height", self.height, "must be >= 16 pixels")
+        if self.height < MIN_HEIGHT:
+            raise InputError("height", self.height, f"must be >= {MIN_HEIGHT} pixels")
         if self.fps is not None and not 0 < self.fps <= 240:
             raise InputError("fps", self.fps, "must be in (0, 240] frames per second, or None (source rate)")
         if self.fps is not None and self.fps * self.min_clip_s < 2:  # fps=0.01 made one-frame "clips" (a trial)
