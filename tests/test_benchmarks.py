@@ -60,6 +60,22 @@ def _gemm_benchmark(monkeypatch):
     return module
 
 
+def test_gemm_benchmark_says_which_targets_its_ratios_meet(monkeypatch):
+    """It printed ratios and left the user to find the issue's targets (a trial)."""
+    gemm = _gemm_benchmark(monkeypatch)
+    #        n  dtype      tile flops t_numpy t_paperline t_dask t_gathered error
+    rows = [(4096, "float32", 1024, 0, 1.0, 1.0, 2.0, 1.0, 0),
+            (8192, "float32", 2048, 0, 9.6, 10.0, 12.0, 10.0, 0),
+            (8192, "float64", 2048, 0, 9.0, 10.0, 11.0, 10.0, 0)]
+    assert gemm.target_lines(rows, 0.75) == [
+        "paperline / numpy.matmul >= 0.95 at n = 8192: 0.960 (float32), 0.900 (float64): missed",
+        "paperline / dask.array >= 1.15 (every row): lowest 1.100: missed",
+        "out of core / in core >= 0.7: 0.750: met"]
+    lines = gemm.target_lines(rows[:1], 0.5)
+    assert lines[0].endswith("not measured (--sizes without 8192)") and lines[1].endswith("lowest 2.000: met")
+    assert lines[2].endswith("0.500: missed")
+
+
 def test_gemm_benchmark_counts_memory_and_disk_as_its_measurements_hold_them(monkeypatch):
     import argparse
     import shutil
