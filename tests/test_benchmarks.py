@@ -50,14 +50,37 @@ def test_gemm_benchmark_refuses_a_size_that_cannot_fit_before_the_cluster_starts
     assert line.endswith(" available; lower --sizes"), line
 
 
-def _gemm_benchmark(monkeypatch):
+def _benchmark(monkeypatch, name):
+    """The benchmark script ``name`` (``gemm``), loaded under a name of its own (a bare import could
+    get a flow module of that name: see the video test below)."""
     import importlib.util
 
     monkeypatch.syspath_prepend(str(ROOT / "benchmarks"))  # its `_args`
-    spec = importlib.util.spec_from_file_location("paperline_benchmark_gemm", ROOT / "benchmarks" / "gemm.py")
+    spec = importlib.util.spec_from_file_location(f"paperline_benchmark_{name}", ROOT / "benchmarks" / f"{name}.py")
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
+
+
+def _gemm_benchmark(monkeypatch):
+    return _benchmark(monkeypatch, "gemm")
+
+
+def test_compressed_training_benchmark_says_which_targets_fft_meets(monkeypatch):
+    """Its rows were printed without issue 5's targets (a trial)."""
+    bench = _benchmark(monkeypatch, "compressed_training")
+
+    def row(name, accuracy, nbytes, codec_s):
+        return {"name": name, "result": {"epochs": [{"test_accuracy_pct": accuracy, "bytes_sent_per_step": nbytes,
+                                                      "compress_s": codec_s, "decompress_s": codec_s, "step_s": 1.0}]}}
+
+    rows = [row("none", 93.6, 78824, 0.01), row("fft", 92.5, 5269, 0.04)]
+    assert bench.target_lines(rows) == ["at least 10x fewer bytes per step than none: 15.0x: met",
+                                        "final test accuracy within 1 point of none: -1.1 points: missed",
+                                        "compress + decompress at most 10% of the step: 8.0%: met"]
+    rows += [row("powersgd", 89.3, 8640, 0.07), row("fft@powersgd-bytes (θ=0.328)", 93.2, 7827, 0.05)]
+    assert bench.target_lines(rows)[3] == "fft against powersgd at equal bytes (a comparison, no target): +3.9 points"
+    assert bench.target_lines(rows[:1]) == []  # no fft run: nothing to judge
 
 
 def test_gemm_benchmark_says_which_targets_its_ratios_meet(monkeypatch):
