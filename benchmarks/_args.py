@@ -79,3 +79,22 @@ def require_cuda(parser: argparse.ArgumentParser, check: Callable[[], Any]) -> N
         why = str(exc.problem).split(";")[0].split(":")[0]  # "no usable CUDA device", "CuPy is not installed"
         parser.exit(2, f"{parser.prog}: error: --device cuda: {why} (the GPU extra, make install-gpu, on a machine "
                        "with an NVIDIA driver); leave --device out to measure on the CPU\n")
+
+
+def interruptible(main: Callable[[], Any]) -> int:
+    """Run a benchmark's ``main`` with SIGTERM (``kill``, ``timeout``) taken as a Ctrl-C, so that its
+    ``with`` blocks remove what they made (a killed gemm run left 385 MB of operand files in
+    ``TMPDIR``: a trial), and either one ending it with one line and exit status 130 instead of a
+    ``KeyboardInterrupt`` traceback. Returns ``main``'s exit status (None: 0)."""
+    import signal
+    import sys
+
+    def terminate(signum: int, frame: Any) -> None:
+        raise KeyboardInterrupt
+
+    signal.signal(signal.SIGTERM, terminate)
+    try:
+        return main() or 0
+    except KeyboardInterrupt:
+        print("interrupted: the run stopped, its temporary files removed", file=sys.stderr)
+        return 130

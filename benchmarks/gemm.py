@@ -36,11 +36,12 @@ from __future__ import annotations
 import argparse
 import math
 import os
+import sys
 import tempfile
 import time
 
 import numpy as np
-from _args import at_least, one_line_errors, positive, require_cuda  # benchmarks/_args.py: the scripts' shared argument types
+from _args import at_least, interruptible, one_line_errors, positive, require_cuda  # benchmarks/_args.py: the scripts' shared argument types
 
 
 def best_of(repeats: int, fn) -> float:
@@ -129,6 +130,10 @@ def main() -> None:
     parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
                         help="cuda: against cupy.matmul on this machine's GPU (sizes default 16384,32768)")
     args = parser.parse_args()
+    cores = os.cpu_count() or 1
+    if args.device == "cpu" and args.workers > 4 * cores:  # (64 ran for minutes at a load of 28: a trial)
+        parser.error(f"--workers {args.workers}: at most {4 * cores} on this machine's {cores} core(s) (a worker is a "
+                     "process of its own, each single-threaded)")
 
     def measure() -> None:
         if args.device == "cuda":
@@ -462,4 +467,4 @@ def gpu_main(args: argparse.Namespace) -> None:
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(interruptible(main))

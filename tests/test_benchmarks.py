@@ -66,6 +66,39 @@ def _gemm_benchmark(monkeypatch):
     return _benchmark(monkeypatch, "gemm")
 
 
+def test_a_benchmark_killed_with_sigterm_removes_its_temporary_files(monkeypatch, tmp_path, capsys):
+    """A gemm run stopped by `kill` (or `timeout`) left 385 MB of operand files in TMPDIR, and a
+    Ctrl-C ended in a KeyboardInterrupt traceback (a trial)."""
+    import os
+    import signal
+    import tempfile
+
+    monkeypatch.syspath_prepend(str(ROOT / "benchmarks"))
+    from _args import interruptible
+
+    made = []
+    previous = signal.getsignal(signal.SIGTERM)
+
+    def main():
+        with tempfile.TemporaryDirectory(dir=tmp_path) as tmp:
+            made.append(tmp)
+            (Path(tmp) / "a.npy").write_bytes(b"operand")
+            os.kill(os.getpid(), signal.SIGTERM)
+            signal.pthread_kill(signal.pthread_self(), 0)  # (the handler runs before this returns)
+            return 0
+
+    try:
+        assert interruptible(main) == 130
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+    assert made and not os.path.exists(made[0])
+    assert capsys.readouterr().err == "interrupted: the run stopped, its temporary files removed\n"
+    try:
+        assert interruptible(lambda: None) == 0 and interruptible(lambda: 1) == 1
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
 def test_compressed_training_benchmark_says_which_targets_fft_meets(monkeypatch):
     """Its rows were printed without issue 5's targets (a trial)."""
     bench = _benchmark(monkeypatch, "compressed_training")
@@ -204,6 +237,7 @@ def test_each_benchmarks_help_says_how_long_it_runs_and_how_to_narrow_it(script)
                                                    "(JSONDecodeError: Expecting value"),
     ("nas.py", ["--optimizers", ""], "--optimizers '' names no optimizer (leave it out for every one)"),  # (ran all)
     ("nas.py", ["--budget", "5"], "--budget 5: below --n-init 10"),
+    ("gemm.py", ["--workers", "999"], "--workers 999: at most"),  # (64 ran for minutes at a load of 28: a trial)
     ("collectives.py", ["--target-s", "nan"], "argument --target-s: 'nan': a finite number of seconds > 0"),
     ("nas.py", ["--problems", "levy", "--optimizers", "lamcts", "--options", 'lamcts={"foo": 1}'],
      "optimizer_options=['foo']: unknown for lamcts; known: cp, kernel, leaf_size, n_candidates, sampler, turbo_length"),
