@@ -66,35 +66,51 @@ def one_line_errors(parser: argparse.ArgumentParser, fn: Callable[[], Any]) -> A
         parser.exit(2, f"{parser.prog}: error: {exc}\n")
 
 
-def require_cuda(parser: argparse.ArgumentParser, check: Callable[[], Any]) -> None:
-    """``--device cuda``'s check: ``check()`` (``paperline.infra.device``'s, raising InputError
-    where no GPU or no CuPy is usable) ends the run with the parser's one line naming ``--device``;
-    the library's own advice (``device=auto``, ``PAPERLINE_DEVICE``) is for the pipelines'
-    parameter, which no benchmark takes (a trial)."""
-    from paperline.kernels.errors import InputError
+def require_cuda(parser: argparse.ArgumentParser, cupy: bool = False) -> None:
+    """``--device cuda``'s check: where no CUDA device is usable (or, with ``cupy``, CuPy is not
+    installed) the run ends with the parser's one line naming ``--device``; the library's own
+    refusal advises ``device=auto`` and ``PAPERLINE_DEVICE``, the pipelines' parameter, which no
+    benchmark takes (a trial)."""
+    import importlib.util
 
-    try:
-        check()
-    except InputError as exc:
-        why = str(exc.problem).split(";")[0].split(":")[0]  # "no usable CUDA device", "CuPy is not installed"
-        parser.exit(2, f"{parser.prog}: error: --device cuda: {why} (the GPU extra, make install-gpu, on a machine "
-                       "with an NVIDIA driver); leave --device out to measure on the CPU\n")
+    from paperline.infra.device import gpu_usable
+
+    if not gpu_usable():
+        why = "no usable CUDA device (the GPU extra, make install-gpu, on a machine with an NVIDIA driver)"
+    elif cupy and importlib.util.find_spec("cupy") is None:
+        why = "CuPy is not installed (the GPU extra: make install-gpu)"
+    else:
+        return
+    parser.exit(2, f"{parser.prog}: error: --device cuda: {why}; leave --device out to measure on the CPU\n")
 
 
 def interruptible(main: Callable[[], Any]) -> int:
     """Run a benchmark's ``main`` with SIGTERM (``kill``, ``timeout``) taken as a Ctrl-C, so that its
     ``with`` blocks remove what they made (a killed gemm run left 385 MB of operand files in
-    ``TMPDIR``: a trial), and either one ending it with one line and exit status 130 instead of a
-    ``KeyboardInterrupt`` traceback. Returns ``main``'s exit status (None: 0)."""
+    ``TMPDIR``: a trial), and either one ending it with one line instead of a ``KeyboardInterrupt``
+    traceback. A second SIGTERM meanwhile is ignored (it would cut the clean-up short). Returns
+    ``main``'s exit status (None: 0), or 128 + the signal's number (130 for Ctrl-C, 143 for SIGTERM);
+    the previous SIGTERM handler is restored."""
     import signal
     import sys
 
+    got: list[int] = []
+
     def terminate(signum: int, frame: Any) -> None:
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        got.append(signum)
         raise KeyboardInterrupt
 
-    signal.signal(signal.SIGTERM, terminate)
+    previous = signal.signal(signal.SIGTERM, terminate)
     try:
         return main() or 0
     except KeyboardInterrupt:
-        print("interrupted: the run stopped, its temporary files removed", file=sys.stderr)
-        return 130
+        print("interrupted: the run stopped", file=sys.stderr)
+        return 128 + (got[0] if got else signal.SIGINT)
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
+def verdict(ok: bool) -> str:
+    """A target's word: ``met`` or ``missed``."""
+    return "met" if ok else "missed"

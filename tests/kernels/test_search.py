@@ -522,20 +522,23 @@ def test_the_fused_qlogehvi_kernel_is_built_in_this_envs_own_directory(monkeypat
                               if p and os.path.realpath(p) != os.path.realpath(scripts))
     built = fused_kernel_dir() / "logei_fused_ext" / "logei_fused_ext.so"
     stamps = []
-    for path in (os.pathsep.join([scripts, outside]), outside or "/usr/bin:/bin"):
+    outside = outside or "/usr/bin:/bin"
+    for path in (os.pathsep.join([scripts, outside]), outside):
         proc = subprocess.run([sys.executable, "-c", code], env=env | {"PATH": path}, capture_output=True, text=True,
                               timeout=600)
         assert proc.returncode == 0, proc.stderr[-2000:]
         module, directory, inside = json.loads(proc.stdout.splitlines()[-1])
         assert directory == str(fused_kernel_dir()) and module is not None, proc.stderr[-2000:]
         assert module.startswith(directory + os.sep)
-        assert inside == path  # (the env's ninja went first for the build only)
+        assert inside.split(os.pathsep) == [scripts, *outside.split(os.pathsep)]  # (the env's bin first, as activated)
         # built by make install: said only when built
         assert "building BoTorch's fused qLogEHVI kernel" not in proc.stderr, (path, proc.stderr[-2000:])
         stamps.append(built.stat().st_mtime_ns)
     assert stamps[0] == stamps[1]
     assert _path_with_env_ninja("/usr/bin").split(os.pathsep) == [scripts, "/usr/bin"]
-    assert _path_with_env_ninja(None) == scripts
+    # unset: the system's default after it, where the compiler is (a review: c++ was not found)
+    assert _path_with_env_ninja(None) == os.pathsep.join([scripts, os.defpath])
+    assert _path_with_env_ninja(f"{scripts}{os.pathsep}/usr/bin") == f"{scripts}{os.pathsep}/usr/bin"  # (not again)
     monkeypatch.setattr(sysconfig, "get_path", lambda name: str(tmp_path))  # an env without a ninja of its own
     assert _path_with_env_ninja("/usr/bin") is None  # (PATH left as it is; unset stays unset)
     monkeypatch.undo()
@@ -549,6 +552,26 @@ def test_the_fused_qlogehvi_kernel_is_built_in_this_envs_own_directory(monkeypat
     link.symlink_to(prefix, target_is_directory=True)
     monkeypatch.setattr(sys, "prefix", str(link))
     assert fused_kernel_dir() == here
+
+
+def test_a_build_ninja_has_work_for_is_said_before_it_starts(monkeypatch, tmp_path):
+    """torch rebuilt a stale kernel (another command, a newer source) for 35-40 s with nothing
+    said: "building" was printed only where no library existed yet (a trial)."""
+    import subprocess
+
+    from paperline.kernels.search.botorch_opt import _needs_build, _path_with_env_ninja
+
+    monkeypatch.setenv("PATH", _path_with_env_ninja(os.environ.get("PATH")) or os.environ.get("PATH", os.defpath))
+    build = tmp_path / "logei_fused_ext"
+    build.mkdir()
+    assert _needs_build(build)  # nothing built
+    (build / "logei_fused_ext.so").write_bytes(b"built")
+    (build / "source.cpp").write_text("int x;\n")
+    (build / "build.ninja").write_text("rule copy\n  command = cp $in $out\nbuild out.o: copy source.cpp\n"
+                                       "default out.o\n")
+    assert _needs_build(build)  # a source newer than what was built from it
+    subprocess.run(["ninja", "-C", str(build)], check=True, capture_output=True)
+    assert not _needs_build(build)  # built with this ninja: nothing to do
 
 
 def test_a_dead_builders_torch_lock_does_not_hang_the_fused_kernels_load(tmp_path):
