@@ -34,7 +34,7 @@ from paperline.infra.stack import require_stack
 from paperline.infra.storage import ObjectStore, s3_location_problem, split_uri
 from paperline.infra.tracking import Tracker, prefect_run_tags
 from paperline.kernels.errors import InputError as KernelInputError
-from paperline.kernels.video.clips import ClipConfig, FilterConfig, check_x264_preset, nvenc_usable
+from paperline.kernels.video.clips import MIN_HEIGHT, ClipConfig, FilterConfig, check_x264_preset, nvenc_usable
 from paperline.kernels.video.dedup import deduplicate
 from paperline.kernels.video.shards import MANIFEST, plan_shards
 from paperline.kernels.video.sources import (
@@ -102,7 +102,7 @@ class VideoCurationParameters(BaseModel):
                                              "{\"threshold\": 0.5} (transnetv2), {\"stride_s\": 5} (stride).")
     min_clip_s: float = Field(2.0, gt=0, description="Shorter shots are dropped (seconds).")
     max_clip_s: float = Field(10.0, gt=0, description="Longer shots are cut into windows of this length (seconds).")
-    height: int = Field(360, ge=16, le=4320, description="Output height in pixels of the upright frame (never upscaled).")
+    height: int = Field(360, ge=MIN_HEIGHT, le=4320, description="Output height in pixels of the upright frame (never upscaled).")
     fps: float | None = Field(None, gt=0, le=240, description="Output frame rate (default: the source's).")
     encoder: Literal["auto", "libx264", "h264_nvenc"] = Field("auto", description="H.264 encoder; auto = NVENC "
                                                                                    "when usable, else libx264.")

@@ -240,6 +240,7 @@ def test_each_benchmarks_help_says_how_long_it_runs_and_how_to_narrow_it(script)
                                                    "(JSONDecodeError: Expecting value"),
     ("nas.py", ["--optimizers", ""], "--optimizers '' names no optimizer (leave it out for every one)"),  # (ran all)
     ("nas.py", ["--budget", "5"], "--budget 5: below --n-init 10"),
+    ("nas.py", ["--quick", "--budget", "5"], "--budget 5: below --n-init 10"),  # (--quick overrode it unsaid: a trial)
     ("nas.py", ["--problems", "levy", "--optimizers", "lamcts,qehvl"],  # (qehvl was dropped unsaid: a review)
      "--optimizers: qehvl not among these problems' optimizers (bo, lamcts, random, turbo)"),
     ("gemm.py", ["--workers", "999"], "--workers 999: at most"),  # (64 ran for minutes at a load of 28: a trial)
