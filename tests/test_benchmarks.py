@@ -135,6 +135,20 @@ def test_gemm_benchmark_says_which_targets_its_ratios_meet(monkeypatch):
     assert lines[2].endswith("0.500: missed")
 
 
+def test_gemm_benchmark_says_whether_its_gpu_ratios_meet_the_target(monkeypatch):
+    """--device cuda printed ratios with no verdict (the CPU path had them)."""
+    gemm = _gemm_benchmark(monkeypatch)
+    #        n      dtype      tile  flops t_device t_host t_paperline error
+    rows = [(16384, "float32", 4096, 0, 1.0, 3.0, 1.0, 0),  # a smaller size's ratio is not judged
+            (32768, "float32", 8192, 0, 8.6, 20.0, 10.0, 0),
+            (32768, "float64", 8192, 0, 7.2, 20.0, 10.0, 0)]
+    lines = gemm.gpu_target_lines(rows, 1)
+    assert lines[0] == ("paperline / cupy.matmul (device-resident) >= 0.85 at the largest size, n = 32768: "
+                        "0.860 (float32), 0.720 (float64): missed")
+    assert lines[1].startswith("scaling over GPUs: not measured here (1 GPU(s) visible")
+    assert gemm.gpu_target_lines(rows[:2], 2)[0].endswith("n = 32768: 0.860 (float32): met")
+
+
 def test_gemm_benchmark_counts_memory_and_disk_as_its_measurements_hold_them(monkeypatch):
     import argparse
     import shutil
