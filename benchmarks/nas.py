@@ -184,6 +184,8 @@ def main() -> None:
     unknown = [p for p in wanted if p not in {**MULTI, **SINGLE}]
     if unknown:
         parser.error(f"unknown --problems {unknown}; known: {', '.join([*MULTI, *SINGLE])}")
+    if not wanted:  # (',' reached the --optimizers error below: a trial)
+        parser.error(f"--problems {args.problems!r} names no problem (leave it out for every one)")
     subset = [o.strip() for o in (args.optimizers or "").split(",") if o.strip()]
     if args.optimizers is not None and not subset:  # '' ran every optimizer (a trial)
         parser.error(f"--optimizers {args.optimizers!r} names no optimizer (leave it out for every one)")

@@ -253,6 +253,7 @@ def test_each_benchmarks_help_says_how_long_it_runs_and_how_to_narrow_it(script)
     ("nas.py", ["--load", str(ROOT / "Makefile")], f"--load='{ROOT / 'Makefile'}': not a file --save wrote "
                                                    "(JSONDecodeError: Expecting value"),
     ("nas.py", ["--optimizers", ""], "--optimizers '' names no optimizer (leave it out for every one)"),  # (ran all)
+    ("nas.py", ["--problems", ","], "--problems ',' names no problem"),  # (blamed --optimizers: a trial)
     ("nas.py", ["--budget", "5"], "--budget 5: below --n-init 10"),
     ("nas.py", ["--quick", "--budget", "5"], "--budget 5: below --n-init 10"),  # (--quick overrode it unsaid: a trial)
     ("nas.py", ["--problems", "levy", "--optimizers", "lamcts,qehvl"],  # (qehvl was dropped unsaid: a review)
