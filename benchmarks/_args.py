@@ -84,13 +84,37 @@ def require_cuda(parser: argparse.ArgumentParser, cupy: bool = False) -> None:
     parser.exit(2, f"{parser.prog}: error: --device cuda: {why}; leave --device out to measure on the CPU\n")
 
 
+def stop_children(timeout: float = 5.0) -> list[int]:
+    """Terminate every process this one started, and their children (SIGTERM, then SIGKILL for any
+    left after ``timeout`` seconds); returns their pids. A benchmark stopped by ``kill`` left its
+    ranks training (compressed_training's two, collectives' spawned ones) and its pool's campaigns
+    running (nas): only a Ctrl-C in a terminal reaches them too (a trial)."""
+    import psutil
+
+    children = psutil.Process().children(recursive=True)
+    for child in children:
+        try:
+            child.terminate()
+        except psutil.NoSuchProcess:
+            pass
+    _, alive = psutil.wait_procs(children, timeout=timeout)
+    for child in alive:
+        try:
+            child.kill()
+        except psutil.NoSuchProcess:
+            pass
+    psutil.wait_procs(alive, timeout=timeout)
+    return [c.pid for c in children]
+
+
 def interruptible(main: Callable[[], Any]) -> int:
     """Run a benchmark's ``main`` with SIGTERM (``kill``, ``timeout``) taken as a Ctrl-C, so that its
     ``with`` blocks remove what they made (a killed gemm run left 385 MB of operand files in
-    ``TMPDIR``: a trial), and either one ending it with one line instead of a ``KeyboardInterrupt``
-    traceback. A second SIGTERM meanwhile is ignored (it would cut the clean-up short). Returns
-    ``main``'s exit status (None: 0), or 128 + the signal's number (130 for Ctrl-C, 143 for SIGTERM);
-    the previous SIGTERM handler is restored."""
+    ``TMPDIR``: a trial), then the processes it started are stopped (:func:`stop_children`), and
+    either one ends it with one line instead of a ``KeyboardInterrupt`` traceback. A second SIGTERM
+    meanwhile is ignored (it would cut the clean-up short). Returns ``main``'s exit status (None:
+    0), or 128 + the signal's number (130 for Ctrl-C, 143 for SIGTERM); the previous SIGTERM
+    handler is restored."""
     import signal
     import sys
 
@@ -105,6 +129,8 @@ def interruptible(main: Callable[[], Any]) -> int:
     try:
         return main() or 0
     except KeyboardInterrupt:
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        stop_children()
         print("interrupted: the run stopped", file=sys.stderr)
         return 128 + (got[0] if got else signal.SIGINT)
     finally:

@@ -31,7 +31,7 @@ import socket
 import sys
 import time
 
-from _args import at_least, output_file, positive, positive_seconds  # benchmarks/_args.py
+from _args import at_least, interruptible, output_file, positive, positive_seconds  # benchmarks/_args.py
 
 KINDS = ("allreduce", "broadcast", "reduce")
 
@@ -209,4 +209,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(interruptible(main))

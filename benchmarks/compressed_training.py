@@ -43,7 +43,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from _args import one_line_errors, output_file, positive, require_cuda, verdict
+from _args import interruptible, one_line_errors, output_file, positive, require_cuda, verdict
 
 HERE = Path(__file__).resolve()
 
@@ -322,4 +322,4 @@ if __name__ == "__main__":
         torch.set_num_threads(1)
         _rank(int(sys.argv[2]), int(sys.argv[3]), sys.argv[4], sys.argv[5])
         sys.exit(0)
-    sys.exit(main())
+    sys.exit(interruptible(main))

@@ -36,11 +36,12 @@ import argparse
 import json
 import math
 import os
+import sys
 import time
 from concurrent.futures import ProcessPoolExecutor, as_completed
 
 import numpy as np
-from _args import at_least, one_line_errors, output_file, positive  # benchmarks/_args.py
+from _args import at_least, interruptible, one_line_errors, output_file, positive, stop_children  # benchmarks/_args.py
 
 MULTI = {
     "nasbench201-cifar10": ({"objectives": ["val_accuracy_pct", "model_size_mb"]}, ["lamoo", "qehvi", "nsga2", "random"]),
@@ -228,6 +229,7 @@ def main() -> None:
           f"on {args.processes} processes")
     t0 = time.perf_counter()
     results = []
+    interrupted = False
     with ProcessPoolExecutor(args.processes) as pool:
         futures = [pool.submit(one, job) for job in jobs]
         try:
@@ -237,8 +239,10 @@ def main() -> None:
                 print(f"  [{len(results)}/{len(jobs)}] {r['problem']} {r['optimizer']} seed {r['seed']}: "
                       f"final {r['trace'][-1]:.5g}, {r['suggest_s']:.2f} s/suggestion, {r['wall_s']:.0f} s", flush=True)
         except KeyboardInterrupt:  # report what finished
+            interrupted = True
             for f in futures:
                 f.cancel()
+            stop_children()  # the running campaigns (the pool waited for them: a trial)
             print("interrupted: reporting the campaigns that finished")
     if args.save:
         with open(args.save, "w") as f:
@@ -247,6 +251,8 @@ def main() -> None:
     for problem in wanted:
         report(problem, [r for r in results if r["problem"] == problem], args.budget, args.n_init, problem in MULTI)
     print(f"\ntotal {time.perf_counter() - t0:.0f} s")
+    if interrupted:
+        raise KeyboardInterrupt  # (interruptible's exit status: 130 or 143, not 0)
 
 
 def report_saved(paths: list[str]) -> None:
@@ -285,4 +291,4 @@ def report_saved(paths: list[str]) -> None:
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(interruptible(main))

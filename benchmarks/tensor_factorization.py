@@ -14,10 +14,11 @@ from __future__ import annotations
 
 import argparse
 import math
+import sys
 import time
 
 import numpy as np
-from _args import at_least, one_line_errors, positive, verdict  # benchmarks/_args.py
+from _args import at_least, interruptible, one_line_errors, positive, verdict  # benchmarks/_args.py
 
 SPEEDUP_TARGET = 1.6  # P=2 against P=1, time to the target validation RMSE
 
@@ -128,4 +129,4 @@ def measure(args: argparse.Namespace) -> None:
 
 if __name__ == "__main__":
     np.set_printoptions(precision=4)
-    main()
+    sys.exit(interruptible(main))

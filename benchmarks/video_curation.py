@@ -38,7 +38,7 @@ from functools import partial
 from pathlib import Path
 from typing import Any
 
-from _args import output_file, verdict  # benchmarks/_args.py
+from _args import interruptible, output_file, verdict  # benchmarks/_args.py
 
 
 def bare_transcode_pyav(path: Path, height: int, crf: int, preset: str) -> int:
@@ -231,4 +231,4 @@ COST_TARGET = 1.25  # the pipeline's seconds (content detector) / a bare transco
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(interruptible(main))

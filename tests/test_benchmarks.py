@@ -66,12 +66,16 @@ def _gemm_benchmark(monkeypatch):
     return _benchmark(monkeypatch, "gemm")
 
 
-def test_a_benchmark_killed_with_sigterm_removes_its_temporary_files(monkeypatch, tmp_path, capsys):
-    """A gemm run stopped by `kill` (or `timeout`) left 385 MB of operand files in TMPDIR, and a
-    Ctrl-C ended in a KeyboardInterrupt traceback (a trial)."""
+def test_a_benchmark_killed_with_sigterm_removes_its_temporary_files_and_processes(monkeypatch, tmp_path, capsys):
+    """A gemm run stopped by `kill` (or `timeout`) left 385 MB of operand files in TMPDIR, a
+    compressed_training run its two ranks training, and a Ctrl-C ended in a KeyboardInterrupt
+    traceback (trials)."""
     import os
     import signal
     import tempfile
+    import time
+
+    import psutil
 
     monkeypatch.syspath_prepend(str(ROOT / "benchmarks"))
     from _args import interruptible
@@ -79,16 +83,26 @@ def test_a_benchmark_killed_with_sigterm_removes_its_temporary_files(monkeypatch
     made = []
     previous = signal.getsignal(signal.SIGTERM)
 
+    started = []
+
     def main():
         with tempfile.TemporaryDirectory(dir=tmp_path) as tmp:
             made.append(tmp)
             (Path(tmp) / "a.npy").write_bytes(b"operand")
+            # a rank and its own child, as the benchmarks start them (they went on training: a trial)
+            started.append(subprocess.Popen([sys.executable, "-c", "import subprocess, sys, time; subprocess.Popen("
+                                             "[sys.executable, '-c', 'import time; time.sleep(300)']); time.sleep(300)"]))
+            while len(psutil.Process(started[0].pid).children()) < 1:
+                time.sleep(0.01)
+            started.extend(psutil.Process(started[0].pid).children())
             os.kill(os.getpid(), signal.SIGTERM)
             signal.pthread_kill(signal.pthread_self(), 0)  # (the handler runs before this returns)
             return 0
 
     assert interruptible(main) == 128 + signal.SIGTERM
     assert made and not os.path.exists(made[0])
+    started[0].wait(timeout=10)  # (reaped: no zombie left behind to test)
+    assert not psutil.pid_exists(started[1].pid) or psutil.Process(started[1].pid).status() == psutil.STATUS_ZOMBIE
     assert capsys.readouterr().err == "interrupted: the run stopped\n"
     assert signal.getsignal(signal.SIGTERM) == previous  # restored
 
