@@ -5,7 +5,7 @@ BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
 PIP    := $(BIN)/python -m pip --disable-pip-version-check
 
-.PHONY: install install-gpu run test up down status clean
+.PHONY: install install-gpu gpu-check run test up down status clean
 
 # The venv is rebuilt when the project's pins change.
 $(STAMP): pyproject.toml constraints.txt
@@ -25,6 +25,10 @@ install: $(STAMP)
 # GPU extra: dask-cuda, cudf and cupy pin dask and pandas, so they go in together in one command.
 install-gpu: $(STAMP)
 	$(PIP) install -q -c constraints-gpu.txt -e '.[test,gpu]'
+
+# Every GPU check in one bounded run: the gpu tests, then the GPU benchmarks (tests/gpu/run_checks.sh).
+gpu-check: install-gpu
+	PYTHON=$(BIN)/python tests/gpu/run_checks.sh
 
 run: $(STAMP)
 	$(BIN)/paperline up

@@ -3,6 +3,7 @@ anything; a fresh-user trial met tracebacks (``--sizes abc``, ``--repeats 0``, `
 without a GPU) and a silently defaulted ``--tile 0``. The measurements themselves are not run here
 (minutes each; README, "The benchmarks")."""
 
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -70,7 +71,6 @@ def test_a_benchmark_killed_with_sigterm_removes_its_temporary_files_and_process
     """A gemm run stopped by `kill` (or `timeout`) left 385 MB of operand files in TMPDIR, a
     compressed_training run its two ranks training, and a Ctrl-C ended in a KeyboardInterrupt
     traceback (trials)."""
-    import os
     import signal
     import tempfile
     import time
@@ -204,6 +204,20 @@ def test_a_benchmark_on_cuda_without_a_gpu_says_so(script):
     assert refuse(script, "--device", "cuda") == (f"{script}: error: --device cuda: no usable CUDA device (the GPU "
                                                   "extra, make install-gpu, on a machine with an NVIDIA driver); leave "
                                                   "--device out to measure on the CPU")
+
+
+def test_the_gpu_check_script_stops_at_once_without_a_gpu(tmp_path):
+    """tests/gpu/run_checks.sh (every GPU check in one bounded run) on this machine: it says there
+    is nothing to check and exits 2, before any test or benchmark starts."""
+    from paperline.infra.device import gpu_usable
+
+    if gpu_usable():
+        pytest.skip("a GPU is usable here: the script would run every check")
+    proc = subprocess.run(["bash", str(ROOT / "tests" / "gpu" / "run_checks.sh"), str(tmp_path / "out")],
+                          env={**os.environ, "PYTHON": sys.executable}, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    assert "paperline's gpu_usable(): False" in proc.stdout and "no usable GPU: nothing to check" in proc.stderr
+    assert sorted(p.name for p in (tmp_path / "out").iterdir()) == ["device.log"]
 
 
 @pytest.mark.parametrize(("args", "message"), [

@@ -1,0 +1,62 @@
+#!/usr/bin/env bash
+# Every GPU check of the project in one bounded run, for a GPU machine that is lent for minutes:
+# the device, the `gpu`-marked tests, then the GPU benchmarks (issue 4's GEMM against cupy.matmul,
+# issue 5's memory report, and, with two GPUs or more, the NCCL collectives), each under a time
+# limit so that one hang cannot take the others' time. Each step's output goes to the terminal and
+# to a log under OUTDIR (default ./gpu-check); the summary at the end says each step's exit status.
+#
+#   tests/gpu/run_checks.sh [OUTDIR]              # after `make install-gpu`: .venv/bin/python
+#   PYTHON=python3 tests/gpu/run_checks.sh OUTDIR  # another interpreter (its packages: see README)
+#
+# Limits (seconds) can be set: GPU_TESTS_S (default 300), GEMM_S (240), MEMORY_S (120),
+# COLLECTIVES_S (120). GEMM_SIZES narrows the GEMM benchmark (default its own: 16384,32768).
+# Exit status: 0 when every step that ran passed, 1 otherwise; 2 when no GPU is usable.
+set -uo pipefail
+cd "$(dirname "$0")/../.."
+PYTHON=${PYTHON:-.venv/bin/python}
+OUTDIR=${1:-gpu-check}
+mkdir -p "$OUTDIR"
+export PYTHONUNBUFFERED=1
+summary=()
+failed=0
+
+step() {  # step NAME LIMIT_S COMMAND...: run it under `timeout`, its output teed to OUTDIR/NAME.log
+    local name=$1 limit=$2
+    shift 2
+    echo "== $name (at most ${limit} s): $*"
+    local start=$SECONDS
+    timeout --kill-after=20 "$limit" "$@" 2>&1 | tee "$OUTDIR/$name.log"
+    local rc=${PIPESTATUS[0]}
+    local said="exit $rc"
+    [ "$rc" = 124 ] || [ "$rc" = 137 ] && said="stopped at its limit of ${limit} s"
+    summary+=("$name: $said, $((SECONDS - start)) s")
+    [ "$rc" = 0 ] || failed=1
+}
+
+"$PYTHON" - <<'EOF' 2>&1 | tee "$OUTDIR/device.log"
+from paperline.infra.device import gpu_usable
+import torch
+print(f"torch {torch.__version__}, CUDA {torch.version.cuda}, GPUs visible: {torch.cuda.device_count()}, "
+      f"paperline's gpu_usable(): {gpu_usable()}")
+for i in range(torch.cuda.device_count()):
+    p = torch.cuda.get_device_properties(i)
+    print(f"  {i}: {p.name}, {p.total_memory / 2**30:.0f} GiB, {p.multi_processor_count} SMs")
+raise SystemExit(0 if gpu_usable() else 2)
+EOF
+[ "${PIPESTATUS[0]}" = 0 ] || { echo "no usable GPU: nothing to check" >&2; exit 2; }
+gpus=$("$PYTHON" -c 'import torch; print(torch.cuda.device_count())')
+
+step gpu-tests "${GPU_TESTS_S:-300}" "$PYTHON" -m pytest -m gpu tests/gpu -p no:cacheprovider -rA -q
+step gemm "${GEMM_S:-240}" "$PYTHON" benchmarks/gemm.py --device cuda ${GEMM_SIZES:+--sizes "$GEMM_SIZES"}
+step memory "${MEMORY_S:-120}" "$PYTHON" benchmarks/compressed_training.py --device cuda
+if [ "$gpus" -ge 2 ]; then
+    step collectives "${COLLECTIVES_S:-120}" "$PYTHON" benchmarks/collectives.py --backend nccl --world-sizes 2 \
+        --sizes 64M 256M
+else
+    summary+=("collectives: not run (NCCL ranks need a GPU each; $gpus visible)")
+fi
+
+echo
+echo "== summary (logs in $OUTDIR)"
+printf '%s\n' "${summary[@]}" | tee "$OUTDIR/summary.txt"
+exit $failed
