@@ -8,8 +8,9 @@
 #   tests/gpu/run_checks.sh [OUTDIR]              # after `make install-gpu`: .venv/bin/python
 #   PYTHON=python3 tests/gpu/run_checks.sh OUTDIR  # another interpreter (its packages: see README)
 #
-# Limits (seconds) can be set: GPU_TESTS_S (default 300), GEMM_S (240), MEMORY_S (120),
-# COLLECTIVES_S (120). GEMM_SIZES narrows the GEMM benchmark (default its own: 16384,32768).
+# Limits (seconds) can be set: GPU_TESTS_S (default 210), GEMM_S (180), MEMORY_S (90),
+# COLLECTIVES_S (60): 540 s in all, inside a 10-minute window. GEMM_SIZES narrows the GEMM
+# benchmark (default its own: 16384,32768).
 # Exit status: 0 when every step that ran passed, 1 otherwise; 2 when no GPU is usable.
 set -uo pipefail
 cd "$(dirname "$0")/../.."
@@ -46,11 +47,11 @@ EOF
 [ "${PIPESTATUS[0]}" = 0 ] || { echo "no usable GPU: nothing to check" >&2; exit 2; }
 gpus=$("$PYTHON" -c 'import torch; print(torch.cuda.device_count())')
 
-step gpu-tests "${GPU_TESTS_S:-300}" "$PYTHON" -m pytest -m gpu tests/gpu -p no:cacheprovider -rA -q
-step gemm "${GEMM_S:-240}" "$PYTHON" benchmarks/gemm.py --device cuda ${GEMM_SIZES:+--sizes "$GEMM_SIZES"}
-step memory "${MEMORY_S:-120}" "$PYTHON" benchmarks/compressed_training.py --device cuda
+step gpu-tests "${GPU_TESTS_S:-210}" "$PYTHON" -m pytest -m gpu tests/gpu -p no:cacheprovider -rA -q
+step gemm "${GEMM_S:-180}" "$PYTHON" benchmarks/gemm.py --device cuda ${GEMM_SIZES:+--sizes "$GEMM_SIZES"}
+step memory "${MEMORY_S:-90}" "$PYTHON" benchmarks/compressed_training.py --device cuda
 if [ "$gpus" -ge 2 ]; then
-    step collectives "${COLLECTIVES_S:-120}" "$PYTHON" benchmarks/collectives.py --backend nccl --world-sizes 2 \
+    step collectives "${COLLECTIVES_S:-60}" "$PYTHON" benchmarks/collectives.py --backend nccl --world-sizes 2 \
         --sizes 64M 256M
 else
     summary+=("collectives: not run (NCCL ranks need a GPU each; $gpus visible)")
