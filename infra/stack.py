@@ -1259,6 +1259,32 @@ def _prefect_login(login: str | None) -> Iterator[None]:
         yield
 
 
+def split_url_login(url: str) -> tuple[str, str | None]:
+    """``(url without its user info, "user:password")`` for a URL that carries a basic-auth login
+    (``http://alice:s3cret@host/api``; percent-escapes decoded), else ``(url, None)``.
+
+    A password in ``PAPERLINE_PREFECT_API_URL`` went into ``PREFECT_API_URL`` as it was: Prefect's
+    events client then failed to log in over its websocket and printed the whole URL, password
+    and all, in its warning (a security review). Prefect is given the URL without it and the login
+    as ``PREFECT_API_AUTH_STRING``, which its REST and websocket clients both send."""
+    from urllib.parse import unquote  # noqa: PLC0415
+
+    try:
+        parts = urlsplit(url)
+        parts.port  # noqa: B018
+    except ValueError:  # a password with '/', '?' or '#' ends the authority early (as redact_url reads it)
+        scheme, sep, rest = url.partition("://")
+        userinfo, at, host = rest.rpartition("@")
+        user, colon, password = userinfo.partition(":")
+        if not (sep and at and colon and user):
+            return url, None
+        return f"{scheme}://{host}", f"{unquote(user)}:{unquote(password)}"
+    if "@" not in parts.netloc or parts.password is None or not parts.username:
+        return url, None
+    host = parts.netloc.rsplit("@", 1)[1]
+    return urlunsplit(parts._replace(netloc=host)), f"{unquote(parts.username)}:{unquote(parts.password)}"
+
+
 def _read_ports(path: Path) -> tuple[dict[str, int], str | None]:
     """The ports a ports file (``ports.json``, ``s3/ports.json``) records, and what is wrong with
     it: None when it is whole or absent (a first start). A damaged one counts as empty, and the
@@ -2187,6 +2213,8 @@ def ensure_stack(settings: Settings, *, progress: Progress | None = None, notice
                 "mlflow": external["mlflow"] or recs["mlflow"]["url"],
             }
             prefect_api, _ = _prefect_urls(urls["prefect"])  # type: ignore[arg-type]
+            # a configured URL's own login: sent as the auth string, never kept in stack.json
+            prefect_api, url_login = split_url_login(prefect_api)
 
             # ---- the result-storage block (also for external S3/Prefect)
             block = result_block_name(s3_obj_url, key, settings.s3_region, settings.results_bucket)
@@ -2196,7 +2224,7 @@ def ensure_stack(settings: Settings, *, progress: Progress | None = None, notice
                 "prefect_pid": None if external["prefect"] else recs.get("prefect", {}).get("pid"),
                 "crash_after_s": settings.crash_after_s,
             }
-            with _prefect_login(login):
+            with _prefect_login(login or url_login):
                 if state.get("result_block") != fingerprint or "prefect" in started:
                     say(f"prefect: saving result storage block s3-bucket/{block}")
                     _save_result_block(prefect_api, s3_obj_url, key, secret, settings)
@@ -2650,7 +2678,9 @@ def activate(info: StackInfo) -> None:
     """Point this process's Prefect and MLflow clients (and any process it starts later, e.g. Dask
     workers) at the stack, through environment variables.
 
-    Sets ``PREFECT_API_URL``, ``PREFECT_UI_URL`` (without a password),
+    Sets ``PREFECT_API_URL`` (a password in a configured URL goes to ``PREFECT_API_AUTH_STRING``
+    instead, unless the user set that or ``PREFECT_API_KEY``: :func:`split_url_login`),
+    ``PREFECT_UI_URL`` (without a password),
     ``PREFECT_SERVER_ANALYTICS_ENABLED=false``,
     ``PREFECT_RESULTS_PERSIST_BY_DEFAULT=true``, ``PREFECT_RESULTS_DEFAULT_STORAGE_BLOCK`` (=
     :attr:`StackInfo.result_storage_block`), ``MLFLOW_TRACKING_URI``, the local servers' logins
@@ -2662,9 +2692,10 @@ def activate(info: StackInfo) -> None:
     If Prefect is already imported, its global settings are refreshed so the change takes effect
     in this process too.
     """
+    api_url, url_login = split_url_login(info.prefect_api_url)
     os.environ.update(
         {
-            "PREFECT_API_URL": info.prefect_api_url,
+            "PREFECT_API_URL": api_url,
             # Prefect's "View at" links, else derived from the API URL with any password in it
             "PREFECT_UI_URL": redact_url(info.prefect_ui_url),
             "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
@@ -2674,7 +2705,12 @@ def activate(info: StackInfo) -> None:
         }
     )
     mlflow_user, _, mlflow_password = (info.mlflow_login or "").partition(":")
-    logins = {"PREFECT_API_AUTH_STRING": info.prefect_login,
+    prefect_login = info.prefect_login
+    if prefect_login is None and url_login is not None:  # the URL's own, unless the user set a login
+        user_set = {v for v in ("PREFECT_API_AUTH_STRING", "PREFECT_API_KEY")
+                    if os.environ.get(v) and os.environ.get(v) != _activated_logins.get(v)}
+        prefect_login = None if user_set else url_login
+    logins = {"PREFECT_API_AUTH_STRING": prefect_login,
               "MLFLOW_TRACKING_USERNAME": mlflow_user or None, "MLFLOW_TRACKING_PASSWORD": mlflow_password or None}
     for variable, login in logins.items():
         if login:

@@ -969,6 +969,17 @@ def test_redact_url_and_text():
         'Could not connect to the endpoint URL: "http://carol@127.0.0.1:3/"; retry'
 
 
+def test_a_login_in_a_url_is_split_off_for_prefects_auth_string():
+    from paperline.infra.stack import split_url_login
+
+    assert split_url_login("http://alice:s3cret@h:4200/api") == ("http://h:4200/api", "alice:s3cret")
+    assert split_url_login("https://al%40ce:p%3Aw%25@h/api") == ("https://h/api", "al@ce:p:w%")  # escapes decoded
+    for url in ("http://bob:pa/ss@h:9000/api", "http://bob:pa?ss@h:9000/api", "http://bob:pa#ss@h:9000/api"):
+        assert split_url_login(url) == ("http://h:9000/api", f"bob:{url[11:16]}"), url
+    for url in ("http://h:4200/api", "http://token@h/api", "http://h:4200/users/a@b.example"):  # no login: as it is
+        assert split_url_login(url) == (url, None)
+
+
 def test_a_prefect_server_gone_during_a_run_is_named():
     """A Prefect server killed (or `paperline down`) under a run ended it, minutes later, with
     `error: ConnectError: [Errno 111] Connection refused` (a trial): the error now names Prefect

@@ -963,10 +963,13 @@ def test_up_with_every_service_configured_says_so(stack, tmp_path):
     assert "already up" not in out and "started the local stack" not in out, out
 
 
-def test_a_prefect_server_with_a_login_is_used_with_prefects_own_variable(stack, free_port, tmp_path, monkeypatch):
+def test_a_prefect_server_with_a_login_is_used_with_prefects_own_variable(stack, free_port, tmp_path, monkeypatch,
+                                                                          cli_env):
     """A configured Prefect server that needs basic auth: without PREFECT_API_AUTH_STRING the
     check says so (its health check is open, so that alone passed and the run failed later on a
-    401); with it, the stack is set up on that server (block, work pools) by Prefect's client."""
+    401); with it, the stack is set up on that server (block, work pools) by Prefect's client;
+    with the login in PAPERLINE_PREFECT_API_URL instead, a flow runs there and the password is
+    neither printed nor kept in stack.json."""
     import subprocess
     import sys
 
@@ -1005,6 +1008,29 @@ def test_a_prefect_server_with_a_login_is_used_with_prefects_own_variable(stack,
         assert {"paperline-cpu", "paperline-gpu"} <= {p["name"] for p in pools}
         blocks = httpx.post(f"{api}/block_documents/filter", json={}, auth=("admin", "s3cret"), timeout=10).json()
         assert there.result_storage_block.split("/")[1] in {b["name"] for b in blocks}
+
+        # the login in the URL (a security review: it went into PREFECT_API_URL as it was, and
+        # Prefect's events client, failing to log in over its websocket, printed the URL in a
+        # warning; stack.json kept it too): Prefect is given it as PREFECT_API_AUTH_STRING
+        script = ("import os\n"
+                  "from prefect import flow\n"
+                  "from paperline.infra.settings import get_settings\n"
+                  "from paperline.infra.stack import activate, ensure_stack\n"
+                  "activate(ensure_stack(get_settings()))\n"
+                  "print(os.environ['PREFECT_API_URL'], os.environ.get('PREFECT_API_AUTH_STRING') == 'admin:s3cret')\n"
+                  "@flow(name='url-login-probe')\n"
+                  "def probe():\n"
+                  "    return 42\n"
+                  "print(probe())\n")
+        env = {k: v for k, v in cli_env.items() if k not in ("PREFECT_API_AUTH_STRING", "PREFECT_API_URL")}
+        env["PAPERLINE_PREFECT_API_URL"] = api.replace("http://", "http://admin:s3cret@")
+        ran = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=180)
+        assert ran.returncode == 0, ran.stdout[-2000:] + ran.stderr[-3000:]
+        assert "s3cret" not in ran.stderr and "Unable to connect" not in ran.stderr, ran.stderr[-3000:]
+        assert ran.stdout.split("\n")[0] == f"{api} True" and ran.stdout.split()[-1] == "42", ran.stdout
+        assert "s3cret" not in (settings.state_dir / "stack.json").read_text()
+        runs = httpx.post(f"{api}/flow_runs/filter", json={}, auth=("admin", "s3cret"), timeout=10).json()
+        assert [r["state"]["type"] for r in runs] == ["COMPLETED"], runs
     finally:
         os.killpg(proc.pid, signal.SIGTERM)
         proc.wait(timeout=30)
