@@ -213,14 +213,29 @@ def _private_state_dir(settings: Settings) -> None:
     """Create the state directory readable by its owner alone (0700), or take the group's and
     others' access away from an existing one: it holds the S3 credentials, Prefect's database with
     the key that decrypts its blocks (the result storage's S3 secret) and the object data, and
-    with the usual umask 022 any local user could read them (a security review)."""
+    with the usual umask 022 any local user could read them (a security review).
+
+    Raises:
+        PaperlineError: the directory cannot be made or written, or it belongs to another user,
+            who could read its keys and logins or have planted their own there (a security
+            review: one made first by another user under ``/tmp`` was taken as it was, its S3 key
+            and Prefect login with it).
+    """
     path = settings.state_dir
     try:
         path.mkdir(mode=0o700, parents=True, exist_ok=True)
-        mode = path.stat().st_mode
-        if mode & 0o077:
-            with contextlib.suppress(PermissionError):  # not ours: its owner decides
-                os.chmod(path, mode & 0o7700)
+        st = path.stat()
+        if st.st_uid != os.geteuid():
+            try:
+                import pwd  # noqa: PLC0415
+                owner = f"{pwd.getpwuid(st.st_uid).pw_name} (uid {st.st_uid})"
+            except KeyError:
+                owner = f"uid {st.st_uid}"
+            raise PaperlineError(f"state directory {path}: it belongs to another user, {owner}, who could read the "
+                                 "keys and logins kept there or have put their own there; set PAPERLINE_STATE_DIR "
+                                 "to a directory of your own")
+        if st.st_mode & 0o077:
+            os.chmod(path, st.st_mode & 0o7700)
         if not os.access(path, os.W_OK | os.X_OK):
             raise PermissionError(errno.EACCES, os.strerror(errno.EACCES))
     except OSError as exc:  # it said "OSError: [Errno 30] Read-only file system: '.../.stack.lock'" (a trial)

@@ -1216,6 +1216,31 @@ def test_a_state_directory_that_cannot_be_made_says_which_setting_to_change():
         _private_state_dir(Settings(state_dir=Path("/proc/self/paperline-state")))
 
 
+def test_a_state_directory_of_another_user_is_refused(tmp_path):
+    """One made first by another user (under /tmp, say) was taken as it was, with the S3 key pair
+    and Prefect login they had put there, which they could then use (a security review)."""
+    from paperline.infra.errors import PaperlineError
+    from paperline.infra.settings import Settings
+    from paperline.infra.stack import _private_state_dir
+
+    from pathlib import Path
+
+    if os.geteuid() == 0:  # (CI runs as root: the directory is given away)
+        theirs = tmp_path / "theirs"
+        theirs.mkdir(mode=0o777)
+        (theirs / "s3").mkdir()
+        os.chown(theirs, 65534, 65534)
+        mode = theirs.stat().st_mode
+    else:
+        theirs = Path("/")  # root's
+    with pytest.raises(PaperlineError, match=rf"^state directory {theirs}: it belongs to another user, .*uid "
+                                             r"\d+\), who could read the keys and logins kept there or have put "
+                                             "their own there; set PAPERLINE_STATE_DIR to a directory of your own$"):
+        _private_state_dir(Settings(state_dir=theirs))
+    if os.geteuid() == 0:
+        assert theirs.stat().st_mode == mode and theirs.stat().st_uid == 65534  # left as it was
+
+
 def test_a_servers_log_past_its_size_is_moved_aside_as_it_starts(tmp_path):
     """The servers' logs were appended across restarts without bound (MLflow's has a line per
     request: a trial)."""
