@@ -84,6 +84,20 @@ class Settings(BaseSettings):
     prefect_database_url: SecretStr | None = None
     mlflow_backend_store_uri: SecretStr | None = None
 
+    @classmethod
+    def settings_customise_sources(cls, settings_cls: Any, init_settings: Any, env_settings: Any,
+                                   dotenv_settings: Any, file_secret_settings: Any) -> tuple[Any, ...]:
+        """Pydantic-settings' sources, as they are, once the ``.env`` file has passed
+        :func:`env_file_problem` (raises :class:`~paperline.infra.errors.PaperlineError` if not)."""
+        files = dotenv_settings.env_file
+        for path in [files] if isinstance(files, str | os.PathLike) else list(files or ()):
+            problem = env_file_problem(path)
+            if problem is not None:
+                from paperline.infra.errors import PaperlineError  # noqa: PLC0415
+
+                raise PaperlineError(problem)
+        return init_settings, env_settings, dotenv_settings, file_secret_settings
+
     @field_validator("state_dir", mode="before")
     @classmethod
     def _empty_is_unset(cls, v: Any) -> Any:
@@ -194,6 +208,37 @@ class Settings(BaseSettings):
     def uses_local_stack(self) -> bool:
         """True when any of S3, Prefect or MLflow is left to the embedded local stack."""
         return not (self.s3_endpoint_url and self.prefect_api_url and self.mlflow_tracking_uri)
+
+
+def env_file_problem(path: str | os.PathLike[str]) -> str | None:
+    """Why the ``.env`` file at ``path`` is not read: it belongs to another user, or every user may
+    write it; None when it may be (or there is none).
+
+    Settings read ``.env`` from the current directory, whoever had put it there: one planted in a
+    shared directory (``/tmp``) pointed ``PAPERLINE_DASK_SCHEDULER_ADDRESS`` at another user's
+    scheduler, whose worker then received the tasks with the S3 secret and the Prefect login in
+    them (a security review).
+    """
+    file = Path(path)
+    try:
+        st = file.stat()
+    except (FileNotFoundError, NotADirectoryError):
+        return None
+    except OSError as exc:
+        return f"{file.absolute()}: cannot be read ({exc.strerror})"
+    if st.st_uid != os.geteuid():
+        try:
+            import pwd  # noqa: PLC0415
+
+            owner = f"{pwd.getpwuid(st.st_uid).pw_name} (uid {st.st_uid})"
+        except KeyError:
+            owner = f"uid {st.st_uid}"
+        return (f"{file.absolute()}: this .env file belongs to another user, {owner}, who could point paperline's "
+                "endpoints (and so your logins) anywhere with it; remove it, or run paperline from another directory")
+    if st.st_mode & 0o002:
+        return (f"{file.absolute()}: every user may write this .env file, and could point paperline's endpoints (and "
+                f"so your logins) anywhere with it; chmod o-w {file.absolute()} to keep it")
+    return None
 
 
 # the logins of configured servers, read by their own clients from the environment (not from .env)

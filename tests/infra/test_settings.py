@@ -254,3 +254,34 @@ def test_an_empty_variable_is_an_unset_setting(monkeypatch, tmp_path):
         assert (s.n_workers, s.prefect_port, s.device, s.crash_after_s, s.s3_endpoint_url) == (None, 4200, "auto", 90.0, None)
     finally:
         get_settings.cache_clear()
+
+
+def test_a_dotenv_file_another_user_could_have_written_is_refused(monkeypatch, tmp_path):
+    """A `.env` planted in a shared directory pointed PAPERLINE_DASK_SCHEDULER_ADDRESS at another
+    user's scheduler, whose worker received tasks holding the S3 secret and the Prefect login (a
+    security review): one that belongs to another user, or that every user may write, is refused,
+    naming it; the user's own is read."""
+    from paperline.infra.errors import PaperlineError
+
+    monkeypatch.chdir(tmp_path)
+    dotenv = tmp_path / ".env"
+    dotenv.write_text("PAPERLINE_DASK_SCHEDULER_ADDRESS=tcp://127.0.0.1:18799\n")
+    dotenv.chmod(0o644)
+    assert Settings().dask_scheduler_address == "tcp://127.0.0.1:18799"
+    dotenv.chmod(0o666)
+    with pytest.raises(PaperlineError, match=rf"^{re.escape(str(dotenv))}: every user may write this .env file, and "
+                                             rf"could point paperline's endpoints .* chmod o-w {re.escape(str(dotenv))} "
+                                             "to keep it$"):
+        Settings()
+    dotenv.chmod(0o644)
+    if os.geteuid() == 0:  # (CI runs as root: the file is given away)
+        os.chown(dotenv, 65534, 65534)
+        with pytest.raises(PaperlineError, match=r"this .env file belongs to another user, .*uid 65534\), who could "
+                                                 "point paperline's endpoints .* run paperline from another directory$"):
+            Settings()
+    elsewhere = tmp_path / "sub" / "team.env"  # a file named by Settings(_env_file=...) is checked too
+    elsewhere.parent.mkdir()
+    elsewhere.write_text("PAPERLINE_N_WORKERS=2\n")
+    elsewhere.chmod(0o666)
+    with pytest.raises(PaperlineError, match="every user may write this .env file"):
+        Settings(_env_file=str(elsewhere))
