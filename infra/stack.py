@@ -25,6 +25,7 @@ from __future__ import annotations
 import contextlib
 import errno
 import fcntl
+import glob
 import hashlib
 import json
 import os
@@ -344,6 +345,22 @@ def _drawn_ports(with_grpc: bool) -> tuple[int, int]:
     return DRAWN_PORTS[0], max(DRAWN_PORTS[0], min(DRAWN_PORTS[1], top))
 
 
+def _seaweed_sockets_of_others(port: int) -> list[str]:
+    """The unix-socket paths SeaweedFS names after ``port`` (or its gRPC port, 10000 above) in
+    ``/tmp`` that exist and are not this user's: SeaweedFS cannot replace them, and its own parts
+    then connect to whatever listens there; a directory at one such path kept `up` waiting until
+    SeaweedFS's 120-s timeout. A port with any is taken (a security review: any local user could
+    block every port so). This user's own, left by a killed SeaweedFS, it replaces itself."""
+    found = []
+    for path in glob.glob(f"/tmp/seaweedfs-*-{port}.sock") + glob.glob(f"/tmp/seaweedfs-*-grpc-{port + _GRPC_OFFSET}.sock"):
+        try:
+            if os.lstat(path).st_uid != os.geteuid() or not stat.S_ISSOCK(os.lstat(path).st_mode):
+                found.append(path)
+        except FileNotFoundError:
+            pass
+    return found
+
+
 def _pick_port(
     host: str, preferred: int | None | tuple[int | None, ...], taken: set[int], *, with_grpc: bool = False
 ) -> int:
@@ -358,7 +375,7 @@ def _pick_port(
             return False
         if with_grpc:
             g = p + _GRPC_OFFSET
-            return g <= _MAX_PORT and g not in taken and _port_free(host, g)
+            return g <= _MAX_PORT and g not in taken and _port_free(host, g) and not _seaweed_sockets_of_others(p)
         return True
 
     wanted = [p for p in (preferred if isinstance(preferred, tuple) else (preferred,)) if p]
@@ -1583,6 +1600,8 @@ def _why_taken(settings: Settings, name: str, port: int) -> str:
     also asked to take (a trial)."""
     if name == "s3" and _port_free(settings.host, port) and not _port_free(settings.host, port + _GRPC_OFFSET):
         return f"is free, but SeaweedFS's gRPC port {port + _GRPC_OFFSET} (10000 above it) is taken"
+    if name == "s3" and (sockets := _seaweed_sockets_of_others(port)):
+        return f"is free, but SeaweedFS's socket {sockets[0]} for it is another user's (or not a socket)"
     others = [n for n in SERVICE_NAMES if n != name and getattr(settings, f"{n}_port") == port]
     if others:
         return f"is also asked of this stack's {others[0]} server (PAPERLINE_{others[0].upper()}_PORT)"

@@ -213,6 +213,35 @@ def test_a_server_port_not_preferred_is_drawn_below_the_ephemeral_range():
     assert len(taken) == 60  # each pick a new port, gRPC ports counted taken too
 
 
+def test_a_seaweedfs_port_whose_socket_path_is_another_users_is_taken():
+    """SeaweedFS names its unix sockets after its ports in /tmp (``seaweedfs-master-grpc-N.sock``):
+    one there that SeaweedFS cannot replace (another user's, or a directory) left its parts talking
+    to whatever listened there, or `up` waiting 120 s (a security review). Such a port is taken,
+    and the notice says why."""
+    import shutil
+    import socket
+
+    from paperline.infra.settings import Settings
+    from paperline.infra.stack import _GRPC_OFFSET, _pick_port, _why_taken
+
+    port = _pick_port("127.0.0.1", None, set(), with_grpc=True)
+    planted = f"/tmp/seaweedfs-master-grpc-{port + _GRPC_OFFSET}.sock"
+    os.mkdir(planted)  # (not a socket: SeaweedFS cannot remove it, whoever owns it)
+    try:
+        assert _pick_port("127.0.0.1", port, set(), with_grpc=True) != port
+        assert _why_taken(Settings(s3_port=port, _env_file=None), "s3", port) == (f"is free, but SeaweedFS's socket {planted} for it "
+                                                                  "is another user's (or not a socket)")
+    finally:
+        shutil.rmtree(planted)
+    own = socket.socket(socket.AF_UNIX)  # a socket of this user's, as a killed SeaweedFS leaves: it replaces it
+    own.bind(planted)
+    try:
+        assert _pick_port("127.0.0.1", port, set(), with_grpc=True) == port
+    finally:
+        own.close()
+        os.unlink(planted)
+
+
 def test_the_ports_lock_waits_then_goes_on_and_ignores_a_planted_file(tmp_path, monkeypatch):
     """Two stacks starting at once are serialized by a per-user lock file in the temp directory;
     a holder that never lets go costs at most the wait, and a file another user could plant (a
