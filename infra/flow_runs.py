@@ -471,7 +471,10 @@ def deployment_status(api_url: str, login: str | None, state_dir: os.PathLike[st
                     before_=now - datetime.timedelta(seconds=LATE_AFTER_S))), limit=200)
             executing = flow_runs_in_states(client, StateType.PENDING, StateType.RUNNING, StateType.CANCELLING)
     except Exception as exc:  # noqa: BLE001 - httpx/prefect errors: status reports, it does not fail on this
-        return [f"deployments: could not read them from Prefect ({type(exc).__name__}: {exc})"]
+        from paperline.infra.errors import redact_text  # noqa: PLC0415
+
+        # (httpx's message quotes the URL, with any password in a configured one: a review)
+        return [f"deployments: could not read them from Prefect ({type(exc).__name__}: {redact_text(str(exc))})"]
     late: dict[str, int] = {}
     for run in waiting:
         if run.deployment_id in by_id:

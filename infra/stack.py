@@ -210,6 +210,28 @@ def _write_state(settings: Settings, state: dict[str, Any]) -> None:
     _write_atomic(_state_path(settings), json.dumps(state, indent=2, sort_keys=True) + "\n")
 
 
+def refuse_foreign_state_dir(settings: Settings) -> None:
+    """Raise :class:`PaperlineError` if the state directory exists and belongs to another user, who
+    could read the keys and logins kept there or have put their own there (a security review: one
+    made first by another user under ``/tmp`` was taken as it was, its S3 key pair and Prefect
+    login with it). Every command that reads or writes the directory's stack goes through this
+    (:func:`_private_state_dir`, :func:`load_stack_info`, :func:`stack_status`)."""
+    try:
+        owner_uid = settings.state_dir.stat().st_uid
+    except OSError:  # none yet, or not reachable: what makes or reads it says so
+        return
+    if owner_uid != os.geteuid():
+        try:
+            import pwd  # noqa: PLC0415
+
+            owner = f"{pwd.getpwuid(owner_uid).pw_name} (uid {owner_uid})"
+        except KeyError:
+            owner = f"uid {owner_uid}"
+        raise PaperlineError(f"state directory {settings.state_dir}: it belongs to another user, {owner}, who could "
+                             "read the keys and logins kept there or have put their own there; set "
+                             "PAPERLINE_STATE_DIR to a directory of your own")
+
+
 def _private_state_dir(settings: Settings) -> None:
     """Create the state directory readable by its owner alone (0700), or take the group's and
     others' access away from an existing one: it holds the S3 credentials, Prefect's database with
@@ -225,16 +247,8 @@ def _private_state_dir(settings: Settings) -> None:
     path = settings.state_dir
     try:
         path.mkdir(mode=0o700, parents=True, exist_ok=True)
+        refuse_foreign_state_dir(settings)
         st = path.stat()
-        if st.st_uid != os.geteuid():
-            try:
-                import pwd  # noqa: PLC0415
-                owner = f"{pwd.getpwuid(st.st_uid).pw_name} (uid {st.st_uid})"
-            except KeyError:
-                owner = f"uid {st.st_uid}"
-            raise PaperlineError(f"state directory {path}: it belongs to another user, {owner}, who could read the "
-                                 "keys and logins kept there or have put their own there; set PAPERLINE_STATE_DIR "
-                                 "to a directory of your own")
         if st.st_mode & 0o077:
             os.chmod(path, st.st_mode & 0o7700)
         if not os.access(path, os.W_OK | os.X_OK):
@@ -2391,7 +2405,11 @@ def stack_status(settings: Settings) -> list[Service]:
 
     Returns:
         One :class:`Service` per name in ``("s3", "prefect", "mlflow")``.
+
+    Raises:
+        PaperlineError: the state directory belongs to another user (:func:`refuse_foreign_state_dir`).
     """
+    refuse_foreign_state_dir(settings)
     external = _external_urls(settings)
     try:
         recs = _read_state(settings)["services"]
@@ -2659,7 +2677,11 @@ def load_stack_info(settings: Settings) -> StackInfo | None:
     Returns:
         The info, or None when a local service has no record (the stack was never started or was
         stopped) or the local S3 credentials are missing.
+
+    Raises:
+        PaperlineError: the state directory belongs to another user (:func:`refuse_foreign_state_dir`).
     """
+    refuse_foreign_state_dir(settings)
     external = _external_urls(settings)
     try:
         recs = _read_state(settings)["services"]
@@ -2712,8 +2734,8 @@ def activate(info: StackInfo) -> None:
     """Point this process's Prefect and MLflow clients (and any process it starts later, e.g. Dask
     workers) at the stack, through environment variables.
 
-    Sets ``PREFECT_API_URL`` (a password in a configured URL goes to ``PREFECT_API_AUTH_STRING``
-    instead, unless the user set that or ``PREFECT_API_KEY``: :func:`split_url_login`),
+    Sets ``PREFECT_API_URL`` (a login in a configured URL goes to ``PREFECT_API_AUTH_STRING``
+    instead, whatever that held: :func:`split_url_login`),
     ``PREFECT_UI_URL`` (without a password),
     ``PREFECT_SERVER_ANALYTICS_ENABLED=false``,
     ``PREFECT_RESULTS_PERSIST_BY_DEFAULT=true``, ``PREFECT_RESULTS_DEFAULT_STORAGE_BLOCK`` (=
@@ -2739,12 +2761,9 @@ def activate(info: StackInfo) -> None:
         }
     )
     mlflow_user, _, mlflow_password = (info.mlflow_login or "").partition(":")
-    prefect_login = info.prefect_login
-    if prefect_login is None and url_login is not None:  # the URL's own, unless the user set a login
-        user_set = {v for v in ("PREFECT_API_AUTH_STRING", "PREFECT_API_KEY")
-                    if os.environ.get(v) and os.environ.get(v) != _activated_logins.get(v)}
-        prefect_login = None if user_set else url_login
-    logins = {"PREFECT_API_AUTH_STRING": prefect_login,
+    # a login in the configured URL is the one used, as by the check and set-up of ensure_stack
+    # (a login exported for another server before, by `paperline env`, say, was sent instead: a review)
+    logins = {"PREFECT_API_AUTH_STRING": info.prefect_login or url_login,
               "MLFLOW_TRACKING_USERNAME": mlflow_user or None, "MLFLOW_TRACKING_PASSWORD": mlflow_password or None}
     for variable, login in logins.items():
         if login:

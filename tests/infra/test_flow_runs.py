@@ -471,3 +471,33 @@ def test_the_filter_sits_on_the_run_loggers_unless_debugging(monkeypatch):
     import paperline.tasks  # noqa: F401 - installs it, in a flow's process and on every worker
 
     assert any(isinstance(f, ExpectedErrorOneLine) for f in logging.getLogger("prefect.flow_runs").filters)
+
+
+def test_a_server_error_reading_the_deployments_shows_no_password(tmp_path):
+    """`status` printed httpx's message, which quotes the URL, with the password of a configured
+    PAPERLINE_PREFECT_API_URL in it (a review)."""
+    import http.server
+    import threading
+
+    from paperline.infra.flow_runs import deployment_status
+
+    class Forbidden(http.server.BaseHTTPRequestHandler):
+        def refuse(self):
+            self.send_response(403)
+            self.send_header("Content-Type", "application/json")
+            self.end_headers()
+            self.wfile.write(b'{"detail": "no"}')
+
+        do_GET = do_POST = refuse
+
+        def log_message(self, *args):
+            pass
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Forbidden)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        (line,) = deployment_status(f"http://bob:s3cretpw@127.0.0.1:{server.server_address[1]}/api", None, tmp_path)
+    finally:
+        server.shutdown()
+    assert line.startswith("deployments: could not read them from Prefect (") and "403" in line, line
+    assert "s3cretpw" not in line and "bob@127.0.0.1" in line, line

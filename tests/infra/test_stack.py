@@ -1022,8 +1022,11 @@ def test_a_prefect_server_with_a_login_is_used_with_prefects_own_variable(stack,
                   "def probe():\n"
                   "    return 42\n"
                   "print(probe())\n")
-        env = {k: v for k, v in cli_env.items() if k not in ("PREFECT_API_AUTH_STRING", "PREFECT_API_URL")}
+        env = {k: v for k, v in cli_env.items() if k != "PREFECT_API_URL"}
         env["PAPERLINE_PREFECT_API_URL"] = api.replace("http://", "http://admin:s3cret@")
+        # a login exported for another server (`paperline env` of the local stack): the URL's is used, as
+        # by ensure_stack's check and set-up (the run sent the exported one: a review)
+        env["PREFECT_API_AUTH_STRING"] = "paperline:the-local-stacks-login"
         ran = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=180)
         assert ran.returncode == 0, ran.stdout[-2000:] + ran.stderr[-3000:]
         assert "s3cret" not in ran.stderr and "Unable to connect" not in ran.stderr, ran.stderr[-3000:]
@@ -1233,10 +1236,14 @@ def test_a_state_directory_of_another_user_is_refused(tmp_path):
         mode = theirs.stat().st_mode
     else:
         theirs = Path("/")  # root's
-    with pytest.raises(PaperlineError, match=rf"^state directory {theirs}: it belongs to another user, .*uid "
-                                             r"\d+\), who could read the keys and logins kept there or have put "
-                                             "their own there; set PAPERLINE_STATE_DIR to a directory of your own$"):
-        _private_state_dir(Settings(state_dir=theirs))
+    refused = rf"^state directory {theirs}: it belongs to another user, .*uid \d+\), who could read the keys and " \
+              "logins kept there or have put their own there; set PAPERLINE_STATE_DIR to a directory of your own$"
+    with pytest.raises(PaperlineError, match=refused):
+        _private_state_dir(Settings(state_dir=theirs, _env_file=None))
+    # nor read: `env`, `status` and the flows' own lookup went on with their keys and servers (a review)
+    for read in (load_stack_info, stack_status):
+        with pytest.raises(PaperlineError, match=refused):
+            read(Settings(state_dir=theirs, _env_file=None))
     if os.geteuid() == 0:
         assert theirs.stat().st_mode == mode and theirs.stat().st_uid == 65534  # left as it was
 
