@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import os
 import re
+import stat
 from functools import lru_cache
 from pathlib import Path
 from typing import Any, Literal
@@ -84,19 +85,22 @@ class Settings(BaseSettings):
     prefect_database_url: SecretStr | None = None
     mlflow_backend_store_uri: SecretStr | None = None
 
-    @classmethod
-    def settings_customise_sources(cls, settings_cls: Any, init_settings: Any, env_settings: Any,
-                                   dotenv_settings: Any, file_secret_settings: Any) -> tuple[Any, ...]:
-        """Pydantic-settings' sources, as they are, once the ``.env`` file has passed
-        :func:`env_file_problem` (raises :class:`~paperline.infra.errors.PaperlineError` if not)."""
-        files = dotenv_settings.env_file
+    def __init__(self, **values: Any) -> None:
+        """Read the settings (pydantic-settings), once the ``.env`` file (``_env_file`` where
+        given) has passed :func:`env_file_problem`: it is checked before it is opened.
+
+        Raises:
+            PaperlineError: a ``.env`` file another user could have written, or not a regular file.
+            pydantic.ValidationError: a setting with a bad value.
+        """
+        files = values.get("_env_file", type(self).model_config.get("env_file"))
         for path in [files] if isinstance(files, str | os.PathLike) else list(files or ()):
             problem = env_file_problem(path)
             if problem is not None:
                 from paperline.infra.errors import PaperlineError  # noqa: PLC0415
 
                 raise PaperlineError(problem)
-        return init_settings, env_settings, dotenv_settings, file_secret_settings
+        super().__init__(**values)
 
     @field_validator("state_dir", mode="before")
     @classmethod
@@ -226,6 +230,8 @@ def env_file_problem(path: str | os.PathLike[str]) -> str | None:
         return None
     except OSError as exc:
         return f"{file.absolute()}: cannot be read ({exc.strerror})"
+    if not stat.S_ISREG(st.st_mode):  # (a FIFO there left every command waiting: a review)
+        return f"{file.absolute()}: not a regular file, which a .env file is; remove it, or run paperline elsewhere"
     if st.st_uid != os.geteuid():
         try:
             import pwd  # noqa: PLC0415
@@ -237,7 +243,8 @@ def env_file_problem(path: str | os.PathLike[str]) -> str | None:
                 "endpoints (and so your logins) anywhere with it; remove it, or run paperline from another directory")
     if st.st_mode & 0o002:
         return (f"{file.absolute()}: every user may write this .env file, and could point paperline's endpoints (and "
-                f"so your logins) anywhere with it; chmod o-w {file.absolute()} to keep it")
+                f"so your logins) anywhere with it; chmod o-w {file.absolute()} to keep it (on a file system without "
+                "Unix permissions, such as WSL's /mnt/c, export the variables instead)")
     return None
 
 

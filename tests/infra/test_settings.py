@@ -300,7 +300,7 @@ def test_a_dotenv_file_another_user_could_have_written_is_refused(monkeypatch, t
     dotenv.chmod(0o666)
     with pytest.raises(PaperlineError, match=rf"^{re.escape(str(dotenv))}: every user may write this .env file, and "
                                              rf"could point paperline's endpoints .* chmod o-w {re.escape(str(dotenv))} "
-                                             "to keep it$"):
+                                             r"to keep it \(on a file system without Unix permissions"):
         Settings()
     dotenv.chmod(0o644)
     if os.geteuid() == 0:  # (CI runs as root: the file is given away)
@@ -314,3 +314,7 @@ def test_a_dotenv_file_another_user_could_have_written_is_refused(monkeypatch, t
     elsewhere.chmod(0o666)
     with pytest.raises(PaperlineError, match="every user may write this .env file"):
         Settings(_env_file=str(elsewhere))
+    fifo = tmp_path / "sub" / "fifo.env"  # checked before it is opened: a FIFO left every command waiting (a review)
+    os.mkfifo(fifo, 0o600)
+    with pytest.raises(PaperlineError, match="fifo.env: not a regular file, which a .env file is"):
+        Settings(_env_file=str(fifo))
