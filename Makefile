@@ -26,8 +26,9 @@ install: $(STAMP)
 install-gpu: $(STAMP)
 	$(PIP) install -q -c constraints-gpu.txt -e '.[test,gpu]'
 
-# Every GPU check in one bounded run: the gpu tests, then the GPU benchmarks (tests/gpu/run_checks.sh).
-gpu-check: install-gpu
+# Every GPU check in one bounded run: the gpu tests, then the GPU benchmarks (tests/gpu/run_checks.sh),
+# after `make install-gpu` (not re-run here: a GPU host may be offline).
+gpu-check: $(STAMP)
 	PYTHON=$(BIN)/python tests/gpu/run_checks.sh
 
 run: $(STAMP)

@@ -84,14 +84,22 @@ def require_cuda(parser: argparse.ArgumentParser, cupy: bool = False) -> None:
     parser.exit(2, f"{parser.prog}: error: --device cuda: {why}; leave --device out to measure on the CPU\n")
 
 
-def stop_children(timeout: float = 5.0) -> list[int]:
+def stop_children(timeout: float = 5.0, keep: frozenset[int] = frozenset()) -> list[int]:
     """Terminate every process this one started, and their children (SIGTERM, then SIGKILL for any
-    left after ``timeout`` seconds); returns their pids. A benchmark stopped by ``kill`` left its
+    left after ``timeout`` seconds), but those in ``keep``; returns their pids. A benchmark stopped by ``kill`` left its
     ranks training (compressed_training's two, collectives' spawned ones) and its pool's campaigns
     running (nas): only a Ctrl-C in a terminal reaches them too (a trial)."""
     import psutil
 
-    children = psutil.Process().children(recursive=True)
+    def ours(child: psutil.Process) -> bool:
+        # multiprocessing's resource tracker ignores SIGTERM (5 s lost waiting, then killed) and
+        # ends by itself once this process is gone
+        try:
+            return not any("resource_tracker" in part for part in child.cmdline())
+        except psutil.Error:
+            return False
+
+    children = [c for c in psutil.Process().children(recursive=True) if c.pid not in keep and ours(c)]
     for child in children:
         try:
             child.terminate()
@@ -110,7 +118,8 @@ def stop_children(timeout: float = 5.0) -> list[int]:
 def interruptible(main: Callable[[], Any]) -> int:
     """Run a benchmark's ``main`` with SIGTERM (``kill``, ``timeout``) taken as a Ctrl-C, so that its
     ``with`` blocks remove what they made (a killed gemm run left 385 MB of operand files in
-    ``TMPDIR``: a trial), then the processes it started are stopped (:func:`stop_children`), and
+    ``TMPDIR``: a trial), then the processes it started are stopped (:func:`stop_children`; those
+    running before it are left), and
     either one ends it with one line instead of a ``KeyboardInterrupt`` traceback. A second SIGTERM
     meanwhile is ignored (it would cut the clean-up short). Returns ``main``'s exit status (None:
     0), or 128 + the signal's number (130 for Ctrl-C, 143 for SIGTERM); the previous SIGTERM
@@ -125,12 +134,16 @@ def interruptible(main: Callable[[], Any]) -> int:
         got.append(signum)
         raise KeyboardInterrupt
 
+    import psutil
+
+    # what ran before main (a test's servers, when a test calls this) is not main's to stop (a review)
+    before = frozenset(c.pid for c in psutil.Process().children(recursive=True))
     previous = signal.signal(signal.SIGTERM, terminate)
     try:
         return main() or 0
     except KeyboardInterrupt:
         signal.signal(signal.SIGTERM, signal.SIG_IGN)
-        stop_children()
+        stop_children(keep=before)
         print("interrupted: the run stopped", file=sys.stderr)
         return 128 + (got[0] if got else signal.SIGINT)
     finally:

@@ -230,7 +230,7 @@ def main() -> None:
     t0 = time.perf_counter()
     results = []
     interrupted = False
-    with ProcessPoolExecutor(args.processes) as pool:
+    with ProcessPoolExecutor(args.processes, initializer=_default_sigterm) as pool:
         futures = [pool.submit(one, job) for job in jobs]
         try:
             for f in as_completed(futures):
@@ -253,6 +253,14 @@ def main() -> None:
     print(f"\ntotal {time.perf_counter() - t0:.0f} s")
     if interrupted:
         raise KeyboardInterrupt  # (interruptible's exit status: 130 or 143, not 0)
+
+
+def _default_sigterm() -> None:
+    """A pool worker's SIGTERM ends it (forked, it inherited ``interruptible``'s handler, and
+    ignored the SIGTERM of :func:`stop_children`: 5 s until the SIGKILL, a review)."""
+    import signal
+
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
 
 
 def report_saved(paths: list[str]) -> None:

@@ -13,9 +13,13 @@
 # benchmark (default its own: 16384,32768).
 # Exit status: 0 when every step that ran passed, 1 otherwise; 2 when no GPU is usable.
 set -uo pipefail
+caller=$PWD
 cd "$(dirname "$0")/../.."
+# OUTDIR and a relative PYTHON path as the caller meant them (the defaults are the repository's)
+OUTDIR=${1:+$(cd "$caller" && realpath -m -- "$1")}
+OUTDIR=${OUTDIR:-$PWD/gpu-check}
+if [[ "${PYTHON:-}" == */* && "$PYTHON" != /* ]]; then PYTHON=$caller/$PYTHON; fi
 PYTHON=${PYTHON:-.venv/bin/python}
-OUTDIR=${1:-gpu-check}
 mkdir -p "$OUTDIR"
 export PYTHONUNBUFFERED=1
 summary=()
@@ -26,11 +30,17 @@ step() {  # step NAME LIMIT_S COMMAND...: run it under `timeout`, its output tee
     shift 2
     echo "== $name (at most ${limit} s): $*"
     local start=$SECONDS
-    timeout --kill-after=20 "$limit" "$@" 2>&1 | tee "$OUTDIR/$name.log"
-    local rc=${PIPESTATUS[0]}
+    # --foreground: the step stays in this script's process group, so a Ctrl-C stops it (and the
+    # script) rather than leave it running unseen; at its limit it gets SIGTERM (the benchmarks
+    # then stop the processes they started), and SIGKILL 20 s later
+    timeout --foreground --kill-after=20 "$limit" "$@" 2>&1 | tee "$OUTDIR/$name.log"
+    local rc=${PIPESTATUS[0]} took=$((SECONDS - start))
     local said="exit $rc"
-    [ "$rc" = 124 ] || [ "$rc" = 137 ] && said="stopped at its limit of ${limit} s"
-    summary+=("$name: $said, $((SECONDS - start)) s")
+    # (137 is also a kill by the kernel's OOM killer, before the limit)
+    if [ "$rc" = 124 ] || { [ "$rc" = 137 ] && [ "$took" -ge "$limit" ]; }; then
+        said="stopped at its limit of ${limit} s"
+    fi
+    summary+=("$name: $said, $took s")
     [ "$rc" = 0 ] || failed=1
 }
 
