@@ -175,6 +175,10 @@ def main(argv: list[str] | None = None) -> int:
             sizes.append(lo)
             lo *= 4
         args.sizes = sizes
+    cores = os.cpu_count() or 1
+    if args.backend == "gloo" and max(args.world_sizes) > 4 * cores:  # (64 ran 2 minutes: a trial)
+        parser.error(f"--world-sizes {max(args.world_sizes)}: at most {4 * cores} gloo ranks on this machine's "
+                     f"{cores} core(s) (one process each; their times would be the time-sharing's)")
     if args.backend == "nccl":
         import torch
 
@@ -188,7 +192,6 @@ def main(argv: list[str] | None = None) -> int:
     import torch.multiprocessing as mp
 
     print(f"LP collectives vs {args.backend}, float32, GB/s = 1e9 bytes/s; lp/backend = backend time / LP time")
-    cores = os.cpu_count() or 1
     if args.backend == "gloo" and max(args.world_sizes) > cores:  # (64 ranks on 2 cores ran 2 minutes unsaid: a trial)
         print(f"note: P up to {max(args.world_sizes)} ranks, one process each, share {cores} core(s): those times "
               "include the ranks' time-sharing")

@@ -303,6 +303,7 @@ def test_each_benchmarks_help_says_how_long_it_runs_and_how_to_narrow_it(script)
     ("collectives.py", ["--repeats", "0"], "argument --repeats: '0': at least 1"),
     ("collectives.py", ["--sizes", "3"], "argument --sizes: '3': a message is a positive multiple of 4 bytes (float32)"),
     ("collectives.py", ["--world-sizes", "1"], "argument --world-sizes: '1': at least 2"),
+    ("collectives.py", ["--world-sizes", "2", "4096"], "--world-sizes 4096: at most"),  # (64 ran 2 minutes: a trial)
     ("collectives.py", ["--chunk-bytes", "0"], "argument --chunk-bytes: '0': a chunk is a positive multiple of 4 bytes"),
     # found only when the results were written, after the measurements (a trial)
     ("compressed_training.py", ["--json", "/"], "argument --json: '/' is a directory; name a file"),
