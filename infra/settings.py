@@ -115,7 +115,19 @@ class Settings(BaseSettings):
     @field_validator("state_dir")
     @classmethod
     def _expand(cls, v: Path) -> Path:
-        path = Path(v).expanduser().resolve()
+        given = Path(v).expanduser().absolute()
+        # a symbolic link on the way that another user made (and may point anywhere): the checks
+        # of the directory it resolves to saw a directory of root's (a sticky /tmp) with the
+        # other user's key pair inside, and `up` would have made /tmp 0700 (a review)
+        for part in (given, *given.parents):
+            try:
+                st = part.lstat()
+            except OSError:
+                continue
+            if stat.S_ISLNK(st.st_mode) and st.st_uid not in (os.geteuid(), 0):
+                raise ValueError(f"{part} is a symbolic link of another user's, {owner_name(st.st_uid)}, who chose "
+                                 "where it points; name a directory of your own")
+        path = given.resolve()
         existing = next(p for p in (path, *path.parents) if p.exists())  # (the root exists)
         if not existing.is_dir():  # `up` failed with a bare FileExistsError (fresh-user trial)
             raise ValueError("exists and is not a directory" if existing == path else
@@ -214,6 +226,16 @@ class Settings(BaseSettings):
         return not (self.s3_endpoint_url and self.prefect_api_url and self.mlflow_tracking_uri)
 
 
+def owner_name(uid: int) -> str:
+    """``"name (uid N)"`` for a file owner's user id (``"uid N"`` without a name)."""
+    try:
+        import pwd  # noqa: PLC0415
+
+        return f"{pwd.getpwuid(uid).pw_name} (uid {uid})"
+    except (ImportError, KeyError):
+        return f"uid {uid}"
+
+
 def env_file_problem(path: str | os.PathLike[str]) -> str | None:
     """Why the ``.env`` file at ``path`` is not read: it belongs to another user, or every user may
     write it; None when it may be (or there is none).
@@ -225,22 +247,21 @@ def env_file_problem(path: str | os.PathLike[str]) -> str | None:
     """
     file = Path(path)
     try:
+        link = file.lstat()
         st = file.stat()
     except (FileNotFoundError, NotADirectoryError):
         return None
     except OSError as exc:
         return f"{file.absolute()}: cannot be read ({exc.strerror})"
+    if stat.S_ISLNK(link.st_mode) and link.st_uid != os.geteuid():  # (read as yours: a review)
+        return (f"{file.absolute()}: this .env file is a symbolic link of another user's, {owner_name(link.st_uid)}, "
+                "who chose which file it reads; remove it, or run paperline from another directory")
     if not stat.S_ISREG(st.st_mode):  # (a FIFO there left every command waiting: a review)
         return f"{file.absolute()}: not a regular file, which a .env file is; remove it, or run paperline elsewhere"
     if st.st_uid != os.geteuid():
-        try:
-            import pwd  # noqa: PLC0415
-
-            owner = f"{pwd.getpwuid(st.st_uid).pw_name} (uid {st.st_uid})"
-        except KeyError:
-            owner = f"uid {st.st_uid}"
-        return (f"{file.absolute()}: this .env file belongs to another user, {owner}, who could point paperline's "
-                "endpoints (and so your logins) anywhere with it; remove it, or run paperline from another directory")
+        return (f"{file.absolute()}: this .env file belongs to another user, {owner_name(st.st_uid)}, who could "
+                "point paperline's endpoints (and so your logins) anywhere with it; remove it, or run paperline from "
+                "another directory")
     if st.st_mode & 0o002:
         return (f"{file.absolute()}: every user may write this .env file, and could point paperline's endpoints (and "
                 f"so your logins) anywhere with it; chmod o-w {file.absolute()} to keep it (on a file system without "

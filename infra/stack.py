@@ -49,7 +49,7 @@ from urllib.parse import urlsplit, urlunsplit
 from pydantic import SecretStr
 
 from paperline.infra.errors import PaperlineError, ServiceError, redact_text, redact_url
-from paperline.infra.settings import Settings, get_settings
+from paperline.infra.settings import Settings, get_settings, owner_name
 
 SERVICE_NAMES = ("s3", "prefect", "mlflow")
 STATE_FILE = "stack.json"
@@ -216,20 +216,36 @@ def refuse_foreign_state_dir(settings: Settings) -> None:
     made first by another user under ``/tmp`` was taken as it was, its S3 key pair and Prefect
     login with it). Every command that reads or writes the directory's stack goes through this
     (:func:`_private_state_dir`, :func:`load_stack_info`, :func:`stack_status`)."""
+    path = settings.state_dir
     try:
-        owner_uid = settings.state_dir.stat().st_uid
+        st = path.stat()
     except OSError:  # none yet, or not reachable: what makes or reads it says so
         return
-    if owner_uid != os.geteuid():
-        try:
-            import pwd  # noqa: PLC0415
-
-            owner = f"{pwd.getpwuid(owner_uid).pw_name} (uid {owner_uid})"
-        except KeyError:
-            owner = f"uid {owner_uid}"
-        raise PaperlineError(f"state directory {settings.state_dir}: it belongs to another user, {owner}, who could "
+    if st.st_uid != os.geteuid():
+        raise PaperlineError(f"state directory {path}: it belongs to another user, {owner_name(st.st_uid)}, who could "
                              "read the keys and logins kept there or have put their own there; set "
                              "PAPERLINE_STATE_DIR to a directory of your own")
+    if st.st_mode & stat.S_ISVTX:  # (root's /tmp: `up` would have made it 0700 for every user: a review)
+        raise PaperlineError(f"state directory {path}: a directory shared by every user (its sticky bit is set, as "
+                             "/tmp's is), whose entries may be theirs; set PAPERLINE_STATE_DIR to a directory of your "
+                             "own, such as one made inside it")
+    # entries another user put there while it was open to them (the key pair and logins are read
+    # from them): the directory's and its subdirectories' own, not the object data's
+    for where in (path, *(path / name for name in ("s3", "prefect", "mlflow", "logs"))):
+        try:
+            entries = list(os.scandir(where))
+        except OSError:
+            continue
+        for entry in entries:
+            try:
+                uid = entry.stat(follow_symlinks=False).st_uid
+            except OSError:
+                continue
+            if uid != os.geteuid():
+                raise PaperlineError(f"state directory {path}: {entry.path} belongs to another user, "
+                                     f"{owner_name(uid)}, who could have put keys or logins of theirs there; "
+                                     "remove it (the next `paperline up` makes what is missing), or set "
+                                     "PAPERLINE_STATE_DIR to another directory")
 
 
 def _private_state_dir(settings: Settings) -> None:
@@ -1596,9 +1612,15 @@ def _say_port_moved(settings: Settings, name: str, port: int, tell: Progress, la
     a trial), links to it no longer reach the stack. A port newly set in the settings is no news."""
     field = f"{name}_port"
     asked = getattr(settings, field)
-    if last and port != last and not _port_free(settings.host, last):
-        tell(f"{name}: its last port {last} is taken by another process, so it is on {port} now: links to the "
-             "old port (e.g. earlier runs' MLflow links) no longer reach this stack")
+    why = None
+    if last and port != last:
+        if not _port_free(settings.host, last):
+            why = "is taken by another process"
+        elif name == "s3" and (not _port_free(settings.host, last + _GRPC_OFFSET) or _seaweed_sockets_of_others(last)):
+            why = _why_taken(settings, name, last)  # (a socket path of another user's moved it unsaid: a review)
+    if why:
+        tell(f"{name}: its last port {last} {why}, so it is on {port} now: links to the old port (e.g. earlier runs' "
+             "MLflow links) no longer reach this stack")
     elif port == asked:
         return
     elif field in settings.model_fields_set:
@@ -1615,7 +1637,13 @@ def _why_taken(settings: Settings, name: str, port: int) -> str:
     if name == "s3" and _port_free(settings.host, port) and not _port_free(settings.host, port + _GRPC_OFFSET):
         return f"is free, but SeaweedFS's gRPC port {port + _GRPC_OFFSET} (10000 above it) is taken"
     if name == "s3" and (sockets := _seaweed_sockets_of_others(port)):
-        return f"is free, but SeaweedFS's socket {sockets[0]} for it is another user's (or not a socket)"
+        try:
+            owner = os.lstat(sockets[0]).st_uid
+        except OSError:
+            return f"is free, but SeaweedFS's socket path {sockets[0]} for it was another user's"
+        whose = (f"is another user's, {owner_name(owner)}, who alone can remove it" if owner != os.geteuid()
+                 else "is not a socket: remove it")
+        return f"is free, but SeaweedFS's socket path {sockets[0]} for it {whose}"
     others = [n for n in SERVICE_NAMES if n != name and getattr(settings, f"{n}_port") == port]
     if others:
         return f"is also asked of this stack's {others[0]} server (PAPERLINE_{others[0].upper()}_PORT)"
@@ -1664,6 +1692,10 @@ def _start_prefect(
             # (killed, or `down` and `up`) was terminated at its next lease renewal after it, 410
             # "Lease not found" ("Terminating execution to prevent over-allocation": a trial)
             "PREFECT_SERVER_CONCURRENCY_LEASE_STORAGE": "prefect.server.concurrency.lease_storage.filesystem",
+            # its UI's build, made at start, in the state directory rather than in the environment's
+            # site-packages: made there with the servers' umask 077, it was the first user's alone,
+            # and every other user's Prefect of that environment failed to start (a review)
+            "PREFECT_SERVER_UI_STATIC_DIRECTORY": str(home / "ui"),
         }
     )
     cmd = [sys.executable, "-m", "prefect", "server", "start", "--host", host, "--port", str(port), "--analytics-off"]

@@ -450,6 +450,18 @@ def test_a_moved_port_is_said_for_a_default_a_setting_and_a_last_port(tmp_path, 
         _say_port_moved(both, "mlflow", 41006, said.append, None)
         assert said == [f"mlflow: port {free} (PAPERLINE_MLFLOW_PORT) is also asked of this stack's prefect server "
                         "(PAPERLINE_PREFECT_PORT), so it is on 41006"], said
+        # S3's last port free, but a SeaweedFS socket path for it in /tmp that SeaweedFS cannot replace:
+        # it moved with nothing said (a review)
+        said.clear()
+        planted = f"/tmp/seaweedfs-master-grpc-{free + 10000}.sock"
+        os.mkdir(planted)
+        try:
+            _say_port_moved(Settings(state_dir=tmp_path, host="127.0.0.1"), "s3", 41007, said.append, free)
+        finally:
+            os.rmdir(planted)
+        assert said == [f"s3: its last port {free} is free, but SeaweedFS's socket path {planted} for it is not a "
+                        "socket: remove it, so it is on 41007 now: links to the old port (e.g. earlier runs' MLflow "
+                        "links) no longer reach this stack"], said
     finally:
         held.close()
 

@@ -229,8 +229,13 @@ def test_a_seaweedfs_port_whose_socket_path_is_another_users_is_taken():
     os.mkdir(planted)  # (not a socket: SeaweedFS cannot remove it, whoever owns it)
     try:
         assert _pick_port("127.0.0.1", port, set(), with_grpc=True) != port
-        assert _why_taken(Settings(s3_port=port, _env_file=None), "s3", port) == (f"is free, but SeaweedFS's socket {planted} for it "
-                                                                  "is another user's (or not a socket)")
+        assert _why_taken(Settings(s3_port=port, _env_file=None), "s3", port) == (
+            f"is free, but SeaweedFS's socket path {planted} for it is not a socket: remove it")
+        if os.geteuid() == 0:  # (CI runs as root: another user's, as a socket left by their SeaweedFS)
+            os.chown(planted, 65534, 65534)
+            assert _why_taken(Settings(s3_port=port, _env_file=None), "s3", port) == (
+                f"is free, but SeaweedFS's socket path {planted} for it is another user's, nobody (uid 65534), who "
+                "alone can remove it")
     finally:
         shutil.rmtree(planted)
     own = socket.socket(socket.AF_UNIX)  # a socket of this user's, as a killed SeaweedFS leaves: it replaces it
@@ -307,6 +312,14 @@ def test_a_dotenv_file_another_user_could_have_written_is_refused(monkeypatch, t
         os.chown(dotenv, 65534, 65534)
         with pytest.raises(PaperlineError, match=r"this .env file belongs to another user, .*uid 65534\), who could "
                                                  "point paperline's endpoints .* run paperline from another directory$"):
+            Settings()
+        dotenv.unlink()  # a symbolic link of another user's, to a file of yours: they chose what is read (a review)
+        yours = tmp_path / "yours.env"
+        yours.write_text("PAPERLINE_N_WORKERS=2\n")
+        dotenv.symlink_to(yours)
+        os.lchown(dotenv, 65534, 65534)
+        with pytest.raises(PaperlineError, match=r"this .env file is a symbolic link of another user's, .*uid 65534\), "
+                                                 "who chose which file it reads"):
             Settings()
     elsewhere = tmp_path / "sub" / "team.env"  # a file named by Settings(_env_file=...) is checked too
     elsewhere.parent.mkdir()

@@ -1113,6 +1113,9 @@ def test_the_state_directory_is_its_owners_alone(stack, tmp_path):
     assert databases, sorted(p.name for p in settings.state_dir.iterdir())
     for path in databases:  # written by the servers, spawned with umask 077
         assert stat.S_IMODE(path.stat().st_mode) & 0o077 == 0, (path, oct(path.stat().st_mode))
+    # Prefect's UI build is made in the state directory: in the environment, made with umask 077,
+    # it left every other user's Prefect of that environment unable to start (a review)
+    assert (settings.state_dir / "prefect" / "ui").is_dir()
     logs = list((settings.state_dir / "logs").glob("*.log"))
     assert len(logs) == 3 and all(stat.S_IMODE(p.stat().st_mode) == 0o600 for p in logs), logs  # they were 0644
     # SeaweedFS also wrote log files of its own into /tmp (its log is the state directory's s3.log)
@@ -1246,6 +1249,33 @@ def test_a_state_directory_of_another_user_is_refused(tmp_path):
             read(Settings(state_dir=theirs, _env_file=None))
     if os.geteuid() == 0:
         assert theirs.stat().st_mode == mode and theirs.stat().st_uid == 65534  # left as it was
+
+    # a directory of every user's (sticky, as /tmp): `up` as root would have made /tmp 0700 (a review)
+    shared = tmp_path / "shared"
+    shared.mkdir()
+    shared.chmod(0o1777)
+    with pytest.raises(PaperlineError, match=rf"^state directory {shared}: a directory shared by every user \(its "
+                                             "sticky bit is set, as /tmp's is\)"):
+        _private_state_dir(Settings(state_dir=shared, _env_file=None))
+    assert shared.stat().st_mode & 0o7777 == 0o1777
+    if os.geteuid() != 0:
+        return
+    # the user's own directory with another user's entries (made while it was open to them): refused, naming one
+    mine = tmp_path / "mine"
+    (mine / "s3").mkdir(parents=True)
+    planted = mine / "s3" / "credentials.json"
+    planted.write_text('{"access_key_id": "theirs", "secret_access_key": "theirs-too"}')
+    os.chown(planted, 65534, 65534)
+    with pytest.raises(PaperlineError, match=rf"^state directory {mine}: {planted} belongs to another user, nobody "
+                                             r"\(uid 65534\), who could have put keys or logins of theirs there"):
+        load_stack_info(Settings(state_dir=mine, _env_file=None))
+    # and a symbolic link of another user's on the way (it chose the directory): refused before it is resolved
+    link = tmp_path / "link"
+    link.symlink_to(tmp_path / "elsewhere")
+    os.lchown(link, 65534, 65534)
+    with pytest.raises(ValueError, match=rf"{link} is a symbolic link of another user's, nobody \(uid 65534\), who "
+                                         "chose where it points; name a directory of your own"):
+        Settings(state_dir=link / "state", _env_file=None)
 
 
 def test_a_servers_log_past_its_size_is_moved_aside_as_it_starts(tmp_path):
