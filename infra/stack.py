@@ -210,42 +210,79 @@ def _write_state(settings: Settings, state: dict[str, Any]) -> None:
     _write_atomic(_state_path(settings), json.dumps(state, indent=2, sort_keys=True) + "\n")
 
 
-def refuse_foreign_state_dir(settings: Settings) -> None:
-    """Raise :class:`PaperlineError` if the state directory exists and belongs to another user, who
-    could read the keys and logins kept there or have put their own there (a security review: one
-    made first by another user under ``/tmp`` was taken as it was, its S3 key pair and Prefect
-    login with it). Every command that reads or writes the directory's stack goes through this
-    (:func:`_private_state_dir`, :func:`load_stack_info`, :func:`stack_status`)."""
+def refuse_foreign_state_dir(settings: Settings, tighten: bool = False) -> None:
+    """Raise :class:`PaperlineError` if the state directory exists and another user could have
+    chosen or filled it: it belongs to another user, who could read the keys and logins kept there
+    or have put their own there (a security review: one made first by another user under ``/tmp``
+    was taken as it was, its S3 key pair and Prefect login with it); it is a link now (swapped in
+    since the settings resolved it); it is a directory every user shares (sticky, as ``/tmp``) or
+    one at the top of the file system (``/``, ``/usr``: ``up`` as root made them 0700); a directory
+    above it belongs to another user or every user may write it without the sticky bit (they could
+    put another directory in its place: OpenSSH's rule); or it, or a subdirectory of the key pair,
+    logins and logs, holds another user's files (root's, from a ``sudo``, are allowed). With
+    ``tighten`` (commands that start, use or stop the stack) group's and others' access to the
+    directory is taken away first; without, one every user may write is refused. Every command
+    that reads or writes the directory's stack goes through this (:func:`_private_state_dir`,
+    :func:`load_stack_info`, :func:`stack_status`)."""
     path = settings.state_dir
+    me = os.geteuid()
     try:
-        st = path.stat()
+        st = path.lstat()
     except OSError:  # none yet, or not reachable: what makes or reads it says so
         return
-    if st.st_uid != os.geteuid():
-        raise PaperlineError(f"state directory {path}: it belongs to another user, {owner_name(st.st_uid)}, who could "
-                             "read the keys and logins kept there or have put their own there; set "
-                             "PAPERLINE_STATE_DIR to a directory of your own")
+
+    def refuse(why: str, fix: str = "set PAPERLINE_STATE_DIR to a directory of your own") -> None:
+        raise PaperlineError(f"state directory {path}: {why}; {fix}")
+
+    def whose(uid: int) -> str:
+        # (root's files show as nobody's on NFS with root_squash: a review)
+        return owner_name(uid) + (" (on NFS with root_squash, root's files show as nobody's)" if uid == 65534 else "")
+
+    if stat.S_ISLNK(st.st_mode):
+        refuse("it is a symbolic link now, not the directory the settings found there")
+    if path.parent == Path(path.anchor) or path == Path(path.anchor):
+        refuse("a directory at the top of the file system, whose access every user relies on",
+               "set PAPERLINE_STATE_DIR to a directory of paperline's own, such as ~/.paperline")
+    if st.st_uid != me:
+        refuse(f"it belongs to another user, {whose(st.st_uid)}, who could read the keys and logins kept there or "
+               "have put their own there")
     if st.st_mode & stat.S_ISVTX:  # (root's /tmp: `up` would have made it 0700 for every user: a review)
-        raise PaperlineError(f"state directory {path}: a directory shared by every user (its sticky bit is set, as "
-                             "/tmp's is), whose entries may be theirs; set PAPERLINE_STATE_DIR to a directory of your "
-                             "own, such as one made inside it")
-    # entries another user put there while it was open to them (the key pair and logins are read
+        refuse("a directory shared by every user (its sticky bit is set, as /tmp's is), whose entries may be theirs",
+               "set PAPERLINE_STATE_DIR to a directory of your own, such as one made inside it")
+    for parent in path.parents:
+        try:
+            up = parent.lstat()
+        except OSError:
+            continue
+        if up.st_uid not in (me, 0):
+            refuse(f"the directory above it, {parent}, belongs to another user, {whose(up.st_uid)}, who could put "
+                   "another directory in its place")
+        if up.st_mode & 0o002 and not up.st_mode & stat.S_ISVTX:
+            refuse(f"every user may write the directory above it, {parent} (without the sticky bit), and could put "
+                   "another directory in its place")
+    if tighten and st.st_mode & 0o077:
+        os.chmod(path, st.st_mode & 0o7700)
+    elif st.st_mode & 0o002:
+        refuse("every user may write it", "`paperline up` makes it yours alone (or chmod 700 it)")
+    # files another user put there while it was open to them (the key pair and logins are read
     # from them): the directory's and its subdirectories' own, not the object data's
-    for where in (path, *(path / name for name in ("s3", "prefect", "mlflow", "logs"))):
+    for where in (path, *(path / name for name in ("s3", "s3/tls", "prefect", "mlflow", "logs"))):
         try:
             entries = list(os.scandir(where))
         except OSError:
             continue
         for entry in entries:
             try:
-                uid = entry.stat(follow_symlinks=False).st_uid
+                uids = {entry.stat(follow_symlinks=False).st_uid}
+                if entry.is_symlink():  # (a link of yours into another user's files: a review)
+                    uids.add(entry.stat().st_uid)
             except OSError:
                 continue
-            if uid != os.geteuid():
-                raise PaperlineError(f"state directory {path}: {entry.path} belongs to another user, "
-                                     f"{owner_name(uid)}, who could have put keys or logins of theirs there; "
-                                     "remove it (the next `paperline up` makes what is missing), or set "
-                                     "PAPERLINE_STATE_DIR to another directory")
+            if uids - {me, 0}:
+                uid = max(uids - {me, 0})
+                refuse(f"{entry.path} belongs to another user, {whose(uid)}, who could have put keys or logins of "
+                       "theirs there", "remove it (the next `paperline up` makes what is missing), or set "
+                       "PAPERLINE_STATE_DIR to another directory")
 
 
 def _private_state_dir(settings: Settings) -> None:
@@ -263,10 +300,7 @@ def _private_state_dir(settings: Settings) -> None:
     path = settings.state_dir
     try:
         path.mkdir(mode=0o700, parents=True, exist_ok=True)
-        refuse_foreign_state_dir(settings)
-        st = path.stat()
-        if st.st_mode & 0o077:
-            os.chmod(path, st.st_mode & 0o7700)
+        refuse_foreign_state_dir(settings, tighten=True)
         if not os.access(path, os.W_OK | os.X_OK):
             raise PermissionError(errno.EACCES, os.strerror(errno.EACCES))
     except OSError as exc:  # it said "OSError: [Errno 30] Read-only file system: '.../.stack.lock'" (a trial)
@@ -1641,8 +1675,9 @@ def _why_taken(settings: Settings, name: str, port: int) -> str:
             owner = os.lstat(sockets[0]).st_uid
         except OSError:
             return f"is free, but SeaweedFS's socket path {sockets[0]} for it was another user's"
-        whose = (f"is another user's, {owner_name(owner)}, who alone can remove it" if owner != os.geteuid()
-                 else "is not a socket: remove it")
+        whose = ("is not a socket: remove it" if owner == os.geteuid() else
+                 f"is another user's, {owner_name(owner)}: remove it" if os.geteuid() == 0 else
+                 f"is another user's, {owner_name(owner)}, who alone can remove it")
         return f"is free, but SeaweedFS's socket path {sockets[0]} for it {whose}"
     others = [n for n in SERVICE_NAMES if n != name and getattr(settings, f"{n}_port") == port]
     if others:

@@ -234,8 +234,8 @@ def test_a_seaweedfs_port_whose_socket_path_is_another_users_is_taken():
         if os.geteuid() == 0:  # (CI runs as root: another user's, as a socket left by their SeaweedFS)
             os.chown(planted, 65534, 65534)
             assert _why_taken(Settings(s3_port=port, _env_file=None), "s3", port) == (
-                f"is free, but SeaweedFS's socket path {planted} for it is another user's, nobody (uid 65534), who "
-                "alone can remove it")
+                f"is free, but SeaweedFS's socket path {planted} for it is another user's, nobody (uid 65534): remove "
+                "it")  # (root can; another user would be told only its owner can)
     finally:
         shutil.rmtree(planted)
     own = socket.socket(socket.AF_UNIX)  # a socket of this user's, as a killed SeaweedFS leaves: it replaces it

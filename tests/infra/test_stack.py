@@ -1115,7 +1115,7 @@ def test_the_state_directory_is_its_owners_alone(stack, tmp_path):
         assert stat.S_IMODE(path.stat().st_mode) & 0o077 == 0, (path, oct(path.stat().st_mode))
     # Prefect's UI build is made in the state directory: in the environment, made with umask 077,
     # it left every other user's Prefect of that environment unable to start (a review)
-    assert (settings.state_dir / "prefect" / "ui").is_dir()
+    assert list((settings.state_dir / "prefect" / "ui").rglob("index.html")), "no UI build in the state directory"
     logs = list((settings.state_dir / "logs").glob("*.log"))
     assert len(logs) == 3 and all(stat.S_IMODE(p.stat().st_mode) == 0o600 for p in logs), logs  # they were 0644
     # SeaweedFS also wrote log files of its own into /tmp (its log is the state directory's s3.log)
@@ -1239,7 +1239,7 @@ def test_a_state_directory_of_another_user_is_refused(tmp_path):
         mode = theirs.stat().st_mode
     else:
         theirs = Path("/")  # root's
-    refused = rf"^state directory {theirs}: it belongs to another user, .*uid \d+\), who could read the keys and " \
+    refused = rf"^state directory {theirs}: it belongs to another user, .*uid \d+\).*, who could read the keys and " \
               "logins kept there or have put their own there; set PAPERLINE_STATE_DIR to a directory of your own$"
     with pytest.raises(PaperlineError, match=refused):
         _private_state_dir(Settings(state_dir=theirs, _env_file=None))
@@ -1258,8 +1258,26 @@ def test_a_state_directory_of_another_user_is_refused(tmp_path):
                                              "sticky bit is set, as /tmp's is\)"):
         _private_state_dir(Settings(state_dir=shared, _env_file=None))
     assert shared.stat().st_mode & 0o7777 == 0o1777
+    # a directory at the top of the file system (`$UNSET/` is "/"): `up` as root made it 0700 (a review)
+    with pytest.raises(PaperlineError, match=r"^state directory /usr: a directory at the top of the file system"):
+        load_stack_info(Settings(state_dir="/usr", _env_file=None))
+    # one of your own that every user may write: read by no command until `up` tightens it (a review)
+    open_to_all = tmp_path / "open"
+    open_to_all.mkdir()
+    open_to_all.chmod(0o777)
+    with pytest.raises(PaperlineError, match=rf"^state directory {open_to_all}: every user may write it; `paperline "
+                                             "up` makes it yours alone"):
+        stack_status(Settings(state_dir=open_to_all, _env_file=None))
+    _private_state_dir(Settings(state_dir=open_to_all, _env_file=None))
+    assert open_to_all.stat().st_mode & 0o777 == 0o700
     if os.geteuid() != 0:
         return
+    # under a directory of another user's, who could put another directory in its place (a review)
+    under = tmp_path / "their-parent"
+    under.mkdir()
+    os.chown(under, 65534, 65534)
+    with pytest.raises(PaperlineError, match=rf"the directory above it, {under}, belongs to another user, nobody"):
+        _private_state_dir(Settings(state_dir=under / "state", _env_file=None))
     # the user's own directory with another user's entries (made while it was open to them): refused, naming one
     mine = tmp_path / "mine"
     (mine / "s3").mkdir(parents=True)
@@ -1267,7 +1285,7 @@ def test_a_state_directory_of_another_user_is_refused(tmp_path):
     planted.write_text('{"access_key_id": "theirs", "secret_access_key": "theirs-too"}')
     os.chown(planted, 65534, 65534)
     with pytest.raises(PaperlineError, match=rf"^state directory {mine}: {planted} belongs to another user, nobody "
-                                             r"\(uid 65534\), who could have put keys or logins of theirs there"):
+                                             r"\(uid 65534\) .*, who could have put keys or logins of theirs there"):
         load_stack_info(Settings(state_dir=mine, _env_file=None))
     # and a symbolic link of another user's on the way (it chose the directory): refused before it is resolved
     link = tmp_path / "link"
