@@ -1250,10 +1250,14 @@ def test_a_state_directory_of_another_user_is_refused(tmp_path):
     if os.geteuid() == 0:
         assert theirs.stat().st_mode == mode and theirs.stat().st_uid == 65534  # left as it was
 
+    def made(name: str, mode: int) -> Path:
+        made = tmp_path / name
+        made.mkdir()
+        made.chmod(mode)
+        return made
+
     # a directory of every user's (sticky, as /tmp): `up` as root would have made /tmp 0700 (a review)
-    shared = tmp_path / "shared"
-    shared.mkdir()
-    shared.chmod(0o1777)
+    shared = made("shared", 0o1777)
     with pytest.raises(PaperlineError, match=rf"^state directory {shared}: a directory shared by every user \(its "
                                              "sticky bit is set, as /tmp's is\)"):
         _private_state_dir(Settings(state_dir=shared, _env_file=None))
@@ -1262,9 +1266,7 @@ def test_a_state_directory_of_another_user_is_refused(tmp_path):
     with pytest.raises(PaperlineError, match=r"^state directory /usr: a directory at the top of the file system"):
         load_stack_info(Settings(state_dir="/usr", _env_file=None))
     # one of your own that every user may write: read by no command until `up` tightens it (a review)
-    open_to_all = tmp_path / "open"
-    open_to_all.mkdir()
-    open_to_all.chmod(0o777)
+    open_to_all = made("open", 0o777)
     with pytest.raises(PaperlineError, match=rf"^state directory {open_to_all}: every user may write it; `paperline "
                                              "up` makes it yours alone"):
         stack_status(Settings(state_dir=open_to_all, _env_file=None))
