@@ -248,14 +248,33 @@ def env_file_problem(path: str | os.PathLike[str]) -> str | None:
     file = Path(path)
     try:
         link = file.lstat()
-        st = file.stat()
     except (FileNotFoundError, NotADirectoryError):
         return None
     except OSError as exc:
         return f"{file.absolute()}: cannot be read ({exc.strerror})"
-    if stat.S_ISLNK(link.st_mode) and link.st_uid != os.geteuid():  # (read as yours: a review)
+    # (a link of theirs was read as your file, its target chosen by them; a dangling one, ignored,
+    # could be given a target after this check: reviews)
+    if stat.S_ISLNK(link.st_mode) and link.st_uid != os.geteuid():
         return (f"{file.absolute()}: this .env file is a symbolic link of another user's, {owner_name(link.st_uid)}, "
                 "who chose which file it reads; remove it, or run paperline from another directory")
+    # a directory another user owns, or every user may write without the sticky bit: they could
+    # put another file in its place between this check and its reading (a review)
+    try:
+        folder = file.absolute().parent.stat()
+    except OSError:
+        folder = None
+    if folder is not None and (folder.st_uid not in (os.geteuid(), 0)
+                               or folder.st_mode & 0o002 and not folder.st_mode & stat.S_ISVTX):
+        return (f"{file.absolute()}: in a directory another user could change ("
+                + (f"theirs, {owner_name(folder.st_uid)}" if folder.st_uid not in (os.geteuid(), 0)
+                   else "every user may write it") + "), who could put another .env file in its place; run "
+                "paperline from a directory of your own")
+    try:
+        st = file.stat()
+    except (FileNotFoundError, NotADirectoryError):
+        return None  # (a link of yours to nothing: pydantic-settings reads none)
+    except OSError as exc:
+        return f"{file.absolute()}: cannot be read ({exc.strerror})"
     if not stat.S_ISREG(st.st_mode):  # (a FIFO there left every command waiting: a review)
         return f"{file.absolute()}: not a regular file, which a .env file is; remove it, or run paperline elsewhere"
     if st.st_uid != os.geteuid():

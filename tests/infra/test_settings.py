@@ -327,6 +327,22 @@ def test_a_dotenv_file_another_user_could_have_written_is_refused(monkeypatch, t
     elsewhere.chmod(0o666)
     with pytest.raises(PaperlineError, match="every user may write this .env file"):
         Settings(_env_file=str(elsewhere))
+    # your own file, in a directory every user may write (no sticky bit): another could swap it after the check
+    swappable = tmp_path / "swappable"
+    swappable.mkdir()
+    (swappable / ".env").write_text("PAPERLINE_N_WORKERS=2\n")
+    swappable.chmod(0o777)
+    with pytest.raises(PaperlineError, match=r"in a directory another user could change \(every user may write it\), "
+                                             "who could put another .env file in its place"):
+        Settings(_env_file=str(swappable / ".env"))
+    swappable.chmod(0o1777)  # sticky, as /tmp: your file stays yours
+    assert Settings(_env_file=str(swappable / ".env")).n_workers == 2
+    if os.geteuid() == 0:  # another user's dangling link (it could be given a target after the check: a review)
+        dangling = swappable / "dangling.env"
+        dangling.symlink_to(tmp_path / "nothing-yet")
+        os.lchown(dangling, 65534, 65534)
+        with pytest.raises(PaperlineError, match="is a symbolic link of another user's"):
+            Settings(_env_file=str(dangling))
     fifo = tmp_path / "sub" / "fifo.env"  # checked before it is opened: a FIFO left every command waiting (a review)
     os.mkfifo(fifo, 0o600)
     with pytest.raises(PaperlineError, match="fifo.env: not a regular file, which a .env file is"):
