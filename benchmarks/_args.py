@@ -86,12 +86,12 @@ def require_cuda(parser: argparse.ArgumentParser, cupy: bool = False) -> None:
 
 def stop_children(timeout: float = 5.0, keep: frozenset[int] = frozenset()) -> list[int]:
     """Terminate every process this one started, and their children (SIGTERM, then SIGKILL for any
-    left after ``timeout`` seconds), but those in ``keep``; returns their pids. A benchmark stopped by ``kill`` left its
-    ranks training (compressed_training's two, collectives' spawned ones) and its pool's campaigns
-    running (nas): only a Ctrl-C in a terminal reaches them too (a trial)."""
+    left after ``timeout`` seconds), but those in ``keep``; returns their pids. A benchmark stopped
+    by ``kill`` left its ranks training (compressed_training's two, collectives' spawned ones) and
+    its pool's campaigns running (nas): only a Ctrl-C in a terminal reaches them too (a trial)."""
     import psutil
 
-    def ours(child: psutil.Process) -> bool:
+    def stoppable(child: psutil.Process) -> bool:
         # multiprocessing's resource tracker ignores SIGTERM (5 s lost waiting, then killed) and
         # ends by itself once this process is gone
         try:
@@ -99,7 +99,7 @@ def stop_children(timeout: float = 5.0, keep: frozenset[int] = frozenset()) -> l
         except psutil.Error:
             return False
 
-    children = [c for c in psutil.Process().children(recursive=True) if c.pid not in keep and ours(c)]
+    children = [c for c in psutil.Process().children(recursive=True) if c.pid not in keep and stoppable(c)]
     for child in children:
         try:
             child.terminate()
@@ -119,11 +119,10 @@ def interruptible(main: Callable[[], Any]) -> int:
     """Run a benchmark's ``main`` with SIGTERM (``kill``, ``timeout``) taken as a Ctrl-C, so that its
     ``with`` blocks remove what they made (a killed gemm run left 385 MB of operand files in
     ``TMPDIR``: a trial), then the processes it started are stopped (:func:`stop_children`; those
-    running before it are left), and
-    either one ends it with one line instead of a ``KeyboardInterrupt`` traceback. A second SIGTERM
-    meanwhile is ignored (it would cut the clean-up short). Returns ``main``'s exit status (None:
-    0), or 128 + the signal's number (130 for Ctrl-C, 143 for SIGTERM); the previous SIGTERM
-    handler is restored."""
+    running before it are left), and either one ends it with one line instead of a
+    ``KeyboardInterrupt`` traceback. A second SIGTERM meanwhile is ignored (it would cut the
+    clean-up short). Returns ``main``'s exit status (None: 0), or 128 + the signal's number (130
+    for Ctrl-C, 143 for SIGTERM); the previous SIGTERM handler is restored."""
     import signal
     import sys
 

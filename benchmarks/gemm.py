@@ -44,7 +44,6 @@ import sys
 import tempfile
 import time
 from collections.abc import Callable
-from typing import Any
 
 import numpy as np
 from _args import at_least, interruptible, one_line_errors, positive, require_cuda, verdict  # benchmarks/_args.py: the scripts' shared argument types
@@ -378,12 +377,13 @@ def gpu_target_lines(rows: list[tuple], gpus: int) -> list[str]:
             "per GPU)"]
 
 
-def gpu_cluster_line(args: argparse.Namespace, sizes: list[int], LocalCUDACluster: Any, Client: Any,
-                     synced: Callable) -> None:
+def gpu_cluster_line(args: argparse.Namespace, sizes: list[int], synced: Callable) -> None:
     """The ``--device cuda`` flow-like measurement (module docstring's last item): paperline on a
     one-worker-per-GPU ``LocalCUDACluster``, ``.npy`` files in and out, at the smallest size,
     against cupy on the same job without tiling; prints one line."""
     import cupy as cp
+    from dask_cuda import LocalCUDACluster
+    from distributed import Client
 
     from paperline.kernels.blas import NpySource, make_problem
     from paperline.kernels.blas.runtime import DaskRuntime, run
@@ -487,13 +487,13 @@ def gpu_main(args: argparse.Namespace) -> None:
                   f"(max rel. error {err:.1e})", flush=True)
             del a, b, ref, problem
 
-    try:
-        from dask_cuda import LocalCUDACluster
-        from distributed import Client
-    except ImportError as exc:  # (a traceback here lost the table and the verdict below: a review)
-        print(f"dask-cuda cluster: not measured ({exc}; the GPU extra, make install-gpu)", flush=True)
+    import importlib.util
+
+    if importlib.util.find_spec("dask_cuda") is None:  # (a traceback lost the table and verdict below: a review)
+        print("dask-cuda cluster: not measured (dask-cuda is not installed: the GPU extra, make install-gpu)",
+              flush=True)
     else:
-        gpu_cluster_line(args, sizes, LocalCUDACluster, Client, synced)
+        gpu_cluster_line(args, sizes, synced)
 
     print("\nratios (> 1: paperline faster)")
     print(f"{'n':>6} {'dtype':>8} {'tile':>6} {'vs cupy (device-resident)':>26} {'vs cupy (host-resident)':>24}")

@@ -236,9 +236,23 @@ def owner_name(uid: int) -> str:
         return f"uid {uid}"
 
 
+def others_could_change(st: os.stat_result) -> str | None:
+    """Why another user could put something else in place of an entry of the directory whose
+    ``stat`` is ``st`` (``"it is another user's, NAME (uid N)"`` or ``"every user may write it"``),
+    or None: it is this user's or root's, and others may write it only with the sticky bit
+    (OpenSSH's rule for the directories above its key files)."""
+    if st.st_uid not in (os.geteuid(), 0):
+        return f"it is another user's, {owner_name(st.st_uid)}"
+    if st.st_mode & 0o002 and not st.st_mode & stat.S_ISVTX:
+        return "every user may write it (without the sticky bit)"
+    return None
+
+
 def env_file_problem(path: str | os.PathLike[str]) -> str | None:
-    """Why the ``.env`` file at ``path`` is not read: it belongs to another user, or every user may
-    write it; None when it may be (or there is none).
+    """Why the ``.env`` file at ``path`` is not read: it is another user's file or symbolic link
+    (a dangling one too), it lies in a directory another user could change
+    (:func:`others_could_change`), it is not a regular file, or every user may write it; None when
+    it may be read (or there is none).
 
     Settings read ``.env`` from the current directory, whoever had put it there: one planted in a
     shared directory (``/tmp``) pointed ``PAPERLINE_DASK_SCHEDULER_ADDRESS`` at another user's
@@ -260,15 +274,12 @@ def env_file_problem(path: str | os.PathLike[str]) -> str | None:
     # a directory another user owns, or every user may write without the sticky bit: they could
     # put another file in its place between this check and its reading (a review)
     try:
-        folder = file.absolute().parent.stat()
+        folder = others_could_change(file.absolute().parent.stat())
     except OSError:
         folder = None
-    if folder is not None and (folder.st_uid not in (os.geteuid(), 0)
-                               or folder.st_mode & 0o002 and not folder.st_mode & stat.S_ISVTX):
-        return (f"{file.absolute()}: in a directory another user could change ("
-                + (f"theirs, {owner_name(folder.st_uid)}" if folder.st_uid not in (os.geteuid(), 0)
-                   else "every user may write it") + "), who could put another .env file in its place; run "
-                "paperline from a directory of your own")
+    if folder is not None:
+        return (f"{file.absolute()}: in a directory another user could change ({folder}), who could put another "
+                ".env file in its place; run paperline from a directory of your own")
     try:
         st = file.stat()
     except (FileNotFoundError, NotADirectoryError):

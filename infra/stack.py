@@ -49,7 +49,7 @@ from urllib.parse import urlsplit, urlunsplit
 from pydantic import SecretStr
 
 from paperline.infra.errors import PaperlineError, ServiceError, redact_text, redact_url
-from paperline.infra.settings import Settings, get_settings, owner_name
+from paperline.infra.settings import Settings, get_settings, others_could_change, owner_name
 
 SERVICE_NAMES = ("s3", "prefect", "mlflow")
 STATE_FILE = "stack.json"
@@ -254,12 +254,9 @@ def refuse_foreign_state_dir(settings: Settings, tighten: bool = False) -> None:
             up = parent.lstat()
         except OSError:
             continue
-        if up.st_uid not in (me, 0):
-            refuse(f"the directory above it, {parent}, belongs to another user, {whose(up.st_uid)}, who could put "
-                   "another directory in its place")
-        if up.st_mode & 0o002 and not up.st_mode & stat.S_ISVTX:
-            refuse(f"every user may write the directory above it, {parent} (without the sticky bit), and could put "
-                   "another directory in its place")
+        why = others_could_change(up)
+        if why:
+            refuse(f"another user could put another directory in its place: the directory above it, {parent}: {why}")
     if tighten and st.st_mode & 0o077:
         os.chmod(path, st.st_mode & 0o7700)
     elif st.st_mode & 0o002:
@@ -292,10 +289,8 @@ def _private_state_dir(settings: Settings) -> None:
     with the usual umask 022 any local user could read them (a security review).
 
     Raises:
-        PaperlineError: the directory cannot be made or written, or it belongs to another user,
-            who could read its keys and logins or have planted their own there (a security
-            review: one made first by another user under ``/tmp`` was taken as it was, its S3 key
-            and Prefect login with it).
+        PaperlineError: the directory cannot be made or written, or another user could have chosen
+            or filled it (:func:`refuse_foreign_state_dir`).
     """
     path = settings.state_dir
     try:
@@ -416,12 +411,14 @@ def _seaweed_sockets_of_others(port: int) -> list[str]:
     SeaweedFS's 120-s timeout. A port with any is taken (a security review: any local user could
     block every port so). This user's own, left by a killed SeaweedFS, it replaces itself."""
     found = []
-    for path in glob.glob(f"/tmp/seaweedfs-*-{port}.sock") + glob.glob(f"/tmp/seaweedfs-*-grpc-{port + _GRPC_OFFSET}.sock"):
+    for path in [*glob.glob(f"/tmp/seaweedfs-*-{port}.sock"),
+                 *glob.glob(f"/tmp/seaweedfs-*-grpc-{port + _GRPC_OFFSET}.sock")]:
         try:
-            if os.lstat(path).st_uid != os.geteuid() or not stat.S_ISSOCK(os.lstat(path).st_mode):
-                found.append(path)
+            st = os.lstat(path)
         except FileNotFoundError:
-            pass
+            continue
+        if st.st_uid != os.geteuid() or not stat.S_ISSOCK(st.st_mode):
+            found.append(path)
     return found
 
 
@@ -2474,7 +2471,8 @@ def stack_status(settings: Settings) -> list[Service]:
         One :class:`Service` per name in ``("s3", "prefect", "mlflow")``.
 
     Raises:
-        PaperlineError: the state directory belongs to another user (:func:`refuse_foreign_state_dir`).
+        PaperlineError: another user could have chosen or filled the state directory
+            (:func:`refuse_foreign_state_dir`).
     """
     refuse_foreign_state_dir(settings)
     external = _external_urls(settings)
@@ -2746,7 +2744,8 @@ def load_stack_info(settings: Settings) -> StackInfo | None:
         stopped) or the local S3 credentials are missing.
 
     Raises:
-        PaperlineError: the state directory belongs to another user (:func:`refuse_foreign_state_dir`).
+        PaperlineError: another user could have chosen or filled the state directory
+            (:func:`refuse_foreign_state_dir`).
     """
     refuse_foreign_state_dir(settings)
     external = _external_urls(settings)

@@ -332,7 +332,7 @@ def test_a_dotenv_file_another_user_could_have_written_is_refused(monkeypatch, t
     swappable.mkdir()
     (swappable / ".env").write_text("PAPERLINE_N_WORKERS=2\n")
     swappable.chmod(0o777)
-    with pytest.raises(PaperlineError, match=r"in a directory another user could change \(every user may write it\), "
+    with pytest.raises(PaperlineError, match=r"in a directory another user could change \(every user may write it \(without the sticky bit\)\), "
                                              "who could put another .env file in its place"):
         Settings(_env_file=str(swappable / ".env"))
     swappable.chmod(0o1777)  # sticky, as /tmp: your file stays yours

@@ -1225,11 +1225,11 @@ def test_a_state_directory_that_cannot_be_made_says_which_setting_to_change():
 def test_a_state_directory_of_another_user_is_refused(tmp_path):
     """One made first by another user (under /tmp, say) was taken as it was, with the S3 key pair
     and Prefect login they had put there, which they could then use (a security review)."""
+    from pathlib import Path
+
     from paperline.infra.errors import PaperlineError
     from paperline.infra.settings import Settings
     from paperline.infra.stack import _private_state_dir
-
-    from pathlib import Path
 
     if os.geteuid() == 0:  # (CI runs as root: the directory is given away)
         theirs = tmp_path / "theirs"
@@ -1238,7 +1238,7 @@ def test_a_state_directory_of_another_user_is_refused(tmp_path):
         os.chown(theirs, 65534, 65534)
         mode = theirs.stat().st_mode
     else:
-        theirs = Path("/")  # root's
+        theirs = Path("/usr/share")  # root's (not "/": refused first as the top of the file system)
     refused = rf"^state directory {theirs}: it belongs to another user, .*uid \d+\).*, who could read the keys and " \
               "logins kept there or have put their own there; set PAPERLINE_STATE_DIR to a directory of your own$"
     with pytest.raises(PaperlineError, match=refused):
@@ -1278,7 +1278,8 @@ def test_a_state_directory_of_another_user_is_refused(tmp_path):
     under = tmp_path / "their-parent"
     under.mkdir()
     os.chown(under, 65534, 65534)
-    with pytest.raises(PaperlineError, match=rf"the directory above it, {under}, belongs to another user, nobody"):
+    with pytest.raises(PaperlineError, match=rf"another user could put another directory in its place: the directory "
+                                             rf"above it, {under}: it is another user's, nobody"):
         _private_state_dir(Settings(state_dir=under / "state", _env_file=None))
     # the user's own directory with another user's entries (made while it was open to them): refused, naming one
     mine = tmp_path / "mine"
