@@ -12,6 +12,7 @@ import math
 import os
 import re
 import sys
+import types
 from pathlib import Path
 from typing import Any, Callable, Iterator, Optional
 
@@ -93,8 +94,9 @@ err_console = Console(stderr=True, width=max(140, Console(stderr=True).width))
 _state = {"debug": False}
 # the pipelines' names, for `run --help` and `params --help` (tests/flows/test_cli.py checks the list
 # against the registry, which is not imported here: it loads every pipeline's module)
-PIPELINE_HELP = ("Pipeline name: compressed-training, gemm, nas, tensor-factorization or video-curation "
-                 "(`paperline params PIPELINE` lists its parameters).")
+PIPELINE_HELP = ("Pipeline name: compressed-training, gemm, nas, tensor-factorization or video-curation, "
+                 "or one an installed package adds (README, \"Your own pipeline\"; `paperline params` "
+                 "lists them all, `paperline params PIPELINE` its parameters).")
 
 
 @app.callback()
@@ -525,10 +527,39 @@ def params(pipeline: Optional[str] = typer.Argument(None, metavar="PIPELINE", he
            preset: Optional[list[str]] = typer.Option(None, "--preset", metavar="NAME",
                                                       help="Show this preset's values (default: demo).")) -> None:
     """List a pipeline's parameters (what `run --set key=value` takes): type, the preset's value,
-    description; and the pipeline's own option tables (nas: each optimizer's options)."""
+    description; and the pipeline's own option tables (nas: each optimizer's options). Without
+    PIPELINE: every pipeline, built in or added by an installed package, with its schedule."""
     from paperline.flows.pipelines import get_pipeline
+    from paperline.infra.errors import InputError
 
-    _print_parameters(get_pipeline(_named(pipeline, "params")), _one_preset(preset))
+    if pipeline is None:
+        if preset:
+            raise InputError("--preset", preset[0], "name a pipeline too: paperline params PIPELINE --preset NAME")
+        _print_pipelines()
+        return
+    _print_parameters(get_pipeline(pipeline), _one_preset(preset))
+
+
+def _print_pipelines() -> None:
+    """The table of every pipeline: name, where it comes from, its deployments' schedule, what it
+    does. A package's pipeline that cannot be loaded is a row saying why (the others still show)."""
+    from rich.text import Text
+
+    from paperline.flows.pipelines import builtin_pipeline_names, get_pipeline, package_of_pipeline, pipeline_names
+
+    table = Table("pipeline", "from", "schedule (UTC)", "presets", "description", title="pipelines")
+    builtin = set(builtin_pipeline_names())
+    for name in pipeline_names():
+        origin = "paperline" if name in builtin else package_of_pipeline(name)
+        try:
+            spec = get_pipeline(name)
+        except PaperlineError as exc:
+            table.add_row(name, origin, "", "", Text(f"cannot be loaded: {exc}", style="red"))
+            continue
+        table.add_row(name, origin, spec.cron or "none", ", ".join(sorted(spec.presets)), spec.description)
+    console.print(table)
+    console.print("`paperline params PIPELINE` lists a pipeline's parameters; `paperline run PIPELINE` runs it.",
+                  highlight=False, markup=False)
 
 
 def _print_parameters(spec: Any, preset: str) -> None:
@@ -536,15 +567,18 @@ def _print_parameters(spec: Any, preset: str) -> None:
     tables (``params``, and ``run PIPELINE --help``)."""
     import importlib
 
+    from rich.text import Text
+
     from paperline.flows.pipelines import build_parameters
 
     values = build_parameters(spec, preset, []).model_dump()
     table = Table("parameter", "type", f"--preset {preset}", "description",
                   title=f"{spec.name}: parameters (presets: {', '.join(sorted(spec.presets))})")
     for name, field in spec.parameters.model_fields.items():
-        ann = field.annotation
-        kind = ann.__name__ if isinstance(ann, type) else re.sub(r"[\w.]+\.(\w+)", r"\1", str(ann))
-        table.add_row(name, kind, json.dumps(values.get(name), default=str), field.description or "")
+        # as text, not rich markup: "list[str]" showed as "list" ("[str]" read as a style tag), and a
+        # value or description with brackets lost them too
+        table.add_row(name, Text(_shown_type(field.annotation)), Text(json.dumps(values.get(name), default=str)),
+                      Text(field.description or ""))
     console.print(table)
     extra = getattr(importlib.import_module(spec.flow.__module__), "options_table", None)
     if extra is not None:
@@ -553,6 +587,25 @@ def _print_parameters(spec: Any, preset: str) -> None:
         for row in rows:
             more.add_row(*row)
         console.print(more)
+
+
+def _shown_type(annotation: Any) -> str:
+    """A parameter's type as `params` shows it: ``list[int] | None``, ``Literal['N', 'T']``; a
+    constrained item type (``list[Annotated[int, Field(ge=1)]]``, a package's pipeline) as its
+    type alone (``list[int]``), not pydantic's FieldInfo text."""
+    import typing
+
+    def annotated(a: Any) -> bool:
+        return typing.get_origin(a) is typing.Annotated or any(annotated(x) for x in typing.get_args(a))
+
+    if typing.get_origin(annotation) is typing.Annotated:
+        return _shown_type(typing.get_args(annotation)[0])
+    if annotated(annotation):
+        origin, args = typing.get_origin(annotation), typing.get_args(annotation)
+        if origin in (typing.Union, types.UnionType):
+            return " | ".join("None" if a is type(None) else _shown_type(a) for a in args)
+        return f"{getattr(origin, '__name__', origin)}[{', '.join(_shown_type(a) for a in args)}]"
+    return annotation.__name__ if isinstance(annotation, type) else re.sub(r"[\w.]+\.(\w+)", r"\1", str(annotation))
 
 
 class _RunCommand(_Command):

@@ -1,10 +1,14 @@
-"""The registry of pipelines the CLI and the deployments can run."""
+"""The registry of pipelines the CLI and the deployments can run: the five built in, and those
+other installed packages add through the ``paperline.pipelines`` entry-point group (README,
+"Your own pipeline")."""
 
 from __future__ import annotations
 
+import functools
 import json
 import types
 import typing
+import warnings
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
@@ -17,7 +21,16 @@ from paperline.kernels.registry import Registry
 
 @dataclass(frozen=True)
 class Pipeline:
-    """A runnable pipeline: its flow, its parameter model and named presets."""
+    """A runnable pipeline: its flow, its parameter model and named presets.
+
+    A package of one's own adds a pipeline by naming an instance of this class in the
+    ``paperline.pipelines`` entry-point group (:data:`ENTRY_POINT_GROUP`; README, "Your own
+    pipeline"): ``paperline run``, ``params``, ``demo``, ``serve`` and ``compare`` then take it by
+    ``name``. What :func:`get_pipeline` checks as it loads one: ``flow`` is a Prefect flow whose
+    function takes the parameters as ``params``; ``parameters`` is a pydantic model;
+    ``presets`` has ``demo`` (what `paperline run` and `paperline demo` run by default) and each
+    preset is valid for the model.
+    """
 
     name: str
     flow: Callable[..., Any]
@@ -43,6 +56,8 @@ class Pipeline:
 
 
 PIPELINES: Registry[Pipeline] = Registry("pipeline")
+
+ENTRY_POINT_GROUP = "paperline.pipelines"  # name = the pipeline's name, value = "module:Pipeline instance"
 
 
 # name -> (module, flow, parameter model, deployment cron (UTC), description, deployment parameters);
@@ -83,16 +98,127 @@ def _register_builtin(name: str) -> None:
 
 
 def get_pipeline(name: str) -> Pipeline:
-    """The pipeline called ``name`` (importing only its module). Raises InputError listing the known ones."""
+    """The pipeline called ``name``, importing only its module (a built-in one's, or the package's
+    that names it in the ``paperline.pipelines`` entry-point group).
+
+    Raises:
+        InputError: ``name`` is no pipeline's (the message lists the known ones).
+        PaperlineError: an installed package's entry point of that name cannot be loaded, or what
+            it names is not a valid :class:`Pipeline` (the message names the entry point, its
+            package and what is wrong).
+    """
     _register_builtin(name)
+    if name not in PIPELINES and (entry_point := _entry_points().get(name)) is not None:
+        PIPELINES.register(name)(_load_entry_point(entry_point))
     if name not in PIPELINES:
         raise InputError("pipeline", name, unknown_name("pipeline", name, pipeline_names()))
     return PIPELINES[name]
 
 
+def builtin_pipeline_names() -> list[str]:
+    """The five built-in pipelines' names, sorted (what ``prefect.yaml`` deploys)."""
+    return sorted(_BUILTIN)
+
+
 def pipeline_names() -> list[str]:
-    """Every pipeline's name (sorted), without importing any of them."""
-    return sorted(set(PIPELINES.names()) | set(_BUILTIN))
+    """Every pipeline's name (sorted): the built-in ones, those registered in this process and
+    those installed packages name in the ``paperline.pipelines`` entry-point group, without
+    importing any of them."""
+    return sorted(set(PIPELINES.names()) | set(_BUILTIN) | set(_entry_points()))
+
+
+@functools.cache
+def _entry_points() -> dict[str, Any]:
+    """The ``paperline.pipelines`` entry points of the installed distributions, by name (read from
+    their metadata, nothing imported). One named like a built-in pipeline is left out with a
+    warning: the built-in one keeps its name (its deployments and MLflow experiment are the
+    stack's), and a package could otherwise replace it unseen."""
+    from importlib.metadata import entry_points  # noqa: PLC0415
+
+    found: dict[str, Any] = {}
+    for entry_point in entry_points(group=ENTRY_POINT_GROUP):
+        where = _package_of(entry_point)
+        if entry_point.name in _BUILTIN:
+            warnings.warn(f"{ENTRY_POINT_GROUP} entry point {entry_point.name!r} = {entry_point.value!r} of "
+                          f"{where} is left out: {entry_point.name} is a built-in pipeline's name; give it "
+                          "another", stacklevel=2)
+        elif entry_point.name in found and found[entry_point.name].value != entry_point.value:
+            # two packages (or two copies of one, at different places on sys.path) claim the name:
+            # the first on sys.path wins, as Python's imports do; said, not silent
+            warnings.warn(f"{ENTRY_POINT_GROUP} entry point {entry_point.name!r} is named by "
+                          f"{_package_of(found[entry_point.name])} ({found[entry_point.name].value!r}) and by "
+                          f"{where} ({entry_point.value!r}): the first is used", stacklevel=2)
+        else:
+            found.setdefault(entry_point.name, entry_point)
+    return found
+
+
+def package_of_pipeline(name: str) -> str:
+    """Where pipeline ``name`` comes from: ``paperline`` (built in), the package whose
+    ``paperline.pipelines`` entry point names it (``mypkg 0.1``), or ``this process`` (registered
+    in :data:`PIPELINES` by code of the caller's)."""
+    if name in _BUILTIN:
+        return "paperline"
+    if (entry_point := _entry_points().get(name)) is not None:
+        return _package_of(entry_point)
+    return "this process"
+
+
+def _package_of(entry_point: Any) -> str:
+    """``mypkg 0.1`` for an entry point (``an unnamed package`` when its metadata has no name)."""
+    dist = getattr(entry_point, "dist", None)
+    if dist is None or not dist.metadata.get("Name"):
+        return "an unnamed package"
+    return f"{dist.metadata['Name']} {dist.version}"
+
+
+def _load_entry_point(entry_point: Any) -> Pipeline:
+    """Import what a ``paperline.pipelines`` entry point names and check that it is a pipeline the
+    CLI and the deployments can run (see :class:`Pipeline`).
+
+    Raises:
+        PaperlineError: naming the entry point, its package and what is wrong.
+    """
+    import inspect  # noqa: PLC0415
+
+    from prefect import Flow  # noqa: PLC0415
+
+    from paperline.infra.errors import PaperlineError  # noqa: PLC0415
+
+    where = f"pipeline {entry_point.name!r} ({ENTRY_POINT_GROUP} entry point {entry_point.value!r} of " \
+            f"{_package_of(entry_point)})"
+    try:
+        pipeline = entry_point.load()
+    except Exception as exc:  # noqa: BLE001 - any import-time failure of a package of someone else's
+        first = (str(exc).splitlines() or [""])[0]
+        raise PaperlineError(f"{where} could not be loaded: {type(exc).__name__}: {first}") from exc
+    if not isinstance(pipeline, Pipeline):
+        raise PaperlineError(f"{where} names a {type(pipeline).__name__}, not a "
+                             "paperline.flows.pipelines.Pipeline")
+    problems = []
+    if pipeline.name != entry_point.name:
+        problems.append(f"its name is {pipeline.name!r}, not the entry point's {entry_point.name!r}")
+    if not isinstance(pipeline.flow, Flow):
+        problems.append(f"its flow is a {type(pipeline.flow).__name__}, not a Prefect flow "
+                        "(paperline.infra.pipeline_flow.pipeline_flow makes one)")
+    elif "params" not in inspect.signature(pipeline.flow.fn).parameters:
+        problems.append(f"its flow {pipeline.flow.name!r} takes no `params` argument (deployments and "
+                        "`paperline run` pass the parameters as params)")
+    if not (isinstance(pipeline.parameters, type) and issubclass(pipeline.parameters, BaseModel)):
+        problems.append(f"its parameters are {pipeline.parameters!r}, not a pydantic model class")
+    elif "demo" not in pipeline.presets:
+        problems.append(f"it has no `demo` preset (presets: {', '.join(pipeline.presets) or 'none'}; "
+                        "`paperline run` and `paperline demo` run demo by default)")
+    else:
+        for preset, values in pipeline.presets.items():
+            try:
+                pipeline.parameters.model_validate(values)
+            except ValidationError as exc:
+                problems.append(f"its preset {preset!r} is not valid for {pipeline.parameters.__name__}: "
+                                f"{exc.errors()[0]['loc']}: {exc.errors()[0]['msg']}")
+    if problems:
+        raise PaperlineError(f"{where}: " + "; ".join(problems))
+    return pipeline
 
 
 def _members(annotation: Any) -> set[Any]:

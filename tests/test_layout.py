@@ -34,23 +34,23 @@ def test_prefect_yaml_entrypoints_are_flows():
         path, _, func = dep["entrypoint"].partition(":")
         flow = load_flow_from_entrypoint(f"{ROOT / path}:{func}")
         names.add(flow.name)
-    from paperline.flows.pipelines import pipeline_names
+    from paperline.flows.pipelines import builtin_pipeline_names
 
-    assert names == set(pipeline_names())
+    assert names == set(builtin_pipeline_names())
 
 
 def test_prefect_yaml_schedules_and_parameters_are_serves():
     """`prefect deploy --all` and `paperline serve` deploy the same pipelines on the same UTC
     schedules with the same parameters (they had drifted: video-curation at 01:00 against 02:00,
     serve's without the incoming/ source, nas resuming its finished campaign every week)."""
-    from paperline.flows.pipelines import get_pipeline, pipeline_names
+    from paperline.flows.pipelines import builtin_pipeline_names, get_pipeline
 
     spec = yaml.safe_load((ROOT / "prefect.yaml").read_text())
     by_flow = {}
     for dep in spec["deployments"]:
         path, _, func = dep["entrypoint"].partition(":")
         by_flow[func.replace("_", "-")] = dep
-    assert sorted(by_flow) == pipeline_names()
+    assert sorted(by_flow) == builtin_pipeline_names()
     for name, dep in by_flow.items():
         p = get_pipeline(name)
         assert [(s["cron"], s["timezone"]) for s in dep["schedules"]] == [(p.cron, "UTC")], name

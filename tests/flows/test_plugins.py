@@ -1,0 +1,252 @@
+"""Pipelines that other packages add through the ``paperline.pipelines`` entry-point group (README,
+"Your own pipeline"): the README's example package, written from the README's own text, found by
+its installed metadata, loaded, checked, listed, deployed and run end to end on the session stack;
+and the packages whose entry points are broken, named in one line."""
+
+import re
+import sys
+import tomllib
+import warnings
+from pathlib import Path
+
+import numpy as np
+import pytest
+from typer.testing import CliRunner
+
+README = Path(__file__).resolve().parents[2] / "README.md"
+
+
+def _readme_example() -> tuple[str, str, dict]:
+    """The README's example: the package's ``__init__.py``, its name and its ``pyproject.toml``."""
+    section = README.read_text().split("## Your own pipeline", 1)[1].split("\n## ", 1)[0]
+    toml = re.search(r"```toml\n(.*?)```", section, re.S).group(1)
+    code = re.search(r"```python\n# (\w+)/__init__.py\n(.*?)```", section, re.S)
+    return code.group(2), code.group(1), tomllib.loads(toml)
+
+
+def _install(site: Path, dist: str, version: str, entry_points: dict[str, str],
+             modules: dict[str, str] | None = None) -> None:
+    """An installed distribution as pip leaves one in site-packages: its modules and a
+    ``.dist-info`` whose ``entry_points.txt`` holds the ``paperline.pipelines`` group."""
+    for name, code in (modules or {}).items():
+        (site / name).mkdir(parents=True, exist_ok=True)
+        (site / name / "__init__.py").write_text(code)
+    info = site / f"{dist.replace('-', '_')}-{version}.dist-info"
+    info.mkdir(parents=True)
+    (info / "METADATA").write_text(f"Metadata-Version: 2.1\nName: {dist}\nVersion: {version}\n")
+    (info / "entry_points.txt").write_text(
+        "[paperline.pipelines]\n" + "".join(f"{k} = {v}\n" for k, v in entry_points.items()))
+
+
+def _readme_site(site: Path) -> str:
+    """The README's example installed under ``site``; returns the pipeline's name."""
+    code, package, pyproject = _readme_example()
+    (name, value), = pyproject["project"]["entry-points"]["paperline.pipelines"].items()
+    _install(site, pyproject["project"]["name"], pyproject["project"]["version"], {name: value}, {package: code})
+    return name
+
+
+@pytest.fixture
+def site(tmp_path, monkeypatch):
+    """A directory on ``sys.path`` for installed test distributions; what they registered and
+    imported is forgotten afterwards."""
+    from paperline.flows import pipelines
+
+    path = tmp_path / "site"
+    path.mkdir()
+    monkeypatch.syspath_prepend(str(path))
+    pipelines._entry_points.cache_clear()
+    before = set(pipelines.PIPELINES.names())
+    modules = set(sys.modules)
+    yield path
+    for name in set(pipelines.PIPELINES.names()) - before:
+        del pipelines.PIPELINES._items[name]
+    for name in set(sys.modules) - modules:
+        if getattr(sys.modules[name], "__file__", "") and str(path) in sys.modules[name].__file__:
+            del sys.modules[name]
+    pipelines._entry_points.cache_clear()
+
+
+def test_the_readme_example_is_found_loaded_and_checked_as_the_cli_takes_it(site):
+    from paperline.flows.pipelines import (build_parameters, builtin_pipeline_names, get_pipeline,
+                                           package_of_pipeline, pipeline_names)
+    from paperline.infra.errors import InputError
+
+    name = _readme_site(site)
+    assert name in pipeline_names() and name not in builtin_pipeline_names()
+    assert "paperline_rsvd" not in sys.modules  # listed from metadata alone
+    assert package_of_pipeline(name) == "paperline-rsvd 0.1" and package_of_pipeline("gemm") == "paperline"
+    spec = get_pipeline(name)
+    assert spec.name == name and spec.flow.name == name and spec.cron == "0 6 * * *"
+    params = build_parameters(spec, "demo", ["ranks=2,3", "dataset=flights", "mode=1"])
+    assert params.ranks == [2, 3] and params.dataset == "flights" and params.mode == 1
+    params.validate_inputs()
+    with pytest.raises(InputError, match=r"ranks=\[200\]: at most 105, the unfolding's smaller side"):
+        build_parameters(spec, "demo", ["ranks=200", "dataset=flights", "mode=1"]).validate_inputs()
+    with pytest.raises(InputError, match=r"ranks\[0\]=0: .*greater than or equal to 1"):
+        build_parameters(spec, "demo", ["ranks=0"])
+    # a deployment's run of it gets the same one-line refusal as the built-in pipelines' runs
+    with pytest.raises(InputError, match="power_iterations=-1"):
+        spec.flow.validate_parameters({"params": {"power_iterations": -1}})
+
+
+def test_the_readme_examples_kernel_reaches_the_optimal_error(site):
+    """HMT's randomized subspace iteration with q = 2 on a matrix with a decaying spectrum is within
+    a hair of the Eckart-Young optimum; without power iterations it is measurably worse."""
+    _readme_site(site)
+    from paperline_rsvd import rsvd_errors
+
+    rng = np.random.default_rng(1)
+    u, _ = np.linalg.qr(rng.normal(size=(60, 60)))
+    v, _ = np.linalg.qr(rng.normal(size=(90, 60)))
+    matrix = (u * 0.7 ** np.arange(60)) @ v.T
+    sigma = 0.7 ** np.arange(60)
+    for rank in (1, 5, 10):
+        optimal = np.sqrt(np.sum(sigma[rank:] ** 2)) / np.sqrt(np.sum(sigma ** 2))
+        errors = rsvd_errors.fn(matrix, rank, 2, 5, 0)
+        assert errors["optimal_error"] == pytest.approx(optimal, rel=1e-9)
+        assert optimal <= errors["rsvd_error"] <= optimal * 1.01
+        assert rsvd_errors.fn(matrix, rank, 0, 0, 0)["rsvd_error"] > optimal * 1.05
+
+
+def test_a_package_pipeline_is_deployed_by_serve_on_its_schedule(site):
+    from prefect.deployments.runner import RunnerDeployment
+
+    from paperline.deployments import local_deployments
+
+    name = _readme_site(site)
+    deployment, = [d for d in local_deployments("paperline-data", set()) if d.flow_name == name]
+    assert isinstance(deployment, RunnerDeployment) and deployment.name == "local"
+    assert deployment.entrypoint == "paperline_rsvd.rsvd" and deployment.tags == ["paperline", name]
+    assert deployment.schedules[0].schedule.cron == "0 6 * * *"
+
+
+BAD_MODULE = '''
+from pydantic import BaseModel
+from paperline.flows.pipelines import Pipeline
+from paperline.infra.pipeline_flow import pipeline_flow
+
+
+class P(BaseModel):
+    x: int = 1
+
+
+@pipeline_flow(name="noparams")
+def no_params(config: P | None = None) -> dict:
+    return {}
+
+
+@pipeline_flow(name="fine")
+def fine(params: P | None = None) -> dict:
+    return {}
+
+
+NOT_A_PIPELINE = {"name": "plain"}
+MISNAMED = Pipeline("other", fine, P, presets={"demo": {}})
+NO_PARAMS = Pipeline("noparams", no_params, P, presets={"default": {}, "full": {"x": "many"}})
+BAD_PRESET = Pipeline("badpreset", fine, P, presets={"demo": {}, "full": {"x": "many"}})
+NOT_A_FLOW = Pipeline("notaflow", print, dict, presets={"demo": {}})
+'''
+
+
+def test_broken_entry_points_are_named_with_their_package_and_what_is_wrong(site):
+    from paperline.flows.pipelines import get_pipeline, pipeline_names
+    from paperline.infra.errors import PaperlineError
+
+    entry_points = {"missing": "no_such_module:PIPELINE", "plain": "bad_pipelines:NOT_A_PIPELINE",
+                    "misnamed": "bad_pipelines:MISNAMED", "noparams": "bad_pipelines:NO_PARAMS",
+                    "badpreset": "bad_pipelines:BAD_PRESET", "notaflow": "bad_pipelines:NOT_A_FLOW"}
+    _install(site, "broken-pipelines", "2.0", entry_points, {"bad_pipelines": BAD_MODULE})
+    assert set(entry_points) <= set(pipeline_names())
+    where = "(paperline.pipelines entry point {!r} of broken-pipelines 2.0)"
+    cases = {
+        "missing": "could not be loaded: ModuleNotFoundError: No module named 'no_such_module'",
+        "plain": "names a dict, not a paperline.flows.pipelines.Pipeline",
+        "misnamed": "its name is 'other', not the entry point's 'misnamed'",
+        "noparams": "its flow 'noparams' takes no `params` argument (deployments and `paperline run` pass the "
+                    "parameters as params); it has no `demo` preset (presets: default, full;",
+        "badpreset": "its preset 'full' is not valid for P: ('x',): Input should be a valid integer",
+        "notaflow": "its flow is a builtin_function_or_method, not a Prefect flow",
+    }
+    for name, problem in cases.items():
+        with pytest.raises(PaperlineError) as exc:
+            get_pipeline(name)
+        assert f"pipeline {name!r} {where.format(entry_points[name])}" in str(exc.value), str(exc.value)
+        assert problem in str(exc.value), str(exc.value)
+    with pytest.raises(PaperlineError, match="not a pydantic model class"):
+        get_pipeline("notaflow")
+
+
+def test_a_package_cannot_take_a_built_in_pipelines_name(site):
+    """A package's ``gemm`` would replace the stack's GEMM pipeline unseen (its deployments, its
+    MLflow experiment): it is left out, saying so."""
+    from paperline.flows import pipelines
+
+    _install(site, "impostor", "1.0", {"gemm": "impostor:PIPELINE"}, {"impostor": "raise RuntimeError('imported')"})
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        names = pipelines.pipeline_names()
+    assert names.count("gemm") == 1
+    assert any("entry point 'gemm' = 'impostor:PIPELINE' of impostor 1.0 is left out: gemm is a built-in "
+               "pipeline's name" in str(w.message) for w in caught), [str(w.message) for w in caught]
+    assert pipelines.get_pipeline("gemm").flow.fn.__module__ == "paperline.flows.gemm"
+    assert pipelines.package_of_pipeline("gemm") == "paperline"
+
+
+def test_params_lists_every_pipeline_and_a_broken_one_as_a_row_and_run_refuses_it_in_one_line(site, tmp_path):
+    from paperline.flows.cli import app
+    from paperline.infra.settings import get_settings
+
+    name = _readme_site(site)
+    _install(site, "broken-pipelines", "2.0", {"missing": "no_such_module:PIPELINE"})
+    env = {"PAPERLINE_STATE_DIR": str(tmp_path / "state"), "COLUMNS": "250"}
+    get_settings.cache_clear()
+    try:
+        listed = CliRunner().invoke(app, ["params"], env=env)
+        run = CliRunner().invoke(app, ["run", "missing"], env=env)
+        preset_alone = CliRunner().invoke(app, ["params", "--preset", "full"], env=env)
+    finally:
+        get_settings.cache_clear()
+    assert listed.exit_code == 0, listed.output
+    rows = {line.split("│")[1].strip(): line for line in listed.output.splitlines() if line.count("│") > 3}
+    assert {"gemm", "nas", "video-curation", "compressed-training", "tensor-factorization", name, "missing"} <= set(rows)
+    assert "paperline-rsvd 0.1" in rows[name] and "0 6 * * *" in rows[name] and "default, demo" in rows[name]
+    assert "paperline " in rows["gemm"] and "30 3 * * *" in rows["gemm"]
+    assert "broken-pipelines 2.0" in rows["missing"] and "cannot be loaded" in rows["missing"]
+    assert run.exit_code == 1 and "Traceback" not in run.output
+    text = " ".join(run.output.split())
+    assert ("error: pipeline 'missing' (paperline.pipelines entry point 'no_such_module:PIPELINE' of broken-pipelines "
+            "2.0) could not be loaded: ModuleNotFoundError: No module named 'no_such_module'") in text
+    assert preset_alone.exit_code != 0 and "--preset='full': name a pipeline too" in " ".join(preset_alone.output.split())
+    assert not (tmp_path / "state").exists()  # nothing started
+
+
+def test_the_readme_example_runs_on_the_stack_tracked_in_mlflow(stack, cli_env, run_cli, tmp_path):
+    """`paperline run rsvd` of an installed package (here: on PYTHONPATH, as the Dask workers get
+    it too) runs on the stack's cluster, prints its table and URLs, and its MLflow run in the
+    ``rsvd`` experiment holds each rank's errors at its step and the artifact in S3."""
+    import json
+
+    from mlflow.tracking import MlflowClient
+
+    _, info = stack
+    site = tmp_path / "site"
+    name = _readme_site(site)
+    env = {**cli_env, "PYTHONPATH": str(site)}
+    out = tmp_path / "summary.json"
+    result = run_cli(env, "run", name, "--set", "ranks=1,3", "--summary-json", str(out), check=True)
+    assert "rsvd: produc mode-0 unfolding (48, 136)" in result.stdout and "randomized SVD error" in result.stdout
+    summary = json.loads(out.read_text())
+    assert summary["parameters"]["ranks"] == [1, 3]
+    assert [row[0] for row in summary["table"]["rows"]] == [1, 3]
+    for k in (1, 3):  # q = 2 power iterations on this 48 x 136 matrix: the optimum, to the printed digits
+        assert summary["metrics"][f"rank_{k}.rsvd_error"] == pytest.approx(summary["metrics"][f"rank_{k}.optimal_error"],
+                                                                            rel=1e-3)
+    client = MlflowClient(info.mlflow_tracking_uri)
+    run = client.get_run(summary["mlflow_run_id"])
+    assert run.info.status == "FINISHED" and run.data.tags["prefect.flow_run_id"] == summary["prefect_flow_run_id"]
+    assert client.get_experiment(run.info.experiment_id).name == name
+    history = client.get_metric_history(run.info.run_id, "rsvd_error")
+    assert sorted(m.step for m in history) == [1, 3]
+    assert [a.path for a in client.list_artifacts(run.info.run_id)] == ["errors.json"]
+    assert run.info.artifact_uri.startswith("mlflow-artifacts:") or run.info.artifact_uri.startswith("s3://")
