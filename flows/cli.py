@@ -1070,6 +1070,17 @@ def _run_one(spec, params, summary_json: Path | None, early=None) -> dict[str, A
     return summary
 
 
+def _as_summary(name: str, summary: Any) -> dict[str, Any]:
+    """``summary`` as the dict the CLI prints: a package's flow (README, "Your own pipeline") may
+    return anything, and a None or a number failed the finished run's report with a TypeError."""
+    if isinstance(summary, dict):
+        return summary
+    shown = repr(summary)
+    return {"result": summary, "lines": [f"{name}'s flow returned {shown[:200]}{'...' if len(shown) > 200 else ''}"
+                                         ", not a summary dict (its table, lines and URLs: README, \"Your own "
+                                         "pipeline\")"]}
+
+
 def _finished_when_interrupted(spec: Any, params: Any, summary: Any, summary_json: Path | None) -> None:
     """A Ctrl-C that came once the run's work was done and tracked (as Prefect ended its flow run,
     or as its results were gathered): its results printed, and that said. It said "interrupted
@@ -1269,6 +1280,7 @@ def _keeping_result(fn: Callable[..., Any], done: dict[str, Any]) -> Callable[..
 
 def _report(spec: Any, params: Any, summary: dict[str, Any], summary_json: Path | None) -> None:
     """Print a run's summary and write ``--summary-json``."""
+    summary = _as_summary(spec.name, summary)
     _print_summary(spec.name, summary)
     _state["reported"] = True  # (after: a Ctrl-C while printing did not leave "the results above")
     if summary_json is not None:
@@ -1390,8 +1402,11 @@ def _print_tail(summary: dict[str, Any]) -> None:
     for line in summary.get("lines", []):
         style = "bold red" if "REGRESSION" in line else None
         console.print(line, soft_wrap=True, highlight=False, markup=False, style=style)
-    console.print(f"Prefect flow run: {summary['prefect_flow_run_url']}", soft_wrap=True)
-    console.print(f"MLflow run:       {summary['mlflow_run_url']}", soft_wrap=True)
+    # (a package's pipeline may leave either out: README, "Your own pipeline")
+    if summary.get("prefect_flow_run_url"):
+        console.print(f"Prefect flow run: {summary['prefect_flow_run_url']}", soft_wrap=True)
+    if summary.get("mlflow_run_url"):
+        console.print(f"MLflow run:       {summary['mlflow_run_url']}", soft_wrap=True)
 
 
 @app.command(cls=_Command)

@@ -250,3 +250,21 @@ def test_the_readme_example_runs_on_the_stack_tracked_in_mlflow(stack, cli_env, 
     assert sorted(m.step for m in history) == [1, 3]
     assert [a.path for a in client.list_artifacts(run.info.run_id)] == ["errors.json"]
     assert run.info.artifact_uri.startswith("mlflow-artifacts:") or run.info.artifact_uri.startswith("s3://")
+
+
+def test_a_flow_that_returns_no_summary_dict_is_reported_as_what_it_returned(tmp_path, capsys):
+    """A package's flow returning None (or no URLs) failed its finished run's report with a
+    TypeError/KeyError: what it returned is said, the URLs it gives are printed."""
+    import json
+    from types import SimpleNamespace
+
+    from paperline.flows import cli
+
+    spec = SimpleNamespace(name="mine")
+    out = tmp_path / "s.json"
+    cli._report(spec, {"x": 1}, None, out)
+    cli._report(spec, {"x": 1}, {"mlflow_run_url": "http://127.0.0.1:5000/#/runs/abc"}, None)
+    text = " ".join(capsys.readouterr().out.split())
+    assert "mine's flow returned None, not a summary dict" in text
+    assert "MLflow run: http://127.0.0.1:5000/#/runs/abc" in text and "Prefect flow run:" not in text
+    assert json.loads(out.read_text())["result"] is None
