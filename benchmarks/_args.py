@@ -152,3 +152,9 @@ def interruptible(main: Callable[[], Any]) -> int:
 def verdict(ok: bool) -> str:
     """A target's word: ``met`` or ``missed``."""
     return "met" if ok else "missed"
+
+
+def as_printed(value: float, spec: str) -> float:
+    """``value`` as ``format(value, spec)`` prints it: each benchmark judges a target on the number
+    its line shows (0.8496 printed "0.850" was judged missed against 0.85: a review)."""
+    return float(format(value, spec))

@@ -43,7 +43,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from _args import interruptible, one_line_errors, output_file, positive, require_cuda, verdict
+from _args import as_printed, interruptible, one_line_errors, output_file, positive, require_cuda, verdict
 
 HERE = Path(__file__).resolve()
 
@@ -288,11 +288,12 @@ def target_lines(rows: list[dict]) -> list[str]:
     codec = (fft["compress_s"] + fft["decompress_s"]) / fft["step_s"] if fft["step_s"] else None
     unmeasured = "not measured (no step timed)"  # (it printed "inf x: met": a review)
     lines = [f"at least {FEWER_BYTES_TARGET:g}x fewer bytes per step than none: " +
-             (unmeasured if fewer is None else f"{fewer:.1f}x: {verdict(fewer >= FEWER_BYTES_TARGET)}"),
+             (unmeasured if fewer is None else f"{fewer:.1f}x: {verdict(as_printed(fewer, '.1f') >= FEWER_BYTES_TARGET)}"),
              f"final test accuracy within {ACCURACY_TARGET_POINTS:g} point of none: {points:+.1f} points: "
-             f"{verdict(points >= -ACCURACY_TARGET_POINTS)}",
+             f"{verdict(as_printed(points, '+.1f') >= -ACCURACY_TARGET_POINTS)}",
              f"compress + decompress at most {100 * CODEC_SHARE_TARGET:g}% of the step: " +
-             (unmeasured if codec is None else f"{100 * codec:.1f}%: {verdict(codec <= CODEC_SHARE_TARGET)}")]
+             (unmeasured if codec is None else
+              f"{100 * codec:.1f}%: {verdict(as_printed(100 * codec, '.1f') <= 100 * CODEC_SHARE_TARGET)}")]
     equal = next((row for name, row in last.items() if name.startswith("fft@powersgd-bytes")), None)
     if equal is not None and "powersgd" in last:
         lines.append(f"fft against powersgd at equal bytes (a comparison, no target): "

@@ -46,7 +46,7 @@ import time
 from collections.abc import Callable
 
 import numpy as np
-from _args import at_least, interruptible, one_line_errors, positive, require_cuda, verdict  # benchmarks/_args.py: the scripts' shared argument types
+from _args import as_printed, at_least, interruptible, one_line_errors, positive, require_cuda, verdict  # benchmarks/_args.py: the scripts' shared argument types
 
 
 def best_of(repeats: int, fn) -> float:
@@ -351,11 +351,12 @@ def target_lines(rows: list[tuple], out_of_core: float) -> list[str]:
     out-of-core time."""
     at = [(dtype, t_np / t_pl) for n, dtype, _, _, t_np, t_pl, *_ in rows if n == NUMPY_TARGET_N]
     if at:
-        worst = min(r for _, r in at)
+        worst = as_printed(min(r for _, r in at), ".3f")
         numpy = (f"{', '.join(f'{r:.3f} ({dtype})' for dtype, r in at)}: {verdict(worst >= NUMPY_TARGET)}")
     else:
         numpy = f"not measured (--sizes without {NUMPY_TARGET_N})"
-    dask = min(t_da / t_pl for *_, t_pl, t_da, _, _ in rows)
+    dask = as_printed(min(t_da / t_pl for *_, t_pl, t_da, _, _ in rows), ".3f")
+    out_of_core = as_printed(out_of_core, ".3f")
     return [f"paperline / numpy.matmul >= {NUMPY_TARGET} at n = {NUMPY_TARGET_N}: {numpy}",
             f"paperline / dask.array >= {DASK_TARGET} (every row): lowest {dask:.3f}: {verdict(dask >= DASK_TARGET)}",
             f"out of core / in core >= {OUT_OF_CORE_TARGET}: {out_of_core:.3f}: "
@@ -370,7 +371,7 @@ def gpu_target_lines(rows: list[tuple], gpus: int) -> list[str]:
     t_paperline, error)``."""
     largest = max(n for n, *_ in rows)
     at = [(dtype, t_dev / t_pl) for n, dtype, _, _, t_dev, _, t_pl, _ in rows if n == largest]
-    worst = round(min(r for _, r in at), 3)  # judged as printed (0.8496 read "0.850: missed": a review)
+    worst = as_printed(min(r for _, r in at), ".3f")
     return [f"paperline / cupy.matmul (device-resident) >= {CUPY_TARGET} at the largest size, n = {largest}: "
             f"{', '.join(f'{r:.3f} ({dtype})' for dtype, r in at)}: {verdict(worst >= CUPY_TARGET)}",
             f"scaling over GPUs: not measured here ({gpus} GPU(s) visible; the dask-cuda line above runs one worker "

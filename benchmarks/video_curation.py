@@ -38,7 +38,7 @@ from functools import partial
 from pathlib import Path
 from typing import Any
 
-from _args import interruptible, output_file, verdict  # benchmarks/_args.py
+from _args import as_printed, interruptible, output_file, verdict  # benchmarks/_args.py
 
 
 def bare_transcode_pyav(path: Path, height: int, crf: int, preset: str) -> int:
@@ -220,7 +220,7 @@ def main(argv: list[str] | None = None) -> int:
     content = next((r for r in rows if r["name"] == "pipeline/content"), None)
     if content is not None:  # (the ratios were printed without it: a trial)
         print(f"target: the pipeline with the content detector at most {COST_TARGET}x a bare transcode: "
-              f"{content['cost_vs_bare']:.3f}x: {verdict(content['cost_vs_bare'] <= COST_TARGET)} "
+              f"{content['cost_vs_bare']:.3f}x: {verdict(as_printed(content['cost_vs_bare'], '.3f') <= COST_TARGET)} "
               "(a run's ratio moves by about 0.1 with the host)", flush=True)
     if args.json:
         args.json.write_text(json.dumps({"video_s": video_s, "rows": rows}, indent=1))

@@ -138,6 +138,9 @@ def test_compressed_training_benchmark_says_which_targets_fft_meets(monkeypatch)
         {"test_accuracy_pct": 93.0, "bytes_sent_per_step": 0, "compress_s": 0, "decompress_s": 0, "step_s": 0}]}}])
     # (it said "inf x: met": a review)
     assert unmeasured[0].endswith(": not measured (no step timed)") and unmeasured[2].endswith("not measured (no step timed)")
+    # judged as printed: 9.96x fewer bytes reads "10.0x", -1.04 points "-1.0", a 10.04% codec share "10.0%"
+    edge = bench.target_lines([row("none", 93.6, 9960, 0.01), row("fft", 92.56, 1000, 0.0502)])
+    assert [line.rsplit(": ", 2)[-2:] for line in edge] == [["10.0x", "met"], ["-1.0 points", "met"], ["10.0%", "met"]]
 
 
 def test_gemm_benchmark_says_which_targets_its_ratios_meet(monkeypatch):
@@ -154,6 +157,10 @@ def test_gemm_benchmark_says_which_targets_its_ratios_meet(monkeypatch):
     lines = gemm.target_lines(rows[:1], 0.5)
     assert lines[0].endswith("not measured (--sizes without 8192)") and lines[1].endswith("lowest 2.000: met")
     assert lines[2].endswith("0.500: missed")
+    # judged as printed (the GPU line already was): 0.9496 reads "0.950", 1.1496 "1.150", 0.6996 "0.700"
+    edge = [(8192, "float32", 2048, 0, 9.496, 10.0, 11.496, 10.0, 0)]
+    assert [line.rsplit(": ", 1)[1] for line in gemm.target_lines(edge, 0.6996)] == ["met", "met", "met"]
+    assert gemm.target_lines(edge, 0.6996)[0].endswith(": 0.950 (float32): met")
 
 
 def test_gemm_benchmark_says_whether_its_gpu_ratios_meet_the_target(monkeypatch):
