@@ -112,3 +112,17 @@ def test_flow_and_dask_workers_share_the_scratch_volume():
         assert any(v.startswith("scratch:") for v in SERVICES[name]["volumes"]), name
     # prefect-worker-gpu inherits the volume through `extends`
     assert SERVICES["prefect-worker"]["environment"]["PAPERLINE_STATE_DIR"].startswith("/scratch")
+
+
+def test_every_image_runs_as_one_uid_that_owns_the_shared_scratch_volume():
+    """The Prefect workers' state directory lies in the scratch volume the Dask workers share, and
+    paperline refuses a state directory another user owns: the GPU images (the CUDA base has
+    ``ubuntu`` at uid 1000) made ``paperline`` 1001 against the CPU images' 1000, and the volume
+    was root's."""
+    dockerfile = (INFRA / "Dockerfile").read_text()
+    assert re.search(r"useradd --create-home --uid (\d+) ", dockerfile).group(1) != "1000"
+    assert "chown paperline:paperline /scratch" in dockerfile and dockerfile.rstrip().endswith("USER paperline")
+    for name, svc in SERVICES.items():
+        if "scratch:/scratch" in svc.get("volumes", []) or name == "prefect-worker-gpu":
+            assert svc.get("build", SERVICES["prefect-worker"]["build"])["dockerfile"] == "infra/Dockerfile", name
+            assert "user" not in svc, name
