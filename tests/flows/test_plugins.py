@@ -268,3 +268,28 @@ def test_a_flow_that_returns_no_summary_dict_is_reported_as_what_it_returned(tmp
     assert "mine's flow returned None, not a summary dict" in text
     assert "MLflow run: http://127.0.0.1:5000/#/runs/abc" in text and "Prefect flow run:" not in text
     assert json.loads(out.read_text())["result"] is None
+
+
+def test_demo_names_a_broken_package_pipeline_runs_the_others_and_then_fails(site, tmp_path, monkeypatch):
+    """One package's broken entry point stopped every demo (`make run`): it is named first, left
+    out, and the command fails after the others ran. (What running a demo does is the stack
+    tests'; here each run is recorded.)"""
+    from paperline.flows import cli
+    from paperline.infra.settings import get_settings
+
+    name = _readme_site(site)
+    _install(site, "broken-pipelines", "2.0", {"missing": "no_such_module:PIPELINE"})
+    ran = []
+    monkeypatch.setattr(cli, "_run_one", lambda spec, params, *_: ran.append((spec.name, params)))
+    get_settings.cache_clear()
+    try:
+        result = CliRunner().invoke(cli.app, ["demo"], env={"PAPERLINE_STATE_DIR": str(tmp_path / "state"),
+                                                            "COLUMNS": "250"})
+    finally:
+        get_settings.cache_clear()
+    text = " ".join(result.output.split())
+    assert result.exit_code == 1 and "Traceback" not in result.output
+    assert text.index("error: pipeline 'missing'") < text.index("left out of the demos: missing")
+    assert "the other pipelines' demos run" in text
+    assert [n for n, _ in ran] == ["compressed-training", "gemm", "nas", name, "tensor-factorization", "video-curation"]
+    assert dict(ran)[name].ranks == [1, 2, 4]  # its demo preset
