@@ -1438,6 +1438,109 @@ def demo() -> None:
 
 @app.command(cls=_Command)
 @_friendly
+def trigger(pipeline: Optional[str] = typer.Argument(None, metavar="PIPELINE", help=PIPELINE_HELP),
+            preset: Optional[list[str]] = typer.Option(None, "--preset", metavar="NAME",
+                                                       help="Start from this preset's values (default: the "
+                                                            "deployment's own parameters)."),
+            set_: Optional[list[str]] = typer.Option(None, "--set", metavar="KEY=VALUE",
+                                                     help="Override a parameter: key=value (repeatable), as `run` takes it."),
+            deployment: Optional[str] = typer.Option(None, "--deployment", metavar="NAME",
+                                                     help="`local` (what `paperline serve` serves) or the work-pool "
+                                                          "deployment's name (`prefect deploy --all`: the flow's "
+                                                          "name); default: local where it exists, else the work-pool one."),
+            watch: bool = typer.Option(False, "--watch", help="Wait for the run to end and print its summary; exit 1 "
+                                                              "unless it Completed.")) -> None:
+    """Trigger a run of a pipeline's deployment, as the Prefect UI's Run button does: it executes
+    where the deployment is served (`paperline serve`) or in a `paperline worker`. --set and
+    --preset are checked as `run` checks them, before the run is created."""
+    from prefect.client.orchestration import get_client
+    from prefect.exceptions import ObjectNotFound
+
+    from paperline.flows.pipelines import get_pipeline, override_values, validated_parameters
+    from paperline.infra.errors import InputError, redact_url
+    from paperline.kernels.errors import unknown_name
+
+    spec = get_pipeline(_named(pipeline, "trigger"))
+    chosen = _one_preset(preset) if preset else None
+    if chosen is not None and chosen not in spec.presets:
+        raise InputError("--preset", chosen, unknown_name("preset", chosen, sorted(spec.presets)))
+    override_values(spec, {}, set_ or [])  # a malformed or unknown --set, before the stack is checked
+    _quiet_logs()
+    info = _ensure_stack()
+    flow = spec.flow.name
+    candidates = [deployment] if deployment else ["local", flow]
+    with get_client(sync_client=True) as client:
+        found = None
+        for name in candidates:
+            try:
+                found = client.read_deployment_by_name(f"{flow}/{name}")
+                break
+            except ObjectNotFound:
+                continue
+        if found is None:
+            raise InputError("--deployment" if deployment else "pipeline", deployment or spec.name,
+                             f"no deployment {' or '.join(f'{flow}/{n}' for n in candidates)} on the Prefect server "
+                             f"at {redact_url(info.prefect_api_url)}: `paperline serve` serves {flow}/local, "
+                             f"`prefect deploy --all` makes {flow}/{flow} for `paperline worker`")
+        base = spec.presets[chosen] if chosen is not None else (found.parameters or {}).get("params") or {}
+        values, given = override_values(spec, base, set_ or [])
+        validated_parameters(spec, values, given)  # what the run's flow would refuse as it starts
+        run = client.create_flow_run_from_deployment(found.id, parameters={"params": values})
+        _say(f"triggered {flow}/{found.name}: flow run '{run.name}' {info.flow_run_url(run.id)}")
+        if found.paused:  # (its runs wait in Scheduled, nothing said)
+            err_console.print(f"warning: {flow}/{found.name} is paused (its `paperline serve` stopped, or it was paused "
+                              "in the Prefect UI): the run waits until it is served again", style="yellow",
+                              soft_wrap=True, highlight=False, markup=False)
+        if watch:
+            _watch_triggered(client, spec, run)
+
+
+TRIGGER_POLL_S = 1.0  # how often `trigger --watch` reads its run's state
+
+
+def _watch_triggered(client: Any, spec: Any, run: Any) -> None:
+    """Follow a triggered run to its end: each state it enters, then the summary its flow logged
+    (``infra/pipeline_flow.log_summary``). A Ctrl-C stops watching, not the run.
+
+    Raises:
+        PaperlineError: the run ended in a state other than Completed (its message named).
+    """
+    import time
+
+    from prefect.client.schemas.filters import LogFilter, LogFilterFlowRunId
+
+    from paperline.infra.errors import redact_text
+
+    seen = None
+    try:
+        while True:
+            state = client.read_flow_run(run.id).state
+            if state is not None and state.name != seen:
+                seen = state.name
+                _say(f"{run.name}: {seen}")
+            if state is not None and state.is_final():
+                break
+            time.sleep(TRIGGER_POLL_S)
+    except KeyboardInterrupt:
+        _say_interrupted(f"interrupted: stopped watching; flow run '{run.name}' goes on (the Prefect UI shows it)")
+        raise
+    name = spec.flow.fn.__name__.replace("_", "-")
+    deadline = time.monotonic() + 10  # logs are sent in batches: the last ones may follow the final state
+    while True:
+        logs = client.read_logs(LogFilter(flow_run_id=LogFilterFlowRunId(any_=[run.id])))
+        summary = [entry.message for entry in logs if entry.message.startswith(f"{name} summary:")]
+        if summary or not state.is_completed() or time.monotonic() > deadline:
+            break
+        time.sleep(0.5)
+    for text in summary[-1:]:
+        console.print(text.partition("\n")[2], soft_wrap=True, highlight=False, markup=False)
+    if not state.is_completed():
+        raise PaperlineError(f"flow run '{run.name}' ended {state.name}: "
+                             f"{redact_text(state.message or 'no message')}")
+
+
+@app.command(cls=_Command)
+@_friendly
 def serve() -> None:
     """Serve every pipeline as a deployment from this process (no work pool needed): runs
     triggered from the Prefect UI's "Run" button, the API or a schedule execute here, each in

@@ -285,7 +285,23 @@ def build_parameters(pipeline: Pipeline, preset: str, overrides: list[str]) -> B
     """
     if preset not in pipeline.presets:
         raise InputError("--preset", preset, unknown_name("preset", preset, sorted(pipeline.presets)))
-    values = dict(pipeline.presets[preset])
+    values, given = override_values(pipeline, pipeline.presets[preset], overrides)
+    return validated_parameters(pipeline, values, given)
+
+
+def override_values(pipeline: Pipeline, base: dict[str, Any], overrides: list[str]) -> tuple[dict[str, Any], dict[str, str]]:
+    """``base`` (a preset's values, or a deployment's parameters) with the ``key=value`` overrides
+    parsed as :func:`build_parameters` describes, not yet validated as a whole.
+
+    Returns:
+        ``(values, given)``: the values (JSON-able: what a deployment's run is sent) and each
+        override's key with its text as typed.
+
+    Raises:
+        InputError: malformed override, unknown parameter, a key given twice, bad JSON, a boolean
+            for a number.
+    """
+    values = dict(base)
     fields = pipeline.parameters.model_fields
     given: dict[str, str] = {}
     for item in overrides:
@@ -312,6 +328,15 @@ def build_parameters(pipeline: Pipeline, preset: str, overrides: list[str]) -> B
         if _is_list(annotation) and isinstance(value, (str, int, float)) and not isinstance(value, bool):
             value = [v.strip() if _text(annotation) else _scalar(v.strip()) for v in str(value).split(",") if v.strip()]
         values[key] = value
+    return values, given
+
+
+def validated_parameters(pipeline: Pipeline, values: dict[str, Any], given: dict[str, str]) -> BaseModel:
+    """``values`` as the pipeline's parameter model, the overrides ``given`` counting as set.
+
+    Raises:
+        InputError: naming the field and its value as typed (``--set m=null`` said ``m=None``).
+    """
     try:
         model = pipeline.parameters.model_validate(values)
     except ValidationError as exc:  # e.g. live.budget, compressors[1] (live.optimizer's checks say it so: a trial)

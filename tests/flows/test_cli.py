@@ -1751,3 +1751,16 @@ def test_the_runs_an_outage_lost_are_those_not_executing(monkeypatch):
                         lambda ids, uri, **kw: (calls.update(mlflow=(ids, uri, kw["waits_s"])), ended.set()))
     cli._crash_runs_lost_in_outage({"running": 11, "ended": 12}, ["gemm/local"], began, "http://127.0.0.1:1")
     assert ended.wait(30) and calls["mlflow"] == (["ended"], "http://127.0.0.1:1", (0.0, 30.0, 60.0))
+
+
+def test_trigger_refuses_bad_parameters_before_anything_starts(tmp_path):
+    """`paperline trigger` checks --set and --preset as `run` does, before the stack (and so before
+    a flow run exists)."""
+    env = {"PAPERLINE_STATE_DIR": str(tmp_path / "state")}
+    for args, fragments in ((["trigger", "gemm", "--set", "nope=1"], ["--set='nope': unknown parameter"]),
+                            (["trigger", "gemm", "--set", "m"], ["--set='m': expected key=value"]),
+                            (["trigger", "nas", "--preset", "x"], ["--preset='x': unknown preset"]),
+                            (["trigger"], ["name a pipeline: paperline trigger PIPELINE, one of"]),
+                            (["trigger", "gemmm"], ["pipeline='gemmm'", "did you mean gemm?"])):
+        assert_one_line_error(run_cli(*args, env=env), *fragments)
+    assert not (tmp_path / "state").exists()

@@ -105,6 +105,32 @@ def test_the_readme_command_line_triggers_a_run(served, cli_env, wait_for_flow_r
     assert state.name == "Completed", (state, log.read_text()[-3000:])
 
 
+def test_trigger_runs_a_deployment_with_run_s_checks_and_watches_it_to_its_summary(served, cli_env, run_cli):
+    """`paperline trigger PIPELINE --set ...`: the Run button's call with `run`'s parameter
+    language and checks (the README's `prefect deployment run ... --params '{"params": ...}'` took
+    JSON nested by hand); `--watch` follows the run and prints the summary its flow logged, and a
+    run that fails exits 1 with its state's message."""
+    from prefect.client.orchestration import get_client
+
+    _, proc, log = served
+    with get_client(sync_client=True) as client:
+        _deployment(client, "gemm/local", proc, log)
+    done = run_cli(cli_env, "trigger", "gemm", "--set", "m=96", "--set", "n=64", "--set", "k=32", "--set", "tile=32",
+                   "--set", "scaling=false", "--watch")
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:] + log.read_text()[-3000:]
+    out = done.stdout
+    assert re.search(r"triggered gemm/local: flow run '[\w-]+' http://127\.0\.0\.1:\d+/runs/flow-run/", out), out
+    assert out.index(": Running") < out.index(": Completed") < out.index("gemm: throughput") < out.index("verified")
+    assert "GEMM 96x64 (k=32) float64 tile=32" in out, out
+    failed = run_cli(cli_env, "trigger", "gemm", "--set", "a=/nonexistent/A.npy", "--watch")
+    err = " ".join(failed.stderr.split())
+    assert failed.returncode == 1 and "Traceback" not in err, err
+    assert "ended Failed: Flow run encountered an exception: InputError: a='/nonexistent/A.npy': no such file" in err
+    nowhere = run_cli(cli_env, "trigger", "gemm", "--deployment", "nope")
+    assert nowhere.returncode == 1 and "error: --deployment='nope': no deployment gemm/nope on the Prefect server" \
+        in " ".join(nowhere.stderr.split())
+
+
 def test_invalid_parameters_are_rejected_with_the_validation_error(served):
     """What the UI shows when a custom run's form holds a bad value: the server refuses the run."""
     from prefect.client.orchestration import get_client
