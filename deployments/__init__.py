@@ -24,17 +24,18 @@ def local_deployments(data_bucket: str, paused: set[str]) -> list[Any]:
             is made inactive (as a stopped serve left them).
 
     Returns:
-        One Prefect ``RunnerDeployment`` per pipeline, in name order: the flow run by module path,
+        One Prefect ``RunnerDeployment`` per pipeline that loads (``serve`` names those that
+        do not), in name order: the flow run by module path,
         one run at a time (``concurrency_limit=1``), tagged ``paperline`` and the pipeline's name.
     """
     from prefect.deployments.runner import EntrypointType
     from prefect.schedules import Cron
 
-    from paperline.flows.pipelines import get_pipeline, pipeline_names
+    from paperline.flows.pipelines import loadable_pipelines
 
     deployments = []
-    for name in pipeline_names():
-        spec = get_pipeline(name)
+    for spec in loadable_pipelines()[0]:  # (a package's pipeline that cannot be loaded is left out)
+        name = spec.name
         schedule = Cron(spec.cron, timezone="UTC", slug=f"{name}-schedule",
                         active=f"{spec.flow.name}/local" not in paused) if spec.cron else None
         deployments.append(spec.flow.to_deployment(  # "<flow>/local": apart from prefect.yaml's work-pool ones

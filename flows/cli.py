@@ -1391,7 +1391,13 @@ def _integral_columns(rows: list[list[Any]]) -> set[int]:
 def _print_summary(name: str, summary: dict[str, Any]) -> None:
     from paperline.infra.summary import summary_table
 
-    table = summary_table(name, summary)
+    try:
+        table = summary_table(name, summary)
+    except Exception as exc:  # noqa: BLE001 - a package's malformed table failed a finished run (a trial)
+        err_console.print(f"warning: {name} summary's table could not be shown ({type(exc).__name__}: {exc}); the "
+                          "summary is in the flow run's result, MLflow and --summary-json", style="yellow",
+                          soft_wrap=True, highlight=False, markup=False)
+        table = None
     if table is not None:
         console.print(table)
     _print_tail(summary)
@@ -1415,16 +1421,9 @@ def demo() -> None:
     """Run every pipeline on its demo preset (bundled real data): the built-in five and those
     installed packages add; a package's pipeline that cannot be loaded is named first and left
     out, the others run, and the command then fails naming it."""
-    from paperline.flows.pipelines import build_parameters, builtin_pipeline_names, get_pipeline, pipeline_names
+    from paperline.flows.pipelines import build_parameters, get_pipeline, pipeline_names
 
-    broken = []
-    for name in sorted(set(pipeline_names()) - set(builtin_pipeline_names())):
-        try:
-            get_pipeline(name)
-        except PaperlineError as exc:  # (one package's broken entry point stopped every demo: `make run`)
-            err_console.print(f"error: {exc}; the other pipelines' demos run", style="red", markup=False,
-                              highlight=False, soft_wrap=True)
-            broken.append(name)
+    broken = _say_broken_pipelines("the other pipelines' demos run")  # (one stopped every demo: `make run`)
     for name in pipeline_names():
         if name in broken:
             continue
@@ -1434,6 +1433,17 @@ def demo() -> None:
     if broken:
         raise PaperlineError(f"left out of the demos: {', '.join(broken)}, whose packages' pipelines cannot be "
                              "loaded (above); `paperline params` lists every pipeline")
+
+
+def _say_broken_pipelines(then: str) -> list[str]:
+    """Name each installed package's pipeline that cannot be loaded, one ``error:`` line each
+    ending in ``then`` (what the command does without it), and return their names."""
+    from paperline.flows.pipelines import loadable_pipelines
+
+    _, broken = loadable_pipelines()
+    for exc in broken.values():
+        err_console.print(f"error: {exc}; {then}", style="red", markup=False, highlight=False, soft_wrap=True)
+    return list(broken)
 
 
 @app.command(cls=_Command)
@@ -1560,6 +1570,7 @@ def serve() -> None:
     _say_no_workers(require_scheduler(_settings()), _settings())  # the runs served here use it
     info = _ensure_stack()
     with _serve_lock(_settings().state_dir):  # one serve per stack, for as long as this one serves
+        _say_broken_pipelines("the other pipelines are served")  # (one stopped serving every one: a trial)
         names = served_names()
         served_elsewhere(names)  # ... and per Prefect server, which other state dirs may share
         deployments = local_deployments(info.data_bucket, paused_schedules(names))
@@ -1743,10 +1754,10 @@ def _stop_serving_hint() -> str:
 
 
 def served_names() -> list[str]:
-    """``<flow>/local`` of every pipeline: the deployments `paperline serve` serves."""
-    from paperline.flows.pipelines import get_pipeline, pipeline_names
+    """``<flow>/local`` of every pipeline that loads: the deployments `paperline serve` serves."""
+    from paperline.flows.pipelines import loadable_pipelines
 
-    return [f"{get_pipeline(name).flow.name}/local" for name in pipeline_names()]
+    return [f"{spec.flow.name}/local" for spec in loadable_pipelines()[0]]
 
 
 def _state_dir_prefix() -> str:

@@ -6,9 +6,9 @@ from __future__ import annotations
 
 import functools
 import json
+import sys
 import types
 import typing
-import warnings
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
@@ -115,6 +115,23 @@ def get_pipeline(name: str) -> Pipeline:
     return PIPELINES[name]
 
 
+def loadable_pipelines() -> tuple[list[Pipeline], dict[str, Exception]]:
+    """Every pipeline that loads, in name order, and the error of each package's pipeline that does
+    not (by name): `paperline demo` and `serve` run and serve the others (one package's broken
+    entry point stopped both for every pipeline: a trial). A built-in pipeline's error is raised."""
+    from paperline.infra.errors import PaperlineError  # noqa: PLC0415
+
+    loaded, broken = [], {}
+    for name in pipeline_names():
+        try:
+            loaded.append(get_pipeline(name))
+        except PaperlineError as exc:
+            if name in _BUILTIN:
+                raise
+            broken[name] = exc
+    return loaded, broken
+
+
 def builtin_pipeline_names() -> list[str]:
     """The five built-in pipelines' names, sorted (what ``prefect.yaml`` deploys)."""
     return sorted(_BUILTIN)
@@ -130,27 +147,33 @@ def pipeline_names() -> list[str]:
 @functools.cache
 def _entry_points() -> dict[str, Any]:
     """The ``paperline.pipelines`` entry points of the installed distributions, by name (read from
-    their metadata, nothing imported). One named like a built-in pipeline is left out with a
-    warning: the built-in one keeps its name (its deployments and MLflow experiment are the
-    stack's), and a package could otherwise replace it unseen."""
+    their metadata, nothing imported). One named like a built-in pipeline is left out, and of two
+    packages naming one pipeline the first listed is used, each said once per process on stderr as
+    one ``warning:`` line: the built-in one keeps its name (its deployments and MLflow experiment
+    are the stack's), and a package could otherwise replace it unseen."""
     from importlib.metadata import entry_points  # noqa: PLC0415
 
     found: dict[str, Any] = {}
     for entry_point in entry_points(group=ENTRY_POINT_GROUP):
         where = _package_of(entry_point)
         if entry_point.name in _BUILTIN:
-            warnings.warn(f"{ENTRY_POINT_GROUP} entry point {entry_point.name!r} = {entry_point.value!r} of "
-                          f"{where} is left out: {entry_point.name} is a built-in pipeline's name; give it "
-                          "another", stacklevel=2)
+            _warn(f"{ENTRY_POINT_GROUP} entry point {entry_point.name!r} = {entry_point.value!r} of {where} is left "
+                  f"out: {entry_point.name} is a built-in pipeline's name; give it another")
         elif entry_point.name in found and found[entry_point.name].value != entry_point.value:
-            # two packages (or two copies of one, at different places on sys.path) claim the name:
-            # the first on sys.path wins, as Python's imports do; said, not silent
-            warnings.warn(f"{ENTRY_POINT_GROUP} entry point {entry_point.name!r} is named by "
-                          f"{_package_of(found[entry_point.name])} ({found[entry_point.name].value!r}) and by "
-                          f"{where} ({entry_point.value!r}): the first is used", stacklevel=2)
+            # two packages (or two copies of one, at different places on sys.path) claim the name
+            first = found[entry_point.name]
+            _warn(f"{ENTRY_POINT_GROUP} entry point {entry_point.name!r} is named by {_package_of(first)} "
+                  f"({first.value!r}) and by {where} ({entry_point.value!r}): {_package_of(first)}'s is used; "
+                  "uninstall one, or rename its entry point")
         else:
             found.setdefault(entry_point.name, entry_point)
     return found
+
+
+def _warn(line: str) -> None:
+    """One ``warning:`` line on stderr (Python's ``warnings`` printed a file path and a line of
+    paperline's code with it: a trial)."""
+    sys.stderr.write(f"warning: {line}\n")
 
 
 def package_of_pipeline(name: str) -> str:
@@ -201,6 +224,9 @@ def _load_entry_point(entry_point: Any) -> Pipeline:
     if not isinstance(pipeline.flow, Flow):
         problems.append(f"its flow is a {type(pipeline.flow).__name__}, not a Prefect flow "
                         "(paperline.infra.pipeline_flow.pipeline_flow makes one)")
+    elif pipeline.flow.name != pipeline.name:  # (a package's flow named gemm took gemm/local over: a trial)
+        problems.append(f"its flow is named {pipeline.flow.name!r}, not {pipeline.name!r} (a flow's deployments are "
+                        "<flow name>/local and its name is the pipeline's)")
     elif "params" not in inspect.signature(pipeline.flow.fn).parameters:
         problems.append(f"its flow {pipeline.flow.name!r} takes no `params` argument (deployments and "
                         "`paperline run` pass the parameters as params)")
@@ -211,6 +237,10 @@ def _load_entry_point(entry_point: Any) -> Pipeline:
                         "`paperline run` and `paperline demo` run demo by default)")
     else:
         for preset, values in pipeline.presets.items():
+            if unknown := sorted(set(values) - set(pipeline.parameters.model_fields)):  # (dropped unsaid: a trial)
+                problems.append(f"its preset {preset!r} sets {', '.join(unknown)}, not parameters of "
+                                f"{pipeline.parameters.__name__}")
+                continue
             try:
                 pipeline.parameters.model_validate(values)
             except ValidationError as exc:

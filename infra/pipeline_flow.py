@@ -37,6 +37,10 @@ class PipelineFlow(Flow):
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)  # (Prefect's version hash and source come from the function itself)
         self.fn = _watched(self.fn)
+        # the serve/worker log's one line for a refused run and Prefect's patches, which the
+        # built-in flows get by importing their tasks: a package's flow (README, "Your own
+        # pipeline") logged two tracebacks for an InputError (a trial)
+        import paperline.tasks  # noqa: F401, PLC0415
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         from prefect.context import FlowRunContext  # noqa: PLC0415

@@ -6,7 +6,6 @@ and the packages whose entry points are broken, named in one line."""
 import re
 import sys
 import tomllib
-import warnings
 from pathlib import Path
 
 import numpy as np
@@ -85,6 +84,10 @@ def test_the_readme_example_is_found_loaded_and_checked_as_the_cli_takes_it(site
         build_parameters(spec, "demo", ["ranks=200", "dataset=flights", "mode=1"]).validate_inputs()
     with pytest.raises(InputError, match=r"ranks\[0\]=0: .*greater than or equal to 1"):
         build_parameters(spec, "demo", ["ranks=0"])
+    with pytest.raises(InputError, match=r"ranks=\[\]: .*at least 1 item"):  # (ran, and logged nothing: a trial)
+        build_parameters(spec, "demo", ["ranks=[]"])
+    with pytest.raises(InputError, match="dataset='kinetic': 1754 entries missing: an SVD needs them all"):
+        build_parameters(spec, "demo", ["dataset=kinetic"]).validate_inputs()  # (LinAlgError in its tasks: a trial)
     # a deployment's run of it gets the same one-line refusal as the built-in pipelines' runs
     with pytest.raises(InputError, match="power_iterations=-1"):
         spec.flow.validate_parameters({"params": {"power_iterations": -1}})
@@ -115,7 +118,11 @@ def test_a_package_pipeline_is_deployed_by_serve_on_its_schedule(site):
     from paperline.deployments import local_deployments
 
     name = _readme_site(site)
-    deployment, = [d for d in local_deployments("paperline-data", set()) if d.flow_name == name]
+    _install(site, "broken-pipelines", "2.0", {"missing": "no_such_module:PIPELINE"})  # left out, not fatal
+    deployments = local_deployments("paperline-data", set())
+    assert sorted(d.flow_name for d in deployments) == ["compressed-training", "gemm", "nas", name,
+                                                         "tensor-factorization", "video-curation"]
+    deployment, = [d for d in deployments if d.flow_name == name]
     assert isinstance(deployment, RunnerDeployment) and deployment.name == "local"
     assert deployment.entrypoint == "paperline_rsvd.rsvd" and deployment.tags == ["paperline", name]
     assert deployment.schedules[0].schedule.cron == "0 6 * * *"
@@ -136,16 +143,21 @@ def no_params(config: P | None = None) -> dict:
     return {}
 
 
-@pipeline_flow(name="fine")
-def fine(params: P | None = None) -> dict:
-    return {}
+def flow_named(name):
+    @pipeline_flow(name=name)
+    def fine(params: P | None = None) -> dict:
+        return {}
+
+    return fine
 
 
 NOT_A_PIPELINE = {"name": "plain"}
-MISNAMED = Pipeline("other", fine, P, presets={"demo": {}})
+MISNAMED = Pipeline("other", flow_named("other"), P, presets={"demo": {}})
 NO_PARAMS = Pipeline("noparams", no_params, P, presets={"default": {}, "full": {"x": "many"}})
-BAD_PRESET = Pipeline("badpreset", fine, P, presets={"demo": {}, "full": {"x": "many"}})
+BAD_PRESET = Pipeline("badpreset", flow_named("badpreset"), P, presets={"demo": {}, "full": {"x": "many"}})
+UNKNOWN_KEY = Pipeline("unknownkey", flow_named("unknownkey"), P, presets={"demo": {"bogus": 1, "x": 2}})
 NOT_A_FLOW = Pipeline("notaflow", print, dict, presets={"demo": {}})
+TAKES_GEMM = Pipeline("takesgemm", flow_named("gemm"), P, presets={"demo": {}})
 '''
 
 
@@ -155,7 +167,8 @@ def test_broken_entry_points_are_named_with_their_package_and_what_is_wrong(site
 
     entry_points = {"missing": "no_such_module:PIPELINE", "plain": "bad_pipelines:NOT_A_PIPELINE",
                     "misnamed": "bad_pipelines:MISNAMED", "noparams": "bad_pipelines:NO_PARAMS",
-                    "badpreset": "bad_pipelines:BAD_PRESET", "notaflow": "bad_pipelines:NOT_A_FLOW"}
+                    "badpreset": "bad_pipelines:BAD_PRESET", "notaflow": "bad_pipelines:NOT_A_FLOW",
+                    "unknownkey": "bad_pipelines:UNKNOWN_KEY", "takesgemm": "bad_pipelines:TAKES_GEMM"}
     _install(site, "broken-pipelines", "2.0", entry_points, {"bad_pipelines": BAD_MODULE})
     assert set(entry_points) <= set(pipeline_names())
     where = "(paperline.pipelines entry point {!r} of broken-pipelines 2.0)"
@@ -167,28 +180,41 @@ def test_broken_entry_points_are_named_with_their_package_and_what_is_wrong(site
                     "parameters as params); it has no `demo` preset (presets: default, full;",
         "badpreset": "its preset 'full' is not valid for P: ('x',): Input should be a valid integer",
         "notaflow": "its flow is a builtin_function_or_method, not a Prefect flow",
+        # (a trial's preset key was dropped unsaid, and a flow named gemm took gemm/local and its schedule over)
+        "unknownkey": "its preset 'demo' sets bogus, not parameters of P",
+        "takesgemm": "its flow is named 'gemm', not 'takesgemm' (a flow's deployments are <flow name>/local",
     }
     for name, problem in cases.items():
         with pytest.raises(PaperlineError) as exc:
             get_pipeline(name)
         assert f"pipeline {name!r} {where.format(entry_points[name])}" in str(exc.value), str(exc.value)
         assert problem in str(exc.value), str(exc.value)
+        assert str(exc.value).count("; ") == {"noparams": 2, "notaflow": 1}.get(name, 0), str(exc.value)  # those problems alone
     with pytest.raises(PaperlineError, match="not a pydantic model class"):
         get_pipeline("notaflow")
 
 
-def test_a_package_cannot_take_a_built_in_pipelines_name(site):
+def test_a_package_cannot_take_a_built_in_pipelines_name_and_two_cannot_share_one(site, capsys):
     """A package's ``gemm`` would replace the stack's GEMM pipeline unseen (its deployments, its
-    MLflow experiment): it is left out, saying so."""
+    MLflow experiment): it is left out, saying so in one line (Python's warnings printed a path
+    and a line of paperline's code with it: a trial); of two packages naming one pipeline the
+    first listed is used, said too."""
     from paperline.flows import pipelines
 
-    _install(site, "impostor", "1.0", {"gemm": "impostor:PIPELINE"}, {"impostor": "raise RuntimeError('imported')"})
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        names = pipelines.pipeline_names()
-    assert names.count("gemm") == 1
-    assert any("entry point 'gemm' = 'impostor:PIPELINE' of impostor 1.0 is left out: gemm is a built-in "
-               "pipeline's name" in str(w.message) for w in caught), [str(w.message) for w in caught]
+    _install(site, "impostor", "1.0", {"gemm": "impostor:PIPELINE", "mine": "impostor:MINE"},
+             {"impostor": "raise RuntimeError('imported')"})
+    _install(site, "rival", "2.0", {"mine": "rival:MINE"})
+    names = pipelines.pipeline_names()
+    pipelines.pipeline_names()  # said once per process
+    assert names.count("gemm") == 1 and "mine" in names
+    lines = capsys.readouterr().err.splitlines()
+    first = "impostor 1.0" if pipelines.package_of_pipeline("mine") == "impostor 1.0" else "rival 2.0"
+    assert lines == [
+        "warning: paperline.pipelines entry point 'gemm' = 'impostor:PIPELINE' of impostor 1.0 is left out: gemm is "
+        "a built-in pipeline's name; give it another",
+        *[line for line in lines if line.startswith("warning: paperline.pipelines entry point 'mine' is named by ")
+          and line.endswith(f": {first}'s is used; uninstall one, or rename its entry point")]], lines
+    assert len(lines) == 2, lines
     assert pipelines.get_pipeline("gemm").flow.fn.__module__ == "paperline.flows.gemm"
     assert pipelines.package_of_pipeline("gemm") == "paperline"
 
@@ -293,3 +319,38 @@ def test_demo_names_a_broken_package_pipeline_runs_the_others_and_then_fails(sit
     assert "the other pipelines' demos run" in text
     assert [n for n, _ in ran] == ["compressed-training", "gemm", "nas", name, "tensor-factorization", "video-curation"]
     assert dict(ran)[name].ranks == [1, 2, 4]  # its demo preset
+
+
+def test_a_malformed_summary_table_is_a_warning_not_a_failed_command(tmp_path, capsys):
+    """A package's table without its columns failed `paperline run` of a finished run with
+    "KeyError: 'columns'" and wrote no --summary-json (a trial): a warning, the rest printed."""
+    import json
+    from types import SimpleNamespace
+
+    from paperline.flows import cli
+
+    out = tmp_path / "s.json"
+    cli._report(SimpleNamespace(name="mine"), {}, {"table": {"title": "t", "rows": [[1, 2]]}, "lines": ["done"],
+                                                   "mlflow_run_url": "http://127.0.0.1:5000/#/runs/abc"}, out)
+    captured = capsys.readouterr()
+    assert "warning: mine summary's table could not be shown (KeyError: 'columns')" in " ".join(captured.err.split())
+    assert "done" in captured.out and "MLflow run:" in captured.out
+    assert json.loads(out.read_text())["table"]["rows"] == [[1, 2]]
+
+
+def test_a_package_flow_refused_for_its_input_is_one_line_in_a_deployments_log(site):
+    """The built-in flows' modules import ``paperline.tasks``, which cuts a refused run's log
+    records to one line; a package's flow did not, and a serve logged two tracebacks for its
+    InputError (a trial). Importing a package's pipeline installs the same filter."""
+    import subprocess
+
+    _readme_site(site)
+    code = ("import logging, paperline_rsvd; from paperline.infra.errors import RUN_LOGGERS, ExpectedErrorOneLine; "
+            "print(all(any(isinstance(f, ExpectedErrorOneLine) for f in logging.getLogger(n).filters) "
+            "for n in RUN_LOGGERS))")
+    import os
+
+    env = {k: v for k, v in os.environ.items() if k != "PAPERLINE_DEBUG"}
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+                         env={**env, "PYTHONPATH": str(site)})
+    assert out.stdout.strip() == "True", out.stdout + out.stderr[-3000:]
