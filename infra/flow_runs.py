@@ -311,7 +311,10 @@ def deployment_report(deployments: list[dict[str, object]], workers: dict[str, l
         # a stopping serve pauses its deployments: one polled seconds ago and paused is not served
         if serve_pid is not None or any(fresh(d.get("polled_s_ago")) and not d.get("paused") for d in served):
             who = f"`paperline serve` (pid {serve_pid})" if serve_pid is not None else "a serving process"
-            lines.append(f"deployments: {len(served)} served by {who}{late_note(names)}")
+            # a paused one is not served (a package's pipeline uninstalled, its deployment left paused by
+            # the serve before: counted here, and named paused below, a trial): counted apart
+            now = [d for d in served if not d.get("paused")] or served
+            lines.append(f"deployments: {len(now)} served by {who}{late_note([str(d['name']) for d in now])}")
         elif all(d.get("paused") for d in served):
             # (said as two lines, "their runs wait Scheduled" then "paused deployments", they read as a
             # contradiction: a paused deployment schedules no runs; an upgrade trial)

@@ -302,6 +302,10 @@ def test_deployment_report_says_who_executes_the_runs_and_what_waits():
     assert deployment_report([], {}, {}, serve_pid=42) == ["deployments: `paperline serve` (pid 42) is starting"]
     local = [_served(f"{f}/local", polled=5.0) for f in ("a", "b")]
     assert deployment_report(local, {}, {}, serve_pid=42) == ["deployments: 2 served by `paperline serve` (pid 42)"]
+    # one a serve stopped serving (its package uninstalled) stays paused: not counted as served (a trial)
+    left = [*local, _served("gone/local", polled=900.0, paused=True)]
+    assert deployment_report(left, {}, {}, serve_pid=42) == ["deployments: 2 served by `paperline serve` (pid 42)",
+                                                             "paused deployments: gone/local"]
     # another host's serve: no lock here, but its polls are fresh
     assert deployment_report(local, {}, {"a/local": 2}) == [
         "deployments: 2 served by a serving process; 2 scheduled run(s) past their start time wait for it"]
