@@ -554,9 +554,11 @@ def _print_pipelines() -> None:
         try:
             spec = get_pipeline(name)
         except PaperlineError as exc:
-            table.add_row(name, origin, "", "", Text(f"cannot be loaded: {exc}", style="red"))
+            table.add_row(Text(name), Text(origin), "", "", Text(f"cannot be loaded: {exc}", style="red"))
             continue
-        table.add_row(name, origin, spec.cron or "none", ", ".join(sorted(spec.presets)), spec.description)
+        # as text: a package's description "uses [/tmp] scratch" was a MarkupError (a review)
+        table.add_row(Text(name), Text(origin), Text(spec.cron or "none"), Text(", ".join(sorted(spec.presets))),
+                      Text(spec.description))
     console.print(table)
     console.print("`paperline params PIPELINE` lists a pipeline's parameters; `paperline run PIPELINE` runs it.",
                   highlight=False, markup=False)
@@ -604,7 +606,7 @@ def _shown_type(annotation: Any) -> str:
         origin, args = typing.get_origin(annotation), typing.get_args(annotation)
         if origin in (typing.Union, types.UnionType):
             return " | ".join("None" if a is type(None) else _shown_type(a) for a in args)
-        return f"{getattr(origin, '__name__', origin)}[{', '.join(_shown_type(a) for a in args)}]"
+        return f"{getattr(origin, '__name__', origin)}[{', '.join('...' if a is ... else _shown_type(a) for a in args)}]"
     return annotation.__name__ if isinstance(annotation, type) else re.sub(r"[\w.]+\.(\w+)", r"\1", str(annotation))
 
 
@@ -1074,7 +1076,13 @@ def _as_summary(name: str, summary: Any) -> dict[str, Any]:
     """``summary`` as the dict the CLI prints: a package's flow (README, "Your own pipeline") may
     return anything, and a None or a number failed the finished run's report with a TypeError."""
     if isinstance(summary, dict):
-        return summary
+        lines = summary.get("lines", [])
+        if isinstance(lines, list) and all(isinstance(line, str) for line in lines):
+            return summary
+        # ("lines": "text" printed a character a line, None failed before --summary-json: a review)
+        lines = [lines] if isinstance(lines, str) else [str(x) for x in lines] if isinstance(lines, list) else \
+            ([] if lines is None else [str(lines)])
+        return {**summary, "lines": lines}
     shown = repr(summary)
     return {"result": summary, "lines": [f"{name}'s flow returned {shown[:200]}{'...' if len(shown) > 200 else ''}"
                                          ", not a summary dict (its table, lines and URLs: README, \"Your own "
@@ -1440,7 +1448,7 @@ def _say_broken_pipelines(then: str) -> list[str]:
     ending in ``then`` (what the command does without it), and return their names."""
     from paperline.flows.pipelines import loadable_pipelines
 
-    _, broken = loadable_pipelines()
+    _, broken = loadable_pipelines(packages_only=True)  # (the built-in ones load in their turn: early clusters)
     for exc in broken.values():
         err_console.print(f"error: {exc}; {then}", style="red", markup=False, highlight=False, soft_wrap=True)
     return list(broken)
@@ -1474,7 +1482,7 @@ def trigger(pipeline: Optional[str] = typer.Argument(None, metavar="PIPELINE", h
     chosen = _one_preset(preset) if preset else None
     if chosen is not None and chosen not in spec.presets:
         raise InputError("--preset", chosen, unknown_name("preset", chosen, sorted(spec.presets)))
-    override_values(spec, {}, set_ or [])  # a malformed or unknown --set, before the stack is checked
+    _refuse_non_json(*override_values(spec, {}, set_ or []))  # a malformed or unknown --set, before the stack
     _quiet_logs()
     info = _ensure_stack()
     flow = spec.flow.name
@@ -1494,18 +1502,54 @@ def trigger(pipeline: Optional[str] = typer.Argument(None, metavar="PIPELINE", h
                              f"`prefect deploy --all` makes {flow}/{flow} for `paperline worker`")
         base = spec.presets[chosen] if chosen is not None else (found.parameters or {}).get("params") or {}
         values, given = override_values(spec, base, set_ or [])
-        validated_parameters(spec, values, given)  # what the run's flow would refuse as it starts
+        _refuse_non_json(values, given)
+        # as the run's flow will take them: every value sent counts as given there, a preset's too
+        # (gemm's `full` m beside --set a=... passed here and failed the run as it started: a review)
+        params = validated_parameters(spec, values, {key: given.get(key, repr(v)) for key, v in values.items()})
+        if found.work_pool_name is None and hasattr(params, "validate_inputs"):
+            params.validate_inputs()  # served on this machine: its files are these
         run = client.create_flow_run_from_deployment(found.id, parameters={"params": values})
         _say(f"triggered {flow}/{found.name}: flow run '{run.name}' {info.flow_run_url(run.id)}")
+        waits = None
         if found.paused:  # (its runs wait in Scheduled, nothing said)
-            err_console.print(f"warning: {flow}/{found.name} is paused (its `paperline serve` stopped, or it was paused "
-                              "in the Prefect UI): the run waits until it is served again", style="yellow",
-                              soft_wrap=True, highlight=False, markup=False)
+            waits = ("is paused (its `paperline serve` stopped, or it was paused in the Prefect UI): the run waits "
+                     "until it is served again")
+        elif str(getattr(found.status, "value", found.status)) == "NOT_READY":  # (a killed serve leaves it unpaused)
+            waits = ("has not been polled lately (no `paperline serve` or worker takes its runs now): the run waits "
+                     "until one does")
+        if waits:
+            err_console.print(f"warning: {flow}/{found.name} {waits}", style="yellow", soft_wrap=True,
+                              highlight=False, markup=False)
         if watch:
             _watch_triggered(client, spec, run)
 
 
 TRIGGER_POLL_S = 1.0  # how often `trigger --watch` reads its run's state
+
+
+def _refuse_non_json(values: dict[str, Any], given: dict[str, str]) -> None:
+    """Refuse a NaN or infinite number among a deployment run's parameters: they travel as JSON,
+    which has neither, and Prefect sent ``--set x=NaN`` as null (a review).
+
+    Raises:
+        InputError: naming the parameter and the value as typed.
+    """
+    from paperline.flows.pipelines import _AsTyped
+    from paperline.infra.errors import InputError
+
+    def finite(v: Any) -> bool:
+        if isinstance(v, float):
+            return math.isfinite(v)
+        if isinstance(v, dict):
+            return all(finite(x) for x in v.values())
+        if isinstance(v, (list, tuple)):
+            return all(finite(x) for x in v)
+        return True
+
+    for key, value in values.items():
+        if not finite(value):
+            raise InputError(key, _AsTyped(given[key]) if key in given else value, "not a finite number: a deployment run's parameters are JSON, "
+                                                         "which has no NaN or infinity")
 
 
 def _watch_triggered(client: Any, spec: Any, run: Any) -> None:
@@ -1521,7 +1565,11 @@ def _watch_triggered(client: Any, spec: Any, run: Any) -> None:
 
     from paperline.infra.errors import redact_text
 
+    from prefect.client.schemas.sorting import LogSort
+
     seen = None
+    name = spec.flow.fn.__name__.replace("_", "-")
+    summary: list[str] = []
     try:
         while True:
             state = client.read_flow_run(run.id).state
@@ -1531,19 +1579,23 @@ def _watch_triggered(client: Any, spec: Any, run: Any) -> None:
             if state is not None and state.is_final():
                 break
             time.sleep(TRIGGER_POLL_S)
+        deadline = time.monotonic() + 10  # logs are sent in batches: the last ones may follow the final state
+        while state.is_completed():
+            # the newest first: a run's logs pass the server's page of 200 (a tile task's lines), and the
+            # summary is among the last (a review)
+            logs = client.read_logs(LogFilter(flow_run_id=LogFilterFlowRunId(any_=[run.id])), limit=200,
+                                    sort=LogSort.TIMESTAMP_DESC)
+            summary = [entry.message for entry in logs if entry.message.startswith(f"{name} summary:")][:1]
+            if summary or time.monotonic() > deadline:
+                break
+            time.sleep(0.5)
     except KeyboardInterrupt:
         _say_interrupted(f"interrupted: stopped watching; flow run '{run.name}' goes on (the Prefect UI shows it)")
         raise
-    name = spec.flow.fn.__name__.replace("_", "-")
-    deadline = time.monotonic() + 10  # logs are sent in batches: the last ones may follow the final state
-    while True:
-        logs = client.read_logs(LogFilter(flow_run_id=LogFilterFlowRunId(any_=[run.id])))
-        summary = [entry.message for entry in logs if entry.message.startswith(f"{name} summary:")]
-        if summary or not state.is_completed() or time.monotonic() > deadline:
-            break
-        time.sleep(0.5)
-    for text in summary[-1:]:
+    for text in summary:
         console.print(text.partition("\n")[2], soft_wrap=True, highlight=False, markup=False)
+    if state.is_completed() and not summary:
+        _say(f"(flow run '{run.name}' logged no summary: its result is in the Prefect UI)")
     if not state.is_completed():
         raise PaperlineError(f"flow run '{run.name}' ended {state.name}: "
                              f"{redact_text(state.message or 'no message')}")

@@ -26,10 +26,12 @@ class Pipeline:
     A package of one's own adds a pipeline by naming an instance of this class in the
     ``paperline.pipelines`` entry-point group (:data:`ENTRY_POINT_GROUP`; README, "Your own
     pipeline"): ``paperline run``, ``params``, ``demo``, ``serve`` and ``compare`` then take it by
-    ``name``. What :func:`get_pipeline` checks as it loads one: ``flow`` is a Prefect flow whose
-    function takes the parameters as ``params``; ``parameters`` is a pydantic model;
-    ``presets`` has ``demo`` (what `paperline run` and `paperline demo` run by default) and each
-    preset is valid for the model.
+    ``name``. What :func:`get_pipeline` checks as it loads one: ``name`` is the entry point's and
+    ``flow``'s name; ``flow`` is a Prefect flow whose function takes the parameters as ``params``;
+    ``parameters`` is a pydantic model; ``presets`` has ``demo`` (what `paperline run` and
+    `paperline demo` run by default) and each preset is valid for the model and sets only its
+    fields; ``deployment_parameters`` is ``{"params": {...}}`` valid for the model; ``cron`` is a
+    cron schedule.
     """
 
     name: str
@@ -108,21 +110,30 @@ def get_pipeline(name: str) -> Pipeline:
             package and what is wrong).
     """
     _register_builtin(name)
+    if name in _FAILED:  # (a broken package was imported again at each look: three times per serve, a review)
+        raise _FAILED[name]
     if name not in PIPELINES and (entry_point := _entry_points().get(name)) is not None:
-        PIPELINES.register(name)(_load_entry_point(entry_point))
+        try:
+            PIPELINES.register(name)(_load_entry_point(entry_point))
+        except Exception as exc:
+            _FAILED[name] = exc
+            raise
     if name not in PIPELINES:
         raise InputError("pipeline", name, unknown_name("pipeline", name, pipeline_names()))
     return PIPELINES[name]
 
 
-def loadable_pipelines() -> tuple[list[Pipeline], dict[str, Exception]]:
+def loadable_pipelines(packages_only: bool = False) -> tuple[list[Pipeline], dict[str, Exception]]:
     """Every pipeline that loads, in name order, and the error of each package's pipeline that does
     not (by name): `paperline demo` and `serve` run and serve the others (one package's broken
-    entry point stopped both for every pipeline: a trial). A built-in pipeline's error is raised."""
+    entry point stopped both for every pipeline: a trial). A built-in pipeline's error is raised.
+    ``packages_only``: look at the packages' pipelines alone (importing no built-in one)."""
     from paperline.infra.errors import PaperlineError  # noqa: PLC0415
 
     loaded, broken = [], {}
     for name in pipeline_names():
+        if packages_only and name in _BUILTIN:
+            continue
         try:
             loaded.append(get_pipeline(name))
         except PaperlineError as exc:
@@ -144,6 +155,17 @@ def pipeline_names() -> list[str]:
     return sorted(set(PIPELINES.names()) | set(_BUILTIN) | set(_entry_points()))
 
 
+_FAILED: dict[str, Exception] = {}  # a package's pipeline that could not be loaded, by name: its error
+
+
+def _installed_entry_points() -> list[Any]:
+    """The ``paperline.pipelines`` entry points of the installed distributions, as
+    ``importlib.metadata`` lists them (the tests narrow this to the packages they install)."""
+    from importlib.metadata import entry_points  # noqa: PLC0415
+
+    return list(entry_points(group=ENTRY_POINT_GROUP))
+
+
 @functools.cache
 def _entry_points() -> dict[str, Any]:
     """The ``paperline.pipelines`` entry points of the installed distributions, by name (read from
@@ -151,16 +173,14 @@ def _entry_points() -> dict[str, Any]:
     packages naming one pipeline the first listed is used, each said once per process on stderr as
     one ``warning:`` line: the built-in one keeps its name (its deployments and MLflow experiment
     are the stack's), and a package could otherwise replace it unseen."""
-    from importlib.metadata import entry_points  # noqa: PLC0415
-
     found: dict[str, Any] = {}
-    for entry_point in entry_points(group=ENTRY_POINT_GROUP):
+    for entry_point in _installed_entry_points():
         where = _package_of(entry_point)
         if entry_point.name in _BUILTIN:
             _warn(f"{ENTRY_POINT_GROUP} entry point {entry_point.name!r} = {entry_point.value!r} of {where} is left "
                   f"out: {entry_point.name} is a built-in pipeline's name; give it another")
         elif entry_point.name in found and found[entry_point.name].value != entry_point.value:
-            # two packages (or two copies of one, at different places on sys.path) claim the name
+            # two packages claim the name (importlib.metadata lists one distribution once)
             first = found[entry_point.name]
             _warn(f"{ENTRY_POINT_GROUP} entry point {entry_point.name!r} is named by {_package_of(first)} "
                   f"({first.value!r}) and by {where} ({entry_point.value!r}): {_package_of(first)}'s is used; "
@@ -202,10 +222,6 @@ def _load_entry_point(entry_point: Any) -> Pipeline:
     Raises:
         PaperlineError: naming the entry point, its package and what is wrong.
     """
-    import inspect  # noqa: PLC0415
-
-    from prefect import Flow  # noqa: PLC0415
-
     from paperline.infra.errors import PaperlineError  # noqa: PLC0415
 
     where = f"pipeline {entry_point.name!r} ({ENTRY_POINT_GROUP} entry point {entry_point.value!r} of " \
@@ -218,9 +234,26 @@ def _load_entry_point(entry_point: Any) -> Pipeline:
     if not isinstance(pipeline, Pipeline):
         raise PaperlineError(f"{where} names a {type(pipeline).__name__}, not a "
                              "paperline.flows.pipelines.Pipeline")
+    try:
+        problems = _pipeline_problems(pipeline, entry_point.name)
+    except Exception as exc:  # noqa: BLE001 - fields of any type (presets not a dict): said, not an AttributeError
+        problems = [f"it could not be checked ({type(exc).__name__}: {exc})"]
+    if problems:
+        raise PaperlineError(f"{where}: " + "; ".join(problems))
+    return pipeline
+
+
+def _pipeline_problems(pipeline: Pipeline, name: str) -> list[str]:
+    """What keeps a package's ``pipeline`` (its entry point called ``name``) from being run, listed
+    and served (see :class:`Pipeline`); empty when nothing does."""
+    import inspect  # noqa: PLC0415
+
+    from prefect import Flow  # noqa: PLC0415
+
     problems = []
-    if pipeline.name != entry_point.name:
-        problems.append(f"its name is {pipeline.name!r}, not the entry point's {entry_point.name!r}")
+    entry_name = name
+    if pipeline.name != entry_name:
+        problems.append(f"its name is {pipeline.name!r}, not the entry point's {entry_name!r}")
     if not isinstance(pipeline.flow, Flow):
         problems.append(f"its flow is a {type(pipeline.flow).__name__}, not a Prefect flow "
                         "(paperline.infra.pipeline_flow.pipeline_flow makes one)")
@@ -246,9 +279,24 @@ def _load_entry_point(entry_point: Any) -> Pipeline:
             except ValidationError as exc:
                 problems.append(f"its preset {preset!r} is not valid for {pipeline.parameters.__name__}: "
                                 f"{exc.errors()[0]['loc']}: {exc.errors()[0]['msg']}")
-    if problems:
-        raise PaperlineError(f"{where}: " + "; ".join(problems))
-    return pipeline
+        # what `serve` deploys: a bad cron or deployment parameters stopped serving every pipeline (a review)
+        params = pipeline.deployment_params("paperline-data")
+        if set(params) - {"params"} or not isinstance(params.get("params", {}), dict):
+            problems.append(f"its deployment_parameters are {params!r}, not {{'params': {{...}}}}")
+        else:
+            try:
+                pipeline.parameters.model_validate(params.get("params", {}))
+            except ValidationError as exc:
+                problems.append(f"its deployment_parameters are not valid for {pipeline.parameters.__name__}: "
+                                f"{exc.errors()[0]['loc']}: {exc.errors()[0]['msg']}")
+    if pipeline.cron is not None:
+        from prefect.schedules import Cron  # noqa: PLC0415
+
+        try:
+            Cron(pipeline.cron, timezone="UTC")
+        except Exception as exc:  # noqa: BLE001 - pydantic's or croniter's, as it comes
+            problems.append(f"its cron {pipeline.cron!r} is not a cron schedule ({(str(exc).splitlines() or [''])[0]})")
+    return problems
 
 
 def _members(annotation: Any) -> set[Any]:

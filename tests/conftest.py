@@ -387,6 +387,27 @@ def orphan_sweeper() -> Callable[[Path], list[Path]]:
 
 
 @pytest.fixture(scope="session", autouse=True)
+def only_the_tests_pipeline_packages(tmp_path_factory: pytest.TempPathFactory) -> Iterator[None]:
+    """The pipelines packages add (README, "Your own pipeline") that the user installed in this
+    environment are not the suite's: in this process the registry sees only those the tests
+    install under their temporary directories (lists of pipelines are compared whole)."""
+    from paperline.flows import pipelines
+
+    base = tmp_path_factory.getbasetemp().resolve()
+    installed = pipelines._installed_entry_points
+
+    def the_tests() -> list:
+        return [ep for ep in installed() if ep.dist is not None
+                and Path(str(ep.dist.locate_file(""))).resolve().is_relative_to(base)]
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(pipelines, "_installed_entry_points", the_tests)
+        pipelines._entry_points.cache_clear()
+        yield
+    pipelines._entry_points.cache_clear()
+
+
+@pytest.fixture(scope="session", autouse=True)
 def default_state_dir(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
     """``PAPERLINE_STATE_DIR`` for the session: a directory of its own, never the user's
     ~/.paperline. A test that ran the CLI in this process without pointing it at the session

@@ -55,6 +55,7 @@ def site(tmp_path, monkeypatch):
     path.mkdir()
     monkeypatch.syspath_prepend(str(path))
     pipelines._entry_points.cache_clear()
+    pipelines._FAILED.clear()
     before = set(pipelines.PIPELINES.names())
     modules = set(sys.modules)
     yield path
@@ -64,6 +65,7 @@ def site(tmp_path, monkeypatch):
         if getattr(sys.modules[name], "__file__", "") and str(path) in sys.modules[name].__file__:
             del sys.modules[name]
     pipelines._entry_points.cache_clear()
+    pipelines._FAILED.clear()
 
 
 def test_the_readme_example_is_found_loaded_and_checked_as_the_cli_takes_it(site):
@@ -158,6 +160,11 @@ BAD_PRESET = Pipeline("badpreset", flow_named("badpreset"), P, presets={"demo": 
 UNKNOWN_KEY = Pipeline("unknownkey", flow_named("unknownkey"), P, presets={"demo": {"bogus": 1, "x": 2}})
 NOT_A_FLOW = Pipeline("notaflow", print, dict, presets={"demo": {}})
 TAKES_GEMM = Pipeline("takesgemm", flow_named("gemm"), P, presets={"demo": {}})
+BAD_CRON = Pipeline("badcron", flow_named("badcron"), P, presets={"demo": {}}, cron="every day")
+BAD_DEPLOYMENT = Pipeline("baddeployment", flow_named("baddeployment"), P, presets={"demo": {}},
+                          deployment_parameters={"params": {"x": "many"}})
+PRESETS_LIST = Pipeline("presetslist", flow_named("presetslist"), P, presets=[("demo", {})])
+MARKUP = Pipeline("markup", flow_named("markup"), P, presets={"demo": {}}, description="uses [/tmp] scratch, [rank] k")
 '''
 
 
@@ -168,7 +175,9 @@ def test_broken_entry_points_are_named_with_their_package_and_what_is_wrong(site
     entry_points = {"missing": "no_such_module:PIPELINE", "plain": "bad_pipelines:NOT_A_PIPELINE",
                     "misnamed": "bad_pipelines:MISNAMED", "noparams": "bad_pipelines:NO_PARAMS",
                     "badpreset": "bad_pipelines:BAD_PRESET", "notaflow": "bad_pipelines:NOT_A_FLOW",
-                    "unknownkey": "bad_pipelines:UNKNOWN_KEY", "takesgemm": "bad_pipelines:TAKES_GEMM"}
+                    "unknownkey": "bad_pipelines:UNKNOWN_KEY", "takesgemm": "bad_pipelines:TAKES_GEMM",
+                    "badcron": "bad_pipelines:BAD_CRON", "baddeployment": "bad_pipelines:BAD_DEPLOYMENT",
+                    "presetslist": "bad_pipelines:PRESETS_LIST"}
     _install(site, "broken-pipelines", "2.0", entry_points, {"bad_pipelines": BAD_MODULE})
     assert set(entry_points) <= set(pipeline_names())
     where = "(paperline.pipelines entry point {!r} of broken-pipelines 2.0)"
@@ -183,6 +192,10 @@ def test_broken_entry_points_are_named_with_their_package_and_what_is_wrong(site
         # (a trial's preset key was dropped unsaid, and a flow named gemm took gemm/local and its schedule over)
         "unknownkey": "its preset 'demo' sets bogus, not parameters of P",
         "takesgemm": "its flow is named 'gemm', not 'takesgemm' (a flow's deployments are <flow name>/local",
+        # (what `serve` deploys: a bad cron stopped serving every pipeline, a review)
+        "badcron": "its cron 'every day' is not a cron schedule (",
+        "baddeployment": "its deployment_parameters are not valid for P: ('x',): Input should be a valid integer",
+        "presetslist": "it could not be checked (TypeError: ",
     }
     for name, problem in cases.items():
         with pytest.raises(PaperlineError) as exc:
@@ -208,7 +221,9 @@ def test_a_package_cannot_take_a_built_in_pipelines_name_and_two_cannot_share_on
     pipelines.pipeline_names()  # said once per process
     assert names.count("gemm") == 1 and "mine" in names
     lines = capsys.readouterr().err.splitlines()
-    first = "impostor 1.0" if pipelines.package_of_pipeline("mine") == "impostor 1.0" else "rival 2.0"
+    # the first importlib.metadata lists wins (its order is sys.path's, then the directory's)
+    first = next(pipelines._package_of(ep) for ep in pipelines._installed_entry_points() if ep.name == "mine")
+    assert pipelines.package_of_pipeline("mine") == first
     assert lines == [
         "warning: paperline.pipelines entry point 'gemm' = 'impostor:PIPELINE' of impostor 1.0 is left out: gemm is "
         "a built-in pipeline's name; give it another",
@@ -224,7 +239,8 @@ def test_params_lists_every_pipeline_and_a_broken_one_as_a_row_and_run_refuses_i
     from paperline.infra.settings import get_settings
 
     name = _readme_site(site)
-    _install(site, "broken-pipelines", "2.0", {"missing": "no_such_module:PIPELINE"})
+    _install(site, "broken-pipelines", "2.0", {"missing": "no_such_module:PIPELINE", "markup": "bad_pipelines:MARKUP"},
+             {"bad_pipelines": BAD_MODULE})
     env = {"PAPERLINE_STATE_DIR": str(tmp_path / "state"), "COLUMNS": "250"}
     get_settings.cache_clear()
     try:
@@ -239,6 +255,7 @@ def test_params_lists_every_pipeline_and_a_broken_one_as_a_row_and_run_refuses_i
     assert "paperline-rsvd 0.1" in rows[name] and "0 6 * * *" in rows[name] and "default, demo" in rows[name]
     assert "paperline " in rows["gemm"] and "30 3 * * *" in rows["gemm"]
     assert "broken-pipelines 2.0" in rows["missing"] and "cannot be loaded" in rows["missing"]
+    assert "uses [/tmp] scratch, [rank] k" in rows["markup"]  # as text (a MarkupError: a review)
     assert run.exit_code == 1 and "Traceback" not in run.output
     text = " ".join(run.output.split())
     assert ("error: pipeline 'missing' (paperline.pipelines entry point 'no_such_module:PIPELINE' of broken-pipelines "
@@ -354,3 +371,22 @@ def test_a_package_flow_refused_for_its_input_is_one_line_in_a_deployments_log(s
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
                          env={**env, "PYTHONPATH": str(site)})
     assert out.stdout.strip() == "True", out.stdout + out.stderr[-3000:]
+
+
+def test_a_broken_package_is_imported_once_per_process(site):
+    """Each look at a broken package's pipeline imported it again (three times per `serve`, a
+    review): its error is kept."""
+    from paperline.flows.pipelines import get_pipeline, loadable_pipelines
+    from paperline.infra.errors import PaperlineError
+
+    counter = site / "imports"
+    _install(site, "slow-broken", "1.0", {"slow": "slow_broken:PIPELINE"}, {"slow_broken": (
+        "import pathlib\n"
+        f"p = pathlib.Path({str(counter)!r})\n"
+        "p.write_text(str(int(p.read_text() if p.exists() else '0') + 1))\n"
+        "raise RuntimeError('cannot start')\n")})
+    for _ in range(2):
+        with pytest.raises(PaperlineError, match="could not be loaded: RuntimeError: cannot start"):
+            get_pipeline("slow")
+    _, broken = loadable_pipelines(packages_only=True)
+    assert list(broken) == ["slow"] and counter.read_text() == "1"

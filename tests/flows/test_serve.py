@@ -105,7 +105,7 @@ def test_the_readme_command_line_triggers_a_run(served, cli_env, wait_for_flow_r
     assert state.name == "Completed", (state, log.read_text()[-3000:])
 
 
-def test_trigger_runs_a_deployment_with_run_s_checks_and_watches_it_to_its_summary(served, cli_env, run_cli):
+def test_trigger_runs_a_deployment_with_run_s_checks_and_watches_it_to_its_summary(served, cli_env, run_cli, tmp_path):
     """`paperline trigger PIPELINE --set ...`: the Run button's call with `run`'s parameter
     language and checks (the README's `prefect deployment run ... --params '{"params": ...}'` took
     JSON nested by hand); `--watch` follows the run and prints the summary its flow logged, and a
@@ -122,10 +122,26 @@ def test_trigger_runs_a_deployment_with_run_s_checks_and_watches_it_to_its_summa
     assert re.search(r"triggered gemm/local: flow run '[\w-]+' http://127\.0\.0\.1:\d+/runs/flow-run/", out), out
     assert out.index(": Running") < out.index(": Completed") < out.index("gemm: throughput") < out.index("verified")
     assert "GEMM 96x64 (k=32) float64 tile=32" in out, out
-    failed = run_cli(cli_env, "trigger", "gemm", "--set", "a=/nonexistent/A.npy", "--watch")
+    # a missing local file is refused before the run (served here: its files are these); an S3 object is
+    # looked for by the run
+    missing = run_cli(cli_env, "trigger", "gemm", "--set", "a=/nonexistent/A.npy")
+    assert missing.returncode == 1 and "error: a='/nonexistent/A.npy': no such file" in missing.stderr
+    assert "triggered" not in missing.stdout
+    failed = run_cli(cli_env, "trigger", "gemm", "--set", "a=s3://paperline-data/nonexistent/A.npy", "--watch")
     err = " ".join(failed.stderr.split())
     assert failed.returncode == 1 and "Traceback" not in err, err
-    assert "ended Failed: Flow run encountered an exception: InputError: a='/nonexistent/A.npy': no such file" in err
+    assert "ended Failed: Flow run encountered an exception: InputError: a='s3://paperline-data/nonexistent/A.npy'" \
+        in err, err
+    # a preset's values are the run's given parameters (gemm's `full` m beside operand files): refused before
+    # the run exists, not as it starts (a review)
+    import numpy as np
+
+    np.save(tmp_path / "A.npy", np.ones((40, 30)))
+    np.save(tmp_path / "B.npy", np.ones((30, 20)))
+    preset = run_cli(cli_env, "trigger", "gemm", "--preset", "full", "--set", f"a={tmp_path / 'A.npy'}",
+                     "--set", f"b={tmp_path / 'B.npy'}")
+    assert preset.returncode == 1 and "triggered" not in preset.stdout, preset.stdout + preset.stderr
+    assert "error: m=8192: the operands" in " ".join(preset.stderr.split()), preset.stderr
     nowhere = run_cli(cli_env, "trigger", "gemm", "--deployment", "nope")
     assert nowhere.returncode == 1 and "error: --deployment='nope': no deployment gemm/nope on the Prefect server" \
         in " ".join(nowhere.stderr.split())
