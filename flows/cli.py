@@ -1470,58 +1470,137 @@ def trigger(pipeline: Optional[str] = typer.Argument(None, metavar="PIPELINE", h
                                                               "unless it Completed.")) -> None:
     """Trigger a run of a pipeline's deployment, as the Prefect UI's Run button does: it executes
     where the deployment is served (`paperline serve`) or in a `paperline worker`. --set and
-    --preset are checked as `run` checks them, before the run is created."""
-    from prefect.client.orchestration import get_client
-    from prefect.exceptions import ObjectNotFound
+    --preset are checked as `run` checks them, before the run is created. The stack must be up."""
+    import httpx
 
-    from paperline.flows.pipelines import get_pipeline, override_values, validated_parameters
-    from paperline.infra.errors import InputError, redact_url
-    from paperline.kernels.errors import unknown_name
+    from paperline.flows.pipelines import get_pipeline, override_values
 
     spec = get_pipeline(_named(pipeline, "trigger"))
     chosen = _one_preset(preset) if preset else None
     if chosen is not None and chosen not in spec.presets:
+        from paperline.infra.errors import InputError
+        from paperline.kernels.errors import unknown_name
+
         raise InputError("--preset", chosen, unknown_name("preset", chosen, sorted(spec.presets)))
+    names = _deployment_names(spec.flow.name, deployment)
     _refuse_non_json(*override_values(spec, {}, set_ or []))  # a malformed or unknown --set, before the stack
     _quiet_logs()
-    info = _ensure_stack()
+    info = _running_stack("trigger")  # (it started a whole stack to say "no deployment": a trial)
+    try:
+        _trigger(spec, info, names, chosen, set_ or [], watch)
+    except httpx.TransportError as exc:  # (a bare "ConnectError: [Errno 111]" as the stack went down: a trial)
+        from paperline.infra.errors import redact_url
+
+        raise PaperlineError(f"the Prefect server at {redact_url(info.prefect_api_url)} is not answering "
+                             f"({type(exc).__name__}); `paperline status` says what runs, `paperline up` starts it "
+                             "again, and the Prefect UI then shows the run's state") from None
+
+
+def _deployment_names(flow: str, deployment: str | None) -> list[str]:
+    """The deployment names `trigger` looks for, in order: ``--deployment`` (``NAME`` or the full
+    ``FLOW/NAME`` that trigger prints), else ``local`` and the work-pool one (the flow's name)."""
+    from paperline.infra.errors import InputError
+
+    if deployment is None:
+        return ["local", flow]
+    given, (head, sep, tail) = deployment, deployment.strip().rpartition("/")
+    if sep and head != flow:
+        raise InputError("--deployment", given, f"a deployment of flow {head!r}, not of {flow!r}; give NAME or {flow}/NAME")
+    if not tail:
+        raise InputError("--deployment", given, f"empty; give local or {flow} (or {flow}/NAME)")
+    return [tail]
+
+
+def _running_stack(command: str) -> Any:
+    """The running stack's (or the configured endpoints') info, activated for Prefect's client.
+
+    Raises:
+        ServiceError: no stack runs here and none is configured.
+        PaperlineError: the local Prefect server's login cannot be read.
+    """
+    from paperline.infra.errors import ServiceError
+    from paperline.infra.stack import activate, load_stack_info, login_problem
+
+    settings = _settings()
+    info = load_stack_info(settings)
+    if info is None:
+        raise ServiceError("stack", f"no running stack or configured endpoints; `paperline up` (and `paperline "
+                                    f"serve` or a worker, to execute it) before `paperline {command}`")
+    problem = login_problem(settings, "prefect") if info.service("prefect").managed else None
+    if problem:
+        raise PaperlineError(f"prefect: {problem}")
+    activate(info)
+    return info
+
+
+def _trigger(spec: Any, info: Any, names: list[str], preset: str | None, overrides: list[str], watch: bool) -> None:
+    """:func:`trigger`'s work on the stack's Prefect server (see there)."""
+    from prefect.client.orchestration import get_client
+    from prefect.exceptions import ObjectNotFound
+
+    from paperline.flows.pipelines import override_values, validated_parameters
+    from paperline.infra.errors import InputError, redact_url
+
     flow = spec.flow.name
-    candidates = [deployment] if deployment else ["local", flow]
     with get_client(sync_client=True) as client:
-        found = None
-        for name in candidates:
+        found = {}
+        for name in names:
             try:
-                found = client.read_deployment_by_name(f"{flow}/{name}")
-                break
+                found[name] = client.read_deployment_by_name(f"{flow}/{name}")
             except ObjectNotFound:
                 continue
-        if found is None:
-            raise InputError("--deployment" if deployment else "pipeline", deployment or spec.name,
-                             f"no deployment {' or '.join(f'{flow}/{n}' for n in candidates)} on the Prefect server "
+        if not found:
+            raise InputError("--deployment" if names != ["local", flow] else "pipeline",
+                             names[0] if names != ["local", flow] else spec.name,
+                             f"no deployment {' or '.join(f'{flow}/{n}' for n in names)} on the Prefect server "
                              f"at {redact_url(info.prefect_api_url)}: `paperline serve` serves {flow}/local, "
                              f"`prefect deploy --all` makes {flow}/{flow} for `paperline worker`")
-        base = spec.presets[chosen] if chosen is not None else (found.parameters or {}).get("params") or {}
-        values, given = override_values(spec, base, set_ or [])
+        # the served one unless its serve stopped (paused) and the work pool's is there (a trial's worker
+        # was online while the paused gemm/local got the run)
+        deployment = next((d for d in found.values() if not d.paused), next(iter(found.values())))
+        base = spec.presets[preset] if preset is not None else (deployment.parameters or {}).get("params") or {}
+        values, given = override_values(spec, base, overrides)
         _refuse_non_json(values, given)
         # as the run's flow will take them: every value sent counts as given there, a preset's too
         # (gemm's `full` m beside --set a=... passed here and failed the run as it started: a review)
         params = validated_parameters(spec, values, {key: given.get(key, repr(v)) for key, v in values.items()})
-        if found.work_pool_name is None and hasattr(params, "validate_inputs"):
-            params.validate_inputs()  # served on this machine: its files are these
-        run = client.create_flow_run_from_deployment(found.id, parameters={"params": values})
-        _say(f"triggered {flow}/{found.name}: flow run '{run.name}' {info.flow_run_url(run.id)}")
-        waits = None
-        if found.paused:  # (its runs wait in Scheduled, nothing said)
-            waits = ("is paused (its `paperline serve` stopped, or it was paused in the Prefect UI): the run waits "
-                     "until it is served again")
-        elif str(getattr(found.status, "value", found.status)) == "NOT_READY":  # (a killed serve leaves it unpaused)
-            waits = ("has not been polled lately (no `paperline serve` or worker takes its runs now): the run waits "
-                     "until one does")
+        if hasattr(params, "validate_inputs"):  # as `run` checks them, here (a worker elsewhere must see these paths)
+            params.validate_inputs()
+        # the checked values, normalized (`routine=Gemm`, `m="128"`: `run` takes them, and Prefect's schema
+        # refused the text as typed with a 409: a trial)
+        sent = params.model_dump(mode="json", include=set(values))
+        run = client.create_flow_run_from_deployment(deployment.id, parameters={"params": sent})
+        _say(f"triggered {flow}/{deployment.name}: flow run '{run.name}' {info.flow_run_url(run.id)}")
+        waits = _why_it_waits(client, deployment)
         if waits:
-            err_console.print(f"warning: {flow}/{found.name} {waits}", style="yellow", soft_wrap=True,
+            err_console.print(f"warning: {flow}/{deployment.name} {waits}", style="yellow", soft_wrap=True,
                               highlight=False, markup=False)
         if watch:
             _watch_triggered(client, spec, run)
+            _say(f"Prefect flow run: {info.flow_run_url(run.id)}")
+
+
+def _why_it_waits(client: Any, deployment: Any) -> str | None:
+    """Why a run of ``deployment`` will not start now, or None: paused (its serve stopped), not
+    polled lately, or a work pool with no worker online."""
+    from prefect.client.schemas.filters import WorkerFilter, WorkerFilterStatus
+
+    from paperline.infra.stack import WORK_POOLS
+
+    if deployment.paused:  # (its runs wait in Scheduled, nothing said)
+        return ("is paused (its `paperline serve` stopped, or it was paused in the Prefect UI): the run waits until it "
+                "is served again")
+    if deployment.work_pool_name:
+        online = client.read_workers_for_work_pool(deployment.work_pool_name,
+                                                   worker_filter=WorkerFilter(status=WorkerFilterStatus(any_=["ONLINE"])))
+        if not online:  # (nothing said: a trial)
+            kind = next((k for k, name in WORK_POOLS.items() if name == deployment.work_pool_name), None)
+            start = f"`paperline worker --pool {kind}`" if kind else "a worker of the pool"
+            return f"has no worker of work pool {deployment.work_pool_name} online: the run waits until {start} runs"
+        return None
+    if str(getattr(deployment.status, "value", deployment.status)) == "NOT_READY":  # (a killed serve leaves it unpaused)
+        return "has not been polled lately (no `paperline serve` takes its runs now): the run waits until one does"
+    return None
 
 
 TRIGGER_POLL_S = 1.0  # how often `trigger --watch` reads its run's state

@@ -1763,6 +1763,12 @@ def test_trigger_refuses_bad_parameters_before_anything_starts(tmp_path):
                             (["trigger"], ["name a pipeline: paperline trigger PIPELINE, one of"]),
                             (["trigger", "gemmm"], ["pipeline='gemmm'", "did you mean gemm?"]),
                             # JSON has no NaN: Prefect sent it as null (a review)
-                            (["trigger", "gemm", "--set", "alpha=NaN"], ["alpha=NaN: not a finite number"])):
+                            (["trigger", "gemm", "--set", "alpha=NaN"], ["alpha=NaN: not a finite number"]),
+                            # the full name trigger prints is taken too (a ValueError of Prefect's: a trial)
+                            (["trigger", "gemm", "--deployment", "nas/local"],
+                             ["--deployment='nas/local': a deployment of flow 'nas', not of 'gemm'; give NAME or gemm/NAME"]),
+                            (["trigger", "gemm", "--deployment", ""], ["--deployment='': empty; give local or gemm"]),
+                            # no stack: said, not started (it started a whole one to say "no deployment": a trial)
+                            (["trigger", "gemm"], ["no running stack or configured endpoints; `paperline up`"])):
         assert_one_line_error(run_cli(*args, env=env), *fragments)
     assert not (tmp_path / "state").exists()

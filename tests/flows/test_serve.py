@@ -142,6 +142,10 @@ def test_trigger_runs_a_deployment_with_run_s_checks_and_watches_it_to_its_summa
                      "--set", f"b={tmp_path / 'B.npy'}")
     assert preset.returncode == 1 and "triggered" not in preset.stdout, preset.stdout + preset.stderr
     assert "error: m=8192: the operands" in " ".join(preset.stderr.split()), preset.stderr
+    # what `run` takes is sent as it checked it (the text as typed was a 409 from Prefect's schema: a trial)
+    typed = run_cli(cli_env, "trigger", "gemm", "--set", "routine=Gemm", "--set", 'm="64"', "--set", "n=32",
+                    "--set", "k=32", "--set", "tile=32", "--set", "scaling=false", "--deployment", "gemm/local", "--watch")
+    assert typed.returncode == 0 and "GEMM 64x32 (k=32) float64 tile=32" in typed.stdout, typed.stdout + typed.stderr
     nowhere = run_cli(cli_env, "trigger", "gemm", "--deployment", "nope")
     assert nowhere.returncode == 1 and "error: --deployment='nope': no deployment gemm/nope on the Prefect server" \
         in " ".join(nowhere.stderr.split())

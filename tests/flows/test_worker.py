@@ -96,6 +96,24 @@ def test_status_says_the_pool_has_a_worker_online(deployed, cli_env):
     assert local_worker_pids(info.prefect_api_url, info.prefect_login) == [deployed[1].pid]  # what `down` names
 
 
+def test_trigger_says_when_a_work_pool_has_no_worker_online(deployed):
+    """`paperline trigger --deployment gemm` with no worker online said nothing while its run waited
+    (a trial); after the status test above, this pool's worker is online."""
+    from types import SimpleNamespace
+
+    from prefect.client.orchestration import get_client
+
+    from paperline.flows.cli import _why_it_waits
+
+    with get_client(sync_client=True) as client:
+        assert _why_it_waits(client, client.read_deployment_by_name("gemm/gemm")) is None
+        gpu = SimpleNamespace(paused=False, work_pool_name="paperline-gpu", status=None)  # a pool with no worker
+        assert _why_it_waits(client, gpu) == ("has no worker of work pool paperline-gpu online: the run waits until "
+                                              "`paperline worker --pool gpu` runs")
+        assert _why_it_waits(client, SimpleNamespace(paused=True, work_pool_name=None, status=None)).startswith(
+            "is paused (its `paperline serve` stopped")
+
+
 def test_sigterm_stops_the_worker_and_crashes_its_run_at_once(deployed, running_flow_run, stack):
     """`kill` (SIGTERM) of `paperline worker`, as a supervisor stops it, left its `prefect worker`
     child running under PID 1, taking runs (a fresh-user trial); it is passed on now. The run it
