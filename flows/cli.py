@@ -1569,15 +1569,23 @@ def _trigger(spec: Any, info: Any, names: list[str], preset: str | None, overrid
         # the checked values, normalized (`routine=Gemm`, `m="128"`: `run` takes them, and Prefect's schema
         # refused the text as typed with a 409: a trial)
         sent = params.model_dump(mode="json", include=set(values))
+        if watch:  # `kill`, a closed terminal: stop watching as Ctrl-C does (they ended it unsaid: a trial)
+            from paperline.infra import interrupts
+
+            interrupts.hangup_as_interrupt()
         run = client.create_flow_run_from_deployment(deployment.id, parameters={"params": sent})
-        _say(f"triggered {flow}/{deployment.name}: flow run '{run.name}' {info.flow_run_url(run.id)}")
-        waits = _why_it_waits(client, deployment)
-        if waits:
-            err_console.print(f"warning: {flow}/{deployment.name} {waits}", style="yellow", soft_wrap=True,
-                              highlight=False, markup=False)
-        if watch:
-            _watch_triggered(client, spec, run)
-            _say(f"Prefect flow run: {info.flow_run_url(run.id)}")
+        try:
+            _say(f"triggered {flow}/{deployment.name}: flow run '{run.name}' {info.flow_run_url(run.id)}")
+            waits = _why_it_waits(client, deployment)
+            if waits:
+                err_console.print(f"warning: {flow}/{deployment.name} {waits}", style="yellow", soft_wrap=True,
+                                  highlight=False, markup=False)
+            if watch:
+                _watch_triggered(client, spec, run)
+                _say(f"Prefect flow run: {info.flow_run_url(run.id)}")
+        except KeyboardInterrupt:  # (the watch's own line, or this one as the run was just made)
+            _say_interrupted(f"interrupted: stopped watching; flow run '{run.name}' goes on (the Prefect UI shows it)")
+            raise
 
 
 def _why_it_waits(client: Any, deployment: Any) -> str | None:

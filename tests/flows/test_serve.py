@@ -4,6 +4,7 @@ deployment, with custom parameters), executed to Completed by the serving proces
 matching MLflow run tagged with the flow-run id."""
 
 import re
+import signal
 import subprocess
 import sys
 import time
@@ -146,6 +147,15 @@ def test_trigger_runs_a_deployment_with_run_s_checks_and_watches_it_to_its_summa
     typed = run_cli(cli_env, "trigger", "gemm", "--set", "routine=Gemm", "--set", 'm="64"', "--set", "n=32",
                     "--set", "k=32", "--set", "tile=32", "--set", "scaling=false", "--deployment", "gemm/local", "--watch")
     assert typed.returncode == 0 and "GEMM 64x32 (k=32) float64 tile=32" in typed.stdout, typed.stdout + typed.stderr
+    # `kill` of a watching trigger stops the watch as Ctrl-C does, saying the run goes on (it ended unsaid: a trial)
+    watching = subprocess.Popen([sys.executable, "-m", "paperline.flows.cli", "trigger", "gemm", "--set", "m=64",
+                                 "--set", "n=32", "--set", "k=32", "--set", "tile=32", "--set", "scaling=false",
+                                 "--watch"], env=cli_env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    first = watching.stdout.readline()
+    assert first.startswith("triggered gemm/local: flow run "), first
+    watching.send_signal(signal.SIGTERM)
+    rest = watching.communicate(timeout=60)[0]
+    assert watching.returncode != 0 and "interrupted: stopped watching; flow run '" in rest and "goes on" in rest, rest
     nowhere = run_cli(cli_env, "trigger", "gemm", "--deployment", "nope")
     assert nowhere.returncode == 1 and "error: --deployment='nope': no deployment gemm/nope on the Prefect server" \
         in " ".join(nowhere.stderr.split())
