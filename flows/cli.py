@@ -545,12 +545,11 @@ def _print_pipelines() -> None:
     does. A package's pipeline that cannot be loaded is a row saying why (the others still show)."""
     from rich.text import Text
 
-    from paperline.flows.pipelines import builtin_pipeline_names, get_pipeline, package_of_pipeline, pipeline_names
+    from paperline.flows.pipelines import get_pipeline, package_of_pipeline, pipeline_names
 
     table = Table("pipeline", "from", "schedule (UTC)", "presets", "description", title="pipelines")
-    builtin = set(builtin_pipeline_names())
     for name in pipeline_names():
-        origin = "paperline" if name in builtin else package_of_pipeline(name)
+        origin = package_of_pipeline(name)
         try:
             spec = get_pipeline(name)
         except PaperlineError as exc:
@@ -1080,8 +1079,12 @@ def _as_summary(name: str, summary: Any) -> dict[str, Any]:
         if isinstance(lines, list) and all(isinstance(line, str) for line in lines):
             return summary
         # ("lines": "text" printed a character a line, None failed before --summary-json: a review)
-        lines = [lines] if isinstance(lines, str) else [str(x) for x in lines] if isinstance(lines, list) else \
-            ([] if lines is None else [str(lines)])
+        if lines is None:
+            lines = []
+        elif isinstance(lines, list):
+            lines = [str(line) for line in lines]
+        else:
+            lines = [str(lines)]
         return {**summary, "lines": lines}
     shown = repr(summary)
     return {"result": summary, "lines": [f"{name}'s flow returned {shown[:200]}{'...' if len(shown) > 200 else ''}"
@@ -1473,19 +1476,18 @@ def trigger(pipeline: Optional[str] = typer.Argument(None, metavar="PIPELINE", h
     --preset are checked as `run` checks them, before the run is created. The stack must be up."""
     import httpx
 
-    from paperline.flows.pipelines import get_pipeline, override_values
+    from paperline.flows.pipelines import get_pipeline, override_values, preset_values
 
     spec = get_pipeline(_named(pipeline, "trigger"))
     chosen = _one_preset(preset) if preset else None
-    if chosen is not None and chosen not in spec.presets:
-        from paperline.infra.errors import InputError
-        from paperline.kernels.errors import unknown_name
-
-        raise InputError("--preset", chosen, unknown_name("preset", chosen, sorted(spec.presets)))
+    if chosen is not None:
+        preset_values(spec, chosen)  # an unknown one, before the stack
     names = _deployment_names(spec.flow.name, deployment)
     _refuse_non_json(*override_values(spec, {}, set_ or []))  # a malformed or unknown --set, before the stack
     _quiet_logs()
-    info = _running_stack("trigger")  # (it started a whole stack to say "no deployment": a trial)
+    # (it started a whole stack to say "no deployment": a trial)
+    info = _running_stack("prefect", "`paperline up` (and `paperline serve` or a worker, to execute it) before "
+                                     "`paperline trigger`")
     try:
         _trigger(spec, info, names, chosen, set_ or [], watch)
     except httpx.TransportError as exc:  # (a bare "ConnectError: [Errno 111]" as the stack went down: a trial)
@@ -1511,12 +1513,17 @@ def _deployment_names(flow: str, deployment: str | None) -> list[str]:
     return [tail]
 
 
-def _running_stack(command: str) -> Any:
-    """The running stack's (or the configured endpoints') info, activated for Prefect's client.
+def _running_stack(service: str, advice: str) -> Any:
+    """The running stack's (or the configured endpoints') info, activated for the clients (its
+    logins in their variables); not started (`compare`, `trigger`).
+
+    Args:
+        service: the server the command talks to, whose local login must be readable.
+        advice: what the "no running stack" error says to do.
 
     Raises:
         ServiceError: no stack runs here and none is configured.
-        PaperlineError: the local Prefect server's login cannot be read.
+        PaperlineError: the local ``service``'s login cannot be read.
     """
     from paperline.infra.errors import ServiceError
     from paperline.infra.stack import activate, load_stack_info, login_problem
@@ -1524,11 +1531,10 @@ def _running_stack(command: str) -> Any:
     settings = _settings()
     info = load_stack_info(settings)
     if info is None:
-        raise ServiceError("stack", f"no running stack or configured endpoints; `paperline up` (and `paperline "
-                                    f"serve` or a worker, to execute it) before `paperline {command}`")
-    problem = login_problem(settings, "prefect") if info.service("prefect").managed else None
+        raise ServiceError("stack", f"no running stack or configured endpoints; {advice}")
+    problem = login_problem(settings, service) if info.service(service).managed else None
     if problem:
-        raise PaperlineError(f"prefect: {problem}")
+        raise PaperlineError(f"{service}: {problem}")
     activate(info)
     return info
 
@@ -1538,10 +1544,11 @@ def _trigger(spec: Any, info: Any, names: list[str], preset: str | None, overrid
     from prefect.client.orchestration import get_client
     from prefect.exceptions import ObjectNotFound
 
-    from paperline.flows.pipelines import override_values, validated_parameters
+    from paperline.flows.pipelines import override_values, preset_values, validated_parameters
     from paperline.infra.errors import InputError, redact_url
 
     flow = spec.flow.name
+    picked = names != ["local", flow]  # --deployment given
     with get_client(sync_client=True) as client:
         found = {}
         for name in names:
@@ -1550,15 +1557,14 @@ def _trigger(spec: Any, info: Any, names: list[str], preset: str | None, overrid
             except ObjectNotFound:
                 continue
         if not found:
-            raise InputError("--deployment" if names != ["local", flow] else "pipeline",
-                             names[0] if names != ["local", flow] else spec.name,
+            raise InputError("--deployment" if picked else "pipeline", names[0] if picked else spec.name,
                              f"no deployment {' or '.join(f'{flow}/{n}' for n in names)} on the Prefect server "
                              f"at {redact_url(info.prefect_api_url)}: `paperline serve` serves {flow}/local, "
                              f"`prefect deploy --all` makes {flow}/{flow} for `paperline worker`")
         # the served one unless its serve stopped (paused) and the work pool's is there (a trial's worker
         # was online while the paused gemm/local got the run)
         deployment = next((d for d in found.values() if not d.paused), next(iter(found.values())))
-        base = spec.presets[preset] if preset is not None else (deployment.parameters or {}).get("params") or {}
+        base = preset_values(spec, preset) if preset is not None else (deployment.parameters or {}).get("params") or {}
         values, given = override_values(spec, base, overrides)
         _refuse_non_json(values, given)
         # as the run's flow will take them: every value sent counts as given there, a preset's too
@@ -1635,8 +1641,8 @@ def _refuse_non_json(values: dict[str, Any], given: dict[str, str]) -> None:
 
     for key, value in values.items():
         if not finite(value):
-            raise InputError(key, _AsTyped(given[key]) if key in given else value, "not a finite number: a deployment run's parameters are JSON, "
-                                                         "which has no NaN or infinity")
+            raise InputError(key, _AsTyped(given[key]) if key in given else value,
+                             "not a finite number: a deployment run's parameters are JSON, which has no NaN or infinity")
 
 
 def _watch_triggered(client: Any, spec: Any, run: Any) -> None:
@@ -1649,10 +1655,9 @@ def _watch_triggered(client: Any, spec: Any, run: Any) -> None:
     import time
 
     from prefect.client.schemas.filters import LogFilter, LogFilterFlowRunId
+    from prefect.client.schemas.sorting import LogSort
 
     from paperline.infra.errors import redact_text
-
-    from prefect.client.schemas.sorting import LogSort
 
     seen = None
     name = spec.flow.fn.__name__.replace("_", "-")
@@ -2367,19 +2372,9 @@ def compare(experiment: str = typer.Argument(..., metavar="EXPERIMENT", help="ML
     """Compare an experiment's MLflow runs: a table, an overlay plot of step-wise metrics and a
     Parquet file of the runs."""
     from paperline.flows.compare import compare_runs
-    from paperline.infra.stack import activate, load_stack_info, login_problem
     from paperline.infra.tracking import Tracker
 
-    settings = _settings()
-    info = load_stack_info(settings)
-    if info is None:
-        from paperline.infra.errors import ServiceError
-
-        raise ServiceError("stack", "no running stack or configured endpoints; run `paperline up` first")
-    problem = login_problem(settings, "mlflow") if info.service("mlflow").managed else None
-    if problem:  # else MLflow's bare 401 (a trial)
-        raise PaperlineError(f"mlflow: {problem}")
-    activate(info)  # the local MLflow's login
+    info = _running_stack("mlflow", "run `paperline up` first")  # (its login: else MLflow's bare 401, a trial)
     result = compare_runs(Tracker(info.mlflow_tracking_uri), experiment, list(metric), joined_filters(filter_string),
                           top, out, log,
                           ascending, all_runs)

@@ -251,9 +251,8 @@ def _pipeline_problems(pipeline: Pipeline, name: str) -> list[str]:
     from prefect import Flow  # noqa: PLC0415
 
     problems = []
-    entry_name = name
-    if pipeline.name != entry_name:
-        problems.append(f"its name is {pipeline.name!r}, not the entry point's {entry_name!r}")
+    if pipeline.name != name:
+        problems.append(f"its name is {pipeline.name!r}, not the entry point's {name!r}")
     if not isinstance(pipeline.flow, Flow):
         problems.append(f"its flow is a {type(pipeline.flow).__name__}, not a Prefect flow "
                         "(paperline.infra.pipeline_flow.pipeline_flow makes one)")
@@ -274,21 +273,13 @@ def _pipeline_problems(pipeline: Pipeline, name: str) -> list[str]:
                 problems.append(f"its preset {preset!r} sets {', '.join(unknown)}, not parameters of "
                                 f"{pipeline.parameters.__name__}")
                 continue
-            try:
-                pipeline.parameters.model_validate(values)
-            except ValidationError as exc:
-                problems.append(f"its preset {preset!r} is not valid for {pipeline.parameters.__name__}: "
-                                f"{exc.errors()[0]['loc']}: {exc.errors()[0]['msg']}")
+            problems += _invalid(pipeline.parameters, values, f"its preset {preset!r} is")
         # what `serve` deploys: a bad cron or deployment parameters stopped serving every pipeline (a review)
         params = pipeline.deployment_params("paperline-data")
         if set(params) - {"params"} or not isinstance(params.get("params", {}), dict):
             problems.append(f"its deployment_parameters are {params!r}, not {{'params': {{...}}}}")
         else:
-            try:
-                pipeline.parameters.model_validate(params.get("params", {}))
-            except ValidationError as exc:
-                problems.append(f"its deployment_parameters are not valid for {pipeline.parameters.__name__}: "
-                                f"{exc.errors()[0]['loc']}: {exc.errors()[0]['msg']}")
+            problems += _invalid(pipeline.parameters, params.get("params", {}), "its deployment_parameters are")
     if pipeline.cron is not None:
         from prefect.schedules import Cron  # noqa: PLC0415
 
@@ -297,6 +288,17 @@ def _pipeline_problems(pipeline: Pipeline, name: str) -> list[str]:
         except Exception as exc:  # noqa: BLE001 - pydantic's or croniter's, as it comes
             problems.append(f"its cron {pipeline.cron!r} is not a cron schedule ({(str(exc).splitlines() or [''])[0]})")
     return problems
+
+
+def _invalid(model: type[BaseModel], values: dict[str, Any], what: str) -> list[str]:
+    """``["<what> not valid for <model>: <field>: <reason>"]`` when ``values`` fail the model (``what``
+    ends in its verb: "its preset 'full' is"), else empty."""
+    try:
+        model.model_validate(values)
+    except ValidationError as exc:
+        first = exc.errors()[0]
+        return [f"{what} not valid for {model.__name__}: {first['loc']}: {first['msg']}"]
+    return []
 
 
 def _members(annotation: Any) -> set[Any]:
@@ -361,10 +363,19 @@ def build_parameters(pipeline: Pipeline, preset: str, overrides: list[str]) -> B
     Raises:
         InputError: unknown preset, malformed override, unknown parameter or invalid value.
     """
+    values, given = override_values(pipeline, preset_values(pipeline, preset), overrides)
+    return validated_parameters(pipeline, values, given)
+
+
+def preset_values(pipeline: Pipeline, preset: str) -> dict[str, Any]:
+    """The values of ``pipeline``'s preset called ``preset``.
+
+    Raises:
+        InputError: no such preset (the message lists the pipeline's).
+    """
     if preset not in pipeline.presets:
         raise InputError("--preset", preset, unknown_name("preset", preset, sorted(pipeline.presets)))
-    values, given = override_values(pipeline, pipeline.presets[preset], overrides)
-    return validated_parameters(pipeline, values, given)
+    return pipeline.presets[preset]
 
 
 def override_values(pipeline: Pipeline, base: dict[str, Any], overrides: list[str]) -> tuple[dict[str, Any], dict[str, str]]:
