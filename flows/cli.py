@@ -1727,8 +1727,12 @@ def serve() -> None:
                       soft_wrap=True)
         # (the environment first: PREFECT_API_URL alone, as this said before, got a 401 once the
         # local Prefect required its login, a trial)
+        # (`paperline trigger` first: it takes `run`'s --preset/--set and checks them before the run
+        # exists; Prefect's CLI needs the stack's environment and nested JSON)
         console.print(f"trigger them from {redact_url(info.prefect_ui_url.rstrip('/'))}/deployments or, in a shell, "
-                      f"with `eval \"$({_state_dir_prefix()}{_on_path('paperline')} env)\"` (the stack's URLs and "
+                      f"with `{_state_dir_prefix()}{_on_path('paperline')} trigger gemm --set m=512 --set n=512 "
+                      "--set k=512 --watch`, or with Prefect's CLI: "
+                      f"`eval \"$({_state_dir_prefix()}{_on_path('paperline')} env)\"` (the stack's URLs and "
                       "logins) then "
                       f"`{_on_path('prefect')} deployment run gemm/local --params "
                       f"'{{\"params\": {{\"m\": 512, \"n\": 512, \"k\": 512}}}}'`; {_stop_serving_hint()}",

@@ -96,8 +96,10 @@ def test_the_readme_command_line_triggers_a_run(served, cli_env, wait_for_flow_r
     # ... and the state directory of a stack not in the default one (pasted elsewhere, the printed
     # command pointed at the default stack: a trial)
     state = cli_env["PAPERLINE_STATE_DIR"]
-    assert f"in a shell, with `eval \"$(PAPERLINE_STATE_DIR={state} {_on_path('paperline')} env)\"` (the stack's URLs " \
-        f"and logins) then `{_on_path('prefect')} deployment run gemm/local" in said, said[-3000:]
+    assert f"in a shell, with `PAPERLINE_STATE_DIR={state} {_on_path('paperline')} trigger gemm --set m=512 " in said, \
+        said[-3000:]  # (paperline's own first: run's --set, checked before the run exists)
+    assert f"with Prefect's CLI: `eval \"$(PAPERLINE_STATE_DIR={state} {_on_path('paperline')} env)\"` (the stack's " \
+        f"URLs and logins) then `{_on_path('prefect')} deployment run gemm/local" in said, said[-3000:]
     out = subprocess.run(["bash", "-c", script], env=env, capture_output=True, text=True, timeout=180)
     assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-2000:]
     run_id = re.search(r"UUID: ([0-9a-f-]{36})", out.stdout).group(1)
