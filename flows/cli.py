@@ -1667,7 +1667,7 @@ def _watch_triggered(client: Any, spec: Any, run: Any) -> None:
             state = client.read_flow_run(run.id).state
             if state is not None and state.name != seen:
                 seen = state.name
-                _say(f"{run.name}: {seen}")
+                _say(f"{run.name}: {seen}{_slot_holder(client, run) if seen == 'AwaitingConcurrencySlot' else ''}")
             if state is not None and state.is_final():
                 break
             time.sleep(TRIGGER_POLL_S)
@@ -1691,6 +1691,28 @@ def _watch_triggered(client: Any, spec: Any, run: Any) -> None:
     if not state.is_completed():
         raise PaperlineError(f"flow run '{run.name}' ended {state.name}: "
                              f"{redact_text(state.message or 'no message')}")
+
+
+def _slot_holder(client: Any, run: Any) -> str:
+    """For a run waiting on its deployment's concurrency slot (one run at a time): `` (the slot is
+    held by flow run 'NAME', Running)`` naming the deployment's other runs that hold it, else ``""``
+    (it said AwaitingConcurrencySlot and no more: which run to wait for or cancel was a search in
+    the UI)."""
+    from prefect.client.schemas.filters import (DeploymentFilter, DeploymentFilterId, FlowRunFilter,
+                                                FlowRunFilterState, FlowRunFilterStateType)
+    from prefect.client.schemas.objects import StateType
+
+    if run.deployment_id is None:
+        return ""
+    try:
+        holders = client.read_flow_runs(
+            deployment_filter=DeploymentFilter(id=DeploymentFilterId(any_=[run.deployment_id])),
+            flow_run_filter=FlowRunFilter(state=FlowRunFilterState(type=FlowRunFilterStateType(
+                any_=[StateType.RUNNING, StateType.PENDING, StateType.CANCELLING]))), limit=5)
+    except Exception:  # noqa: BLE001 - a detail of a line: the watch goes on without it
+        return ""
+    named = [f"'{r.name}', {r.state.name}" for r in holders if r.id != run.id and r.state is not None]
+    return f" (the deployment's one slot is held by flow run {'; '.join(named)})" if named else ""
 
 
 @app.command(cls=_Command)

@@ -114,6 +114,30 @@ def test_trigger_says_when_a_work_pool_has_no_worker_online(deployed):
             "is paused (its `paperline serve` stopped")
 
 
+def test_trigger_watch_names_the_run_that_holds_the_deployments_slot(deployed):
+    """`trigger --watch` of a run queued behind its deployment's one slot said
+    "AwaitingConcurrencySlot" and no more (which run to wait for or cancel: a search in the UI)."""
+    from types import SimpleNamespace
+
+    from prefect.client.orchestration import get_client
+    from prefect.states import Cancelled, Running
+
+    from paperline.flows.cli import _slot_holder
+
+    with get_client(sync_client=True) as client:
+        deployment = client.read_deployment_by_name("gemm/gemm")
+        waiting = SimpleNamespace(id=None, deployment_id=deployment.id)
+        assert _slot_holder(client, waiting) == ""  # nothing holds it (the worker's runs above have ended)
+        holder = client.create_flow_run_from_deployment(deployment.id, state=Running())  # no process: set at once
+        try:
+            assert _slot_holder(client, waiting) == f" (the deployment's one slot is held by flow run " \
+                f"'{holder.name}', Running)"
+            assert _slot_holder(client, SimpleNamespace(id=holder.id, deployment_id=deployment.id)) == ""  # not itself
+            assert _slot_holder(client, SimpleNamespace(id=None, deployment_id=None)) == ""  # a run of no deployment
+        finally:
+            client.set_flow_run_state(holder.id, Cancelled(), force=True)
+
+
 def test_sigterm_stops_the_worker_and_crashes_its_run_at_once(deployed, running_flow_run, stack):
     """`kill` (SIGTERM) of `paperline worker`, as a supervisor stops it, left its `prefect worker`
     child running under PID 1, taking runs (a fresh-user trial); it is passed on now. The run it
