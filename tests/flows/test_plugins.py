@@ -293,6 +293,17 @@ def test_the_readme_example_runs_on_the_stack_tracked_in_mlflow(stack, cli_env, 
     assert sorted(m.step for m in history) == [1, 3]
     assert [a.path for a in client.list_artifacts(run.info.run_id)] == ["errors.json"]
     assert run.info.artifact_uri.startswith("mlflow-artifacts:") or run.info.artifact_uri.startswith("s3://")
+    # its headline, through check_latest: the first run has nothing to compare with, the second the first
+    assert run.data.metrics["worst_error_ratio"] == pytest.approx(1.0, abs=1e-3)
+    assert "first finished run with these parameters" in result.stdout, result.stdout
+    again = run_cli(env, "run", name, "--set", "ranks=1,3", check=True)
+    said = " ".join(again.stdout.split())
+    assert "no regression against the best of 1 earlier run(s) with these parameters" in said, said
+    assert "all 1 metric(s) equal: worst_error_ratio" in said, said
+    # ... and `compare` shows it without --metric (the run's headline tag), both runs, best first
+    compared = run_cli(env, "compare", name, "--out", str(tmp_path / "compare"), check=True)
+    assert "worst_error_" in compared.stdout and compared.stdout.count("FINISHED") == 2, compared.stdout  # (folded)
+    assert client.get_run(summary["mlflow_run_id"]).data.tags["paperline.headlines"] == '[["worst_error_ratio", false]]'
 
 
 def test_a_flow_that_returns_no_summary_dict_is_reported_as_what_it_returned(tmp_path, capsys):
