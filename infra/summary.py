@@ -49,13 +49,25 @@ def summary_table(name: str, summary: dict[str, Any]) -> Any:
     return table
 
 
-def summary_text(name: str, summary: dict[str, Any], width: int = 120) -> str:
-    """The summary as plain text (no colour): the table, the lines, the MLflow run's URL."""
+LOG_WIDTH = 120  # columns of a logged summary; its table up to WIDEST_LOG_TABLE where it needs them
+WIDEST_LOG_TABLE = 240
+
+
+def summary_text(name: str, summary: dict[str, Any], width: int | None = None) -> str:
+    """The summary as plain text (no colour): the table, the lines, the MLflow run's URL, at
+    ``width`` columns; by default :data:`LOG_WIDTH`, or as wide as the table's widest row up to
+    :data:`WIDEST_LOG_TABLE` (at 120 a nas campaign's table cut its runs' names, in the Prefect UI
+    and in `trigger --watch`: a trial)."""
     from rich.console import Console  # noqa: PLC0415
 
+    table = summary_table(name, summary)
+    if width is None:
+        width = LOG_WIDTH
+        if table is not None:
+            wide = Console(width=WIDEST_LOG_TABLE, color_system=None)
+            width = max(width, min(wide.measure(table).maximum, WIDEST_LOG_TABLE))
     out = io.StringIO()
     console = Console(file=out, width=width, color_system=None, highlight=False, emoji=False)
-    table = summary_table(name, summary)
     if table is not None:
         console.print(table)
     for line in summary.get("lines", []):

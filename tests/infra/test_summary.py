@@ -17,3 +17,23 @@ def test_a_summary_renders_its_cells_as_text_not_markup():
     text = summary_text("tensor-factorization", {"rows": rows})
     assert "held-out RMSE (the file's own units)" in text and "user-[x]" in text and "0.1000" in text, text
     assert summary_text("gemm", {"lines": []}) == ""
+
+
+def test_a_logged_table_is_as_wide_as_its_rows_up_to_a_limit():
+    """Logged at 120 columns, a nas campaign's table cut its runs' names (in the Prefect UI and in
+    `trigger --watch`: a trial): a wider table gets the columns it needs, up to 240."""
+    from paperline.infra.summary import LOG_WIDTH, WIDEST_LOG_TABLE, summary_text
+
+    def table(cell: str) -> dict:
+        return {"table": {"title": "t", "columns": ["campaign", "value"], "rows": [[cell, "0.5"]]},
+                "lines": ["x" * 300]}
+
+    narrow = summary_text("nas", table("short"))
+    assert max(len(line) for line in narrow.splitlines()[:-1]) <= LOG_WIDTH
+    name = "lamoo-nasbench201-cifar10-" + "q" * 120  # 146 characters: cut at 120
+    wide = summary_text("nas", table(name)).splitlines()
+    assert any(name in line for line in wide), wide
+    assert "x" * 300 in wide  # a line is never folded (soft wrap), whatever the width
+    huge = summary_text("nas", table("y" * 400)).splitlines()
+    assert max(len(line) for line in huge if "y" in line) <= WIDEST_LOG_TABLE
+    assert not any(name in line for line in summary_text("nas", table(name), width=80).splitlines())  # a given width
