@@ -1726,6 +1726,7 @@ def serve() -> None:
     from prefect import serve as prefect_serve
 
     from paperline.deployments import local_deployments
+    from paperline.flows.pipelines import get_pipeline
     from paperline.infra.cluster import describe_cluster, require_scheduler
     from paperline.infra.errors import redact_url
     from paperline.infra.flow_runs import watch_flow_runs
@@ -1739,9 +1740,11 @@ def serve() -> None:
         _say_broken_pipelines("the other pipelines are served")  # (one stopped serving every one: a trial)
         names = served_names()
         served_elsewhere(names)  # ... and per Prefect server, which other state dirs may share
-        deployments = local_deployments(info.data_bucket, paused_schedules(names))
-        listed = [f"{d.flow_name}/{d.name} ({d.schedules[0].schedule.cron if d.schedules else 'no schedule'}"
-                  f"{'' if not d.schedules or d.schedules[0].active else ', schedule paused'})" for d in deployments]
+        kept = existing_schedules(names)  # (as the Prefect UI left them: kept, not replaced)
+        deployments = local_deployments(info.data_bucket, kept)
+        listed = [f"{d.flow_name}/{d.name} "
+                  f"({_schedules_said(kept.get(f'{d.flow_name}/{d.name}', d.schedules or []), get_pipeline(d.flow_name).cron)})"
+                  for d in deployments]
         console.print(f"serving {len(deployments)} deployments: " + ", ".join(listed), highlight=False,
                       soft_wrap=True)  # not folded inside a cron expression in a log file (a trial)
         # where their runs compute (`run` said so, `serve` did not: a trial)
@@ -1995,22 +1998,42 @@ def served_elsewhere(names: list[str]) -> None:
                              f"{SERVE_POLLED_WITHIN_S:.0f} s if it was killed")
 
 
-def paused_schedules(names: list[str]) -> set[str]:
-    """The deployments among ``names`` (``"flow/deployment"``) with a schedule someone paused (the
-    Prefect UI's toggle, ``prefect deployment schedule pause``): serving them again keeps it
-    paused. Each serve replaces its deployments' schedules, and a schedule paused in the UI came
-    back active after a restart of serve (a trial). Stopping serve pauses the deployments, not
-    their schedules, so a paused schedule is someone's choice."""
+def existing_schedules(names: list[str]) -> dict[str, list[Any]]:
+    """The schedules (Prefect ``DeploymentSchedule``) of the deployments among ``names``
+    (``"flow/deployment"``) that exist on the Prefect server, by name: serving them again keeps
+    these as they are (:func:`paperline.deployments.local_deployments`). Each serve replaced its
+    deployments' schedules with the pipelines' own: one paused in the Prefect UI came back active
+    (a trial), and one edited or added there was lost unsaid. Stopping serve pauses the
+    deployments, not their schedules, so each schedule is as someone left it."""
     from prefect.client.orchestration import get_client
     from prefect.exceptions import ObjectNotFound
 
-    paused = set()
+    found = {}
     with get_client(sync_client=True) as client:
         for name in names:
             with contextlib.suppress(ObjectNotFound):
-                if any(not s.active for s in client.read_deployment_by_name(name).schedules):
-                    paused.add(name)
-    return paused
+                found[name] = list(client.read_deployment_by_name(name).schedules)
+    return found
+
+
+def _schedules_said(schedules: list[Any], cron: str | None) -> str:
+    """How `serve` lists a deployment's ``schedules`` (Prefect ``DeploymentSchedule``, or the
+    schedules it registers), e.g. ``30 3 * * *`` or ``0 9 * * *, schedule paused; as set in the
+    Prefect UI (the pipeline's: 30 3 * * *)`` where they differ from the pipeline's ``cron``."""
+    def said(entry: Any) -> str:
+        when = entry.schedule
+        text = (getattr(when, "cron", None) or getattr(when, "rrule", None)
+                or (f"every {when.interval}" if getattr(when, "interval", None) else str(when)))
+        zone = getattr(when, "timezone", None)
+        text += f" {zone}" if zone and zone != "UTC" else ""
+        return text if entry.active in (None, True) else f"{text}, schedule paused"
+
+    listed = "; ".join(sorted(said(entry) for entry in schedules)) or "no schedule"  # (the server's order varies)
+    own = [cron] if cron else []
+    if [getattr(entry.schedule, "cron", None) for entry in schedules] != own or any(
+            getattr(entry.schedule, "timezone", "UTC") not in (None, "UTC") for entry in schedules):
+        listed += f"; as set in the Prefect UI (the pipeline's: {cron or 'none'})"
+    return listed
 
 
 def _pause_served(names: list[str]) -> None:
