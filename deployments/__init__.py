@@ -12,19 +12,24 @@ Two sets, with the same parameters and schedules (``flows/pipelines.py``: each p
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 
-def local_deployments(data_bucket: str, existing: dict[str, list[Any]] | None = None) -> list[Any]:
+def local_deployments(data_bucket: str, existing: dict[str, Any] | None = None,
+                      say: Callable[[str], None] | None = None) -> list[Any]:
     """The ``<flow>/local`` deployment of every pipeline, as `paperline serve` serves them.
 
     Args:
         data_bucket: the stack's data bucket, for the parameters that name S3 locations.
-        existing: the schedules (Prefect ``DeploymentSchedule``) of the ``"<flow>/local"``
-            deployments that exist on the Prefect server already, by name: each is registered
-            again as it is there (a schedule paused, edited, added or removed in the Prefect UI
-            outlives a restart of serve); the others get the pipeline's (UTC cron, slug
-            ``<pipeline>-schedule``).
+        existing: the ``"<flow>/local"`` deployments that exist on the Prefect server already
+            (Prefect ``DeploymentResponse``), by name: each is registered again with its schedules
+            as they are there (a schedule paused, edited, added or removed in the Prefect UI
+            outlives a restart of serve) and its parameters where they are valid for the
+            pipeline (:func:`served_parameters`); the others get the pipeline's own (UTC cron,
+            slug ``<pipeline>-schedule``; ``deployment_params``).
+        say: called with a line for each deployment whose parameters are not the pipeline's
+            own: kept from the server, or replaced as no longer valid.
 
     Returns:
         One Prefect ``RunnerDeployment`` per pipeline that loads (``serve`` names those that
@@ -39,17 +44,55 @@ def local_deployments(data_bucket: str, existing: dict[str, list[Any]] | None = 
 
     deployments = []
     for spec in loadable_pipelines()[0]:  # (a package's pipeline that cannot be loaded is left out)
-        name = spec.name
-        if f"{spec.flow.name}/local" in (existing or {}):
+        name, full = spec.name, f"{spec.flow.name}/local"
+        there = (existing or {}).get(full)
+        if there is not None:
             # sent back as they are, each with its slug (or none): Prefect replaces a deployment's
             # schedules with those sent, and none sent ([]) deleted them all
             schedules = [DeploymentScheduleCreate(schedule=s.schedule, active=s.active, slug=s.slug,
                                                   parameters=s.parameters, max_scheduled_runs=s.max_scheduled_runs)
-                         for s in existing[f"{spec.flow.name}/local"]]
+                         for s in there.schedules]
+            parameters, note = served_parameters(spec, there.parameters, data_bucket)
+            if note and say:
+                say(f"{full}: {note}")
         else:
             schedules = [Cron(spec.cron, timezone="UTC", slug=f"{name}-schedule")] if spec.cron else []
+            parameters = spec.deployment_params(data_bucket)
         deployments.append(spec.flow.to_deployment(  # "<flow>/local": apart from prefect.yaml's work-pool ones
             name="local", description=spec.description or None, tags=["paperline", name],
-            schedules=schedules or None, parameters=spec.deployment_params(data_bucket),
+            schedules=schedules or None, parameters=parameters,
             concurrency_limit=1, entrypoint_type=EntrypointType.MODULE_PATH))
     return deployments
+
+
+def served_parameters(spec: Any, there: dict[str, Any] | None, data_bucket: str) -> tuple[dict[str, Any], str | None]:
+    """The parameters a served deployment gets: ``there``, those it has on the Prefect server (the
+    Prefect UI's "Edit" sets them; a restart of serve put the pipeline's own back, unsaid), where
+    they are ``{"params": {...}}`` valid for the pipeline's model, else the pipeline's own
+    (``spec.deployment_params``: a paperline whose model changed since).
+
+    Returns:
+        The parameters, and a line saying which fields differ from the pipeline's own (kept) or why
+        they were replaced; None when they are the pipeline's own.
+    """
+    from pydantic import ValidationError
+
+    own = spec.deployment_params(data_bucket)
+    there = there or {}
+    if there == own:
+        return own, None
+    values = there.get("params", {}) if set(there) <= {"params"} else None
+    if not isinstance(values, dict):
+        return own, f"its parameters on the Prefect server are not {{\"params\": {{...}}}}; the pipeline's own are served"
+    try:
+        kept = spec.parameters.model_validate(values)
+    except ValidationError as exc:
+        first = exc.errors()[0]
+        where = ".".join(str(part) for part in first["loc"])
+        return own, (f"its parameters on the Prefect server are not valid for this pipeline ({where}: {first['msg']}); "
+                     "the pipeline's own are served")
+    mine = spec.parameters.model_validate(own.get("params", {}))
+    changed = [f"{k}={getattr(kept, k)!r}" for k in type(kept).model_fields if getattr(kept, k) != getattr(mine, k)]
+    if not changed:
+        return there, None
+    return there, f"parameters as set on the Prefect server, not the pipeline's own: {', '.join(changed)}"

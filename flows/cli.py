@@ -1740,13 +1740,18 @@ def serve() -> None:
         _say_broken_pipelines("the other pipelines are served")  # (one stopped serving every one: a trial)
         names = served_names()
         served_elsewhere(names)  # ... and per Prefect server, which other state dirs may share
-        kept = existing_schedules(names)  # (as the Prefect UI left them: kept, not replaced)
-        deployments = local_deployments(info.data_bucket, kept)
-        listed = [f"{d.flow_name}/{d.name} "
-                  f"({_schedules_said(kept.get(f'{d.flow_name}/{d.name}', d.schedules or []), get_pipeline(d.flow_name).cron)})"
-                  for d in deployments]
+        existing = existing_deployments(names)  # (as the Prefect UI left them: kept, not replaced)
+        notes: list[str] = []
+        deployments = local_deployments(info.data_bucket, existing, say=notes.append)
+        listed = []
+        for d in deployments:
+            name = f"{d.flow_name}/{d.name}"
+            schedules = existing[name].schedules if name in existing else d.schedules or []
+            listed.append(f"{name} ({_schedules_said(schedules, get_pipeline(d.flow_name).cron)})")
         console.print(f"serving {len(deployments)} deployments: " + ", ".join(listed), highlight=False,
                       soft_wrap=True)  # not folded inside a cron expression in a log file (a trial)
+        for note in notes:  # parameters set in the Prefect UI, kept (or no longer valid, replaced)
+            console.print(note, highlight=False, soft_wrap=True, markup=False)
         # where their runs compute (`run` said so, `serve` did not: a trial)
         console.print(f"their runs execute here, each on {describe_cluster(_settings())}", highlight=False,
                       soft_wrap=True)
@@ -1998,13 +2003,13 @@ def served_elsewhere(names: list[str]) -> None:
                              f"{SERVE_POLLED_WITHIN_S:.0f} s if it was killed")
 
 
-def existing_schedules(names: list[str]) -> dict[str, list[Any]]:
-    """The schedules (Prefect ``DeploymentSchedule``) of the deployments among ``names``
-    (``"flow/deployment"``) that exist on the Prefect server, by name: serving them again keeps
-    these as they are (:func:`paperline.deployments.local_deployments`). Each serve replaced its
-    deployments' schedules with the pipelines' own: one paused in the Prefect UI came back active
-    (a trial), and one edited or added there was lost unsaid. Stopping serve pauses the
-    deployments, not their schedules, so each schedule is as someone left it."""
+def existing_deployments(names: list[str]) -> dict[str, Any]:
+    """The deployments among ``names`` (``"flow/deployment"``) that exist on the Prefect server
+    (Prefect ``DeploymentResponse``), by name: serving them again keeps their schedules as they are,
+    and their parameters where valid (:func:`paperline.deployments.local_deployments`). Each serve
+    replaced them with the pipelines' own: a schedule paused in the Prefect UI came back active (a
+    trial), and one edited or added there, or parameters set there, were lost unsaid. Stopping
+    serve pauses the deployments, not their schedules, so each schedule is as someone left it."""
     from prefect.client.orchestration import get_client
     from prefect.exceptions import ObjectNotFound
 
@@ -2012,14 +2017,14 @@ def existing_schedules(names: list[str]) -> dict[str, list[Any]]:
     with get_client(sync_client=True) as client:
         for name in names:
             with contextlib.suppress(ObjectNotFound):
-                found[name] = list(client.read_deployment_by_name(name).schedules)
+                found[name] = client.read_deployment_by_name(name)
     return found
 
 
 def _schedules_said(schedules: list[Any], cron: str | None) -> str:
     """How `serve` lists a deployment's ``schedules`` (Prefect ``DeploymentSchedule``, or the
-    schedules it registers), e.g. ``30 3 * * *`` or ``0 9 * * *, schedule paused; as set in the
-    Prefect UI (the pipeline's: 30 3 * * *)`` where they differ from the pipeline's ``cron``."""
+    schedules it registers), e.g. ``30 3 * * *`` or ``0 9 * * *, schedule paused; as set on the
+    Prefect server (the pipeline's: 30 3 * * *)`` where they differ from the pipeline's ``cron``."""
     def said(entry: Any) -> str:
         when = entry.schedule
         text = (getattr(when, "cron", None) or getattr(when, "rrule", None)
@@ -2032,7 +2037,7 @@ def _schedules_said(schedules: list[Any], cron: str | None) -> str:
     own = [cron] if cron else []
     if [getattr(entry.schedule, "cron", None) for entry in schedules] != own or any(
             getattr(entry.schedule, "timezone", "UTC") not in (None, "UTC") for entry in schedules):
-        listed += f"; as set in the Prefect UI (the pipeline's: {cron or 'none'})"
+        listed += f"; as set on the Prefect server (the pipeline's: {cron or 'none'})"
     return listed
 
 

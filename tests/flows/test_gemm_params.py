@@ -158,3 +158,28 @@ def test_the_workers_paths_are_the_state_dir_the_npy_operands_and_a_local_output
     assert needs(stage_random=False, output=str(out), scaling=False) == [("output", str(out), str(out.parent), True)]
     # SYRK reads no b: a b left at its default is not asked for
     assert [n[0] for n in needs(routine="syrk", a=str(a), output=str(out), scaling=False)] == ["a", "output"]
+
+
+def test_parameters_a_served_deployment_keeps_or_replaces():
+    """`serve` keeps a deployment's parameters set in the Prefect UI where they are still valid for
+    the pipeline (a restart put the pipeline's own back, unsaid), and names the fields that differ;
+    parameters a later model refuses, or not shaped {"params": {...}}, give way to the pipeline's
+    own, said (the server's own copy was checked against the earlier schema)."""
+    from paperline.deployments import served_parameters
+    from paperline.flows.pipelines import get_pipeline
+
+    gemm, nas = get_pipeline("gemm"), get_pipeline("nas")
+    assert served_parameters(gemm, {}, "b") == ({}, None)
+    assert served_parameters(gemm, None, "b") == ({}, None)
+    assert served_parameters(nas, {"params": {"resume": False}}, "b") == ({"params": {"resume": False}}, None)
+    # the UI's form sends every field: only those that differ are named
+    form = {"params": {**get_pipeline("gemm").parameters().model_dump(mode="json"), "m": 256, "routine": "syrk"}}
+    assert served_parameters(gemm, form, "b") == (
+        form, "parameters as set on the Prefect server, not the pipeline's own: routine='syrk', m=256")
+    assert served_parameters(gemm, {"params": {"tile": 1024}}, "b") == ({"params": {"tile": 1024}}, None)  # the default
+    own, note = served_parameters(gemm, {"params": {"tile": 0}}, "b")
+    assert own == {} and note == ("its parameters on the Prefect server are not valid for this pipeline (tile: Input "
+                                  "should be greater than 0); the pipeline's own are served")
+    for odd in ({"m": 5}, {"params": [1]}, {"params": {}, "other": 1}):
+        assert served_parameters(gemm, odd, "b") == (
+            {}, "its parameters on the Prefect server are not {\"params\": {...}}; the pipeline's own are served")

@@ -121,7 +121,7 @@ def test_a_package_pipeline_is_deployed_by_serve_on_its_schedule(site):
 
     name = _readme_site(site)
     _install(site, "broken-pipelines", "2.0", {"missing": "no_such_module:PIPELINE"})  # left out, not fatal
-    deployments = local_deployments("paperline-data", set())
+    deployments = local_deployments("paperline-data")
     assert sorted(d.flow_name for d in deployments) == ["compressed-training", "gemm", "nas", name,
                                                          "tensor-factorization", "video-curation"]
     deployment, = [d for d in deployments if d.flow_name == name]

@@ -274,19 +274,20 @@ def test_prefect_and_mlflow_uis_show_the_deployments_and_the_runs(served, wait_f
         assert (shots / name).stat().st_size > 10_000
 
 
-def test_schedules_paused_edited_or_added_in_the_ui_outlive_a_restart_of_serve(served):
-    """Each `paperline serve` replaced its deployments' schedules with the pipelines' own: one
-    paused in the Prefect UI came back active (and made runs) after serve was restarted (a trial),
-    and one edited or added there was lost unsaid. The UI's calls, then the deployments as a
-    restarted serve registers them: what the UI left is kept, and serve's listing says so."""
+def test_schedules_and_parameters_set_in_the_ui_outlive_a_restart_of_serve(served):
+    """Each `paperline serve` replaced its deployments' schedules and parameters with the
+    pipelines' own: a schedule paused in the Prefect UI came back active (and made runs) after
+    serve was restarted (a trial), and a schedule edited or added there, or parameters set there,
+    were lost unsaid. The UI's calls, then the deployments as a restarted serve registers them:
+    what the UI left is kept, and serve's lines say so."""
     from datetime import timedelta
 
     from prefect.client.orchestration import get_client
-    from prefect.client.schemas.actions import DeploymentScheduleCreate
+    from prefect.client.schemas.actions import DeploymentScheduleCreate, DeploymentUpdate
     from prefect.client.schemas.schedules import CronSchedule, IntervalSchedule
 
     from paperline.deployments import local_deployments
-    from paperline.flows.cli import _schedules_said, existing_schedules, served_names
+    from paperline.flows.cli import _schedules_said, existing_deployments, served_names
 
     info, proc, log = served
     with get_client(sync_client=True) as client:
@@ -294,28 +295,34 @@ def test_schedules_paused_edited_or_added_in_the_ui_outlive_a_restart_of_serve(s
         assert [(s.slug, s.schedule.cron, s.active) for s in before.schedules] == [("gemm-schedule", "30 3 * * *", True)]
         assert _schedules_said(before.schedules, "30 3 * * *") == "30 3 * * *"  # the pipeline's: said plainly
         try:
-            # the UI: the schedule's toggle, its edit (another time), and a second schedule added
+            # the UI: the schedule's toggle, its edit (another time), a second schedule, the parameters' form
             client.update_deployment_schedule(before.id, before.schedules[0].id, active=False,
                                               schedule=CronSchedule(cron="0 9 * * 1-5", timezone="UTC"))
             client.create_deployment_schedules(before.id, [(IntervalSchedule(interval=timedelta(hours=6)), True)])
-            kept = existing_schedules(served_names())
-            assert set(kept) == set(served_names())  # every one exists: each is left as it is
-            again = {f"{d.flow_name}/{d.name}": d for d in local_deployments(info.data_bucket, kept)}
+            client.update_deployment(before.id, DeploymentUpdate(parameters={"params": {"m": 256, "tile": 64}}))
+            existing = existing_deployments(served_names())
+            assert set(existing) == set(served_names())  # every one exists: each is registered as it is
+            said: list[str] = []
+            again = {f"{d.flow_name}/{d.name}": d for d in local_deployments(info.data_bucket, existing, said.append)}
+            assert said == ["gemm/local: parameters as set on the Prefect server, not the pipeline's own: m=256, "
+                            "tile=64"], said
             fresh = {f"{d.flow_name}/{d.name}": d for d in local_deployments(info.data_bucket)}
             assert fresh["nas/local"].schedules[0].schedule.cron == "0 4 * * 0"  # (a first serve: the pipeline's)
+            assert fresh["gemm/local"].parameters == {}
             again["gemm/local"].apply()  # as the restarted serve registers it
             after = client.read_deployment_by_name("gemm/local")
             assert sorted((getattr(s.schedule, "cron", None) or str(s.schedule.interval), s.active)
-                          for s in after.schedules) == [
-                ("0 9 * * 1-5", False), ("6:00:00", True)]
+                          for s in after.schedules) == [("0 9 * * 1-5", False), ("6:00:00", True)]
             assert _schedules_said(after.schedules, "30 3 * * *") == (
-                "0 9 * * 1-5, schedule paused; every 6:00:00; as set in the Prefect UI (the pipeline's: 30 3 * * *)")
+                "0 9 * * 1-5, schedule paused; every 6:00:00; as set on the Prefect server (the pipeline's: 30 3 * * *)")
+            assert after.parameters == {"params": {"m": 256, "tile": 64}}
         finally:  # as the module's serve registered it, for the tests after this one
             after = client.read_deployment_by_name("gemm/local")
             for schedule in after.schedules:
                 client.delete_deployment_schedule(after.id, schedule.id)
             client.create_deployment_schedules(after.id, [DeploymentScheduleCreate(
                 schedule=CronSchedule(cron="30 3 * * *", timezone="UTC"), active=True, slug="gemm-schedule")])
+            client.update_deployment(after.id, DeploymentUpdate(parameters={}))
 
 
 def test_a_second_serve_on_the_same_stack_is_refused(served, cli_env):
