@@ -17,7 +17,7 @@ import contextlib
 import datetime
 import os
 import threading
-from typing import Callable, Iterator
+from typing import Any, Callable, Iterator
 
 FLOW_RUN_ENV = "PREFECT__FLOW_RUN_ID"  # set by Prefect's runner and process worker in a flow run's process
 
@@ -444,6 +444,7 @@ def deployment_status(api_url: str, login: str | None, state_dir: os.PathLike[st
         FlowRunFilterStateType,
     )
     from prefect.client.schemas.objects import StateType  # noqa: PLC0415
+    from prefect.client.schemas.sorting import FlowRunSort  # noqa: PLC0415
     from prefect.exceptions import ObjectNotFound  # noqa: PLC0415
     from prefect.settings import PREFECT_API_AUTH_STRING, PREFECT_API_URL, temporary_settings  # noqa: PLC0415
 
@@ -473,6 +474,10 @@ def deployment_status(api_url: str, login: str | None, state_dir: os.PathLike[st
                 expected_start_time=FlowRunFilterExpectedStartTime(
                     before_=now - datetime.timedelta(seconds=LATE_AFTER_S))), limit=200)
             executing = flow_runs_in_states(client, StateType.PENDING, StateType.RUNNING, StateType.CANCELLING)
+            upcoming = client.read_flow_runs(flow_run_filter=FlowRunFilter(
+                state=FlowRunFilterState(type=FlowRunFilterStateType(any_=[StateType.SCHEDULED])),
+                expected_start_time=FlowRunFilterExpectedStartTime(after_=now)),
+                sort=FlowRunSort.EXPECTED_START_TIME_ASC, limit=20)
     except Exception as exc:  # noqa: BLE001 - httpx/prefect errors: status reports, it does not fail on this
         from paperline.infra.errors import redact_text  # noqa: PLC0415
 
@@ -485,7 +490,30 @@ def deployment_status(api_url: str, login: str | None, state_dir: os.PathLike[st
     runs = [{"flow": flows.get(run.flow_id, "?"), "name": run.name, "deployment": by_id.get(run.deployment_id),
              "state": run.state.name if run.state else "?", "started_s_ago": ago(run.start_time)}
             for run in executing]
-    return deployment_report(deployments, workers, late, serve_pid=serve_pid) + executing_report(runs)
+    paused = {by_id[d.id] for d in found if d.paused}
+    # (a paused deployment's runs wait for its serve: the next one that will start on its own is the news)
+    soonest = [{"deployment": by_id[run.deployment_id], "seconds": (run.expected_start_time - now).total_seconds(),
+                "at": run.expected_start_time} for run in upcoming
+               if run.deployment_id in by_id and by_id[run.deployment_id] not in paused and run.expected_start_time]
+    return (deployment_report(deployments, workers, late, serve_pid=serve_pid) + next_run_report(soonest[:1])
+            + executing_report(runs))
+
+
+def next_run_report(soonest: list[dict[str, Any]]) -> list[str]:
+    """The line `paperline status` prints about the next scheduled run of an unpaused deployment
+    (it named who serves the deployments, not when any would run: a user schedules them).
+
+    Args:
+        soonest: At most one ``{"deployment", "seconds" (until it starts), "at" (datetime, UTC)}``.
+
+    Returns:
+        ``["next scheduled run: gemm/local at 2026-12-08 03:30 UTC (in 18.9 h)"]``, or nothing.
+    """
+    if not soonest:
+        return []
+    run = soonest[0]
+    at = run["at"].astimezone(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
+    return [f"next scheduled run: {run['deployment']} at {at} (in {_duration(float(run['seconds']))})"]
 
 
 SHOWN_RUNS = 5  # executing flow runs `status` names
@@ -529,9 +557,11 @@ def executing_report(runs: list[dict[str, object]]) -> list[str]:
 
 
 def _duration(seconds: float) -> str:
-    """``42 s``, ``3 min``, ``2.5 h``."""
+    """``42 s``, ``3 min``, ``2.5 h``, ``5.9 d`` (from two days: a weekly schedule's next run)."""
     if seconds < 120:
         return f"{max(seconds, 0):.0f} s"
     if seconds < 7200:
         return f"{seconds / 60:.0f} min"
-    return f"{seconds / 3600:.1f} h"
+    if seconds < 172800:
+        return f"{seconds / 3600:.1f} h"
+    return f"{seconds / 86400:.1f} d"

@@ -295,6 +295,19 @@ def test_status_names_the_flow_runs_executing_longest_first():
     assert line.endswith("gemm 'r3' (gemm/local, Running, for 3 min); and 3 more"), line
 
 
+def test_next_run_report_says_when_and_in_how_long():
+    """`status` named who serves the deployments, not when one would next run."""
+    import datetime
+
+    from paperline.infra.flow_runs import next_run_report
+
+    assert next_run_report([]) == []
+    at = datetime.datetime(2026, 12, 8, 3, 30, tzinfo=datetime.timezone(datetime.timedelta(hours=1)))
+    assert next_run_report([{"deployment": "gemm/local", "seconds": 68040.0, "at": at}]) == [
+        "next scheduled run: gemm/local at 2026-12-08 02:30 UTC (in 18.9 h)"]
+    assert next_run_report([{"deployment": "nas/local", "seconds": 5.5 * 86400, "at": at}])[0].endswith("(in 5.5 d)")
+
+
 def test_deployment_report_says_who_executes_the_runs_and_what_waits():
     """`paperline status` said nothing of serve or workers, so runs waited Scheduled unexplained."""
     assert deployment_report([], {}, {}) == [
@@ -397,11 +410,22 @@ def test_deployment_status_reads_pools_workers_and_late_runs_from_the_server(sta
         client.create_work_pool(WorkPoolCreate(name=pool, type="process"))
         try:
             deployment = client.create_deployment(flow_id=client.create_flow(probe), name="pooled", work_pool_name=pool)
-            for when in (past, past, datetime.datetime.now(datetime.timezone.utc) + datetime.timedelta(hours=1)):
+            soon = datetime.datetime.now(datetime.timezone.utc) + datetime.timedelta(minutes=10)
+            for when in (past, past, soon + datetime.timedelta(hours=1), soon):
                 client.create_flow_run_from_deployment(deployment, state=Scheduled(scheduled_time=when))
             lines = deployment_status(info.prefect_api_url, info.prefect_login, tmp_path)
             assert f"work pool {pool}: 1 deployment(s), no worker online: their runs wait Scheduled until a worker " \
                    "of the pool runs; 2 scheduled run(s) past their start time wait for it" in lines, lines
+            # the next run to start (past ones are said above), unless another deployment's starts sooner
+            (upcoming,) = [line for line in lines if line.startswith("next scheduled run: ")]
+            at = soon.strftime("%Y-%m-%d %H:%M UTC")
+            shown = datetime.datetime.strptime(upcoming.split(" at ")[1][:20], "%Y-%m-%d %H:%M UTC")
+            assert upcoming == f"next scheduled run: paperline-test-status-probe/pooled at {at} (in 10 min)" or \
+                shown.replace(tzinfo=datetime.timezone.utc) <= soon, lines
+            client.pause_deployment(deployment)  # a paused deployment's runs start only once it is unpaused
+            lines = deployment_status(info.prefect_api_url, info.prefect_login, tmp_path)
+            assert not [line for line in lines if "paperline-test-status-probe/pooled at" in line], lines
+            client.resume_deployment(deployment)
             client.send_worker_heartbeat(pool, "probe-worker")
             lines = deployment_status(info.prefect_api_url, info.prefect_login, tmp_path)
             online = [line for line in lines if line.startswith(f"work pool {pool}: 1 deployment(s), 1 worker(s) "
