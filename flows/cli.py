@@ -120,25 +120,31 @@ def _friendly(fn: Callable[..., Any]) -> Callable[..., Any]:
         except Exception as exc:  # noqa: BLE001 - the CLI's one place to turn errors into a line
             if _state["debug"]:
                 raise
-            known = isinstance(exc, (PaperlineError, KernelInputError, ClusterLost))
-            # (Dask's cancelled futures of a lost worker or scheduler were bare: a trial on a cluster of its own)
-            msg = str(exc) if known else _with_dask_words(f"{type(exc).__name__}: {exc}")
-            if not known and "scheduler-connection-lost" in msg:
-                msg += ("; here the run's client lost the Dask scheduler (stopped, or the network failed): "
-                        "`paperline status` checks it, and the same command runs again once it is back")
-            refused = None if known else _unauthorized(exc)
-            if refused:  # a bare 401 said nothing of why (a trial: the stack's login made anew under `serve`)
-                known, msg = True, refused
-            from rich.markup import escape  # noqa: PLC0415 - messages may hold [brackets] (paths, C++ sources)
-
-            if not getattr(sys.stderr, "at_line_start", True):  # Prefect's "--- Error logging to API ---"
-                sys.stderr.write("\n")  # text ends without one: the error was glued onto it (a trial)
-            err_console.print(f"[bold red]error:[/] {escape(msg)}", highlight=False, soft_wrap=True)
-            if not known:
-                err_console.print("(run with --debug for the traceback)", style="dim")
+            _say_error(exc)
             raise typer.Exit(1) from None
 
     return wrapper
+
+
+def _say_error(exc: Exception, prefix: str = "") -> None:
+    """``error: <prefix><what went wrong>`` on stderr: paperline's own errors as their message,
+    any other as its type and message (and a hint to --debug for its traceback)."""
+    known = isinstance(exc, (PaperlineError, KernelInputError, ClusterLost))
+    # (Dask's cancelled futures of a lost worker or scheduler were bare: a trial on a cluster of its own)
+    msg = str(exc) if known else _with_dask_words(f"{type(exc).__name__}: {exc}")
+    if not known and "scheduler-connection-lost" in msg:
+        msg += ("; here the run's client lost the Dask scheduler (stopped, or the network failed): "
+                "`paperline status` checks it, and the same command runs again once it is back")
+    refused = None if known else _unauthorized(exc)
+    if refused:  # a bare 401 said nothing of why (a trial: the stack's login made anew under `serve`)
+        known, msg = True, refused
+    from rich.markup import escape  # noqa: PLC0415 - messages may hold [brackets] (paths, C++ sources)
+
+    if not getattr(sys.stderr, "at_line_start", True):  # Prefect's "--- Error logging to API ---"
+        sys.stderr.write("\n")  # text ends without one: the error was glued onto it (a trial)
+    err_console.print(f"[bold red]error:[/] {escape(prefix + msg)}", highlight=False, soft_wrap=True)
+    if not known:
+        err_console.print("(run with --debug for the traceback)", style="dim")
 
 
 def _unauthorized(exc: BaseException) -> str | None:
@@ -1431,19 +1437,36 @@ def _print_tail(summary: dict[str, Any]) -> None:
 def demo() -> None:
     """Run every pipeline on its demo preset (bundled real data): the built-in five and those
     installed packages add; a package's pipeline that cannot be loaded is named first and left
-    out, the others run, and the command then fails naming it."""
+    out, a demo that fails is said and the next one runs, and the command then fails naming them."""
     from paperline.flows.pipelines import build_parameters, get_pipeline, pipeline_names
 
     broken = _say_broken_pipelines("the other pipelines' demos run")  # (one stopped every demo: `make run`)
+    failed = []
     for name in pipeline_names():
         if name in broken:
             continue
-        with _said_if_interrupted(), _startup_gc_paused(), _early_cluster() as early:
-            spec = get_pipeline(name)
-            _run_one(spec, build_parameters(spec, "demo", []), None, early)
+        try:
+            with _said_if_interrupted(), _startup_gc_paused(), _early_cluster() as early:
+                spec = get_pipeline(name)
+                _run_one(spec, build_parameters(spec, "demo", []), None, early)
+        except Exception as exc:  # noqa: BLE001 - said, and the other demos run
+            # (the first failure ended every demo after it: compressed-training's 2 ranks on a
+            # 1-worker cluster, first in the list, left `make run` with nothing run: a trial);
+            # the stack's own failures end them all, as the next demo would meet them too
+            from paperline.infra.errors import ServiceError
+            from paperline.infra.watch import ServersDied
+
+            if _state["debug"] or isinstance(exc, (ServiceError, ServersDied)):
+                raise
+            _say_error(exc, prefix=f"{name} demo: ")
+            failed.append(name)
+    problems = [f"failed: {', '.join(failed)} (above)"] if failed else []
     if broken:
-        raise PaperlineError(f"left out of the demos: {', '.join(broken)}, whose packages' pipelines cannot be "
-                             "loaded (above); `paperline params` lists every pipeline")
+        problems.append(f"left out: {', '.join(broken)}, whose packages' pipelines cannot be loaded (above; "
+                        "`paperline params` lists every pipeline)")
+    if problems:
+        ran = len(pipeline_names()) - len(failed) - len(broken)
+        raise PaperlineError(f"demos {'; '.join(problems)}; {ran} ran")
 
 
 def _say_broken_pipelines(then: str) -> list[str]:

@@ -343,10 +343,52 @@ def test_demo_names_a_broken_package_pipeline_runs_the_others_and_then_fails(sit
         get_settings.cache_clear()
     text = " ".join(result.output.split())
     assert result.exit_code == 1 and "Traceback" not in result.output
-    assert text.index("error: pipeline 'missing'") < text.index("left out of the demos: missing")
+    assert text.index("error: pipeline 'missing'") < text.index("error: demos left out: missing, whose packages'")
     assert "the other pipelines' demos run" in text
     assert [n for n, _ in ran] == ["compressed-training", "gemm", "nas", name, "tensor-factorization", "video-curation"]
     assert dict(ran)[name].ranks == [1, 2, 4]  # its demo preset
+    assert text.endswith("`paperline params` lists every pipeline); 6 ran"), text
+
+
+def test_a_failing_demo_is_said_and_the_others_run(tmp_path, monkeypatch):
+    """The first demo that failed ended `paperline demo` (and `make run`): compressed-training,
+    first in the list, needs 2 ranks, and on a 1-worker cluster nothing ran at all (a fresh-user
+    trial). Each failure is said as it comes, the other demos run, and the command fails naming
+    them; a failure of the stack itself (the next demo would meet it too) ends them all at once."""
+    from paperline.flows import cli
+    from paperline.infra.errors import InputError, ServiceError
+    from paperline.infra.settings import get_settings
+
+    ran = []
+
+    def run_one(spec, params, *_):
+        ran.append(spec.name)
+        if spec.name == "compressed-training":
+            raise InputError("world_size", 2, "larger than the number of Dask workers (1)")
+        if spec.name == "nas":
+            raise RuntimeError("a bug of its own")
+        if spec.name == "tensor-factorization" and stack_down:
+            raise ServiceError("prefect", "is down")
+
+    monkeypatch.setattr(cli, "_run_one", run_one)
+    get_settings.cache_clear()
+    try:
+        for stack_down in (False, True):
+            ran.clear()
+            result = CliRunner().invoke(cli.app, ["demo"], env={"PAPERLINE_STATE_DIR": str(tmp_path / "state"),
+                                                                "COLUMNS": "250"})
+            text = " ".join(result.output.split())
+            assert result.exit_code == 1 and "Traceback" not in result.output, result.output
+            assert text.index("error: compressed-training demo: world_size=2: larger than the number of Dask workers") \
+                < text.index("error: nas demo: RuntimeError: a bug of its own"), text
+            if not stack_down:
+                assert ran == ["compressed-training", "gemm", "nas", "tensor-factorization", "video-curation"]
+                assert text.endswith("error: demos failed: compressed-training, nas (above); 3 ran"), text
+            else:
+                assert ran == ["compressed-training", "gemm", "nas", "tensor-factorization"]
+                assert text.endswith("error: prefect is not available: is down"), text
+    finally:
+        get_settings.cache_clear()
 
 
 def test_a_malformed_summary_table_is_a_warning_not_a_failed_command(tmp_path, capsys):
