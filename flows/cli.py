@@ -1594,7 +1594,18 @@ def _trigger(spec: Any, info: Any, names: list[str], preset: str | None, overrid
         # (gemm's `full` m beside --set a=... passed here and failed the run as it started: a review)
         params = validated_parameters(spec, values, {key: given.get(key, repr(v)) for key, v in values.items()})
         if hasattr(params, "validate_inputs"):  # as `run` checks them, here (a worker elsewhere must see these paths)
-            params.validate_inputs()
+            try:
+                params.validate_inputs()
+            except KernelInputError as exc:
+                key = str(exc).split("=", 1)[0]
+                if preset is None or key not in base or key in given:
+                    raise
+                from paperline.infra.errors import InputError
+
+                # ("leave it out" of a value the preset sets could not be done: a trial)
+                raise InputError(key, values[key], f"{str(exc).split(': ', 1)[-1]} (here the preset {preset!r} sets "
+                                 f"it, and a deployment run takes a preset's values as given: --set {key}=... to the "
+                                 "value the check names)") from None
         # the checked values, normalized (`routine=Gemm`, `m="128"`: `run` takes them, and Prefect's schema
         # refused the text as typed with a 409: a trial)
         sent = params.model_dump(mode="json", include=set(values))

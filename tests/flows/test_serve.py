@@ -144,7 +144,10 @@ def test_trigger_runs_a_deployment_with_run_s_checks_and_watches_it_to_its_summa
     preset = run_cli(cli_env, "trigger", "gemm", "--preset", "full", "--set", f"a={tmp_path / 'A.npy'}",
                      "--set", f"b={tmp_path / 'B.npy'}")
     assert preset.returncode == 1 and "triggered" not in preset.stdout, preset.stdout + preset.stderr
-    assert "error: m=8192: the operands" in " ".join(preset.stderr.split()), preset.stderr
+    said = " ".join(preset.stderr.split())
+    # ... saying what to do: "leave it out" could not be done with a preset that sets it (a trial)
+    assert "error: m=8192: the operands" in said and "give m=40; leave it out (here the preset 'full' sets it, and " \
+        "a deployment run takes a preset's values as given: --set m=... to the value the check names)" in said, said
     # what `run` takes is sent as it checked it (the text as typed was a 409 from Prefect's schema: a trial)
     typed = run_cli(cli_env, "trigger", "gemm", "--set", "routine=Gemm", "--set", 'm="64"', "--set", "n=32",
                     "--set", "k=32", "--set", "tile=32", "--set", "scaling=false", "--deployment", "gemm/local", "--watch")
