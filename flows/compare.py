@@ -28,6 +28,7 @@ NOT_CACHED = f"tags.`{CACHED_FROM_TAG}` IS NULL"
 CACHED = f"tags.`{CACHED_FROM_TAG}` IS NOT NULL"
 
 
+MAX_METRICS = 6  # metric columns (and plotted metrics) shown when none is named
 HEADLINE_SAMPLE = 100  # newest runs whose headline tags decide the default metrics
 
 
@@ -294,12 +295,14 @@ def compare_runs(tracker: Tracker, experiment: str, metrics: list[str], filter_s
 
     recent = search(["attributes.start_time DESC"], HEADLINE_SAMPLE)
     headline_default = False
+    unshown: list[str] = []  # headline metrics past the table's MAX_METRICS
     note = ""
     asked = ""  # what --ascending changed
     if not metrics:  # the pipeline's headline metrics, best first in their own direction
         headlines = _common_headlines(recent)
         if headlines:
-            metrics = [m for m, _ in headlines][:6]
+            metrics = [m for m, _ in headlines][:MAX_METRICS]
+            unshown = [m for m, _ in headlines][MAX_METRICS:]
             # --ascending, asked for, sorts ascending here too: it was ignored without --metric,
             # compressed training's accuracies still best first (a trial)
             if ascending and headlines[0][1]:
@@ -391,9 +394,13 @@ def compare_runs(tracker: Tracker, experiment: str, metrics: list[str], filter_s
         note = f"{cached}; {note}" if note else cached
     if asked:
         note = f"{asked}; {note}" if note else asked
+    if unshown and metrics:  # (tensor-factorization's fit_s headlines were left out unsaid: a trial)
+        rest = (f"{len(unshown)} more headline metric(s) not shown ({', '.join(unshown[:3])}"
+                f"{', ...' if len(unshown) > 3 else ''}): --metric names the ones to show")
+        note = f"{note}; {rest}" if note else rest
     if not metrics:
         shared = set.intersection(*(set(r.data.metrics) for r in runs))
-        metrics = sorted(shared)[:6]
+        metrics = sorted(shared)[:MAX_METRICS]
     for m in metrics:
         if not any(m in r.data.metrics for r in runs):
             others = search(["attributes.start_time DESC"], HEADLINE_SAMPLE, NOT_COMPARISON) if user_filter else []

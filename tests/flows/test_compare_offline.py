@@ -223,3 +223,25 @@ def test_every_filter_given_must_hold():
     assert joined_filters(["params.problem = 'live-mnist'", " params.seed = '0' "]) == \
         "params.problem = 'live-mnist' and params.seed = '0'"
     assert joined_filters([]) == "" and joined_filters(["", "params.x = 'y'"]) == "params.x = 'y'"
+
+
+def test_headline_metrics_past_the_table_are_said(tmp_path):
+    """tensor-factorization's 12 headlines (six test RMSEs, then their fit_s) showed the first six
+    and left the rest out unsaid (a fresh-user trial)."""
+    from paperline.flows.compare import MAX_METRICS, compare_runs
+
+    tracker = LocalTracker(f"sqlite:///{tmp_path}/mlflow.db")
+    exp = tracker.client.create_experiment("tensor-factorization", artifact_location=(tmp_path / "a").as_uri())
+    names = [f"d{i}.random.p2t2f.test_rmse" for i in range(6)] + [f"d{i}.random.p2t2f.fit_s" for i in range(6)]
+    for value in (1.0, 2.0):
+        run = tracker.client.create_run(exp, tags={"paperline.params_key": "k", "paperline.headlines": json.dumps(
+            [[m, False] for m in names])})
+        for m in names:
+            tracker.client.log_metric(run.info.run_id, m, value)
+        tracker.client.set_terminated(run.info.run_id)
+    result = compare_runs(tracker, "tensor-factorization", [], out_dir=tmp_path)
+    assert result["metrics"] == names[:MAX_METRICS]
+    assert "6 more headline metric(s) not shown (d0.random.p2t2f.fit_s, d1.random.p2t2f.fit_s, " \
+           "d2.random.p2t2f.fit_s, ...): --metric names the ones to show" in result["note"], result["note"]
+    named = compare_runs(tracker, "tensor-factorization", names[6:8], out_dir=tmp_path)
+    assert "headline metric(s) not shown" not in named["note"]
