@@ -81,7 +81,7 @@ def served_parameters(spec: Any, there: dict[str, Any] | None, data_bucket: str)
     there = there or {}
     if there == own:
         return own, None
-    values = there.get("params", {}) if set(there) <= {"params"} else None
+    values = (there.get("params") or {}) if set(there) <= {"params"} else None  # ({"params": null}: the defaults)
     if not isinstance(values, dict):
         return own, f"its parameters on the Prefect server are not {{\"params\": {{...}}}}; the pipeline's own are served"
     try:

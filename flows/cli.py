@@ -1567,7 +1567,7 @@ def _trigger(spec: Any, info: Any, names: list[str], preset: str | None, overrid
     from prefect.client.orchestration import get_client
     from prefect.exceptions import ObjectNotFound
 
-    from paperline.flows.pipelines import override_values, preset_values, validated_parameters
+    from paperline.flows.pipelines import override_values, preset_values
     from paperline.infra.errors import InputError, redact_url
 
     flow = spec.flow.name
@@ -1580,32 +1580,40 @@ def _trigger(spec: Any, info: Any, names: list[str], preset: str | None, overrid
             except ObjectNotFound:
                 continue
         if not found:
+            from paperline.infra.flow_runs import serve_lock_holder
+
+            serving = serve_lock_holder(_settings().state_dir)  # (deleted under it: "serves" read wrong, a trial)
+            serves = (f"the `paperline serve` running (pid {serving}) made {flow}/local as it started: restart it"
+                      if serving is not None else f"`paperline serve` serves {flow}/local")
             raise InputError("--deployment" if picked else "pipeline", names[0] if picked else spec.name,
                              f"no deployment {' or '.join(f'{flow}/{n}' for n in names)} on the Prefect server "
-                             f"at {redact_url(info.prefect_api_url)}: `paperline serve` serves {flow}/local, "
+                             f"at {redact_url(info.prefect_api_url)}: {serves}, "
                              f"`prefect deploy --all` makes {flow}/{flow} for `paperline worker`")
         # the served one unless its serve stopped (paused) and the work pool's is there (a trial's worker
         # was online while the paused gemm/local got the run)
         deployment = next((d for d in found.values() if not d.paused), next(iter(found.values())))
-        base = preset_values(spec, preset) if preset is not None else (deployment.parameters or {}).get("params") or {}
+        stored = deployment.parameters or {}
+        if set(stored) - {"params"} or not isinstance(stored.get("params") or {}, dict):
+            # Prefect merges them into every run's, and the run crashed with a traceback in the serve
+            # log: "SignatureMismatchError: ... provided with parameters ['m', 'params']" (a trial)
+            raise PaperlineError(f"{flow}/{deployment.name}'s own parameters on the Prefect server are "
+                                 f"{json.dumps(stored)[:200]}, not {{\"params\": {{...}}}}: its flow takes `params` "
+                                 "alone, and any run of it would crash; set them right in the Prefect UI (Edit), or "
+                                 "let `paperline serve` (restarted) or `prefect deploy --all` set them anew")
+        base = preset_values(spec, preset) if preset is not None else stored.get("params") or {}
         values, given = override_values(spec, base, overrides)
         _refuse_non_json(values, given)
-        # as the run's flow will take them: every value sent counts as given there, a preset's too
-        # (gemm's `full` m beside --set a=... passed here and failed the run as it started: a review)
-        params = validated_parameters(spec, values, {key: given.get(key, repr(v)) for key, v in values.items()})
-        if hasattr(params, "validate_inputs"):  # as `run` checks them, here (a worker elsewhere must see these paths)
-            try:
-                params.validate_inputs()
-            except KernelInputError as exc:
-                key = str(exc).split("=", 1)[0]
-                if preset is None or key not in base or key in given:
-                    raise
-                from paperline.infra.errors import InputError
-
-                # ("leave it out" of a value the preset sets could not be done: a trial)
-                raise InputError(key, values[key], f"{str(exc).split(': ', 1)[-1]} (here the preset {preset!r} sets "
-                                 f"it, and a deployment run takes a preset's values as given: --set {key}=... to the "
-                                 "value the check names)") from None
+        params, dropped = _trigger_parameters(spec, values, given, base, preset)
+        if dropped:  # `run` takes a preset's values as defaults, which the run's inputs override
+            _say(f"sent without {', '.join(dropped)} of the preset {preset!r}: the run's inputs decide "
+                 f"{'it' if len(dropped) == 1 else 'them'} (as `paperline run` takes a preset's values as defaults)")
+            values = {k: v for k, v in values.items() if k not in dropped}
+        absolute = _absolute_paths(params)
+        if absolute:  # (checked here from this directory, then not found by the run: a trial)
+            params = params.model_copy(update=absolute)
+            values.update(absolute)
+            _say("sent as absolute paths (the run starts in its serve's or worker's own directory): "
+                 + ", ".join(f"{k}={v}" for k, v in absolute.items()))
         # the checked values, normalized (`routine=Gemm`, `m="128"`: `run` takes them, and Prefect's schema
         # refused the text as typed with a 409: a trial)
         sent = params.model_dump(mode="json", include=set(values))
@@ -1626,6 +1634,73 @@ def _trigger(spec: Any, info: Any, names: list[str], preset: str | None, overrid
         except KeyboardInterrupt:  # (the watch's own line, or this one as the run was just made)
             _say_interrupted(f"interrupted: stopped watching; flow run '{run.name}' goes on (the Prefect UI shows it)")
             raise
+
+
+def _trigger_parameters(spec: Any, values: dict[str, Any], given: dict[str, str], base: dict[str, Any],
+                        preset: str | None) -> tuple[Any, list[str]]:
+    """``values`` checked as the triggered run's flow will take them (every value sent counts as
+    given there, a preset's too: gemm's `full` m beside --set a=... passed a looser check and
+    failed the run as it started, a review) and with `run`'s input checks, made here (a worker
+    elsewhere must see these paths). A preset's value that the input checks refuse as given
+    (gemm's `full` m, n, k beside operand files) is left out rather than refused, as `run` takes a
+    preset's values as defaults (its "leave it out" could not be done: a trial); a refused value
+    from the deployment's own parameters is said to be one.
+
+    Returns:
+        The parameter model and the preset's keys left out.
+
+    Raises:
+        InputError: naming the parameter, and where its value came from when not from --set.
+    """
+    from paperline.flows.pipelines import validated_parameters
+    from paperline.infra.errors import InputError
+
+    def said_from_deployment(exc: Any) -> Exception:
+        key = getattr(exc, "argument", "")
+        if preset is not None or key in given or key not in base:
+            return exc
+        # (the user's --set was blamed for it: a trial)
+        return InputError(key, exc.value, f"{exc.problem} (the deployment's own value, set on the Prefect server: "
+                          f"--set {key}=..., or fix it there)")
+
+    dropped: list[str] = []
+    while True:
+        kept = {k: v for k, v in values.items() if k not in dropped}
+        try:
+            params = validated_parameters(spec, kept, {key: given.get(key, repr(v)) for key, v in kept.items()})
+        except KernelInputError as exc:
+            raise said_from_deployment(exc) from None
+        if not hasattr(params, "validate_inputs"):
+            return params, dropped
+        try:
+            params.validate_inputs()
+            return params, dropped
+        except KernelInputError as exc:
+            key = getattr(exc, "argument", "")
+            if preset is None or key in given or key not in base or key in dropped:
+                raise said_from_deployment(exc) from None
+            dropped.append(key)
+
+
+def _absolute_paths(params: Any) -> dict[str, str]:
+    """The parameters that name a local path relative to this directory (the model's
+    ``worker_paths``: gemm's operands and output, a tensor's ``data``, a video ``source``), as
+    absolute paths: a deployment's run resolves them from the directory of the process that runs
+    it. A value that is not itself the path (video-curation's ``demo``) is left as it is."""
+    if not hasattr(params, "worker_paths"):
+        return {}
+    fields = type(params).model_fields
+    found: dict[str, str] = {}
+    for need in params.worker_paths(_settings().state_dir):
+        value = need.value
+        if need.argument not in fields or not isinstance(value, str) or value.startswith("s3://") \
+                or os.path.isabs(os.path.expanduser(value)) or getattr(params, need.argument) != value:
+            continue
+        resolved, target = Path(value).expanduser().resolve(), Path(need.path).resolve()
+        # the value is the path, holds it (a source directory's videos) or is in it (an output's directory)
+        if resolved == target or resolved in target.parents or target in resolved.parents:
+            found[need.argument] = os.path.abspath(os.path.expanduser(value))
+    return found
 
 
 def _why_it_waits(client: Any, deployment: Any) -> str | None:
@@ -1693,15 +1768,19 @@ def _watch_triggered(client: Any, spec: Any, run: Any) -> None:
 
     from paperline.infra.errors import redact_text
 
-    seen = None
+    seen, holder, holder_of = None, "", None
     name = spec.flow.fn.__name__.replace("_", "-")
     summary: list[str] = []
     try:
         while True:
             state = client.read_flow_run(run.id).state
-            if state is not None and state.name != seen:
-                seen = state.name
-                _say(f"{run.name}: {seen}{_slot_holder(client, run) if seen == 'AwaitingConcurrencySlot' else ''}")
+            if state is not None:
+                if state.name == "AwaitingConcurrencySlot" and state.id != holder_of:  # (each wait is a new state)
+                    holder, holder_of = _slot_holder(client, run), state.id  # (the holder changes: a trial)
+                shown = state.name + (holder if state.name == "AwaitingConcurrencySlot" else "")
+                if shown != seen:
+                    seen = shown
+                    _say(f"{run.name}: {shown}")
             if state is not None and state.is_final():
                 break
             time.sleep(TRIGGER_POLL_S)
@@ -1826,10 +1905,18 @@ def serve() -> None:
                     # Prefect's runner raises only as it stops, when its goodbye to the server fails:
                     # a serve stopped after `paperline down` ended "error: ConnectError: All connection
                     # attempts failed", exit 1 (a trial); what was left undone is said below
-                    if _prefect_gone(exc, info) is None:
+                    from prefect.exceptions import ObjectNotFound
+
+                    if isinstance(exc, ObjectNotFound):  # its pause of a deployment deleted meanwhile ("error:
+                        # ObjectNotFound: None", exit 1: a trial); the others are paused below
+                        gone = [n for n in names if n not in existing_deployments(names)]
+                        _say(f"stopped serving; {', '.join(gone) or 'a deployment it served'} had been deleted from "
+                             "the Prefect server meanwhile (the next `paperline serve` makes it again)")
+                    elif _prefect_gone(exc, info) is None:
                         raise
-                    _say(f"stopped serving; its Prefect server at {redact_url(info.prefect_ui_url)} is not answering "
-                         f"({type(exc).__name__}: {exc}): `paperline status` shows what is down")
+                    else:
+                        _say(f"stopped serving; its Prefect server at {redact_url(info.prefect_ui_url)} is not "
+                             f"answering ({type(exc).__name__}: {exc}): `paperline status` shows what is down")
             finally:
                 _pause_served(names)
 
@@ -2063,6 +2150,7 @@ def _schedules_said(schedules: list[Any], cron: str | None) -> str:
         when = entry.schedule
         text = (getattr(when, "cron", None) or getattr(when, "rrule", None)
                 or (f"every {when.interval}" if getattr(when, "interval", None) else str(when)))
+        text = " ".join(text.split())  # (an rrule's DTSTART line broke serve's one line: a trial)
         zone = getattr(when, "timezone", None)
         text += f" {zone}" if zone and zone != "UTC" else ""
         return text if entry.active in (None, True) else f"{text}, schedule paused"

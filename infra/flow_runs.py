@@ -438,6 +438,8 @@ def deployment_status(api_url: str, login: str | None, state_dir: os.PathLike[st
     nothing raised."""
     from prefect.client.orchestration import get_client  # noqa: PLC0415
     from prefect.client.schemas.filters import (  # noqa: PLC0415
+        DeploymentFilter,
+        DeploymentFilterId,
         FlowRunFilter,
         FlowRunFilterExpectedStartTime,
         FlowRunFilterState,
@@ -474,10 +476,15 @@ def deployment_status(api_url: str, login: str | None, state_dir: os.PathLike[st
                 expected_start_time=FlowRunFilterExpectedStartTime(
                     before_=now - datetime.timedelta(seconds=LATE_AFTER_S))), limit=200)
             executing = flow_runs_in_states(client, StateType.PENDING, StateType.RUNNING, StateType.CANCELLING)
-            upcoming = client.read_flow_runs(flow_run_filter=FlowRunFilter(
-                state=FlowRunFilterState(type=FlowRunFilterStateType(any_=[StateType.SCHEDULED])),
-                expected_start_time=FlowRunFilterExpectedStartTime(after_=now)),
-                sort=FlowRunSort.EXPECTED_START_TIME_ASC, limit=20)
+            # the soonest of the unpaused deployments' (a paused one's runs wait for its serve; read
+            # among every deployment's, 20 runs of a paused one hid the line: a trial)
+            unpaused = [d.id for d in found if not d.paused]
+            upcoming = client.read_flow_runs(
+                flow_run_filter=FlowRunFilter(
+                    state=FlowRunFilterState(type=FlowRunFilterStateType(any_=[StateType.SCHEDULED])),
+                    expected_start_time=FlowRunFilterExpectedStartTime(after_=now)),
+                deployment_filter=DeploymentFilter(id=DeploymentFilterId(any_=unpaused)),
+                sort=FlowRunSort.EXPECTED_START_TIME_ASC, limit=1) if unpaused else []
     except Exception as exc:  # noqa: BLE001 - httpx/prefect errors: status reports, it does not fail on this
         from paperline.infra.errors import redact_text  # noqa: PLC0415
 
@@ -490,12 +497,10 @@ def deployment_status(api_url: str, login: str | None, state_dir: os.PathLike[st
     runs = [{"flow": flows.get(run.flow_id, "?"), "name": run.name, "deployment": by_id.get(run.deployment_id),
              "state": run.state.name if run.state else "?", "started_s_ago": ago(run.start_time)}
             for run in executing]
-    paused = {by_id[d.id] for d in found if d.paused}
-    # (a paused deployment's runs wait for its serve: the next one that will start on its own is the news)
     soonest = [{"deployment": by_id[run.deployment_id], "seconds": (run.expected_start_time - now).total_seconds(),
                 "at": run.expected_start_time} for run in upcoming
-               if run.deployment_id in by_id and by_id[run.deployment_id] not in paused and run.expected_start_time]
-    return (deployment_report(deployments, workers, late, serve_pid=serve_pid) + next_run_report(soonest[:1])
+               if run.deployment_id in by_id and run.expected_start_time]
+    return (deployment_report(deployments, workers, late, serve_pid=serve_pid) + next_run_report(soonest)
             + executing_report(runs))
 
 

@@ -1482,6 +1482,14 @@ def test_serve_stopped_after_its_prefect_server_went_away_says_so_and_exits_0(st
     assert (f"stopped serving; its Prefect server at {info.prefect_ui_url} is not answering (ConnectError: All "
             "connection attempts failed): `paperline status` shows what is down") in text
     assert "their runs execute here, each on local CPU cluster (" in text  # (where, as `run` says)
+    # its pause of a deployment deleted while it served ("error: ObjectNotFound: None", exit 1: a trial)
+    from prefect.exceptions import ObjectNotFound
+
+    monkeypatch.setattr(prefect, "serve", runner_raising(ObjectNotFound(None)))
+    result = stack_cli("serve")
+    text = " ".join(result.output.split())
+    assert result.exit_code == 0 and "stopped serving; " in text, text
+    assert "had been deleted from the Prefect server meanwhile (the next `paperline serve` makes it again)" in text
     monkeypatch.setattr(prefect, "serve", runner_raising(ValueError("a runner fault")))
     assert_one_line_error(stack_cli("serve"), "ValueError: a runner fault")
 
@@ -1772,3 +1780,47 @@ def test_trigger_refuses_bad_parameters_before_anything_starts(tmp_path):
                             (["trigger", "gemm"], ["no running stack or configured endpoints; `paperline up`"])):
         assert_one_line_error(run_cli(*args, env=env), *fragments)
     assert not (tmp_path / "state").exists()
+
+
+def test_trigger_sends_relative_local_paths_as_absolute_ones(tmp_path, monkeypatch):
+    """`trigger gemm --set a=a.npy` passed the check made here and failed the run, which starts in
+    its serve's or worker's own directory (a trial): each parameter naming a local path relative to
+    this directory is sent absolute; S3 URIs, absolute paths and names that are not paths are not."""
+    import numpy as np
+
+    from paperline.flows.cli import _absolute_paths
+    from paperline.flows.pipelines import build_parameters, get_pipeline
+
+    monkeypatch.setenv("PAPERLINE_STATE_DIR", str(tmp_path / "state"))
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "ops").mkdir()
+    np.save(tmp_path / "ops" / "A.npy", np.ones((4, 3)))
+    np.save(tmp_path / "B.npy", np.ones((3, 2)))
+    gemm = get_pipeline("gemm")
+    params = build_parameters(gemm, "demo", ["a=ops/A.npy", f"b={tmp_path / 'B.npy'}", "output=out/C.npy"])
+    assert _absolute_paths(params) == {"a": str(tmp_path / "ops" / "A.npy"), "output": str(tmp_path / "out" / "C.npy")}
+    s3 = build_parameters(gemm, "demo", ["a=s3://paperline-data/A.npy", "b=random", "output=s3://paperline-results/C"])
+    assert _absolute_paths(s3) == {}
+    video = get_pipeline("video-curation")
+    assert _absolute_paths(build_parameters(video, "demo", [])) == {}  # "demo" names the bundled videos
+    (tmp_path / "clips").mkdir()
+    (tmp_path / "clips" / "a.mp4").write_bytes(b"not checked here")
+    assert _absolute_paths(build_parameters(video, "demo", ["source=clips"])) == {"source": str(tmp_path / "clips")}
+
+
+def test_serve_lists_each_schedule_on_its_one_line():
+    """serve's "serving N deployments: ..." line: an rrule's DTSTART line broke it in two (a trial);
+    a schedule in another timezone is named with it and said to differ from the pipeline's."""
+    from types import SimpleNamespace
+
+    from prefect.client.schemas.schedules import CronSchedule, RRuleSchedule
+
+    from paperline.flows.cli import _schedules_said
+
+    rrule = RRuleSchedule(rrule="DTSTART:20200101T000000\nFREQ=WEEKLY;BYDAY=MO", timezone="Europe/Berlin")
+    said = _schedules_said([SimpleNamespace(schedule=rrule, active=True)], "30 3 * * *")
+    assert "\n" not in said and said.startswith("DTSTART:20200101T000000 FREQ=WEEKLY;BYDAY=MO Europe/Berlin; "), said
+    berlin = CronSchedule(cron="30 3 * * *", timezone="Europe/Berlin")
+    assert _schedules_said([SimpleNamespace(schedule=berlin, active=False)], "30 3 * * *") == (
+        "30 3 * * * Europe/Berlin, schedule paused; as set on the Prefect server (the pipeline's: 30 3 * * *)")
+    assert _schedules_said([], None) == "no schedule"

@@ -177,6 +177,7 @@ def test_parameters_a_served_deployment_keeps_or_replaces():
     assert served_parameters(gemm, form, "b") == (
         form, "parameters as set on the Prefect server, not the pipeline's own: routine='syrk', m=256")
     assert served_parameters(gemm, {"params": {"tile": 1024}}, "b") == ({"params": {"tile": 1024}}, None)  # the default
+    assert served_parameters(gemm, {"params": None}, "b") == ({"params": None}, None)  # (Prefect stores it: defaults)
     own, note = served_parameters(gemm, {"params": {"tile": 0}}, "b")
     assert own == {} and note == ("its parameters on the Prefect server are not valid for this pipeline (tile: Input "
                                   "should be greater than 0); the pipeline's own are served")

@@ -141,13 +141,34 @@ def test_trigger_runs_a_deployment_with_run_s_checks_and_watches_it_to_its_summa
 
     np.save(tmp_path / "A.npy", np.ones((40, 30)))
     np.save(tmp_path / "B.npy", np.ones((30, 20)))
+    # ... and a preset's value the input checks refuse as given is left out, as `run` takes a preset's
+    # values as defaults ("m=8192: ... leave it out", then n, then k, could not be done: trials)
     preset = run_cli(cli_env, "trigger", "gemm", "--preset", "full", "--set", f"a={tmp_path / 'A.npy'}",
-                     "--set", f"b={tmp_path / 'B.npy'}")
-    assert preset.returncode == 1 and "triggered" not in preset.stdout, preset.stdout + preset.stderr
-    said = " ".join(preset.stderr.split())
-    # ... saying what to do: "leave it out" could not be done with a preset that sets it (a trial)
-    assert "error: m=8192: the operands" in said and "give m=40; leave it out (here the preset 'full' sets it, and " \
-        "a deployment run takes a preset's values as given: --set m=... to the value the check names)" in said, said
+                     "--set", f"b={tmp_path / 'B.npy'}", "--set", "scaling=false", "--watch")
+    said = " ".join(preset.stdout.split())
+    assert preset.returncode == 0, said + preset.stderr
+    assert "sent without m, n, k of the preset 'full': the run's inputs decide them" in said, said
+    assert "GEMM 40x20 (k=30) float64 tile=2048" in said, said
+    # the deployment's own parameters: not {"params": ...} (every run crashed), or refused, said as theirs
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.actions import DeploymentUpdate
+
+    with get_client(sync_client=True) as client:
+        deployment = client.read_deployment_by_name("gemm/local")
+        try:
+            client.update_deployment(deployment.id, DeploymentUpdate(parameters={"m": 256}))
+            stray = run_cli(cli_env, "trigger", "gemm", "--set", "k=64")
+            err = " ".join(stray.stderr.split())
+            assert stray.returncode == 1 and "triggered" not in stray.stdout, err
+            assert "error: gemm/local's own parameters on the Prefect server are {\"m\": 256}, not {\"params\": " \
+                "{...}}: its flow takes `params` alone, and any run of it would crash" in err, err
+            client.update_deployment(deployment.id, DeploymentUpdate(parameters={"params": {"memory_budget": "lots"}}))
+            theirs = run_cli(cli_env, "trigger", "gemm", "--set", "k=64")
+            err = " ".join(theirs.stderr.split())
+            assert theirs.returncode == 1 and "(the deployment's own value, set on the Prefect server: --set " \
+                "memory_budget=..., or fix it there)" in err and err.startswith("error: memory_budget='lots'"), err
+        finally:
+            client.update_deployment(deployment.id, DeploymentUpdate(parameters={}))
     # what `run` takes is sent as it checked it (the text as typed was a 409 from Prefect's schema: a trial)
     typed = run_cli(cli_env, "trigger", "gemm", "--set", "routine=Gemm", "--set", 'm="64"', "--set", "n=32",
                     "--set", "k=32", "--set", "tile=32", "--set", "scaling=false", "--deployment", "gemm/local", "--watch")
@@ -162,8 +183,11 @@ def test_trigger_runs_a_deployment_with_run_s_checks_and_watches_it_to_its_summa
     rest = watching.communicate(timeout=60)[0]
     assert watching.returncode != 0 and "interrupted: stopped watching; flow run '" in rest and "goes on" in rest, rest
     nowhere = run_cli(cli_env, "trigger", "gemm", "--deployment", "nope")
+    said = " ".join(nowhere.stderr.split())
     assert nowhere.returncode == 1 and "error: --deployment='nope': no deployment gemm/nope on the Prefect server" \
-        in " ".join(nowhere.stderr.split())
+        in said
+    # while a serve runs, it is the one to restart ("`paperline serve` serves gemm/local" read wrong: a trial)
+    assert f"the `paperline serve` running (pid {proc.pid}) made gemm/local as it started: restart it" in said, said
 
 
 def test_invalid_parameters_are_rejected_with_the_validation_error(served):

@@ -138,6 +138,64 @@ def test_trigger_watch_names_the_run_that_holds_the_deployments_slot(deployed):
             client.set_flow_run_state(holder.id, Cancelled(), force=True)
 
 
+def test_trigger_watch_says_each_new_holder_of_the_slot(deployed, capsys):
+    """A run that waited behind A, then (A done) behind B, was said to wait for A alone (a trial):
+    each new wait (Prefect sets a new AwaitingConcurrencySlot state) names the run holding the slot
+    then. The states are set through the API, as Prefect's concurrency checks set them (scheduled a
+    day ahead: the module's worker leaves them alone)."""
+    import datetime
+    import threading
+
+    from prefect.client.orchestration import get_client
+    from prefect.states import Cancelled, Completed, Running, Scheduled
+
+    from paperline.flows.cli import _watch_triggered
+    from paperline.flows.pipelines import get_pipeline
+    from paperline.infra.errors import PaperlineError
+
+    later = datetime.datetime.now(datetime.timezone.utc) + datetime.timedelta(days=1)
+
+    def waiting():
+        return Scheduled(scheduled_time=later, name="AwaitingConcurrencySlot")
+
+    with get_client(sync_client=True) as client:
+        deployment = client.read_deployment_by_name("gemm/gemm")
+        first = client.create_flow_run_from_deployment(deployment.id, state=Running())
+        watched = client.create_flow_run_from_deployment(deployment.id, state=waiting())
+        ended: list[BaseException] = []
+
+        def watch():
+            with get_client(sync_client=True) as own:
+                try:
+                    _watch_triggered(own, get_pipeline("gemm"), watched)
+                except BaseException as exc:  # noqa: BLE001 - the test reads it
+                    ended.append(exc)
+
+        watcher = threading.Thread(target=watch)
+        watcher.start()
+        second = None
+        try:
+            time.sleep(3)
+            client.set_flow_run_state(first.id, Completed(), force=True)
+            second = client.create_flow_run_from_deployment(deployment.id, state=Running())
+            client.set_flow_run_state(watched.id, waiting(), force=True)  # a new wait, the same name
+            time.sleep(3)
+        finally:
+            client.set_flow_run_state(watched.id, Cancelled(), force=True)
+            watcher.join(timeout=30)
+            for run in (first, second):
+                if run is not None:
+                    client.set_flow_run_state(run.id, Cancelled(), force=True)
+    out = capsys.readouterr().out
+    said = [line for line in out.splitlines() if line.startswith(f"{watched.name}: ")]
+    assert said == [f"{watched.name}: AwaitingConcurrencySlot (the deployment's one slot is held by flow run "
+                    f"'{first.name}', Running)",
+                    f"{watched.name}: AwaitingConcurrencySlot (the deployment's one slot is held by flow run "
+                    f"'{second.name}', Running)",
+                    f"{watched.name}: Cancelled"], out
+    assert len(ended) == 1 and isinstance(ended[0], PaperlineError), ended
+
+
 def test_sigterm_stops_the_worker_and_crashes_its_run_at_once(deployed, running_flow_run, stack):
     """`kill` (SIGTERM) of `paperline worker`, as a supervisor stops it, left its `prefect worker`
     child running under PID 1, taking runs (a fresh-user trial); it is passed on now. The run it

@@ -422,10 +422,18 @@ def test_deployment_status_reads_pools_workers_and_late_runs_from_the_server(sta
             shown = datetime.datetime.strptime(upcoming.split(" at ")[1][:20], "%Y-%m-%d %H:%M UTC")
             assert upcoming == f"next scheduled run: paperline-test-status-probe/pooled at {at} (in 10 min)" or \
                 shown.replace(tzinfo=datetime.timezone.utc) <= soon, lines
-            client.pause_deployment(deployment)  # a paused deployment's runs start only once it is unpaused
+            # a paused deployment's runs start only once it is unpaused: the next one is another's, however many
+            # of the paused one's come first (20 of them hid the line: a trial)
+            later = client.create_deployment(flow_id=client.create_flow(probe), name="later", work_pool_name=pool)
+            client.create_flow_run_from_deployment(later, state=Scheduled(scheduled_time=soon + datetime.timedelta(days=3)))
+            for _ in range(25):
+                client.create_flow_run_from_deployment(deployment, state=Scheduled(scheduled_time=soon))
+            client.pause_deployment(deployment)
             lines = deployment_status(info.prefect_api_url, info.prefect_login, tmp_path)
             assert not [line for line in lines if "paperline-test-status-probe/pooled at" in line], lines
+            assert [line for line in lines if line.startswith("next scheduled run: ")], lines  # (later's, or sooner)
             client.resume_deployment(deployment)
+            client.delete_deployment(later)
             client.send_worker_heartbeat(pool, "probe-worker")
             lines = deployment_status(info.prefect_api_url, info.prefect_login, tmp_path)
             online = [line for line in lines if line.startswith(f"work pool {pool}: 1 deployment(s), 1 worker(s) "
