@@ -75,22 +75,20 @@ def served_parameters(spec: Any, there: dict[str, Any] | None, data_bucket: str)
         The parameters, and a line saying which fields differ from the pipeline's own (kept) or why
         they were replaced; None when they are the pipeline's own.
     """
-    from pydantic import ValidationError
+    from paperline.flows.pipelines import deployment_values, validation_problem  # noqa: PLC0415
 
     own = spec.deployment_params(data_bucket)
     there = there or {}
     if there == own:
         return own, None
-    values = (there.get("params") or {}) if set(there) <= {"params"} else None  # ({"params": null}: the defaults)
-    if not isinstance(values, dict):
+    values = deployment_values(there)
+    if values is None:
         return own, f"its parameters on the Prefect server are not {{\"params\": {{...}}}}; the pipeline's own are served"
-    try:
-        kept = spec.parameters.model_validate(values)
-    except ValidationError as exc:
-        first = exc.errors()[0]
-        where = ".".join(str(part) for part in first["loc"])
-        return own, (f"its parameters on the Prefect server are not valid for this pipeline ({where}: {first['msg']}); "
+    problem = validation_problem(spec.parameters, values)
+    if problem is not None:
+        return own, (f"its parameters on the Prefect server are not valid for this pipeline ({problem}); "
                      "the pipeline's own are served")
+    kept = spec.parameters.model_validate(values)
     mine = spec.parameters.model_validate(own.get("params", {}))
     changed = [f"{k}={getattr(kept, k)!r}" for k in type(kept).model_fields if getattr(kept, k) != getattr(mine, k)]
     if not changed:

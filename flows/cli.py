@@ -599,18 +599,18 @@ def _print_parameters(spec: Any, preset: str) -> None:
 def _shown_type(annotation: Any) -> str:
     """A parameter's type as `params` shows it: ``list[int] | None``, ``Literal['N', 'T']``; a
     constrained item type (``list[Annotated[int, Field(ge=1)]]``, a package's pipeline) as its
-    type alone (``list[int]``), not pydantic's FieldInfo text."""
+    type alone (``list[int]``), not pydantic's FieldInfo text; a ``Literal``'s values as their
+    reprs (a dotted text value lost its head, and a mixed one its quotes, in the text form)."""
     import typing
 
-    def annotated(a: Any) -> bool:
-        return typing.get_origin(a) is typing.Annotated or any(annotated(x) for x in typing.get_args(a))
-
-    if typing.get_origin(annotation) is typing.Annotated:
-        return _shown_type(typing.get_args(annotation)[0])
-    if annotated(annotation):
-        origin, args = typing.get_origin(annotation), typing.get_args(annotation)
-        if origin in (typing.Union, types.UnionType):
-            return " | ".join("None" if a is type(None) else _shown_type(a) for a in args)
+    origin, args = typing.get_origin(annotation), typing.get_args(annotation)
+    if origin is typing.Annotated:
+        return _shown_type(args[0])
+    if origin is typing.Literal:
+        return f"Literal[{', '.join(repr(a) for a in args)}]"
+    if origin in (typing.Union, types.UnionType):
+        return " | ".join("None" if a is type(None) else _shown_type(a) for a in args)
+    if origin is not None and args:
         return f"{getattr(origin, '__name__', origin)}[{', '.join('...' if a is ... else _shown_type(a) for a in args)}]"
     return annotation.__name__ if isinstance(annotation, type) else re.sub(r"[\w.]+\.(\w+)", r"\1", str(annotation))
 
@@ -1567,7 +1567,7 @@ def _trigger(spec: Any, info: Any, names: list[str], preset: str | None, overrid
     from prefect.client.orchestration import get_client
     from prefect.exceptions import ObjectNotFound
 
-    from paperline.flows.pipelines import override_values, preset_values
+    from paperline.flows.pipelines import deployment_values, override_values, preset_values
     from paperline.infra.errors import InputError, redact_url
 
     flow = spec.flow.name
@@ -1593,14 +1593,15 @@ def _trigger(spec: Any, info: Any, names: list[str], preset: str | None, overrid
         # was online while the paused gemm/local got the run)
         deployment = next((d for d in found.values() if not d.paused), next(iter(found.values())))
         stored = deployment.parameters or {}
-        if set(stored) - {"params"} or not isinstance(stored.get("params") or {}, dict):
+        stored_values = deployment_values(stored)
+        if stored_values is None:
             # Prefect merges them into every run's, and the run crashed with a traceback in the serve
             # log: "SignatureMismatchError: ... provided with parameters ['m', 'params']" (a trial)
             raise PaperlineError(f"{flow}/{deployment.name}'s own parameters on the Prefect server are "
                                  f"{json.dumps(stored)[:200]}, not {{\"params\": {{...}}}}: its flow takes `params` "
                                  "alone, and any run of it would crash; set them right in the Prefect UI (Edit), or "
                                  "let `paperline serve` (restarted) or `prefect deploy --all` set them anew")
-        base = preset_values(spec, preset) if preset is not None else stored.get("params") or {}
+        base = preset_values(spec, preset) if preset is not None else stored_values
         values, given = override_values(spec, base, overrides)
         _refuse_non_json(values, given)
         params, dropped = _trigger_parameters(spec, values, given, base, preset)
@@ -1852,8 +1853,8 @@ def serve() -> None:
     with _serve_lock(_settings().state_dir):  # one serve per stack, for as long as this one serves
         _say_broken_pipelines("the other pipelines are served")  # (one stopped serving every one: a trial)
         names = served_names()
-        served_elsewhere(names)  # ... and per Prefect server, which other state dirs may share
         existing = existing_deployments(names)  # (as the Prefect UI left them: kept, not replaced)
+        served_elsewhere(existing)  # ... and per Prefect server, which other state dirs may share
         notes: list[str] = []
         deployments = local_deployments(info.data_bucket, existing, say=notes.append)
         listed = []
@@ -2087,9 +2088,10 @@ def _on_path(command: str) -> str:
 SERVE_POLLED_WITHIN_S = 30.0  # three of a serve's 10-s polls (Prefect's PREFECT_RUNNER_POLL_FREQUENCY)
 
 
-def served_elsewhere(names: list[str]) -> None:
+def served_elsewhere(deployments: dict[str, Any]) -> None:
     """Refuse to serve deployments that another process serves now on this Prefect server: one of
-    ``names`` unpaused and polled within :data:`SERVE_POLLED_WITHIN_S` (a serve polls every 10 s,
+    ``deployments`` (Prefect ``DeploymentResponse`` by name, as :func:`existing_deployments` read
+    them) unpaused and polled within :data:`SERVE_POLLED_WITHIN_S` (a serve polls every 10 s,
     so a killed one blocks a new one for at most that long). The
     serve lock is per state directory; a client configured against a shared Prefect server (or
     another host's serve) served the same deployments, and stopping it paused them all under the
@@ -2100,21 +2102,16 @@ def served_elsewhere(names: list[str]) -> None:
     """
     import datetime
 
-    from prefect.client.orchestration import get_client
-    from prefect.exceptions import ObjectNotFound
     from prefect.settings import PREFECT_API_URL
 
     from paperline.infra.errors import redact_url
 
     now = datetime.datetime.now(datetime.timezone.utc)
     busy = []
-    with get_client(sync_client=True) as client:
-        for name in names:
-            with contextlib.suppress(ObjectNotFound):
-                d = client.read_deployment_by_name(name)
-                ago = (now - d.last_polled).total_seconds() if d.last_polled else None
-                if not d.paused and ago is not None and ago <= SERVE_POLLED_WITHIN_S:
-                    busy.append((name, ago))
+    for name, d in deployments.items():
+        ago = (now - d.last_polled).total_seconds() if d.last_polled else None
+        if not d.paused and ago is not None and ago <= SERVE_POLLED_WITHIN_S:
+            busy.append((name, ago))
     if busy:
         # (a poll after `now` was taken showed "polled -0 s ago": a CI failure)
         shown = ", ".join(f"{name} (polled {max(0.0, ago):.0f} s ago)" for name, ago in busy[:3])

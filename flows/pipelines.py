@@ -276,10 +276,11 @@ def _pipeline_problems(pipeline: Pipeline, name: str) -> list[str]:
             problems += _invalid(pipeline.parameters, values, f"its preset {preset!r} is")
         # what `serve` deploys: a bad cron or deployment parameters stopped serving every pipeline (a review)
         params = pipeline.deployment_params("paperline-data")
-        if set(params) - {"params"} or not isinstance(params.get("params", {}), dict):
+        values = deployment_values(params)
+        if values is None:
             problems.append(f"its deployment_parameters are {params!r}, not {{'params': {{...}}}}")
         else:
-            problems += _invalid(pipeline.parameters, params.get("params", {}), "its deployment_parameters are")
+            problems += _invalid(pipeline.parameters, values, "its deployment_parameters are")
     if pipeline.cron is not None:
         from prefect.schedules import Cron  # noqa: PLC0415
 
@@ -290,15 +291,37 @@ def _pipeline_problems(pipeline: Pipeline, name: str) -> list[str]:
     return problems
 
 
-def _invalid(model: type[BaseModel], values: dict[str, Any], what: str) -> list[str]:
-    """``["<what> not valid for <model>: <field>: <reason>"]`` when ``values`` fail the model (``what``
-    ends in its verb: "its preset 'full' is"), else empty."""
+def deployment_values(parameters: Any) -> dict[str, Any] | None:
+    """The parameter values in a deployment's parameters, which are ``{"params": {...}}`` (every
+    pipeline's flow takes ``params`` alone): ``{}`` for ``{}`` or ``{"params": null}`` (the
+    defaults; Prefect stores the latter), or None when ``parameters`` are not of that shape (other
+    keys beside ``params``, or ``params`` not a JSON object). Used by the package check, by `serve`
+    for the parameters it keeps, and by `trigger` for those it refuses."""
+    if not isinstance(parameters, dict) or set(parameters) - {"params"}:
+        return None
+    values = parameters.get("params")
+    if values is None:
+        return {}
+    return values if isinstance(values, dict) else None
+
+
+def validation_problem(model: type[BaseModel], values: dict[str, Any]) -> str | None:
+    """``"<field>: <reason>"`` for the first error of ``values`` against ``model`` (a nested field
+    dotted: ``schedule.cron``), or None when they are valid."""
     try:
         model.model_validate(values)
     except ValidationError as exc:
         first = exc.errors()[0]
-        return [f"{what} not valid for {model.__name__}: {first['loc']}: {first['msg']}"]
-    return []
+        where = ".".join(str(part) for part in first["loc"])
+        return f"{where}: {first['msg'].removeprefix('Value error, ')}" if where else first["msg"]
+    return None
+
+
+def _invalid(model: type[BaseModel], values: dict[str, Any], what: str) -> list[str]:
+    """``["<what> not valid for <model>: <field>: <reason>"]`` when ``values`` fail the model (``what``
+    ends in its verb: "its preset 'full' is"), else empty."""
+    problem = validation_problem(model, values)
+    return [] if problem is None else [f"{what} not valid for {model.__name__}: {problem}"]
 
 
 def _members(annotation: Any) -> set[Any]:

@@ -647,6 +647,28 @@ def test_the_pipelines_modules_load_without_mlflow():
     assert out.returncode == 0 and out.stdout.strip() == "[]", out.stdout[-2000:] + out.stderr[-2000:]
 
 
+def test_parameter_types_are_shown_as_written():
+    """`params` showed a package's ``Literal['x.y', 1]`` inside a constrained list as
+    ``Literal['a', 1, 'y']``: the text form's module stripping ate a dotted value's head."""
+    from typing import Annotated, Literal, Optional
+
+    from pydantic import Field
+
+    from paperline.flows.cli import _shown_type
+
+    cases = {
+        Literal["N", "T"]: "Literal['N', 'T']",
+        list[Annotated[Literal["a", 1, "x.y"], Field()]]: "list[Literal['a', 1, 'x.y']]",
+        list[Literal["a.b", 2]] | None: "list[Literal['a.b', 2]] | None",
+        list[Annotated[int, Field(ge=1)]]: "list[int]",
+        Optional[int]: "int | None",
+        tuple[float, ...]: "tuple[float, ...]",
+        dict[str, list[str]]: "dict[str, list[str]]",
+        str: "str",
+    }
+    assert {a: _shown_type(a) for a in cases} == cases
+
+
 def test_tiny_values_are_not_shown_as_zero():
     """compare's table showed gemm's verification residual (about 1e-17) as 0.0000."""
     from paperline.flows.cli import _fmt

@@ -187,14 +187,14 @@ def test_broken_entry_points_are_named_with_their_package_and_what_is_wrong(site
         "misnamed": "its name is 'other', not the entry point's 'misnamed'",
         "noparams": "its flow 'noparams' takes no `params` argument (deployments and `paperline run` pass the "
                     "parameters as params); it has no `demo` preset (presets: default, full;",
-        "badpreset": "its preset 'full' is not valid for P: ('x',): Input should be a valid integer",
+        "badpreset": "its preset 'full' is not valid for P: x: Input should be a valid integer",
         "notaflow": "its flow is a builtin_function_or_method, not a Prefect flow",
         # (a trial's preset key was dropped unsaid, and a flow named gemm took gemm/local and its schedule over)
         "unknownkey": "its preset 'demo' sets bogus, not parameters of P",
         "takesgemm": "its flow is named 'gemm', not 'takesgemm' (a flow's deployments are <flow name>/local",
         # (what `serve` deploys: a bad cron stopped serving every pipeline, a review)
         "badcron": "its cron 'every day' is not a cron schedule (",
-        "baddeployment": "its deployment_parameters are not valid for P: ('x',): Input should be a valid integer",
+        "baddeployment": "its deployment_parameters are not valid for P: x: Input should be a valid integer",
         "presetslist": "it could not be checked (TypeError: ",
     }
     for name, problem in cases.items():

@@ -370,7 +370,7 @@ def test_a_serve_of_another_state_dir_on_the_same_prefect_server_is_refused(serv
     Deployments unpaused and polled in the last 90 s are another process's: refused, named."""
     from prefect.client.orchestration import get_client
 
-    from paperline.flows.cli import served_elsewhere, served_names
+    from paperline.flows.cli import existing_deployments, served_elsewhere, served_names
     from paperline.infra.errors import PaperlineError
 
     _, proc, log = served
@@ -380,8 +380,9 @@ def test_a_serve_of_another_state_dir_on_the_same_prefect_server_is_refused(serv
             time.sleep(1)
     with pytest.raises(PaperlineError, match=r"another process serves 5 of these deployments on the Prefect server at "
                                              r".*compressed-training/local \(polled \d+ s ago\)"):
-        served_elsewhere(served_names())
-    served_elsewhere(["nosuch/local"])  # nothing served: passes
+        served_elsewhere(existing_deployments(served_names()))
+    assert existing_deployments(["nosuch/local"]) == {}
+    served_elsewhere({})  # nothing served: passes
 
 
 def test_status_names_the_serving_process(served, cli_env):

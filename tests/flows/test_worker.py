@@ -171,22 +171,33 @@ def test_trigger_watch_says_each_new_holder_of_the_slot(deployed, capsys):
                 except BaseException as exc:  # noqa: BLE001 - the test reads it
                     ended.append(exc)
 
+        out = ""
+
+        def wait_said(text: str) -> None:
+            """Until the watch has printed ``text`` (its polls are a second apart), at most 30 s."""
+            nonlocal out
+            deadline = time.monotonic() + 30
+            while text not in out and time.monotonic() < deadline and watcher.is_alive():
+                time.sleep(0.2)
+                out += capsys.readouterr().out
+            assert text in out, out
+
         watcher = threading.Thread(target=watch)
         watcher.start()
         second = None
         try:
-            time.sleep(3)
+            wait_said(f"held by flow run '{first.name}'")
             client.set_flow_run_state(first.id, Completed(), force=True)
             second = client.create_flow_run_from_deployment(deployment.id, state=Running())
             client.set_flow_run_state(watched.id, waiting(), force=True)  # a new wait, the same name
-            time.sleep(3)
+            wait_said(f"held by flow run '{second.name}'")
         finally:
             client.set_flow_run_state(watched.id, Cancelled(), force=True)
             watcher.join(timeout=30)
             for run in (first, second):
                 if run is not None:
                     client.set_flow_run_state(run.id, Cancelled(), force=True)
-    out = capsys.readouterr().out
+    out += capsys.readouterr().out
     said = [line for line in out.splitlines() if line.startswith(f"{watched.name}: ")]
     assert said == [f"{watched.name}: AwaitingConcurrencySlot (the deployment's one slot is held by flow run "
                     f"'{first.name}', Running)",

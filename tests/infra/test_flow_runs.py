@@ -417,11 +417,17 @@ def test_deployment_status_reads_pools_workers_and_late_runs_from_the_server(sta
             assert f"work pool {pool}: 1 deployment(s), no worker online: their runs wait Scheduled until a worker " \
                    "of the pool runs; 2 scheduled run(s) past their start time wait for it" in lines, lines
             # the next run to start (past ones are said above), unless another deployment's starts sooner
-            (upcoming,) = [line for line in lines if line.startswith("next scheduled run: ")]
+            def next_run(lines: list[str]) -> tuple[str, datetime.datetime]:
+                (upcoming,) = [line for line in lines if line.startswith("next scheduled run: ")]
+                shown = datetime.datetime.strptime(upcoming.split(" at ")[1][:20], "%Y-%m-%d %H:%M UTC")
+                return upcoming, shown.replace(tzinfo=datetime.timezone.utc)
+
+            upcoming, shown = next_run(lines)
             at = soon.strftime("%Y-%m-%d %H:%M UTC")
-            shown = datetime.datetime.strptime(upcoming.split(" at ")[1][:20], "%Y-%m-%d %H:%M UTC")
+            # a run still to come (not a past one), and none later than this deployment's next
+            assert past < shown <= soon, lines
             assert upcoming == f"next scheduled run: paperline-test-status-probe/pooled at {at} (in 10 min)" or \
-                shown.replace(tzinfo=datetime.timezone.utc) <= soon, lines
+                "paperline-test-status-probe/pooled" not in upcoming, lines
             # a paused deployment's runs start only once it is unpaused: the next one is another's, however many
             # of the paused one's come first (20 of them hid the line: a trial)
             later = client.create_deployment(flow_id=client.create_flow(probe), name="later", work_pool_name=pool)
@@ -431,7 +437,10 @@ def test_deployment_status_reads_pools_workers_and_late_runs_from_the_server(sta
             client.pause_deployment(deployment)
             lines = deployment_status(info.prefect_api_url, info.prefect_login, tmp_path)
             assert not [line for line in lines if "paperline-test-status-probe/pooled at" in line], lines
-            assert [line for line in lines if line.startswith("next scheduled run: ")], lines  # (later's, or sooner)
+            upcoming, shown = next_run(lines)  # later's, or another unpaused deployment's sooner
+            assert past < shown <= soon + datetime.timedelta(days=3), lines
+            assert upcoming.startswith("next scheduled run: paperline-test-status-probe/later at ") or \
+                shown < soon + datetime.timedelta(days=3) - datetime.timedelta(minutes=1), lines
             client.resume_deployment(deployment)
             client.delete_deployment(later)
             client.send_worker_heartbeat(pool, "probe-worker")
