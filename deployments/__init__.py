@@ -12,12 +12,15 @@ Two sets, with the same parameters and schedules (``flows/pipelines.py``: each p
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import json
+import os
+from collections.abc import Callable, Collection, Iterable
+from pathlib import Path
 from typing import Any
 
 
 def local_deployments(data_bucket: str, existing: dict[str, Any] | None = None,
-                      say: Callable[[str], None] | None = None) -> list[Any]:
+                      say: Callable[[str], None] | None = None, paused: Collection[str] = ()) -> list[Any]:
     """The ``<flow>/local`` deployment of every pipeline, as `paperline serve` serves them.
 
     Args:
@@ -30,6 +33,8 @@ def local_deployments(data_bucket: str, existing: dict[str, Any] | None = None,
             slug ``<pipeline>-schedule``; ``deployment_params``).
         say: called with a line for each deployment whose parameters are not the pipeline's
             own: kept from the server, or replaced as no longer valid.
+        paused: the ``"<flow>/local"`` deployments to register paused, as a user left them in the
+            Prefect UI (:func:`paused_by_user`); the others are served unpaused.
 
     Returns:
         One Prefect ``RunnerDeployment`` per pipeline that loads (``serve`` names those that
@@ -60,7 +65,7 @@ def local_deployments(data_bucket: str, existing: dict[str, Any] | None = None,
             parameters = spec.deployment_params(data_bucket)
         deployments.append(spec.flow.to_deployment(  # "<flow>/local": apart from prefect.yaml's work-pool ones
             name="local", description=spec.description or None, tags=["paperline", name],
-            schedules=schedules or None, parameters=parameters,
+            schedules=schedules or None, parameters=parameters, paused=True if full in paused else None,
             concurrency_limit=1, entrypoint_type=EntrypointType.MODULE_PATH))
     return deployments
 
@@ -94,3 +99,45 @@ def served_parameters(spec: Any, there: dict[str, Any] | None, data_bucket: str)
     if not changed:
         return there, None
     return there, f"parameters as set on the Prefect server, not the pipeline's own: {', '.join(changed)}"
+
+
+SERVED_PAUSES = "serve-paused.json"  # in the state directory: see paused_by_user
+
+
+def paused_by_user(state_dir: Path, existing: dict[str, Any]) -> list[str]:
+    """The deployments among ``existing`` (Prefect ``DeploymentResponse`` by ``"<flow>/local"``)
+    that a user paused (the deployment's own toggle in the Prefect UI), which the next `paperline
+    serve` keeps paused: Prefect's runner unpaused every deployment it served, and pauses every
+    one as it stops, so a user's pause was undone by a restart of serve (a trial).
+
+    Told apart by the record serve keeps in ``state_dir`` (:func:`record_serve_pauses`): the ids
+    of the deployments serve itself paused as it last stopped, or meant to serve unpaused where it
+    never stopped (killed outright: its deployments stay unpaused, and a user's pause made during
+    that serve is undone). A deployment paused and not in the record is the user's. With no record
+    (a first serve, or one of a paperline before this record) or an unreadable one, none is.
+
+    Returns:
+        Their names, sorted.
+    """
+    try:
+        record = json.loads((Path(state_dir) / SERVED_PAUSES).read_text())
+        by_serve = {str(i) for i in record["paused_by_serve"]}
+    except (OSError, ValueError, KeyError, TypeError):
+        return []
+    return sorted(name for name, d in existing.items() if d.paused and str(d.id) not in by_serve)
+
+
+def record_serve_pauses(state_dir: Path, ids: Iterable[str], add: bool = False) -> None:
+    """Write (or, with ``add``, extend) the record :func:`paused_by_user` reads: the ids of
+    deployments serve paused (or serves unpaused now), replaced atomically (a reader never sees
+    half of it). Errors propagate (``OSError``)."""
+    path = Path(state_dir) / SERVED_PAUSES
+    ids = {str(i) for i in ids}
+    if add:
+        try:
+            ids |= {str(i) for i in json.loads(path.read_text())["paused_by_serve"]}
+        except (OSError, ValueError, KeyError, TypeError):
+            pass
+    part = path.with_name(f".{path.name}.{os.getpid()}.part")
+    part.write_text(json.dumps({"paused_by_serve": sorted(ids)}) + "\n")
+    os.replace(part, path)

@@ -1839,12 +1839,12 @@ def serve() -> None:
 
     from prefect import serve as prefect_serve
 
-    from paperline.deployments import local_deployments
+    from paperline.deployments import local_deployments, paused_by_user
     from paperline.flows.pipelines import get_pipeline
     from paperline.infra.cluster import describe_cluster, require_scheduler
     from paperline.infra.errors import redact_url
     from paperline.infra.flow_runs import watch_flow_runs
-    from paperline.infra.prefect_patches import served_runs_in_own_process_group
+    from paperline.infra.prefect_patches import recording_runner_pauses, served_runs_in_own_process_group
     from paperline.infra.watch import marking_watch
 
     _quiet_logs()
@@ -1855,13 +1855,18 @@ def serve() -> None:
         names = served_names()
         existing = existing_deployments(names)  # (as the Prefect UI left them: kept, not replaced)
         served_elsewhere(existing)  # ... and per Prefect server, which other state dirs may share
+        state_dir = _settings().state_dir
+        kept_paused = paused_by_user(state_dir, existing)  # (a restart unpaused them: a trial)
+        # until it stops: the ones it serves unpaused are its own to pause
+        _record_pauses(state_dir, [str(d.id) for name, d in existing.items() if name not in kept_paused])
         notes: list[str] = []
-        deployments = local_deployments(info.data_bucket, existing, say=notes.append)
+        deployments = local_deployments(info.data_bucket, existing, say=notes.append, paused=kept_paused)
         listed = []
         for d in deployments:
             name = f"{d.flow_name}/{d.name}"
             schedules = existing[name].schedules if name in existing else d.schedules or []
-            listed.append(f"{name} ({_schedules_said(schedules, get_pipeline(d.flow_name).cron)})")
+            paused = "; deployment paused, as left in the Prefect UI (resume it there)" if name in kept_paused else ""
+            listed.append(f"{name} ({_schedules_said(schedules, get_pipeline(d.flow_name).cron)}{paused})")
         console.print(f"serving {len(deployments)} deployments: " + ", ".join(listed), highlight=False,
                       soft_wrap=True)  # not folded inside a cron expression in a log file (a trial)
         for note in notes:  # parameters set in the Prefect UI, kept (or no longer valid, replaced)
@@ -1900,7 +1905,8 @@ def serve() -> None:
                 _serving_through_outages(info.prefect_ui_url, lost_in_outage):
             try:
                 try:
-                    with served_runs_in_own_process_group():
+                    with served_runs_in_own_process_group(), \
+                            recording_runner_pauses(lambda ids: _record_pauses(state_dir, ids)):
                         prefect_serve(*deployments, print_starting_message=False)
                 except Exception as exc:
                     # Prefect's runner raises only as it stops, when its goodbye to the server fails:
@@ -1919,7 +1925,7 @@ def serve() -> None:
                         _say(f"stopped serving; its Prefect server at {redact_url(info.prefect_ui_url)} is not "
                              f"answering ({type(exc).__name__}: {exc}): `paperline status` shows what is down")
             finally:
-                _pause_served(names)
+                _pause_served(names, state_dir)
 
 
 @contextlib.contextmanager
@@ -2160,11 +2166,25 @@ def _schedules_said(schedules: list[Any], cron: str | None) -> str:
     return listed
 
 
-def _pause_served(names: list[str]) -> None:
+def _record_pauses(state_dir: Path, ids: list[str], add: bool = False) -> None:
+    """:func:`paperline.deployments.record_serve_pauses`, said rather than raised when the state
+    directory cannot be written (the stop goes on; the next serve may unpause a user's pause)."""
+    from paperline.deployments import SERVED_PAUSES, record_serve_pauses
+
+    try:
+        record_serve_pauses(state_dir, ids, add=add)
+    except OSError as exc:
+        _say(f"could not record which deployments serve paused in {Path(state_dir) / SERVED_PAUSES} ({exc}): the "
+             "next `paperline serve` unpauses those paused in the Prefect UI too")
+
+
+def _pause_served(names: list[str], state_dir: Path | None = None) -> None:
     """Pause each of the deployments ``names`` (``"flow/deployment"``) still unpaused: what
     Prefect's runner does as it stops serving, and left undone when the stop interrupted it (a
     trial: SIGTERM during a run paused one of five; the other four kept making Scheduled runs
-    that nothing would execute). Errors are reported, not raised: this runs while stopping."""
+    that nothing would execute); with ``state_dir``, their ids are added to serve's record of its
+    own pauses (:func:`paperline.deployments.paused_by_user`). Errors are reported, not raised:
+    this runs while stopping."""
     from prefect.client.orchestration import get_client
     from prefect.exceptions import ObjectNotFound
 
@@ -2175,6 +2195,8 @@ def _pause_served(names: list[str]) -> None:
                     deployment = client.read_deployment_by_name(name)
                     if not deployment.paused:
                         client.pause_deployment(deployment.id)
+                        if state_dir is not None:
+                            _record_pauses(state_dir, [str(deployment.id)], add=True)
     except Exception as exc:  # noqa: BLE001 - httpx/prefect errors: say what to do, the stop goes on
         _say(f"could not pause the served deployments' schedules ({type(exc).__name__}: {exc}); their runs wait "
              "Scheduled until the next `paperline serve` (pause them in the Prefect UI to stop that)")

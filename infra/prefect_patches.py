@@ -47,7 +47,7 @@ import functools
 import json
 import os
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from datetime import timedelta
 from pathlib import Path, PurePath
 from typing import Any
@@ -362,3 +362,36 @@ def served_runs_in_own_process_group() -> Iterator[None]:
         yield
     finally:
         runner.EngineCommandStarter = original  # type: ignore[misc]
+
+
+@contextlib.contextmanager
+def recording_runner_pauses(record: Callable[[list[str]], None]) -> Iterator[None]:
+    """While inside, Prefect's runner (``prefect.serve``), as it stops and pauses the deployments it
+    served, first calls ``record`` with the ids (text) of those it finds unpaused: the ones its
+    stop pauses, as against those a user paused in the Prefect UI while they were served, which
+    the next `paperline serve` keeps paused (it unpaused every one: a trial's pause was undone
+    by a restart). A Prefect whose runner lacks the method keeps its own behaviour, unrecorded.
+    """
+    from prefect.runner.runner import Runner  # noqa: PLC0415
+
+    original = getattr(Runner, "_pause_schedules", None)
+    if original is None:
+        yield
+        return
+
+    async def _pause_schedules(self: Any) -> None:
+        unpaused = []
+        for deployment_id in self._deployment_registry.get_deployment_ids():
+            try:
+                if not (await self._client.read_deployment(deployment_id)).paused:
+                    unpaused.append(str(deployment_id))
+            except Exception:  # noqa: BLE001 - unread, so not recorded: the pause below says what fails
+                continue
+        record(unpaused)
+        await original(self)
+
+    Runner._pause_schedules = _pause_schedules  # type: ignore[method-assign]
+    try:
+        yield
+    finally:
+        Runner._pause_schedules = original  # type: ignore[method-assign]

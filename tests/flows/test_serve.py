@@ -460,6 +460,7 @@ def test_sigterm_stops_serving_as_ctrl_c_does(stack, background_process, cli_env
     enters through Prefect's ``Runner.handle_sigterm``, tested as the script job; SIGHUP through
     serve's own handler; both end in the same ``as_ctrl_c``, whose asyncio branch the terminal
     variant and the Ctrl-C test take.)"""
+    import datetime
     import os
     import signal
 
@@ -473,6 +474,8 @@ def test_sigterm_stops_serving_as_ctrl_c_does(stack, background_process, cli_env
                             as_script_job=as_script_job) as proc, get_client(sync_client=True) as client:
         run = running_flow_run(client, "gemm/local", proc, log)
         assert not any(client.read_deployment_by_name(n).paused for n in names)  # serving unpaused them
+        if not as_script_job:  # the user pauses one in the Prefect UI (its deployment toggle)
+            client.pause_deployment(client.read_deployment_by_name("nas/local").id)
         os.kill(proc.pid, stop)  # `kill PID`, as a supervisor stops it; or the terminal closed
         proc.wait(timeout=90)
         state = client.read_flow_run(run.id).state
@@ -481,5 +484,30 @@ def test_sigterm_stops_serving_as_ctrl_c_does(stack, background_process, cli_env
     assert state.name == "Crashed", (state, text[-3000:])
     assert "Traceback" not in text, text[-3000:]
     assert all(paused.values()), (paused, text[-3000:])
-    if not as_script_job:  # Prefect's runner stopped as on Ctrl-C, not only paperline's backstop pausing
-        assert "All deployments have been paused!" in text, text[-3000:]
+    if as_script_job:
+        return
+    # Prefect's runner stopped as on Ctrl-C, not only paperline's backstop pausing
+    assert "All deployments have been paused!" in text, text[-3000:]
+    # the user's pause outlives a restart of serve (the runner unpaused every one it served: a trial); serve's own
+    # stop paused the others, and the restarted serve unpauses them
+    again = tmp_path / "again.log"
+    restarted = datetime.datetime.now(datetime.timezone.utc)
+    with background_process([sys.executable, "-m", "paperline.flows.cli", "serve"], cli_env, again) as proc, \
+            get_client(sync_client=True) as client:
+        try:
+            deadline = time.time() + 120
+            while (paused := {n: client.read_deployment_by_name(n).paused for n in names}) != \
+                    {**dict.fromkeys(names, False), "nas/local": True} and time.time() < deadline:  # registered in turn
+                assert proc.poll() is None, again.read_text()[-3000:]
+                time.sleep(1)
+            assert paused == {**dict.fromkeys(names, False), "nas/local": True}, (paused, again.read_text()[-3000:])
+            # ... once its runner polls for nas/local's runs too (all are registered before it polls)
+            while (nas := client.read_deployment_by_name("nas/local")).last_polled is None or \
+                    nas.last_polled < restarted:
+                assert proc.poll() is None and time.time() < deadline, again.read_text()[-3000:]
+                time.sleep(1)
+            assert nas.paused, again.read_text()[-3000:]
+            assert "nas/local (0 4 * * 0; deployment paused, as left in the Prefect UI (resume it there))" in \
+                again.read_text(), again.read_text()[-3000:]
+        finally:  # resumed in the UI (while stopped): served unpaused by the next serve
+            client.resume_deployment(client.read_deployment_by_name("nas/local").id)
