@@ -321,7 +321,7 @@ def deployment_report(deployments: list[dict[str, object]], workers: dict[str, l
             lines.append(f"deployments: {len(served)} without a work pool ({', '.join(sorted(names)[:3])}"
                          f"{', ...' if len(names) > 3 else ''}), not served now and paused (as a stopping "
                          "`paperline serve` leaves them): their schedules make no runs, and a run triggered now "
-                         f"waits Scheduled until `paperline serve` runs, which unpauses them{late_note(names)}")
+                         f"waits Scheduled until `paperline serve` runs, which unpauses those it paused itself{late_note(names)}")
             explained.update(names)
         else:
             lines.append(f"deployments: {len(served)} without a work pool ({', '.join(sorted(names)[:3])}"

@@ -327,8 +327,8 @@ def test_deployment_report_says_who_executes_the_runs_and_what_waits():
     lines = deployment_report(stopped, {}, {"c/local": 1})
     assert lines == ["deployments: 4 without a work pool (a/local, b/local, c/local, ...), not served now and paused "
                      "(as a stopping `paperline serve` leaves them): their schedules make no runs, and a run triggered "
-                     "now waits Scheduled until `paperline serve` runs, which unpauses them; 1 scheduled run(s) past "
-                     "their start time wait for it"], lines  # (no second line saying "paused" again)
+                     "now waits Scheduled until `paperline serve` runs, which unpauses those it paused itself; 1 "
+                     "scheduled run(s) past their start time wait for it"], lines  # (no second line saying "paused" again)
     stopped[1]["schedule_paused"] = True  # paused in the UI: said apart from the deployments serve paused
     assert deployment_report(stopped, {}, {})[1] == "paused schedules (kept so by `paperline serve`): b/local"
     stopped[0].update(paused=False, polled_s_ago=None)  # one unpaused by hand: the others are named
