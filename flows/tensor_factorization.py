@@ -27,6 +27,7 @@ from paperline.infra.regression import Headline, check_latest
 from paperline.infra.settings import get_settings
 from paperline.infra.stack import require_stack
 from paperline.infra.storage import ObjectStore, s3_location_problem, split_uri
+from paperline.infra.summary import fmt
 from paperline.infra.tracking import Tracker, prefect_run_tags
 from paperline.kernels.errors import InputError as KernelInputError, unknown_name
 from paperline.kernels.tensor.baselines import MAX_DENSE_CELLS
@@ -483,5 +484,19 @@ def _log_run(tracker: Tracker, run_id: str, store: ObjectStore, fits: list[dict[
         list(pool.map(lambda p: tracker.log_artifact(run_id, str(p), "factors" if p.suffix == ".npz" else None),
                       sorted(out.iterdir())))
         metrics_logged.result()
-    return {"rows": rows, "metrics": metrics, "artifacts": {
+    return {"rows": rows, "table": rmse_table(rows), "metrics": metrics, "artifacts": {
         "mlflow": f"runs:/{run_id}/", "fits": [f["manifest"] for f in fits]}}
+
+
+def rmse_table(rows: list[dict[str, Any]]) -> dict[str, Any]:
+    """The summary's table (``{"title", "columns", "rows"}``, cells as text) of the fits' ``rows``
+    (``dataset``, ``split``, ``method``, ``test_rmse``, ``validation_rmse``, ``fit_seconds`` (None
+    when not timed), ``epochs``): held-out RMSE in the bundled datasets' standardized units
+    (kernels/tensor/datasets.py) or, where one is a user's file (``user-...``), the file's own."""
+    units = "the file's own units" if any(str(r["dataset"]).startswith("user-") for r in rows) else "standardized units"
+    return {"title": f"tensor-factorization: held-out RMSE ({units})",
+            "columns": ["dataset", "split", "method", "test RMSE", "validation RMSE", "fit seconds", "epochs"],
+            "rows": [[str(r["dataset"]), str(r["split"]), str(r["method"]), fmt(r["test_rmse"]),
+                      fmt(r["validation_rmse"]),
+                      f"{r['fit_seconds']:.2f}" if isinstance(r["fit_seconds"], float) else fmt(r["fit_seconds"]),
+                      str(r["epochs"])] for r in rows]}

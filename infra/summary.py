@@ -23,7 +23,8 @@ def fmt(x: Any) -> str:
 
 def summary_table(name: str, summary: dict[str, Any]) -> Any:
     """The summary's table as a ``rich.table.Table``: its ``table`` spec (title, columns, rows),
-    or, for tensor-factorization, its ``rows`` of held-out RMSEs; None when it has neither."""
+    cells shown as text; None when it has none (a top-level ``rows``, as tensor-factorization's
+    summary holds its fits' figures, is data, not a table)."""
     from rich.table import Column, Table  # noqa: PLC0415
     from rich.text import Text  # noqa: PLC0415
 
@@ -35,18 +36,7 @@ def summary_table(name: str, summary: dict[str, Any]) -> Any:
         for row in spec["rows"]:
             table.add_row(*[Text(str(v)) for v in row])
         return table
-    if "rows" not in summary:
-        return None
-    rows = summary["rows"]
-    # the bundled datasets are standardized (kernels/tensor/datasets.py); a user's file is not
-    units = "the file's own units" if any(r["dataset"].startswith("user-") for r in rows) else "standardized units"
-    table = Table("dataset", "split", "method", "test RMSE", "validation RMSE", "fit seconds", "epochs",
-                  title=f"{name}: held-out RMSE ({units})")
-    for r in rows:
-        table.add_row(Text(str(r["dataset"])), r["split"], r["method"], fmt(r["test_rmse"]),
-                      fmt(r["validation_rmse"]), fmt(r["fit_seconds"]) if not isinstance(r["fit_seconds"], float)
-                      else f"{r['fit_seconds']:.2f}", str(r["epochs"]))
-    return table
+    return None
 
 
 LOG_WIDTH = 120  # columns of a logged summary; its table up to WIDEST_LOG_TABLE where it needs them

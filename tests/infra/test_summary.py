@@ -12,10 +12,18 @@ def test_a_summary_renders_its_cells_as_text_not_markup():
     for shown in ("t [/x]", "b[red]", "[/x]", "[red]ok", "None", "resumed [b]from[/b] epoch 2",
                   "MLflow run: http://127.0.0.1:5000/#/x"):
         assert shown in text, (shown, text)
+    from paperline.flows.tensor_factorization import rmse_table
+
     rows = [{"dataset": "user-[x]", "split": "random", "method": "p2t2f", "test_rmse": 0.1, "validation_rmse": 0.2,
              "fit_seconds": None, "epochs": 3}]
-    text = summary_text("tensor-factorization", {"rows": rows})
+    text = summary_text("tensor-factorization", {"rows": rows, "table": rmse_table(rows)})
     assert "held-out RMSE (the file's own units)" in text and "user-[x]" in text and "0.1000" in text, text
+    rows[0].update(dataset="nyc-taxi", fit_seconds=1.234)
+    assert rmse_table(rows)["title"] == "tensor-factorization: held-out RMSE (standardized units)"
+    assert rmse_table(rows)["rows"] == [["nyc-taxi", "random", "p2t2f", "0.1000", "0.2000", "1.23", "3"]]
+    # a package's summary with a top-level `rows` of its own is data, not tensor-factorization's table (a
+    # KeyError warning said its table could not be shown)
+    assert summary_text("mine", {"rows": [{"a": 1}], "lines": ["done"]}) == "done"
     assert summary_text("gemm", {"lines": []}) == ""
 
 
