@@ -479,10 +479,16 @@ def compare_runs(tracker: Tracker, experiment: str, metrics: list[str], filter_s
 def _not_run_yet(experiment: str) -> str:
     """``: the <name> pipeline has not run here yet ...`` where ``experiment`` is a pipeline's name
     (each pipeline logs to the experiment of its name), else empty."""
-    from paperline.flows.pipelines import pipeline_names
+    from paperline.flows.pipelines import _entry_points, get_pipeline, pipeline_names
+    from paperline.infra.errors import PaperlineError
 
     if experiment not in pipeline_names():
         return ""
+    if experiment in _entry_points():  # a package's
+        try:
+            get_pipeline(experiment)
+        except PaperlineError as exc:  # ("run it first" of a package that cannot run: a trial)
+            return f" (the {experiment} pipeline has not run here yet, and it cannot run: {exc})"
     return f" (the {experiment} pipeline has not run here yet: run `paperline run {experiment}` first)"
 
 

@@ -207,6 +207,19 @@ def test_broken_entry_points_are_named_with_their_package_and_what_is_wrong(site
         get_pipeline("notaflow")
 
 
+def test_compare_of_a_package_that_cannot_load_says_so_not_to_run_it(site):
+    """`compare` of a package's pipeline with no runs advised `paperline run` it, which cannot load."""
+    from paperline.flows.compare import _not_run_yet
+
+    _install(site, "broken-pipelines", "2.0", {"missing": "no_such_module:PIPELINE"})
+    name = _readme_site(site)
+    said = _not_run_yet("missing")
+    assert said.startswith(" (the missing pipeline has not run here yet, and it cannot run: ") and \
+        "No module named 'no_such_module'" in said and "paperline run" not in said, said
+    assert _not_run_yet(name) == f" (the {name} pipeline has not run here yet: run `paperline run {name}` first)"
+    assert _not_run_yet("gemm") == " (the gemm pipeline has not run here yet: run `paperline run gemm` first)"
+
+
 def test_a_package_cannot_take_a_built_in_pipelines_name_and_two_cannot_share_one(site, capsys):
     """A package's ``gemm`` would replace the stack's GEMM pipeline unseen (its deployments, its
     MLflow experiment): it is left out, saying so in one line (Python's warnings printed a path
