@@ -383,10 +383,11 @@ def recording_runner_pauses(record: Callable[[list[str]], None]) -> Iterator[Non
         unpaused = []
         for deployment_id in self._deployment_registry.get_deployment_ids():
             try:
-                if not (await self._client.read_deployment(deployment_id)).paused:
-                    unpaused.append(str(deployment_id))
-            except Exception:  # noqa: BLE001 - unread, so not recorded: the pause below says what fails
-                continue
+                if (await self._client.read_deployment(deployment_id)).paused:
+                    continue
+            except Exception:  # noqa: BLE001 - unread: taken as serve's to pause (the next serve unpauses
+                pass  # it, as before the record), not as a user's pause; the pause below says what fails
+            unpaused.append(str(deployment_id))
         record(unpaused)
         await original(self)
 
