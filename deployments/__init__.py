@@ -12,6 +12,7 @@ Two sets, with the same parameters and schedules (``flows/pipelines.py``: each p
 
 from __future__ import annotations
 
+import datetime
 import json
 import os
 from collections.abc import Callable, Collection, Iterable
@@ -104,7 +105,7 @@ def served_parameters(spec: Any, there: dict[str, Any] | None, data_bucket: str)
 SERVED_PAUSES = "serve-paused.json"  # in the state directory: see paused_by_user
 
 
-def paused_by_user(state_dir: Path, existing: dict[str, Any]) -> list[str]:
+def paused_by_user(state_dir: Path, existing: dict[str, Any], say: Callable[[str], None] | None = None) -> list[str]:
     """The deployments among ``existing`` (Prefect ``DeploymentResponse`` by ``"<flow>/local"``)
     that a user paused (the deployment's own toggle in the Prefect UI), which the next `paperline
     serve` keeps paused: Prefect's runner unpaused every deployment it served, and pauses every
@@ -114,23 +115,33 @@ def paused_by_user(state_dir: Path, existing: dict[str, Any]) -> list[str]:
     of the deployments serve itself paused as it last stopped, or meant to serve unpaused where it
     never stopped (killed outright: its deployments stay unpaused, and a user's pause made during
     that serve is undone). A deployment paused and not in the record is the user's. With no record
-    (a first serve, or one of a paperline before this record) or an unreadable one, none is.
+    (a first serve, or one of a paperline before this record) or an unreadable one, none is;
+    ``say`` is called with a line naming an unreadable one.
 
     Returns:
         Their names, sorted.
     """
+    path = Path(state_dir) / SERVED_PAUSES
     try:
-        record = json.loads((Path(state_dir) / SERVED_PAUSES).read_text())
+        record = json.loads(path.read_text())
         by_serve = {str(i) for i in record["paused_by_serve"]}
-    except (OSError, ValueError, KeyError, TypeError):
+    except FileNotFoundError:
+        return []
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        if say is not None and any(d.paused for d in existing.values()):
+            say(f"{path} is unreadable ({type(exc).__name__}: {exc}): every paused deployment is served unpaused, "
+                "one paused in the Prefect UI too")
         return []
     return sorted(name for name, d in existing.items() if d.paused and str(d.id) not in by_serve)
 
 
-def record_serve_pauses(state_dir: Path, ids: Iterable[str], add: bool = False) -> None:
+def record_serve_pauses(state_dir: Path, ids: Iterable[str], add: bool = False,
+                        stopped_at: datetime.datetime | None = None) -> None:
     """Write (or, with ``add``, extend) the record :func:`paused_by_user` reads: the ids of
     deployments serve paused (or serves unpaused now), replaced atomically (a reader never sees
-    half of it). Errors propagate (``OSError``)."""
+    half of it); with ``stopped_at`` (aware), the time serve stopped polling, which
+    :func:`polled_by_stopped_serve` reads (a record written without it is a serving one's).
+    Errors propagate (``OSError``)."""
     path = Path(state_dir) / SERVED_PAUSES
     ids = {str(i) for i in ids}
     if add:
@@ -138,6 +149,31 @@ def record_serve_pauses(state_dir: Path, ids: Iterable[str], add: bool = False) 
             ids |= {str(i) for i in json.loads(path.read_text())["paused_by_serve"]}
         except (OSError, ValueError, KeyError, TypeError):
             pass
+    record: dict[str, Any] = {"paused_by_serve": sorted(ids)}
+    if stopped_at is not None:
+        record["stopped_at"] = stopped_at.isoformat()
     part = path.with_name(f".{path.name}.{os.getpid()}.part")
-    part.write_text(json.dumps({"paused_by_serve": sorted(ids)}) + "\n")
-    os.replace(part, path)
+    try:
+        part.write_text(json.dumps(record) + "\n")
+        os.replace(part, path)
+    except OSError:
+        part.unlink(missing_ok=True)  # (left beside the record: a trial)
+        raise
+
+
+STOP_CLOCK_SLACK_S = 2.0  # a poll stamped this much after serve's own stop time is still taken for its own
+
+
+def polled_by_stopped_serve(state_dir: Path, last_polled: datetime.datetime | None) -> bool:
+    """Whether a deployment's ``last_polled`` (the Prefect server's time) is no later than the
+    stop of this state directory's last `paperline serve` (its record's ``stopped_at``): that
+    serve's own poll, not another process's. Resumed in the Prefect UI right after serve stopped,
+    a deployment read as served elsewhere for 30 s: `serve` refused to start and `status` said a
+    serving process had it (a trial)."""
+    if last_polled is None:
+        return False
+    try:
+        stopped = datetime.datetime.fromisoformat(json.loads((Path(state_dir) / SERVED_PAUSES).read_text())["stopped_at"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return False
+    return (last_polled - stopped).total_seconds() <= STOP_CLOCK_SLACK_S

@@ -1590,8 +1590,10 @@ def _trigger(spec: Any, info: Any, names: list[str], preset: str | None, overrid
                              f"at {redact_url(info.prefect_api_url)}: {serves}, "
                              f"`prefect deploy --all` makes {flow}/{flow} for `paperline worker`")
         # the served one unless its serve stopped (paused) and the work pool's is there (a trial's worker
-        # was online while the paused gemm/local got the run)
-        deployment = next((d for d in found.values() if not d.paused), next(iter(found.values())))
+        # was online while the paused gemm/local got the run); served and paused in the Prefect UI, it
+        # still executes a triggered run (the work pool's got it, and no worker ran: a trial)
+        deployment = next((d for d in found.values() if _served_now(d)),
+                          next((d for d in found.values() if not d.paused), next(iter(found.values()))))
         stored = deployment.parameters or {}
         stored_values = deployment_values(stored)
         if stored_values is None:
@@ -1625,6 +1627,9 @@ def _trigger(spec: Any, info: Any, names: list[str], preset: str | None, overrid
         run = client.create_flow_run_from_deployment(deployment.id, parameters={"params": sent})
         try:
             _say(f"triggered {flow}/{deployment.name}: flow run '{run.name}' {info.flow_run_url(run.id)}")
+            if deployment.paused and _served_now(deployment):
+                _say(f"{flow}/{deployment.name} is paused (in the Prefect UI): its schedule makes no runs, but "
+                     "`paperline serve` executes this one")
             waits = _why_it_waits(client, deployment)
             if waits:
                 err_console.print(f"warning: {flow}/{deployment.name} {waits}", style="yellow", soft_wrap=True,
@@ -1704,6 +1709,21 @@ def _absolute_paths(params: Any) -> dict[str, str]:
     return found
 
 
+def _served_now(deployment: Any) -> bool:
+    """Whether ``deployment`` (Prefect ``DeploymentResponse``) is this stack's `paperline serve`'s
+    now, paused or not: no work pool, the serve lock held, and polled in the last
+    :data:`SERVE_POLLED_WITHIN_S`. A paused deployment's schedule makes no runs, but its serve
+    executes a run triggered on it (a trial's `trigger` said it would wait)."""
+    import datetime
+
+    from paperline.infra.flow_runs import serve_lock_holder
+
+    if deployment.work_pool_name or deployment.last_polled is None:
+        return False
+    ago = (datetime.datetime.now(datetime.timezone.utc) - deployment.last_polled).total_seconds()
+    return ago <= SERVE_POLLED_WITHIN_S and serve_lock_holder(_settings().state_dir) is not None
+
+
 def _why_it_waits(client: Any, deployment: Any) -> str | None:
     """Why a run of ``deployment`` will not start now, or None: paused (its serve stopped), not
     polled lately, or a work pool with no worker online."""
@@ -1711,6 +1731,8 @@ def _why_it_waits(client: Any, deployment: Any) -> str | None:
 
     from paperline.infra.stack import WORK_POOLS
 
+    if deployment.paused and _served_now(deployment):
+        return None  # (its schedule alone is stopped: `trigger` says so)
     if deployment.paused:  # (its runs wait in Scheduled, nothing said)
         return ("is paused (its `paperline serve` stopped, or it was paused in the Prefect UI): the run waits until it "
                 "is served again")
@@ -1856,7 +1878,7 @@ def serve() -> None:
         existing = existing_deployments(names)  # (as the Prefect UI left them: kept, not replaced)
         served_elsewhere(existing)  # ... and per Prefect server, which other state dirs may share
         state_dir = _settings().state_dir
-        kept_paused = paused_by_user(state_dir, existing)  # (a restart unpaused them: a trial)
+        kept_paused = paused_by_user(state_dir, existing, say=_say)  # (a restart unpaused them: a trial)
         # until it stops: the ones it serves unpaused are its own to pause
         _record_pauses(state_dir, [str(d.id) for name, d in existing.items() if name not in kept_paused])
         notes: list[str] = []
@@ -1865,7 +1887,8 @@ def serve() -> None:
         for d in deployments:
             name = f"{d.flow_name}/{d.name}"
             schedules = existing[name].schedules if name in existing else d.schedules or []
-            paused = "; deployment paused, as left in the Prefect UI (resume it there)" if name in kept_paused else ""
+            paused = ("; deployment paused, as left in the Prefect UI: its schedules make no runs, a triggered run "
+                      "executes" if name in kept_paused else "")
             listed.append(f"{name} ({_schedules_said(schedules, get_pipeline(d.flow_name).cron)}{paused})")
         console.print(f"serving {len(deployments)} deployments: " + ", ".join(listed), highlight=False,
                       soft_wrap=True)  # not folded inside a cron expression in a log file (a trial)
@@ -2112,11 +2135,14 @@ def served_elsewhere(deployments: dict[str, Any]) -> None:
 
     from paperline.infra.errors import redact_url
 
+    from paperline.deployments import polled_by_stopped_serve
+
     now = datetime.datetime.now(datetime.timezone.utc)
     busy = []
     for name, d in deployments.items():
         ago = (now - d.last_polled).total_seconds() if d.last_polled else None
-        if not d.paused and ago is not None and ago <= SERVE_POLLED_WITHIN_S:
+        if not d.paused and ago is not None and ago <= SERVE_POLLED_WITHIN_S and \
+                not polled_by_stopped_serve(_settings().state_dir, d.last_polled):  # (this stack's serve, stopped)
             busy.append((name, ago))
     if busy:
         # (a poll after `now` was taken showed "polled -0 s ago": a CI failure)
@@ -2166,16 +2192,19 @@ def _schedules_said(schedules: list[Any], cron: str | None) -> str:
     return listed
 
 
-def _record_pauses(state_dir: Path, ids: list[str], add: bool = False) -> None:
-    """:func:`paperline.deployments.record_serve_pauses`, said rather than raised when the state
-    directory cannot be written (the stop goes on; the next serve may unpause a user's pause)."""
+def _record_pauses(state_dir: Path, ids: list[str], add: bool = False, stopped: bool = False) -> None:
+    """:func:`paperline.deployments.record_serve_pauses` (``stopped``: stamped with the time now),
+    said rather than raised when the state directory cannot be written (the stop goes on)."""
+    import datetime
+
     from paperline.deployments import SERVED_PAUSES, record_serve_pauses
 
     try:
-        record_serve_pauses(state_dir, ids, add=add)
+        record_serve_pauses(state_dir, ids, add=add,
+                            stopped_at=datetime.datetime.now(datetime.timezone.utc) if stopped else None)
     except OSError as exc:
         _say(f"could not record which deployments serve paused in {Path(state_dir) / SERVED_PAUSES} ({exc}): the "
-             "next `paperline serve` unpauses those paused in the Prefect UI too")
+             "next `paperline serve` may unpause one paused in the Prefect UI, or keep one it paused itself paused")
 
 
 def _pause_served(names: list[str], state_dir: Path | None = None) -> None:
@@ -2183,11 +2212,12 @@ def _pause_served(names: list[str], state_dir: Path | None = None) -> None:
     Prefect's runner does as it stops serving, and left undone when the stop interrupted it (a
     trial: SIGTERM during a run paused one of five; the other four kept making Scheduled runs
     that nothing would execute); with ``state_dir``, their ids are added to serve's record of its
-    own pauses (:func:`paperline.deployments.paused_by_user`). Errors are reported, not raised:
-    this runs while stopping."""
+    own pauses (:func:`paperline.deployments.paused_by_user`), stamped with the stop's time (its
+    polls are over). Errors are reported, not raised: this runs while stopping."""
     from prefect.client.orchestration import get_client
     from prefect.exceptions import ObjectNotFound
 
+    paused: list[str] = []
     try:
         with get_client(sync_client=True) as client:
             for name in names:
@@ -2195,11 +2225,13 @@ def _pause_served(names: list[str], state_dir: Path | None = None) -> None:
                     deployment = client.read_deployment_by_name(name)
                     if not deployment.paused:
                         client.pause_deployment(deployment.id)
-                        if state_dir is not None:
-                            _record_pauses(state_dir, [str(deployment.id)], add=True)
+                        paused.append(str(deployment.id))
     except Exception as exc:  # noqa: BLE001 - httpx/prefect errors: say what to do, the stop goes on
         _say(f"could not pause the served deployments' schedules ({type(exc).__name__}: {exc}); their runs wait "
              "Scheduled until the next `paperline serve` (pause them in the Prefect UI to stop that)")
+    finally:
+        if state_dir is not None:
+            _record_pauses(state_dir, paused, add=True, stopped=True)
 
 
 @contextlib.contextmanager

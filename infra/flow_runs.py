@@ -284,7 +284,8 @@ def deployment_report(deployments: list[dict[str, object]], workers: dict[str, l
             (None for served ones), ``polled_s_ago`` (seconds since a process last asked for its
             runs; None: never), ``paused`` (the deployment is paused: a stopped serve pauses its
             own), ``schedule_paused`` (one of its schedules was paused, in the UI or with
-            ``prefect deployment schedule pause``).
+            ``prefect deployment schedule pause``), ``kept_paused`` (paused in the Prefect UI
+            while served: `serve` keeps it paused, :func:`paperline.deployments.paused_by_user`).
         workers: Work pool -> its workers, each ``{"name", "heartbeat_s_ago"}`` (None: never), and
             ``"exited": True`` for a `paperline worker` of this machine whose process is gone.
         late: Deployment name -> how many of its Scheduled runs are past their start time by
@@ -322,7 +323,7 @@ def deployment_report(deployments: list[dict[str, object]], workers: dict[str, l
                          f"{', ...' if len(names) > 3 else ''}), not served now and paused (as a stopping "
                          "`paperline serve` leaves them): their schedules make no runs, and a run triggered now "
                          f"waits Scheduled until `paperline serve` runs, which unpauses those it paused itself{late_note(names)}")
-            explained.update(names)
+            explained.update(n for n, d in zip(names, served) if not d.get("kept_paused"))
         else:
             lines.append(f"deployments: {len(served)} without a work pool ({', '.join(sorted(names)[:3])}"
                          f"{', ...' if len(names) > 3 else ''}), not served now: their runs wait Scheduled until "
@@ -342,7 +343,12 @@ def deployment_report(deployments: list[dict[str, object]], workers: dict[str, l
                          f"Scheduled until {start} runs{late_note(names)}")
     # (a stopped serve pauses its deployments, which `prefect deployment schedule ls` does not show:
     # "paused schedules" named them, and a trial found every schedule active)
-    paused = sorted(str(d["name"]) for d in deployments if d.get("paused") and d["name"] not in explained)
+    kept = sorted(str(d["name"]) for d in deployments if d.get("paused") and d.get("kept_paused"))
+    if kept:  # (said as paused by a stopping serve, which would unpause them: a trial)
+        lines.append(f"paused in the Prefect UI while served, and kept paused by `paperline serve`: {', '.join(kept)} "
+                     "(their schedules make no runs; a run triggered while served executes)")
+    paused = sorted(str(d["name"]) for d in deployments
+                    if d.get("paused") and d["name"] not in explained and d["name"] not in kept)
     if paused:
         lines.append(f"paused deployments: {', '.join(paused)}")
     schedules = sorted(str(d["name"]) for d in deployments if d.get("schedule_paused"))
@@ -456,14 +462,22 @@ def deployment_status(api_url: str, login: str | None, state_dir: os.PathLike[st
     def ago(when: datetime.datetime | None) -> float | None:
         return None if when is None else (now - when).total_seconds()
 
+    from paperline.deployments import paused_by_user, polled_by_stopped_serve  # noqa: PLC0415
+
     serve_pid = serve_lock_holder(state_dir)
     try:
         with temporary_settings(overrides), get_client(sync_client=True) as client:
             flows = {f.id: f.name for f in client.read_flows(limit=200)}
             found = client.read_deployments(limit=200)
             by_id = {d.id: f"{flows.get(d.flow_id, '?')}/{d.name}" for d in found}
-            deployments = [{"name": by_id[d.id], "work_pool": d.work_pool_name, "polled_s_ago": ago(d.last_polled),
-                            "paused": d.paused, "schedule_paused": any(not s.active for s in d.schedules)}
+            kept = set(paused_by_user(state_dir, {by_id[d.id]: d for d in found if not d.work_pool_name}))
+            # a poll by this stack's serve before it stopped is not a serving process's (resumed in the UI
+            # just after the stop, one was said to be served: a trial)
+            deployments = [{"name": by_id[d.id], "work_pool": d.work_pool_name,
+                            "polled_s_ago": None if serve_pid is None and polled_by_stopped_serve(state_dir, d.last_polled)
+                            else ago(d.last_polled),
+                            "paused": d.paused, "schedule_paused": any(not s.active for s in d.schedules),
+                            "kept_paused": by_id[d.id] in kept}
                            for d in found]
             workers: dict[str, list[dict[str, object]]] = {}
             for pool in {d.work_pool_name for d in found if d.work_pool_name}:

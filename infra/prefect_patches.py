@@ -372,6 +372,7 @@ def recording_runner_pauses(record: Callable[[list[str]], None]) -> Iterator[Non
     the next `paperline serve` keeps paused (it unpaused every one: a trial's pause was undone
     by a restart). A Prefect whose runner lacks the method keeps its own behaviour, unrecorded.
     """
+    from prefect.exceptions import ObjectNotFound  # noqa: PLC0415
     from prefect.runner.runner import Runner  # noqa: PLC0415
 
     original = getattr(Runner, "_pause_schedules", None)
@@ -383,11 +384,14 @@ def recording_runner_pauses(record: Callable[[list[str]], None]) -> Iterator[Non
         unpaused = []
         for deployment_id in self._deployment_registry.get_deployment_ids():
             try:
-                if (await self._client.read_deployment(deployment_id)).paused:
-                    continue
-            except Exception:  # noqa: BLE001 - unread: taken as serve's to pause (the next serve unpauses
-                pass  # it, as before the record), not as a user's pause; the pause below says what fails
-            unpaused.append(str(deployment_id))
+                if not (await self._client.read_deployment(deployment_id)).paused:
+                    unpaused.append(str(deployment_id))
+            except ObjectNotFound:  # deleted meanwhile: nothing to pause or keep paused
+                continue
+            except Exception:  # noqa: BLE001 - the server gone (`paperline down`): the rest unread and not
+                # recorded, at once (each read's retries added ~10 s to the stop: a trial); their pause fails
+                # too, so they stay unpaused, and one the user pauses before the next serve is kept paused
+                break
         record(unpaused)
         await original(self)
 

@@ -110,8 +110,8 @@ def test_trigger_says_when_a_work_pool_has_no_worker_online(deployed):
         gpu = SimpleNamespace(paused=False, work_pool_name="paperline-gpu", status=None)  # a pool with no worker
         assert _why_it_waits(client, gpu) == ("has no worker of work pool paperline-gpu online: the run waits until "
                                               "`paperline worker --pool gpu` runs")
-        assert _why_it_waits(client, SimpleNamespace(paused=True, work_pool_name=None, status=None)).startswith(
-            "is paused (its `paperline serve` stopped")
+        stopped = SimpleNamespace(paused=True, work_pool_name=None, status=None, last_polled=None)
+        assert _why_it_waits(client, stopped).startswith("is paused (its `paperline serve` stopped")
 
 
 def test_trigger_watch_names_the_run_that_holds_the_deployments_slot(deployed):

@@ -329,6 +329,17 @@ def test_deployment_report_says_who_executes_the_runs_and_what_waits():
                      "(as a stopping `paperline serve` leaves them): their schedules make no runs, and a run triggered "
                      "now waits Scheduled until `paperline serve` runs, which unpauses those it paused itself; 1 "
                      "scheduled run(s) past their start time wait for it"], lines  # (no second line saying "paused" again)
+    # paused in the Prefect UI while served: named apart, as the next serve keeps them paused (they were
+    # said to be a stopping serve's, which would unpause them: a trial)
+    kept = [dict(d, kept_paused=d["name"] in ("b/local", "d/local")) for d in stopped]
+    assert deployment_report(kept, {}, {})[1:] == [
+        "paused in the Prefect UI while served, and kept paused by `paperline serve`: b/local, d/local (their "
+        "schedules make no runs; a run triggered while served executes)"]
+    serving = [dict(d, paused=d["kept_paused"]) for d in kept]
+    assert deployment_report(serving, {}, {}, serve_pid=42) == [
+        "deployments: 2 served by `paperline serve` (pid 42)",
+        "paused in the Prefect UI while served, and kept paused by `paperline serve`: b/local, d/local (their "
+        "schedules make no runs; a run triggered while served executes)"]
     stopped[1]["schedule_paused"] = True  # paused in the UI: said apart from the deployments serve paused
     assert deployment_report(stopped, {}, {})[1] == "paused schedules (kept so by `paperline serve`): b/local"
     stopped[0].update(paused=False, polled_s_ago=None)  # one unpaused by hand: the others are named
