@@ -388,10 +388,11 @@ def recording_runner_pauses(record: Callable[[list[str]], None]) -> Iterator[Non
                     unpaused.append(str(deployment_id))
             except ObjectNotFound:  # deleted meanwhile: nothing to pause or keep paused
                 continue
-            except Exception:  # noqa: BLE001 - the server gone (`paperline down`): the rest unread and not
-                # recorded, at once (each read's retries added ~10 s to the stop: a trial); their pause fails
-                # too, so they stay unpaused, and one the user pauses before the next serve is kept paused
-                break
+            except Exception:  # noqa: BLE001 - the server gone (`paperline down`), or an error: nothing
+                # recorded, and the rest unread (each read's retries added ~10 s to the stop: a trial); the
+                # record serve wrote as it started stands, so the next serve unpauses them all, as before it
+                await original(self)
+                return
         record(unpaused)
         await original(self)
 
