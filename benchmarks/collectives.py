@@ -27,6 +27,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import socket
 import sys
 import time
@@ -166,6 +167,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--max-iters", type=positive, default=200)
     parser.add_argument("--repeats", type=positive, default=5)
     parser.add_argument("--json", type=output_file, default=None, help="write all rows here")
+    given = sys.argv[1:] if argv is None else argv
+    # argparse takes `-64M` for an option ("--sizes: expected at least one argument": a trial); no option here
+    # starts with a digit, so such a word is a negative size
+    negative = next((word for word in given if re.fullmatch(r"-\d[\w.]*", word)), None)
+    if negative is not None:
+        parser.error(f"{negative!r}: a size is a positive multiple of 4 bytes (float32), e.g. 64M")
     args = parser.parse_args(argv)
     if not args.sizes:
         if args.min_bytes > args.max_bytes:

@@ -309,6 +309,8 @@ def test_each_benchmarks_help_says_how_long_it_runs_and_how_to_narrow_it(script)
     ("video_curation.py", ["--preset", "nope"], "--preset 'nope': not a libx264 preset; known: ultrafast"),
     ("collectives.py", ["--repeats", "0"], "argument --repeats: '0': at least 1"),
     ("collectives.py", ["--sizes", "3"], "argument --sizes: '3': a message is a positive multiple of 4 bytes (float32)"),
+    # (argparse took it for an option: "expected at least one argument", a trial)
+    ("collectives.py", ["--sizes", "64M", "-64M"], "'-64M': a size is a positive multiple of 4 bytes (float32), e.g. 64M"),
     ("collectives.py", ["--world-sizes", "1"], "argument --world-sizes: '1': at least 2"),
     ("collectives.py", ["--world-sizes", "2", "4096"], "--world-sizes 4096: at most"),  # (64 ran 2 minutes: a trial)
     ("collectives.py", ["--chunk-bytes", "0"], "argument --chunk-bytes: '0': a chunk is a positive multiple of 4 bytes"),
