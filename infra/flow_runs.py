@@ -314,7 +314,8 @@ def deployment_report(deployments: list[dict[str, object]], workers: dict[str, l
             who = f"`paperline serve` (pid {serve_pid})" if serve_pid is not None else "a serving process"
             # a paused one is not served (a package's pipeline uninstalled, its deployment left paused by
             # the serve before: counted here, and named paused below, a trial): counted apart
-            now = [d for d in served if not d.get("paused")] or served
+            # (one paused in the UI and kept so is served too: its triggered runs execute)
+            now = [d for d in served if not d.get("paused") or d.get("kept_paused")] or served
             lines.append(f"deployments: {len(now)} served by {who}{late_note([str(d['name']) for d in now])}")
         elif all(d.get("paused") for d in served):
             # (said as two lines, "their runs wait Scheduled" then "paused deployments", they read as a

@@ -509,10 +509,11 @@ def test_sigterm_stops_serving_as_ctrl_c_does(stack, background_process, cli_env
             assert nas.paused, again.read_text()[-3000:]
             assert "nas/local (0 4 * * 0; deployment paused, as left in the Prefect UI: its schedules make no runs, a " \
                 "triggered run executes)" in again.read_text(), again.read_text()[-3000:]
-            status = subprocess.run([sys.executable, "-m", "paperline.flows.cli", "status"], env=cli_env,
-                                    capture_output=True, text=True, timeout=120)
+            from paperline.infra.flow_runs import deployment_status  # `paperline status`'s lines
+
+            stack_settings, stack_info = stack
+            lines = deployment_status(stack_info.prefect_api_url, stack_info.prefect_login, stack_settings.state_dir)
             assert "paused in the Prefect UI while served, and kept paused by `paperline serve`: nas/local (their " \
-                "schedules make no runs; a run triggered while served executes)" in " ".join(status.stdout.split()), \
-                status.stdout[-3000:] + status.stderr[-3000:]
+                "schedules make no runs; a run triggered while served executes)" in lines, lines
         finally:  # resumed in the UI (while stopped): served unpaused by the next serve
             client.resume_deployment(client.read_deployment_by_name("nas/local").id)

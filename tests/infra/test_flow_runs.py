@@ -337,7 +337,7 @@ def test_deployment_report_says_who_executes_the_runs_and_what_waits():
         "schedules make no runs; a run triggered while served executes)"]
     serving = [dict(d, paused=d["kept_paused"]) for d in kept]
     assert deployment_report(serving, {}, {}, serve_pid=42) == [
-        "deployments: 2 served by `paperline serve` (pid 42)",
+        "deployments: 4 served by `paperline serve` (pid 42)",
         "paused in the Prefect UI while served, and kept paused by `paperline serve`: b/local, d/local (their "
         "schedules make no runs; a run triggered while served executes)"]
     stopped[1]["schedule_paused"] = True  # paused in the UI: said apart from the deployments serve paused
