@@ -2228,7 +2228,8 @@ def _pause_served(names: list[str], state_dir: Path | None = None) -> None:
                         paused.append(str(deployment.id))
     except Exception as exc:  # noqa: BLE001 - httpx/prefect errors: say what to do, the stop goes on
         _say(f"could not pause the served deployments' schedules ({type(exc).__name__}: {exc}); their runs wait "
-             "Scheduled until the next `paperline serve` (pause them in the Prefect UI to stop that until then: that serve unpauses them)")
+             "Scheduled until the next `paperline serve` (pause them in the Prefect UI to stop that until then: "
+             "that serve unpauses them)")
     finally:
         if state_dir is not None:
             _record_pauses(state_dir, paused, add=True, stopped=True)
