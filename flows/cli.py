@@ -1491,7 +1491,9 @@ def trigger(pipeline: Optional[str] = typer.Argument(None, metavar="PIPELINE", h
             deployment: Optional[str] = typer.Option(None, "--deployment", metavar="NAME",
                                                      help="`local` (what `paperline serve` serves) or the work-pool "
                                                           "deployment's name (`prefect deploy --all`: the flow's "
-                                                          "name); default: local where it exists, else the work-pool one."),
+                                                          "name); default: local while `paperline serve` runs or "
+                                                          "where it is unpaused, else the work-pool one where it "
+                                                          "exists, else local."),
             watch: bool = typer.Option(False, "--watch", help="Wait for the run to end and print its summary; exit 1 "
                                                               "unless it Completed.")) -> None:
     """Trigger a run of a pipeline's deployment, as the Prefect UI's Run button does: it executes
@@ -1711,17 +1713,14 @@ def _absolute_paths(params: Any) -> dict[str, str]:
 
 def _served_now(deployment: Any) -> bool:
     """Whether ``deployment`` (Prefect ``DeploymentResponse``) is this stack's `paperline serve`'s
-    now, paused or not: no work pool, the serve lock held, and polled in the last
-    :data:`SERVE_POLLED_WITHIN_S`. A paused deployment's schedule makes no runs, but its serve
-    executes a run triggered on it (a trial's `trigger` said it would wait)."""
-    import datetime
-
+    now, paused or not: no work pool, and this state directory's serve lock held (a serve serves
+    every ``<flow>/local``, one per Prefect server). A paused deployment's schedule makes no runs,
+    but its serve executes a run triggered on it (a trial's `trigger` said it would wait)."""
     from paperline.infra.flow_runs import serve_lock_holder
 
-    if deployment.work_pool_name or deployment.last_polled is None:
-        return False
-    ago = (datetime.datetime.now(datetime.timezone.utc) - deployment.last_polled).total_seconds()
-    return ago <= SERVE_POLLED_WITHIN_S and serve_lock_holder(_settings().state_dir) is not None
+    # (not its last poll: a trigger in a starting serve's first seconds, before its first poll, went to the
+    # work pool's deployment, which no worker ran: a trial)
+    return not deployment.work_pool_name and serve_lock_holder(_settings().state_dir) is not None
 
 
 def _why_it_waits(client: Any, deployment: Any) -> str | None:
@@ -2146,7 +2145,8 @@ def served_elsewhere(deployments: dict[str, Any]) -> None:
             busy.append((name, ago))
     if busy:
         # (a poll after `now` was taken showed "polled -0 s ago": a CI failure)
-        shown = ", ".join(f"{name} (polled {max(0.0, ago):.0f} s ago)" for name, ago in busy[:3])
+        shown = ", ".join(f"{name} (polled {max(0.0, ago):.0f} s ago)" for name, ago in busy[:3]) + (
+            f" and {len(busy) - 3} more" if len(busy) > 3 else "")  # (4 counted, 3 named: a trial)
         raise PaperlineError(f"another process serves {len(busy)} of these deployments on the Prefect server at "
                              f"{redact_url(str(PREFECT_API_URL.value()))} now: {shown}; one `paperline serve` per Prefect "
                              "server (two pause each other's deployments when one stops): stop it first, or wait "

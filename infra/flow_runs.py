@@ -472,6 +472,10 @@ def deployment_status(api_url: str, login: str | None, state_dir: os.PathLike[st
             found = client.read_deployments(limit=200)
             by_id = {d.id: f"{flows.get(d.flow_id, '?')}/{d.name}" for d in found}
             kept = set(paused_by_user(state_dir, {by_id[d.id]: d for d in found if not d.work_pool_name}))
+            if serve_pid is not None:  # paused while this serve runs (its record lists it as served unpaused: a
+                # trial's status said "4 served" and "paused deployments: nas/local"), and polled by it
+                kept.update(by_id[d.id] for d in found if not d.work_pool_name and d.paused and
+                            (age := ago(d.last_polled)) is not None and age <= POLLED_WITHIN_S)
             # a poll by this stack's serve before it stopped is not a serving process's (resumed in the UI
             # just after the stop, one was said to be served: a trial)
             deployments = [{"name": by_id[d.id], "work_pool": d.work_pool_name,

@@ -72,10 +72,13 @@ def test_a_served_deployment_paused_in_the_ui_takes_a_triggered_run(state_dir):
         fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)  # as a running `paperline serve` holds it
         assert _served_now(served) and _why_it_waits(None, served) is None
         assert not _served_now(SimpleNamespace(work_pool_name="paperline-cpu", last_polled=now, paused=False))
-        stale = SimpleNamespace(work_pool_name=None, last_polled=now - datetime.timedelta(seconds=60), paused=True,
-                                status="NOT_READY")
-        assert not _served_now(stale)
-        assert _why_it_waits(None, stale).startswith("is paused (its `paperline serve` stopped")
+        # a serve just started has not polled yet: its deployments are its own (a trigger then went to the work
+        # pool's deployment, which no worker ran: a trial)
+        assert _served_now(SimpleNamespace(work_pool_name=None, last_polled=None, paused=True))
+    stopped = SimpleNamespace(work_pool_name=None, last_polled=now - datetime.timedelta(seconds=60), paused=True,
+                              status="NOT_READY")
+    assert not _served_now(stopped)
+    assert _why_it_waits(None, stopped).startswith("is paused (its `paperline serve` stopped")
 
 
 def test_a_poll_before_this_stacks_serve_stopped_is_its_own(tmp_path):

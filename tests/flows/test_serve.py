@@ -515,5 +515,13 @@ def test_sigterm_stops_serving_as_ctrl_c_does(stack, background_process, cli_env
             lines = deployment_status(stack_info.prefect_api_url, stack_info.prefect_login, stack_settings.state_dir)
             assert "paused in the Prefect UI while served, and kept paused by `paperline serve`: nas/local (their " \
                 "schedules make no runs; a run triggered while served executes)" in lines, lines
+            # ... and one paused during this serve (its record lists it as served unpaused: a trial's status said
+            # "4 served" and "paused deployments: gemm/local")
+            client.pause_deployment(client.read_deployment_by_name("gemm/local").id)
+            lines = deployment_status(stack_info.prefect_api_url, stack_info.prefect_login, stack_settings.state_dir)
+            assert "paused in the Prefect UI while served, and kept paused by `paperline serve`: gemm/local, nas/local " \
+                "(their schedules make no runs; a run triggered while served executes)" in lines, lines
+            assert lines[0].startswith(f"deployments: 5 served by `paperline serve` (pid {proc.pid})"), lines
         finally:  # resumed in the UI (while stopped): served unpaused by the next serve
-            client.resume_deployment(client.read_deployment_by_name("nas/local").id)
+            for name in ("gemm/local", "nas/local"):
+                client.resume_deployment(client.read_deployment_by_name(name).id)
