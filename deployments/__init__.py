@@ -16,6 +16,7 @@ import datetime
 import json
 import os
 from collections.abc import Callable, Collection, Iterable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -105,13 +106,52 @@ def served_parameters(spec: Any, there: dict[str, Any] | None, data_bucket: str)
 SERVED_PAUSES = "serve-paused.json"  # in the state directory: see paused_by_user
 
 
-def paused_by_user(state_dir: Path, existing: dict[str, Any], say: Callable[[str], None] | None = None) -> list[str]:
+@dataclass(frozen=True)
+class ServePauses:
+    """The record `paperline serve` keeps in its state directory (:func:`record_serve_pauses`), as
+    :func:`read_serve_pauses` found it: read once per command, for :func:`paused_by_user` and
+    :func:`polled_by_stopped_serve` (each read the file again, once per deployment).
+
+    Attributes:
+        path: the record's file.
+        paused_by_serve: the deployment ids (text) serve paused as it last stopped, or serves
+            unpaused now; None where there is no record or it is unreadable.
+        stopped_at: when serve last stopped polling (aware), or None (a serving one's record, none).
+        problem: why the record is unreadable (``"ValueError: ..."``), or None.
+    """
+
+    path: Path
+    paused_by_serve: frozenset[str] | None = None
+    stopped_at: datetime.datetime | None = None
+    problem: str | None = None
+
+
+def read_serve_pauses(state_dir: Path) -> ServePauses:
+    """Read ``state_dir``'s :data:`SERVED_PAUSES` record; a missing one is an empty
+    :class:`ServePauses`, an unreadable one (not JSON, no ``paused_by_serve`` list, a bad
+    ``stopped_at``) one with ``problem`` set. Never raises for the file's content or absence."""
+    path = Path(state_dir) / SERVED_PAUSES
+    try:
+        record = json.loads(path.read_text())
+        ids = frozenset(str(i) for i in record["paused_by_serve"])
+        stopped = record.get("stopped_at")
+        stopped_at = None if stopped is None else datetime.datetime.fromisoformat(stopped)
+        if stopped_at is not None and stopped_at.tzinfo is None:
+            raise ValueError(f"stopped_at {stopped!r} has no time zone")
+    except FileNotFoundError:
+        return ServePauses(path)
+    except (OSError, ValueError, KeyError, TypeError, AttributeError) as exc:
+        return ServePauses(path, problem=f"{type(exc).__name__}: {exc}")
+    return ServePauses(path, ids, stopped_at)
+
+
+def paused_by_user(record: ServePauses, existing: dict[str, Any], say: Callable[[str], None] | None = None) -> list[str]:
     """The deployments among ``existing`` (Prefect ``DeploymentResponse`` by ``"<flow>/local"``)
     that a user paused (the deployment's own toggle in the Prefect UI), which the next `paperline
     serve` keeps paused: Prefect's runner unpaused every deployment it served, and pauses every
     one as it stops, so a user's pause was undone by a restart of serve (a trial).
 
-    Told apart by the record serve keeps in ``state_dir`` (:func:`record_serve_pauses`): the ids
+    Told apart by the record serve keeps (``record``, :func:`read_serve_pauses`): the ids
     of the deployments serve itself paused as it last stopped, or meant to serve unpaused where it
     never stopped (killed outright: its deployments stay unpaused, and a user's pause made during
     that serve is undone). A deployment paused and not in the record is the user's. With no record
@@ -121,18 +161,12 @@ def paused_by_user(state_dir: Path, existing: dict[str, Any], say: Callable[[str
     Returns:
         Their names, sorted.
     """
-    path = Path(state_dir) / SERVED_PAUSES
-    try:
-        record = json.loads(path.read_text())
-        by_serve = {str(i) for i in record["paused_by_serve"]}
-    except FileNotFoundError:
-        return []
-    except (OSError, ValueError, KeyError, TypeError) as exc:
-        if say is not None and any(d.paused for d in existing.values()):
-            say(f"{path} is unreadable ({type(exc).__name__}: {exc}): every paused deployment is served unpaused, "
+    if record.paused_by_serve is None:
+        if record.problem is not None and say is not None and any(d.paused for d in existing.values()):
+            say(f"{record.path} is unreadable ({record.problem}): every paused deployment is served unpaused, "
                 "one paused in the Prefect UI too")
         return []
-    return sorted(name for name, d in existing.items() if d.paused and str(d.id) not in by_serve)
+    return sorted(name for name, d in existing.items() if d.paused and str(d.id) not in record.paused_by_serve)
 
 
 def record_serve_pauses(state_dir: Path, ids: Iterable[str], add: bool = False,
@@ -140,15 +174,12 @@ def record_serve_pauses(state_dir: Path, ids: Iterable[str], add: bool = False,
     """Write (or, with ``add``, extend) the record :func:`paused_by_user` reads: the ids of
     deployments serve paused (or serves unpaused now), replaced atomically (a reader never sees
     half of it); with ``stopped_at`` (aware), the time serve stopped polling, which
-    :func:`polled_by_stopped_serve` reads (a record written without it is a serving one's).
+    :func:`polled_by_stopped_serve` uses (a record written without it is a serving one's).
     Errors propagate (``OSError``)."""
     path = Path(state_dir) / SERVED_PAUSES
     ids = {str(i) for i in ids}
     if add:
-        try:
-            ids |= {str(i) for i in json.loads(path.read_text())["paused_by_serve"]}
-        except (OSError, ValueError, KeyError, TypeError):
-            pass
+        ids |= read_serve_pauses(state_dir).paused_by_serve or set()
     record: dict[str, Any] = {"paused_by_serve": sorted(ids)}
     if stopped_at is not None:
         record["stopped_at"] = stopped_at.isoformat()
@@ -164,16 +195,12 @@ def record_serve_pauses(state_dir: Path, ids: Iterable[str], add: bool = False,
 STOP_CLOCK_SLACK_S = 2.0  # a poll stamped this much after serve's own stop time is still taken for its own
 
 
-def polled_by_stopped_serve(state_dir: Path, last_polled: datetime.datetime | None) -> bool:
+def polled_by_stopped_serve(record: ServePauses, last_polled: datetime.datetime | None) -> bool:
     """Whether a deployment's ``last_polled`` (the Prefect server's time) is no later than the
-    stop of this state directory's last `paperline serve` (its record's ``stopped_at``): that
-    serve's own poll, not another process's. Resumed in the Prefect UI right after serve stopped,
-    a deployment read as served elsewhere for 30 s: `serve` refused to start and `status` said a
-    serving process had it (a trial)."""
-    if last_polled is None:
+    stop of this state directory's last `paperline serve` (``record.stopped_at``): that serve's own
+    poll, not another process's. Resumed in the Prefect UI right after serve stopped, a deployment
+    read as served elsewhere for 30 s: `serve` refused to start and `status` said a serving
+    process had it (a trial)."""
+    if last_polled is None or record.stopped_at is None:
         return False
-    try:
-        stopped = datetime.datetime.fromisoformat(json.loads((Path(state_dir) / SERVED_PAUSES).read_text())["stopped_at"])
-    except (OSError, ValueError, KeyError, TypeError):
-        return False
-    return (last_polled - stopped).total_seconds() <= STOP_CLOCK_SLACK_S
+    return (last_polled - record.stopped_at).total_seconds() <= STOP_CLOCK_SLACK_S

@@ -1581,12 +1581,13 @@ def _trigger(spec: Any, info: Any, names: list[str], preset: str | None, overrid
                 found[name] = client.read_deployment_by_name(f"{flow}/{name}")
             except ObjectNotFound:
                 continue
-        if not found:
-            from paperline.infra.flow_runs import serve_lock_holder
+        from paperline.infra.flow_runs import serve_lock_holder
 
-            serving = serve_lock_holder(_settings().state_dir)  # (deleted under it: "serves" read wrong, a trial)
-            serves = (f"the `paperline serve` running (pid {serving}) made {flow}/local as it started: restart it"
-                      if serving is not None else f"`paperline serve` serves {flow}/local")
+        serve_pid = serve_lock_holder(_settings().state_dir)  # (read once: it was, up to 4 times)
+        if not found:
+            # (deleted under a running serve: "serves" read wrong, a trial)
+            serves = (f"the `paperline serve` running (pid {serve_pid}) made {flow}/local as it started: restart it"
+                      if serve_pid is not None else f"`paperline serve` serves {flow}/local")
             raise InputError("--deployment" if picked else "pipeline", names[0] if picked else spec.name,
                              f"no deployment {' or '.join(f'{flow}/{n}' for n in names)} on the Prefect server "
                              f"at {redact_url(info.prefect_api_url)}: {serves}, "
@@ -1594,8 +1595,10 @@ def _trigger(spec: Any, info: Any, names: list[str], preset: str | None, overrid
         # the served one unless its serve stopped (paused) and the work pool's is there (a trial's worker
         # was online while the paused gemm/local got the run); served and paused in the Prefect UI, it
         # still executes a triggered run (the work pool's got it, and no worker ran: a trial)
-        deployment = next((d for d in found.values() if _served_now(d)),
+        serving = serve_pid is not None
+        deployment = next((d for d in found.values() if _served_now(d, serving)),
                           next((d for d in found.values() if not d.paused), next(iter(found.values()))))
+        served = _served_now(deployment, serving)
         stored = deployment.parameters or {}
         stored_values = deployment_values(stored)
         if stored_values is None:
@@ -1629,10 +1632,11 @@ def _trigger(spec: Any, info: Any, names: list[str], preset: str | None, overrid
         run = client.create_flow_run_from_deployment(deployment.id, parameters={"params": sent})
         try:
             _say(f"triggered {flow}/{deployment.name}: flow run '{run.name}' {info.flow_run_url(run.id)}")
-            if deployment.paused and _served_now(deployment):
+            if deployment.paused and served:
                 _say(f"{flow}/{deployment.name} is paused (in the Prefect UI): its schedule makes no runs, but "
                      "`paperline serve` executes this one")
-            waits = _why_it_waits(client, deployment)
+            waits = _why_it_waits(client, deployment, served,
+                                  local=f"{flow}/local" if "local" in found and deployment.name != "local" else None)
             if waits:
                 err_console.print(f"warning: {flow}/{deployment.name} {waits}", style="yellow", soft_wrap=True,
                                   highlight=False, markup=False)
@@ -1711,26 +1715,35 @@ def _absolute_paths(params: Any) -> dict[str, str]:
     return found
 
 
-def _served_now(deployment: Any) -> bool:
+def _served_now(deployment: Any, serving: bool | None = None) -> bool:
     """Whether ``deployment`` (Prefect ``DeploymentResponse``) is this stack's `paperline serve`'s
-    now, paused or not: no work pool, and this state directory's serve lock held (a serve serves
-    every ``<flow>/local``, one per Prefect server). A paused deployment's schedule makes no runs,
-    but its serve executes a run triggered on it (a trial's `trigger` said it would wait)."""
-    from paperline.infra.flow_runs import serve_lock_holder
+    now, paused or not: no work pool, and this state directory's serve lock held (``serving``, read
+    here where None; a serve serves every ``<flow>/local``, one per Prefect server). A paused
+    deployment's schedule makes no runs, but its serve executes a run triggered on it (a trial's
+    `trigger` said it would wait)."""
+    if deployment.work_pool_name:
+        return False
+    if serving is None:
+        from paperline.infra.flow_runs import serve_lock_holder
 
-    # (not its last poll: a trigger in a starting serve's first seconds, before its first poll, went to the
-    # work pool's deployment, which no worker ran: a trial)
-    return not deployment.work_pool_name and serve_lock_holder(_settings().state_dir) is not None
+        # (not its last poll: a trigger in a starting serve's first seconds, before its first poll, went to the
+        # work pool's deployment, which no worker ran: a trial)
+        serving = serve_lock_holder(_settings().state_dir) is not None
+    return serving
 
 
-def _why_it_waits(client: Any, deployment: Any) -> str | None:
+def _why_it_waits(client: Any, deployment: Any, served: bool | None = None, local: str | None = None) -> str | None:
     """Why a run of ``deployment`` will not start now, or None: paused (its serve stopped), not
-    polled lately, or a work pool with no worker online."""
+    polled lately, or a work pool with no worker online. ``served``: :func:`_served_now`'s answer,
+    read here where None; ``local``: the name of the flow's ``local`` deployment beside a work
+    pool's, which the reason then names as the other way to run it."""
     from prefect.client.schemas.filters import WorkerFilter, WorkerFilterStatus
 
     from paperline.infra.stack import WORK_POOLS
 
-    if deployment.paused and _served_now(deployment):
+    if served is None:
+        served = _served_now(deployment)
+    if deployment.paused and served:
         return None  # (its schedule alone is stopped: `trigger` says so)
     if deployment.paused:  # (its runs wait in Scheduled, nothing said)
         return ("is paused (its `paperline serve` stopped, or it was paused in the Prefect UI): the run waits until it "
@@ -1741,7 +1754,10 @@ def _why_it_waits(client: Any, deployment: Any) -> str | None:
         if not online:  # (nothing said: a trial)
             kind = next((k for k, name in WORK_POOLS.items() if name == deployment.work_pool_name), None)
             start = f"`paperline worker --pool {kind}`" if kind else "a worker of the pool"
-            return f"has no worker of work pool {deployment.work_pool_name} online: the run waits until {start} runs"
+            waits = f"has no worker of work pool {deployment.work_pool_name} online: the run waits until {start} runs"
+            if local is not None:  # (chosen over a paused local one with no serve running: said how else, a trial)
+                waits += f"; or run `paperline serve`, which serves {local}, and trigger with `--deployment local`"
+            return waits
         return None
     if str(getattr(deployment.status, "value", deployment.status)) == "NOT_READY":  # (a killed serve leaves it unpaused)
         return "has not been polled lately (no `paperline serve` takes its runs now): the run waits until one does"
@@ -1860,7 +1876,7 @@ def serve() -> None:
 
     from prefect import serve as prefect_serve
 
-    from paperline.deployments import local_deployments, paused_by_user
+    from paperline.deployments import local_deployments, paused_by_user, read_serve_pauses
     from paperline.flows.pipelines import get_pipeline
     from paperline.infra.cluster import describe_cluster, require_scheduler
     from paperline.infra.errors import redact_url
@@ -1877,7 +1893,7 @@ def serve() -> None:
         existing = existing_deployments(names)  # (as the Prefect UI left them: kept, not replaced)
         served_elsewhere(existing)  # ... and per Prefect server, which other state dirs may share
         state_dir = _settings().state_dir
-        kept_paused = paused_by_user(state_dir, existing, say=_say)  # (a restart unpaused them: a trial)
+        kept_paused = paused_by_user(read_serve_pauses(state_dir), existing, say=_say)  # (a restart unpaused them: a trial)
         # until it stops: the ones it serves unpaused are its own to pause
         _record_pauses(state_dir, [str(d.id) for name, d in existing.items() if name not in kept_paused])
         notes: list[str] = []
@@ -2132,16 +2148,16 @@ def served_elsewhere(deployments: dict[str, Any]) -> None:
 
     from prefect.settings import PREFECT_API_URL
 
+    from paperline.deployments import polled_by_stopped_serve, read_serve_pauses
     from paperline.infra.errors import redact_url
 
-    from paperline.deployments import polled_by_stopped_serve
-
     now = datetime.datetime.now(datetime.timezone.utc)
+    own = read_serve_pauses(_settings().state_dir)  # (this stack's serve, stopped: its polls are not another's)
     busy = []
     for name, d in deployments.items():
         ago = (now - d.last_polled).total_seconds() if d.last_polled else None
         if not d.paused and ago is not None and ago <= SERVE_POLLED_WITHIN_S and \
-                not polled_by_stopped_serve(_settings().state_dir, d.last_polled):  # (this stack's serve, stopped)
+                not polled_by_stopped_serve(own, d.last_polled):
             busy.append((name, ago))
     if busy:
         # (a poll after `now` was taken showed "polled -0 s ago": a CI failure)

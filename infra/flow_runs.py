@@ -17,6 +17,7 @@ import contextlib
 import datetime
 import os
 import threading
+from collections.abc import Collection
 from typing import Any, Callable, Iterator
 
 FLOW_RUN_ENV = "PREFECT__FLOW_RUN_ID"  # set by Prefect's runner and process worker in a flow run's process
@@ -270,6 +271,22 @@ POLLED_WITHIN_S = 90.0  # served deployments poll every 10 s, workers heartbeat 
 LATE_AFTER_S = 60.0  # a Scheduled run this far past its start time is waiting for a process to take it
 
 
+def _fresh(seconds: object) -> bool:
+    """Whether a poll or heartbeat ``seconds`` ago (None: never) is recent: within :data:`POLLED_WITHIN_S`."""
+    return isinstance(seconds, (int, float)) and seconds <= POLLED_WITHIN_S
+
+
+def executed_now(deployment: dict[str, object], workers: dict[str, list[dict[str, object]]],
+                 serve_pid: int | None) -> bool:
+    """Whether a process takes ``deployment``'s runs now (its dicts as :func:`deployment_report`
+    takes them): a worker of its work pool online, or, with no work pool, this state directory's
+    `paperline serve` running or a poll within :data:`POLLED_WITHIN_S` (another serving process)."""
+    pool = deployment.get("work_pool")
+    if pool:
+        return any(_fresh(w.get("heartbeat_s_ago")) and not w.get("exited") for w in workers.get(str(pool), []))
+    return serve_pid is not None or _fresh(deployment.get("polled_s_ago"))
+
+
 def deployment_report(deployments: list[dict[str, object]], workers: dict[str, list[dict[str, object]]],
                       late: dict[str, int], *, serve_pid: int | None = None) -> list[str]:
     """The lines `paperline status` prints about who executes the deployments' runs.
@@ -297,8 +314,7 @@ def deployment_report(deployments: list[dict[str, object]], workers: dict[str, l
     """
     from paperline.infra.stack import WORK_POOLS  # noqa: PLC0415
 
-    def fresh(seconds: object) -> bool:
-        return isinstance(seconds, (int, float)) and seconds <= POLLED_WITHIN_S
+    fresh = _fresh
 
     def late_note(names: list[str]) -> str:
         n = sum(late.get(name, 0) for name in names)
@@ -463,7 +479,7 @@ def deployment_status(api_url: str, login: str | None, state_dir: os.PathLike[st
     def ago(when: datetime.datetime | None) -> float | None:
         return None if when is None else (now - when).total_seconds()
 
-    from paperline.deployments import paused_by_user, polled_by_stopped_serve  # noqa: PLC0415
+    from paperline.deployments import paused_by_user, polled_by_stopped_serve, read_serve_pauses  # noqa: PLC0415
 
     serve_pid = serve_lock_holder(state_dir)
     try:
@@ -471,7 +487,8 @@ def deployment_status(api_url: str, login: str | None, state_dir: os.PathLike[st
             flows = {f.id: f.name for f in client.read_flows(limit=200)}
             found = client.read_deployments(limit=200)
             by_id = {d.id: f"{flows.get(d.flow_id, '?')}/{d.name}" for d in found}
-            kept = set(paused_by_user(state_dir, {by_id[d.id]: d for d in found if not d.work_pool_name}))
+            pauses = read_serve_pauses(state_dir)
+            kept = set(paused_by_user(pauses, {by_id[d.id]: d for d in found if not d.work_pool_name}))
             if serve_pid is not None:  # paused while this serve runs (its record lists it as served unpaused: a
                 # trial's status said "4 served" and "paused deployments: nas/local"), and polled by it
                 kept.update(by_id[d.id] for d in found if not d.work_pool_name and d.paused and
@@ -479,7 +496,7 @@ def deployment_status(api_url: str, login: str | None, state_dir: os.PathLike[st
             # a poll by this stack's serve before it stopped is not a serving process's (resumed in the UI
             # just after the stop, one was said to be served: a trial)
             deployments = [{"name": by_id[d.id], "work_pool": d.work_pool_name,
-                            "polled_s_ago": None if serve_pid is None and polled_by_stopped_serve(state_dir, d.last_polled)
+                            "polled_s_ago": None if serve_pid is None and polled_by_stopped_serve(pauses, d.last_polled)
                             else ago(d.last_polled),
                             "paused": d.paused, "schedule_paused": any(not s.active for s in d.schedules),
                             "kept_paused": by_id[d.id] in kept}
@@ -503,7 +520,7 @@ def deployment_status(api_url: str, login: str | None, state_dir: os.PathLike[st
                     state=FlowRunFilterState(type=FlowRunFilterStateType(any_=[StateType.SCHEDULED])),
                     expected_start_time=FlowRunFilterExpectedStartTime(after_=now)),
                 deployment_filter=DeploymentFilter(id=DeploymentFilterId(any_=unpaused)),
-                sort=FlowRunSort.EXPECTED_START_TIME_ASC, limit=1) if unpaused else []
+                sort=FlowRunSort.EXPECTED_START_TIME_ASC, limit=UPCOMING_READ) if unpaused else []
     except Exception as exc:  # noqa: BLE001 - httpx/prefect errors: status reports, it does not fail on this
         from paperline.infra.errors import redact_text  # noqa: PLC0415
 
@@ -519,28 +536,34 @@ def deployment_status(api_url: str, login: str | None, state_dir: os.PathLike[st
     soonest = [{"deployment": by_id[run.deployment_id], "seconds": (run.expected_start_time - now).total_seconds(),
                 "at": run.expected_start_time} for run in upcoming
                if run.deployment_id in by_id and run.expected_start_time]
-    return (deployment_report(deployments, workers, late, serve_pid=serve_pid) + next_run_report(soonest)
+    taken = {str(d["name"]) for d in deployments if executed_now(d, workers, serve_pid)}
+    return (deployment_report(deployments, workers, late, serve_pid=serve_pid) + next_run_report(soonest, taken)
             + executing_report(runs))
 
 
-def next_run_report(soonest: list[dict[str, Any]]) -> list[str]:
+def next_run_report(soonest: list[dict[str, Any]], taken: Collection[str] | None = None) -> list[str]:
     """The line `paperline status` prints about the next scheduled run of an unpaused deployment
-    (it named who serves the deployments, not when any would run: a user schedules them).
+    (it named who serves the deployments, not when any would run: a user schedules them): the
+    soonest of a deployment in ``taken``, else the soonest (the deployment lines say why it waits).
+    The work pool's ``gemm/gemm``, no worker online, was named over the served ``gemm/local``'s
+    run at the same time (a trial).
 
     Args:
-        soonest: At most one ``{"deployment", "seconds" (until it starts), "at" (datetime, UTC)}``.
+        soonest: Upcoming runs, ``{"deployment", "seconds" (until it starts), "at" (datetime, UTC)}``.
+        taken: The deployments whose runs a process takes now (:func:`executed_now`); None: all.
 
     Returns:
         ``["next scheduled run: gemm/local at 2026-12-08 03:30 UTC (in 18.9 h)"]``, or nothing.
     """
     if not soonest:
         return []
-    run = soonest[0]
+    run = min(soonest, key=lambda r: (taken is not None and r["deployment"] not in taken, r["seconds"]))
     at = run["at"].astimezone(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
     return [f"next scheduled run: {run['deployment']} at {at} (in {_duration(float(run['seconds']))})"]
 
 
 SHOWN_RUNS = 5  # executing flow runs `status` names
+UPCOMING_READ = 20  # scheduled runs read for `status`'s next one (the soonest that a process will take)
 RUNS_READ = 200  # the most flow runs one read returns (the server's page)
 
 

@@ -7,7 +7,8 @@ from types import SimpleNamespace
 
 import pytest
 
-from paperline.deployments import SERVED_PAUSES, local_deployments, paused_by_user, record_serve_pauses
+from paperline.deployments import (SERVED_PAUSES, local_deployments, paused_by_user, read_serve_pauses,
+                                   record_serve_pauses)
 
 
 def _deployments(**paused: bool) -> dict[str, SimpleNamespace]:
@@ -16,20 +17,22 @@ def _deployments(**paused: bool) -> dict[str, SimpleNamespace]:
 
 def test_a_pause_is_the_users_unless_serve_recorded_it_as_its_own(tmp_path):
     existing = _deployments(gemm=True, nas=True, tf=False)
-    assert paused_by_user(tmp_path, existing) == []  # no record (a first serve, an older paperline's): none kept
+    # no record (a first serve, an older paperline's): none kept
+    assert paused_by_user(read_serve_pauses(tmp_path), existing) == []
     record_serve_pauses(tmp_path, [str(existing["gemm/local"].id), str(existing["tf/local"].id)])
-    assert paused_by_user(tmp_path, existing) == ["nas/local"]  # paused, and not by serve
+    assert paused_by_user(read_serve_pauses(tmp_path), existing) == ["nas/local"]  # paused, and not by serve
     record_serve_pauses(tmp_path, [str(existing["nas/local"].id)], add=True)  # serve's backstop pause, added
-    assert paused_by_user(tmp_path, existing) == []
+    assert paused_by_user(read_serve_pauses(tmp_path), existing) == []
     assert json.loads((tmp_path / SERVED_PAUSES).read_text()) == {
         "paused_by_serve": sorted(str(existing[n].id) for n in ("gemm/local", "nas/local", "tf/local"))}
     record_serve_pauses(tmp_path, [])  # replaced: serve paused none (every one paused was the user's)
-    assert paused_by_user(tmp_path, existing) == ["gemm/local", "nas/local"]
+    assert paused_by_user(read_serve_pauses(tmp_path), existing) == ["gemm/local", "nas/local"]
     assert [p.name for p in tmp_path.iterdir()] == [SERVED_PAUSES]  # no part file left
-    for unreadable in ("{not json", '{"other": []}', "[1, 2]"):  # read as no record: serve unpauses as before
+    for unreadable in ("{not json", '{"other": []}', "[1, 2]", '{"paused_by_serve": [], "stopped_at": 5}',
+                       '{"paused_by_serve": [], "stopped_at": "2026-12-07T10:00:00"}'):  # (naive: compared, it raised)  # read as no record: serve unpauses as before
         (tmp_path / SERVED_PAUSES).write_text(unreadable)
         said: list[str] = []
-        assert paused_by_user(tmp_path, existing, say=said.append) == [], unreadable
+        assert paused_by_user(read_serve_pauses(tmp_path), existing, say=said.append) == [], unreadable
         assert len(said) == 1 and said[0].startswith(f"{tmp_path / SERVED_PAUSES} is unreadable (") and \
             said[0].endswith("every paused deployment is served unpaused, one paused in the Prefect UI too"), said
     (tmp_path / SERVED_PAUSES).unlink()
@@ -91,12 +94,12 @@ def test_a_poll_before_this_stacks_serve_stopped_is_its_own(tmp_path):
 
     stop = datetime.datetime.now(datetime.timezone.utc)
     before, after = stop - datetime.timedelta(seconds=8), stop + datetime.timedelta(seconds=STOP_CLOCK_SLACK_S + 1)
-    assert not polled_by_stopped_serve(tmp_path, before)  # no record
+    assert not polled_by_stopped_serve(read_serve_pauses(tmp_path), before)  # no record
     record_serve_pauses(tmp_path, ["a"])  # a serve running: no stop time
-    assert not polled_by_stopped_serve(tmp_path, before)
+    assert not polled_by_stopped_serve(read_serve_pauses(tmp_path), before)
     record_serve_pauses(tmp_path, [], add=True, stopped_at=stop)
     assert json.loads((tmp_path / SERVED_PAUSES).read_text())["paused_by_serve"] == ["a"]
-    assert polled_by_stopped_serve(tmp_path, before) and polled_by_stopped_serve(tmp_path, stop)
-    assert not polled_by_stopped_serve(tmp_path, after) and not polled_by_stopped_serve(tmp_path, None)
+    assert polled_by_stopped_serve(read_serve_pauses(tmp_path), before) and polled_by_stopped_serve(read_serve_pauses(tmp_path), stop)
+    assert not polled_by_stopped_serve(read_serve_pauses(tmp_path), after) and not polled_by_stopped_serve(read_serve_pauses(tmp_path), None)
     record_serve_pauses(tmp_path, ["a"])  # the next serve starts: its polls are its own again
-    assert not polled_by_stopped_serve(tmp_path, before)
+    assert not polled_by_stopped_serve(read_serve_pauses(tmp_path), before)

@@ -110,6 +110,9 @@ def test_trigger_says_when_a_work_pool_has_no_worker_online(deployed):
         gpu = SimpleNamespace(paused=False, work_pool_name="paperline-gpu", status=None)  # a pool with no worker
         assert _why_it_waits(client, gpu) == ("has no worker of work pool paperline-gpu online: the run waits until "
                                               "`paperline worker --pool gpu` runs")
+        # chosen over a paused gemm/local with no serve running: the other way is said (a trial)
+        assert _why_it_waits(client, gpu, local="gemm/local").endswith(
+            "runs; or run `paperline serve`, which serves gemm/local, and trigger with `--deployment local`")
         stopped = SimpleNamespace(paused=True, work_pool_name=None, status=None, last_polled=None)
         assert _why_it_waits(client, stopped).startswith("is paused (its `paperline serve` stopped")
 

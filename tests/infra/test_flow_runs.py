@@ -306,6 +306,25 @@ def test_next_run_report_says_when_and_in_how_long():
     assert next_run_report([{"deployment": "gemm/local", "seconds": 68040.0, "at": at}]) == [
         "next scheduled run: gemm/local at 2026-12-08 02:30 UTC (in 18.9 h)"]
     assert next_run_report([{"deployment": "nas/local", "seconds": 5.5 * 86400, "at": at}])[0].endswith("(in 5.5 d)")
+    # the soonest that a process will take (the work pool's, no worker online, was named over the served
+    # one's run at the same time: a trial); none taken: the soonest
+    runs = [{"deployment": "gemm/gemm", "seconds": 60.0, "at": at}, {"deployment": "gemm/local", "seconds": 60.0, "at": at},
+            {"deployment": "nas/local", "seconds": 30.0, "at": at}]
+    assert next_run_report(runs, taken={"gemm/local"})[0].startswith("next scheduled run: gemm/local at ")
+    assert next_run_report(runs, taken=set())[0].startswith("next scheduled run: nas/local at ")
+    assert next_run_report(runs)[0].startswith("next scheduled run: nas/local at ")
+
+
+def test_a_deployment_is_executed_by_its_serve_or_an_online_worker():
+    from paperline.infra.flow_runs import POLLED_WITHIN_S, executed_now
+
+    local, pooled = {"name": "gemm/local", "work_pool": None, "polled_s_ago": None}, {"name": "gemm/gemm", "work_pool": "p"}
+    assert not executed_now(local, {}, serve_pid=None) and executed_now(local, {}, serve_pid=4242)
+    assert executed_now({**local, "polled_s_ago": 5.0}, {}, None)  # another serving process polls it
+    assert not executed_now({**local, "polled_s_ago": POLLED_WITHIN_S + 1}, {}, None)
+    assert not executed_now(pooled, {}, serve_pid=4242)  # serve takes no work pool's runs
+    assert executed_now(pooled, {"p": [{"heartbeat_s_ago": 3.0}]}, None)
+    assert not executed_now(pooled, {"p": [{"heartbeat_s_ago": 3.0, "exited": True}, {"heartbeat_s_ago": None}]}, None)
 
 
 def test_deployment_report_says_who_executes_the_runs_and_what_waits():
@@ -435,8 +454,9 @@ def test_deployment_status_reads_pools_workers_and_late_runs_from_the_server(sta
 
             upcoming, shown = next_run(lines)
             at = soon.strftime("%Y-%m-%d %H:%M UTC")
-            # a run still to come (not a past one), and none later than this deployment's next
-            assert past < shown <= soon, lines
+            # a run still to come (not a past one); this deployment's (no worker takes it) only where no
+            # process takes another's
+            assert past < shown, lines
             assert upcoming == f"next scheduled run: paperline-test-status-probe/pooled at {at} (in 10 min)" or \
                 "paperline-test-status-probe/pooled" not in upcoming, lines
             # a paused deployment's runs start only once it is unpaused: the next one is another's, however many
@@ -459,6 +479,9 @@ def test_deployment_status_reads_pools_workers_and_late_runs_from_the_server(sta
             online = [line for line in lines if line.startswith(f"work pool {pool}: 1 deployment(s), 1 worker(s) "
                                                                  "online: probe-worker (heartbeat ")]
             assert len(online) == 1 and online[0].endswith("2 scheduled run(s) past their start time wait for it"), lines
+            upcoming, shown = next_run(lines)  # taken now: its run, or one sooner that a process takes
+            assert past < shown <= soon and (upcoming.startswith("next scheduled run: paperline-test-status-probe/pooled "
+                                                                 "at ") or shown < soon - datetime.timedelta(minutes=1)), lines
         finally:
             client.delete_deployment(deployment)
             client.delete_work_pool(pool)
