@@ -170,7 +170,7 @@ class CompressedTrainingParameters(BaseModel):
         model when powersgd runs or ``powersgd_rank`` is not its default), the bandwidth sweep's
         largest message (:data:`COLLECTIVES_MAX_BYTES`), ``nan_steps`` within the run's global
         steps, the dataset's presence and size against ``batch_size x world_size``, and (ResNet on a local
-        CPU cluster) the ranks' memory against the machine's (:meth:`check_rank_memory`). Raises
+        cluster) the ranks' memory against the machine's, or each GPU's (:meth:`check_rank_memory`). Raises
         InputError naming the flow parameter."""
         from paperline.kernels.errors import InputError as KernelInputError  # noqa: PLC0415
 
@@ -225,8 +225,8 @@ class CompressedTrainingParameters(BaseModel):
             # the drill never fired and the run "passed" it (a trial)
             raise InputError("crash_rank_at_step", self.crash_rank_at_step, f"is never reached: {total}")
         settings = get_settings()
-        if self.model == "resnet" and not settings.dask_scheduler_address and resolve_device(settings.device) == "cpu":
-            self.check_rank_memory(model)
+        if self.model == "resnet" and not settings.dask_scheduler_address:
+            self.check_rank_memory(model, device=resolve_device(settings.device))
 
     def validate_workers(self, workers: int | None) -> None:
         """``world_size`` against the Dask workers known before the run: the local cluster's
@@ -237,19 +237,24 @@ class CompressedTrainingParameters(BaseModel):
             raise InputError("world_size", self.world_size, f"larger than the number of Dask workers ({workers}); "
                              + ONE_RANK_PER_WORKER)
 
-    def check_rank_memory(self, model: Any, available: int | None = None) -> None:
-        """Refuse a run whose ranks, all on this machine (a local CPU cluster), would need more
+    def check_rank_memory(self, model: Any, available: int | list[int] | None = None, device: str = "cpu") -> None:
+        """Refuse a run whose ranks, all on this machine (a local cluster), would need more
         memory than it has available: a wide ResNet with a big batch passed the size caps and the
         ranks died in the OOM killer. Per rank: the activations one step saves for backward
         (:func:`~paperline.kernels.train.recompute.saved_tensor_bytes` on the ``meta`` model, at
         ``batch_size``, after the recomputation policy) plus twice the weights, gradients and
-        momentum (DDP's buckets and the compressor's state). Not checked: LSTMs (their ``meta``
-        estimate is 2-5x loose), GPUs and remote clusters.
+        momentum (DDP's buckets and the compressor's state).
+
+        On ``"cpu"`` the ranks share the machine's available memory (``available``, bytes; read
+        with psutil where None). On ``"cuda"`` each rank has a GPU of its own (a
+        ``LocalCUDACluster`` worker) and needs the estimate plus :data:`CUDA_CONTEXT_BYTES` free
+        on whichever GPU it lands: ``available`` is the free bytes per GPU (read through NVML,
+        :func:`~paperline.infra.device.gpu_free_bytes`, where None; not checked where NVML cannot
+        tell). Not checked: LSTMs (their ``meta`` estimate is 2-5x loose) and remote clusters.
 
         Raises:
             InputError: naming ``batch_size``, with the estimate and what to change.
         """
-        import psutil  # noqa: PLC0415 - a dependency of distributed
         import torch  # noqa: PLC0415
 
         from paperline.kernels.train.models import TRAINING_BYTES_PER_PARAMETER  # noqa: PLC0415
@@ -258,17 +263,38 @@ class CompressedTrainingParameters(BaseModel):
         activations = saved_tensor_bytes(model, torch.zeros(self.batch_size, 1, 28, 28, device="meta"))
         weights = 2 * TRAINING_BYTES_PER_PARAMETER * sum(p.numel() for p in model.parameters())
         per_rank = activations + weights
+        gib = 2**30
+        estimate = (f"{activations / gib:,.2f} GiB of activations kept for backward and {weights / gib:,.2f} GiB of "
+                    f"weights, gradients and optimizer state per rank, recompute={self.recompute}")
+        fix = "lower batch_size or model_options, or set recompute=cost-aware or all"
+        if device == "cuda":
+            from paperline.infra.device import gpu_free_bytes  # noqa: PLC0415
+
+            free = gpu_free_bytes() if available is None else \
+                list(available) if isinstance(available, list) else [available]
+            if not free:
+                return
+            least = min(free)
+            if per_rank + CUDA_CONTEXT_BYTES > least:
+                raise InputError("batch_size", self.batch_size,
+                                 f"each rank (one per GPU) would need about {(per_rank + CUDA_CONTEXT_BYTES) / gib:,.1f} "
+                                 f"GiB of its GPU ({estimate}, and {CUDA_CONTEXT_BYTES / gib:,.1f} GiB for its CUDA "
+                                 f"context), more than the {least / gib:,.1f} GiB free on GPU {free.index(least)} of "
+                                 f"{len(free)}: {fix}")
+            return
+        import psutil  # noqa: PLC0415 - a dependency of distributed
+
         available = psutil.virtual_memory().available if available is None else available
         if per_rank * self.world_size > available:
-            gib = 2**30
             raise InputError("batch_size", self.batch_size,
                              f"{self.world_size} rank(s) on this machine would need about "
-                             f"{per_rank * self.world_size / gib:,.1f} GiB ({activations / gib:,.2f} GiB of activations "
-                             f"kept for backward and {weights / gib:,.2f} GiB of weights, gradients and optimizer "
-                             f"state per rank, recompute={self.recompute}), more than the "
-                             f"{available / gib:,.1f} GiB available: lower batch_size or model_options, or set "
-                             "recompute=cost-aware or all")
+                             f"{per_rank * self.world_size / gib:,.1f} GiB ({estimate}), more than the "
+                             f"{available / gib:,.1f} GiB available: {fix}")
 
+
+# A rank's CUDA context (cuDNN, cuBLAS, cuFFT and NCCL loaded), counted against its GPU's free memory
+# beside the estimate of check_rank_memory: about 0.5 GiB with torch 2.x on recent GPUs.
+CUDA_CONTEXT_BYTES = 1 << 29
 
 # The largest message of the bandwidth sweep (collectives_max_bytes), 1 GiB (the sweep's sizes are
 # 1 KiB x 4^k, so 1 GiB is one of them). Every rank allocates each message plus the backend's own

@@ -99,3 +99,37 @@ def array_device(setting: str) -> Device:
         raise InputError("device", setting, "CuPy is not installed: install the GPU extra (make install-gpu), "
                                             "or use device=cpu (PAPERLINE_DEVICE)")
     return device
+
+
+def gpu_free_bytes() -> list[int] | None:
+    """Free memory of each CUDA device this process may use, in bytes, in the order of
+    ``CUDA_VISIBLE_DEVICES`` (the devices a ``LocalCUDACluster`` gives its workers, one each), read
+    through NVML (``pynvml``, installed with dask-cuda): unlike ``torch.cuda.mem_get_info`` it makes
+    no CUDA context, which would hold about 0.5 GiB of each GPU in this process for the whole run.
+
+    Returns:
+        One count per device (``list[int]``), or None where it cannot be told: no NVIDIA driver,
+        ``pynvml`` not installed, NVML failing, or ``CUDA_VISIBLE_DEVICES`` naming devices by UUID
+        or MIG instance rather than by index.
+    """
+    if not _nvidia_driver_present():
+        return None
+    try:
+        import pynvml  # noqa: PLC0415 - the GPU extra's (dask-cuda's dependency)
+    except ImportError:
+        return None
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    try:
+        indices = None if visible is None else [int(i) for i in visible.split(",") if i.strip()]
+    except ValueError:  # GPU-<uuid>, MIG-<uuid>
+        return None
+    try:
+        pynvml.nvmlInit()
+        try:
+            if indices is None:
+                indices = list(range(pynvml.nvmlDeviceGetCount()))
+            return [int(pynvml.nvmlDeviceGetMemoryInfo(pynvml.nvmlDeviceGetHandleByIndex(i)).free) for i in indices]
+        finally:
+            pynvml.nvmlShutdown()
+    except Exception:  # noqa: BLE001 - pynvml.NVMLError and its kin: not known, not checked
+        return None

@@ -71,6 +71,20 @@ def test_ranks_that_would_not_fit_in_memory_are_refused():
         except InputError as exc:
             need[p.recompute] = float(exc.problem.split("about ")[1].split(" GiB")[0])
     assert need["all"] <= need["none"]
+    # on GPUs each rank has one of its own: the estimate and a CUDA context against the least free
+    from paperline.flows.compressed_training import CUDA_CONTEXT_BYTES
+
+    params.check_rank_memory(model, available=[1 << 40, 1 << 40], device="cuda")
+    with pytest.raises(InputError, match=r"batch_size=64: each rank \(one per GPU\) would need about 0\.[0-9] GiB of its "
+                                         r"GPU \(0\.0[0-9] GiB of activations .* and 0\.5 GiB for its CUDA context\), more "
+                                         r"than the 0\.5 GiB free on GPU 1 of 2: lower batch_size"):
+        params.check_rank_memory(model, available=[1 << 40, CUDA_CONTEXT_BYTES], device="cuda")
+    # no NVIDIA driver here (or NVML unavailable): GPUs' memory not known, not checked
+    from paperline.infra.device import gpu_free_bytes, gpu_usable
+
+    if not gpu_usable():
+        assert gpu_free_bytes() is None
+        params.check_rank_memory(model, device="cuda")
 
 
 def test_isgd_settings_without_isgd_change_nothing_trained():

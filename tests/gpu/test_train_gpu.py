@@ -36,3 +36,25 @@ def test_one_nccl_rank_trains_with_fft_and_recomputation_and_resumes(free_port):
     resumed = train_rank(0, 1, f"tcp://127.0.0.1:{free_port()}", cfg, device="cuda", resume_bytes=saved[0])
     assert resumed["epochs"][-1]["epoch"] == 1
     assert abs(resumed["epochs"][-1]["test_accuracy_pct"] - epochs[-1]["test_accuracy_pct"]) <= 5.0
+
+
+def test_free_gpu_memory_is_read_without_a_cuda_context():
+    """check_rank_memory's GPU branch reads each device's free memory through NVML (pynvml, with
+    dask-cuda): a count per visible device, at most its total, and no CUDA context made here."""
+    import json
+    import subprocess
+    import sys
+
+    import torch
+
+    # in a process of its own: this module's other tests have made a context here already
+    probe = ("import json, torch; from paperline.flows.compressed_training import CompressedTrainingParameters as P; "
+             "from paperline.infra.device import gpu_free_bytes; p = P(batch_size=64, world_size=1); "
+             "p.check_rank_memory(p.train_config('none').validate(), device='cuda'); "
+             "print(json.dumps([gpu_free_bytes(), torch.cuda.is_initialized()]))")
+    out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-3000:]  # a small ResNet fits
+    free, initialized = json.loads(out.stdout.splitlines()[-1])
+    assert not initialized
+    assert free is not None and len(free) == torch.cuda.device_count(), free
+    assert all(0 < f <= torch.cuda.get_device_properties(i).total_memory for i, f in enumerate(free)), free
