@@ -761,10 +761,11 @@ def _check_summary_path(path: Path) -> None:
     before anything starts (a directory failed with IsADirectoryError after the whole run).
     Missing parent directories are created then. Raises InputError."""
     from paperline.infra.errors import InputError
-    from paperline.infra.storage import nearest_existing, require_writable_dir
+    from paperline.infra.storage import nearest_existing, require_outside_state_dir, require_writable_dir
 
     if path.is_dir():
         raise InputError("--summary-json", str(path), "is a directory; name a file, e.g. summary.json")
+    require_outside_state_dir("--summary-json", str(path), path, _settings().state_dir)
     existing = nearest_existing(path.expanduser().absolute().parent)
     if not existing.is_dir():
         raise InputError("--summary-json", str(path), f"{existing} is a file, not a directory")

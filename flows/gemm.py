@@ -37,7 +37,8 @@ from paperline.infra.pipeline_flow import pipeline_flow
 from paperline.infra.regression import Headline, check_latest
 from paperline.infra.settings import get_settings
 from paperline.infra.stack import require_stack
-from paperline.infra.storage import S3_BUCKET_NAME, ObjectStore, nearest_existing, require_writable_dir
+from paperline.infra.storage import (S3_BUCKET_NAME, ObjectStore, nearest_existing, require_outside_state_dir,
+                                     require_writable_dir)
 from paperline.infra.tracking import Tracker, prefect_run_tags
 from paperline.kernels.blas.plan import Problem
 from paperline.kernels.blas.runtime import check_memory_budget, missing_output_directory
@@ -310,6 +311,7 @@ class GemmParameters(BaseModel):
             raise InputError("output", out, "is a directory; name a .npy file")
         if path.suffix != ".npy":
             raise InputError("output", out, "the result is written as .npy: name the file *.npy")
+        require_outside_state_dir("output", out, path, get_settings().state_dir)
         missing = missing_output_directory(path)
         if missing:
             raise InputError("output", out, missing)

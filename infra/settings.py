@@ -90,7 +90,8 @@ class Settings(BaseSettings):
         given) has passed :func:`env_file_problem`: it is checked before it is opened.
 
         Raises:
-            PaperlineError: a ``.env`` file another user could have written, or not a regular file.
+            PaperlineError: a ``.env`` file another user could have written, not a regular file, or
+                with a line python-dotenv cannot parse (:func:`env_file_syntax_problem`).
             pydantic.ValidationError: a setting with a bad value.
         """
         files = values.get("_env_file", type(self).model_config.get("env_file"))
@@ -296,7 +297,34 @@ def env_file_problem(path: str | os.PathLike[str]) -> str | None:
         return (f"{file.absolute()}: every user may write this .env file, and could point paperline's endpoints (and "
                 f"so your logins) anywhere with it; chmod o-w {file.absolute()} to keep it (on a file system without "
                 "Unix permissions, such as WSL's /mnt/c, export the variables instead)")
-    return None
+    return env_file_syntax_problem(file)
+
+
+def env_file_syntax_problem(path: str | os.PathLike[str]) -> str | None:
+    """The first line of the ``.env`` file at ``path`` that python-dotenv (pydantic-settings'
+    reader) cannot parse, which it drops with a warning and reads the rest: a trial's
+    ``PAPERLINE_S3_ENDPOINT_URL="http://..."x`` sent every run to the local stack instead, with
+    the warning, naming neither file nor setting, printed hundreds of times a command. The line
+    is named by number and variable, not quoted (it may hold a secret). None when every line
+    parses (or the file cannot be read: pydantic-settings then says so).
+    """
+    from dotenv.parser import parse_stream  # noqa: PLC0415 - the parser of pydantic-settings' .env reader
+
+    file = Path(path)
+    try:
+        with open(file, encoding="utf-8") as stream:
+            bad = next((b.original for b in parse_stream(stream) if b.error), None)
+    except UnicodeDecodeError as exc:
+        return f"{file.absolute()}: not UTF-8 text ({exc.reason} at byte {exc.start}); save it as UTF-8"
+    except OSError:
+        return None
+    if bad is None:
+        return None
+    named = re.match(r"\s*(?:export\s+)?([A-Za-z_][A-Za-z0-9_.]*)\s*=", bad.string)
+    what = f"line {bad.line} ({named.group(1)})" if named else f"line {bad.line}"
+    return (f"{file.absolute()}: {what} is not `NAME=value` as python-dotenv reads it, which would drop it, and its "
+            "setting, unsaid; fix it (a value with spaces or `#` in quotes, every quote closed and nothing after the "
+            "closing one) or remove it")
 
 
 # the logins of configured servers, read by their own clients from the environment (not from .env)

@@ -825,7 +825,8 @@ def _s3_problem(url: str | None, key: str | None, secret: str | None, region: st
     buckets), ``HeadBucket`` on ``bucket`` (a missing bucket still proves the credentials)."""
     import boto3  # noqa: PLC0415
     from botocore.config import Config  # noqa: PLC0415
-    from botocore.exceptions import BotoCoreError, ClientError, EndpointConnectionError, NoCredentialsError  # noqa: PLC0415
+    from botocore.exceptions import (  # noqa: PLC0415
+        BotoCoreError, ClientError, EndpointConnectionError, InvalidRegionError, NoCredentialsError, PartialCredentialsError)
 
     def code(exc: ClientError) -> str:
         return str(exc.response.get("Error", {}).get("Code", ""))
@@ -870,6 +871,12 @@ def _s3_problem(url: str | None, key: str | None, secret: str | None, region: st
                 "AccessDenied": "the credentials' permissions (PAPERLINE_S3_ACCESS_KEY_ID)",
                 "AuthorizationHeaderMalformed": "PAPERLINE_S3_REGION"}.get(code(exc), "PAPERLINE_S3_ENDPOINT_URL and the credentials")
         return f"{code(exc) or 'error'}: {str(exc)[:200]}; check {hint}"
+    except PartialCredentialsError as exc:  # (said "check PAPERLINE_S3_ENDPOINT_URL": a trial)
+        missing = "PAPERLINE_S3_SECRET_ACCESS_KEY" if "secret" in str(exc.kwargs.get("cred_var", "")) \
+            else "PAPERLINE_S3_ACCESS_KEY_ID"
+        return f"{type(exc).__name__}: {str(exc)[:200]}; set {missing} too (the key ID and its secret go together)"
+    except InvalidRegionError as exc:  # (also said "check PAPERLINE_S3_ENDPOINT_URL": a trial)
+        return f"{type(exc).__name__}: {str(exc)[:200].rstrip('.')}; check PAPERLINE_S3_REGION"
     except (BotoCoreError, ValueError) as exc:  # an invalid endpoint URL, a reply that is not S3, ...
         return f"{type(exc).__name__}: {str(exc)[:200]}; check PAPERLINE_S3_ENDPOINT_URL"
     except Exception as exc:  # noqa: BLE001 - any other failure: not usable, say what it was

@@ -146,6 +146,22 @@ def require_writable_dir(argument: str, value: object, directory: Path) -> None:
                                           f"{exc.strerror or exc})") from None
 
 
+def require_outside_state_dir(argument: str, value: object, path: Path, state_dir: Path) -> None:
+    """Refuse a local file ``path`` the run would write inside paperline's ``state_dir``: the
+    stack's servers' data, logins and records, and scratch later runs reuse (a trial's gemm
+    ``output`` replaced a staged random operand, which the next runs multiplied unchecked).
+
+    Raises:
+        InputError: naming ``argument``, ``value`` and the state directory.
+    """
+    state = Path(state_dir).expanduser().resolve()
+    target = Path(path).expanduser().resolve()
+    if target == state or state in target.parents:
+        raise InputError(argument, value, f"is inside paperline's state directory {state} (PAPERLINE_STATE_DIR: the "
+                                          "stack's servers' data and logins, and staged operands later runs reuse); "
+                                          "name a file elsewhere")
+
+
 def _sha256_file(path: Path) -> tuple[str, int]:
     """Hex SHA-256 of a file's bytes and how many bytes were hashed (one read of the file)."""
     with open(path, "rb") as f:

@@ -51,8 +51,15 @@ def read_npy_header(f: Any) -> tuple[tuple[int, ...], bool, np.dtype, int]:
     """``(shape, fortran_order, dtype, data offset)`` of the ``.npy`` stream ``f`` at its start.
 
     Raises:
-        ValueError, OSError, SyntaxError, EOFError: not a ``.npy`` header (NumPy's own errors).
+        ValueError, OSError, SyntaxError, EOFError: not a ``.npy`` header (NumPy's own errors; a
+            file without NumPy's magic string is said so without its first bytes, which NumPy
+            quotes and a trial's credentials file gave away).
     """
+    start = f.tell()
+    prefix = f.read(len(np.lib.format.MAGIC_PREFIX))
+    if prefix != np.lib.format.MAGIC_PREFIX:
+        raise ValueError("it does not begin with NumPy's magic string (\\x93NUMPY)")
+    f.seek(start)
     version = np.lib.format.read_magic(f)
     read_header = np.lib.format.read_array_header_1_0 if version == (1, 0) else np.lib.format.read_array_header_2_0
     shape, fortran, dtype = read_header(f)

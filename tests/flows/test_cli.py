@@ -608,7 +608,8 @@ def test_a_summary_path_that_cannot_be_written_is_refused_before_the_run(tmp_pat
     """A directory failed with IsADirectoryError after the whole run (and its MLflow run)."""
     env = {"PAPERLINE_STATE_DIR": str(tmp_path / "state")}
     (tmp_path / "file").write_text("")
-    for path, fragment in ((tmp_path, "is a directory"), (tmp_path / "file" / "s.json", "is a file, not a directory")):
+    for path, fragment in ((tmp_path, "is a directory"), (tmp_path / "file" / "s.json", "is a file, not a directory"),
+                           (tmp_path / "state" / "stack.json", "is inside paperline's state directory")):  # its record
         assert_one_line_error(run_cli("run", "tensor-factorization", "--summary-json", str(path), env=env),
                               f"--summary-json='{path}'", fragment)
     assert not (tmp_path / "state").exists()

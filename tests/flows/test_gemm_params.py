@@ -16,7 +16,7 @@ Usage = namedtuple("Usage", "total used free")
 
 @pytest.fixture
 def params(monkeypatch, tmp_path):
-    monkeypatch.setenv("PAPERLINE_STATE_DIR", str(tmp_path))
+    monkeypatch.setenv("PAPERLINE_STATE_DIR", str(tmp_path / "state"))
     monkeypatch.setenv("PAPERLINE_N_WORKERS", "2")
     monkeypatch.delenv("PAPERLINE_S3_ENDPOINT_URL", raising=False)
     from paperline.flows.gemm import GemmParameters  # noqa: PLC0415
@@ -105,6 +105,19 @@ def test_an_output_under_a_regular_file_says_it_is_a_file(params, tmp_path, unde
     assert str(e.value) == f"output={out!r}: {afile} is a file, not a directory"
     with pytest.raises(InputError, match="its directory does not exist$"):  # nothing there at all
         params(output=str(tmp_path / "nowhere" / "x.npy")).check_output(None)
+
+
+def test_an_output_inside_the_state_directory_is_refused(params, tmp_path):
+    """A trial's `output` replaced a staged random operand under `<state dir>/gemm/operands`, which
+    the next runs multiplied unchecked (Freivalds' check verifies the product of what was read)."""
+    staged = tmp_path / "state" / "gemm" / "operands" / "370b1db36632bb040e183609.npy"
+    for out in (staged, tmp_path / "state" / "stack.json.npy", tmp_path / "state" / "s3" / "new" / "x.npy"):
+        with pytest.raises(InputError) as e:
+            params(output=str(out)).check_output(None)
+        assert str(e.value) == (f"output={str(out)!r}: is inside paperline's state directory {tmp_path / 'state'} "
+                                "(PAPERLINE_STATE_DIR: the stack's servers' data and logins, and staged operands later "
+                                "runs reuse); name a file elsewhere")
+    params(output=str(tmp_path / "state-next-door.npy")).check_output(None)  # beside it: fine
 
 
 @pytest.mark.parametrize(("given", "kept"), [

@@ -290,6 +290,33 @@ def test_an_empty_variable_is_an_unset_setting(monkeypatch, tmp_path):
         get_settings.cache_clear()
 
 
+def test_a_dotenv_line_python_dotenv_cannot_parse_is_refused_naming_the_line(monkeypatch, tmp_path):
+    """python-dotenv drops a line it cannot parse and reads the rest: a trial's endpoint with a
+    character after its closing quote sent every run to the local stack, the warning (naming
+    neither file nor setting) printed hundreds of times a command. Refused, the line named by its
+    number and variable, not quoted (it may hold a secret)."""
+    from paperline.infra.errors import PaperlineError
+    from paperline.infra.settings import Settings
+
+    monkeypatch.chdir(tmp_path)
+    dotenv = tmp_path / ".env"
+    dotenv.write_text('PAPERLINE_N_WORKERS=1 # comment\n# note\nPAPERLINE_S3_ENDPOINT_URL="http://127.0.0.1:9"x\n')
+    with pytest.raises(PaperlineError, match=rf"^{re.escape(str(dotenv))}: line 3 \(PAPERLINE_S3_ENDPOINT_URL\) is not "
+                                             r"`NAME=value` as python-dotenv reads it, which would drop it") as refused:
+        Settings()
+    assert "127.0.0.1:9" not in str(refused.value)
+    for text, problem in (("this is not a setting\n", "line 1 is not"),
+                          ('PAPERLINE_N_WORKERS=1\nexport PAPERLINE_S3_SECRET_ACCESS_KEY="s3cret\n', "line 2 (PAPERLINE_S3_SECRET"),
+                          ("PAPERLINE_N_WORKERS=1\n".encode() + b"X=\xff\n", "not UTF-8 text")):
+        dotenv.write_bytes(text if isinstance(text, bytes) else text.encode())
+        with pytest.raises(PaperlineError) as refused:
+            Settings()
+        assert problem in str(refused.value) and "s3cret" not in str(refused.value), refused.value
+    # quoted values, multi-line ones too, an `export`, blank lines and comments all parse
+    dotenv.write_text('export PAPERLINE_N_WORKERS="3"\n\nPAPERLINE_DEVICE=\'cpu\'  # here\nNOTE="two\nlines"\n')
+    assert (Settings().n_workers, Settings().device) == (3, "cpu")
+
+
 def test_a_dotenv_file_another_user_could_have_written_is_refused(monkeypatch, tmp_path):
     """A `.env` planted in a shared directory pointed PAPERLINE_DASK_SCHEDULER_ADDRESS at another
     user's scheduler, whose worker received tasks holding the S3 secret and the Prefect login (a

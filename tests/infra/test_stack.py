@@ -780,6 +780,21 @@ def test_a_test_stack_whose_session_is_gone_is_stopped_and_a_live_sessions_is_no
             server.wait()
 
 
+def test_half_a_key_pair_or_a_bad_region_names_its_own_setting(free_port):
+    """Both were said as "check PAPERLINE_S3_ENDPOINT_URL" (a trial); botocore refuses them before
+    any request, so no server is needed."""
+    from paperline.infra.stack import _s3_problem
+
+    url = f"http://127.0.0.1:{free_port()}"
+    assert _s3_problem(url, "key-id", None, "us-east-1").endswith(
+        "missing: aws_secret_access_key; set PAPERLINE_S3_SECRET_ACCESS_KEY too (the key ID and its secret go together)")
+    assert _s3_problem(url, None, "secret", "us-east-1").endswith("set PAPERLINE_S3_ACCESS_KEY_ID too (the key ID and "
+                                                                  "its secret go together)")
+    assert _s3_problem(url, "key-id", "secret", "not a region!") == (
+        "InvalidRegionError: Provided region_name 'not a region!' doesn't match a supported format; check "
+        "PAPERLINE_S3_REGION")
+
+
 def test_a_configured_endpoint_that_fails_says_why_and_names_the_setting(stack, free_port):
     """Every failure of a configured S3 endpoint was one line, `list_buckets failed (endpoint or
     credentials)`, and Prefect's and MLflow's `GET /health failed` (a fresh-user trial)."""

@@ -540,6 +540,8 @@ def test_bad_operand_files_are_refused(tmp_path):
     with pytest.raises(InputError, match="not a .npy file") as e:
         api.gemm(1.0, str(text), b, tile=TILE)
     assert_input_error(e, "a", str(text))
+    # without the file's first bytes, which NumPy's message quoted (a trial's credentials file: `got b'{"acce'`)
+    assert "magic string (\\x93NUMPY)" in str(e.value) and "not a n" not in str(e.value), e.value
     header_only = tmp_path / "header_only.npy"
     header_only.write_bytes(good.read_bytes()[:20])  # magic, cut inside the header
     with pytest.raises(InputError, match="not a .npy file") as e:
