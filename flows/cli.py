@@ -368,8 +368,8 @@ def env() -> None:
     `eval "$(paperline env)"`, then e.g. `prefect deploy --all`, or `prefect deployment run
     gemm/local` while `paperline serve` runs; a flow a script in that shell calls runs on the stack and
     caches its task results in its S3, as with `paperline run`. Without them those CLIs use their own
-    defaults (Prefect starts an empty temporary server). No credentials are printed. Fails when the
-    stack is not running."""
+    defaults (Prefect starts an empty temporary server). Dask's loggers are set to WARNING, as
+    `paperline run` sets them. No credentials are printed. Fails when the stack is not running."""
     import shlex
 
     from paperline.infra.errors import PaperlineError, ServiceError
@@ -390,6 +390,9 @@ def env() -> None:
     # a flow called from a script in this shell caches its task results in the stack's S3, as `paperline run`
     print("export PREFECT_RESULTS_PERSIST_BY_DEFAULT=true")
     print(f"export PREFECT_RESULTS_DEFAULT_STORAGE_BLOCK={shlex.quote(info.result_storage_block)}")
+    # and its local Dask cluster's loggers at WARNING, as `run` and `connect()` set them (55 lines of
+    # INFO otherwise: a trial)
+    print(f"export DASK_LOGGING__DISTRIBUTED={shlex.quote(os.environ.get('DASK_LOGGING__DISTRIBUTED', 'warning'))}")
     _export("MLFLOW_TRACKING_URI", info.mlflow_tracking_uri, "PAPERLINE_MLFLOW_TRACKING_URI",
             "MLFLOW_TRACKING_USERNAME and MLFLOW_TRACKING_PASSWORD (or MLFLOW_TRACKING_TOKEN)")
     if info.mlflow_login:  # likewise: user name before the colon, password after it

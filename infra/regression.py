@@ -48,20 +48,29 @@ class Headline:
         higher_is_better: True for throughput or accuracy, False for times, losses and errors.
         tolerance: Relative worsening, as a fraction of the best run's value, beyond which the
             latest run is flagged (timings on a shared machine vary by 5-20%).
+        timed_by: For a timing (a rate or a duration): the metric holding the seconds of the
+            part timed; a latest run whose part took less than ``min_seconds`` is not judged
+            (its verdict says so). A 256-cube GEMM (0.05 s) was flagged REGRESSION in 5 of 14
+            runs at 0.35-0.9x the best earlier (a fresh-user trial): the host's noise.
+        min_seconds: See ``timed_by``.
 
     Raises:
-        InputError: An empty name or a negative tolerance.
+        InputError: An empty name, a negative tolerance or ``min_seconds``.
     """
 
     metric: str
     higher_is_better: bool
     tolerance: float = 0.05
+    timed_by: str | None = None
+    min_seconds: float = 1.0
 
     def __post_init__(self) -> None:
         if not self.metric:
             raise InputError("metric", self.metric, "must be a metric name")
         if not (self.tolerance >= 0):
             raise InputError("tolerance", self.tolerance, "must be >= 0 (a fraction of the best value)")
+        if not (self.min_seconds >= 0):
+            raise InputError("min_seconds", self.min_seconds, "must be >= 0")
 
 
 @dataclass
@@ -73,6 +82,13 @@ class MetricComparison:
     best: float
     higher_is_better: bool
     tolerance: float
+    timed_s: float | None = None  # the seconds the latest run's timed part took (Headline.timed_by)
+    min_seconds: float = 0.0
+
+    @property
+    def judged(self) -> bool:
+        """False for a timing whose latest run took less than ``min_seconds``: noise, not judged."""
+        return self.timed_s is None or self.timed_s >= self.min_seconds
 
     @property
     def ratio(self) -> float:
@@ -90,12 +106,13 @@ class MetricComparison:
     @property
     def regression(self) -> bool:
         """True when the latest is worse than the best by more than ``tolerance``
-        (:attr:`worsening`)."""
-        return self.worsening > self.tolerance
+        (:attr:`worsening`), and :attr:`judged`."""
+        return self.judged and self.worsening > self.tolerance
 
     def text(self) -> str:
         """One line, ``<metric> <latest> vs <best>: <verdict>``; the verdict is
-        ``REGRESSION (...)``, ``equal`` (within 0.05%) or ``x.x% better``/``worse``."""
+        ``REGRESSION (...)``, ``equal`` (within 0.05%) or ``x.x% better``/``worse``, the last with
+        ``, not judged (...)`` for a timing too short to judge."""
         word = "better" if self.worsening < 0 else "worse"
         if self.regression:
             verdict = f"REGRESSION (more than {100 * self.tolerance:g}% worse)"
@@ -103,6 +120,9 @@ class MetricComparison:
             verdict = "equal"
         else:
             verdict = f"{100 * abs(self.worsening):.1f}% {word}"
+            if not self.judged:
+                verdict += (f", not judged (timed over {self.timed_s:.3g} s, under {self.min_seconds:g} s: the host's "
+                            "noise; a larger problem is judged)")
         return f"{self.metric} {self.latest:.4g} vs {self.best:.4g}: {verdict}"
 
 
@@ -145,11 +165,12 @@ class BestEarlier:
     def as_dict(self) -> dict[str, Any]:
         """JSON-able outcome for a flow's summary (``versus_best_earlier``): the parameter
         key, earlier runs, best run id, regression flag and regressed metrics, and per metric its
-        latest and best values, ratio and regression flag."""
+        latest and best values, ratio, regression flag and whether it was judged (a timing too
+        short is not)."""
         return {"params_key": self.key, "earlier_runs": self.earlier_runs, "best_run_id": self.best_run_id,
                 "regression": self.regression, "regressed_metrics": self.regressed,
                 "metrics": {m.metric: {"latest": m.latest, "best": m.best, "ratio": m.ratio,
-                                       "regression": m.regression} for m in self.metrics}}
+                                       "regression": m.regression, "judged": m.judged} for m in self.metrics}}
 
 
 def params_key(params: dict[str, Any]) -> str:
@@ -233,7 +254,8 @@ def compare_with_best_earlier(tracker: Tracker, run_id: str, key: str, headlines
     for h in headlines:
         a, b = _finite(latest, h.metric), _finite(best.data.metrics, h.metric)
         if a is not None and b is not None:
-            out.metrics.append(MetricComparison(h.metric, a, b, h.higher_is_better, h.tolerance))
+            timed = _finite(latest, h.timed_by) if h.timed_by else None
+            out.metrics.append(MetricComparison(h.metric, a, b, h.higher_is_better, h.tolerance, timed, h.min_seconds))
     tracker.set_tags(run_id, {"paperline.best_earlier_run_id": out.best_run_id,
                               "paperline.regression": "true" if out.regression else "false",
                               "paperline.regressed_metrics": ",".join(out.regressed)})

@@ -45,7 +45,22 @@ def test_worsening_follows_the_direction_and_the_tolerance():
     assert zero.regression and math.isnan(zero.ratio)
 
 
+def test_a_timing_too_short_to_judge_is_not_flagged():
+    """A 256-cube GEMM (0.05 s) was flagged REGRESSION in 5 of 14 runs at 0.35-0.9x the best
+    earlier (a fresh-user trial): a timing whose part took under ``min_seconds`` is not judged."""
+    short = MetricComparison("throughput_gflop_per_s", latest=0.35, best=1.0, higher_is_better=True, tolerance=0.10,
+                             timed_s=0.046, min_seconds=1.0)
+    assert not short.judged and not short.regression
+    assert short.text() == ("throughput_gflop_per_s 0.35 vs 1: 65.0% worse, not judged (timed over 0.046 s, under 1 s: "
+                            "the host's noise; a larger problem is judged)")
+    long = MetricComparison("throughput_gflop_per_s", latest=0.35, best=1.0, higher_is_better=True, tolerance=0.10,
+                            timed_s=1.5, min_seconds=1.0)
+    assert long.judged and long.regression
+
+
 def test_bad_headlines_are_refused():
+    with pytest.raises(InputError, match="min_seconds"):
+        Headline("wall_s", higher_is_better=False, min_seconds=-1.0)
     with pytest.raises(InputError, match="tolerance"):
         Headline("wall_s", higher_is_better=False, tolerance=-0.1)
     with pytest.raises(InputError, match="metric"):
@@ -127,6 +142,11 @@ def test_best_earlier_run_of_the_same_key_and_regressions(stack, caplog, monkeyp
     assert recorded.tags["paperline.params_key"] == key
     assert recorded.metrics["vs_best_earlier.throughput_gflop_per_s"] == pytest.approx(11.5 / 12.0)
     assert recorded.metrics["vs_best_earlier.wall_s"] == pytest.approx(7.0 / 5.0)
+
+    # a timing too short to judge (its timed_by metric under min_seconds) is not flagged
+    timed = compare_with_best_earlier(tracker, latest, key, [
+        Headline("throughput_gflop_per_s", higher_is_better=True, tolerance=0.01, timed_by="wall_s", min_seconds=8.0)])
+    assert not timed.regression and timed.metrics[0].timed_s == 7.0 and "not judged (timed over 7 s" in timed.lines()[1]
 
     # ranked by a metric to minimize: the smallest earlier value wins
     fastest = compare_with_best_earlier(tracker, latest, key, [Headline("wall_s", higher_is_better=False)])
