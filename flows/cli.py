@@ -99,8 +99,28 @@ PIPELINE_HELP = ("Pipeline name: compressed-training, gemm, nas, tensor-factoriz
                  "lists them all, `paperline params PIPELINE` its parameters).")
 
 
+def _print_version(given: bool) -> None:
+    """``--version``: paperline's version (its installed distribution's) and the versions of the
+    libraries a bug report needs, then exit (there was no such option: a trial)."""
+    if not given:
+        return
+    from importlib.metadata import PackageNotFoundError, version
+
+    def of(name: str) -> str:
+        try:
+            return version(name)
+        except PackageNotFoundError:
+            return "not installed"
+
+    print(f"paperline {of('paperline')}")
+    print(", ".join(f"{name} {of(name)}" for name in ("prefect", "dask", "distributed", "mlflow", "torch", "numpy")))
+    raise typer.Exit()
+
+
 @app.callback()
-def _main(debug: bool = typer.Option(False, "--debug", help="Show full tracebacks on errors.")) -> None:
+def _main(debug: bool = typer.Option(False, "--debug", help="Show full tracebacks on errors."),
+          _version: bool = typer.Option(False, "--version", callback=_print_version, is_eager=True,
+                                        help="Print paperline's version and its main libraries', then exit.")) -> None:
     _state["debug"] = debug
     if debug:  # flow runs in subprocesses (serve, worker) keep their tracebacks too
         import os

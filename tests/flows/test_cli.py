@@ -327,6 +327,16 @@ def test_run_help_of_a_pipeline_lists_its_parameters():
         assert result.exit_code == 2 and said in result.output and "Traceback" not in result.output, result.output
 
 
+def test_version_names_paperline_and_its_main_libraries():
+    """There was no `--version` (a trial); a bug report needs the libraries' too."""
+    from importlib.metadata import version
+
+    result = run_cli("--version")
+    lines = result.output.splitlines()
+    assert result.exit_code == 0 and lines[0] == f"paperline {version('paperline')}", result.output
+    assert f"prefect {version('prefect')}" in lines[1] and f"mlflow {version('mlflow')}" in lines[1], lines
+
+
 def test_help_names_what_each_argument_and_option_takes():
     """Typer's default help showed `{pipeline}` and `<list[str]>` for --set."""
     text = " ".join(run_cli("run", "--help").output.split())
