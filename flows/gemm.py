@@ -156,10 +156,13 @@ class GemmParameters(BaseModel):
         A transpose flag ``C`` (conjugate transpose, BLAS's third) is ``T``: the operands are real,
         as for the kernels and scipy.linalg.blas. A letter that is none of the field's stays as
         given, so that its error names the value seen."""
-        if info.field_name in ("trans_a", "trans_b") and isinstance(v, str) and v.upper() == "C":
+        transpose = info.field_name in ("trans_a", "trans_b")
+        if transpose and isinstance(v, str) and v.upper() == "C":
             return "T"
         if isinstance(v, str) and v.upper() in get_args(cls.model_fields[info.field_name].annotation):
             return v.upper()
+        if transpose and isinstance(v, str):  # (pydantic's "Input should be 'N' or 'T'" hid that C is taken: a trial)
+            raise ValueError("expected N or T (either case), or C, taken as T for these real operands")
         return v
 
     @field_validator("memory_budget")

@@ -107,6 +107,16 @@ def test_an_output_under_a_regular_file_says_it_is_a_file(params, tmp_path, unde
         params(output=str(tmp_path / "nowhere" / "x.npy")).check_output(None)
 
 
+def test_a_bad_transpose_flag_names_the_ones_taken(params):
+    """`trans_a='x'` said "Input should be 'N' or 'T'" while C is taken too (a trial)."""
+    from pydantic import ValidationError
+
+    for flag in ("trans_a", "trans_b"):
+        with pytest.raises(ValidationError, match="expected N or T \\(either case\\), or C, taken as T"):
+            params(**{flag: "x"})
+        assert getattr(params(**{flag: "c"}), flag) == "T"
+
+
 def test_an_output_inside_the_state_directory_is_refused(params, tmp_path):
     """A trial's `output` replaced a staged random operand under `<state dir>/gemm/operands`, which
     the next runs multiplied unchecked (Freivalds' check verifies the product of what was read)."""
