@@ -412,7 +412,8 @@ def env() -> None:
     print(f"export PREFECT_RESULTS_DEFAULT_STORAGE_BLOCK={shlex.quote(info.result_storage_block)}")
     # and its local Dask cluster's loggers at WARNING, as `run` and `connect()` set them (55 lines of
     # INFO otherwise: a trial)
-    print(f"export DASK_LOGGING__DISTRIBUTED={shlex.quote(os.environ.get('DASK_LOGGING__DISTRIBUTED', 'warning'))}")
+    # (a user's own level kept; an empty one is unset, as for paperline's settings: Dask raised KeyError: '')
+    print(f"export DASK_LOGGING__DISTRIBUTED={shlex.quote(os.environ.get('DASK_LOGGING__DISTRIBUTED') or 'warning')}")
     _export("MLFLOW_TRACKING_URI", info.mlflow_tracking_uri, "PAPERLINE_MLFLOW_TRACKING_URI",
             "MLFLOW_TRACKING_USERNAME and MLFLOW_TRACKING_PASSWORD (or MLFLOW_TRACKING_TOKEN)")
     if info.mlflow_login:  # likewise: user name before the colon, password after it

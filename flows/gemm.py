@@ -312,9 +312,10 @@ class GemmParameters(BaseModel):
         path = Path(out).expanduser().resolve()
         if path.is_dir():
             raise InputError("output", out, "is a directory; name a .npy file")
+        # (before the suffix: a link x.npy to the state dir's stack.json was told to name a *.npy: a trial)
+        require_outside_state_dir("output", out, path, get_settings().state_dir)
         if path.suffix != ".npy":
             raise InputError("output", out, "the result is written as .npy: name the file *.npy")
-        require_outside_state_dir("output", out, path, get_settings().state_dir)
         missing = missing_output_directory(path)
         if missing:
             raise InputError("output", out, missing)

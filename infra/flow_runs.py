@@ -553,13 +553,16 @@ def next_run_report(soonest: list[dict[str, Any]], taken: Collection[str] | None
         taken: The deployments whose runs a process takes now (:func:`executed_now`); None: all.
 
     Returns:
-        ``["next scheduled run: gemm/local at 2026-12-08 03:30 UTC (in 18.9 h)"]``, or nothing.
+        ``["next scheduled run: gemm/local at 2026-12-08 03:30 UTC (in 18.9 h)"]`` (with ``; no
+        process takes its runs now (above: what would)`` where none in ``taken`` has one), or nothing.
     """
     if not soonest:
         return []
     run = min(soonest, key=lambda r: (taken is not None and r["deployment"] not in taken, r["seconds"]))
     at = run["at"].astimezone(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
-    return [f"next scheduled run: {run['deployment']} at {at} (in {_duration(float(run['seconds']))})"]
+    # none taken: said so on the line (it read as a run that would happen: a trial)
+    idle = "; no process takes its runs now (above: what would)" if taken is not None and run["deployment"] not in taken else ""
+    return [f"next scheduled run: {run['deployment']} at {at} (in {_duration(float(run['seconds']))}){idle}"]
 
 
 SHOWN_RUNS = 5  # executing flow runs `status` names

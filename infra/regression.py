@@ -120,7 +120,7 @@ class MetricComparison:
             verdict = "equal"
         else:
             verdict = f"{100 * abs(self.worsening):.1f}% {word}"
-            if not self.judged:
+            if not self.judged:  # (not after "equal": a cached re-run's equal timings read as they are)
                 verdict += (f", not judged (timed over {self.timed_s:.3g} s, under {self.min_seconds:g} s: the host's "
                             "noise; a larger problem is judged)")
         return f"{self.metric} {self.latest:.4g} vs {self.best:.4g}: {verdict}"
@@ -165,12 +165,13 @@ class BestEarlier:
     def as_dict(self) -> dict[str, Any]:
         """JSON-able outcome for a flow's summary (``versus_best_earlier``): the parameter
         key, earlier runs, best run id, regression flag and regressed metrics, and per metric its
-        latest and best values, ratio, regression flag and whether it was judged (a timing too
-        short is not)."""
+        latest and best values, ratio, regression flag and whether it was judged (a timing whose
+        ``timed_s`` is under ``min_seconds`` is not; ``timed_s`` None: not a timing)."""
         return {"params_key": self.key, "earlier_runs": self.earlier_runs, "best_run_id": self.best_run_id,
                 "regression": self.regression, "regressed_metrics": self.regressed,
                 "metrics": {m.metric: {"latest": m.latest, "best": m.best, "ratio": m.ratio,
-                                       "regression": m.regression, "judged": m.judged} for m in self.metrics}}
+                                       "regression": m.regression, "judged": m.judged, "timed_s": m.timed_s,
+                                       "min_seconds": m.min_seconds} for m in self.metrics}}
 
 
 def params_key(params: dict[str, Any]) -> str:

@@ -320,8 +320,12 @@ def env_file_syntax_problem(path: str | os.PathLike[str]) -> str | None:
         return None
     if bad is None:
         return None
-    named = re.match(r"\s*(?:export\s+)?([A-Za-z_][A-Za-z0-9_.]*)\s*=", bad.string)
-    what = f"line {bad.line} ({named.group(1)})" if named else f"line {bad.line}"
+    # python-dotenv marks a binding before the blank lines ahead of it: counted from its first
+    # character instead (a trial's bad line 5 was named line 2)
+    text = bad.string
+    line = bad.line + len(re.findall(r"\r\n|\r|\n", text[:len(text) - len(text.lstrip())]))
+    named = re.match(r"\s*(?:export\s+)?([A-Za-z_][A-Za-z0-9_.]*)\s*=", text)
+    what = f"line {line} ({named.group(1)})" if named else f"line {line}"
     return (f"{file.absolute()}: {what} is not `NAME=value` as python-dotenv reads it, which would drop it, and its "
             "setting, unsaid; fix it (a value with spaces or `#` in quotes, every quote closed and nothing after the "
             "closing one) or remove it")

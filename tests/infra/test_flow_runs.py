@@ -312,6 +312,8 @@ def test_next_run_report_says_when_and_in_how_long():
             {"deployment": "nas/local", "seconds": 30.0, "at": at}]
     assert next_run_report(runs, taken={"gemm/local"})[0].startswith("next scheduled run: gemm/local at ")
     assert next_run_report(runs, taken=set())[0].startswith("next scheduled run: nas/local at ")
+    assert next_run_report(runs, taken=set())[0].endswith("(in 30 s); no process takes its runs now (above: what would)")
+    assert "no process" not in next_run_report(runs, taken={"gemm/local"})[0]
     assert next_run_report(runs)[0].startswith("next scheduled run: nas/local at ")
 
 
@@ -457,7 +459,8 @@ def test_deployment_status_reads_pools_workers_and_late_runs_from_the_server(sta
             # a run still to come (not a past one); this deployment's (no worker takes it) only where no
             # process takes another's
             assert past < shown, lines
-            assert upcoming == f"next scheduled run: paperline-test-status-probe/pooled at {at} (in 10 min)" or \
+            assert upcoming == (f"next scheduled run: paperline-test-status-probe/pooled at {at} (in 10 min); no "
+                                "process takes its runs now (above: what would)") or \
                 "paperline-test-status-probe/pooled" not in upcoming, lines
             # a paused deployment's runs start only once it is unpaused: the next one is another's, however many
             # of the paused one's come first (20 of them hid the line: a trial)

@@ -306,6 +306,8 @@ def test_a_dotenv_line_python_dotenv_cannot_parse_is_refused_naming_the_line(mon
         Settings()
     assert "127.0.0.1:9" not in str(refused.value)
     for text, problem in (("this is not a setting\n", "line 1 is not"),
+                          ("A=1\n\n   \n# note\n\nPAPERLINE_S3_REGION=\"x\"y\n", "line 6 (PAPERLINE_S3_REGION)"),  # (said 2)
+                          ("A=1\r\n\r\n\r\nB=\"x\"y\r\n", "line 4 (B)"), ("A=1\r\rB='x'y\r", "line 3 (B)"),
                           ('PAPERLINE_N_WORKERS=1\nexport PAPERLINE_S3_SECRET_ACCESS_KEY="s3cret\n', "line 2 (PAPERLINE_S3_SECRET"),
                           ("PAPERLINE_N_WORKERS=1\n".encode() + b"X=\xff\n", "not UTF-8 text")):
         dotenv.write_bytes(text if isinstance(text, bytes) else text.encode())
