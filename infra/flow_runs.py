@@ -314,8 +314,6 @@ def deployment_report(deployments: list[dict[str, object]], workers: dict[str, l
     """
     from paperline.infra.stack import WORK_POOLS  # noqa: PLC0415
 
-    fresh = _fresh
-
     def late_note(names: list[str]) -> str:
         n = sum(late.get(name, 0) for name in names)
         return f"; {n} scheduled run(s) past their start time wait for it" if n else ""
@@ -326,7 +324,7 @@ def deployment_report(deployments: list[dict[str, object]], workers: dict[str, l
     if served:
         names = [str(d["name"]) for d in served]
         # a stopping serve pauses its deployments: one polled seconds ago and paused is not served
-        if serve_pid is not None or any(fresh(d.get("polled_s_ago")) and not d.get("paused") for d in served):
+        if serve_pid is not None or any(_fresh(d.get("polled_s_ago")) and not d.get("paused") for d in served):
             who = f"`paperline serve` (pid {serve_pid})" if serve_pid is not None else "a serving process"
             # a paused one is not served (a package's pipeline uninstalled, its deployment left paused by
             # the serve before: counted here, and named paused below, a trial): counted apart
@@ -348,7 +346,7 @@ def deployment_report(deployments: list[dict[str, object]], workers: dict[str, l
     pools = sorted({str(d["work_pool"]) for d in deployments if d.get("work_pool")})
     for pool in pools:
         names = [str(d["name"]) for d in deployments if d.get("work_pool") == pool]
-        online = [w for w in workers.get(pool, []) if fresh(w.get("heartbeat_s_ago")) and not w.get("exited")]
+        online = [w for w in workers.get(pool, []) if _fresh(w.get("heartbeat_s_ago")) and not w.get("exited")]
         if online:
             shown = ", ".join(f"{w['name']} (heartbeat {w['heartbeat_s_ago']:.0f} s ago)" for w in online[:3])
             lines.append(f"work pool {pool}: {len(names)} deployment(s), {len(online)} worker(s) online: "
