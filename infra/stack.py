@@ -745,6 +745,8 @@ def _stop_record(rec: dict[str, Any], timeout_s: float = _STOP_TIMEOUT_S) -> boo
     return _stop_records([rec], timeout_s)[0]
 
 
+_START_RETRIES = 2  # starts again of a server whose port was taken as it started (:class:`_PortTakenAtStart`)
+
 LOG_KEPT_BYTES = 10 * 2**20  # a server's log past this size is moved to <name>.log.1 as it starts
 
 
@@ -1121,20 +1123,53 @@ _LOG_REASON = re.compile(r"^(?:[\w.]+\.)?\w*(?:Error|Exception|Exit)\b[^\n]*:\s*
 _GLOG_FATAL = re.compile(r"^F\d{4} \d\d:\d\d:\d\d\.\d+ +(?:\d+ +)?[\w.-]+:\d+\]? (\S.*)$", re.MULTILINE)
 
 
-def _log_reason(log: str, tail_bytes: int = 65536) -> str:
-    """The last exception line of a server's log (``asyncpg.exceptions.InvalidPasswordError:
-    password authentication failed for user "x"``) or SeaweedFS's last fatal line (a read-only
-    data directory: the error said only "exited with code 255", a trial), for the one-line error
-    of a server that exited while starting; "" when there is none."""
+# uvicorn's line when the port is in use as it binds (MLflow's server, Prefect's), and Prefect's own
+# check before it starts uvicorn
+_BIND_FAILED = re.compile(r"error while attempting to bind on address \(.*?, (\d+)\)[^\n]*address already in use"
+                          r"|^Port (\d+) is already in use", re.MULTILINE)
+_START_MARK = b"\n=== paperline: starting "  # what _spawn writes into the log before each start
+
+
+def _log_since_start(log: str, tail_bytes: int = 65536) -> str:
+    """The end of a server's log (its last ``tail_bytes``) from the last start :func:`_spawn`
+    marked on: a log is appended across restarts, and an earlier start's error is not this one's.
+    "" when it cannot be read."""
     try:
         with open(log, "rb") as f:
             f.seek(0, os.SEEK_END)
             f.seek(max(0, f.tell() - tail_bytes))
-            text = f.read().decode("utf-8", "replace")
+            data = f.read()
     except OSError:
+        return ""
+    mark = data.rfind(_START_MARK)
+    return (data[mark:] if mark >= 0 else data).decode("utf-8", "replace")
+
+
+def _port_taken_at_start(log: str, port: int) -> bool:
+    """Whether a server that exited while starting says, in its log since this start, that its
+    port ``port`` was in use when it bound it: picked free, then taken by another process in the
+    seconds before the bind (MLflow's imports take ~5 s; MLflow's own exit code is then 0)."""
+    return any(int(m.group(1) or m.group(2)) == port for m in _BIND_FAILED.finditer(_log_since_start(log)))
+
+
+class _PortTakenAtStart(ServiceError):
+    """A server exited while starting because its port was taken between the pick and its bind
+    (:func:`_port_taken_at_start`): :func:`ensure_stack` starts it again on another port."""
+
+
+def _log_reason(log: str, tail_bytes: int = 65536) -> str:
+    """The last exception line of a server's log since its last start (``asyncpg.exceptions.
+    InvalidPasswordError: password authentication failed for user "x"``), SeaweedFS's last fatal
+    line (a read-only data directory: the error said only "exited with code 255", a trial) or
+    uvicorn's failed bind (MLflow then exits with code 0, and its error said nothing more: a CI
+    run), for the one-line error of a server that exited while starting; "" when there is none."""
+    text = _log_since_start(log, tail_bytes)
+    if not text:
         return ""
     found = [(m.end(), m.group(0)) for m in _LOG_REASON.finditer(text)]
     found += [(m.end(), m.group(1)) for m in _GLOG_FATAL.finditer(text)]
+    found += [(m.end(), f"port {m.group(1) or m.group(2)} was taken by another process as the server bound it "
+                        "(address already in use)") for m in _BIND_FAILED.finditer(text)]
     return redact_text(" ".join(max(found)[1].split()))[:300] if found else ""
 
 
@@ -1159,8 +1194,9 @@ def _wait_healthy(
                 del pending[name]
             elif proc.poll() is not None:
                 reason = _log_reason(log)  # (the code alone said nothing of a wrong database password: a trial)
-                raise ServiceError(name, f"server exited with code {proc.returncode} during start-up"
-                                   + (f": {reason}" if reason else ""), url=url, log=log)
+                error = _PortTakenAtStart if _port_taken_at_start(log, urlsplit(url).port or 0) else ServiceError
+                raise error(name, f"server exited with code {proc.returncode} during start-up"
+                            + (f": {reason}" if reason else ""), url=url, log=log)
         if not pending:
             return
         if time.monotonic() > deadline:
@@ -2296,33 +2332,55 @@ def ensure_stack(settings: Settings, *, progress: Progress | None = None, notice
                     problem = _store_problem(name, rec["url"], login if name == "prefect" else mlflow_login)
                     if problem:
                         raise ServiceError(name, problem, url=rec["url"], log=rec["log_path"])
+            databases: dict[str, str] = {}
+
+            def start_server(name: str) -> None:
+                if name == "prefect":
+                    proc, rec = _start_prefect(settings, None, taken, login)  # type: ignore[arg-type]
+                    check = lambda r=rec: _prefect_healthy(r["api_url"])  # noqa: E731
+                else:
+                    proc, rec = _start_mlflow(settings, None, taken, s3_obj_url, key, secret,  # type: ignore[arg-type]
+                                              mlflow_login)  # type: ignore[arg-type]
+                    check = lambda r=rec: _mlflow_healthy(r["url"])  # noqa: E731
+                rec["database"] = databases[name]
+                say(f"{name}: starting server at {rec['url']} (log: {rec['log_path']})")
+                recs[name] = rec
+                pending[name] = (proc, check, rec["url"], rec["log_path"])
+
             if "prefect" not in recs and not external["prefect"]:
                 claim_ports()
-                database = _note_database(settings, "prefect", tell)
-                proc, rec = _start_prefect(settings, None, taken, login)  # type: ignore[arg-type]
-                rec["database"] = database
-                say(f"prefect: starting server at {rec['url']} (log: {rec['log_path']})")
-                recs["prefect"] = rec
+                databases["prefect"] = _note_database(settings, "prefect", tell)
+                start_server("prefect")
                 started.append("prefect")
-                pending["prefect"] = (proc, lambda r=rec: _prefect_healthy(r["api_url"]), rec["url"], rec["log_path"])
             if external["mlflow"]:
                 problem = _service_problem("mlflow", external["mlflow"], configured=True)
                 if problem:
                     raise ServiceError("mlflow", problem, url=external["mlflow"])
             if "mlflow" not in recs and not external["mlflow"]:
                 claim_ports()
-                database = _note_database(settings, "mlflow", tell)
-                proc, rec = _start_mlflow(settings, None, taken, s3_obj_url, key, secret, mlflow_login)  # type: ignore[arg-type]
-                rec["database"] = database
-                say(f"mlflow: starting server at {rec['url']} (log: {rec['log_path']})")
-                recs["mlflow"] = rec
+                databases["mlflow"] = _note_database(settings, "mlflow", tell)
+                start_server("mlflow")
                 started.append("mlflow")
-                pending["mlflow"] = (proc, lambda r=rec: _mlflow_healthy(r["url"]), rec["url"], rec["log_path"])
             for name in pending:
                 _say_port_moved(settings, name, recs[name]["port"], tell, last[name])
             if pending:
                 save()
-                _wait_healthy(pending, settings.startup_timeout_s)
+                for tries_left in range(_START_RETRIES, -1, -1):
+                    try:
+                        _wait_healthy(pending, settings.startup_timeout_s)
+                        break
+                    except _PortTakenAtStart as exc:
+                        # its port, free when picked, was taken before the server bound it (by
+                        # another process's connection or server): started again on another one
+                        if not tries_left:
+                            raise
+                        port = int(recs[exc.service]["port"])
+                        _stop_records([recs[exc.service]])  # (what the exited server left, if anything)
+                        taken.add(port)
+                        start_server(exc.service)
+                        tell(f"{exc.service}: port {port} was taken by another process while its server started, "
+                             f"so it is on {recs[exc.service]['port']}")
+                        save()
                 for name in pending:
                     _record_database(settings, name, recs[name]["database"])
 

@@ -273,20 +273,43 @@ def pytest_xdist_node_collection_finished(node: object, ids: list[str]) -> None:
 FREE_PORTS = (30000, 32768)
 
 
+_HANDED_PORTS: set[int] = set()  # what _free_port gave out in this process
+
+
+def _own_free_ports() -> tuple[int, int]:
+    """This xdist worker's share of :data:`FREE_PORTS` (``[low, high)``; all of it without xdist):
+    two workers drawing from one range handed out the same port, and a second stack's MLflow,
+    picked on it, exited at start-up when the other worker's test bound it first (a CI run)."""
+    worker = os.environ.get("PYTEST_XDIST_WORKER", "")
+    try:
+        index, count = int(worker.removeprefix("gw")), int(os.environ["PYTEST_XDIST_WORKER_COUNT"])
+    except (KeyError, ValueError):
+        return FREE_PORTS
+    if not 0 <= index < count:
+        return FREE_PORTS
+    width = (FREE_PORTS[1] - FREE_PORTS[0]) // count
+    return FREE_PORTS[0] + index * width, FREE_PORTS[0] + (index + 1) * width
+
+
 def _free_port() -> int:
-    """A port free now, drawn at random below the ephemeral range: a port the OS hands out for
-    bind(0) is one it also hands out for outgoing connections, and a test that used its ports
-    minutes later found one taken ("Address already in use" in a CI run with stacks busy beside
-    it, 2026-12-05). Falls back to an OS-chosen port."""
+    """A port free now, drawn at random below the ephemeral range, from this xdist worker's share
+    (:func:`_own_free_ports`), never one handed out before in this session while others are left:
+    a port the OS hands out for bind(0) is one it also hands out for outgoing connections, and a
+    test that used its ports minutes later found one taken ("Address already in use" in a CI run
+    with stacks busy beside it, 2026-12-05). Falls back to an OS-chosen port."""
     import random
 
+    low, high = _own_free_ports()
     for _ in range(200):
-        port = random.randrange(*FREE_PORTS)
+        port = random.randrange(low, high)
+        if port in _HANDED_PORTS and len(_HANDED_PORTS) < (high - low) // 2:
+            continue
         with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
             try:
                 s.bind(("127.0.0.1", port))
             except OSError:
                 continue
+            _HANDED_PORTS.add(port)
             return port
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind(("127.0.0.1", 0))

@@ -33,21 +33,38 @@ def test_second_stack_on_taken_ports_stops_completely(settings_factory, tmp_path
         s.bind(("127.0.0.1", port))
         s.listen(1)
         blockers.append(s)
+    started: list[str] = []
+
+    def take_mlflows_port(line: str) -> None:
+        # MLflow's port, free when picked, taken in the ~5 s before its server binds it (by another
+        # process's connection or server): MLflow exited with code 0, and the stack failed (a CI run)
+        if line.startswith("mlflow: starting server at "):
+            started.append(line)
+            if len(blockers) == 2:
+                s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+                s.bind(("127.0.0.1", urlparse(line.split()[4]).port))
+                s.listen(1)
+                blockers.append(s)
+
     try:
         moved: list[str] = []
-        info = ensure_stack(settings, notice=moved.append)
+        info = ensure_stack(settings, progress=take_mlflows_port, notice=moved.append)
         # what this call started, under the stack's lock (two `up`s at once both said "started")
         assert info.started == ("s3", "prefect", "mlflow") and ensure_stack(settings).started == ()
         assert urlparse(info.s3_endpoint_url).port not in (None, settings.s3_port)
         assert urlparse(info.prefect_api_url).port not in (None, settings.prefect_port)
-        assert urlparse(info.mlflow_tracking_uri).port == settings.mlflow_port
+        # started again on another port, said
+        assert len(started) == 2 and started[0].split()[4] == f"http://127.0.0.1:{settings.mlflow_port}", started
+        assert urlparse(info.mlflow_tracking_uri).port not in (None, settings.mlflow_port)
         # the ports asked for were replaced with nothing said (a trial): said on lasting lines
         # (beside, maybe, a wait for the other xdist worker's stack starting at the same moment)
         moved = [m for m in moved if not m.startswith("waiting for another paperline stack on this machine")]
         assert moved == [f"s3: port {settings.s3_port} (PAPERLINE_S3_PORT) is taken by another process, so it is on "
                          f"{urlparse(info.s3_endpoint_url).port}",
                          f"prefect: port {settings.prefect_port} (PAPERLINE_PREFECT_PORT) is taken by another "
-                         f"process, so it is on {urlparse(info.prefect_api_url).port}"], moved
+                         f"process, so it is on {urlparse(info.prefect_api_url).port}",
+                         f"mlflow: port {settings.mlflow_port} was taken by another process while its server "
+                         f"started, so it is on {urlparse(info.mlflow_tracking_uri).port}"], moved
         # The session stack runs side by side.
         _, first = stack
         assert {s.url for s in info.services}.isdisjoint({s.url for s in first.services})
@@ -323,6 +340,28 @@ def test_a_server_that_exits_while_starting_says_its_logs_last_error(tmp_path):
     with pytest.raises(ServiceError) as exc:
         _wait_healthy({"s3": (proc, lambda: False, "http://127.0.0.1:1", str(log))}, 5)
     assert 'code 3 during start-up: Check Meta Folder (-dir="/x/s3/data") Writable: Not writable! (log:' in str(exc.value)
+    # uvicorn's failed bind, after which MLflow's server exits with code 0 (it said only that: a CI
+    # run); an earlier start's error in the same log (appended across restarts) is not this one's
+    ok = subprocess.Popen([sys.executable, "-c", "pass"])
+    ok.wait()
+    log.write_text("\n=== paperline: starting python at 2026-12-07 17:00:00\nValueError: an earlier start's\n"
+                   "\n=== paperline: starting python at 2026-12-07 17:16:08\n"
+                   "2026/12/07 17:16:14 INFO:     Application startup complete.\n"
+                   "2026/12/07 17:16:14 ERROR:    [Errno 98] error while attempting to bind on address "
+                   "('127.0.0.1', 31999): address already in use\n2026/12/07 17:16:14 INFO:     Waiting for "
+                   "application shutdown.\n")
+    for port, retried in ((31999, True), (31998, False)):
+        with pytest.raises(ServiceError) as exc:
+            _wait_healthy({"mlflow": (ok, lambda: False, f"http://127.0.0.1:{port}", str(log))}, 5)
+        assert str(exc.value) == (f"mlflow is not available at http://127.0.0.1:{port}: server exited with code 0 "
+                                  "during start-up: port 31999 was taken by another process as the server bound it "
+                                  f"(address already in use) (log: {log})")
+        # (started again on another port by ensure_stack only when it was its own port)
+        assert (type(exc.value).__name__ == "_PortTakenAtStart") is retried
+    log.write_text("Port 31997 is already in use. Please specify a different port with the `--port` \nflag.\n")
+    with pytest.raises(ServiceError, match="code 0 during start-up: port 31997 was taken") as exc:
+        _wait_healthy({"prefect": (ok, lambda: False, "http://127.0.0.1:31997", str(log))}, 5)
+    assert type(exc.value).__name__ == "_PortTakenAtStart"
 
 
 def test_servers_a_damaged_stack_json_lost_are_stopped_by_down(settings_factory, tmp_path):
