@@ -21,8 +21,9 @@ from pathlib import Path
 from typing import Any, Literal
 
 from prefect.runtime import flow_run
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import ConfigDict, Field
 
+from paperline.flows.pipelines import PipelineParameters
 from paperline.infra.cluster import configure_local_workers, default_task_runner, planned_worker_count
 from paperline.infra.device import resolve_device
 from paperline.infra.errors import InputError
@@ -52,7 +53,7 @@ HEADLINES = [Headline("final_test_accuracy_pct", higher_is_better=True, toleranc
              Headline("wall_s", higher_is_better=False, tolerance=0.25, timed_by="wall_s")]
 
 
-class CompressedTrainingParameters(BaseModel):
+class CompressedTrainingParameters(PipelineParameters):
     """Parameters of the flow (rendered as a form in the Prefect UI)."""
 
     model_config = ConfigDict(extra="forbid", allow_inf_nan=False)  # NaN/inf: "should be a finite number"

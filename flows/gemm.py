@@ -21,8 +21,9 @@ from typing import Any, Literal, get_args
 
 import numpy as np
 from prefect.runtime import flow_run
-from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator
+from pydantic import ConfigDict, Field, ValidationInfo, field_validator
 
+from paperline.flows.pipelines import PipelineParameters
 from paperline.infra.device import array_device
 from paperline.infra.cluster import (
     WorkerPath,
@@ -99,7 +100,7 @@ ROUTINE_USES = {
 }
 
 
-class GemmParameters(BaseModel):
+class GemmParameters(PipelineParameters):
     """Parameters of the flow (rendered as a form in the Prefect UI)."""
 
     model_config = ConfigDict(extra="forbid", allow_inf_nan=False)  # NaN/inf: "should be a finite number"

@@ -23,8 +23,9 @@ from typing import Any
 
 from prefect.runtime import flow_run
 from prefect.task_engine import TaskRunTimeoutError
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import ConfigDict, Field, field_validator
 
+from paperline.flows.pipelines import PipelineParameters
 from paperline.infra.cluster import configure_local_workers, default_task_runner
 from paperline.infra.device import resolve_device
 from paperline.infra.errors import InputError, PaperlineError, name_problem
@@ -44,7 +45,7 @@ from paperline.tasks.nas import evaluate, load_checkpoint, log_evaluations, rend
 EXPERIMENT = "nas"
 
 
-class CampaignParameters(BaseModel):
+class CampaignParameters(PipelineParameters):
     """One campaign (rendered as a form in the Prefect UI)."""
 
     model_config = ConfigDict(extra="forbid", allow_inf_nan=False)  # NaN/inf: "should be a finite number"

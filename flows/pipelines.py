@@ -12,7 +12,7 @@ import typing
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
-from pydantic import BaseModel, ValidationError
+from pydantic import BaseModel, ValidationError, ValidationInfo, field_validator
 
 from paperline.infra.errors import InputError, input_error_from
 from paperline.kernels.errors import unknown_name
@@ -341,6 +341,38 @@ def _numeric_not_bool(annotation: Any) -> bool:
     read ``true`` there as 1 (``q=true`` started a campaign with q = 1)."""
     members = _members(annotation)
     return bool(members & {int, float}) and bool not in members
+
+
+class PipelineParameters(BaseModel):
+    """Base of the built-in pipelines' parameter models (a package's own may use it too): a
+    boolean given for a number field is refused, as ``--set m=true`` is (:func:`override_values`),
+    from Python, from a deployment run's parameters and from the Prefect UI alike; pydantic's lax
+    mode read ``True`` there as 1 (``GemmParameters(m=True)`` multiplied a 1-row matrix: a review).
+
+    Raises:
+        pydantic.ValidationError: naming the field, "expected a number, not a boolean".
+    """
+
+    @field_validator("*", mode="before")
+    @classmethod
+    def _no_boolean_for_a_number(cls, v: Any, info: ValidationInfo) -> Any:
+        field_info = cls.model_fields.get(info.field_name or "")
+        if field_info is None:
+            return v
+        if isinstance(v, bool) and _numeric_not_bool(field_info.annotation):
+            raise ValueError("expected a number, not a boolean")
+        if isinstance(v, list) and any(isinstance(x, bool) for x in v):  # ranks=[1, true]
+            items = [typing.get_args(a)[0] for a in _members(field_info.annotation)
+                     if typing.get_origin(a) is list and typing.get_args(a)]
+            if any(_numeric_not_bool(_unannotated(item)) for item in items):
+                at = next(i for i, x in enumerate(v) if isinstance(x, bool))
+                raise ValueError(f"expected numbers, not a boolean (item {at})")
+        return v
+
+
+def _unannotated(annotation: Any) -> Any:
+    """``Annotated[int, Field(ge=1)]`` -> ``int``; anything else as it is."""
+    return typing.get_args(annotation)[0] if typing.get_origin(annotation) is typing.Annotated else annotation
 
 
 def _text(annotation: Any) -> bool:

@@ -17,8 +17,9 @@ from typing import Any, Literal
 import numpy as np
 from prefect.logging import get_run_logger
 from prefect.runtime import flow_run
-from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, ValidationInfo, field_validator, model_validator
+from pydantic import ConfigDict, Field, PrivateAttr, ValidationInfo, field_validator, model_validator
 
+from paperline.flows.pipelines import PipelineParameters
 from paperline.infra.cluster import WorkerPath, configure_local_workers, default_task_runner, require_shared_paths
 from paperline.infra.device import array_device
 from paperline.infra.errors import InputError
@@ -40,7 +41,7 @@ from paperline.tasks.tensor import fit_p2t2f, fit_tensorly_cp, load_tensor, rend
 EXPERIMENT = "tensor-factorization"
 
 
-class TensorFactorizationParameters(BaseModel):
+class TensorFactorizationParameters(PipelineParameters):
     """Parameters of the flow (rendered as a form in the Prefect UI)."""
 
     model_config = ConfigDict(extra="forbid", allow_inf_nan=False)  # NaN/inf: "should be a finite number"

@@ -21,8 +21,9 @@ from pathlib import Path
 from typing import Any, Literal
 
 from prefect.runtime import flow_run
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import ConfigDict, Field, field_validator, model_validator
 
+from paperline.flows.pipelines import PipelineParameters
 from paperline.infra.cluster import WorkerPath, configure_local_workers, default_task_runner, require_shared_paths
 from paperline.infra.device import resolve_device
 from paperline.infra.errors import InputError, name_problem
@@ -82,7 +83,7 @@ DEMO_SHARD_TARGET_MB = 1.0  # the demo videos' (1.4 MB of kept clips: two shards
 UPLOAD_INSTEAD = "upload them (paperline upload PATH s3://BUCKET/PREFIX/) and give that prefix"
 
 
-class VideoCurationParameters(BaseModel):
+class VideoCurationParameters(PipelineParameters):
     """Parameters of the flow (rendered as a form in the Prefect UI)."""
 
     model_config = ConfigDict(extra="forbid", allow_inf_nan=False)  # NaN/inf: "should be a finite number"

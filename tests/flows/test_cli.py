@@ -110,6 +110,35 @@ def test_names_that_read_as_numbers_are_names():
     assert params.datasets == ["produc", "2024"] and params.rank == 3  # numbers stay numbers where they are ones
 
 
+def test_every_pipelines_number_fields_refuse_a_boolean_from_python_too():
+    """`--set m=true` was refused while ``GemmParameters(m=True)`` (Python, a deployment run's
+    parameters, the Prefect UI) multiplied a 1-row matrix: pydantic's lax mode reads True as 1."""
+    from pydantic import ValidationError
+
+    from paperline.flows.pipelines import _numeric_not_bool, get_pipeline, pipeline_names
+
+    checked = []
+    for name in pipeline_names():
+        model = get_pipeline(name).parameters
+        for field, info in model.model_fields.items():
+            if not _numeric_not_bool(info.annotation):
+                continue
+            with pytest.raises(ValidationError) as exc:
+                model(**{field: True})
+            (error,) = exc.value.errors()
+            assert error["loc"] == (field,) and "expected a number, not a boolean" in error["msg"], (name, field)
+            checked.append(f"{name}.{field}")
+    assert {"gemm.m", "gemm.alpha", "gemm.memory_budget", "nas.q", "tensor-factorization.rank"} <= set(checked)
+    # in a list of numbers too (a list of names keeps what it is given, as --set's lists do)
+    with pytest.raises(ValidationError, match=r"expected numbers, not a boolean \(item 1\)"):
+        get_pipeline("nas").parameters(ref_point=[80, True])
+    assert get_pipeline("nas").parameters(ref_point=[80, 2.5]).ref_point == [80.0, 2.5]
+    # booleans stay booleans, numbers numbers
+    gemm = get_pipeline("gemm").parameters
+    assert gemm(check_finite=False, m=3, alpha=0.5).model_dump(include={"check_finite", "m", "alpha"}) == {
+        "check_finite": False, "m": 3, "alpha": 0.5}
+
+
 def test_unknown_pipeline_and_preset():
     assert_one_line_error(run_cli("run", "nope"), "pipeline='nope'", "known: compressed-training, gemm, nas, tensor-factorization, video-curation")
     assert_one_line_error(run_cli("run", "tensor-factorization", "--preset", "huge"), "--preset='huge'")
