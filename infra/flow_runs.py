@@ -276,6 +276,12 @@ def _fresh(seconds: object) -> bool:
     return isinstance(seconds, (int, float)) and seconds <= POLLED_WITHIN_S
 
 
+def online_workers(workers: dict[str, list[dict[str, object]]], pool: str) -> list[dict[str, object]]:
+    """The workers of work pool ``pool`` (``workers`` as :func:`deployment_report` takes them) that
+    heartbeat within :data:`POLLED_WITHIN_S` and whose process is not known to have exited."""
+    return [w for w in workers.get(pool, []) if _fresh(w.get("heartbeat_s_ago")) and not w.get("exited")]
+
+
 def executed_now(deployment: dict[str, object], workers: dict[str, list[dict[str, object]]],
                  serve_pid: int | None) -> bool:
     """Whether a process takes ``deployment``'s runs now (its dicts as :func:`deployment_report`
@@ -283,7 +289,7 @@ def executed_now(deployment: dict[str, object], workers: dict[str, list[dict[str
     `paperline serve` running or a poll within :data:`POLLED_WITHIN_S` (another serving process)."""
     pool = deployment.get("work_pool")
     if pool:
-        return any(_fresh(w.get("heartbeat_s_ago")) and not w.get("exited") for w in workers.get(str(pool), []))
+        return bool(online_workers(workers, str(pool)))
     return serve_pid is not None or _fresh(deployment.get("polled_s_ago"))
 
 
@@ -346,7 +352,7 @@ def deployment_report(deployments: list[dict[str, object]], workers: dict[str, l
     pools = sorted({str(d["work_pool"]) for d in deployments if d.get("work_pool")})
     for pool in pools:
         names = [str(d["name"]) for d in deployments if d.get("work_pool") == pool]
-        online = [w for w in workers.get(pool, []) if _fresh(w.get("heartbeat_s_ago")) and not w.get("exited")]
+        online = online_workers(workers, pool)
         if online:
             shown = ", ".join(f"{w['name']} (heartbeat {w['heartbeat_s_ago']:.0f} s ago)" for w in online[:3])
             lines.append(f"work pool {pool}: {len(names)} deployment(s), {len(online)} worker(s) online: "
