@@ -4,7 +4,6 @@ the automation that crashes a run whose heartbeats stop."""
 
 import os
 import signal
-import subprocess
 import sys
 import time
 
@@ -55,85 +54,106 @@ def test_the_crash_window_follows_the_setting(stack):
         assert [a.name for a in client.read_automations()].count(ZOMBIE_AUTOMATION) == 1
 
 
-def test_a_killed_serve_process_leaves_its_run_crashed(stack, tmp_path, cli_env):
+def _engine_of(serve_pid: int, flow_run_id):
+    """The ``prefect.engine`` process ``paperline serve`` (``serve_pid``) started for the flow run."""
+    import psutil
+
+    (engine,) = [p for p in psutil.Process(serve_pid).children() if "prefect.engine" in " ".join(p.cmdline())
+                 and p.environ().get("PREFECT__FLOW_RUN_ID") == str(flow_run_id)]
+    return engine
+
+
+def test_killed_serve_processes_leave_their_runs_crashed(stack, background_process, cli_env, running_flow_run,
+                                                          long_gemm, tmp_path):
+    """Two runs of one `paperline serve`, then a `kill -9` of serve (one serve for both cases: the
+    suite's time, their waits overlap):
+
+    - a NAS run killed with it (SIGKILL: no chance to report) is Crashed by `paperline up`'s
+      automation once its heartbeats stop, and its MLflow run, left RUNNING, is ended by the next;
+    - a GEMM run left alone still ends, Crashed, its Dask workers with it, nothing left running
+      unwatched: each run serve executes leads a session of its own (the terminal's Ctrl-C reached
+      its Dask workers: a trial), so a kill of serve alone no longer takes the run's processes.
+    """
+    import psutil
     from prefect.client.orchestration import get_client
     from prefect.exceptions import ObjectNotFound
 
     from paperline.infra.stack import ZOMBIE_AUTOMATION
+    from paperline.infra.tracking import Tracker
+
+    _, cluster_up = long_gemm
 
     log = tmp_path / "serve.log"
-    with open(log, "w") as out:
-        proc = subprocess.Popen([sys.executable, "-m", "paperline.flows.cli", "serve"], env=cli_env,
-                                stdout=out, stderr=out, start_new_session=True)
-    try:
-        with get_client(sync_client=True) as client:
-            assert [a.name for a in client.read_automations()].count(ZOMBIE_AUTOMATION) == 1
-            deadline = time.time() + 120
-            while True:
-                assert proc.poll() is None, log.read_text()[-3000:]
-                try:
-                    deployment = client.read_deployment_by_name("nas/local")
-                    break
-                except ObjectNotFound:
-                    assert time.time() < deadline, log.read_text()[-3000:]
-                    time.sleep(1)
-            # a campaign that trains CNNs for minutes: long enough to be killed while Running
-            params = {"optimizer": "random", "problem": "live-mnist", "budget": 200, "q": 2, "n_init": 2,
-                      "campaign": f"crash-{int(time.time())}"}
-            run = client.create_flow_run_from_deployment(deployment.id, parameters={"params": params})
-            deadline = time.time() + 180
-            while client.read_flow_run(run.id).state.name != "Running" or not _heartbeats(client, run.id):
-                assert proc.poll() is None and time.time() < deadline, log.read_text()[-3000:]
-                time.sleep(1)
-            assert client.read_flow_run(run.id).state.name == "Running"  # heartbeating, not yet done
-        # and its MLflow run exists (the flow creates it after its first heartbeat on a loaded host)
-        from paperline.infra.tracking import Tracker
-
-        tracker = Tracker(stack[1].mlflow_tracking_uri)
+    with background_process([sys.executable, "-m", "paperline.flows.cli", "serve"], cli_env, log) as proc, \
+            get_client(sync_client=True) as client:
+        assert [a.name for a in client.read_automations()].count(ZOMBIE_AUTOMATION) == 1
         deadline = time.time() + 120
-        while not _mlflow_runs(tracker, run.id):
+        while True:
+            assert proc.poll() is None, log.read_text()[-3000:]
+            try:
+                deployment = client.read_deployment_by_name("nas/local")
+                break
+            except ObjectNotFound:
+                assert time.time() < deadline, log.read_text()[-3000:]
+                time.sleep(1)
+        # a campaign that trains CNNs for minutes: long enough to be killed while Running
+        params = {"optimizer": "random", "problem": "live-mnist", "budget": 200, "q": 2, "n_init": 2,
+                  "campaign": f"crash-{int(time.time())}"}
+        run = client.create_flow_run_from_deployment(deployment.id, parameters={"params": params})
+        deadline = time.time() + 180
+        while client.read_flow_run(run.id).state.name != "Running" or not _heartbeats(client, run.id):
             assert proc.poll() is None and time.time() < deadline, log.read_text()[-3000:]
             time.sleep(1)
-        # the serve process and the run's, no goodbye (the run leads a session of its own, with its
-        # Dask workers: serve killed alone, the run sees it go and ends itself Crashed)
-        import psutil
-
-        runs = [p.pid for p in psutil.Process(proc.pid).children() if "prefect.engine" in " ".join(p.cmdline())]
-        assert runs, log.read_text()[-3000:]
-        for group in (proc.pid, *runs):
-            os.killpg(group, signal.SIGKILL)
+        assert client.read_flow_run(run.id).state.name == "Running"  # heartbeating, not yet done
+        # and its MLflow run exists (the flow creates it after its first heartbeat on a loaded host),
+        # and its Dask cluster (whose line running_flow_run counts for the GEMM run's next)
+        tracker = Tracker(stack[1].mlflow_tracking_uri)
+        deadline = time.time() + 120
+        while not _mlflow_runs(tracker, run.id) or cluster_up not in log.read_text():
+            assert proc.poll() is None and time.time() < deadline, log.read_text()[-3000:]
+            time.sleep(1)
+        left_alone = running_flow_run(client, "gemm/local", proc, log)
+        nas = _engine_of(proc.pid, run.id)
+        gemm = _engine_of(proc.pid, left_alone.id)
+        family = [gemm, *gemm.children(recursive=True)]
+        assert len(family) > 1, log.read_text()[-3000:]
+        # serve, no goodbye, and the NAS run's session (it leads one, with its Dask workers: serve
+        # killed alone, the run sees it go and ends itself Crashed, as the GEMM run does)
+        proc.kill()
+        os.killpg(nas.pid, signal.SIGKILL)
         proc.wait()
-        with get_client(sync_client=True) as client:
-            deadline = time.time() + stack[0].crash_after_s + 90
-            state = client.read_flow_run(run.id).state
-            while state.name == "Running" and time.time() < deadline:
-                time.sleep(3)
-                state = client.read_flow_run(run.id).state
-        assert state.name == "Crashed", state
-        assert "heartbeat" in (state.message or "")
-        # its MLflow run was left RUNNING (nobody ended it); the next run started, in any experiment,
-        # ends it KILLED, naming why
-        (orphan,) = [r for r in _mlflow_runs(tracker, run.id) if "mlflow.parentRunId" not in r.data.tags]  # the parent
-        assert orphan.info.status == "RUNNING"
-        probe = Tracker(stack[1].mlflow_tracking_uri).start_run("crash-test-probe", run_name="crash-test-probe")
-        tracker.client.delete_run(probe)
-        orphan = tracker.client.get_run(orphan.info.run_id)
-        assert orphan.info.status == "KILLED" and orphan.data.tags["paperline.ended_by"] == "Prefect flow run Crashed"
-        # a resumed campaign reopens it: running again, without the old attempt's ending
-        tracker.reopen_run(orphan.info.run_id)
-        orphan = tracker.client.get_run(orphan.info.run_id)
-        assert orphan.info.status == "RUNNING" and "paperline.ended_by" not in orphan.data.tags
-        # `paperline compare` sweeps its experiment before listing: the table does not show it RUNNING
-        from paperline.flows.compare import compare_runs
+        deadline = time.time() + stack[0].crash_after_s + 90
+        states = {}
+        while time.time() < deadline:
+            states = {r: client.read_flow_run(r).state for r in (run.id, left_alone.id)}
+            if states[left_alone.id].is_final() and states[run.id].name != "Running":
+                break
+            time.sleep(2)
+    state = states[left_alone.id]
+    assert state.name == "Crashed", (state, log.read_text()[-3000:])
+    assert psutil.wait_procs(family, timeout=60)[1] == []
+    state = states[run.id]
+    assert state.name == "Crashed", state
+    assert "heartbeat" in (state.message or "")
+    # its MLflow run was left RUNNING (nobody ended it); the next run started, in any experiment,
+    # ends it KILLED, naming why
+    (orphan,) = [r for r in _mlflow_runs(tracker, run.id) if "mlflow.parentRunId" not in r.data.tags]  # the parent
+    assert orphan.info.status == "RUNNING"
+    probe = Tracker(stack[1].mlflow_tracking_uri).start_run("crash-test-probe", run_name="crash-test-probe")
+    tracker.client.delete_run(probe)
+    orphan = tracker.client.get_run(orphan.info.run_id)
+    assert orphan.info.status == "KILLED" and orphan.data.tags["paperline.ended_by"] == "Prefect flow run Crashed"
+    # a resumed campaign reopens it: running again, without the old attempt's ending
+    tracker.reopen_run(orphan.info.run_id)
+    orphan = tracker.client.get_run(orphan.info.run_id)
+    assert orphan.info.status == "RUNNING" and "paperline.ended_by" not in orphan.data.tags
+    # `paperline compare` sweeps its experiment before listing: the table does not show it RUNNING
+    from paperline.flows.compare import compare_runs
 
-        compared = compare_runs(tracker, "nas", [], f"tags.`prefect.flow_run_id` = '{run.id}'", 5, tmp_path, False,
-                                False, True)
-        orphan = tracker.client.get_run(orphan.info.run_id)
-        assert orphan.info.status == "KILLED", compared
-    finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
+    compared = compare_runs(tracker, "nas", [], f"tags.`prefect.flow_run_id` = '{run.id}'", 5, tmp_path, False,
+                            False, True)
+    orphan = tracker.client.get_run(orphan.info.run_id)
+    assert orphan.info.status == "KILLED", compared
 
 
 def _mlflow_runs(tracker, flow_run_id) -> list:
@@ -235,29 +255,3 @@ def test_a_stopped_run_ends_killed_and_a_failed_one_says_why(stack):
     tracker.end_failed(run_id, ServiceError("mlflow", "not available"))
     assert tracker.client.get_run(run_id).info.status == "RUNNING"
     tracker.end_run(run_id, "KILLED")
-
-
-def test_a_served_run_ends_with_its_serve_killed_outright(stack, background_process, cli_env, running_flow_run,
-                                                           tmp_path):
-    """Each run `paperline serve` executes leads a session of its own (the terminal's Ctrl-C reached
-    its Dask workers: a trial), so a `kill -9` of serve alone no longer takes the run's processes
-    with it: the run still ends, Crashed, its workers with it, nothing left running unwatched."""
-    import psutil
-    from prefect.client.orchestration import get_client
-
-    log = tmp_path / "serve.log"
-    with background_process([sys.executable, "-m", "paperline.flows.cli", "serve"], cli_env, log) as proc, \
-            get_client(sync_client=True) as client:
-        run = running_flow_run(client, "gemm/local", proc, log)
-        engines = [p for p in psutil.Process(proc.pid).children() if "prefect.engine" in " ".join(p.cmdline())]
-        family = engines + [c for p in engines for c in p.children(recursive=True)]
-        assert engines and len(family) > len(engines), log.read_text()[-3000:]
-        proc.kill()  # serve alone: SIGKILL, no goodbye
-        proc.wait()
-        deadline = time.time() + stack[0].crash_after_s + 90
-        state = client.read_flow_run(run.id).state
-        while not state.is_final() and time.time() < deadline:
-            time.sleep(2)
-            state = client.read_flow_run(run.id).state
-    assert state.name == "Crashed", (state, log.read_text()[-3000:])
-    assert psutil.wait_procs(family, timeout=60)[1] == []
