@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 from prefect.runtime import flow_run
-from pydantic import ConfigDict, Field
+from pydantic import Field
 
 from paperline.flows.pipelines import PipelineParameters
 from paperline.infra.cluster import configure_local_workers, default_task_runner, planned_worker_count
@@ -55,8 +55,6 @@ HEADLINES = [Headline("final_test_accuracy_pct", higher_is_better=True, toleranc
 
 class CompressedTrainingParameters(PipelineParameters):
     """Parameters of the flow (rendered as a form in the Prefect UI)."""
-
-    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)  # NaN/inf: "should be a finite number"
 
     compressors: list[Literal["none", "fft", "topk", "powersgd", "fp16"]] = Field(
         default_factory=lambda: ["none", "fft"], min_length=1,

@@ -21,7 +21,7 @@ from typing import Any, Literal, get_args
 
 import numpy as np
 from prefect.runtime import flow_run
-from pydantic import ConfigDict, Field, ValidationInfo, field_validator
+from pydantic import Field, ValidationInfo, field_validator
 
 from paperline.flows.pipelines import PipelineParameters
 from paperline.infra.device import array_device
@@ -102,8 +102,6 @@ ROUTINE_USES = {
 
 class GemmParameters(PipelineParameters):
     """Parameters of the flow (rendered as a form in the Prefect UI)."""
-
-    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)  # NaN/inf: "should be a finite number"
 
     routine: Literal["gemm", "symm", "syrk", "syr2k", "trmm", "trsm"] = Field(
         "gemm", description="Level-3 BLAS routine (reference semantics, as scipy.linalg.blas).")

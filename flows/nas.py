@@ -23,7 +23,7 @@ from typing import Any
 
 from prefect.runtime import flow_run
 from prefect.task_engine import TaskRunTimeoutError
-from pydantic import ConfigDict, Field, field_validator
+from pydantic import Field, field_validator
 
 from paperline.flows.pipelines import PipelineParameters
 from paperline.infra.cluster import configure_local_workers, default_task_runner
@@ -47,8 +47,6 @@ EXPERIMENT = "nas"
 
 class CampaignParameters(PipelineParameters):
     """One campaign (rendered as a form in the Prefect UI)."""
-
-    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)  # NaN/inf: "should be a finite number"
 
     optimizer: str = Field("lamoo", description="random, lanas, lamcts, lamoo, alphax, bo, turbo, qehvi, qnehvi "
                                                 "or nsga2.")

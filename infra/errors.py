@@ -32,7 +32,10 @@ def input_error_from(exc: Any, argument: Callable[[tuple[Any, ...]], str]) -> In
     value = err.get("input")
     if isinstance(value, str):  # a URL's password is not shown
         value = redact_text(value)
-    problem = err["msg"].removeprefix("Value error, ")
+    # (pydantic's "List should have at least 1 item after validation, not 0": "after validation"
+    # meant nothing to a user, a trial)
+    problem = err["msg"].removeprefix("Value error, ").replace(" item after validation,", " item,").replace(
+        " items after validation,", " items,")
     if err.get("type") == "dict_type":  # "abc" or [1] for a JSON object: say what one looks like
         problem += ': give a JSON object, e.g. {"name": value}'
     elif err.get("type") == "model_type":  # it named the model's class ("... instance of CampaignParameters": a trial)

@@ -62,6 +62,11 @@ class PipelineFlow(Flow):
         Prefect's raw list of pydantic errors, a ``ParameterTypeError`` traceback in the serve or
         worker log, and a state message that did not name the value (a trial).
 
+        A model instance (a flow called from Python) is checked again too, its fields as they are
+        now: one changed after it was built (``params.m = True``, ``model_copy(update=...)``,
+        ``model_construct``) ran unchecked (a trial's GEMM of one row); the instance checked is
+        passed on with the fields it was given and its private state.
+
         Raises:
             InputError: naming the field and the value seen, as the CLI's ``--set`` does (one
                 line in the logs: an expected error).
@@ -76,15 +81,23 @@ class PipelineFlow(Flow):
         signature = inspect.signature(self.fn)
         built = dict(parameters)
         for name, value in parameters.items():
-            if not isinstance(value, dict) or name not in signature.parameters:
+            if not isinstance(value, dict | BaseModel) or name not in signature.parameters:
                 continue
             annotation = signature.parameters[name].annotation
             models = [a for a in (typing.get_args(annotation) or (annotation,))
                       if isinstance(a, type) and issubclass(a, BaseModel)]
-            if len(models) != 1:
+            if len(models) != 1 or (isinstance(value, BaseModel) and not isinstance(value, models[0])):
                 continue
             try:
-                built[name] = models[0].model_validate(value)
+                if isinstance(value, dict):
+                    built[name] = models[0].model_validate(value)
+                else:  # its fields as they are now, through its own class's validators
+                    checked = type(value).model_validate({**{f: getattr(value, f) for f in type(value).model_fields
+                                                              if hasattr(value, f)}, **(value.model_extra or {})})
+                    checked.__pydantic_fields_set__ = set(value.model_fields_set)
+                    if value.__pydantic_private__ is not None:
+                        checked.__pydantic_private__ = dict(value.__pydantic_private__)
+                    built[name] = checked
             except ValidationError as exc:
                 raise input_error_from(exc, lambda loc: ".".join(map(str, loc)) or name) from None
         return super().validate_parameters(built)

@@ -1687,14 +1687,16 @@ def _say_port_moved(settings: Settings, name: str, port: int, tell: Progress, la
     field = f"{name}_port"
     asked = getattr(settings, field)
     why = None
-    if last and port != last:
+    # (the setting's own port, taken, was said to be "its last port": the setting is named instead, a trial)
+    if last and port != last and not (last == asked and field in settings.model_fields_set):
         if not _port_free(settings.host, last):
             why = "is taken by another process"
         elif name == "s3" and (not _port_free(settings.host, last + _GRPC_OFFSET) or _seaweed_sockets_of_others(last)):
             why = _why_taken(settings, name, last)  # (a socket path of another user's moved it unsaid: a review)
     if why:
-        tell(f"{name}: its last port {last} {why}, so it is on {port} now: links to the old port (e.g. earlier runs' "
-             "MLflow links) no longer reach this stack")
+        lost = ("scripts given the old endpoint (an earlier `paperline env`) no longer reach its S3" if name == "s3" else
+                "links to the old port (e.g. earlier runs' MLflow links) no longer reach this stack")
+        tell(f"{name}: its last port {last} {why}, so it is on {port} now: {lost}")
     elif port == asked:
         return
     elif field in settings.model_fields_set:

@@ -74,7 +74,11 @@ def parquet(tmp_path):
     (["datasets=prodcu"], ["datasets='prodcu'", "unknown dataset; did you mean produc? known: "]),
     (["rank"], ["--set='rank'", "expected key=value"]),
     (["seed=-1"], ["seed=-1", "greater than or equal to 0"]),
-    (["rank=true"], ["rank='true'", "expected a number, not a boolean"]),  # pydantic would read it as 1
+    (["rank=true"], ["rank=true:", "expected a number, not a boolean"]),  # pydantic would read it as 1
+    # an empty item was dropped (ranks=1,,2 ran [1, 2]: a trial)
+    (["splits=random,,temporal"], ["splits='random,,temporal'", "item 1 is empty: separate the values with single "
+                                                                "commas, with none at either end"]),
+    (["datasets=produc,"], ["item 1 is empty"]),
     (["rank=100000"], ["rank=100000", "less than or equal to 512"]),
     (["splits=random,weird"], ["splits[1]='weird'"]),
     (["rank=3", "rank=4"], ["--set='rank'", "given twice ('3', then '4'); give it once"]),  # 4 silently won
@@ -133,6 +137,29 @@ def test_every_pipelines_number_fields_refuse_a_boolean_from_python_too():
     with pytest.raises(ValidationError, match=r"expected numbers, not a boolean \(item 1\)"):
         get_pipeline("nas").parameters(ref_point=[80, True])
     assert get_pipeline("nas").parameters(ref_point=[80, 2.5]).ref_point == [80.0, 2.5]
+    # ... a tuple, a set, a dict's values (a package's model may have them: a trial's were taken as 1)
+    from typing import Annotated
+
+    from pydantic import Field
+
+    from paperline.flows.pipelines import PipelineParameters
+
+    class Mine(PipelineParameters):
+        ranks: list[Annotated[int, Field(ge=1)]] = [1]
+        pair: tuple[int, float] | None = None
+        weights: dict[str, float] = {}
+        names: list[str] = []
+        flag: bool = False
+
+    for given, where in (({"ranks": (1, True)}, "item 1"), ({"pair": (True, 2.0)}, "item 0"),
+                         ({"weights": {"a": 1.0, "b": False}}, "the value of 'b'"), ({"ranks": {2, True}}, "item")):
+        with pytest.raises(ValidationError, match=rf"expected numbers, not a boolean \({where}"):
+            Mine(**given)
+    assert Mine(names=["true"], flag=True, pair=(1, 2.5), weights={"a": 2}).weights == {"a": 2.0}
+    # and a package's model gets the built-in ones' strictness: an unknown (misspelt) field, NaN
+    for given in ({"rank": [2]}, {"weights": {"a": float("nan")}}):
+        with pytest.raises(ValidationError):
+            Mine(**given)
     # booleans stay booleans, numbers numbers
     gemm = get_pipeline("gemm").parameters
     assert gemm(check_finite=False, m=3, alpha=0.5).model_dump(include={"check_finite", "m", "alpha"}) == {
@@ -1709,6 +1736,25 @@ def test_a_deployment_runs_parameters_refused_by_their_model_name_the_field_and_
             flow.validate_parameters({"params": given})
         assert str(caught.value).startswith(said), (name, str(caught.value))
     assert get_pipeline("gemm").flow.validate_parameters({"params": {"m": 64}})["params"].m == 64
+    # ... and a model instance changed after it was built, from Python: a trial's `params.m = True`
+    # multiplied one row, verified; built anew, as it is now, with the fields it was given and its
+    # private state kept (gemm's "given" fields; tensor-factorization's data warnings)
+    flow, model = get_pipeline("gemm").flow, get_pipeline("gemm").parameters
+    params = model(m=64, n=32)
+    params.m = True
+    with pytest.raises(InputError, match=r"^m=True: expected a number, not a boolean"):
+        flow.validate_parameters({"params": params})
+    changed = model(m=64).model_copy(update={"routine": "SYRK", "tile": 0})
+    with pytest.raises(InputError, match=r"^tile=0: Input should be greater than 0"):
+        flow.validate_parameters({"params": changed})
+    params = model(m=64)
+    params.routine = "SYRK"
+    checked = flow.validate_parameters({"params": params})["params"]
+    assert (checked.routine, checked.m, checked.model_fields_set) == ("syrk", 64, {"m", "routine"})
+    tensor = get_pipeline("tensor-factorization").parameters(rank=3)
+    tensor._data_warnings.append("a warning")
+    checked = get_pipeline("tensor-factorization").flow.validate_parameters({"params": tensor})["params"]
+    assert checked._data_warnings == ["a warning"] and checked.model_fields_set == {"rank"}
 
 
 def test_a_pipeline_flows_function_runs_under_a_server_watch(monkeypatch, tmp_path):

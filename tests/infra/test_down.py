@@ -499,8 +499,13 @@ def test_a_moved_port_is_said_for_a_default_a_setting_and_a_last_port(tmp_path, 
         finally:
             os.rmdir(planted)
         assert said == [f"s3: its last port {free} is free, but SeaweedFS's socket path {planted} for it is not a "
-                        "socket: remove it, so it is on 41007 now: links to the old port (e.g. earlier runs' MLflow "
-                        "links) no longer reach this stack"], said
+                        "socket: remove it, so it is on 41007 now: scripts given the old endpoint (an earlier "
+                        "`paperline env`) no longer reach its S3"], said
+        # the port a setting names, taken, was said to be "its last port" when the last start had it (a trial)
+        said.clear()
+        _say_port_moved(Settings(state_dir=tmp_path, host="127.0.0.1", mlflow_port=taken), "mlflow", 41008,
+                        said.append, taken)
+        assert said == [f"mlflow: port {taken} (PAPERLINE_MLFLOW_PORT) is taken by another process, so it is on 41008"]
     finally:
         held.close()
 
