@@ -29,7 +29,8 @@ from paperline.infra.errors import PaperlineError
 from paperline.infra.storage import ObjectStore
 from paperline.kernels.blas.plan import Problem, make_problem
 from paperline.kernels.blas.runtime import DaskRuntime, LocalRuntime, RunResult, owner_tag, run, sweep_leftovers
-from paperline.kernels.blas.sources import NpySource, RandomSource, TileSource, check_matrix_header, read_all, read_npy_header
+from paperline.kernels.blas.sources import (NpySource, RandomSource, TileSource, check_matrix_header, check_npy_size,
+                                            read_all, read_npy_header)
 from paperline.kernels.blas.verify import freivalds
 from paperline.kernels.errors import InputError
 from paperline.tasks.retry import HOUR, retry_unless, retry_unless_bad_input
@@ -83,8 +84,7 @@ class S3NpySource:
         self.dtype = self.file_dtype.newbyteorder("=")
         self.fortran_order = bool(fortran)
         need = self.offset + self.shape[0] * self.shape[1] * self.file_dtype.itemsize
-        if size < need:
-            raise InputError(argument, uri, f"truncated: {size} bytes, the header promises {need}")
+        check_npy_size(argument, uri, size, need)
         self.key = f"s3:{uri}:{head.get('ETag', '')}"
 
     def read(self, rows: slice, cols: slice) -> np.ndarray:

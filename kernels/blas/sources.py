@@ -86,6 +86,23 @@ def check_matrix_header(argument: str, where: str, shape: tuple[int, ...], dtype
     return int(shape[0]), int(shape[1])
 
 
+def check_npy_size(argument: str, where: str, size: int, need: int) -> None:
+    """Refuse a ``.npy`` file (or S3 object) of ``size`` bytes whose header promises ``need``
+    (its offset plus the matrix's bytes): shorter, it is truncated; longer, something follows
+    the array (a second ``numpy.save`` into the same file, or damage), which was multiplied
+    as if absent (a trial).
+
+    Raises:
+        InputError: naming ``argument`` and ``where`` (the path or URI).
+    """
+    if size < need:
+        raise InputError(argument, where, f"truncated: {size} bytes, the header promises {need}")
+    if size > need:
+        raise InputError(argument, where, f"{size - need} bytes follow the array its header describes ({size} "
+                                          f"bytes, the header promises {need}): another array saved after it, or a "
+                                          "damaged file; save the operand alone with numpy.save")
+
+
 class ArraySource:
     """An in-memory NumPy matrix (for calls from Python; a Dask runtime spills it to a ``.npy`` first).
 
@@ -147,8 +164,7 @@ class NpySource:
         self.dtype = self.file_dtype.newbyteorder("=")  # big-endian files are converted as tiles are read
         stat = os.stat(self.path)
         need = offset + self.shape[0] * self.shape[1] * self.file_dtype.itemsize
-        if stat.st_size < need:
-            raise InputError(argument, str(path), f"truncated: {stat.st_size} bytes, the header promises {need}")
+        check_npy_size(argument, str(path), stat.st_size, need)
         self.fortran_order = bool(fortran)
         # The inode too: a file replaced by rename keeps path, size and (cp -p, rsync -a) mtime.
         self.key = f"file:{self.path}:{stat.st_dev}:{stat.st_ino}:{stat.st_mtime_ns}:{stat.st_size}"

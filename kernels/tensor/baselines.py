@@ -40,7 +40,8 @@ def tensorly_cp(tensor: COOTensor, *, rank: int, n_iter_max: int = 100, l2_reg: 
     Raises:
         InputError: ``tensor`` not a COOTensor, rank, ``n_iter_max`` or seed not an integer in
             range, ``l2_reg`` < 0, tol <= 0 (either NaN/inf), a ``validation`` tensor of another
-            shape, or a nominal shape too large to densify.
+            shape, a nominal shape too large to densify, or entries that make TensorLy's ALS
+            meet a singular matrix (all 0, say).
     """
     check_tensor(tensor)
     check_count("rank", rank, 1, "CP rank must be a positive integer")
@@ -73,8 +74,15 @@ def tensorly_cp(tensor: COOTensor, *, rank: int, n_iter_max: int = 100, l2_reg: 
                             primal_residual=float("nan"), dual_residual=float("nan"),
                             wall_seconds=time.perf_counter() - start))
 
-    cp = parafac(dense, rank, n_iter_max=n_iter_max, init="random", random_state=seed, l2_reg=l2_reg,
-                 mask=mask, tol=tol, callback=record)
+    try:
+        cp = parafac(dense, rank, n_iter_max=n_iter_max, init="random", random_state=seed, l2_reg=l2_reg,
+                     mask=mask, tol=tol, callback=record)
+    except np.linalg.LinAlgError:  # (it failed the run as "LinAlgError: Singular matrix", retried: a trial)
+        raise InputError("tensor", f"{tensor.values.size} entries of shape {tensor.shape}",
+                         f"TensorLy's CP-ALS met a singular matrix: the entries do not determine a rank-{rank} CP "
+                         "model (e.g. all equal to 0, or a mode with fewer distinct observed indices than the rank); "
+                         "lower the rank, set l2_reg > 0, or fit without this baseline (the tensor-factorization "
+                         "flow's baseline=false)") from None
     weights, factors = cp
     out = [np.asarray(factors[0]) * np.asarray(weights)[None, :]] + [np.asarray(f) for f in factors[1:]]
     return out, history

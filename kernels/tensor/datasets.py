@@ -186,8 +186,8 @@ def read_coo_parquet(source: str | Path | bytes, *, argument: str = "data", name
         InputError: unreadable or non-Parquet file (or a directory), a column name used twice,
             missing ``t``/``value`` columns, negative, missing or non-integer indices, indices beyond int64 (a uint64
             column above 2**63 - 1: named with its column and largest value, not wrapped to a
-            negative number), a non-numeric or missing value, a coordinate listed twice, fewer
-            than 3 modes, NaN/inf values, no rows. The message names ``argument`` and the file.
+            negative number), a non-numeric or missing value, every value 0, a coordinate listed
+            twice, fewer than 3 modes, NaN/inf values, no rows. The message names ``argument`` and the file.
     """
     import io
 
@@ -257,6 +257,10 @@ def read_coo_parquet(source: str | Path | bytes, *, argument: str = "data", name
         raise InputError(f"{argument}['value']", f"{value_col.null_count} null", f"observed values must be present: "
                                                                               f"leave missing entries out (in {shown})")
     values = value_col.to_numpy(zero_copy_only=False).astype(np.float64)
+    if values.size and not values.any():  # (the P²T²F fits ran, then TensorLy's baseline failed, "Singular matrix": a trial)
+        raise InputError(f"{argument}['value']", f"all {values.size} zero", "every observed value is 0: a CP model "
+                                                                           "of it is all zeros, with nothing to fit; "
+                                                                           f"check the column (in {shown})")
     _check_unique(coords_arr, values, argument, shown, index_cols)
     shape = tuple(int(s) + 1 for s in coords_arr.max(axis=0))  # + 1 as Python ints: 2**63 - 1 + 1 wraps in int64
     try:

@@ -62,3 +62,16 @@ def test_tensorly_cp_refuses_a_validation_tensor_of_another_shape(low_rank_tenso
         tensorly_cp(tensor, rank=2, validation=COOTensor.from_dense(np.ones((3, 3, 3))))
     with pytest.raises(InputError, match=r"^tensor='numpy.ndarray of shape \(5, 4, 6\)'"):
         tensorly_cp(np.ones((5, 4, 6)), rank=2)
+
+
+def test_tensorly_cp_says_why_its_als_met_a_singular_matrix(low_rank_tensor):
+    """Entries that do not determine the model (here all 0) failed a run as "LinAlgError: Singular
+    matrix", retried as if the next try could differ (a trial): an InputError saying why and what to do."""
+    from paperline.kernels.tensor.coo import COOTensor
+
+    tensor, _ = low_rank_tensor(shape=(5, 4, 6))
+    zeros = COOTensor(tensor.coords, np.zeros_like(tensor.values), tensor.shape)
+    with pytest.raises(InputError, match=r"^tensor='\d+ entries of shape \(5, 4, 6\)': TensorLy's CP-ALS met a "
+                                         r"singular matrix: the entries do not determine a rank-2 CP model .*"
+                                         r"baseline=false\)$"):
+        tensorly_cp(zeros, rank=2, n_iter_max=5)

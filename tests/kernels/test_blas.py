@@ -534,6 +534,15 @@ def test_bad_operand_files_are_refused(tmp_path):
     with pytest.raises(InputError, match="truncated") as e:  # the argument is the operand's own name
         api.gemm(1.0, b.T.copy(), str(truncated), trans_a="T", trans_b="T", tile=TILE)
     assert_input_error(e, "b", str(truncated))
+    # a second array saved into the same file (or bytes appended): the first was multiplied, unsaid (a trial)
+    two = tmp_path / "two.npy"
+    with open(two, "wb") as f:
+        np.save(f, rand((M, K), np.float64, 1))
+        np.save(f, rand((2, 2), np.float64, 1))
+    with pytest.raises(InputError, match=r"\d+ bytes follow the array its header describes .*: another array saved "
+                                         r"after it, or a damaged file; save the operand alone with numpy.save") as e:
+        api.gemm(1.0, str(two), b, tile=TILE)
+    assert_input_error(e, "a", str(two))
 
     text = tmp_path / "notes.npy"
     text.write_text("not a numpy file at all\n" * 10)

@@ -68,6 +68,12 @@ def test_bad_parquet_files_get_clear_errors(tmp_path):
     with pytest.raises(InputError, match=r"^data\['value'\]='1 NaN and 0 inf of 2': observed values must be finite "
                                          r"\(leave missing entries out instead\) \(in .*nan\.parquet\)$"):
         read_coo_parquet(nan)
+    # every value 0: the fits ran, then TensorLy's baseline failed the run, "Singular matrix" (a trial)
+    zeros = tmp_path / "zeros.parquet"
+    pq.write_table(pa.table({"i": [0, 1], "j": [0, 1], "t": [0, 1], "value": [0.0, -0.0]}), zeros)
+    with pytest.raises(InputError, match=r"^data\['value'\]='all 2 zero': every observed value is 0: a CP model of it "
+                                         r"is all zeros, with nothing to fit; check the column \(in .*zeros\.parquet\)$"):
+        read_coo_parquet(zeros)
     empty = tmp_path / "empty.parquet"
     pq.write_table(pa.table({"i": pa.array([], pa.int64()), "j": pa.array([], pa.int64()),
                              "t": pa.array([], pa.int64()), "value": pa.array([], pa.float64())}), empty)

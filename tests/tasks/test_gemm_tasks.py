@@ -57,6 +57,7 @@ def test_s3_operands_stream_tiles_and_match_numpy(store, order):
     (_npy(np.zeros((3, 3, 3))), "expected a 2-D matrix"),
     (_npy(np.zeros((4, 4), dtype=np.int64)), "expected float32 or float64"),
     (_npy(np.zeros((64, 64)))[:-100], "truncated"),
+    (_npy(np.zeros((64, 64))) + b"junk", "4 bytes follow the array its header describes"),
 ])
 def test_an_s3_object_that_is_not_a_float_matrix_is_refused(store, body, problem):
     s, bucket = store
