@@ -254,7 +254,9 @@ def read_coo_parquet(source: str | Path | bytes, *, argument: str = "data", name
         raise InputError(f"{argument}['value']", str(value_col.type), f"the value column must hold numbers (integer, "
                                                                       f"float or decimal) (in {shown})")
     if value_col.null_count:
-        raise InputError(f"{argument}['value']", f"{value_col.null_count} null", f"observed values must be present: "
+        # (pandas writes a NaN as null: a trial's NaN was reported only as "1 null")
+        raise InputError(f"{argument}['value']", f"{value_col.null_count} null", f"observed values must be present "
+                                                                              f"(a NaN written by pandas is a null): "
                                                                               f"leave missing entries out (in {shown})")
     values = value_col.to_numpy(zero_copy_only=False).astype(np.float64)
     if values.size and not values.any():  # (the P²T²F fits ran, then TensorLy's baseline failed, "Singular matrix": a trial)

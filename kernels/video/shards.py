@@ -275,11 +275,20 @@ def _what_differs(old: dict[str, Any], plans: list[ShardPlan]) -> str:
     committed = videos(k for s in old.get("shards", []) for k in s.get("keys", []))
     planned = videos(k for p in plans for k in p.keys)
     gone, new = sorted(committed - planned), sorted(planned - committed)
+    # a video still there whose clips were all dropped as duplicates of another video with the same
+    # content (the same id) was said to be "not in this run" (a trial copied one video over another)
+    same = {v.rsplit("-", 1)[-1]: v for v in sorted(planned)}
+
+    def said(v: str) -> str:
+        twin = same.get(v.rsplit("-", 1)[-1])
+        return f"{v} (the same content as {twin}, whose clips were kept)" if twin and twin != v else v
+
     parts = []
     if new:
         parts.append(f"videos not in it: {', '.join(new[:5])}{' ...' if len(new) > 5 else ''}")
     if gone:
-        parts.append(f"its videos not in this run: {', '.join(gone[:5])}{' ...' if len(gone) > 5 else ''}")
+        parts.append(f"its videos without clips in this run: {', '.join(map(said, gone[:5]))}"
+                     f"{' ...' if len(gone) > 5 else ''}")
     if not parts:
         return " (the same videos, cut, filtered or packed into shards otherwise)"
     return f" ({'; '.join(parts)}: a video whose content changed has a new id)"

@@ -244,9 +244,16 @@ def test_a_failure_mid_upload_leaves_no_visible_dataset_and_the_rerun_completes(
     from paperline.kernels.video.shards import ShardPlan
 
     other = [ShardPlan(plans[0].name, ("phone-0123456789-000000",), 1)]
-    with pytest.raises(InputError, match=r"other shards \(videos not in it: phone-0123456789; its videos not in this "
-                                         r"run: .*: a video whose content changed has a new id\)"):
+    with pytest.raises(InputError, match=r"other shards \(videos not in it: phone-0123456789; its videos without "
+                                         r"clips in this run: .*: a video whose content changed has a new id\)"):
         write_dataset(store, output, other, {}, read_clip, {}, {})
+    # a video whose clips were all dropped as duplicates of another's with the same content (a trial
+    # copied one video over another) is not said to be missing from the run
+    video = first.rsplit("-", 1)[0]
+    twin = [ShardPlan(plans[0].name, (f"copy-{first}",), 1)]
+    with pytest.raises(InputError, match=rf"its videos without clips in this run: .*{video} \(the same content as "
+                                         rf"copy-{video}, whose clips were kept\)"):
+        write_dataset(store, output, twin, {}, read_clip, {}, {})
 
 
 def test_every_input_rejected_fails_and_says_why(run_cli, cli_env, bad_videos, tmp_path):

@@ -68,6 +68,11 @@ def test_bad_parquet_files_get_clear_errors(tmp_path):
     with pytest.raises(InputError, match=r"^data\['value'\]='1 NaN and 0 inf of 2': observed values must be finite "
                                          r"\(leave missing entries out instead\) \(in .*nan\.parquet\)$"):
         read_coo_parquet(nan)
+    nulls = tmp_path / "nulls.parquet"  # pandas writes a NaN of a float column as null
+    pq.write_table(pa.table({"i": [0, 1], "j": [0, 1], "t": [0, 1], "value": [1.0, None]}), nulls)
+    with pytest.raises(InputError, match=r"^data\['value'\]='1 null': observed values must be present \(a NaN written "
+                                         r"by pandas is a null\): leave missing entries out"):
+        read_coo_parquet(nulls)
     # every value 0: the fits ran, then TensorLy's baseline failed the run, "Singular matrix" (a trial)
     zeros = tmp_path / "zeros.parquet"
     pq.write_table(pa.table({"i": [0, 1], "j": [0, 1], "t": [0, 1], "value": [0.0, -0.0]}), zeros)
