@@ -84,6 +84,10 @@ def test_the_readme_example_is_found_loaded_and_checked_as_the_cli_takes_it(site
     params.validate_inputs()
     with pytest.raises(InputError, match=r"ranks=\[200\]: at most 105, the unfolding's smaller side"):
         build_parameters(spec, "demo", ["ranks=200", "dataset=flights", "mode=1"]).validate_inputs()
+    with pytest.raises(InputError, match=r"ranks=\[2, 2\]: list each rank once"):  # (one result row for both: a trial)
+        build_parameters(spec, "demo", ["ranks=2,2"]).validate_inputs()
+    with pytest.raises(InputError, match=r"power_iterations=true: expected a number, not a boolean"):
+        build_parameters(spec, "demo", ["power_iterations=true"])
     with pytest.raises(InputError, match=r"ranks\[0\]=0: .*greater than or equal to 1"):
         build_parameters(spec, "demo", ["ranks=0"])
     with pytest.raises(InputError, match=r"ranks=\[\]: .*at least 1 item"):  # (ran, and logged nothing: a trial)
