@@ -1145,11 +1145,12 @@ def _log_since_start(log: str, tail_bytes: int = 65536) -> str:
     return (data[mark:] if mark >= 0 else data).decode("utf-8", "replace")
 
 
-def _port_taken_at_start(log: str, port: int) -> bool:
-    """Whether a server that exited while starting says, in its log since this start, that its
-    port ``port`` was in use when it bound it: picked free, then taken by another process in the
-    seconds before the bind (MLflow's imports take ~5 s; MLflow's own exit code is then 0)."""
-    return any(int(m.group(1) or m.group(2)) == port for m in _BIND_FAILED.finditer(_log_since_start(log)))
+def _port_taken_at_start(text: str, port: int) -> bool:
+    """Whether a server that exited while starting says, in ``text`` (its log since this start,
+    :func:`_log_since_start`), that its port ``port`` was in use when it bound it: picked free,
+    then taken by another process in the seconds before the bind (MLflow's imports take ~5 s;
+    MLflow's own exit code is then 0)."""
+    return any(int(m.group(1) or m.group(2)) == port for m in _BIND_FAILED.finditer(text))
 
 
 class _PortTakenAtStart(ServiceError):
@@ -1157,15 +1158,13 @@ class _PortTakenAtStart(ServiceError):
     (:func:`_port_taken_at_start`): :func:`ensure_stack` starts it again on another port."""
 
 
-def _log_reason(log: str, tail_bytes: int = 65536) -> str:
-    """The last exception line of a server's log since its last start (``asyncpg.exceptions.
-    InvalidPasswordError: password authentication failed for user "x"``), SeaweedFS's last fatal
-    line (a read-only data directory: the error said only "exited with code 255", a trial) or
-    uvicorn's failed bind (MLflow then exits with code 0, and its error said nothing more: a CI
-    run), for the one-line error of a server that exited while starting; "" when there is none."""
-    text = _log_since_start(log, tail_bytes)
-    if not text:
-        return ""
+def _log_reason(text: str) -> str:
+    """The last exception line of ``text``, a server's log since its last start
+    (:func:`_log_since_start`; ``asyncpg.exceptions.InvalidPasswordError: password authentication
+    failed for user "x"``), SeaweedFS's last fatal line (a read-only data directory: the error
+    said only "exited with code 255", a trial) or uvicorn's failed bind (MLflow then exits with
+    code 0, and its error said nothing more: a CI run), for the one-line error of a server that
+    exited while starting; "" when there is none."""
     found = [(m.end(), m.group(0)) for m in _LOG_REASON.finditer(text)]
     found += [(m.end(), m.group(1)) for m in _GLOG_FATAL.finditer(text)]
     found += [(m.end(), f"port {m.group(1) or m.group(2)} was taken by another process as the server bound it "
@@ -1193,8 +1192,9 @@ def _wait_healthy(
             if check() and _listens(proc.pid, urlsplit(url).port):
                 del pending[name]
             elif proc.poll() is not None:
-                reason = _log_reason(log)  # (the code alone said nothing of a wrong database password: a trial)
-                error = _PortTakenAtStart if _port_taken_at_start(log, urlsplit(url).port or 0) else ServiceError
+                text = _log_since_start(log)
+                reason = _log_reason(text)  # (the code alone said nothing of a wrong database password: a trial)
+                error = _PortTakenAtStart if _port_taken_at_start(text, urlsplit(url).port or 0) else ServiceError
                 raise error(name, f"server exited with code {proc.returncode} during start-up"
                             + (f": {reason}" if reason else ""), url=url, log=log)
         if not pending:
@@ -2334,25 +2334,22 @@ def ensure_stack(settings: Settings, *, progress: Progress | None = None, notice
                     problem = _store_problem(name, rec["url"], login if name == "prefect" else mlflow_login)
                     if problem:
                         raise ServiceError(name, problem, url=rec["url"], log=rec["log_path"])
-            databases: dict[str, str] = {}
-
-            def start_server(name: str) -> None:
+            def start_server(name: str, database: str) -> None:
                 if name == "prefect":
                     proc, rec = _start_prefect(settings, None, taken, login)  # type: ignore[arg-type]
                     check = lambda r=rec: _prefect_healthy(r["api_url"])  # noqa: E731
                 else:
                     proc, rec = _start_mlflow(settings, None, taken, s3_obj_url, key, secret,  # type: ignore[arg-type]
-                                              mlflow_login)  # type: ignore[arg-type]
+                                              mlflow_login)
                     check = lambda r=rec: _mlflow_healthy(r["url"])  # noqa: E731
-                rec["database"] = databases[name]
+                rec["database"] = database
                 say(f"{name}: starting server at {rec['url']} (log: {rec['log_path']})")
                 recs[name] = rec
                 pending[name] = (proc, check, rec["url"], rec["log_path"])
 
             if "prefect" not in recs and not external["prefect"]:
                 claim_ports()
-                databases["prefect"] = _note_database(settings, "prefect", tell)
-                start_server("prefect")
+                start_server("prefect", _note_database(settings, "prefect", tell))
                 started.append("prefect")
             if external["mlflow"]:
                 problem = _service_problem("mlflow", external["mlflow"], configured=True)
@@ -2360,8 +2357,7 @@ def ensure_stack(settings: Settings, *, progress: Progress | None = None, notice
                     raise ServiceError("mlflow", problem, url=external["mlflow"])
             if "mlflow" not in recs and not external["mlflow"]:
                 claim_ports()
-                databases["mlflow"] = _note_database(settings, "mlflow", tell)
-                start_server("mlflow")
+                start_server("mlflow", _note_database(settings, "mlflow", tell))
                 started.append("mlflow")
             for name in pending:
                 _say_port_moved(settings, name, recs[name]["port"], tell, last[name])
@@ -2379,7 +2375,7 @@ def ensure_stack(settings: Settings, *, progress: Progress | None = None, notice
                         port = int(recs[exc.service]["port"])
                         _stop_records([recs[exc.service]])  # (what the exited server left, if anything)
                         taken.add(port)
-                        start_server(exc.service)
+                        start_server(exc.service, recs[exc.service]["database"])
                         tell(f"{exc.service}: port {port} was taken by another process while its server started, "
                              f"so it is on {recs[exc.service]['port']}")
                         save()

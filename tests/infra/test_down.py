@@ -358,6 +358,13 @@ def test_a_server_that_exits_while_starting_says_its_logs_last_error(tmp_path):
                                   f"(address already in use) (log: {log})")
         # (started again on another port by ensure_stack only when it was its own port)
         assert (type(exc.value).__name__ == "_PortTakenAtStart") is retried
+    # ... and an earlier start's error, with none in this one's part of the log, is not said as this one's
+    log.write_text("\n=== paperline: starting python at 2026-12-07 17:00:00\nValueError: an earlier start's\n"
+                   "\n=== paperline: starting python at 2026-12-07 17:16:08\nINFO: Started server process\n")
+    with pytest.raises(ServiceError) as exc:
+        _wait_healthy({"mlflow": (ok, lambda: False, "http://127.0.0.1:31999", str(log))}, 5)
+    assert str(exc.value) == f"mlflow is not available at http://127.0.0.1:31999: server exited with code 0 during " \
+                             f"start-up (log: {log})"
     log.write_text("Port 31997 is already in use. Please specify a different port with the `--port` \nflag.\n")
     with pytest.raises(ServiceError, match="code 0 during start-up: port 31997 was taken") as exc:
         _wait_healthy({"prefect": (ok, lambda: False, "http://127.0.0.1:31997", str(log))}, 5)
