@@ -626,7 +626,7 @@ def _wait_for_flow_run(client, run_id, proc: subprocess.Popen, log: Path, timeou
         if state is not None and state.is_final():
             return state
         assert proc.poll() is None, Path(log).read_text()[-3000:]
-        time.sleep(2)
+        time.sleep(0.5)
     raise AssertionError(f"flow run {run_id} not final after {timeout} s (state {state}):\n"
                          + Path(log).read_text()[-3000:])
 
@@ -698,6 +698,7 @@ def cli_env(stack) -> dict[str, str]:
     env = {k: v for k, v in os.environ.items()
            if not k.startswith("PAPERLINE_") and k != "PREFECT_FLOWS_HEARTBEAT_FREQUENCY"}
     env.update(PAPERLINE_STATE_DIR=str(settings.state_dir), PAPERLINE_N_WORKERS="1", PYTHONUNBUFFERED="1",
+               PREFECT_RUNNER_POLL_FREQUENCY="1", PREFECT_WORKER_QUERY_SECONDS="1",
                PAPERLINE_CRASH_AFTER_S=str(settings.crash_after_s))
     return env
 
