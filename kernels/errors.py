@@ -10,15 +10,28 @@ import numbers
 import weakref
 
 
+class Described(str):
+    """What an :class:`InputError` saw, described where the value itself is too large or cannot be
+    typed (an array, a column's statistics): shown in angle brackets, ``values=<3 NaN and 0 inf of
+    100>``, where a plain string would be quoted as if the user had typed it
+    (``values='3 NaN and 0 inf of 100'``)."""
+
+    __slots__ = ()
+
+    def __repr__(self) -> str:
+        return f"<{self}>"
+
+
 class InputError(ValueError):
-    """Bad input at a public boundary: the message names the argument and the value seen."""
+    """Bad input at a public boundary: the message names the argument and the value seen (its
+    ``repr``, cut at 120 characters; a :class:`Described` value in angle brackets)."""
 
     def __init__(self, argument: str, value: object, problem: str):
         self.argument = argument
         self.value = value
         shown = repr(value)
         if len(shown) > 120:
-            shown = shown[:117] + "..."
+            shown = shown[:116] + "...>" if isinstance(value, Described) else shown[:117] + "..."
         self.problem = problem
         super().__init__(f"{argument}={shown}: {problem}")
 

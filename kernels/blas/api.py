@@ -48,7 +48,7 @@ import numpy as np
 
 from paperline.kernels.blas.plan import make_problem
 from paperline.kernels.blas.runtime import DaskRuntime, LocalRuntime, run
-from paperline.kernels.errors import InputError, check_int
+from paperline.kernels.errors import Described, InputError, check_int
 
 __all__ = ["gemm", "symm", "syrk", "syr2k", "trmm", "trsm"]
 
@@ -56,7 +56,7 @@ __all__ = ["gemm", "symm", "syrk", "syr2k", "trmm", "trsm"]
 def _check_call(runtime: Any, memory_budget: Any, check_finite: Any) -> tuple[Any, int, bool]:
     """The runtime options as :func:`.runtime.run` takes them, or InputError."""
     if runtime is not None and not isinstance(runtime, (LocalRuntime, DaskRuntime)):
-        raise InputError("runtime", runtime if isinstance(runtime, str) else type(runtime).__name__,
+        raise InputError("runtime", runtime if isinstance(runtime, str) else Described(type(runtime).__name__),
                          "expected None (a LocalRuntime on the CPU), a LocalRuntime or a DaskRuntime")
     memory_budget = check_int("memory_budget", memory_budget, 1, unit="bytes, e.g. 1 << 30")  # run() checks one task fits
     if isinstance(check_finite, np.bool_):

@@ -32,7 +32,7 @@ from typing import Any
 import numpy as np
 
 from paperline.kernels.blas.sources import TileSource, as_source
-from paperline.kernels.errors import InputError
+from paperline.kernels.errors import Described, InputError
 from paperline.kernels.registry import Registry
 
 ROUTINES: Registry[str] = Registry("BLAS routine")
@@ -199,7 +199,7 @@ def _shown(operand: Any) -> Any:
     if isinstance(operand, (str, os.PathLike)):
         return str(operand)
     shape = getattr(operand, "shape", None)
-    return f"{type(operand).__name__} of shape {tuple(shape)}" if shape is not None else type(operand).__name__
+    return Described(f"{type(operand).__name__} of shape {tuple(shape)}" if shape is not None else type(operand).__name__)
 
 
 def _scalar(argument: str, value: Any) -> float:
@@ -211,7 +211,7 @@ def _scalar(argument: str, value: Any) -> float:
         raise InputError(argument, value, "expected a real number") from None
     except OverflowError:  # an int beyond float64 (10**400): was a bare OverflowError (a trial)
         shown = str(value)
-        raise InputError(argument, shown if len(shown) <= 40 else f"{shown[:12]}...({len(shown)} digits)",
+        raise InputError(argument, value if len(shown) <= 40 else Described(f"{shown[:12]}...({len(shown)} digits)"),
                          "must be finite (it is beyond float64)") from None
     if not math.isfinite(v):
         raise InputError(argument, value, "must be finite")

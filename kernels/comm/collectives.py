@@ -54,7 +54,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
-from paperline.kernels.errors import InputError
+from paperline.kernels.errors import Described, InputError
 
 #: Cost-model constants ``(alpha_s, bytes_per_s)`` per backend, used by ``chunk_bytes=None``:
 #: latency per point-to-point message in seconds (with Python dispatch) and link bandwidth in
@@ -430,7 +430,7 @@ def _check_call(tensor: Any, chunk_bytes: int | None) -> tuple[Any, int | None]:
     if tensor.layout != torch.strided:
         raise InputError("tensor", tensor.layout, "must be a dense (strided) tensor")
     if not tensor.is_contiguous():
-        raise InputError("tensor", f"shape {tuple(tensor.shape)} stride {tensor.stride()}",
+        raise InputError("tensor", Described(f"shape {tuple(tensor.shape)} stride {tensor.stride()}"),
                          "must be contiguous (call .contiguous() and copy the result back)")
     if chunk_bytes is not None and (not _is_int(chunk_bytes) or chunk_bytes <= 0):
         raise InputError("chunk_bytes", chunk_bytes, "must be an int > 0 (bytes) or None")

@@ -94,7 +94,7 @@ from dataclasses import dataclass
 from collections.abc import Iterable
 from typing import TYPE_CHECKING, Any, Callable, ClassVar, NamedTuple
 
-from paperline.kernels.errors import InputError, as_float, check_int, is_real, unknown_name
+from paperline.kernels.errors import Described, InputError, as_float, check_int, is_real, unknown_name
 from paperline.kernels.registry import Registry
 
 if TYPE_CHECKING:
@@ -646,7 +646,7 @@ def _out_of_range(indices: "torch.Tensor", size: int) -> "torch.Tensor":
 def _raise_out_of_range(argument: str, indices: "torch.Tensor", size: int, what: str) -> None:
     bad = (indices < 0) | (indices >= size)
     if bool(bad.any()):  # one host sync
-        raise InputError(argument, f"{what} {int(indices[bad][0])}", f"out of range [0, {size}): {_CORRUPT}")
+        raise InputError(argument, Described(f"{what} {int(indices[bad][0])}"), f"out of range [0, {size}): {_CORRUPT}")
 
 
 def _fft_decode(payload: "torch.Tensor", layout: FFTLayout, dtype: "torch.dtype | None", argument: str,
@@ -666,7 +666,7 @@ def _fft_decode(payload: "torch.Tensor", layout: FFTLayout, dtype: "torch.dtype 
             ones = mask.sum()
             corrupt = ones != k
             if check and bool(corrupt):
-                raise InputError(argument, f"{int(ones)} frequencies marked in its bitmap",
+                raise InputError(argument, Described(f"{int(ones)} frequencies marked in its bitmap"),
                                  f"must mark exactly k = {k} of the m = {m} frequencies: {_CORRUPT}")
             indices = torch.nonzero_static(mask, size=k).reshape(-1)
         else:
@@ -726,7 +726,7 @@ def _refuse_corrupt_rows(decode: Callable, payloads: "torch.Tensor", corrupt: li
     if bool(flags.any()):
         r = int(flags.nonzero()[0, 0])
         decode(payloads[r], f"payloads[{r}]")  # raises the row's precise InputError
-        raise InputError(f"payloads[{r}]", "corrupt message", _CORRUPT)  # pragma: no cover - decode raised
+        raise InputError(f"payloads[{r}]", Described("corrupt message"), _CORRUPT)  # pragma: no cover - decode raised
 
 
 def fft_decompress(payloads: "torch.Tensor", layout: FFTLayout, dtype: "torch.dtype | None" = None) -> "torch.Tensor":

@@ -11,7 +11,7 @@ import time
 
 import numpy as np
 
-from paperline.kernels.errors import InputError, check_number
+from paperline.kernels.errors import Described, InputError, check_number
 from paperline.kernels.tensor.coo import COOTensor
 from paperline.kernels.tensor.pttf import check_count, check_held_out, check_seed, check_tensor, rmse
 
@@ -78,7 +78,7 @@ def tensorly_cp(tensor: COOTensor, *, rank: int, n_iter_max: int = 100, l2_reg: 
         cp = parafac(dense, rank, n_iter_max=n_iter_max, init="random", random_state=seed, l2_reg=l2_reg,
                      mask=mask, tol=tol, callback=record)
     except np.linalg.LinAlgError:  # (it failed the run as "LinAlgError: Singular matrix", retried: a trial)
-        raise InputError("tensor", f"{tensor.values.size} entries of shape {tensor.shape}",
+        raise InputError("tensor", Described(f"{tensor.values.size} entries of shape {tensor.shape}"),
                          f"TensorLy's CP-ALS met a singular matrix: the entries do not determine a rank-{rank} CP "
                          "model (e.g. all equal to 0, or a mode with fewer distinct observed indices than the rank); "
                          "lower the rank, set l2_reg > 0, or fit without this baseline (the tensor-factorization "

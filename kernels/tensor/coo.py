@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from paperline.kernels.arrays import array_module, device_of, to_device, to_host
-from paperline.kernels.errors import InputError, check_int, check_number
+from paperline.kernels.errors import Described, InputError, check_int, check_number
 
 # |value| x sqrt(nnz) above this: sums of squared errors (RMSE, the objectives) overflow float64 (~1.3e154 squared)
 MAX_SCALE = 1e150
@@ -61,27 +61,27 @@ def _check_values(xp, values: object, argument: str = "values") -> np.ndarray:
         raise InputError(argument, values, f"must be an array of real numbers ({exc})") from None
     kind = arr.dtype.kind
     if kind == "b":  # True/False would become 1.0/0.0 observations nobody measured
-        raise InputError(argument, f"array of dtype {arr.dtype}",
+        raise InputError(argument, Described(f"array of dtype {arr.dtype}"),
                          f"must be real numbers, not booleans: if 1.0/0.0 is meant, convert explicitly "
                          f"(e.g. {argument}.astype(float))")
     if kind == "c":
-        raise InputError(argument, f"array of dtype {arr.dtype}",
+        raise InputError(argument, Described(f"array of dtype {arr.dtype}"),
                          "complex values are not supported: pass the real part (or the magnitude) explicitly")
     if kind == "O":  # e.g. Python numbers in an object array: astype alone would also take True and "1.5"
         for i, x in enumerate(arr.flat):
             if not _is_number(x):
-                raise InputError(argument, f"array of dtype {arr.dtype}",
+                raise InputError(argument, Described(f"array of dtype {arr.dtype}"),
                                  f"must be real numbers (element {i} is {x!r:.40}, a {type(x).__name__})")
         try:
             return arr.astype(np.float64)
         except (TypeError, ValueError, OverflowError) as exc:  # 10**400, Decimal('sNaN')
-            raise InputError(argument, f"array of dtype {arr.dtype}", f"must be float64 numbers ({exc})") from None
+            raise InputError(argument, Described(f"array of dtype {arr.dtype}"), f"must be float64 numbers ({exc})") from None
     if kind not in "iuf":
-        raise InputError(argument, f"array of dtype {arr.dtype}", "must be real numbers")
+        raise InputError(argument, Described(f"array of dtype {arr.dtype}"), "must be real numbers")
     if isinstance(values, (list, tuple)):  # NumPy made [True, 2.5] floats before the dtype could tell
         for i, x in enumerate(np.asarray(values, dtype=object).flat):
             if isinstance(x, (bool, np.bool_)):
-                raise InputError(argument, f"a {type(values).__name__} of {len(values)}",
+                raise InputError(argument, Described(f"a {type(values).__name__} of {len(values)}"),
                                  f"must be real numbers, not booleans (element {i} is {x!r}): if 1.0/0.0 is meant, "
                                  "convert explicitly")
     return arr
@@ -143,7 +143,7 @@ def _check_unique(xp, coords: np.ndarray, shape: tuple[int, ...]) -> None:
     else:
         rows = to_host(xp.flatnonzero(xp.all(coords == ranked[first], axis=1)))
     where = tuple(int(i) for i in to_host(coords[int(rows[0])]))
-    raise InputError("coords", f"{n_same} repeated of {n}",
+    raise InputError("coords", Described(f"{n_same} repeated of {n}"),
                      f"a coordinate appears more than once (first: {where} at rows {int(rows[0])} and "
                      f"{int(rows[1])}); list each observed entry once")
 
@@ -189,26 +189,26 @@ class COOTensor:
         shape = _check_shape(self.shape)
         values = _owned(_check_values(xp, self.values), xp.float64)
         if values.ndim != 1:
-            raise InputError("values", f"array of shape {values.shape}",
+            raise InputError("values", Described(f"array of shape {values.shape}"),
                              "must be 1-D: one value per row of coords")
         if values.size == 0:
-            raise InputError("values", f"array of shape {values.shape}",
+            raise InputError("values", Described(f"array of shape {values.shape}"),
                              "empty tensor: no observed entries")
         coords = xp.asarray(self.coords)
         if coords.dtype.kind not in "iu":  # a float index would be truncated (0.7 -> 0), a bool one is no index
-            raise InputError("coords", f"array of dtype {coords.dtype}",
+            raise InputError("coords", Described(f"array of dtype {coords.dtype}"),
                              "coordinates must be integers (int64): convert integral values explicitly")
         if coords.shape != (values.size, len(shape)):
-            raise InputError("coords", f"array of shape {coords.shape}",
+            raise InputError("coords", Described(f"array of shape {coords.shape}"),
                              f"expected ({values.size}, {len(shape)}) to match values and shape")
         bad = ~xp.isfinite(values)
         if bool(bad.any()):
             n_nan = int(xp.isnan(values).sum())
-            raise InputError("values", f"{n_nan} NaN and {int(bad.sum()) - n_nan} inf of {values.size}",
+            raise InputError("values", Described(f"{n_nan} NaN and {int(bad.sum()) - n_nan} inf of {values.size}"),
                              "observed values must be finite (leave missing entries out instead)")
         largest = float(xp.abs(values).max())
         if largest * math.sqrt(values.size) > MAX_SCALE:  # finite, but squared errors would overflow
-            raise InputError("values", f"largest |value| {largest:.3g} of {values.size}",
+            raise InputError("values", Described(f"largest |value| {largest:.3g} of {values.size}"),
                              f"too large for float64 arithmetic (squared errors overflow): keep |value| x "
                              f"sqrt(entries) below {MAX_SCALE:.0e}; rescale the data")
         lo = to_host(coords.min(axis=0))  # in the caller's dtype: a huge uint64 does not wrap negative
@@ -284,16 +284,16 @@ class COOTensor:
         if mask is not None:
             mask = xp.asarray(mask)
             if mask.dtype.kind != "b":  # 0.5 or a ratings array counted as "observed" wherever non-zero
-                raise InputError("mask", f"array of dtype {mask.dtype}", "must be a bool array (True where observed); "
+                raise InputError("mask", Described(f"array of dtype {mask.dtype}"), "must be a bool array (True where observed); "
                                                                          "e.g. mask=ratings > 0")
             if mask.shape != dense.shape:
-                raise InputError("mask", f"shape {mask.shape}", f"must match tensor shape {dense.shape}")
+                raise InputError("mask", Described(f"shape {mask.shape}"), f"must match tensor shape {dense.shape}")
             if not bool(mask.any()):
-                raise InputError("mask", f"0 of {dense.size} observed", "mask has no observed entries")
+                raise InputError("mask", Described(f"0 of {dense.size} observed"), "mask has no observed entries")
             observed &= mask
         if not bool(observed.any()):
             where = "every entry the mask selects is NaN" if mask is not None else "every entry is NaN"
-            raise InputError("dense", f"array of shape {dense.shape}", f"{where}: no observed entries")
+            raise InputError("dense", Described(f"array of shape {dense.shape}"), f"{where}: no observed entries")
         coords = xp.stack(xp.nonzero(observed), axis=1)  # as argwhere, but a fresh array it can own
         return cls(_frozen(coords), _frozen(dense[observed]), dense.shape, mode_names)
 

@@ -13,7 +13,7 @@ from typing import Any
 
 import numpy as np
 
-from paperline.kernels.errors import InputError, unknown_name
+from paperline.kernels.errors import Described, InputError, unknown_name
 from paperline.kernels.registry import Registry
 from paperline.kernels.tensor.coo import COOTensor
 
@@ -231,16 +231,16 @@ def read_coo_parquet(source: str | Path | bytes, *, argument: str = "data", name
         if not pa.types.is_integer(col.type):
             raise InputError(f"{argument}[{c!r}]", str(col.type), f"{_non_integer_index(col, c)} (in {shown})")
         if col.null_count:
-            raise InputError(f"{argument}[{c!r}]", f"{col.null_count} null", f"index columns must have no missing "
+            raise InputError(f"{argument}[{c!r}]", Described(f"{col.null_count} null"), f"index columns must have no missing "
                                                                           f"entries (in {shown})")
         arr = col.to_numpy(zero_copy_only=False)
         if arr.size:  # range-checked in the column's own type: a uint64 beyond int64 would wrap negative
             lo, hi = int(arr.min()), int(arr.max())  # Python ints: uint64 vs int64 compares as float64 in NumPy 1
             if lo < 0:
-                raise InputError(f"{argument}[{c!r}]", f"min {lo} ({col.type})",
+                raise InputError(f"{argument}[{c!r}]", Described(f"min {lo} ({col.type})"),
                                  f"index columns must be >= 0 (in {shown})")
             if hi > _MAX_INDEX:
-                raise InputError(f"{argument}[{c!r}]", f"max {hi} ({col.type})",
+                raise InputError(f"{argument}[{c!r}]", Described(f"max {hi} ({col.type})"),
                                  f"index too large: coordinates are int64, so indices must be <= 2**63 - 1 "
                                  f"(in {shown})")
         coords.append(arr.astype(np.int64))
@@ -255,12 +255,12 @@ def read_coo_parquet(source: str | Path | bytes, *, argument: str = "data", name
                                                                       f"float or decimal) (in {shown})")
     if value_col.null_count:
         # (pandas writes a NaN as null: a trial's NaN was reported only as "1 null")
-        raise InputError(f"{argument}['value']", f"{value_col.null_count} null", f"observed values must be present "
+        raise InputError(f"{argument}['value']", Described(f"{value_col.null_count} null"), f"observed values must be present "
                                                                               f"(a NaN written by pandas is a null): "
                                                                               f"leave missing entries out (in {shown})")
     values = value_col.to_numpy(zero_copy_only=False).astype(np.float64)
     if values.size and not values.any():  # (the P²T²F fits ran, then TensorLy's baseline failed, "Singular matrix": a trial)
-        raise InputError(f"{argument}['value']", f"all {values.size} zero", "every observed value is 0: a CP model "
+        raise InputError(f"{argument}['value']", Described(f"all {values.size} zero"), "every observed value is 0: a CP model "
                                                                            "of it is all zeros, with nothing to fit; "
                                                                            f"check the column (in {shown})")
     _check_unique(coords_arr, values, argument, shown, index_cols)

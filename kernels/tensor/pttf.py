@@ -34,7 +34,7 @@ from typing import Any
 import numpy as np
 
 from paperline.kernels.arrays import array_module, to_host
-from paperline.kernels.errors import InputError, check_number
+from paperline.kernels.errors import Described, InputError, check_number
 from paperline.kernels.tensor.coo import COOTensor
 
 
@@ -131,7 +131,7 @@ def predict(factors: list[np.ndarray], coords: np.ndarray) -> np.ndarray:
         raise InputError("factors", [getattr(f, "shape", type(f).__name__) for f in factors] if factors else factors,
                          "expected N 2-D arrays I_m x R of one rank R")
     if coords.dtype.kind not in "iu" or coords.ndim != 2 or coords.shape[1] != len(factors):
-        raise InputError("coords", f"array of dtype {coords.dtype} and shape {coords.shape}",
+        raise InputError("coords", Described(f"array of dtype {coords.dtype} and shape {coords.shape}"),
                          f"expected an integer nnz x {len(factors)} array")
     if coords.shape[0]:
         lo, hi = to_host(coords.min(axis=0)), to_host(coords.max(axis=0))
@@ -262,7 +262,7 @@ def check_tensor(value: object, argument: str = "tensor") -> COOTensor:
         shown = f"{type(value).__module__}.{type(value).__qualname__}"
         if hasattr(value, "shape"):
             shown += f" of shape {tuple(value.shape)}"
-        raise InputError(argument, shown, "must be a COOTensor of the observed entries (a dense array: "
+        raise InputError(argument, Described(shown), "must be a COOTensor of the observed entries (a dense array: "
                                           "COOTensor.from_dense(array, mask))")
     return value
 
@@ -278,7 +278,7 @@ def check_held_out(value: object, shape: tuple[int, ...], argument: str = "valid
         return None
     check_tensor(value, argument)
     if tuple(value.shape) != tuple(shape):
-        raise InputError(argument, f"COOTensor of shape {value.shape}",
+        raise InputError(argument, Described(f"COOTensor of shape {value.shape}"),
                          f"must have the training tensor's shape {tuple(shape)}")
     return value
 
@@ -289,7 +289,7 @@ def _check_factors_fit(factors: list[np.ndarray], tensor: COOTensor, argument: s
     check_tensor(tensor, argument)
     shape = tuple(int(f.shape[0]) for f in factors)
     if tuple(tensor.shape) != shape:
-        raise InputError(argument, f"COOTensor of shape {tensor.shape}",
+        raise InputError(argument, Described(f"COOTensor of shape {tensor.shape}"),
                          f"does not match the factors' shape {shape}")
 
 
@@ -324,7 +324,7 @@ def check_fit_fits_memory(shape: tuple[int, ...], rank: int, working_bytes: int,
         return
     gib = 2**30
     if 8 * sum(int(i) for i in shape) > available:
-        raise InputError("tensor", f"shape {tuple(shape)}", f"its factors would take {8 * sum(shape) / gib:,.1f} GiB "
+        raise InputError("tensor", Described(f"shape {tuple(shape)}"), f"its factors would take {8 * sum(shape) / gib:,.1f} GiB "
                                                              f"even at rank 1, {available / gib:,.1f} GiB available")
     raise InputError("rank", rank, f"the factors and the fit's scratch would take {need / gib:,.1f} GiB, "
                                    f"{available / gib:,.1f} GiB available; lower the rank")
@@ -421,19 +421,19 @@ def _check_init(init: object, tensor: COOTensor, rank: int) -> list[np.ndarray]:
     xp = array_module(tensor.values)
     expected = [(s, rank) for s in tensor.shape]
     if isinstance(init, (str, bytes)) or not hasattr(init, "__len__") or len(init) != len(expected):
-        raise InputError("init", f"{type(init).__name__}", f"need a list of {len(expected)} factors of shapes "
+        raise InputError("init", Described(f"{type(init).__name__}"), f"need a list of {len(expected)} factors of shapes "
                                                             f"{expected}")
     factors = []
     for m, (f, want) in enumerate(zip(init, expected)):
         arr = xp.asarray(f)
         if arr.dtype.kind not in "biuf":
-            raise InputError(f"init[{m}]", f"array of dtype {arr.dtype}", "factors must be real numbers")
+            raise InputError(f"init[{m}]", Described(f"array of dtype {arr.dtype}"), "factors must be real numbers")
         if tuple(arr.shape) != want:
-            raise InputError(f"init[{m}]", f"array of shape {tuple(arr.shape)}",
+            raise InputError(f"init[{m}]", Described(f"array of shape {tuple(arr.shape)}"),
                              f"expected {want} (I_{m + 1} x rank) for a tensor of shape {tensor.shape}")
         arr = xp.array(arr, dtype=xp.float64)
         if not bool(xp.isfinite(arr).all()):
-            raise InputError(f"init[{m}]", f"array of shape {want}", "factors must be finite")
+            raise InputError(f"init[{m}]", Described(f"array of shape {want}"), "factors must be finite")
         factors.append(arr)
     return factors
 
