@@ -40,7 +40,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -1123,10 +1123,13 @@ _LOG_REASON = re.compile(r"^(?:[\w.]+\.)?\w*(?:Error|Exception|Exit)\b[^\n]*:\s*
 _GLOG_FATAL = re.compile(r"^F\d{4} \d\d:\d\d:\d\d\.\d+ +(?:\d+ +)?[\w.-]+:\d+\]? (\S.*)$", re.MULTILINE)
 
 
-# uvicorn's line when the port is in use as it binds (MLflow's server, Prefect's), and Prefect's own
-# check before it starts uvicorn
+# uvicorn's line when the port is in use as it binds (MLflow's server, Prefect's), Prefect's own
+# check before it starts uvicorn, and SeaweedFS's, for any of its ten ports: its check as it starts
+# ("Port allocation failed: port 8333 for S3 (specified by flag s3.port) is not available"), and
+# Go's, should the port be taken between that check and the bind
 _BIND_FAILED = re.compile(r"error while attempting to bind on address \(.*?, (\d+)\)[^\n]*address already in use"
-                          r"|^Port (\d+) is already in use", re.MULTILINE)
+                          r"|^Port (\d+) is already in use|listen tcp \S*?:(\d+): bind: address already in use"
+                          r"|Port allocation failed: port (\d+) for .* is not available", re.MULTILINE)
 _START_MARK = b"\n=== paperline: starting "  # what _spawn writes into the log before each start
 
 
@@ -1145,17 +1148,28 @@ def _log_since_start(log: str, tail_bytes: int = 65536) -> str:
     return (data[mark:] if mark >= 0 else data).decode("utf-8", "replace")
 
 
-def _port_taken_at_start(text: str, port: int) -> bool:
-    """Whether a server that exited while starting says, in ``text`` (its log since this start,
-    :func:`_log_since_start`), that its port ``port`` was in use when it bound it: picked free,
-    then taken by another process in the seconds before the bind (MLflow's imports take ~5 s;
-    MLflow's own exit code is then 0)."""
-    return any(int(m.group(1) or m.group(2)) == port for m in _BIND_FAILED.finditer(text))
+def _bound_port(match: re.Match[str]) -> int:
+    """The port of a :data:`_BIND_FAILED` line (whichever of its forms matched)."""
+    return int(next(g for g in match.groups() if g))
+
+
+def _port_taken_at_start(text: str, ports: Iterable[int]) -> int | None:
+    """The one of ``ports`` that a server which exited while starting says, in ``text`` (its log
+    since this start, :func:`_log_since_start`), was in use when it bound it: picked free, then
+    taken by another process before the bind (MLflow's imports take ~5 s, and its own exit code is
+    then 0; SeaweedFS binds ten ports in its first second); None when it says no such thing."""
+    wanted = set(ports)
+    return next((port for port in map(_bound_port, _BIND_FAILED.finditer(text)) if port in wanted), None)
 
 
 class _PortTakenAtStart(ServiceError):
-    """A server exited while starting because its port was taken between the pick and its bind
-    (:func:`_port_taken_at_start`): :func:`ensure_stack` starts it again on another port."""
+    """A server exited while starting because one of its ports (``port``) was taken between the
+    pick and its bind (:func:`_port_taken_at_start`): :func:`ensure_stack` starts it again on
+    other ports."""
+
+    def __init__(self, *args: Any, port: int, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.port = port
 
 
 def _log_reason(text: str) -> str:
@@ -1167,36 +1181,49 @@ def _log_reason(text: str) -> str:
     exited while starting; "" when there is none."""
     found = [(m.end(), m.group(0)) for m in _LOG_REASON.finditer(text)]
     found += [(m.end(), m.group(1)) for m in _GLOG_FATAL.finditer(text)]
-    found += [(m.end(), f"port {m.group(1) or m.group(2)} was taken by another process as the server bound it "
+    found += [(m.end(), f"port {_bound_port(m)} was taken by another process as the server bound it "
                         "(address already in use)") for m in _BIND_FAILED.finditer(text)]
     return redact_text(" ".join(max(found)[1].split()))[:300] if found else ""
 
 
 def _wait_healthy(
-    pending: dict[str, tuple[subprocess.Popen[bytes], Callable[[], bool], str, str]], timeout_s: float
+    pending: dict[str, tuple[subprocess.Popen[bytes], Callable[[], bool], str, str]], timeout_s: float,
+    ports: dict[str, list[int]] | None = None,
 ) -> None:
     """Wait until every server is healthy.
 
     Args:
         pending: name -> (process, health check, url, log path).
         timeout_s: Seconds to wait in total.
+        ports: name -> the ports the server binds (SeaweedFS's ten), where not only its URL's.
 
     Raises:
-        ServiceError: A server exited, or is not healthy after ``timeout_s``.
+        _PortTakenAtStart: A server exited because one of its ports was taken as it bound it.
+        ServiceError: A server exited otherwise, or is not healthy after ``timeout_s``.
     """
     deadline = time.monotonic() + timeout_s
     pending = dict(pending)
     while pending:
         for name in list(pending):
             proc, check, url, log = pending[name]
-            if check() and _listens(proc.pid, urlsplit(url).port):
+            if ports and name in ports and proc.poll() is None:
+                # SeaweedFS says a port is taken and exits ~10 s later: told at once (and before a
+                # health check, which the process that took the S3 port may leave unanswered)
+                port = _port_taken_at_start(_log_since_start(log), ports[name])
+                if port is not None:
+                    raise _PortTakenAtStart(name, f"port {port} was taken by another process as the server bound it",
+                                            url=url, log=log, port=port)
+            # (listening first: a health check sent to the process that took the port may go unanswered)
+            if _listens(proc.pid, urlsplit(url).port) and check():
                 del pending[name]
             elif proc.poll() is not None:
                 text = _log_since_start(log)
                 reason = _log_reason(text)  # (the code alone said nothing of a wrong database password: a trial)
-                error = _PortTakenAtStart if _port_taken_at_start(text, urlsplit(url).port or 0) else ServiceError
-                raise error(name, f"server exited with code {proc.returncode} during start-up"
-                            + (f": {reason}" if reason else ""), url=url, log=log)
+                problem = f"server exited with code {proc.returncode} during start-up" + (f": {reason}" if reason else "")
+                port = _port_taken_at_start(text, (ports or {}).get(name) or [urlsplit(url).port or 0])
+                if port is not None:
+                    raise _PortTakenAtStart(name, problem, url=url, log=log, port=port)
+                raise ServiceError(name, problem, url=url, log=log)
         if not pending:
             return
         if time.monotonic() > deadline:
@@ -2238,17 +2265,36 @@ def ensure_stack(settings: Settings, *, progress: Progress | None = None, notice
                 s3_ports, problem = _read_ports(settings.state_dir / S3_PORTS_FILE)
                 if problem:
                     tell(f"s3: {problem}")
-                proc, rec = _start_s3(settings, taken, key, secret, s3_ports)  # type: ignore[arg-type]
-                say(f"s3: starting SeaweedFS at {rec['url']} (log: {rec['log_path']})")
-                _say_port_moved(settings, "s3", rec["port"], tell, s3_ports.get("s3"))
-                recs["s3"] = rec
                 started.append("s3")
-                save()
-                _wait_healthy(
-                    {"s3": (proc, lambda: _s3_healthy(rec["url"], key, secret, settings.s3_region), rec["url"], rec["log_path"])},
-                    settings.startup_timeout_s,
-                )
-                s3_url = rec["url"]
+                moved: list[tuple[int, str]] = []  # (port taken as SeaweedFS started, its component)
+                for tries_left in range(_START_RETRIES, -1, -1):
+                    proc, rec = _start_s3(settings, taken, key, secret, s3_ports)  # type: ignore[arg-type]
+                    say(f"s3: starting SeaweedFS at {rec['url']} (log: {rec['log_path']})")
+                    if tries_left == _START_RETRIES:
+                        _say_port_moved(settings, "s3", rec["port"], tell, s3_ports.get("s3"))
+                    recs["s3"] = rec
+                    save()
+                    ports = [p + offset for p in rec["ports"].values() for offset in (0, _GRPC_OFFSET)]
+                    try:
+                        _wait_healthy({"s3": (proc, lambda r=rec: _s3_healthy(r["url"], key, secret, settings.s3_region),
+                                              rec["url"], rec["log_path"])}, settings.startup_timeout_s, {"s3": ports})
+                        break
+                    except _PortTakenAtStart as exc:
+                        # one of its ten ports, free when picked, was taken before SeaweedFS bound it
+                        # (it binds them in its first second): started again on others
+                        if not tries_left:
+                            raise
+                        _stop_records([rec])
+                        lost = next(c for c, p in rec["ports"].items() if exc.port in (p, p + _GRPC_OFFSET))
+                        s3_ports = {c: p for c, p in rec["ports"].items() if c != lost}  # the others kept
+                        taken.difference_update(p + offset for p in s3_ports.values() for offset in (0, _GRPC_OFFSET))
+                        taken.add(exc.port)
+                        moved.append((exc.port, lost))
+                for port, lost in moved:
+                    tell(f"s3: port {port} was taken by another process while SeaweedFS started, so it started "
+                         + (f"again on {recs['s3']['port']}" if lost == "s3" else
+                            f"again with its {lost} server on another port (S3 stays at {recs['s3']['url']})"))
+                s3_url = recs["s3"]["url"]
             s3_obj_url = s3_url
 
             login = None if external["prefect"] else _local_login(settings, "prefect", create=True)
@@ -2372,7 +2418,7 @@ def ensure_stack(settings: Settings, *, progress: Progress | None = None, notice
                         # another process's connection or server): started again on another one
                         if not tries_left:
                             raise
-                        port = int(recs[exc.service]["port"])
+                        port = exc.port
                         _stop_records([recs[exc.service]])  # (what the exited server left, if anything)
                         taken.add(port)
                         start_server(exc.service, recs[exc.service]["database"])

@@ -34,13 +34,23 @@ def test_second_stack_on_taken_ports_stops_completely(settings_factory, tmp_path
         s.listen(1)
         blockers.append(s)
     started: list[str] = []
+    master: list[int] = []
 
-    def take_mlflows_port(line: str) -> None:
+    def take_ports(line: str) -> None:
+        # SeaweedFS's master port, free when picked, taken before SeaweedFS checks it (~1 s): it
+        # said so and exited, and the stack failed (one of its ten ports; their pick to the bind)
+        if line.startswith("s3: starting SeaweedFS at ") and not master:
+            master.append(json.loads((settings.state_dir / "s3" / "ports.json").read_text())["master"])
+            s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # (a connection's TIME_WAIT: not a taker)
+            s.bind(("127.0.0.1", master[0]))
+            s.listen(1)
+            blockers.append(s)
         # MLflow's port, free when picked, taken in the ~5 s before its server binds it (by another
         # process's connection or server): MLflow exited with code 0, and the stack failed (a CI run)
         if line.startswith("mlflow: starting server at "):
             started.append(line)
-            if len(blockers) == 2:
+            if len(blockers) == 3:
                 s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
                 s.bind(("127.0.0.1", urlparse(line.split()[4]).port))
                 s.listen(1)
@@ -48,7 +58,7 @@ def test_second_stack_on_taken_ports_stops_completely(settings_factory, tmp_path
 
     try:
         moved: list[str] = []
-        info = ensure_stack(settings, progress=take_mlflows_port, notice=moved.append)
+        info = ensure_stack(settings, progress=take_ports, notice=moved.append)
         # what this call started, under the stack's lock (two `up`s at once both said "started")
         assert info.started == ("s3", "prefect", "mlflow") and ensure_stack(settings).started == ()
         assert urlparse(info.s3_endpoint_url).port not in (None, settings.s3_port)
@@ -56,11 +66,14 @@ def test_second_stack_on_taken_ports_stops_completely(settings_factory, tmp_path
         # started again on another port, said
         assert len(started) == 2 and started[0].split()[4] == f"http://127.0.0.1:{settings.mlflow_port}", started
         assert urlparse(info.mlflow_tracking_uri).port not in (None, settings.mlflow_port)
+        assert json.loads((settings.state_dir / "s3" / "ports.json").read_text())["master"] != master[0]
         # the ports asked for were replaced with nothing said (a trial): said on lasting lines
         # (beside, maybe, a wait for the other xdist worker's stack starting at the same moment)
         moved = [m for m in moved if not m.startswith("waiting for another paperline stack on this machine")]
         assert moved == [f"s3: port {settings.s3_port} (PAPERLINE_S3_PORT) is taken by another process, so it is on "
                          f"{urlparse(info.s3_endpoint_url).port}",
+                         f"s3: port {master[0]} was taken by another process while SeaweedFS started, so it started "
+                         f"again with its master server on another port (S3 stays at {info.s3_endpoint_url})",
                          f"prefect: port {settings.prefect_port} (PAPERLINE_PREFECT_PORT) is taken by another "
                          f"process, so it is on {urlparse(info.prefect_api_url).port}",
                          f"mlflow: port {settings.mlflow_port} was taken by another process while its server "
@@ -369,6 +382,25 @@ def test_a_server_that_exits_while_starting_says_its_logs_last_error(tmp_path):
     with pytest.raises(ServiceError, match="code 0 during start-up: port 31997 was taken") as exc:
         _wait_healthy({"prefect": (ok, lambda: False, "http://127.0.0.1:31997", str(log))}, 5)
     assert type(exc.value).__name__ == "_PortTakenAtStart"
+    # SeaweedFS, any of its ports: its own check as it starts, told while it still runs (it exits
+    # ~10 s later), and Go's failed bind after it exited
+    alive = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        log.write_text("E1207 21:32:13.068341 mini.go:1244 Port allocation failed: port 18433 for Master (specified by "
+                       "flag master.port) is not available on 127.0.0.1 and cannot be used\n")
+        with pytest.raises(ServiceError, match="^s3 is not available at http://127.0.0.1:18000: port 18433 was taken by "
+                                               "another process as the server bound it") as exc:
+            _wait_healthy({"s3": (alive, lambda: False, "http://127.0.0.1:18000", str(log))}, 5, {"s3": [18000, 18433]})
+        assert type(exc.value).__name__ == "_PortTakenAtStart" and exc.value.port == 18433
+        assert alive.poll() is None  # (ensure_stack stops it)
+    finally:
+        alive.kill()
+        alive.wait()
+    log.write_text("F1207 21:28:56.075408 master.go:212 Master startup error: listen tcp 127.0.0.1:28433: bind: address "
+                   "already in use\n")
+    with pytest.raises(ServiceError, match="code 3 during start-up: port 28433 was taken") as exc:
+        _wait_healthy({"s3": (proc, lambda: False, "http://127.0.0.1:18000", str(log))}, 5, {"s3": [18000, 28433]})
+    assert exc.value.port == 28433
 
 
 def test_servers_a_damaged_stack_json_lost_are_stopped_by_down(settings_factory, tmp_path):
