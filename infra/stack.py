@@ -1163,9 +1163,9 @@ def _port_taken_at_start(text: str, ports: Iterable[int]) -> int | None:
 
 
 class _PortTakenAtStart(ServiceError):
-    """A server exited while starting because one of its ports (``port``) was taken between the
-    pick and its bind (:func:`_port_taken_at_start`): :func:`ensure_stack` starts it again on
-    other ports."""
+    """A starting server could not bind one of its ports (``port``), taken by another process
+    between the pick and its bind (:func:`_port_taken_at_start`): :func:`ensure_stack` stops what
+    is left of it and starts it again on other ports."""
 
     def __init__(self, *args: Any, port: int, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
@@ -1198,7 +1198,8 @@ def _wait_healthy(
         ports: name -> the ports the server binds (SeaweedFS's ten), where not only its URL's.
 
     Raises:
-        _PortTakenAtStart: A server exited because one of its ports was taken as it bound it.
+        _PortTakenAtStart: A server exited, or says it cannot start (SeaweedFS, ``ports``), because
+            one of its ports was taken as it bound it; what is left of it is the caller's to stop.
         ServiceError: A server exited otherwise, or is not healthy after ``timeout_s``.
     """
     deadline = time.monotonic() + timeout_s
@@ -2274,10 +2275,10 @@ def ensure_stack(settings: Settings, *, progress: Progress | None = None, notice
                         _say_port_moved(settings, "s3", rec["port"], tell, s3_ports.get("s3"))
                     recs["s3"] = rec
                     save()
-                    ports = [p + offset for p in rec["ports"].values() for offset in (0, _GRPC_OFFSET)]
+                    bound = [p + offset for p in rec["ports"].values() for offset in (0, _GRPC_OFFSET)]
                     try:
                         _wait_healthy({"s3": (proc, lambda r=rec: _s3_healthy(r["url"], key, secret, settings.s3_region),
-                                              rec["url"], rec["log_path"])}, settings.startup_timeout_s, {"s3": ports})
+                                              rec["url"], rec["log_path"])}, settings.startup_timeout_s, {"s3": bound})
                         break
                     except _PortTakenAtStart as exc:
                         # one of its ten ports, free when picked, was taken before SeaweedFS bound it
