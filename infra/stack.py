@@ -2155,6 +2155,28 @@ def _make_info(settings: Settings, urls: dict[str, str | None], services: list[S
     )
 
 
+def _keys_meant_elsewhere(settings: Settings, external: dict[str, str | None]) -> str | None:
+    """Why an S3 key pair set in the settings must not become the local SeaweedFS's login, or None.
+
+    A key pair without ``PAPERLINE_S3_ENDPOINT_URL`` is the local SeaweedFS's login (a fixed pair
+    for a local stack). Beside a Prefect or MLflow server of the user's own it is a real S3's pair
+    whose endpoint setting is missing or misspelt (``PAPERLINE_S3_ENDPOINT``): the secret was
+    written into the local server's configuration, and the runs' results went to that local
+    server, referenced from the shared Prefect and MLflow where nobody else could read them, with
+    only the misspelling's warning said (a trial)."""
+    if external["s3"] or not (settings.s3_access_key_id or settings.s3_secret_access_key):
+        return None
+    beside = [var for name, var in (("prefect", "PAPERLINE_PREFECT_API_URL"), ("mlflow", "PAPERLINE_MLFLOW_TRACKING_URI"))
+              if external[name]]
+    if not beside:
+        return None
+    return (f"PAPERLINE_S3_ACCESS_KEY_ID/PAPERLINE_S3_SECRET_ACCESS_KEY are set but PAPERLINE_S3_ENDPOINT_URL is not, "
+            f"beside {' and '.join(beside)}: the keys would become the login of a local SeaweedFS (written into "
+            f"{settings.state_dir / 's3'}) and the runs' results would be stored there, out of reach of the "
+            "configured servers' other users; set PAPERLINE_S3_ENDPOINT_URL to the S3 server the keys are for, or "
+            "unset the keys to keep S3 local")
+
+
 def ensure_stack(settings: Settings, *, progress: Progress | None = None, notice: Progress | None = None) -> StackInfo:
     """Make sure S3, Prefect and MLflow are up (``paperline up``); idempotent.
 
@@ -2181,6 +2203,9 @@ def ensure_stack(settings: Settings, *, progress: Progress | None = None, notice
     say = progress or (lambda _msg: None)
     tell = notice or say
     external = _external_urls(settings)
+    problem = _keys_meant_elsewhere(settings, external)
+    if problem:
+        raise ServiceError("s3", problem)
     with _locked(settings):
         state = _read_state(settings)
         recs: dict[str, dict[str, Any]] = state["services"]

@@ -307,6 +307,31 @@ def test_failed_start_leaves_nothing_running(settings_factory, tmp_path):
     assert stop_stack(settings) == []
 
 
+def test_an_s3_key_pair_without_its_endpoint_beside_configured_servers_is_refused(settings_factory, tmp_path):
+    """A real S3's key pair with its endpoint setting misspelt (PAPERLINE_S3_ENDPOINT), beside a
+    Prefect and an MLflow of the user's own: the secret became a local SeaweedFS's login, written
+    into its configuration, and the results went there, referenced from the shared servers (a
+    trial). Refused before anything starts; alone, a key pair is the local stack's login."""
+    from paperline.infra.errors import ServiceError
+    from paperline.infra.stack import _external_urls, _keys_meant_elsewhere
+
+    settings = settings_factory(tmp_path / "state", s3_access_key_id="AKIAREALKEY", s3_secret_access_key="real-secret",
+                                prefect_api_url="http://127.0.0.1:9/api")
+    with pytest.raises(ServiceError) as exc:
+        ensure_stack(settings)
+    text = str(exc.value)
+    assert text.startswith("s3 is not available: PAPERLINE_S3_ACCESS_KEY_ID/PAPERLINE_S3_SECRET_ACCESS_KEY are set but "
+                           "PAPERLINE_S3_ENDPOINT_URL is not, beside PAPERLINE_PREFECT_API_URL: "), text
+    assert "real-secret" not in text and "AKIAREALKEY" not in text
+    assert not (settings.state_dir / "s3").exists()  # nothing written, nothing started
+    local = settings_factory(tmp_path / "local", s3_access_key_id="k", s3_secret_access_key="s")
+    assert _keys_meant_elsewhere(local, _external_urls(local)) is None
+    both = settings_factory(tmp_path / "both", s3_access_key_id="k", s3_secret_access_key="s",
+                            prefect_api_url="http://127.0.0.1:9/api", mlflow_tracking_uri="http://127.0.0.1:9")
+    assert "beside PAPERLINE_PREFECT_API_URL and PAPERLINE_MLFLOW_TRACKING_URI:" in \
+        _keys_meant_elsewhere(both, _external_urls(both))
+
+
 def test_an_unreachable_database_is_named_before_its_server_starts(settings_factory, tmp_path, free_port):
     """A wrong password, a missing database or PostgreSQL stopped said only "server exited with
     code 3 during start-up" (MLflow's after two minutes of retries; a trial): the database is
