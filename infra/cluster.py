@@ -409,7 +409,8 @@ def require_scheduler(settings: Settings, timeout_s: float = 5.0, notes: list[st
     try:
         count = asyncio.run(asyncio.wait_for(_with_client(address, timeout_s, workers), 2 * timeout_s + 5))
     except Exception as exc:  # noqa: BLE001 - OSError, TimeoutError, TLS TypeError, unknown scheme ValueError, ...
-        why = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+        why = str(exc).splitlines()[0] if str(exc) and str(exc) != type(exc).__name__ else (
+            f"no answer within {timeout_s:g} s" if isinstance(exc, TimeoutError) else type(exc).__name__)
         # the port took the connection but did not answer as a scheduler: the dashboard's port gave
         # "TimeoutError: TimeoutError", an HTTP proxy "MemoryError: Unable to allocate 3.07 EiB" (a trial)
         other = ("; something accepts connections there but did not answer as a Dask scheduler (the dashboard's "
@@ -575,11 +576,19 @@ async def _with_client(address: str, timeout_s: float, body: Any) -> Any:
     """``await body(client)`` with an asynchronous Dask client of the scheduler at ``address``,
     closed after (also when connecting failed: collected unclosed, it printed "coroutine ... never
     awaited")."""
+    import asyncio  # noqa: PLC0415
+
     from distributed import Client  # noqa: PLC0415
 
     client = Client(address, asynchronous=True, timeout=timeout_s, set_as_default=False)
+
+    async def connect() -> None:
+        await client
+
     try:
-        await client  # connects
+        # (Dask's own timeout let a port that accepts and never answers hold the connect for the
+        # caller's whole deadline, 15 s of a 5-s check: a trial)
+        await asyncio.wait_for(connect(), timeout_s + 1)
         return await body(client)
     finally:
         with contextlib.suppress(Exception):

@@ -6,6 +6,7 @@ import contextlib
 import os
 import re
 import sys
+import time
 
 import dask
 import pytest
@@ -825,8 +826,13 @@ def test_an_address_that_is_no_scheduler_is_said_to_be_one(settings_factory, tmp
     silent.listen(8)
     try:
         address = f"tcp://127.0.0.1:{silent.getsockname()[1]}"
-        with pytest.raises(ServiceError, match="something accepts connections there but did not answer as a Dask "
-                                               r"scheduler \(the dashboard's port, or another server\?\)"):
+        t0 = time.monotonic()
+        with pytest.raises(ServiceError, match=r"cannot connect \(TimeoutError: no answer within 1 s\); something "
+                                               "accepts connections there but did not answer as a Dask scheduler "
+                                               r"\(the dashboard's port, or another server\?\)"):
             require_scheduler(settings_factory(tmp_path, dask_scheduler_address=address), timeout_s=1.0)
+        # in about its timeout (a trial's 5-s check of such a port took 20 s: Dask's handshake
+        # waited out the caller's whole deadline)
+        assert time.monotonic() - t0 < 6
     finally:
         silent.close()
