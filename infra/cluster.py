@@ -415,6 +415,10 @@ def require_scheduler(settings: Settings, timeout_s: float = 5.0, notes: list[st
         # "TimeoutError: TimeoutError", an HTTP proxy "MemoryError: Unable to allocate 3.07 EiB" (a trial)
         other = ("; something accepts connections there but did not answer as a Dask scheduler (the dashboard's "
                  "port, or another server?)" if isinstance(exc, (TimeoutError, MemoryError)) else "")
+        if isinstance(exc, TypeError) and "ssl_context" in str(exc):  # Dask's words for tls:// without them (a trial)
+            other = ("; a tls:// address needs Dask's TLS settings for its client, and none are set: "
+                     "distributed.comm.tls.ca-file, .client.cert and .client.key (DASK_DISTRIBUTED__COMM__TLS__CA_FILE, "
+                     "..._CLIENT__CERT, ..._CLIENT__KEY)")
         raise ServiceError("dask scheduler", f"cannot connect ({type(exc).__name__}: {why}){other}; check "
                                              "PAPERLINE_DASK_SCHEDULER_ADDRESS (tcp://host:port, or tls:// with Dask's "
                                              "TLS settings)", url=address) from None

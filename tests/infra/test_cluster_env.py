@@ -430,6 +430,8 @@ def test_a_scheduler_address_is_checked_with_daks_own_comms_and_its_workers_coun
         port = s.address.rsplit(":", 1)[1]
         counts = [check(s.address), check(f"127.0.0.1:{port}")]  # (no scheme: tcp)
         for bad, says in ((f"tls://127.0.0.1:{port}", "TypeError: TLS expects a `ssl_context`"),
+                          (f"tls://127.0.0.1:{port}", "a tls:// address needs Dask's TLS settings for its client, and "
+                                                      "none are set: distributed.comm.tls.ca-file, .client.cert"),
                           (f"http://127.0.0.1:{port}", "ValueError: unknown address scheme 'http'")):
             with warnings.catch_warnings(record=True) as caught:
                 warnings.simplefilter("always")
