@@ -51,6 +51,17 @@ def output_file(text: str) -> Path:
         raise argparse.ArgumentTypeError(f"{text!r} is a directory; name a file")
     if not path.parent.is_dir():
         raise argparse.ArgumentTypeError(f"{text!r}: no directory {str(path.parent)!r}")
+    # ... nor one that cannot be written (/proc/x.json, a read-only mount: the results were lost to a
+    # traceback at the end, a trial): opened for appending (an existing file is left as it is), and
+    # a file made by the check removed again
+    existed = path.exists()
+    try:
+        with open(path, "a"):
+            pass
+    except OSError as exc:
+        raise argparse.ArgumentTypeError(f"{text!r} cannot be written ({exc.strerror or exc})") from None
+    if not existed:
+        path.unlink(missing_ok=True)
     return path
 
 

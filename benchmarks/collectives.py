@@ -170,9 +170,14 @@ def main(argv: list[str] | None = None) -> int:
     given = sys.argv[1:] if argv is None else argv
     # argparse takes `-64M` for an option ("--sizes: expected at least one argument": a trial); no option here
     # starts with a digit, so such a word is a negative size
-    negative = next((word for word in given if re.fullmatch(r"-\d[\w.]*", word)), None)
-    if negative is not None:
-        parser.error(f"{negative!r}: a size is a positive multiple of 4 bytes (float32), e.g. 64M")
+    at = next((i for i, word in enumerate(given) if re.fullmatch(r"-\d[\w.]*", word)), None)
+    if at is not None:
+        # (named after the option it follows: `--repeats -1` was said to be a bad size, a trial)
+        option = next((w for w in reversed(given[:at]) if w.startswith("--")), "--sizes").split("=")[0]
+        if option in ("--sizes", "--min-bytes", "--max-bytes", "--chunk-bytes"):
+            parser.error(f"argument {option}: {given[at]!r}: a size is a positive multiple of 4 bytes (float32), "
+                         "e.g. 64M")
+        parser.error(f"argument {option}: {given[at]!r}: must be positive")
     args = parser.parse_args(argv)
     if not args.sizes:
         if args.min_bytes > args.max_bytes:

@@ -116,7 +116,8 @@ def _dtypes(text: str) -> str:
     bad = [d for d in text.split(",") if d.strip() not in ("float32", "float64")]
     if bad:
         raise argparse.ArgumentTypeError(f"{', '.join(map(repr, bad))}: expected float32 and/or float64")
-    return text
+    # as the measurements read it: "float32, float64" crashed on ' float64' (a trial); each once
+    return ",".join(dict.fromkeys(d.strip() for d in text.split(",")))
 
 
 def tile_for(args: argparse.Namespace, n: int) -> int:

@@ -244,13 +244,20 @@ def main() -> None:
                 f.cancel()
             stop_children()  # the running campaigns (the pool waited for them: a trial)
             print("interrupted: reporting the campaigns that finished")
-    if args.save:
-        with open(args.save, "w") as f:
-            json.dump({"budget": args.budget, "n_init": args.n_init, "q": args.q, "runs": results}, f)
-        print(f"saved {len(results)} campaigns to {args.save}")
     for problem in wanted:
         report(problem, [r for r in results if r["problem"] == problem], args.budget, args.n_init, problem in MULTI)
     print(f"\ntotal {time.perf_counter() - t0:.0f} s")
+    # after the report (a save that failed lost it: a trial); an interrupted run replaced an earlier
+    # save of the same path with its few campaigns, or none (another): it keeps that file
+    if args.save and not results:
+        print(f"nothing saved to {args.save}: no campaign finished")
+    elif args.save and interrupted and args.save.exists():
+        print(f"{args.save} kept as it was: this run was interrupted ({len(results)} of {len(jobs)} campaigns)")
+    elif args.save:
+        part = args.save.with_name(f".{args.save.name}.part")
+        part.write_text(json.dumps({"budget": args.budget, "n_init": args.n_init, "q": args.q, "runs": results}))
+        part.replace(args.save)
+        print(f"saved {len(results)} campaigns to {args.save}")
     if interrupted:
         raise KeyboardInterrupt  # (interruptible's exit status: 130 or 143, not 0)
 

@@ -310,7 +310,9 @@ def test_each_benchmarks_help_says_how_long_it_runs_and_how_to_narrow_it(script)
     ("collectives.py", ["--repeats", "0"], "argument --repeats: '0': at least 1"),
     ("collectives.py", ["--sizes", "3"], "argument --sizes: '3': a message is a positive multiple of 4 bytes (float32)"),
     # (argparse took it for an option: "expected at least one argument", a trial)
-    ("collectives.py", ["--sizes", "64M", "-64M"], "'-64M': a size is a positive multiple of 4 bytes (float32), e.g. 64M"),
+    ("collectives.py", ["--sizes", "64M", "-64M"], "argument --sizes: '-64M': a size is a positive multiple of 4 bytes "
+                                                  "(float32), e.g. 64M"),
+    ("collectives.py", ["--repeats", "-1"], "argument --repeats: '-1': must be positive"),  # (said to be a size: a trial)
     ("collectives.py", ["--world-sizes", "1"], "argument --world-sizes: '1': at least 2"),
     ("collectives.py", ["--world-sizes", "2", "4096"], "--world-sizes 4096: at most"),  # (64 ran 2 minutes: a trial)
     ("collectives.py", ["--chunk-bytes", "0"], "argument --chunk-bytes: '0': a chunk is a positive multiple of 4 bytes"),
@@ -320,6 +322,7 @@ def test_each_benchmarks_help_says_how_long_it_runs_and_how_to_narrow_it(script)
                                                                "directory '/nonexistent-dir'"),
     ("collectives.py", ["--json", "/nonexistent-dir/x.json"], "argument --json: '/nonexistent-dir/x.json': no directory"),
     ("nas.py", ["--save", "/"], "argument --save: '/' is a directory; name a file"),
+    ("nas.py", ["--save", "/proc/x.json"], "argument --save: '/proc/x.json' cannot be written"),  # (after the runs: a trial)
     # each of these started two ranks whose tracebacks buried the reason, or ran silently (a trial)
     ("compressed_training.py", ["--epochs", "0"], "argument --epochs: '0': at least 1"),
     ("compressed_training.py", ["--fft-theta", "2"], "--fft-theta 2.0: must be in (0, 1]"),
@@ -332,3 +335,19 @@ def test_each_benchmarks_help_says_how_long_it_runs_and_how_to_narrow_it(script)
 ])
 def test_benchmarks_refuse_bad_arguments_before_measuring(script, args, message):
     assert refuse(script, *args).startswith(f"{script}: error: {message}")
+
+
+def test_gemm_benchmark_reads_its_dtypes_as_typed_with_spaces_each_once(monkeypatch):
+    """`--dtypes "float32, float64"` crashed on ' float64' after the first measurements (a trial)."""
+    gemm = _gemm_benchmark(monkeypatch)
+    assert gemm._dtypes("float32, float64,float64") == "float32,float64"
+
+
+def test_an_output_file_checked_before_measuring_is_left_as_it_was(monkeypatch, tmp_path):
+    """The check opens it for appending: an existing file keeps its bytes, a new one is not left."""
+    monkeypatch.syspath_prepend(str(ROOT / "benchmarks"))
+    from _args import output_file
+    kept = tmp_path / "kept.json"
+    kept.write_text('{"runs": [1]}')
+    assert output_file(str(kept)) == kept and kept.read_text() == '{"runs": [1]}'
+    assert output_file(str(tmp_path / "new.json")) == tmp_path / "new.json" and not (tmp_path / "new.json").exists()
