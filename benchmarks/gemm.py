@@ -266,7 +266,7 @@ def cpu_main(args: argparse.Namespace) -> None:
     rows = []
     with tempfile.TemporaryDirectory(prefix="paperline-bench-gemm-") as tmp, \
             LocalCluster(n_workers=args.workers, threads_per_worker=1, processes=True, host="127.0.0.1",
-                         dashboard_address=None, preload=list(WORKER_PRELOAD)) as cluster, Client(cluster) as client:
+                         dashboard_address="127.0.0.1:0", preload=list(WORKER_PRELOAD)) as cluster, Client(cluster) as client:
         rt = DaskRuntime(client)
         print(f"cluster: {len(rt.workers())} single-threaded workers")
         for n in [int(s) for s in args.sizes.split(",")]:
@@ -393,7 +393,7 @@ def gpu_cluster_line(args: argparse.Namespace, sizes: list[int], synced: Callabl
     n, dtype = min(sizes), args.dtypes.split(",")[0]
     tile = tile_for(args, n)
     with tempfile.TemporaryDirectory(prefix="paperline-bench-gemm-") as tmp, \
-            LocalCUDACluster(threads_per_worker=1, host="127.0.0.1", dashboard_address=None) as cluster, \
+            LocalCUDACluster(threads_per_worker=1, host="127.0.0.1", dashboard_address="127.0.0.1:0") as cluster, \
             Client(cluster) as client:
         rt = DaskRuntime(client, device="cuda")
         rng = cp.random.default_rng(0)

@@ -170,6 +170,10 @@ def main() -> None:
                         help='optimizer options, e.g. lamoo=\'{"kernel": "rbf"}\' (repeatable); reported as '
                              'lamoo[kernel=rbf], ranked against the same peer')
     args = parser.parse_args()
+    cores = os.cpu_count() or 1
+    if args.processes > 4 * cores:  # (1000 started, and a SIGTERM then took 30 s and two tracebacks: a trial)
+        parser.error(f"--processes {args.processes}: at most {4 * cores} on this machine's {cores} core(s) (each "
+                     "campaign is a process of its own, with one torch thread)")
     if args.load:
         missing = [p for p in args.load if not os.path.isfile(p)]
         if missing:

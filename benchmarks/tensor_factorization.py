@@ -75,7 +75,7 @@ def measure(args: argparse.Namespace) -> None:
     configure_local_workers()  # the same worker environment as the flows' clusters, and preload:
     # without it a worker's heartbeat cut by the cluster's close printed a traceback (a trial)
     with LocalCluster(n_workers=2, threads_per_worker=1, processes=True, host="127.0.0.1",
-                      dashboard_address=None, preload=list(WORKER_PRELOAD)) as cluster, Client(cluster) as client:
+                      dashboard_address="127.0.0.1:0", preload=list(WORKER_PRELOAD)) as cluster, Client(cluster) as client:
         executor = DaskExecutor(client)
 
         def fit(split, n_parts, closing_sweeps=args.closing_sweeps):

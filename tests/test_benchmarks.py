@@ -291,6 +291,7 @@ def test_each_benchmarks_help_says_how_long_it_runs_and_how_to_narrow_it(script)
     ("tensor_factorization.py", ["--datasets", ","], "argument --datasets: ',': no dataset named"),
     ("nas.py", ["--q", "0"], "argument --q: '0': at least 1"),
     ("nas.py", ["--processes", "0"], "argument --processes: '0': at least 1"),
+    ("nas.py", ["--processes", "1000"], "--processes 1000: at most"),
     ("nas.py", ["--load", "/nonexistent.json"], "--load /nonexistent.json: no such file"),
     ("nas.py", ["--load", str(ROOT / "Makefile")], f"--load='{ROOT / 'Makefile'}': not a file --save wrote "
                                                    "(JSONDecodeError: Expecting value"),
