@@ -419,6 +419,17 @@ def env() -> None:
     if info.mlflow_login:  # likewise: user name before the colon, password after it
         path = shlex.quote(str(settings.state_dir / LOGIN_FILES["mlflow"]))
         print(f'export MLFLOW_TRACKING_USERNAME="$(cut -d: -f1 {path})" MLFLOW_TRACKING_PASSWORD="$(cut -d: -f2- {path})"')
+    # where the data and the work go, as comments (nothing exported: AWS's and Dask's own tools in
+    # this shell keep their settings); `env` said neither (an infra trial)
+    from paperline.infra.cluster import describe_cluster
+    from paperline.infra.errors import redact_url
+
+    endpoint = redact_url(info.s3_endpoint_url) if info.s3_endpoint_url else "AWS's default endpoint"
+    print(f"# S3: {endpoint}, data bucket {info.data_bucket} (`paperline upload`, s3:// operands and outputs)")
+    try:
+        print(f"# Dask: {describe_cluster(settings)}")
+    except PaperlineError as exc:  # device=cuda without a usable GPU: runs are refused, and say why
+        print(f"# Dask: {exc}")
 
 
 def _export(variable: str, url: str, setting: str, instead: str) -> None:

@@ -459,7 +459,14 @@ def gemm(params: GemmParameters | None = None) -> dict[str, Any]:
         replaced = store.exists(output) if output.startswith("s3://") else Path(output).exists()
         main = tiled_multiply(kp, store, output, budget, device)
         tracker.set_tags(run_id, {"problem": main["problem"], "operand_shapes": json.dumps(main["shapes"])})
+        # the workers the multiply ran on, in the comparison's key: a run on one worker (a worker
+        # lost before the multiply, or PAPERLINE_N_WORKERS=1) was judged against two-worker runs
+        # and flagged REGRESSION (an infra trial)
+        mlflow_params["dask_workers"] = len(main["workers"])
+        tracker.log_params(run_id, {"dask_workers": mlflow_params["dask_workers"]})
         summary = _log_run(tracker, run_id, main, scaling, peer, replaced)
+        if main["workers"] != ["local"]:  # (["local"]: no Dask cluster, the flow's own process)
+            summary["lines"] += fewer_workers_lines(len(main["workers"]), planned_worker_count(settings))
         versus = check_latest(tracker, run_id, {k: v for k, v in mlflow_params.items() if k != "output"}, HEADLINES)
         summary["lines"] += versus.lines()
         summary["versus_best_earlier"] = versus.as_dict()
@@ -472,6 +479,21 @@ def gemm(params: GemmParameters | None = None) -> dict[str, Any]:
     summary.update(prefect_flow_run_id=str(flow_run.id), prefect_flow_run_url=run_url, mlflow_run_id=run_id,
                    mlflow_run_url=tracker.run_url(run_id), mlflow_params=mlflow_params)
     return summary
+
+
+def fewer_workers_lines(ran_on: int, planned: int | None) -> list[str]:
+    """What to say when the multiply ran on fewer Dask workers than the local cluster was started
+    with (``planned``: :func:`~paperline.infra.cluster.planned_worker_count`, None for a configured
+    scheduler): a worker left the cluster before the multiply began (killed, or out of memory) and
+    was not back. Nothing otherwise.
+
+    Returns:
+        One line, or none.
+    """
+    if planned is None or ran_on >= planned:
+        return []
+    return [f"the multiply ran on {ran_on} of the {planned} Dask workers the cluster was started with (a worker left "
+            f"the cluster before it began): its GFLOP/s are compared only with earlier runs on {ran_on} worker(s)"]
 
 
 def _log_run(tracker: Tracker, run_id: str, main: dict[str, Any], scaling: list[dict[str, Any]],

@@ -321,6 +321,20 @@ def planned_worker_memory(settings: Settings) -> int | None:
     return MEMORY_LIMIT // n
 
 
+def default_port_note(address: str) -> str:
+    """``" (port 8786, Dask's default: the address names none)"`` for a ``tcp://``/``tls://``
+    scheduler address without a port, else ``""``: Dask connects to 8786 then, which went unsaid
+    (an infra trial)."""
+    from urllib.parse import urlsplit  # noqa: PLC0415
+
+    try:
+        parts = urlsplit(address if "://" in address else f"tcp://{address}")
+        port = parts.port
+    except ValueError:
+        return ""
+    return " (port 8786, Dask's default: the address names none)" if parts.scheme in ("tcp", "tls") and port is None else ""
+
+
 def describe_cluster(settings: Settings) -> str:
     """One line saying which cluster :func:`task_runner` will use (for the CLI).
 
@@ -328,7 +342,7 @@ def describe_cluster(settings: Settings) -> str:
         InputError: ``device`` is ``"cuda"`` but no CUDA device is usable.
     """
     if settings.dask_scheduler_address:
-        return f"existing Dask scheduler at {settings.dask_scheduler_address}"
+        return f"existing Dask scheduler at {settings.dask_scheduler_address}{default_port_note(settings.dask_scheduler_address)}"
     if resolve_device(settings.device) == "cuda":
         n = f"{settings.n_workers} workers" if settings.n_workers else "one worker per GPU"
         return f"local CUDA cluster (dask_cuda.LocalCUDACluster, {n}, 127.0.0.1)"
@@ -403,7 +417,8 @@ def require_scheduler(settings: Settings, timeout_s: float = 5.0, notes: list[st
             with socket.create_connection((parts.hostname or "127.0.0.1", parts.port or 8786), timeout=timeout_s):
                 pass
         except (OSError, ValueError) as exc:
-            raise ServiceError("dask scheduler", f"cannot connect ({exc}); check PAPERLINE_DASK_SCHEDULER_ADDRESS "
+            raise ServiceError("dask scheduler", f"cannot connect{default_port_note(address)} ({exc}); check "
+                                                 "PAPERLINE_DASK_SCHEDULER_ADDRESS "
                                                  "(start the scheduler, or unset it for a local cluster)",
                                url=address) from None
     try:

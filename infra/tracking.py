@@ -56,6 +56,22 @@ _CONNECTION_HINTS = (
 )
 
 
+def _connection_cause(text: str) -> str:
+    """The cause at the bottom of a failed request's text (MLflow's wrapping of urllib3's
+    ``MaxRetryError``): ``[Errno 111] Connection refused``, ``read timed out``, ``the server closed
+    the connection without a response``; else the text shortened to 300 characters. A tracking
+    server that died mid-run ended the run with ~300 characters of urllib3's wrapping (an infra trial)."""
+    import re  # noqa: PLC0415
+
+    if errno := re.search(r"\[Errno -?\d+\] [^'\"()\]]+", text):
+        return errno.group(0).rstrip()
+    if "Read timed out" in text:
+        return "read timed out (no answer)"
+    if "RemoteDisconnected" in text or "Connection aborted" in text:
+        return "the server closed the connection without a response"
+    return _shortened(text, 300)
+
+
 def _truncate(value: Any, limit: int) -> str:
     if isinstance(value, str):
         text = value
@@ -151,7 +167,7 @@ class Tracker:
             text = f"{type(exc).__name__}: {exc}"
             if isinstance(exc, (ConnectionError, TimeoutError)) or any(h in text for h in _CONNECTION_HINTS):
                 # killed mid-run, it ended the run with this alone (a trial): say where to look
-                raise ServiceError("mlflow", f"{what}: {_shortened(text, 300)}; {STATUS_HINT}",
+                raise ServiceError("mlflow", f"{what} failed: {_connection_cause(text)}; {STATUS_HINT}",
                                    url=self.tracking_uri) from exc
             raise
 
@@ -197,8 +213,6 @@ class Tracker:
         Raises:
             ServiceError: The tracking server is unreachable.
         """
-        from mlflow.entities import Param  # noqa: PLC0415
-
         exp_id = self._experiment_id(experiment)
         if not parent_run_id and not self._swept:
             self._swept = True
@@ -209,11 +223,24 @@ class Tracker:
         run = self._call("create run", self.client.create_run, exp_id, tags=all_tags, run_name=run_name)
         run_id = run.info.run_id
         self._experiment_of_run[run_id] = exp_id
-        items = [Param(str(k), _truncate(v, _limit("MAX_PARAM_VAL_LENGTH"))) for k, v in (params or {}).items()]
+        self.log_params(run_id, params or {})
+        return run_id
+
+    def log_params(self, run_id: str, params: dict[str, Any]) -> None:
+        """Log parameters on a run, as :meth:`start_run` does (values stringified, dicts and lists
+        as JSON, truncated to MLflow's 6000 characters): ones known only once the run has worked
+        (e.g. the Dask workers a GEMM ran on). A parameter already logged with another value is
+        refused by MLflow (parameters are immutable).
+
+        Raises:
+            ServiceError: The tracking server is unreachable.
+        """
+        from mlflow.entities import Param  # noqa: PLC0415
+
+        items = [Param(str(k), _truncate(v, _limit("MAX_PARAM_VAL_LENGTH"))) for k, v in params.items()]
         batch = _limit("MAX_PARAMS_TAGS_PER_BATCH")
         for i in range(0, len(items), batch):
             self._call("log params", self.client.log_batch, run_id, params=items[i : i + batch])
-        return run_id
 
     def set_tags(self, run_id: str, tags: dict[str, Any]) -> None:
         """Set tags on a run (e.g. the Prefect flow-run id and URL).

@@ -74,6 +74,17 @@ def test_mlflow_run_has_the_metrics_and_plots(gemm_run):
     assert {"timeline.png", "scaling.png", "tasks.json"} <= names
     assert "s3_secret_access_key" not in json.dumps(run.data.params)
     assert run.data.tags["paperline.params_key"] == summary["versus_best_earlier"]["params_key"]
+    # the workers the multiply ran on: logged, and part of the comparison's key
+    assert run.data.params["dask_workers"] == "2" == str(summary["mlflow_params"]["dask_workers"])
+    assert not [line for line in summary["lines"] if "Dask workers the cluster was started with" in line]
+
+
+def test_a_multiply_on_fewer_workers_than_started_says_so():
+    from paperline.flows.gemm import fewer_workers_lines
+
+    (line,) = fewer_workers_lines(1, 2)
+    assert line.startswith("the multiply ran on 1 of the 2 Dask workers") and "runs on 1 worker(s)" in line
+    assert fewer_workers_lines(2, 2) == fewer_workers_lines(3, None) == []
 
 
 SCRIPT = """

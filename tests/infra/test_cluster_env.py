@@ -406,6 +406,17 @@ def test_a_dead_scheduler_address_is_one_clear_error_before_any_run(settings_fac
     assert require_scheduler(settings_factory(tmp_path)) is None  # a local cluster: nothing to check
 
 
+def test_a_scheduler_address_without_a_port_says_daks_default(settings_factory, tmp_path):
+    """`tcp://host` connects to 8786, which went unsaid (an infra trial)."""
+    from paperline.infra.cluster import default_port_note, describe_cluster
+
+    said = describe_cluster(settings_factory(tmp_path, dask_scheduler_address="tcp://10.0.0.5"))
+    assert said == "existing Dask scheduler at tcp://10.0.0.5 (port 8786, Dask's default: the address names none)"
+    assert default_port_note("10.0.0.5") == default_port_note("tls://h") != ""
+    assert default_port_note("tcp://10.0.0.5:8786") == default_port_note("10.0.0.5:40123") == ""
+    assert default_port_note("inproc://x") == default_port_note("tcp://h:port") == ""
+
+
 def test_a_scheduler_address_is_checked_with_daks_own_comms_and_its_workers_counted(settings_factory, tmp_path):
     """A `tls://` address to a plain scheduler, or an `http://` one (its dashboard), passed the bare
     socket check and failed in the run with Dask's TypeError/ValueError naming no setting; a

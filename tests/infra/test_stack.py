@@ -893,6 +893,9 @@ def test_a_password_in_the_tracking_uri_is_never_printed(stack, monkeypatch):
     assert "MLFLOW_TRACKING_PASSWORD" in exports.output  # how to give MLflow's own CLI the credentials
     assert f"export PREFECT_API_URL={info.prefect_api_url}\n" in exports.output
     assert "export PREFECT_API_AUTH_STRING" in exports.output
+    # where data and work go, as comments (an infra trial: `env` said neither)
+    assert f"\n# S3: {info.s3_endpoint_url}, data bucket {info.data_bucket} (" in exports.output, exports.output
+    assert "\n# Dask: local CPU cluster (" in exports.output
     for variable in ("MLFLOW_TRACKING_USERNAME", "MLFLOW_TRACKING_PASSWORD"):
         monkeypatch.delenv(variable)  # the URI's login alone is enough
     tracker = Tracker(with_password)
@@ -1221,6 +1224,27 @@ def test_long_service_messages_are_cut_at_a_word():
     text = "HTTPConnectionPool(host='127.0.0.1'): Max retries exceeded " + "word " * 80
     short = _shortened(text, 120)
     assert len(short) <= 124 and short.endswith("word ...") and _shortened("short", 120) == "short"
+
+
+def test_a_tracking_server_gone_mid_run_is_said_by_its_cause(monkeypatch):
+    """A tracking server that died mid-run ended the run with ~300 characters of urllib3's
+    wrapping (an infra trial): a failed call says its cause; MLflow's retries are off here."""
+    from mlflow.tracking import MlflowClient
+
+    from paperline.infra.errors import ServiceError
+    from paperline.infra.tracking import Tracker, _connection_cause
+
+    tracker = Tracker("http://127.0.0.1:1")
+    tracker._client = MlflowClient(tracking_uri="http://127.0.0.1:1")  # (as if made while it was up)
+    monkeypatch.setenv("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "0")
+    with pytest.raises(ServiceError) as caught:
+        tracker.get_run("abc")
+    assert str(caught.value) == ("mlflow is not available at http://127.0.0.1:1: get run failed: [Errno 111] "
+                                 "Connection refused; `paperline status` shows what is down")
+    timeout = ("MlflowException: API request to http://h/api failed with exception HTTPConnectionPool(host='h', "
+               "port=5000): Max retries exceeded with url: /api (Caused by ReadTimeoutError(\"... Read timed out.\"))")
+    assert _connection_cause(timeout) == "read timed out (no answer)"
+    assert _connection_cause("ConnectionError: something else " + "x " * 200).endswith(" ...")
 
 
 def test_a_state_directory_that_cannot_be_made_says_which_setting_to_change():
