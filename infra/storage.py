@@ -621,16 +621,74 @@ class ObjectStore:
             time.sleep(0.1 * (attempt + 1))  # in flight, or deleted in between: try again
         raise ObjectExistsError(f"{uri}: other writers kept writing it (20 tries)")
 
-    def upload_file_to(self, path: str | os.PathLike[str], uri: str) -> str:
+    def upload_file_to(self, path: str | os.PathLike[str], uri: str, *,
+                       record: str | os.PathLike[str] | None = None) -> str:
         """Upload a local file to exactly ``uri`` (multipart for large files: the object becomes
         visible only when every part has arrived, so a failed upload leaves nothing).
+
+        Args:
+            path: The local file.
+            uri: ``s3://bucket/key``.
+            record: A file to write ``{"uri": ..., "upload_id": ...}`` into as soon as S3 has
+                begun the multipart upload (botocore's ``after-call`` event of
+                ``CreateMultipartUpload``; nothing for a file under boto3's 8-MiB multipart
+                threshold): a process killed outright mid-upload (``kill -9``) cannot abort it,
+                and S3 keeps, and AWS bills, its parts until someone does
+                (:meth:`abort_recorded_upload`). An upload that fails otherwise is aborted by boto3.
 
         Raises:
             ServiceError: S3 is unreachable or rejects the credentials.
         """
         bucket, key = split_uri(uri)
-        self._call(f"upload {uri}", self.client.upload_file, str(path), bucket, key)
+        if record is None:
+            self._call(f"upload {uri}", self.client.upload_file, str(path), bucket, key)
+            return uri
+
+        def begun(parsed: dict[str, Any], **_: Any) -> None:
+            if parsed.get("Bucket") == bucket and parsed.get("Key") == key and parsed.get("UploadId"):
+                fd, tmp = tempfile.mkstemp(dir=os.path.dirname(os.path.abspath(record)), prefix=".record-")
+                with os.fdopen(fd, "w") as f:
+                    json.dump({"uri": uri, "upload_id": parsed["UploadId"]}, f)
+                os.replace(tmp, record)
+
+        events, name = self.client.meta.events, f"paperline-record-{id(begun)}"
+        events.register("after-call.s3.CreateMultipartUpload", begun, unique_id=name)
+        try:
+            self._call(f"upload {uri}", self.client.upload_file, str(path), bucket, key)
+        finally:
+            events.unregister("after-call.s3.CreateMultipartUpload", unique_id=name)
         return uri
+
+    def abort_recorded_upload(self, record: str | os.PathLike[str]) -> bool:
+        """Abort the multipart upload that :meth:`upload_file_to` recorded in ``record`` (of a
+        process killed mid-upload): its parts are deleted, and the object it would have made never
+        appears.
+
+        Returns:
+            True when there is nothing left to abort: no record (the upload was a single PUT, or
+            never began), the upload aborted now, or S3 no longer knows it (it completed, or was
+            aborted already). False for a record that cannot be read.
+
+        Raises:
+            ServiceError: S3 is unreachable or rejects the credentials.
+        """
+        from botocore.exceptions import ClientError  # noqa: PLC0415
+
+        try:
+            recorded = json.loads(Path(record).read_text())
+            uri, upload_id = recorded["uri"], recorded["upload_id"]
+            bucket, key = split_uri(uri)
+        except FileNotFoundError:
+            return True
+        except (OSError, ValueError, KeyError, TypeError, InputError):
+            return False
+        try:
+            self._call(f"abort the upload to {uri}", self.client.abort_multipart_upload, Bucket=bucket, Key=key,
+                       UploadId=upload_id)
+        except ClientError as exc:
+            if exc.response.get("Error", {}).get("Code") not in ("NoSuchUpload", "404"):
+                raise
+        return True
 
     def get_file(self, uri: str, path: str | os.PathLike[str], *, etag: str | None = None) -> Path:
         """Download an object to a local file (written atomically: temporary file, then rename).

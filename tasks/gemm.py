@@ -330,15 +330,35 @@ def evict_staged(directory: str, max_bytes: int, min_idle_s: float = STAGED_MIN_
     return deleted
 
 
-def scratch_dir() -> str:
+UPLOAD_RECORD = "upload.json"  # in a run's scratch directory: the S3 upload of its output under way
+
+
+def scratch_dir(store: ObjectStore | None = None) -> str:
     """Where staged outputs are written: under the state directory, which must be shared with the
-    Dask workers when they run on other hosts (the workers write the output tiles there)."""
+    Dask workers when they run on other hosts (the workers write the output tiles there).
+
+    The scratch directories of runs killed outright (``kill -9``: their cleanup never ran) are
+    deleted, and the S3 upload of the output each one records (:data:`UPLOAD_RECORD`) is aborted
+    first, so that its parts are not kept (and, on AWS, billed) for ever (an infra trial); one
+    whose upload cannot be aborted now (no ``store``, S3 unreachable) is kept for a later run.
+    """
     from paperline.infra.settings import get_settings  # noqa: PLC0415
+
+    def abort_upload(entry: Path) -> bool:
+        record = entry / UPLOAD_RECORD
+        if not record.exists():
+            return True
+        if store is None:
+            return False
+        try:
+            return store.abort_recorded_upload(record)
+        except Exception:  # noqa: BLE001 - best effort: S3 unreachable or refusing; kept for a later run
+            return False
 
     path = Path(get_settings().state_dir) / "gemm" / "scratch"
     path.mkdir(parents=True, exist_ok=True)
-    for prefix in ("run-", "scaling-"):  # of runs killed outright (kill -9): their cleanup never ran
-        sweep_leftovers(path, prefix)
+    for prefix in ("run-", "scaling-"):
+        sweep_leftovers(path, prefix, abort_upload)
     return str(path)
 
 
@@ -383,7 +403,7 @@ def tiled_multiply(params: dict[str, Any], store: ObjectStore | None, output: st
     problem = build_problem(params, store)
     fit_s3_bands(problem, memory_budget)
     to_s3 = output.startswith("s3://")
-    with tempfile.TemporaryDirectory(prefix=f"run-{owner_tag()}-", dir=scratch_dir()) as tmp:
+    with tempfile.TemporaryDirectory(prefix=f"run-{owner_tag()}-", dir=scratch_dir(store)) as tmp:
         local = os.path.join(tmp, "result.npy") if to_s3 else output
         result = run(problem, _runtime(device), output=local, memory_budget=memory_budget,
                      check_finite=params["check_finite"])
@@ -400,7 +420,7 @@ def tiled_multiply(params: dict[str, Any], store: ObjectStore | None, output: st
                                         f"{check.tolerance:.3g}; the output was not written{hint}")
             if to_s3:
                 assert store is not None
-                store.upload_file_to(result.staged_path, output)
+                store.upload_file_to(result.staged_path, output, record=os.path.join(tmp, UPLOAD_RECORD))
             else:
                 result.commit()
         finally:
@@ -444,7 +464,7 @@ def scaling_sweep(params: dict[str, Any], store: ObjectStore | None, memory_budg
     rt = _runtime(device)
     all_workers = rt.workers()
     rows = []
-    with tempfile.TemporaryDirectory(prefix=f"scaling-{owner_tag()}-", dir=scratch_dir()) as tmp:
+    with tempfile.TemporaryDirectory(prefix=f"scaling-{owner_tag()}-", dir=scratch_dir(store)) as tmp:
         for w in range(1, len(all_workers) + 1):
             sub = _runtime(device, all_workers[:w]) if w < len(all_workers) else rt
             # checked as the main run is: operands with NaN/inf were refused only after the sweep

@@ -20,6 +20,7 @@ import threading
 import time
 import uuid
 from collections import defaultdict, deque
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -601,12 +602,16 @@ def owner_tag() -> str:
 _OWNED = re.compile(r"(\d+)@(.+)-[^-]*$")
 
 
-def sweep_leftovers(directory: Path, prefix: str) -> list[str]:
+def sweep_leftovers(directory: Path, prefix: str, before_delete: Callable[[Path], bool] | None = None) -> list[str]:
     """Delete the entries of ``directory`` named ``prefix`` + :func:`owner_tag` + ``-...`` whose
     owner, a process of this host, is gone: what a run killed outright (``kill -9``, a lost
     machine) left, which its cleanup never got to (a trial: a 302 MB hidden partial output beside
     the output, 129 MB of scratch, still there after later runs). An entry of a live process, of
     another host, or without the tag is kept; a PID reused since keeps its entry too.
+
+    Args:
+        before_delete: Called with each dead owner's entry before it is deleted (e.g. to abort
+            the S3 upload it records); False keeps the entry for a later sweep.
 
     Returns:
         The paths deleted.
@@ -621,6 +626,8 @@ def sweep_leftovers(directory: Path, prefix: str) -> list[str]:
     for entry in entries:
         found = _OWNED.match(entry.name[len(prefix):])
         if found is None or found.group(2) != host or _alive(int(found.group(1))):
+            continue
+        if before_delete is not None and not before_delete(entry):
             continue
         try:
             if entry.is_dir() and not entry.is_symlink():

@@ -280,3 +280,49 @@ def test_a_run_that_fails_before_its_end_leaves_no_output_or_says_where_it_is(st
     assert f"EXISTS: {written}" in text, text[-3000:]
     said = f"the verified result had been written to {out} before the run stopped"
     assert (said in " ".join(text.split())) == written, text[-3000:]
+
+
+def test_an_upload_left_by_a_run_killed_outright_is_aborted_by_the_next(stack, tmp_path, monkeypatch):
+    """`kill -9` of a run while it uploaded its output to S3 left the multipart upload's parts in
+    the bucket (never visible, but kept and, on AWS, billed until aborted: an infra trial). The
+    upload is recorded in the run's scratch directory as it begins, and the next run's sweep of
+    dead runs' scratch aborts it."""
+    import os
+    import socket
+    from pathlib import Path
+
+    from paperline.infra.settings import get_settings
+    from paperline.infra.storage import ObjectStore, split_uri
+    from paperline.tasks.gemm import UPLOAD_RECORD, scratch_dir
+
+    _, info = stack
+    store = ObjectStore.from_stack(info)
+    # the record is written as S3 begins a multipart upload (over boto3's 8-MiB threshold)
+    whole, record = f"s3://{info.data_bucket}/gemm/upload-test/whole.npy", tmp_path / "record.json"
+    (tmp_path / "big").write_bytes(os.urandom(9 << 20))
+    store.upload_file_to(tmp_path / "big", whole, record=record)
+    recorded = json.loads(record.read_text())
+    assert recorded["uri"] == whole and recorded["upload_id"] and store.exists(whole)
+    assert store.abort_recorded_upload(record) and store.exists(whole)  # completed: nothing to abort
+    # a run killed mid-upload: S3 holds a part; its scratch directory records the upload
+    left = f"s3://{info.data_bucket}/gemm/upload-test/killed.npy"
+    bucket, key = split_uri(left)
+    upload_id = store.client.create_multipart_upload(Bucket=bucket, Key=key)["UploadId"]
+    store.client.upload_part(Bucket=bucket, Key=key, PartNumber=1, UploadId=upload_id, Body=b"x" * (5 << 20))
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    monkeypatch.setenv("PAPERLINE_STATE_DIR", str(tmp_path / "state"))
+    getattr(get_settings, "cache_clear", lambda: None)()
+    try:
+        entry = Path(scratch_dir()) / f"run-{dead.pid}@{socket.gethostname()}-k2j_x9ab"
+        entry.mkdir()
+        (entry / UPLOAD_RECORD).write_text(json.dumps({"uri": left, "upload_id": upload_id}))
+        pending = lambda: [u["UploadId"] for u in  # noqa: E731
+                           store.client.list_multipart_uploads(Bucket=bucket, Prefix=key).get("Uploads", [])]
+        assert pending() == [upload_id]
+        scratch_dir()  # no object store to abort it with: kept for a later run
+        assert entry.exists() and pending() == [upload_id]
+        scratch_dir(store)
+        assert not entry.exists() and pending() == [] and not store.exists(left)
+    finally:
+        getattr(get_settings, "cache_clear", lambda: None)()
