@@ -351,8 +351,10 @@ class Tracker:
         """End the runs that MLflow still shows RUNNING while the Prefect flow run that logged them
         (tag ``prefect.flow_run_id``) has ended: a flow process killed outright (SIGKILL, OOM, a
         lost machine) never ends its MLflow run, and Prefect marks it Crashed later (`paperline
-        up`'s heartbeat automation). Crashed or cancelled flow runs end theirs KILLED, failed ones
-        FAILED, with tag ``paperline.ended_by``. Called by :meth:`start_run` once per tracker for
+        up`'s heartbeat automation, ~90 s after its heartbeats stop). Crashed or cancelled flow runs
+        end theirs KILLED, failed ones FAILED, with tag ``paperline.ended_by``; a run whose flow run
+        Prefect still shows running ends KILLED when the process that logged it (tag
+        :data:`PROCESS_TAG`, ``<pid>@<host>``) was of this host and is gone. Called by :meth:`start_run` once per tracker for
         every experiment (a killed nas run was left RUNNING in the MLflow UI until the next nas
         run), by ``paperline compare`` for its experiment, and by `paperline serve` and `paperline
         worker` for a run whose process ended (:func:`end_runs_of_ended_flow_runs`); best effort:
@@ -404,18 +406,31 @@ class Tracker:
                     except Exception:  # noqa: BLE001 - unknown to this Prefect server: not ours to judge
                         continue
                     kind = state.type.value if state is not None else ""
+                    process = run.data.tags.get(PROCESS_TAG, "")
                     if kind in ("CRASHED", "CANCELLED", "FAILED"):
-                        # as it is now: a nas campaign resumed meanwhile reopens its run, under its
-                        # new flow run (ended here, it was shown KILLED while it logged: a review)
-                        now = self.client.get_run(run.info.run_id)
-                        if now.info.status != "RUNNING" or now.data.tags.get("prefect.flow_run_id") != flow_run_id:
-                            continue
                         status = "FAILED" if kind == "FAILED" else "KILLED"
-                        self.set_tags(run.info.run_id, {"paperline.ended_by": f"Prefect flow run {state.name}"})
-                        self.end_run(run.info.run_id, status)
-                        ended.append((run.info.run_id, flow_run_id, status, state.name))
-                    elif kind in ("PENDING", "RUNNING", ""):
-                        left.append(run.info.run_id)
+                        why, said = f"Prefect flow run {state.name}", f"ended {state.name} with its process"
+                    elif kind in ("PENDING", "RUNNING", "") and process_gone(process):
+                        # killed outright on this host: Prefect marks it Crashed only when its
+                        # heartbeats have stopped for ~90 s, and a run started meanwhile left the
+                        # MLflow run RUNNING (an infra trial)
+                        status, shown = "KILLED", state.name if state is not None else "unknown"
+                        why = (f"its process {process} ended without ending it (killed outright: kill -9, out of "
+                               f"memory) while Prefect showed the flow run {shown}")
+                        said = f"lost its process {process} (Prefect shows it {shown})"
+                    else:
+                        if kind in ("PENDING", "RUNNING", ""):
+                            left.append(run.info.run_id)
+                        continue
+                    # as it is now: a nas campaign resumed meanwhile reopens its run, under its
+                    # new flow run (ended here, it was shown KILLED while it logged: a review)
+                    now = self.client.get_run(run.info.run_id)
+                    if now.info.status != "RUNNING" or now.data.tags.get("prefect.flow_run_id") != flow_run_id \
+                            or now.data.tags.get(PROCESS_TAG, "") != process:
+                        continue
+                    self.set_tags(run.info.run_id, {"paperline.ended_by": why})
+                    self.end_run(run.info.run_id, status)
+                    ended.append((run.info.run_id, flow_run_id, status, said))
         except Exception as exc:  # noqa: BLE001 - best effort
             log.debug("orphaned-run sweep stopped: %s", exc)
         return ended, left
@@ -547,12 +562,31 @@ def end_runs_of_ended_flow_runs(flow_run_ids: list[str], tracking_uri: str, *, w
     if report is not None:
         for flow_run_id in dict.fromkeys(e[1] for e in ended):
             mine = [e for e in ended if e[1] == flow_run_id]
-            report(f"flow run {flow_run_id} ended {mine[0][3]} with its process: {len(mine)} MLflow run(s) it left "
-                   f"RUNNING marked {mine[0][2]}")
+            report(f"flow run {flow_run_id} {mine[0][3]}: {len(mine)} MLflow run(s) it left RUNNING marked {mine[0][2]}")
     return [e[0] for e in ended]
 
 
 DEPLOYMENT_TAG = "prefect.deployment"  # "<flow>/<deployment>" of a deployment's run
+PROCESS_TAG = "paperline.process"  # "<pid>@<host>" of the process that logs the run
+
+
+def this_process() -> str:
+    """``<pid>@<host>`` of this process, the value of :data:`PROCESS_TAG`."""
+    import socket  # noqa: PLC0415
+
+    return f"{os.getpid()}@{socket.gethostname()}"
+
+
+def process_gone(process: str) -> bool:
+    """True when ``process`` (``<pid>@<host>``, :func:`this_process`) names a process of this host
+    that no longer exists. False for a live one (a PID reused since reads as live: the run is left
+    to Prefect's crash detection), another host's, or a malformed value."""
+    import socket  # noqa: PLC0415
+
+    import psutil  # noqa: PLC0415
+
+    pid, _, host = process.partition("@")
+    return pid.isdigit() and host == socket.gethostname() and not psutil.pid_exists(int(pid))
 
 
 def prefect_run_tags(info: Any) -> dict[str, str]:
@@ -564,7 +598,8 @@ def prefect_run_tags(info: Any) -> dict[str, str]:
     from prefect.context import FlowRunContext  # noqa: PLC0415
     from prefect.runtime import deployment, flow_run  # noqa: PLC0415
 
-    tags = {"prefect.flow_run_id": str(flow_run.id), "prefect.flow_run_url": info.flow_run_url(flow_run.id)}
+    tags = {"prefect.flow_run_id": str(flow_run.id), "prefect.flow_run_url": info.flow_run_url(flow_run.id),
+            PROCESS_TAG: this_process()}
     context = FlowRunContext.get()
     if context is not None and context.flow_run is not None and context.flow_run.deployment_id is None:
         return tags  # (`paperline run`, a script: no deployment, and no call to the server to be told)

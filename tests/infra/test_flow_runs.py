@@ -197,6 +197,40 @@ def test_the_mlflow_runs_an_ended_flow_run_left_running_are_ended(stack):
 
 
 @pytest.mark.stack
+def test_a_run_whose_process_is_gone_is_ended_before_prefect_marks_it_crashed(stack):
+    """`kill -9` of `paperline run`: its MLflow run stayed RUNNING until Prefect marked the flow run
+    Crashed (~90 s without heartbeats), and a run started meanwhile did not end it (an infra trial).
+    The run's process (tag paperline.process, pid@host) gone from this host ends it KILLED at the
+    next sweep; a live process's, another host's or an untagged run is left to Prefect."""
+    import socket
+
+    from prefect.client.orchestration import get_client
+    from prefect.states import Running
+
+    from paperline.infra.tracking import PROCESS_TAG, Tracker, this_process
+
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    host = socket.gethostname()
+    tracker = Tracker(stack[1].mlflow_tracking_uri)
+    experiment = f"process-gone-test-{uuid.uuid4().hex[:8]}"
+    runs = {}
+    with get_client(sync_client=True) as client:
+        for name, process in (("gone", f"{dead.pid}@{host}"), ("live", this_process()),
+                              ("elsewhere", f"{dead.pid}@not-{host}"), ("untagged", None)):
+            flow_run = _flow_run(client, Running())
+            tags = {"prefect.flow_run_id": str(flow_run.id), **({PROCESS_TAG: process} if process else {})}
+            runs[name] = tracker.start_run(experiment, run_name=name, tags=tags)
+    exp = tracker.client.get_experiment_by_name(experiment).experiment_id
+    assert tracker.end_orphaned_runs([exp]) == [runs["gone"]]
+    status = {name: tracker.get_run(r).info.status for name, r in runs.items()}
+    assert status == {"gone": "KILLED", "live": "RUNNING", "elsewhere": "RUNNING", "untagged": "RUNNING"}
+    assert tracker.get_run(runs["gone"]).data.tags["paperline.ended_by"] == (
+        f"its process {dead.pid}@{host} ended without ending it (killed outright: kill -9, out of memory) while "
+        "Prefect showed the flow run Running")
+
+
+@pytest.mark.stack
 def test_crash_lost_runs_crashes_only_unfinished_runs_whose_process_ended(stack):
     from prefect.client.orchestration import get_client
     from prefect.states import Completed, Pending, Running
