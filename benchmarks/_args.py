@@ -4,6 +4,7 @@ status 2) before anything is measured, not a traceback minutes later (fresh-user
 from __future__ import annotations
 
 import argparse
+import math
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -32,8 +33,6 @@ def at_least(low: int) -> Callable[[str], int]:
 
 def positive_seconds(text: str) -> float:
     """A finite number of seconds > 0 (``nan`` and ``inf`` ended in the ranks' tracebacks: a trial)."""
-    import math
-
     try:
         value = float(text)
     except ValueError:
@@ -160,6 +159,30 @@ def interruptible(main: Callable[[], Any]) -> int:
         signal.signal(signal.SIGTERM, previous)
 
 
+def interleaved(runs: dict[str, tuple[Callable[[], Any], int]], rounds: int,
+                say: Callable[[str], Any] | None = None) -> dict[str, list[tuple[float, Any]]]:
+    """Time each run once per round, the runs alternating within a round (run ``name`` in the first
+    ``reps`` rounds only): a host whose speed drifts over the minutes slows every row of a round
+    alike, where back-to-back repeats of one row then the next put the drift into the ratio (best
+    of 3 sequential repeats moved between 1.17x and 1.41x on one idle host; alternating, 1.16-1.29).
+    ``say`` (e.g. print) gets a line per run timed (the default run was silent for three minutes:
+    a trial). Also gemm's out-of-core step: its two runs one after the other made the ratio 1.63
+    on a loaded host (a trial)."""
+    import time
+
+    times: dict[str, list[tuple[float, Any]]] = {name: [] for name in runs}
+    for r in range(rounds):
+        for name, (fn, reps) in runs.items():
+            if r < reps:
+                t = time.perf_counter()
+                out = fn()
+                times[name].append((time.perf_counter() - t, out))
+                if say is not None:
+                    say(f"  round {r + 1}/{min(rounds, max(n for _, n in runs.values()))}: {name} "
+                        f"{times[name][-1][0]:.2f} s")
+    return times
+
+
 def verdict(ok: bool) -> str:
     """A target's word: ``met`` or ``missed``."""
     return "met" if ok else "missed"
@@ -169,3 +192,14 @@ def as_printed(value: float, spec: str) -> float:
     """``value`` as ``format(value, spec)`` prints it: each benchmark judges a target on the number
     its line shows (0.8496 printed "0.850" was judged missed against 0.85: a review)."""
     return float(format(value, spec))
+
+
+def ratio_spec(value: float, digits: int = 3) -> str:
+    """The format a ratio prints with: ``digits`` decimals, or ``digits`` significant digits where
+    the decimals would show fewer (gemm at n=64, tiny times, printed ratios of 0.000: a trial)."""
+    return f".{digits}f" if not math.isfinite(value) or abs(value) >= 0.1 or value == 0 else f"#.{digits}g"
+
+
+def ratio_text(value: float, digits: int = 3) -> str:
+    """``value`` as :func:`ratio_spec` prints it: ``0.950``, ``1.234``, ``0.0123``, never ``0.000``."""
+    return format(value, ratio_spec(value, digits))

@@ -16,8 +16,9 @@ cache):
 * paperline out of core: each worker's tile budget a quarter of the operands' bytes, against a
   budget that holds them all.
 
-Each timing is the best of ``--repeats`` runs (NumPy's of one more, after the others). The page
-cache is warmed before timing. The run ends with issue 4's CPU targets, each met or missed.
+Each timing is the best of ``--repeats`` runs (NumPy's of one more, after the others; the
+out-of-core and in-core runs alternate within each round). The page cache is warmed before
+timing. The run ends with issue 4's CPU targets, each met or missed.
 
 ``--device cuda`` (a GPU machine; about 2 minutes on one H200) measures instead, per size and dtype,
 operands generated on the GPU and copied to host memory once:
@@ -44,9 +45,11 @@ import sys
 import tempfile
 import time
 from collections.abc import Callable
+from functools import partial
 
 import numpy as np
-from _args import as_printed, at_least, interruptible, one_line_errors, positive, require_cuda, verdict  # benchmarks/_args.py: the scripts' shared argument types
+from _args import (as_printed, at_least, interleaved, interruptible, one_line_errors,  # benchmarks/_args.py:
+                   positive, ratio_spec, ratio_text, require_cuda, verdict)  # the scripts' shared argument types
 
 
 def best_of(repeats: int, fn) -> float:
@@ -306,37 +309,48 @@ def cpu_main(args: argparse.Namespace) -> None:
                 rows.append((n, dtype, tile, flops, t_np, t_pl, t_da, t_gather, err))
                 print(f"n={n} {dtype} tile={tile}: numpy {flops / t_np / 1e9:.1f} GFLOP/s, paperline "
                       f"{flops / t_pl / 1e9:.1f} (gathered {flops / t_gather / 1e9:.1f}), dask.array "
-                      f"{flops / t_da / 1e9:.1f}; paperline/numpy {t_np / t_pl:.3f}, paperline/dask.array "
-                      f"{t_da / t_pl:.3f} (max rel. error {err:.1e})", flush=True)
+                      f"{flops / t_da / 1e9:.1f}; paperline/numpy {ratio_text(t_np / t_pl)}, paperline/dask.array "
+                      f"{ratio_text(t_da / t_pl)} (max rel. error {err:.1e})", flush=True)
         # Out of core: the largest size, float64, budget a quarter of the operands' bytes.
         n = max(int(s) for s in args.sizes.split(","))
         tile = tile_for(args, n)
         a_path, b_path = write_operands(tmp, n, "float64")
         operand_bytes = 2 * n * n * 8  # out_of_core_budget(n) is a quarter of it
         problem = make_problem("gemm", NpySource(a_path, "a"), NpySource(b_path, "b"), tile=tile)
-        stats = {}
 
-        def once(budget: int, label: str) -> None:
+        def once(budget: int) -> float:
             # the hit rate, not the result: one gathered result at a time (check_fits counts one)
-            stats[label] = run(problem, rt, memory_budget=budget, check_finite=False).cache_hit_rate
+            return run(problem, rt, memory_budget=budget, check_finite=False).cache_hit_rate
 
-        t_in = best_of(args.repeats, lambda: once(2 * operand_bytes, "in"))
-        t_out = best_of(args.repeats, lambda: once(out_of_core_budget(n), "out"))
+        (t_in, hit_in), (t_out, hit_out), per_round = in_and_out_of_core(
+            partial(once, 2 * operand_bytes), partial(once, out_of_core_budget(n)), args.repeats)
         print(f"out of core n={n} float64: budget {out_of_core_budget(n) / 2**20:.0f} MiB per worker "
               f"(operands {operand_bytes / 2**20:.0f} MiB): {2.0 * n**3 / t_out / 1e9:.1f} GFLOP/s, hit rate "
-              f"{stats['out']:.2f}; in core {2.0 * n**3 / t_in / 1e9:.1f} GFLOP/s, hit rate "
-              f"{stats['in']:.2f}")
+              f"{hit_out:.2f}; in core {2.0 * n**3 / t_in / 1e9:.1f} GFLOP/s, hit rate {hit_in:.2f}; best of "
+              f"{args.repeats} rounds, the two alternating" + (f" (out of core / in core per round "
+              f"{ratio_text(min(per_round))}-{ratio_text(max(per_round))})" if len(per_round) > 1 else ""))
 
     print("\nratios (> 1: paperline faster)")
     print(f"{'n':>6} {'dtype':>8} {'tile':>6} {'vs numpy.matmul':>16} {'vs dask.array':>14} "
           f"{'gathered vs numpy':>18} {'gathered vs dask.array':>23}")
     for n, dtype, tile, flops, t_np, t_pl, t_da, t_gather, err in rows:
-        print(f"{n:>6} {dtype:>8} {tile:>6} {t_np / t_pl:>16.3f} {t_da / t_pl:>14.3f} {t_np / t_gather:>18.3f} "
-              f"{t_da / t_gather:>23.3f}")
-    print(f"out of core (4x budget) / in core: {t_in / t_out:.3f}")
+        print(f"{n:>6} {dtype:>8} {tile:>6} {ratio_text(t_np / t_pl):>16} {ratio_text(t_da / t_pl):>14} "
+              f"{ratio_text(t_np / t_gather):>18} {ratio_text(t_da / t_gather):>23}")
+    print(f"out of core (4x budget) / in core: {ratio_text(t_in / t_out)}")
     print("\ntargets (issue 4, CPU; one run's ratios vary by a few percent on a quiet host, more on a busy one):")
     for line in target_lines(rows, t_in / t_out):
         print(f"  {line}")
+
+
+def in_and_out_of_core(in_core: Callable[[], float], out_of_core: Callable[[], float], rounds: int
+                       ) -> tuple[tuple[float, float], tuple[float, float], list[float]]:
+    """Time the in-core and the out-of-core run (each returns its cache hit rate) alternating within
+    each of ``rounds`` rounds, as video_curation's rows: the one's repeats, then the other's, put a
+    loaded host's drift into the ratio (1.63 in one run: a trial). Returns the best
+    ``(seconds, hit rate)`` of each and the ratio in-core seconds / out-of-core seconds per round."""
+    times = interleaved({"in": (in_core, rounds), "out": (out_of_core, rounds)}, rounds)
+    best_in, best_out = (min(times[k], key=lambda m: m[0]) for k in ("in", "out"))
+    return best_in, best_out, [i / o for (i, _), (o, _) in zip(times["in"], times["out"])]
 
 
 NUMPY_TARGET_N, NUMPY_TARGET = 8192, 0.95  # paperline / numpy.matmul at n = 8192: tiling and scheduling cost <= 5%
@@ -352,16 +366,17 @@ def target_lines(rows: list[tuple], out_of_core: float) -> list[str]:
     out-of-core time."""
     at = [(dtype, t_np / t_pl) for n, dtype, _, _, t_np, t_pl, *_ in rows if n == NUMPY_TARGET_N]
     if at:
-        worst = as_printed(min(r for _, r in at), ".3f")
-        numpy = (f"{', '.join(f'{r:.3f} ({dtype})' for dtype, r in at)}: {verdict(worst >= NUMPY_TARGET)}")
+        worst = min(r for _, r in at)
+        numpy = (f"{', '.join(f'{ratio_text(r)} ({dtype})' for dtype, r in at)}: "
+                 f"{verdict(as_printed(worst, ratio_spec(worst)) >= NUMPY_TARGET)}")
     else:
         numpy = f"not measured (--sizes without {NUMPY_TARGET_N})"
-    dask = as_printed(min(t_da / t_pl for *_, t_pl, t_da, _, _ in rows), ".3f")
-    out_of_core = as_printed(out_of_core, ".3f")
+    dask = min(t_da / t_pl for *_, t_pl, t_da, _, _ in rows)
     return [f"paperline / numpy.matmul >= {NUMPY_TARGET} at n = {NUMPY_TARGET_N}: {numpy}",
-            f"paperline / dask.array >= {DASK_TARGET} (every row): lowest {dask:.3f}: {verdict(dask >= DASK_TARGET)}",
-            f"out of core / in core >= {OUT_OF_CORE_TARGET}: {out_of_core:.3f}: "
-            f"{verdict(out_of_core >= OUT_OF_CORE_TARGET)}"]
+            f"paperline / dask.array >= {DASK_TARGET} (every row): lowest {ratio_text(dask)}: "
+            f"{verdict(as_printed(dask, ratio_spec(dask)) >= DASK_TARGET)}",
+            f"out of core / in core >= {OUT_OF_CORE_TARGET}: {ratio_text(out_of_core)}: "
+            f"{verdict(as_printed(out_of_core, ratio_spec(out_of_core)) >= OUT_OF_CORE_TARGET)}"]
 
 
 def gpu_target_lines(rows: list[tuple], gpus: int) -> list[str]:
@@ -372,9 +387,10 @@ def gpu_target_lines(rows: list[tuple], gpus: int) -> list[str]:
     t_paperline, error)``."""
     largest = max(n for n, *_ in rows)
     at = [(dtype, t_dev / t_pl) for n, dtype, _, _, t_dev, _, t_pl, _ in rows if n == largest]
-    worst = as_printed(min(r for _, r in at), ".3f")
+    worst = min(r for _, r in at)
     return [f"paperline / cupy.matmul (device-resident) >= {CUPY_TARGET} at the largest size, n = {largest}: "
-            f"{', '.join(f'{r:.3f} ({dtype})' for dtype, r in at)}: {verdict(worst >= CUPY_TARGET)}",
+            f"{', '.join(f'{ratio_text(r)} ({dtype})' for dtype, r in at)}: "
+            f"{verdict(as_printed(worst, ratio_spec(worst)) >= CUPY_TARGET)}",
             f"scaling over GPUs: not measured here ({gpus} GPU(s) visible; the dask-cuda line above runs one worker "
             "per GPU)"]
 
@@ -424,8 +440,8 @@ def gpu_cluster_line(args: argparse.Namespace, sizes: list[int], synced: Callabl
             cp.matmul(cp.asarray(np.load(paths[0])), cp.asarray(np.load(paths[1]))))))
         cp.get_default_memory_pool().free_all_blocks()
         print(f"dask-cuda, {len(rt.workers())} worker(s), n={n} {dtype} tile={tile}, .npy in and out: "
-              f"{2.0 * n**3 / t_dask / 1e12:.2f} TFLOP/s = {t_dev / t_dask:.3f} of cupy device-resident, "
-              f"{t_files / t_dask:.3f} of cupy on the same .npy files in and out ({2.0 * n**3 / t_files / 1e12:.2f} "
+              f"{2.0 * n**3 / t_dask / 1e12:.2f} TFLOP/s = {ratio_text(t_dev / t_dask)} of cupy device-resident, "
+              f"{ratio_text(t_files / t_dask)} of cupy on the same .npy files in and out ({2.0 * n**3 / t_files / 1e12:.2f} "
               f"TFLOP/s); host->device {stats[-1].counters['bytes_host_to_device'] / 2**30:.1f} GiB, cache hit rate "
               f"{stats[-1].cache_hit_rate:.2f}", flush=True)
 
@@ -485,7 +501,7 @@ def gpu_main(args: argparse.Namespace) -> None:
             rows.append((n, dtype, tile, flops, t_dev, t_host, t_pl, err))
             print(f"n={n} {dtype} tile={tile}: cupy device-resident {flops / t_dev / 1e12:.2f} TFLOP/s, cupy "
                   f"host-resident {flops / t_host / 1e12:.2f}, paperline (host operands) {flops / t_pl / 1e12:.2f}; "
-                  f"paperline/cupy {t_dev / t_pl:.3f}, paperline/cupy host-resident {t_host / t_pl:.3f} "
+                  f"paperline/cupy {ratio_text(t_dev / t_pl)}, paperline/cupy host-resident {ratio_text(t_host / t_pl)} "
                   f"(max rel. error {err:.1e})", flush=True)
             del a, b, ref, problem
 
@@ -500,7 +516,7 @@ def gpu_main(args: argparse.Namespace) -> None:
     print("\nratios (> 1: paperline faster)")
     print(f"{'n':>6} {'dtype':>8} {'tile':>6} {'vs cupy (device-resident)':>26} {'vs cupy (host-resident)':>24}")
     for n, dtype, tile, flops, t_dev, t_host, t_pl, err in rows:
-        print(f"{n:>6} {dtype:>8} {tile:>6} {t_dev / t_pl:>26.3f} {t_host / t_pl:>24.3f}")
+        print(f"{n:>6} {dtype:>8} {tile:>6} {ratio_text(t_dev / t_pl):>26} {ratio_text(t_host / t_pl):>24}")
     print("\ntargets (issue 4, GPU):")
     for line in gpu_target_lines(rows, cp.cuda.runtime.getDeviceCount()):
         print(line)

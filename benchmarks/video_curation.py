@@ -31,14 +31,13 @@ import json
 import subprocess
 import sys
 import tempfile
-import time
 from collections.abc import Callable
 from fractions import Fraction
 from functools import partial
 from pathlib import Path
 from typing import Any
 
-from _args import as_printed, interruptible, output_file, verdict  # benchmarks/_args.py
+from _args import as_printed, interleaved, interruptible, output_file, verdict  # benchmarks/_args.py
 
 
 def bare_transcode_pyav(path: Path, height: int, crf: int, preset: str) -> int:
@@ -113,27 +112,6 @@ def pipeline(videos: list[Path], splitter: str, height: int, crf: int, preset: s
     for plan in plan_shards(kept, 64_000_000):
         size += len(build_shard([(k, data[k], member_metadata(by_key[k], plan.name)) for k in plan.keys]))
     return {"clips": clips, "kept": len(kept), "bytes": size}
-
-
-def interleaved(runs: dict[str, tuple[Callable[[], Any], int]], rounds: int,
-                say: Callable[[str], Any] | None = None) -> dict[str, list[tuple[float, Any]]]:
-    """Time each run once per round, the runs alternating within a round (run ``name`` in the first
-    ``reps`` rounds only): a host whose speed drifts over the minutes slows every row of a round
-    alike, where back-to-back repeats of one row then the next put the drift into the ratio (best
-    of 3 sequential repeats moved between 1.17x and 1.41x on one idle host; alternating, 1.16-1.29).
-    ``say`` (e.g. print) gets a line per run timed (the default run was silent for three minutes:
-    a trial)."""
-    times: dict[str, list[tuple[float, Any]]] = {name: [] for name in runs}
-    for r in range(rounds):
-        for name, (fn, reps) in runs.items():
-            if r < reps:
-                t = time.perf_counter()
-                out = fn()
-                times[name].append((time.perf_counter() - t, out))
-                if say is not None:
-                    say(f"  round {r + 1}/{min(rounds, max(n for _, n in runs.values()))}: {name} "
-                        f"{times[name][-1][0]:.2f} s")
-    return times
 
 
 def main(argv: list[str] | None = None) -> int:
