@@ -42,7 +42,30 @@ def main() -> None:
     parser.add_argument("--closing-sweeps", type=at_least(0), default=30, help="for the held-out RMSE (the speed "
                         "part times the ADMM rounds alone)")
     args = parser.parse_args()
+    check_rank(parser, args)
     one_line_errors(parser, lambda: measure(args))
+
+
+def check_rank(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """Refuse, before any dataset is loaded or the cluster starts, a ``--rank`` whose fit cannot fit
+    this machine's memory on one of the datasets measured (their registered shapes): ``--rank
+    100000`` was refused as ``rank=100000`` after about 15 s of loading and the warm-up (a trial)."""
+    import inspect
+
+    from paperline.kernels.errors import InputError
+    from paperline.kernels.tensor.datasets import dataset_info
+    from paperline.kernels.tensor.p2t2f import p2t2f, working_set_bytes
+    from paperline.kernels.tensor.pttf import check_fit_fits_memory
+
+    batch_size = inspect.signature(p2t2f).parameters["batch_size"].default  # the fits here use p2t2f's default
+    for name in dict.fromkeys([args.speed_dataset, *args.datasets]):
+        shape = dataset_info(name).shape
+        for n_parts in (1, 2):  # P=1 and P=2, as measured
+            try:
+                check_fit_fits_memory(shape, args.rank, sum(working_set_bytes(shape, args.rank, batch_size,
+                                                                              n_parts).values()))
+            except InputError as exc:
+                parser.error(f"--rank {args.rank}: on {name} (shape {shape}), {exc.problem}")
 
 
 def _dataset(name: str) -> str:

@@ -365,6 +365,23 @@ def test_benchmarks_refuse_bad_arguments_before_measuring(script, args, message)
     assert refuse(script, *args).startswith(f"{script}: error: {message}")
 
 
+def test_tensor_benchmark_refuses_a_rank_too_large_before_loading_anything():
+    """`--rank 100000` was refused after ~15 s (a dataset loaded, the cluster started, the warm-up
+    begun), as `rank=100000`, not the option's name (a trial)."""
+    import time
+
+    start = time.perf_counter()
+    proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "tensor_factorization.py"), "--rank", "100000",
+                           "--datasets", "produc"], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr[-2000:]
+    assert proc.stdout == ""  # no "== speed" line: nothing was loaded or fitted
+    line = proc.stderr.strip().splitlines()[-1]
+    assert line.startswith("tensor_factorization.py: error: --rank 100000: on kinetic (shape (64, 12, 10, 60)), the "
+                           "factors and the fit's scratch would take "), line
+    assert line.endswith("available; lower the rank"), line
+    assert time.perf_counter() - start < 60
+
+
 def test_gemm_benchmark_reads_its_dtypes_as_typed_with_spaces_each_once(monkeypatch):
     """`--dtypes "float32, float64"` crashed on ' float64' after the first measurements (a trial)."""
     gemm = _gemm_benchmark(monkeypatch)
