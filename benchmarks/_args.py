@@ -5,9 +5,11 @@ from __future__ import annotations
 
 import argparse
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
+
+T = TypeVar("T")
 
 
 def positive(text: str) -> int:
@@ -40,6 +42,12 @@ def positive_seconds(text: str) -> float:
     if not (math.isfinite(value) and value > 0):
         raise argparse.ArgumentTypeError(f"{text!r}: a finite number of seconds > 0")
     return value
+
+
+def each_once(items: Iterable[T]) -> list[T]:
+    """``items`` in their order, each once: a list option's duplicate (``gemm.py --sizes 64,64``,
+    ``video_curation.py --splitters content,content``) was measured twice (a trial)."""
+    return list(dict.fromkeys(items))
 
 
 def output_file(text: str) -> Path:

@@ -32,7 +32,7 @@ import socket
 import sys
 import time
 
-from _args import at_least, interruptible, output_file, positive, positive_seconds  # benchmarks/_args.py
+from _args import at_least, each_once, interruptible, output_file, positive, positive_seconds  # benchmarks/_args.py
 
 KINDS = ("allreduce", "broadcast", "reduce")
 
@@ -179,6 +179,9 @@ def main(argv: list[str] | None = None) -> int:
                          "e.g. 64M")
         parser.error(f"argument {option}: {given[at]!r}: must be positive")
     args = parser.parse_args(argv)
+    # each once, in the order given (a repeated one was measured twice: a trial)
+    args.world_sizes, args.kinds = each_once(args.world_sizes), each_once(args.kinds)
+    args.sizes = each_once(args.sizes) if args.sizes else args.sizes
     if not args.sizes:
         if args.min_bytes > args.max_bytes:
             parser.error(f"--min-bytes {human(args.min_bytes)} is above --max-bytes {human(args.max_bytes)}")

@@ -48,7 +48,7 @@ from collections.abc import Callable
 from functools import partial
 
 import numpy as np
-from _args import (as_printed, at_least, interleaved, interruptible, one_line_errors,  # benchmarks/_args.py:
+from _args import (as_printed, at_least, each_once, interleaved, interruptible, one_line_errors,  # benchmarks/_args.py:
                    positive, ratio_spec, ratio_text, require_cuda, verdict)  # the scripts' shared argument types
 
 
@@ -108,11 +108,9 @@ MIN_SIZE = 16
 
 
 def _sizes(text: str) -> str:
-    """Comma-separated matrix sizes, each at least :data:`MIN_SIZE` (kept as text: --device cuda
-    swaps the default)."""
-    for item in text.split(","):
-        at_least(MIN_SIZE)(item.strip())
-    return text
+    """Comma-separated matrix sizes, each at least :data:`MIN_SIZE`, each once (``64,64`` measured
+    64 twice: a trial); kept as text (--device cuda swaps the default)."""
+    return ",".join(map(str, each_once(at_least(MIN_SIZE)(item.strip()) for item in text.split(","))))
 
 
 def _dtypes(text: str) -> str:
@@ -120,7 +118,7 @@ def _dtypes(text: str) -> str:
     if bad:
         raise argparse.ArgumentTypeError(f"{', '.join(map(repr, bad))}: expected float32 and/or float64")
     # as the measurements read it: "float32, float64" crashed on ' float64' (a trial); each once
-    return ",".join(dict.fromkeys(d.strip() for d in text.split(",")))
+    return ",".join(each_once(d.strip() for d in text.split(",")))
 
 
 def tile_for(args: argparse.Namespace, n: int) -> int:

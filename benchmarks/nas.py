@@ -41,7 +41,7 @@ import time
 from concurrent.futures import ProcessPoolExecutor, as_completed
 
 import numpy as np
-from _args import at_least, interruptible, one_line_errors, output_file, positive, stop_children  # benchmarks/_args.py
+from _args import at_least, each_once, interruptible, one_line_errors, output_file, positive, stop_children  # benchmarks/_args.py
 
 MULTI = {
     "nasbench201-cifar10": ({"objectives": ["val_accuracy_pct", "model_size_mb"]}, ["lamoo", "qehvi", "nsga2", "random"]),
@@ -185,13 +185,13 @@ def main() -> None:
     args.budget = args.budget or (40 if args.quick else 100)
     if args.budget < args.n_init:
         parser.error(f"--budget {args.budget}: below --n-init {args.n_init} (the initial design is part of the budget)")
-    wanted = [p for p in args.problems.split(",") if p]
+    wanted = each_once(p.strip() for p in args.problems.split(",") if p.strip())
     unknown = [p for p in wanted if p not in {**MULTI, **SINGLE}]
     if unknown:
         parser.error(f"unknown --problems {unknown}; known: {', '.join([*MULTI, *SINGLE])}")
     if not wanted:  # (',' reached the --optimizers error below: a trial)
         parser.error(f"--problems {args.problems!r} names no problem (leave it out for every one)")
-    subset = [o.strip() for o in (args.optimizers or "").split(",") if o.strip()]
+    subset = each_once(o.strip() for o in (args.optimizers or "").split(",") if o.strip())
     if args.optimizers is not None and not subset:  # '' ran every optimizer (a trial)
         parser.error(f"--optimizers {args.optimizers!r} names no optimizer (leave it out for every one)")
     known = {o for p in wanted for o in {**MULTI, **SINGLE}[p][1]}

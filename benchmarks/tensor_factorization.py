@@ -18,7 +18,7 @@ import sys
 import time
 
 import numpy as np
-from _args import as_printed, at_least, interruptible, one_line_errors, positive, verdict  # benchmarks/_args.py
+from _args import as_printed, at_least, each_once, interruptible, one_line_errors, positive, verdict  # benchmarks/_args.py
 
 SPEEDUP_TARGET = 1.6  # P=2 against P=1, time to the target validation RMSE
 
@@ -77,7 +77,7 @@ def _dataset(name: str) -> str:
 
 
 def _datasets(text: str) -> list[str]:
-    names = [n.strip() for n in text.split(",") if n.strip()]
+    names = each_once(n.strip() for n in text.split(",") if n.strip())
     if not names:
         raise argparse.ArgumentTypeError(f"{text!r}: no dataset named")
     return [_dataset(n) for n in names]

@@ -37,7 +37,7 @@ from functools import partial
 from pathlib import Path
 from typing import Any
 
-from _args import as_printed, interleaved, interruptible, output_file, verdict  # benchmarks/_args.py
+from _args import as_printed, each_once, interleaved, interruptible, output_file, verdict  # benchmarks/_args.py
 
 
 def bare_transcode_pyav(path: Path, height: int, crf: int, preset: str) -> int:
@@ -141,7 +141,7 @@ def main(argv: list[str] | None = None) -> int:
     except InputError as exc:
         ap.error(f"--preset {args.preset!r}: {exc.problem}")
 
-    splitters = [s.strip() for s in args.splitters.split(",") if s.strip()]
+    splitters = each_once(s.strip() for s in args.splitters.split(",") if s.strip())  # (content,content: twice)
     unknown = [s for s in splitters if s not in DETECTORS]
     if unknown or not splitters:  # before a minute of transcoding, not after it
         ap.error(f"--splitters {args.splitters!r}: unknown {', '.join(unknown) or '(none given)'}; "

@@ -388,6 +388,18 @@ def test_gemm_benchmark_reads_its_dtypes_as_typed_with_spaces_each_once(monkeypa
     assert gemm._dtypes("float32, float64,float64") == "float32,float64"
 
 
+def test_the_benchmarks_list_options_measure_each_item_once(monkeypatch):
+    """`gemm.py --sizes 64,64` and `video_curation.py --splitters content,content` measured the same
+    thing twice (a trial): each list option keeps its first of each, in order."""
+    gemm = _gemm_benchmark(monkeypatch)
+    from _args import each_once  # (benchmarks/ is on the path now)
+
+    assert gemm._sizes("64,128, 64,0064") == "64,128"
+    assert each_once(["content", "stride", "content"]) == ["content", "stride"]
+    tensor = _benchmark(monkeypatch, "tensor_factorization")
+    assert tensor._datasets("produc,kinetic, produc") == ["produc", "kinetic"]
+
+
 def test_an_output_file_checked_before_measuring_is_left_as_it_was(monkeypatch, tmp_path):
     """The check opens it for appending: an existing file keeps its bytes, a new one is not left."""
     monkeypatch.syspath_prepend(str(ROOT / "benchmarks"))
