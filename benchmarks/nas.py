@@ -178,6 +178,8 @@ def main() -> None:
         missing = [p for p in args.load if not os.path.isfile(p)]
         if missing:
             parser.error(f"--load {' '.join(missing)}: no such file")
+        # a file named twice (a.json a.json, ./a.json) is read once, as a list option's repeated item
+        args.load = list({os.path.realpath(p): p for p in reversed(args.load)}.values())[::-1]
         one_line_errors(parser, lambda: report_saved(args.load))
         return
     # --quick's values where --seeds or --budget are not given (it overrode them unsaid: a trial)
@@ -278,9 +280,10 @@ def report_saved(paths: list[str]) -> None:
     """Report over campaigns saved by ``--save`` (same budget, n_init and q), pooled.
 
     Raises:
-        InputError: a file that is not such a save (not JSON, or without its keys).
+        InputError: a file that is not such a save (not JSON, or without its keys), files of
+            different settings, or a campaign (problem, optimizer, seed) in two files.
     """
-    from paperline.kernels.errors import InputError
+    from paperline.kernels.errors import Described, InputError
 
     saved = []
     for path in paths:
@@ -294,8 +297,9 @@ def report_saved(paths: list[str]) -> None:
             raise InputError("--load", path, f"not a file --save wrote (no {', '.join(lacking) or 'list of runs'})")
         saved.append(save)
     settings = {(s["budget"], s["n_init"], s["q"]) for s in saved}
-    if len(settings) != 1:
-        raise SystemExit(f"--load: the files were run with different (budget, n_init, q): {sorted(settings)}")
+    if len(settings) != 1:  # (these two were SystemExit's bare line, without "nas.py: error:": a trial)
+        raise InputError("--load", Described(" ".join(paths)),
+                         f"the files were run with different (budget, n_init, q): {sorted(settings)}")
     budget, n_init, _ = settings.pop()
     runs = [r for s in saved for r in s["runs"]]
     seen: dict[tuple, str] = {}
@@ -303,7 +307,7 @@ def report_saved(paths: list[str]) -> None:
         for r in s["runs"]:
             key = (r["problem"], r["optimizer"], r["seed"])
             if key in seen:
-                raise SystemExit(f"--load: {key} is in both {seen[key]} and {path}; a seed counts once")
+                raise InputError("--load", path, f"{key} is in {seen[key]} too; a seed counts once")
             seen[key] = path
     for problem in dict.fromkeys(r["problem"] for r in runs):
         report(problem, [r for r in runs if r["problem"] == problem], budget, n_init, problem in MULTI)

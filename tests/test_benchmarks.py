@@ -382,6 +382,30 @@ def test_tensor_benchmark_refuses_a_rank_too_large_before_loading_anything():
     assert time.perf_counter() - start < 60
 
 
+def test_nas_benchmark_load_refusals_are_the_parsers_one_line(tmp_path):
+    """`--load a.json a.json` ended with a bare line, without `nas.py: error:` (a trial): a file
+    named twice is read once; a campaign in two files, or files of different settings, are
+    refused with the parser's prefix."""
+    import json
+
+    def save(name, budget, seed):
+        run = {"problem": "levy", "optimizer": "random", "seed": seed, "trace": [1.0, 2.0, 3.0], "suggest_s": 0.1,
+               "wall_s": 1.0}
+        (tmp_path / name).write_text(json.dumps({"budget": budget, "n_init": 1, "q": 1, "runs": [run]}))
+        return str(tmp_path / name)
+
+    a, b, c = save("a.json", 3, 0), save("b.json", 3, 0), save("c.json", 4, 1)
+    assert refuse("nas.py", "--load", a, b) == (f"nas.py: error: --load='{b}': ('levy', 'random', 0) is in {a} too; "
+                                                "a seed counts once")
+    line = refuse("nas.py", "--load", a, c)  # (the value shown is cut at 120 characters)
+    assert line.startswith(f"nas.py: error: --load=<{a}") and line.endswith(
+        ">: the files were run with different (budget, n_init, q): [(3, 1, 1), (4, 1, 1)]"), line
+    proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "nas.py"), "--load", a, str(tmp_path / "." / "a.json")],
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "budget 3, 1 seeds" in proc.stdout and "1/1" in proc.stdout, proc.stdout
+
+
 def test_gemm_benchmark_reads_its_dtypes_as_typed_with_spaces_each_once(monkeypatch):
     """`--dtypes "float32, float64"` crashed on ' float64' after the first measurements (a trial)."""
     gemm = _gemm_benchmark(monkeypatch)
