@@ -143,6 +143,26 @@ def test_compressed_training_benchmark_says_which_targets_fft_meets(monkeypatch)
     assert [line.rsplit(": ", 2)[-2:] for line in edge] == [["10.0x", "met"], ["-1.0 points", "met"], ["10.0%", "met"]]
 
 
+def test_compressed_training_benchmark_says_its_epochs_and_progress(monkeypatch):
+    """`--epochs 1` judged "within 1 point of none" without saying the target is the default 4
+    epochs', and `--epochs 100000` ran for hours without a line (a trial)."""
+    bench = _benchmark(monkeypatch, "compressed_training")
+
+    def row(name, accuracy):
+        return {"name": name, "result": {"epochs": [{"test_accuracy_pct": accuracy, "bytes_sent_per_step": 1000,
+                                                      "compress_s": 0.01, "decompress_s": 0.01, "step_s": 1.0}]}}
+
+    rows = [row("none", 80.0), row("fft", 79.5)]
+    assert bench.target_lines(rows, 1)[1] == ("final test accuracy within 1 point of none: -0.5 points: met (the "
+                                              "target assumes the default 4 epochs; this run: 1)")
+    assert bench.target_lines(rows, 4)[1] == "final test accuracy within 1 point of none: -0.5 points: met"
+    record = {"epoch": 1, "wall_s": 20.0, "test_accuracy_pct": 77.94}
+    assert bench.progress_line("fft", record, 100000) == ("  fft epoch 2/100000: test accuracy 77.9%, 20.0 s, "
+                                                          "about 277.8 h to go")
+    assert bench.progress_line("fft", record, 4).endswith(", 20.0 s, about 20 s to go")
+    assert bench.progress_line("fft", {**record, "epoch": 99999}, 100000).endswith("test accuracy 77.9%, 20.0 s")
+
+
 def test_gemm_benchmark_says_which_targets_its_ratios_meet(monkeypatch):
     """It printed ratios and left the user to find the issue's targets (a trial)."""
     gemm = _gemm_benchmark(monkeypatch)
