@@ -35,13 +35,14 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import multiprocessing
 import os
 import sys
 import time
 from concurrent.futures import ProcessPoolExecutor, as_completed
 
 import numpy as np
-from _args import at_least, each_once, interruptible, one_line_errors, output_file, positive, stop_children  # benchmarks/_args.py
+from _args import at_least, each_once, interruptible, one_line_errors, output_file, positive  # benchmarks/_args.py
 
 MULTI = {
     "nasbench201-cifar10": ({"objectives": ["val_accuracy_pct", "model_size_mb"]}, ["lamoo", "qehvi", "nsga2", "random"]),
@@ -246,9 +247,13 @@ def main() -> None:
                       f"final {r['trace'][-1]:.5g}, {r['suggest_s']:.2f} s/suggestion, {r['wall_s']:.0f} s", flush=True)
         except KeyboardInterrupt:  # report what finished
             interrupted = True
-            for f in futures:
-                f.cancel()
-            stop_children()  # the running campaigns (the pool waited for them: a trial)
+            # the running campaigns (the pool waited for them: a trial), ended through multiprocessing,
+            # which reaps them: the pool, broken, fails the other futures itself and shuts down.
+            # (Futures cancelled here first made its management thread print "InvalidStateError:
+            # CANCELLED" as it failed them (a trial); workers reaped behind its back by
+            # stop_children() left it polling them for ever, Python 3.11.)
+            for process in multiprocessing.active_children():
+                process.terminate()
             print("interrupted: reporting the campaigns that finished")
     for problem in wanted:
         report(problem, [r for r in results if r["problem"] == problem], args.budget, args.n_init, problem in MULTI)
@@ -270,10 +275,12 @@ def main() -> None:
 
 def _default_sigterm() -> None:
     """A pool worker's SIGTERM ends it (forked, it inherited ``interruptible``'s handler, and
-    ignored the SIGTERM of :func:`stop_children`: 5 s until the SIGKILL, a review)."""
+    ignored the SIGTERM of :func:`stop_children`: 5 s until the SIGKILL, a review); a terminal's
+    Ctrl-C is left to the parent, which stops the workers and says it once."""
     import signal
 
     signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
 
 
 def report_saved(paths: list[str]) -> None:
