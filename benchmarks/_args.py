@@ -4,8 +4,9 @@ status 2) before anything is measured, not a traceback minutes later (fresh-user
 from __future__ import annotations
 
 import argparse
+import contextlib
 import math
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -189,6 +190,21 @@ def interleaved(runs: dict[str, tuple[Callable[[], Any], int]], rounds: int,
                     say(f"  round {r + 1}/{min(rounds, max(n for _, n in runs.values()))}: {name} "
                         f"{times[name][-1][0]:.2f} s")
     return times
+
+
+@contextlib.contextmanager
+def quiet_dask_close() -> Iterator[None]:
+    """The innermost of a ``with LocalCluster(...), Client(...)``: an interrupt there closes the client
+    under a waiting ``gather``, whose waits fail with ``AllExit``, each then logged by asyncio as
+    "Task exception was never retrieved" with its traceback (tensor_factorization's Ctrl-C: a
+    trial); interrupted, asyncio's log is silenced, and :func:`interruptible` says it in one line."""
+    try:
+        yield
+    except KeyboardInterrupt:
+        import logging
+
+        logging.getLogger("asyncio").setLevel(logging.CRITICAL)
+        raise
 
 
 def verdict(ok: bool) -> str:

@@ -49,7 +49,7 @@ from functools import partial
 
 import numpy as np
 from _args import (as_printed, at_least, each_once, interleaved, interruptible, one_line_errors,  # benchmarks/_args.py:
-                   positive, ratio_spec, ratio_text, require_cuda, verdict)  # the scripts' shared argument types
+                   positive, quiet_dask_close, ratio_spec, ratio_text, require_cuda, verdict)  # the scripts' shared argument types
 
 
 def best_of(repeats: int, fn) -> float:
@@ -267,7 +267,8 @@ def cpu_main(args: argparse.Namespace) -> None:
     rows = []
     with tempfile.TemporaryDirectory(prefix="paperline-bench-gemm-") as tmp, \
             LocalCluster(n_workers=args.workers, threads_per_worker=1, processes=True, host="127.0.0.1",
-                         dashboard_address="127.0.0.1:0", preload=list(WORKER_PRELOAD)) as cluster, Client(cluster) as client:
+                         dashboard_address="127.0.0.1:0", preload=list(WORKER_PRELOAD)) as cluster, Client(cluster) as client, \
+            quiet_dask_close():
         rt = DaskRuntime(client)
         print(f"cluster: {len(rt.workers())} single-threaded workers")
         for n in [int(s) for s in args.sizes.split(",")]:

@@ -18,7 +18,8 @@ import sys
 import time
 
 import numpy as np
-from _args import as_printed, at_least, each_once, interruptible, one_line_errors, positive, verdict  # benchmarks/_args.py
+from _args import (as_printed, at_least, each_once, interruptible, one_line_errors, positive,  # benchmarks/_args.py
+                   quiet_dask_close, verdict)
 
 SPEEDUP_TARGET = 1.6  # P=2 against P=1, time to the target validation RMSE
 
@@ -98,7 +99,8 @@ def measure(args: argparse.Namespace) -> None:
     configure_local_workers()  # the same worker environment as the flows' clusters, and preload:
     # without it a worker's heartbeat cut by the cluster's close printed a traceback (a trial)
     with LocalCluster(n_workers=2, threads_per_worker=1, processes=True, host="127.0.0.1",
-                      dashboard_address="127.0.0.1:0", preload=list(WORKER_PRELOAD)) as cluster, Client(cluster) as client:
+                      dashboard_address="127.0.0.1:0", preload=list(WORKER_PRELOAD)) as cluster, Client(cluster) as client, \
+            quiet_dask_close():
         executor = DaskExecutor(client)
 
         def fit(split, n_parts, closing_sweeps=args.closing_sweeps):

@@ -119,6 +119,24 @@ def test_a_benchmark_killed_with_sigterm_removes_its_temporary_files_and_process
     assert interruptible(ctrl_c) == 130 and interruptible(lambda: None) == 0 and interruptible(lambda: 1) == 1
 
 
+def test_an_interrupted_dask_benchmark_does_not_log_asyncio_tracebacks(monkeypatch):
+    """tensor_factorization's Ctrl-C printed Dask's "Task exception was never retrieved ... AllExit"
+    tracebacks (asyncio's log) before the one line (a trial); the clean path leaves the log alone."""
+    import logging
+
+    monkeypatch.syspath_prepend(str(ROOT / "benchmarks"))
+    from _args import quiet_dask_close
+
+    log = logging.getLogger("asyncio")
+    monkeypatch.setattr(log, "level", logging.NOTSET)
+    with quiet_dask_close():
+        pass
+    assert log.level == logging.NOTSET
+    with pytest.raises(KeyboardInterrupt), quiet_dask_close():
+        raise KeyboardInterrupt
+    assert log.level == logging.CRITICAL
+
+
 def test_compressed_training_benchmark_says_which_targets_fft_meets(monkeypatch):
     """Its rows were printed without issue 5's targets (a trial)."""
     bench = _benchmark(monkeypatch, "compressed_training")
