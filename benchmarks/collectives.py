@@ -28,6 +28,7 @@ import argparse
 import json
 import os
 import re
+import signal
 import socket
 import sys
 import time
@@ -216,7 +217,16 @@ def main(argv: list[str] | None = None) -> int:
     with tempfile.TemporaryDirectory() as tmp:
         for world in args.world_sizes:
             out_path = os.path.join(tmp, f"rows-{world}.json")
-            mp.spawn(worker, args=(world, free_port(), args, out_path), nprocs=world, join=True)
+            # the ranks start with SIGINT ignored: a terminal's Ctrl-C reached them too, each printing
+            # its KeyboardInterrupt traceback (a trial); this process takes it, and interruptible()
+            # stops them and says it once
+            previous = signal.signal(signal.SIGINT, signal.SIG_IGN)
+            try:
+                ranks = mp.spawn(worker, args=(world, free_port(), args, out_path), nprocs=world, join=False)
+            finally:
+                signal.signal(signal.SIGINT, previous)
+            while not ranks.join():
+                pass
             with open(out_path) as f:
                 all_rows.extend(json.load(f))
     print(f"total {time.perf_counter() - start:.0f} s")
