@@ -43,7 +43,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from _args import as_printed, interruptible, one_line_errors, output_file, positive, require_cuda, verdict
+from _args import as_printed, each_once, interruptible, one_line_errors, output_file, positive, require_cuda, verdict
 
 HERE = Path(__file__).resolve()
 DEFAULT_EPOCHS = 4  # --epochs; the issue's accuracy target is judged at it
@@ -130,7 +130,7 @@ def main(argv: list[str] | None = None) -> int:
             "epochs": args.epochs, "batch_size": 32, "lr": 0.05, "seed": 0}
     options = {"fft": {"theta": args.fft_theta, "bits": args.fft_bits, "error_feedback": True},
                "topk": {"fraction": 0.01}, "powersgd": {"matrix_approximation_rank": 2}}
-    names = [c.strip() for c in args.compressors.split(",") if c.strip()]
+    names = compressor_names(args.compressors)
     check_configurations(ap, args, names, base, options)
     print(f"2 ranks (gloo, 1 thread each), ResNet-style CNN width 16 on MNIST-5k, {args.epochs} epochs, "
           f"batch 32 per rank; fft θ={args.fft_theta}, {args.fft_bits} bits, error feedback", flush=True)
@@ -185,6 +185,12 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
+def compressor_names(text: str) -> list[str]:
+    """``--compressors``' names, each once in the order given (``fft,fft`` trained fft twice: a
+    trial; read once, as the other benchmarks' list options)."""
+    return each_once(c.strip() for c in text.split(",") if c.strip())
+
+
 # The flag behind each argument TrainConfig.validate names (its InputError's argument).
 FLAGS = {"epochs": "--epochs", "name": "--compressors", "theta": "--fft-theta", "bits": "--fft-bits"}
 
@@ -193,16 +199,13 @@ def check_configurations(ap: argparse.ArgumentParser, args: argparse.Namespace, 
                          options: dict) -> None:
     """Refuse bad arguments with the parser's one line before any rank starts: ``--epochs 0``,
     ``--fft-theta 2`` or ``--compressors zip`` started two ranks whose tracebacks buried the
-    reason, ``--compressors ''`` ran the full default list and ``fft,fft`` trained fft twice (a
-    trial). The fft options are checked even when fft is not listed (an option given is meant)."""
+    reason, and ``--compressors ''`` ran the full default list (a trial; ``fft,fft`` is read as
+    ``fft``: :func:`compressor_names`). The fft options are checked even when fft is not listed (an option given is meant)."""
     from paperline.kernels.errors import InputError
     from paperline.kernels.train.ddp import TrainConfig
 
     if not names:
         ap.error(f"--compressors {args.compressors!r}: no compressor named")
-    twice = sorted({n for n in names if names.count(n) > 1})
-    if twice:
-        ap.error(f"--compressors {args.compressors!r}: {', '.join(twice)} listed twice")
     model = None
     for name in dict.fromkeys([*names, "fft"]):
         try:
