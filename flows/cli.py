@@ -468,8 +468,11 @@ def upload(path: Path = typer.Argument(..., metavar="PATH", help="Local file or 
 
     if not utf8(uri):
         raise InputError("uri", shown_name(uri), "not valid UTF-8: S3 keys are UTF-8")
-    if not path.exists():
-        raise InputError("path", shown_name(str(path)), "no such file or directory")
+    if not path.exists():  # (a link loop was "no such file or directory": a trial)
+        from paperline.kernels.video.probe import missing_detail
+
+        raise InputError("path", shown_name(str(path)), missing_detail(path) if path.is_symlink()
+                         else "no such file or directory")
     if not path.is_file() and not path.is_dir():
         raise InputError("path", shown_name(str(path)), "not a file or directory")
     if not uri.startswith("s3://") or not split_uri(uri)[0] or "//" in uri[len("s3://"):]:
@@ -499,10 +502,14 @@ def upload(path: Path = typer.Argument(..., metavar="PATH", help="Local file or 
                 raise InputError("path", shown_name(str(path)), "no file with a UTF-8 name to upload (S3 keys are "
                                                                 "UTF-8): rename the files")
         links = sorted(shown_name(f.relative_to(path).as_posix()) for f in walked if f.is_symlink())
-        if links:  # said, not skipped silently (a trial)
-            shown = ", ".join(links[:5]) + (f" and {len(links) - 5} more" if len(links) > 5 else "")
-            console.print(f"skipping {len(links)} symbolic link(s) (not followed): {shown}", highlight=False,
-                          soft_wrap=True)
+        # a FIFO, socket or device: not a file to upload, and it was skipped unsaid (a trial)
+        special = sorted(shown_name(f.relative_to(path).as_posix()) for f in walked
+                         if not f.is_symlink() and not f.is_file() and not f.is_dir())
+        for names, what in ((links, "symbolic link(s) (not followed)"),
+                            (special, "special file(s) (a FIFO, socket or device: not uploaded)")):
+            if names:  # said, not skipped silently (a trial)
+                shown = ", ".join(names[:5]) + (f" and {len(names) - 5} more" if len(names) > 5 else "")
+                console.print(f"skipping {len(names)} {what}: {shown}", highlight=False, soft_wrap=True)
     else:
         targets = [(path, uri.rstrip("/") + "/" + path.name if prefix else uri)]
         if not utf8(targets[0][1]):
@@ -1006,7 +1013,8 @@ AGAIN = {
     "nas": "the same command resumes the campaign from its last checkpoint (written as it starts and after each "
            "batch; the evaluations finished since are cached)",
     "compressed-training": "the same command resumes training from the last epoch every rank checkpointed",
-    "video-curation": "the same command reuses the videos already curated (cached) and the shards already uploaded",
+    "video-curation": "the same command reuses the videos already curated (cached) and the shards already uploaded, "
+                      "or, if the dataset was committed before the stop, finds it and rewrites nothing",
     "tensor-factorization": "the same command reuses the loads, splits and fits that finished (cached)",
     "gemm": "the same command runs the multiply again (staged random operands are reused)",
 }

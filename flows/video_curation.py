@@ -110,7 +110,7 @@ class VideoCurationParameters(PipelineParameters):
     embedder: Literal["auto", "transnetv2", "hsv-histogram"] = Field(
         "auto", description="Clip embedding for semantic dedup: TransNetV2's penultimate features or HSV histograms; "
                             "auto = the splitter's own.")
-    min_motion: float = Field(FilterConfig.min_motion, ge=0,
+    min_motion: float = Field(FilterConfig.min_motion, ge=0, le=1,
                               description="Clips with a lower mean frame difference (0-1) are static.")
     min_sharpness: float = Field(FilterConfig.min_sharpness, ge=0,
                                  description="Clips with a lower variance of the Laplacian are blurry.")
@@ -215,6 +215,13 @@ class VideoCurationParameters(PipelineParameters):
                 make_detector(cfg.splitter, 25.0, **cfg.splitter_options)
         except KernelInputError as exc:
             raise InputError("splitter_options", cfg.splitter_options, f"{cfg.splitter}: {exc}") from None
+        stride_s = cfg.splitter_options.get("stride_s")
+        if cfg.splitter == "stride" and stride_s is not None and stride_s < cfg.min_clip_s:
+            # every window dropped as too short, found after decoding every video (stride_s=0.05 was
+            # also counted as 2 shots: a window under two frames flags every frame: a trial)
+            raise InputError("splitter_options", cfg.splitter_options,
+                             f"stride: stride_s={stride_s:g} s is shorter than min_clip_s={cfg.min_clip_s:g} s, so "
+                             "every window would be dropped as too short: use a stride_s >= min_clip_s")
         if cfg.encoder == "libx264":
             check_x264_preset(cfg.preset)
         src = self.source
@@ -351,7 +358,9 @@ def check_dataset_free(store: ObjectStore, output: str, key: str, argument: str,
 
 
 PRESETS: dict[str, dict[str, Any]] = {
-    "demo": {"shard_target_mb": DEMO_SHARD_TARGET_MB},  # (as the defaults for the demo videos; own videos too)
+    # the shard size left to the model: 1 MB for the demo videos, 64 MB for one's own (the demo preset,
+    # which `paperline run` starts from, made 1-MB shards of any source, against its help: a trial)
+    "demo": {},
     "default": {},
 }
 
@@ -475,12 +484,22 @@ def _result(future: Any, source: str) -> dict[str, Any]:
 REASONS_SHOWN = 5  # rejected inputs named in an error: 200 fake videos printed 17 KB, twice (a trial)
 
 
-def _rejected_reasons(rejected: list[dict[str, Any]]) -> str:
-    """The first :data:`REASONS_SHOWN` rejected inputs with their reasons, then how many more by
-    reason and where the whole list is (the MLflow run's ``rejected.parquet``)."""
+def shown_input(source: str, root: str) -> str:
+    """An input as the summary names it: its path under the run's ``source`` (``day2/x.mp4``,
+    so that two folders' ``x.mp4`` are told apart: a trial), else its file name."""
+    base = str(Path(root).expanduser()) if "://" not in root else root
+    base = base.rstrip("/")
+    return source[len(base) + 1:] if base and source.startswith(base + "/") else Path(source).name
+
+
+def _rejected_reasons(rejected: list[dict[str, Any]], root: str) -> str:
+    """The first :data:`REASONS_SHOWN` rejected inputs with their reasons (named by
+    :func:`shown_input`), then how many more by reason and where the whole list is (the MLflow
+    run's ``rejected.parquet``)."""
     import collections  # noqa: PLC0415
 
-    shown = "; ".join(f"{Path(r['source']).name}: {r['reason']} ({r['detail']})" for r in rejected[:REASONS_SHOWN])
+    shown = "; ".join(f"{shown_input(r['source'], root)}: {r['reason']} ({r['detail']})"
+                      for r in rejected[:REASONS_SHOWN])
     rest = rejected[REASONS_SHOWN:]
     if not rest:
         return shown
@@ -521,7 +540,7 @@ def _curate(params: VideoCurationParameters, cfg: ClipConfig, filt: FilterConfig
     if len(rejected) == len(results):
         _log_rejected(tracker, run_id, rejected)
         raise InputError("source", params.source, f"every input was rejected ({len(rejected)}): "
-                                                  f"{_rejected_reasons(rejected)}")
+                                                  f"{_rejected_reasons(rejected, params.source)}")
     curate_s = time.perf_counter() - t0
 
     passed = [r for r in rows if r["kept"]]
@@ -587,7 +606,7 @@ def _curate(params: VideoCurationParameters, cfg: ClipConfig, filt: FilterConfig
                 f"{len(manifest['uploaded'])} uploaded, {len(manifest['skipped'])} already there)"),
              f"read back for {params.world_size} rank(s): {check['samples_per_rank'][0]} "
              f"sample{'' if check['samples_per_rank'][0] == 1 else 's'} per rank"]
-    lines += [f"rejected {Path(r['source']).name}: {r['reason']} ({r['detail']})" for r in rejected]
+    lines += [f"rejected {shown_input(r['source'], params.source)}: {r['reason']} ({r['detail']})" for r in rejected]
     mismatch = _committed_mismatch(manifest, len(selected))
     if mismatch:
         name = "`--set dataset=NAME`" if params.output is None else "another `output`"

@@ -282,8 +282,12 @@ def inputs_differ(committed: Any, here: dict[str, Any] | None, shown: int = 5) -
                         suffix=" (as run)")
     more = len(parts) - shown
     parts = parts[:shown] + ([f"{more} more setting(s)"] if more > 0 else [])
-    new = sorted(set(here.get("sources", [])) - set(committed.get("sources", [])))
-    gone = sorted(set(committed.get("sources", [])) - set(here.get("sources", [])))
+    # as multisets: the sources are file names, and a.mp4 in two folders curated, then in one, said
+    # nothing of what differed (a trial)
+    import collections  # noqa: PLC0415
+
+    mine, theirs = collections.Counter(here.get("sources", [])), collections.Counter(committed.get("sources", []))
+    new, gone = sorted((mine - theirs).elements()), sorted((theirs - mine).elements())
     for words, names in (("videos not in it", new), ("its videos not in this run", gone)):
         if names:
             parts.append(f"{words}: {', '.join(names[:shown])}{' ...' if len(names) > shown else ''}")

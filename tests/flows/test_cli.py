@@ -613,6 +613,10 @@ def test_bad_video_settings_are_refused_before_anything_starts(tmp_path):
         (["dataset=my videos!"], ["dataset='my videos!'", "characters ' !' are not allowed", "daily-{date}"]),
         (["dataset=-x"], ["dataset='-x'", "must start with a letter, a digit or {date}"]),
         (["fps=0.01"], ["fps=0.01: gives fewer than 2 frames in a clip of min_clip_s=2.0 s", "fps >= 1"]),
+        # found by a later trial: every window dropped (and counted as 2 shots) after decoding every video
+        (["splitter=stride", 'splitter_options={"stride_s": 0.05}'],
+         ["stride: stride_s=0.05 s is shorter than min_clip_s=2 s", "use a stride_s >= min_clip_s"]),
+        (["min_motion=2"], ["min_motion=2", "less than or equal to 1"]),
     ]
     assert_refused_before_anything_starts("video-curation", cases, tmp_path)
 

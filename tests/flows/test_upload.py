@@ -1,5 +1,7 @@
 """`paperline upload`: a user's file into the stack's S3 (how README's s3:// operands get there)."""
 
+import os
+
 import numpy as np
 import pytest
 
@@ -25,16 +27,18 @@ def test_upload_puts_the_file_at_the_uri_and_refuses_bad_input(stack_cli, stack,
     (videos / "day2" / "b.mp4").write_bytes(b"bb")
     (videos / "link.mp4").symlink_to(path)  # not followed
     (videos / "loop").symlink_to(videos)  # a directory's link: said too (it was skipped silently: a trial)
+    os.mkfifo(videos / "fifo.mp4")  # and a FIFO (a later trial)
     res = stack_cli("upload", str(videos), f"s3://{info.data_bucket}/incoming/")
     assert res.exit_code == 0, res.output
+    assert "skipping 1 special file(s) (a FIFO, socket or device: not uploaded): fifo.mp4" in \
+        " ".join(res.output.split()), res.output
+    os.unlink(videos / "fifo.mp4")
     assert store.get_bytes(f"s3://{info.data_bucket}/incoming/a.mp4") == b"a"
     assert store.get_bytes(f"s3://{info.data_bucket}/incoming/day2/b.mp4") == b"bb"
     assert not store.exists(f"s3://{info.data_bucket}/incoming/link.mp4")
     assert "skipping 2 symbolic link(s) (not followed): link.mp4, loop" in res.output
     assert [u for u in store.list(f"s3://{info.data_bucket}/incoming/") if "loop" in u] == []
     # a name that is not UTF-8 (Latin-1) failed the whole upload with a UnicodeEncodeError naming no file (a trial)
-    import os
-
     latin = os.fsdecode(os.fsencode(str(videos)) + b"/lat\xe9in.mp4")
     with open(latin, "wb") as f:
         f.write(b"ccc")
@@ -53,8 +57,12 @@ def test_upload_puts_the_file_at_the_uri_and_refuses_bad_input(stack_cli, stack,
     (tmp_path / "empty").mkdir()
     (tmp_path / "links").mkdir()
     (tmp_path / "links" / "a.mp4").symlink_to(path)
+    (tmp_path / "self.mp4").symlink_to("self.mp4")
     for args, *fragments in (([str(tmp_path / "nope.npy"), f"s3://{info.data_bucket}/x.npy"], "path=", "no such file"),
                              ([str(videos), f"s3://{info.data_bucket}/x.npy"], "uri=", "is a directory: give a prefix"),
+                             # it said "no such file or directory" (a trial)
+                             ([str(tmp_path / "self.mp4"), f"s3://{info.data_bucket}/x/"], "path=",
+                              f"a symbolic link loop ({tmp_path / 'self.mp4'} -> self.mp4)"),
                              ([str(tmp_path / "empty"), f"s3://{info.data_bucket}/x/"], "path=", "with no files"),
                              ([str(tmp_path / "links"), f"s3://{info.data_bucket}/x/"], "path=",
                               "with no files (symbolic links are not followed)"),

@@ -489,6 +489,9 @@ def test_the_same_videos_in_another_directory_are_the_same_inputs():
     older = {**committed, "params": {**committed["params"], "legacy_knob": 3}}  # (another paperline's settings)
     del older["params"]["crf"]
     assert _inputs_differ(older, committed) == "crf=23 here, absent in it; legacy_knob=absent here, 3 in it"
+    # a name in two folders, then in one: the names are counted (it said nothing: a trial)
+    twice = p.inputs(cfg, ["/a/x.mp4", "/b/x.mp4"])
+    assert _inputs_differ(twice, p.inputs(cfg, ["/a/x.mp4"])) == "its videos not in this run: x.mp4"
 
 
 def test_the_default_and_demo_presets_curate_the_demo_videos_into_one_dataset():
@@ -504,7 +507,9 @@ def test_the_default_and_demo_presets_curate_the_demo_videos_into_one_dataset():
     assert (demo.shard_target_mb, default.shard_target_mb) == (1.0, 1.0)
     assert VideoCurationParameters(source="/videos", dataset="mine").shard_target_mb == 64.0
     assert VideoCurationParameters(source="/videos", dataset="mine", shard_target_mb=8).shard_target_mb == 8.0
-    assert VideoCurationParameters(**PRESETS["demo"], source="/videos", dataset="mine").shard_target_mb == 1.0
+    # the demo preset, which `paperline run` starts from, leaves it to the model: one's own videos get
+    # 64 MB as the help says (they got 1-MB shards: a trial)
+    assert VideoCurationParameters(**PRESETS["demo"], source="/videos", dataset="mine").shard_target_mb == 64.0
 
 
 def test_dataset_names_and_outputs_stay_out_of_the_staging_prefix():

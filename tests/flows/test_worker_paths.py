@@ -42,8 +42,22 @@ def test_a_long_list_of_rejected_videos_is_cut_to_five_and_counted_by_reason():
 
     rejected = [{"source": f"/v/clip {i}.mp4", "reason": "not_a_video" if i % 4 else "empty_file",
                  "detail": "no stream"} for i in range(200)]
-    said = _rejected_reasons(rejected)
+    said = _rejected_reasons(rejected, "/v")
     assert said.startswith("clip 0.mp4: empty_file (no stream); clip 1.mp4: not_a_video (no stream);")
     assert "clip 5.mp4" not in said and len(said) < 400, said
     assert said.endswith("; and 195 more (147 not_a_video, 48 empty_file): all in the MLflow run's rejected.parquet")
-    assert _rejected_reasons(rejected[:2]) == "clip 0.mp4: empty_file (no stream); clip 1.mp4: not_a_video (no stream)"
+    assert _rejected_reasons(rejected[:2], "/v/") == "clip 0.mp4: empty_file (no stream); clip 1.mp4: not_a_video (no stream)"
+
+
+def test_a_rejected_input_is_named_by_its_path_under_the_source():
+    """Two folders' x.mp4 were both "rejected x.mp4" (a trial)."""
+    from pathlib import Path
+
+    from paperline.flows.video_curation import shown_input
+
+    assert shown_input("/data/raw/day2/x.mp4", "/data/raw") == "day2/x.mp4" == shown_input("/data/raw/day2/x.mp4",
+                                                                                            "/data/raw/")
+    assert shown_input(str(Path.home() / "v" / "a" / "x.mp4"), "~/v") == "a/x.mp4"
+    assert shown_input("s3://b/in/day2/x.mp4", "s3://b/in/") == "day2/x.mp4"
+    assert shown_input("/data/raw/x.mp4", "/data/raw/x.mp4") == "x.mp4"  # a file given as the source
+    assert shown_input("/elsewhere/x.mp4", "/data/raw") == "x.mp4"
