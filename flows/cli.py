@@ -902,6 +902,22 @@ def _quiet_logs() -> None:
     for handler in logging.getLogger("prefect._internal").handlers:  # its own (the events worker's records)
         handler.addFilter(_short_event_failures)
     logging.getLogger("distributed.nanny").addFilter(_no_kill_notice)
+    logging.getLogger("tornado.application").addFilter(_no_sync_cancel_race)
+
+
+def _no_sync_cancel_race(record: Any) -> bool:
+    """Drop tornado's ``Exception in callback functools.partial(<function sync.<locals>.cancel ...>)``
+    with its ``NameError`` (``cannot access free variable 'future'``): Dask's ``sync()`` schedules
+    its ``cancel`` on a Ctrl-C that comes before its coroutine made the future (distributed/utils.py),
+    and the traceback reached a trial's terminal after the run's own "interrupted" line. Harmless:
+    nothing was running to cancel. Any other callback error is kept."""
+    exc = record.exc_info[1] if record.exc_info else None
+    if not isinstance(exc, NameError) or "'future'" not in str(exc):
+        return True
+    try:
+        return "sync.<locals>.cancel" not in record.getMessage()
+    except (TypeError, ValueError):
+        return True
 
 
 def _error_said_once(record: Any) -> bool:

@@ -414,8 +414,7 @@ def compare_runs(tracker: Tracker, experiment: str, metrics: list[str], filter_s
                                                 f"other runs of {experiment!r} do: widen or drop --filter")
             names = sorted({k for r in [*runs, *recent] for k in r.data.metrics})  # the shown and the newest runs
             raise InputError("--metric", m, f"no run of {experiment!r} has it (give the bare name, no 'metrics.'); "
-                                            f"known: {', '.join(names[:40])}"
-                                            f"{f' and {len(names) - 40} more' if len(names) > 40 else ''}")
+                                            f"known: {_first(names)}")
     params = sorted({k for r in runs for k in r.data.params})
     varying = [k for k in params if len({_param(r, k) for r in runs}) > 1]
     # a parameter equal to every run's name (compressed training's compressor runs are named after
@@ -517,6 +516,11 @@ def _no_runs(client: Any, experiment_id: str, experiment: str, user_filter: str,
     return InputError("--filter", user_filter, f"no runs in experiment {experiment!r} match{also}")
 
 
+def _first(names: list[str], shown: int = 40) -> str:
+    """The first ``shown`` of ``names``, comma-separated, then ``and N more``."""
+    return ", ".join(names[:shown]) + (f" and {len(names) - shown} more" if len(names) > shown else "")
+
+
 def _unknown_keys(client: Any, experiment_id: str, user_filter: str) -> str:
     """``: no run of it has params.x (its params: a, b)`` for the keys the filter names that none of
     the experiment's last 200 runs has (a misspelt name matched nothing, said as an empty match:
@@ -534,7 +538,8 @@ def _unknown_keys(client: Any, experiment_id: str, user_filter: str) -> str:
     if not unknown:
         return ""
     kinds = sorted({kind for kind, _ in unknown})
-    known = "; ".join(f"its {kind}: {', '.join(sorted(k for k in have[kind] if not k.startswith('mlflow.'))) or 'none'}"
+    # (cut as --metric's list is: a user's tensor runs named ~190 metrics, 12 KB on one line: a trial)
+    known = "; ".join(f"its {kind}: {_first(sorted(k for k in have[kind] if not k.startswith('mlflow.'))) or 'none'}"
                       for kind in kinds)
     return f": no run of it has {', '.join(f'{k}.{n}' for k, n in unknown)} ({known})"
 

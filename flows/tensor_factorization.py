@@ -115,7 +115,16 @@ class TensorFactorizationParameters(PipelineParameters):
             raise ValueError("looks like an S3 URI: start it with s3:// (e.g. s3://bucket/key.parquet)")
         if "://" in v:  # http://host/x.parquet became the local path ./http:/host/x.parquet (a trial)
             raise ValueError(f"unsupported scheme {v.split('://')[0]}://: give a local path or an s3:// URI")
-        return str(Path(v).expanduser().resolve())
+        from paperline.kernels.video.sources import is_utf8, shown_name  # noqa: PLC0415
+
+        if not is_utf8(v):  # pyarrow's UnicodeEncodeError named neither the file nor `data` (a trial)
+            raise ValueError(f"{shown_name(v)} is not valid UTF-8: rename the file to a UTF-8 name")
+        path = Path(v).expanduser()
+        if path.is_symlink() and not path.exists():  # resolved, it was named by its missing target (a trial)
+            from paperline.kernels.video.probe import missing_detail  # noqa: PLC0415
+
+            raise ValueError(missing_detail(path))
+        return str(path.resolve())
 
     def p2t2f_params(self) -> dict[str, Any]:
         """Keyword arguments of :func:`paperline.kernels.tensor.p2t2f.p2t2f` from these
@@ -165,6 +174,8 @@ class TensorFactorizationParameters(PipelineParameters):
             path = Path(self.data)
             if not self.data or not path.exists():
                 raise InputError("data", self.data, "no such file")
+            if not path.is_file() and not path.is_dir():  # a FIFO's open() blocked the run for good (a trial)
+                raise InputError("data", self.data, "not a regular file (a FIFO, socket or device): give a Parquet file")
             self.check_data(path)
         for d, shape in shapes.items():
             self.check_shape(d, shape)
@@ -343,6 +354,9 @@ def check_s3_data(store: ObjectStore, uri: str) -> dict[str, Any]:
     store.require_bucket("data", uri)
     head = store.head(uri)
     if head is None:
+        if store.any_under(uri.rstrip("/") + "/"):  # said only "no such object" (a trial)
+            raise InputError("data", uri, "an S3 prefix (a folder) holding objects, not an object: give the Parquet "
+                                          "object's URI (s3://bucket/key.parquet)")
         raise InputError("data", uri, "no such object in S3")
     return head
 

@@ -245,6 +245,16 @@ def test_bad_user_data(parquet):
                                             "t": list(range(60)), "value": [1.0] * 60})),
          ["data=", "giant.parquet", "shape (200000001, 31, 60): its factors would take 8.94 GiB even at rank 1"]),
     ]
+    # found by a later trial: a FIFO's open() blocked the run for good, past Ctrl-C and SIGTERM; a
+    # dangling link was named by its target; a name that is not UTF-8 was pyarrow's UnicodeEncodeError
+    base = Path(parquet("x.parquet", raw=b"")).parent
+    os.mkfifo(base / "fifo.parquet")
+    (base / "dangling.parquet").symlink_to("/nonexistent-target.parquet")
+    cases += [(str(base / "fifo.parquet"), ["data=", "fifo.parquet", "not a regular file (a FIFO, socket or device)"]),
+              (str(base / "dangling.parquet"), ["data=", "a symbolic link to a missing target (",
+                                                "dangling.parquet -> /nonexistent-target.parquet)"]),
+              (os.fsdecode(os.fsencode(str(base)) + b"/lat\xe9in.parquet"), ["data=", "lat\\xe9in.parquet is not valid "
+                                                                                     "UTF-8: rename the file"])]
     for path, fragments in cases:
         assert_one_line_error(run_cli("run", "tensor-factorization", "--set", f"data={path}"), *fragments)
     # the random split is offered only where it can be made (it was, to a file too small for it)

@@ -427,6 +427,11 @@ def test_no_runs_errors_say_why(stack_cli, stack, tmp_path, monkeypatch):
     text = " ".join(res.output.split())
     assert res.exit_code != 0 and "match: no run of it has params.sed, metrics.wall s (its metrics: wall_s; its " \
         "params: seed)" in text, text
+    # a long list is cut as --metric's is (~190 metric names, 12 KB on one line: a trial)
+    tracker.log_metrics(ok, {f"m{i:03d}": 1.0 for i in range(45)})
+    res = stack_cli("compare", "compare-failed", "--filter", "metrics.nope > 0", "--out", str(tmp_path))
+    text = " ".join(res.output.split())
+    assert res.exit_code != 0 and "(its metrics: m000, m001," in text and "m039 and 6 more)" in text, text
 
     tracker.client.create_experiment("compare-empty")
     res = stack_cli("compare", "compare-empty", "--out", str(tmp_path))

@@ -164,6 +164,12 @@ def test_missing_s3_data_is_one_clear_line(stack, run_cli, cli_env):
     with pytest.raises(InputError, match=rf"^n_parts=99: .*data"):  # what the flow checked only after loading
         TensorFactorizationParameters(data=uri, n_parts=99).validate_on_stack(info, store)
     TensorFactorizationParameters(data=uri).validate_on_stack(info, store)
+    # a prefix without its slash said only "no such object in S3" (a trial)
+    from paperline.flows.tensor_factorization import check_s3_data
+    from paperline.infra.errors import InputError as FlowInputError
+
+    with pytest.raises(FlowInputError, match=r"test-damaged': an S3 prefix \(a folder\) holding objects, not an object"):
+        check_s3_data(store, f"s3://{info.data_bucket}/test-damaged")
 
 
 def test_a_local_data_path_is_made_absolute(tmp_path, monkeypatch):
