@@ -24,7 +24,7 @@ from paperline.infra.cluster import WorkerPath, configure_local_workers, default
 from paperline.infra.device import array_device
 from paperline.infra.errors import InputError
 from paperline.infra.pipeline_flow import pipeline_flow
-from paperline.infra.regression import Headline, check_latest
+from paperline.infra.regression import CACHED_FROM_TAG, Headline, check_latest
 from paperline.infra.settings import get_settings
 from paperline.infra.stack import require_stack
 from paperline.infra.storage import ObjectStore, s3_location_problem, split_uri
@@ -436,12 +436,19 @@ def tensor_factorization(params: TensorFactorizationParameters | None = None) ->
             if params.baseline:
                 fits.append({"dataset": d, "split": k, **baselines[(d, k)].result()})
         summary = _log_run(tracker, run_id, store, fits, params)
+        copy = cached_copy_of(fits, str(flow_run.id))
+        if copy is not None:  # the earlier run's very fit_s: listed, and taken as the best, as a run of its own (a trial)
+            tracker.set_tags(run_id, {CACHED_FROM_TAG: copy["id"]})
         versus = check_latest(tracker, run_id, identity, _headlines(fits))
         # a user's 't' starting at a year passed the random split and was fitted with the empty
         # leading steps, nothing said (the temporal split refuses it with the same hint): a trial
         hints = [f"warning: {d}: {h}: the fit above counted those empty indices"
                  for d, t in tensors.items() if (h := t.result().get("layout_hint"))]
         summary["lines"] = [*hints, *versus.lines()]
+        if copy is not None:
+            summary["lines"].append(f"every fit was served from Prefect's task cache (fitted by flow run "
+                                    f"{copy['name'] or copy['id']}): this MLflow run is a copy of that run's results, "
+                                    "which `paperline compare` lists with --all-runs only")
         summary["versus_best_earlier"] = versus.as_dict()
         tracker.end_run(run_id, "FINISHED")
     except BaseException as exc:
@@ -450,6 +457,17 @@ def tensor_factorization(params: TensorFactorizationParameters | None = None) ->
     summary.update(prefect_flow_run_id=str(flow_run.id), prefect_flow_run_url=run_url,
                    mlflow_run_id=run_id, mlflow_run_url=tracker.run_url(run_id), mlflow_params=mlflow_params)
     return summary
+
+
+def cached_copy_of(fits: list[dict[str, Any]], this_flow_run: str) -> dict[str, str] | None:
+    """The flow run (``{"id", "name"}``) that fitted every one of ``fits``, when none was fitted
+    by ``this_flow_run`` (each came from Prefect's task cache, which keeps the fitting run's id):
+    this run then repeats that one's results, its ``fit_s`` included. None when any fit ran here,
+    or a fit does not say (a result cached before fits recorded it)."""
+    ids = [(f.get("flow_run") or {}).get("id") for f in fits]
+    if not fits or not all(ids) or this_flow_run in ids:
+        return None
+    return fits[0]["flow_run"]
 
 
 def _headlines(fits: list[dict[str, Any]]) -> list[Headline]:

@@ -129,9 +129,14 @@ def _commit_fit(store: ObjectStore, bucket: str, method: str, split_ref: dict[st
                                 meta={"method": method, "split": split_ref["prefix"], "params": params,
                                       "test_rmse": test_rmse})
     last = history[-1] if history else {}
+    from prefect.runtime import flow_run  # noqa: PLC0415
+
+    # the flow run that fitted (a cached result keeps it: the flow tags a run all of whose fits
+    # came from the cache as a copy of that run's)
     return {"method": method, "prefix": prefix, "manifest": manifest_ref.uri, "history": history,
             "test_rmse": test_rmse, "validation_rmse": last.get("validation_rmse", float("nan")),
-            "train_rmse": last.get("train_rmse", float("nan")), "fit_seconds": seconds}
+            "train_rmse": last.get("train_rmse", float("nan")), "fit_seconds": seconds,
+            "flow_run": {"id": str(flow_run.id or ""), "name": flow_run.name or ""}}
 
 
 @task(name="fit-p2t2f", cache_policy=CACHED, persist_result=True, retries=1,

@@ -102,6 +102,22 @@ def test_second_run_is_compared_with_the_first(two_runs):
     assert "no regression against the best of 1 earlier run(s)" in out and "all 4 metric(s) equal" in out
     tags = Tracker(info.mlflow_tracking_uri).client.get_run(second["mlflow_run_id"]).data.tags
     assert tags["paperline.best_earlier_run_id"] == first["mlflow_run_id"] and tags["paperline.regression"] == "false"
+    # every fit came from the cache: the run is a copy of the first's results, which compare leaves
+    # out (listed as a run of its own, with the first's very fit_s, and taken as the best: a trial)
+    assert tags["paperline.cached_from_flow_run_id"] == first["prefect_flow_run_id"], tags
+    assert "paperline.cached_from_flow_run_id" not in Tracker(info.mlflow_tracking_uri).client.get_run(
+        first["mlflow_run_id"]).data.tags
+    assert "every fit was served from Prefect's task cache (fitted by flow run " in out
+
+
+def test_a_run_is_a_cached_copy_only_when_every_fit_came_from_the_cache():
+    from paperline.flows.tensor_factorization import cached_copy_of
+
+    a, b = {"id": "a", "name": "first-run"}, {"id": "b", "name": "second-run"}
+    assert cached_copy_of([{"flow_run": a}, {"flow_run": a}], "b") == a
+    assert cached_copy_of([{"flow_run": a}, {"flow_run": b}], "b") is None  # one fit ran here
+    assert cached_copy_of([{"flow_run": a}, {}], "b") is None  # a fit that does not say
+    assert cached_copy_of([], "b") is None
 
 
 def test_mlflow_run_has_params_metrics_and_artifacts_in_s3(two_runs):
