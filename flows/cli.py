@@ -461,7 +461,7 @@ def upload(path: Path = typer.Argument(..., metavar="PATH", help="Local file or 
     appears only when complete."""
     import os
 
-    from paperline.infra.errors import InputError
+    from paperline.infra.errors import InputError, first_few
     from paperline.infra.storage import ObjectStore, split_uri
     from paperline.kernels.video.sources import is_utf8 as utf8
     from paperline.kernels.video.sources import shown_name
@@ -495,9 +495,8 @@ def upload(path: Path = typer.Argument(..., metavar="PATH", help="Local file or 
         unnamed = sorted(shown_name(f.relative_to(path).as_posix()) for f, t in targets if not utf8(t))
         targets = [(f, t) for f, t in targets if utf8(t)]
         if unnamed:
-            shown = ", ".join(unnamed[:5]) + (f" and {len(unnamed) - 5} more" if len(unnamed) > 5 else "")
             console.print(f"skipping {len(unnamed)} file(s) whose names are not valid UTF-8 (S3 keys are UTF-8; "
-                          f"rename them to upload them): {shown}", highlight=False, soft_wrap=True)
+                          f"rename them to upload them): {first_few(unnamed, 5)}", highlight=False, soft_wrap=True)
             if not targets:
                 raise InputError("path", shown_name(str(path)), "no file with a UTF-8 name to upload (S3 keys are "
                                                                 "UTF-8): rename the files")
@@ -508,8 +507,7 @@ def upload(path: Path = typer.Argument(..., metavar="PATH", help="Local file or 
         for names, what in ((links, "symbolic link(s) (not followed)"),
                             (special, "special file(s) (a FIFO, socket or device: not uploaded)")):
             if names:  # said, not skipped silently (a trial)
-                shown = ", ".join(names[:5]) + (f" and {len(names) - 5} more" if len(names) > 5 else "")
-                console.print(f"skipping {len(names)} {what}: {shown}", highlight=False, soft_wrap=True)
+                console.print(f"skipping {len(names)} {what}: {first_few(names, 5)}", highlight=False, soft_wrap=True)
     else:
         targets = [(path, uri.rstrip("/") + "/" + path.name if prefix else uri)]
         if not utf8(targets[0][1]):

@@ -13,7 +13,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from paperline.infra.errors import InputError
+from paperline.infra.errors import InputError, first_few
 from paperline.infra.regression import CACHED_FROM_TAG, HEADLINES_TAG
 
 DATA_TAG = "paperline.data_sha256"  # a user-data tensor-factorization run's content
@@ -22,6 +22,7 @@ from paperline.infra.tracking import Tracker
 
 KEY_FILTER = "tags.`paperline.params_key` LIKE '%'"
 NOT_COMPARISON = "attributes.run_name != 'comparison'"
+NAMES_SHOWN = 40  # metric or parameter names listed in a refusal, then "and N more"
 # a re-run served from Prefect's task cache logs a run repeating an earlier one's metrics: exact
 # duplicate rows (a trial: 10 rows of compressed training, 3 of them copies); --all-runs lists them
 NOT_CACHED = f"tags.`{CACHED_FROM_TAG}` IS NULL"
@@ -414,7 +415,7 @@ def compare_runs(tracker: Tracker, experiment: str, metrics: list[str], filter_s
                                                 f"other runs of {experiment!r} do: widen or drop --filter")
             names = sorted({k for r in [*runs, *recent] for k in r.data.metrics})  # the shown and the newest runs
             raise InputError("--metric", m, f"no run of {experiment!r} has it (give the bare name, no 'metrics.'); "
-                                            f"known: {_first(names)}")
+                                            f"known: {first_few(names, NAMES_SHOWN)}")
     params = sorted({k for r in runs for k in r.data.params})
     varying = [k for k in params if len({_param(r, k) for r in runs}) > 1]
     # a parameter equal to every run's name (compressed training's compressor runs are named after
@@ -516,11 +517,6 @@ def _no_runs(client: Any, experiment_id: str, experiment: str, user_filter: str,
     return InputError("--filter", user_filter, f"no runs in experiment {experiment!r} match{also}")
 
 
-def _first(names: list[str], shown: int = 40) -> str:
-    """The first ``shown`` of ``names``, comma-separated, then ``and N more``."""
-    return ", ".join(names[:shown]) + (f" and {len(names) - shown} more" if len(names) > shown else "")
-
-
 def _unknown_keys(client: Any, experiment_id: str, user_filter: str) -> str:
     """``: no run of it has params.x (its params: a, b)`` for the keys the filter names that none of
     the experiment's last 200 runs has (a misspelt name matched nothing, said as an empty match:
@@ -539,7 +535,8 @@ def _unknown_keys(client: Any, experiment_id: str, user_filter: str) -> str:
         return ""
     kinds = sorted({kind for kind, _ in unknown})
     # (cut as --metric's list is: a user's tensor runs named ~190 metrics, 12 KB on one line: a trial)
-    known = "; ".join(f"its {kind}: {_first(sorted(k for k in have[kind] if not k.startswith('mlflow.'))) or 'none'}"
+    known = "; ".join(f"its {kind}: "
+                      f"{first_few(sorted(k for k in have[kind] if not k.startswith('mlflow.')), NAMES_SHOWN) or 'none'}"
                       for kind in kinds)
     return f": no run of it has {', '.join(f'{k}.{n}' for k, n in unknown)} ({known})"
 

@@ -58,6 +58,12 @@ def name_problem(name: str, kind: str, placeholder: str = "") -> str | None:
     return f"{why}: a {kind} name is letters, digits, '.', '_' and '-'"
 
 
+def first_few(names: list[str], shown: int) -> str:
+    """The first ``shown`` of ``names``, comma-separated, then ``and N more`` (a message naming
+    ~190 metrics was 12 KB on one line: a trial)."""
+    return ", ".join(names[:shown]) + (f" and {len(names) - shown} more" if len(names) > shown else "")
+
+
 def redact_url(url: str) -> str:
     """``url`` without the password of its user info (``http://alice@host:5000``; a user part
     alone, which may be a token, left out too), for anything shown or logged: a tracking URI may

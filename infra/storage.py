@@ -182,7 +182,7 @@ def _free_bytes(path: Path) -> int | None:
         return None
 
 
-def _machine() -> tuple[str, str]:
+def this_machine() -> tuple[str, str]:
     """This machine: its host name and its ``/etc/machine-id`` ("" where there is none), so that
     two machines of one host name are not taken for one (a pid of one unknown on the other would
     read as a dead holder's)."""
@@ -202,17 +202,23 @@ def _holder_words(held: Any) -> tuple[str, bool]:
         words = f"{held['owner']} (pid {held['pid']} on {held['host']})"
     except (KeyError, TypeError):
         return "another writer", False
-    host, machine_id = _machine()
-    if held.get("host") != host or held.get("machine_id", machine_id) != machine_id or \
-            not isinstance(held.get("pid"), int):
-        return words, False
+    return words, gone_from_this_machine(held.get("pid"), held.get("host"), held.get("machine_id"))
+
+
+def gone_from_this_machine(pid: Any, host: Any, machine_id: Any = None) -> bool:
+    """True when process ``pid`` ran on this machine (``host`` and, where given, ``machine_id``
+    are :func:`this_machine`'s) and no such process is left. False for a live one (a PID reused
+    since reads as live, another user's too), another machine's, or a pid that is not an int."""
+    here, mine = this_machine()
+    if host != here or (machine_id is not None and machine_id != mine) or not isinstance(pid, int):
+        return False
     try:
-        os.kill(held["pid"], 0)
+        os.kill(pid, 0)
     except ProcessLookupError:
-        return words, True
+        return True
     except OSError:
         pass  # (alive, another user's)
-    return words, False
+    return False
 
 
 def _server_age(head: dict[str, Any]) -> float:
@@ -840,7 +846,7 @@ class ObjectStore:
             raise InputError("stale_s", stale_s, f"must exceed twice renew_s ({renew_s:g} s), which must be positive")
         bucket, key = split_uri(uri)
         token = uuid.uuid4().hex
-        host, machine_id = _machine()
+        host, machine_id = this_machine()
         base = {"owner": owner, "host": host, "machine_id": machine_id, "pid": os.getpid(), "token": token}
 
         def status(exc: ClientError) -> int:

@@ -354,7 +354,7 @@ class Tracker:
         up`'s heartbeat automation, ~90 s after its heartbeats stop). Crashed or cancelled flow runs
         end theirs KILLED, failed ones FAILED, with tag ``paperline.ended_by``; a run whose flow run
         Prefect still shows running ends KILLED when the process that logged it (tag
-        :data:`PROCESS_TAG`, ``<pid>@<host>``) was of this host and is gone. Called by :meth:`start_run` once per tracker for
+        :data:`PROCESS_TAG`, ``<pid>@<host>@<machine id>``) was of this machine and is gone. Called by :meth:`start_run` once per tracker for
         every experiment (a killed nas run was left RUNNING in the MLflow UI until the next nas
         run), by ``paperline compare`` for its experiment, and by `paperline serve` and `paperline
         worker` for a run whose process ended (:func:`end_runs_of_ended_flow_runs`); best effort:
@@ -415,9 +415,10 @@ class Tracker:
                         # heartbeats have stopped for ~90 s, and a run started meanwhile left the
                         # MLflow run RUNNING (an infra trial)
                         status, shown = "KILLED", state.name if state is not None else "unknown"
-                        why = (f"its process {process} ended without ending it (killed outright: kill -9, out of "
+                        pid_host = "@".join(process.split("@")[:2])  # (the machine id is for the check)
+                        why = (f"its process {pid_host} ended without ending it (killed outright: kill -9, out of "
                                f"memory) while Prefect showed the flow run {shown}")
-                        said = f"lost its process {process} (Prefect shows it {shown})"
+                        said = f"lost its process {pid_host} (Prefect shows it {shown})"
                     else:
                         if kind in ("PENDING", "RUNNING", ""):
                             left.append(run.info.run_id)
@@ -567,26 +568,28 @@ def end_runs_of_ended_flow_runs(flow_run_ids: list[str], tracking_uri: str, *, w
 
 
 DEPLOYMENT_TAG = "prefect.deployment"  # "<flow>/<deployment>" of a deployment's run
-PROCESS_TAG = "paperline.process"  # "<pid>@<host>" of the process that logs the run
+PROCESS_TAG = "paperline.process"  # "<pid>@<host>@<machine id>" of the process that logs the run
 
 
 def this_process() -> str:
-    """``<pid>@<host>`` of this process, the value of :data:`PROCESS_TAG`."""
-    import socket  # noqa: PLC0415
+    """``<pid>@<host>@<machine id>`` of this process (:func:`paperline.infra.storage.this_machine`),
+    the value of :data:`PROCESS_TAG`: the machine id keeps two machines of one host name apart."""
+    from paperline.infra.storage import this_machine  # noqa: PLC0415
 
-    return f"{os.getpid()}@{socket.gethostname()}"
+    host, machine_id = this_machine()
+    return f"{os.getpid()}@{host}@{machine_id}"
 
 
 def process_gone(process: str) -> bool:
-    """True when ``process`` (``<pid>@<host>``, :func:`this_process`) names a process of this host
-    that no longer exists. False for a live one (a PID reused since reads as live: the run is left
-    to Prefect's crash detection), another host's, or a malformed value."""
-    import socket  # noqa: PLC0415
+    """True when ``process`` (:func:`this_process`'s value) names a process of this machine that no
+    longer exists (:func:`paperline.infra.storage.gone_from_this_machine`). False for a live one (a
+    PID reused since reads as live: the run is left to Prefect's crash detection), another
+    machine's, or a malformed value."""
+    from paperline.infra.storage import gone_from_this_machine  # noqa: PLC0415
 
-    import psutil  # noqa: PLC0415
-
-    pid, _, host = process.partition("@")
-    return pid.isdigit() and host == socket.gethostname() and not psutil.pid_exists(int(pid))
+    pid, _, rest = process.partition("@")
+    host, _, machine_id = rest.partition("@")
+    return pid.isdigit() and gone_from_this_machine(int(pid), host, machine_id)
 
 
 def prefect_run_tags(info: Any) -> dict[str, str]:

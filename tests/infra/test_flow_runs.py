@@ -207,24 +207,30 @@ def test_a_run_whose_process_is_gone_is_ended_before_prefect_marks_it_crashed(st
     from prefect.client.orchestration import get_client
     from prefect.states import Running
 
+    from paperline.infra.storage import this_machine
     from paperline.infra.tracking import PROCESS_TAG, Tracker, this_process
 
     dead = subprocess.Popen([sys.executable, "-c", "pass"])
     dead.wait()
-    host = socket.gethostname()
+    host, machine_id = this_machine()
+    assert host == socket.gethostname() and this_process() == f"{os.getpid()}@{host}@{machine_id}"
     tracker = Tracker(stack[1].mlflow_tracking_uri)
     experiment = f"process-gone-test-{uuid.uuid4().hex[:8]}"
     runs = {}
     with get_client(sync_client=True) as client:
-        for name, process in (("gone", f"{dead.pid}@{host}"), ("live", this_process()),
-                              ("elsewhere", f"{dead.pid}@not-{host}"), ("untagged", None)):
+        # another machine: another host name, or the same one with another machine id (its PIDs
+        # are unknown here, which is not their being gone)
+        for name, process in (("gone", f"{dead.pid}@{host}@{machine_id}"), ("live", this_process()),
+                              ("elsewhere", f"{dead.pid}@not-{host}@{machine_id}"),
+                              ("twin", f"{dead.pid}@{host}@another-{machine_id}"), ("untagged", None)):
             flow_run = _flow_run(client, Running())
             tags = {"prefect.flow_run_id": str(flow_run.id), **({PROCESS_TAG: process} if process else {})}
             runs[name] = tracker.start_run(experiment, run_name=name, tags=tags)
     exp = tracker.client.get_experiment_by_name(experiment).experiment_id
     assert tracker.end_orphaned_runs([exp]) == [runs["gone"]]
     status = {name: tracker.get_run(r).info.status for name, r in runs.items()}
-    assert status == {"gone": "KILLED", "live": "RUNNING", "elsewhere": "RUNNING", "untagged": "RUNNING"}
+    assert status == {"gone": "KILLED", "live": "RUNNING", "elsewhere": "RUNNING", "twin": "RUNNING",
+                      "untagged": "RUNNING"}
     assert tracker.get_run(runs["gone"]).data.tags["paperline.ended_by"] == (
         f"its process {dead.pid}@{host} ended without ending it (killed outright: kill -9, out of memory) while "
         "Prefect showed the flow run Running")
